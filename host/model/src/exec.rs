@@ -1,0 +1,94 @@
+//! The seam between the serving engine and a model running on some backend.
+//!
+//! The engine owns *where* things live (byte offsets in one arena: KDA state blocks and MLA KV
+//! pages); the model owns *what* they contain (layouts). Every operation here is ordered on the
+//! backend's stream: a copy issued before a forward is visible to it, and vice versa.
+
+/// Sizes the engine needs to manage the arena; fixed for the executor's lifetime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheLayout {
+    /// Tokens per MLA KV page.
+    pub page_tokens: usize,
+    /// Bytes of one KV page (all MLA layers' latent rows for `page_tokens` tokens).
+    pub kv_page_bytes: usize,
+    /// Bytes of one KDA state block (all KDA layers' conv windows + recurrent states).
+    pub state_block_bytes: usize,
+    /// Total arena size in bytes.
+    pub arena_bytes: usize,
+}
+
+/// Which logits a sequence wants back from a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWant {
+    /// None (a prefill chunk that does not end the prompt).
+    None,
+    /// The last new position only (normal prefill end / decode).
+    Last,
+    /// Every new position (echo / prompt logprobs / speculative verify).
+    All,
+}
+
+/// One sequence's share of a step.
+#[derive(Debug, Clone)]
+pub struct SeqInput<'a> {
+    /// Token ids to process now (a prefill chunk, or one decode token).
+    pub tokens: &'a [u32],
+    /// Tokens of this sequence already in its KV pages and state (the position of `tokens[0]`).
+    pub start_pos: usize,
+    /// Byte offsets of the KV pages covering positions `0 .. start_pos + tokens.len()`, in order.
+    pub kv_pages: &'a [usize],
+    /// Byte offset of the working KDA state block (read as the state after `start_pos` tokens,
+    /// overwritten with the state after the last new token). Must be zeroed for `start_pos == 0`.
+    pub state_block: usize,
+    /// In-pass checkpoints: `(n, dst)` = after the first `n` of `tokens` (1..=len), write the full
+    /// state block to byte offset `dst`. Emitted from inside the pass; the prefill is never split.
+    pub checkpoints: &'a [(usize, usize)],
+    pub logits: LogitsWant,
+}
+
+/// A batch of sequences for one forward step (mixed prefill chunks and decode tokens).
+#[derive(Debug, Clone, Default)]
+pub struct ForwardBatch<'a> {
+    pub seqs: Vec<SeqInput<'a>>,
+}
+
+/// Logits rows, in batch order: for each sequence, 0, 1 or `tokens.len()` rows per its `LogitsWant`.
+#[derive(Debug, Clone, Default)]
+pub struct ForwardOutput {
+    pub vocab: usize,
+    /// `rows.len() == Σ rows per sequence`, each row `vocab` long, row-major.
+    pub logits: Vec<f32>,
+    /// Row range per sequence into `logits` (in rows).
+    pub row_ranges: Vec<std::ops::Range<usize>>,
+}
+
+impl ForwardOutput {
+    /// The logits row `r` (absolute row index).
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.logits[r * self.vocab..(r + 1) * self.vocab]
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error("invalid batch: {0}")]
+    InvalidBatch(String),
+    #[error("arena access out of bounds: offset {offset} + {len} > {arena}")]
+    OutOfBounds { offset: usize, len: usize, arena: usize },
+    #[error("backend failure: {0}")]
+    Backend(String),
+}
+
+/// A model bound to a backend and an arena: what the engine drives.
+pub trait Executor: Send {
+    fn layout(&self) -> CacheLayout;
+    fn vocab_size(&self) -> usize;
+    /// Copy `len` bytes inside the arena (regions may not overlap).
+    fn arena_copy(&mut self, src: usize, dst: usize, len: usize) -> Result<(), ExecError>;
+    /// Zero `len` bytes of the arena.
+    fn arena_zero(&mut self, offset: usize, len: usize) -> Result<(), ExecError>;
+    /// Read bytes back (tests, debugging, property checks).
+    fn arena_read(&self, offset: usize, len: usize) -> Result<Vec<u8>, ExecError>;
+    /// Run one step.
+    fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, ExecError>;
+}
