@@ -65,3 +65,25 @@ def write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
+
+
+def main():
+    import argparse
+    import shutil
+
+    from .config import k3_mini
+    ap = argparse.ArgumentParser(description="export a training checkpoint (state dict) to a model directory")
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokenizer-dir", default=None, help="copy tokenizer.json / tokenizer_config.json from here")
+    a = ap.parse_args()
+    model = K3ForCausalLM(k3_mini())
+    model.load_state_dict(torch.load(a.checkpoint, map_location="cpu"))
+    export(model, a.out)
+    if a.tokenizer_dir:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(a.tokenizer_dir, f), os.path.join(a.out, f))
+
+
+if __name__ == "__main__":
+    main()
