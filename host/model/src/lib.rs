@@ -1,5 +1,15 @@
 //! The Kimi K3 model: config, weights and the layer graph, written once over a `Backend`.
 
+pub mod backend;
+pub mod config;
 pub mod exec;
+pub mod model;
+pub mod runner;
+pub mod weights;
 
+pub use backend::Backend;
+pub use config::{Config, ConfigError, MixerKind};
 pub use exec::{CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput};
+pub use model::{LoadError, Model};
+pub use runner::{ModelExecutor, Session, argmax};
+pub use weights::{Tensors, WeightError, WeightFile};

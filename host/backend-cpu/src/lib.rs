@@ -1,0 +1,328 @@
+//! CPU backend for k3-model: f32 compute, AVX-512 where available, rayon threads.
+//!
+//! Dense weights arrive as f32 (k3-model widens bf16 once at load — for k3-mini that is ~90 MB
+//! and the kernels then stream plain f32); routed experts stay MXFP4 and are decoded on the fly.
+
+pub mod kda;
+pub mod linalg;
+pub mod mla;
+pub mod mxfp4;
+pub mod ops;
+pub(crate) mod simd;
+
+use k3_model::backend::{
+    Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost, RouterParams,
+    SituParams,
+};
+use k3_model::exec::ExecError;
+use mxfp4::{MxMatrix, mx_matmul, split_even_odd};
+use rayon::prelude::*;
+
+/// Row-major f32 activations `[rows, cols]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mat {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl Mat {
+    pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Self {
+        assert_eq!(data.len(), rows * cols, "Mat data does not match its shape");
+        Self { rows, cols, data }
+    }
+}
+
+/// Dense weight `[rows = out, cols = in]`.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+/// Routed experts of one layer.
+pub struct Experts {
+    pub latent: usize,
+    pub inter: usize,
+    pub w1: Vec<MxMatrix>,
+    pub w3: Vec<MxMatrix>,
+    pub w2: Vec<MxMatrix>,
+}
+
+/// The arena: f32 storage addressed in bytes (all offsets the model uses are 4-aligned).
+pub struct Arena {
+    data: Vec<f32>,
+}
+
+impl Arena {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: f32 storage viewed as bytes: u8 has alignment 1 and the length is exact.
+        unsafe { std::slice::from_raw_parts(self.data.as_ptr() as *const u8, self.data.len() * 4) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above; every byte pattern is a valid f32, so writes cannot create invalid values.
+        unsafe { std::slice::from_raw_parts_mut(self.data.as_mut_ptr() as *mut u8, self.data.len() * 4) }
+    }
+    pub fn floats(&self) -> &[f32] {
+        &self.data
+    }
+}
+
+fn floats_at(byte_offset: usize) -> Result<usize, ExecError> {
+    if byte_offset % 4 != 0 {
+        return Err(ExecError::InvalidBatch(format!("offset {byte_offset} is not 4-byte aligned")));
+    }
+    Ok(byte_offset / 4)
+}
+
+fn bounds(arena: &Arena, float_off: usize, len: usize) -> Result<(), ExecError> {
+    if float_off + len > arena.data.len() {
+        return Err(ExecError::OutOfBounds { offset: float_off * 4, len: len * 4, arena: arena.data.len() * 4 });
+    }
+    Ok(())
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        Self
+    }
+}
+
+impl Backend for CpuBackend {
+    type Act = Mat;
+    type Linear = Linear;
+    type Vector = Vec<f32>;
+    type Experts = Experts;
+    type Arena = Arena;
+
+    fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> Linear {
+        assert_eq!(data.len(), rows * cols);
+        Linear { rows, cols, data }
+    }
+
+    fn vector(&self, data: Vec<f32>) -> Vec<f32> {
+        data
+    }
+
+    fn experts(&self, h: MxExpertsHost) -> Experts {
+        let conv = |v: Vec<k3_model::backend::MxMatrixHost>| -> Vec<MxMatrix> {
+            v.into_iter().map(|m| MxMatrix::new(m.rows, m.cols, m.packed, &m.scales)).collect()
+        };
+        Experts { latent: h.latent, inter: h.inter, w1: conv(h.w1), w3: conv(h.w3), w2: conv(h.w2) }
+    }
+
+    fn arena(&self, bytes: usize) -> Arena {
+        Arena { data: vec![0f32; bytes / 4] }
+    }
+
+    fn arena_len(&self, arena: &Arena) -> usize {
+        arena.data.len() * 4
+    }
+
+    fn arena_copy(&self, arena: &mut Arena, src: usize, dst: usize, len: usize) {
+        arena.bytes_mut().copy_within(src..src + len, dst);
+    }
+
+    fn arena_zero(&self, arena: &mut Arena, offset: usize, len: usize) {
+        arena.bytes_mut()[offset..offset + len].fill(0);
+    }
+
+    fn arena_read(&self, arena: &Arena, offset: usize, len: usize) -> Vec<u8> {
+        arena.bytes()[offset..offset + len].to_vec()
+    }
+
+    fn to_host(&self, a: &Mat) -> Vec<f32> {
+        a.data.clone()
+    }
+
+    fn rows(&self, a: &Mat) -> usize {
+        a.rows
+    }
+
+    fn slice_rows(&self, a: &Mat, start: usize, end: usize) -> Mat {
+        Mat::new(end - start, a.cols, a.data[start * a.cols..end * a.cols].to_vec())
+    }
+
+    fn embed(&self, table: &Linear, ids: &[u32]) -> Mat {
+        let d = table.cols;
+        let mut data = Vec::with_capacity(ids.len() * d);
+        for &i in ids {
+            data.extend_from_slice(&table.data[i as usize * d..(i as usize + 1) * d]);
+        }
+        Mat::new(ids.len(), d, data)
+    }
+
+    fn matmul(&self, x: &Mat, w: &Linear) -> Mat {
+        assert_eq!(x.cols, w.cols, "matmul inner dimensions differ");
+        Mat::new(x.rows, w.rows, linalg::matmul(&x.data, x.rows, &w.data, w.rows, w.cols))
+    }
+
+    fn rms_norm(&self, x: &Mat, w: &Vec<f32>, eps: f32) -> Mat {
+        Mat::new(x.rows, x.cols, ops::rms_norm(&x.data, w, eps))
+    }
+
+    fn add_assign(&self, p: &mut Mat, a: &Mat) {
+        assert_eq!(p.data.len(), a.data.len());
+        p.data.iter_mut().zip(&a.data).for_each(|(x, y)| *x += y);
+    }
+
+    fn attn_res(&self, sources: &[&Mat], w: &Vec<f32>, eps: f32) -> Mat {
+        let src: Vec<&[f32]> = sources.iter().map(|m| &m.data[..]).collect();
+        Mat::new(sources[0].rows, sources[0].cols, ops::attn_res(&src, w, eps))
+    }
+
+    fn situ_glu(&self, gate: &Mat, up: &Mat, p: SituParams) -> Mat {
+        Mat::new(gate.rows, gate.cols, ops::situ_glu(&gate.data, &up.data, p.beta, p.linear_beta))
+    }
+
+    fn sigmoid_mul(&self, o: &mut Mat, gate: &Mat) {
+        o.data.iter_mut().zip(&gate.data).for_each(|(x, g)| *x *= kda::sigmoid(*g));
+    }
+
+    fn gated_head_norm(&self, o: &Mat, gate: &Mat, w: &Vec<f32>, head_dim: usize, eps: f32) -> Mat {
+        debug_assert_eq!(w.len(), head_dim);
+        Mat::new(o.rows, o.cols, ops::gated_head_norm(&o.data, &gate.data, w, eps))
+    }
+
+    fn kda(
+        &self,
+        arena: &mut Arena,
+        g: KdaGeom,
+        p: &KdaParams<'_, Self>,
+        inp: &KdaInputs<'_, Self>,
+        loc: KdaStateLoc<'_>,
+    ) -> Result<Mat, ExecError> {
+        let d = kda::Dims { heads: g.heads, k: g.head_dim, conv: g.conv_kernel, lower_bound: g.gate_lower_bound };
+        let t = inp.qkv[0].rows;
+        let n = d.state_floats();
+        let off = floats_at(loc.offset)?;
+        bounds(arena, off, n)?;
+        let mut cps: Vec<(usize, usize)> = Vec::with_capacity(loc.checkpoints.len());
+        for &(at, dst) in loc.checkpoints {
+            let f = floats_at(dst)?;
+            bounds(arena, f, n)?;
+            cps.push((at, f));
+        }
+        cps.sort_unstable();
+        let cuts: Vec<usize> = cps.iter().map(|c| c.0).collect();
+        let (o, snaps) = kda::kda_layer(
+            &d,
+            t,
+            [&inp.qkv[0].data, &inp.qkv[1].data, &inp.qkv[2].data],
+            [p.conv[0], p.conv[1], p.conv[2]],
+            &inp.f.data,
+            &inp.b.data,
+            p.a_log,
+            p.dt_bias,
+            &mut arena.data[off..off + n],
+            &cuts,
+        );
+        for ((_, dst), snap) in cps.iter().zip(snaps) {
+            arena.data[*dst..*dst + n].copy_from_slice(&snap);
+        }
+        Ok(Mat::new(t, d.hk(), o))
+    }
+
+    fn mla(
+        &self,
+        arena: &mut Arena,
+        g: MlaGeom,
+        q: &Mat,
+        kv_a: &Mat,
+        kv_norm: &Vec<f32>,
+        kv_b: &Linear,
+        loc: MlaCacheLoc<'_>,
+    ) -> Result<Mat, ExecError> {
+        let d = mla::Dims { heads: g.heads, nope: g.nope, rope: g.rope, v_dim: g.v_dim, kv_lora: g.kv_lora };
+        let (t, row) = (q.rows, d.row());
+        let end = loc.start_pos + t;
+        let npages = end.div_ceil(loc.page_tokens);
+        if loc.pages.len() < npages {
+            return Err(ExecError::InvalidBatch(format!("{} KV pages for {end} positions", loc.pages.len())));
+        }
+        let mut starts = Vec::with_capacity(npages);
+        for &p in &loc.pages[..npages] {
+            let f = floats_at(p + loc.layer_offset)?;
+            bounds(arena, f, loc.page_tokens * row)?;
+            starts.push(f);
+        }
+        let pages = mla::Pages { starts: &starts, page_tokens: loc.page_tokens };
+        // Append the new latent rows [RMSNorm(c_kv) ; k_r].
+        for i in 0..t {
+            let src = &kv_a.data[i * row..(i + 1) * row];
+            let off = pages.row_offset(loc.start_pos + i, row);
+            let normed = ops::rms_norm(&src[..d.kv_lora], kv_norm, g.eps);
+            arena.data[off..off + d.kv_lora].copy_from_slice(&normed);
+            arena.data[off + d.kv_lora..off + row].copy_from_slice(&src[d.kv_lora..]);
+        }
+        let o = if t == 1 {
+            mla::attend_absorbed(&d, &q.data, end, &arena.data, &pages, &kv_b.data)
+        } else {
+            let lat = mla::gather(&arena.data, &pages, end, row);
+            mla::attend_naive(&d, &q.data, t, loc.start_pos, &lat, &kv_b.data)
+        };
+        Ok(Mat::new(t, g.heads * g.v_dim, o))
+    }
+
+    fn moe_routed(
+        &self,
+        z: &Mat,
+        logits: &Mat,
+        bias: &Vec<f32>,
+        ex: &Experts,
+        r: RouterParams,
+        situ: SituParams,
+    ) -> Mat {
+        let (t, lt, k) = (z.rows, ex.latent, r.top_k);
+        let (idx, wts) = ops::route(&logits.data, bias, k, r.renormalize, r.scaling);
+        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); ex.w1.len()];
+        for (slot, &e) in idx.iter().enumerate() {
+            by_expert[e].push(slot);
+        }
+        let zs = split_even_odd(&z.data, lt);
+        let work: Vec<(usize, &Vec<usize>)> = by_expert.iter().enumerate().filter(|(_, s)| !s.is_empty()).collect();
+        let run = |&(e, slots): &(usize, &Vec<usize>)| -> (Vec<usize>, Vec<f32>) {
+            let m = slots.len();
+            let mut x = Vec::with_capacity(m * lt);
+            for &s in slots {
+                let tok = s / k;
+                x.extend_from_slice(&zs[tok * lt..(tok + 1) * lt]);
+            }
+            let mut h1 = vec![0f32; m * ex.inter];
+            let mut h3 = vec![0f32; m * ex.inter];
+            mx_matmul(&x, m, &ex.w1[e], &mut h1);
+            mx_matmul(&x, m, &ex.w3[e], &mut h3);
+            let act = split_even_odd(&ops::situ_glu(&h1, &h3, situ.beta, situ.linear_beta), ex.inter);
+            let mut y = vec![0f32; m * lt];
+            mx_matmul(&act, m, &ex.w2[e], &mut y);
+            (slots.clone(), y)
+        };
+        let results: Vec<(Vec<usize>, Vec<f32>)> = if t * k >= 16 {
+            work.par_iter().map(run).collect()
+        } else {
+            work.iter().map(run).collect()
+        };
+        // Per (token, slot) expert outputs, then a fixed-order weighted sum per token.
+        let mut per_slot = vec![0f32; t * k * lt];
+        for (slots, y) in results {
+            for (i, s) in slots.iter().enumerate() {
+                per_slot[s * lt..(s + 1) * lt].copy_from_slice(&y[i * lt..(i + 1) * lt]);
+            }
+        }
+        let mut out = vec![0f32; t * lt];
+        for tok in 0..t {
+            let o = &mut out[tok * lt..(tok + 1) * lt];
+            for s in tok * k..(tok + 1) * k {
+                let w = wts[s];
+                for (y, v) in o.iter_mut().zip(&per_slot[s * lt..(s + 1) * lt]) {
+                    *y += w * v;
+                }
+            }
+        }
+        Mat::new(t, lt, out)
+    }
+}

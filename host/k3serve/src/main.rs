@@ -1,0 +1,28 @@
+//! k3serve: thin dispatcher over the subcommands in `cmd/`.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "k3serve", version, about = "Inference server for the Kimi K3 model family")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a raw prompt on the CPU, streaming to stdout.
+    Generate(cmd::generate::Args),
+    /// Measure CPU throughput: batch-1 decode, prefill of a long prompt, peak RSS.
+    Bench(cmd::bench::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Generate(a) => cmd::generate::run(a),
+        Command::Bench(a) => cmd::bench::run(a),
+    }
+}

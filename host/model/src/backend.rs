@@ -1,0 +1,201 @@
+//! The narrow set of operations the K3 layer graph needs from a compute backend.
+//!
+//! Activations are row-major f32 matrices `[tokens, width]` owned by the backend (`Act`).
+//! The heavy, stateful mixers (KDA, MLA) are single fused ops because their cache layout and
+//! loop structure are backend concerns; everything else is a small elementwise/linear op.
+
+use crate::exec::ExecError;
+
+/// Geometry and parameters of the KDA op (one layer).
+#[derive(Debug, Clone, Copy)]
+pub struct KdaGeom {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub conv_kernel: usize,
+    pub gate_lower_bound: f32,
+}
+
+impl KdaGeom {
+    pub fn hk(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    /// f32 values in one layer's state: conv windows q, k, v `[hk, W-1]` then `S [H, K, V]`.
+    pub fn state_floats(&self) -> usize {
+        3 * self.hk() * (self.conv_kernel - 1) + self.heads * self.head_dim * self.head_dim
+    }
+}
+
+/// Where one KDA layer keeps its state for one sequence (byte offsets into the arena).
+#[derive(Debug, Clone, Copy)]
+pub struct KdaStateLoc<'a> {
+    /// This layer's region in the working state block (read as the initial state, overwritten).
+    pub offset: usize,
+    /// `(n, dst)`: after the first `n` new tokens also write this layer's state to `dst`
+    /// (already offset to this layer's region inside the destination block).
+    pub checkpoints: &'a [(usize, usize)],
+}
+
+/// Per-layer KDA parameters (besides the projections, which the graph applies).
+pub struct KdaParams<'a, B: Backend + ?Sized> {
+    /// Depthwise conv weights `[hk, W]` each, for q, k, v.
+    pub conv: [&'a B::Vector; 3],
+    pub a_log: &'a B::Vector,
+    pub dt_bias: &'a B::Vector,
+}
+
+/// Pre-conv projections and gate inputs of a KDA layer for the new tokens.
+pub struct KdaInputs<'a, B: Backend + ?Sized> {
+    /// `x Wqᵀ, x Wkᵀ, x Wvᵀ` before the short convolution, `[T, hk]` each.
+    pub qkv: [&'a B::Act; 3],
+    /// Forget-gate logits `(x W_faᵀ) W_fbᵀ`, `[T, hk]`.
+    pub f: &'a B::Act,
+    /// β logits `x W_bᵀ`, `[T, H]`.
+    pub b: &'a B::Act,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct MlaGeom {
+    pub heads: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub v_dim: usize,
+    pub kv_lora: usize,
+    pub eps: f32,
+}
+
+impl MlaGeom {
+    pub fn row(&self) -> usize {
+        self.kv_lora + self.rope
+    }
+}
+
+/// Where one MLA layer's latent rows live for one sequence.
+#[derive(Debug, Clone, Copy)]
+pub struct MlaCacheLoc<'a> {
+    /// Page byte offsets covering positions `0 .. start_pos + T`.
+    pub pages: &'a [usize],
+    pub page_tokens: usize,
+    /// Byte offset of this layer's rows inside each page.
+    pub layer_offset: usize,
+    /// Position of the first new token.
+    pub start_pos: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct SituParams {
+    pub beta: f32,
+    pub linear_beta: Option<f32>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct RouterParams {
+    pub top_k: usize,
+    pub renormalize: bool,
+    pub scaling: f32,
+}
+
+/// Routed experts of one layer as stored: MXFP4 codes and E8M0 scales (see docs/model-format.md).
+#[derive(Debug, Clone)]
+pub struct MxExpertsHost {
+    pub num_experts: usize,
+    /// Latent width `Lt` (w1/w3 input, w2 output).
+    pub latent: usize,
+    /// Expert intermediate width `Ie`.
+    pub inter: usize,
+    /// Per expert: `w1`, `w3` packed `[Ie, Lt/2]` + scales `[Ie, Lt/32]`; `w2` packed `[Lt, Ie/2]` + scales `[Lt, Ie/32]`.
+    pub w1: Vec<MxMatrixHost>,
+    pub w3: Vec<MxMatrixHost>,
+    pub w2: Vec<MxMatrixHost>,
+}
+
+#[derive(Debug, Clone)]
+pub struct MxMatrixHost {
+    pub rows: usize,
+    pub cols: usize,
+    pub packed: Vec<u8>,
+    pub scales: Vec<u8>,
+}
+
+pub trait Backend: Send + Sync + 'static {
+    /// A row-major f32 activation matrix.
+    type Act: Send;
+    /// A dense weight `[out, in]`, applied as `y = x Wᵀ`.
+    type Linear: Send + Sync;
+    /// An f32 vector parameter.
+    type Vector: Send + Sync;
+    /// One layer's routed experts.
+    type Experts: Send + Sync;
+    /// The cache arena (KDA state blocks + MLA KV pages).
+    type Arena: Send;
+
+    // ---- uploads ----
+    /// `data` is `[rows, cols]` row-major f32.
+    fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> Self::Linear;
+    fn vector(&self, data: Vec<f32>) -> Self::Vector;
+    fn experts(&self, host: MxExpertsHost) -> Self::Experts;
+    fn arena(&self, bytes: usize) -> Self::Arena;
+
+    // ---- arena ----
+    fn arena_len(&self, arena: &Self::Arena) -> usize;
+    fn arena_copy(&self, arena: &mut Self::Arena, src: usize, dst: usize, len: usize);
+    fn arena_zero(&self, arena: &mut Self::Arena, offset: usize, len: usize);
+    fn arena_read(&self, arena: &Self::Arena, offset: usize, len: usize) -> Vec<u8>;
+
+    // ---- activations ----
+    fn to_host(&self, a: &Self::Act) -> Vec<f32>;
+    fn rows(&self, a: &Self::Act) -> usize;
+    /// Rows `[start, end)` of `a` as a new activation.
+    fn slice_rows(&self, a: &Self::Act, start: usize, end: usize) -> Self::Act;
+    /// Rows of `table` selected by `ids`.
+    fn embed(&self, table: &Self::Linear, ids: &[u32]) -> Self::Act;
+    fn matmul(&self, x: &Self::Act, w: &Self::Linear) -> Self::Act;
+    fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::Act;
+    fn add_assign(&self, p: &mut Self::Act, a: &Self::Act);
+    /// Block AttnRes: softmax over sources of `Σ_d V_i[d]·rsqrt(mean(V_i²)+eps)·w[d]`, then `Σ α_i V_i`.
+    /// `w` is the product of the op's norm and proj weights.
+    fn attn_res(&self, sources: &[&Self::Act], w: &Self::Vector, eps: f32) -> Self::Act;
+    /// SiTU-GLU of `gate` and `up` (same shape).
+    fn situ_glu(&self, gate: &Self::Act, up: &Self::Act, p: SituParams) -> Self::Act;
+    /// `o *= σ(gate)` elementwise.
+    fn sigmoid_mul(&self, o: &mut Self::Act, gate: &Self::Act);
+    /// Per head of width `head_dim`: `RMSNorm(o_h)·w ⊙ σ(gate_h)`.
+    fn gated_head_norm(&self, o: &Self::Act, gate: &Self::Act, w: &Self::Vector, head_dim: usize, eps: f32) -> Self::Act;
+
+    /// Kimi Delta Attention over the new tokens of one sequence: short conv (+ window update),
+    /// gates, L2 norms, chunked (prefill) or recurrent (decode) delta rule from the stored state.
+    /// Returns `o` `[T, H·V]` before the output norm. Writes the final state and checkpoints.
+    fn kda(
+        &self,
+        arena: &mut Self::Arena,
+        geom: KdaGeom,
+        params: &KdaParams<'_, Self>,
+        inputs: &KdaInputs<'_, Self>,
+        loc: KdaStateLoc<'_>,
+    ) -> Result<Self::Act, ExecError>;
+
+    /// Gated-NoPE MLA attention of the new tokens of one sequence over its paged latent cache.
+    /// `q` is `[T, H·(nope+rope)]`; `kv_a` is `[T, kv_lora + rope]` (`c_kv` before its norm, then `k_r`).
+    /// Appends the normalised latent rows to the cache, returns `o` `[T, H·v_dim]` (before the gate).
+    fn mla(
+        &self,
+        arena: &mut Self::Arena,
+        geom: MlaGeom,
+        q: &Self::Act,
+        kv_a: &Self::Act,
+        kv_norm: &Self::Vector,
+        kv_b: &Self::Linear,
+        loc: MlaCacheLoc<'_>,
+    ) -> Result<Self::Act, ExecError>;
+
+    /// Routed part of LatentMoE: sigmoid router with selection bias, top-k, weighted sum of
+    /// SiTU-GLU MXFP4 experts applied to the latent `z`. Returns `y_lat` `[T, Lt]`.
+    fn moe_routed(
+        &self,
+        z: &Self::Act,
+        router_logits: &Self::Act,
+        bias: &Self::Vector,
+        experts: &Self::Experts,
+        router: RouterParams,
+        situ: SituParams,
+    ) -> Self::Act;
+}

@@ -1,0 +1,480 @@
+//! K3 weights bound to a backend, and the layer graph (k3-architecture.md §0.2) for one sequence.
+
+use crate::backend::{
+    Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost, MxMatrixHost,
+    RouterParams, SituParams,
+};
+use crate::config::{Config, ConfigError, MixerKind};
+use crate::exec::ExecError;
+use crate::weights::{Tensors, WeightError, WeightFile};
+use std::path::Path;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Weights(#[from] WeightError),
+}
+
+struct AttnResW<B: Backend> {
+    w: B::Vector,
+}
+
+struct KdaW<B: Backend> {
+    q: B::Linear,
+    k: B::Linear,
+    v: B::Linear,
+    g: B::Linear,
+    conv: [B::Vector; 3],
+    f_a: B::Linear,
+    f_b: B::Linear,
+    b: B::Linear,
+    a_log: B::Vector,
+    dt_bias: B::Vector,
+    o_norm: B::Vector,
+    o: B::Linear,
+}
+
+struct MlaW<B: Backend> {
+    q_a: B::Linear,
+    q_a_norm: B::Vector,
+    q_b: B::Linear,
+    kv_a: B::Linear,
+    kv_a_norm: B::Vector,
+    kv_b: B::Linear,
+    g: B::Linear,
+    o: B::Linear,
+}
+
+struct GluW<B: Backend> {
+    gate: B::Linear,
+    up: B::Linear,
+    down: B::Linear,
+}
+
+struct MoeW<B: Backend> {
+    router: B::Linear,
+    bias: B::Vector,
+    down: B::Linear,
+    norm: Option<B::Vector>,
+    up: B::Linear,
+    experts: B::Experts,
+    shared: GluW<B>,
+}
+
+enum Mixer<B: Backend> {
+    Kda(KdaW<B>),
+    Mla(MlaW<B>),
+}
+
+enum Ffn<B: Backend> {
+    Dense(GluW<B>),
+    Moe(MoeW<B>),
+}
+
+struct Layer<B: Backend> {
+    input_norm: B::Vector,
+    post_norm: B::Vector,
+    attn_res: Option<AttnResW<B>>,
+    mlp_res: AttnResW<B>,
+    mixer: Mixer<B>,
+    ffn: Ffn<B>,
+}
+
+/// The K3 model's weights on backend `B`.
+pub struct Model<B: Backend> {
+    pub config: Config,
+    pub backend: B,
+    embed: B::Linear,
+    layers: Vec<Layer<B>>,
+    final_res: AttnResW<B>,
+    norm: B::Vector,
+    lm_head: B::Linear,
+}
+
+/// Byte offsets of each layer's cache region: KDA layers inside a state block, MLA layers inside a page.
+#[derive(Debug, Clone)]
+pub struct CacheOffsets {
+    /// Per layer: offset of its KDA state inside the block (KDA layers only).
+    pub kda: Vec<Option<usize>>,
+    /// Per layer: offset of its rows inside a KV page (MLA layers only).
+    pub mla: Vec<Option<usize>>,
+    pub state_block_bytes: usize,
+    pub kv_page_bytes: usize,
+}
+
+impl CacheOffsets {
+    pub fn new(cfg: &Config, page_tokens: usize) -> Self {
+        let (mut kda, mut mla) = (Vec::new(), Vec::new());
+        let (mut sb, mut pb) = (0, 0);
+        for kind in &cfg.layer_kinds {
+            match kind {
+                MixerKind::Kda => {
+                    kda.push(Some(sb));
+                    mla.push(None);
+                    sb += cfg.kda_layer_state_floats() * 4;
+                }
+                MixerKind::Mla => {
+                    kda.push(None);
+                    mla.push(Some(pb));
+                    pb += page_tokens * cfg.mla_row_floats() * 4;
+                }
+            }
+        }
+        Self { kda, mla, state_block_bytes: sb, kv_page_bytes: pb }
+    }
+}
+
+/// One sequence's view of the cache for a forward pass.
+pub struct SeqCache<'a> {
+    pub start_pos: usize,
+    pub kv_pages: &'a [usize],
+    pub page_tokens: usize,
+    pub state_block: usize,
+    pub checkpoints: &'a [(usize, usize)],
+}
+
+fn attn_res_w<B: Backend>(be: &B, t: &Tensors<'_>, prefix: &str, d: usize) -> Result<AttnResW<B>, WeightError> {
+    let norm = t.f32(&format!("{prefix}.norm.weight"), &[d])?;
+    let proj = t.f32(&format!("{prefix}.proj.weight"), &[1, d])?;
+    Ok(AttnResW { w: be.vector(norm.iter().zip(&proj).map(|(a, b)| a * b).collect()) })
+}
+
+fn lin<B: Backend>(be: &B, t: &Tensors<'_>, name: &str, rows: usize, cols: usize) -> Result<B::Linear, WeightError> {
+    // bf16 weights are widened to f32 once here: k3-mini is small, and the CPU kernels then read
+    // plain f32 (no per-use conversion); larger backends may keep bf16 behind the same trait.
+    Ok(be.linear(rows, cols, t.f32(name, &[rows, cols])?))
+}
+
+fn vecw<B: Backend>(be: &B, t: &Tensors<'_>, name: &str, shape: &[usize]) -> Result<B::Vector, WeightError> {
+    Ok(be.vector(t.f32(name, shape)?))
+}
+
+fn glu<B: Backend>(be: &B, t: &Tensors<'_>, p: &str, d: usize, i: usize) -> Result<GluW<B>, WeightError> {
+    Ok(GluW {
+        gate: lin(be, t, &format!("{p}.gate_proj.weight"), i, d)?,
+        up: lin(be, t, &format!("{p}.up_proj.weight"), i, d)?,
+        down: lin(be, t, &format!("{p}.down_proj.weight"), d, i)?,
+    })
+}
+
+fn mx_matrix(t: &Tensors<'_>, p: &str, rows: usize, cols: usize) -> Result<MxMatrixHost, WeightError> {
+    Ok(MxMatrixHost {
+        rows,
+        cols,
+        packed: t.u8(&format!("{p}.weight_packed"), &[rows, cols / 2])?,
+        scales: t.u8(&format!("{p}.weight_scale"), &[rows, cols / 32])?,
+    })
+}
+
+impl<B: Backend> Model<B> {
+    /// Load `config.json` and `model.safetensors` from a model directory.
+    pub fn load_dir(dir: &Path, backend: B) -> Result<Self, LoadError> {
+        let config = Config::from_file(&dir.join("config.json"))?;
+        let file = WeightFile::open(&dir.join("model.safetensors"))?;
+        Ok(Self::from_tensors(config, &file.tensors(), backend)?)
+    }
+
+    pub fn from_tensors(config: Config, t: &Tensors<'_>, be: B) -> Result<Self, WeightError> {
+        let c = &config;
+        let d = c.hidden_size;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let mixer = match c.layer_kinds[l] {
+                MixerKind::Kda => {
+                    let (h, k, r, w) = (c.kda.num_heads, c.kda.head_dim, c.kda.gate_low_rank_dim, c.kda.conv_kernel);
+                    let hk = h * k;
+                    let a = format!("{p}.self_attn");
+                    Mixer::Kda(KdaW {
+                        q: lin(&be, t, &format!("{a}.q_proj.weight"), hk, d)?,
+                        k: lin(&be, t, &format!("{a}.k_proj.weight"), hk, d)?,
+                        v: lin(&be, t, &format!("{a}.v_proj.weight"), hk, d)?,
+                        g: lin(&be, t, &format!("{a}.g_proj.weight"), hk, d)?,
+                        conv: [
+                            vecw(&be, t, &format!("{a}.q_conv1d.weight"), &[hk, 1, w])?,
+                            vecw(&be, t, &format!("{a}.k_conv1d.weight"), &[hk, 1, w])?,
+                            vecw(&be, t, &format!("{a}.v_conv1d.weight"), &[hk, 1, w])?,
+                        ],
+                        f_a: lin(&be, t, &format!("{a}.f_a_proj.weight"), r, d)?,
+                        f_b: lin(&be, t, &format!("{a}.f_b_proj.weight"), hk, r)?,
+                        b: lin(&be, t, &format!("{a}.b_proj.weight"), h, d)?,
+                        a_log: vecw(&be, t, &format!("{a}.A_log"), &[h])?,
+                        dt_bias: vecw(&be, t, &format!("{a}.dt_bias"), &[hk])?,
+                        o_norm: vecw(&be, t, &format!("{a}.o_norm.weight"), &[k])?,
+                        o: lin(&be, t, &format!("{a}.o_proj.weight"), d, hk)?,
+                    })
+                }
+                MixerKind::Mla => {
+                    let m = &c.mla;
+                    let a = format!("{p}.self_attn");
+                    Mixer::Mla(MlaW {
+                        q_a: lin(&be, t, &format!("{a}.q_a_proj.weight"), m.q_lora_rank, d)?,
+                        q_a_norm: vecw(&be, t, &format!("{a}.q_a_layernorm.weight"), &[m.q_lora_rank])?,
+                        q_b: lin(
+                            &be,
+                            t,
+                            &format!("{a}.q_b_proj.weight"),
+                            m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim),
+                            m.q_lora_rank,
+                        )?,
+                        kv_a: lin(
+                            &be,
+                            t,
+                            &format!("{a}.kv_a_proj_with_mqa.weight"),
+                            m.kv_lora_rank + m.qk_rope_head_dim,
+                            d,
+                        )?,
+                        kv_a_norm: vecw(&be, t, &format!("{a}.kv_a_layernorm.weight"), &[m.kv_lora_rank])?,
+                        kv_b: lin(
+                            &be,
+                            t,
+                            &format!("{a}.kv_b_proj.weight"),
+                            m.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
+                            m.kv_lora_rank,
+                        )?,
+                        g: lin(&be, t, &format!("{a}.g_proj.weight"), m.num_heads * m.v_head_dim, d)?,
+                        o: lin(&be, t, &format!("{a}.o_proj.weight"), d, m.num_heads * m.v_head_dim)?,
+                    })
+                }
+            };
+            let ffn = if c.is_dense(l) {
+                Ffn::Dense(glu(&be, t, &format!("{p}.mlp"), d, c.intermediate_size)?)
+            } else {
+                let m = &c.moe;
+                let q = format!("{p}.block_sparse_moe");
+                let (e, lt, ie) = (m.num_experts, m.latent_dim, m.expert_intermediate);
+                let mut host = MxExpertsHost {
+                    num_experts: e,
+                    latent: lt,
+                    inter: ie,
+                    w1: Vec::with_capacity(e),
+                    w3: Vec::with_capacity(e),
+                    w2: Vec::with_capacity(e),
+                };
+                for x in 0..e {
+                    host.w1.push(mx_matrix(t, &format!("{q}.experts.{x}.w1"), ie, lt)?);
+                    host.w3.push(mx_matrix(t, &format!("{q}.experts.{x}.w3"), ie, lt)?);
+                    host.w2.push(mx_matrix(t, &format!("{q}.experts.{x}.w2"), lt, ie)?);
+                }
+                Ffn::Moe(MoeW {
+                    router: lin(&be, t, &format!("{q}.gate.weight"), e, d)?,
+                    bias: vecw(&be, t, &format!("{q}.gate.e_score_correction_bias"), &[e])?,
+                    down: lin(&be, t, &format!("{q}.routed_expert_down_proj.weight"), lt, d)?,
+                    norm: if m.latent_use_norm {
+                        Some(vecw(&be, t, &format!("{q}.routed_expert_norm.weight"), &[lt])?)
+                    } else {
+                        None
+                    },
+                    up: lin(&be, t, &format!("{q}.routed_expert_up_proj.weight"), d, lt)?,
+                    experts: be.experts(host),
+                    shared: glu(&be, t, &format!("{q}.shared_experts"), d, m.shared_intermediate)?,
+                })
+            };
+            layers.push(Layer {
+                input_norm: vecw(&be, t, &format!("{p}.input_layernorm.weight"), &[d])?,
+                post_norm: vecw(&be, t, &format!("{p}.post_attention_layernorm.weight"), &[d])?,
+                attn_res: if l == 0 { None } else { Some(attn_res_w(&be, t, &format!("{p}.self_attention_res"), d)?) },
+                mlp_res: attn_res_w(&be, t, &format!("{p}.mlp_res"), d)?,
+                mixer,
+                ffn,
+            });
+        }
+        Ok(Self {
+            embed: lin(&be, t, "model.embed_tokens.weight", c.vocab_size, d)?,
+            lm_head: lin(&be, t, "lm_head.weight", c.vocab_size, d)?,
+            norm: vecw(&be, t, "model.norm.weight", &[d])?,
+            final_res: attn_res_w(&be, t, "model.output_attn_res", d)?,
+            layers,
+            config,
+            backend: be,
+        })
+    }
+
+    fn kda_geom(&self) -> KdaGeom {
+        let k = &self.config.kda;
+        KdaGeom {
+            heads: k.num_heads,
+            head_dim: k.head_dim,
+            conv_kernel: k.conv_kernel,
+            gate_lower_bound: k.gate_lower_bound,
+        }
+    }
+
+    fn mla_geom(&self) -> MlaGeom {
+        let m = &self.config.mla;
+        MlaGeom {
+            heads: m.num_heads,
+            nope: m.qk_nope_head_dim,
+            rope: m.qk_rope_head_dim,
+            v_dim: m.v_head_dim,
+            kv_lora: m.kv_lora_rank,
+            eps: self.config.rms_norm_eps,
+        }
+    }
+
+    fn situ(&self) -> SituParams {
+        SituParams { beta: self.config.situ_beta, linear_beta: self.config.situ_linear_beta }
+    }
+
+    fn glu(&self, x: &B::Act, w: &GluW<B>) -> B::Act {
+        let be = &self.backend;
+        let h = be.situ_glu(&be.matmul(x, &w.gate), &be.matmul(x, &w.up), self.situ());
+        be.matmul(&h, &w.down)
+    }
+
+    /// Run the layer graph over `ids` (the new tokens of one sequence), reading and updating its
+    /// cache. Returns the final hidden rows selected by `logits_from` (row index of the first
+    /// row whose logits are wanted; `None` = no logits) as logits `[rows, V]`.
+    /// `trace`, when given, receives the partial sum `p` after every layer (golden tests).
+    pub fn forward_seq(
+        &self,
+        arena: &mut B::Arena,
+        offsets: &CacheOffsets,
+        ids: &[u32],
+        cache: &SeqCache<'_>,
+        logits_from: Option<usize>,
+        mut trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Option<B::Act>, ExecError> {
+        let be = &self.backend;
+        let c = &self.config;
+        let eps = c.rms_norm_eps;
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(ExecError::InvalidBatch(format!("token id {bad} >= vocab size {}", c.vocab_size)));
+        }
+        let mut bank: Vec<B::Act> = Vec::new();
+        let mut p: Option<B::Act> = Some(be.embed(&self.embed, ids));
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = match (&layer.attn_res, bank.is_empty()) {
+                (Some(w), false) => {
+                    let cur = p.as_ref().expect("p is set between layers");
+                    let mut src: Vec<&B::Act> = bank.iter().collect();
+                    src.push(cur);
+                    Some(be.attn_res(&src, &w.w, eps))
+                }
+                _ => None,
+            };
+            let mut h = match h {
+                Some(h) => h,
+                None => be.slice_rows(p.as_ref().expect("p set"), 0, ids.len()),
+            };
+            if l % c.attn_res_block_size == 0 {
+                bank.push(p.take().expect("p set"));
+            }
+            let x = be.rms_norm(&h, &layer.input_norm, eps);
+            let a = match &layer.mixer {
+                Mixer::Kda(w) => self.kda_layer(arena, offsets, l, &x, w, cache)?,
+                Mixer::Mla(w) => self.mla_layer(arena, offsets, l, &x, w, cache)?,
+            };
+            let mut pp = match p.take() {
+                None => a,
+                Some(mut pp) => {
+                    be.add_assign(&mut pp, &a);
+                    pp
+                }
+            };
+            {
+                let mut src: Vec<&B::Act> = bank.iter().collect();
+                src.push(&pp);
+                h = be.attn_res(&src, &layer.mlp_res.w, eps);
+            }
+            let x = be.rms_norm(&h, &layer.post_norm, eps);
+            let f = match &layer.ffn {
+                Ffn::Dense(w) => self.glu(&x, w),
+                Ffn::Moe(w) => self.moe(&x, w),
+            };
+            be.add_assign(&mut pp, &f);
+            if let Some(tr) = trace.as_deref_mut() {
+                tr.push(be.to_host(&pp));
+            }
+            p = Some(pp);
+        }
+        let Some(first) = logits_from else { return Ok(None) };
+        let p = p.expect("p set");
+        let n = ids.len();
+        let p = if first == 0 { p } else { be.slice_rows(&p, first, n) };
+        let bank_rows: Vec<B::Act>;
+        let mut src: Vec<&B::Act> = Vec::new();
+        if first == 0 {
+            src.extend(bank.iter());
+        } else {
+            bank_rows = bank.iter().map(|b| be.slice_rows(b, first, n)).collect();
+            src.extend(bank_rows.iter());
+        }
+        src.push(&p);
+        let y = be.rms_norm(&be.attn_res(&src, &self.final_res.w, eps), &self.norm, eps);
+        Ok(Some(be.matmul(&y, &self.lm_head)))
+    }
+
+    fn kda_layer(
+        &self,
+        arena: &mut B::Arena,
+        offsets: &CacheOffsets,
+        l: usize,
+        x: &B::Act,
+        w: &KdaW<B>,
+        cache: &SeqCache<'_>,
+    ) -> Result<B::Act, ExecError> {
+        let be = &self.backend;
+        let geom = self.kda_geom();
+        let lo = offsets.kda[l].expect("KDA layer has a state offset");
+        let q = be.matmul(x, &w.q);
+        let k = be.matmul(x, &w.k);
+        let v = be.matmul(x, &w.v);
+        let f = be.matmul(&be.matmul(x, &w.f_a), &w.f_b);
+        let b = be.matmul(x, &w.b);
+        let cps: Vec<(usize, usize)> = cache.checkpoints.iter().map(|&(n, dst)| (n, dst + lo)).collect();
+        let o = be.kda(
+            arena,
+            geom,
+            &KdaParams { conv: [&w.conv[0], &w.conv[1], &w.conv[2]], a_log: &w.a_log, dt_bias: &w.dt_bias },
+            &KdaInputs { qkv: [&q, &k, &v], f: &f, b: &b },
+            KdaStateLoc { offset: cache.state_block + lo, checkpoints: &cps },
+        )?;
+        let gate = be.matmul(x, &w.g);
+        let o = be.gated_head_norm(&o, &gate, &w.o_norm, geom.head_dim, self.config.rms_norm_eps);
+        Ok(be.matmul(&o, &w.o))
+    }
+
+    fn mla_layer(
+        &self,
+        arena: &mut B::Arena,
+        offsets: &CacheOffsets,
+        l: usize,
+        x: &B::Act,
+        w: &MlaW<B>,
+        cache: &SeqCache<'_>,
+    ) -> Result<B::Act, ExecError> {
+        let be = &self.backend;
+        let eps = self.config.rms_norm_eps;
+        let cq = be.rms_norm(&be.matmul(x, &w.q_a), &w.q_a_norm, eps);
+        let q = be.matmul(&cq, &w.q_b);
+        let kv_a = be.matmul(x, &w.kv_a);
+        let loc = MlaCacheLoc {
+            pages: cache.kv_pages,
+            page_tokens: cache.page_tokens,
+            layer_offset: offsets.mla[l].expect("MLA layer has a page offset"),
+            start_pos: cache.start_pos,
+        };
+        let mut o = be.mla(arena, self.mla_geom(), &q, &kv_a, &w.kv_a_norm, &w.kv_b, loc)?;
+        be.sigmoid_mul(&mut o, &be.matmul(x, &w.g));
+        Ok(be.matmul(&o, &w.o))
+    }
+
+    fn moe(&self, x: &B::Act, w: &MoeW<B>) -> B::Act {
+        let be = &self.backend;
+        let m = &self.config.moe;
+        let z = be.matmul(x, &w.down);
+        let logits = be.matmul(x, &w.router);
+        let router = RouterParams { top_k: m.experts_per_token, renormalize: m.renormalize, scaling: m.routed_scaling_factor };
+        let y_lat = be.moe_routed(&z, &logits, &w.bias, &w.experts, router, self.situ());
+        let y_lat = match &w.norm {
+            Some(n) => be.rms_norm(&y_lat, n, self.config.rms_norm_eps),
+            None => y_lat,
+        };
+        let mut y = be.matmul(&y_lat, &w.up);
+        be.add_assign(&mut y, &self.glu(x, &w.shared));
+        y
+    }
+}

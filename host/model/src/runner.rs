@@ -1,0 +1,271 @@
+//! [`ModelExecutor`]: a [`Model`] plus its cache arena, implementing the engine's [`Executor`];
+//! and [`Session`], a single-sequence convenience built on the same path (CLI, tests).
+
+use crate::backend::Backend;
+use crate::exec::{CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput};
+use crate::model::{CacheOffsets, Model, SeqCache};
+
+/// A model bound to its backend and one arena.
+pub struct ModelExecutor<B: Backend> {
+    model: Model<B>,
+    arena: B::Arena,
+    offsets: CacheOffsets,
+    layout: CacheLayout,
+}
+
+impl<B: Backend> ModelExecutor<B> {
+    /// `page_tokens` tokens per KV page; `arena_bytes` total (rounded down to a multiple of 4).
+    pub fn new(model: Model<B>, page_tokens: usize, arena_bytes: usize) -> Result<Self, ExecError> {
+        if page_tokens == 0 {
+            return Err(ExecError::InvalidBatch("page_tokens must be > 0".into()));
+        }
+        let offsets = CacheOffsets::new(&model.config, page_tokens);
+        let arena_bytes = arena_bytes / 4 * 4;
+        let arena = model.backend.arena(arena_bytes);
+        let layout = CacheLayout {
+            page_tokens,
+            kv_page_bytes: offsets.kv_page_bytes,
+            state_block_bytes: offsets.state_block_bytes,
+            arena_bytes,
+        };
+        Ok(Self { model, arena, offsets, layout })
+    }
+
+    /// An arena big enough for `seqs` sequences of up to `max_tokens` each, plus `extra_blocks`
+    /// spare state blocks (checkpoints).
+    pub fn with_capacity(
+        model: Model<B>,
+        page_tokens: usize,
+        seqs: usize,
+        max_tokens: usize,
+        extra_blocks: usize,
+    ) -> Result<Self, ExecError> {
+        let offs = CacheOffsets::new(&model.config, page_tokens.max(1));
+        let pages = max_tokens.div_ceil(page_tokens.max(1));
+        let bytes = seqs * (offs.state_block_bytes + pages * offs.kv_page_bytes) + extra_blocks * offs.state_block_bytes;
+        Self::new(model, page_tokens, bytes)
+    }
+
+    pub fn model(&self) -> &Model<B> {
+        &self.model
+    }
+
+    fn check_range(&self, offset: usize, len: usize) -> Result<(), ExecError> {
+        let arena = self.layout.arena_bytes;
+        if offset.checked_add(len).is_none_or(|end| end > arena) {
+            return Err(ExecError::OutOfBounds { offset, len, arena });
+        }
+        Ok(())
+    }
+
+    fn check_aligned(&self, what: &str, offset: usize) -> Result<(), ExecError> {
+        if offset % 4 != 0 {
+            return Err(ExecError::InvalidBatch(format!("{what} offset {offset} is not 4-byte aligned")));
+        }
+        Ok(())
+    }
+
+    fn validate(&self, s: &SeqInput<'_>) -> Result<(), ExecError> {
+        let n = s.tokens.len();
+        if n == 0 {
+            return Err(ExecError::InvalidBatch("a sequence has no tokens".into()));
+        }
+        let need_pages = (s.start_pos + n).div_ceil(self.layout.page_tokens);
+        if self.offsets.kv_page_bytes > 0 && s.kv_pages.len() < need_pages {
+            return Err(ExecError::InvalidBatch(format!(
+                "{} KV pages given, {need_pages} needed for {} positions",
+                s.kv_pages.len(),
+                s.start_pos + n
+            )));
+        }
+        for &p in s.kv_pages.iter().take(need_pages) {
+            self.check_aligned("KV page", p)?;
+            self.check_range(p, self.layout.kv_page_bytes)?;
+        }
+        self.check_aligned("state block", s.state_block)?;
+        self.check_range(s.state_block, self.layout.state_block_bytes)?;
+        for &(cp, dst) in s.checkpoints {
+            if cp == 0 || cp > n {
+                return Err(ExecError::InvalidBatch(format!("checkpoint at {cp} is outside 1..={n}")));
+            }
+            self.check_aligned("checkpoint", dst)?;
+            self.check_range(dst, self.layout.state_block_bytes)?;
+        }
+        Ok(())
+    }
+
+    /// One sequence's forward, also returning the per-layer partial sums `p` (golden tests).
+    pub fn forward_traced(&mut self, s: &SeqInput<'_>) -> Result<(ForwardOutput, Vec<Vec<f32>>), ExecError> {
+        self.validate(s)?;
+        let mut trace = Vec::new();
+        let out = self.run_one(s, Some(&mut trace))?;
+        let vocab = self.model.config.vocab_size;
+        let rows = out.len() / vocab;
+        Ok((ForwardOutput { vocab, logits: out, row_ranges: vec![0..rows] }, trace))
+    }
+
+    fn run_one(&mut self, s: &SeqInput<'_>, trace: Option<&mut Vec<Vec<f32>>>) -> Result<Vec<f32>, ExecError> {
+        let ids: Vec<u32> = s.tokens.to_vec();
+        let cache = SeqCache {
+            start_pos: s.start_pos,
+            kv_pages: s.kv_pages,
+            page_tokens: self.layout.page_tokens,
+            state_block: s.state_block,
+            checkpoints: s.checkpoints,
+        };
+        let from = match s.logits {
+            LogitsWant::None => None,
+            LogitsWant::Last => Some(ids.len() - 1),
+            LogitsWant::All => Some(0),
+        };
+        let logits = self.model.forward_seq(&mut self.arena, &self.offsets, &ids, &cache, from, trace)?;
+        Ok(logits.map(|l| self.model.backend.to_host(&l)).unwrap_or_default())
+    }
+}
+
+impl<B: Backend> Executor for ModelExecutor<B> {
+    fn layout(&self) -> CacheLayout {
+        self.layout
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.model.config.vocab_size
+    }
+
+    fn arena_copy(&mut self, src: usize, dst: usize, len: usize) -> Result<(), ExecError> {
+        self.check_range(src, len)?;
+        self.check_range(dst, len)?;
+        if src < dst + len && dst < src + len && len > 0 && src != dst {
+            return Err(ExecError::InvalidBatch(format!("arena_copy regions overlap: {src} -> {dst} ({len} bytes)")));
+        }
+        self.model.backend.arena_copy(&mut self.arena, src, dst, len);
+        Ok(())
+    }
+
+    fn arena_zero(&mut self, offset: usize, len: usize) -> Result<(), ExecError> {
+        self.check_range(offset, len)?;
+        self.model.backend.arena_zero(&mut self.arena, offset, len);
+        Ok(())
+    }
+
+    fn arena_read(&self, offset: usize, len: usize) -> Result<Vec<u8>, ExecError> {
+        self.check_range(offset, len)?;
+        Ok(self.model.backend.arena_read(&self.arena, offset, len))
+    }
+
+    /// Sequences run one after another, each with its own fixed reduction orders, so a
+    /// sequence's results never depend on the rest of the batch.
+    fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, ExecError> {
+        for s in &batch.seqs {
+            self.validate(s)?;
+        }
+        let vocab = self.model.config.vocab_size;
+        let mut out = ForwardOutput { vocab, logits: Vec::new(), row_ranges: Vec::with_capacity(batch.seqs.len()) };
+        let mut row = 0;
+        for s in &batch.seqs {
+            let logits = self.run_one(s, None)?;
+            let rows = logits.len() / vocab;
+            out.logits.extend_from_slice(&logits);
+            out.row_ranges.push(row..row + rows);
+            row += rows;
+        }
+        Ok(out)
+    }
+}
+
+/// One sequence driven through an [`Executor`] with a private, contiguous arena layout:
+/// state block at 0, then KV pages. For the CLI and tests; the engine manages its own arena.
+pub struct Session<E: Executor> {
+    exec: E,
+    pages: Vec<usize>,
+    pos: usize,
+}
+
+impl<E: Executor> Session<E> {
+    /// Uses the executor's whole arena for one sequence (zeroes its state block).
+    pub fn new(mut exec: E) -> Result<Self, ExecError> {
+        let lay = exec.layout();
+        exec.arena_zero(0, lay.state_block_bytes)?;
+        let mut pages = Vec::new();
+        if lay.kv_page_bytes > 0 {
+            let mut off = lay.state_block_bytes.div_ceil(4) * 4;
+            while off + lay.kv_page_bytes <= lay.arena_bytes {
+                pages.push(off);
+                off += lay.kv_page_bytes;
+            }
+        }
+        Ok(Self { exec, pages, pos: 0 })
+    }
+
+    /// Tokens this session can hold in total.
+    pub fn capacity(&self) -> usize {
+        if self.exec.layout().kv_page_bytes == 0 { usize::MAX } else { self.pages.len() * self.exec.layout().page_tokens }
+    }
+
+    /// Tokens processed so far.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    pub fn executor(&mut self) -> &mut E {
+        &mut self.exec
+    }
+
+    /// Forget everything (the next `feed` starts at position 0).
+    pub fn reset(&mut self) -> Result<(), ExecError> {
+        let bytes = self.exec.layout().state_block_bytes;
+        self.exec.arena_zero(0, bytes)?;
+        self.pos = 0;
+        Ok(())
+    }
+
+    /// Process `tokens` and return the requested logits rows (row-major, `vocab` wide).
+    pub fn feed(&mut self, tokens: &[u32], want: LogitsWant) -> Result<Vec<f32>, ExecError> {
+        if self.pos + tokens.len() > self.capacity() {
+            return Err(ExecError::InvalidBatch(format!(
+                "sequence of {} tokens exceeds the session capacity {}",
+                self.pos + tokens.len(),
+                self.capacity()
+            )));
+        }
+        let seq = SeqInput {
+            tokens,
+            start_pos: self.pos,
+            kv_pages: &self.pages,
+            state_block: 0,
+            checkpoints: &[],
+            logits: want,
+        };
+        let out = self.exec.forward(&ForwardBatch { seqs: vec![seq] })?;
+        self.pos += tokens.len();
+        Ok(out.logits)
+    }
+
+    /// Greedy continuation: `n` new tokens after `prompt` (no stopping), lowest index on ties.
+    pub fn generate_greedy(&mut self, prompt: &[u32], n: usize) -> Result<Vec<u32>, ExecError> {
+        let mut out = Vec::with_capacity(n);
+        if n == 0 {
+            return Ok(out);
+        }
+        let mut logits = self.feed(prompt, LogitsWant::Last)?;
+        loop {
+            let next = argmax(&logits);
+            out.push(next);
+            if out.len() == n {
+                return Ok(out);
+            }
+            logits = self.feed(&[next], LogitsWant::Last)?;
+        }
+    }
+}
+
+/// Index of the largest value (the first one on ties; NaN never wins).
+pub fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] || xs[best].is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
