@@ -67,6 +67,9 @@ impl Arena {
     pub fn floats(&self) -> &[f32] {
         &self.data
     }
+    pub fn floats_mut(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
 }
 
 fn floats_at(byte_offset: usize) -> Result<usize, ExecError> {

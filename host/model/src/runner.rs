@@ -211,6 +211,11 @@ impl<E: Executor> Session<E> {
         &mut self.exec
     }
 
+    /// Give the executor back.
+    pub fn into_inner(self) -> E {
+        self.exec
+    }
+
     /// Forget everything (the next `feed` starts at position 0).
     pub fn reset(&mut self) -> Result<(), ExecError> {
         let bytes = self.exec.layout().state_block_bytes;
