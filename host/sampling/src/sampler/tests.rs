@@ -1,0 +1,357 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn sampler(params: SamplingParams, vocab: usize) -> Sampler {
+    Sampler::new(&params, vocab).unwrap()
+}
+
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max
+        + logits
+            .iter()
+            .map(|&l| (l as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
+    logits.iter().map(|&l| l as f64 - lse).collect()
+}
+
+/// Token ids ordered most likely first, ties to the lower id.
+fn ranked(logits: &[f32]) -> Vec<u32> {
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    ids.sort_by(|&a, &b| {
+        logits[b as usize]
+            .total_cmp(&logits[a as usize])
+            .then(a.cmp(&b))
+    });
+    ids
+}
+
+/// Straightforward reference of the allowed set: full sorts, f64 probabilities.
+fn allowed_set(logits: &[f32], temperature: f32, top_k: usize, top_p: f64, min_p: f64) -> Vec<u32> {
+    let mut ids = ranked(logits);
+    if top_k > 0 {
+        ids.truncate(top_k);
+    }
+    let scaled: Vec<f64> = logits
+        .iter()
+        .map(|&l| l as f64 / temperature as f64)
+        .collect();
+    let max = scaled[ids[0] as usize];
+    let weight = |t: u32| (scaled[t as usize] - max).exp();
+    let total: f64 = ids.iter().map(|&t| weight(t)).sum();
+    let mut cumulative = 0.0;
+    let mut keep = ids.len();
+    for (i, &t) in ids.iter().enumerate() {
+        cumulative += weight(t);
+        if cumulative >= top_p * total {
+            keep = i + 1;
+            break;
+        }
+    }
+    ids.truncate(keep);
+    ids.retain(|&t| weight(t) >= min_p);
+    ids
+}
+
+#[test]
+fn greedy_takes_argmax_with_ties_to_lower_id() {
+    let mut s = sampler(
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        6,
+    );
+    let h = SeqHistory::default();
+    let logits = [0.1, 3.0, f32::NAN, 3.0, -1.0, 3.0];
+    assert_eq!(s.sample(&logits, &h).unwrap().token, 1);
+    let logits = [
+        f32::NEG_INFINITY,
+        f32::NAN,
+        0.0,
+        0.0,
+        0.0,
+        f32::NEG_INFINITY,
+    ];
+    assert_eq!(s.sample(&logits, &h).unwrap().token, 2);
+}
+
+#[test]
+fn penalties_match_hand_computation() {
+    let params = SamplingParams {
+        repetition_penalty: 2.0,
+        presence_penalty: 0.5,
+        frequency_penalty: 0.25,
+        ..Default::default()
+    };
+    let mut s = sampler(params, 5);
+    let mut h = SeqHistory::new(&[0, 0, 4]);
+    h.extend(&[1, 1, 2, 4]);
+    s.work = vec![2.0, -1.0, 0.5, 1.0, 3.0];
+    s.apply_penalties(&h);
+    // 0: prompt only → 2/2. 1: output ×2 → -1·2 - 0.5 - 2·0.25. 2: output ×1 → 0.5/2 - 0.5 - 0.25.
+    // 3: unseen. 4: prompt and output ×1, repetition applied once → 3/2 - 0.5 - 0.25.
+    assert_eq!(s.work, vec![1.0, -3.0, -0.5, 1.0, 0.75]);
+}
+
+#[test]
+fn penalties_change_the_greedy_choice_but_not_the_raw_logprob() {
+    let params = SamplingParams {
+        temperature: 0.0,
+        frequency_penalty: 2.0,
+        logprobs: Some(2),
+        ..Default::default()
+    };
+    let mut s = sampler(params, 3);
+    let mut h = SeqHistory::new(&[]);
+    let logits = [1.0, 2.0, 0.5];
+    let first = s.sample(&logits, &h).unwrap();
+    assert_eq!(first.token, 1);
+    h.push(1);
+    let second = s.sample(&logits, &h).unwrap();
+    assert_eq!(second.token, 0, "2 - 2·1 < 1");
+    let expected = log_softmax(&logits);
+    assert!((second.logprob as f64 - expected[0]).abs() < 1e-6);
+    assert_eq!(
+        second
+            .top_logprobs
+            .iter()
+            .map(|&(t, _)| t)
+            .collect::<Vec<_>>(),
+        vec![1, 0]
+    );
+    assert!((second.top_logprobs[0].1 as f64 - expected[1]).abs() < 1e-6);
+}
+
+#[test]
+fn logprobs_ignore_temperature_and_list_ties_in_id_order() {
+    let params = SamplingParams {
+        temperature: 0.3,
+        top_k: 2,
+        logprobs: Some(3),
+        seed: Some(1),
+        ..Default::default()
+    };
+    let mut s = sampler(params, 5);
+    let logits = [0.0, 1.0, 1.0, -2.0, 1.0];
+    let out = s.sample(&logits, &SeqHistory::default()).unwrap();
+    let expected = log_softmax(&logits);
+    assert!([1, 2].contains(&out.token), "top-2 is ids 1 and 2");
+    assert!((out.logprob as f64 - expected[out.token as usize]).abs() < 1e-6);
+    let ids: Vec<u32> = out.top_logprobs.iter().map(|&(t, _)| t).collect();
+    assert_eq!(ids, vec![1, 2, 4]);
+    let none = sampler(SamplingParams::default(), 5)
+        .sample(&logits, &SeqHistory::default())
+        .unwrap();
+    assert!(none.top_logprobs.is_empty());
+}
+
+#[test]
+fn same_seed_reproduces_and_different_seeds_differ() {
+    let logits: Vec<f32> = (0..1000).map(|i| ((i * 37) % 101) as f32 / 50.0).collect();
+    let run = |seed| {
+        let mut s = sampler(
+            SamplingParams {
+                seed: Some(seed),
+                top_p: 0.95,
+                ..Default::default()
+            },
+            1000,
+        );
+        let h = SeqHistory::default();
+        (0..64)
+            .map(|_| s.sample(&logits, &h).unwrap().token)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(run(42), run(42));
+    assert_ne!(run(42), run(43));
+    let unseeded = sampler(SamplingParams::default(), 10);
+    let again = Sampler::new(
+        &SamplingParams {
+            seed: Some(unseeded.seed()),
+            ..Default::default()
+        },
+        10,
+    )
+    .unwrap();
+    assert_eq!(unseeded.seed(), again.seed());
+}
+
+#[test]
+fn frequencies_follow_the_softmax() {
+    let logits = [0.0f32, 1.0, 2.0, f32::NEG_INFINITY];
+    let mut s = sampler(
+        SamplingParams {
+            seed: Some(7),
+            temperature: 0.8,
+            ..Default::default()
+        },
+        4,
+    );
+    let h = SeqHistory::default();
+    let n = 20_000;
+    let mut counts = [0usize; 4];
+    for _ in 0..n {
+        counts[s.sample(&logits, &h).unwrap().token as usize] += 1;
+    }
+    let scaled: Vec<f32> = logits.iter().map(|l| l / 0.8).collect();
+    let p: Vec<f64> = log_softmax(&scaled).iter().map(|l| l.exp()).collect();
+    for t in 0..3 {
+        let freq = counts[t] as f64 / n as f64;
+        // Five standard deviations of a binomial proportion.
+        let tol = 5.0 * (p[t] * (1.0 - p[t]) / n as f64).sqrt();
+        assert!((freq - p[t]).abs() < tol, "token {t}: {freq} vs {}", p[t]);
+    }
+    assert_eq!(counts[3], 0, "masked token is never drawn");
+}
+
+#[test]
+fn small_top_p_is_greedy_and_min_p_one_keeps_only_the_maximum() {
+    let logits: Vec<f32> = (0..500).map(|i| (i % 17) as f32 * 0.1).collect();
+    let best = ranked(&logits)[0];
+    let h = SeqHistory::default();
+    let mut s = sampler(
+        SamplingParams {
+            top_p: 1e-6,
+            seed: Some(3),
+            ..Default::default()
+        },
+        500,
+    );
+    let mut m = sampler(
+        SamplingParams {
+            min_p: 1.0,
+            seed: Some(3),
+            ..Default::default()
+        },
+        500,
+    );
+    for _ in 0..20 {
+        assert_eq!(s.sample(&logits, &h).unwrap().token, best);
+        // min_p = 1 keeps every token tied for the maximum: ids ≡ 16 (mod 17).
+        assert_eq!(m.sample(&logits, &h).unwrap().token % 17, 16);
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors() {
+    let mut s = sampler(SamplingParams::default(), 3);
+    let h = SeqHistory::default();
+    assert_eq!(
+        s.sample(&[0.0; 4], &h),
+        Err(SamplingError::LogitsLength {
+            expected: 3,
+            got: 4
+        })
+    );
+    assert_eq!(
+        s.sample(&[f32::NAN; 3], &h),
+        Err(SamplingError::NoFiniteLogits)
+    );
+    let mut g = sampler(
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        3,
+    );
+    assert_eq!(
+        g.sample(&[f32::NEG_INFINITY; 3], &h),
+        Err(SamplingError::NoFiniteLogits)
+    );
+    assert_eq!(
+        Sampler::new(&SamplingParams::default(), 0).err(),
+        Some(SamplingError::EmptyVocab)
+    );
+    let bad = SamplingParams {
+        top_p: 0.0,
+        ..Default::default()
+    };
+    assert!(matches!(
+        Sampler::new(&bad, 3),
+        Err(SamplingError::InvalidParam { field: "top_p", .. })
+    ));
+    // History ids outside the vocabulary are ignored, not a panic.
+    let mut p = sampler(
+        SamplingParams {
+            repetition_penalty: 1.5,
+            presence_penalty: 1.0,
+            ..Default::default()
+        },
+        3,
+    );
+    let mut h = SeqHistory::new(&[99]);
+    h.push(1000);
+    p.sample(&[0.0; 3], &h).unwrap();
+}
+
+#[test]
+fn large_vocab_top_p_uses_the_nucleus() {
+    // A flat tail makes the nucleus large (thousands of tokens), forcing the growing selection.
+    let vocab = 50_000;
+    let logits: Vec<f32> = (0..vocab)
+        .map(|i| {
+            if i % 1000 == 0 {
+                5.0
+            } else {
+                (i % 7) as f32 * 0.01
+            }
+        })
+        .collect();
+    let allowed = allowed_set(&logits, 1.0, 0, 0.9 + 1e-4, 0.0);
+    let mut s = sampler(
+        SamplingParams {
+            top_p: 0.9,
+            seed: Some(11),
+            ..Default::default()
+        },
+        vocab,
+    );
+    let h = SeqHistory::default();
+    let allowed: std::collections::HashSet<u32> = allowed.into_iter().collect();
+    for _ in 0..50 {
+        let t = s.sample(&logits, &h).unwrap().token;
+        assert!(allowed.contains(&t), "token {t} outside the nucleus");
+    }
+}
+
+fn logits_strategy() -> impl Strategy<Value = Vec<f32>> {
+    // Quarter steps: ties happen (exercising the id tie-break) but distinct values stay distinct after exp.
+    prop::collection::vec((-40i32..40).prop_map(|q| q as f32 * 0.25), 1..300)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn filters_never_sample_outside_the_allowed_set(
+        logits in logits_strategy(),
+        temperature in 0.05f32..3.0,
+        top_k in 0usize..40,
+        top_p in 0.01f32..=1.0,
+        min_p in prop_oneof![Just(0.0f32), 0.0f32..0.9],
+        seed in any::<u64>(),
+    ) {
+        let params = SamplingParams {
+            temperature, top_k: top_k as i32, top_p, min_p, seed: Some(seed), ..Default::default()
+        };
+        let mut s = sampler(params, logits.len());
+        // Slack on the thresholds absorbs f32-vs-f64 rounding at the boundary; the slack only widens the set.
+        let allowed = allowed_set(&logits, temperature, top_k, top_p as f64 + 1e-4, min_p as f64 * (1.0 - 1e-4));
+        let h = SeqHistory::default();
+        for _ in 0..8 {
+            let t = s.sample(&logits, &h).unwrap().token;
+            prop_assert!(allowed.contains(&t), "token {} not in {:?}", t, allowed);
+        }
+    }
+
+    #[test]
+    fn top_k_one_equals_greedy(logits in logits_strategy(), seed in any::<u64>()) {
+        let mut k1 = sampler(SamplingParams { top_k: 1, seed: Some(seed), ..Default::default() }, logits.len());
+        let mut g = sampler(SamplingParams { temperature: 0.0, ..Default::default() }, logits.len());
+        let h = SeqHistory::default();
+        prop_assert_eq!(k1.sample(&logits, &h).unwrap().token, g.sample(&logits, &h).unwrap().token);
+    }
+}
