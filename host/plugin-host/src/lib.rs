@@ -1,0 +1,161 @@
+//! k3serve's WebAssembly plugin host (WIT package `k3serve:plugin@0.1.0`, see `wit/` and
+//! `docs/plugins.md`).
+//!
+//! One wasmtime `Engine` (component model, pooling allocator, epoch interruption) runs the
+//! frontend stages as sandboxed components: every store is capped in memory and time and gets a
+//! deny-all WASI. A trap, timeout or memory overrun fails only the call that hit it and discards
+//! that instance. Each stage has a slot with an atomic swap: `load` (compile → type-check
+//! against the world → the plugin's self-test → the host's smoke test), then `activate`; streams
+//! already running finish on the version they started with; `rollback` restores the previous
+//! version.
+//!
+//! The API is synchronous and every type is `Send`; no wasmtime type is public.
+//! - parser calls (`feed`, `finish`, stream start ≈ tens of µs) are cheap enough to call
+//!   directly from async tasks;
+//! - `load` (compiles: up to seconds on a cache miss) and template renders (≈0.1–1 ms) belong in
+//!   `tokio::task::spawn_blocking`.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), k3_plugin_host::PluginError> {
+//! use k3_plugin_host::*;
+//! let host = PluginHost::new(PluginHostConfig::default())?;
+//! host.load_default_plugins()?;
+//! let mut stream = host.tool_stream(&ToolOptions { id_prefix: "call_req1_".into(), ..Default::default() })?;
+//! for delta in ["Hi<|open|>tools<|sep|>", "..."] {
+//!     for event in stream.feed(delta)? { /* forward to the client */ let _ = event; }
+//! }
+//! let _tail = stream.finish()?;
+//! # Ok(()) }
+//! ```
+
+mod bindings;
+mod config;
+mod defaults;
+mod error;
+mod registry;
+mod runtime;
+mod smoke;
+mod streams;
+mod template;
+mod types;
+
+use std::sync::Arc;
+
+pub use config::PluginHostConfig;
+pub use defaults::{DEFAULT_PLUGINS, default_plugin_dir};
+pub use error::PluginError;
+pub use streams::{ReasoningStream, ToolStream};
+pub use template::ChatTemplates;
+pub use types::{
+    GuestError, ParseEvent, ParseResult, PluginMetadata, ReasoningOptions, RenderOptions, Stage,
+    TemplateError, ToolCall, ToolOptions, VersionInfo, VersionStats,
+};
+
+use registry::Registry;
+use runtime::Runtime;
+
+/// The plugin host. Cheap to clone (shared state); `Send + Sync`.
+#[derive(Clone)]
+pub struct PluginHost {
+    rt: Arc<Runtime>,
+    registry: Arc<Registry>,
+}
+
+impl PluginHost {
+    /// Create the engine (one per process is the intent: share clones of this host).
+    pub fn new(cfg: PluginHostConfig) -> Result<Self, PluginError> {
+        Ok(Self {
+            rt: Runtime::new(cfg)?,
+            registry: Arc::new(Registry::new()),
+        })
+    }
+
+    /// Whether the pooling allocator is in use (else on-demand allocation, see the logs).
+    pub fn uses_pooling_allocator(&self) -> bool {
+        self.rt.pooling
+    }
+
+    /// Compile, type-check against `stage`'s world, and self-test a component. The result is
+    /// loaded but not active; loading the same bytes again returns the existing version.
+    pub fn load(&self, stage: Stage, wasm: &[u8]) -> Result<VersionInfo, PluginError> {
+        self.registry.load(&self.rt, stage, wasm)
+    }
+
+    /// Make a loaded version the active one (atomic; running streams are unaffected).
+    pub fn activate(&self, stage: Stage, version_id: u64) -> Result<VersionInfo, PluginError> {
+        self.registry.activate(stage, version_id)
+    }
+
+    /// `load` then `activate`.
+    pub fn install(&self, stage: Stage, wasm: &[u8]) -> Result<VersionInfo, PluginError> {
+        let v = self.load(stage, wasm)?;
+        self.activate(stage, v.id)
+    }
+
+    /// Swap the previous version back in (the current one becomes the rollback target).
+    pub fn rollback(&self, stage: Stage) -> Result<VersionInfo, PluginError> {
+        self.registry.rollback(stage)
+    }
+
+    /// Every loaded version with its flags and counters.
+    pub fn list(&self) -> Vec<VersionInfo> {
+        self.registry.list()
+    }
+
+    /// The active version of a stage, if any.
+    pub fn active(&self, stage: Stage) -> Option<VersionInfo> {
+        self.list()
+            .into_iter()
+            .find(|v| v.stage == stage && v.active)
+    }
+
+    /// The chat-template stage.
+    pub fn chat_template(&self) -> ChatTemplates {
+        ChatTemplates {
+            rt: self.rt.clone(),
+            registry: self.registry.clone(),
+        }
+    }
+
+    /// Start a reasoning-parser stream on the active version (pinned for the stream's life).
+    pub fn reasoning_stream(
+        &self,
+        options: &ReasoningOptions,
+    ) -> Result<ReasoningStream, PluginError> {
+        ReasoningStream::start(
+            &self.rt,
+            self.registry.active(Stage::ReasoningParser)?,
+            options,
+        )
+    }
+
+    /// Start a tool-parser stream on the active version (pinned for the stream's life).
+    pub fn tool_stream(&self, options: &ToolOptions) -> Result<ToolStream, PluginError> {
+        ToolStream::start(&self.rt, self.registry.active(Stage::ToolParser)?, options)
+    }
+
+    /// One-shot reasoning parse of a complete output.
+    pub fn parse_reasoning(
+        &self,
+        options: &ReasoningOptions,
+        text: &str,
+    ) -> Result<ParseResult, PluginError> {
+        let version = self.registry.active(Stage::ReasoningParser)?;
+        streams::parse_reasoning(&self.rt, &version, options, text)
+    }
+
+    /// One-shot tool-call parse of a complete output.
+    pub fn parse_tools(
+        &self,
+        options: &ToolOptions,
+        text: &str,
+    ) -> Result<ParseResult, PluginError> {
+        let version = self.registry.active(Stage::ToolParser)?;
+        streams::parse_tools(&self.rt, &version, options, text)
+    }
+
+    /// Load and activate the default Kimi K3 plugins from [`default_plugin_dir`].
+    pub fn load_default_plugins(&self) -> Result<Vec<VersionInfo>, PluginError> {
+        defaults::load_defaults(self)
+    }
+}

@@ -1,0 +1,328 @@
+//! Stage slots and plugin versions: load → type-check against the world → metadata + self-test
+//! + host smoke test → (activate) with an atomic swap; rollback; per-version counters.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwapOption;
+use parking_lot::Mutex;
+use wasmtime::component::Component;
+
+use crate::bindings::v0_1::{media, reasoning, router, template, tool};
+use crate::bindings::{self as conv};
+use crate::error::PluginError;
+use crate::runtime::{Runtime, StoreState};
+use crate::template::WarmTemplate;
+use crate::types::{PluginMetadata, Stage, VersionInfo, VersionStats};
+
+/// The type-checked, ready-to-instantiate form of a component, per world (and, later, per WIT
+/// version).
+pub(crate) enum StagePre {
+    Template(template::ChatTemplatePluginPre<StoreState>),
+    Reasoning(reasoning::ReasoningParserPluginPre<StoreState>),
+    Tool(tool::ToolParserPluginPre<StoreState>),
+    Media(media::MediaPluginPre<StoreState>),
+    Router(router::RouterPluginPre<StoreState>),
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    calls: AtomicU64,
+    errors: AtomicU64,
+    faults: AtomicU64,
+    sessions: AtomicU64,
+    busy_ns: AtomicU64,
+}
+
+impl Counters {
+    pub fn record<R>(&self, took: Duration, r: &Result<R, PluginError>) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.busy_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        match r {
+            Err(e) if e.is_fault() => {
+                self.faults.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {
+                self.errors.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(_) => {}
+        }
+    }
+
+    pub fn session(&self) {
+        self.sessions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> VersionStats {
+        VersionStats {
+            calls: self.calls.load(Ordering::Relaxed),
+            errors: self.errors.load(Ordering::Relaxed),
+            faults: self.faults.load(Ordering::Relaxed),
+            sessions: self.sessions.load(Ordering::Relaxed),
+            busy_ns: self.busy_ns.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// One loaded component. Streams hold an `Arc` to the version they started on, so a swap never
+/// disturbs them; the version is freed when its last stream ends.
+pub(crate) struct PluginVersion {
+    pub id: u64,
+    pub stage: Stage,
+    pub metadata: PluginMetadata,
+    pub label: Arc<str>,
+    pub sha256: String,
+    pub size_bytes: usize,
+    pub loaded_at: SystemTime,
+    pub pre: StagePre,
+    pub counters: Counters,
+    /// Warm chat-template instances (template stage only).
+    pub template_pool: Mutex<Vec<WarmTemplate>>,
+}
+
+#[derive(Default)]
+struct Slot {
+    active: ArcSwapOption<PluginVersion>,
+    previous: ArcSwapOption<PluginVersion>,
+    loaded: Mutex<Vec<Arc<PluginVersion>>>,
+}
+
+pub(crate) struct Registry {
+    slots: [Slot; 5],
+    /// Serialises admin operations (activate / rollback); the request path never takes it.
+    admin: Mutex<()>,
+    next_id: AtomicU64,
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Self {
+            slots: Default::default(),
+            admin: Mutex::new(()),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    /// The active version of `stage`, pinned.
+    pub fn active(&self, stage: Stage) -> Result<Arc<PluginVersion>, PluginError> {
+        self.slots[stage.index()]
+            .active
+            .load_full()
+            .ok_or(PluginError::NoActivePlugin(stage))
+    }
+
+    pub fn load(
+        &self,
+        rt: &Arc<Runtime>,
+        stage: Stage,
+        bytes: &[u8],
+    ) -> Result<VersionInfo, PluginError> {
+        let (component, sha256) = rt.compile(bytes)?;
+        if let Some(existing) = self.slots[stage.index()]
+            .loaded
+            .lock()
+            .iter()
+            .find(|v| v.sha256 == sha256)
+        {
+            return Ok(self.info(existing));
+        }
+        check_wit_version(rt, &component)?;
+        let pre = type_check(rt, stage, &component)?;
+        let metadata = self_check(rt, stage, &pre)?;
+        let version = Arc::new(PluginVersion {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            stage,
+            label: format!("{}@{}", metadata.name, metadata.version).into(),
+            metadata,
+            sha256,
+            size_bytes: bytes.len(),
+            loaded_at: SystemTime::now(),
+            pre,
+            counters: Counters::default(),
+            template_pool: Mutex::new(Vec::new()),
+        });
+        crate::smoke::run(rt, &version)?;
+        let info = self.info(&version);
+        let slot = &self.slots[stage.index()];
+        let mut loaded = slot.loaded.lock();
+        loaded.push(version);
+        // Forget the oldest versions that are neither active nor the rollback target.
+        while loaded.len() > rt.cfg.max_versions_per_stage.max(2) {
+            let keep = |v: &Arc<PluginVersion>| is(&slot.active, v) || is(&slot.previous, v);
+            match loaded.iter().position(|v| !keep(v)) {
+                Some(i) => {
+                    loaded.remove(i);
+                }
+                None => break,
+            }
+        }
+        tracing::info!(stage = %stage, plugin = %info.metadata.name, version = %info.metadata.version, sha256 = %info.sha256, id = info.id, "plugin loaded");
+        Ok(info)
+    }
+
+    pub fn activate(&self, stage: Stage, id: u64) -> Result<VersionInfo, PluginError> {
+        let _admin = self.admin.lock();
+        let slot = &self.slots[stage.index()];
+        let version = slot
+            .loaded
+            .lock()
+            .iter()
+            .find(|v| v.id == id)
+            .cloned()
+            .ok_or(PluginError::UnknownVersion { stage, id })?;
+        if is(&slot.active, &version) {
+            return Ok(self.info(&version));
+        }
+        let old = slot.active.swap(Some(version.clone()));
+        if old.is_some() {
+            slot.previous.store(old);
+        }
+        tracing::info!(stage = %stage, plugin = %version.label, id, "plugin activated");
+        Ok(self.info(&version))
+    }
+
+    pub fn rollback(&self, stage: Stage) -> Result<VersionInfo, PluginError> {
+        let _admin = self.admin.lock();
+        let slot = &self.slots[stage.index()];
+        let previous = slot
+            .previous
+            .load_full()
+            .ok_or(PluginError::NothingToRollBack(stage))?;
+        let current = slot.active.swap(Some(previous.clone()));
+        slot.previous.store(current);
+        tracing::info!(stage = %stage, plugin = %previous.label, id = previous.id, "plugin rolled back");
+        Ok(self.info(&previous))
+    }
+
+    pub fn list(&self) -> Vec<VersionInfo> {
+        Stage::ALL
+            .iter()
+            .flat_map(|s| {
+                self.slots[s.index()]
+                    .loaded
+                    .lock()
+                    .iter()
+                    .map(|v| self.info(v))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    fn info(&self, v: &Arc<PluginVersion>) -> VersionInfo {
+        let slot = &self.slots[v.stage.index()];
+        VersionInfo {
+            id: v.id,
+            stage: v.stage,
+            metadata: v.metadata.clone(),
+            sha256: v.sha256.clone(),
+            size_bytes: v.size_bytes,
+            loaded_at: v.loaded_at,
+            active: is(&slot.active, v),
+            previous: is(&slot.previous, v),
+            stats: v.counters.snapshot(),
+        }
+    }
+}
+
+fn is(cell: &ArcSwapOption<PluginVersion>, v: &Arc<PluginVersion>) -> bool {
+    cell.load().as_ref().is_some_and(|a| Arc::ptr_eq(a, v))
+}
+
+fn export_names(rt: &Runtime, component: &Component) -> Vec<String> {
+    component
+        .component_type()
+        .exports(&rt.engine)
+        .map(|(name, _)| name.to_string())
+        .collect()
+}
+
+/// Refuse a component built against another (incompatible) version of our WIT package.
+fn check_wit_version(rt: &Runtime, component: &Component) -> Result<(), PluginError> {
+    for name in export_names(rt, component) {
+        if let Some(rest) = name.strip_prefix("k3serve:plugin/")
+            && let Some((_, version)) = rest.split_once('@')
+            && !version.starts_with("0.1.")
+        {
+            return Err(PluginError::UnsupportedWitVersion {
+                found: format!("k3serve:plugin@{version}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Resolve imports against the sandbox linker and exports against the stage's world.
+fn type_check(rt: &Runtime, stage: Stage, component: &Component) -> Result<StagePre, PluginError> {
+    let wrong = |detail: String| PluginError::WrongWorld {
+        stage,
+        world: stage.world(),
+        detail,
+    };
+    let pre = rt.linker.instantiate_pre(component).map_err(|e| {
+        wrong(format!(
+            "its imports cannot be satisfied by the sandbox: {e:#}"
+        ))
+    })?;
+    let exports = || export_names(rt, component).join(", ");
+    let missing = |e: wasmtime::Error| wrong(format!("{e:#} (component exports: [{}])", exports()));
+    Ok(match stage {
+        Stage::ChatTemplate => {
+            StagePre::Template(template::ChatTemplatePluginPre::new(pre).map_err(missing)?)
+        }
+        Stage::ReasoningParser => {
+            StagePre::Reasoning(reasoning::ReasoningParserPluginPre::new(pre).map_err(missing)?)
+        }
+        Stage::ToolParser => StagePre::Tool(tool::ToolParserPluginPre::new(pre).map_err(missing)?),
+        Stage::Media => StagePre::Media(media::MediaPluginPre::new(pre).map_err(missing)?),
+        Stage::Router => StagePre::Router(router::RouterPluginPre::new(pre).map_err(missing)?),
+    })
+}
+
+/// Instantiate once in a throwaway store: metadata must match the slot, self-test must pass.
+fn self_check(rt: &Runtime, stage: Stage, pre: &StagePre) -> Result<PluginMetadata, PluginError> {
+    let mut store = rt.store(format!("<loading {stage} plugin>").into());
+    macro_rules! meta_and_test {
+        ($pre:expr) => {{
+            let inst = rt.call(&mut store, |s| $pre.instantiate(s))?;
+            let meta = rt.call(&mut store, |s| inst.call_metadata(s))?;
+            let test = rt.call(&mut store, |s| inst.call_self_test(s))?;
+            (meta, test)
+        }};
+    }
+    let (meta, test) = match pre {
+        StagePre::Template(p) => meta_and_test!(p),
+        StagePre::Reasoning(p) => meta_and_test!(p),
+        StagePre::Tool(p) => meta_and_test!(p),
+        StagePre::Media(p) => meta_and_test!(p),
+        StagePre::Router(p) => meta_and_test!(p),
+    };
+    let meta = conv::metadata(meta);
+    if meta.stage != stage {
+        return Err(PluginError::MetadataMismatch {
+            stage,
+            detail: format!("plugin {} says it is a {} plugin", meta.name, meta.stage),
+        });
+    }
+    if !meta.wit_version.starts_with("0.1.") {
+        return Err(PluginError::MetadataMismatch {
+            stage,
+            detail: format!(
+                "plugin {} reports WIT version {:?}, expected 0.1.x",
+                meta.name, meta.wit_version
+            ),
+        });
+    }
+    if meta.name.is_empty() {
+        return Err(PluginError::MetadataMismatch {
+            stage,
+            detail: "plugin reports an empty name".into(),
+        });
+    }
+    test.map_err(|detail| PluginError::SelfTestFailed {
+        plugin: meta.name.clone(),
+        detail,
+    })?;
+    Ok(meta)
+}

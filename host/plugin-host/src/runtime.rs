@@ -1,0 +1,390 @@
+//! The wasmtime side: one `Engine` (component model, pooling allocator, epoch interruption), the
+//! on-disk precompile cache, the shared `Linker`, and per-store sandboxing (memory cap, time cap,
+//! deny-all WASI).
+
+use std::collections::HashMap;
+use std::hash::Hasher;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use sha2::{Digest, Sha256};
+use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
+use wasmtime::{
+    Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, ResourceLimiter, Store,
+    StoreLimits, StoreLimitsBuilder, Trap,
+};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, WasiView};
+
+use crate::bindings::v0_1::tool::k3serve::plugin::log as wit_log;
+use crate::bindings::v0_1::types::LogLevel;
+use crate::config::PluginHostConfig;
+use crate::error::PluginError;
+
+/// Guest stderr kept per store (Rust panic messages end up here).
+const STDERR_CAPTURE: usize = 16 << 10;
+/// Log lines a store may send through the `log` import, and their maximum length.
+const LOG_BUDGET: u32 = 256;
+const LOG_LINE_MAX: usize = 2048;
+
+pub(crate) struct Runtime {
+    pub engine: Engine,
+    pub linker: Linker<StoreState>,
+    pub cfg: PluginHostConfig,
+    epoch_ticks: u64,
+    compat_hash: String,
+    /// Compiled components by wasm sha256, so reloading the same bytes is free.
+    compiled: Mutex<HashMap<String, Component>>,
+    pub pooling: bool,
+}
+
+/// Per-store state: the sandbox's WASI view, limits and diagnostics.
+pub(crate) struct StoreState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    limits: StoreLimits,
+    pub memory_exceeded: bool,
+    stderr: MemoryOutputPipe,
+    plugin: Arc<str>,
+    log_budget: u32,
+}
+
+impl WasiView for StoreState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+/// `StoreLimits` (with `trap_on_grow_failure`) that also remembers that the cap was hit, so a
+/// failed growth is reported as a memory-limit error rather than a bare trap.
+impl ResourceLimiter for StoreState {
+    fn memory_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        let r = self.limits.memory_growing(current, desired, maximum);
+        if !matches!(r, Ok(true)) {
+            self.memory_exceeded = true;
+        }
+        r
+    }
+    fn table_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        self.limits.table_growing(current, desired, maximum)
+    }
+    fn instances(&self) -> usize {
+        self.limits.instances()
+    }
+    fn tables(&self) -> usize {
+        self.limits.tables()
+    }
+    fn memories(&self) -> usize {
+        self.limits.memories()
+    }
+}
+
+impl wit_log::Host for StoreState {
+    fn log(&mut self, level: LogLevel, message: String) {
+        if self.log_budget == 0 {
+            return;
+        }
+        self.log_budget -= 1;
+        let mut msg = message;
+        if msg.len() > LOG_LINE_MAX {
+            let mut cut = LOG_LINE_MAX;
+            while !msg.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            msg.truncate(cut);
+            msg.push('…');
+        }
+        let plugin = &*self.plugin;
+        match level {
+            LogLevel::Trace => tracing::trace!(target: "k3_plugin", plugin, "{msg}"),
+            LogLevel::Debug => tracing::debug!(target: "k3_plugin", plugin, "{msg}"),
+            LogLevel::Info => tracing::info!(target: "k3_plugin", plugin, "{msg}"),
+            LogLevel::Warn => tracing::warn!(target: "k3_plugin", plugin, "{msg}"),
+            LogLevel::Error => tracing::error!(target: "k3_plugin", plugin, "{msg}"),
+        }
+    }
+}
+
+/// Clocks frozen at zero: plugins get no time source (determinism, no timing side channel).
+struct FrozenClock;
+impl HostWallClock for FrozenClock {
+    fn resolution(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+    fn now(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+impl HostMonotonicClock for FrozenClock {
+    fn resolution(&self) -> u64 {
+        1_000_000_000
+    }
+    fn now(&self) -> u64 {
+        0
+    }
+}
+
+/// Feeds `Hash` output into sha256 so the engine's compatibility hash becomes a stable string.
+struct ShaHasher(Sha256);
+impl Hasher for ShaHasher {
+    fn finish(&self) -> u64 {
+        0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+}
+
+fn engine_config(cfg: &PluginHostConfig, pooling: bool) -> Config {
+    let mut c = Config::new();
+    c.wasm_component_model(true)
+        .epoch_interruption(true)
+        .max_wasm_stack(1 << 20);
+    if pooling {
+        let n = cfg.max_instances.max(1);
+        let mut pool = PoolingAllocationConfig::new();
+        pool.total_component_instances(n)
+            .total_core_instances(n.saturating_mul(8))
+            .total_memories(n.saturating_mul(2))
+            .total_tables(n.saturating_mul(4))
+            .max_memories_per_component(2)
+            .max_tables_per_component(8)
+            .max_core_instances_per_component(16)
+            .max_memory_size(cfg.memory_limit)
+            .linear_memory_keep_resident(256 << 10);
+        c.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    }
+    c
+}
+
+impl Runtime {
+    pub fn new(cfg: PluginHostConfig) -> Result<Arc<Self>, PluginError> {
+        // Pooling reserves address space for every slot up front; fall back to on-demand
+        // allocation where the environment refuses that (e.g. a tight `ulimit -v`).
+        let (engine, pooling) = match Engine::new(&engine_config(&cfg, true)) {
+            Ok(e) => (e, true),
+            Err(err) => {
+                tracing::warn!("pooling allocator unavailable ({err}); using on-demand allocation");
+                let e = Engine::new(&engine_config(&cfg, false))
+                    .map_err(|e| PluginError::Engine(e.to_string()))?;
+                (e, false)
+            }
+        };
+        let mut linker = Linker::<StoreState>::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
+            .map_err(|e| PluginError::Engine(e.to_string()))?;
+        wit_log::add_to_linker::<StoreState, HasSelf<StoreState>>(&mut linker, |s| s)
+            .map_err(|e| PluginError::Engine(e.to_string()))?;
+
+        let mut h = ShaHasher(Sha256::new());
+        std::hash::Hash::hash(&engine.precompile_compatibility_hash(), &mut h);
+        let compat_hash = hex::encode(&h.0.finalize()[..12]);
+
+        let tick = cfg.epoch_tick.max(Duration::from_millis(1));
+        let epoch_ticks = (cfg.call_timeout.as_nanos() / tick.as_nanos()).max(1) as u64 + 1;
+        let weak = engine.weak();
+        std::thread::Builder::new()
+            .name("k3-plugin-epoch".into())
+            .spawn(move || {
+                while let Some(engine) = weak.upgrade() {
+                    engine.increment_epoch();
+                    drop(engine);
+                    std::thread::sleep(tick);
+                }
+            })
+            .map_err(|e| PluginError::Engine(format!("cannot start the epoch ticker: {e}")))?;
+
+        if let Some(dir) = &cfg.cache_dir {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| PluginError::Io(format!("{}: {e}", dir.display())))?;
+        }
+        Ok(Arc::new(Self {
+            engine,
+            linker,
+            cfg,
+            epoch_ticks,
+            compat_hash,
+            compiled: Mutex::new(HashMap::new()),
+            pooling,
+        }))
+    }
+
+    /// Compile (or fetch from the caches) a component. Returns it and its sha256 (hex).
+    pub fn compile(&self, bytes: &[u8]) -> Result<(Component, String), PluginError> {
+        check_header(bytes)?;
+        let sha = hex::encode(Sha256::digest(bytes));
+        if let Some(c) = self.compiled.lock().get(&sha) {
+            return Ok((c.clone(), sha));
+        }
+        let component = match &self.cfg.cache_dir {
+            Some(dir) => self.compile_cached(
+                bytes,
+                &dir.join(format!("{sha}-{}.cwasm", self.compat_hash)),
+            )?,
+            None => Component::new(&self.engine, bytes)
+                .map_err(|e| PluginError::InvalidComponent(format!("{e:#}")))?,
+        };
+        self.compiled.lock().insert(sha.clone(), component.clone());
+        Ok((component, sha))
+    }
+
+    fn compile_cached(&self, bytes: &[u8], path: &Path) -> Result<Component, PluginError> {
+        if path.exists() {
+            // SAFETY: files in the cache directory are written only by `precompile_component`
+            // of an engine with the same compatibility hash (it is in the file name).
+            match unsafe { Component::deserialize_file(&self.engine, path) } {
+                Ok(c) => return Ok(c),
+                Err(e) => {
+                    tracing::warn!(
+                        "discarding unusable cached component {}: {e}",
+                        path.display()
+                    );
+                    let _ = std::fs::remove_file(path);
+                }
+            }
+        }
+        let cwasm = self
+            .engine
+            .precompile_component(bytes)
+            .map_err(|e| PluginError::InvalidComponent(format!("{e:#}")))?;
+        let tmp = unique_tmp(path);
+        let written = std::fs::write(&tmp, &cwasm).and_then(|()| std::fs::rename(&tmp, path));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::warn!("cannot write component cache {}: {e}", path.display());
+            // SAFETY: the bytes were produced just now by this engine.
+            return unsafe { Component::deserialize(&self.engine, &cwasm) }
+                .map_err(|e| PluginError::Engine(e.to_string()));
+        }
+        // SAFETY: as above; the file holds what this engine just produced.
+        unsafe { Component::deserialize_file(&self.engine, path) }
+            .map_err(|e| PluginError::Engine(e.to_string()))
+    }
+
+    /// A fresh sandboxed store for `plugin`.
+    pub fn store(&self, plugin: Arc<str>) -> Store<StoreState> {
+        let stderr = MemoryOutputPipe::new(STDERR_CAPTURE);
+        // Deny-all WASI: no args, env, preopens or sockets; frozen clocks; fixed seeds.
+        let wasi = WasiCtx::builder()
+            .stderr(stderr.clone())
+            .wall_clock(FrozenClock)
+            .monotonic_clock(FrozenClock)
+            .insecure_random_seed(0x6b33_7365_7276_6521)
+            .allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false)
+            .build();
+        let limits = StoreLimitsBuilder::new()
+            .memory_size(self.cfg.memory_limit)
+            .instances(32)
+            .tables(32)
+            .memories(4)
+            .trap_on_grow_failure(true)
+            .build();
+        let state = StoreState {
+            wasi,
+            table: ResourceTable::new(),
+            limits,
+            memory_exceeded: false,
+            stderr,
+            plugin,
+            log_budget: LOG_BUDGET,
+        };
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|s| s as &mut dyn ResourceLimiter);
+        store.set_epoch_deadline(self.epoch_ticks);
+        store
+    }
+
+    /// Run one guest call under the time limit, turning faults into clear errors.
+    pub fn call<R>(
+        &self,
+        store: &mut Store<StoreState>,
+        f: impl FnOnce(&mut Store<StoreState>) -> wasmtime::Result<R>,
+    ) -> Result<R, PluginError> {
+        store.set_epoch_deadline(self.epoch_ticks);
+        f(store).map_err(|e| self.fault(store, e))
+    }
+
+    pub fn fault(&self, store: &Store<StoreState>, e: wasmtime::Error) -> PluginError {
+        let plugin = store.data().plugin.to_string();
+        if store.data().memory_exceeded {
+            return PluginError::MemoryLimit {
+                plugin,
+                limit_bytes: self.cfg.memory_limit,
+            };
+        }
+        if let Some(Trap::Interrupt) = e.downcast_ref::<Trap>() {
+            return PluginError::Timeout {
+                plugin,
+                limit_ms: self.cfg.call_timeout.as_millis() as u64,
+            };
+        }
+        let mut detail = match e.downcast_ref::<Trap>() {
+            Some(trap) => trap.to_string(),
+            None => format!("{e:#}"),
+        };
+        let stderr = store.data().stderr.contents();
+        let stderr = String::from_utf8_lossy(&stderr);
+        let stderr = stderr.trim();
+        if !stderr.is_empty() {
+            detail.push_str(" (guest stderr: ");
+            detail.push_str(stderr);
+            detail.push(')');
+        }
+        PluginError::Trap { plugin, detail }
+    }
+
+    pub fn timed<R>(
+        stats: &crate::registry::Counters,
+        f: impl FnOnce() -> Result<R, PluginError>,
+    ) -> Result<R, PluginError> {
+        let t = Instant::now();
+        let r = f();
+        stats.record(t.elapsed(), &r);
+        r
+    }
+}
+
+fn unique_tmp(path: &Path) -> PathBuf {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    path.with_extension(format!("tmp{}-{n}", std::process::id()))
+}
+
+/// Refuse what is plainly not a component before handing bytes to the compiler.
+fn check_header(bytes: &[u8]) -> Result<(), PluginError> {
+    if bytes.starts_with(b"\x7fELF") {
+        return Err(PluginError::InvalidComponent(
+            "this is a precompiled native artifact; only .wasm components are accepted".into(),
+        ));
+    }
+    if bytes.len() < 8 || &bytes[..4] != b"\0asm" {
+        return Err(PluginError::InvalidComponent(format!(
+            "bad magic: expected a WebAssembly component (\\0asm), got {} bytes starting {:02x?}",
+            bytes.len(),
+            &bytes[..bytes.len().min(8)]
+        )));
+    }
+    if bytes[6..8] == [0, 0] {
+        return Err(PluginError::InvalidComponent(
+            "this is a core WebAssembly module, not a component; build the plugin for wasm32-wasip2".into(),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,292 @@
+//! Generic glue between the SDK's plain Rust traits and the generated WIT traits.
+//! (wit-bindgen resources take `&self`, so per-stream state lives in a `RefCell`; a guest is
+//! single-threaded.)
+
+use std::cell::RefCell;
+use std::marker::PhantomData;
+
+use crate::{
+    ChatTemplate, LogLevel, Plugin, ReasoningOptions, ReasoningParser, RenderOptions,
+    TemplateError, ToolOptions, ToolParser,
+};
+
+/// Conversions for the shared `types` interface; each world module has its own copy of them.
+macro_rules! common_conversions {
+    ($world:ident) => {
+        #[allow(dead_code)]
+        mod $world {
+            use crate::bindings::$world::k3serve::plugin::types as wit;
+
+            pub fn event(e: crate::Event) -> wit::ParseEvent {
+                match e {
+                    crate::Event::Content(t) => wit::ParseEvent::Content(t),
+                    crate::Event::Reasoning(t) => wit::ParseEvent::Reasoning(t),
+                    crate::Event::ToolCallStart { index, id, name } => {
+                        wit::ParseEvent::ToolCallStart(wit::ToolCallStart { index, id, name })
+                    }
+                    crate::Event::ToolCallArguments { index, delta } => {
+                        wit::ParseEvent::ToolCallArguments(wit::ToolCallArguments { index, delta })
+                    }
+                    crate::Event::ToolCallEnd { index, complete } => {
+                        wit::ParseEvent::ToolCallEnd(wit::ToolCallEnd { index, complete })
+                    }
+                }
+            }
+
+            pub fn events(
+                r: Result<Vec<crate::Event>, crate::PluginError>,
+            ) -> Result<Vec<wit::ParseEvent>, wit::PluginError> {
+                r.map(|v| v.into_iter().map(event).collect()).map_err(error)
+            }
+
+            pub fn error(e: crate::PluginError) -> wit::PluginError {
+                match e {
+                    crate::PluginError::InvalidInput(m) => wit::PluginError::InvalidInput(m),
+                    crate::PluginError::Unsupported(m) => wit::PluginError::Unsupported(m),
+                    crate::PluginError::Internal(m) => wit::PluginError::Internal(m),
+                }
+            }
+
+            pub fn result(
+                r: Result<crate::ParseResult, crate::PluginError>,
+            ) -> Result<wit::ParseResult, wit::PluginError> {
+                r.map(|r| wit::ParseResult {
+                    content: r.content,
+                    reasoning: r.reasoning,
+                    tool_calls: r
+                        .tool_calls
+                        .into_iter()
+                        .map(|c| wit::ToolCall {
+                            index: c.index,
+                            id: c.id,
+                            name: c.name,
+                            arguments: c.arguments,
+                        })
+                        .collect(),
+                })
+                .map_err(error)
+            }
+
+            pub fn metadata(info: crate::Info, stage: wit::Stage) -> wit::PluginMetadata {
+                wit::PluginMetadata {
+                    name: info.name.into(),
+                    version: info.version.into(),
+                    stage,
+                    wit_version: crate::WIT_VERSION.into(),
+                    description: info.description.into(),
+                }
+            }
+        }
+    };
+}
+
+common_conversions!(reasoning);
+common_conversions!(tools);
+common_conversions!(template);
+
+/// Forward to the host's `log` import.
+pub fn log(level: LogLevel, message: &str) {
+    use crate::bindings::tools::k3serve::plugin::{log as host, types::LogLevel as L};
+    let level = match level {
+        LogLevel::Trace => L::Trace,
+        LogLevel::Debug => L::Debug,
+        LogLevel::Info => L::Info,
+        LogLevel::Warn => L::Warn,
+        LogLevel::Error => L::Error,
+    };
+    host::log(level, message);
+}
+
+// ---------------------------------------------------------------- reasoning-parser world
+
+/// The exported component for a reasoning parser `P`.
+pub struct ReasoningComponent<P>(PhantomData<P>);
+/// The exported `reasoning-stream` resource.
+pub struct ReasoningStreamAdapter<P>(RefCell<P>);
+
+mod rp {
+    pub use crate::bindings::reasoning as meta;
+    pub use crate::bindings::reasoning::exports::k3serve::plugin::reasoning_parser as api;
+    pub use crate::bindings::reasoning::k3serve::plugin::types as wit;
+}
+
+fn reasoning_options(o: rp::api::ReasoningOptions) -> ReasoningOptions {
+    ReasoningOptions {
+        thinking: o.thinking,
+        prompt_opens_reasoning: o.prompt_opens_reasoning,
+        extra_json: o.extra_json,
+    }
+}
+
+impl<P: ReasoningParser> rp::api::GuestReasoningStream for ReasoningStreamAdapter<P> {
+    fn new(options: rp::api::ReasoningOptions) -> Self {
+        Self(RefCell::new(P::new(reasoning_options(options))))
+    }
+    fn feed(&self, delta: String) -> Result<Vec<rp::wit::ParseEvent>, rp::wit::PluginError> {
+        reasoning::events(self.0.borrow_mut().feed(&delta))
+    }
+    fn finish(&self) -> Result<Vec<rp::wit::ParseEvent>, rp::wit::PluginError> {
+        reasoning::events(self.0.borrow_mut().finish())
+    }
+}
+
+impl<P: ReasoningParser + Plugin> rp::api::Guest for ReasoningComponent<P> {
+    type ReasoningStream = ReasoningStreamAdapter<P>;
+    fn parse(
+        options: rp::api::ReasoningOptions,
+        text: String,
+    ) -> Result<rp::wit::ParseResult, rp::wit::PluginError> {
+        reasoning::result(P::new(reasoning_options(options)).parse_all(&text))
+    }
+}
+
+impl<P: ReasoningParser + Plugin> rp::meta::Guest for ReasoningComponent<P> {
+    fn metadata() -> rp::wit::PluginMetadata {
+        reasoning::metadata(P::INFO, rp::wit::Stage::ReasoningParser)
+    }
+    fn self_test() -> Result<(), String> {
+        P::self_test()
+    }
+}
+
+// ---------------------------------------------------------------- tool-parser world
+
+/// The exported component for a tool parser `P`.
+pub struct ToolComponent<P>(PhantomData<P>);
+/// The exported `tool-stream` resource.
+pub struct ToolStreamAdapter<P>(RefCell<P>);
+
+mod tp {
+    pub use crate::bindings::tools as meta;
+    pub use crate::bindings::tools::exports::k3serve::plugin::tool_parser as api;
+    pub use crate::bindings::tools::k3serve::plugin::types as wit;
+}
+
+fn tool_options(o: tp::api::ToolOptions) -> ToolOptions {
+    ToolOptions {
+        tools_json: o.tools_json,
+        id_prefix: o.id_prefix,
+        extra_json: o.extra_json,
+    }
+}
+
+impl<P: ToolParser> tp::api::GuestToolStream for ToolStreamAdapter<P> {
+    fn new(options: tp::api::ToolOptions) -> Self {
+        Self(RefCell::new(P::new(tool_options(options))))
+    }
+    fn feed(&self, delta: String) -> Result<Vec<tp::wit::ParseEvent>, tp::wit::PluginError> {
+        tools::events(self.0.borrow_mut().feed(&delta))
+    }
+    fn finish(&self) -> Result<Vec<tp::wit::ParseEvent>, tp::wit::PluginError> {
+        tools::events(self.0.borrow_mut().finish())
+    }
+}
+
+impl<P: ToolParser + Plugin> tp::api::Guest for ToolComponent<P> {
+    type ToolStream = ToolStreamAdapter<P>;
+    fn parse(
+        options: tp::api::ToolOptions,
+        text: String,
+    ) -> Result<tp::wit::ParseResult, tp::wit::PluginError> {
+        tools::result(P::new(tool_options(options)).parse_all(&text))
+    }
+}
+
+impl<P: ToolParser + Plugin> tp::meta::Guest for ToolComponent<P> {
+    fn metadata() -> tp::wit::PluginMetadata {
+        tools::metadata(P::INFO, tp::wit::Stage::ToolParser)
+    }
+    fn self_test() -> Result<(), String> {
+        P::self_test()
+    }
+}
+
+// ---------------------------------------------------------------- chat-template world
+
+/// The exported component for a chat template `T`.
+pub struct TemplateComponent<T>(PhantomData<T>);
+/// The exported `template` resource: the compiled template, or why it failed to compile.
+pub struct TemplateAdapter<T>(Result<T, TemplateError>);
+
+mod ct {
+    pub use crate::bindings::template as meta;
+    pub use crate::bindings::template::exports::k3serve::plugin::chat_template as api;
+    pub use crate::bindings::template::k3serve::plugin::types as wit;
+}
+
+fn render_options(o: ct::api::RenderOptions) -> RenderOptions {
+    RenderOptions {
+        add_generation_prompt: o.add_generation_prompt,
+        thinking: o.thinking,
+        thinking_effort: o.thinking_effort,
+        tool_choice_json: o.tool_choice_json,
+        response_format_json: o.response_format_json,
+        extra_kwargs_json: o.extra_kwargs_json,
+        bos_token: o.bos_token,
+        eos_token: o.eos_token,
+    }
+}
+
+fn template_error(e: TemplateError) -> ct::api::TemplateError {
+    match e {
+        TemplateError::Syntax(m) => ct::api::TemplateError::Syntax(m),
+        TemplateError::Raised(m) => ct::api::TemplateError::Raised(m),
+        TemplateError::InvalidInput(m) => ct::api::TemplateError::InvalidInput(m),
+        TemplateError::Render(m) => ct::api::TemplateError::Render(m),
+    }
+}
+
+impl<T: ChatTemplate> ct::api::GuestTemplate for TemplateAdapter<T> {
+    fn new(source: String) -> Self {
+        Self(T::compile(&source))
+    }
+    fn check(&self) -> Result<(), ct::api::TemplateError> {
+        self.0
+            .as_ref()
+            .map(|_| ())
+            .map_err(|e| template_error(e.clone()))
+    }
+    fn render(
+        &self,
+        messages_json: String,
+        tools_json: Option<String>,
+        options: ct::api::RenderOptions,
+    ) -> Result<String, ct::api::TemplateError> {
+        let template = self.0.as_ref().map_err(|e| template_error(e.clone()))?;
+        template
+            .render(
+                &messages_json,
+                tools_json.as_deref(),
+                &render_options(options),
+            )
+            .map_err(template_error)
+    }
+}
+
+impl<T: ChatTemplate + Plugin> ct::api::Guest for TemplateComponent<T> {
+    type Template = TemplateAdapter<T>;
+    fn render(
+        source: String,
+        messages_json: String,
+        tools_json: Option<String>,
+        options: ct::api::RenderOptions,
+    ) -> Result<String, ct::api::TemplateError> {
+        let template = T::compile(&source).map_err(template_error)?;
+        template
+            .render(
+                &messages_json,
+                tools_json.as_deref(),
+                &render_options(options),
+            )
+            .map_err(template_error)
+    }
+}
+
+impl<T: ChatTemplate + Plugin> ct::meta::Guest for TemplateComponent<T> {
+    fn metadata() -> ct::wit::PluginMetadata {
+        template::metadata(T::INFO, ct::wit::Stage::ChatTemplate)
+    }
+    fn self_test() -> Result<(), String> {
+        T::self_test()
+    }
+}

@@ -1,0 +1,32 @@
+//! wit-bindgen output, one module per world. Each world's export macro is public so the
+//! plugin crate (not the SDK) emits the exports; the SDK itself only carries imports.
+
+pub mod reasoning {
+    wit_bindgen::generate!({
+        path: "../../wit/v0.1",
+        world: "reasoning-parser-plugin",
+        pub_export_macro: true,
+        export_macro_name: "__export_reasoning_world",
+        default_bindings_module: "k3_plugin_sdk::bindings::reasoning",
+    });
+}
+
+pub mod tools {
+    wit_bindgen::generate!({
+        path: "../../wit/v0.1",
+        world: "tool-parser-plugin",
+        pub_export_macro: true,
+        export_macro_name: "__export_tool_world",
+        default_bindings_module: "k3_plugin_sdk::bindings::tools",
+    });
+}
+
+pub mod template {
+    wit_bindgen::generate!({
+        path: "../../wit/v0.1",
+        world: "chat-template-plugin",
+        pub_export_macro: true,
+        export_macro_name: "__export_template_world",
+        default_bindings_module: "k3_plugin_sdk::bindings::template",
+    });
+}
