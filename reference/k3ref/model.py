@@ -60,7 +60,8 @@ class KDA(nn.Module):
         scale = k ** -0.5
         emitted = {}
         if impl == "fla":
-            o, s = _fla_chunk_kda(q, kk, v, g.float(), beta, scale=scale, initial_state=s0,
+            f32 = torch.float32  # fla's training kernels want one dtype for q/k/v/beta
+            o, s = _fla_chunk_kda(q.to(f32), kk.to(f32), v.to(f32), g.float(), beta.to(f32), scale=scale, initial_state=s0,
                                   output_final_state=cache is not None, use_qk_l2norm_in_kernel=False)
         elif impl == "fast":
             o, s = kda_chunked_fast(q, kk, v, g, beta, scale, s0)

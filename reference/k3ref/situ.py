@@ -5,9 +5,10 @@ import torch.nn as nn
 from .norm import compute_dtype
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, beta_lin: float | None = 25.0) -> torch.Tensor:
-    """beta*tanh(g/beta)*sigmoid(g) * beta_lin*tanh(u/beta_lin), in float32 (float64 kept)."""
-    dt = compute_dtype(gate)
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, beta_lin: float | None = 25.0,
+             f32: bool = True) -> torch.Tensor:
+    """beta*tanh(g/beta)*sigmoid(g) * beta_lin*tanh(u/beta_lin), in float32 (float64 kept; f32=False: as given)."""
+    dt = compute_dtype(gate) if f32 else gate.dtype
     g, u = gate.to(dt), up.to(dt)
     a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
     if beta_lin is not None:

@@ -92,13 +92,14 @@ def main():
     ap.add_argument("--tokenizer", default="models/k3-mini/tokenizer.json")
     ap.add_argument("--time-budget", type=float, default=420.0, help="seconds of training")
     ap.add_argument("--max-steps", type=int, default=10**9)
-    ap.add_argument("--token-budget", type=int, default=48 * 1024)
+    ap.add_argument("--token-budget", type=int, default=32 * 1024)
     ap.add_argument("--max-len", type=int, default=3200)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kda-impl", default="auto", choices=["auto", "fla", "fast"])
+    ap.add_argument("--moe", default="dense", choices=["dense", "sparse"])
     ap.add_argument("--bias-speed", type=float, default=1e-3)
     a = ap.parse_args()
 
@@ -122,7 +123,12 @@ def main():
     step, tokens_seen, ema = 0, 0, None
     print(f"device={dev} kda_impl={kda_impl} params={sum(p.numel() for p in model.parameters())/1e6:.1f}M",
           flush=True)
-    for ids, mask in batches(loader, a.token_budget):
+    data_wait = 0.0
+    batch_iter = batches(loader, a.token_budget)
+    while True:
+        tw = time.time()
+        ids, mask = next(batch_iter)
+        data_wait += time.time() - tw
         elapsed = time.time() - t0
         frac = elapsed / a.time_budget
         if frac >= 1.0 or step >= a.max_steps:
@@ -132,7 +138,7 @@ def main():
             grp["lr"] = lr
         ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-            logits = model(ids[:, :-1], kda_impl=kda_impl, moe_dense=True, fake_quant=True)
+            logits = model(ids[:, :-1], kda_impl=kda_impl, moe_dense=a.moe == "dense", fake_quant=True)
         tgt = ids[:, 1:].masked_fill(~mask[:, 1:], -100)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
@@ -149,6 +155,7 @@ def main():
             rec = {"step": step, "loss": round(lv, 4), "loss_ema": round(ema, 4), "lr": round(lr, 6),
                    "grad_norm": round(float(gn), 3), "tokens": tokens_seen, "elapsed_s": round(elapsed, 1),
                    "tok_per_s": round(tokens_seen / max(elapsed, 1e-6)), "max_load_ratio": round(imbalance, 2),
+                   "data_wait_s": round(data_wait, 1),
                    "batch": list(ids.shape),
                    "max_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else 0}
             print(json.dumps(rec), flush=True)
