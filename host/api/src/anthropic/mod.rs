@@ -1,0 +1,4 @@
+//! The Anthropic Messages protocol.
+
+pub mod messages;
+pub mod request;

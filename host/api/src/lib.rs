@@ -1,0 +1,174 @@
+//! k3serve's HTTP API: OpenAI (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) and
+//! Anthropic (`/v1/messages`) protocols, `/health`, Prometheus `/metrics`, and the plugin admin
+//! routes, over a [`backend::ChatBackend`] that runs the actual request path.
+
+pub mod admin;
+pub mod anthropic;
+pub mod backend;
+pub mod body;
+pub mod error;
+pub mod generation;
+pub mod metrics;
+pub mod openai;
+pub mod server;
+pub mod sse;
+pub mod validate;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+pub use backend::ChatBackend;
+pub use error::{ApiError, ErrorKind, ErrorStyle};
+pub use server::{build_router, serve};
+
+/// Settings of the HTTP layer.
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    /// The name `/v1/models` shows and requests must use (defaults to the backend's model id).
+    pub served_model_name: Option<String>,
+    /// When set, `/v1/*` needs `Authorization: Bearer KEY` (or `x-api-key: KEY`).
+    pub api_key: Option<String>,
+    /// When set, `/admin/*` needs `Authorization: Bearer TOKEN`; unset disables the admin API.
+    pub admin_token: Option<String>,
+    pub max_request_body_bytes: usize,
+    pub max_plugin_bytes: usize,
+    /// Generation requests in flight at once; more get 429.
+    pub max_concurrent_requests: usize,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        ApiConfig {
+            served_model_name: None,
+            api_key: None,
+            admin_token: None,
+            max_request_body_bytes: 8 * 1024 * 1024,
+            max_plugin_bytes: 64 * 1024 * 1024,
+            max_concurrent_requests: 1024,
+        }
+    }
+}
+
+/// Shared state of every handler.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    backend: Arc<dyn ChatBackend>,
+    config: ApiConfig,
+    metrics: metrics::HttpMetrics,
+    in_flight: Arc<Semaphore>,
+    shutting_down: AtomicBool,
+}
+
+impl AppState {
+    pub fn new(backend: Arc<dyn ChatBackend>, config: ApiConfig) -> Self {
+        let permits = config.max_concurrent_requests.max(1);
+        AppState {
+            inner: Arc::new(Inner {
+                backend,
+                config,
+                metrics: metrics::HttpMetrics::default(),
+                in_flight: Arc::new(Semaphore::new(permits)),
+                shutting_down: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    pub fn backend(&self) -> &dyn ChatBackend {
+        self.inner.backend.as_ref()
+    }
+
+    pub fn config(&self) -> &ApiConfig {
+        &self.inner.config
+    }
+
+    pub fn metrics(&self) -> &metrics::HttpMetrics {
+        &self.inner.metrics
+    }
+
+    /// The model name requests must use.
+    pub fn model_name(&self) -> String {
+        self.inner
+            .config
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| self.backend().model().id)
+    }
+
+    /// Check a request's `model` names the served model.
+    pub fn check_model(&self, requested: &str, style: ErrorStyle) -> Result<(), ApiError> {
+        let name = self.model_name();
+        let info = self.backend().model();
+        if requested == name || requested == info.id || info.aliases.iter().any(|a| a == requested)
+        {
+            return Ok(());
+        }
+        Err(ApiError::new(
+            ErrorKind::NotFound,
+            format!("the model '{requested}' does not exist; this server serves '{name}'"),
+        )
+        .with_param("model")
+        .with_code("model_not_found")
+        .styled(style))
+    }
+
+    /// Take a slot for one generation request, or say why not (429 full, 503 shutting down).
+    pub fn admit(&self, style: ErrorStyle) -> Result<OwnedSemaphorePermit, ApiError> {
+        if self.is_shutting_down() {
+            return Err(ApiError::new(
+                ErrorKind::Overloaded,
+                "the server is shutting down and takes no new requests",
+            )
+            .with_code("shutting_down")
+            .styled(style));
+        }
+        self.inner
+            .in_flight
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| {
+                ApiError::new(
+                    ErrorKind::RateLimit,
+                    format!(
+                        "the server is at its limit of {} concurrent requests; retry later",
+                        self.inner.config.max_concurrent_requests
+                    ),
+                )
+                .with_code("too_many_requests")
+                .styled(style)
+            })
+    }
+
+    pub fn begin_shutdown(&self) {
+        self.inner.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.inner.shutting_down.load(Ordering::SeqCst)
+    }
+}
+
+/// Seconds since the Unix epoch, for `created` fields.
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// A random id with a prefix, e.g. `chatcmpl-3f9a…`.
+pub fn random_id(prefix: &str) -> String {
+    use rand::Rng;
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    let mut rng = rand::rng();
+    let tail: String = (0..24)
+        .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
+        .collect();
+    format!("{prefix}{tail}")
+}

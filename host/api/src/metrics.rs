@@ -1,0 +1,356 @@
+//! Prometheus metrics: what the HTTP layer measures itself (requests by status, latencies, token
+//! counts) plus the backend's snapshot (queue, prefix cache, pool, plugin counters), rendered in
+//! the text exposition format.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use std::sync::{Mutex, MutexGuard};
+
+use crate::backend::BackendMetrics;
+
+/// Lock ignoring poison: a metrics update never leaves half-written state worth refusing.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const LATENCY_BUCKETS: [f64; 16] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+const E2E_BUCKETS: [f64; 14] = [
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
+
+pub struct Histogram {
+    bounds: &'static [f64],
+    state: Mutex<HistogramState>,
+}
+
+struct HistogramState {
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Histogram {
+            bounds,
+            state: Mutex::new(HistogramState {
+                counts: vec![0; bounds.len()],
+                sum: 0.0,
+                count: 0,
+            }),
+        }
+    }
+
+    pub fn observe(&self, value: f64) {
+        let mut s = lock(&self.state);
+        if let Some(i) = self.bounds.iter().position(|b| value <= *b) {
+            s.counts[i] += 1;
+        }
+        s.sum += value;
+        s.count += 1;
+    }
+
+    pub fn count(&self) -> u64 {
+        lock(&self.state).count
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let s = lock(&self.state);
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (bound, count) in self.bounds.iter().zip(&s.counts) {
+            cumulative += count;
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", s.count);
+        let _ = writeln!(out, "{name}_sum {}", s.sum);
+        let _ = writeln!(out, "{name}_count {}", s.count);
+    }
+}
+
+/// What the HTTP layer counts.
+pub struct HttpMetrics {
+    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    finished: Mutex<BTreeMap<&'static str, u64>>,
+    pub ttft: Histogram,
+    pub inter_token: Histogram,
+    pub e2e: Histogram,
+    pub prompt_tokens: AtomicU64,
+    pub generation_tokens: AtomicU64,
+    pub cached_prompt_tokens: AtomicU64,
+    pub client_disconnects: AtomicU64,
+}
+
+impl Default for HttpMetrics {
+    fn default() -> Self {
+        HttpMetrics {
+            requests: Mutex::new(BTreeMap::new()),
+            finished: Mutex::new(BTreeMap::new()),
+            ttft: Histogram::new(&LATENCY_BUCKETS),
+            inter_token: Histogram::new(&LATENCY_BUCKETS),
+            e2e: Histogram::new(&E2E_BUCKETS),
+            prompt_tokens: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
+            cached_prompt_tokens: AtomicU64::new(0),
+            client_disconnects: AtomicU64::new(0),
+        }
+    }
+}
+
+impl HttpMetrics {
+    pub fn record_request(&self, route: &str, status: u16) {
+        *lock(&self.requests)
+            .entry((route.to_string(), status))
+            .or_default() += 1;
+    }
+
+    pub fn record_finish(&self, reason: &'static str) {
+        *lock(&self.finished).entry(reason).or_default() += 1;
+    }
+
+    pub fn record_usage(&self, prompt: u32, completion: u32, cached: u32) {
+        self.prompt_tokens
+            .fetch_add(prompt as u64, Ordering::Relaxed);
+        self.generation_tokens
+            .fetch_add(completion as u64, Ordering::Relaxed);
+        self.cached_prompt_tokens
+            .fetch_add(cached as u64, Ordering::Relaxed);
+    }
+
+    /// The whole `/metrics` page.
+    pub fn render(&self, backend: &BackendMetrics) -> String {
+        let mut out = String::with_capacity(8192);
+        let _ = writeln!(
+            out,
+            "# HELP k3serve_http_requests_total HTTP requests by route and status.\n# TYPE k3serve_http_requests_total counter"
+        );
+        for ((route, status), n) in lock(&self.requests).iter() {
+            let _ = writeln!(
+                out,
+                "k3serve_http_requests_total{{route=\"{}\",status=\"{status}\"}} {n}",
+                escape(route)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP k3serve_request_finished_total Finished generations by finish reason.\n# TYPE k3serve_request_finished_total counter"
+        );
+        for (reason, n) in lock(&self.finished).iter() {
+            let _ = writeln!(
+                out,
+                "k3serve_request_finished_total{{finish_reason=\"{reason}\"}} {n}"
+            );
+        }
+        gauge(
+            &mut out,
+            "k3serve_num_requests_running",
+            "Requests in the engine's running batch.",
+            backend.running as f64,
+        );
+        gauge(
+            &mut out,
+            "k3serve_num_requests_waiting",
+            "Requests waiting to be scheduled.",
+            backend.waiting as f64,
+        );
+        self.ttft.render(
+            &mut out,
+            "k3serve_time_to_first_token_seconds",
+            "Time from request arrival to its first output.",
+        );
+        self.inter_token.render(
+            &mut out,
+            "k3serve_inter_token_latency_seconds",
+            "Time between successive outputs of one request.",
+        );
+        self.e2e.render(
+            &mut out,
+            "k3serve_e2e_request_latency_seconds",
+            "Time from request arrival to its end.",
+        );
+        counter(
+            &mut out,
+            "k3serve_prompt_tokens_total",
+            "Prompt tokens of finished requests.",
+            self.prompt_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "k3serve_generation_tokens_total",
+            "Generated tokens of finished requests.",
+            self.generation_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "k3serve_cached_prompt_tokens_total",
+            "Prompt tokens of finished requests served from the prefix cache.",
+            self.cached_prompt_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "k3serve_client_disconnects_total",
+            "Requests aborted because the client went away.",
+            self.client_disconnects.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "k3serve_prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache.",
+            backend.prefix_cache_queried_tokens,
+        );
+        counter(
+            &mut out,
+            "k3serve_prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache.",
+            backend.prefix_cache_hit_tokens,
+        );
+        let hit_rate = if backend.prefix_cache_queried_tokens == 0 {
+            0.0
+        } else {
+            backend.prefix_cache_hit_tokens as f64 / backend.prefix_cache_queried_tokens as f64
+        };
+        gauge(
+            &mut out,
+            "k3serve_prefix_cache_hit_rate",
+            "Share of looked-up prompt tokens found in the prefix cache.",
+            hit_rate,
+        );
+        counter(
+            &mut out,
+            "k3serve_num_preemptions_total",
+            "Requests preempted for memory.",
+            backend.preemptions,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP k3serve_pool_used_bytes Memory pool bytes in use, by kind.\n# TYPE k3serve_pool_used_bytes gauge"
+        );
+        for p in &backend.pool {
+            let _ = writeln!(
+                out,
+                "k3serve_pool_used_bytes{{kind=\"{}\"}} {}",
+                escape(&p.kind),
+                p.used_bytes
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP k3serve_pool_capacity_bytes Memory pool bytes available, by kind.\n# TYPE k3serve_pool_capacity_bytes gauge"
+        );
+        for p in &backend.pool {
+            let _ = writeln!(
+                out,
+                "k3serve_pool_capacity_bytes{{kind=\"{}\"}} {}",
+                escape(&p.kind),
+                p.capacity_bytes
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP k3serve_pool_usage_ratio Share of the pool in use, by kind.\n# TYPE k3serve_pool_usage_ratio gauge"
+        );
+        for p in &backend.pool {
+            let ratio = if p.capacity_bytes == 0 {
+                0.0
+            } else {
+                p.used_bytes as f64 / p.capacity_bytes as f64
+            };
+            let _ = writeln!(
+                out,
+                "k3serve_pool_usage_ratio{{kind=\"{}\"}} {ratio}",
+                escape(&p.kind)
+            );
+        }
+        for (name, help, pick) in [
+            (
+                "k3serve_plugin_calls_total",
+                "Plugin calls by stage and version.",
+                (|c: &crate::backend::PluginCounters| c.calls) as fn(&_) -> u64,
+            ),
+            (
+                "k3serve_plugin_errors_total",
+                "Plugin errors (traps, timeouts, rejected output) by stage and version.",
+                |c| c.errors,
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for c in &backend.plugins {
+                let _ = writeln!(
+                    out,
+                    "{name}{{stage=\"{}\",version=\"{}\"}} {}",
+                    escape(&c.stage),
+                    escape(&c.version),
+                    pick(c)
+                );
+            }
+        }
+        out
+    }
+}
+
+fn gauge(out: &mut String, name: &str, help: &str, value: f64) {
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+    );
+}
+
+fn counter(out: &mut String, name: &str, help: &str, value: u64) {
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
+    );
+}
+
+/// Escape a label value per the exposition format.
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{PluginCounters, PoolUsage};
+
+    #[test]
+    fn renders_histograms_and_labels() {
+        let m = HttpMetrics::default();
+        m.record_request("/v1/chat/completions", 200);
+        m.ttft.observe(0.003);
+        m.ttft.observe(100.0);
+        let text = m.render(&BackendMetrics {
+            running: 2,
+            pool: vec![PoolUsage {
+                kind: "kv".into(),
+                used_bytes: 5,
+                capacity_bytes: 10,
+            }],
+            plugins: vec![PluginCounters {
+                stage: "tool-parser".into(),
+                version: "a\"b".into(),
+                calls: 3,
+                errors: 1,
+            }],
+            ..Default::default()
+        });
+        assert!(text.contains(
+            "k3serve_http_requests_total{route=\"/v1/chat/completions\",status=\"200\"} 1"
+        ));
+        assert!(text.contains("k3serve_time_to_first_token_seconds_bucket{le=\"0.001\"} 0"));
+        assert!(text.contains("k3serve_time_to_first_token_seconds_bucket{le=\"0.005\"} 1"));
+        assert!(text.contains("k3serve_time_to_first_token_seconds_bucket{le=\"+Inf\"} 2"));
+        assert!(text.contains("k3serve_num_requests_running 2"));
+        assert!(text.contains("k3serve_pool_usage_ratio{kind=\"kv\"} 0.5"));
+        assert!(
+            text.contains(
+                "k3serve_plugin_errors_total{stage=\"tool-parser\",version=\"a\\\"b\"} 1"
+            )
+        );
+    }
+}

@@ -1,0 +1,237 @@
+//! The router, its middleware (auth, request counting), the small routes, and serving with a
+//! graceful-shutdown deadline.
+
+use std::future::Future;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use serde_json::json;
+
+use crate::error::{ApiError, ErrorKind, ErrorStyle};
+use crate::{AppState, admin, anthropic, openai};
+
+/// All routes with their middleware.
+pub fn build_router(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(openai::chat::chat_completions))
+        .route("/v1/completions", post(openai::completions::completions))
+        .route("/v1/models", get(openai::models::list_models))
+        .route("/v1/models/{*model}", get(openai::models::get_model))
+        .route("/v1/messages", post(anthropic::messages::messages))
+        .layer(DefaultBodyLimit::max(state.config().max_request_body_bytes))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    let admin = Router::new()
+        .route("/admin/plugins", get(admin::list_plugins))
+        .route("/admin/plugins/{stage}", put(admin::upload_plugin))
+        .route(
+            "/admin/plugins/{stage}/rollback",
+            post(admin::rollback_plugin),
+        )
+        .layer(DefaultBodyLimit::max(state.config().max_plugin_bytes))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_admin_token,
+        ));
+    Router::new()
+        .merge(v1)
+        .merge(admin)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .with_state(state)
+}
+
+/// Serve until `shutdown` resolves; then stop accepting, let running requests finish for up to
+/// `grace`, drop whatever still runs (which aborts it in the engine), and shut the backend down.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    grace: Duration,
+) -> std::io::Result<()> {
+    let router = build_router(state.clone());
+    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
+    let drain_state = state.clone();
+    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+        shutdown.await;
+        drain_state.begin_shutdown();
+        tracing::info!(
+            "shutting down: no new requests; waiting up to {:?} for running ones",
+            grace
+        );
+        let _ = signalled_tx.send(());
+    });
+    let deadline = async move {
+        if signalled_rx.await.is_ok() {
+            tokio::time::sleep(grace).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    let result = tokio::select! {
+        r = server => r,
+        _ = deadline => {
+            tracing::warn!("shutdown deadline passed; aborting the requests still running");
+            Ok(())
+        }
+    };
+    state.backend().shutdown().await;
+    result
+}
+
+async fn health(State(state): State<AppState>) -> Response {
+    if state.is_shutting_down() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "shutting_down"})),
+        )
+            .into_response();
+    }
+    match state.backend().health() {
+        Ok(()) => axum::Json(json!({"status": "ok"})).into_response(),
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "unavailable", "reason": why})),
+        )
+            .into_response(),
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    let text = state.metrics().render(&state.backend().metrics());
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        ErrorKind::NotFound,
+        format!("no route for {method} {}", uri.path()),
+    )
+    .with_code("unknown_route")
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    let mut resp = ApiError::new(
+        ErrorKind::InvalidRequest,
+        format!("method {method} is not allowed on {}", uri.path()),
+    )
+    .with_code("method_not_allowed")
+    .into_response();
+    *resp.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+    resp
+}
+
+fn style_for(path: &str) -> ErrorStyle {
+    if path.starts_with("/v1/messages") {
+        ErrorStyle::Anthropic
+    } else {
+        ErrorStyle::OpenAi
+    }
+}
+
+/// Compare secrets without an early exit on the first differing byte.
+fn secret_eq(given: &str, expected: &str) -> bool {
+    let (a, b) = (given.as_bytes(), expected.as_bytes());
+    let mut diff = a.len() ^ b.len();
+    for (i, byte) in b.iter().enumerate() {
+        diff |= (a.get(i).copied().unwrap_or(0) ^ byte) as usize;
+    }
+    diff == 0
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+        .map(str::trim)
+}
+
+async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let Some(key) = state.config().api_key.as_deref() else {
+        return next.run(req).await;
+    };
+    let headers = req.headers();
+    let given = bearer(headers).or_else(|| headers.get("x-api-key")?.to_str().ok());
+    if given.is_some_and(|g| secret_eq(g, key)) {
+        return next.run(req).await;
+    }
+    let message = if given.is_some() {
+        "invalid API key"
+    } else {
+        "missing API key: send 'Authorization: Bearer <key>'"
+    };
+    ApiError::new(ErrorKind::Authentication, message)
+        .with_code("invalid_api_key")
+        .styled(style_for(req.uri().path()))
+        .into_response()
+}
+
+async fn require_admin_token(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let Some(token) = state.config().admin_token.as_deref() else {
+        return ApiError::new(
+            ErrorKind::Permission,
+            "the admin API is disabled; start the server with --admin-token to enable it",
+        )
+        .with_code("admin_disabled")
+        .into_response();
+    };
+    if bearer(req.headers()).is_some_and(|g| secret_eq(g, token)) {
+        return next.run(req).await;
+    }
+    ApiError::new(
+        ErrorKind::Authentication,
+        "the admin API needs 'Authorization: Bearer <admin token>'",
+    )
+    .with_code("invalid_admin_token")
+    .into_response()
+}
+
+async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    // Label by route template, never the raw path, so unknown paths cannot grow the label set.
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".to_string());
+    let resp = next.run(req).await;
+    state
+        .metrics()
+        .record_request(&route, resp.status().as_u16());
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::secret_eq;
+
+    #[test]
+    fn secret_comparison() {
+        assert!(secret_eq("abc", "abc"));
+        assert!(!secret_eq("abd", "abc"));
+        assert!(!secret_eq("ab", "abc"));
+        assert!(!secret_eq("abcd", "abc"));
+        assert!(!secret_eq("", "abc"));
+    }
+}
