@@ -1,0 +1,362 @@
+//! Scheduling one step: decode first, then prefill chunks, then admissions, inside one adaptive
+//! token budget; memory by eviction first, preemption (recompute) second.
+//!
+//! Fairness: requests are served oldest first; when memory runs out the *newest* running request
+//! is preempted (freed, put back at the head of the queue with all its tokens, recomputed later,
+//! mostly from the prefix cache). The oldest running request is never preempted for a newer one,
+//! so every request eventually reaches the front and finishes: no starvation.
+
+use super::{EngineCore, PendingCheckpoint, Seq};
+use crate::cache::{EvictWant, NodeId, PrefixMatch};
+use crate::memory::{ArenaOp, BlockId, BlockKind, PoolMode};
+use crate::request::{RequestError, RequestId};
+use k3_model::LogitsWant;
+
+/// One request's share of a planned step.
+#[derive(Debug, Clone)]
+pub(crate) struct PlannedSeq {
+    pub(super) id: RequestId,
+    pub(super) epoch: u64,
+    pub(super) start: usize,
+    pub(super) len: usize,
+    pub(super) logits: LogitsWant,
+}
+
+/// A planned step (offsets are resolved only at launch).
+#[derive(Debug, Default)]
+pub struct Plan {
+    pub(super) seqs: Vec<PlannedSeq>,
+}
+
+impl Plan {
+    pub fn tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.len).sum()
+    }
+}
+
+enum Admit {
+    Admitted(RequestId),
+    NoRoom,
+    Failed,
+}
+
+enum Work {
+    /// Exactly one token to feed, logits wanted (decode, or a prompt's last token).
+    Decode,
+    /// More than one token left to feed.
+    Prefill,
+    None,
+}
+
+impl EngineCore {
+    fn idx(&self, id: RequestId) -> Option<usize> {
+        self.running.iter().position(|s| s.id == id)
+    }
+
+    fn work(s: &Seq) -> Work {
+        match s.tokens.len() - s.fed.min(s.tokens.len()) {
+            0 if s.awaiting_token && s.fed == s.tokens.len() => Work::Decode,
+            0 => Work::None,
+            1 => Work::Decode,
+            _ => Work::Prefill,
+        }
+    }
+
+    fn evict_want(&self, kind: BlockKind) -> EvictWant {
+        match (self.cfg.pool_mode, kind) {
+            (PoolMode::Unified, _) => EvictWant::Any,
+            (PoolMode::Split { .. }, BlockKind::State) => EvictWant::State,
+            (PoolMode::Split { .. }, BlockKind::Kv) => EvictWant::Kv,
+        }
+    }
+
+    /// Evict one prefix-cache entry that frees `kind` memory; false if none is evictable.
+    fn evict_for(&mut self, kind: BlockKind) -> bool {
+        let want = self.evict_want(kind);
+        let mut rel = Vec::new();
+        let evicted = self
+            .tree
+            .as_mut()
+            .is_some_and(|t| t.evict_one(want, &mut rel));
+        self.free_blocks(rel);
+        evicted
+    }
+
+    /// Allocate, evicting cache entries as needed (never preempting).
+    pub(super) fn alloc_evicting(&mut self, kind: BlockKind) -> Option<BlockId> {
+        loop {
+            if let Some(b) = self.pool.alloc(kind) {
+                return Some(b);
+            }
+            if !self.evict_for(kind) {
+                return None;
+            }
+        }
+    }
+
+    /// Allocate for `requester`, preempting newer requests if eviction is not enough. `None`
+    /// means `requester` itself was preempted or failed (and removed from `plan`).
+    fn alloc_for(
+        &mut self,
+        kind: BlockKind,
+        requester: RequestId,
+        plan: &mut Plan,
+    ) -> Option<BlockId> {
+        loop {
+            if let Some(b) = self.alloc_evicting(kind) {
+                return Some(b);
+            }
+            let arrival = self.running[self.idx(requester)?].arrival;
+            let victim = self
+                .running
+                .iter()
+                .filter(|s| s.arrival > arrival)
+                .max_by_key(|s| s.arrival)
+                .map(|s| s.id);
+            match victim {
+                Some(v) => self.preempt(v, plan),
+                None => {
+                    let older_running = self.running.iter().any(|s| s.arrival < arrival);
+                    if older_running {
+                        self.preempt(requester, plan);
+                    } else {
+                        // Alone (everyone newer is preempted) and still out of memory.
+                        self.fail(requester, RequestError::OutOfMemory, plan);
+                    }
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Free a running request and requeue it at the front (recompute later).
+    fn preempt(&mut self, id: RequestId, plan: &mut Plan) {
+        let Some(i) = self.idx(id) else { return };
+        let mut seq = self.running.remove(i);
+        plan.seqs.retain(|p| p.id != id);
+        self.release(&mut seq, false);
+        self.metrics.preemptions += 1;
+        self.waiting.push_front(seq);
+    }
+
+    pub(super) fn fail(&mut self, id: RequestId, err: RequestError, plan: &mut Plan) {
+        let Some(i) = self.idx(id) else { return };
+        let mut seq = self.running.remove(i);
+        plan.seqs.retain(|p| p.id != id);
+        let _ = seq.events.send(Err(err));
+        self.release(&mut seq, false);
+        self.metrics.failed += 1;
+        self.retired.push(id);
+    }
+
+    /// Make `id`'s pages cover `upto` tokens. False if the request lost its place.
+    fn ensure_pages(&mut self, id: RequestId, upto: usize, plan: &mut Plan) -> bool {
+        loop {
+            let Some(i) = self.idx(id) else { return false };
+            if self.running[i].pages.len() * self.page >= upto {
+                return true;
+            }
+            match self.alloc_for(BlockKind::Kv, id, plan) {
+                Some(b) => match self.idx(id) {
+                    Some(i) => self.running[i].pages.push(b),
+                    None => self.pool.free(b, &mut self.ops),
+                },
+                None => return false,
+            }
+        }
+    }
+
+    /// A slot for a snapshot: a spare, else a fresh block (eviction only); `None` skips it.
+    fn take_spare(&mut self, i: usize) -> Option<BlockId> {
+        if let Some(b) = self.running[i].spares.pop() {
+            return Some(b);
+        }
+        self.alloc_evicting(BlockKind::State)
+    }
+
+    /// Plan the next step; `None` when there is nothing to run.
+    pub fn schedule(&mut self) -> Option<Plan> {
+        let mut plan = Plan::default();
+        let budget = if self.running.len() <= self.cfg.few_running {
+            self.cfg.max_step_tokens
+        } else {
+            self.cfg.step_tokens
+        };
+        let mut order: Vec<(u64, RequestId)> =
+            self.running.iter().map(|s| (s.arrival, s.id)).collect();
+        order.sort_unstable();
+        let mut used = 0;
+        for &(_, id) in &order {
+            if let Some(i) = self.idx(id)
+                && matches!(Self::work(&self.running[i]), Work::Decode)
+            {
+                used += self.plan_tokens(id, 1, &mut plan);
+            }
+        }
+        for &(_, id) in &order {
+            if used >= budget {
+                break;
+            }
+            if let Some(i) = self.idx(id)
+                && matches!(Self::work(&self.running[i]), Work::Prefill)
+            {
+                used += self.plan_tokens(id, budget - used, &mut plan);
+            }
+        }
+        while used < budget && !self.waiting.is_empty() {
+            match self.try_admit() {
+                Admit::Admitted(id) => used += self.plan_tokens(id, budget - used, &mut plan),
+                Admit::NoRoom => break,
+                Admit::Failed => {}
+            }
+        }
+        (!plan.seqs.is_empty()).then_some(plan)
+    }
+
+    /// Plan up to `avail` tokens of `id`'s remaining input. Returns tokens planned.
+    fn plan_tokens(&mut self, id: RequestId, avail: usize, plan: &mut Plan) -> usize {
+        let Some(i) = self.idx(id) else { return 0 };
+        let s = &self.running[i];
+        let start = s.fed;
+        let remaining = (s.tokens.len() - start).max(usize::from(s.awaiting_token));
+        let len = remaining.min(avail);
+        if len == 0 || !self.ensure_pages(id, start + len, plan) {
+            return 0;
+        }
+        let Some(i) = self.idx(id) else { return 0 };
+        let end = start + len;
+        let prefill = !self.running[i].awaiting_token && end <= self.running[i].prefill_end;
+        let mut ckpts = Vec::new();
+        if self.tree.is_some() {
+            let interval = self.cfg.interval(self.page);
+            let last_aligned = end / interval * interval;
+            if let Some(b) = self.running[i].branch_at.filter(|&b| b > start && b <= end) {
+                ckpts.push(b);
+            }
+            if last_aligned > start && !ckpts.contains(&last_aligned) {
+                ckpts.push(last_aligned);
+            }
+        }
+        for pos in ckpts {
+            let donate = prefill && pos <= self.running[i].prefill_end;
+            if let Some(slot) = self.take_spare(i) {
+                self.running[i]
+                    .pending
+                    .push(PendingCheckpoint { pos, slot, donate });
+            }
+        }
+        let s = &mut self.running[i];
+        s.fed = end;
+        let logits = if end >= s.tokens.len() {
+            LogitsWant::Last
+        } else {
+            LogitsWant::None
+        };
+        plan.seqs.push(PlannedSeq {
+            id,
+            epoch: s.epoch,
+            start,
+            len,
+            logits,
+        });
+        len
+    }
+
+    /// Admit the head of the queue if memory allows: match the prefix cache, reserve state slots,
+    /// restore the checkpoint (copy-on-write) or zero the working state.
+    fn try_admit(&mut self) -> Admit {
+        if self.running.len() >= self.cfg.max_running {
+            return Admit::NoRoom;
+        }
+        let Some(seq) = self.waiting.front() else {
+            return Admit::NoRoom;
+        };
+        let n = seq.tokens.len();
+        let m = match self.tree.as_mut() {
+            Some(t) => {
+                let m = t.match_prefix(&seq.tokens[..n - 1]);
+                t.lock(m.node);
+                m
+            }
+            None => PrefixMatch {
+                node: NodeId::ROOT,
+                len: 0,
+                pages: Vec::new(),
+                checkpoint: None,
+                walked: 0,
+                branch_at: None,
+            },
+        };
+        let slots = self.cfg.state_slots_per_request;
+        let need_pages = (n + 1).div_ceil(self.page) - m.pages.len();
+        let outstanding: usize = self
+            .running
+            .iter()
+            .map(|s| {
+                (s.tokens.len() + 1)
+                    .div_ceil(self.page)
+                    .saturating_sub(s.pages.len())
+            })
+            .sum();
+        while !self.pool.fits(slots, need_pages + outstanding) {
+            let kind = if self.pool.fits(slots, 0) {
+                BlockKind::Kv
+            } else {
+                BlockKind::State
+            };
+            if !self.evict_for(kind) {
+                break;
+            }
+        }
+        if !self.pool.fits(slots, need_pages + outstanding) {
+            let mut rel = Vec::new();
+            if let Some(t) = self.tree.as_mut() {
+                t.unlock(m.node, &mut rel);
+            }
+            self.free_blocks(rel);
+            if !self.running.is_empty() {
+                return Admit::NoRoom;
+            }
+            let seq = self.waiting.pop_front().expect("head");
+            let _ = seq.events.send(Err(RequestError::OutOfMemory));
+            self.metrics.failed += 1;
+            self.retired.push(seq.id);
+            return Admit::Failed;
+        }
+        let mut seq = self.waiting.pop_front().expect("head");
+        let working = self.pool.alloc(BlockKind::State).expect("fits");
+        seq.spares = (1..slots)
+            .map(|_| self.pool.alloc(BlockKind::State).expect("fits"))
+            .collect();
+        let state_len = self.layout.state_block_bytes;
+        let dst = self.pool.offset(working);
+        match m.checkpoint {
+            Some(c) => self.ops.push(ArenaOp::Copy {
+                src: self.pool.offset(c),
+                dst,
+                len: state_len,
+            }),
+            None => self.ops.push(ArenaOp::Zero {
+                offset: dst,
+                len: state_len,
+            }),
+        }
+        self.metrics.prefix_hit_tokens += m.len as u64;
+        self.metrics.checkpoint_hits += u64::from(m.checkpoint.is_some());
+        self.metrics.replayed_tokens += (m.walked - m.len) as u64;
+        self.epochs += 1;
+        seq.epoch = self.epochs;
+        seq.working = Some(working);
+        seq.pages = m.pages;
+        seq.tree_node = m.node;
+        seq.tree_len = m.len;
+        seq.fed = m.len;
+        seq.branch_at = m.branch_at;
+        seq.prefill_end = n;
+        seq.awaiting_token = false;
+        seq.cached_tokens.get_or_insert(m.len);
+        let id = seq.id;
+        self.running.push(seq);
+        Admit::Admitted(id)
+    }
+}

@@ -1,0 +1,267 @@
+//! Launching a planned step (resolving block ids to offsets) and completing it (checkpoints,
+//! sampling, events, finishing).
+
+use super::plan::Plan;
+use super::{EngineCore, finish_reason};
+use crate::memory::{ArenaOp, BlockKind};
+use crate::request::{RequestError, RequestId, TokenEvent};
+use k3_model::{ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput};
+
+/// One sequence of a launched step, with offsets resolved.
+#[derive(Debug, Clone)]
+struct SeqJob {
+    tokens: Vec<u32>,
+    start_pos: usize,
+    kv_pages: Vec<usize>,
+    state_block: usize,
+    checkpoints: Vec<(usize, usize)>,
+    logits: LogitsWant,
+}
+
+/// Everything the executor does for one step: arena ops in order, then one forward.
+#[derive(Debug, Clone, Default)]
+pub struct StepJob {
+    ops: Vec<ArenaOp>,
+    seqs: Vec<SeqJob>,
+}
+
+impl StepJob {
+    pub fn tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    /// Run on `exec` (the engine's worker thread, or directly in tests).
+    pub fn run(&self, exec: &mut dyn Executor) -> Result<ForwardOutput, ExecError> {
+        for op in &self.ops {
+            op.apply(exec)?;
+        }
+        if self.seqs.is_empty() {
+            return Ok(ForwardOutput {
+                vocab: exec.vocab_size(),
+                ..Default::default()
+            });
+        }
+        let batch = ForwardBatch {
+            seqs: self
+                .seqs
+                .iter()
+                .map(|s| SeqInput {
+                    tokens: &s.tokens,
+                    start_pos: s.start_pos,
+                    kv_pages: &s.kv_pages,
+                    state_block: s.state_block,
+                    checkpoints: &s.checkpoints,
+                    logits: s.logits,
+                })
+                .collect(),
+        };
+        exec.forward(&batch)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct LaunchedSeq {
+    id: RequestId,
+    epoch: u64,
+    start: usize,
+    len: usize,
+    logits: LogitsWant,
+}
+
+/// Bookkeeping of a step handed to the executor, needed to complete it.
+#[derive(Debug)]
+pub(crate) struct Launched {
+    seqs: Vec<LaunchedSeq>,
+}
+
+impl EngineCore {
+    /// Resolve a plan into a job. Sequences whose request ended since planning are dropped.
+    /// `None` if nothing is left (pending arena ops then stay queued for the next launch).
+    pub(crate) fn launch(&mut self, plan: Plan) -> Option<(StepJob, Launched)> {
+        let mut seqs = Vec::new();
+        let mut launched = Vec::new();
+        for p in plan.seqs {
+            let Some(i) = self
+                .running
+                .iter()
+                .position(|s| s.id == p.id && s.epoch == p.epoch)
+            else {
+                continue;
+            };
+            let s = &self.running[i];
+            if p.start + p.len > s.tokens.len() {
+                // Its previous step produced no token for it: bookkeeping would be wrong from
+                // here on, so the request ends rather than guess.
+                let mut dead = Plan::default();
+                self.fail_running(
+                    p.id,
+                    "internal: a planned token was never produced",
+                    &mut dead,
+                );
+                continue;
+            }
+            let s = &self.running[i];
+            let npages = (p.start + p.len).div_ceil(self.page);
+            let checkpoints = s
+                .pending
+                .iter()
+                .filter(|c| c.pos > p.start && c.pos <= p.start + p.len)
+                .map(|c| (c.pos - p.start, self.pool.offset(c.slot)))
+                .collect();
+            seqs.push(SeqJob {
+                tokens: s.tokens[p.start..p.start + p.len].to_vec(),
+                start_pos: p.start,
+                kv_pages: s.pages[..npages]
+                    .iter()
+                    .map(|&b| self.pool.offset(b))
+                    .collect(),
+                state_block: self
+                    .pool
+                    .offset(s.working.expect("running request has a working slot")),
+                checkpoints,
+                logits: p.logits,
+            });
+            self.running[i].awaiting_token = p.logits != LogitsWant::None;
+            launched.push(LaunchedSeq {
+                id: p.id,
+                epoch: p.epoch,
+                start: p.start,
+                len: p.len,
+                logits: p.logits,
+            });
+        }
+        if seqs.is_empty() {
+            return None;
+        }
+        let ops = std::mem::take(&mut self.ops);
+        Some((StepJob { ops, seqs }, Launched { seqs: launched }))
+    }
+
+    fn fail_running(&mut self, id: RequestId, msg: &str, plan: &mut Plan) {
+        self.fail(id, RequestError::Execution(msg.to_string()), plan);
+    }
+
+    /// Apply a finished step: donate/snapshot its checkpoints, sample, emit, finish.
+    pub(crate) fn complete(
+        &mut self,
+        launched: Launched,
+        result: Result<ForwardOutput, ExecError>,
+    ) {
+        let out = match result {
+            Ok(out) if out.row_ranges.len() == launched.seqs.len() && out.vocab == self.vocab => {
+                out
+            }
+            Ok(out) => {
+                let msg = format!(
+                    "executor returned {} row ranges / vocab {} for {} sequences / vocab {}",
+                    out.row_ranges.len(),
+                    out.vocab,
+                    launched.seqs.len(),
+                    self.vocab
+                );
+                return self.fail_step(&launched, &msg);
+            }
+            Err(e) => return self.fail_step(&launched, &e.to_string()),
+        };
+        let tokens: usize = launched.seqs.iter().map(|s| s.len).sum();
+        self.metrics.steps += 1;
+        self.metrics.last_step_tokens = tokens;
+        self.metrics.step_tokens_total += tokens as u64;
+        for (k, ls) in launched.seqs.iter().enumerate() {
+            let Some(i) = self
+                .running
+                .iter()
+                .position(|s| s.id == ls.id && s.epoch == ls.epoch)
+            else {
+                continue;
+            };
+            let mut seq = self.running.remove(i);
+            let end = ls.start + ls.len;
+            let (mut mine, rest): (Vec<_>, Vec<_>) = seq
+                .pending
+                .drain(..)
+                .partition(|c| c.pos > ls.start && c.pos <= end);
+            seq.pending = rest;
+            mine.sort_by_key(|c| c.pos);
+            for c in mine {
+                if c.donate {
+                    self.donate(&mut seq, c.pos, c.slot);
+                } else if let Some((_, old)) = seq.snapshot.replace((c.pos, c.slot)) {
+                    // Ping-pong: the older snapshot's slot becomes a spare again.
+                    seq.spares.push(old);
+                }
+            }
+            // Keep the request's slot reservation (working + snapshot + spares) topped up.
+            let held =
+                1 + seq.spares.len() + seq.pending.len() + usize::from(seq.snapshot.is_some());
+            for _ in held..self.cfg.state_slots_per_request {
+                match self.alloc_evicting(BlockKind::State) {
+                    Some(b) => seq.spares.push(b),
+                    None => break,
+                }
+            }
+            if ls.logits == LogitsWant::None {
+                self.running.insert(i, seq);
+                continue;
+            }
+            seq.awaiting_token = false;
+            let range = out.row_ranges[k].clone();
+            if range.is_empty() || range.end * out.vocab > out.logits.len() {
+                self.running.insert(i, seq);
+                let mut dead = Plan::default();
+                self.fail_running(ls.id, "executor returned no logits row", &mut dead);
+                continue;
+            }
+            let row = out.row(range.end - 1);
+            let sampled = seq
+                .sampler
+                .sample(row, &seq.tokens, seq.params.top_logprobs);
+            seq.tokens.push(sampled.token);
+            seq.generated += 1;
+            self.metrics.generated_tokens += 1;
+            let finish = finish_reason(
+                &seq,
+                sampled.token,
+                &self.cfg.eos_token_ids,
+                self.cfg.max_context,
+            );
+            let event = TokenEvent {
+                token: sampled.token,
+                logprob: sampled.logprob,
+                top_logprobs: sampled.top,
+                finish,
+                cached_tokens: if seq.generated == 1 {
+                    seq.cached_tokens
+                } else {
+                    None
+                },
+            };
+            if seq.events.send(Ok(event)).is_err() {
+                // The stream is gone: the client disconnected.
+                self.release(&mut seq, false);
+                self.metrics.cancelled += 1;
+                self.retired.push(seq.id);
+            } else if finish.is_some() {
+                self.release(&mut seq, true);
+                self.metrics.finished += 1;
+                self.retired.push(seq.id);
+            } else {
+                self.running.insert(i, seq);
+            }
+        }
+    }
+
+    fn fail_step(&mut self, launched: &Launched, msg: &str) {
+        tracing::error!("step failed: {msg}");
+        let mut dead = Plan::default();
+        for ls in &launched.seqs {
+            if self
+                .running
+                .iter()
+                .any(|s| s.id == ls.id && s.epoch == ls.epoch)
+            {
+                self.fail_running(ls.id, msg, &mut dead);
+            }
+        }
+    }
+}
