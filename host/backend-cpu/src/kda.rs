@@ -31,30 +31,44 @@ impl Dims {
     }
 }
 
-pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
+pub use crate::fastmath::sigmoid;
 
-/// Causal depthwise conv + SiLU of `x` `[T, C]` with `w` `[C, W]`, continuing from `window`
-/// `[C, W−1]`. Returns `y` `[T, C]`; `window_at(n)` later gives the window after `n` tokens.
-pub fn conv_silu(x: &[f32], t: usize, c: usize, w: &[f32], kw: usize, window: &[f32]) -> Vec<f32> {
-    let mut y = vec![0f32; t * c];
-    let hist = kw - 1;
-    for ch in 0..c {
-        let wc = &w[ch * kw..(ch + 1) * kw];
-        let win = &window[ch * hist..(ch + 1) * hist];
-        for tt in 0..t {
-            let mut acc = 0f32;
-            for j in 0..kw {
-                // Input index in the extended sequence `window ++ x`: tt + j.
-                let e = tt + j;
-                let v = if e < hist { win[e] } else { x[(e - hist) * c + ch] };
-                acc += wc[j] * v;
+simd_fn! {
+    /// Causal depthwise conv + SiLU of `x` `[T, C]` with `w` `[C, W]`, continuing from `window`
+    /// `[C, W−1]`. Returns `y` `[T, C]`; [`window_at`] gives the window after `n` tokens.
+    pub fn conv_silu(x: &[f32], t: usize, c: usize, w: &[f32], kw: usize, window: &[f32]) -> Vec<f32> {
+        let hist = kw - 1;
+        // Token-major extended input `window ++ x` and tap-major weights, so the inner loop runs
+        // over contiguous channels.
+        let mut ext = vec![0f32; (hist + t) * c];
+        for ch in 0..c {
+            for j in 0..hist {
+                ext[j * c + ch] = window[ch * hist + j];
             }
-            y[tt * c + ch] = acc * sigmoid(acc);
         }
+        ext[hist * c..].copy_from_slice(&x[..t * c]);
+        let mut wt = vec![0f32; kw * c];
+        for ch in 0..c {
+            for j in 0..kw {
+                wt[j * c + ch] = w[ch * kw + j];
+            }
+        }
+        let mut y = vec![0f32; t * c];
+        for tt in 0..t {
+            let yr = &mut y[tt * c..(tt + 1) * c];
+            for j in 0..kw {
+                let er = &ext[(tt + j) * c..(tt + j + 1) * c];
+                let wr = &wt[j * c..(j + 1) * c];
+                for ((yv, &e), &wv) in yr.iter_mut().zip(er).zip(wr) {
+                    *yv += wv * e;
+                }
+            }
+            for v in yr.iter_mut() {
+                *v *= crate::fastmath::sigmoid(*v);
+            }
+        }
+        y
     }
-    y
 }
 
 /// The conv window after the first `n` of the `t` new inputs `x` `[T, C]`.
@@ -138,7 +152,7 @@ simd_fn! {
         let mut ks = vec![0f32; vd];
         for r in 0..kd {
             let row = &mut s[r * vd..(r + 1) * vd];
-            let a = g[r].exp();
+            let a = crate::fastmath::exp(g[r]);
             row.iter_mut().for_each(|x| *x *= a);
             axpy(k[r], row, &mut ks);
         }
@@ -174,9 +188,9 @@ simd_fn! {
                 gam[r * kd + d] = g[r * kd + d] + if r > 0 { gam[(r - 1) * kd + d] } else { 0.0 };
             }
         }
-        let eg: Vec<f32> = gam.iter().map(|x| x.exp()).collect();
+        let eg: Vec<f32> = gam.iter().map(|&x| crate::fastmath::exp(x)).collect();
         let kdec: Vec<f32> = (0..c * kd).map(|i| k[i] * eg[i]).collect();
-        let kinv: Vec<f32> = (0..c * kd).map(|i| k[i] * (-gam[i]).exp()).collect();
+        let kinv: Vec<f32> = (0..c * kd).map(|i| k[i] * crate::fastmath::exp(-gam[i])).collect();
         let qdec: Vec<f32> = (0..c * kd).map(|i| q[i] * eg[i]).collect();
         // Forward substitution: (I + L) [W | U] = Diag(β) [K̂⊙e^Γ | V].
         let mut wm = vec![0f32; c * kd];

@@ -3,6 +3,8 @@
 //! Dense weights arrive as f32 (k3-model widens bf16 once at load — for k3-mini that is ~90 MB
 //! and the kernels then stream plain f32); routed experts stay MXFP4 and are decoded on the fly.
 
+pub mod fastmath;
+pub mod gemm;
 pub mod kda;
 pub mod linalg;
 pub mod mla;
@@ -33,13 +35,28 @@ impl Mat {
     }
 }
 
-/// Dense weight `[rows = out, cols = in]`.
+/// Dense weight `[rows = out, cols = in]`, packed for [`gemm`]; small matrices also keep their
+/// row-major form (MLA's `kv_b` is read row-wise by the absorbed decode).
 #[derive(Debug, Clone)]
 pub struct Linear {
     pub rows: usize,
     pub cols: usize,
-    pub data: Vec<f32>,
+    pub packed: gemm::Packed,
+    pub raw: Option<Vec<f32>>,
 }
+
+impl Linear {
+    /// Row-major data (reconstructed from the panels when not kept).
+    pub fn row_major(&self) -> std::borrow::Cow<'_, [f32]> {
+        match &self.raw {
+            Some(r) => std::borrow::Cow::Borrowed(r),
+            None => std::borrow::Cow::Owned((0..self.rows).flat_map(|j| self.packed.row(j)).collect()),
+        }
+    }
+}
+
+/// Matrices up to this many values keep a row-major copy next to the packed one.
+const KEEP_RAW_MAX: usize = 1 << 18;
 
 /// Routed experts of one layer.
 pub struct Experts {
@@ -104,7 +121,8 @@ impl Backend for CpuBackend {
 
     fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> Linear {
         assert_eq!(data.len(), rows * cols);
-        Linear { rows, cols, data }
+        let packed = gemm::Packed::new(&data, rows, cols);
+        Linear { rows, cols, packed, raw: (data.len() <= KEEP_RAW_MAX).then_some(data) }
     }
 
     fn vector(&self, data: Vec<f32>) -> Vec<f32> {
@@ -154,14 +172,17 @@ impl Backend for CpuBackend {
         let d = table.cols;
         let mut data = Vec::with_capacity(ids.len() * d);
         for &i in ids {
-            data.extend_from_slice(&table.data[i as usize * d..(i as usize + 1) * d]);
+            match &table.raw {
+                Some(r) => data.extend_from_slice(&r[i as usize * d..(i as usize + 1) * d]),
+                None => data.extend(table.packed.row(i as usize)),
+            }
         }
         Mat::new(ids.len(), d, data)
     }
 
     fn matmul(&self, x: &Mat, w: &Linear) -> Mat {
         assert_eq!(x.cols, w.cols, "matmul inner dimensions differ");
-        Mat::new(x.rows, w.rows, linalg::matmul(&x.data, x.rows, &w.data, w.rows, w.cols))
+        Mat::new(x.rows, w.rows, gemm::gemm(&x.data, x.rows, &w.packed))
     }
 
     fn rms_norm(&self, x: &Mat, w: &Vec<f32>, eps: f32) -> Mat {
@@ -183,7 +204,7 @@ impl Backend for CpuBackend {
     }
 
     fn sigmoid_mul(&self, o: &mut Mat, gate: &Mat) {
-        o.data.iter_mut().zip(&gate.data).for_each(|(x, g)| *x *= kda::sigmoid(*g));
+        o.data.iter_mut().zip(&gate.data).for_each(|(x, g)| *x *= fastmath::sigmoid(*g));
     }
 
     fn gated_head_norm(&self, o: &Mat, gate: &Mat, w: &Vec<f32>, head_dim: usize, eps: f32) -> Mat {
@@ -263,10 +284,10 @@ impl Backend for CpuBackend {
             arena.data[off + d.kv_lora..off + row].copy_from_slice(&src[d.kv_lora..]);
         }
         let o = if t == 1 {
-            mla::attend_absorbed(&d, &q.data, end, &arena.data, &pages, &kv_b.data)
+            mla::attend_absorbed(&d, &q.data, end, &arena.data, &pages, &kv_b.row_major())
         } else {
             let lat = mla::gather(&arena.data, &pages, end, row);
-            mla::attend_naive(&d, &q.data, t, loc.start_pos, &lat, &kv_b.data)
+            mla::attend_naive(&d, &q.data, t, loc.start_pos, &lat, &kv_b.row_major())
         };
         Ok(Mat::new(t, g.heads * g.v_dim, o))
     }

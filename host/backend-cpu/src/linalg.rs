@@ -1,11 +1,5 @@
-//! Row-invariant dense kernels: every output element `y[i][j] = x_i · w_j` is accumulated in
-//! one fixed order (16 lanes over k, lane sums reduced the same way) no matter how many rows
-//! are computed together or how the work is split across threads. That is what makes a
-//! sequence's results independent of its batch and of the thread count, which a general GEMM
-//! (`gemm` picks blockings by problem size) does not promise. With K ≤ 1024 here, a 4×4
-//! register tile of dot products keeps the FMA units busy without packing.
-
-use rayon::prelude::*;
+//! Dot products in one fixed order (16 lanes over k, lane sums reduced pairwise), the same on
+//! the AVX-512 and portable paths.
 
 #[cfg(target_arch = "x86_64")]
 fn has_avx512() -> bool {
@@ -13,10 +7,6 @@ fn has_avx512() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
 }
-
-/// Work (multiply-adds) below which an op stays on the calling thread: a rayon fork/join costs
-/// a few microseconds, about 50k FMAs on this hardware.
-pub const PAR_MIN_WORK: usize = 1 << 16;
 
 /// `a · b` in the fixed lane order.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -165,63 +155,6 @@ mod avx512 {
     }
 }
 
-/// Serial `y = x Wᵀ` for rows `x` (`m × k`) and `w` (`n × k`), into `y` (`m × n`).
-pub fn matmul_serial(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, y: &mut [f32]) {
-    debug_assert_eq!(x.len(), m * k);
-    debug_assert_eq!(w.len(), n * k);
-    debug_assert_eq!(y.len(), m * n);
-    if k == 0 {
-        y.fill(0.0);
-        return;
-    }
-    // Rows of W in blocks so a block stays in L1/L2 while all x rows pass over it.
-    const WB: usize = 64;
-    const XB: usize = 64;
-    let xr: Vec<&[f32]> = x.chunks_exact(k).collect();
-    let wr: Vec<&[f32]> = w.chunks_exact(k).collect();
-    for i0 in (0..m).step_by(XB) {
-        let i1 = (i0 + XB).min(m);
-        for j0 in (0..n).step_by(WB) {
-            let j1 = (j0 + WB).min(n);
-            tile_dispatch(&xr[i0..i1], &wr[j0..j1], &mut y[i0 * n + j0..], n);
-        }
-    }
-}
-
-/// `y = x Wᵀ`, threaded over row blocks (prefill) or output columns (decode).
-pub fn matmul(x: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
-    let mut y = vec![0f32; m * n];
-    let work = m * n * k;
-    let threads = rayon::current_num_threads();
-    if work < PAR_MIN_WORK || threads == 1 {
-        matmul_serial(x, m, w, n, k, &mut y);
-    } else if m >= 4 * threads {
-        let rows = m.div_ceil(threads * 4).max(4);
-        y.par_chunks_mut(rows * n).zip(x.par_chunks(rows * k)).for_each(|(yc, xc)| {
-            matmul_serial(xc, xc.len() / k, w, n, k, yc);
-        });
-    } else {
-        let cols = n.div_ceil(threads * 2).div_ceil(4) * 4;
-        let parts: Vec<(usize, Vec<f32>)> = w
-            .par_chunks(cols * k)
-            .enumerate()
-            .map(|(b, wc)| {
-                let nb = wc.len() / k;
-                let mut yb = vec![0f32; m * nb];
-                matmul_serial(x, m, wc, nb, k, &mut yb);
-                (b * cols, yb)
-            })
-            .collect();
-        for (j0, yb) in parts {
-            let nb = yb.len() / m;
-            for i in 0..m {
-                y[i * n + j0..i * n + j0 + nb].copy_from_slice(&yb[i * nb..(i + 1) * nb]);
-            }
-        }
-    }
-    y
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,29 +172,8 @@ mod tests {
     }
 
     #[test]
-    fn matmul_matches_f64_and_is_row_invariant() {
-        for &(m, n, k) in &[(1, 7, 5), (5, 9, 37), (33, 70, 256), (130, 260, 128)] {
-            let x = data(m * k, 1);
-            let w = data(n * k, 2);
-            let y = matmul(&x, m, &w, n, k);
-            for i in 0..m {
-                for j in 0..n {
-                    let r: f64 = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum();
-                    assert!((y[i * n + j] as f64 - r).abs() < 1e-4 * (k as f64).sqrt(), "{m}x{n}x{k}");
-                }
-            }
-            // Each row alone gives bit-identical results.
-            for i in [0, m / 2, m - 1] {
-                let yi = matmul(&x[i * k..(i + 1) * k], 1, &w, n, k);
-                assert_eq!(&yi[..], &y[i * n..(i + 1) * n]);
-                assert_eq!(dot(&x[i * k..(i + 1) * k], &w[..k]), y[i * n]);
-            }
-        }
-    }
-
-    #[test]
     fn portable_matches_simd_bitwise() {
-        let (k, x, w) = (77, data(77, 3), data(77, 4));
+        let (x, w) = (data(77, 3), data(77, 4));
         let mut a = [0f32];
         portable_tile(&[&x], &[&w], &mut a, 1);
         assert_eq!(a[0], dot(&x, &w));

@@ -3,7 +3,8 @@
 //! per-head causal attention as two row-invariant matmuls. Decode: the absorbed form — the
 //! query is folded into the 576-style latent space (here `kv_lora + rope`) and attends MQA-style.
 
-use crate::linalg::{dot, matmul_serial};
+use crate::gemm::{Packed, gemm_serial};
+use crate::linalg::dot;
 use crate::simd::axpy;
 use rayon::prelude::*;
 
@@ -53,11 +54,7 @@ pub fn gather(arena: &[f32], pages: &Pages<'_>, end: usize, row: usize) -> Vec<f
 
 fn softmax_in_place(x: &mut [f32]) {
     let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - m).exp();
-        sum += *v;
-    }
+    let sum = crate::fastmath::exp_shift_sum(x, m);
     let inv = 1.0 / sum;
     x.iter_mut().for_each(|v| *v *= inv);
 }
@@ -75,11 +72,12 @@ pub fn attend_naive(d: &Dims, q: &[f32], t: usize, start: usize, latents: &[f32]
             // k_nope and v of every cached position for this head.
             let wk = &kv_b[h * hv * d.kv_lora..(h * hv + d.nope) * d.kv_lora];
             let wv = &kv_b[(h * hv + d.nope) * d.kv_lora..(h + 1) * hv * d.kv_lora];
+            let cp = Packed::new(&c, end, d.kv_lora);
             let mut knope = vec![0f32; end * d.nope];
-            matmul_serial(&c, end, wk, d.nope, d.kv_lora, &mut knope);
-            // Vᵀ `[v, end]` = W_UV · Cᵀ, so O = P·V is a row-invariant x·Wᵀ product.
+            gemm_serial(&c, end, &Packed::new(wk, d.nope, d.kv_lora), &mut knope);
+            // Vᵀ `[v, end]` = W_UV · Cᵀ; transposed back to V `[end, v]` below.
             let mut vt = vec![0f32; d.v_dim * end];
-            matmul_serial(wv, d.v_dim, &c, end, d.kv_lora, &mut vt);
+            gemm_serial(wv, d.v_dim, &cp, &mut vt);
             let mut keys = vec![0f32; end * qk];
             for j in 0..end {
                 keys[j * qk..j * qk + d.nope].copy_from_slice(&knope[j * d.nope..(j + 1) * d.nope]);
@@ -87,14 +85,14 @@ pub fn attend_naive(d: &Dims, q: &[f32], t: usize, start: usize, latents: &[f32]
             }
             let qh: Vec<f32> = (0..t).flat_map(|i| q[i * d.heads * qk + h * qk..i * d.heads * qk + (h + 1) * qk].iter().copied()).collect();
             let mut out = vec![0f32; t * d.v_dim];
-            const QB: usize = 128;
+            const QB: usize = 120;
             for i0 in (0..t).step_by(QB) {
                 let i1 = (i0 + QB).min(t);
                 let nq = i1 - i0;
                 // Keys beyond the block's last query are masked for all its rows: skip them.
                 let kend = start + i1;
                 let mut sc = vec![0f32; nq * kend];
-                matmul_serial(&qh[i0 * qk..i1 * qk], nq, &keys[..kend * qk], kend, qk, &mut sc);
+                gemm_serial(&qh[i0 * qk..i1 * qk], nq, &Packed::new(&keys[..kend * qk], kend, qk), &mut sc);
                 for r in 0..nq {
                     let lim = start + i0 + r + 1;
                     let srow = &mut sc[r * kend..(r + 1) * kend];
@@ -103,7 +101,7 @@ pub fn attend_naive(d: &Dims, q: &[f32], t: usize, start: usize, latents: &[f32]
                     srow[lim..].fill(0.0);
                 }
                 let vt_k: Vec<f32> = vt.chunks_exact(end).flat_map(|r| r[..kend].iter().copied()).collect();
-                matmul_serial(&sc, nq, &vt_k, d.v_dim, kend, &mut out[i0 * d.v_dim..i1 * d.v_dim]);
+                gemm_serial(&sc, nq, &Packed::new(&vt_k, d.v_dim, kend), &mut out[i0 * d.v_dim..i1 * d.v_dim]);
             }
             out
         })

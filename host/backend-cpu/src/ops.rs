@@ -1,6 +1,6 @@
 //! Small pointwise / row-wise ops: RMSNorm, AttnRes, SiTU-GLU, gates, router.
 
-use crate::kda::sigmoid;
+use crate::fastmath::{self, sigmoid};
 
 /// `x · rsqrt(mean(x²) + eps) · w` per row of width `w.len()`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
@@ -53,17 +53,9 @@ pub fn attn_res(sources: &[&[f32]], w: &[f32], eps: f32) -> Vec<f32> {
 
 /// SiTU-GLU: `β·tanh(g/β)·σ(g) · β_lin·tanh(u/β_lin)` (no cap on `u` without `β_lin`).
 pub fn situ_glu(gate: &[f32], up: &[f32], beta: f32, linear_beta: Option<f32>) -> Vec<f32> {
-    gate.iter()
-        .zip(up)
-        .map(|(&g, &u)| {
-            let a = beta * (g / beta).tanh() * sigmoid(g);
-            let b = match linear_beta {
-                Some(lb) => lb * (u / lb).tanh(),
-                None => u,
-            };
-            a * b
-        })
-        .collect()
+    let mut out = vec![0f32; gate.len()];
+    fastmath::situ_glu_into(gate, up, beta, linear_beta.unwrap_or(1.0), linear_beta.is_some(), &mut out);
+    out
 }
 
 /// Per head of width `hd`: `RMSNorm(o_h)·w ⊙ σ(gate_h)`.
@@ -86,7 +78,7 @@ pub fn route(logits: &[f32], bias: &[f32], k: usize, renormalize: bool, scaling:
     let mut wts = Vec::with_capacity(t * k);
     let mut order: Vec<usize> = Vec::with_capacity(e);
     for tt in 0..t {
-        let s: Vec<f32> = logits[tt * e..(tt + 1) * e].iter().map(|&x| sigmoid(x)).collect();
+        let s: Vec<f32> = logits[tt * e..(tt + 1) * e].iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
         let sel: Vec<f32> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
         order.clear();
         order.extend(0..e);

@@ -3,7 +3,7 @@
 //! Nothing here hard-codes values: every expectation is read from the files.
 
 use anyhow::{Context, Result, ensure};
-use k3_backend_cpu::{CpuBackend, Mat, kda, linalg, mla, mxfp4, ops};
+use k3_backend_cpu::{CpuBackend, Mat, gemm, kda, mla, mxfp4, ops};
 use k3_model::backend::{Backend, MlaCacheLoc, MlaGeom};
 use k3_model::{
     Config, Executor, ForwardBatch, LogitsWant, Model, ModelExecutor, SeqInput, Session, Tensors, WeightFile,
@@ -338,7 +338,7 @@ fn op_attnres_router_situ_mxfp4() -> Result<()> {
     let want_w = t.any_f32("router.w")?.1;
     let k = want_w.len() / xs[0];
     let cfg = Config::from_file(&root().join("models/k3-mini/config.json"))?;
-    let logits = linalg::matmul(&x, xs[0], &gw, gs[0], gs[1]);
+    let logits = gemm::gemm(&x, xs[0], &gemm::Packed::new(&gw, gs[0], gs[1]));
     let (idx, wts) = ops::route(&logits, &bias, k, cfg.moe.renormalize, cfg.moe.routed_scaling_factor);
     for tok in 0..xs[0] {
         let mut got: Vec<(usize, f32)> = (0..k).map(|s| (idx[tok * k + s], wts[tok * k + s])).collect();
