@@ -181,6 +181,13 @@ pub fn gemm_serial(x: &[f32], m: usize, w: &Packed, y: &mut [f32]) {
     gemm_block(x, m, w, 0, w.num_panels(), y, w.n);
 }
 
+/// Serial `x Wᵀ` into a new vector.
+pub fn gemm_serial_vec(x: &[f32], m: usize, w: &Packed) -> Vec<f32> {
+    let mut y = vec![0f32; m * w.n];
+    gemm_serial(x, m, w, &mut y);
+    y
+}
+
 /// Work (multiply-adds) below which an op stays on the calling thread: a rayon fork/join costs
 /// a few microseconds.
 pub const PAR_MIN_WORK: usize = 1 << 17;

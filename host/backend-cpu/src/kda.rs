@@ -98,7 +98,7 @@ pub struct HeadInputs {
 }
 
 fn l2norm(x: &mut [f32], scale: f32) {
-    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let ss = crate::linalg::dot(x, x);
     let inv = scale / (ss + 1e-6).sqrt();
     x.iter_mut().for_each(|v| *v *= inv);
 }

@@ -55,6 +55,10 @@ impl Linear {
     }
 }
 
+/// Tokens routed to one expert in one pass from which its MXFP4 matrices are decoded into
+/// GEMM panels instead of being decoded inside every dot product.
+const DENSE_EXPERT_MIN_TOKENS: usize = 16;
+
 /// Matrices up to this many values keep a row-major copy next to the packed one.
 const KEEP_RAW_MAX: usize = 1 << 18;
 
@@ -311,18 +315,30 @@ impl Backend for CpuBackend {
         let work: Vec<(usize, &Vec<usize>)> = by_expert.iter().enumerate().filter(|(_, s)| !s.is_empty()).collect();
         let run = |&(e, slots): &(usize, &Vec<usize>)| -> (Vec<usize>, Vec<f32>) {
             let m = slots.len();
+            // Few tokens: decode MXFP4 inside the dot products. Many (prefill): decode each
+            // matrix once into GEMM panels, which is cheaper per token.
+            let dense = m >= DENSE_EXPERT_MIN_TOKENS;
+            let src = if dense { &z.data } else { &zs };
             let mut x = Vec::with_capacity(m * lt);
             for &s in slots {
                 let tok = s / k;
-                x.extend_from_slice(&zs[tok * lt..(tok + 1) * lt]);
+                x.extend_from_slice(&src[tok * lt..(tok + 1) * lt]);
             }
-            let mut h1 = vec![0f32; m * ex.inter];
-            let mut h3 = vec![0f32; m * ex.inter];
-            mx_matmul(&x, m, &ex.w1[e], &mut h1);
-            mx_matmul(&x, m, &ex.w3[e], &mut h3);
-            let act = split_even_odd(&ops::situ_glu(&h1, &h3, situ.beta, situ.linear_beta), ex.inter);
-            let mut y = vec![0f32; m * lt];
-            mx_matmul(&act, m, &ex.w2[e], &mut y);
+            let y = if dense {
+                let h1 = gemm::gemm_serial_vec(&x, m, &ex.w1[e].to_packed());
+                let h3 = gemm::gemm_serial_vec(&x, m, &ex.w3[e].to_packed());
+                let act = ops::situ_glu(&h1, &h3, situ.beta, situ.linear_beta);
+                gemm::gemm_serial_vec(&act, m, &ex.w2[e].to_packed())
+            } else {
+                let mut h1 = vec![0f32; m * ex.inter];
+                let mut h3 = vec![0f32; m * ex.inter];
+                mx_matmul(&x, m, &ex.w1[e], &mut h1);
+                mx_matmul(&x, m, &ex.w3[e], &mut h3);
+                let act = split_even_odd(&ops::situ_glu(&h1, &h3, situ.beta, situ.linear_beta), ex.inter);
+                let mut y = vec![0f32; m * lt];
+                mx_matmul(&act, m, &ex.w2[e], &mut y);
+                y
+            };
             (slots.clone(), y)
         };
         let results: Vec<(Vec<usize>, Vec<f32>)> = if t * k >= 16 {

@@ -42,6 +42,26 @@ impl MxMatrix {
     }
 }
 
+impl MxMatrix {
+    /// The whole matrix decoded into [`crate::gemm::Packed`] panels (exact: every fp4·2^k is an f32).
+    pub fn to_packed(&self) -> crate::gemm::Packed {
+        use crate::gemm::LANES;
+        let (n, k) = (self.rows, self.cols);
+        let mut panels = vec![0f32; n.div_ceil(LANES) * k * LANES];
+        for j in 0..n {
+            let (p, l) = (j / LANES, j % LANES);
+            let dst = &mut panels[p * k * LANES..(p + 1) * k * LANES];
+            let bytes = &self.packed[j * k / 2..(j + 1) * k / 2];
+            for (b, &byte) in bytes.iter().enumerate() {
+                let s = self.scales[j * k / 32 + b / 16];
+                dst[(2 * b) * LANES + l] = FP4_LUT[(byte & 15) as usize] * s;
+                dst[(2 * b + 1) * LANES + l] = FP4_LUT[(byte >> 4) as usize] * s;
+            }
+        }
+        crate::gemm::Packed { n, k, panels }
+    }
+}
+
 /// Split each row of `x` (`m × k`) into per-block `[16 even | 16 odd]` order.
 pub fn split_even_odd(x: &[f32], k: usize) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
@@ -198,6 +218,12 @@ mod tests {
                 let want: f64 = (0..cols).map(|c| x[i * cols + c] as f64 * wr[c] as f64).sum();
                 assert!((y[i * rows + r] as f64 - want).abs() < 1e-4, "{} vs {want}", y[i * rows + r]);
             }
+        }
+        // The packed decode computes the same products.
+        let mut y2 = vec![0f32; m * rows];
+        crate::gemm::gemm_serial(&x, m, &w.to_packed(), &mut y2);
+        for (a, b) in y.iter().zip(&y2) {
+            assert!((a - b).abs() < 1e-4);
         }
         // Row invariance: one token alone gives the same bits.
         let mut y1 = vec![0f32; rows];

@@ -16,7 +16,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
 }
 
 fn rms_inv(x: &[f32], eps: f32) -> f32 {
-    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let ss = crate::linalg::dot(x, x);
     1.0 / (ss / x.len() as f32 + eps).sqrt()
 }
 
@@ -31,7 +31,7 @@ pub fn attn_res(sources: &[&[f32]], w: &[f32], eps: f32) -> Vec<f32> {
     for tt in 0..t {
         for (i, src) in sources.iter().enumerate() {
             let v = &src[tt * d..(tt + 1) * d];
-            let dotw: f32 = v.iter().zip(w).map(|(a, b)| a * b).sum();
+            let dotw = crate::linalg::dot(v, w);
             s[i] = dotw * rms_inv(v, eps);
         }
         let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
