@@ -16,12 +16,17 @@ fn cache_dir() -> std::path::PathBuf {
 }
 
 fn config() -> PluginHostConfig {
-    PluginHostConfig { max_instances: 64, ..PluginHostConfig::default() }.with_cache_dir(cache_dir())
+    PluginHostConfig {
+        max_instances: 64,
+        ..PluginHostConfig::default()
+    }
+    .with_cache_dir(cache_dir())
 }
 
 fn wasm(file: &str) -> Vec<u8> {
     let path = default_plugin_dir().join(file);
-    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e} — run scripts/build-plugins", path.display()))
+    std::fs::read(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} — run scripts/build-plugins", path.display()))
 }
 
 /// A host with the default plugins active, shared by tests that do not swap.
@@ -35,8 +40,17 @@ fn shared_host() -> &'static PluginHost {
 }
 
 /// Reasoning stream → its content into a tool stream, fed in `chunk`-char deltas (0 = whole).
-fn pipeline(host: &PluginHost, text: &str, thinking: bool, chunk: usize) -> (ParseResult, Vec<ParseEvent>) {
-    let ropts = ReasoningOptions { thinking, prompt_opens_reasoning: thinking, extra_json: None };
+fn pipeline(
+    host: &PluginHost,
+    text: &str,
+    thinking: bool,
+    chunk: usize,
+) -> (ParseResult, Vec<ParseEvent>) {
+    let ropts = ReasoningOptions {
+        thinking,
+        prompt_opens_reasoning: thinking,
+        extra_json: None,
+    };
     let mut rs = host.reasoning_stream(&ropts).unwrap();
     let mut ts = host.tool_stream(&ToolOptions::default()).unwrap();
     let mut events = Vec::new();
@@ -66,16 +80,27 @@ fn pipeline(host: &PluginHost, text: &str, thinking: bool, chunk: usize) -> (Par
 
 /// The same pipeline natively (the plugin's own library).
 fn native_pipeline(text: &str, thinking: bool) -> ParseResult {
-    let ropts = k3_plugin_sdk::ReasoningOptions { thinking, prompt_opens_reasoning: thinking, extra_json: None };
+    let ropts = k3_plugin_sdk::ReasoningOptions {
+        thinking,
+        prompt_opens_reasoning: thinking,
+        extra_json: None,
+    };
     let r = K3ReasoningParser::new(&ropts).parse_all(text).unwrap();
-    let t = K3ToolParser::new(&NativeToolOptions::default()).parse_all(r.content.as_deref().unwrap_or("")).unwrap();
+    let t = K3ToolParser::new(&NativeToolOptions::default())
+        .parse_all(r.content.as_deref().unwrap_or(""))
+        .unwrap();
     ParseResult {
         content: t.content,
         reasoning: r.reasoning,
         tool_calls: t
             .tool_calls
             .into_iter()
-            .map(|c| ToolCall { index: c.index, id: c.id, name: c.name, arguments: c.arguments })
+            .map(|c| ToolCall {
+                index: c.index,
+                id: c.id,
+                name: c.name,
+                arguments: c.arguments,
+            })
             .collect(),
     }
 }
@@ -97,25 +122,45 @@ fn default_plugins_load_activate_and_list() {
         (Stage::ReasoningParser, "kimi-k3-reasoning"),
         (Stage::ToolParser, "kimi-k3-tools"),
     ] {
-        let v = list.iter().find(|v| v.stage == stage && v.active).unwrap_or_else(|| panic!("{stage} not active"));
+        let v = list
+            .iter()
+            .find(|v| v.stage == stage && v.active)
+            .unwrap_or_else(|| panic!("{stage} not active"));
         assert_eq!(v.metadata.name, name);
         assert_eq!(v.metadata.stage, stage);
         assert_eq!(v.metadata.wit_version, "0.1.0");
         assert_eq!(v.sha256.len(), 64);
     }
     assert!(host.active(Stage::Media).is_none());
-    assert!(matches!(host.rollback(Stage::Router), Err(PluginError::NothingToRollBack(Stage::Router))));
+    assert!(matches!(
+        host.rollback(Stage::Router),
+        Err(PluginError::NothingToRollBack(Stage::Router))
+    ));
     // Precompiled components landed in the disk cache.
-    let cached = std::fs::read_dir(cache_dir()).unwrap().filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "cwasm")).count();
+    let cached = std::fs::read_dir(cache_dir())
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "cwasm")
+        })
+        .count();
     assert!(cached >= 3, "expected cached .cwasm files, found {cached}");
 }
 
 #[test]
 fn template_renders_k3_mini_byte_identical_to_reference() {
     let host = shared_host();
-    let fixture: Value = serde_json::from_str(include_str!("fixtures/template_k3_mini.json")).unwrap();
-    let config_path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/k3-mini/tokenizer_config.json");
-    let config: Value = serde_json::from_str(&std::fs::read_to_string(config_path).unwrap()).unwrap();
+    let fixture: Value =
+        serde_json::from_str(include_str!("fixtures/template_k3_mini.json")).unwrap();
+    let config_path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../models/k3-mini/tokenizer_config.json"
+    );
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(config_path).unwrap()).unwrap();
     let template = config["chat_template"].as_str().unwrap();
     let templates = host.chat_template();
     let cases = fixture["cases"].as_array().unwrap();
@@ -133,11 +178,19 @@ fn template_renders_k3_mini_byte_identical_to_reference() {
             ..RenderOptions::default()
         };
         let tools = (!case["tools"].is_null()).then(|| case["tools"].to_string());
-        let got = templates.render(template, &case["messages"].to_string(), tools.as_deref(), &options);
+        let got = templates.render(
+            template,
+            &case["messages"].to_string(),
+            tools.as_deref(),
+            &options,
+        );
         match (case["expected"].as_str(), case["error"].as_str()) {
             (Some(expected), _) => {
                 let got = got.unwrap_or_else(|e| panic!("{name}: {e}"));
-                assert_eq!(got, expected, "{name}: rendering differs from reference/k3ref/data/render.py");
+                assert_eq!(
+                    got, expected,
+                    "{name}: rendering differs from reference/k3ref/data/render.py"
+                );
             }
             (None, Some(error)) => match got {
                 Err(PluginError::Template(e @ TemplateError::Raised(_))) => {
@@ -151,7 +204,10 @@ fn template_renders_k3_mini_byte_identical_to_reference() {
     }
     // A template that does not parse is a syntax error, not a trap.
     let bad = templates.render("{% if %}", "[]", None, &RenderOptions::default());
-    assert!(matches!(bad, Err(PluginError::Template(TemplateError::Syntax(_)))), "{bad:?}");
+    assert!(
+        matches!(bad, Err(PluginError::Template(TemplateError::Syntax(_)))),
+        "{bad:?}"
+    );
 }
 
 #[test]
@@ -168,7 +224,10 @@ fn parsers_through_wasm_conform_for_every_chunking() {
         let (result, events) = pipeline(host, K3_OUTPUT, true, chunk);
         assert_eq!(result, native, "chunk {chunk}");
         // id and name come once, in the call's first event, before its arguments
-        let starts: Vec<_> = events.iter().filter(|e| matches!(e, ParseEvent::ToolCallStart { .. })).collect();
+        let starts: Vec<_> = events
+            .iter()
+            .filter(|e| matches!(e, ParseEvent::ToolCallStart { .. }))
+            .collect();
         assert_eq!(starts.len(), 2);
         for e in &events {
             if let ParseEvent::Content { text } | ParseEvent::Reasoning { text } = e {
@@ -177,20 +236,43 @@ fn parsers_through_wasm_conform_for_every_chunking() {
         }
     }
     // One-shot parses through wasm agree too.
-    let r = host.parse_reasoning(&ReasoningOptions::default(), K3_OUTPUT).unwrap();
+    let r = host
+        .parse_reasoning(&ReasoningOptions::default(), K3_OUTPUT)
+        .unwrap();
     assert_eq!(r.reasoning, native.reasoning);
-    let t = host.parse_tools(&ToolOptions::default(), r.content.as_deref().unwrap()).unwrap();
+    let t = host
+        .parse_tools(&ToolOptions::default(), r.content.as_deref().unwrap())
+        .unwrap();
     assert_eq!(t.tool_calls, native.tool_calls);
     // thinking off: all content, no reasoning
     let (off, _) = pipeline(host, "Just text<|close|>response<|sep|>", false, 2);
-    assert_eq!((off.reasoning, off.content.as_deref()), (None, Some("Just text")));
+    assert_eq!(
+        (off.reasoning, off.content.as_deref()),
+        (None, Some("Just text"))
+    );
 }
 
 fn arb_output() -> impl Strategy<Value = (bool, String)> {
-    let text = prop::collection::vec(prop::sample::select(vec!["a", " ", "é", "<", "|", ">", "\"", "&", "\n", "<|op", "sep|>"]), 0..8)
-        .prop_map(|v| v.concat())
-        .prop_filter("no markers", |s| !["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"].iter().any(|m| s.contains(m)));
-    let arg = ("[a-z]{1,5}", prop_oneof![text.clone().prop_map(Value::String), any::<i16>().prop_map(|i| json!(i)), any::<bool>().prop_map(Value::Bool)]);
+    let text = prop::collection::vec(
+        prop::sample::select(vec![
+            "a", " ", "é", "<", "|", ">", "\"", "&", "\n", "<|op", "sep|>",
+        ]),
+        0..8,
+    )
+    .prop_map(|v| v.concat())
+    .prop_filter("no markers", |s| {
+        !["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"]
+            .iter()
+            .any(|m| s.contains(m))
+    });
+    let arg = (
+        "[a-z]{1,5}",
+        prop_oneof![
+            text.clone().prop_map(Value::String),
+            any::<i16>().prop_map(|i| json!(i)),
+            any::<bool>().prop_map(Value::Bool)
+        ],
+    );
     let call = ("[a-z_]{1,6}", prop::collection::vec(arg, 0..3));
     (any::<bool>(), text.clone(), text, prop::collection::vec(call, 0..3)).prop_map(|(think, r, c, calls)| {
         let mut out = String::new();
@@ -236,83 +318,171 @@ proptest! {
 fn bad_components_are_refused_at_load() {
     let host = PluginHost::new(config()).unwrap();
     let garbage = host.load(Stage::ToolParser, b"definitely not wasm");
-    assert!(matches!(&garbage, Err(PluginError::InvalidComponent(m)) if m.contains("bad magic")), "{garbage:?}");
+    assert!(
+        matches!(&garbage, Err(PluginError::InvalidComponent(m)) if m.contains("bad magic")),
+        "{garbage:?}"
+    );
     let core = host.load(Stage::ToolParser, b"\0asm\x01\0\0\0");
-    assert!(matches!(&core, Err(PluginError::InvalidComponent(m)) if m.contains("core WebAssembly module")), "{core:?}");
+    assert!(
+        matches!(&core, Err(PluginError::InvalidComponent(m)) if m.contains("core WebAssembly module")),
+        "{core:?}"
+    );
     let mut truncated = wasm("kimi_k3_tools.wasm");
     truncated.truncate(truncated.len() / 2);
-    assert!(matches!(host.load(Stage::ToolParser, &truncated), Err(PluginError::InvalidComponent(_))));
+    assert!(matches!(
+        host.load(Stage::ToolParser, &truncated),
+        Err(PluginError::InvalidComponent(_))
+    ));
 
     let other = host.load(Stage::ToolParser, &wasm("testdata_wrong_world.wasm"));
     match &other {
-        Err(e @ PluginError::WrongWorld { world: "tool-parser-plugin", detail, .. }) => {
+        Err(
+            e @ PluginError::WrongWorld {
+                world: "tool-parser-plugin",
+                detail,
+                ..
+            },
+        ) => {
             assert!(detail.contains("k3serve-test:other/greeter"), "{e}");
         }
         _ => panic!("{other:?}"),
     }
     // A valid plugin of another stage does not fit this slot.
     let misfit = host.load(Stage::ToolParser, &wasm("kimi_k3_reasoning.wasm"));
-    assert!(matches!(misfit, Err(PluginError::WrongWorld { stage: Stage::ToolParser, .. })), "{misfit:?}");
-    assert!(host.list().is_empty(), "refused components must not be registered");
-    assert!(matches!(host.tool_stream(&ToolOptions::default()), Err(PluginError::NoActivePlugin(Stage::ToolParser))));
+    assert!(
+        matches!(
+            misfit,
+            Err(PluginError::WrongWorld {
+                stage: Stage::ToolParser,
+                ..
+            })
+        ),
+        "{misfit:?}"
+    );
+    assert!(
+        host.list().is_empty(),
+        "refused components must not be registered"
+    );
+    assert!(matches!(
+        host.tool_stream(&ToolOptions::default()),
+        Err(PluginError::NoActivePlugin(Stage::ToolParser))
+    ));
 }
 
 #[test]
 fn faults_fail_only_the_call_that_hit_them() {
-    let cfg = PluginHostConfig { memory_limit: 32 << 20, call_timeout: Duration::from_millis(100), ..config() };
+    let cfg = PluginHostConfig {
+        memory_limit: 32 << 20,
+        call_timeout: Duration::from_millis(100),
+        ..config()
+    };
     let host = PluginHost::new(cfg).unwrap();
-    let faulty = host.install(Stage::ToolParser, &wasm("testdata_faulty.wasm")).unwrap();
-    host.install(Stage::ReasoningParser, &wasm("kimi_k3_reasoning.wasm")).unwrap();
+    let faulty = host
+        .install(Stage::ToolParser, &wasm("testdata_faulty.wasm"))
+        .unwrap();
+    host.install(Stage::ReasoningParser, &wasm("kimi_k3_reasoning.wasm"))
+        .unwrap();
     let good_calls_work = |host: &PluginHost| {
         let mut s = host.tool_stream(&ToolOptions::default()).unwrap();
-        assert_eq!(s.feed("fine").unwrap(), vec![ParseEvent::Content { text: "fine".into() }]);
+        assert_eq!(
+            s.feed("fine").unwrap(),
+            vec![ParseEvent::Content {
+                text: "fine".into()
+            }]
+        );
         s.finish().unwrap();
-        let r = host.parse_reasoning(&ReasoningOptions::default(), "r<|close|>think<|sep|>c").unwrap();
-        assert_eq!((r.reasoning.as_deref(), r.content.as_deref()), (Some("r"), Some("c")));
+        let r = host
+            .parse_reasoning(&ReasoningOptions::default(), "r<|close|>think<|sep|>c")
+            .unwrap();
+        assert_eq!(
+            (r.reasoning.as_deref(), r.content.as_deref()),
+            (Some("r"), Some("c"))
+        );
     };
 
     let mut s = host.tool_stream(&ToolOptions::default()).unwrap();
     s.feed("before").unwrap();
     let trap = s.feed("@@trap@@").unwrap_err();
-    assert!(matches!(&trap, PluginError::Trap { detail, .. } if detail.contains("deliberate trap")), "{trap}");
-    assert!(matches!(s.feed("more"), Err(PluginError::StreamClosed(Stage::ToolParser))));
+    assert!(
+        matches!(&trap, PluginError::Trap { detail, .. } if detail.contains("deliberate trap")),
+        "{trap}"
+    );
+    assert!(matches!(
+        s.feed("more"),
+        Err(PluginError::StreamClosed(Stage::ToolParser))
+    ));
     good_calls_work(&host);
 
     let mut s = host.tool_stream(&ToolOptions::default()).unwrap();
     let started = Instant::now();
     let timeout = s.feed("@@loop@@").unwrap_err();
-    assert!(matches!(timeout, PluginError::Timeout { limit_ms: 100, .. }), "{timeout}");
-    assert!(started.elapsed() < Duration::from_secs(5), "timeout took {:?}", started.elapsed());
+    assert!(
+        matches!(timeout, PluginError::Timeout { limit_ms: 100, .. }),
+        "{timeout}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "timeout took {:?}",
+        started.elapsed()
+    );
     good_calls_work(&host);
 
     let mut s = host.tool_stream(&ToolOptions::default()).unwrap();
     let oom = s.feed("@@bomb@@").unwrap_err();
-    assert!(matches!(oom, PluginError::MemoryLimit { limit_bytes, .. } if limit_bytes == 32 << 20), "{oom}");
+    assert!(
+        matches!(oom, PluginError::MemoryLimit { limit_bytes, .. } if limit_bytes == 32 << 20),
+        "{oom}"
+    );
     good_calls_work(&host);
 
     // A plugin-returned error is not a fault: the stream goes on.
     let mut s = host.tool_stream(&ToolOptions::default()).unwrap();
     let err = s.feed("@@error@@").unwrap_err();
-    assert!(matches!(&err, PluginError::Guest { error: GuestError::InvalidInput(_), .. }), "{err}");
+    assert!(
+        matches!(
+            &err,
+            PluginError::Guest {
+                error: GuestError::InvalidInput(_),
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert_eq!(s.feed("ok").unwrap().len(), 1);
 
-    let stats = host.list().into_iter().find(|v| v.id == faulty.id).unwrap().stats;
+    let stats = host
+        .list()
+        .into_iter()
+        .find(|v| v.id == faulty.id)
+        .unwrap()
+        .stats;
     assert_eq!(stats.faults, 3, "{stats:?}");
     assert_eq!(stats.errors, 1, "{stats:?}");
-    assert!(stats.sessions >= 7 && stats.calls > stats.sessions, "{stats:?}");
+    assert!(
+        stats.sessions >= 7 && stats.calls > stats.sessions,
+        "{stats:?}"
+    );
 }
 
 #[test]
 fn hot_swap_mid_stream_old_streams_finish_on_old_version() {
     let host = PluginHost::new(config()).unwrap();
-    let k3 = host.install(Stage::ToolParser, &wasm("kimi_k3_tools.wasm")).unwrap();
-    let k2 = host.load(Stage::ToolParser, &wasm("kimi_k2_tools.wasm")).unwrap();
+    let k3 = host
+        .install(Stage::ToolParser, &wasm("kimi_k3_tools.wasm"))
+        .unwrap();
+    let k2 = host
+        .load(Stage::ToolParser, &wasm("kimi_k2_tools.wasm"))
+        .unwrap();
     assert!(!k2.active);
-    let (half_a, half_b) = K3_OUTPUT.split_at(K3_OUTPUT.find("<|open|>argument key=\"days\"").unwrap());
+    let (half_a, half_b) =
+        K3_OUTPUT.split_at(K3_OUTPUT.find("<|open|>argument key=\"days\"").unwrap());
 
     // Deterministic part: streams started before the swap keep K3 semantics.
-    let mut old: Vec<ToolStream> = (0..4).map(|_| host.tool_stream(&ToolOptions::default()).unwrap()).collect();
-    let mut old_events: Vec<Vec<ParseEvent>> = old.iter_mut().map(|s| s.feed(half_a).unwrap()).collect();
+    let mut old: Vec<ToolStream> = (0..4)
+        .map(|_| host.tool_stream(&ToolOptions::default()).unwrap())
+        .collect();
+    let mut old_events: Vec<Vec<ParseEvent>> =
+        old.iter_mut().map(|s| s.feed(half_a).unwrap()).collect();
     host.activate(Stage::ToolParser, k2.id).unwrap();
     let mut new = host.tool_stream(&ToolOptions::default()).unwrap();
     assert_eq!(new.version().0, k2.id);
@@ -326,7 +496,11 @@ fn hot_swap_mid_stream_old_streams_finish_on_old_version() {
         events.extend(s.feed(half_b).unwrap());
         events.extend(s.finish().unwrap());
         let r = ParseResult::from_events(events.iter());
-        assert_eq!(r.tool_calls.len(), 2, "old stream must finish with K3 grammar");
+        assert_eq!(
+            r.tool_calls.len(),
+            2,
+            "old stream must finish with K3 grammar"
+        );
     }
 
     // Concurrent part: streams on other threads while the slot is swapped back and forth.
@@ -340,18 +514,31 @@ fn hot_swap_mid_stream_old_streams_finish_on_old_version() {
                 barrier.wait();
                 let mut done = 0;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) || done < 20 {
-                    let mut s = host.tool_stream(&ToolOptions::default()).expect("stream start never fails");
+                    let mut s = host
+                        .tool_stream(&ToolOptions::default())
+                        .expect("stream start never fails");
                     let (id, _) = s.version();
-                    let text = if id == versions[0] { K3_OUTPUT } else { K2_OUTPUT };
+                    let text = if id == versions[0] {
+                        K3_OUTPUT
+                    } else {
+                        K2_OUTPUT
+                    };
                     let mut events = Vec::new();
                     let chars: Vec<char> = text.chars().collect();
                     for c in chars.chunks(5) {
-                        events.extend(s.feed(&c.iter().collect::<String>()).expect("no call fails during a swap"));
+                        events.extend(
+                            s.feed(&c.iter().collect::<String>())
+                                .expect("no call fails during a swap"),
+                        );
                     }
                     events.extend(s.finish().expect("no call fails during a swap"));
                     let r = ParseResult::from_events(&events);
                     let want = if id == versions[0] { 2 } else { 1 };
-                    assert_eq!(r.tool_calls.len(), want, "stream on version {id} parsed with another version");
+                    assert_eq!(
+                        r.tool_calls.len(),
+                        want,
+                        "stream on version {id} parsed with another version"
+                    );
                     done += 1;
                 }
                 done
@@ -363,7 +550,8 @@ fn hot_swap_mid_stream_old_streams_finish_on_old_version() {
         if i % 2 == 0 {
             host.rollback(Stage::ToolParser).unwrap();
         } else {
-            host.activate(Stage::ToolParser, versions[(i / 2) % 2]).unwrap();
+            host.activate(Stage::ToolParser, versions[(i / 2) % 2])
+                .unwrap();
         }
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -384,9 +572,15 @@ fn hot_swap_mid_stream_old_streams_finish_on_old_version() {
 #[test]
 fn third_party_plugin_installs_and_runs() {
     let host = PluginHost::new(config()).unwrap();
-    let v = host.install(Stage::ReasoningParser, &wasm("think_tags_reasoning.wasm")).unwrap();
+    let v = host
+        .install(Stage::ReasoningParser, &wasm("think_tags_reasoning.wasm"))
+        .unwrap();
     assert_eq!(v.metadata.name, "think-tags-reasoning");
-    let opts = ReasoningOptions { thinking: true, prompt_opens_reasoning: false, extra_json: None };
+    let opts = ReasoningOptions {
+        thinking: true,
+        prompt_opens_reasoning: false,
+        extra_json: None,
+    };
     let mut s = host.reasoning_stream(&opts).unwrap();
     let mut events = Vec::new();
     for d in ["<thi", "nk>plan</th", "ink>answer"] {
@@ -394,7 +588,15 @@ fn third_party_plugin_installs_and_runs() {
     }
     events.extend(s.finish().unwrap());
     let r = ParseResult::from_events(&events);
-    assert_eq!((r.reasoning.as_deref(), r.content.as_deref()), (Some("plan"), Some("answer")));
+    assert_eq!(
+        (r.reasoning.as_deref(), r.content.as_deref()),
+        (Some("plan"), Some("answer"))
+    );
     // Loading the same bytes again is deduplicated.
-    assert_eq!(host.load(Stage::ReasoningParser, &wasm("think_tags_reasoning.wasm")).unwrap().id, v.id);
+    assert_eq!(
+        host.load(Stage::ReasoningParser, &wasm("think_tags_reasoning.wasm"))
+            .unwrap()
+            .id,
+        v.id
+    );
 }

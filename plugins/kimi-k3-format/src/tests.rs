@@ -32,7 +32,7 @@ fn pipeline(text: &str, think: bool, cuts: &[usize]) -> ParseResult {
     let mut rp = K3ReasoningParser::new(&thinking(think));
     let mut tp = K3ToolParser::new(&tool_opts());
     let mut acc = Accumulator::default();
-    let mut route = |events: Vec<Event>, tp: &mut K3ToolParser, acc: &mut Accumulator| {
+    let route = |events: Vec<Event>, tp: &mut K3ToolParser, acc: &mut Accumulator| {
         for e in events {
             match e {
                 Event::Content(c) => acc.extend(tp.feed(&c).unwrap()),
