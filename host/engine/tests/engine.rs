@@ -93,8 +93,10 @@ fn run_rounds(
     cfg: EngineConfig,
     rounds: &[Vec<Turn>],
 ) -> Result<Vec<(Vec<u32>, Vec<u32>)>> {
+    let overlap = cfg.overlap;
     let mut core = EngineCore::new(exec.layout(), exec.vocab_size(), cfg)?;
     let mut done: Vec<(Vec<u32>, Vec<u32>)> = Vec::new();
+    let mut inflight = None;
     for round in rounds {
         let mut rxs = Vec::new();
         for t in round {
@@ -110,7 +112,11 @@ fn run_rounds(
             rxs.push((prompt.clone(), core.submit(req(id, prompt, t.max_tokens))?));
         }
         let mut steps = 0;
-        while core.step(exec) {
+        while if overlap {
+            core.step_overlapped(exec, &mut inflight)
+        } else {
+            core.step(exec)
+        } {
             core.check_invariants()
                 .map_err(anyhow::Error::msg)
                 .context("after a step")?;
@@ -197,6 +203,15 @@ fn greedy_outputs_match_reference_cache_on_and_off() -> Result<()> {
         let on = run_rounds(make(1 << 16).as_mut(), cfg(true), &workload())?;
         let off = run_rounds(make(1 << 16).as_mut(), cfg(false), &workload())?;
         assert_eq!(on, off, "{name}: cache on vs off");
+        let serial = EngineConfig {
+            overlap: false,
+            ..cfg(true)
+        };
+        assert_eq!(
+            run_rounds(make(1 << 16).as_mut(), serial, &workload())?,
+            on,
+            "{name}: overlap"
+        );
         let mut reference = make(1 << 16);
         for (prompt, out) in &on {
             let want = reference_greedy(reference.as_mut(), prompt, out.len())?;
@@ -630,7 +645,7 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0usize..3, prop::collection::vec(0u32..97, 1..20), 1usize..12)
+        4 => (0usize..3, prop::collection::vec(0u32..97, 1..20), 1usize..40)
             .prop_map(|(prefix, tail, max_tokens)| Op::Submit { prefix, tail, max_tokens }),
         4 => (1usize..6).prop_map(Op::Steps),
         1 => any::<usize>().prop_map(Op::Cancel),
@@ -646,7 +661,13 @@ proptest! {
     /// has ended and the cache is flushed, the whole arena is free again; every finished
     /// request's output equals the unbatched reference.
     #[test]
-    fn random_request_mixes(ops in prop::collection::vec(op(), 1..30), arena_kib in 4usize..12, unified in any::<bool>(), cache in any::<bool>()) {
+    fn random_request_mixes(
+        ops in prop::collection::vec(op(), 1..30),
+        arena_kib in 3usize..10,
+        unified in any::<bool>(),
+        cache in any::<bool>(),
+        overlap in any::<bool>(),
+    ) {
         let mut exec = toy(arena_kib * 1024);
         let pool_mode = if unified { PoolMode::Unified } else { PoolMode::Split { state_fraction: 0.35 } };
         let config = EngineConfig { pool_mode, ..cfg(cache) };
@@ -656,6 +677,7 @@ proptest! {
         let mut live = Vec::new();
         let mut finished = Vec::new();
         let mut next_id = 0u64;
+        let mut inflight = None;
         let check = |core: &EngineCore| core.check_invariants().map_err(TestCaseError::fail);
         for op in ops.into_iter().chain([Op::Steps(10_000)]) {
             match op {
@@ -668,8 +690,13 @@ proptest! {
                 }
                 Op::Steps(n) => {
                     for _ in 0..n {
-                        if !core.step(exec.as_mut()) { break; }
+                        let progressed = if overlap {
+                            core.step_overlapped(exec.as_mut(), &mut inflight)
+                        } else {
+                            core.step(exec.as_mut())
+                        };
                         check(&core)?;
+                        if !progressed { break; }
                     }
                 }
                 Op::Cancel(i) if !live.is_empty() => {

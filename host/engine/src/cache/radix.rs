@@ -22,6 +22,8 @@ struct Node {
     checkpoint: Option<BlockId>,
     /// Requests using this node's KV, counted on every node from the locked one up to the root.
     lock: u32,
+    /// Holders about to copy this node's checkpoint (a restore being issued): not evictable.
+    pins: u32,
     last_access: u64,
     /// Tokens from the root to the end of this node.
     end: usize,
@@ -89,6 +91,7 @@ impl RadixCache {
             pages: Vec::new(),
             checkpoint: None,
             lock: 0,
+            pins: 0,
             last_access: 0,
             end: 0,
         };
@@ -238,6 +241,7 @@ impl RadixCache {
                     pages: pages[pos / self.page..].to_vec(),
                     checkpoint: None,
                     lock: 0,
+                    pins: 0,
                     last_access: now,
                     end: tokens.len(),
                 };
@@ -313,6 +317,7 @@ impl RadixCache {
             // The recurrent state cannot be cut: the new upper node starts as a tombstone.
             checkpoint: None,
             lock,
+            pins: 0,
             last_access,
             end: end - self.node(id).tokens.len(),
         };
@@ -366,6 +371,18 @@ impl RadixCache {
         }
     }
 
+    /// Keep `id`'s checkpoint from eviction until [`unpin`](Self::unpin) (while a restore from it
+    /// is being issued).
+    pub fn pin(&mut self, id: NodeId) {
+        self.node_mut(id).pins += 1;
+    }
+
+    pub fn unpin(&mut self, id: NodeId) {
+        let n = self.node_mut(id);
+        assert!(n.pins > 0, "radix unpin without pin");
+        n.pins -= 1;
+    }
+
     /// Lock `id` and its ancestors (their KV is in use by a request).
     pub fn lock(&mut self, id: NodeId) {
         let mut cur = Some(id);
@@ -416,6 +433,7 @@ impl RadixCache {
             .filter(|(id, n)| {
                 *id != NodeId::ROOT
                     && n.checkpoint.is_some()
+                    && n.pins == 0
                     && match want {
                         EvictWant::State | EvictWant::Any => true,
                         EvictWant::Kv => n.children.is_empty() && n.lock == 0,
@@ -491,6 +509,14 @@ impl RadixCache {
             }
         }
         Ok(())
+    }
+
+    /// Whether no request holds a lock or pin anywhere (true whenever nothing is running).
+    pub fn is_unreferenced(&self) -> bool {
+        self.nodes
+            .iter()
+            .flatten()
+            .all(|n| n.lock == 0 && n.pins == 0)
     }
 
     /// Checkpoints on the path ending at `id` (tests).

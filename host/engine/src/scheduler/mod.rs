@@ -37,6 +37,12 @@ pub(crate) type EventSender = UnboundedSender<Result<TokenEvent, RequestError>>;
 /// The receiving end of a request's events when driving [`EngineCore`] directly.
 pub type EventReceiver = tokio::sync::mpsc::UnboundedReceiver<Result<TokenEvent, RequestError>>;
 
+/// A launched step not yet run (see [`EngineCore::step_overlapped`]).
+pub struct InFlight {
+    job: StepJob,
+    launched: step::Launched,
+}
+
 /// A checkpoint written by a planned/in-flight step.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct PendingCheckpoint {
@@ -346,6 +352,9 @@ impl EngineCore {
         };
         if let Some(t) = &self.tree {
             t.check_invariants()?;
+            if self.running.is_empty() && !t.is_unreferenced() {
+                return Err("prefix tree still locked or pinned with nothing running".into());
+            }
             for b in t.owned_blocks() {
                 own(b, "tree".into())?;
             }
@@ -387,6 +396,34 @@ impl EngineCore {
             ));
         }
         Ok(())
+    }
+
+    /// One step of the overlapped pipeline, run synchronously: plan step N+1 while step N is
+    /// "in flight" (held in `inflight`), then run and complete N, then launch N+1. Same
+    /// bookkeeping order as the threaded engine; the executor just runs later. False when idle.
+    pub fn step_overlapped(
+        &mut self,
+        exec: &mut dyn Executor,
+        inflight: &mut Option<InFlight>,
+    ) -> bool {
+        let mut next = if inflight.is_some() {
+            self.schedule()
+        } else {
+            None
+        };
+        let had = inflight.is_some();
+        if let Some(f) = inflight.take() {
+            let out = f.job.run(exec);
+            self.complete(f.launched, out);
+        }
+        if next.is_none() {
+            next = self.schedule();
+        }
+        if let Some((job, launched)) = next.and_then(|p| self.launch(p)) {
+            *inflight = Some(InFlight { job, launched });
+            return true;
+        }
+        had || self.has_work()
     }
 
     /// One synchronous step (schedule, launch, run, complete). Returns false when idle.

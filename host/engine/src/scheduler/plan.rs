@@ -275,7 +275,10 @@ impl EngineCore {
         let m = match self.tree.as_mut() {
             Some(t) => {
                 let m = t.match_prefix(&seq.tokens[..n - 1]);
+                // Locked: its KV stays; pinned: its checkpoint survives the evictions below
+                // until the restore copy is issued.
                 t.lock(m.node);
+                t.pin(m.node);
                 m
             }
             None => PrefixMatch {
@@ -311,6 +314,7 @@ impl EngineCore {
         if !self.pool.fits(slots, need_pages + outstanding) {
             let mut rel = Vec::new();
             if let Some(t) = self.tree.as_mut() {
+                t.unpin(m.node);
                 t.unlock(m.node, &mut rel);
             }
             self.free_blocks(rel);
@@ -340,6 +344,9 @@ impl EngineCore {
                 offset: dst,
                 len: state_len,
             }),
+        }
+        if let Some(t) = self.tree.as_mut() {
+            t.unpin(m.node);
         }
         self.metrics.prefix_hit_tokens += m.len as u64;
         self.metrics.checkpoint_hits += u64::from(m.checkpoint.is_some());
