@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! Engine::start(executor, EngineConfig) -> EngineHandle
-//! EngineHandle::submit(Request { id, prompt, params, sampler }) -> Result<RequestStream, SubmitError>
+//! EngineHandle::submit(Request { id, prompt, sampling: SamplingParams, sampler: None }) -> Result<RequestStream, SubmitError>
 //!     RequestStream: futures::Stream<Item = Result<TokenEvent, RequestError>>  (drop = cancel)
 //!     TokenEvent { token, logprob, top_logprobs, finish: Option<FinishReason>, cached_tokens }
 //! EngineHandle::cancel(id) / metrics() -> EngineMetrics / flush_prefix_cache() / shutdown(deadline)
@@ -37,11 +37,11 @@ pub mod testing;
 
 pub use config::{ConfigError, EngineConfig};
 pub use engine::{Engine, EngineHandle};
+pub use k3_sampling::{SampledToken, SamplingParams};
 pub use memory::PoolMode;
 pub use metrics::EngineMetrics;
 pub use request::{
-    FinishReason, GenerationParams, Request, RequestError, RequestId, RequestStream, SubmitError,
-    TokenEvent,
+    FinishReason, Request, RequestError, RequestId, RequestStream, SubmitError, TokenEvent,
 };
-pub use sampling::{Greedy, SampledToken, TokenSampler};
+pub use sampling::{Greedy, RequestSampler, TokenSampler};
 pub use scheduler::EngineCore;

@@ -1,29 +1,50 @@
-//! The seam between the engine and token selection. The engine only needs "logits in, token
-//! out"; the full sampler (temperature, top-k/p, penalties, seeds, constraints) lives in
-//! `k3-sampling` and plugs in through [`TokenSampler`] (callers pass one per request).
+//! The seam between the engine and token selection: "logits in, token out". Requests are
+//! sampled by `k3-sampling` ([`RequestSampler`]: penalties, temperature, top-k/p, min-p, seeds,
+//! logprobs); a caller may plug in its own [`TokenSampler`] (e.g. a grammar-constrained one).
 
-/// A picked token.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SampledToken {
-    pub token: u32,
-    /// Log-probability of `token` under the (unmodified) softmax of the logits.
-    pub logprob: f32,
-    /// Best `top_n` alternatives, best first.
-    pub top: Vec<(u32, f32)>,
-}
+use k3_sampling::{SampledToken, Sampler, SamplingParams, SeqHistory};
 
-/// Picks the next token from one logits row.
+/// Picks the next token of one request from one logits row. Called exactly once per generated
+/// token, in order, so an implementation may keep per-request state (history, random stream).
 pub trait TokenSampler: Send {
-    /// `history`: all tokens so far (prompt + generated), for penalties.
-    fn sample(&mut self, logits: &[f32], history: &[u32], top_n: usize) -> SampledToken;
+    fn sample(&mut self, logits: &[f32]) -> Result<SampledToken, String>;
 }
 
-/// Deterministic argmax (ties go to the lowest id).
+/// `k3_sampling::Sampler` plus the request's token history (for penalties).
+pub struct RequestSampler {
+    sampler: Sampler,
+    history: SeqHistory,
+}
+
+impl RequestSampler {
+    pub fn new(params: &SamplingParams, vocab: usize, prompt: &[u32]) -> Result<Self, String> {
+        let sampler = Sampler::new(params, vocab).map_err(|e| e.to_string())?;
+        Ok(Self {
+            sampler,
+            history: SeqHistory::new(prompt),
+        })
+    }
+}
+
+impl TokenSampler for RequestSampler {
+    fn sample(&mut self, logits: &[f32]) -> Result<SampledToken, String> {
+        let s = self
+            .sampler
+            .sample(logits, &self.history)
+            .map_err(|e| e.to_string())?;
+        self.history.push(s.token);
+        Ok(s)
+    }
+}
+
+/// Deterministic argmax (ties go to the lowest id), with `top_n` alternatives.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct Greedy;
+pub struct Greedy {
+    pub top_n: usize,
+}
 
 impl TokenSampler for Greedy {
-    fn sample(&mut self, logits: &[f32], _history: &[u32], top_n: usize) -> SampledToken {
+    fn sample(&mut self, logits: &[f32]) -> Result<SampledToken, String> {
         let mut best = 0;
         for (i, &l) in logits.iter().enumerate() {
             if l > logits[best] {
@@ -31,21 +52,22 @@ impl TokenSampler for Greedy {
             }
         }
         let lse = log_sum_exp(logits);
-        let mut top = Vec::new();
-        if top_n > 0 {
-            let mut idx: Vec<usize> = (0..logits.len()).collect();
-            idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-            top = idx
-                .into_iter()
-                .take(top_n)
-                .map(|i| (i as u32, logits[i] - lse))
-                .collect();
-        }
-        SampledToken {
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let top_logprobs = idx
+            .into_iter()
+            .take(self.top_n)
+            .map(|i| (i as u32, logits[i] - lse))
+            .collect();
+        let logprob = logits
+            .get(best)
+            .map(|l| l - lse)
+            .ok_or("empty logits row")?;
+        Ok(SampledToken {
             token: best as u32,
-            logprob: logits.get(best).map_or(0.0, |l| l - lse),
-            top,
-        }
+            logprob,
+            top_logprobs,
+        })
     }
 }
 
@@ -63,10 +85,36 @@ mod tests {
 
     #[test]
     fn greedy_picks_argmax_with_logprobs() {
-        let s = Greedy.sample(&[0.0, 2.0, 1.0, 2.0], &[], 2);
+        let s = Greedy { top_n: 2 }.sample(&[0.0, 2.0, 1.0, 2.0]).unwrap();
         assert_eq!(s.token, 1);
-        assert_eq!(s.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3]);
+        assert_eq!(
+            s.top_logprobs.iter().map(|t| t.0).collect::<Vec<_>>(),
+            vec![1, 3]
+        );
         let p: f32 = [0.0f32, 2.0, 1.0, 2.0].iter().map(|x| x.exp()).sum();
         assert!((s.logprob - (2.0 - p.ln())).abs() < 1e-5);
+    }
+
+    #[test]
+    fn request_sampler_greedy_matches_argmax() {
+        let params = SamplingParams {
+            temperature: 0.0,
+            logprobs: Some(1),
+            ..Default::default()
+        };
+        let mut s = RequestSampler::new(&params, 4, &[0]).unwrap();
+        let out = s.sample(&[0.0, 2.0, 1.0, 3.0]).unwrap();
+        assert_eq!((out.token, out.top_logprobs.len()), (3, 1));
+        assert!(
+            RequestSampler::new(
+                &SamplingParams {
+                    temperature: -1.0,
+                    ..Default::default()
+                },
+                4,
+                &[]
+            )
+            .is_err()
+        );
     }
 }

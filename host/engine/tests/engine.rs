@@ -6,8 +6,8 @@
 use anyhow::{Context, Result, bail};
 use k3_engine::testing::{ToyConfig, ToyExecutor, reference_greedy};
 use k3_engine::{
-    Engine, EngineConfig, EngineCore, FinishReason, GenerationParams, PoolMode, Request,
-    RequestError, SubmitError, TokenEvent,
+    Engine, EngineConfig, EngineCore, FinishReason, PoolMode, Request, RequestError,
+    SamplingParams, SubmitError, TokenEvent,
 };
 use k3_model::Executor;
 use proptest::prelude::*;
@@ -29,21 +29,17 @@ fn executors() -> Vec<(&'static str, MakeExecutor)> {
     vec![("toy", toy)]
 }
 
-fn params(max_tokens: usize) -> GenerationParams {
-    GenerationParams {
-        max_tokens,
+fn params(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(max_tokens),
         ignore_eos: true,
-        ..GenerationParams::default()
+        ..SamplingParams::default()
     }
 }
 
 fn req(id: u64, prompt: Vec<u32>, max_tokens: usize) -> Request {
-    Request {
-        id,
-        prompt,
-        params: params(max_tokens),
-        sampler: None,
-    }
+    Request::new(id, prompt, params(max_tokens))
 }
 
 fn cfg(cache: bool) -> EngineConfig {
@@ -403,26 +399,17 @@ fn stop_tokens_max_tokens_and_context_length() -> Result<()> {
     };
     let mut core = EngineCore::new(exec.layout(), exec.vocab_size(), config)?;
     let stop_at = free_run.iter().position(|&t| t == free_run[3]).unwrap();
-    let mut a = core.submit(Request {
-        id: 1,
-        prompt: prompt.clone(),
-        params: GenerationParams {
-            max_tokens: 50,
-            stop_token_ids: vec![free_run[3]],
-            ignore_eos: true,
-            top_logprobs: 2,
-        },
-        sampler: None,
-    })?;
-    let mut b = core.submit(Request {
-        id: 2,
-        prompt: prompt.clone(),
-        params: GenerationParams {
-            max_tokens: 50,
-            ..Default::default()
-        },
-        sampler: None,
-    })?;
+    let sampling = SamplingParams {
+        stop_token_ids: vec![free_run[3]],
+        logprobs: Some(2),
+        ..params(50)
+    };
+    let mut a = core.submit(Request::new(1, prompt.clone(), sampling))?;
+    let with_eos = SamplingParams {
+        ignore_eos: false,
+        ..params(50)
+    };
+    let mut b = core.submit(Request::new(2, prompt.clone(), with_eos))?;
     let mut c = core.submit(req(3, prompt.clone(), 50))?;
     while core.step(exec.as_mut()) {}
     let (ev, f) = drain(&mut a)?;
@@ -478,6 +465,14 @@ fn submit_errors() -> Result<()> {
     assert!(matches!(
         err(core.submit(req(1, vec![1], 0))),
         SubmitError::ZeroMaxTokens
+    ));
+    let bad = SamplingParams {
+        top_p: 0.0,
+        ..params(4)
+    };
+    assert!(matches!(
+        err(core.submit(Request::new(1, vec![1], bad))),
+        SubmitError::InvalidSampling(_)
     ));
     let big = EngineConfig {
         max_context: 1 << 20,

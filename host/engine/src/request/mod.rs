@@ -10,42 +10,32 @@ mod stream;
 pub use stream::RequestStream;
 
 use crate::sampling::TokenSampler;
+use k3_sampling::SamplingParams;
 
 /// Caller-chosen request id (unique among live requests).
 pub type RequestId = u64;
-
-/// Token-level generation limits.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GenerationParams {
-    /// Most tokens to generate (≥ 1).
-    pub max_tokens: usize,
-    /// Token ids that end generation (the token is emitted with `finish = Stop`).
-    pub stop_token_ids: Vec<u32>,
-    /// Do not stop on the engine's EOS ids.
-    pub ignore_eos: bool,
-    /// How many top alternatives to report per token (0 = none).
-    pub top_logprobs: usize,
-}
-
-impl Default for GenerationParams {
-    fn default() -> Self {
-        Self {
-            max_tokens: 256,
-            stop_token_ids: Vec::new(),
-            ignore_eos: false,
-            top_logprobs: 0,
-        }
-    }
-}
 
 /// One submission.
 pub struct Request {
     pub id: RequestId,
     /// Prompt token ids (non-empty).
     pub prompt: Vec<u32>,
-    pub params: GenerationParams,
-    /// How tokens are picked; `None` = greedy argmax.
+    /// Sampling and token-level stop settings. The engine uses `max_tokens`, `stop_token_ids`,
+    /// `ignore_eos`, `logprobs` and the sampler fields; `stop` strings are the caller's job.
+    pub sampling: SamplingParams,
+    /// Replaces the `k3-sampling` sampler built from `sampling` (e.g. constrained decoding).
     pub sampler: Option<Box<dyn TokenSampler>>,
+}
+
+impl Request {
+    pub fn new(id: RequestId, prompt: Vec<u32>, sampling: SamplingParams) -> Self {
+        Self {
+            id,
+            prompt,
+            sampling,
+            sampler: None,
+        }
+    }
 }
 
 impl std::fmt::Debug for Request {
@@ -53,19 +43,14 @@ impl std::fmt::Debug for Request {
         f.debug_struct("Request")
             .field("id", &self.id)
             .field("prompt_len", &self.prompt.len())
-            .field("params", &self.params)
+            .field("sampling", &self.sampling)
             .finish_non_exhaustive()
     }
 }
 
-/// Why a request ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// EOS or a stop token id was generated.
-    Stop,
-    /// `max_tokens` reached, or the context length.
-    Length,
-}
+/// Why a request ended: the engine emits `Stop` (EOS / stop token id) and `Length`
+/// (`max_tokens` / context length); aborts end the stream with a [`RequestError`] or by closing.
+pub use k3_sampling::FinishReason;
 
 /// One generated token.
 #[derive(Debug, Clone, PartialEq)]
@@ -87,6 +72,8 @@ pub enum RequestError {
     OutOfMemory,
     #[error("model execution failed: {0}")]
     Execution(String),
+    #[error("sampling failed: {0}")]
+    Sampling(String),
     #[error("the engine shut down before the request finished")]
     Shutdown,
     #[error("the engine refused the request: {0}")]
@@ -106,6 +93,9 @@ pub enum SubmitError {
     EmptyPrompt,
     #[error("max_tokens must be at least 1")]
     ZeroMaxTokens,
+    /// Maps to OpenAI's `invalid_request_error`.
+    #[error("{0}")]
+    InvalidSampling(String),
     #[error("token id {token} is outside the vocabulary ({vocab})")]
     InvalidToken { token: u32, vocab: usize },
     #[error("request id {0} is already in use")]

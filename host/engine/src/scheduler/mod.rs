@@ -25,11 +25,10 @@ use crate::cache::{NodeId, RadixCache};
 use crate::config::{ConfigError, EngineConfig};
 use crate::memory::{ArenaOp, BlockId, MemoryPool};
 use crate::metrics::EngineMetrics;
-use crate::request::{
-    FinishReason, GenerationParams, Request, RequestError, RequestId, SubmitError, TokenEvent,
-};
-use crate::sampling::{Greedy, TokenSampler};
+use crate::request::{FinishReason, Request, RequestError, RequestId, SubmitError, TokenEvent};
+use crate::sampling::{RequestSampler, TokenSampler};
 use k3_model::{CacheLayout, Executor};
+use k3_sampling::{StopChecker, TokenVerdict};
 use std::collections::VecDeque;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -62,8 +61,9 @@ pub(crate) struct Seq {
     /// Prompt + generated tokens.
     tokens: Vec<u32>,
     generated: usize,
-    params: GenerationParams,
     sampler: Box<dyn TokenSampler>,
+    /// Token-level stop logic (EOS, stop ids, max_tokens); stop strings are the caller's.
+    stop: StopChecker,
     events: EventSender,
     /// Tokens handed to forwards (including any in flight).
     fed: usize,
@@ -150,8 +150,13 @@ impl EngineCore {
         if req.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
-        if req.params.max_tokens == 0 {
+        if req.sampling.max_tokens == Some(0) {
             return Err(SubmitError::ZeroMaxTokens);
+        }
+        if req.sampler.is_none() {
+            req.sampling
+                .validate()
+                .map_err(|e| SubmitError::InvalidSampling(e.to_string()))?;
         }
         if req.prompt.len() >= cfg.max_context {
             return Err(SubmitError::ContextLengthExceeded {
@@ -194,6 +199,14 @@ impl EngineCore {
                 waiting: self.waiting.len(),
             });
         }
+        let sampler: Box<dyn TokenSampler> = match req.sampler {
+            Some(s) => s,
+            None => Box::new(
+                RequestSampler::new(&req.sampling, self.vocab, &req.prompt)
+                    .map_err(SubmitError::InvalidSampling)?,
+            ),
+        };
+        let stop = StopChecker::new(&req.sampling, &self.cfg.eos_token_ids);
         self.arrivals += 1;
         self.metrics.prompt_tokens += req.prompt.len() as u64;
         self.waiting.push_back(Seq {
@@ -202,8 +215,8 @@ impl EngineCore {
             arrival: self.arrivals,
             tokens: req.prompt,
             generated: 0,
-            params: req.params,
-            sampler: req.sampler.unwrap_or_else(|| Box::new(Greedy)),
+            sampler,
+            stop,
             events,
             fed: 0,
             pages: Vec::new(),
@@ -440,14 +453,13 @@ impl EngineCore {
     }
 }
 
-fn finish_reason(seq: &Seq, token: u32, eos: &[u32], max_context: usize) -> Option<FinishReason> {
-    if seq.params.stop_token_ids.contains(&token)
-        || (!seq.params.ignore_eos && eos.contains(&token))
-    {
-        Some(FinishReason::Stop)
-    } else if seq.generated >= seq.params.max_tokens || seq.tokens.len() >= max_context {
-        Some(FinishReason::Length)
-    } else {
-        None
+/// Token-level end of generation: stop tokens and `max_tokens` (via the request's
+/// `StopChecker`), then the context length.
+fn finish_reason(seq: &mut Seq, token: u32, max_context: usize) -> Option<FinishReason> {
+    match seq.stop.on_token(token) {
+        TokenVerdict::StopToken { .. } => Some(FinishReason::Stop),
+        TokenVerdict::LastToken => Some(FinishReason::Length),
+        TokenVerdict::Continue if seq.tokens.len() >= max_context => Some(FinishReason::Length),
+        TokenVerdict::Continue => None,
     }
 }

@@ -213,22 +213,24 @@ impl EngineCore {
                 continue;
             }
             let row = out.row(range.end - 1);
-            let sampled = seq
-                .sampler
-                .sample(row, &seq.tokens, seq.params.top_logprobs);
+            let sampled = match seq.sampler.sample(row) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = seq.events.send(Err(RequestError::Sampling(e)));
+                    self.release(&mut seq, false);
+                    self.metrics.failed += 1;
+                    self.retired.push(seq.id);
+                    continue;
+                }
+            };
             seq.tokens.push(sampled.token);
             seq.generated += 1;
             self.metrics.generated_tokens += 1;
-            let finish = finish_reason(
-                &seq,
-                sampled.token,
-                &self.cfg.eos_token_ids,
-                self.cfg.max_context,
-            );
+            let finish = finish_reason(&mut seq, sampled.token, self.cfg.max_context);
             let event = TokenEvent {
                 token: sampled.token,
                 logprob: sampled.logprob,
-                top_logprobs: sampled.top,
+                top_logprobs: sampled.top_logprobs,
                 finish,
                 cached_tokens: if seq.generated == 1 {
                     seq.cached_tokens
