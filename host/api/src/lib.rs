@@ -6,6 +6,7 @@ pub mod admin;
 pub mod anthropic;
 pub mod backend;
 pub mod body;
+pub mod engine_backend;
 pub mod error;
 pub mod generation;
 pub mod metrics;

@@ -17,6 +17,8 @@ enum Command {
     Generate(cmd::generate::Args),
     /// Measure CPU throughput: batch-1 decode, prefill of a long prompt, peak RSS.
     Bench(cmd::bench::Args),
+    /// Serve the OpenAI and Anthropic HTTP APIs.
+    Serve(Box<cmd::serve::Args>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -24,5 +26,6 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(a) => cmd::generate::run(a),
         Command::Bench(a) => cmd::bench::run(a),
+        Command::Serve(a) => cmd::serve::run(*a),
     }
 }

@@ -3,3 +3,5 @@
 pub mod bench;
 pub mod generate;
 pub mod model_loading;
+pub mod serve;
+pub mod serve_config;

@@ -1,0 +1,320 @@
+//! `k3serve serve`: load a model on the CPU, start the engine and the plugin host, and serve the
+//! OpenAI / Anthropic HTTP API until SIGINT/SIGTERM (then drain with a deadline).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use k3_api::engine_backend::{EngineBackend, EngineBackendParts, SamplingDefaults};
+use k3_api::{ApiConfig, AppState};
+use k3_backend_cpu::CpuBackend;
+use k3_engine::{Engine, EngineConfig};
+use k3_frontend::Tokenizer;
+use k3_model::model::CacheOffsets;
+use k3_model::{Executor, Model, ModelExecutor};
+use k3_plugin_host::{PluginHost, PluginHostConfig, Stage, default_plugin_dir};
+
+pub use super::serve_config::Args;
+use super::serve_config::ServeConfig;
+
+/// Tokens per KV page.
+const PAGE_TOKENS: usize = 16;
+/// State blocks a running request holds (working, snapshot, two spares; see the engine).
+const STATE_SLOTS_PER_REQUEST: usize = 4;
+/// Extra state blocks per request slot for prefix-cache checkpoints.
+const CHECKPOINT_BLOCKS_PER_SEQ: usize = 4;
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let cfg = ServeConfig::resolve(args)?;
+    init_logging(cfg.log_level.as_deref());
+    super::model_loading::init_threads(cfg.threads)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("k3serve-http")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(serve(cfg))
+}
+
+fn init_logging(level: Option<&str>) {
+    let filter = match level {
+        Some(l) => tracing_subscriber::EnvFilter::new(l),
+        None => tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// One line of start-up progress: `[step/total] what ... done in 0.3 s`.
+struct Progress {
+    step: usize,
+    total: usize,
+}
+
+impl Progress {
+    fn run<T>(&mut self, what: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+        self.step += 1;
+        eprintln!("[{}/{}] {what} ...", self.step, self.total);
+        let t = Instant::now();
+        let out = f()?;
+        eprintln!(
+            "[{}/{}] {what}: done in {:.2} s",
+            self.step,
+            self.total,
+            t.elapsed().as_secs_f64()
+        );
+        Ok(out)
+    }
+}
+
+/// A plugin given by name (`<name><suffix>` in the plugin directory) or by path.
+fn plugin_path(dir: &Path, spec: &str, suffix: &str) -> PathBuf {
+    if spec.ends_with(".wasm") || spec.contains('/') {
+        PathBuf::from(spec)
+    } else {
+        dir.join(format!("{spec}{suffix}"))
+    }
+}
+
+fn plugin_cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("k3serve").join("plugins"))
+}
+
+fn load_plugins(cfg: &ServeConfig) -> anyhow::Result<PluginHost> {
+    let mut host_cfg = PluginHostConfig::default();
+    if let Some(dir) = plugin_cache_dir()
+        && std::fs::create_dir_all(&dir).is_ok()
+    {
+        host_cfg = host_cfg.with_cache_dir(dir);
+    }
+    let host = PluginHost::new(host_cfg).context("starting the plugin host")?;
+    let dir = cfg.plugin_dir.clone().unwrap_or_else(default_plugin_dir);
+    let template = cfg
+        .chat_template_plugin
+        .clone()
+        .unwrap_or_else(|| "kimi_k3".into());
+    for (stage, spec, suffix) in [
+        (Stage::ChatTemplate, template.as_str(), "_template.wasm"),
+        (
+            Stage::ReasoningParser,
+            cfg.reasoning_parser.as_str(),
+            "_reasoning.wasm",
+        ),
+        (
+            Stage::ToolParser,
+            cfg.tool_call_parser.as_str(),
+            "_tools.wasm",
+        ),
+    ] {
+        let path = plugin_path(&dir, spec, suffix);
+        let bytes = std::fs::read(&path).with_context(|| {
+            format!(
+                "reading the {stage} plugin {} (build the plugins with scripts/build-plugins, \
+                 or point --plugin-dir / --{} at one)",
+                path.display(),
+                match stage {
+                    Stage::ChatTemplate => "chat-template-plugin",
+                    Stage::ReasoningParser => "reasoning-parser",
+                    _ => "tool-call-parser",
+                }
+            )
+        })?;
+        let info = host
+            .install(stage, &bytes)
+            .with_context(|| format!("loading the {stage} plugin {}", path.display()))?;
+        tracing::info!(
+            stage = %stage,
+            plugin = %info.metadata.name,
+            version = %info.metadata.version,
+            "plugin active"
+        );
+    }
+    Ok(host)
+}
+
+/// Arena bytes for `seqs` full-length requests plus checkpoint blocks.
+fn default_arena_bytes(
+    kv_page_bytes: usize,
+    state_block_bytes: usize,
+    seqs: usize,
+    len: usize,
+) -> usize {
+    let pages = len.div_ceil(PAGE_TOKENS);
+    seqs * ((STATE_SLOTS_PER_REQUEST + CHECKPOINT_BLOCKS_PER_SEQ) * state_block_bytes
+        + pages * kv_page_bytes)
+}
+
+async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let mut progress = Progress { step: 0, total: 5 };
+    let model_dir = cfg.model.clone();
+    if !model_dir.is_dir() {
+        bail!(
+            "model directory {} does not exist (pass --model DIR)",
+            model_dir.display()
+        );
+    }
+
+    let tokenizer = progress.run("loading the tokenizer", || {
+        Tokenizer::from_dir(&model_dir)
+            .map(Arc::new)
+            .with_context(|| format!("loading the tokenizer of {}", model_dir.display()))
+    })?;
+    let chat_template = match &cfg.chat_template {
+        Some(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("reading the chat template {}", path.display()))?,
+        None => tokenizer.chat_template().map(str::to_string).context(
+            "the model has no chat_template in tokenizer_config.json; pass --chat-template FILE",
+        )?,
+    };
+
+    let weights = model_dir.join("model.safetensors");
+    let weight_mb = std::fs::metadata(&weights).map(|m| m.len()).unwrap_or(0) as f64 / 1e6;
+    let model = progress.run(
+        &format!("loading the model weights ({weight_mb:.1} MB, CPU)"),
+        || {
+            Model::load_dir(&model_dir, CpuBackend::new())
+                .with_context(|| format!("loading the model from {}", model_dir.display()))
+        },
+    )?;
+    let config = model.config.clone();
+    let max_model_len = cfg.max_model_len.unwrap_or(config.max_position_embeddings);
+
+    let plugins = progress.run("loading the plugins", || load_plugins(&cfg))?;
+
+    let (engine, layout, vocab_size) = progress.run("starting the engine", || {
+        let offsets = CacheOffsets::new(&model.config, PAGE_TOKENS);
+        let arena = cfg.kv_cache_memory_bytes.unwrap_or_else(|| {
+            default_arena_bytes(
+                offsets.kv_page_bytes,
+                offsets.state_block_bytes,
+                cfg.max_num_seqs,
+                max_model_len,
+            )
+        });
+        let exec = ModelExecutor::new(model, PAGE_TOKENS, arena)?;
+        let layout = exec.layout();
+        let vocab = exec.vocab_size();
+        let mut eos = vec![config.eos_token_id];
+        eos.extend(tokenizer.eos_token_id());
+        eos.dedup();
+        let engine_cfg = EngineConfig {
+            prefix_cache: cfg.enable_prefix_caching,
+            max_running: cfg.max_num_seqs,
+            max_waiting: cfg.max_waiting_requests,
+            step_tokens: cfg.max_num_batched_tokens,
+            max_step_tokens: cfg
+                .max_num_batched_tokens
+                .max(EngineConfig::default().max_step_tokens),
+            max_context: max_model_len,
+            eos_token_ids: eos,
+            ..EngineConfig::default()
+        };
+        tracing::info!(
+            arena_mb = arena as f64 / 1e6,
+            max_model_len,
+            max_num_seqs = cfg.max_num_seqs,
+            "cache arena"
+        );
+        let engine = Engine::start(Box::new(exec), engine_cfg).context("starting the engine")?;
+        Ok((engine, layout, vocab))
+    })?;
+
+    let defaults = match std::fs::read_to_string(model_dir.join("generation_config.json")) {
+        Ok(text) => SamplingDefaults::from_generation_config(
+            &serde_json::from_str(&text).context("parsing generation_config.json")?,
+        ),
+        Err(_) => SamplingDefaults::default(),
+    };
+    let dir_name = model_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let name = cfg.served_model_name.clone().unwrap_or(dir_name);
+    let mut eos_ids = vec![config.eos_token_id];
+    eos_ids.extend(tokenizer.eos_token_id());
+    eos_ids.dedup();
+    let grace = Duration::from_secs_f64(cfg.shutdown_timeout);
+    let backend = EngineBackend::new(EngineBackendParts {
+        engine,
+        tokenizer,
+        plugins,
+        chat_template,
+        model: k3_api::backend::ModelInfo {
+            id: name.clone(),
+            aliases: vec![model_dir.display().to_string()],
+            max_model_len: max_model_len.min(u32::MAX as usize) as u32,
+            created: k3_api::unix_now(),
+        },
+        eos_token_ids: eos_ids,
+        vocab_size,
+        defaults,
+        kv_page_bytes: layout.kv_page_bytes,
+        state_block_bytes: layout.state_block_bytes,
+        shutdown_grace: grace,
+    });
+    let state = AppState::new(
+        Arc::new(backend),
+        ApiConfig {
+            served_model_name: Some(name.clone()),
+            api_key: cfg.api_key.clone(),
+            admin_token: cfg.admin_token.clone(),
+            max_request_body_bytes: cfg.max_request_body_bytes,
+            max_concurrent_requests: cfg.max_num_seqs + cfg.max_waiting_requests,
+            ..ApiConfig::default()
+        },
+    );
+
+    let listener = progress.run("binding the listener", || {
+        let addr = format!("{}:{}", cfg.host, cfg.port);
+        let std_listener = std::net::TcpListener::bind(&addr)
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        std_listener.set_nonblocking(true)?;
+        Ok(tokio::net::TcpListener::from_std(std_listener)?)
+    })?;
+    let addr = listener.local_addr()?;
+    eprintln!(
+        "k3serve: serving '{name}' on http://{addr} (OpenAI: /v1/chat/completions, /v1/completions, \
+         /v1/models; Anthropic: /v1/messages; /health, /metrics{}) — ready in {:.1} s",
+        if cfg.admin_token.is_some() {
+            ", /admin/plugins"
+        } else {
+            ""
+        },
+        started.elapsed().as_secs_f64()
+    );
+    k3_api::serve(listener, state, shutdown_signal(), grace)
+        .await
+        .context("serving HTTP")?;
+    eprintln!("k3serve: stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    eprintln!("k3serve: shutting down (waiting for running requests)");
+}

@@ -1,0 +1,297 @@
+//! `k3serve serve` settings: command-line flags (vLLM's names where vLLM has one) and an
+//! optional TOML file (`--config k3serve.toml`, same keys as the flags, `-` or `_`); a flag given
+//! on the command line wins over the file, the file over the defaults.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use serde::Deserialize;
+
+/// The flags. Every field is optional so the TOML file can fill what the command line leaves out.
+#[derive(clap::Args, Debug, Default, Clone)]
+pub struct Args {
+    /// TOML file with any of the settings below (flags given here win).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Model directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json).
+    /// [default: models/k3-mini]
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Name the API serves the model under [default: the model directory's name].
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Address to listen on [default: 0.0.0.0].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to listen on [default: 8000].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Device to run on; only `cpu` for now [default: cpu].
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Require `Authorization: Bearer KEY` on /v1/* (also K3SERVE_API_KEY).
+    #[arg(long, env = "K3SERVE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Enable /admin/* behind `Authorization: Bearer TOKEN` (also K3SERVE_ADMIN_TOKEN).
+    #[arg(long, env = "K3SERVE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Context length: prompt + generated tokens [default: the model's max_position_embeddings].
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Most requests in the running batch [default: 32].
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    /// Token budget of one engine step [default: 512].
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Most requests waiting for the batch before new ones get 429 [default: 1024].
+    #[arg(long)]
+    pub max_waiting_requests: Option<usize>,
+    /// Bytes of the KV/state cache arena [default: enough for max-num-seqs full-length requests
+    /// plus prefix-cache checkpoints].
+    #[arg(long)]
+    pub kv_cache_memory_bytes: Option<usize>,
+    /// Turn the prefix cache off.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// Tool-call parser plugin: a name (`kimi_k3`, `kimi_k2`: `<name>_tools.wasm` in the plugin
+    /// directory) or a path to a component [default: kimi_k3].
+    #[arg(long)]
+    pub tool_call_parser: Option<String>,
+    /// Reasoning parser plugin: a name (`kimi_k3`, `think_tags`: `<name>_reasoning.wasm`) or a
+    /// path to a component [default: kimi_k3].
+    #[arg(long)]
+    pub reasoning_parser: Option<String>,
+    /// Chat-template plugin component (path) [default: kimi_k3_template.wasm].
+    #[arg(long)]
+    pub chat_template_plugin: Option<String>,
+    /// A Jinja chat template file to use instead of the model's own.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    /// Where the default plugins are [default: $K3_PLUGIN_DIR or the build's plugin directory].
+    #[arg(long)]
+    pub plugin_dir: Option<PathBuf>,
+    /// Largest accepted request body in bytes [default: 8 MiB].
+    #[arg(long)]
+    pub max_request_body_bytes: Option<usize>,
+    /// Seconds running requests may take to finish at shutdown [default: 30].
+    #[arg(long)]
+    pub shutdown_timeout: Option<f64>,
+    /// CPU worker threads for the model (0 = one per core) [default: 0].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Log filter (`info`, `debug`, `k3_api=debug`...) [default: $RUST_LOG or info].
+    #[arg(long)]
+    pub log_level: Option<String>,
+}
+
+/// The TOML file: the same settings.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct FileConfig {
+    model: Option<PathBuf>,
+    served_model_name: Option<String>,
+    host: Option<String>,
+    port: Option<u16>,
+    device: Option<String>,
+    api_key: Option<String>,
+    admin_token: Option<String>,
+    max_model_len: Option<usize>,
+    max_num_seqs: Option<usize>,
+    max_num_batched_tokens: Option<usize>,
+    max_waiting_requests: Option<usize>,
+    kv_cache_memory_bytes: Option<usize>,
+    enable_prefix_caching: Option<bool>,
+    tool_call_parser: Option<String>,
+    reasoning_parser: Option<String>,
+    chat_template_plugin: Option<String>,
+    chat_template: Option<PathBuf>,
+    plugin_dir: Option<PathBuf>,
+    max_request_body_bytes: Option<usize>,
+    shutdown_timeout: Option<f64>,
+    threads: Option<usize>,
+    log_level: Option<String>,
+}
+
+/// Resolved settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeConfig {
+    pub model: PathBuf,
+    pub served_model_name: Option<String>,
+    pub host: String,
+    pub port: u16,
+    pub api_key: Option<String>,
+    pub admin_token: Option<String>,
+    /// `None`: from the model's config.
+    pub max_model_len: Option<usize>,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_waiting_requests: usize,
+    pub kv_cache_memory_bytes: Option<usize>,
+    pub enable_prefix_caching: bool,
+    pub tool_call_parser: String,
+    pub reasoning_parser: String,
+    pub chat_template_plugin: Option<String>,
+    pub chat_template: Option<PathBuf>,
+    pub plugin_dir: Option<PathBuf>,
+    pub max_request_body_bytes: usize,
+    pub shutdown_timeout: f64,
+    pub threads: usize,
+    pub log_level: Option<String>,
+}
+
+fn parse_file(text: &str, path: &Path) -> anyhow::Result<FileConfig> {
+    // Accept snake_case keys too: normalise them to the flags' kebab-case.
+    let table: toml::Table =
+        toml::from_str(text).with_context(|| format!("{} is not valid TOML", path.display()))?;
+    let normalised: toml::Table = table
+        .into_iter()
+        .map(|(k, v)| (k.replace('_', "-"), v))
+        .collect();
+    normalised
+        .try_into()
+        .with_context(|| format!("in {}", path.display()))
+}
+
+impl ServeConfig {
+    pub fn resolve(args: Args) -> anyhow::Result<ServeConfig> {
+        let file = match &args.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading the config file {}", path.display()))?;
+                parse_file(&text, path)?
+            }
+            None => FileConfig::default(),
+        };
+        let device = args.device.or(file.device).unwrap_or_else(|| "cpu".into());
+        if device != "cpu" {
+            bail!("--device {device} is not available in this build; use --device cpu");
+        }
+        let cfg = ServeConfig {
+            model: args
+                .model
+                .or(file.model)
+                .unwrap_or_else(|| PathBuf::from("models/k3-mini")),
+            served_model_name: args.served_model_name.or(file.served_model_name),
+            host: args.host.or(file.host).unwrap_or_else(|| "0.0.0.0".into()),
+            port: args.port.or(file.port).unwrap_or(8000),
+            api_key: args.api_key.or(file.api_key).filter(|k| !k.is_empty()),
+            admin_token: args
+                .admin_token
+                .or(file.admin_token)
+                .filter(|k| !k.is_empty()),
+            max_model_len: args.max_model_len.or(file.max_model_len),
+            max_num_seqs: args.max_num_seqs.or(file.max_num_seqs).unwrap_or(32),
+            max_num_batched_tokens: args
+                .max_num_batched_tokens
+                .or(file.max_num_batched_tokens)
+                .unwrap_or(512),
+            max_waiting_requests: args
+                .max_waiting_requests
+                .or(file.max_waiting_requests)
+                .unwrap_or(1024),
+            kv_cache_memory_bytes: args.kv_cache_memory_bytes.or(file.kv_cache_memory_bytes),
+            enable_prefix_caching: if args.no_enable_prefix_caching {
+                false
+            } else {
+                file.enable_prefix_caching.unwrap_or(true)
+            },
+            tool_call_parser: args
+                .tool_call_parser
+                .or(file.tool_call_parser)
+                .unwrap_or_else(|| "kimi_k3".into()),
+            reasoning_parser: args
+                .reasoning_parser
+                .or(file.reasoning_parser)
+                .unwrap_or_else(|| "kimi_k3".into()),
+            chat_template_plugin: args.chat_template_plugin.or(file.chat_template_plugin),
+            chat_template: args.chat_template.or(file.chat_template),
+            plugin_dir: args.plugin_dir.or(file.plugin_dir),
+            max_request_body_bytes: args
+                .max_request_body_bytes
+                .or(file.max_request_body_bytes)
+                .unwrap_or(8 * 1024 * 1024),
+            shutdown_timeout: args
+                .shutdown_timeout
+                .or(file.shutdown_timeout)
+                .unwrap_or(30.0),
+            threads: args.threads.or(file.threads).unwrap_or(0),
+            log_level: args.log_level.or(file.log_level),
+        };
+        for (value, name) in [
+            (cfg.max_num_seqs, "max-num-seqs"),
+            (cfg.max_num_batched_tokens, "max-num-batched-tokens"),
+            (cfg.max_request_body_bytes, "max-request-body-bytes"),
+        ] {
+            if value == 0 {
+                bail!("--{name} must be at least 1");
+            }
+        }
+        if cfg.max_model_len == Some(0) {
+            bail!("--max-model-len must be at least 1");
+        }
+        if !(cfg.shutdown_timeout.is_finite() && cfg.shutdown_timeout >= 0.0) {
+            bail!("--shutdown-timeout must be a non-negative number of seconds");
+        }
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(text: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!(
+            "k3serve-config-{}-{}.toml",
+            std::process::id(),
+            text.len()
+        ));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn flags_win_over_the_file_which_wins_over_defaults() {
+        let path = write(
+            "port = 9000\nmax_num_seqs = 8\ntool-call-parser = \"kimi_k2\"\nenable-prefix-caching = false\n",
+        );
+        let cfg = ServeConfig::resolve(Args {
+            config: Some(path.clone()),
+            port: Some(9100),
+            ..Default::default()
+        })
+        .unwrap();
+        std::fs::remove_file(path).ok();
+        assert_eq!(cfg.port, 9100);
+        assert_eq!(cfg.max_num_seqs, 8);
+        assert_eq!(cfg.tool_call_parser, "kimi_k2");
+        assert!(!cfg.enable_prefix_caching);
+        assert_eq!(cfg.host, "0.0.0.0");
+        assert_eq!(cfg.model, PathBuf::from("models/k3-mini"));
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_named() {
+        let path = write("max-modle-len = 5\n");
+        let err = ServeConfig::resolve(Args {
+            config: Some(path.clone()),
+            ..Default::default()
+        })
+        .unwrap_err();
+        std::fs::remove_file(path).ok();
+        assert!(format!("{err:#}").contains("max-modle-len"), "{err:#}");
+        let err = ServeConfig::resolve(Args {
+            device: Some("tpu".into()),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("tpu"));
+        let err = ServeConfig::resolve(Args {
+            max_num_seqs: Some(0),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("max-num-seqs"));
+    }
+}
