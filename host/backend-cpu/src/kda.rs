@@ -135,9 +135,13 @@ pub fn head_inputs(
                 hi.k[dst.clone()].copy_from_slice(&k[src..src + kd]);
                 l2norm(&mut hi.k[dst.clone()], 1.0);
                 hi.v[dst.clone()].copy_from_slice(&v[src..src + kd]);
-                for c in 0..kd {
-                    hi.g[tt * kd + c] = d.lower_bound * sigmoid(a * (f[src + c] + dt_bias[h * kd + c]));
-                }
+                crate::fastmath::safe_gate_into(
+                    &f[src..src + kd],
+                    &dt_bias[h * kd..(h + 1) * kd],
+                    a,
+                    d.lower_bound,
+                    &mut hi.g[tt * kd..(tt + 1) * kd],
+                );
                 hi.beta[tt] = sigmoid(b[tt * d.heads + h]);
             }
             hi
@@ -156,7 +160,10 @@ simd_fn! {
             row.iter_mut().for_each(|x| *x *= a);
             axpy(k[r], row, &mut ks);
         }
-        let u: Vec<f32> = v.iter().zip(&ks).map(|(vv, kk)| beta * (vv - kk)).collect();
+        let mut u = vec![0f32; vd];
+        for c in 0..vd {
+            u[c] = beta * (v[c] - ks[c]);
+        }
         o.fill(0.0);
         for r in 0..kd {
             let row = &mut s[r * vd..(r + 1) * vd];
@@ -188,17 +195,26 @@ simd_fn! {
                 gam[r * kd + d] = g[r * kd + d] + if r > 0 { gam[(r - 1) * kd + d] } else { 0.0 };
             }
         }
-        let eg: Vec<f32> = gam.iter().map(|&x| crate::fastmath::exp(x)).collect();
-        let kdec: Vec<f32> = (0..c * kd).map(|i| k[i] * eg[i]).collect();
-        let kinv: Vec<f32> = (0..c * kd).map(|i| k[i] * crate::fastmath::exp(-gam[i])).collect();
-        let qdec: Vec<f32> = (0..c * kd).map(|i| q[i] * eg[i]).collect();
+        // Plain loops: closures would not inherit this function's SIMD target features.
+        let mut eg = vec![0f32; c * kd];
+        let mut kdec = vec![0f32; c * kd];
+        let mut kinv = vec![0f32; c * kd];
+        let mut qdec = vec![0f32; c * kd];
+        for i in 0..c * kd {
+            eg[i] = crate::fastmath::exp(gam[i]);
+            kdec[i] = k[i] * eg[i];
+            kinv[i] = k[i] * crate::fastmath::exp(-gam[i]);
+            qdec[i] = q[i] * eg[i];
+        }
         // Forward substitution: (I + L) [W | U] = Diag(β) [K̂⊙e^Γ | V].
         let mut wm = vec![0f32; c * kd];
         let mut um = vec![0f32; c * vd];
         for i in 0..c {
             let (bi, ki) = (beta[i], &kdec[i * kd..(i + 1) * kd]);
-            let mut wi: Vec<f32> = ki.iter().map(|x| bi * x).collect();
-            let mut ui: Vec<f32> = v[i * vd..(i + 1) * vd].iter().map(|x| bi * x).collect();
+            let mut wi = vec![0f32; kd];
+            let mut ui = vec![0f32; vd];
+            axpy(bi, ki, &mut wi);
+            axpy(bi, &v[i * vd..(i + 1) * vd], &mut ui);
             for j in 0..i {
                 let lij = bi * dotf(ki, &kinv[j * kd..(j + 1) * kd]);
                 axpy(-lij, &wm[j * kd..(j + 1) * kd], &mut wi);
