@@ -99,6 +99,8 @@ def main():
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kda-impl", default="auto", choices=["auto", "fla", "fast"])
+    ap.add_argument("--init-from", default=None, help="model directory to continue from (exported weights)")
+    ap.add_argument("--profile-steps", type=int, default=0, help="profile steps 3..N and write profile.txt")
     ap.add_argument("--moe", default="dense", choices=["dense", "sparse"])
     ap.add_argument("--bias-speed", type=float, default=1e-3)
     a = ap.parse_args()
@@ -106,7 +108,11 @@ def main():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(a.seed)
     cfg = k3_mini()
-    model = K3ForCausalLM(cfg).to(dev).train()
+    model = K3ForCausalLM(cfg)
+    if a.init_from:
+        from .export import load_exported
+        model.load_state_dict(load_exported(a.init_from).state_dict())
+    model = model.to(dev).train()
     kda_impl = a.kda_impl if a.kda_impl != "auto" else ("fla" if _fla_chunk_kda is not None and dev == "cuda"
                                                           else "fast")
     decay, no_decay = [], []
@@ -136,6 +142,16 @@ def main():
         lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for grp in opt.param_groups:
             grp["lr"] = lr
+        if a.profile_steps and step == 3:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+        if a.profile_steps and step == a.profile_steps:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            with open(os.path.join(a.out, "profile.txt"), "w") as f:
+                f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+                f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
         ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
             logits = model(ids[:, :-1], kda_impl=kda_impl, moe_dense=a.moe == "dense", fake_quant=True)

@@ -12,5 +12,6 @@ python3 -m k3ref.train --out $RUN --time-budget "$TRAIN_S" --kda-impl fast --moe
   | grep -v -i warning | tee "$OUT/train_stdout.log"
 python3 -m k3ref.export --checkpoint $RUN/model.pt --out /tmp/k3-mini --tokenizer-dir models/k3-mini
 cp $RUN/train_log.jsonl $RUN/train_summary.json /tmp/k3-mini/config.json "$OUT/"
+[ -f $RUN/profile.txt ] && cp $RUN/profile.txt "$OUT/"
 split -b 15M -d /tmp/k3-mini/model.safetensors "$OUT/model.safetensors.part"
 ls -la "$OUT"
