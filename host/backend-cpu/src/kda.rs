@@ -267,6 +267,7 @@ pub fn run_head(
     cuts: &[usize],
     chunked: bool,
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let _ftz = crate::simd::FlushDenormals::new();
     let vd = hi.v.len() / t.max(1);
     let mut o = vec![0f32; t * vd];
     let mut snaps = Vec::with_capacity(cuts.len());

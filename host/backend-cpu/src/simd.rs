@@ -37,3 +37,47 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
         *yv = xv.mul_add(a, *yv);
     }
 }
+
+/// While alive, the current thread flushes denormal results and inputs to zero (MXCSR FTZ|DAZ),
+/// restoring the previous mode on drop. Decaying recurrent states (KDA: up to e^−5 per token)
+/// drift into the denormal range, where every multiply takes a ~100-cycle microcode assist;
+/// values below 1.2e-38 carry no information next to the state's O(1) entries.
+pub struct FlushDenormals {
+    #[cfg(target_arch = "x86_64")]
+    saved: u32,
+}
+
+impl FlushDenormals {
+    pub fn new() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut saved: u32 = 0;
+            // SAFETY: stmxcsr/ldmxcsr only read/write the SSE control register of this thread;
+            // bits 15 (FTZ) and 6 (DAZ) change denormal handling, nothing else.
+            unsafe {
+                std::arch::asm!("stmxcsr [{}]", in(reg) &mut saved, options(nostack));
+                let flushed = saved | (1 << 15) | (1 << 6);
+                std::arch::asm!("ldmxcsr [{}]", in(reg) &flushed, options(nostack, readonly));
+            }
+            Self { saved }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Self {}
+    }
+}
+
+impl Default for FlushDenormals {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for FlushDenormals {
+    fn drop(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: restores the value read in `new`.
+        unsafe {
+            std::arch::asm!("ldmxcsr [{}]", in(reg) &self.saved, options(nostack, readonly));
+        }
+    }
+}
