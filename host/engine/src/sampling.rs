@@ -65,7 +65,7 @@ impl TokenSampler for Greedy {
             .ok_or("empty logits row")?;
         Ok(SampledToken {
             token: best as u32,
-            logprob,
+            logprob: Some(logprob),
             top_logprobs,
         })
     }
@@ -92,7 +92,7 @@ mod tests {
             vec![1, 3]
         );
         let p: f32 = [0.0f32, 2.0, 1.0, 2.0].iter().map(|x| x.exp()).sum();
-        assert!((s.logprob - (2.0 - p.ln())).abs() < 1e-5);
+        assert!((s.logprob.unwrap() - (2.0 - p.ln())).abs() < 1e-5);
     }
 
     #[test]

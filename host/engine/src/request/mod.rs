@@ -56,7 +56,8 @@ pub use k3_sampling::FinishReason;
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
     pub token: u32,
-    pub logprob: f32,
+    /// Log-probability of `token` (raw logits), when the request asked for logprobs.
+    pub logprob: Option<f32>,
     /// `(token, logprob)` alternatives, best first (`params.top_logprobs` of them).
     pub top_logprobs: Vec<(u32, f32)>,
     /// Set on the last event of the request.
