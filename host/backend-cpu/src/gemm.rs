@@ -16,6 +16,10 @@ pub struct Packed {
     pub n: usize,
     pub k: usize,
     pub panels: Vec<f32>,
+    /// The same panels as bf16 bits, present when every value is exactly a bf16 (checkpoint
+    /// weights). Single-row products (decode) read these: half the memory traffic, and
+    /// bit-identical results since the widening is exact and the FMA order is unchanged.
+    pub bf16: Option<Vec<u16>>,
 }
 
 impl Packed {
@@ -30,7 +34,15 @@ impl Packed {
                 dst[kk * LANES + l] = v;
             }
         }
-        Self { n, k, panels }
+        Self { n, k, panels, bf16: None }
+    }
+
+    /// Also keep bf16 panels when the values allow it exactly (weights loaded from bf16).
+    pub fn with_bf16(mut self) -> Self {
+        if self.panels.iter().all(|v| v.to_bits() & 0xFFFF == 0) {
+            self.bf16 = Some(self.panels.iter().map(|v| (v.to_bits() >> 16) as u16).collect());
+        }
+        self
     }
 
     pub fn num_panels(&self) -> usize {
@@ -116,6 +128,32 @@ mod avx512 {
         }
     }
 
+    /// One row × `NP` panels reading bf16 panels (exactly widened to f32).
+    #[inline(always)]
+    unsafe fn micro_bf16<const NP: usize>(x: *const f32, k: usize, panels: *const u16, y: *mut f32, last_cols: usize) {
+        // SAFETY (whole block): as `micro` with MR = 1, over the bf16 copy of the same panels.
+        unsafe {
+            let mut acc = [_mm512_setzero_ps(); NP];
+            for kk in 0..k {
+                let xv = _mm512_set1_ps(*x.add(kk));
+                for p in 0..NP {
+                    let raw = _mm256_loadu_si256(panels.add((p * k + kk) * LANES) as *const __m256i);
+                    let wv = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)));
+                    acc[p] = _mm512_fmadd_ps(xv, wv, acc[p]);
+                }
+            }
+            let mask: __mmask16 = if last_cols >= LANES { 0xFFFF } else { ((1u32 << last_cols) - 1) as __mmask16 };
+            for p in 0..NP {
+                let dst = y.add(p * LANES);
+                if p + 1 == NP {
+                    _mm512_mask_storeu_ps(dst, mask, acc[p]);
+                } else {
+                    _mm512_storeu_ps(dst, acc[p]);
+                }
+            }
+        }
+    }
+
     macro_rules! rows_dispatch {
         ($mr:expr, $np:literal, $($args:expr),*) => {
             match $mr {
@@ -132,7 +170,7 @@ mod avx512 {
     /// # Safety
     /// AVX-512F + FMA must be available; `y` holds `m` rows of stride `ldy` ≥ (p1−p0)·16 (the
     /// last panel may be narrower when it is the matrix's last).
-    #[target_feature(enable = "avx512f,fma")]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
     pub unsafe fn block(x: &[f32], m: usize, w: &Packed, p0: usize, p1: usize, y: &mut [f32], ldy: usize) {
         let k = w.k;
         let np_total = w.num_panels();
@@ -153,6 +191,23 @@ mod avx512 {
                     // Bounds of the unchecked stores below.
                     assert!(y.len() >= (i + mr - 1) * ldy + (p - p0 + np - 1) * LANES + last_cols);
                     let (xp, wp, yp) = (x[i * k..].as_ptr(), w.panels[p * k * LANES..].as_ptr(), y[yrow..].as_mut_ptr());
+                    if mr == 1 {
+                        if let Some(h) = &w.bf16 {
+                            let hp = h[p * k * LANES..].as_ptr();
+                            // SAFETY: checked above (the bf16 copy has the panels' layout).
+                            unsafe {
+                                match np {
+                                    8 => micro_bf16::<8>(xp, k, hp, yp, last_cols),
+                                    4 => micro_bf16::<4>(xp, k, hp, yp, last_cols),
+                                    3 => micro_bf16::<3>(xp, k, hp, yp, last_cols),
+                                    2 => micro_bf16::<2>(xp, k, hp, yp, last_cols),
+                                    _ => micro_bf16::<1>(xp, k, hp, yp, last_cols),
+                                }
+                            }
+                            p += np;
+                            continue;
+                        }
+                    }
                     // SAFETY: checked above.
                     unsafe {
                         match np {
@@ -260,7 +315,14 @@ mod tests {
                     assert!((y[i * n + j] as f64 - r).abs() < 1e-4 * (k as f64).sqrt(), "{m}x{n}x{k}");
                 }
             }
-            // Any row alone, and the serial path, give bit-identical results.
+            // Any row alone, the serial path and the bf16 panels give bit-identical results.
+            let wb: Vec<f32> = w.iter().map(|v| f32::from_bits(v.to_bits() & 0xFFFF_0000)).collect();
+            let pb = Packed::new(&wb, n, k);
+            let pb16 = pb.clone().with_bf16();
+            assert!(pb16.bf16.is_some() && p.clone().with_bf16().bf16.is_none());
+            for i in [0, m - 1] {
+                assert_eq!(gemm(&x[i * k..(i + 1) * k], 1, &pb16), gemm(&x[i * k..(i + 1) * k], 1, &pb));
+            }
             let mut ys = vec![0f32; m * n];
             gemm_serial(&x, m, &p, &mut ys);
             assert_eq!(ys, y);

@@ -125,7 +125,7 @@ impl Backend for CpuBackend {
 
     fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> Linear {
         assert_eq!(data.len(), rows * cols);
-        let packed = gemm::Packed::new(&data, rows, cols);
+        let packed = gemm::Packed::new(&data, rows, cols).with_bf16();
         Linear { rows, cols, packed, raw: (data.len() <= KEEP_RAW_MAX).then_some(data) }
     }
 

@@ -1,13 +1,6 @@
 //! Dot products in one fixed order (16 lanes over k, lane sums reduced pairwise), the same on
 //! the AVX-512 and portable paths.
 
-#[cfg(target_arch = "x86_64")]
-fn has_avx512() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
-}
-
 /// `a · b` in the fixed lane order.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
@@ -19,7 +12,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// `y[i*ldy + j] = x_i · w_j` for the given row sets (all of length k).
 fn tile_dispatch(xs: &[&[f32]], ws: &[&[f32]], y: &mut [f32], ldy: usize) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx512() {
+    if crate::simd::has_avx512() {
         // SAFETY: avx512f was detected at run time.
         unsafe { avx512::tile(xs, ws, y, ldy) };
         return;

@@ -5,7 +5,7 @@
 
 use crate::gemm::{Packed, gemm_serial};
 use crate::linalg::dot;
-use crate::simd::axpy;
+use crate::simd::{axpy, simd_fn};
 use rayon::prelude::*;
 
 #[derive(Debug, Clone, Copy)]
@@ -122,36 +122,42 @@ fn interleave_heads(per_head: &[Vec<f32>], t: usize, w: usize) -> Vec<f32> {
 
 /// Absorbed form for one query at position `end - 1`, reading rows `0..end` from the pages.
 pub fn attend_absorbed(d: &Dims, q: &[f32], end: usize, arena: &[f32], pages: &Pages<'_>, kv_b: &[f32]) -> Vec<f32> {
-    let (row, qk, hv) = (d.row(), d.qk(), d.nope + d.v_dim);
-    let scale = 1.0 / (qk as f32).sqrt();
-    let per_head: Vec<Vec<f32>> = (0..d.heads)
-        .map(|h| {
-            let qh = &q[h * qk..(h + 1) * qk];
-            // q̃ = [W_UKᵀ q_nope ; q_r].
-            let mut qt = vec![0f32; row];
-            for p in 0..d.nope {
-                let wrow = &kv_b[(h * hv + p) * d.kv_lora..(h * hv + p + 1) * d.kv_lora];
-                axpy(qh[p], wrow, &mut qt[..d.kv_lora]);
-            }
-            qt[d.kv_lora..].copy_from_slice(&qh[d.nope..]);
-            let mut s: Vec<f32> = (0..end)
-                .map(|j| {
-                    let o = pages.row_offset(j, row);
-                    dot(&qt, &arena[o..o + row]) * scale
-                })
-                .collect();
-            softmax_in_place(&mut s);
-            let mut lat = vec![0f32; d.kv_lora];
-            for (j, &a) in s.iter().enumerate() {
-                let o = pages.row_offset(j, row);
-                axpy(a, &arena[o..o + d.kv_lora], &mut lat);
-            }
-            (0..d.v_dim)
-                .map(|v| dot(&kv_b[(h * hv + d.nope + v) * d.kv_lora..(h * hv + d.nope + v + 1) * d.kv_lora], &lat))
-                .collect()
-        })
-        .collect();
-    interleave_heads(&per_head, 1, d.v_dim)
+    let mut o = vec![0f32; d.heads * d.v_dim];
+    for h in 0..d.heads {
+        absorbed_head(d, h, q, end, arena, pages, kv_b, &mut o[h * d.v_dim..(h + 1) * d.v_dim]);
+    }
+    o
+}
+
+simd_fn! {
+    /// One head of [`attend_absorbed`] (plain loops: closures would not get the SIMD features).
+    fn absorbed_head(d: &Dims, h: usize, q: &[f32], end: usize, arena: &[f32], pages: &Pages<'_>, kv_b: &[f32], out: &mut [f32]) {
+        let (row, qk, hv) = (d.row(), d.qk(), d.nope + d.v_dim);
+        let scale = 1.0 / (qk as f32).sqrt();
+        let qh = &q[h * qk..(h + 1) * qk];
+        // q̃ = [W_UKᵀ q_nope ; q_r].
+        let mut qt = vec![0f32; row];
+        for p in 0..d.nope {
+            let wrow = &kv_b[(h * hv + p) * d.kv_lora..(h * hv + p + 1) * d.kv_lora];
+            axpy(qh[p], wrow, &mut qt[..d.kv_lora]);
+        }
+        qt[d.kv_lora..].copy_from_slice(&qh[d.nope..]);
+        let mut s = vec![0f32; end];
+        for j in 0..end {
+            let o = pages.row_offset(j, row);
+            s[j] = dot(&qt, &arena[o..o + row]) * scale;
+        }
+        softmax_in_place(&mut s);
+        let mut lat = vec![0f32; d.kv_lora];
+        for j in 0..end {
+            let o = pages.row_offset(j, row);
+            axpy(s[j], &arena[o..o + d.kv_lora], &mut lat);
+        }
+        for v in 0..d.v_dim {
+            let r = (h * hv + d.nope + v) * d.kv_lora;
+            out[v] = dot(&kv_b[r..r + d.kv_lora], &lat);
+        }
+    }
 }
 
 #[cfg(test)]

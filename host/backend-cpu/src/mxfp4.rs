@@ -58,7 +58,7 @@ impl MxMatrix {
                 dst[(2 * b + 1) * LANES + l] = FP4_LUT[(byte >> 4) as usize] * s;
             }
         }
-        crate::gemm::Packed { n, k, panels }
+        crate::gemm::Packed { n, k, panels, bf16: None }
     }
 }
 
@@ -81,7 +81,7 @@ pub fn mx_matmul(xs_split: &[f32], m: usize, w: &MxMatrix, y: &mut [f32]) {
     debug_assert_eq!(xs_split.len(), m * k);
     debug_assert_eq!(y.len(), m * w.rows);
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") {
+    if crate::simd::has_avx512() {
         // SAFETY: avx512f detected.
         unsafe { avx512::mx_matmul(xs_split, m, w, y) };
         return;
