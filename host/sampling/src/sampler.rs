@@ -20,8 +20,9 @@ const NUCLEUS_FIRST_GUESS: usize = 64;
 #[derive(Debug, Clone, PartialEq)]
 pub struct SampledToken {
     pub token: u32,
-    /// log-softmax of the raw logits at `token`.
-    pub logprob: f32,
+    /// log-softmax of the raw logits at `token`; computed only when the request asked for
+    /// logprobs (it costs an extra exp pass over the vocabulary).
+    pub logprob: Option<f32>,
     /// The `logprobs` most likely tokens by raw logits, most likely first (ties: lower id first);
     /// empty when the request did not ask for logprobs.
     pub top_logprobs: Vec<(u32, f32)>,
@@ -44,8 +45,9 @@ pub struct Sampler {
     rng: ChaCha12Rng,
     /// Penalised logits, then (random path) unnormalised probabilities `exp((l - max) / T)`.
     work: Vec<f32>,
-    /// Candidate token ids when a filter has narrowed the set.
-    candidates: Vec<u32>,
+    /// Candidates (weight, id) when a filter has narrowed the set; weights are copied in so
+    /// selections and sorts touch contiguous memory.
+    candidates: Vec<Candidate>,
 }
 
 impl Sampler {
@@ -98,8 +100,6 @@ impl Sampler {
                 got: logits.len(),
             });
         }
-        let log_norm = log_sum_exp(logits).ok_or(SamplingError::NoFiniteLogits)?;
-
         self.work.clear();
         self.work.extend(
             logits
@@ -114,18 +114,22 @@ impl Sampler {
             self.sample_random()?
         };
 
-        let raw = logits[token as usize];
-        let logprob = if raw.is_finite() {
-            raw - log_norm
-        } else {
-            f32::NEG_INFINITY
-        };
-        let top_logprobs = match self.logprobs {
-            Some(n) if n > 0 => top_n(logits, n)
-                .into_iter()
-                .map(|(t, l)| (t, l - log_norm))
-                .collect(),
-            _ => Vec::new(),
+        let (logprob, top_logprobs) = match self.logprobs {
+            None => (None, Vec::new()),
+            Some(n) => {
+                let log_norm = log_sum_exp(logits).ok_or(SamplingError::NoFiniteLogits)?;
+                let raw = logits[token as usize];
+                let logprob = if raw.is_finite() {
+                    raw - log_norm
+                } else {
+                    f32::NEG_INFINITY
+                };
+                let top = top_n(logits, n)
+                    .into_iter()
+                    .map(|(t, l)| (t, l - log_norm))
+                    .collect();
+                (Some(logprob), top)
+            }
         };
         Ok(SampledToken {
             token,
@@ -165,23 +169,23 @@ impl Sampler {
         if max == f32::NEG_INFINITY {
             return Err(SamplingError::NoFiniteLogits);
         }
-        // Temperature and softmax numerator in one pass; the argmax gets weight exactly 1.
+        // Weights are softmax numerators at temperature T; the argmax gets weight exactly 1.
         let inv_t = 1.0 / self.temperature;
-        for w in &mut self.work {
-            *w = ((*w - max) * inv_t).exp();
-        }
+        let weight = |l: f32| ((l - max) * inv_t).exp();
 
         // `narrowed` = the candidate list holds the allowed set; otherwise every token is allowed.
         let mut narrowed = false;
         if let Some(k) = self.top_k {
-            self.collect_positive();
-            let work = &self.work;
-            if self.candidates.len() > k {
-                self.candidates
-                    .select_nth_unstable_by(k - 1, |&a, &b| by_weight_desc(work, a, b));
-                self.candidates.truncate(k);
+            // Select on logits (same order as weights), so only k exps are needed.
+            self.select_top_k_logits(k);
+            for c in &mut self.candidates {
+                c.weight = weight(c.weight);
             }
             narrowed = true;
+        } else {
+            for w in &mut self.work {
+                *w = weight(*w);
+            }
         }
         if self.top_p < 1.0 {
             if !narrowed {
@@ -192,14 +196,9 @@ impl Sampler {
         }
         if self.min_p > 0.0 {
             if narrowed {
-                let work = &self.work;
-                let top = self
-                    .candidates
-                    .iter()
-                    .map(|&t| work[t as usize])
-                    .fold(0.0, f32::max);
+                let top = self.candidates.iter().map(|c| c.weight).fold(0.0, f32::max);
                 let threshold = self.min_p * top;
-                self.candidates.retain(|&t| work[t as usize] >= threshold);
+                self.candidates.retain(|c| c.weight >= threshold);
             } else {
                 // The unfiltered maximum weight is exactly 1.
                 let threshold = self.min_p;
@@ -213,48 +212,81 @@ impl Sampler {
 
         let u: f64 = self.rng.random();
         let pick = if narrowed {
-            let work = &self.work;
-            draw(self.candidates.iter().map(|&t| (t, work[t as usize])), u)
+            draw(self.candidates.iter().map(|c| (c.id, c.weight)), u)
         } else {
             draw(self.work.iter().enumerate().map(|(t, &w)| (t as u32, w)), u)
         };
         pick.ok_or(SamplingError::NoFiniteLogits)
     }
 
+    /// Candidates := the `k` largest finite entries of `work` as (logit, id), ties to the lower
+    /// id. One scan against a running threshold; the buffer is pruned back to `k` when it fills,
+    /// so a small k costs little more than reading the logits once.
+    fn select_top_k_logits(&mut self, k: usize) {
+        let cands = &mut self.candidates;
+        cands.clear();
+        let capacity = (2 * k).max(256);
+        // Anything not above the current k-th best (a tie comes later, so has the higher id)
+        // cannot enter the top k.
+        let mut threshold = f32::NEG_INFINITY;
+        for (id, &l) in (0u32..).zip(&self.work) {
+            if l > threshold {
+                cands.push(Candidate { weight: l, id });
+                if cands.len() == capacity {
+                    cands.select_nth_unstable_by(k - 1, Candidate::rank);
+                    cands.truncate(k);
+                    threshold = cands[k - 1].weight;
+                }
+            }
+        }
+        if cands.len() > k {
+            cands.select_nth_unstable_by(k - 1, Candidate::rank);
+            cands.truncate(k);
+        }
+    }
+
     /// Candidates := every token with non-zero weight.
     fn collect_positive(&mut self) {
         self.candidates.clear();
-        let work = &self.work;
-        self.candidates
-            .extend((0..work.len() as u32).filter(|&t| work[t as usize] > 0.0));
+        self.candidates.extend(
+            (0u32..)
+                .zip(&self.work)
+                .filter(|&(_, &w)| w > 0.0)
+                .map(|(id, &weight)| Candidate { weight, id }),
+        );
     }
 
     /// Keeps the smallest most-likely prefix of the candidates whose mass reaches `top_p` (the token
     /// that crosses the threshold stays). Finds it by partial selection of a growing prefix, so
-    /// the usual small nucleus costs O(V), not a sort of the whole vocabulary.
+    /// the usual small nucleus costs O(V), not a sort of the whole vocabulary, and only the last
+    /// growth step's slice gets sorted.
     fn keep_nucleus(&mut self) {
-        let work = &self.work;
         let cands = &mut self.candidates;
-        let total: f64 = cands.iter().map(|&t| work[t as usize] as f64).sum();
-        let target = self.top_p as f64 * total;
+        let mass = |c: &[Candidate]| c.iter().map(|c| c.weight as f64).sum::<f64>();
+        let target = self.top_p as f64 * mass(cands);
+        // Invariant: cands[..lo] are the top `lo` candidates and their mass is below the target.
+        let mut lo = 0;
+        let mut lo_mass = 0.0;
         let mut n = NUCLEUS_FIRST_GUESS.min(cands.len());
         loop {
             if n < cands.len() {
-                cands.select_nth_unstable_by(n - 1, |&a, &b| by_weight_desc(work, a, b));
+                // Only the part after `lo` needs reordering: the top `lo` are already in place.
+                cands[lo..].select_nth_unstable_by(n - lo - 1, Candidate::rank);
             }
-            let mass: f64 = cands[..n].iter().map(|&t| work[t as usize] as f64).sum();
-            if mass >= target || n == cands.len() {
+            let n_mass = lo_mass + mass(&cands[lo..n]);
+            if n_mass >= target || n == cands.len() {
                 break;
             }
-            n = (n * 8).min(cands.len());
+            (lo, lo_mass) = (n, n_mass);
+            n = (n * 4).min(cands.len());
         }
-        cands[..n].sort_unstable_by(|&a, &b| by_weight_desc(work, a, b));
-        let mut cumulative = 0.0f64;
+        cands[lo..n].sort_unstable_by(Candidate::rank);
+        let mut cumulative = lo_mass;
         let mut keep = n;
-        for (i, &t) in cands[..n].iter().enumerate() {
-            cumulative += work[t as usize] as f64;
+        for (i, c) in cands[lo..n].iter().enumerate() {
+            cumulative += c.weight as f64;
             if cumulative >= target {
-                keep = i + 1;
+                keep = lo + i + 1;
                 break;
             }
         }
@@ -262,11 +294,17 @@ impl Sampler {
     }
 }
 
-/// Descending by weight, ties to the lower id (so selections are deterministic).
-fn by_weight_desc(work: &[f32], a: u32, b: u32) -> Ordering {
-    work[b as usize]
-        .total_cmp(&work[a as usize])
-        .then(a.cmp(&b))
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    weight: f32,
+    id: u32,
+}
+
+impl Candidate {
+    /// Descending by weight, ties to the lower id (so selections are deterministic).
+    fn rank(a: &Self, b: &Self) -> Ordering {
+        b.weight.total_cmp(&a.weight).then(a.id.cmp(&b.id))
+    }
 }
 
 /// Inverse-CDF draw: `u` in [0, 1) scaled to the total weight. Zero-weight tokens are never picked.
@@ -315,7 +353,7 @@ fn log_sum_exp(logits: &[f32]) -> Option<f32> {
     let sum: f64 = logits
         .iter()
         .filter(|l| l.is_finite())
-        .map(|&l| ((l - max) as f64).exp())
+        .map(|&l| (l - max).exp() as f64)
         .sum();
     Some(max + sum.ln() as f32)
 }
@@ -324,6 +362,9 @@ fn log_sum_exp(logits: &[f32]) -> Option<f32> {
 /// A single scan with a small sorted buffer: n ≤ 20, so no vocabulary-sized allocation.
 fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
     let mut best: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    if n == 0 {
+        return best;
+    }
     for (i, &l) in logits.iter().enumerate() {
         if !l.is_finite() || (best.len() == n && l <= best[n - 1].1) {
             continue;

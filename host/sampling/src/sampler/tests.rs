@@ -113,7 +113,7 @@ fn penalties_change_the_greedy_choice_but_not_the_raw_logprob() {
     let second = s.sample(&logits, &h).unwrap();
     assert_eq!(second.token, 0, "2 - 2·1 < 1");
     let expected = log_softmax(&logits);
-    assert!((second.logprob as f64 - expected[0]).abs() < 1e-6);
+    assert!((second.logprob.unwrap() as f64 - expected[0]).abs() < 1e-6);
     assert_eq!(
         second
             .top_logprobs
@@ -139,13 +139,25 @@ fn logprobs_ignore_temperature_and_list_ties_in_id_order() {
     let out = s.sample(&logits, &SeqHistory::default()).unwrap();
     let expected = log_softmax(&logits);
     assert!([1, 2].contains(&out.token), "top-2 is ids 1 and 2");
-    assert!((out.logprob as f64 - expected[out.token as usize]).abs() < 1e-6);
+    assert!((out.logprob.unwrap() as f64 - expected[out.token as usize]).abs() < 1e-6);
     let ids: Vec<u32> = out.top_logprobs.iter().map(|&(t, _)| t).collect();
     assert_eq!(ids, vec![1, 2, 4]);
     let none = sampler(SamplingParams::default(), 5)
         .sample(&logits, &SeqHistory::default())
         .unwrap();
-    assert!(none.top_logprobs.is_empty());
+    assert!(none.top_logprobs.is_empty() && none.logprob.is_none());
+    // logprobs = 0: the sampled token's logprob only.
+    let mut zero = sampler(
+        SamplingParams {
+            logprobs: Some(0),
+            temperature: 0.0,
+            ..Default::default()
+        },
+        5,
+    );
+    let only = zero.sample(&logits, &SeqHistory::default()).unwrap();
+    assert!(only.top_logprobs.is_empty());
+    assert!((only.logprob.unwrap() as f64 - expected[1]).abs() < 1e-6);
 }
 
 #[test]
@@ -314,6 +326,37 @@ fn large_vocab_top_p_uses_the_nucleus() {
     for _ in 0..50 {
         let t = s.sample(&logits, &h).unwrap().token;
         assert!(allowed.contains(&t), "token {t} outside the nucleus");
+    }
+}
+
+#[test]
+fn top_k_scan_with_many_ties_matches_the_reference() {
+    // Thousands of tied values force several buffer prunes; ties must resolve to lower ids.
+    let vocab = 3000;
+    let logits: Vec<f32> = (0..vocab)
+        .map(|i| ((i * 7919) % 13) as f32 * 0.25)
+        .collect();
+    for k in [1usize, 5, 40, 700] {
+        let allowed = allowed_set(&logits, 10.0, k, 1.0, 0.0);
+        assert_eq!(allowed.len(), k);
+        let params = SamplingParams {
+            top_k: k as i32,
+            temperature: 10.0,
+            seed: Some(k as u64),
+            ..Default::default()
+        };
+        let mut s = sampler(params, vocab);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..400 {
+            let t = s.sample(&logits, &SeqHistory::default()).unwrap().token;
+            assert!(allowed.contains(&t), "k={k}: {t} outside the top k");
+            seen.insert(t);
+        }
+        assert!(
+            seen.len() >= k.min(100),
+            "k={k}: only {} distinct tokens drawn",
+            seen.len()
+        );
     }
 }
 
