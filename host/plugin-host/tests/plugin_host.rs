@@ -359,6 +359,17 @@ fn bad_components_are_refused_at_load() {
         ),
         "{misfit:?}"
     );
+    let future = host.load(Stage::ToolParser, &wasm("testdata_wit_v0_2.wasm"));
+    assert!(
+        matches!(&future, Err(PluginError::UnsupportedWitVersion { found }) if found == "k3serve:plugin@0.2.0"),
+        "{future:?}"
+    );
+    // Passes its own self-test, but streaming and one-shot disagree: the host's smoke test says no.
+    let inconsistent = host.load(Stage::ReasoningParser, &wasm("testdata_inconsistent.wasm"));
+    assert!(
+        matches!(&inconsistent, Err(PluginError::SelfTestFailed { plugin, detail }) if plugin.starts_with("testdata-inconsistent") && detail.contains("one-shot")),
+        "{inconsistent:?}"
+    );
     assert!(
         host.list().is_empty(),
         "refused components must not be registered"
