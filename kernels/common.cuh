@@ -1,0 +1,70 @@
+// Shared device helpers for the k3 kernels. NVRTC-only: no host code, no system headers.
+// Every *.cu file includes this one file; the loaders (Rust and scripts/device_check.py)
+// inline it textually, so it must stay self-contained.
+#pragma once
+
+#define K3_WARP 32
+#define K3_FULL_MASK 0xffffffffu
+
+typedef unsigned int u32;
+typedef unsigned char u8;
+typedef long long i64;
+
+// No <math.h> under NVRTC: spell -inf by its bits.
+#define K3_NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float k3_sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+__device__ __forceinline__ float k3_silu(float x) { return x * k3_sigmoid(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = K3_WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(K3_FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = K3_WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(K3_FULL_MASK, v, o));
+    return v;
+}
+
+// Block-wide sum; `scratch` holds one float per warp (>= 32 floats). Every thread gets the result.
+// Callers must not reuse `scratch` before a __syncthreads() that follows this call.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & (K3_WARP - 1), warp = threadIdx.x / K3_WARP;
+    const int nwarps = (blockDim.x + K3_WARP - 1) / K3_WARP;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous reduction
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & (K3_WARP - 1), warp = threadIdx.x / K3_WARP;
+    const int nwarps = (blockDim.x + K3_WARP - 1) / K3_WARP;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : K3_NEG_INF;
+    return warp_max(v);
+}
+
+// bf16 stored as raw 16-bit patterns (no cuda_bf16.h needed): widening is a shift.
+__device__ __forceinline__ float bf16_bits_to_f32(unsigned short b) { return __uint_as_float(((u32)b) << 16); }
+
+// FP4 E2M1 code -> value (bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa) by building the
+// f32 bits: a table in constant memory would serialise when lanes read different codes.
+__device__ __forceinline__ float fp4_e2m1_to_f32(u32 code) {
+    const u32 e = (code >> 1) & 3u, m = code & 1u;
+    const u32 mag = e ? (((e + 126u) << 23) | (m << 22)) : (m ? 0x3f000000u : 0u);  // e = 0: 0 or 0.5
+    return __uint_as_float(mag | ((code & 8u) << 28));
+}
+
+// E8M0 scale byte -> 2^(s-127) exactly (s = 0 gives 2^-127, a subnormal: built from bits).
+__device__ __forceinline__ float e8m0_to_f32(u8 s) {
+    return s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(((u32)s) << 23);
+}

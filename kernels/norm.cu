@@ -1,0 +1,37 @@
+// Row-wise RMSNorm and the per-head gated RMSNorm of the KDA output path.
+// All f32 in and out (the Backend's activations are f32); norms computed in f32 like the CPU.
+#include "common.cuh"
+
+// y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w. One block per row (any blockDim multiple of 32).
+extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                        float* __restrict__ y, int rows, int cols, float eps) {
+    __shared__ float scratch[32];
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* xr = x + (i64)r * cols;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
+    ss = block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / (float)cols + eps);
+    float* yr = y + (i64)r * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = xr[c] * inv * w[c];
+}
+
+// Per head of width head_dim: y = RMSNorm(o_h) * w * sigmoid(gate_h); w is shared by all heads.
+// One warp per (row, head): head_dim is 128 in K3, so a warp covers it with 4 values per lane.
+// Grid: ceil(rows*heads / warps_per_block) blocks.
+extern "C" __global__ void gated_head_norm_f32(const float* __restrict__ o, const float* __restrict__ gate,
+                                               const float* __restrict__ w, float* __restrict__ y, int rows,
+                                               int heads, int head_dim, float eps) {
+    const int warps = blockDim.x / K3_WARP;
+    const int item = blockIdx.x * warps + threadIdx.x / K3_WARP;
+    const int lane = threadIdx.x & (K3_WARP - 1);
+    if (item >= rows * heads) return;
+    const i64 base = (i64)item * head_dim;  // rows are [heads*head_dim], so (row, head) is contiguous
+    float ss = 0.0f;
+    for (int c = lane; c < head_dim; c += K3_WARP) ss += o[base + c] * o[base + c];
+    ss = warp_sum(ss);
+    const float inv = rsqrtf(ss / (float)head_dim + eps);
+    for (int c = lane; c < head_dim; c += K3_WARP)
+        y[base + c] = o[base + c] * inv * w[c] * k3_sigmoid(gate[base + c]);
+}

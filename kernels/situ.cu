@@ -1,0 +1,25 @@
+// SiTU-GLU (k3-architecture.md §4.4): beta*tanh(g/beta)*sigmoid(g) * beta_lin*tanh(u/beta_lin), f32.
+#include "common.cuh"
+
+__device__ __forceinline__ float situ_glu_one(float g, float u, float beta, float beta_lin, int has_lin) {
+    const float a = beta * tanhf(g / beta) * k3_sigmoid(g);
+    const float b = has_lin ? beta_lin * tanhf(u / beta_lin) : u;
+    return a * b;
+}
+
+// out = SiTU-GLU(gate, up), n elements; has_lin = 0 skips the soft cap on `up`.
+extern "C" __global__ void situ_glu_f32(const float* __restrict__ gate, const float* __restrict__ up,
+                                        float* __restrict__ out, i64 n, float beta, float beta_lin, int has_lin) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        out[i] = situ_glu_one(gate[i], up[i], beta, beta_lin, has_lin);
+}
+
+// Fused variant for a `[rows, 2*inter]` gate|up matrix (one GEMM produced both halves).
+extern "C" __global__ void situ_glu_packed_f32(const float* __restrict__ gu, float* __restrict__ out, int rows,
+                                               int inter, float beta, float beta_lin, int has_lin) {
+    const i64 n = (i64)rows * inter;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 r = i / inter, c = i % inter;
+        out[i] = situ_glu_one(gu[r * 2 * inter + c], gu[r * 2 * inter + inter + c], beta, beta_lin, has_lin);
+    }
+}
