@@ -71,7 +71,8 @@ fn trained_dir() -> &'static Path {
             .into();
         tok.train(&mut trainer, corpus().into_iter()).unwrap();
 
-        let dir = std::env::temp_dir().join(format!("k3-frontend-test-{}", std::process::id()));
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("k3-frontend-bpe-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         tok.save(dir.join("tokenizer.json"), false).unwrap();
         let config = serde_json::json!({
