@@ -50,7 +50,14 @@ pub fn tanh(x: f32) -> f32 {
 }
 
 /// `out[i] = situ(gate[i]) · cap(up[i])` (SiTU-GLU).
-pub fn situ_glu_into(gate: &[f32], up: &[f32], beta: f32, linear_beta: f32, capped: bool, out: &mut [f32]) {
+pub fn situ_glu_into(
+    gate: &[f32],
+    up: &[f32],
+    beta: f32,
+    linear_beta: f32,
+    capped: bool,
+    out: &mut [f32],
+) {
     assert!(gate.len() == up.len() && up.len() == out.len());
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
@@ -61,7 +68,11 @@ pub fn situ_glu_into(gate: &[f32], up: &[f32], beta: f32, linear_beta: f32, capp
     for i in done..out.len() {
         let (g, u) = (gate[i], up[i]);
         let a = beta * tanh(g / beta) * sigmoid(g);
-        out[i] = a * if capped { linear_beta * tanh(u / linear_beta) } else { u };
+        out[i] = a * if capped {
+            linear_beta * tanh(u / linear_beta)
+        } else {
+            u
+        };
     }
 }
 
@@ -103,18 +114,29 @@ mod avx512 {
     unsafe fn exp16(x: __m512) -> __m512 {
         // SAFETY: register-only AVX-512F arithmetic.
         unsafe {
-            let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3)), _mm512_set1_ps(88.7));
-            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
-                x,
-                _mm512_set1_ps(std::f32::consts::LOG2_E),
-            ));
+            let x = _mm512_min_ps(
+                _mm512_max_ps(x, _mm512_set1_ps(-87.3)),
+                _mm512_set1_ps(88.7),
+            );
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+            );
             let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
             let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
             let mut p = _mm512_set1_ps(1.987_569_1e-4);
-            for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+            for c in [
+                1.398_199_9e-3,
+                8.333_452e-3,
+                4.166_579_6e-2,
+                1.666_666_5e-1,
+                0.5,
+            ] {
                 p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
             }
-            let e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0));
+            let e = _mm512_add_ps(
+                _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
+                _mm512_set1_ps(1.0),
+            );
             _mm512_scalef_ps(e, n)
         }
     }
@@ -124,7 +146,10 @@ mod avx512 {
         // SAFETY: register-only arithmetic.
         unsafe {
             let one = _mm512_set1_ps(1.0);
-            _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))))
+            _mm512_div_ps(
+                one,
+                _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))),
+            )
         }
     }
 
@@ -136,7 +161,10 @@ mod avx512 {
             let ax = _mm512_andnot_ps(sign, x);
             let one = _mm512_set1_ps(1.0);
             let e = exp16(_mm512_add_ps(ax, ax));
-            let big = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0), _mm512_add_ps(e, one)));
+            let big = _mm512_sub_ps(
+                one,
+                _mm512_div_ps(_mm512_set1_ps(2.0), _mm512_add_ps(e, one)),
+            );
             let x2 = _mm512_mul_ps(x, x);
             let mut p = _mm512_set1_ps(62.0 / 2835.0);
             p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-17.0 / 315.0));
@@ -151,9 +179,21 @@ mod avx512 {
 
     /// Returns how many leading elements were written (a multiple of 16).
     #[target_feature(enable = "avx512f,avx512dq,fma")]
-    pub unsafe fn situ_glu(gate: &[f32], up: &[f32], beta: f32, lb: f32, capped: bool, out: &mut [f32]) -> usize {
+    pub unsafe fn situ_glu(
+        gate: &[f32],
+        up: &[f32],
+        beta: f32,
+        lb: f32,
+        capped: bool,
+        out: &mut [f32],
+    ) -> usize {
         let n = out.len() / 16 * 16;
-        let (b, ib, l, il) = (_mm512_set1_ps(beta), _mm512_set1_ps(1.0 / beta), _mm512_set1_ps(lb), _mm512_set1_ps(1.0 / lb));
+        let (b, ib, l, il) = (
+            _mm512_set1_ps(beta),
+            _mm512_set1_ps(1.0 / beta),
+            _mm512_set1_ps(lb),
+            _mm512_set1_ps(1.0 / lb),
+        );
         let mut i = 0;
         while i < n {
             // SAFETY: i + 16 <= len of all three slices.
@@ -161,7 +201,11 @@ mod avx512 {
                 let g = _mm512_loadu_ps(gate.as_ptr().add(i));
                 let u = _mm512_loadu_ps(up.as_ptr().add(i));
                 let a = _mm512_mul_ps(_mm512_mul_ps(b, tanh16(_mm512_mul_ps(g, ib))), sigmoid16(g));
-                let c = if capped { _mm512_mul_ps(l, tanh16(_mm512_mul_ps(u, il))) } else { u };
+                let c = if capped {
+                    _mm512_mul_ps(l, tanh16(_mm512_mul_ps(u, il)))
+                } else {
+                    u
+                };
                 _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(a, c));
             }
             i += 16;
@@ -195,8 +239,14 @@ mod avx512 {
         while i < n {
             // SAFETY: i + 16 <= every slice's length.
             unsafe {
-                let x = _mm512_add_ps(_mm512_loadu_ps(f.as_ptr().add(i)), _mm512_loadu_ps(bias.as_ptr().add(i)));
-                _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(lv, sigmoid16(_mm512_mul_ps(av, x))));
+                let x = _mm512_add_ps(
+                    _mm512_loadu_ps(f.as_ptr().add(i)),
+                    _mm512_loadu_ps(bias.as_ptr().add(i)),
+                );
+                _mm512_storeu_ps(
+                    out.as_mut_ptr().add(i),
+                    _mm512_mul_ps(lv, sigmoid16(_mm512_mul_ps(av, x))),
+                );
             }
             i += 16;
         }
@@ -217,7 +267,10 @@ mod tests {
                 assert!(((e - want) / want).abs() < 3e-7, "exp({x}) = {e} vs {want}");
             }
             assert!((tanh(x) - x.tanh()).abs() < 3e-7, "tanh({x})");
-            assert!((sigmoid(x) - 1.0 / (1.0 + (-x).exp())).abs() < 3e-7, "sigmoid({x})");
+            assert!(
+                (sigmoid(x) - 1.0 / (1.0 + (-x).exp())).abs() < 3e-7,
+                "sigmoid({x})"
+            );
             x += 0.0137;
         }
         // The SIMD paths agree with the scalar ones.
@@ -226,8 +279,13 @@ mod tests {
         let mut out = vec![0f32; 100];
         situ_glu_into(&g, &u, 4.0, 25.0, true, &mut out);
         for i in 0..100 {
-            let want = 4.0 * (g[i] / 4.0).tanh() / (1.0 + (-g[i]).exp()) * 25.0 * (u[i] / 25.0).tanh();
-            assert!((out[i] - want).abs() < 1e-5 * want.abs().max(1.0), "situ {i}: {} vs {want}", out[i]);
+            let want =
+                4.0 * (g[i] / 4.0).tanh() / (1.0 + (-g[i]).exp()) * 25.0 * (u[i] / 25.0).tanh();
+            assert!(
+                (out[i] - want).abs() < 1e-5 * want.abs().max(1.0),
+                "situ {i}: {} vs {want}",
+                out[i]
+            );
         }
         let mut e = g.clone();
         let s = exp_shift_sum(&mut e, 3.0);
@@ -237,7 +295,10 @@ mod tests {
         safe_gate_into(&g, &u, 0.7, -5.0, &mut gate);
         assert!((gate[77] - -5.0 / (1.0 + (-0.7 * (g[77] + u[77])).exp())).abs() < 1e-5);
         for x in [1e-6f32, -3e-4, 0.1249, 0.1251] {
-            assert!(((tanh(x) - x.tanh()) / x.tanh()).abs() < 1e-6, "tanh({x}) relative");
+            assert!(
+                ((tanh(x) - x.tanh()) / x.tanh()).abs() < 1e-6,
+                "tanh({x}) relative"
+            );
         }
     }
 }

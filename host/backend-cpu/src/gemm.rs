@@ -34,13 +34,23 @@ impl Packed {
                 dst[kk * LANES + l] = v;
             }
         }
-        Self { n, k, panels, bf16: None }
+        Self {
+            n,
+            k,
+            panels,
+            bf16: None,
+        }
     }
 
     /// Also keep bf16 panels when the values allow it exactly (weights loaded from bf16).
     pub fn with_bf16(mut self) -> Self {
         if self.panels.iter().all(|v| v.to_bits() & 0xFFFF == 0) {
-            self.bf16 = Some(self.panels.iter().map(|v| (v.to_bits() >> 16) as u16).collect());
+            self.bf16 = Some(
+                self.panels
+                    .iter()
+                    .map(|v| (v.to_bits() >> 16) as u16)
+                    .collect(),
+            );
         }
         self
     }
@@ -52,7 +62,9 @@ impl Packed {
     /// Row `j` of the original matrix (tests, reference paths).
     pub fn row(&self, j: usize) -> Vec<f32> {
         let (p, l) = (j / LANES, j % LANES);
-        (0..self.k).map(|kk| self.panels[(p * self.k + kk) * LANES + l]).collect()
+        (0..self.k)
+            .map(|kk| self.panels[(p * self.k + kk) * LANES + l])
+            .collect()
     }
 }
 
@@ -114,7 +126,11 @@ mod avx512 {
                     }
                 }
             }
-            let mask: __mmask16 = if last_cols >= LANES { 0xFFFF } else { ((1u32 << last_cols) - 1) as __mmask16 };
+            let mask: __mmask16 = if last_cols >= LANES {
+                0xFFFF
+            } else {
+                ((1u32 << last_cols) - 1) as __mmask16
+            };
             for i in 0..MR {
                 for p in 0..NP {
                     let dst = y.add(i * ldy + p * LANES);
@@ -130,19 +146,31 @@ mod avx512 {
 
     /// One row × `NP` panels reading bf16 panels (exactly widened to f32).
     #[inline(always)]
-    unsafe fn micro_bf16<const NP: usize>(x: *const f32, k: usize, panels: *const u16, y: *mut f32, last_cols: usize) {
+    unsafe fn micro_bf16<const NP: usize>(
+        x: *const f32,
+        k: usize,
+        panels: *const u16,
+        y: *mut f32,
+        last_cols: usize,
+    ) {
         // SAFETY (whole block): as `micro` with MR = 1, over the bf16 copy of the same panels.
         unsafe {
             let mut acc = [_mm512_setzero_ps(); NP];
             for kk in 0..k {
                 let xv = _mm512_set1_ps(*x.add(kk));
                 for p in 0..NP {
-                    let raw = _mm256_loadu_si256(panels.add((p * k + kk) * LANES) as *const __m256i);
-                    let wv = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)));
+                    let raw =
+                        _mm256_loadu_si256(panels.add((p * k + kk) * LANES) as *const __m256i);
+                    let wv =
+                        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)));
                     acc[p] = _mm512_fmadd_ps(xv, wv, acc[p]);
                 }
             }
-            let mask: __mmask16 = if last_cols >= LANES { 0xFFFF } else { ((1u32 << last_cols) - 1) as __mmask16 };
+            let mask: __mmask16 = if last_cols >= LANES {
+                0xFFFF
+            } else {
+                ((1u32 << last_cols) - 1) as __mmask16
+            };
             for p in 0..NP {
                 let dst = y.add(p * LANES);
                 if p + 1 == NP {
@@ -171,7 +199,15 @@ mod avx512 {
     /// AVX-512F + FMA must be available; `y` holds `m` rows of stride `ldy` ≥ (p1−p0)·16 (the
     /// last panel may be narrower when it is the matrix's last).
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-    pub unsafe fn block(x: &[f32], m: usize, w: &Packed, p0: usize, p1: usize, y: &mut [f32], ldy: usize) {
+    pub unsafe fn block(
+        x: &[f32],
+        m: usize,
+        w: &Packed,
+        p0: usize,
+        p1: usize,
+        y: &mut [f32],
+        ldy: usize,
+    ) {
         let k = w.k;
         let np_total = w.num_panels();
         assert!(x.len() >= m * k && p1 <= np_total);
@@ -185,28 +221,38 @@ mod avx512 {
                 let mr = (m - i).min(6);
                 let mut p = g0;
                 while p < g1 {
-                    let np = if mr == 1 && g1 - p >= 8 { 8 } else { (g1 - p).min(4) };
-                    let last_cols = if p + np == np_total { w.n - (np_total - 1) * LANES } else { LANES };
+                    let np = if mr == 1 && g1 - p >= 8 {
+                        8
+                    } else {
+                        (g1 - p).min(4)
+                    };
+                    let last_cols = if p + np == np_total {
+                        w.n - (np_total - 1) * LANES
+                    } else {
+                        LANES
+                    };
                     let yrow = i * ldy + (p - p0) * LANES;
                     // Bounds of the unchecked stores below.
                     assert!(y.len() >= (i + mr - 1) * ldy + (p - p0 + np - 1) * LANES + last_cols);
-                    let (xp, wp, yp) = (x[i * k..].as_ptr(), w.panels[p * k * LANES..].as_ptr(), y[yrow..].as_mut_ptr());
-                    if mr == 1 {
-                        if let Some(h) = &w.bf16 {
-                            let hp = h[p * k * LANES..].as_ptr();
-                            // SAFETY: checked above (the bf16 copy has the panels' layout).
-                            unsafe {
-                                match np {
-                                    8 => micro_bf16::<8>(xp, k, hp, yp, last_cols),
-                                    4 => micro_bf16::<4>(xp, k, hp, yp, last_cols),
-                                    3 => micro_bf16::<3>(xp, k, hp, yp, last_cols),
-                                    2 => micro_bf16::<2>(xp, k, hp, yp, last_cols),
-                                    _ => micro_bf16::<1>(xp, k, hp, yp, last_cols),
-                                }
+                    let (xp, wp, yp) = (
+                        x[i * k..].as_ptr(),
+                        w.panels[p * k * LANES..].as_ptr(),
+                        y[yrow..].as_mut_ptr(),
+                    );
+                    if let (1, Some(h)) = (mr, &w.bf16) {
+                        let hp = h[p * k * LANES..].as_ptr();
+                        // SAFETY: checked above (the bf16 copy has the panels' layout).
+                        unsafe {
+                            match np {
+                                8 => micro_bf16::<8>(xp, k, hp, yp, last_cols),
+                                4 => micro_bf16::<4>(xp, k, hp, yp, last_cols),
+                                3 => micro_bf16::<3>(xp, k, hp, yp, last_cols),
+                                2 => micro_bf16::<2>(xp, k, hp, yp, last_cols),
+                                _ => micro_bf16::<1>(xp, k, hp, yp, last_cols),
                             }
-                            p += np;
-                            continue;
                         }
+                        p += np;
+                        continue;
                     }
                     // SAFETY: checked above.
                     unsafe {
@@ -257,9 +303,11 @@ pub fn gemm(x: &[f32], m: usize, w: &Packed) -> Vec<f32> {
     } else if m >= 12 * threads {
         // Row blocks that are multiples of 6 keep the 6-row tile full.
         let rows = m.div_ceil(threads * 2).div_ceil(6) * 6;
-        y.par_chunks_mut(rows * n).zip(x.par_chunks(rows * w.k)).for_each(|(yc, xc)| {
-            gemm_serial(xc, xc.len() / w.k, w, yc);
-        });
+        y.par_chunks_mut(rows * n)
+            .zip(x.par_chunks(rows * w.k))
+            .for_each(|(yc, xc)| {
+                gemm_serial(xc, xc.len() / w.k, w, yc);
+            });
     } else {
         let np = w.num_panels();
         let per = np.div_ceil(threads);
@@ -303,7 +351,14 @@ mod tests {
 
     #[test]
     fn matches_f64_and_is_row_invariant() {
-        for &(m, n, k) in &[(1, 7, 5), (5, 9, 37), (13, 70, 256), (130, 260, 128), (1, 300, 64), (40, 1000, 16)] {
+        for &(m, n, k) in &[
+            (1, 7, 5),
+            (5, 9, 37),
+            (13, 70, 256),
+            (130, 260, 128),
+            (1, 300, 64),
+            (40, 1000, 16),
+        ] {
             let x = data(m * k, 1);
             let w = data(n * k, 2);
             let p = Packed::new(&w, n, k);
@@ -311,17 +366,28 @@ mod tests {
             let y = gemm(&x, m, &p);
             for i in 0..m {
                 for j in 0..n {
-                    let r: f64 = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum();
-                    assert!((y[i * n + j] as f64 - r).abs() < 1e-4 * (k as f64).sqrt(), "{m}x{n}x{k}");
+                    let r: f64 = (0..k)
+                        .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                        .sum();
+                    assert!(
+                        (y[i * n + j] as f64 - r).abs() < 1e-4 * (k as f64).sqrt(),
+                        "{m}x{n}x{k}"
+                    );
                 }
             }
             // Any row alone, the serial path and the bf16 panels give bit-identical results.
-            let wb: Vec<f32> = w.iter().map(|v| f32::from_bits(v.to_bits() & 0xFFFF_0000)).collect();
+            let wb: Vec<f32> = w
+                .iter()
+                .map(|v| f32::from_bits(v.to_bits() & 0xFFFF_0000))
+                .collect();
             let pb = Packed::new(&wb, n, k);
             let pb16 = pb.clone().with_bf16();
             assert!(pb16.bf16.is_some() && p.clone().with_bf16().bf16.is_none());
             for i in [0, m - 1] {
-                assert_eq!(gemm(&x[i * k..(i + 1) * k], 1, &pb16), gemm(&x[i * k..(i + 1) * k], 1, &pb));
+                assert_eq!(
+                    gemm(&x[i * k..(i + 1) * k], 1, &pb16),
+                    gemm(&x[i * k..(i + 1) * k], 1, &pb)
+                );
             }
             let mut ys = vec![0f32; m * n];
             gemm_serial(&x, m, &p, &mut ys);

@@ -79,7 +79,11 @@ pub fn window_at(x: &[f32], c: usize, kw: usize, window: &[f32], n: usize) -> Ve
         for j in 0..hist {
             // Last `hist` elements of `window ++ x[..n]`: extended index n + j.
             let e = n + j;
-            out[ch * hist + j] = if e < hist { window[ch * hist + e] } else { x[(e - hist) * c + ch] };
+            out[ch * hist + j] = if e < hist {
+                window[ch * hist + e]
+            } else {
+                x[(e - hist) * c + ch]
+            };
         }
     }
     out
@@ -331,8 +335,18 @@ pub fn kda_layer(
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
     let (hk, kd, wf) = (d.hk(), d.k, d.window_floats());
     let (windows, s) = state.split_at_mut(3 * wf);
-    let conv: Vec<Vec<f32>> =
-        (0..3).map(|i| conv_silu(qkv[i], t, hk, conv_w[i], d.conv, &windows[i * wf..(i + 1) * wf])).collect();
+    let conv: Vec<Vec<f32>> = (0..3)
+        .map(|i| {
+            conv_silu(
+                qkv[i],
+                t,
+                hk,
+                conv_w[i],
+                d.conv,
+                &windows[i * wf..(i + 1) * wf],
+            )
+        })
+        .collect();
     let heads = head_inputs(d, t, &conv[0], &conv[1], &conv[2], f, b, a_log, dt_bias);
     let chunked = t > 1;
     let results: Vec<(Vec<f32>, Vec<Vec<f32>>)> = s
@@ -344,7 +358,13 @@ pub fn kda_layer(
     for (ci, &n) in cuts.iter().enumerate() {
         let mut full = Vec::with_capacity(d.state_floats());
         for i in 0..3 {
-            full.extend(window_at(qkv[i], hk, d.conv, &windows[i * wf..(i + 1) * wf], n));
+            full.extend(window_at(
+                qkv[i],
+                hk,
+                d.conv,
+                &windows[i * wf..(i + 1) * wf],
+                n,
+            ));
         }
         for r in &results {
             full.extend_from_slice(&r.1[ci]);
@@ -358,7 +378,8 @@ pub fn kda_layer(
     let mut o = vec![0f32; t * hk];
     for (h, r) in results.iter().enumerate() {
         for tt in 0..t {
-            o[tt * hk + h * kd..tt * hk + (h + 1) * kd].copy_from_slice(&r.0[tt * kd..(tt + 1) * kd]);
+            o[tt * hk + h * kd..tt * hk + (h + 1) * kd]
+                .copy_from_slice(&r.0[tt * kd..(tt + 1) * kd]);
         }
     }
     (o, snaps)
@@ -371,7 +392,9 @@ mod tests {
     fn rand(n: usize, seed: &mut u64, scale: f32) -> Vec<f32> {
         (0..n)
             .map(|_| {
-                *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                *seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((*seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
             })
             .collect()
@@ -389,7 +412,9 @@ mod tests {
             }
             let mut u = vec![0f64; vd];
             for c in 0..vd {
-                let ks: f64 = (0..kd).map(|r| hi.k[tt * kd + r] as f64 * s[r * vd + c]).sum();
+                let ks: f64 = (0..kd)
+                    .map(|r| hi.k[tt * kd + r] as f64 * s[r * vd + c])
+                    .sum();
                 u[c] = hi.beta[tt] as f64 * (hi.v[tt * vd + c] as f64 - ks);
             }
             for r in 0..kd {
@@ -398,17 +423,31 @@ mod tests {
                 }
             }
             for c in 0..vd {
-                o[tt * vd + c] = (0..kd).map(|r| hi.q[tt * kd + r] as f64 * s[r * vd + c]).sum();
+                o[tt * vd + c] = (0..kd)
+                    .map(|r| hi.q[tt * kd + r] as f64 * s[r * vd + c])
+                    .sum();
             }
         }
         o
     }
 
     fn inputs(t: usize, kd: usize, seed: &mut u64) -> HeadInputs {
-        let d = Dims { heads: 1, k: kd, conv: 4, lower_bound: -5.0 };
-        let (q, k, v, f) = (rand(t * kd, seed, 1.0), rand(t * kd, seed, 1.0), rand(t * kd, seed, 1.0), rand(t * kd, seed, 3.0));
+        let d = Dims {
+            heads: 1,
+            k: kd,
+            conv: 4,
+            lower_bound: -5.0,
+        };
+        let (q, k, v, f) = (
+            rand(t * kd, seed, 1.0),
+            rand(t * kd, seed, 1.0),
+            rand(t * kd, seed, 1.0),
+            rand(t * kd, seed, 3.0),
+        );
         let b = rand(t, seed, 2.0);
-        head_inputs(&d, t, &q, &k, &v, &f, &b, &[0.3], &rand(kd, seed, 1.0)).pop().unwrap()
+        head_inputs(&d, t, &q, &k, &v, &f, &b, &[0.3], &rand(kd, seed, 1.0))
+            .pop()
+            .unwrap()
     }
 
     #[test]
@@ -422,16 +461,28 @@ mod tests {
         for chunked in [false, true] {
             let mut s = s0.clone();
             let (o, snaps) = run_head(&mut s, kd, &hi, t, &[5, 16, 40, t], chunked);
-            let err = o.iter().zip(&o64).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+            let err = o
+                .iter()
+                .zip(&o64)
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0.0, f64::max);
             assert!(err < 1e-4, "chunked={chunked} max |Δo| {err}");
-            let serr = s.iter().zip(&s64).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+            let serr = s
+                .iter()
+                .zip(&s64)
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0.0, f64::max);
             assert!(serr < 1e-4, "chunked={chunked} max |ΔS| {serr}");
             assert_eq!(snaps.len(), 4);
             assert_eq!(snaps[3], s);
             // A snapshot equals running only that prefix.
             let mut sp: Vec<f64> = s0.iter().map(|&x| x as f64).collect();
             reference(&mut sp, kd, kd, &hi, 40);
-            let e = snaps[2].iter().zip(&sp).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+            let e = snaps[2]
+                .iter()
+                .zip(&sp)
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0.0, f64::max);
             assert!(e < 1e-4, "snapshot error {e}");
         }
     }

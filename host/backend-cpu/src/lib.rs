@@ -13,8 +13,8 @@ pub mod ops;
 pub(crate) mod simd;
 
 use k3_model::backend::{
-    Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost, RouterParams,
-    SituParams,
+    Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
+    RouterParams, SituParams,
 };
 use k3_model::exec::ExecError;
 use mxfp4::{MxMatrix, mx_matmul, split_even_odd};
@@ -50,7 +50,9 @@ impl Linear {
     pub fn row_major(&self) -> std::borrow::Cow<'_, [f32]> {
         match &self.raw {
             Some(r) => std::borrow::Cow::Borrowed(r),
-            None => std::borrow::Cow::Owned((0..self.rows).flat_map(|j| self.packed.row(j)).collect()),
+            None => {
+                std::borrow::Cow::Owned((0..self.rows).flat_map(|j| self.packed.row(j)).collect())
+            }
         }
     }
 }
@@ -83,7 +85,9 @@ impl Arena {
     }
     fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as above; every byte pattern is a valid f32, so writes cannot create invalid values.
-        unsafe { std::slice::from_raw_parts_mut(self.data.as_mut_ptr() as *mut u8, self.data.len() * 4) }
+        unsafe {
+            std::slice::from_raw_parts_mut(self.data.as_mut_ptr() as *mut u8, self.data.len() * 4)
+        }
     }
     pub fn floats(&self) -> &[f32] {
         &self.data
@@ -94,15 +98,21 @@ impl Arena {
 }
 
 fn floats_at(byte_offset: usize) -> Result<usize, ExecError> {
-    if byte_offset % 4 != 0 {
-        return Err(ExecError::InvalidBatch(format!("offset {byte_offset} is not 4-byte aligned")));
+    if !byte_offset.is_multiple_of(4) {
+        return Err(ExecError::InvalidBatch(format!(
+            "offset {byte_offset} is not 4-byte aligned"
+        )));
     }
     Ok(byte_offset / 4)
 }
 
 fn bounds(arena: &Arena, float_off: usize, len: usize) -> Result<(), ExecError> {
     if float_off + len > arena.data.len() {
-        return Err(ExecError::OutOfBounds { offset: float_off * 4, len: len * 4, arena: arena.data.len() * 4 });
+        return Err(ExecError::OutOfBounds {
+            offset: float_off * 4,
+            len: len * 4,
+            arena: arena.data.len() * 4,
+        });
     }
     Ok(())
 }
@@ -126,7 +136,12 @@ impl Backend for CpuBackend {
     fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> Linear {
         assert_eq!(data.len(), rows * cols);
         let packed = gemm::Packed::new(&data, rows, cols).with_bf16();
-        Linear { rows, cols, packed, raw: (data.len() <= KEEP_RAW_MAX).then_some(data) }
+        Linear {
+            rows,
+            cols,
+            packed,
+            raw: (data.len() <= KEEP_RAW_MAX).then_some(data),
+        }
     }
 
     fn vector(&self, data: Vec<f32>) -> Vec<f32> {
@@ -135,13 +150,23 @@ impl Backend for CpuBackend {
 
     fn experts(&self, h: MxExpertsHost) -> Experts {
         let conv = |v: Vec<k3_model::backend::MxMatrixHost>| -> Vec<MxMatrix> {
-            v.into_iter().map(|m| MxMatrix::new(m.rows, m.cols, m.packed, &m.scales)).collect()
+            v.into_iter()
+                .map(|m| MxMatrix::new(m.rows, m.cols, m.packed, &m.scales))
+                .collect()
         };
-        Experts { latent: h.latent, inter: h.inter, w1: conv(h.w1), w3: conv(h.w3), w2: conv(h.w2) }
+        Experts {
+            latent: h.latent,
+            inter: h.inter,
+            w1: conv(h.w1),
+            w3: conv(h.w3),
+            w2: conv(h.w2),
+        }
     }
 
     fn arena(&self, bytes: usize) -> Arena {
-        Arena { data: vec![0f32; bytes / 4] }
+        Arena {
+            data: vec![0f32; bytes / 4],
+        }
     }
 
     fn arena_len(&self, arena: &Arena) -> usize {
@@ -169,7 +194,11 @@ impl Backend for CpuBackend {
     }
 
     fn slice_rows(&self, a: &Mat, start: usize, end: usize) -> Mat {
-        Mat::new(end - start, a.cols, a.data[start * a.cols..end * a.cols].to_vec())
+        Mat::new(
+            end - start,
+            a.cols,
+            a.data[start * a.cols..end * a.cols].to_vec(),
+        )
     }
 
     fn embed(&self, table: &Linear, ids: &[u32]) -> Mat {
@@ -200,20 +229,35 @@ impl Backend for CpuBackend {
 
     fn attn_res(&self, sources: &[&Mat], w: &Vec<f32>, eps: f32) -> Mat {
         let src: Vec<&[f32]> = sources.iter().map(|m| &m.data[..]).collect();
-        Mat::new(sources[0].rows, sources[0].cols, ops::attn_res(&src, w, eps))
+        Mat::new(
+            sources[0].rows,
+            sources[0].cols,
+            ops::attn_res(&src, w, eps),
+        )
     }
 
     fn situ_glu(&self, gate: &Mat, up: &Mat, p: SituParams) -> Mat {
-        Mat::new(gate.rows, gate.cols, ops::situ_glu(&gate.data, &up.data, p.beta, p.linear_beta))
+        Mat::new(
+            gate.rows,
+            gate.cols,
+            ops::situ_glu(&gate.data, &up.data, p.beta, p.linear_beta),
+        )
     }
 
     fn sigmoid_mul(&self, o: &mut Mat, gate: &Mat) {
-        o.data.iter_mut().zip(&gate.data).for_each(|(x, g)| *x *= fastmath::sigmoid(*g));
+        o.data
+            .iter_mut()
+            .zip(&gate.data)
+            .for_each(|(x, g)| *x *= fastmath::sigmoid(*g));
     }
 
     fn gated_head_norm(&self, o: &Mat, gate: &Mat, w: &Vec<f32>, head_dim: usize, eps: f32) -> Mat {
         debug_assert_eq!(w.len(), head_dim);
-        Mat::new(o.rows, o.cols, ops::gated_head_norm(&o.data, &gate.data, w, eps))
+        Mat::new(
+            o.rows,
+            o.cols,
+            ops::gated_head_norm(&o.data, &gate.data, w, eps),
+        )
     }
 
     fn kda(
@@ -224,7 +268,12 @@ impl Backend for CpuBackend {
         inp: &KdaInputs<'_, Self>,
         loc: KdaStateLoc<'_>,
     ) -> Result<Mat, ExecError> {
-        let d = kda::Dims { heads: g.heads, k: g.head_dim, conv: g.conv_kernel, lower_bound: g.gate_lower_bound };
+        let d = kda::Dims {
+            heads: g.heads,
+            k: g.head_dim,
+            conv: g.conv_kernel,
+            lower_bound: g.gate_lower_bound,
+        };
         let t = inp.qkv[0].rows;
         let n = d.state_floats();
         let off = floats_at(loc.offset)?;
@@ -265,12 +314,21 @@ impl Backend for CpuBackend {
         kv_b: &Linear,
         loc: MlaCacheLoc<'_>,
     ) -> Result<Mat, ExecError> {
-        let d = mla::Dims { heads: g.heads, nope: g.nope, rope: g.rope, v_dim: g.v_dim, kv_lora: g.kv_lora };
+        let d = mla::Dims {
+            heads: g.heads,
+            nope: g.nope,
+            rope: g.rope,
+            v_dim: g.v_dim,
+            kv_lora: g.kv_lora,
+        };
         let (t, row) = (q.rows, d.row());
         let end = loc.start_pos + t;
         let npages = end.div_ceil(loc.page_tokens);
         if loc.pages.len() < npages {
-            return Err(ExecError::InvalidBatch(format!("{} KV pages for {end} positions", loc.pages.len())));
+            return Err(ExecError::InvalidBatch(format!(
+                "{} KV pages for {end} positions",
+                loc.pages.len()
+            )));
         }
         let mut starts = Vec::with_capacity(npages);
         for &p in &loc.pages[..npages] {
@@ -278,7 +336,10 @@ impl Backend for CpuBackend {
             bounds(arena, f, loc.page_tokens * row)?;
             starts.push(f);
         }
-        let pages = mla::Pages { starts: &starts, page_tokens: loc.page_tokens };
+        let pages = mla::Pages {
+            starts: &starts,
+            page_tokens: loc.page_tokens,
+        };
         // Append the new latent rows [RMSNorm(c_kv) ; k_r].
         for i in 0..t {
             let src = &kv_a.data[i * row..(i + 1) * row];
@@ -312,7 +373,11 @@ impl Backend for CpuBackend {
             by_expert[e].push(slot);
         }
         let zs = split_even_odd(&z.data, lt);
-        let work: Vec<(usize, &Vec<usize>)> = by_expert.iter().enumerate().filter(|(_, s)| !s.is_empty()).collect();
+        let work: Vec<(usize, &Vec<usize>)> = by_expert
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.is_empty())
+            .collect();
         let run = |&(e, slots): &(usize, &Vec<usize>)| -> (Vec<usize>, Vec<f32>) {
             let m = slots.len();
             // Few tokens: decode MXFP4 inside the dot products. Many (prefill): decode each
@@ -334,7 +399,10 @@ impl Backend for CpuBackend {
                 let mut h3 = vec![0f32; m * ex.inter];
                 mx_matmul(&x, m, &ex.w1[e], &mut h1);
                 mx_matmul(&x, m, &ex.w3[e], &mut h3);
-                let act = split_even_odd(&ops::situ_glu(&h1, &h3, situ.beta, situ.linear_beta), ex.inter);
+                let act = split_even_odd(
+                    &ops::situ_glu(&h1, &h3, situ.beta, situ.linear_beta),
+                    ex.inter,
+                );
                 let mut y = vec![0f32; m * lt];
                 mx_matmul(&act, m, &ex.w2[e], &mut y);
                 y

@@ -67,7 +67,12 @@ mod avx512 {
     }
 
     #[inline(always)]
-    unsafe fn micro<const MR: usize, const NR: usize>(xs: &[&[f32]], ws: &[&[f32]], y: &mut [f32], ldy: usize) {
+    unsafe fn micro<const MR: usize, const NR: usize>(
+        xs: &[&[f32]],
+        ws: &[&[f32]],
+        y: &mut [f32],
+        ldy: usize,
+    ) {
         let n = xs[0].len();
         let full = n / 16 * 16;
         // SAFETY (whole block): every pointer offset stays below `n`, the common row length;
@@ -135,7 +140,12 @@ mod avx512 {
                         (a, b) => {
                             for ii in 0..a {
                                 for jj in 0..b {
-                                    micro::<1, 1>(&xr[ii..ii + 1], &wr[jj..jj + 1], &mut yy[ii * ldy + jj..], ldy);
+                                    micro::<1, 1>(
+                                        &xr[ii..ii + 1],
+                                        &wr[jj..jj + 1],
+                                        &mut yy[ii * ldy + jj..],
+                                        ldy,
+                                    );
                                 }
                             }
                         }

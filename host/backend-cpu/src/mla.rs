@@ -61,10 +61,20 @@ fn softmax_in_place(x: &mut [f32]) {
 
 /// Expanded form for `t` queries at positions `start..start+t` over `latents` `[start+t, row]`.
 /// `q` `[T, H·qk]`, `kv_b` `[H·(nope+v), kv_lora]`. Returns `o` `[T, H·v]`.
-pub fn attend_naive(d: &Dims, q: &[f32], t: usize, start: usize, latents: &[f32], kv_b: &[f32]) -> Vec<f32> {
+pub fn attend_naive(
+    d: &Dims,
+    q: &[f32],
+    t: usize,
+    start: usize,
+    latents: &[f32],
+    kv_b: &[f32],
+) -> Vec<f32> {
     let end = start + t;
     let (row, qk, hv) = (d.row(), d.qk(), d.nope + d.v_dim);
-    let c: Vec<f32> = latents.chunks_exact(row).flat_map(|r| r[..d.kv_lora].iter().copied()).collect();
+    let c: Vec<f32> = latents
+        .chunks_exact(row)
+        .flat_map(|r| r[..d.kv_lora].iter().copied())
+        .collect();
     let scale = 1.0 / (qk as f32).sqrt();
     let per_head: Vec<Vec<f32>> = (0..d.heads)
         .into_par_iter()
@@ -81,9 +91,16 @@ pub fn attend_naive(d: &Dims, q: &[f32], t: usize, start: usize, latents: &[f32]
             let mut keys = vec![0f32; end * qk];
             for j in 0..end {
                 keys[j * qk..j * qk + d.nope].copy_from_slice(&knope[j * d.nope..(j + 1) * d.nope]);
-                keys[j * qk + d.nope..(j + 1) * qk].copy_from_slice(&latents[j * row + d.kv_lora..(j + 1) * row]);
+                keys[j * qk + d.nope..(j + 1) * qk]
+                    .copy_from_slice(&latents[j * row + d.kv_lora..(j + 1) * row]);
             }
-            let qh: Vec<f32> = (0..t).flat_map(|i| q[i * d.heads * qk + h * qk..i * d.heads * qk + (h + 1) * qk].iter().copied()).collect();
+            let qh: Vec<f32> = (0..t)
+                .flat_map(|i| {
+                    q[i * d.heads * qk + h * qk..i * d.heads * qk + (h + 1) * qk]
+                        .iter()
+                        .copied()
+                })
+                .collect();
             let mut out = vec![0f32; t * d.v_dim];
             const QB: usize = 120;
             for i0 in (0..t).step_by(QB) {
@@ -92,7 +109,12 @@ pub fn attend_naive(d: &Dims, q: &[f32], t: usize, start: usize, latents: &[f32]
                 // Keys beyond the block's last query are masked for all its rows: skip them.
                 let kend = start + i1;
                 let mut sc = vec![0f32; nq * kend];
-                gemm_serial(&qh[i0 * qk..i1 * qk], nq, &Packed::new(&keys[..kend * qk], kend, qk), &mut sc);
+                gemm_serial(
+                    &qh[i0 * qk..i1 * qk],
+                    nq,
+                    &Packed::new(&keys[..kend * qk], kend, qk),
+                    &mut sc,
+                );
                 for r in 0..nq {
                     let lim = start + i0 + r + 1;
                     let srow = &mut sc[r * kend..(r + 1) * kend];
@@ -100,8 +122,16 @@ pub fn attend_naive(d: &Dims, q: &[f32], t: usize, start: usize, latents: &[f32]
                     softmax_in_place(&mut srow[..lim]);
                     srow[lim..].fill(0.0);
                 }
-                let vt_k: Vec<f32> = vt.chunks_exact(end).flat_map(|r| r[..kend].iter().copied()).collect();
-                gemm_serial(&sc, nq, &Packed::new(&vt_k, d.v_dim, kend), &mut out[i0 * d.v_dim..i1 * d.v_dim]);
+                let vt_k: Vec<f32> = vt
+                    .chunks_exact(end)
+                    .flat_map(|r| r[..kend].iter().copied())
+                    .collect();
+                gemm_serial(
+                    &sc,
+                    nq,
+                    &Packed::new(&vt_k, d.v_dim, kend),
+                    &mut out[i0 * d.v_dim..i1 * d.v_dim],
+                );
             }
             out
         })
@@ -114,17 +144,34 @@ fn interleave_heads(per_head: &[Vec<f32>], t: usize, w: usize) -> Vec<f32> {
     let mut o = vec![0f32; t * h * w];
     for (hi, ph) in per_head.iter().enumerate() {
         for i in 0..t {
-            o[i * h * w + hi * w..i * h * w + (hi + 1) * w].copy_from_slice(&ph[i * w..(i + 1) * w]);
+            o[i * h * w + hi * w..i * h * w + (hi + 1) * w]
+                .copy_from_slice(&ph[i * w..(i + 1) * w]);
         }
     }
     o
 }
 
 /// Absorbed form for one query at position `end - 1`, reading rows `0..end` from the pages.
-pub fn attend_absorbed(d: &Dims, q: &[f32], end: usize, arena: &[f32], pages: &Pages<'_>, kv_b: &[f32]) -> Vec<f32> {
+pub fn attend_absorbed(
+    d: &Dims,
+    q: &[f32],
+    end: usize,
+    arena: &[f32],
+    pages: &Pages<'_>,
+    kv_b: &[f32],
+) -> Vec<f32> {
     let mut o = vec![0f32; d.heads * d.v_dim];
     for h in 0..d.heads {
-        absorbed_head(d, h, q, end, arena, pages, kv_b, &mut o[h * d.v_dim..(h + 1) * d.v_dim]);
+        absorbed_head(
+            d,
+            h,
+            q,
+            end,
+            arena,
+            pages,
+            kv_b,
+            &mut o[h * d.v_dim..(h + 1) * d.v_dim],
+        );
     }
     o
 }
@@ -166,7 +213,13 @@ mod tests {
 
     #[test]
     fn absorbed_equals_naive() {
-        let d = Dims { heads: 3, nope: 16, rope: 8, v_dim: 12, kv_lora: 32 };
+        let d = Dims {
+            heads: 3,
+            nope: 16,
+            rope: 8,
+            v_dim: 12,
+            kv_lora: 32,
+        };
         let end = 23;
         let mut seed = 11u64;
         let mut rnd = |n: usize| -> Vec<f32> {
@@ -183,20 +236,28 @@ mod tests {
         // Pages of 5 rows, scattered in an arena in reverse order.
         let pt = 5;
         let npages = end.div_ceil(pt);
-        let starts: Vec<usize> = (0..npages).map(|p| (npages - 1 - p) * pt * d.row() + 7).collect();
+        let starts: Vec<usize> = (0..npages)
+            .map(|p| (npages - 1 - p) * pt * d.row() + 7)
+            .collect();
         let mut arena = vec![0f32; npages * pt * d.row() + 7];
         for j in 0..end {
             let o = starts[j / pt] + (j % pt) * d.row();
             arena[o..o + d.row()].copy_from_slice(&latents[j * d.row()..(j + 1) * d.row()]);
         }
-        let pages = Pages { starts: &starts, page_tokens: pt };
+        let pages = Pages {
+            starts: &starts,
+            page_tokens: pt,
+        };
         assert_eq!(gather(&arena, &pages, end, d.row()), latents);
         // Last 4 positions as a prefill chunk, vs each position decoded alone.
         let naive = attend_naive(&d, &q, 4, end - 4, &latents, &kv_b);
         for i in 0..4 {
             let qi = &q[i * d.heads * d.qk()..(i + 1) * d.heads * d.qk()];
             let abs = attend_absorbed(&d, qi, end - 3 + i, &arena, &pages, &kv_b);
-            for (a, b) in abs.iter().zip(&naive[i * d.heads * d.v_dim..(i + 1) * d.heads * d.v_dim]) {
+            for (a, b) in abs
+                .iter()
+                .zip(&naive[i * d.heads * d.v_dim..(i + 1) * d.heads * d.v_dim])
+            {
                 assert!((a - b).abs() < 1e-5, "{a} vs {b}");
             }
         }

@@ -5,11 +5,17 @@
 //! nibble (element 2j) and high nibble (element 2j+1) meet their inputs without a shuffle.
 
 /// E2M1 code → value (bit 3 = sign).
-pub const FP4_LUT: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+pub const FP4_LUT: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
 
 /// E8M0 byte → scale `2^(s-127)` (255 is NaN).
 pub fn e8m0(s: u8) -> f32 {
-    if s == 255 { f32::NAN } else { 2f64.powi(s as i32 - 127) as f32 }
+    if s == 255 {
+        f32::NAN
+    } else {
+        2f64.powi(s as i32 - 127) as f32
+    }
 }
 
 /// A matrix `[rows, cols]` in MXFP4: `packed [rows, cols/2]`, `scales [rows, cols/32]`.
@@ -26,7 +32,12 @@ impl MxMatrix {
         assert_eq!(cols % 32, 0, "MXFP4 columns must be a multiple of 32");
         assert_eq!(packed.len(), rows * cols / 2);
         assert_eq!(scales.len(), rows * cols / 32);
-        Self { rows, cols, packed, scales: scales.iter().map(|&s| e8m0(s)).collect() }
+        Self {
+            rows,
+            cols,
+            packed,
+            scales: scales.iter().map(|&s| e8m0(s)).collect(),
+        }
     }
 
     /// Row `r` decoded to f32 (tests, reference paths).
@@ -58,7 +69,12 @@ impl MxMatrix {
                 dst[(2 * b + 1) * LANES + l] = FP4_LUT[(byte >> 4) as usize] * s;
             }
         }
-        crate::gemm::Packed { n, k, panels, bf16: None }
+        crate::gemm::Packed {
+            n,
+            k,
+            panels,
+            bf16: None,
+        }
     }
 }
 
@@ -95,7 +111,8 @@ pub fn mx_matmul(xs_split: &[f32], m: usize, w: &MxMatrix, y: &mut [f32]) {
                 let s = w.scales[r * k / 32 + b];
                 for j in 0..16 {
                     let byte = bytes[b * 16 + j];
-                    let blk = FP4_LUT[(byte & 15) as usize] * x[b * 32 + j] + FP4_LUT[(byte >> 4) as usize] * x[b * 32 + 16 + j];
+                    let blk = FP4_LUT[(byte & 15) as usize] * x[b * 32 + j]
+                        + FP4_LUT[(byte >> 4) as usize] * x[b * 32 + 16 + j];
                     acc[j] = blk.mul_add(s, acc[j]);
                 }
             }
@@ -131,7 +148,14 @@ mod avx512 {
     }
 
     #[inline(always)]
-    unsafe fn rows<const MR: usize>(xs: &[f32], k: usize, w: &MxMatrix, r: usize, y: &mut [f32], ldy: usize) {
+    unsafe fn rows<const MR: usize>(
+        xs: &[f32],
+        k: usize,
+        w: &MxMatrix,
+        r: usize,
+        y: &mut [f32],
+        ldy: usize,
+    ) {
         // SAFETY (whole block): indices stay inside row `r` of `w` and rows `0..MR` of `xs`.
         unsafe {
             let lut = _mm512_loadu_ps(FP4_LUT.as_ptr());
@@ -140,7 +164,8 @@ mod avx512 {
             let bytes = w.packed.as_ptr().add(r * k / 2);
             let scales = w.scales.as_ptr().add(r * k / 32);
             for b in 0..k / 32 {
-                let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes.add(b * 16) as *const __m128i));
+                let codes =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes.add(b * 16) as *const __m128i));
                 let lo = _mm512_permutexvar_ps(_mm512_and_si512(codes, nib), lut);
                 let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(codes), lut);
                 let s = _mm512_set1_ps(*scales.add(b));
@@ -209,14 +234,22 @@ mod tests {
         let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 37 % 251) as u8).collect();
         let scales: Vec<u8> = (0..rows * cols / 32).map(|i| 120 + (i % 9) as u8).collect();
         let w = MxMatrix::new(rows, cols, packed, &scales);
-        let x: Vec<f32> = (0..m * cols).map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0).collect();
+        let x: Vec<f32> = (0..m * cols)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 5.0)
+            .collect();
         let mut y = vec![0f32; m * rows];
         mx_matmul(&split_even_odd(&x, cols), m, &w, &mut y);
         for i in 0..m {
             for r in 0..rows {
                 let wr = w.dequant_row(r);
-                let want: f64 = (0..cols).map(|c| x[i * cols + c] as f64 * wr[c] as f64).sum();
-                assert!((y[i * rows + r] as f64 - want).abs() < 1e-4, "{} vs {want}", y[i * rows + r]);
+                let want: f64 = (0..cols)
+                    .map(|c| x[i * cols + c] as f64 * wr[c] as f64)
+                    .sum();
+                assert!(
+                    (y[i * rows + r] as f64 - want).abs() < 1e-4,
+                    "{} vs {want}",
+                    y[i * rows + r]
+                );
             }
         }
         // The packed decode computes the same products.
@@ -227,7 +260,12 @@ mod tests {
         }
         // Row invariance: one token alone gives the same bits.
         let mut y1 = vec![0f32; rows];
-        mx_matmul(&split_even_odd(&x[2 * cols..3 * cols], cols), 1, &w, &mut y1);
+        mx_matmul(
+            &split_even_odd(&x[2 * cols..3 * cols], cols),
+            1,
+            &w,
+            &mut y1,
+        );
         assert_eq!(&y1[..], &y[2 * rows..3 * rows]);
     }
 }

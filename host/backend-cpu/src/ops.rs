@@ -54,7 +54,14 @@ pub fn attn_res(sources: &[&[f32]], w: &[f32], eps: f32) -> Vec<f32> {
 /// SiTU-GLU: `β·tanh(g/β)·σ(g) · β_lin·tanh(u/β_lin)` (no cap on `u` without `β_lin`).
 pub fn situ_glu(gate: &[f32], up: &[f32], beta: f32, linear_beta: Option<f32>) -> Vec<f32> {
     let mut out = vec![0f32; gate.len()];
-    fastmath::situ_glu_into(gate, up, beta, linear_beta.unwrap_or(1.0), linear_beta.is_some(), &mut out);
+    fastmath::situ_glu_into(
+        gate,
+        up,
+        beta,
+        linear_beta.unwrap_or(1.0),
+        linear_beta.is_some(),
+        &mut out,
+    );
     out
 }
 
@@ -71,14 +78,23 @@ pub fn gated_head_norm(o: &[f32], gate: &[f32], w: &[f32], eps: f32) -> Vec<f32>
 
 /// Sigmoid router with selection bias (noaux_tc, one group): per token, the top-k experts of
 /// `σ(logit) + bias` (ties to the lower index), weighted by `σ(logit)` renormalised and scaled.
-pub fn route(logits: &[f32], bias: &[f32], k: usize, renormalize: bool, scaling: f32) -> (Vec<usize>, Vec<f32>) {
+pub fn route(
+    logits: &[f32],
+    bias: &[f32],
+    k: usize,
+    renormalize: bool,
+    scaling: f32,
+) -> (Vec<usize>, Vec<f32>) {
     let e = bias.len();
     let t = logits.len() / e;
     let mut idx = Vec::with_capacity(t * k);
     let mut wts = Vec::with_capacity(t * k);
     let mut order: Vec<usize> = Vec::with_capacity(e);
     for tt in 0..t {
-        let s: Vec<f32> = logits[tt * e..(tt + 1) * e].iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+        let s: Vec<f32> = logits[tt * e..(tt + 1) * e]
+            .iter()
+            .map(|&x| 1.0 / (1.0 + (-x).exp()))
+            .collect();
         let sel: Vec<f32> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
         order.clear();
         order.extend(0..e);
@@ -120,7 +136,10 @@ mod tests {
         let s1 = 4.0 * (0.25f32).tanh() * sigmoid(1.0) * 25.0 * (2.0f32 / 25.0).tanh();
         assert!((y[0] - s1).abs() < 1e-6);
         assert!(y[1].abs() < 1e-9 * 100.0 + 1e-6);
-        assert_eq!(situ_glu(&[1.0], &[3.0], 4.0, None)[0], 4.0 * (0.25f32).tanh() * sigmoid(1.0) * 3.0);
+        assert_eq!(
+            situ_glu(&[1.0], &[3.0], 4.0, None)[0],
+            4.0 * (0.25f32).tanh() * sigmoid(1.0) * 3.0
+        );
     }
 
     #[test]

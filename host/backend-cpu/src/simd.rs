@@ -5,11 +5,13 @@
 pub fn has_avx512() -> bool {
     use std::sync::OnceLock;
     static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f")
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512dq")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("fma"))
+            && is_x86_feature_detected!("fma")
+    })
 }
 
 /// `simd_fn! { pub fn name(args) -> ret { body } }` — body compiled with and without AVX-512.

@@ -159,7 +159,14 @@ pub trait Backend: Send + Sync + 'static {
     /// `o *= σ(gate)` elementwise.
     fn sigmoid_mul(&self, o: &mut Self::Act, gate: &Self::Act);
     /// Per head of width `head_dim`: `RMSNorm(o_h)·w ⊙ σ(gate_h)`.
-    fn gated_head_norm(&self, o: &Self::Act, gate: &Self::Act, w: &Self::Vector, head_dim: usize, eps: f32) -> Self::Act;
+    fn gated_head_norm(
+        &self,
+        o: &Self::Act,
+        gate: &Self::Act,
+        w: &Self::Vector,
+        head_dim: usize,
+        eps: f32,
+    ) -> Self::Act;
 
     /// Kimi Delta Attention over the new tokens of one sequence: short conv (+ window update),
     /// gates, L2 norms, chunked (prefill) or recurrent (decode) delta rule from the stored state.

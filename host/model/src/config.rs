@@ -6,7 +6,10 @@ use std::path::Path;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("config.json is not valid JSON: {0}")]
     Json(#[from] serde_json::Error),
     #[error("config field `{0}` is missing")]
@@ -16,7 +19,10 @@ pub enum ConfigError {
 }
 
 fn invalid(field: &str, msg: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { field: field.to_string(), msg: msg.into() }
+    ConfigError::Invalid {
+        field: field.to_string(),
+        msg: msg.into(),
+    }
 }
 
 /// One config for every member of the K3 family (see docs/model-format.md).
@@ -88,16 +94,27 @@ struct Fields<'a> {
 
 impl<'a> Fields<'a> {
     fn name(&self, key: &str) -> String {
-        if self.prefix.is_empty() { key.to_string() } else { format!("{}.{key}", self.prefix) }
+        if self.prefix.is_empty() {
+            key.to_string()
+        } else {
+            format!("{}.{key}", self.prefix)
+        }
     }
     fn get(&self, key: &str) -> Result<&'a Value, ConfigError> {
-        self.obj.get(key).ok_or_else(|| ConfigError::Missing(self.name(key)))
+        self.obj
+            .get(key)
+            .ok_or_else(|| ConfigError::Missing(self.name(key)))
     }
     fn usize(&self, key: &str) -> Result<usize, ConfigError> {
         let v = self.get(key)?;
         v.as_u64()
             .and_then(|x| usize::try_from(x).ok())
-            .ok_or_else(|| invalid(&self.name(key), format!("expected a non-negative integer, got {v}")))
+            .ok_or_else(|| {
+                invalid(
+                    &self.name(key),
+                    format!("expected a non-negative integer, got {v}"),
+                )
+            })
     }
     fn positive(&self, key: &str) -> Result<usize, ConfigError> {
         let x = self.usize(key)?;
@@ -112,7 +129,9 @@ impl<'a> Fields<'a> {
     }
     fn f32(&self, key: &str) -> Result<f32, ConfigError> {
         let v = self.get(key)?;
-        let x = v.as_f64().ok_or_else(|| invalid(&self.name(key), format!("expected a number, got {v}")))?;
+        let x = v
+            .as_f64()
+            .ok_or_else(|| invalid(&self.name(key), format!("expected a number, got {v}")))?;
         if !x.is_finite() {
             return Err(invalid(&self.name(key), "must be finite"));
         }
@@ -126,16 +145,21 @@ impl<'a> Fields<'a> {
     }
     fn bool(&self, key: &str) -> Result<bool, ConfigError> {
         let v = self.get(key)?;
-        v.as_bool().ok_or_else(|| invalid(&self.name(key), format!("expected true/false, got {v}")))
+        v.as_bool()
+            .ok_or_else(|| invalid(&self.name(key), format!("expected true/false, got {v}")))
     }
     fn str(&self, key: &str) -> Result<&'a str, ConfigError> {
         let v = self.get(key)?;
-        v.as_str().ok_or_else(|| invalid(&self.name(key), format!("expected a string, got {v}")))
+        v.as_str()
+            .ok_or_else(|| invalid(&self.name(key), format!("expected a string, got {v}")))
     }
     fn expect_str(&self, key: &str, want: &str) -> Result<(), ConfigError> {
         let got = self.str(key)?;
         if got != want {
-            return Err(invalid(&self.name(key), format!("unsupported value {got:?} (expected {want:?})")));
+            return Err(invalid(
+                &self.name(key),
+                format!("unsupported value {got:?} (expected {want:?})"),
+            ));
         }
         Ok(())
     }
@@ -147,7 +171,9 @@ impl<'a> Fields<'a> {
     }
     fn usize_list(&self, key: &str) -> Result<Vec<usize>, ConfigError> {
         let v = self.get(key)?;
-        let arr = v.as_array().ok_or_else(|| invalid(&self.name(key), "expected a list of integers"))?;
+        let arr = v
+            .as_array()
+            .ok_or_else(|| invalid(&self.name(key), "expected a list of integers"))?;
         arr.iter()
             .map(|x| {
                 x.as_u64()
@@ -158,27 +184,36 @@ impl<'a> Fields<'a> {
     }
     fn object(&self, key: &'a str) -> Result<Fields<'a>, ConfigError> {
         let v = self.get(key)?;
-        let obj = v.as_object().ok_or_else(|| invalid(&self.name(key), "expected an object"))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| invalid(&self.name(key), "expected an object"))?;
         Ok(Fields { obj, prefix: key })
     }
 }
 
 impl Config {
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Io { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
         Self::from_json(&text)
     }
 
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
         let root: Value = serde_json::from_str(text)?;
-        let obj = root.as_object().ok_or_else(|| invalid("<root>", "expected a JSON object"))?;
+        let obj = root
+            .as_object()
+            .ok_or_else(|| invalid("<root>", "expected a JSON object"))?;
         let f = Fields { obj, prefix: "" };
 
         f.expect_str("model_type", "kimi_k3")?;
         f.expect_str("hidden_act", "situ")?;
         if f.obj.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true) {
-            return Err(invalid("tie_word_embeddings", "tied embeddings are not supported by K3"));
+            return Err(invalid(
+                "tie_word_embeddings",
+                "tied embeddings are not supported by K3",
+            ));
         }
         let num_hidden_layers = f.positive("num_hidden_layers")?;
 
@@ -192,7 +227,10 @@ impl Config {
             gate_low_rank_dim: la.positive("gate_low_rank_dim")?,
         };
         if kda.gate_lower_bound >= 0.0 {
-            return Err(invalid("linear_attn_config.gate_lower_bound", "must be negative"));
+            return Err(invalid(
+                "linear_attn_config.gate_lower_bound",
+                "must be negative",
+            ));
         }
         let kda_layers = la.usize_list("kda_layers")?;
         let full_layers = la.usize_list("full_attn_layers")?;
@@ -206,12 +244,18 @@ impl Config {
                 _ => {
                     return Err(invalid(
                         "linear_attn_config.kda_layers",
-                        format!("layer {} (1-based) must be in exactly one of kda_layers / full_attn_layers", l + 1),
+                        format!(
+                            "layer {} (1-based) must be in exactly one of kda_layers / full_attn_layers",
+                            l + 1
+                        ),
                     ));
                 }
             }
         }
-        for (key, list) in [("kda_layers", &kda_layers), ("full_attn_layers", &full_layers)] {
+        for (key, list) in [
+            ("kda_layers", &kda_layers),
+            ("full_attn_layers", &full_layers),
+        ] {
             if let Some(bad) = list.iter().find(|&&x| x == 0 || x > num_hidden_layers) {
                 return Err(invalid(
                     &format!("linear_attn_config.{key}"),
@@ -234,14 +278,24 @@ impl Config {
         f.expect_str("moe_router_activation_func", "sigmoid")?;
         f.expect_str("topk_method", "noaux_tc")?;
         // Group-limited selection only triggers with more than one group; K3 and k3-mini use 1/1.
-        let groups = f.obj.get("num_expert_group").and_then(Value::as_u64).unwrap_or(1);
+        let groups = f
+            .obj
+            .get("num_expert_group")
+            .and_then(Value::as_u64)
+            .unwrap_or(1);
         if groups > 1 {
-            return Err(invalid("num_expert_group", "group-limited routing (> 1 group) is not supported"));
+            return Err(invalid(
+                "num_expert_group",
+                "group-limited routing (> 1 group) is not supported",
+            ));
         }
         let num_experts = f.positive("num_experts")?;
         let experts_per_token = f.positive("num_experts_per_token")?;
         if experts_per_token > num_experts {
-            return Err(invalid("num_experts_per_token", format!("{experts_per_token} > num_experts {num_experts}")));
+            return Err(invalid(
+                "num_experts_per_token",
+                format!("{experts_per_token} > num_experts {num_experts}"),
+            ));
         }
         let expert_intermediate = f.positive("moe_intermediate_size")?;
         let num_shared = f.usize("num_shared_experts")?;
@@ -251,13 +305,19 @@ impl Config {
             num_shared * expert_intermediate
         };
         if shared_intermediate == 0 {
-            return Err(invalid("num_shared_experts", "a shared expert is required (K3 always has one)"));
+            return Err(invalid(
+                "num_shared_experts",
+                "a shared expert is required (K3 always has one)",
+            ));
         }
         let q = f.object("quantization_config")?;
         q.expect_str("format", "mxfp4-pack-quantized")?;
         let group_size = q.positive("group_size")?;
         if group_size != 32 {
-            return Err(invalid("quantization_config.group_size", "MXFP4 uses blocks of 32"));
+            return Err(invalid(
+                "quantization_config.group_size",
+                "MXFP4 uses blocks of 32",
+            ));
         }
         let moe = MoeConfig {
             num_experts,
@@ -270,9 +330,15 @@ impl Config {
             routed_scaling_factor: f.f32("routed_scaling_factor")?,
             group_size,
         };
-        for (key, dim) in [("routed_expert_hidden_size", moe.latent_dim), ("moe_intermediate_size", moe.expert_intermediate)] {
+        for (key, dim) in [
+            ("routed_expert_hidden_size", moe.latent_dim),
+            ("moe_intermediate_size", moe.expert_intermediate),
+        ] {
             if dim % group_size != 0 {
-                return Err(invalid(key, format!("{dim} is not a multiple of the MXFP4 group size {group_size}")));
+                return Err(invalid(
+                    key,
+                    format!("{dim} is not a multiple of the MXFP4 group size {group_size}"),
+                ));
             }
         }
 
@@ -301,9 +367,15 @@ impl Config {
         if cfg.situ_beta <= 0.0 || cfg.situ_linear_beta.is_some_and(|b| b <= 0.0) {
             return Err(invalid("activation_situ_beta", "SiTU betas must be > 0"));
         }
-        for (key, id) in [("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id)] {
+        for (key, id) in [
+            ("bos_token_id", cfg.bos_token_id),
+            ("eos_token_id", cfg.eos_token_id),
+        ] {
             if id as usize >= cfg.vocab_size {
-                return Err(invalid(key, format!("{id} >= vocab_size {}", cfg.vocab_size)));
+                return Err(invalid(
+                    key,
+                    format!("{id} >= vocab_size {}", cfg.vocab_size),
+                ));
             }
         }
         Ok(cfg)
@@ -321,7 +393,8 @@ impl Config {
     /// f32 values of one KDA layer's state: conv windows (q, k, v) then the recurrent state.
     pub fn kda_layer_state_floats(&self) -> usize {
         let hk = self.kda.num_heads * self.kda.head_dim;
-        3 * hk * (self.kda.conv_kernel - 1) + self.kda.num_heads * self.kda.head_dim * self.kda.head_dim
+        3 * hk * (self.kda.conv_kernel - 1)
+            + self.kda.num_heads * self.kda.head_dim * self.kda.head_dim
     }
     /// f32 values of one cached MLA latent row.
     pub fn mla_row_floats(&self) -> usize {
@@ -380,7 +453,10 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("`kv_lora_rank`"), "{e}");
         let e = edited(|o| {
-            o["linear_attn_config"].as_object_mut().unwrap().remove("head_dim");
+            o["linear_attn_config"]
+                .as_object_mut()
+                .unwrap()
+                .remove("head_dim");
         })
         .unwrap_err();
         assert!(e.to_string().contains("linear_attn_config.head_dim"), "{e}");

@@ -74,7 +74,11 @@ pub enum ExecError {
     #[error("invalid batch: {0}")]
     InvalidBatch(String),
     #[error("arena access out of bounds: offset {offset} + {len} > {arena}")]
-    OutOfBounds { offset: usize, len: usize, arena: usize },
+    OutOfBounds {
+        offset: usize,
+        len: usize,
+        arena: usize,
+    },
     #[error("backend failure: {0}")]
     Backend(String),
 }

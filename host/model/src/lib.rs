@@ -9,7 +9,9 @@ pub mod weights;
 
 pub use backend::Backend;
 pub use config::{Config, ConfigError, MixerKind};
-pub use exec::{CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput};
+pub use exec::{
+    CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput,
+};
 pub use model::{LoadError, Model};
 pub use runner::{ModelExecutor, Session, argmax};
 pub use weights::{Tensors, WeightError, WeightFile};

@@ -1,8 +1,8 @@
 //! K3 weights bound to a backend, and the layer graph (k3-architecture.md §0.2) for one sequence.
 
 use crate::backend::{
-    Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost, MxMatrixHost,
-    RouterParams, SituParams,
+    Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
+    MxMatrixHost, RouterParams, SituParams,
 };
 use crate::config::{Config, ConfigError, MixerKind};
 use crate::exec::ExecError;
@@ -122,7 +122,12 @@ impl CacheOffsets {
                 }
             }
         }
-        Self { kda, mla, state_block_bytes: sb, kv_page_bytes: pb }
+        Self {
+            kda,
+            mla,
+            state_block_bytes: sb,
+            kv_page_bytes: pb,
+        }
     }
 }
 
@@ -135,23 +140,47 @@ pub struct SeqCache<'a> {
     pub checkpoints: &'a [(usize, usize)],
 }
 
-fn attn_res_w<B: Backend>(be: &B, t: &Tensors<'_>, prefix: &str, d: usize) -> Result<AttnResW<B>, WeightError> {
+fn attn_res_w<B: Backend>(
+    be: &B,
+    t: &Tensors<'_>,
+    prefix: &str,
+    d: usize,
+) -> Result<AttnResW<B>, WeightError> {
     let norm = t.f32(&format!("{prefix}.norm.weight"), &[d])?;
     let proj = t.f32(&format!("{prefix}.proj.weight"), &[1, d])?;
-    Ok(AttnResW { w: be.vector(norm.iter().zip(&proj).map(|(a, b)| a * b).collect()) })
+    Ok(AttnResW {
+        w: be.vector(norm.iter().zip(&proj).map(|(a, b)| a * b).collect()),
+    })
 }
 
-fn lin<B: Backend>(be: &B, t: &Tensors<'_>, name: &str, rows: usize, cols: usize) -> Result<B::Linear, WeightError> {
+fn lin<B: Backend>(
+    be: &B,
+    t: &Tensors<'_>,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<B::Linear, WeightError> {
     // bf16 weights are widened to f32 once here: k3-mini is small, and the CPU kernels then read
     // plain f32 (no per-use conversion); larger backends may keep bf16 behind the same trait.
     Ok(be.linear(rows, cols, t.f32(name, &[rows, cols])?))
 }
 
-fn vecw<B: Backend>(be: &B, t: &Tensors<'_>, name: &str, shape: &[usize]) -> Result<B::Vector, WeightError> {
+fn vecw<B: Backend>(
+    be: &B,
+    t: &Tensors<'_>,
+    name: &str,
+    shape: &[usize],
+) -> Result<B::Vector, WeightError> {
     Ok(be.vector(t.f32(name, shape)?))
 }
 
-fn glu<B: Backend>(be: &B, t: &Tensors<'_>, p: &str, d: usize, i: usize) -> Result<GluW<B>, WeightError> {
+fn glu<B: Backend>(
+    be: &B,
+    t: &Tensors<'_>,
+    p: &str,
+    d: usize,
+    i: usize,
+) -> Result<GluW<B>, WeightError> {
     Ok(GluW {
         gate: lin(be, t, &format!("{p}.gate_proj.weight"), i, d)?,
         up: lin(be, t, &format!("{p}.up_proj.weight"), i, d)?,
@@ -159,7 +188,12 @@ fn glu<B: Backend>(be: &B, t: &Tensors<'_>, p: &str, d: usize, i: usize) -> Resu
     })
 }
 
-fn mx_matrix(t: &Tensors<'_>, p: &str, rows: usize, cols: usize) -> Result<MxMatrixHost, WeightError> {
+fn mx_matrix(
+    t: &Tensors<'_>,
+    p: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<MxMatrixHost, WeightError> {
     Ok(MxMatrixHost {
         rows,
         cols,
@@ -184,7 +218,12 @@ impl<B: Backend> Model<B> {
             let p = format!("model.layers.{l}");
             let mixer = match c.layer_kinds[l] {
                 MixerKind::Kda => {
-                    let (h, k, r, w) = (c.kda.num_heads, c.kda.head_dim, c.kda.gate_low_rank_dim, c.kda.conv_kernel);
+                    let (h, k, r, w) = (
+                        c.kda.num_heads,
+                        c.kda.head_dim,
+                        c.kda.gate_low_rank_dim,
+                        c.kda.conv_kernel,
+                    );
                     let hk = h * k;
                     let a = format!("{p}.self_attn");
                     Mixer::Kda(KdaW {
@@ -211,7 +250,12 @@ impl<B: Backend> Model<B> {
                     let a = format!("{p}.self_attn");
                     Mixer::Mla(MlaW {
                         q_a: lin(&be, t, &format!("{a}.q_a_proj.weight"), m.q_lora_rank, d)?,
-                        q_a_norm: vecw(&be, t, &format!("{a}.q_a_layernorm.weight"), &[m.q_lora_rank])?,
+                        q_a_norm: vecw(
+                            &be,
+                            t,
+                            &format!("{a}.q_a_layernorm.weight"),
+                            &[m.q_lora_rank],
+                        )?,
                         q_b: lin(
                             &be,
                             t,
@@ -226,7 +270,12 @@ impl<B: Backend> Model<B> {
                             m.kv_lora_rank + m.qk_rope_head_dim,
                             d,
                         )?,
-                        kv_a_norm: vecw(&be, t, &format!("{a}.kv_a_layernorm.weight"), &[m.kv_lora_rank])?,
+                        kv_a_norm: vecw(
+                            &be,
+                            t,
+                            &format!("{a}.kv_a_layernorm.weight"),
+                            &[m.kv_lora_rank],
+                        )?,
                         kv_b: lin(
                             &be,
                             t,
@@ -234,8 +283,20 @@ impl<B: Backend> Model<B> {
                             m.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
                             m.kv_lora_rank,
                         )?,
-                        g: lin(&be, t, &format!("{a}.g_proj.weight"), m.num_heads * m.v_head_dim, d)?,
-                        o: lin(&be, t, &format!("{a}.o_proj.weight"), d, m.num_heads * m.v_head_dim)?,
+                        g: lin(
+                            &be,
+                            t,
+                            &format!("{a}.g_proj.weight"),
+                            m.num_heads * m.v_head_dim,
+                            d,
+                        )?,
+                        o: lin(
+                            &be,
+                            t,
+                            &format!("{a}.o_proj.weight"),
+                            d,
+                            m.num_heads * m.v_head_dim,
+                        )?,
                     })
                 }
             };
@@ -254,28 +315,57 @@ impl<B: Backend> Model<B> {
                     w2: Vec::with_capacity(e),
                 };
                 for x in 0..e {
-                    host.w1.push(mx_matrix(t, &format!("{q}.experts.{x}.w1"), ie, lt)?);
-                    host.w3.push(mx_matrix(t, &format!("{q}.experts.{x}.w3"), ie, lt)?);
-                    host.w2.push(mx_matrix(t, &format!("{q}.experts.{x}.w2"), lt, ie)?);
+                    host.w1
+                        .push(mx_matrix(t, &format!("{q}.experts.{x}.w1"), ie, lt)?);
+                    host.w3
+                        .push(mx_matrix(t, &format!("{q}.experts.{x}.w3"), ie, lt)?);
+                    host.w2
+                        .push(mx_matrix(t, &format!("{q}.experts.{x}.w2"), lt, ie)?);
                 }
                 Ffn::Moe(MoeW {
                     router: lin(&be, t, &format!("{q}.gate.weight"), e, d)?,
                     bias: vecw(&be, t, &format!("{q}.gate.e_score_correction_bias"), &[e])?,
-                    down: lin(&be, t, &format!("{q}.routed_expert_down_proj.weight"), lt, d)?,
+                    down: lin(
+                        &be,
+                        t,
+                        &format!("{q}.routed_expert_down_proj.weight"),
+                        lt,
+                        d,
+                    )?,
                     norm: if m.latent_use_norm {
-                        Some(vecw(&be, t, &format!("{q}.routed_expert_norm.weight"), &[lt])?)
+                        Some(vecw(
+                            &be,
+                            t,
+                            &format!("{q}.routed_expert_norm.weight"),
+                            &[lt],
+                        )?)
                     } else {
                         None
                     },
                     up: lin(&be, t, &format!("{q}.routed_expert_up_proj.weight"), d, lt)?,
                     experts: be.experts(host),
-                    shared: glu(&be, t, &format!("{q}.shared_experts"), d, m.shared_intermediate)?,
+                    shared: glu(
+                        &be,
+                        t,
+                        &format!("{q}.shared_experts"),
+                        d,
+                        m.shared_intermediate,
+                    )?,
                 })
             };
             layers.push(Layer {
                 input_norm: vecw(&be, t, &format!("{p}.input_layernorm.weight"), &[d])?,
-                post_norm: vecw(&be, t, &format!("{p}.post_attention_layernorm.weight"), &[d])?,
-                attn_res: if l == 0 { None } else { Some(attn_res_w(&be, t, &format!("{p}.self_attention_res"), d)?) },
+                post_norm: vecw(
+                    &be,
+                    t,
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    &[d],
+                )?,
+                attn_res: if l == 0 {
+                    None
+                } else {
+                    Some(attn_res_w(&be, t, &format!("{p}.self_attention_res"), d)?)
+                },
                 mlp_res: attn_res_w(&be, t, &format!("{p}.mlp_res"), d)?,
                 mixer,
                 ffn,
@@ -315,7 +405,10 @@ impl<B: Backend> Model<B> {
     }
 
     fn situ(&self) -> SituParams {
-        SituParams { beta: self.config.situ_beta, linear_beta: self.config.situ_linear_beta }
+        SituParams {
+            beta: self.config.situ_beta,
+            linear_beta: self.config.situ_linear_beta,
+        }
     }
 
     fn glu(&self, x: &B::Act, w: &GluW<B>) -> B::Act {
@@ -341,7 +434,10 @@ impl<B: Backend> Model<B> {
         let c = &self.config;
         let eps = c.rms_norm_eps;
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(ExecError::InvalidBatch(format!("token id {bad} >= vocab size {}", c.vocab_size)));
+            return Err(ExecError::InvalidBatch(format!(
+                "token id {bad} >= vocab size {}",
+                c.vocab_size
+            )));
         }
         let mut bank: Vec<B::Act> = Vec::new();
         let mut p: Option<B::Act> = Some(be.embed(&self.embed, ids));
@@ -390,10 +486,16 @@ impl<B: Backend> Model<B> {
             }
             p = Some(pp);
         }
-        let Some(first) = logits_from else { return Ok(None) };
+        let Some(first) = logits_from else {
+            return Ok(None);
+        };
         let p = p.expect("p set");
         let n = ids.len();
-        let p = if first == 0 { p } else { be.slice_rows(&p, first, n) };
+        let p = if first == 0 {
+            p
+        } else {
+            be.slice_rows(&p, first, n)
+        };
         let bank_rows: Vec<B::Act>;
         let mut src: Vec<&B::Act> = Vec::new();
         if first == 0 {
@@ -424,16 +526,37 @@ impl<B: Backend> Model<B> {
         let v = be.matmul(x, &w.v);
         let f = be.matmul(&be.matmul(x, &w.f_a), &w.f_b);
         let b = be.matmul(x, &w.b);
-        let cps: Vec<(usize, usize)> = cache.checkpoints.iter().map(|&(n, dst)| (n, dst + lo)).collect();
+        let cps: Vec<(usize, usize)> = cache
+            .checkpoints
+            .iter()
+            .map(|&(n, dst)| (n, dst + lo))
+            .collect();
         let o = be.kda(
             arena,
             geom,
-            &KdaParams { conv: [&w.conv[0], &w.conv[1], &w.conv[2]], a_log: &w.a_log, dt_bias: &w.dt_bias },
-            &KdaInputs { qkv: [&q, &k, &v], f: &f, b: &b },
-            KdaStateLoc { offset: cache.state_block + lo, checkpoints: &cps },
+            &KdaParams {
+                conv: [&w.conv[0], &w.conv[1], &w.conv[2]],
+                a_log: &w.a_log,
+                dt_bias: &w.dt_bias,
+            },
+            &KdaInputs {
+                qkv: [&q, &k, &v],
+                f: &f,
+                b: &b,
+            },
+            KdaStateLoc {
+                offset: cache.state_block + lo,
+                checkpoints: &cps,
+            },
         )?;
         let gate = be.matmul(x, &w.g);
-        let o = be.gated_head_norm(&o, &gate, &w.o_norm, geom.head_dim, self.config.rms_norm_eps);
+        let o = be.gated_head_norm(
+            &o,
+            &gate,
+            &w.o_norm,
+            geom.head_dim,
+            self.config.rms_norm_eps,
+        );
         Ok(be.matmul(&o, &w.o))
     }
 
@@ -457,7 +580,15 @@ impl<B: Backend> Model<B> {
             layer_offset: offsets.mla[l].expect("MLA layer has a page offset"),
             start_pos: cache.start_pos,
         };
-        let mut o = be.mla(arena, self.mla_geom(), &q, &kv_a, &w.kv_a_norm, &w.kv_b, loc)?;
+        let mut o = be.mla(
+            arena,
+            self.mla_geom(),
+            &q,
+            &kv_a,
+            &w.kv_a_norm,
+            &w.kv_b,
+            loc,
+        )?;
         be.sigmoid_mul(&mut o, &be.matmul(x, &w.g));
         Ok(be.matmul(&o, &w.o))
     }
@@ -467,7 +598,11 @@ impl<B: Backend> Model<B> {
         let m = &self.config.moe;
         let z = be.matmul(x, &w.down);
         let logits = be.matmul(x, &w.router);
-        let router = RouterParams { top_k: m.experts_per_token, renormalize: m.renormalize, scaling: m.routed_scaling_factor };
+        let router = RouterParams {
+            top_k: m.experts_per_token,
+            renormalize: m.renormalize,
+            scaling: m.routed_scaling_factor,
+        };
         let y_lat = be.moe_routed(&z, &logits, &w.bias, &w.experts, router, self.situ());
         let y_lat = match &w.norm {
             Some(n) => be.rms_norm(&y_lat, n, self.config.rms_norm_eps),

@@ -2,7 +2,9 @@
 //! and [`Session`], a single-sequence convenience built on the same path (CLI, tests).
 
 use crate::backend::Backend;
-use crate::exec::{CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput};
+use crate::exec::{
+    CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput,
+};
 use crate::model::{CacheOffsets, Model, SeqCache};
 
 /// A model bound to its backend and one arena.
@@ -28,7 +30,12 @@ impl<B: Backend> ModelExecutor<B> {
             state_block_bytes: offsets.state_block_bytes,
             arena_bytes,
         };
-        Ok(Self { model, arena, offsets, layout })
+        Ok(Self {
+            model,
+            arena,
+            offsets,
+            layout,
+        })
     }
 
     /// An arena big enough for `seqs` sequences of up to `max_tokens` each, plus `extra_blocks`
@@ -42,7 +49,8 @@ impl<B: Backend> ModelExecutor<B> {
     ) -> Result<Self, ExecError> {
         let offs = CacheOffsets::new(&model.config, page_tokens.max(1));
         let pages = max_tokens.div_ceil(page_tokens.max(1));
-        let bytes = seqs * (offs.state_block_bytes + pages * offs.kv_page_bytes) + extra_blocks * offs.state_block_bytes;
+        let bytes = seqs * (offs.state_block_bytes + pages * offs.kv_page_bytes)
+            + extra_blocks * offs.state_block_bytes;
         Self::new(model, page_tokens, bytes)
     }
 
@@ -59,8 +67,10 @@ impl<B: Backend> ModelExecutor<B> {
     }
 
     fn check_aligned(&self, what: &str, offset: usize) -> Result<(), ExecError> {
-        if offset % 4 != 0 {
-            return Err(ExecError::InvalidBatch(format!("{what} offset {offset} is not 4-byte aligned")));
+        if !offset.is_multiple_of(4) {
+            return Err(ExecError::InvalidBatch(format!(
+                "{what} offset {offset} is not 4-byte aligned"
+            )));
         }
         Ok(())
     }
@@ -86,7 +96,9 @@ impl<B: Backend> ModelExecutor<B> {
         self.check_range(s.state_block, self.layout.state_block_bytes)?;
         for &(cp, dst) in s.checkpoints {
             if cp == 0 || cp > n {
-                return Err(ExecError::InvalidBatch(format!("checkpoint at {cp} is outside 1..={n}")));
+                return Err(ExecError::InvalidBatch(format!(
+                    "checkpoint at {cp} is outside 1..={n}"
+                )));
             }
             self.check_aligned("checkpoint", dst)?;
             self.check_range(dst, self.layout.state_block_bytes)?;
@@ -95,16 +107,30 @@ impl<B: Backend> ModelExecutor<B> {
     }
 
     /// One sequence's forward, also returning the per-layer partial sums `p` (golden tests).
-    pub fn forward_traced(&mut self, s: &SeqInput<'_>) -> Result<(ForwardOutput, Vec<Vec<f32>>), ExecError> {
+    pub fn forward_traced(
+        &mut self,
+        s: &SeqInput<'_>,
+    ) -> Result<(ForwardOutput, Vec<Vec<f32>>), ExecError> {
         self.validate(s)?;
         let mut trace = Vec::new();
         let out = self.run_one(s, Some(&mut trace))?;
         let vocab = self.model.config.vocab_size;
         let rows = out.len() / vocab;
-        Ok((ForwardOutput { vocab, logits: out, row_ranges: vec![0..rows] }, trace))
+        Ok((
+            ForwardOutput {
+                vocab,
+                logits: out,
+                row_ranges: std::iter::once(0..rows).collect(),
+            },
+            trace,
+        ))
     }
 
-    fn run_one(&mut self, s: &SeqInput<'_>, trace: Option<&mut Vec<Vec<f32>>>) -> Result<Vec<f32>, ExecError> {
+    fn run_one(
+        &mut self,
+        s: &SeqInput<'_>,
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<f32>, ExecError> {
         let ids: Vec<u32> = s.tokens.to_vec();
         let cache = SeqCache {
             start_pos: s.start_pos,
@@ -118,8 +144,12 @@ impl<B: Backend> ModelExecutor<B> {
             LogitsWant::Last => Some(ids.len() - 1),
             LogitsWant::All => Some(0),
         };
-        let logits = self.model.forward_seq(&mut self.arena, &self.offsets, &ids, &cache, from, trace)?;
-        Ok(logits.map(|l| self.model.backend.to_host(&l)).unwrap_or_default())
+        let logits =
+            self.model
+                .forward_seq(&mut self.arena, &self.offsets, &ids, &cache, from, trace)?;
+        Ok(logits
+            .map(|l| self.model.backend.to_host(&l))
+            .unwrap_or_default())
     }
 }
 
@@ -136,9 +166,13 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         self.check_range(src, len)?;
         self.check_range(dst, len)?;
         if src < dst + len && dst < src + len && len > 0 && src != dst {
-            return Err(ExecError::InvalidBatch(format!("arena_copy regions overlap: {src} -> {dst} ({len} bytes)")));
+            return Err(ExecError::InvalidBatch(format!(
+                "arena_copy regions overlap: {src} -> {dst} ({len} bytes)"
+            )));
         }
-        self.model.backend.arena_copy(&mut self.arena, src, dst, len);
+        self.model
+            .backend
+            .arena_copy(&mut self.arena, src, dst, len);
         Ok(())
     }
 
@@ -160,7 +194,11 @@ impl<B: Backend> Executor for ModelExecutor<B> {
             self.validate(s)?;
         }
         let vocab = self.model.config.vocab_size;
-        let mut out = ForwardOutput { vocab, logits: Vec::new(), row_ranges: Vec::with_capacity(batch.seqs.len()) };
+        let mut out = ForwardOutput {
+            vocab,
+            logits: Vec::new(),
+            row_ranges: Vec::with_capacity(batch.seqs.len()),
+        };
         let mut row = 0;
         for s in &batch.seqs {
             let logits = self.run_one(s, None)?;
@@ -194,12 +232,20 @@ impl<E: Executor> Session<E> {
                 off += lay.kv_page_bytes;
             }
         }
-        Ok(Self { exec, pages, pos: 0 })
+        Ok(Self {
+            exec,
+            pages,
+            pos: 0,
+        })
     }
 
     /// Tokens this session can hold in total.
     pub fn capacity(&self) -> usize {
-        if self.exec.layout().kv_page_bytes == 0 { usize::MAX } else { self.pages.len() * self.exec.layout().page_tokens }
+        if self.exec.layout().kv_page_bytes == 0 {
+            usize::MAX
+        } else {
+            self.pages.len() * self.exec.layout().page_tokens
+        }
     }
 
     /// Tokens processed so far.

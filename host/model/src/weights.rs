@@ -7,15 +7,26 @@ use std::path::Path;
 #[derive(Debug, thiserror::Error)]
 pub enum WeightError {
     #[error("cannot open {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path} is not a valid safetensors file: {msg}")]
     Format { path: String, msg: String },
     #[error("tensor `{0}` is missing from the checkpoint")]
     Missing(String),
     #[error("tensor `{name}` has shape {got:?}, expected {want:?}")]
-    Shape { name: String, got: Vec<usize>, want: Vec<usize> },
+    Shape {
+        name: String,
+        got: Vec<usize>,
+        want: Vec<usize>,
+    },
     #[error("tensor `{name}` has dtype {got}, expected {want}")]
-    Dtype { name: String, got: String, want: String },
+    Dtype {
+        name: String,
+        got: String,
+        want: String,
+    },
 }
 
 /// A memory-mapped safetensors file.
@@ -27,17 +38,29 @@ pub struct WeightFile {
 impl WeightFile {
     pub fn open(path: &Path) -> Result<Self, WeightError> {
         let p = path.display().to_string();
-        let file = std::fs::File::open(path).map_err(|source| WeightError::Io { path: p.clone(), source })?;
+        let file = std::fs::File::open(path).map_err(|source| WeightError::Io {
+            path: p.clone(),
+            source,
+        })?;
         // SAFETY: the file is opened read-only; we never write through the map. Concurrent
         // truncation by another process would be a bug outside this program's control.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| WeightError::Io { path: p.clone(), source })?;
-        SafeTensors::deserialize(&mmap).map_err(|e| WeightError::Format { path: p.clone(), msg: e.to_string() })?;
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| WeightError::Io {
+            path: p.clone(),
+            source,
+        })?;
+        SafeTensors::deserialize(&mmap).map_err(|e| WeightError::Format {
+            path: p.clone(),
+            msg: e.to_string(),
+        })?;
         Ok(Self { path: p, mmap })
     }
 
     pub fn tensors(&self) -> Tensors<'_> {
         // Validated in `open`.
-        Tensors { st: SafeTensors::deserialize(&self.mmap).expect("validated at open"), path: &self.path }
+        Tensors {
+            st: SafeTensors::deserialize(&self.mmap).expect("validated at open"),
+            path: &self.path,
+        }
     }
 }
 
@@ -60,14 +83,34 @@ impl<'a> Tensors<'a> {
         self.st.names().into_iter().map(str::to_string).collect()
     }
 
-    fn raw(&self, name: &str, shape: &[usize], dtypes: &[Dtype]) -> Result<(Dtype, &'a [u8]), WeightError> {
-        let t = self.st.tensor(name).map_err(|_| WeightError::Missing(name.to_string()))?;
+    fn raw(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtypes: &[Dtype],
+    ) -> Result<(Dtype, &'a [u8]), WeightError> {
+        let t = self
+            .st
+            .tensor(name)
+            .map_err(|_| WeightError::Missing(name.to_string()))?;
         if !dtypes.contains(&t.dtype()) {
-            let want = dtypes.iter().map(|d| dtype_name(*d)).collect::<Vec<_>>().join(" or ");
-            return Err(WeightError::Dtype { name: name.to_string(), got: dtype_name(t.dtype()), want });
+            let want = dtypes
+                .iter()
+                .map(|d| dtype_name(*d))
+                .collect::<Vec<_>>()
+                .join(" or ");
+            return Err(WeightError::Dtype {
+                name: name.to_string(),
+                got: dtype_name(t.dtype()),
+                want,
+            });
         }
         if t.shape() != shape {
-            return Err(WeightError::Shape { name: name.to_string(), got: t.shape().to_vec(), want: shape.to_vec() });
+            return Err(WeightError::Shape {
+                name: name.to_string(),
+                got: t.shape().to_vec(),
+                want: shape.to_vec(),
+            });
         }
         Ok((t.dtype(), t.data()))
     }
@@ -80,8 +123,14 @@ impl<'a> Tensors<'a> {
                 .chunks_exact(2)
                 .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
                 .collect(),
-            Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            _ => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::F16 => data
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            _ => data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
         })
     }
 
@@ -92,18 +141,34 @@ impl<'a> Tensors<'a> {
 
     /// An integer tensor (i64 or i32 on disk), e.g. golden token ids.
     pub fn ints(&self, name: &str) -> Result<Vec<i64>, WeightError> {
-        let t = self.st.tensor(name).map_err(|_| WeightError::Missing(name.to_string()))?;
+        let t = self
+            .st
+            .tensor(name)
+            .map_err(|_| WeightError::Missing(name.to_string()))?;
         let data = t.data();
         match t.dtype() {
-            Dtype::I64 => Ok(data.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect()),
-            Dtype::I32 => Ok(data.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap()) as i64).collect()),
-            d => Err(WeightError::Dtype { name: name.to_string(), got: dtype_name(d), want: "i64 or i32".into() }),
+            Dtype::I64 => Ok(data
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+                .collect()),
+            Dtype::I32 => Ok(data
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as i64)
+                .collect()),
+            d => Err(WeightError::Dtype {
+                name: name.to_string(),
+                got: dtype_name(d),
+                want: "i64 or i32".into(),
+            }),
         }
     }
 
     /// Any float tensor with its shape (tests / golden files).
     pub fn any_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), WeightError> {
-        let t = self.st.tensor(name).map_err(|_| WeightError::Missing(name.to_string()))?;
+        let t = self
+            .st
+            .tensor(name)
+            .map_err(|_| WeightError::Missing(name.to_string()))?;
         let shape = t.shape().to_vec();
         Ok((shape.clone(), self.f32(name, &shape)?))
     }

@@ -6,7 +6,8 @@ use anyhow::{Context, Result, ensure};
 use k3_backend_cpu::{CpuBackend, Mat, gemm, kda, mla, mxfp4, ops};
 use k3_model::backend::{Backend, MlaCacheLoc, MlaGeom};
 use k3_model::{
-    Config, Executor, ForwardBatch, LogitsWant, Model, ModelExecutor, SeqInput, Session, Tensors, WeightFile,
+    Config, Executor, ForwardBatch, LogitsWant, Model, ModelExecutor, SeqInput, Session, Tensors,
+    WeightFile,
 };
 use std::path::PathBuf;
 
@@ -16,11 +17,19 @@ fn root() -> PathBuf {
 
 fn open(rel: &str) -> Result<WeightFile> {
     let p = root().join(rel);
-    WeightFile::open(&p).with_context(|| format!("golden file {} (run reference/export_golden.py)", p.display()))
+    WeightFile::open(&p).with_context(|| {
+        format!(
+            "golden file {} (run reference/export_golden.py)",
+            p.display()
+        )
+    })
 }
 
 fn load_model() -> Result<Model<CpuBackend>> {
-    Ok(Model::load_dir(&root().join("models/k3-mini"), CpuBackend::new())?)
+    Ok(Model::load_dir(
+        &root().join("models/k3-mini"),
+        CpuBackend::new(),
+    )?)
 }
 
 /// Max over rows of `max|a−b| / max|b|` (relative to the row's scale, so tiny entries don't blow up).
@@ -29,14 +38,22 @@ fn rel_err(a: &[f32], b: &[f32], width: usize) -> f64 {
     let mut worst = 0f64;
     for (ra, rb) in a.chunks(width).zip(b.chunks(width)) {
         let scale = rb.iter().fold(0f64, |m, x| m.max(x.abs() as f64)).max(1e-6);
-        let diff = ra.iter().zip(rb).fold(0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()));
+        let diff = ra
+            .iter()
+            .zip(rb)
+            .fold(0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()));
         worst = worst.max(diff / scale);
     }
     worst
 }
 
 fn check(name: &str, got: &[f32], want: &[f32], width: usize, tol: f64) -> Result<()> {
-    ensure!(got.len() == want.len(), "{name}: {} values, expected {}", got.len(), want.len());
+    ensure!(
+        got.len() == want.len(),
+        "{name}: {} values, expected {}",
+        got.len(),
+        want.len()
+    );
     let e = rel_err(got, want, width);
     eprintln!("{name}: rel err {e:.2e}");
     ensure!(e <= tol, "{name}: relative error {e:.3e} > {tol:.0e}");
@@ -48,7 +65,9 @@ fn ids_of(t: &Tensors<'_>, name: &str) -> Result<Vec<u32>> {
 }
 
 fn num_prompts(t: &Tensors<'_>) -> usize {
-    (0..).take_while(|i| t.contains(&format!("p{i}.input_ids"))).count()
+    (0..)
+        .take_while(|i| t.contains(&format!("p{i}.input_ids")))
+        .count()
 }
 
 #[test]
@@ -58,7 +77,11 @@ fn model_layers_logits_and_greedy_match_reference() -> Result<()> {
     let n = num_prompts(&g);
     ensure!(n > 0, "no prompts in the golden file");
     let model = load_model()?;
-    let (d, vocab, layers) = (model.config.hidden_size, model.config.vocab_size, model.config.num_hidden_layers);
+    let (d, vocab, layers) = (
+        model.config.hidden_size,
+        model.config.vocab_size,
+        model.config.num_hidden_layers,
+    );
     let mut exec = ModelExecutor::with_capacity(model, 16, 1, 4096, 0)?;
     for i in 0..n {
         let ids = ids_of(&g, &format!("p{i}.input_ids"))?;
@@ -85,13 +108,22 @@ fn model_layers_logits_and_greedy_match_reference() -> Result<()> {
             check(&format!("prompt {i} layer {l} p"), p, &want, d, 1e-3)?;
         }
         let (_, want) = g.any_f32(&format!("p{i}.logits"))?;
-        check(&format!("prompt {i} logits"), &out.logits, &want, vocab, 1e-3)?;
+        check(
+            &format!("prompt {i} logits"),
+            &out.logits,
+            &want,
+            vocab,
+            1e-3,
+        )?;
 
         // Greedy continuation: prefill then token-by-token decode (absorbed MLA, recurrent KDA).
         let want: Vec<u32> = ids_of(&g, &format!("p{i}.greedy"))?;
         sess.reset()?;
         let got = sess.generate_greedy(&ids, want.len())?;
-        ensure!(got == want, "prompt {i}: greedy tokens differ\n got  {got:?}\n want {want:?}");
+        ensure!(
+            got == want,
+            "prompt {i}: greedy tokens differ\n got  {got:?}\n want {want:?}"
+        );
         exec = into_exec(sess);
     }
     Ok(())
@@ -122,27 +154,60 @@ fn chunked_prefill_with_checkpoint_and_batching_are_consistent() -> Result<()> {
     // A alone, split in two chunks, with an in-pass checkpoint after 5 tokens of chunk 1.
     let split = ids_a.len() / 2;
     let cps = [(5usize, 3 * sb)];
-    let run = |exec: &mut ModelExecutor<CpuBackend>, seqs: Vec<SeqInput<'_>>| exec.forward(&ForwardBatch { seqs });
+    let run = |exec: &mut ModelExecutor<CpuBackend>, seqs: Vec<SeqInput<'_>>| {
+        exec.forward(&ForwardBatch { seqs })
+    };
     run(
         &mut exec,
-        vec![SeqInput { tokens: &ids_a[..split], start_pos: 0, kv_pages: &pages_a, state_block: 0, checkpoints: &cps, logits: LogitsWant::None }],
+        vec![SeqInput {
+            tokens: &ids_a[..split],
+            start_pos: 0,
+            kv_pages: &pages_a,
+            state_block: 0,
+            checkpoints: &cps,
+            logits: LogitsWant::None,
+        }],
     )?;
     let out = run(
         &mut exec,
-        vec![SeqInput { tokens: &ids_a[split..], start_pos: split, kv_pages: &pages_a, state_block: 0, checkpoints: &[], logits: LogitsWant::All }],
+        vec![SeqInput {
+            tokens: &ids_a[split..],
+            start_pos: split,
+            kv_pages: &pages_a,
+            state_block: 0,
+            checkpoints: &[],
+            logits: LogitsWant::All,
+        }],
     )?;
     let (_, want) = g.any_f32("p0.logits")?;
-    check("chunked prefill logits", &out.logits, &want[split * vocab..], vocab, 1e-3)?;
+    check(
+        "chunked prefill logits",
+        &out.logits,
+        &want[split * vocab..],
+        vocab,
+        1e-3,
+    )?;
 
     // The checkpoint equals the state after running only the first 5 tokens.
     exec.arena_zero(sb, sb)?;
     run(
         &mut exec,
-        vec![SeqInput { tokens: &ids_a[..5], start_pos: 0, kv_pages: &pages_b, state_block: sb, checkpoints: &[], logits: LogitsWant::None }],
+        vec![SeqInput {
+            tokens: &ids_a[..5],
+            start_pos: 0,
+            kv_pages: &pages_b,
+            state_block: sb,
+            checkpoints: &[],
+            logits: LogitsWant::None,
+        }],
     )?;
     let cp = exec.arena_read(3 * sb, sb)?;
     let direct = exec.arena_read(sb, sb)?;
-    let f = |b: &[u8]| b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<f32>>();
+    let f = |b: &[u8]| {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect::<Vec<f32>>()
+    };
     check("checkpoint state", &f(&cp), &f(&direct), 128, 1e-4)?;
 
     // Batch invariance: decode A's next token alone and batched with B's prefill: identical bits.
@@ -150,18 +215,42 @@ fn chunked_prefill_with_checkpoint_and_batching_are_consistent() -> Result<()> {
     exec.arena_copy(0, 4 * sb, sb)?;
     let alone = run(
         &mut exec,
-        vec![SeqInput { tokens: &next, start_pos: ids_a.len(), kv_pages: &pages_a, state_block: 0, checkpoints: &[], logits: LogitsWant::Last }],
+        vec![SeqInput {
+            tokens: &next,
+            start_pos: ids_a.len(),
+            kv_pages: &pages_a,
+            state_block: 0,
+            checkpoints: &[],
+            logits: LogitsWant::Last,
+        }],
     )?;
     exec.arena_zero(2 * sb, sb)?;
     let batched = run(
         &mut exec,
         vec![
-            SeqInput { tokens: &ids_b, start_pos: 0, kv_pages: &pages_b, state_block: 2 * sb, checkpoints: &[], logits: LogitsWant::Last },
-            SeqInput { tokens: &next, start_pos: ids_a.len(), kv_pages: &pages_a, state_block: 4 * sb, checkpoints: &[], logits: LogitsWant::Last },
+            SeqInput {
+                tokens: &ids_b,
+                start_pos: 0,
+                kv_pages: &pages_b,
+                state_block: 2 * sb,
+                checkpoints: &[],
+                logits: LogitsWant::Last,
+            },
+            SeqInput {
+                tokens: &next,
+                start_pos: ids_a.len(),
+                kv_pages: &pages_a,
+                state_block: 4 * sb,
+                checkpoints: &[],
+                logits: LogitsWant::Last,
+            },
         ],
     )?;
     ensure!(batched.row_ranges == vec![0..1, 1..2]);
-    ensure!(alone.row(0) == batched.row(1), "decode logits depend on the batch");
+    ensure!(
+        alone.row(0) == batched.row(1),
+        "decode logits depend on the batch"
+    );
     Ok(())
 }
 
@@ -170,10 +259,22 @@ fn bad_inputs_are_errors() -> Result<()> {
     let mut exec = ModelExecutor::with_capacity(load_model()?, 16, 1, 64, 0)?;
     let pages = [exec.layout().state_block_bytes];
     fn bad<'a>(tokens: &'a [u32], pages: &'a [usize], cps: &'a [(usize, usize)]) -> SeqInput<'a> {
-        SeqInput { tokens, start_pos: 0, kv_pages: pages, state_block: 0, checkpoints: cps, logits: LogitsWant::Last }
+        SeqInput {
+            tokens,
+            start_pos: 0,
+            kv_pages: pages,
+            state_block: 0,
+            checkpoints: cps,
+            logits: LogitsWant::Last,
+        }
     }
     let v = exec.vocab_size() as u32;
-    for s in [bad(&[v], &pages, &[]), bad(&[1; 17], &pages, &[]), bad(&[1], &pages, &[(2, 0)]), bad(&[], &pages, &[])] {
+    for s in [
+        bad(&[v], &pages, &[]),
+        bad(&[1; 17], &pages, &[]),
+        bad(&[1], &pages, &[(2, 0)]),
+        bad(&[], &pages, &[]),
+    ] {
         ensure!(exec.forward(&ForwardBatch { seqs: vec![s] }).is_err());
     }
     ensure!(exec.arena_read(exec.layout().arena_bytes, 1).is_err());
@@ -182,8 +283,13 @@ fn bad_inputs_are_errors() -> Result<()> {
     let mut bigger = cfg.clone();
     bigger.hidden_size += 32;
     let file = open("models/k3-mini/model.safetensors")?;
-    let err = Model::from_tensors(bigger, &file.tensors(), CpuBackend::new()).err().context("shape check")?;
-    ensure!(err.to_string().contains("model.layers.0") || err.to_string().contains("embed_tokens"), "{err}");
+    let err = Model::from_tensors(bigger, &file.tensors(), CpuBackend::new())
+        .err()
+        .context("shape check")?;
+    ensure!(
+        err.to_string().contains("model.layers.0") || err.to_string().contains("embed_tokens"),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -197,21 +303,34 @@ fn ops_file() -> Result<WeightFile> {
 fn op_kda_chunked_and_recurrent() -> Result<()> {
     let file = ops_file()?;
     let t = file.tensors();
-    for name in ["kda_rec", "kda_rec_nostate", "kda_chunk", "kda_chunk_nostate"] {
+    for name in [
+        "kda_rec",
+        "kda_rec_nostate",
+        "kda_chunk",
+        "kda_chunk_nostate",
+    ] {
         let (shape, q) = t.any_f32(&format!("{name}.q"))?;
         let (tl, h, kd) = (shape[0], shape[1], shape[2]);
         let k = t.any_f32(&format!("{name}.k"))?.1;
         let v = t.any_f32(&format!("{name}.v"))?.1;
         let g = t.any_f32(&format!("{name}.g"))?.1;
         let beta = t.any_f32(&format!("{name}.beta"))?.1;
-        let s0 = if t.contains(&format!("{name}.s0")) { t.any_f32(&format!("{name}.s0"))?.1 } else { vec![0.0; h * kd * kd] };
-        let emits: Vec<usize> = (1..=tl).filter(|n| t.contains(&format!("{name}.emit{n}"))).collect();
+        let s0 = if t.contains(&format!("{name}.s0")) {
+            t.any_f32(&format!("{name}.s0"))?.1
+        } else {
+            vec![0.0; h * kd * kd]
+        };
+        let emits: Vec<usize> = (1..=tl)
+            .filter(|n| t.contains(&format!("{name}.emit{n}")))
+            .collect();
         let scale = 1.0 / (kd as f32).sqrt();
         let want_o = t.any_f32(&format!("{name}.o"))?.1;
         for chunked in [false, true] {
             for hh in 0..h {
                 let pick = |x: &[f32], w: usize| -> Vec<f32> {
-                    (0..tl).flat_map(|i| x[(i * h + hh) * w..(i * h + hh + 1) * w].iter().copied()).collect()
+                    (0..tl)
+                        .flat_map(|i| x[(i * h + hh) * w..(i * h + hh + 1) * w].iter().copied())
+                        .collect()
                 };
                 let hi = kda::HeadInputs {
                     q: pick(&q, kd).iter().map(|x| x * scale).collect(),
@@ -225,10 +344,22 @@ fn op_kda_chunked_and_recurrent() -> Result<()> {
                 let tag = format!("{name} head {hh} chunked={chunked}");
                 check(&format!("{tag} o"), &o, &pick(&want_o, kd), kd, 1e-3)?;
                 let want_s = t.any_f32(&format!("{name}.s"))?.1;
-                check(&format!("{tag} s"), &s, &want_s[hh * kd * kd..(hh + 1) * kd * kd], kd, 1e-3)?;
+                check(
+                    &format!("{tag} s"),
+                    &s,
+                    &want_s[hh * kd * kd..(hh + 1) * kd * kd],
+                    kd,
+                    1e-3,
+                )?;
                 for (n, snap) in emits.iter().zip(&snaps) {
                     let want = t.any_f32(&format!("{name}.emit{n}"))?.1;
-                    check(&format!("{tag} emit{n}"), snap, &want[hh * kd * kd..(hh + 1) * kd * kd], kd, 1e-3)?;
+                    check(
+                        &format!("{tag} emit{n}"),
+                        snap,
+                        &want[hh * kd * kd..(hh + 1) * kd * kd],
+                        kd,
+                        1e-3,
+                    )?;
                 }
             }
         }
@@ -247,13 +378,21 @@ fn op_mla_naive_and_absorbed() -> Result<()> {
         let (s, data) = t.any_f32(&format!("mla.w.{name}.weight"))?;
         Ok(be.linear(s[0], s[1], data))
     };
-    let vecw = |name: &str| -> Result<Vec<f32>> { Ok(t.any_f32(&format!("mla.w.{name}.weight"))?.1) };
+    let vecw =
+        |name: &str| -> Result<Vec<f32>> { Ok(t.any_f32(&format!("mla.w.{name}.weight"))?.1) };
     let (xs, x) = t.any_f32("mla.x")?;
     let (ps, past) = t.any_f32("mla.past")?;
     let (tn, d, np, row) = (xs[0], xs[1], ps[0], ps[1]);
     let x = Mat::new(tn, d, x);
     let eps = cfg.rms_norm_eps;
-    let q = be.matmul(&be.rms_norm(&be.matmul(&x, &lin("q_a_proj")?), &vecw("q_a_layernorm")?, eps), &lin("q_b_proj")?);
+    let q = be.matmul(
+        &be.rms_norm(
+            &be.matmul(&x, &lin("q_a_proj")?),
+            &vecw("q_a_layernorm")?,
+            eps,
+        ),
+        &lin("q_b_proj")?,
+    );
     let kv_a = be.matmul(&x, &lin("kv_a_proj_with_mqa")?);
     let geom = MlaGeom {
         heads: m.num_heads,
@@ -286,30 +425,61 @@ fn op_mla_naive_and_absorbed() -> Result<()> {
         }
         a
     };
-    let loc = |start| MlaCacheLoc { pages: &pages, page_tokens: pt, layer_offset: 0, start_pos: start };
+    let loc = |start| MlaCacheLoc {
+        pages: &pages,
+        page_tokens: pt,
+        layer_offset: 0,
+        start_pos: start,
+    };
     // Prefill (expanded form) of all 7 tokens.
     let mut arena = fresh_arena();
     let o = be.mla(&mut arena, geom, &q, &kv_a, &kv_norm, &kv_b, loc(np))?;
     let want_rows = t.any_f32("mla.rows")?.1;
-    let rows = mla::gather(arena.floats(), &mla::Pages { starts: &pages.iter().map(|p| p / 4).collect::<Vec<_>>(), page_tokens: pt }, np + tn, row);
+    let rows = mla::gather(
+        arena.floats(),
+        &mla::Pages {
+            starts: &pages.iter().map(|p| p / 4).collect::<Vec<_>>(),
+            page_tokens: pt,
+        },
+        np + tn,
+        row,
+    );
     check("mla rows", &rows, &want_rows, row, 1e-4)?;
-    check("mla naive", &finish(o)?, &t.any_f32("mla.y_naive")?.1, d, 1e-3)?;
+    check(
+        "mla naive",
+        &finish(o)?,
+        &t.any_f32("mla.y_naive")?.1,
+        d,
+        1e-3,
+    )?;
     // Decode (absorbed form) token by token.
     let mut arena = fresh_arena();
     let mut outs = Vec::new();
     for i in 0..tn {
         let qi = be.slice_rows(&q, i, i + 1);
         let ki = be.slice_rows(&kv_a, i, i + 1);
-        outs.extend(be.mla(&mut arena, geom, &qi, &ki, &kv_norm, &kv_b, loc(np + i))?.data);
+        outs.extend(
+            be.mla(&mut arena, geom, &qi, &ki, &kv_norm, &kv_b, loc(np + i))?
+                .data,
+        );
     }
     let o = Mat::new(tn, geom.heads * geom.v_dim, outs);
-    check("mla absorbed", &finish(o)?, &t.any_f32("mla.y_absorbed")?.1, d, 1e-3)?;
+    check(
+        "mla absorbed",
+        &finish(o)?,
+        &t.any_f32("mla.y_absorbed")?.1,
+        d,
+        1e-3,
+    )?;
     Ok(())
 }
 
 fn write_bytes(be: &CpuBackend, arena: &mut k3_backend_cpu::Arena, off: usize, bytes: &[u8]) {
     // The Backend trait only copies inside the arena; tests write through the f32 view.
-    let floats: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let floats: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
     arena.floats_mut()[off / 4..off / 4 + floats.len()].copy_from_slice(&floats);
     let _ = be;
 }
@@ -328,7 +498,13 @@ fn op_attnres_router_situ_mxfp4() -> Result<()> {
     let per = bs[1] * bs[2];
     let mut src: Vec<&[f32]> = bank.chunks(per).collect();
     src.push(&p);
-    check("attnres", &ops::attn_res(&src, &w, eps), &t.any_f32("attnres.out")?.1, bs[2], 1e-4)?;
+    check(
+        "attnres",
+        &ops::attn_res(&src, &w, eps),
+        &t.any_f32("attnres.out")?.1,
+        bs[2],
+        1e-4,
+    )?;
 
     // Router: same experts and weights (compared as sets of (expert, weight)).
     let (xs, x) = t.any_f32("router.x")?;
@@ -339,15 +515,31 @@ fn op_attnres_router_situ_mxfp4() -> Result<()> {
     let k = want_w.len() / xs[0];
     let cfg = Config::from_file(&root().join("models/k3-mini/config.json"))?;
     let logits = gemm::gemm(&x, xs[0], &gemm::Packed::new(&gw, gs[0], gs[1]));
-    let (idx, wts) = ops::route(&logits, &bias, k, cfg.moe.renormalize, cfg.moe.routed_scaling_factor);
+    let (idx, wts) = ops::route(
+        &logits,
+        &bias,
+        k,
+        cfg.moe.renormalize,
+        cfg.moe.routed_scaling_factor,
+    );
     for tok in 0..xs[0] {
-        let mut got: Vec<(usize, f32)> = (0..k).map(|s| (idx[tok * k + s], wts[tok * k + s])).collect();
-        let mut want: Vec<(usize, f32)> = (0..k).map(|s| (want_idx[tok * k + s] as usize, want_w[tok * k + s])).collect();
+        let mut got: Vec<(usize, f32)> = (0..k)
+            .map(|s| (idx[tok * k + s], wts[tok * k + s]))
+            .collect();
+        let mut want: Vec<(usize, f32)> = (0..k)
+            .map(|s| (want_idx[tok * k + s] as usize, want_w[tok * k + s]))
+            .collect();
         got.sort_by_key(|p| p.0);
         want.sort_by_key(|p| p.0);
         for (a, b) in got.iter().zip(&want) {
-            ensure!(a.0 == b.0, "router token {tok}: experts {got:?} vs {want:?}");
-            ensure!((a.1 - b.1).abs() <= 1e-5 * b.1.abs().max(1.0), "router token {tok}: weights {got:?} vs {want:?}");
+            ensure!(
+                a.0 == b.0,
+                "router token {tok}: experts {got:?} vs {want:?}"
+            );
+            ensure!(
+                (a.1 - b.1).abs() <= 1e-5 * b.1.abs().max(1.0),
+                "router token {tok}: weights {got:?} vs {want:?}"
+            );
         }
     }
 
@@ -358,15 +550,21 @@ fn op_attnres_router_situ_mxfp4() -> Result<()> {
     check("situ", &got, &t.any_f32("situ.out")?.1, got.len(), 1e-5)?;
 
     // MXFP4: exact decode of packed codes + E8M0 scales.
-    let (ps, packed) = (t.any_f32("mxfp4.dequant")?.0, t.u8("mxfp4.packed", &[256, 64]).or_else(|_| {
-        let s = t.any_f32("mxfp4.dequant").map(|x| x.0).unwrap_or_default();
-        t.u8("mxfp4.packed", &[s[0], s[1] / 2])
-    })?);
+    let (ps, packed) = (
+        t.any_f32("mxfp4.dequant")?.0,
+        t.u8("mxfp4.packed", &[256, 64]).or_else(|_| {
+            let s = t.any_f32("mxfp4.dequant").map(|x| x.0).unwrap_or_default();
+            t.u8("mxfp4.packed", &[s[0], s[1] / 2])
+        })?,
+    );
     let scales = t.u8("mxfp4.scale", &[ps[0], ps[1] / 32])?;
     let m = mxfp4::MxMatrix::new(ps[0], ps[1], packed, &scales);
     let want = t.any_f32("mxfp4.dequant")?.1;
     for r in 0..ps[0] {
-        ensure!(m.dequant_row(r) == want[r * ps[1]..(r + 1) * ps[1]], "mxfp4 row {r} differs");
+        ensure!(
+            m.dequant_row(r) == want[r * ps[1]..(r + 1) * ps[1]],
+            "mxfp4 row {r} differs"
+        );
     }
     Ok(())
 }

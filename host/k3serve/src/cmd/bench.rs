@@ -50,7 +50,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let max = a.prefill_tokens.max(64 + a.decode_tokens) + 1;
     let t = Instant::now();
     let exec = load_cpu(&a.model, max)?;
-    eprintln!("loaded {} in {:.2}s", a.model.display(), t.elapsed().as_secs_f64());
+    eprintln!(
+        "loaded {} in {:.2}s",
+        a.model.display(),
+        t.elapsed().as_secs_f64()
+    );
     let vocab = exec.vocab_size();
     let mut session = Session::new(exec)?;
 
@@ -76,8 +80,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
 
     println!("threads:           {}", rayon::current_num_threads());
-    println!("prefill tok/s:     {best_prefill:.0}  ({}-token prompt, best of {})", a.prefill_tokens, a.repeats);
-    println!("decode tok/s:      {best_decode:.1}  (batch 1, {} steps after a 64-token prompt, best of {})", a.decode_tokens, a.repeats);
+    println!(
+        "prefill tok/s:     {best_prefill:.0}  ({}-token prompt, best of {})",
+        a.prefill_tokens, a.repeats
+    );
+    println!(
+        "decode tok/s:      {best_decode:.1}  (batch 1, {} steps after a 64-token prompt, best of {})",
+        a.decode_tokens, a.repeats
+    );
     match peak_rss_mib() {
         Some(m) => println!("peak RSS:          {m:.0} MiB"),
         None => println!("peak RSS:          unavailable"),

@@ -46,7 +46,9 @@ pub struct Args {
 pub fn run(a: Args) -> anyhow::Result<()> {
     init_threads(a.threads)?;
     let tokenizer = Arc::new(Tokenizer::from_dir(&a.model).context("loading the tokenizer")?);
-    let prompt = tokenizer.encode(&a.prompt).context("tokenizing the prompt")?;
+    let prompt = tokenizer
+        .encode(&a.prompt)
+        .context("tokenizing the prompt")?;
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
@@ -64,7 +66,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     params.validate().context("sampling flags")?;
     let exec = load_cpu(&a.model, prompt.len() + a.max_tokens)?;
     let vocab = exec.vocab_size();
-    let eos: Vec<u32> = std::iter::once(exec.model().config.eos_token_id).chain(tokenizer.eos_token_id()).collect();
+    let eos: Vec<u32> = std::iter::once(exec.model().config.eos_token_id)
+        .chain(tokenizer.eos_token_id())
+        .collect();
     let mut session = Session::new(exec)?;
     let mut sampler = Sampler::new(&params, vocab)?;
     let mut history = SeqHistory::new(&prompt);
