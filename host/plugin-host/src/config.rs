@@ -1,7 +1,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Plugin host settings. `Default` is sized for a server: 64 MiB and 250 ms per guest call.
+/// Plugin host settings. `Default` is sized for a server: 64 MiB per store, 250 ms per parser
+/// call, 2 s per template render.
 #[derive(Debug, Clone)]
 pub struct PluginHostConfig {
     /// Directory for precompiled components (`<sha256>-<engine hash>.cwasm`); `None` compiles
@@ -9,8 +10,10 @@ pub struct PluginHostConfig {
     pub cache_dir: Option<PathBuf>,
     /// Linear-memory cap per store (bytes). Growth past it traps and fails only that call.
     pub memory_limit: usize,
-    /// CPU-time cap per guest call (epoch deadline; precision is `epoch_tick`).
+    /// CPU-time cap per parser / load-time call (epoch deadline; precision is `epoch_tick`).
     pub call_timeout: Duration,
+    /// CPU-time cap per chat-template call (long conversations take longer to render).
+    pub template_timeout: Duration,
     /// Epoch ticker period.
     pub epoch_tick: Duration,
     /// Concurrent plugin instances the pooling allocator reserves (every live stream holds one).
@@ -27,6 +30,7 @@ impl Default for PluginHostConfig {
             cache_dir: None,
             memory_limit: 64 << 20,
             call_timeout: Duration::from_millis(250),
+            template_timeout: Duration::from_secs(2),
             epoch_tick: Duration::from_millis(10),
             max_instances: 1000,
             template_pool_size: 4,

@@ -34,6 +34,7 @@ pub(crate) struct Runtime {
     pub linker: Linker<StoreState>,
     pub cfg: PluginHostConfig,
     epoch_ticks: u64,
+    template_ticks: u64,
     compat_hash: String,
     /// Compiled components by wasm sha256, so reloading the same bytes is free.
     compiled: Mutex<HashMap<String, Component>>,
@@ -196,7 +197,8 @@ impl Runtime {
         let compat_hash = hex::encode(&h.0.finalize()[..12]);
 
         let tick = cfg.epoch_tick.max(Duration::from_millis(1));
-        let epoch_ticks = (cfg.call_timeout.as_nanos() / tick.as_nanos()).max(1) as u64 + 1;
+        let ticks = |d: Duration| (d.as_nanos() / tick.as_nanos()).max(1) as u64 + 1;
+        let (epoch_ticks, template_ticks) = (ticks(cfg.call_timeout), ticks(cfg.template_timeout));
         let weak = engine.weak();
         std::thread::Builder::new()
             .name("k3-plugin-epoch".into())
@@ -218,6 +220,7 @@ impl Runtime {
             linker,
             cfg,
             epoch_ticks,
+            template_ticks,
             compat_hash,
             compiled: Mutex::new(HashMap::new()),
             pooling,
@@ -311,17 +314,27 @@ impl Runtime {
         store
     }
 
-    /// Run one guest call under the time limit, turning faults into clear errors.
+    /// Run one guest call under `call_timeout`, turning faults into clear errors.
     pub fn call<R>(
         &self,
         store: &mut Store<StoreState>,
         f: impl FnOnce(&mut Store<StoreState>) -> wasmtime::Result<R>,
     ) -> Result<R, PluginError> {
         store.set_epoch_deadline(self.epoch_ticks);
-        f(store).map_err(|e| self.fault(store, e))
+        f(store).map_err(|e| self.fault(store, e, self.cfg.call_timeout))
     }
 
-    pub fn fault(&self, store: &Store<StoreState>, e: wasmtime::Error) -> PluginError {
+    /// Like [`Runtime::call`], under `template_timeout`.
+    pub fn call_template<R>(
+        &self,
+        store: &mut Store<StoreState>,
+        f: impl FnOnce(&mut Store<StoreState>) -> wasmtime::Result<R>,
+    ) -> Result<R, PluginError> {
+        store.set_epoch_deadline(self.template_ticks);
+        f(store).map_err(|e| self.fault(store, e, self.cfg.template_timeout))
+    }
+
+    fn fault(&self, store: &Store<StoreState>, e: wasmtime::Error, limit: Duration) -> PluginError {
         let plugin = store.data().plugin.to_string();
         if store.data().memory_exceeded {
             return PluginError::MemoryLimit {

@@ -98,7 +98,7 @@ pub(crate) fn render_with(
             version.counters.session();
             let mut store = rt.store(version.label.clone());
             let instance = Runtime::timed(&version.counters, || {
-                rt.call(&mut store, |s| pre.instantiate(s))
+                rt.call_template(&mut store, |s| pre.instantiate(s))
             })?;
             WarmTemplate {
                 store,
@@ -121,12 +121,12 @@ pub(crate) fn render_with(
         let handle = match compiled.get(&key) {
             Some(h) => *h,
             None => {
-                let h = rt.call(store, |s| api.call_constructor(s, template))?;
+                let h = rt.call_template(store, |s| api.call_constructor(s, template))?;
                 compiled.insert(key, h);
                 h
             }
         };
-        let rendered = rt.call(store, |s| {
+        let rendered = rt.call_template(store, |s| {
             api.call_render(s, handle, messages_json, tools_json, &opts)
         })?;
         rendered.map_err(template_error)

@@ -202,6 +202,31 @@ fn template_renders_k3_mini_byte_identical_to_reference() {
             _ => panic!("{name}: fixture case has neither expected nor error"),
         }
     }
+    // A long agent conversation renders well inside the template time limit.
+    let mut long = vec![json!({"role": "system", "content": "You are terse."})];
+    for i in 0..100 {
+        long.push(
+            json!({"role": "user", "content": format!("question {i} with \"quotes\" and é")}),
+        );
+        long.push(json!({"role": "assistant", "reasoning_content": "think ".repeat(20), "content": "",
+            "tool_calls": [{"id": format!("c{i}"), "function": {"name": "search", "arguments": {"q": format!("q{i}"), "n": i}}}]}));
+        long.push(json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": "result ".repeat(10)}));
+    }
+    let started = Instant::now();
+    let prompt = templates
+        .render(
+            template,
+            &Value::Array(long).to_string(),
+            None,
+            &RenderOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(prompt.matches("<|open|>call tool=\"search\"").count(), 100);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(1500),
+        "300-message render took {took:?}"
+    );
     // A template that does not parse is a syntax error, not a trap.
     let bad = templates.render("{% if %}", "[]", None, &RenderOptions::default());
     assert!(
