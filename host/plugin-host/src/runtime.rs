@@ -345,7 +345,7 @@ impl Runtime {
         if let Some(Trap::Interrupt) = e.downcast_ref::<Trap>() {
             return PluginError::Timeout {
                 plugin,
-                limit_ms: self.cfg.call_timeout.as_millis() as u64,
+                limit_ms: limit.as_millis() as u64,
             };
         }
         let mut detail = match e.downcast_ref::<Trap>() {
