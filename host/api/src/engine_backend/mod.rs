@@ -3,6 +3,8 @@
 //! engine never sees HTTP or wasm.
 
 mod request_path;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -95,8 +95,10 @@ impl RequestPath {
 
     /// Process one token; returns whether the generation is over.
     fn step(&mut self, event: &TokenEvent, out: &mut Vec<GenEvent>) -> Result<bool, BackendError> {
-        if self.logprobs {
-            out.push(GenEvent::Logprobs(vec![self.token_logprob(event)]));
+        if self.logprobs
+            && let Some(lp) = self.token_logprob(event)
+        {
+            out.push(GenEvent::Logprobs(vec![lp]));
         }
         let detok_err = |e: k3_frontend::TokenizerError| {
             BackendError::Internal(format!("detokenizing the output failed: {e}"))
@@ -152,7 +154,8 @@ impl RequestPath {
         }
     }
 
-    fn token_logprob(&self, event: &TokenEvent) -> TokenLogprob {
+    /// The token's logprob entry (`None` if the engine did not compute one).
+    fn token_logprob(&self, event: &TokenEvent) -> Option<TokenLogprob> {
         let text_of = |id: u32| -> (String, Vec<u8>) {
             match self.tokenizer.token_bytes(id) {
                 Some(bytes) => (String::from_utf8_lossy(bytes).into_owned(), bytes.to_vec()),
@@ -164,9 +167,9 @@ impl RequestPath {
             }
         };
         let (token, bytes) = text_of(event.token);
-        TokenLogprob {
+        Some(TokenLogprob {
             token,
-            logprob: event.logprob,
+            logprob: event.logprob?,
             bytes,
             top: event
                 .top_logprobs
@@ -180,7 +183,7 @@ impl RequestPath {
                     }
                 })
                 .collect(),
-        }
+        })
     }
 
     fn parse(&mut self, text: &str, out: &mut Vec<GenEvent>) -> Result<(), BackendError> {

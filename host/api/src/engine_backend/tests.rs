@@ -1,0 +1,272 @@
+//! The real request path over the real engine (with its deterministic toy executor), the real
+//! k3-mini tokenizer and the real default plugins: events flow, stop strings cut, disconnects
+//! free memory, bad input is refused, plugin admin maps errors.
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k3_engine::testing::{ToyConfig, ToyExecutor};
+use k3_engine::{Engine, EngineConfig};
+use k3_plugin_host::PluginHostConfig;
+use serde_json::{Map, Value, json};
+
+use super::*;
+use crate::backend::{FinishInfo, FinishReason};
+
+const VOCAB: usize = 8192;
+const MAX_LEN: usize = 512;
+
+fn model_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-mini")
+}
+
+/// One plugin host per test binary: compiling the components is the slow part.
+fn plugins() -> PluginHost {
+    static HOST: OnceLock<PluginHost> = OnceLock::new();
+    HOST.get_or_init(|| {
+        let cache = std::env::temp_dir().join("k3-api-test-plugin-cache");
+        let _ = std::fs::create_dir_all(&cache);
+        let host = PluginHost::new(PluginHostConfig::default().with_cache_dir(cache)).unwrap();
+        host.load_default_plugins().unwrap();
+        host
+    })
+    .clone()
+}
+
+fn backend() -> EngineBackend {
+    let toy = ToyConfig {
+        vocab: VOCAB,
+        page_tokens: 4,
+        row_bytes: 16,
+        state_bytes: 64,
+        arena_bytes: 1 << 20,
+    };
+    let engine = Engine::start(
+        Box::new(ToyExecutor::new(toy).unwrap()),
+        EngineConfig {
+            max_context: MAX_LEN,
+            eos_token_ids: vec![2],
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let tokenizer = Arc::new(Tokenizer::from_dir(model_dir()).unwrap());
+    let template = tokenizer.chat_template().unwrap().to_string();
+    EngineBackend::new(EngineBackendParts {
+        engine,
+        tokenizer,
+        plugins: plugins(),
+        chat_template: template,
+        model: ModelInfo {
+            id: "toy".into(),
+            aliases: vec![],
+            max_model_len: MAX_LEN as u32,
+            created: 0,
+        },
+        eos_token_ids: vec![2],
+        vocab_size: VOCAB,
+        defaults: SamplingDefaults::default(),
+        kv_page_bytes: toy.page_tokens * toy.row_bytes,
+        state_block_bytes: toy.state_bytes,
+        shutdown_grace: Duration::from_secs(1),
+    })
+}
+
+fn chat_request(text: &str, max_tokens: u32) -> ChatGenRequest {
+    let mut kwargs = Map::new();
+    kwargs.insert("thinking".into(), Value::Bool(true));
+    ChatGenRequest {
+        request_id: "chatcmpl-test".into(),
+        messages: vec![json!({"role": "user", "content": text})],
+        tools: vec![],
+        tool_choice: ToolChoice::None,
+        thinking: true,
+        template_kwargs: kwargs,
+        sampling: SamplingOptions {
+            temperature: Some(0.0),
+            max_tokens: Some(max_tokens),
+            ..Default::default()
+        },
+    }
+}
+
+async fn run_to_end(g: Generation) -> (String, Vec<GenEvent>) {
+    let events: Vec<GenEvent> = g.events.collect().await;
+    let text = events
+        .iter()
+        .map(|e| match e {
+            GenEvent::Content(t) | GenEvent::Reasoning(t) => t.as_str(),
+            _ => "",
+        })
+        .collect();
+    (text, events)
+}
+
+fn finish(events: &[GenEvent]) -> &FinishInfo {
+    match events.last() {
+        Some(GenEvent::Finished(f)) => f,
+        other => panic!("the stream must end with Finished, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_runs_and_stop_strings_cut() {
+    let b = backend();
+    let request = |stop: Vec<String>| CompletionGenRequest {
+        request_id: "cmpl-test".into(),
+        prompt: PromptInput::Text("Once upon a time".into()),
+        sampling: SamplingOptions {
+            temperature: Some(0.0),
+            max_tokens: Some(24),
+            logprobs: Some(2),
+            stop,
+            ..Default::default()
+        },
+        echo: true,
+    };
+    let g = b.complete(request(vec![])).await.unwrap();
+    assert_eq!(g.prompt_text.as_deref(), Some("Once upon a time"));
+    let (text, events) = run_to_end(g).await;
+    let f = finish(&events);
+    assert!(f.completion_tokens >= 1 && f.completion_tokens <= 24);
+    let logprobs: usize = events
+        .iter()
+        .map(|e| match e {
+            GenEvent::Logprobs(l) => l.len(),
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(logprobs, f.completion_tokens as usize);
+
+    // Greedy is deterministic: stopping on a piece of the text ends right before it.
+    let chars: Vec<char> = text.chars().collect();
+    if chars.len() >= 6 {
+        let stop: String = chars[3..6].iter().collect();
+        let cut = text.find(&stop).unwrap();
+        let (again, events) =
+            run_to_end(b.complete(request(vec![stop.clone()])).await.unwrap()).await;
+        assert_eq!(again, text[..cut]);
+        assert_eq!(finish(&events).reason, FinishReason::StopSequence(stop));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_finishes_and_reports_usage_and_cache_hits() {
+    let b = backend();
+    // A shared prefix with different questions: the second request leaves a checkpoint at the
+    // branch point, which the third restores from.
+    let prefix = "tell me about the weather in Paris and Tokyo ".repeat(8);
+    let mut finishes = Vec::new();
+    for question in ["first?", "second?", "third?"] {
+        let text = format!("{prefix}{question}");
+        let (_, events) = run_to_end(b.chat(chat_request(&text, 8)).await.unwrap()).await;
+        finishes.push(finish(&events).clone());
+    }
+    assert!(finishes[0].prompt_tokens > 32);
+    assert!(matches!(
+        finishes[0].reason,
+        FinishReason::Length | FinishReason::Stop
+    ));
+    assert_eq!(finishes[0].cached_tokens, 0);
+    assert!(finishes[2].cached_tokens > 0, "{finishes:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_generation_frees_its_memory() {
+    let b = backend();
+    let mut g = b
+        .complete(CompletionGenRequest {
+            request_id: "cmpl-drop".into(),
+            prompt: PromptInput::Tokens(vec![10, 11, 12, 13]),
+            sampling: SamplingOptions {
+                temperature: Some(0.0),
+                max_tokens: Some(400),
+                ignore_eos: true,
+                ..Default::default()
+            },
+            echo: false,
+        })
+        .await
+        .unwrap();
+    let mut seen = 0;
+    while seen < 3 {
+        if let Some(GenEvent::Content(_)) = g.events.next().await {
+            seen += 1;
+        }
+    }
+    assert_eq!(b.metrics().running, 1);
+    drop(g);
+    let requests_bytes = |m: &BackendMetrics| {
+        m.pool
+            .iter()
+            .find(|p| p.kind == "requests")
+            .unwrap()
+            .used_bytes
+    };
+    for _ in 0..200 {
+        let m = b.metrics();
+        if m.running == 0 && requests_bytes(&m) == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the dropped request still holds memory: {:?}", b.metrics());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_refused_with_the_right_kind() {
+    let b = backend();
+    let long = "word ".repeat(MAX_LEN * 2);
+    assert!(matches!(
+        b.chat(chat_request(&long, 8)).await.unwrap_err(),
+        BackendError::ContextLengthExceeded(_)
+    ));
+    assert!(matches!(
+        b.chat(chat_request("hi", MAX_LEN as u32))
+            .await
+            .unwrap_err(),
+        BackendError::ContextLengthExceeded(_)
+    ));
+    let mut bad_effort = chat_request("hi", 4);
+    bad_effort
+        .template_kwargs
+        .insert("thinking_effort".into(), json!("extreme"));
+    assert!(matches!(
+        b.chat(bad_effort).await.unwrap_err(),
+        BackendError::Template(_)
+    ));
+    let bad_token = CompletionGenRequest {
+        request_id: "x".into(),
+        prompt: PromptInput::Tokens(vec![VOCAB as u32 + 5]),
+        sampling: SamplingOptions::default(),
+        echo: false,
+    };
+    assert!(matches!(
+        b.complete(bad_token).await.unwrap_err(),
+        BackendError::InvalidRequest { .. }
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugin_admin_maps_errors() {
+    let b = backend();
+    let stages: Vec<String> = b.list_plugins().into_iter().map(|s| s.stage).collect();
+    for stage in ["chat-template", "reasoning-parser", "tool-parser"] {
+        assert!(stages.iter().any(|s| s == stage), "{stages:?}");
+    }
+    assert!(matches!(
+        b.load_plugin("tool-parser".into(), Bytes::from_static(b"nope"))
+            .await
+            .unwrap_err(),
+        BackendError::PluginRejected(_)
+    ));
+    assert!(matches!(
+        b.load_plugin("nonsense".into(), Bytes::from_static(b"\0asm"))
+            .await
+            .unwrap_err(),
+        BackendError::NotFound(_)
+    ));
+    assert!(b.health().is_ok());
+}

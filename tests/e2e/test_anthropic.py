@@ -1,0 +1,94 @@
+"""The Anthropic Messages API (/v1/messages) through the official `anthropic` client."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import TOOLS, answer_number, arithmetic
+
+
+def anthropic_tools():
+    return [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in TOOLS
+    ]
+
+
+def test_message_with_thinking(anthropic_client, model_name):
+    question, expected = arithmetic(61, "+", 27)
+    m = anthropic_client.messages.create(
+        model=model_name,
+        max_tokens=600,
+        temperature=0,
+        thinking={"type": "enabled", "budget_tokens": 500},
+        messages=[{"role": "user", "content": question}],
+    )
+    kinds = [b.type for b in m.content]
+    assert kinds == ["thinking", "text"], m.content
+    assert answer_number(m.content[1].text) == expected
+    assert m.stop_reason == "end_turn"
+    assert m.usage.output_tokens > 0 and m.usage.input_tokens > 0
+
+
+def test_streaming_without_thinking(anthropic_client, model_name):
+    question, expected = arithmetic(50, "-", 8)
+    with anthropic_client.messages.stream(
+        model=model_name,
+        max_tokens=300,
+        temperature=0,
+        system="You are a helpful assistant.",
+        messages=[{"role": "user", "content": question}],
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert answer_number(text) == expected
+    assert [b.type for b in final.content] == ["text"]
+    assert final.stop_reason == "end_turn"
+
+
+def test_tool_use_round_trip(anthropic_client, model_name):
+    messages = [{"role": "user", "content": "Get me the latest ZETA stock price."}]
+    m = anthropic_client.messages.create(
+        model=model_name, max_tokens=600, temperature=0, tools=anthropic_tools(), messages=messages
+    )
+    assert m.stop_reason == "tool_use", m
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "get_stock_price"
+    assert uses[0].input == {"symbol": "ZETA"}
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": uses[0].id,
+                    "content": json.dumps({"price": 123.45, "symbol": "ZETA"}),
+                }
+            ],
+        },
+    ]
+    final = anthropic_client.messages.create(
+        model=model_name, max_tokens=600, temperature=0, tools=anthropic_tools(), messages=messages
+    )
+    assert final.stop_reason == "end_turn"
+    text = "".join(b.text for b in final.content if b.type == "text")
+    assert "123.45" in text, final.content
+
+
+def test_error_shape(anthropic_client, model_name):
+    import anthropic
+
+    try:
+        anthropic_client.messages.create(
+            model=model_name, max_tokens=0, messages=[{"role": "user", "content": "hi"}]
+        )
+    except anthropic.BadRequestError as e:
+        assert e.status_code == 400
+        assert "max_tokens" in str(e)
+    else:
+        raise AssertionError("max_tokens=0 must be rejected")

@@ -1,0 +1,155 @@
+"""Chat completions through the official `openai` client against the real server and model."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import answer_number, arithmetic
+
+QUESTIONS = [(23, "+", 45), (1234, "+", 4321), (97, "-", 15), (12, "*", 7)]
+
+
+def ask(client, model, question, **kw):
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 600)
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], **kw
+    )
+
+
+@pytest.mark.parametrize("a,op,b", QUESTIONS)
+def test_arithmetic_with_thinking(client, model_name, a, op, b):
+    question, expected = arithmetic(a, op, b)
+    r = ask(client, model_name, question)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert answer_number(choice.message.content) == expected, choice.message
+    reasoning = choice.message.model_extra.get("reasoning_content")
+    assert reasoning, "thinking is on by default: reasoning_content must be present"
+    assert choice.message.model_extra.get("reasoning") == reasoning
+    assert "<|" not in choice.message.content and "<|" not in reasoning
+    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_reasoning_effort_none_turns_thinking_off(client, model_name):
+    question, expected = arithmetic(31, "+", 58)
+    r = ask(client, model_name, question, reasoning_effort="none")
+    msg = r.choices[0].message
+    assert answer_number(msg.content) == expected, msg
+    assert not (msg.model_extra or {}).get("reasoning_content")
+    assert not (msg.model_extra or {}).get("reasoning")
+
+
+def test_streaming_matches_non_streaming(client, model_name):
+    question, expected = arithmetic(402, "+", 311)
+    full = ask(client, model_name, question)
+    stream = ask(
+        client, model_name, question, stream=True, stream_options={"include_usage": True}
+    )
+    content, reasoning, finish, usage, roles = "", "", None, None, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if delta.role:
+            roles.append(delta.role)
+        content += delta.content or ""
+        extra = delta.model_extra or {}
+        if extra.get("reasoning_content"):
+            assert extra.get("reasoning") == extra["reasoning_content"]
+            reasoning += extra["reasoning_content"]
+        if chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert roles == ["assistant"]
+    assert finish == "stop"
+    assert answer_number(content) == expected
+    assert content == full.choices[0].message.content
+    assert reasoning == full.choices[0].message.model_extra["reasoning_content"]
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_repeated_prefix_reports_cached_tokens(client, model_name):
+    # A long shared system prompt with different questions. The engine keeps sparse KDA state
+    # checkpoints: the second request leaves one at the branch point, the third restores it.
+    system = "You are k3-mini, a small and precise assistant. " * 20
+    usages = []
+    for a in (11, 12, 13):
+        question, expected = arithmetic(a, "+", 5)
+        r = client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            temperature=0,
+            max_tokens=300,
+            reasoning_effort="none",
+        )
+        assert answer_number(r.choices[0].message.content) == expected
+        usages.append(r.usage)
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    cached = usages[2].prompt_tokens_details.cached_tokens
+    assert cached >= usages[2].prompt_tokens // 2, usages
+
+
+def test_n_choices(client, model_name):
+    question, expected = arithmetic(44, "+", 33)
+    r = ask(client, model_name, question, n=3, reasoning_effort="none")
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert answer_number(c.message.content) == expected
+    # Sampled choices with a seed are reproducible.
+    kw = dict(n=2, temperature=0.8, seed=1234, reasoning_effort="none")
+    a = ask(client, model_name, question, **kw)
+    b = ask(client, model_name, question, **kw)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+
+
+def test_stop_strings(client, model_name):
+    question, _ = arithmetic(12, "+", 30)
+    r = ask(client, model_name, question, reasoning_effort="none", stop=[" is "])
+    c = r.choices[0]
+    assert c.finish_reason == "stop"
+    assert c.message.content == "The answer", c.message.content
+
+
+def test_max_tokens_gives_length(client, model_name):
+    r = ask(client, model_name, "What is 1234 + 5678?", max_tokens=5)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5
+
+
+def test_logprobs(client, model_name):
+    question, _ = arithmetic(3, "+", 4)
+    r = ask(client, model_name, question, reasoning_effort="none", logprobs=True, top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens
+    for e in entries:
+        assert e.logprob <= 0
+        assert len(e.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-4)
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token or e.token.startswith("<|")
+    text = "".join(e.token for e in entries)
+    assert r.choices[0].message.content in text
+
+
+def test_content_parts_and_system_message(client, model_name):
+    question, expected = arithmetic(20, "+", 22)
+    r = client.chat.completions.create(
+        model=model_name,
+        temperature=0,
+        max_tokens=300,
+        reasoning_effort="none",
+        messages=[
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": [{"type": "text", "text": question}]},
+        ],
+    )
+    assert answer_number(r.choices[0].message.content) == expected
+
+
+def test_models_and_health(client, http, model_name):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_name]
+    assert http.get("/health").json()["status"] == "ok"

@@ -1,0 +1,55 @@
+"""Raw completions (/v1/completions): text and token-id prompts, echo, logprobs, streaming."""
+
+from __future__ import annotations
+
+from helpers import answer_number
+
+# k3-mini's own format with thinking off (what the chat template renders for one user turn).
+PROMPT = (
+    '<|open|>message role="user"<|sep|>What is 2 + 3?<|close|>message<|sep|><|end_of_msg|>'
+    '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
+)
+
+
+def test_text_prompt(client, model_name):
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=40, temperature=0)
+    c = r.choices[0]
+    assert answer_number(c.text) == 5, c.text
+    assert c.finish_reason == "stop"
+    assert r.usage.prompt_tokens > 10
+
+
+def test_echo_logprobs_and_token_ids(client, model_name, http):
+    r = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, logprobs=2
+    )
+    c = r.choices[0]
+    assert c.text.startswith(PROMPT)
+    assert c.finish_reason == "length"
+    assert len(c.logprobs.tokens) == 6
+    assert len(c.logprobs.top_logprobs[0]) == 2
+    assert c.logprobs.text_offset[0] == len(PROMPT)
+
+    # Token-id prompts: k3-mini's fixed special ids 3 <|open|>, 5 <|sep|>, 2 <|end_of_msg|>.
+    r = http.post(
+        "/v1/completions",
+        json={"model": model_name, "prompt": [3, 5, 2], "max_tokens": 3, "temperature": 0, "echo": True},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"].startswith("<|open|><|sep|><|end_of_msg|>")
+    assert body["usage"]["prompt_tokens"] == 3
+    bad = http.post("/v1/completions", json={"model": model_name, "prompt": [999999]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+
+
+def test_streaming(client, model_name):
+    text, finish = "", None
+    for chunk in client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=40, temperature=0, stream=True
+    ):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+    assert answer_number(text) == 5
+    assert finish == "stop"
