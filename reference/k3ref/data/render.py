@@ -320,7 +320,7 @@ def render(
 
 def _request_messages(tool_choice: Any, response_format: Any) -> str:
     out = []
-    if tool_choice in TOOL_CHOICE_BODIES:
+    if isinstance(tool_choice, str) and tool_choice in TOOL_CHOICE_BODIES:  # a named choice renders nothing
         out.append(_internal("tool-choice", TOOL_CHOICE_BODIES[tool_choice]))
     kind = response_format.get("type") if isinstance(response_format, dict) else response_format
     if kind == "json_object":
