@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run -p k3-engine --release --example engine_bench            # full
 //! cargo run -p k3-engine --release --example engine_bench -- --quick # smaller, for CI smoke
+//! K3_BENCH_EXECUTOR=models/k3-mini cargo run -p k3-engine --release --example engine_bench -- --no-pools
 //! ```
 //!
 //! 1. Multi-turn conversations sharing one system prompt, run through the threaded engine with
@@ -19,9 +20,9 @@ use k3_engine::{Engine, EngineConfig, EngineCore, PoolMode, Request, SamplingPar
 use k3_model::Executor;
 use std::time::{Duration, Instant};
 
-/// HOOK: build the executor to benchmark. To run k3-mini, construct its executor here (k3-model
-/// over k3-backend-cpu, loading `models/k3-mini`) with an arena of `arena_bytes`, e.g. selected
-/// by `K3_BENCH_EXECUTOR=k3-mini`; nothing else in this file depends on the model.
+/// HOOK: the executor to benchmark. `K3_BENCH_EXECUTOR=toy` (default) or a model directory such
+/// as `K3_BENCH_EXECUTOR=models/k3-mini` (the real model on the CPU backend, 16-token pages).
+/// Another backend plugs in here; nothing else in this file depends on the model.
 fn make_executor(arena_bytes: usize) -> Box<dyn Executor> {
     match std::env::var("K3_BENCH_EXECUTOR").as_deref() {
         Ok("toy") | Err(_) => Box::new(
@@ -35,7 +36,14 @@ fn make_executor(arena_bytes: usize) -> Box<dyn Executor> {
             })
             .expect("toy executor"),
         ),
-        Ok(other) => panic!("unknown K3_BENCH_EXECUTOR {other:?} (add it in make_executor)"),
+        Ok(dir) => {
+            let model = k3_model::Model::load_dir(
+                std::path::Path::new(dir),
+                k3_backend_cpu::CpuBackend::new(),
+            )
+            .unwrap_or_else(|e| panic!("K3_BENCH_EXECUTOR={dir}: {e}"));
+            Box::new(k3_model::ModelExecutor::new(model, 16, arena_bytes).expect("model executor"))
+        }
     }
 }
 
@@ -252,13 +260,19 @@ fn main() {
         on.checkpoint_bytes as f64 / on.kv_bytes.max(1) as f64
     );
 
-    let arena = if quick { 4 << 20 } else { 8 << 20 };
+    if std::env::args().any(|a| a == "--no-pools") {
+        return;
+    }
+    // Arena in state blocks, so the comparison means the same for any executor's block sizes.
+    let state_bytes = make_executor(1 << 20).layout().state_block_bytes;
+    let arena = state_bytes * if quick { 256 } else { 512 };
     let split = PoolMode::Split {
         state_fraction: 0.5,
     };
     println!(
-        "Requests admitted before the first refusal ({} MiB arena, fixed pools split 50/50):\n",
-        arena >> 20
+        "Requests admitted before the first refusal ({} MiB arena = {} state blocks, fixed pools split 50/50):\n",
+        arena >> 20,
+        arena / state_bytes
     );
     println!("| mix | unified pool | two fixed pools |");
     println!("|---|---|---|");

@@ -1,7 +1,9 @@
 //! Engine behaviour against a deterministic executor whose outputs depend on every KV byte and
-//! every state byte. The harness is generic over `Box<dyn Executor>`: `executors()` lists what to
-//! run against. To add the real k3-mini model, push a constructor for its executor there (e.g.
-//! behind an env var such as `K3_ENGINE_REAL_MODEL=models/k3-mini`), nothing else changes.
+//! every state byte. The harness is generic over `Box<dyn Executor>`: `executors()` lists what the
+//! output-equality tests run against. Set `K3_ENGINE_REAL_MODEL=<model dir>` (e.g.
+//! `models/k3-mini`, relative to the workspace root) to run them against the real model on the
+//! CPU backend as well. (Memory-pressure tests stay on the toy: their arena sizes are in toy
+//! blocks.)
 
 use anyhow::{Context, Result, bail};
 use k3_engine::testing::{ToyConfig, ToyExecutor, reference_greedy};
@@ -13,7 +15,7 @@ use k3_model::Executor;
 use proptest::prelude::*;
 use std::time::Duration;
 
-type MakeExecutor = fn(usize) -> Box<dyn Executor>;
+type MakeExecutor = Box<dyn Fn() -> Box<dyn Executor>>;
 
 fn toy(arena: usize) -> Box<dyn Executor> {
     Box::new(
@@ -25,8 +27,24 @@ fn toy(arena: usize) -> Box<dyn Executor> {
     )
 }
 
-fn executors() -> Vec<(&'static str, MakeExecutor)> {
-    vec![("toy", toy)]
+/// Executors for the output-equality tests, each with room for a few dozen requests.
+fn executors() -> Vec<(String, MakeExecutor)> {
+    let mut v: Vec<(String, MakeExecutor)> = vec![("toy".into(), Box::new(|| toy(1 << 16)))];
+    if let Ok(dir) = std::env::var("K3_ENGINE_REAL_MODEL") {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let dir = root.join(dir);
+        v.push((
+            format!("real model {}", dir.display()),
+            Box::new(move || {
+                let model = k3_model::Model::load_dir(&dir, k3_backend_cpu::CpuBackend::new())
+                    .expect("load the real model");
+                let exec = k3_model::ModelExecutor::with_capacity(model, 4, 24, 160, 96)
+                    .expect("real executor");
+                Box::new(exec) as Box<dyn Executor>
+            }),
+        ));
+    }
+    v
 }
 
 fn params(max_tokens: usize) -> SamplingParams {
@@ -196,19 +214,19 @@ fn workload() -> Vec<Vec<Turn>> {
 #[test]
 fn greedy_outputs_match_reference_cache_on_and_off() -> Result<()> {
     for (name, make) in executors() {
-        let on = run_rounds(make(1 << 16).as_mut(), cfg(true), &workload())?;
-        let off = run_rounds(make(1 << 16).as_mut(), cfg(false), &workload())?;
+        let on = run_rounds(make().as_mut(), cfg(true), &workload())?;
+        let off = run_rounds(make().as_mut(), cfg(false), &workload())?;
         assert_eq!(on, off, "{name}: cache on vs off");
         let serial = EngineConfig {
             overlap: false,
             ..cfg(true)
         };
         assert_eq!(
-            run_rounds(make(1 << 16).as_mut(), serial, &workload())?,
+            run_rounds(make().as_mut(), serial, &workload())?,
             on,
             "{name}: overlap"
         );
-        let mut reference = make(1 << 16);
+        let mut reference = make();
         for (prompt, out) in &on {
             let want = reference_greedy(reference.as_mut(), prompt, out.len())?;
             assert_eq!(
@@ -316,8 +334,8 @@ fn alone_vs_batched_and_split_pool_give_identical_outputs() -> Result<()> {
         })
         .collect();
     for (name, make) in executors() {
-        let batched = run_rounds(make(1 << 16).as_mut(), cfg(false), &rounds_batched)?;
-        let alone = run_rounds(make(1 << 16).as_mut(), cfg(false), &rounds_alone)?;
+        let batched = run_rounds(make().as_mut(), cfg(false), &rounds_batched)?;
+        let alone = run_rounds(make().as_mut(), cfg(false), &rounds_alone)?;
         assert_eq!(batched, alone, "{name}");
         let split = EngineConfig {
             pool_mode: PoolMode::Split {
@@ -326,7 +344,7 @@ fn alone_vs_batched_and_split_pool_give_identical_outputs() -> Result<()> {
             ..cfg(true)
         };
         assert_eq!(
-            run_rounds(make(1 << 16).as_mut(), split, &rounds_batched)?,
+            run_rounds(make().as_mut(), split, &rounds_batched)?,
             batched,
             "{name} split"
         );
