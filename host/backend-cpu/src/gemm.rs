@@ -42,6 +42,21 @@ impl Packed {
         }
     }
 
+    /// Panels of the matrix whose *transpose* is `data` (`[k, n]` row-major): `y = x · data`.
+    pub fn from_kn(data: &[f32], k: usize, n: usize) -> Self {
+        assert_eq!(data.len(), n * k, "data does not match its shape");
+        let np = n.div_ceil(LANES);
+        let mut panels = vec![0f32; np * k * LANES];
+        for p in 0..np {
+            let cols = (n - p * LANES).min(LANES);
+            for kk in 0..k {
+                let dst = (p * k + kk) * LANES;
+                panels[dst..dst + cols].copy_from_slice(&data[kk * n + p * LANES..kk * n + p * LANES + cols]);
+            }
+        }
+        Self { n, k, panels, bf16: None }
+    }
+
     /// Also keep bf16 panels when the values allow it exactly (weights loaded from bf16).
     pub fn with_bf16(mut self) -> Self {
         if self.panels.iter().all(|v| v.to_bits() & 0xFFFF == 0) {
@@ -289,9 +304,10 @@ pub fn gemm_serial_vec(x: &[f32], m: usize, w: &Packed) -> Vec<f32> {
     y
 }
 
-/// Work (multiply-adds) below which an op stays on the calling thread: a rayon fork/join costs
-/// a few microseconds.
-pub const PAR_MIN_WORK: usize = 1 << 17;
+/// Work (multiply-adds) below which an op stays on the calling thread. A fork/join costs a few
+/// microseconds on an idle machine but can cost a scheduler time slice when the other core is
+/// busy, so only big products (prefill, decode's lm_head) are split.
+pub const PAR_MIN_WORK: usize = 1 << 19;
 
 /// `y = x Wᵀ`, threaded over rows (prefill) or column panels (decode).
 pub fn gemm(x: &[f32], m: usize, w: &Packed) -> Vec<f32> {
@@ -363,6 +379,8 @@ mod tests {
             let w = data(n * k, 2);
             let p = Packed::new(&w, n, k);
             assert_eq!(p.row(n - 1), w[(n - 1) * k..].to_vec());
+            let wt: Vec<f32> = (0..k).flat_map(|t| (0..n).map(move |j| (t, j))).map(|(t, j)| w[j * k + t]).collect();
+            assert_eq!(Packed::from_kn(&wt, k, n).panels, p.panels);
             let y = gemm(&x, m, &p);
             for i in 0..m {
                 for j in 0..n {

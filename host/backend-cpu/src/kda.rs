@@ -227,35 +227,39 @@ simd_fn! {
             wm[i * kd..(i + 1) * kd].copy_from_slice(&wi);
             um[i * vd..(i + 1) * vd].copy_from_slice(&ui);
         }
-        // Ṽ = U − W S, and O = (Q̂⊙e^Γ) S + A_qk Ṽ.
+        // Ṽ = U − W S and (Q̂⊙e^Γ) S as one `[2C, K]·[K, V]` product over S's column panels.
+        let sp = crate::gemm::Packed::from_kn(s, kd, vd);
+        let mut xs = Vec::with_capacity(2 * c * kd);
+        xs.extend_from_slice(&wm);
+        xs.extend_from_slice(&qdec);
+        let prod = crate::gemm::gemm_serial_vec(&xs, 2 * c, &sp);
         let mut vn = um;
-        for i in 0..c {
-            let oi = &mut o[i * vd..(i + 1) * vd];
-            oi.fill(0.0);
-            let vi = &mut vn[i * vd..(i + 1) * vd];
-            for r in 0..kd {
-                let srow = &s[r * vd..(r + 1) * vd];
-                axpy(-wm[i * kd + r], srow, vi);
-                axpy(qdec[i * kd + r], srow, oi);
-            }
+        for i in 0..c * vd {
+            vn[i] -= prod[i];
         }
+        o[..c * vd].copy_from_slice(&prod[c * vd..2 * c * vd]);
+        // O += A_qk Ṽ (causal, diagonal included).
         for i in 0..c {
             let qi = &qdec[i * kd..(i + 1) * kd];
-            let (done, _) = vn.split_at(( i + 1) * vd);
             let oi = &mut o[i * vd..(i + 1) * vd];
             for j in 0..=i {
                 let a = dotf(qi, &kinv[j * kd..(j + 1) * kd]);
-                axpy(a, &done[j * vd..(j + 1) * vd], oi);
+                axpy(a, &vn[j * vd..(j + 1) * vd], oi);
             }
         }
-        // S ← Diag(e^Γ_C) S + (e^{Γ_C−Γ} ⊙ K̂)ᵀ Ṽ.
+        // S ← Diag(e^Γ_C) S + (e^{Γ_C−Γ} ⊙ K̂)ᵀ Ṽ, the second term as a `[K, C]·[C, V]` product.
         let last = &eg[(c - 1) * kd..c * kd];
+        let mut kct = vec![0f32; kd * c];
+        for j in 0..c {
+            for r in 0..kd {
+                kct[r * c + j] = last[r] * kinv[j * kd + r];
+            }
+        }
+        let delta = crate::gemm::gemm_serial_vec(&kct, kd, &crate::gemm::Packed::from_kn(&vn, c, vd));
         for r in 0..kd {
-            let srow = &mut s[r * vd..(r + 1) * vd];
             let a = last[r];
-            srow.iter_mut().for_each(|x| *x *= a);
-            for j in 0..c {
-                axpy(a * kinv[j * kd + r], &vn[j * vd..(j + 1) * vd], srow);
+            for v in 0..vd {
+                s[r * vd + v] = s[r * vd + v] * a + delta[r * vd + v];
             }
         }
     }
@@ -349,11 +353,15 @@ pub fn kda_layer(
         .collect();
     let heads = head_inputs(d, t, &conv[0], &conv[1], &conv[2], f, b, a_log, dt_bias);
     let chunked = t > 1;
-    let results: Vec<(Vec<f32>, Vec<Vec<f32>>)> = s
-        .par_chunks_mut(kd * kd)
-        .zip(heads.par_iter())
-        .map(|(sh, hi)| run_head(sh, kd, hi, t, cuts, chunked))
-        .collect();
+    // Heads in parallel for prefill; a decode step is too small to pay for a fork/join.
+    let results: Vec<(Vec<f32>, Vec<Vec<f32>>)> = if chunked {
+        s.par_chunks_mut(kd * kd)
+            .zip(heads.par_iter())
+            .map(|(sh, hi)| run_head(sh, kd, hi, t, cuts, chunked))
+            .collect()
+    } else {
+        s.chunks_mut(kd * kd).zip(heads.iter()).map(|(sh, hi)| run_head(sh, kd, hi, t, cuts, chunked)).collect()
+    };
     let mut snaps: Vec<Vec<f32>> = Vec::with_capacity(cuts.len());
     for (ci, &n) in cuts.iter().enumerate() {
         let mut full = Vec::with_capacity(d.state_floats());
