@@ -367,3 +367,71 @@ impl EngineCore {
         Admit::Admitted(id)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::testing::{ToyConfig, ToyExecutor};
+    use crate::{EngineConfig, EngineCore, Request, SamplingParams};
+    use k3_model::{Executor, LogitsWant};
+
+    fn core(exec: &ToyExecutor) -> EngineCore {
+        let cfg = EngineConfig {
+            prefix_cache: false,
+            step_tokens: 16,
+            max_step_tokens: 64,
+            few_running: 2,
+            ..EngineConfig::default()
+        };
+        EngineCore::new(exec.layout(), exec.vocab_size(), cfg).unwrap()
+    }
+
+    /// The receiver must stay alive: a dropped one reads as a client disconnect.
+    fn submit(core: &mut EngineCore, id: u64, len: usize) -> crate::scheduler::EventReceiver {
+        let sampling = SamplingParams {
+            temperature: 0.0,
+            max_tokens: Some(100),
+            ..Default::default()
+        };
+        core.submit(Request::new(id, (0..len as u32).collect(), sampling))
+            .unwrap()
+    }
+
+    #[test]
+    fn budget_grows_when_few_run_and_decode_goes_first() {
+        let mut exec = ToyExecutor::new(ToyConfig {
+            arena_bytes: 1 << 16,
+            ..Default::default()
+        })
+        .unwrap();
+        let mut core = core(&exec);
+        // Alone: the large budget takes a 60-token prompt in one forward.
+        let _a = submit(&mut core, 0, 60);
+        let plan = core.schedule().unwrap();
+        assert_eq!(
+            plan.seqs.iter().map(|s| s.len).collect::<Vec<_>>(),
+            vec![60]
+        );
+        assert_eq!(plan.seqs[0].logits, LogitsWant::Last);
+        let (job, l) = core.launch(plan).unwrap();
+        core.complete(l, job.run(&mut exec));
+        // Two more long prompts: few running → budget 64 = 1 decode + 63 of prefill, chunked.
+        let _b = submit(&mut core, 1, 50);
+        let _c = submit(&mut core, 2, 50);
+        let plan = core.schedule().unwrap();
+        let shape: Vec<_> = plan.seqs.iter().map(|s| (s.id, s.len, s.logits)).collect();
+        assert_eq!(
+            shape,
+            vec![
+                (0, 1, LogitsWant::Last),
+                (1, 50, LogitsWant::Last),
+                (2, 13, LogitsWant::None)
+            ]
+        );
+        let (job, l) = core.launch(plan).unwrap();
+        core.complete(l, job.run(&mut exec));
+        // Now 3 running (> few): budget 16, decodes first, then the rest of the prefill.
+        let plan = core.schedule().unwrap();
+        let shape: Vec<_> = plan.seqs.iter().map(|s| (s.id, s.len)).collect();
+        assert_eq!(shape, vec![(0, 1), (1, 1), (2, 14)]);
+    }
+}
