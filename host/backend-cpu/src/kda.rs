@@ -339,7 +339,9 @@ pub fn kda_layer(
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
     let (hk, kd, wf) = (d.hk(), d.k, d.window_floats());
     let (windows, s) = state.split_at_mut(3 * wf);
-    let conv: Vec<Vec<f32>> = (0..3)
+    let conv: Vec<Vec<f32>> = (0..3usize)
+        .into_par_iter()
+        .with_max_len(if t > 1 { 1 } else { 3 })
         .map(|i| {
             conv_silu(
                 qkv[i],

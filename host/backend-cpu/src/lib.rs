@@ -117,6 +117,20 @@ fn bounds(arena: &Arena, float_off: usize, len: usize) -> Result<(), ExecError> 
     Ok(())
 }
 
+/// A row-wise op over `rows` rows, split across threads for prefill-sized inputs. Each row's
+/// result is computed the same way whatever the split.
+fn by_rows(rows: usize, f: impl Fn(std::ops::Range<usize>) -> Vec<f32> + Sync) -> Vec<f32> {
+    const MIN_ROWS: usize = 64;
+    let threads = rayon::current_num_threads();
+    if rows < 2 * MIN_ROWS || threads == 1 {
+        return f(0..rows);
+    }
+    let per = rows.div_ceil(threads);
+    let starts: Vec<usize> = (0..rows).step_by(per).collect();
+    let parts: Vec<Vec<f32>> = starts.into_par_iter().map(|a| f(a..(a + per).min(rows))).collect();
+    parts.concat()
+}
+
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend;
 
@@ -219,7 +233,8 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &Mat, w: &Vec<f32>, eps: f32) -> Mat {
-        Mat::new(x.rows, x.cols, ops::rms_norm(&x.data, w, eps))
+        let c = x.cols;
+        Mat::new(x.rows, c, by_rows(x.rows, |r| ops::rms_norm(&x.data[r.start * c..r.end * c], w, eps)))
     }
 
     fn add_assign(&self, p: &mut Mat, a: &Mat) {
@@ -228,19 +243,26 @@ impl Backend for CpuBackend {
     }
 
     fn attn_res(&self, sources: &[&Mat], w: &Vec<f32>, eps: f32) -> Mat {
-        let src: Vec<&[f32]> = sources.iter().map(|m| &m.data[..]).collect();
+        let (rows, c) = (sources[0].rows, sources[0].cols);
         Mat::new(
-            sources[0].rows,
-            sources[0].cols,
-            ops::attn_res(&src, w, eps),
+            rows,
+            c,
+            by_rows(rows, |r| {
+                let src: Vec<&[f32]> = sources.iter().map(|m| &m.data[r.start * c..r.end * c]).collect();
+                ops::attn_res(&src, w, eps)
+            }),
         )
     }
 
     fn situ_glu(&self, gate: &Mat, up: &Mat, p: SituParams) -> Mat {
+        let c = gate.cols;
         Mat::new(
             gate.rows,
-            gate.cols,
-            ops::situ_glu(&gate.data, &up.data, p.beta, p.linear_beta),
+            c,
+            by_rows(gate.rows, |r| {
+                let rg = r.start * c..r.end * c;
+                ops::situ_glu(&gate.data[rg.clone()], &up.data[rg], p.beta, p.linear_beta)
+            }),
         )
     }
 
@@ -253,10 +275,14 @@ impl Backend for CpuBackend {
 
     fn gated_head_norm(&self, o: &Mat, gate: &Mat, w: &Vec<f32>, head_dim: usize, eps: f32) -> Mat {
         debug_assert_eq!(w.len(), head_dim);
+        let c = o.cols;
         Mat::new(
             o.rows,
-            o.cols,
-            ops::gated_head_norm(&o.data, &gate.data, w, eps),
+            c,
+            by_rows(o.rows, |r| {
+                let rg = r.start * c..r.end * c;
+                ops::gated_head_norm(&o.data[rg.clone()], &gate.data[rg], w, eps)
+            }),
         )
     }
 
