@@ -1,0 +1,203 @@
+//! The GPU side: driver detection, NVRTC compilation (cached), module loading, device buffers.
+
+use crate::cache::{KernelCache, cache_key};
+use crate::error::{CudaError, Result};
+use crate::geometry::nvrtc_arch;
+use crate::sources::{FILES, expand};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
+use std::sync::Arc;
+
+/// NVRTC options, identical to scripts/nvrtc-check (precise math: the checks compare with f64
+/// references at 1e-5; the kernels use fast intrinsics explicitly where they are safe).
+pub const NVRTC_OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
+
+/// A row-major f32 matrix on the device.
+pub struct DeviceMat {
+    pub rows: usize,
+    pub cols: usize,
+    pub buf: CudaSlice<f32>,
+}
+
+/// The CUDA context, stream and every kernel of kernels/*.cu, compiled for this GPU.
+pub struct CudaBackend {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub arch: String,
+    pub multiprocessors: usize,
+    pub(crate) functions: HashMap<&'static str, CudaFunction>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("arch", &self.arch)
+            .field("kernels", &self.functions.len())
+            .finish()
+    }
+}
+
+/// Whether the driver library can be loaded, without touching cudarc's panicking loader.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries dlopen on the candidate names; calls nothing in the library.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+pub fn nvrtc_present() -> bool {
+    // SAFETY: as above, for libnvrtc.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+impl CudaBackend {
+    /// Device `ordinal`, kernels from the default cache directory. Errors (never panics) when the
+    /// driver or NVRTC is missing, so callers can fall back to the CPU backend.
+    pub fn try_new(ordinal: usize) -> Result<Self> {
+        Self::with_cache(ordinal, KernelCache::new(crate::cache::default_dir()))
+    }
+
+    pub fn with_cache(ordinal: usize, cache: KernelCache) -> Result<Self> {
+        if !driver_present() {
+            return Err(CudaError::NoDriver(
+                "libcuda.so could not be loaded (no NVIDIA driver)".into(),
+            ));
+        }
+        if !nvrtc_present() {
+            return Err(CudaError::NoNvrtc(
+                "libnvrtc.so could not be loaded; add its directory to LD_LIBRARY_PATH".into(),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = nvrtc_arch(major, minor);
+        let sms = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )?;
+        let stream = ctx.default_stream();
+        let version = nvrtc_version()?;
+        let options: Vec<String> = NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect();
+        let mut functions = HashMap::new();
+        for file in FILES {
+            let source = expand(file.name, file.text)?;
+            let key = cache_key(&source, &arch, &options, version);
+            let path = match cache.get(&key, file.name) {
+                Some(_) => cache.path(&key, file.name),
+                None => cache.put(
+                    &key,
+                    file.name,
+                    &compile_cubin(file.name, &source, &arch, &options)?,
+                )?,
+            };
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_file(path))?;
+            for &entry in file.entries {
+                functions.insert(entry, module.load_function(entry)?);
+            }
+        }
+        Ok(Self {
+            ctx,
+            stream,
+            arch,
+            multiprocessors: sms.max(1) as usize,
+            functions,
+        })
+    }
+
+    pub(crate) fn function(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| CudaError::MissingKernel(name.into()))
+    }
+
+    pub fn upload(&self, rows: usize, cols: usize, data: &[f32]) -> Result<DeviceMat> {
+        if data.len() != rows * cols {
+            return Err(CudaError::InvalidArg(format!(
+                "{} values for a {rows}x{cols} matrix",
+                data.len()
+            )));
+        }
+        Ok(DeviceMat {
+            rows,
+            cols,
+            buf: self.stream.memcpy_stod(data)?,
+        })
+    }
+
+    pub fn zeros(&self, rows: usize, cols: usize) -> Result<DeviceMat> {
+        Ok(DeviceMat {
+            rows,
+            cols,
+            buf: self.stream.alloc_zeros::<f32>((rows * cols).max(1))?,
+        })
+    }
+
+    pub fn download(&self, m: &DeviceMat) -> Result<Vec<f32>> {
+        let mut v = self.stream.memcpy_dtov(&m.buf)?;
+        v.truncate(m.rows * m.cols);
+        Ok(v)
+    }
+
+    pub fn upload_slice<T: cudarc::driver::DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        Ok(self.stream.memcpy_stod(data)?)
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+}
+
+fn nvrtc_version() -> Result<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-pointers to live locals.
+    let rc = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    rc.result()
+        .map_err(|e| CudaError::NoNvrtc(format!("nvrtcVersion: {e:?}")))?;
+    Ok((major, minor))
+}
+
+/// NVRTC → CUBIN for `arch` (machine code: no driver JIT at load, and no PTX-version mismatch
+/// between a newer NVRTC and an older driver).
+pub fn compile_cubin(file: &str, source: &str, arch: &str, options: &[String]) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys};
+    let fail = |message: String, log: String| CudaError::Compile {
+        file: file.into(),
+        message,
+        log,
+    };
+    let src =
+        CString::new(source).map_err(|e| fail(format!("NUL in source: {e}"), String::new()))?;
+    let name = CString::new(file).map_err(|e| fail(format!("NUL in name: {e}"), String::new()))?;
+    let prog = result::create_program(&src, Some(&name))
+        .map_err(|e| fail(format!("{e:?}"), String::new()))?;
+    let mut opts: Vec<String> = options.to_vec();
+    opts.push(format!("--gpu-architecture={arch}"));
+    // SAFETY: `prog` is a live program until destroy_program below; buffers are sized by NVRTC.
+    let out = unsafe {
+        let compiled = result::compile_program(prog, &opts);
+        let log = result::get_program_log(prog)
+            .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+            .unwrap_or_default();
+        match compiled {
+            Err(e) => Err(fail(format!("{e:?}"), log)),
+            Ok(()) => {
+                let mut size = 0usize;
+                sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| fail(format!("{e:?}"), log.clone()))?;
+                let mut bin = vec![0u8; size];
+                sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut _)
+                    .result()
+                    .map_err(|e| fail(format!("{e:?}"), log))?;
+                Ok(bin)
+            }
+        }
+    };
+    // SAFETY: destroyed exactly once.
+    let _ = unsafe { result::destroy_program(prog) };
+    out.and_then(|b| {
+        if b.is_empty() {
+            Err(fail("empty cubin".into(), String::new()))
+        } else {
+            Ok(b)
+        }
+    })
+}

@@ -1,0 +1,35 @@
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// libcuda (the driver) could not be loaded: no NVIDIA driver on this machine.
+    #[error("no CUDA driver: {0}")]
+    NoDriver(String),
+    /// libnvrtc could not be loaded (set LD_LIBRARY_PATH to a CUDA 13 toolkit or the nvidia-cuda-nvrtc wheel's lib/).
+    #[error("no NVRTC library: {0}")]
+    NoNvrtc(String),
+    #[error("CUDA driver call failed: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error("NVRTC failed on {file}: {message}\n{log}")]
+    Compile {
+        file: String,
+        message: String,
+        log: String,
+    },
+    #[error("kernel source {file}: {message}")]
+    Source { file: String, message: String },
+    #[error("kernel cache {path}: {source}")]
+    Cache {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("kernel {0} not found in any loaded module")]
+    MissingKernel(String),
+    /// A shape or parameter outside what the kernels support.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error("invalid argument: {0}")]
+    InvalidArg(String),
+}
+
+pub type Result<T> = std::result::Result<T, CudaError>;

@@ -1,0 +1,271 @@
+//! Launch geometry and the shape limits of the kernels, as pure functions (testable without a GPU).
+//! Each kernel's comment in kernels/*.cu states the grid it expects; these must agree with it.
+
+use crate::error::{CudaError, Result};
+use k3_model::backend::{KdaGeom, MlaGeom};
+
+/// Grid and block dimensions of one launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+}
+
+impl Launch {
+    pub fn new(grid: (usize, usize, usize), block: u32) -> Result<Self> {
+        let dim = |v: usize, max: usize, what: &str| -> Result<u32> {
+            if v == 0 || v > max {
+                return Err(CudaError::Unsupported(format!(
+                    "grid {what} = {v} (1..={max})"
+                )));
+            }
+            Ok(v as u32)
+        };
+        Ok(Self {
+            grid: (
+                dim(grid.0, (1 << 31) - 1, "x")?,
+                dim(grid.1, 65535, "y")?,
+                dim(grid.2, 65535, "z")?,
+            ),
+            block,
+        })
+    }
+
+    pub fn config(&self) -> cudarc::driver::LaunchConfig {
+        cudarc::driver::LaunchConfig {
+            grid_dim: self.grid,
+            block_dim: (self.block, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// KDA kernels hold K = V = 128 tiles (kernels/kda.cuh), windows of up to 8 taps, and the chunked
+/// prefill factorises the decay inside 16-token chunks (needs |lower bound| · 16 < 88 in f32).
+pub const KDA_HEAD_DIM: usize = 128;
+pub const KDA_MAX_CONV: usize = 8;
+pub const KDA_CHUNK: usize = 16;
+
+pub fn check_kda(g: &KdaGeom) -> Result<()> {
+    if g.head_dim != KDA_HEAD_DIM {
+        return Err(CudaError::Unsupported(format!(
+            "KDA head_dim {} (kernels need 128)",
+            g.head_dim
+        )));
+    }
+    if g.conv_kernel == 0 || g.conv_kernel > KDA_MAX_CONV {
+        return Err(CudaError::Unsupported(format!(
+            "KDA conv kernel {} (1..=8)",
+            g.conv_kernel
+        )));
+    }
+    let lb = g.gate_lower_bound;
+    if !(lb.is_finite() && lb < 0.0 && -lb * (KDA_CHUNK as f32) < 88.0) {
+        return Err(CudaError::Unsupported(format!(
+            "KDA gate lower bound {lb} (needs -5.5 < lb < 0)"
+        )));
+    }
+    Ok(())
+}
+
+/// Decode: one 512-thread block per (head, sequence).
+pub fn kda_decode(g: &KdaGeom, seqs: usize) -> Result<Launch> {
+    check_kda(g)?;
+    Launch::new((g.heads, seqs, 1), 512)
+}
+
+/// Prefill: (conv, prep, chunk) launches for `tokens` new tokens.
+pub fn kda_prefill(g: &KdaGeom, tokens: usize) -> Result<[Launch; 3]> {
+    check_kda(g)?;
+    if tokens == 0 {
+        return Err(CudaError::InvalidArg("KDA prefill of 0 tokens".into()));
+    }
+    let channels = 3 * g.hk();
+    Ok([
+        Launch::new((channels.div_ceil(256), 1, 1), 256)?,
+        Launch::new(((tokens * g.heads).div_ceil(4), 1, 1), 128)?,
+        Launch::new((g.heads, KDA_HEAD_DIM / 32, 1), 128)?,
+    ])
+}
+
+/// Limits of kernels/mla.cu: a latent row in 18 values per lane, o~ in 16 per lane, q_nope staged
+/// in 256 floats of shared memory, at most 256 position splits.
+pub const MLA_MAX_ROW: usize = 576;
+pub const MLA_MAX_KV_LORA: usize = 512;
+pub const MLA_MAX_NOPE: usize = 256;
+pub const MLA_MAX_SPLITS: usize = 256;
+pub const MLA_HEADS_PER_BLOCK: usize = 4;
+
+pub fn check_mla(g: &MlaGeom) -> Result<()> {
+    if g.row() > MLA_MAX_ROW
+        || g.kv_lora > MLA_MAX_KV_LORA
+        || g.nope > MLA_MAX_NOPE
+        || g.kv_lora == 0
+    {
+        return Err(CudaError::Unsupported(format!(
+            "MLA kv_lora {} + rope {} (row <= 576, kv_lora <= 512), nope {} (<= 256)",
+            g.kv_lora, g.rope, g.nope
+        )));
+    }
+    Ok(())
+}
+
+/// Position splits for the attend kernel: enough blocks to cover `sms` multiprocessors about
+/// twice, each split at least 256 positions (shorter ones cost more to merge than they save).
+pub fn mla_splits(items: usize, heads: usize, max_len: usize, sms: usize) -> (usize, usize) {
+    let blocks = items.max(1) * heads.div_ceil(MLA_HEADS_PER_BLOCK);
+    let want = (2 * sms).div_ceil(blocks).max(1);
+    let by_len = max_len.div_ceil(256).max(1);
+    let splits = want.min(by_len).min(MLA_MAX_SPLITS);
+    (splits, max_len.max(1).div_ceil(splits))
+}
+
+pub fn mla_attend(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
+    check_mla(g)?;
+    Launch::new((items, g.heads.div_ceil(MLA_HEADS_PER_BLOCK), splits), 128)
+}
+
+/// Grid-stride elementwise kernels: enough 256-thread blocks for `n`, capped (each thread loops).
+pub fn elementwise(n: usize) -> Result<Launch> {
+    Launch::new((n.div_ceil(256).clamp(1, 132 * 32), 1, 1), 256)
+}
+
+/// One block per row.
+pub fn per_row(rows: usize, block: u32) -> Result<Launch> {
+    Launch::new((rows, 1, 1), block)
+}
+
+/// Per-(row, head) warp kernels with 4 warps per block.
+pub fn warp_per_item(items: usize) -> Result<Launch> {
+    Launch::new((items.div_ceil(4), 1, 1), 128)
+}
+
+/// MXFP4 expert kernels: 8 matrix rows per 256-thread block, one block column per expert.
+pub fn mx_expert(experts: usize, rows: usize, cols: usize) -> Result<Launch> {
+    if !cols.is_multiple_of(32) || cols == 0 {
+        return Err(CudaError::Unsupported(format!(
+            "MXFP4 input width {cols} is not a multiple of 32"
+        )));
+    }
+    Launch::new((experts, rows.div_ceil(8), 1), 256)
+}
+
+/// Router kernel limits (shared arrays in kernels/router.cu).
+pub fn router(tokens: usize, experts: usize, k: usize) -> Result<Launch> {
+    if experts > 1024 || k == 0 || k > 64 || k > experts {
+        return Err(CudaError::Unsupported(format!(
+            "router with {experts} experts, top-{k} (E <= 1024, k <= 64)"
+        )));
+    }
+    Launch::new((tokens, 1, 1), 256)
+}
+
+/// NVRTC target for a device's compute capability: the arch-specific `a` variant on Hopper
+/// (wgmma/setmaxnreg need it), the plain one elsewhere.
+pub fn nvrtc_arch(major: i32, minor: i32) -> String {
+    if (major, minor) == (9, 0) {
+        "sm_90a".to_string()
+    } else {
+        format!("sm_{major}{minor}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kda(heads: usize) -> KdaGeom {
+        KdaGeom {
+            heads,
+            head_dim: 128,
+            conv_kernel: 4,
+            gate_lower_bound: -5.0,
+        }
+    }
+
+    #[test]
+    fn kda_geometry_matches_the_kernels() {
+        let l = kda_decode(&kda(96), 64).unwrap();
+        assert_eq!((l.grid, l.block), ((96, 64, 1), 512));
+        let [conv, prep, chunk] = kda_prefill(&kda(96), 8192).unwrap();
+        assert_eq!(conv.grid.0 as usize * 256, 3 * 96 * 128);
+        assert_eq!(prep.grid.0 as usize * 4, 8192 * 96);
+        assert_eq!(chunk.grid, (96, 4, 1));
+        assert!(kda_prefill(&kda(2), 0).is_err());
+    }
+
+    #[test]
+    fn kda_limits_are_enforced() {
+        assert!(check_kda(&kda(2)).is_ok());
+        assert!(
+            check_kda(&KdaGeom {
+                head_dim: 64,
+                ..kda(2)
+            })
+            .is_err()
+        );
+        assert!(
+            check_kda(&KdaGeom {
+                conv_kernel: 9,
+                ..kda(2)
+            })
+            .is_err()
+        );
+        assert!(
+            check_kda(&KdaGeom {
+                gate_lower_bound: -6.0,
+                ..kda(2)
+            })
+            .is_err()
+        );
+        assert!(
+            check_kda(&KdaGeom {
+                gate_lower_bound: f32::NAN,
+                ..kda(2)
+            })
+            .is_err()
+        );
+        assert!(
+            kda_decode(&kda(2), 70_000).is_err(),
+            "grid y is limited to 65535 sequences"
+        );
+    }
+
+    #[test]
+    fn mla_limits_and_splits() {
+        let k3 = MlaGeom {
+            heads: 96,
+            nope: 128,
+            rope: 64,
+            v_dim: 128,
+            kv_lora: 512,
+            eps: 1e-6,
+        };
+        assert!(check_mla(&k3).is_ok());
+        assert!(check_mla(&MlaGeom { rope: 65, ..k3 }).is_err());
+        // One long sequence: 24 head groups, splits to fill 132 SMs twice.
+        let (s, c) = mla_splits(1, 96, 32768, 132);
+        assert_eq!(s, 11);
+        assert!(s * c >= 32768 && (s - 1) * c < 32768);
+        // Short context: no split shorter than 256 positions.
+        assert_eq!(mla_splits(1, 96, 300, 132).0, 2);
+        // Many sequences already fill the GPU.
+        assert_eq!(mla_splits(64, 96, 8192, 132).0, 1);
+        let l = mla_attend(&k3, 3, 5).unwrap();
+        assert_eq!(l.grid, (3, 24, 5));
+    }
+
+    #[test]
+    fn small_helpers() {
+        assert_eq!(elementwise(1).unwrap().grid.0, 1);
+        assert_eq!(elementwise(1 << 30).unwrap().grid.0, 132 * 32);
+        assert!(per_row(0, 256).is_err());
+        assert_eq!(warp_per_item(9).unwrap().grid.0, 3);
+        assert!(mx_expert(8, 3072, 3584).is_ok() && mx_expert(8, 3072, 100).is_err());
+        assert!(
+            router(4, 896, 16).is_ok() && router(4, 2048, 16).is_err() && router(4, 8, 9).is_err()
+        );
+        assert_eq!(nvrtc_arch(9, 0), "sm_90a");
+        assert_eq!(nvrtc_arch(8, 9), "sm_89");
+    }
+}

@@ -1,0 +1,38 @@
+//! CUDA backend for k3-model (first stage): the kernels of `kernels/*.cu` embedded as source,
+//! compiled with NVRTC for the running GPU (cubin cached on disk), and launch wrappers for every
+//! op of the K3 layer graph. Loads libcuda/libnvrtc at run time, so the crate builds and its
+//! tests run on machines without CUDA; [`CudaBackend::try_new`] then returns an error.
+//!
+//! Status: the kernels are compile-checked (scripts/nvrtc-check) and their host-side packing is
+//! exercised by `host/backend-cuda/harness/device_check.py --dry-run`; none of it has run on a
+//! GPU yet. `k3_model::backend::Backend` is not implemented yet (see docs/performance.md).
+
+pub mod cache;
+pub mod device;
+pub mod error;
+pub mod geometry;
+pub mod ops;
+pub mod sources;
+
+pub use device::{CudaBackend, DeviceMat};
+pub use error::{CudaError, Result};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn try_new_without_a_driver_is_an_error_not_a_panic() {
+        // On CI (no NVIDIA driver) this is the NoDriver path; on a GPU machine it must succeed
+        // or fail with a typed error, never panic.
+        match CudaBackend::try_new(0) {
+            Ok(b) => assert!(b.arch.starts_with("sm_")),
+            Err(e) => {
+                if !device::driver_present() {
+                    assert!(matches!(e, CudaError::NoDriver(_)), "{e}");
+                }
+                assert!(!e.to_string().is_empty());
+            }
+        }
+    }
+}

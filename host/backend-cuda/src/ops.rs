@@ -1,0 +1,487 @@
+//! Launch wrappers: one method per op, shapes validated on the host before anything is launched.
+//! Arena offsets are in bytes at this API (like `k3_model::backend`) and converted to f32 offsets.
+
+use crate::device::{CudaBackend, DeviceMat};
+use crate::error::{CudaError, Result};
+use crate::geometry::{self, Launch};
+use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
+use k3_model::backend::{KdaGeom, MlaGeom, RouterParams, SituParams};
+
+/// Push every argument (references that outlive the builder), then launch on the stream.
+macro_rules! launch {
+    ($be:expr, $name:expr, $l:expr; $($arg:expr),* $(,)?) => {{
+        let f = $be.function($name)?;
+        let mut b: LaunchArgs<'_> = $be.stream.launch_builder(f);
+        $( b.arg($arg); )*
+        // SAFETY: argument count and types follow the kernel's C signature (checked against the
+        // parsed signatures by the device harness), every buffer is live for the launch.
+        unsafe { b.launch($l.config()) }.map(|_| ()).map_err(CudaError::from)
+    }};
+}
+
+fn same_shape(a: &DeviceMat, b: &DeviceMat, what: &str) -> Result<()> {
+    if (a.rows, a.cols) != (b.rows, b.cols) {
+        return Err(CudaError::InvalidArg(format!(
+            "{what}: {}x{} vs {}x{}",
+            a.rows, a.cols, b.rows, b.cols
+        )));
+    }
+    Ok(())
+}
+
+fn i32_of(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| CudaError::InvalidArg(format!("{what} = {v} exceeds i32")))
+}
+
+/// Byte offset → f32 offset (4-aligned), bounds-checked against the arena.
+pub fn float_offset(byte_offset: usize, len_floats: usize, arena_floats: usize) -> Result<i64> {
+    if !byte_offset.is_multiple_of(4) {
+        return Err(CudaError::InvalidArg(format!(
+            "arena offset {byte_offset} is not 4-byte aligned"
+        )));
+    }
+    let f = byte_offset / 4;
+    if f + len_floats > arena_floats {
+        return Err(CudaError::InvalidArg(format!(
+            "arena range {}..{} beyond {} bytes",
+            byte_offset,
+            byte_offset + 4 * len_floats,
+            4 * arena_floats
+        )));
+    }
+    Ok(f as i64)
+}
+
+/// One sequence's slot for a batched KDA decode: working state offset and an optional checkpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct KdaSlot {
+    pub offset: usize,
+    pub checkpoint: Option<usize>,
+}
+
+/// Pre-conv inputs of a KDA layer (as in `k3_model::backend::KdaInputs`).
+pub struct KdaIn<'a> {
+    pub q: &'a DeviceMat,
+    pub k: &'a DeviceMat,
+    pub v: &'a DeviceMat,
+    pub f: &'a DeviceMat,
+    pub b: &'a DeviceMat,
+}
+
+/// Per-layer KDA parameters on the device.
+pub struct KdaWeights<'a> {
+    pub conv: [&'a CudaSlice<f32>; 3],
+    pub a_log: &'a CudaSlice<f32>,
+    pub dt_bias: &'a CudaSlice<f32>,
+}
+
+/// Routed experts of one layer, all experts back to back (kernels/mxfp4.cu layout).
+pub struct DeviceExperts {
+    pub experts: usize,
+    pub latent: usize,
+    pub inter: usize,
+    pub w1: (CudaSlice<u8>, CudaSlice<u8>),
+    pub w3: (CudaSlice<u8>, CudaSlice<u8>),
+    pub w2: (CudaSlice<u8>, CudaSlice<u8>),
+}
+
+impl CudaBackend {
+    pub fn rms_norm(&self, x: &DeviceMat, w: &CudaSlice<f32>, eps: f32) -> Result<DeviceMat> {
+        if w.len() != x.cols {
+            return Err(CudaError::InvalidArg(format!(
+                "rms_norm weight {} for width {}",
+                w.len(),
+                x.cols
+            )));
+        }
+        let y = self.zeros(x.rows, x.cols)?;
+        let (rows, cols) = (i32_of(x.rows, "rows")?, i32_of(x.cols, "cols")?);
+        launch!(self, "rms_norm_f32", geometry::per_row(x.rows, 256)?; &x.buf, w, &y.buf, &rows, &cols, &eps)?;
+        Ok(y)
+    }
+
+    pub fn gated_head_norm(
+        &self,
+        o: &DeviceMat,
+        gate: &DeviceMat,
+        w: &CudaSlice<f32>,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<DeviceMat> {
+        same_shape(o, gate, "gated_head_norm")?;
+        if head_dim == 0 || !o.cols.is_multiple_of(head_dim) || w.len() != head_dim {
+            return Err(CudaError::InvalidArg(format!(
+                "gated_head_norm: width {} head_dim {head_dim}",
+                o.cols
+            )));
+        }
+        let y = self.zeros(o.rows, o.cols)?;
+        let heads = o.cols / head_dim;
+        let (r, h, hd) = (
+            i32_of(o.rows, "rows")?,
+            i32_of(heads, "heads")?,
+            i32_of(head_dim, "head_dim")?,
+        );
+        launch!(self, "gated_head_norm_f32", geometry::warp_per_item(o.rows * heads)?;
+            &o.buf, &gate.buf, w, &y.buf, &r, &h, &hd, &eps)?;
+        Ok(y)
+    }
+
+    pub fn situ_glu(&self, gate: &DeviceMat, up: &DeviceMat, p: SituParams) -> Result<DeviceMat> {
+        same_shape(gate, up, "situ_glu")?;
+        let out = self.zeros(gate.rows, gate.cols)?;
+        let n = (gate.rows * gate.cols) as i64;
+        let (lin, has) = (
+            p.linear_beta.unwrap_or(1.0),
+            i32::from(p.linear_beta.is_some()),
+        );
+        launch!(self, "situ_glu_f32", geometry::elementwise(n as usize)?;
+            &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has)?;
+        Ok(out)
+    }
+
+    pub fn add_assign(&self, p: &mut DeviceMat, a: &DeviceMat) -> Result<()> {
+        same_shape(p, a, "add_assign")?;
+        let n = (p.rows * p.cols) as i64;
+        launch!(self, "add_assign_f32", geometry::elementwise(n as usize)?; &mut p.buf, &a.buf, &n)
+    }
+
+    pub fn sigmoid_mul(&self, o: &mut DeviceMat, gate: &DeviceMat) -> Result<()> {
+        same_shape(o, gate, "sigmoid_mul")?;
+        let n = (o.rows * o.cols) as i64;
+        launch!(self, "sigmoid_mul_f32", geometry::elementwise(n as usize)?; &mut o.buf, &gate.buf, &n)
+    }
+
+    /// Block AttnRes over 1..=9 sources of the same shape.
+    pub fn attn_res(
+        &self,
+        sources: &[&DeviceMat],
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<DeviceMat> {
+        let first = *sources
+            .first()
+            .ok_or_else(|| CudaError::InvalidArg("attn_res with no sources".into()))?;
+        if sources.len() > 9 {
+            return Err(CudaError::Unsupported(format!(
+                "attn_res over {} sources (<= 9)",
+                sources.len()
+            )));
+        }
+        for s in sources {
+            same_shape(first, s, "attn_res")?;
+        }
+        let out = self.zeros(first.rows, first.cols)?;
+        let src: Vec<&CudaSlice<f32>> = (0..9)
+            .map(|i| &sources.get(i).unwrap_or(&first).buf)
+            .collect();
+        let (n, rows, d) = (
+            sources.len() as i32,
+            i32_of(first.rows, "rows")?,
+            i32_of(first.cols, "cols")?,
+        );
+        launch!(self, "attn_res_f32", geometry::per_row(first.rows, 256)?;
+            src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], src[8], &n, w, &out.buf, &rows, &d, &eps)?;
+        Ok(out)
+    }
+
+    /// Greedy ids of each logits row.
+    pub fn argmax_rows(&self, logits: &DeviceMat) -> Result<Vec<i32>> {
+        let ids = self.stream.alloc_zeros::<i32>(logits.rows.max(1))?;
+        let (r, v) = (i32_of(logits.rows, "rows")?, i32_of(logits.cols, "vocab")?);
+        launch!(self, "argmax_rows_f32", geometry::per_row(logits.rows, 1024)?; &logits.buf, &ids, &r, &v)?;
+        let mut out = self.stream.memcpy_dtov(&ids)?;
+        out.truncate(logits.rows);
+        Ok(out)
+    }
+
+    /// Router: (expert ids, weights) per token, `[T, k]` each, on the device.
+    pub fn route(
+        &self,
+        logits: &DeviceMat,
+        bias: &CudaSlice<f32>,
+        r: RouterParams,
+    ) -> Result<(CudaSlice<i32>, CudaSlice<f32>)> {
+        if bias.len() != logits.cols {
+            return Err(CudaError::InvalidArg(format!(
+                "router bias {} for {} experts",
+                bias.len(),
+                logits.cols
+            )));
+        }
+        let l = geometry::router(logits.rows, logits.cols, r.top_k)?;
+        let idx = self.stream.alloc_zeros::<i32>(logits.rows * r.top_k)?;
+        let w = self.stream.alloc_zeros::<f32>(logits.rows * r.top_k)?;
+        let (t, e, k, ren) = (
+            logits.rows as i32,
+            logits.cols as i32,
+            r.top_k as i32,
+            i32::from(r.renormalize),
+        );
+        launch!(self, "router_topk_f32", l; &logits.buf, bias, &idx, &w, &t, &e, &k, &ren, &r.scaling)?;
+        Ok((idx, w))
+    }
+
+    /// One decode token for each of `slots.len()` sequences (row i of every input is sequence i).
+    /// Returns `o` `[N, H·V]`.
+    pub fn kda_decode(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        g: KdaGeom,
+        w: &KdaWeights<'_>,
+        x: &KdaIn<'_>,
+        slots: &[KdaSlot],
+    ) -> Result<DeviceMat> {
+        let n = slots.len();
+        let l = geometry::kda_decode(&g, n)?;
+        for m in [x.q, x.k, x.v, x.f] {
+            if (m.rows, m.cols) != (n, g.hk()) {
+                return Err(CudaError::InvalidArg(format!(
+                    "KDA decode input {}x{}, want {n}x{}",
+                    m.rows,
+                    m.cols,
+                    g.hk()
+                )));
+            }
+        }
+        if (x.b.rows, x.b.cols) != (n, g.heads) {
+            return Err(CudaError::InvalidArg("KDA decode beta logits shape".into()));
+        }
+        let (len, region) = (arena.len(), g.state_floats());
+        let mut offs = Vec::with_capacity(n);
+        let mut cks = Vec::with_capacity(n);
+        for s in slots {
+            offs.push(float_offset(s.offset, region, len)?);
+            cks.push(match s.checkpoint {
+                Some(c) => float_offset(c, region, len)?,
+                None => -1,
+            });
+        }
+        let (offs, cks) = (self.upload_slice(&offs)?, self.upload_slice(&cks)?);
+        let o = self.zeros(n, g.hk())?;
+        let (nn, h, conv) = (n as i32, g.heads as i32, g.conv_kernel as i32);
+        launch!(self, "kda_decode_f32", l;
+            &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log, w.dt_bias,
+            arena, &offs, &cks, &o.buf, &nn, &h, &conv, &g.gate_lower_bound)?;
+        Ok(o)
+    }
+
+    /// Prefill of T tokens of one sequence from the state at `offset`, with checkpoints
+    /// `(n, byte offset)` (n in 1..=T). Returns `o` `[T, H·V]`.
+    pub fn kda_prefill(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        g: KdaGeom,
+        w: &KdaWeights<'_>,
+        x: &KdaIn<'_>,
+        offset: usize,
+        checkpoints: &[(usize, usize)],
+    ) -> Result<DeviceMat> {
+        let t = x.q.rows;
+        let [lc, lp, lk] = geometry::kda_prefill(&g, t)?;
+        let (len, region) = (arena.len(), g.state_floats());
+        let off = float_offset(offset, region, len)?;
+        let mut cps: Vec<(usize, usize)> = checkpoints.to_vec();
+        cps.sort_unstable();
+        let mut ck_n = Vec::with_capacity(cps.len().max(1));
+        let mut ck_off = Vec::with_capacity(cps.len().max(1));
+        for &(n, dst) in &cps {
+            if n == 0 || n > t {
+                return Err(CudaError::InvalidArg(format!(
+                    "checkpoint after {n} of {t} tokens"
+                )));
+            }
+            ck_n.push(n as i32);
+            ck_off.push(float_offset(dst, region, len)?);
+        }
+        let n_ck = ck_n.len() as i32;
+        if ck_n.is_empty() {
+            ck_n.push(0); // the kernels never read it; a 0-length upload is not allowed
+            ck_off.push(0);
+        }
+        let (ck_n, ck_off) = (self.upload_slice(&ck_n)?, self.upload_slice(&ck_off)?);
+        let (q, k, v) = (
+            self.zeros(t, g.hk())?,
+            self.zeros(t, g.hk())?,
+            self.zeros(t, g.hk())?,
+        );
+        for m in [x.q, x.k, x.v, x.f] {
+            if (m.rows, m.cols) != (t, g.hk()) {
+                return Err(CudaError::InvalidArg(format!(
+                    "KDA prefill input {}x{}, want {t}x{}",
+                    m.rows,
+                    m.cols,
+                    g.hk()
+                )));
+            }
+        }
+        if (x.b.rows, x.b.cols) != (t, g.heads) {
+            return Err(CudaError::InvalidArg(
+                "KDA prefill beta logits shape".into(),
+            ));
+        }
+        // The prep kernel writes the gate over its input: work on a copy of f.
+        let mut gate = self.zeros(t, g.hk())?;
+        self.stream.memcpy_dtod(&x.f.buf, &mut gate.buf)?;
+        let beta = self.zeros(t, g.heads)?;
+        let o = self.zeros(t, g.hk())?;
+        let (tt, hk, conv, h) = (
+            t as i32,
+            g.hk() as i32,
+            g.conv_kernel as i32,
+            g.heads as i32,
+        );
+        launch!(self, "kda_conv_silu_f32", lc;
+            &x.q.buf, &x.k.buf, &x.v.buf, w.conv[0], w.conv[1], w.conv[2], &q.buf, &k.buf, &v.buf, &mut *arena, &off,
+            &ck_n, &ck_off, &n_ck, &tt, &hk, &conv)?;
+        launch!(self, "kda_prep_f32", lp;
+            &q.buf, &k.buf, &gate.buf, &x.b.buf, &beta.buf, w.a_log, w.dt_bias, &tt, &h, &g.gate_lower_bound)?;
+        launch!(self, "kda_chunk_fwd_f32", lk;
+            &q.buf, &k.buf, &v.buf, &gate.buf, &beta.buf, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &o.buf, &tt, &h, &conv)?;
+        Ok(o)
+    }
+
+    /// Absorbed MLA for `q` `[items, H·(nope+rope)]`: appends `kv_a` rows (one per item, at
+    /// `append_at` byte offsets) and attends item i over `lens[i]` rows whose page starts (byte
+    /// offsets including the layer offset) are `pages[i]`. Returns `o` `[items, H·v_dim]`.
+    pub fn mla_decode(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        g: MlaGeom,
+        q: &DeviceMat,
+        kv_a: &DeviceMat,
+        kv_norm: &CudaSlice<f32>,
+        kv_b: &CudaSlice<f32>,
+        append_at: &[usize],
+        pages: &[&[usize]],
+        lens: &[usize],
+        page_tokens: usize,
+    ) -> Result<DeviceMat> {
+        geometry::check_mla(&g)?;
+        let (items, row, len) = (q.rows, g.row(), arena.len());
+        if kv_a.rows != append_at.len()
+            || kv_a.cols != row
+            || pages.len() != items
+            || lens.len() != items
+        {
+            return Err(CudaError::InvalidArg(
+                "mla_decode: inconsistent item counts or row width".into(),
+            ));
+        }
+        if q.cols != g.heads * (g.nope + g.rope)
+            || kv_b.len() != g.heads * (g.nope + g.v_dim) * g.kv_lora
+        {
+            return Err(CudaError::InvalidArg("mla_decode: q or kv_b shape".into()));
+        }
+        if page_tokens == 0 {
+            return Err(CudaError::InvalidArg("page_tokens = 0".into()));
+        }
+        let dst: Vec<i64> = append_at
+            .iter()
+            .map(|&o| float_offset(o, row, len))
+            .collect::<Result<_>>()?;
+        let mut starts = Vec::new();
+        let mut base = Vec::with_capacity(items);
+        for (p, &l) in pages.iter().zip(lens) {
+            if l == 0 || p.len() < l.div_ceil(page_tokens) {
+                return Err(CudaError::InvalidArg(format!(
+                    "{} pages for {l} positions",
+                    p.len()
+                )));
+            }
+            base.push(i32_of(starts.len(), "page table")?);
+            for &s in &p[..l.div_ceil(page_tokens)] {
+                starts.push(float_offset(s, page_tokens * row, len)?);
+            }
+        }
+        let max_len = lens.iter().copied().max().unwrap_or(1);
+        let (splits, chunk) = geometry::mla_splits(items, g.heads, max_len, self.multiprocessors);
+        let lens32: Vec<i32> = lens
+            .iter()
+            .map(|&l| i32_of(l, "length"))
+            .collect::<Result<_>>()?;
+        let (dst, starts, base, lens_d) = (
+            self.upload_slice(&dst)?,
+            self.upload_slice(&starts)?,
+            self.upload_slice(&base)?,
+            self.upload_slice(&lens32)?,
+        );
+        let (t, lkv, rope, nope, vd, h) = (
+            kv_a.rows as i32,
+            g.kv_lora as i32,
+            g.rope as i32,
+            g.nope as i32,
+            g.v_dim as i32,
+            g.heads as i32,
+        );
+        if kv_a.rows > 0 {
+            launch!(self, "mla_append_rows_f32", geometry::per_row(kv_a.rows, 128)?;
+                &kv_a.buf, kv_norm, &mut *arena, &dst, &t, &lkv, &rope, &g.eps)?;
+        }
+        let qt = self.zeros(items * g.heads, row)?;
+        let it = i32_of(items, "items")?;
+        launch!(self, "mla_absorb_q_f32", Launch::new((items, g.heads, 1), 128)?;
+            &q.buf, kv_b, &qt.buf, &it, &h, &nope, &rope, &vd, &lkv)?;
+        let part = self.zeros(items * g.heads * splits, g.kv_lora + 2)?;
+        let (pt, sp, ch) = (page_tokens as i32, splits as i32, chunk as i32);
+        let scale = 1.0 / ((g.nope + g.rope) as f32).sqrt();
+        launch!(self, "mla_attend_f32", geometry::mla_attend(&g, items, splits)?;
+            &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch, &scale)?;
+        let o = self.zeros(items, g.heads * g.v_dim)?;
+        launch!(self, "mla_combine_f32", Launch::new((items, g.heads, 1), 128)?;
+            &part.buf, kv_b, &o.buf, &it, &h, &nope, &vd, &lkv, &sp)?;
+        Ok(o)
+    }
+
+    /// Routed LatentMoE: router, grouping by expert, MXFP4 SiTU-GLU experts, fixed-order combine.
+    pub fn moe_routed(
+        &self,
+        z: &DeviceMat,
+        router_logits: &DeviceMat,
+        bias: &CudaSlice<f32>,
+        ex: &DeviceExperts,
+        r: RouterParams,
+        situ: SituParams,
+    ) -> Result<DeviceMat> {
+        if z.cols != ex.latent || router_logits.cols != ex.experts || z.rows != router_logits.rows {
+            return Err(CudaError::InvalidArg(
+                "moe_routed: z / logits / experts shapes differ".into(),
+            ));
+        }
+        let (idx, w) = self.route(router_logits, bias, r)?;
+        let (t, k) = (z.rows, r.top_k);
+        let offsets = self.stream.alloc_zeros::<i32>(ex.experts + 1)?;
+        let sorted = self.stream.alloc_zeros::<i32>((t * k).max(1))?;
+        let (na, e) = (i32_of(t * k, "assignments")?, ex.experts as i32);
+        launch!(self, "moe_sort_assignments", Launch::new((1, 1, 1), 1024)?; &idx, &na, &e, &offsets, &sorted)?;
+        let act = self.zeros(t * k, ex.inter)?;
+        let y = self.zeros(t * k, ex.latent)?;
+        let (kk, lt, ie) = (k as i32, ex.latent as i32, ex.inter as i32);
+        let (lin, has) = (
+            situ.linear_beta.unwrap_or(1.0),
+            i32::from(situ.linear_beta.is_some()),
+        );
+        launch!(self, "mxfp4_expert_up_f32", geometry::mx_expert(ex.experts, ex.inter, ex.latent)?;
+            &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
+            &situ.beta, &lin, &has)?;
+        launch!(self, "mxfp4_expert_down_f32", geometry::mx_expert(ex.experts, ex.latent, ex.inter)?;
+            &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie)?;
+        let out = self.zeros(t, ex.latent)?;
+        let tt = t as i32;
+        launch!(self, "moe_combine_f32", geometry::elementwise(t * ex.latent)?; &y.buf, &w, &out.buf, &tt, &kk, &lt)?;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn float_offsets_are_aligned_and_bounded() {
+        assert_eq!(float_offset(16, 4, 8).unwrap(), 4);
+        assert!(float_offset(18, 1, 100).is_err(), "unaligned");
+        assert!(float_offset(16, 5, 8).is_err(), "past the end");
+        assert!(float_offset(0, 8, 8).is_ok());
+    }
+}

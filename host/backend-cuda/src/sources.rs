@@ -1,0 +1,222 @@
+//! The kernel sources, embedded at build time, and their local `#include "..."` expansion.
+//! NVRTC gets one self-contained string per file (no include paths on disk needed), exactly as
+//! scripts/nvrtc-check and the device harness build it.
+
+use crate::error::{CudaError, Result};
+
+/// One compilation unit: a `kernels/*.cu` file and the `extern "C"` entry points it defines.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelFile {
+    pub name: &'static str,
+    pub text: &'static str,
+    pub entries: &'static [&'static str],
+}
+
+/// Headers that `.cu` files may include by name.
+pub const HEADERS: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../../../kernels/common.cuh")),
+    ("kda.cuh", include_str!("../../../kernels/kda.cuh")),
+];
+
+pub const FILES: &[KernelFile] = &[
+    KernelFile {
+        name: "attnres.cu",
+        text: include_str!("../../../kernels/attnres.cu"),
+        entries: &["attn_res_f32"],
+    },
+    KernelFile {
+        name: "elementwise.cu",
+        text: include_str!("../../../kernels/elementwise.cu"),
+        entries: &[
+            "add_assign_f32",
+            "sigmoid_mul_f32",
+            "embed_rows_f32",
+            "embed_rows_bf16",
+        ],
+    },
+    KernelFile {
+        name: "kda_chunk.cu",
+        text: include_str!("../../../kernels/kda_chunk.cu"),
+        entries: &["kda_conv_silu_f32", "kda_prep_f32", "kda_chunk_fwd_f32"],
+    },
+    KernelFile {
+        name: "kda_decode.cu",
+        text: include_str!("../../../kernels/kda_decode.cu"),
+        entries: &["kda_decode_f32"],
+    },
+    KernelFile {
+        name: "mla.cu",
+        text: include_str!("../../../kernels/mla.cu"),
+        entries: &[
+            "mla_append_rows_f32",
+            "mla_absorb_q_f32",
+            "mla_attend_f32",
+            "mla_combine_f32",
+        ],
+    },
+    KernelFile {
+        name: "mxfp4.cu",
+        text: include_str!("../../../kernels/mxfp4.cu"),
+        entries: &[
+            "moe_sort_assignments",
+            "mxfp4_expert_up_f32",
+            "mxfp4_expert_down_f32",
+            "moe_combine_f32",
+            "mxfp4_dequant_f32",
+        ],
+    },
+    KernelFile {
+        name: "norm.cu",
+        text: include_str!("../../../kernels/norm.cu"),
+        entries: &["rms_norm_f32", "gated_head_norm_f32"],
+    },
+    KernelFile {
+        name: "router.cu",
+        text: include_str!("../../../kernels/router.cu"),
+        entries: &["router_topk_f32"],
+    },
+    KernelFile {
+        name: "sampling.cu",
+        text: include_str!("../../../kernels/sampling.cu"),
+        entries: &["argmax_rows_f32", "softmax_temperature_f32"],
+    },
+    KernelFile {
+        name: "situ.cu",
+        text: include_str!("../../../kernels/situ.cu"),
+        entries: &["situ_glu_f32", "situ_glu_packed_f32"],
+    },
+];
+
+/// `text` with every `#include "name"` replaced by the header's (recursively expanded) text,
+/// each header at most once (they all `#pragma once`).
+pub fn expand(file: &str, text: &str) -> Result<String> {
+    let mut seen = Vec::new();
+    let mut out = String::with_capacity(text.len() * 2);
+    expand_into(file, text, &mut seen, &mut out)?;
+    Ok(out)
+}
+
+fn expand_into(
+    file: &str,
+    text: &str,
+    seen: &mut Vec<&'static str>,
+    out: &mut String,
+) -> Result<()> {
+    for line in text.lines() {
+        let Some(name) = include_target(line) else {
+            out.push_str(line);
+            out.push('\n');
+            continue;
+        };
+        let Some(&(hname, htext)) = HEADERS.iter().find(|(n, _)| *n == name) else {
+            return Err(CudaError::Source {
+                file: file.into(),
+                message: format!("unknown include \"{name}\""),
+            });
+        };
+        if !seen.contains(&hname) {
+            seen.push(hname);
+            expand_into(hname, htext, seen, out)?;
+        }
+    }
+    Ok(())
+}
+
+/// `Some("x")` for a line `#include "x"` (leading spaces and `# include` allowed).
+fn include_target(line: &str) -> Option<&str> {
+    let rest = line
+        .trim_start()
+        .strip_prefix('#')?
+        .trim_start()
+        .strip_prefix("include")?
+        .trim();
+    rest.strip_prefix('"')?.split('"').next()
+}
+
+/// Names of the `extern "C" __global__` functions defined in `text`.
+pub fn entry_points(text: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("extern \"C\" __global__ void") {
+        rest = &rest[i + "extern \"C\" __global__ void".len()..];
+        let mut head = rest.trim_start();
+        if let Some(after) = head.strip_prefix("__launch_bounds__(") {
+            head = after
+                .split_once(')')
+                .map(|(_, r)| r.trim_start())
+                .unwrap_or("");
+        }
+        let name: String = head
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if !name.is_empty() {
+            names.push(name);
+        }
+    }
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn include_lines_are_recognised() {
+        assert_eq!(
+            include_target("#include \"common.cuh\""),
+            Some("common.cuh")
+        );
+        assert_eq!(
+            include_target("  #  include \"kda.cuh\"  // x"),
+            Some("kda.cuh")
+        );
+        assert_eq!(include_target("#include <stdio.h>"), None);
+        assert_eq!(include_target("int include = 1;"), None);
+    }
+
+    #[test]
+    fn expansion_inlines_each_header_once_and_rejects_unknown_ones() {
+        let out = expand(
+            "t.cu",
+            "#include \"kda.cuh\"\n#include \"common.cuh\"\nint x;\n",
+        )
+        .unwrap();
+        assert_eq!(
+            out.matches("__device__ __forceinline__ float warp_sum")
+                .count(),
+            1
+        );
+        assert!(out.contains("#define KDA_K 128") && out.ends_with("int x;\n"));
+        assert!(!out.contains("#include \""));
+        let err = expand("t.cu", "#include \"nope.cuh\"\n").unwrap_err();
+        assert!(err.to_string().contains("nope.cuh"), "{err}");
+    }
+
+    #[test]
+    fn every_kernel_file_is_embedded_with_its_entry_points() {
+        // A new kernels/*.cu must be listed in FILES, and the listed entries must match the source.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kernels");
+        let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".cu"))
+            .collect();
+        on_disk.sort();
+        let embedded: Vec<String> = FILES.iter().map(|f| f.name.to_string()).collect();
+        assert_eq!(on_disk, embedded);
+        for f in FILES {
+            let mut found = entry_points(f.text);
+            found.sort();
+            let mut listed: Vec<String> = f.entries.iter().map(|s| s.to_string()).collect();
+            listed.sort();
+            assert_eq!(found, listed, "{}", f.name);
+            let text = expand(f.name, f.text).unwrap();
+            assert!(
+                !text.contains("#include"),
+                "{} keeps an include NVRTC cannot resolve",
+                f.name
+            );
+        }
+    }
+}
