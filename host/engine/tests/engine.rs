@@ -747,3 +747,12 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn handle_and_stream_can_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<k3_engine::EngineHandle>();
+    send::<k3_engine::RequestStream>();
+    send_sync::<k3_engine::EngineMetrics>();
+}
