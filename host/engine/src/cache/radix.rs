@@ -2,7 +2,7 @@
 //! frees; every block it lets go of is handed back to the caller to free in the pool.
 
 use crate::memory::BlockId;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 /// A tree node handle (stable while the node lives).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -77,6 +77,8 @@ pub struct RadixCache {
     nodes: Vec<Option<Node>>,
     free_ids: Vec<u32>,
     clock: u64,
+    /// Nodes holding a checkpoint, least recently used first (eviction order).
+    lru: BTreeSet<(u64, NodeId)>,
 }
 
 impl RadixCache {
@@ -102,6 +104,7 @@ impl RadixCache {
             nodes: vec![Some(root)],
             free_ids: Vec::new(),
             clock: 0,
+            lru: BTreeSet::new(),
         }
     }
 
@@ -120,6 +123,25 @@ impl RadixCache {
     fn tick(&mut self) -> u64 {
         self.clock += 1;
         self.clock
+    }
+
+    /// Record an access, keeping the LRU index in step.
+    fn touch(&mut self, id: NodeId, t: u64) {
+        let n = self.nodes[id.0 as usize].as_mut().expect("live radix node");
+        if n.checkpoint.is_some() {
+            self.lru.remove(&(n.last_access, id));
+            self.lru.insert((t, id));
+        }
+        n.last_access = t;
+    }
+
+    fn take_checkpoint(&mut self, id: NodeId) -> Option<BlockId> {
+        let n = self.nodes[id.0 as usize].as_mut().expect("live radix node");
+        let c = n.checkpoint.take();
+        if c.is_some() {
+            self.lru.remove(&(n.last_access, id));
+        }
+        c
     }
 
     fn add_node(&mut self, node: Node) -> NodeId {
@@ -195,7 +217,7 @@ impl RadixCache {
         }
         for id in path {
             let t = self.tick();
-            self.node_mut(id).last_access = t;
+            self.touch(id, t);
         }
         let (node, len, npages, checkpoint) = best;
         pages.truncate(npages);
@@ -259,8 +281,8 @@ impl RadixCache {
                 child
             };
             let first = pos / self.page;
-            let n = self.node_mut(next);
-            n.last_access = now;
+            self.touch(next, now);
+            let n = self.node(next);
             for (i, &tree_page) in n.pages.iter().enumerate() {
                 let mine = pages[first + i];
                 if mine != tree_page {
@@ -279,6 +301,8 @@ impl RadixCache {
                 release.push(c);
             } else {
                 n.checkpoint = Some(c);
+                let key = (n.last_access, cur);
+                self.lru.insert(key);
                 checkpoint_kept = true;
                 self.enforce_path_cap(cur, &mut release);
             }
@@ -362,7 +386,7 @@ impl RadixCache {
                     .min()
                     .map(|&(_, id)| id);
                 let Some(victim) = victim else { break };
-                release.extend(self.node_mut(victim).checkpoint.take());
+                release.extend(self.take_checkpoint(victim));
                 self.prune(victim, release);
                 if self.nodes[leaf.0 as usize].is_none() {
                     break;
@@ -425,24 +449,16 @@ impl RadixCache {
 
     /// Evict the least recently used candidate for `want`; returns false when nothing is evictable.
     pub fn evict_one(&mut self, want: EvictWant, release: &mut Vec<BlockId>) -> bool {
-        let victim = self
-            .nodes
-            .iter()
-            .enumerate()
-            .filter_map(|(i, n)| n.as_ref().map(|n| (NodeId(i as u32), n)))
-            .filter(|(id, n)| {
-                *id != NodeId::ROOT
-                    && n.checkpoint.is_some()
-                    && n.pins == 0
-                    && match want {
-                        EvictWant::State | EvictWant::Any => true,
-                        EvictWant::Kv => n.children.is_empty() && n.lock == 0,
-                    }
-            })
-            .min_by_key(|(_, n)| n.last_access)
-            .map(|(id, _)| id);
+        let victim = self.lru.iter().map(|&(_, id)| id).find(|&id| {
+            let n = self.node(id);
+            n.pins == 0
+                && match want {
+                    EvictWant::State | EvictWant::Any => true,
+                    EvictWant::Kv => n.children.is_empty() && n.lock == 0,
+                }
+        });
         let Some(v) = victim else { return false };
-        release.extend(self.node_mut(v).checkpoint.take());
+        release.extend(self.take_checkpoint(v));
         self.prune(v, release);
         true
     }
@@ -454,6 +470,19 @@ impl RadixCache {
 
     /// Structural invariants; `Err` names the first violation.
     pub fn check_invariants(&self) -> Result<(), String> {
+        let indexed: BTreeSet<(u64, NodeId)> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| {
+                n.as_ref()
+                    .filter(|n| n.checkpoint.is_some())
+                    .map(|n| (n.last_access, NodeId(i as u32)))
+            })
+            .collect();
+        if indexed != self.lru {
+            return Err("checkpoint LRU index out of step with the tree".into());
+        }
         let mut seen = std::collections::HashSet::new();
         for (i, n) in self.nodes.iter().enumerate() {
             let Some(n) = n else { continue };
