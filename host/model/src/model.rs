@@ -160,8 +160,9 @@ fn lin<B: Backend>(
     rows: usize,
     cols: usize,
 ) -> Result<B::Linear, WeightError> {
-    // bf16 weights are widened to f32 once here: k3-mini is small, and the CPU kernels then read
-    // plain f32 (no per-use conversion); larger backends may keep bf16 behind the same trait.
+    // bf16 weights are widened to f32 once here (exact): k3-mini is small, so the CPU backend
+    // keeps f32 panels for compute-bound prefill (no per-use conversion) and, since the values are
+    // exactly bf16, also bf16 panels for memory-bound decode. Other backends choose behind the trait.
     Ok(be.linear(rows, cols, t.f32(name, &[rows, cols])?))
 }
 

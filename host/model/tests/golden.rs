@@ -290,6 +290,15 @@ fn bad_inputs_are_errors() -> Result<()> {
         err.to_string().contains("model.layers.0") || err.to_string().contains("embed_tokens"),
         "{err}"
     );
+    // A file without the model's tensors names the first one it misses.
+    let ops = ops_file()?;
+    let err = Model::from_tensors(cfg, &ops.tensors(), CpuBackend::new())
+        .err()
+        .context("missing-tensor check")?;
+    ensure!(
+        err.to_string().contains("is missing") && err.to_string().contains("model.layers.0."),
+        "{err}"
+    );
     Ok(())
 }
 
