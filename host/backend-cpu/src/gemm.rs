@@ -51,10 +51,16 @@ impl Packed {
             let cols = (n - p * LANES).min(LANES);
             for kk in 0..k {
                 let dst = (p * k + kk) * LANES;
-                panels[dst..dst + cols].copy_from_slice(&data[kk * n + p * LANES..kk * n + p * LANES + cols]);
+                panels[dst..dst + cols]
+                    .copy_from_slice(&data[kk * n + p * LANES..kk * n + p * LANES + cols]);
             }
         }
-        Self { n, k, panels, bf16: None }
+        Self {
+            n,
+            k,
+            panels,
+            bf16: None,
+        }
     }
 
     /// Also keep bf16 panels when the values allow it exactly (weights loaded from bf16).
@@ -379,7 +385,10 @@ mod tests {
             let w = data(n * k, 2);
             let p = Packed::new(&w, n, k);
             assert_eq!(p.row(n - 1), w[(n - 1) * k..].to_vec());
-            let wt: Vec<f32> = (0..k).flat_map(|t| (0..n).map(move |j| (t, j))).map(|(t, j)| w[j * k + t]).collect();
+            let wt: Vec<f32> = (0..k)
+                .flat_map(|t| (0..n).map(move |j| (t, j)))
+                .map(|(t, j)| w[j * k + t])
+                .collect();
             assert_eq!(Packed::from_kn(&wt, k, n).panels, p.panels);
             let y = gemm(&x, m, &p);
             for i in 0..m {

@@ -362,7 +362,10 @@ pub fn kda_layer(
             .map(|(sh, hi)| run_head(sh, kd, hi, t, cuts, chunked))
             .collect()
     } else {
-        s.chunks_mut(kd * kd).zip(heads.iter()).map(|(sh, hi)| run_head(sh, kd, hi, t, cuts, chunked)).collect()
+        s.chunks_mut(kd * kd)
+            .zip(heads.iter())
+            .map(|(sh, hi)| run_head(sh, kd, hi, t, cuts, chunked))
+            .collect()
     };
     let mut snaps: Vec<Vec<f32>> = Vec::with_capacity(cuts.len());
     for (ci, &n) in cuts.iter().enumerate() {

@@ -127,7 +127,10 @@ fn by_rows(rows: usize, f: impl Fn(std::ops::Range<usize>) -> Vec<f32> + Sync) -
     }
     let per = rows.div_ceil(threads);
     let starts: Vec<usize> = (0..rows).step_by(per).collect();
-    let parts: Vec<Vec<f32>> = starts.into_par_iter().map(|a| f(a..(a + per).min(rows))).collect();
+    let parts: Vec<Vec<f32>> = starts
+        .into_par_iter()
+        .map(|a| f(a..(a + per).min(rows)))
+        .collect();
     parts.concat()
 }
 
@@ -234,7 +237,13 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &Mat, w: &Vec<f32>, eps: f32) -> Mat {
         let c = x.cols;
-        Mat::new(x.rows, c, by_rows(x.rows, |r| ops::rms_norm(&x.data[r.start * c..r.end * c], w, eps)))
+        Mat::new(
+            x.rows,
+            c,
+            by_rows(x.rows, |r| {
+                ops::rms_norm(&x.data[r.start * c..r.end * c], w, eps)
+            }),
+        )
     }
 
     fn add_assign(&self, p: &mut Mat, a: &Mat) {
@@ -248,7 +257,10 @@ impl Backend for CpuBackend {
             rows,
             c,
             by_rows(rows, |r| {
-                let src: Vec<&[f32]> = sources.iter().map(|m| &m.data[r.start * c..r.end * c]).collect();
+                let src: Vec<&[f32]> = sources
+                    .iter()
+                    .map(|m| &m.data[r.start * c..r.end * c])
+                    .collect();
                 ops::attn_res(&src, w, eps)
             }),
         )
