@@ -29,8 +29,9 @@ def main():
     args = ap.parse_args()
     client = anthropic.Anthropic(base_url=args.base_url, api_key=os.environ.get("K3SERVE_API_KEY", "none"))
 
+    # Recent `anthropic` releases dropped the `temperature` argument; the server still reads it.
     m = client.messages.create(
-        model=args.model, max_tokens=500, temperature=0,
+        model=args.model, max_tokens=500, extra_body={"temperature": 0},
         thinking={"type": "enabled", "budget_tokens": 400},
         messages=[{"role": "user", "content": "What is 250 - 75?"}],
     )
@@ -39,7 +40,7 @@ def main():
 
     print("\nstreaming: ", end="", flush=True)
     with client.messages.stream(
-        model=args.model, max_tokens=200, temperature=0,
+        model=args.model, max_tokens=200, extra_body={"temperature": 0},
         messages=[{"role": "user", "content": "Say hello to Maya."}],
     ) as stream:
         for text in stream.text_stream:
@@ -47,7 +48,7 @@ def main():
     print()
 
     messages = [{"role": "user", "content": "What is the price of ACME?"}]
-    m = client.messages.create(model=args.model, max_tokens=500, temperature=0, tools=[STOCK], messages=messages)
+    m = client.messages.create(model=args.model, max_tokens=500, extra_body={"temperature": 0}, tools=[STOCK], messages=messages)
     print("\nstop_reason:", m.stop_reason)
     uses = [b for b in m.content if b.type == "tool_use"]
     if uses:
@@ -57,7 +58,7 @@ def main():
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                           "content": json.dumps({"price": 42.5, "symbol": "ACME"})}]},
         ]
-        final = client.messages.create(model=args.model, max_tokens=500, temperature=0, tools=[STOCK],
+        final = client.messages.create(model=args.model, max_tokens=500, extra_body={"temperature": 0}, tools=[STOCK],
                                        messages=messages)
         print("answer:", "".join(b.text for b in final.content if b.type == "text"))
 

@@ -59,10 +59,11 @@ def test_list_shows_stages_and_counters(http):
 def test_live_swap_to_k2_parser_and_rollback(http, client, model_name, server):
     before = active(http, "tool-parser")
     assert before["name"] == "kimi-k3-tools"
+    # The model calls the tool (its arguments are test_tools.py's business).
     choice = weather_call(client, model_name)
     assert choice.finish_reason == "tool_calls"
-    assert json.loads(choice.message.tool_calls[0].function.arguments) == {
-        "city": "Oslo", "unit": "fahrenheit"}
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    json.loads(choice.message.tool_calls[0].function.arguments)
 
     r = http.put(
         "/admin/plugins/tool-parser",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from helpers import TOOLS, answer_number, arithmetic
 
 
@@ -18,42 +20,47 @@ def anthropic_tools():
     ]
 
 
+@pytest.mark.model_quality
 def test_message_with_thinking(anthropic_client, model_name):
     question, expected = arithmetic(61, "+", 27)
     m = anthropic_client.messages.create(
         model=model_name,
         max_tokens=600,
-        temperature=0,
+        extra_body={"temperature": 0},
         thinking={"type": "enabled", "budget_tokens": 500},
         messages=[{"role": "user", "content": question}],
     )
     kinds = [b.type for b in m.content]
     assert kinds == ["thinking", "text"], m.content
-    assert answer_number(m.content[1].text) == expected
     assert m.stop_reason == "end_turn"
     assert m.usage.output_tokens > 0 and m.usage.input_tokens > 0
+    assert answer_number(m.content[1].text) == expected
 
 
+@pytest.mark.model_quality
 def test_streaming_without_thinking(anthropic_client, model_name):
     question, expected = arithmetic(50, "-", 8)
     with anthropic_client.messages.stream(
         model=model_name,
         max_tokens=300,
-        temperature=0,
+        extra_body={"temperature": 0},
         system="You are a helpful assistant.",
         messages=[{"role": "user", "content": question}],
     ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
-    assert answer_number(text) == expected
     assert [b.type for b in final.content] == ["text"]
     assert final.stop_reason == "end_turn"
+    assert final.content[0].text == text
+    assert answer_number(text) == expected
 
 
+@pytest.mark.model_quality
 def test_tool_use_round_trip(anthropic_client, model_name):
     messages = [{"role": "user", "content": "Get me the latest ZETA stock price."}]
     m = anthropic_client.messages.create(
-        model=model_name, max_tokens=600, temperature=0, tools=anthropic_tools(), messages=messages
+        model=model_name, max_tokens=600, extra_body={"temperature": 0}, tools=anthropic_tools(),
+        messages=messages,
     )
     assert m.stop_reason == "tool_use", m
     uses = [b for b in m.content if b.type == "tool_use"]
@@ -73,7 +80,8 @@ def test_tool_use_round_trip(anthropic_client, model_name):
         },
     ]
     final = anthropic_client.messages.create(
-        model=model_name, max_tokens=600, temperature=0, tools=anthropic_tools(), messages=messages
+        model=model_name, max_tokens=600, extra_body={"temperature": 0}, tools=anthropic_tools(),
+        messages=messages,
     )
     assert final.stop_reason == "end_turn"
     text = "".join(b.text for b in final.content if b.type == "text")

@@ -6,6 +6,9 @@ import pytest
 
 from helpers import answer_number, arithmetic
 
+# Tests that check the model's answers (need the trained k3-mini) carry this mark.
+quality = pytest.mark.model_quality
+
 QUESTIONS = [(23, "+", 45), (1234, "+", 4321), (97, "-", 15), (12, "*", 7)]
 
 
@@ -17,30 +20,33 @@ def ask(client, model, question, **kw):
     )
 
 
+@quality
 @pytest.mark.parametrize("a,op,b", QUESTIONS)
 def test_arithmetic_with_thinking(client, model_name, a, op, b):
     question, expected = arithmetic(a, op, b)
     r = ask(client, model_name, question)
     choice = r.choices[0]
     assert choice.finish_reason == "stop", choice
-    assert answer_number(choice.message.content) == expected, choice.message
     reasoning = choice.message.model_extra.get("reasoning_content")
     assert reasoning, "thinking is on by default: reasoning_content must be present"
     assert choice.message.model_extra.get("reasoning") == reasoning
     assert "<|" not in choice.message.content and "<|" not in reasoning
     assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert answer_number(choice.message.content) == expected, choice.message
 
 
+@quality
 def test_reasoning_effort_none_turns_thinking_off(client, model_name):
     question, expected = arithmetic(31, "+", 58)
     r = ask(client, model_name, question, reasoning_effort="none")
     msg = r.choices[0].message
-    assert answer_number(msg.content) == expected, msg
     assert not (msg.model_extra or {}).get("reasoning_content")
     assert not (msg.model_extra or {}).get("reasoning")
+    assert answer_number(msg.content) == expected, msg
 
 
+@quality
 def test_streaming_matches_non_streaming(client, model_name):
     question, expected = arithmetic(402, "+", 311)
     full = ask(client, model_name, question)
@@ -65,17 +71,18 @@ def test_streaming_matches_non_streaming(client, model_name):
             finish = chunk.choices[0].finish_reason
     assert roles == ["assistant"]
     assert finish == "stop"
-    assert answer_number(content) == expected
     assert content == full.choices[0].message.content
     assert reasoning == full.choices[0].message.model_extra["reasoning_content"]
     assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    assert answer_number(content) == expected
 
 
+@quality
 def test_repeated_prefix_reports_cached_tokens(client, model_name):
     # A long shared system prompt with different questions. The engine keeps sparse KDA state
     # checkpoints: the second request leaves one at the branch point, the third restores it.
     system = "You are k3-mini, a small and precise assistant. " * 20
-    usages = []
+    usages, answers = [], []
     for a in (11, 12, 13):
         question, expected = arithmetic(a, "+", 5)
         r = client.chat.completions.create(
@@ -85,24 +92,26 @@ def test_repeated_prefix_reports_cached_tokens(client, model_name):
             max_tokens=300,
             reasoning_effort="none",
         )
-        assert answer_number(r.choices[0].message.content) == expected
+        answers.append((answer_number(r.choices[0].message.content), expected))
         usages.append(r.usage)
     assert usages[0].prompt_tokens_details.cached_tokens == 0
     cached = usages[2].prompt_tokens_details.cached_tokens
     assert cached >= usages[2].prompt_tokens // 2, usages
+    assert all(got == want for got, want in answers), answers
 
 
+@quality
 def test_n_choices(client, model_name):
     question, expected = arithmetic(44, "+", 33)
     r = ask(client, model_name, question, n=3, reasoning_effort="none")
     assert [c.index for c in r.choices] == [0, 1, 2]
-    for c in r.choices:
-        assert answer_number(c.message.content) == expected
-    # Sampled choices with a seed are reproducible.
+    # Greedy choices agree; sampled choices with a seed are reproducible.
+    assert len({c.message.content for c in r.choices}) == 1
     kw = dict(n=2, temperature=0.8, seed=1234, reasoning_effort="none")
     a = ask(client, model_name, question, **kw)
     b = ask(client, model_name, question, **kw)
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert answer_number(r.choices[0].message.content) == expected
 
 
 def test_stop_strings(client, model_name):
@@ -134,6 +143,7 @@ def test_logprobs(client, model_name):
     assert r.choices[0].message.content in text
 
 
+@quality
 def test_content_parts_and_system_message(client, model_name):
     question, expected = arithmetic(20, "+", 22)
     r = client.chat.completions.create(

@@ -6,10 +6,12 @@ import asyncio
 import time
 
 import httpx
+import pytest
 
 from helpers import answer_number
 
 
+@pytest.mark.model_quality
 def test_32_concurrent_streaming_clients(base_url, model_name):
     import openai
 
@@ -43,7 +45,8 @@ def test_32_concurrent_streaming_clients(base_url, model_name):
     assert len(results) == 32
     for expected, text, finish in results:
         assert finish == "stop", text
-        assert answer_number(text) == expected, text
+    wrong = [(expected, text) for expected, text, _ in results if answer_number(text) != expected]
+    assert not wrong, wrong
 
 
 def _running_and_request_bytes(server) -> tuple[float, float]:
@@ -69,14 +72,22 @@ def test_disconnect_frees_memory(server, model_name):
     with httpx.Client(base_url=server.base_url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
+            # Keep the iterator: dropping it early would already close the connection.
+            lines = r.iter_lines()
             chunks = 0
-            for line in r.iter_lines():
+            for line in lines:
                 if line.startswith("data: "):
                     chunks += 1
-                if chunks >= 5:
+                if chunks >= 20:
                     break
-            running, held = _running_and_request_bytes(server)
-            assert running >= 1 and held > baseline
+            # The metrics snapshot follows engine steps: poll briefly while the stream runs.
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                running, held = _running_and_request_bytes(server)
+                if running >= 1 and held > baseline:
+                    break
+                time.sleep(0.05)
+            assert running >= 1 and held > baseline, (running, held, baseline)
         # Leaving the block closes the connection mid-stream.
 
     deadline = time.monotonic() + 30

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from helpers import TOOLS, TOOLS_BY_NAME, validates
 
 
+@pytest.mark.model_quality
 def test_tool_round_trip(client, model_name):
     messages = [{"role": "user", "content": "What is the weather in Paris in celsius?"}]
     r = client.chat.completions.create(
@@ -22,7 +25,7 @@ def test_tool_round_trip(client, model_name):
     assert call.function.name == "get_weather"
     args = json.loads(call.function.arguments)
     assert validates(args, TOOLS_BY_NAME["get_weather"]["function"]["parameters"]), args
-    assert args == {"city": "Paris", "unit": "celsius"}
+    assert args == {"city": "Paris", "unit": "celsius"}, args
 
     messages.append(choice.message.model_dump(exclude_none=True))
     messages.append(
@@ -41,6 +44,7 @@ def test_tool_round_trip(client, model_name):
     assert "21" in answer.message.content and "sunny" in answer.message.content, answer.message
 
 
+@pytest.mark.model_quality
 def test_streamed_tool_call(client, model_name):
     stream = client.chat.completions.create(
         model=model_name,
@@ -71,9 +75,12 @@ def test_streamed_tool_call(client, model_name):
     assert finish == "tool_calls"
     assert list(calls) == [0]
     assert calls[0]["id"] and calls[0]["name"] == "get_stock_price"
-    assert json.loads(calls[0]["arguments"]) == {"symbol": "NOVA"}
+    args = json.loads(calls[0]["arguments"])
+    assert validates(args, TOOLS_BY_NAME["get_stock_price"]["function"]["parameters"]), args
+    assert args == {"symbol": "NOVA"}
 
 
+@pytest.mark.model_quality
 def test_no_tool_needed_and_tool_choice_none(client, model_name):
     r = client.chat.completions.create(
         model=model_name,

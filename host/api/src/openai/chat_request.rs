@@ -167,7 +167,9 @@ fn tool_choice(choice: Option<&Value>, tools: &[Value]) -> Result<ToolChoice, Ap
             if !declared {
                 return Err(ApiError::invalid(
                     "tool_choice.function.name",
-                    format!("tool_choice names \"{name}\", which is not among the declared tools"),
+                    format!(
+                        "'tool_choice.function.name' is \"{name}\", which is not among the declared tools"
+                    ),
                 ));
             }
             Err(ApiError::not_supported(
