@@ -55,7 +55,8 @@ pub fn build_router(state: AppState) -> Router {
 }
 
 /// Serve until `shutdown` resolves; then stop accepting, let running requests finish for up to
-/// `grace`, drop whatever still runs (which aborts it in the engine), and shut the backend down.
+/// `grace`, and shut the backend down, which ends whatever still runs (those streams get an
+/// error event).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,

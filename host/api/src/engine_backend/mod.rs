@@ -92,8 +92,6 @@ pub struct EngineBackendParts {
     /// Bytes of one KV page and one state block: to tell the prefix cache's share of the pool.
     pub kv_page_bytes: usize,
     pub state_block_bytes: usize,
-    /// How long running requests may continue at shutdown.
-    pub shutdown_grace: Duration,
 }
 
 pub struct EngineBackend {
@@ -528,11 +526,12 @@ impl ChatBackend for EngineBackend {
         })
     }
 
+    /// The HTTP layer has already given running requests their grace period: end the rest now
+    /// (their streams get a clear "shut down" error).
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let engine = self.parts.engine.clone();
-            let grace = self.parts.shutdown_grace;
-            let _ = tokio::task::spawn_blocking(move || engine.shutdown(grace)).await;
+            let _ = tokio::task::spawn_blocking(move || engine.shutdown(Duration::ZERO)).await;
         })
     }
 }

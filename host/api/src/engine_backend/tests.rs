@@ -70,7 +70,6 @@ fn backend() -> EngineBackend {
         defaults: SamplingDefaults::default(),
         kv_page_bytes: toy.page_tokens * toy.row_bytes,
         state_block_bytes: toy.state_bytes,
-        shutdown_grace: Duration::from_secs(1),
     })
 }
 

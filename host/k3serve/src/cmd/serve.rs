@@ -258,7 +258,6 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         defaults,
         kv_page_bytes: layout.kv_page_bytes,
         state_block_bytes: layout.state_block_bytes,
-        shutdown_grace: grace,
     });
     let state = AppState::new(
         Arc::new(backend),
