@@ -57,26 +57,25 @@ class Server:
         return out
 
 
-@pytest.fixture(scope="session")
-def server():
-    binary = Path(os.environ.get("K3SERVE_BIN", ROOT / "target" / "release" / "k3serve"))
-    if not binary.exists():
-        pytest.fail(f"{binary} does not exist: build it first (cargo build --release -p k3serve)")
-    model = os.environ.get("K3SERVE_MODEL", str(ROOT / "models" / "k3-mini"))
-    port = _free_port()
+def binary() -> Path:
+    path = Path(os.environ.get("K3SERVE_BIN", ROOT / "target" / "release" / "k3serve"))
+    if not path.exists():
+        pytest.fail(f"{path} does not exist: build it first (cargo build --release -p k3serve)")
+    return path
+
+
+def model_dir() -> str:
+    return os.environ.get("K3SERVE_MODEL", str(ROOT / "models" / "k3-mini"))
+
+
+def start_server(extra_args: list[str], port: int | None = None) -> Server:
+    """Start `k3serve serve` on 127.0.0.1 (a free port unless given) and wait for /health."""
+    port = port or _free_port()
     log_path = Path(tempfile.mkstemp(prefix="k3serve-e2e-", suffix=".log")[1])
-    log = open(log_path, "wb")
-    cmd = [
-        str(binary), "serve",
-        "--model", model,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--admin-token", ADMIN_TOKEN,
-        "--max-num-seqs", "40",
-        "--max-request-body-bytes", str(MAX_BODY_BYTES),
-        "--shutdown-timeout", "10",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    cmd = [str(binary()), "serve", "--model", model_dir(), "--host", "127.0.0.1",
+           "--port", str(port), *extra_args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     srv = Server(f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
@@ -84,23 +83,37 @@ def server():
             pytest.fail(f"k3serve exited with {proc.returncode} during start-up:\n{srv.log_tail()}")
         try:
             if httpx.get(f"{srv.base_url}/health", timeout=2).status_code == 200:
-                break
+                return srv
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"k3serve did not become healthy in {START_TIMEOUT_S} s:\n{srv.log_tail()}")
         time.sleep(0.25)
-    yield srv
-    proc.send_signal(signal.SIGTERM)
+
+
+def stop_server(srv: Server) -> None:
+    """SIGTERM, then check it stopped cleanly."""
+    srv.proc.send_signal(signal.SIGTERM)
     try:
-        code = proc.wait(timeout=60)
+        code = srv.proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        srv.proc.kill()
         pytest.fail(f"k3serve did not stop within 60 s of SIGTERM:\n{srv.log_tail()}")
-    log.close()
     assert code == 0, f"k3serve exited with {code}:\n{srv.log_tail()}"
     assert re.search(r"stopped", srv.log_tail()), srv.log_tail()
+
+
+@pytest.fixture(scope="session")
+def server():
+    srv = start_server([
+        "--admin-token", ADMIN_TOKEN,
+        "--max-num-seqs", "40",
+        "--max-request-body-bytes", str(MAX_BODY_BYTES),
+        "--shutdown-timeout", "10",
+    ])
+    yield srv
+    stop_server(srv)
 
 
 @pytest.fixture(scope="session")
