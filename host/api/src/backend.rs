@@ -117,8 +117,11 @@ pub enum GenEvent {
         index: u32,
         delta: String,
     },
+    /// The call ended; `complete: false` means the output stopped inside it (e.g. `max_tokens`):
+    /// its arguments are cut short, so non-streaming responses drop it.
     ToolCallEnd {
         index: u32,
+        complete: bool,
     },
     /// Log-probabilities of tokens sampled since the previous event.
     Logprobs(Vec<TokenLogprob>),

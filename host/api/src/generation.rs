@@ -79,7 +79,7 @@ pub fn keep_event(event: &GenEvent, parallel_tool_calls: bool) -> bool {
     match event {
         GenEvent::ToolCallStart { index, .. }
         | GenEvent::ToolCallArguments { index, .. }
-        | GenEvent::ToolCallEnd { index } => *index == 0,
+        | GenEvent::ToolCallEnd { index, .. } => *index == 0,
         _ => true,
     }
 }
@@ -168,6 +168,10 @@ impl ChoiceResult {
                     }
                 }
             }
+            GenEvent::ToolCallEnd {
+                index,
+                complete: false,
+            } => self.tool_calls.retain(|c| c.index != index),
             GenEvent::ToolCallEnd { .. } => {}
             GenEvent::Logprobs(lp) => self.logprobs.extend(lp),
             GenEvent::Finished(f) => self.finish = Some(f),

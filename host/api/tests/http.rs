@@ -201,6 +201,16 @@ fn shape(
             }
             other => {
                 used += 1;
+                if matches!(
+                    other,
+                    GenEvent::ToolCallEnd {
+                        complete: false,
+                        ..
+                    }
+                ) {
+                    // A call cut short: the fake ran out of tokens inside it.
+                    reason = FinishReason::Length;
+                }
                 out.push(other);
             }
         }
@@ -268,6 +278,7 @@ impl ChatBackend for FakeBackend {
                 (tool, request.tool_choice, last.contains("weather"))
             {
                 let calls = if last.contains("two") { 2 } else { 1 };
+                let cut = last.contains("cut");
                 for i in 0..calls {
                     script.push(GenEvent::ToolCallStart {
                         index: i,
@@ -278,11 +289,16 @@ impl ChatBackend for FakeBackend {
                         index: i,
                         delta: "{\"city\": ".into(),
                     });
-                    script.push(GenEvent::ToolCallArguments {
+                    if !cut {
+                        script.push(GenEvent::ToolCallArguments {
+                            index: i,
+                            delta: "\"Paris\"}".into(),
+                        });
+                    }
+                    script.push(GenEvent::ToolCallEnd {
                         index: i,
-                        delta: "\"Paris\"}".into(),
+                        complete: !cut,
                     });
-                    script.push(GenEvent::ToolCallEnd { index: i });
                 }
             } else {
                 script.push(GenEvent::Content(format!("echo: {last}")));
@@ -623,6 +639,23 @@ async fn tool_calls_non_streaming_and_streaming() {
     assert_eq!(calls.len(), 2);
     assert_eq!(calls[&1].0, "call_1");
     assert_eq!(calls[&1].2, "{\"city\": \"Paris\"}");
+
+    // A call cut short by max_tokens is not returned (its arguments are not valid JSON).
+    let mut cut = body.clone();
+    cut["messages"] = json!([user("weather, but cut")]);
+    let (_, resp) = h.post("/v1/chat/completions", cut.clone()).await;
+    assert!(
+        resp["choices"][0]["message"].get("tool_calls").is_none(),
+        "{resp}"
+    );
+    assert_eq!(resp["choices"][0]["finish_reason"], "length");
+    cut["stream"] = json!(true);
+    let chunks = h.stream("/v1/chat/completions", cut).await;
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .filter(|c| c["choices"][0]["finish_reason"].is_string())
+        .collect();
+    assert_eq!(finish[0]["choices"][0]["finish_reason"], "length");
 
     // tool_choice none: the model is told not to call tools and none are returned.
     let mut none = body.clone();

@@ -52,7 +52,8 @@ async fn handle(
             prompt_tokens,
             block: None,
             next_block: 0,
-            had_tool_use: false,
+            calls_started: 0,
+            calls_incomplete: 0,
         };
         return Ok(generation::stream_response(
             state,
@@ -140,7 +141,8 @@ struct MessageStream {
     /// The open content block and its index.
     block: Option<(BlockKind, usize)>,
     next_block: usize,
-    had_tool_use: bool,
+    calls_started: u32,
+    calls_incomplete: u32,
 }
 
 impl MessageStream {
@@ -208,7 +210,7 @@ impl StreamFormat for MessageStream {
                 out.push(Self::delta(i, json!({"type": "text_delta", "text": t})));
             }
             GenEvent::ToolCallStart { index, id, name } => {
-                self.had_tool_use = true;
+                self.calls_started += 1;
                 let start = json!({"type": "tool_use", "id": id, "name": name, "input": {}});
                 self.ensure_block(BlockKind::ToolUse(index), start, &mut out);
             }
@@ -222,11 +224,16 @@ impl StreamFormat for MessageStream {
                     ));
                 }
             }
-            GenEvent::ToolCallEnd { .. } => self.close_block(&mut out),
+            GenEvent::ToolCallEnd { complete, .. } => {
+                // A call cut short was already streamed; it just stops counting as a tool use.
+                self.calls_incomplete += u32::from(!complete);
+                self.close_block(&mut out)
+            }
             GenEvent::Logprobs(_) | GenEvent::Error(_) => {}
             GenEvent::Finished(info) => {
                 self.close_block(&mut out);
-                let (reason, sequence) = stop_reason(&info, self.had_tool_use);
+                let had_tool_use = self.calls_started > self.calls_incomplete;
+                let (reason, sequence) = stop_reason(&info, had_tool_use);
                 out.push(sse::event(
                     "message_delta",
                     &json!({"type": "message_delta",

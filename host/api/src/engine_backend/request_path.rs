@@ -242,7 +242,9 @@ fn push_tool_event(emit_tool_calls: bool, e: ParseEvent, out: &mut Vec<GenEvent>
         ParseEvent::ToolCallArguments { index, delta } => {
             out.push(GenEvent::ToolCallArguments { index, delta })
         }
-        ParseEvent::ToolCallEnd { index, .. } => out.push(GenEvent::ToolCallEnd { index }),
+        ParseEvent::ToolCallEnd { index, complete } => {
+            out.push(GenEvent::ToolCallEnd { index, complete })
+        }
     }
 }
 

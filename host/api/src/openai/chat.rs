@@ -140,7 +140,10 @@ pub fn response_body(
 
 #[derive(Debug, Default, Clone)]
 struct ChoiceStreamState {
+    /// A call was streamed and not reported cut short.
     had_tool_calls: bool,
+    started_calls: u32,
+    incomplete_calls: u32,
     pending_logprobs: Vec<TokenLogprob>,
     finish: Option<FinishInfo>,
 }
@@ -196,7 +199,9 @@ impl StreamFormat for ChatStream {
             GenEvent::Content(t) => json!({"content": t}),
             GenEvent::Reasoning(t) => json!({"reasoning_content": t, "reasoning": t}),
             GenEvent::ToolCallStart { index, id, name } => {
-                self.choices[choice].had_tool_calls = true;
+                let state = &mut self.choices[choice];
+                state.started_calls += 1;
+                state.had_tool_calls = true;
                 json!({"tool_calls": [{
                     "index": index, "id": id, "type": "function",
                     "function": {"name": name, "arguments": ""},
@@ -205,7 +210,16 @@ impl StreamFormat for ChatStream {
             GenEvent::ToolCallArguments { index, delta } => {
                 json!({"tool_calls": [{"index": index, "function": {"arguments": delta}}]})
             }
-            GenEvent::ToolCallEnd { .. } | GenEvent::Error(_) => return Vec::new(),
+            GenEvent::ToolCallEnd { complete, .. } => {
+                let state = &mut self.choices[choice];
+                if !complete {
+                    // Already streamed, cannot be taken back; it only stops counting as a call.
+                    state.incomplete_calls += 1;
+                    state.had_tool_calls = state.started_calls > state.incomplete_calls;
+                }
+                return Vec::new();
+            }
+            GenEvent::Error(_) => return Vec::new(),
             GenEvent::Logprobs(lp) => {
                 self.choices[choice].pending_logprobs.extend(lp);
                 return Vec::new();
