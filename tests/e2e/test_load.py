@@ -11,8 +11,9 @@ import pytest
 from helpers import answer_number
 
 
-@pytest.mark.model_quality
-def test_32_concurrent_streaming_clients(base_url, model_name):
+@pytest.fixture(scope="module")
+def concurrent_results(base_url, model_name):
+    """32 streaming clients at once, each asking its own sum."""
     import openai
 
     async def one(client, i):
@@ -24,13 +25,16 @@ def test_32_concurrent_streaming_clients(base_url, model_name):
             max_tokens=300,
             reasoning_effort="none",
             stream=True,
+            stream_options={"include_usage": True},
         )
-        text, finish = "", None
+        text, finish, ids, usage = "", None, set(), None
         async for chunk in stream:
+            ids.add(chunk.id)
+            usage = chunk.usage or usage
             if chunk.choices:
                 text += chunk.choices[0].delta.content or ""
                 finish = chunk.choices[0].finish_reason or finish
-        return a + b, text, finish
+        return {"expected": a + b, "text": text, "finish": finish, "ids": ids, "usage": usage}
 
     async def run():
         client = openai.AsyncOpenAI(
@@ -41,11 +45,25 @@ def test_32_concurrent_streaming_clients(base_url, model_name):
         finally:
             await client.close()
 
-    results = asyncio.run(run())
-    assert len(results) == 32
-    for expected, text, finish in results:
-        assert finish == "stop", text
-    wrong = [(expected, text) for expected, text, _ in results if answer_number(text) != expected]
+    return asyncio.run(run())
+
+
+def test_32_concurrent_streaming_clients(concurrent_results):
+    assert len(concurrent_results) == 32
+    ids = set()
+    for r in concurrent_results:
+        assert r["finish"] == "stop", r
+        assert len(r["ids"]) == 1, "one id per stream"
+        ids |= r["ids"]
+        assert r["usage"] is not None and r["usage"].completion_tokens > 0
+        assert answer_number(r["text"]) is not None, r["text"]
+    assert len(ids) == 32
+
+
+@pytest.mark.model_quality
+def test_32_concurrent_answers_are_right(concurrent_results):
+    wrong = [(r["expected"], r["text"]) for r in concurrent_results
+             if answer_number(r["text"]) != r["expected"]]
     assert not wrong, wrong
 
 
