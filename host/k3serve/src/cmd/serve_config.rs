@@ -29,10 +29,10 @@ pub struct Args {
     /// Device to run on; only `cpu` for now [default: cpu].
     #[arg(long)]
     pub device: Option<String>,
-    /// Require `Authorization: Bearer KEY` on /v1/* (also K3SERVE_API_KEY).
+    /// Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on /v1/*.
     #[arg(long, env = "K3SERVE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
-    /// Enable /admin/* behind `Authorization: Bearer TOKEN` (also K3SERVE_ADMIN_TOKEN).
+    /// Enable /admin/* behind `Authorization: Bearer TOKEN`.
     #[arg(long, env = "K3SERVE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// Context length: prompt + generated tokens [default: the model's max_position_embeddings].
@@ -62,7 +62,8 @@ pub struct Args {
     /// path to a component [default: kimi_k3].
     #[arg(long)]
     pub reasoning_parser: Option<String>,
-    /// Chat-template plugin component (path) [default: kimi_k3_template.wasm].
+    /// Chat-template plugin: a name (`kimi_k3`: `<name>_template.wasm`) or a path to a component
+    /// [default: kimi_k3].
     #[arg(long)]
     pub chat_template_plugin: Option<String>,
     /// A Jinja chat template file to use instead of the model's own.
