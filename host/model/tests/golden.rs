@@ -577,3 +577,105 @@ fn op_attnres_router_situ_mxfp4() -> Result<()> {
     }
     Ok(())
 }
+
+/// The trained behaviour through the Rust engine: held-out tool-use requests (rendered by
+/// reference/ into the K3 format) make k3-mini emit the reference's exact continuation, which must be
+/// a well-formed tools block calling the expected declared tools with arguments of the declared types.
+#[test]
+fn held_out_tool_use_request_calls_the_expected_tools() -> Result<()> {
+    let path = root().join("host/model/tests/fixtures/tool_use_heldout.json");
+    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+    let tok = k3_frontend::Tokenizer::from_dir(&root().join("models/k3-mini"))?;
+    let mut sess = Session::new(ModelExecutor::with_capacity(load_model()?, 16, 1, 4096, 0)?)?;
+    for (i, case) in fixture
+        .as_array()
+        .context("fixture is a list")?
+        .iter()
+        .enumerate()
+    {
+        let ids: Vec<u32> = serde_json::from_value(case["prompt_ids"].clone())?;
+        ensure!(
+            tok.encode(case["prompt"].as_str().unwrap_or(""))? == ids,
+            "case {i}: tokenizer drift"
+        );
+        let want: Vec<u32> = serde_json::from_value(case["reference_continuation_ids"].clone())?;
+        sess.reset()?;
+        let got = sess.generate_greedy(&ids, want.len())?;
+        ensure!(
+            got == want,
+            "case {i}: continuation differs\n got  {got:?}\n want {want:?}"
+        );
+        let text = tok.decode(&got)?;
+        let calls =
+            tool_calls(&text).with_context(|| format!("case {i}: no tools block in {text:?}"))?;
+        let expected: Vec<&str> = case["expected_tools"]
+            .as_array()
+            .context("expected_tools")?
+            .iter()
+            .filter_map(|v| v.as_str())
+            .collect();
+        let mut names: Vec<&str> = calls.iter().map(|(n, _)| n.as_str()).collect();
+        let mut exp_sorted = expected.clone();
+        names.sort_unstable();
+        exp_sorted.sort_unstable();
+        ensure!(
+            names == exp_sorted,
+            "case {i}: called {names:?}, expected {expected:?}"
+        );
+        for (name, args) in &calls {
+            let tool = case["tools"]
+                .as_array()
+                .and_then(|ts| ts.iter().find(|t| t["function"]["name"] == name.as_str()))
+                .with_context(|| format!("case {i}: {name} is not declared"))?;
+            let props = &tool["function"]["parameters"]["properties"];
+            for (key, ty) in args {
+                let declared = &props[key.as_str()]["type"];
+                let ok = match declared {
+                    serde_json::Value::String(s) => s == ty || (s == "integer" && ty == "number"),
+                    serde_json::Value::Array(a) => a.iter().any(|s| s == ty.as_str()),
+                    _ => false,
+                };
+                ensure!(
+                    ok,
+                    "case {i}: {name}.{key} has type {ty}, declared {declared}"
+                );
+            }
+            for req in tool["function"]["parameters"]["required"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                let req = req.as_str().unwrap_or_default();
+                ensure!(
+                    args.iter().any(|(k, _)| k == req),
+                    "case {i}: {name} misses required {req}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `(tool name, [(argument key, declared type)])` per call of the first complete tools block.
+fn tool_calls(text: &str) -> Option<Vec<(String, Vec<(String, String)>)>> {
+    let body = text
+        .split("<|open|>tools<|sep|>")
+        .nth(1)?
+        .split("<|close|>tools<|sep|>")
+        .next()?;
+    let attr = |s: &str, key: &str| -> Option<String> {
+        let rest = s.split(&format!("{key}=\"")).nth(1)?;
+        Some(rest.split('"').next()?.to_string())
+    };
+    let mut calls = Vec::new();
+    for call in body.split("<|open|>call ").skip(1) {
+        let name = attr(call.split("<|sep|>").next()?, "tool")?;
+        let mut args = Vec::new();
+        for arg in call.split("<|open|>argument ").skip(1) {
+            let head = arg.split("<|sep|>").next()?;
+            args.push((attr(head, "key")?, attr(head, "type")?));
+        }
+        calls.push((name, args));
+    }
+    (!calls.is_empty()).then_some(calls)
+}
