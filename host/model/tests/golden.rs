@@ -585,7 +585,7 @@ fn op_attnres_router_situ_mxfp4() -> Result<()> {
 fn held_out_tool_use_request_calls_the_expected_tools() -> Result<()> {
     let path = root().join("host/model/tests/fixtures/tool_use_heldout.json");
     let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
-    let tok = k3_frontend::Tokenizer::from_dir(&root().join("models/k3-mini"))?;
+    let tok = k3_frontend::Tokenizer::from_dir(root().join("models/k3-mini"))?;
     let mut sess = Session::new(ModelExecutor::with_capacity(load_model()?, 16, 1, 4096, 0)?)?;
     for (i, case) in fixture
         .as_array()
@@ -656,8 +656,11 @@ fn held_out_tool_use_request_calls_the_expected_tools() -> Result<()> {
     Ok(())
 }
 
-/// `(tool name, [(argument key, declared type)])` per call of the first complete tools block.
-fn tool_calls(text: &str) -> Option<Vec<(String, Vec<(String, String)>)>> {
+/// One parsed call: tool name and `(argument key, declared type)` pairs.
+type ParsedCall = (String, Vec<(String, String)>);
+
+/// The calls of the first complete tools block.
+fn tool_calls(text: &str) -> Option<Vec<ParsedCall>> {
     let body = text
         .split("<|open|>tools<|sep|>")
         .nth(1)?
