@@ -163,3 +163,58 @@ def test_models_and_health(client, http, model_name):
     models = client.models.list()
     assert [m.id for m in models.data] == [model_name]
     assert http.get("/health").json()["status"] == "ok"
+
+
+ORDER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "item": {"type": "string"},
+        "quantity": {"type": "integer"},
+        "unit_price": {"type": "number"},
+    },
+    "required": ["item", "quantity", "unit_price"],
+}
+
+
+ORDER_QUESTION = "Return JSON for an order of 3 of the item lamp at 12 dollars each."
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "answer", "schema": ORDER_SCHEMA}},
+    ],
+)
+def test_response_format_reaches_the_template(client, model_name, response_format):
+    def ask_json(**kw):
+        return client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": ORDER_QUESTION}],
+            reasoning_effort="none",
+            temperature=0,
+            max_tokens=200,
+            **kw,
+        )
+
+    plain = ask_json()
+    formatted = ask_json(response_format=response_format)
+    # The template adds a response-format system message (with the schema for json_schema).
+    assert formatted.usage.prompt_tokens > plain.usage.prompt_tokens
+    assert formatted.choices[0].finish_reason == "stop"
+    assert formatted.choices[0].message.content.lstrip().startswith("{")
+
+
+@quality
+def test_json_answer_is_right(client, model_name):
+    import json
+
+    r = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": ORDER_QUESTION}],
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ORDER_SCHEMA}},
+        reasoning_effort="none",
+        temperature=0,
+        max_tokens=200,
+    )
+    assert json.loads(r.choices[0].message.content) == {"item": "lamp", "quantity": 3, "unit_price": 12}
