@@ -218,3 +218,22 @@ def test_json_answer_is_right(client, model_name):
         max_tokens=200,
     )
     assert json.loads(r.choices[0].message.content) == {"item": "lamp", "quantity": 3, "unit_price": 12}
+
+
+def test_n_choices_streaming_with_logprobs(client, model_name):
+    question, _ = arithmetic(8, "+", 9)
+    stream = ask(client, model_name, question, n=2, stream=True, reasoning_effort="none",
+                 logprobs=True, top_logprobs=1)
+    texts, finishes, logprob_counts = {}, {}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+            if c.logprobs and c.logprobs.content:
+                logprob_counts[c.index] = logprob_counts.get(c.index, 0) + len(c.logprobs.content)
+    assert finishes == {0: "stop", 1: "stop"}
+    assert texts[0] == texts[1]  # greedy
+    full = ask(client, model_name, question, reasoning_effort="none", logprobs=True)
+    assert texts[0] == full.choices[0].message.content
+    assert logprob_counts[0] == logprob_counts[1] == full.usage.completion_tokens
