@@ -194,15 +194,21 @@ pub async fn collect(
     let mut results = vec![ChoiceResult::default(); n];
     let mut events = merge(gens);
     let mut clock = RequestClock::new(start);
+    let mut gone = DisconnectGuard {
+        state: state.clone(),
+        armed: true,
+    };
     while let Some((i, event)) = events.next().await {
         if !keep_event(&event, parallel_tool_calls) {
             continue;
         }
         clock.on_event(state.metrics(), &event);
-        results[i]
-            .apply(event)
-            .map_err(|e| ApiError::from(e).styled(style))?;
+        if let Err(e) = results[i].apply(event) {
+            gone.armed = false;
+            return Err(ApiError::from(e).styled(style));
+        }
     }
+    gone.armed = false;
     clock.end(state.metrics());
     if results.iter().any(|r| r.finish.is_none()) {
         return Err(ApiError::from(BackendError::Internal(
@@ -211,6 +217,24 @@ pub async fn collect(
         .styled(style));
     }
     Ok(results)
+}
+
+/// Counts a client disconnect when a non-streaming request's future is dropped (hyper drops it
+/// when the connection closes) before the generations ended.
+struct DisconnectGuard {
+    state: AppState,
+    armed: bool,
+}
+
+impl Drop for DisconnectGuard {
+    fn drop(&mut self) {
+        if self.armed && !std::thread::panicking() {
+            self.state
+                .metrics()
+                .client_disconnects
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
 }
 
 /// Turns one request's events into wire chunks.

@@ -1201,3 +1201,20 @@ async fn requests_past_the_concurrency_limit_get_429() {
     }
     assert_eq!(status, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn a_non_streaming_client_that_goes_away_aborts_too() {
+    let h = harness();
+    let req = Request::post("/v1/chat/completions")
+        .body(Body::from(
+            json!({"model": "k3-mini", "messages": [user("slow and quiet")]}).to_string(),
+        ))
+        .unwrap();
+    // Hyper drops the handler's future when the connection closes; a timeout does the same here.
+    let gone = tokio::time::timeout(Duration::from_millis(50), h.app.clone().oneshot(req)).await;
+    assert!(gone.is_err(), "the slow request cannot have finished");
+    assert_eq!(h.fake.counters.live.load(Ordering::SeqCst), 0);
+    assert_eq!(h.fake.counters.cancelled.load(Ordering::SeqCst), 1);
+    let (_, text) = h.get("/metrics").await;
+    assert!(String::from_utf8_lossy(&text).contains("k3serve_client_disconnects_total 1"));
+}
