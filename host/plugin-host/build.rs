@@ -24,6 +24,7 @@ fn main() {
     if std::env::var_os("K3_SKIP_PLUGIN_BUILD").is_some() {
         return;
     }
+    ensure_wasm_target();
     for manifest in [plugins.join("Cargo.toml"), example.join("Cargo.toml")] {
         if !manifest.exists() {
             continue;
@@ -38,6 +39,25 @@ fn main() {
             );
         }
     }
+}
+
+/// A fresh machine has no `wasm32-wasip2` standard library: add it through rustup when rustup
+/// manages the toolchain, so `cargo run -p k3serve -- serve` works as the README says.
+fn ensure_wasm_target() {
+    let installed = Command::new("rustup")
+        .args(["target", "list", "--installed"])
+        .output();
+    let Ok(out) = installed else { return }; // no rustup: the build below reports what is missing
+    if String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .any(|l| l.trim() == "wasm32-wasip2")
+    {
+        return;
+    }
+    println!("cargo:warning=adding the wasm32-wasip2 target (rustup) to build the default plugins");
+    let _ = Command::new("rustup")
+        .args(["target", "add", "wasm32-wasip2"])
+        .status();
 }
 
 /// Watch sources only: the target directory lives inside `plugins/` and must not retrigger us.
