@@ -5,7 +5,11 @@ mod cmd;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "k3serve", version, about = "Inference server for the Kimi K3 model family")]
+#[command(
+    name = "k3serve",
+    version,
+    about = "Inference server for the Kimi K3 model family"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
