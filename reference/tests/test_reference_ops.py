@@ -45,6 +45,27 @@ def test_kda_fast_form_matches_f32():
     assert (s_r - s_f.double()).abs().max() / s_r.abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("t", [1, 64, 150])
+def test_kda_training_form_is_exact_f64_with_gradients(t):
+    q, k, v, g, beta, s0 = kda_inputs(1, t, 2, 16, 8, torch.float64, seed=40 + t)
+    a = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    o_f, s_f = kda_chunked_fast(*a, 16 ** -0.5, s0)
+    (o_f.pow(2).sum() + s_f.sum()).backward()
+    b = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    o_r, s_r, _ = kda_recurrent(*b, 16 ** -0.5, s0)
+    (o_r.pow(2).sum() + s_r.sum()).backward()
+    assert (o_f - o_r).abs().max() < 1e-10 and (s_f - s_r).abs().max() < 1e-10
+    assert max(float((x.grad - y.grad).abs().max()) for x, y in zip(a, b)) < 1e-9
+
+
+def test_kda_training_form_is_finite_at_the_gate_bound():
+    q, k, v, g, beta, _ = kda_inputs(2, 200, 2, 128, 128, torch.float32, seed=5)
+    g = torch.full_like(g, -4.999).requires_grad_(True)
+    o, s = kda_chunked_fast(q, k, v, g, beta, 128 ** -0.5)
+    (o.sum() + s.sum()).backward()
+    assert torch.isfinite(o).all() and torch.isfinite(g.grad).all()
+
+
 def test_mla_absorbed_equals_naive_f64():
     torch.manual_seed(0)
     mla = MLA(k3_mini()).double()
