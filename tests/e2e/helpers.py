@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+import sys
+from pathlib import Path
+
+# the JSON-schema check the training data uses (reference/k3ref/data/tools_catalog.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "reference"))
+from k3ref.data.tools_catalog import validate as validates  # noqa: E402,F401
 
 
 def tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
@@ -49,43 +54,6 @@ SET_TIMER = tool(
 )
 TOOLS = [GET_STOCK_PRICE, GET_WEATHER, SET_TIMER]
 TOOLS_BY_NAME = {t["function"]["name"]: t for t in TOOLS}
-
-
-def _is_type(value: Any, type_name: str) -> bool:
-    return {
-        "string": lambda v: isinstance(v, str),
-        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        "boolean": lambda v: isinstance(v, bool),
-        "null": lambda v: v is None,
-        "object": lambda v: isinstance(v, dict),
-        "array": lambda v: isinstance(v, list),
-    }.get(type_name, lambda v: False)(value)
-
-
-def validates(value: Any, schema: dict) -> bool:
-    """The JSON-schema subset the catalogue uses: type, enum, properties, required,
-    additionalProperties: false, items."""
-    types = schema.get("type")
-    if types is not None:
-        options = types if isinstance(types, list) else [types]
-        if not any(_is_type(value, t) for t in options):
-            return False
-    if "enum" in schema and value not in schema["enum"]:
-        return False
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        if any(k not in value for k in schema.get("required", [])):
-            return False
-        for k, v in value.items():
-            if k in props:
-                if not validates(v, props[k]):
-                    return False
-            elif schema.get("additionalProperties") is False:
-                return False
-    if isinstance(value, list) and "items" in schema:
-        return all(validates(v, schema["items"]) for v in value)
-    return True
 
 
 def answer_number(text: str | None) -> int | None:
