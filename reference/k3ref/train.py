@@ -72,9 +72,10 @@ def batches(stream, token_budget: int, pool: int = 256):
             i = j
 
 
-def balance_router_bias(model: K3ForCausalLM, speed: float) -> float:
-    """b_e -= speed if expert e is over the mean load, += if under. Returns the worst max/mean load ratio."""
-    worst = 0.0
+def balance_router_bias(model: K3ForCausalLM, speed: float) -> torch.Tensor:
+    """b_e -= speed if expert e is over the mean load, += if under. Returns the worst max/mean load ratio as a
+    tensor (read only when logging: a host sync per step would stall the launch-bound trainer)."""
+    worst = torch.zeros(())
     for layer in model.model.layers:
         moe = getattr(layer, "block_sparse_moe", None)
         if moe is None or moe.last_load is None:
@@ -82,7 +83,7 @@ def balance_router_bias(model: K3ForCausalLM, speed: float) -> float:
         load = moe.last_load.float()
         mean = load.mean()
         moe.gate.e_score_correction_bias -= speed * torch.sign(load - mean)
-        worst = max(worst, float(load.max() / mean.clamp_min(1)))
+        worst = torch.maximum(worst.to(load.device), load.max() / mean.clamp_min(1))
     return worst
 
 
@@ -170,7 +171,7 @@ def main():
             ema = lv if ema is None else 0.9 * ema + 0.1 * lv
             rec = {"step": step, "loss": round(lv, 4), "loss_ema": round(ema, 4), "lr": round(lr, 6),
                    "grad_norm": round(float(gn), 3), "tokens": tokens_seen, "elapsed_s": round(elapsed, 1),
-                   "tok_per_s": round(tokens_seen / max(elapsed, 1e-6)), "max_load_ratio": round(imbalance, 2),
+                   "tok_per_s": round(tokens_seen / max(elapsed, 1e-6)), "max_load_ratio": round(float(imbalance), 2),
                    "data_wait_s": round(data_wait, 1),
                    "batch": list(ids.shape),
                    "max_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else 0}
