@@ -31,6 +31,25 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // Block-wide sum; `scratch` holds one float per warp (>= 32 floats). Every thread gets the result.
 // Callers must not reuse `scratch` before a __syncthreads() that follows this call.
+// Arg-max order shared by the router's top-k and greedy sampling: larger value wins, ties go to the
+// lower index (the CPU backend's rule, so both pick the same expert / token).
+__device__ __forceinline__ bool argmax_better(float v, int i, float bv, int bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+// Warp-wide (value, index) arg-max in that order; every lane ends with the winner.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+#pragma unroll
+    for (int o = K3_WARP / 2; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(K3_FULL_MASK, bv, o);
+        const int oi = __shfl_xor_sync(K3_FULL_MASK, bi, o);
+        if (argmax_better(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+}
+
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
     const int lane = threadIdx.x & (K3_WARP - 1), warp = threadIdx.x / K3_WARP;
     const int nwarps = (blockDim.x + K3_WARP - 1) / K3_WARP;

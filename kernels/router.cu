@@ -30,20 +30,12 @@ extern "C" __global__ void router_topk_f32(const float* __restrict__ logits, con
         int bi = 0x7fffffff;
         for (int e = threadIdx.x; e < experts; e += blockDim.x) {
             const float v = sel[e];
-            if (v > bv || (v == bv && e < bi)) {
+            if (argmax_better(v, e, bv, bi)) {
                 bv = v;
                 bi = e;
             }
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(K3_FULL_MASK, bv, o);
-            const int oi = __shfl_xor_sync(K3_FULL_MASK, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) {
-                bv = ov;
-                bi = oi;
-            }
-        }
+        warp_argmax(bv, bi);
         if (lane == 0) {
             best_v[warp] = bv;
             best_i[warp] = bi;
@@ -53,7 +45,7 @@ extern "C" __global__ void router_topk_f32(const float* __restrict__ logits, con
             float v = best_v[0];
             int i = best_i[0];
             for (int q = 1; q < nwarps; ++q)
-                if (best_v[q] > v || (best_v[q] == v && best_i[q] < i)) {
+                if (argmax_better(best_v[q], best_i[q], v, i)) {
                     v = best_v[q];
                     i = best_i[q];
                 }

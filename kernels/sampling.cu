@@ -14,20 +14,12 @@ extern "C" __global__ void argmax_rows_f32(const float* __restrict__ logits, int
     int bi = 0x7fffffff;
     for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
         const float v = x[c];
-        if (v > bv || (v == bv && c < bi)) {
+        if (argmax_better(v, c, bv, bi)) {
             bv = v;
             bi = c;
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(K3_FULL_MASK, bv, o);
-        const int oi = __shfl_xor_sync(K3_FULL_MASK, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
+    warp_argmax(bv, bi);
     const int lane = threadIdx.x & (K3_WARP - 1), warp = threadIdx.x / K3_WARP;
     if (lane == 0) {
         bv_s[warp] = bv;
@@ -36,7 +28,7 @@ extern "C" __global__ void argmax_rows_f32(const float* __restrict__ logits, int
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int q = 1; q < (int)(blockDim.x / K3_WARP); ++q)
-            if (bv_s[q] > bv_s[0] || (bv_s[q] == bv_s[0] && bi_s[q] < bi_s[0])) {
+            if (argmax_better(bv_s[q], bi_s[q], bv_s[0], bi_s[0])) {
                 bv_s[0] = bv_s[q];
                 bi_s[0] = bi_s[q];
             }
