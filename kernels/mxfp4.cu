@@ -146,6 +146,189 @@ mxfp4_expert_down_f32(const float* __restrict__ act, const u8* __restrict__ w2p,
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Faster expert kernels (same arguments and results as the two above; 16 rows per block). The
+// ones above give lane l the 16-byte MX block l (+32i) of a row, so its 32 activations sit 128 B
+// apart from the next lane's: every activation load touches 32 cache lines, and the per-nibble
+// decode costs ~13 integer ops. Here lane l takes the 4-byte words l + 32i (8 weights, all in MX
+// block word/4): the warp's activation loads are contiguous (two float4 per lane) and feed two
+// rows, the words of a row chunk are all requested before any is used (bytes in flight), and a
+// nibble decodes in 3-4 ops: sign|e1e0m placed at f32 bits 31|24..22 is the E2M1 value times
+// 2^-126 exactly (e = 0 lands on the subnormals, which is what makes 0 and 0.5 come out right),
+// so one FMUL by 2^126 restores it. That needs denormals kept: never compile this file with
+// -ftz=true or --use_fast_math (NVRTC's default keeps them).
+#define MX_WPL 16       // words per lane per row chunk (a 4096-wide row in one chunk)
+#define MX_FAST_ROWS 16 // rows per block: 2 per warp
+
+__device__ __forceinline__ void mx_decode_word(u32 w, float* out) {
+    const float k2_126 = __uint_as_float(0x7e800000u);  // 2^126
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+        const u32 mag = (4 * p <= 22 ? (w << (22 - 4 * p)) : (w >> (4 * p - 22))) & 0x01c00000u;
+        const u32 sgn = (w << (28 - 4 * p)) & 0x80000000u;
+        out[p] = __uint_as_float(mag | sgn) * k2_126;
+    }
+}
+
+// Dot of 8 decoded weights with the activations (a, b).
+__device__ __forceinline__ float mx_dot8x(const float* w, float4 a, float4 b) {
+    return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+}
+
+// Grid (E, ceil(inter / 16)), 256 threads: warp w computes rows r0 = blockIdx.y*16 + 2w and
+// r0 + 1 of W1 and W3 for every assignment of expert e (two rows share each activation load).
+extern "C" __global__ void __launch_bounds__(256)
+mxfp4_up_fast_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
+                  const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
+                  const int* __restrict__ sorted, float* __restrict__ act, int top_k, int latent, int inter,
+                  float beta, float beta_lin, int has_lin) {
+    const int e = blockIdx.x, lane = threadIdx.x & 31;
+    const int r0 = blockIdx.y * MX_FAST_ROWS + 2 * (threadIdx.x >> 5);
+    const int a0 = offsets[e], a1 = offsets[e + 1];
+    if (a0 == a1 || r0 >= inter) return;
+    const int nr = min(2, inter - r0);  // rows of this warp (1 at an odd tail)
+    const int nw = latent / 8, nb = latent / 32;
+    const u32* p1[2];
+    const u32* p3[2];
+    const u8* s1[2];
+    const u8* s3[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const i64 mrow = (i64)e * inter + r0 + min(q, nr - 1);
+        p1[q] = reinterpret_cast<const u32*>(w1p + mrow * (latent / 2));
+        p3[q] = reinterpret_cast<const u32*>(w3p + mrow * (latent / 2));
+        s1[q] = w1s + mrow * nb;
+        s3[q] = w3s + mrow * nb;
+    }
+    for (int t0 = a0; t0 < a1; t0 += MX_TOKENS) {
+        const int nt = min(MX_TOKENS, a1 - t0);
+        const float* xr[MX_TOKENS];
+        float acc1[2][MX_TOKENS], acc3[2][MX_TOKENS];
+#pragma unroll
+        for (int i = 0; i < MX_TOKENS; ++i) {
+            xr[i] = z + (i64)(sorted[t0 + min(i, nt - 1)] / top_k) * latent;
+            acc1[0][i] = acc1[1][i] = acc3[0][i] = acc3[1][i] = 0.0f;
+        }
+        for (int c0 = 0; c0 < nw; c0 += 32 * MX_WPL) {
+            u32 wa[2][MX_WPL], wb[2][MX_WPL];
+#pragma unroll
+            for (int j = 0; j < MX_WPL; ++j) {
+                const int wi = c0 + lane + 32 * j;
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    wa[q][j] = wi < nw ? p1[q][wi] : 0u;
+                    wb[q][j] = wi < nw ? p3[q][wi] : 0u;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < MX_WPL; ++j) {
+                const int wi = c0 + lane + 32 * j;
+                if (wi < nw) {
+                    float fa[2][8], fb[2][8], sa[2], sb[2];
+#pragma unroll
+                    for (int q = 0; q < 2; ++q) {
+                        sa[q] = e8m0_to_f32(s1[q][wi >> 2]);
+                        sb[q] = e8m0_to_f32(s3[q][wi >> 2]);
+                        mx_decode_word(wa[q][j], fa[q]);
+                        mx_decode_word(wb[q][j], fb[q]);
+                    }
+#pragma unroll
+                    for (int i = 0; i < MX_TOKENS; ++i) {
+                        if (i < nt) {
+                            const float4 xa = reinterpret_cast<const float4*>(xr[i] + wi * 8)[0];
+                            const float4 xb = reinterpret_cast<const float4*>(xr[i] + wi * 8)[1];
+#pragma unroll
+                            for (int q = 0; q < 2; ++q) {
+                                acc1[q][i] += mx_dot8x(fa[q], xa, xb) * sa[q];
+                                acc3[q][i] += mx_dot8x(fb[q], xa, xb) * sb[q];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+#pragma unroll
+            for (int i = 0; i < MX_TOKENS; ++i) {
+                const float g = warp_sum(acc1[q][i]), u = warp_sum(acc3[q][i]);
+                if (lane == 0 && i < nt && q < nr) {
+                    const float sa = beta * tanhf(g / beta) * k3_sigmoid(g);
+                    const float ub = has_lin ? beta_lin * tanhf(u / beta_lin) : u;
+                    act[(i64)sorted[t0 + i] * inter + r0 + q] = sa * ub;
+                }
+            }
+    }
+}
+
+// Grid (E, ceil(latent / 16)), 256 threads: y[a, r] = W2_e[r, :] . act[a, :], rows as above.
+extern "C" __global__ void __launch_bounds__(256)
+mxfp4_down_fast_f32(const float* __restrict__ act, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
+                    const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y,
+                    int latent, int inter) {
+    const int e = blockIdx.x, lane = threadIdx.x & 31;
+    const int r0 = blockIdx.y * MX_FAST_ROWS + 2 * (threadIdx.x >> 5);
+    const int a0 = offsets[e], a1 = offsets[e + 1];
+    if (a0 == a1 || r0 >= latent) return;
+    const int nr = min(2, latent - r0);
+    const int nw = inter / 8, nb = inter / 32;
+    const u32* p[2];
+    const u8* s[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const i64 mrow = (i64)e * latent + r0 + min(q, nr - 1);
+        p[q] = reinterpret_cast<const u32*>(w2p + mrow * (inter / 2));
+        s[q] = w2s + mrow * nb;
+    }
+    for (int t0 = a0; t0 < a1; t0 += MX_TOKENS) {
+        const int nt = min(MX_TOKENS, a1 - t0);
+        const float* xr[MX_TOKENS];
+        float acc[2][MX_TOKENS];
+#pragma unroll
+        for (int i = 0; i < MX_TOKENS; ++i) {
+            xr[i] = act + (i64)sorted[t0 + min(i, nt - 1)] * inter;
+            acc[0][i] = acc[1][i] = 0.0f;
+        }
+        for (int c0 = 0; c0 < nw; c0 += 32 * MX_WPL) {
+            u32 wv[2][MX_WPL];
+#pragma unroll
+            for (int j = 0; j < MX_WPL; ++j) {
+                const int wi = c0 + lane + 32 * j;
+#pragma unroll
+                for (int q = 0; q < 2; ++q) wv[q][j] = wi < nw ? p[q][wi] : 0u;
+            }
+#pragma unroll
+            for (int j = 0; j < MX_WPL; ++j) {
+                const int wi = c0 + lane + 32 * j;
+                if (wi < nw) {
+                    float f[2][8], sc[2];
+#pragma unroll
+                    for (int q = 0; q < 2; ++q) {
+                        sc[q] = e8m0_to_f32(s[q][wi >> 2]);
+                        mx_decode_word(wv[q][j], f[q]);
+                    }
+#pragma unroll
+                    for (int i = 0; i < MX_TOKENS; ++i) {
+                        if (i < nt) {
+                            const float4 xa = reinterpret_cast<const float4*>(xr[i] + wi * 8)[0];
+                            const float4 xb = reinterpret_cast<const float4*>(xr[i] + wi * 8)[1];
+#pragma unroll
+                            for (int q = 0; q < 2; ++q) acc[q][i] += mx_dot8x(f[q], xa, xb) * sc[q];
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+#pragma unroll
+            for (int i = 0; i < MX_TOKENS; ++i) {
+                const float v = warp_sum(acc[q][i]);
+                if (lane == 0 && i < nt && q < nr) y[(i64)sorted[t0 + i] * latent + r0 + q] = v;
+            }
+    }
+}
+
 // out [T, latent] = sum over slots j (in order) of w[t*k+j] * y[t*k+j, :].
 extern "C" __global__ void moe_combine_f32(const float* __restrict__ y, const float* __restrict__ w,
                                            float* __restrict__ out, int tokens, int top_k, int latent) {

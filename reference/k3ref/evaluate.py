@@ -21,13 +21,14 @@ MAX_NEW = {"arithmetic": 600, "tool_use": 400, "recall": 200, "kv_retrieval": 20
 
 
 def held_out_examples(per_kind: int):
-    """Deterministic held-out set: per kind, thinking on/off alternating, efforts cycling."""
+    """Deterministic held-out set of (example, thinking): per kind, thinking on for two of every three
+    examples, efforts cycling."""
     out = []
     for kind in TASK_KINDS:
         rng = random.Random(HELD_OUT_SEED + TASK_KINDS.index(kind))
         for i in range(per_kind):
             thinking = i % 3 != 2
-            out.append(sample_example(kind, rng, thinking=thinking, effort=EFFORTS[i % 4]))
+            out.append((sample_example(kind, rng, thinking=thinking, effort=EFFORTS[i % 4]), thinking))
     return out
 
 
@@ -37,7 +38,7 @@ def evaluate(model, tokenizer, per_kind: int, time_budget: float = 1e9, log=prin
     results = defaultdict(lambda: defaultdict(list))
     samples = []
     t0 = time.time()
-    for ex in held_out_examples(per_kind):
+    for ex, thinking in held_out_examples(per_kind):
         if time.time() - t0 > time_budget:
             log(f"eval time budget reached after {sum(len(v['_n']) for v in results.values())} examples")
             break
@@ -48,6 +49,8 @@ def evaluate(model, tokenizer, per_kind: int, time_budget: float = 1e9, log=prin
         results[ex.kind]["_n"].append(1)
         for k, v in metrics.items():
             results[ex.kind][k].append(bool(v))
+            # Split by mode too: answering multi-digit arithmetic without a trace is a different task.
+            results[ex.kind][f"{k} (thinking {'on' if thinking else 'off'})"].append(bool(v))
         if len(samples) < 24 and (len(results[ex.kind]["_n"]) <= 2 or not all(metrics.values())):
             samples.append({"kind": ex.kind, "ok": metrics, "generated": text[:400]})
     table = {kind: {k: round(sum(v) / len(v), 4) for k, v in m.items() if k != "_n"} | {"n": len(m["_n"])}

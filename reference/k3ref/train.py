@@ -26,8 +26,8 @@ from .model import _fla_chunk_kda, K3ForCausalLM
 class ConversationStream(IterableDataset):
     """Yields (ids, loss mask) for seeded random conversations; each worker has its own seed stream."""
 
-    def __init__(self, tokenizer_path: str, seed: int, max_len: int):
-        self.tokenizer_path, self.seed, self.max_len = tokenizer_path, seed, max_len
+    def __init__(self, tokenizer_path: str, seed: int, max_len: int, mix: dict[str, float] | None = None):
+        self.tokenizer_path, self.seed, self.max_len, self.mix = tokenizer_path, seed, max_len, mix
 
     def __iter__(self):
         from tokenizers import Tokenizer
@@ -39,7 +39,7 @@ class ConversationStream(IterableDataset):
         rng = random.Random(self.seed * 1000 + wid)
         tok = Tokenizer.from_file(self.tokenizer_path)
         while True:
-            ex = sample_training_conversation(rng)
+            ex = sample_training_conversation(rng, self.mix)
             ids, mask = [], []
             for text, train in train_segments(ex):
                 piece = tok.encode(text, add_special_tokens=False).ids
@@ -104,6 +104,8 @@ def main():
     ap.add_argument("--profile-steps", type=int, default=0, help="profile steps 3..N and write profile.txt")
     ap.add_argument("--moe", default="dense", choices=["dense", "sparse"])
     ap.add_argument("--bias-speed", type=float, default=1e-3)
+    ap.add_argument("--mix", default=None,
+                    help="task weights, e.g. arithmetic=0.4,tool_use=0.3 (kinds left out get 0; default: the corpus mix)")
     a = ap.parse_args()
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,7 +123,10 @@ def main():
         (no_decay if p.ndim < 2 or "norm" in n or n.endswith(("A_log", "dt_bias", ".proj.weight")) else decay).append(p)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev == "cuda")
-    stream = ConversationStream(a.tokenizer, a.seed, a.max_len)
+    mix = None
+    if a.mix:
+        mix = {k: float(v) for k, v in (kv.split("=") for kv in a.mix.split(","))}
+    stream = ConversationStream(a.tokenizer, a.seed, a.max_len, mix)
     loader = DataLoader(stream, batch_size=None, num_workers=a.workers, prefetch_factor=64 if a.workers else None,
                         persistent_workers=a.workers > 0)
     os.makedirs(a.out, exist_ok=True)

@@ -152,6 +152,44 @@ class Device:
             times.append(s.elapsed_time(e))
         return float(np.median(times))
 
+    def time_graph(self, fn, reps=20, inner=10) -> tuple[float, str]:
+        """Median ms per call of `fn` replayed from a CUDA graph of `inner` calls: no Python launch
+        overhead in the number (small decode kernels run in a few us, less than one cupy launch).
+        Falls back to time_ms. fn must not create cupy views (dlpack syncs break the capture)."""
+        def on_torch_stream():
+            with self.cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                fn()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    on_torch_stream()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(inner):
+                    on_torch_stream()
+            g.replay()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(reps):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                g.replay()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e) / inner)
+            return float(np.median(times)), "graph"
+        except Exception as e:  # noqa: BLE001
+            log(f"graph timing failed ({type(e).__name__}: {str(e)[:160]}); eager timing")
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001
+                pass
+            return self.time_ms(fn), "eager"
+
 
 LOG: list[str] = []
 
@@ -355,12 +393,14 @@ def check_kda_decode(d: Device, r: Results, gen):
     hk, reg = heads * 128, kda_region_floats(heads * 128, conv, heads)
     inp = kda_inputs(1, heads, conv, gen, seqs=n)
     # Scattered slots: seq i at slot order [2, 0, 3], checkpoint of seq 1 into slot 1.
+    # Slot 2 is only 4-byte aligned (the kernel's scalar path), the others 16-byte aligned (float4).
     slots = [2, 0, 3]
-    arena = torch.zeros(5 * reg + 7, dtype=torch.float64)
-    offs = [7 + s * reg for s in slots]
+    at = lambda s: 8 + s * (reg + 4) + (3 if s == 2 else 0)  # noqa: E731
+    arena = torch.zeros(5 * (reg + 4) + 16, dtype=torch.float64)
+    offs = [at(s) for s in slots]
     for i in range(n):
         pack_kda_region(arena, offs[i], inp["windows"][i], inp["S0"][i])
-    ck = [-1, 7 + 1 * reg, -1]
+    ck = [-1, at(1), -1]
     A = arena.float().to(d.tdev)
     F32 = lambda xs: torch.cat([x for x in xs]).float().contiguous().to(d.tdev)  # noqa: E731
     o = torch.empty(n, hk, device=d.tdev)
@@ -390,8 +430,18 @@ def check_kda_decode(d: Device, r: Results, gen):
     r.check("kda_decode windows (+checkpoint)", ew, 1e-6)
 
 
-def run_kda_prefill(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk, xv, f, b, convw, a_log, dt_bias):
+# Chunk kernels of the prefill (same arguments): name -> grid for `heads`.
+KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4)),
+                     "tc": ("kda_chunk_tc_f32", lambda h: (4, h)),
+                     "tc_fast": ("kda_chunk_tc_fast_f32", lambda h: (4, h))}
+# Tolerance of each against the float64 reference: 3xTF32 keeps f32 accuracy, 1xTF32 ~7e-4.
+KDA_CHUNK_TOL = {"f32": 1e-4, "tc": 1e-4, "tc_fast": 2e-3}
+
+
+def run_kda_prefill(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk, xv, f, b, convw, a_log, dt_bias,
+                    chunk="f32"):
     """Launch the three prefill kernels; returns (o, launch closure) with device tensors as given."""
+    chunk_name, chunk_grid = KDA_CHUNK_KERNELS[chunk]
     hk = heads * 128
     dev = lambda x: x.float().contiguous().to(d.tdev)  # noqa: E731
     qo, ko, vo = (torch.empty(t, hk, device=d.tdev) for _ in range(3))
@@ -410,14 +460,20 @@ def run_kda_prefill(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk,
                  d.view(cn), d.view(co), len(ck_n), t, hk, conv)
         d.launch("kda_prep_f32", cdiv(t * heads, 4), 128, d.view(qo), d.view(ko), d.view(fg), bv, d.view(beta), al, dtb,
                  t, heads, lb)
-        d.launch("kda_chunk_fwd_f32", (heads, 4), 128, d.view(qo), d.view(ko), d.view(vo), d.view(fg), d.view(beta),
+        chunk_only()
+
+    def chunk_only():  # the chunk kernel alone (inputs from a previous go())
+        d.launch(chunk_name, chunk_grid(heads), 128, d.view(qo), d.view(ko), d.view(vo), d.view(fg), d.view(beta),
                  d.view(A), off, d.view(cn), d.view(co), len(ck_n), d.view(o), t, heads, conv)
+    go.chunk_only = chunk_only
     return o, go
 
 
-def check_kda_prefill(d: Device, r: Results, gen):
+def check_kda_prefill(d: Device, r: Results, gen, chunk="f32"):
     heads, conv, lb = 2, 4, -5.0
     hk, reg = heads * 128, kda_region_floats(heads * 128, conv, heads)
+    tag = "kda_prefill" if chunk == "f32" else f"kda_prefill[{chunk}]"
+    tol = KDA_CHUNK_TOL[chunk]
     for t, emit in ((45, [1, 16, 30, 45]), (16, []), (3, [2])):
         inp = kda_inputs(t, heads, conv, gen)
         arena = torch.zeros((len(emit) + 1) * reg, dtype=torch.float64)
@@ -426,21 +482,27 @@ def check_kda_prefill(d: Device, r: Results, gen):
         ck_off = [j * reg for j in range(len(emit))]
         A = arena.float().to(d.tdev)
         o, go = run_kda_prefill(d, t, heads, conv, lb, A, off, emit, ck_off, inp["xq"][0], inp["xk"][0], inp["xv"][0],
-                                inp["f"][0], inp["b"][0], inp["convw"], inp["a_log"], inp["dt_bias"])
+                                inp["f"][0], inp["b"][0], inp["convw"], inp["a_log"], inp["dt_bias"], chunk)
         go()
         d.sync()
         ro, rS, rw, em = kda_reference(inp["xq"][0], inp["xk"][0], inp["xv"][0], inp["f"][0], inp["b"][0], inp["convw"],
                                        inp["a_log"], inp["dt_bias"], inp["windows"][0], inp["S0"][0], heads, lb, emit)
         A = A.double().cpu()
         gw, gS = unpack_kda_region(A, off, hk, conv, heads)
-        r.check(f"kda_prefill T={t} o", rel_err(o, ro), 1e-4)
-        r.check(f"kda_prefill T={t} state", rel_err(gS, rS), 1e-4)
-        r.check(f"kda_prefill T={t} windows", max(rel_err(a, b) for a, b in zip(gw, rw)), 1e-6)
+        r.check(f"{tag} T={t} o", rel_err(o, ro), tol)
+        r.check(f"{tag} T={t} state", rel_err(gS, rS), tol)
+        r.check(f"{tag} T={t} windows", max(rel_err(a, b) for a, b in zip(gw, rw)), 1e-6)
         for slot, n in zip(ck_off, emit):
             cw, cS = unpack_kda_region(A, slot, hk, conv, heads)
             eS, eW = em[n]
-            r.check(f"kda_prefill T={t} checkpoint n={n}", max(rel_err(cS, eS),
-                    max(rel_err(a, b) for a, b in zip(cw, eW))), 1e-4)
+            r.check(f"{tag} T={t} checkpoint n={n}", max(rel_err(cS, eS),
+                    max(rel_err(a, b) for a, b in zip(cw, eW))), tol)
+
+
+def check_kda_prefill_tc(d: Device, r: Results, gen):
+    """The tensor-core chunk kernels on the same cases (3xTF32: the f32 tolerances hold)."""
+    check_kda_prefill(d, r, gen, chunk="tc")
+    check_kda_prefill(d, r, gen, chunk="tc_fast")
 
 
 def mla_reference(q, rows, kv_b, heads, nope, rope, v_dim, kv_lora):
@@ -464,7 +526,9 @@ def check_mla(d: Device, r: Results, gen):
         npages = [cdiv(L, pt) for L in lens]
         total = sum(npages)
         perm = torch.randperm(total, generator=gen).tolist()  # pages scattered over the arena
-        layer_off = 3 * row  # this layer's rows start 3 rows into each page
+        # This layer's rows start 3 rows into each page; one float further for the first shape, so
+        # its rows are only 4-byte aligned (the tensor-core kernel's cp.async 4-byte path).
+        layer_off = 3 * row + (1 if kv_lora == 128 else 0)
         page_floats = pt * row + 5 * row
         arena = torch.zeros(total * page_floats, dtype=torch.float64)
         page_start, pt_base, rows_all, k = [], [], [], 0
@@ -498,21 +562,27 @@ def check_mla(d: Device, r: Results, gen):
         kvb = dev(kv_b)
         d.launch("mla_absorb_q_f32", (n, heads), 128, d.view(dev(q)), d.view(kvb), d.view(qt), n, heads, nope, rope,
                  v_dim, kv_lora)
-        splits = 3
-        chunk = cdiv(max(lens), splits)
-        part = torch.empty(n, heads, splits, kv_lora + 2, device=d.tdev)
-        d.launch("mla_attend_f32", (n, cdiv(heads, 4), splits), 128, d.view(qt), d.view(A), d.view(i64(page_start)),
-                 d.view(i32(pt_base)), d.view(i32(lens)), d.view(part), n, heads, kv_lora, rope, pt, splits, chunk,
-                 (nope + rope) ** -0.5)
-        o = torch.empty(n, heads * v_dim, device=d.tdev)
-        d.launch("mla_combine_f32", (n, heads), 128, d.view(part), d.view(kvb), d.view(o), n, heads, nope, v_dim,
-                 kv_lora, splits)
         d.sync()
         Ah = A.double().cpu()
         r.check(f"mla append (Lkv={kv_lora})", max(rel_err(Ah[x:x + row], rows_all[i][lens[i] - 1])
                                                    for i, x in enumerate(dst)), 1e-5)
         ref = torch.stack([mla_reference(q[i], rows_all[i], kv_b, heads, nope, rope, v_dim, kv_lora) for i in range(n)])
-        r.check(f"mla decode (H={heads}, Lkv={kv_lora}, splits={splits})", rel_err(o, ref), 1e-4)
+        # The CUDA-core attend, and the tensor-core one in 3xTF32 (~f32) and 1xTF32 modes (TF32 rounds
+        # to 11 significant bits: ~1e-3 expected here, 1e-2 allowed; the backend uses 3xTF32).
+        for kern, splits, tol, extra in (("mla_attend_f32", 3, 1e-4, ()), ("mla_attend_tc_f32", 3, 1e-4, (1,)),
+                                         ("mla_attend_tc_f32", 2, 1e-2, (0,))):
+            chunk = cdiv(max(lens), splits)
+            part = torch.empty(n, heads, splits, kv_lora + 2, device=d.tdev)
+            grid, block = ((n, cdiv(heads, 4), splits), 128) if not extra else ((cdiv(heads, 16), n, splits), 256)
+            d.launch(kern, grid, block, d.view(qt), d.view(A), d.view(i64(page_start)), d.view(i32(pt_base)),
+                     d.view(i32(lens)), d.view(part), n, heads, kv_lora, rope, pt, splits, chunk, (nope + rope) ** -0.5,
+                     *extra)
+            o = torch.empty(n, heads * v_dim, device=d.tdev)
+            d.launch("mla_combine_f32", (n, heads), 128, d.view(part), d.view(kvb), d.view(o), n, heads, nope, v_dim,
+                     kv_lora, splits)
+            d.sync()
+            mode = "" if not extra else (" tc precise" if extra[0] else " tc fast")
+            r.check(f"mla decode{mode} (H={heads}, Lkv={kv_lora}, splits={splits})", rel_err(o, ref), tol)
 
 
 def mx_experts(e, rows, cols, gen):
@@ -545,24 +615,28 @@ def check_moe(d: Device, r: Results, gen):
     sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
     d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx.int().reshape(-1))), na, e, d.view(offsets),
              d.view(sorted_))
-    act = torch.empty(na, ie, device=d.tdev)
-    y = torch.empty(na, lt, device=d.tdev)
     zf = dev(z.float())
-    d.launch("mxfp4_expert_up_f32", (e, cdiv(ie, 8)), 256, d.view(zf), d.view(dev(w1p)), d.view(dev(w1s)),
-             d.view(dev(w3p)), d.view(dev(w3s)), d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1)
-    d.launch("mxfp4_expert_down_f32", (e, cdiv(lt, 8)), 256, d.view(act), d.view(dev(w2p)), d.view(dev(w2s)),
-             d.view(offsets), d.view(sorted_), d.view(y), lt, ie)
-    res = torch.empty(t, lt, device=d.tdev)
-    d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))), d.view(res), t,
-             k, lt)
-    d.sync()
     ref = torch.zeros(t, lt, dtype=torch.float64)
     for tt in range(t):
         for j in range(k):
             ex = int(idx[tt, j])
             h = ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0)
             ref[tt] += wts[tt, j] * (w2[ex] @ h)
-    r.check("moe routed (sort+up+down+combine)", rel_err(res, ref), 1e-5)
+    # The old expert kernels (8 rows per block) and the word-per-lane ones (16 rows per block).
+    for up, down, rpb in (("mxfp4_expert_up_f32", "mxfp4_expert_down_f32", 8),
+                          ("mxfp4_up_fast_f32", "mxfp4_down_fast_f32", 16)):
+        act = torch.empty(na, ie, device=d.tdev)
+        y = torch.empty(na, lt, device=d.tdev)
+        d.launch(up, (e, cdiv(ie, rpb)), 256, d.view(zf), d.view(dev(w1p)), d.view(dev(w1s)), d.view(dev(w3p)),
+                 d.view(dev(w3s)), d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1)
+        d.launch(down, (e, cdiv(lt, rpb)), 256, d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets),
+                 d.view(sorted_), d.view(y), lt, ie)
+        res = torch.empty(t, lt, device=d.tdev)
+        wv = d.view(dev(wts.float().reshape(-1)))
+        d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), wv, d.view(res), t, k, lt)
+        d.sync()
+        tag = "" if up == "mxfp4_expert_up_f32" else " fast"
+        r.check(f"moe routed{tag} (sort+up+down+combine)", rel_err(res, ref), 1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -735,6 +809,8 @@ EMU = {
     "kda_conv_silu_f32": _emu_kda_conv,
     "kda_prep_f32": _emu_kda_prep,
     "kda_chunk_fwd_f32": _emu_kda_chunk,
+    "kda_chunk_tc_f32": _emu_kda_chunk,  # same contract; only the grid and the chunking differ
+    "kda_chunk_tc_fast_f32": _emu_kda_chunk,
     "mla_append_rows_f32": lambda kv_a, nw, arena, dst, t, lkv, rope, eps: [arena.__setitem__(
         slice(int(dst[i]), int(dst[i]) + int(lkv) + int(rope)), np.concatenate([ref_rms_norm(
             _t(kv_a).view(int(t), -1)[i, :int(lkv)].double(), _t(nw).double(), float(eps)).float().numpy(),
@@ -744,10 +820,13 @@ EMU = {
                      _t(kvb).view(int(heads), int(nope) + int(vd), int(lkv))[:, :int(nope)].double()),
         _t(q).view(int(items), int(heads), -1)[..., int(nope):].double()], -1).float().numpy().reshape(qt.shape)),
     "mla_attend_f32": _emu_mla_attend,
+    "mla_attend_tc_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # same math; `precise` only changes rounding
     "mla_combine_f32": _emu_mla_combine,
     "moe_sort_assignments": _emu_sort,
     "mxfp4_expert_up_f32": _emu_moe_up,
     "mxfp4_expert_down_f32": _emu_moe_down,
+    "mxfp4_up_fast_f32": _emu_moe_up,
+    "mxfp4_down_fast_f32": _emu_moe_down,
     "moe_combine_f32": lambda y, w, out, t, k, lt: out.__setitem__(slice(None), torch.einsum(
         "tk,tkl->tl", _t(w).view(int(t), int(k)), _t(y).view(int(t), int(k), int(lt))).numpy().reshape(out.shape)),
     "mxfp4_dequant_f32": lambda p, s, out, rows, cols: out.__setitem__(slice(None), rmx.dequantize(
@@ -756,6 +835,18 @@ EMU = {
 
 # ---------------------------------------------------------------------------------------------
 # Benchmarks (GPU only), K3 shapes.
+
+
+def mla_splits_tc(blocks, max_len, sms=132):
+    """geometry::mla_splits_tc: >= 2 blocks per SM, then the fullest last wave in [want, 2 want]."""
+    want = max(1, cdiv(2 * sms, blocks))
+    cap = max(1, min(256, cdiv(max_len, 128)))
+    fill = lambda s: blocks * s / (cdiv(blocks * s, sms) * sms)  # noqa: E731
+    best = min(want, cap)
+    for s in range(want, min(2 * want, cap) + 1):
+        if fill(s) > fill(best) + 1e-9:
+            best = s
+    return best
 
 
 def bench(d: Device, r: Results, quick: bool):
@@ -779,6 +870,7 @@ def bench(d: Device, r: Results, quick: bool):
 
     dev = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
     # KDA decode, N sequences in scattered slots.
+    fla_graph = True
     for N in ([1, 64] if quick else [1, 16, 64, 256]):
         A = torch.randn(N * reg, device="cuda") * 0.01
         offs = torch.randperm(N, device="cuda").to(torch.int64) * reg
@@ -788,18 +880,24 @@ def bench(d: Device, r: Results, quick: bool):
         o = torch.empty(N, hk, device="cuda")
         args = [d.view(t) for t in x + cw] + [d.view(dev(H)), d.view(dev(hk)), d.view(A), d.view(offs), d.view(ck),
                                               d.view(o), N, H, conv, lb]
-        ms = d.time_ms(lambda: d.launch("kda_decode_f32", (H, N), 512, *args))
+        ms, how = d.time_graph(lambda: d.launch("kda_decode_f32", (H, N), 512, *args))
         floor = N * H * 128 * 128 * 4 * 2 / (COPY_TBPS * 1e12) * 1e3
-        extra = {}
+        extra = {"timing": how}
         if fla:
             q, k, v = (torch.randn(N, 1, H, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             g = -torch.rand(N, 1, H, 128, device="cuda") * 5
             beta = torch.rand(N, 1, H, device="cuda", dtype=torch.bfloat16)
             h0 = torch.randn(N, H, 128, 128, device="cuda") * 0.01
             try:
-                with torch.inference_mode():
-                    extra["fla_ms"] = d.time_ms(lambda: fla[1](q, k, v, g, beta, initial_state=h0,
-                                                               output_final_state=True, use_qk_l2norm_in_kernel=True))
+                def fla_step():
+                    with torch.inference_mode():
+                        fla[1](q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+                if fla_graph:  # one failed capture is enough: time fla eagerly from then on
+                    extra["fla_ms"], extra["fla_timing"] = d.time_graph(fla_step)
+                    fla_graph = extra["fla_timing"] == "graph"
+                else:
+                    extra["fla_ms"], extra["fla_timing"] = d.time_ms(fla_step), "eager"
             except Exception as e:  # noqa: BLE001
                 extra["fla_error"] = repr(e)[:200]
         record(f"kda_decode N={N}", ms, floor, **extra)
@@ -808,11 +906,10 @@ def bench(d: Device, r: Results, quick: bool):
     # KDA prefill, one sequence of T tokens.
     for T in ([8192] if quick else [1024, 8192]):
         A = torch.randn(reg, device="cuda") * 0.01
+        A0 = A.clone()
         xs = [dev(T, hk) for _ in range(4)] + [dev(T, H)]
-        o, go = run_kda_prefill(d, T, H, conv, lb, A, 0, [], [], *xs, [dev(hk, conv) * 0.5 for _ in range(3)],
-                                dev(H), dev(hk))
-        ms = d.time_ms(go, reps=5, warmup=1)
-        extra = {"Mtok_s": T / ms / 1e3}
+        ws = [dev(hk, conv) * 0.5 for _ in range(3)], dev(H), dev(hk)
+        extra = {}
         if fla:
             q, k, v = (torch.randn(1, T, H, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             g = -torch.rand(1, T, H, 128, device="cuda") * 5
@@ -825,34 +922,72 @@ def bench(d: Device, r: Results, quick: bool):
                                                 reps=5, warmup=1)
             except Exception as e:  # noqa: BLE001
                 extra["fla_error"] = repr(e)[:200]
-        record(f"kda_prefill T={T} (conv+prep+chunk)", ms, None, **extra)
-        del A, xs
+        outs = {}
+        for chunk in KDA_CHUNK_KERNELS:
+            A.copy_(A0)
+            o, go = run_kda_prefill(d, T, H, conv, lb, A, 0, [], [], *xs, *ws, chunk=chunk)
+            go()
+            d.sync()
+            outs[chunk] = (o.clone(), A.clone())
+            ms = d.time_ms(go, reps=5, warmup=1)
+            chunk_ms = d.time_ms(go.chunk_only, reps=5, warmup=1)
+            tag, err = "", {}
+            if chunk != "f32":  # vs the f32 kernel at the K3 shape (96 heads, long T), same start state
+                tag = f"[{chunk}]"
+                err = {"o_err_vs_f32": rel_err(outs[chunk][0], outs["f32"][0]),
+                       "S_err_vs_f32": rel_err(outs[chunk][1], outs["f32"][1])}
+            record(f"kda_prefill{tag} T={T} (conv+prep+chunk)", ms, None, Mtok_s=T / ms / 1e3, chunk_ms=chunk_ms,
+                   **err, **extra)
+        for chunk in ("tc", "tc_fast"):
+            (o1, a1), (o2, a2) = outs["f32"], outs[chunk]
+            tol = KDA_CHUNK_TOL[chunk]
+            r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: o", rel_err(o2, o1), tol)
+            r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: state", rel_err(a2, a1), tol)
+        del A, A0, xs, outs
 
-    # MLA decode: N queries, L cached positions each, K3 heads and row.
+    # MLA decode: N queries, L cached positions each, K3 heads and row. The CUDA-core attend (old)
+    # and the tensor-core one (3xTF32 "precise" and 1xTF32 "fast"), each + combine.
     heads, nope, rope, v_dim, kv_lora, pt = 96, 128, 64, 128, 512, 64
     row = kv_lora + rope
-    for N, L in ([(16, 8192)] if quick else [(1, 8192), (16, 8192), (64, 4096)]):
+    mla_shapes = [(16, 8192), (1, 32768), (64, 32768)] if quick else \
+        [(1, 8192), (16, 8192), (64, 4096), (1, 32768), (16, 32768), (64, 32768)]
+    for N, L in mla_shapes:
         pages = cdiv(L, pt)
         A = torch.randn(N * pages * pt * row, device="cuda")
         ps = (torch.randperm(N * pages, device="cuda").to(torch.int64) * pt * row)
         qt = dev(N, heads, row)
         kvb = dev(heads * (nope + v_dim), kv_lora) * kv_lora ** -0.5
-        splits = max(1, min(64, 264 // (N * heads // 4)))
-        chunk = cdiv(L, splits)
-        part = torch.empty(N, heads, splits, kv_lora + 2, device="cuda")
         o = torch.empty(N, heads * v_dim, device="cuda")
         base = torch.arange(N, dtype=torch.int32, device="cuda") * pages
         lens = torch.full((N,), L, dtype=torch.int32, device="cuda")
-        args = [d.view(qt), d.view(A), d.view(ps), d.view(base), d.view(lens), d.view(part), N, heads, kv_lora, rope, pt,
-                splits, chunk, (nope + rope) ** -0.5]
+        floor = N * L * row * 4 / (COPY_TBPS / 2 * 1e12) * 1e3
+        hg = cdiv(heads, 16)
+        variants = [("tc precise", "mla_attend_tc_f32", (1,)), ("tc fast", "mla_attend_tc_f32", (0,))]
+        if N * L <= 16 * 8192:  # the old kernel takes ~50 ms at 64 x 32k
+            variants.insert(0, ("cuda-core", "mla_attend_f32", ()))
+        for label, kern, extra in variants:
+            if extra:
+                splits = mla_splits_tc(N * hg, L)
+                grid, block = (hg, N, splits), 256
+            else:
+                splits = max(1, min(64, 264 // (N * heads // 4)))
+                grid, block = (N, heads // 4, splits), 128
+            chunk = cdiv(L, splits)
+            part = torch.empty(N, heads, splits, kv_lora + 2, device="cuda")
+            args = [d.view(qt), d.view(A), d.view(ps), d.view(base), d.view(lens), d.view(part), N, heads, kv_lora,
+                    rope, pt, splits, chunk, (nope + rope) ** -0.5, *extra]
+            cargs = [d.view(part), d.view(kvb), d.view(o), N, heads, nope, v_dim, kv_lora, splits]
 
-        def go():
-            d.launch("mla_attend_f32", (N, heads // 4, splits), 128, *args)
-            d.launch("mla_combine_f32", (N, heads), 128, d.view(part), d.view(kvb), d.view(o), N, heads, nope, v_dim,
-                     kv_lora, splits)
-        ms = d.time_ms(go)
-        record(f"mla_decode N={N} L={L} (attend+combine, f32 rows)", ms, N * L * row * 4 / (COPY_TBPS / 2 * 1e12) * 1e3,
-               splits=splits)
+            def go(kern=kern, grid=grid, block=block, args=args, cargs=cargs):
+                d.launch(kern, grid, block, *args)
+                d.launch("mla_combine_f32", (N, heads), 128, *cargs)
+            try:
+                ms, how = d.time_graph(go, reps=10 if N * L > 16 * 8192 else 20)
+                record(f"mla_decode {label} N={N} L={L} (attend+combine, f32 rows)", ms, floor, splits=splits,
+                       timing=how)
+            except Exception as e:  # noqa: BLE001
+                log(f"bench mla_decode {label} N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
+            del part
         del A
 
     # AttnRes, 9 sources, d = 7168.
@@ -881,18 +1016,22 @@ def bench(d: Device, r: Results, quick: bool):
         act = torch.empty(T * k, ie, device="cuda")
         y = torch.empty(T * k, lt, device="cuda")
         res = torch.empty(T, lt, device="cuda")
-
-        def go():
-            d.launch("moe_sort_assignments", 1, 1024, d.view(idx.reshape(-1)), T * k, E, d.view(offsets), d.view(srt))
-            d.launch("mxfp4_expert_up_f32", (E, cdiv(ie, 8)), 256, d.view(z), d.view(w1p), d.view(w1s), d.view(w3p),
-                     d.view(w3s), d.view(offsets), d.view(srt), d.view(act), k, lt, ie, 4.0, 25.0, 1)
-            d.launch("mxfp4_expert_down_f32", (E, cdiv(lt, 8)), 256, d.view(act), d.view(w2p), d.view(w2s),
-                     d.view(offsets), d.view(srt), d.view(y), lt, ie)
-            d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, d.view(y), d.view(wts), d.view(res), T, k, lt)
-        ms = d.time_ms(go)
+        V = {name: d.view(x) for name, x in (("idx", idx.reshape(-1)), ("off", offsets), ("srt", srt), ("z", z),
+                                              ("w1p", w1p), ("w1s", w1s), ("w3p", w3p), ("w3s", w3s), ("w2p", w2p),
+                                              ("w2s", w2s), ("act", act), ("y", y), ("wts", wts), ("res", res))}
         wbytes = touched * (2 * ie * (lt // 2 + lt // 32) + lt * (ie // 2 + ie // 32))
-        record(f"moe_routed T={T} top{k} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS / 2 * 1e12) * 1e3,
-               experts_touched=touched)
+        for label, up, down, rpb in (("old", "mxfp4_expert_up_f32", "mxfp4_expert_down_f32", 8),
+                                     ("fast", "mxfp4_up_fast_f32", "mxfp4_down_fast_f32", 16)):
+            def go(up=up, down=down, rpb=rpb):
+                d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
+                d.launch(up, (E, cdiv(ie, rpb)), 256, V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"],
+                         V["srt"], V["act"], k, lt, ie, 4.0, 25.0, 1)
+                d.launch(down, (E, cdiv(lt, rpb)), 256, V["act"], V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt,
+                         ie)
+                d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
+            ms, how = d.time_graph(go)
+            record(f"moe_routed {label} T={T} top{k} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS / 2 * 1e12) * 1e3,
+                   experts_touched=touched, timing=how)
 
 
 def main():
@@ -911,8 +1050,8 @@ def main():
     if not args.dry_run:
         log(f"device: {torch.cuda.get_device_name()} torch {torch.__version__} cupy {d.cp.__version__}")
     t0 = time.time()
-    for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill, check_mla,
-               check_moe):
+    for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
+               check_kda_prefill_tc, check_mla, check_moe):
         try:
             fn(d, r, gen)
         except Exception as e:  # noqa: BLE001  a crash in one check must not hide the others

@@ -4,10 +4,11 @@ use crate::cache::{KernelCache, cache_key};
 use crate::error::{CudaError, Result};
 use crate::geometry::nvrtc_arch;
 use crate::sources::{FILES, expand};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// NVRTC options, identical to scripts/nvrtc-check (precise math: the checks compare with f64
 /// references at 1e-5; the kernels use fast intrinsics explicitly where they are safe).
@@ -27,6 +28,10 @@ pub struct CudaBackend {
     pub arch: String,
     pub multiprocessors: usize,
     pub(crate) functions: HashMap<&'static str, CudaFunction>,
+    /// cuBLAS on `stream` (dense matmuls), default math mode: plain f32, no TF32.
+    pub(crate) blas: CudaBlas,
+    /// First failure of an infallible `Backend` op; later ops are skipped until it is taken.
+    pub(crate) error: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -49,6 +54,11 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
+pub fn cublas_present() -> bool {
+    // SAFETY: as above, for libcublas.
+    unsafe { cudarc::cublas::sys::is_culib_present() }
+}
+
 impl CudaBackend {
     /// Device `ordinal`, kernels from the default cache directory. Errors (never panics) when the
     /// driver or NVRTC is missing, so callers can fall back to the CPU backend.
@@ -67,13 +77,22 @@ impl CudaBackend {
                 "libnvrtc.so could not be loaded; add its directory to LD_LIBRARY_PATH".into(),
             ));
         }
+        if !cublas_present() {
+            return Err(CudaError::NoCublas(
+                "libcublas.so could not be loaded; add its directory to LD_LIBRARY_PATH".into(),
+            ));
+        }
         let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: everything runs on the one stream below, so the per-buffer events that order
+        // work across streams are not needed (and cost two driver calls per allocation).
+        unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability()?;
         let arch = nvrtc_arch(major, minor);
         let sms = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )?;
         let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone())?;
         let version = nvrtc_version()?;
         let options: Vec<String> = NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect();
         let mut functions = HashMap::new();
@@ -99,6 +118,8 @@ impl CudaBackend {
             arch,
             multiprocessors: sms.max(1) as usize,
             functions,
+            blas,
+            error: Mutex::new(None),
         })
     }
 

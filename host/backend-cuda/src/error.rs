@@ -8,6 +8,11 @@ pub enum CudaError {
     /// libnvrtc could not be loaded (set LD_LIBRARY_PATH to a CUDA 13 toolkit or the nvidia-cuda-nvrtc wheel's lib/).
     #[error("no NVRTC library: {0}")]
     NoNvrtc(String),
+    /// libcublas could not be loaded (the nvidia-cublas wheel's lib/ or a CUDA 13 toolkit).
+    #[error("no cuBLAS library: {0}")]
+    NoCublas(String),
+    #[error("cuBLAS call failed: {0}")]
+    Cublas(#[from] cudarc::cublas::result::CublasError),
     #[error("CUDA driver call failed: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
     #[error("NVRTC failed on {file}: {message}\n{log}")]

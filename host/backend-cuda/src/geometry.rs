@@ -125,6 +125,38 @@ pub fn mla_attend(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
     Launch::new((items, g.heads.div_ceil(MLA_HEADS_PER_BLOCK), splits), 128)
 }
 
+/// The tensor-core attend (`mla_attend_tc_f32`) runs 16 heads per 256-thread block and fits one
+/// block per SM (~184 registers a thread).
+pub const MLA_TC_HEADS_PER_BLOCK: usize = 16;
+
+/// Position splits for the tensor-core attend: at least two blocks per SM, then the count in
+/// [want, 2 want] whose last wave is fullest (one resident block per SM: 288 blocks on 132 SMs
+/// run as 3 waves, 384 nearly as fast), splits of at least 128 positions.
+pub fn mla_splits_tc(items: usize, heads: usize, max_len: usize, sms: usize) -> (usize, usize) {
+    let blocks = items.max(1) * heads.div_ceil(MLA_TC_HEADS_PER_BLOCK);
+    let sms = sms.max(1);
+    let want = (2 * sms).div_ceil(blocks).max(1);
+    let cap = max_len.div_ceil(128).clamp(1, MLA_MAX_SPLITS);
+    let fill = |s: usize| (blocks * s) as f64 / ((blocks * s).div_ceil(sms) * sms) as f64;
+    let mut splits = want.min(cap);
+    for s in want..=(2 * want).min(cap) {
+        if fill(s) > fill(splits) + 1e-9 {
+            splits = s;
+        }
+    }
+    (splits, max_len.max(1).div_ceil(splits))
+}
+
+/// Grid (head groups, items, splits): the head groups of one (item, split) run side by side and
+/// share the KV tile through L2.
+pub fn mla_attend_tc(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
+    check_mla(g)?;
+    Launch::new(
+        (g.heads.div_ceil(MLA_TC_HEADS_PER_BLOCK), items, splits),
+        256,
+    )
+}
+
 /// Grid-stride elementwise kernels: enough 256-thread blocks for `n`, capped (each thread loops).
 pub fn elementwise(n: usize) -> Result<Launch> {
     Launch::new((n.div_ceil(256).clamp(1, 132 * 32), 1, 1), 256)
@@ -148,6 +180,12 @@ pub fn mx_expert(experts: usize, rows: usize, cols: usize) -> Result<Launch> {
         )));
     }
     Launch::new((experts, rows.div_ceil(8), 1), 256)
+}
+
+/// The word-per-lane MXFP4 expert kernels (`mxfp4_*_fast_f32`): 16 rows (2 per warp) per block.
+pub fn mx_expert_fast(experts: usize, rows: usize, cols: usize) -> Result<Launch> {
+    mx_expert(experts, rows, cols)?;
+    Launch::new((experts, rows.div_ceil(16), 1), 256)
 }
 
 /// Router kernel limits (shared arrays in kernels/router.cu).
@@ -253,6 +291,15 @@ mod tests {
         assert_eq!(mla_splits(64, 96, 8192, 132).0, 1);
         let l = mla_attend(&k3, 3, 5).unwrap();
         assert_eq!(l.grid, (3, 24, 5));
+        // Tensor-core attend: 6 head groups; one 32k sequence gets 44 splits, 64 fill the GPU.
+        let (s, c) = mla_splits_tc(1, 96, 32768, 132);
+        assert_eq!(s, 44);
+        assert!(s * c >= 32768 && (s - 1) * c < 32768);
+        assert_eq!(mla_splits_tc(64, 96, 32768, 132).0, 1);
+        assert_eq!(mla_splits_tc(16, 96, 8192, 132).0, 4, "384 blocks, not 288");
+        assert_eq!(mla_splits_tc(1, 96, 100, 132).0, 1);
+        let l = mla_attend_tc(&k3, 3, 5).unwrap();
+        assert_eq!((l.grid, l.block), ((6, 3, 5), 256));
     }
 
     #[test]
@@ -262,6 +309,8 @@ mod tests {
         assert!(per_row(0, 256).is_err());
         assert_eq!(warp_per_item(9).unwrap().grid.0, 3);
         assert!(mx_expert(8, 3072, 3584).is_ok() && mx_expert(8, 3072, 100).is_err());
+        assert_eq!(mx_expert_fast(8, 3072, 3584).unwrap().grid, (8, 192, 1));
+        assert!(mx_expert_fast(8, 3072, 100).is_err());
         assert!(
             router(4, 896, 16).is_ok() && router(4, 2048, 16).is_err() && router(4, 8, 9).is_err()
         );

@@ -3,10 +3,11 @@
 //! op of the K3 layer graph. Loads libcuda/libnvrtc at run time, so the crate builds and its
 //! tests run on machines without CUDA; [`CudaBackend::try_new`] then returns an error.
 //!
-//! Status: the kernels are compile-checked (scripts/nvrtc-check) and their host-side packing is
-//! exercised by `host/backend-cuda/harness/device_check.py --dry-run`; none of it has run on a
-//! GPU yet. `k3_model::backend::Backend` is not implemented yet (see docs/performance.md).
+//! Status: the kernels are verified on the H200 by `host/backend-cuda/harness/device_check.py`;
+//! [`CudaBackend`] implements `k3_model::backend::Backend` (backend_impl.rs), checked against
+//! the CPU backend by `tests/device.rs` on a GPU.
 
+pub mod backend_impl;
 pub mod cache;
 pub mod device;
 pub mod error;

@@ -19,6 +19,12 @@ macro_rules! launch {
     }};
 }
 
+/// Kernel choices with a fallback kept in kernels/*.cu (both are checked by the device harness):
+/// the tensor-core MLA attend (`mla_attend_tc_f32`) over the CUDA-core one, and the word-per-lane
+/// MXFP4 expert kernels over the block-per-lane ones. Flip to false if the device check fails.
+const MLA_TENSOR_CORES: bool = true;
+const MX_FAST_EXPERTS: bool = true;
+
 fn same_shape(a: &DeviceMat, b: &DeviceMat, what: &str) -> Result<()> {
     if (a.rows, a.cols) != (b.rows, b.cols) {
         return Err(CudaError::InvalidArg(format!(
@@ -50,6 +56,17 @@ pub fn float_offset(byte_offset: usize, len_floats: usize, arena_floats: usize) 
         )));
     }
     Ok(f as i64)
+}
+
+/// The tensor-core KDA chunk kernel picked by `K3_KDA_CHUNK` (read once per process): `tc` (3xTF32,
+/// f32 accuracy) or `tc_fast` (1xTF32, ~1e-3); anything else keeps the f32 CUDA-core kernel.
+fn kda_chunk_tc() -> Option<&'static str> {
+    static TC: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
+    *TC.get_or_init(|| match std::env::var("K3_KDA_CHUNK").as_deref() {
+        Ok("tc") => Some("kda_chunk_tc_f32"),
+        Ok("tc_fast") => Some("kda_chunk_tc_fast_f32"),
+        _ => None,
+    })
 }
 
 /// One sequence's slot for a batched KDA decode: working state offset and an optional checkpoint.
@@ -336,7 +353,16 @@ impl CudaBackend {
             &ck_n, &ck_off, &n_ck, &tt, &hk, &conv)?;
         launch!(self, "kda_prep_f32", lp;
             &q.buf, &k.buf, &gate.buf, &x.b.buf, &beta.buf, w.a_log, w.dt_bias, &tt, &h, &g.gate_lower_bound)?;
-        launch!(self, "kda_chunk_fwd_f32", lk;
+        // Chunk kernel: K3_KDA_CHUNK=tc | tc_fast selects a tensor-core one (kernels/kda_chunk_tc.cu,
+        // same arguments, grid (V/32, heads)) until the H200 numbers make it the default.
+        let (chunk_fn, lk) = match kda_chunk_tc() {
+            Some(name) => {
+                let grid = (geometry::KDA_HEAD_DIM / 32, g.heads, 1);
+                (name, Launch::new(grid, 128)?)
+            }
+            None => ("kda_chunk_fwd_f32", lk),
+        };
+        launch!(self, chunk_fn, lk;
             &q.buf, &k.buf, &v.buf, &gate.buf, &beta.buf, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &o.buf, &tt, &h, &conv)?;
         Ok(o)
     }
@@ -395,7 +421,11 @@ impl CudaBackend {
             }
         }
         let max_len = lens.iter().copied().max().unwrap_or(1);
-        let (splits, chunk) = geometry::mla_splits(items, g.heads, max_len, self.multiprocessors);
+        let (splits, chunk) = if MLA_TENSOR_CORES {
+            geometry::mla_splits_tc(items, g.heads, max_len, self.multiprocessors)
+        } else {
+            geometry::mla_splits(items, g.heads, max_len, self.multiprocessors)
+        };
         let lens32: Vec<i32> = lens
             .iter()
             .map(|&l| i32_of(l, "length"))
@@ -425,8 +455,15 @@ impl CudaBackend {
         let part = self.zeros(items * g.heads * splits, g.kv_lora + 2)?;
         let (pt, sp, ch) = (page_tokens as i32, splits as i32, chunk as i32);
         let scale = 1.0 / ((g.nope + g.rope) as f32).sqrt();
-        launch!(self, "mla_attend_f32", geometry::mla_attend(&g, items, splits)?;
-            &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch, &scale)?;
+        if MLA_TENSOR_CORES {
+            let precise = 1i32; // 3xTF32: f32-level accuracy (the device check's 1e-4)
+            launch!(self, "mla_attend_tc_f32", geometry::mla_attend_tc(&g, items, splits)?;
+                &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch, &scale,
+                &precise)?;
+        } else {
+            launch!(self, "mla_attend_f32", geometry::mla_attend(&g, items, splits)?;
+                &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch, &scale)?;
+        }
         let o = self.zeros(items, g.heads * g.v_dim)?;
         launch!(self, "mla_combine_f32", Launch::new((items, g.heads, 1), 128)?;
             &part.buf, kv_b, &o.buf, &it, &h, &nope, &vd, &lkv, &sp)?;
@@ -461,10 +498,22 @@ impl CudaBackend {
             situ.linear_beta.unwrap_or(1.0),
             i32::from(situ.linear_beta.is_some()),
         );
-        launch!(self, "mxfp4_expert_up_f32", geometry::mx_expert(ex.experts, ex.inter, ex.latent)?;
+        let (up, down) = if MX_FAST_EXPERTS {
+            ("mxfp4_up_fast_f32", "mxfp4_down_fast_f32")
+        } else {
+            ("mxfp4_expert_up_f32", "mxfp4_expert_down_f32")
+        };
+        let geom = |rows, cols| {
+            if MX_FAST_EXPERTS {
+                geometry::mx_expert_fast(ex.experts, rows, cols)
+            } else {
+                geometry::mx_expert(ex.experts, rows, cols)
+            }
+        };
+        launch!(self, up, geom(ex.inter, ex.latent)?;
             &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
             &situ.beta, &lin, &has)?;
-        launch!(self, "mxfp4_expert_down_f32", geometry::mx_expert(ex.experts, ex.latent, ex.inter)?;
+        launch!(self, down, geom(ex.latent, ex.inter)?;
             &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie)?;
         let out = self.zeros(t, ex.latent)?;
         let tt = t as i32;

@@ -40,6 +40,11 @@ pub const FILES: &[KernelFile] = &[
         entries: &["kda_conv_silu_f32", "kda_prep_f32", "kda_chunk_fwd_f32"],
     },
     KernelFile {
+        name: "kda_chunk_tc.cu",
+        text: include_str!("../../../kernels/kda_chunk_tc.cu"),
+        entries: &["kda_chunk_tc_f32", "kda_chunk_tc_fast_f32"],
+    },
+    KernelFile {
         name: "kda_decode.cu",
         text: include_str!("../../../kernels/kda_decode.cu"),
         entries: &["kda_decode_f32"],
@@ -51,6 +56,7 @@ pub const FILES: &[KernelFile] = &[
             "mla_append_rows_f32",
             "mla_absorb_q_f32",
             "mla_attend_f32",
+            "mla_attend_tc_f32",
             "mla_combine_f32",
         ],
     },
@@ -61,6 +67,8 @@ pub const FILES: &[KernelFile] = &[
             "moe_sort_assignments",
             "mxfp4_expert_up_f32",
             "mxfp4_expert_down_f32",
+            "mxfp4_up_fast_f32",
+            "mxfp4_down_fast_f32",
             "moe_combine_f32",
             "mxfp4_dequant_f32",
         ],

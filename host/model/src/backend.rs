@@ -205,4 +205,10 @@ pub trait Backend: Send + Sync + 'static {
         router: RouterParams,
         situ: SituParams,
     ) -> Self::Act;
+
+    /// The first failure of an infallible op since the last call (a device backend records it
+    /// instead of panicking); the executor turns it into `ExecError::Backend` after each step.
+    fn take_error(&self) -> Option<String> {
+        None
+    }
 }

@@ -146,10 +146,21 @@ impl<B: Backend> ModelExecutor<B> {
         };
         let logits =
             self.model
-                .forward_seq(&mut self.arena, &self.offsets, &ids, &cache, from, trace)?;
-        Ok(logits
-            .map(|l| self.model.backend.to_host(&l))
-            .unwrap_or_default())
+                .forward_seq(&mut self.arena, &self.offsets, &ids, &cache, from, trace);
+        let logits = logits.map(|l| {
+            l.map(|l| self.model.backend.to_host(&l))
+                .unwrap_or_default()
+        });
+        // A backend failure recorded during the pass wins over whatever the pass returned.
+        self.backend_error()?;
+        logits
+    }
+
+    fn backend_error(&self) -> Result<(), ExecError> {
+        match self.model.backend.take_error() {
+            Some(e) => Err(ExecError::Backend(e)),
+            None => Ok(()),
+        }
     }
 }
 
@@ -173,18 +184,20 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         self.model
             .backend
             .arena_copy(&mut self.arena, src, dst, len);
-        Ok(())
+        self.backend_error()
     }
 
     fn arena_zero(&mut self, offset: usize, len: usize) -> Result<(), ExecError> {
         self.check_range(offset, len)?;
         self.model.backend.arena_zero(&mut self.arena, offset, len);
-        Ok(())
+        self.backend_error()
     }
 
     fn arena_read(&self, offset: usize, len: usize) -> Result<Vec<u8>, ExecError> {
         self.check_range(offset, len)?;
-        Ok(self.model.backend.arena_read(&self.arena, offset, len))
+        let bytes = self.model.backend.arena_read(&self.arena, offset, len);
+        self.backend_error()?;
+        Ok(bytes)
     }
 
     /// Sequences run one after another, each with its own fixed reduction orders, so a

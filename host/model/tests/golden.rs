@@ -656,6 +656,59 @@ fn held_out_tool_use_request_calls_the_expected_tools() -> Result<()> {
     Ok(())
 }
 
+/// Issue 3's behaviour check: held-out arithmetic questions (thinking on) rendered in the K3 format.
+/// The Rust engine must reproduce the reference's greedy continuation, and the response must state the
+/// result, which this test computes from the operands itself.
+#[test]
+fn held_out_arithmetic_question_gets_the_right_answer() -> Result<()> {
+    let path = root().join("host/model/tests/fixtures/arithmetic_heldout.json");
+    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+    let cases = fixture.as_array().context("fixture is a list")?;
+    ensure!(
+        !cases.is_empty(),
+        "no arithmetic cases in {}",
+        path.display()
+    );
+    let tok = k3_frontend::Tokenizer::from_dir(root().join("models/k3-mini"))?;
+    let mut sess = Session::new(ModelExecutor::with_capacity(load_model()?, 16, 1, 4096, 0)?)?;
+    for (i, case) in cases.iter().enumerate() {
+        let ids: Vec<u32> = serde_json::from_value(case["prompt_ids"].clone())?;
+        ensure!(
+            tok.encode(case["prompt"].as_str().unwrap_or(""))? == ids,
+            "case {i}: tokenizer drift"
+        );
+        let (a, b) = (
+            case["a"].as_i64().context("a")?,
+            case["b"].as_i64().context("b")?,
+        );
+        let result = match case["op"].as_str().context("op")? {
+            "+" => a + b,
+            "-" => a - b,
+            "*" => a * b,
+            op => anyhow::bail!("case {i}: unknown operator {op}"),
+        };
+        let want: Vec<u32> = serde_json::from_value(case["reference_continuation_ids"].clone())?;
+        sess.reset()?;
+        let got = sess.generate_greedy(&ids, want.len())?;
+        ensure!(
+            got == want,
+            "case {i}: continuation differs\n got  {got:?}\n want {want:?}"
+        );
+        let text = tok.decode(&got)?;
+        let response = text
+            .split("<|open|>response<|sep|>")
+            .nth(1)
+            .and_then(|r| r.split("<|close|>response<|sep|>").next())
+            .with_context(|| format!("case {i}: no response in {text:?}"))?;
+        ensure!(
+            response.trim() == format!("The answer is {result}."),
+            "case {i}: {a} {} {b} = {result}, the model said {response:?}",
+            case["op"]
+        );
+    }
+    Ok(())
+}
+
 /// One parsed call: tool name and `(argument key, declared type)` pairs.
 type ParsedCall = (String, Vec<(String, String)>);
 

@@ -724,10 +724,11 @@ def sample_example(kind: str, rng: random.Random, *, thinking: bool, effort: str
     raise ValueError(f"unknown task kind {kind!r}; expected one of {TASK_KINDS}")
 
 
-def sample_training_conversation(rng: random.Random) -> Example:
-    """One training conversation: kinds mixed by TRAINING_WEIGHTS, thinking on 70% of the time,
-    efforts uniform; tool use is the whole round trip 85% of the time."""
-    kind = rng.choices(TASK_KINDS, weights=[TRAINING_WEIGHTS[k] for k in TASK_KINDS])[0]
+def sample_training_conversation(rng: random.Random, weights: dict[str, float] | None = None) -> Example:
+    """One training conversation: kinds mixed by `weights` (default TRAINING_WEIGHTS), thinking on 70% of the
+    time, efforts uniform; tool use is the whole round trip 85% of the time."""
+    weights = weights or TRAINING_WEIGHTS
+    kind = rng.choices(TASK_KINDS, weights=[weights.get(k, 0.0) for k in TASK_KINDS])[0]
     thinking = rng.random() < THINKING_RATE
     effort = rng.choice(EFFORTS)
     if kind == "tool_use":

@@ -2,7 +2,7 @@
 //! prefill tok/s of a long prompt, peak RSS. Prompts are synthetic token ids (seeded), since
 //! throughput does not depend on their content.
 
-use super::model_loading::{init_threads, load_cpu};
+use super::model_loading::{Device, init_threads, load_single};
 use k3_model::{Executor, LogitsWant, Session, argmax};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -23,6 +23,9 @@ pub struct Args {
     /// Worker threads (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// `cuda`, `cpu` or `auto` (CUDA when a GPU opens, else the CPU).
+    #[arg(long)]
+    pub device: Option<String>,
 }
 
 fn synthetic_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
@@ -85,10 +88,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     init_threads(a.threads)?;
     let max = a.prefill_tokens.max(64 + a.decode_tokens) + 1;
     let t = Instant::now();
-    let exec = load_cpu(&a.model, max)?;
+    let (exec, _, device) = load_single(&a.model, max, Device::parse(a.device.as_deref())?)?;
     eprintln!(
-        "loaded {} in {:.2}s",
+        "loaded {} on the {} in {:.2}s",
         a.model.display(),
+        device.name(),
         t.elapsed().as_secs_f64()
     );
     let vocab = exec.vocab_size();
@@ -129,6 +133,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     }
 
+    println!("device:            {}", device.name());
     println!("threads:           {}", rayon::current_num_threads());
     println!(
         "prefill tok/s:     {:.0}  ({}-token prompt, best of {}; {})",

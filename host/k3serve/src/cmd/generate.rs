@@ -1,6 +1,6 @@
 //! `k3serve generate`: one raw prompt (already in the model's chat format) → streamed text.
 
-use super::model_loading::{init_threads, load_cpu};
+use super::model_loading::{Device, init_threads, load_single};
 use anyhow::{Context, bail};
 use k3_frontend::{IncrementalDetokenizer, Tokenizer};
 use k3_model::{Executor, LogitsWant, Session};
@@ -41,10 +41,14 @@ pub struct Args {
     /// Worker threads (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// `cuda`, `cpu` or `auto` (CUDA when a GPU opens, else the CPU).
+    #[arg(long)]
+    pub device: Option<String>,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     init_threads(a.threads)?;
+    let device = Device::parse(a.device.as_deref())?;
     let tokenizer = Arc::new(Tokenizer::from_dir(&a.model).context("loading the tokenizer")?);
     let prompt = tokenizer
         .encode(&a.prompt)
@@ -64,9 +68,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ..Default::default()
     };
     params.validate().context("sampling flags")?;
-    let exec = load_cpu(&a.model, prompt.len() + a.max_tokens)?;
+    let (exec, config, _) = load_single(&a.model, prompt.len() + a.max_tokens, device)?;
     let vocab = exec.vocab_size();
-    let eos: Vec<u32> = std::iter::once(exec.model().config.eos_token_id)
+    let eos: Vec<u32> = std::iter::once(config.eos_token_id)
         .chain(tokenizer.eos_token_id())
         .collect();
     let mut session = Session::new(exec)?;

@@ -1,8 +1,11 @@
-//! Shared by the subcommands: thread pool setup and loading a model onto the CPU backend.
+//! Shared by the subcommands: thread pool setup, device selection (`--device cuda|cpu`) and
+//! loading a model onto the chosen backend as a type-erased executor.
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use k3_backend_cpu::CpuBackend;
-use k3_model::{Model, ModelExecutor};
+use k3_backend_cuda::CudaBackend;
+use k3_model::exec::{CacheLayout, ExecError, ForwardBatch, ForwardOutput};
+use k3_model::{Backend, Config, Executor, Model, ModelExecutor};
 use std::path::Path;
 
 /// Size rayon's global pool (0 = one thread per core).
@@ -16,9 +19,187 @@ pub fn init_threads(threads: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Load `dir` on the CPU with an arena for one sequence of up to `max_tokens`.
-pub fn load_cpu(dir: &Path, max_tokens: usize) -> anyhow::Result<ModelExecutor<CpuBackend>> {
-    let model = Model::load_dir(dir, CpuBackend::new())
-        .with_context(|| format!("loading model from {}", dir.display()))?;
-    Ok(ModelExecutor::with_capacity(model, 64, 1, max_tokens, 0)?)
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+impl Device {
+    /// Parse a `--device` value (`None`/`auto`: decided by [`Device::pick`] at load time).
+    pub fn parse(s: Option<&str>) -> anyhow::Result<Option<Device>> {
+        match s.map(str::to_ascii_lowercase).as_deref() {
+            None | Some("auto") => Ok(None),
+            Some("cpu") => Ok(Some(Device::Cpu)),
+            Some("cuda") | Some("gpu") => Ok(Some(Device::Cuda)),
+            Some(other) => bail!("--device {other} is not supported; use cuda, cpu or auto"),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "CPU",
+            Device::Cuda => "CUDA",
+        }
+    }
+}
+
+/// The backend for `wanted`: an explicit `cuda` must open GPU 0 (else a clear error); no choice
+/// means CUDA when a driver is present and a device opens, else the CPU (logged either way).
+pub fn open_backend(wanted: Option<Device>) -> anyhow::Result<Option<CudaBackend>> {
+    match wanted {
+        Some(Device::Cpu) => Ok(None),
+        Some(Device::Cuda) => CudaBackend::try_new(0)
+            .map(Some)
+            .context("--device cuda: no usable CUDA device (use --device cpu)"),
+        None => {
+            if !k3_backend_cuda::device::driver_present() {
+                tracing::info!("no CUDA driver found: running on the CPU");
+                eprintln!("device: cpu (no CUDA driver)");
+                return Ok(None);
+            }
+            match CudaBackend::try_new(0) {
+                Ok(b) => {
+                    tracing::info!(arch = %b.arch, "running on CUDA device 0");
+                    eprintln!("device: cuda (GPU 0, {})", b.arch);
+                    Ok(Some(b))
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "CUDA device unusable: running on the CPU");
+                    eprintln!("device: cpu (CUDA unusable: {e})");
+                    Ok(None)
+                }
+            }
+        }
+    }
+}
+
+/// Any executor behind a box, usable where an `E: Executor` is expected (`Session`).
+pub struct DynExecutor(pub Box<dyn Executor>);
+
+impl Executor for DynExecutor {
+    fn layout(&self) -> CacheLayout {
+        self.0.layout()
+    }
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn arena_copy(&mut self, src: usize, dst: usize, len: usize) -> Result<(), ExecError> {
+        self.0.arena_copy(src, dst, len)
+    }
+    fn arena_zero(&mut self, offset: usize, len: usize) -> Result<(), ExecError> {
+        self.0.arena_zero(offset, len)
+    }
+    fn arena_read(&self, offset: usize, len: usize) -> Result<Vec<u8>, ExecError> {
+        self.0.arena_read(offset, len)
+    }
+    fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, ExecError> {
+        self.0.forward(batch)
+    }
+}
+
+/// A model loaded on some backend, before its executor (arena) is built.
+pub enum LoadedModel {
+    Cpu(Model<CpuBackend>),
+    Cuda(Model<CudaBackend>),
+}
+
+impl LoadedModel {
+    pub fn config(&self) -> &Config {
+        match self {
+            LoadedModel::Cpu(m) => &m.config,
+            LoadedModel::Cuda(m) => &m.config,
+        }
+    }
+
+    pub fn device(&self) -> Device {
+        match self {
+            LoadedModel::Cpu(_) => Device::Cpu,
+            LoadedModel::Cuda(_) => Device::Cuda,
+        }
+    }
+
+    /// The executor with an arena of `arena_bytes` and `page_tokens` tokens per KV page.
+    pub fn executor(
+        self,
+        page_tokens: usize,
+        arena_bytes: usize,
+    ) -> anyhow::Result<Box<dyn Executor>> {
+        fn build<B: Backend>(
+            m: Model<B>,
+            page_tokens: usize,
+            arena_bytes: usize,
+        ) -> anyhow::Result<Box<dyn Executor>> {
+            let exec = ModelExecutor::new(m, page_tokens, arena_bytes)?;
+            if let Some(e) = exec.model().backend.take_error() {
+                bail!("allocating the {arena_bytes}-byte cache arena: {e}");
+            }
+            Ok(Box::new(exec))
+        }
+        match self {
+            LoadedModel::Cpu(m) => build(m, page_tokens, arena_bytes),
+            LoadedModel::Cuda(m) => build(m, page_tokens, arena_bytes),
+        }
+    }
+}
+
+/// Load `dir` on the device `wanted` (or the automatic choice).
+pub fn load_model(dir: &Path, wanted: Option<Device>) -> anyhow::Result<LoadedModel> {
+    let ctx = || format!("loading the model from {}", dir.display());
+    Ok(match open_backend(wanted)? {
+        None => LoadedModel::Cpu(Model::load_dir(dir, CpuBackend::new()).with_context(ctx)?),
+        Some(cuda) => {
+            let m = Model::load_dir(dir, cuda).with_context(ctx)?;
+            if let Some(e) = m.backend.take_error() {
+                bail!("{}: uploading the weights to the GPU: {e}", ctx());
+            }
+            LoadedModel::Cuda(m)
+        }
+    })
+}
+
+/// Load `dir` with an arena for one sequence of up to `max_tokens` (generate, bench).
+pub fn load_single(
+    dir: &Path,
+    max_tokens: usize,
+    wanted: Option<Device>,
+) -> anyhow::Result<(DynExecutor, Config, Device)> {
+    const PAGE_TOKENS: usize = 64;
+    let model = load_model(dir, wanted)?;
+    let (config, device) = (model.config().clone(), model.device());
+    // Same sizing as ModelExecutor::with_capacity(model, 64, 1, max_tokens, 0).
+    let offs = k3_model::model::CacheOffsets::new(&config, PAGE_TOKENS);
+    let bytes = offs.state_block_bytes + max_tokens.div_ceil(PAGE_TOKENS) * offs.kv_page_bytes;
+    let exec = model.executor(PAGE_TOKENS, bytes)?;
+    Ok((DynExecutor(exec), config, device))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_flag_values() {
+        assert_eq!(Device::parse(None).unwrap(), None);
+        assert_eq!(Device::parse(Some("auto")).unwrap(), None);
+        assert_eq!(Device::parse(Some("cpu")).unwrap(), Some(Device::Cpu));
+        assert_eq!(Device::parse(Some("CUDA")).unwrap(), Some(Device::Cuda));
+        assert!(
+            Device::parse(Some("tpu"))
+                .unwrap_err()
+                .to_string()
+                .contains("tpu")
+        );
+    }
+
+    #[test]
+    fn explicit_cuda_without_a_gpu_is_an_error_not_a_panic() {
+        if CudaBackend::try_new(0).is_ok() {
+            return; // a GPU machine: nothing to check here
+        }
+        let err = open_backend(Some(Device::Cuda)).unwrap_err();
+        assert!(format!("{err:#}").contains("--device cuda"), "{err:#}");
+        assert!(open_backend(None).unwrap().is_none());
+    }
 }

@@ -1,4 +1,4 @@
-//! `k3serve serve`: load a model on the CPU, start the engine and the plugin host, and serve the
+//! `k3serve serve`: load a model (CUDA or CPU), start the engine and the plugin host, and serve the
 //! OpenAI / Anthropic HTTP API until SIGINT/SIGTERM (then drain with a deadline).
 
 use std::path::{Path, PathBuf};
@@ -8,11 +8,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use k3_api::engine_backend::{EngineBackend, EngineBackendParts, SamplingDefaults};
 use k3_api::{ApiConfig, AppState};
-use k3_backend_cpu::CpuBackend;
 use k3_engine::{Engine, EngineConfig};
 use k3_frontend::Tokenizer;
 use k3_model::model::CacheOffsets;
-use k3_model::{Executor, Model, ModelExecutor};
 use k3_plugin_host::{PluginHost, PluginHostConfig, Stage, default_plugin_dir};
 
 pub use super::serve_config::Args;
@@ -178,19 +176,20 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     let weights = model_dir.join("model.safetensors");
     let weight_mb = std::fs::metadata(&weights).map(|m| m.len()).unwrap_or(0) as f64 / 1e6;
     let model = progress.run(
-        &format!("loading the model weights ({weight_mb:.1} MB, CPU)"),
-        || {
-            Model::load_dir(&model_dir, CpuBackend::new())
-                .with_context(|| format!("loading the model from {}", model_dir.display()))
-        },
+        &format!(
+            "loading the model weights ({weight_mb:.1} MB, {})",
+            cfg.device.map_or("device: auto", |d| d.name())
+        ),
+        || super::model_loading::load_model(&model_dir, cfg.device),
     )?;
-    let config = model.config.clone();
+    tracing::info!(device = model.device().name(), "model loaded");
+    let config = model.config().clone();
     let max_model_len = cfg.max_model_len.unwrap_or(config.max_position_embeddings);
 
     let plugins = progress.run("loading the plugins", || load_plugins(&cfg))?;
 
     let (engine, layout, vocab_size) = progress.run("starting the engine", || {
-        let offsets = CacheOffsets::new(&model.config, PAGE_TOKENS);
+        let offsets = CacheOffsets::new(model.config(), PAGE_TOKENS);
         let arena = cfg.kv_cache_memory_bytes.unwrap_or_else(|| {
             default_arena_bytes(
                 offsets.kv_page_bytes,
@@ -199,7 +198,7 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
                 max_model_len,
             )
         });
-        let exec = ModelExecutor::new(model, PAGE_TOKENS, arena)?;
+        let exec = model.executor(PAGE_TOKENS, arena)?;
         let layout = exec.layout();
         let vocab = exec.vocab_size();
         let mut eos = vec![config.eos_token_id];
@@ -223,7 +222,7 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             max_num_seqs = cfg.max_num_seqs,
             "cache arena"
         );
-        let engine = Engine::start(Box::new(exec), engine_cfg).context("starting the engine")?;
+        let engine = Engine::start(exec, engine_cfg).context("starting the engine")?;
         Ok((engine, layout, vocab))
     })?;
 

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
+use super::model_loading::Device;
+
 /// The flags. Every field is optional so the TOML file can fill what the command line leaves out.
 #[derive(clap::Args, Debug, Default, Clone)]
 pub struct Args {
@@ -26,7 +28,7 @@ pub struct Args {
     /// Port to listen on [default: 8000].
     #[arg(long)]
     pub port: Option<u16>,
-    /// Device to run on; only `cpu` for now [default: cpu].
+    /// Device to run on: `cuda`, `cpu` or `auto` [default: auto = cuda when a GPU opens, else cpu].
     #[arg(long)]
     pub device: Option<String>,
     /// Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on /v1/*.
@@ -117,6 +119,8 @@ struct FileConfig {
 /// Resolved settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServeConfig {
+    /// `None`: automatic (CUDA when a GPU opens, else the CPU).
+    pub device: Option<Device>,
     pub model: PathBuf,
     pub served_model_name: Option<String>,
     pub host: String,
@@ -164,11 +168,9 @@ impl ServeConfig {
             }
             None => FileConfig::default(),
         };
-        let device = args.device.or(file.device).unwrap_or_else(|| "cpu".into());
-        if device != "cpu" {
-            bail!("--device {device} is not available in this build; use --device cpu");
-        }
+        let device = Device::parse(args.device.or(file.device).as_deref())?;
         let cfg = ServeConfig {
+            device,
             model: args
                 .model
                 .or(file.model)

@@ -1,0 +1,570 @@
+//! `k3_model::backend::Backend` for [`CudaBackend`]: f32 activations and dense weights on the
+//! device, dense matmuls through cuBLAS (sgemm, default math mode so results track the CPU
+//! backend to ~1e-5), everything else through the NVRTC kernels of `ops.rs`.
+//!
+//! All work is queued on the backend's one stream; only `to_host` and `arena_read` wait for it.
+//! The trait's ops are mostly infallible, so a failure is recorded (the first one wins), every
+//! later op is skipped (returning correctly shaped placeholders), and the executor turns the
+//! recorded error into `ExecError::Backend` at the end of the step (`Backend::take_error`).
+
+use crate::device::{CudaBackend, DeviceMat};
+use crate::error::{CudaError, Result};
+use crate::ops::{DeviceExperts, KdaIn, KdaSlot, KdaWeights};
+use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
+use cudarc::driver::{CudaSlice, DevicePtrMut};
+use k3_model::backend::{
+    Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
+    MxMatrixHost, RouterParams, SituParams,
+};
+use k3_model::exec::ExecError;
+
+impl CudaBackend {
+    /// Remember `e` unless an earlier error is already recorded.
+    fn record(&self, e: CudaError) {
+        let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(e.to_string());
+        }
+    }
+
+    /// The recorded error, if any (without clearing it).
+    pub fn error(&self) -> Option<String> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn failed(&self) -> bool {
+        self.error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
+    /// A stand-in result of shape `rows x cols` after a failure. Tries a real (zeroed) buffer of
+    /// that size, then a 1-element one; if even that fails the context is unusable and there is
+    /// nothing sensible left to return.
+    fn placeholder(&self, rows: usize, cols: usize) -> DeviceMat {
+        if let Ok(m) = self.zeros(rows, cols) {
+            return m;
+        }
+        match self.stream.alloc_zeros::<f32>(1) {
+            Ok(buf) => DeviceMat { rows, cols, buf },
+            Err(e) => panic!(
+                "CUDA context unusable ({e}) after: {}",
+                self.error().unwrap_or_default()
+            ),
+        }
+    }
+
+    /// Run a fallible op producing a matrix of shape `rows x cols`; on failure record it and
+    /// return a placeholder. Skipped entirely once an error is recorded.
+    fn mat_or(&self, rows: usize, cols: usize, f: impl FnOnce() -> Result<DeviceMat>) -> DeviceMat {
+        if self.failed() {
+            return self.placeholder(rows, cols);
+        }
+        match self.bound().and_then(|()| f()) {
+            Ok(m) => m,
+            Err(e) => {
+                self.record(e);
+                self.placeholder(rows, cols)
+            }
+        }
+    }
+
+    /// Make our context current on the calling thread: the engine runs the executor on its own
+    /// thread, and raw driver / cuBLAS calls use the thread's current context.
+    fn bound(&self) -> Result<()> {
+        Ok(self.ctx.bind_to_thread()?)
+    }
+
+    fn unit_or(&self, f: impl FnOnce() -> Result<()>) {
+        if self.failed() {
+            return;
+        }
+        if let Err(e) = self.bound().and_then(|()| f()) {
+            self.record(e);
+        }
+    }
+
+    /// `y = x Wᵀ` for row-major `x [M, K]` and `w [N, K]`. Column-major cuBLAS sees `x` as
+    /// `Xc [K, M]` and `w` as `Wc [K, N]`, so it computes `Yc [N, M] = Wcᵀ Xc`, which is the
+    /// row-major `y [M, N]`.
+    pub fn matmul_rt(&self, x: &DeviceMat, w: &DeviceMat) -> Result<DeviceMat> {
+        if x.cols != w.cols {
+            return Err(CudaError::InvalidArg(format!(
+                "matmul: x {}x{} with W {}x{}",
+                x.rows, x.cols, w.rows, w.cols
+            )));
+        }
+        let (m, n, k) = (x.rows, w.rows, x.cols);
+        let mut y = self.zeros(m, n)?;
+        if m == 0 || n == 0 || k == 0 {
+            return Ok(y);
+        }
+        let i = |v: usize| {
+            i32::try_from(v).map_err(|_| CudaError::InvalidArg(format!("matmul dim {v} > i32")))
+        };
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: i(n)?,
+            n: i(m)?,
+            k: i(k)?,
+            alpha: 1.0f32,
+            lda: i(k)?,
+            ldb: i(k)?,
+            beta: 0.0f32,
+            ldc: i(n)?,
+        };
+        // SAFETY: w holds n*k, x holds m*k and y holds m*n floats, matching the dims and leading
+        // dimensions above; all three live until the call is queued on the stream.
+        unsafe { self.blas.gemm(cfg, &w.buf, &x.buf, &mut y.buf) }?;
+        Ok(y)
+    }
+
+    fn embed_rows(&self, table: &DeviceMat, ids: &[u32]) -> Result<DeviceMat> {
+        let d = table.cols;
+        let mut out = self.zeros(ids.len(), d)?;
+        // One device-to-device copy per token (prefill chunks are at most a few thousand rows).
+        for (r, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            if id >= table.rows {
+                return Err(CudaError::InvalidArg(format!(
+                    "token id {id} outside the vocabulary of {}",
+                    table.rows
+                )));
+            }
+            let src = table.buf.slice(id * d..(id + 1) * d);
+            let mut dst = out.buf.slice_mut(r * d..(r + 1) * d);
+            self.stream.memcpy_dtod(&src, &mut dst)?;
+        }
+        Ok(out)
+    }
+
+    fn rows_of(&self, a: &DeviceMat, start: usize, end: usize) -> Result<DeviceMat> {
+        if start > end || end > a.rows {
+            return Err(CudaError::InvalidArg(format!(
+                "rows {start}..{end} of a {}-row matrix",
+                a.rows
+            )));
+        }
+        let mut out = self.zeros(end - start, a.cols)?;
+        if end > start {
+            let src = a.buf.slice(start * a.cols..end * a.cols);
+            let mut dst = out.buf.slice_mut(0..(end - start) * a.cols);
+            self.stream.memcpy_dtod(&src, &mut dst)?;
+        }
+        Ok(out)
+    }
+
+    fn arena_check(arena: &CudaSlice<f32>, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|e| e > arena.len() * 4) {
+            return Err(CudaError::InvalidArg(format!(
+                "arena bytes {offset}+{len} beyond {}",
+                arena.len() * 4
+            )));
+        }
+        Ok(())
+    }
+
+    /// Byte-granular copy inside the arena (the caller guarantees the regions do not overlap).
+    fn arena_copy_bytes(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        src: usize,
+        dst: usize,
+        len: usize,
+    ) -> Result<()> {
+        Self::arena_check(arena, src, len)?;
+        Self::arena_check(arena, dst, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (base, _sync) = arena.device_ptr_mut(&self.stream);
+        // SAFETY: both ranges are inside the allocation (checked above); queued on our stream.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                base + dst as u64,
+                base + src as u64,
+                len,
+                self.stream.cu_stream(),
+            )
+        }?;
+        Ok(())
+    }
+
+    fn arena_zero_bytes(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        Self::arena_check(arena, offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (base, _sync) = arena.device_ptr_mut(&self.stream);
+        // SAFETY: the range is inside the allocation (checked above); queued on our stream.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                base + offset as u64,
+                0,
+                len,
+                self.stream.cu_stream(),
+            )
+        }?;
+        Ok(())
+    }
+
+    /// Reads the whole floats covering the byte range (synchronous), then trims to the bytes.
+    fn arena_read_bytes(
+        &self,
+        arena: &CudaSlice<f32>,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<u8>> {
+        Self::arena_check(arena, offset, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let (f0, f1) = (offset / 4, (offset + len).div_ceil(4));
+        let floats = self.stream.memcpy_dtov(&arena.slice(f0..f1))?;
+        let bytes: Vec<u8> = floats.iter().flat_map(|f| f.to_ne_bytes()).collect();
+        let skip = offset - f0 * 4;
+        Ok(bytes[skip..skip + len].to_vec())
+    }
+
+    fn upload_experts(&self, h: &MxExpertsHost) -> Result<DeviceExperts> {
+        let cat = |ms: &[MxMatrixHost],
+                   rows: usize,
+                   cols: usize|
+         -> Result<(CudaSlice<u8>, CudaSlice<u8>)> {
+            let mut packed = Vec::with_capacity(ms.len() * rows * cols / 2);
+            let mut scales = Vec::with_capacity(ms.len() * rows * cols / 32);
+            for m in ms {
+                if (m.rows, m.cols) != (rows, cols)
+                    || m.packed.len() != rows * cols / 2
+                    || m.scales.len() != rows * cols / 32
+                {
+                    return Err(CudaError::InvalidArg(format!(
+                        "expert matrix {}x{} ({} packed, {} scales), want {rows}x{cols}",
+                        m.rows,
+                        m.cols,
+                        m.packed.len(),
+                        m.scales.len()
+                    )));
+                }
+                packed.extend_from_slice(&m.packed);
+                scales.extend_from_slice(&m.scales);
+            }
+            Ok((self.upload_slice(&packed)?, self.upload_slice(&scales)?))
+        };
+        if h.w1.len() != h.num_experts || h.w3.len() != h.num_experts || h.w2.len() != h.num_experts
+        {
+            return Err(CudaError::InvalidArg(
+                "expert count differs per matrix".into(),
+            ));
+        }
+        Ok(DeviceExperts {
+            experts: h.num_experts,
+            latent: h.latent,
+            inter: h.inter,
+            w1: cat(&h.w1, h.inter, h.latent)?,
+            w3: cat(&h.w3, h.inter, h.latent)?,
+            w2: cat(&h.w2, h.latent, h.inter)?,
+        })
+    }
+
+    fn kda_seq(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        g: KdaGeom,
+        p: &KdaParams<'_, Self>,
+        inp: &KdaInputs<'_, Self>,
+        loc: KdaStateLoc<'_>,
+    ) -> Result<DeviceMat> {
+        let w = KdaWeights {
+            conv: p.conv,
+            a_log: p.a_log,
+            dt_bias: p.dt_bias,
+        };
+        let x = KdaIn {
+            q: inp.qkv[0],
+            k: inp.qkv[1],
+            v: inp.qkv[2],
+            f: inp.f,
+            b: inp.b,
+        };
+        // One token with at most one checkpoint is the recurrent decode kernel; anything else
+        // (prefill chunks, several checkpoints) goes through the chunked path.
+        if x.q.rows == 1 && loc.checkpoints.len() <= 1 {
+            let slot = KdaSlot {
+                offset: loc.offset,
+                checkpoint: loc.checkpoints.first().map(|&(_, dst)| dst),
+            };
+            if let Some(&(n, _)) = loc.checkpoints.first()
+                && n != 1
+            {
+                return Err(CudaError::InvalidArg(format!(
+                    "checkpoint after {n} of 1 token"
+                )));
+            }
+            return self.kda_decode(arena, g, &w, &x, &[slot]);
+        }
+        self.kda_prefill(arena, g, &w, &x, loc.offset, loc.checkpoints)
+    }
+
+    /// MLA for the T new tokens of one sequence: token i is an item attending over its causal
+    /// prefix of `start_pos + i + 1` rows (all T rows are appended first, on the same stream).
+    #[allow(clippy::too_many_arguments)]
+    fn mla_seq(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        g: MlaGeom,
+        q: &DeviceMat,
+        kv_a: &DeviceMat,
+        kv_norm: &CudaSlice<f32>,
+        kv_b: &DeviceMat,
+        loc: MlaCacheLoc<'_>,
+    ) -> Result<DeviceMat> {
+        let (t, pt) = (q.rows, loc.page_tokens);
+        if pt == 0 {
+            return Err(CudaError::InvalidArg("page_tokens = 0".into()));
+        }
+        let end = loc.start_pos + t;
+        let npages = end.div_ceil(pt);
+        if loc.pages.len() < npages {
+            return Err(CudaError::InvalidArg(format!(
+                "{} KV pages for {end} positions",
+                loc.pages.len()
+            )));
+        }
+        let pages: Vec<usize> = loc.pages[..npages]
+            .iter()
+            .map(|&p| p + loc.layer_offset)
+            .collect();
+        let row_bytes = 4 * g.row();
+        let append_at: Vec<usize> = (loc.start_pos..end)
+            .map(|pos| pages[pos / pt] + (pos % pt) * row_bytes)
+            .collect();
+        let lens: Vec<usize> = (loc.start_pos + 1..=end).collect();
+        let tables: Vec<&[usize]> = vec![&pages[..]; t];
+        self.mla_decode(
+            arena, g, q, kv_a, kv_norm, &kv_b.buf, &append_at, &tables, &lens, pt,
+        )
+    }
+}
+
+fn backend_err(e: CudaError) -> ExecError {
+    ExecError::Backend(e.to_string())
+}
+
+impl Backend for CudaBackend {
+    type Act = DeviceMat;
+    type Linear = DeviceMat;
+    type Vector = CudaSlice<f32>;
+    type Experts = DeviceExperts;
+    type Arena = CudaSlice<f32>;
+
+    fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> DeviceMat {
+        self.mat_or(rows, cols, || self.upload(rows, cols, &data))
+    }
+
+    fn vector(&self, data: Vec<f32>) -> CudaSlice<f32> {
+        let n = data.len();
+        let up = || -> Result<CudaSlice<f32>> {
+            if n == 0 {
+                return Ok(self.stream.alloc_zeros::<f32>(1)?);
+            }
+            self.upload_slice(&data)
+        };
+        if !self.failed() {
+            match up() {
+                Ok(v) => return v,
+                Err(e) => self.record(e),
+            }
+        }
+        self.placeholder(1, n.max(1)).buf
+    }
+
+    fn experts(&self, host: MxExpertsHost) -> DeviceExperts {
+        if !self.failed() {
+            match self.upload_experts(&host) {
+                Ok(e) => return e,
+                Err(e) => self.record(e),
+            }
+        }
+        // Never launched: every later op is skipped once an error is recorded.
+        let b = || -> CudaSlice<u8> {
+            self.stream
+                .alloc_zeros::<u8>(1)
+                .unwrap_or_else(|e| panic!("CUDA context unusable: {e}"))
+        };
+        DeviceExperts {
+            experts: host.num_experts,
+            latent: host.latent,
+            inter: host.inter,
+            w1: (b(), b()),
+            w3: (b(), b()),
+            w2: (b(), b()),
+        }
+    }
+
+    fn arena(&self, bytes: usize) -> CudaSlice<f32> {
+        self.placeholder_arena(bytes)
+    }
+
+    fn arena_len(&self, arena: &CudaSlice<f32>) -> usize {
+        arena.len() * 4
+    }
+
+    fn arena_copy(&self, arena: &mut CudaSlice<f32>, src: usize, dst: usize, len: usize) {
+        self.unit_or(|| self.arena_copy_bytes(arena, src, dst, len));
+    }
+
+    fn arena_zero(&self, arena: &mut CudaSlice<f32>, offset: usize, len: usize) {
+        self.unit_or(|| self.arena_zero_bytes(arena, offset, len));
+    }
+
+    fn arena_read(&self, arena: &CudaSlice<f32>, offset: usize, len: usize) -> Vec<u8> {
+        if !self.failed() {
+            match self
+                .bound()
+                .and_then(|()| self.arena_read_bytes(arena, offset, len))
+            {
+                Ok(v) => return v,
+                Err(e) => self.record(e),
+            }
+        }
+        vec![0; len]
+    }
+
+    fn to_host(&self, a: &DeviceMat) -> Vec<f32> {
+        if !self.failed() {
+            match self.bound().and_then(|()| self.download(a)) {
+                Ok(v) => return v,
+                Err(e) => self.record(e),
+            }
+        }
+        vec![0.0; a.rows * a.cols]
+    }
+
+    fn rows(&self, a: &DeviceMat) -> usize {
+        a.rows
+    }
+
+    fn slice_rows(&self, a: &DeviceMat, start: usize, end: usize) -> DeviceMat {
+        self.mat_or(end.saturating_sub(start), a.cols, || {
+            self.rows_of(a, start, end)
+        })
+    }
+
+    fn embed(&self, table: &DeviceMat, ids: &[u32]) -> DeviceMat {
+        self.mat_or(ids.len(), table.cols, || self.embed_rows(table, ids))
+    }
+
+    fn matmul(&self, x: &DeviceMat, w: &DeviceMat) -> DeviceMat {
+        self.mat_or(x.rows, w.rows, || self.matmul_rt(x, w))
+    }
+
+    fn rms_norm(&self, x: &DeviceMat, w: &CudaSlice<f32>, eps: f32) -> DeviceMat {
+        self.mat_or(x.rows, x.cols, || CudaBackend::rms_norm(self, x, w, eps))
+    }
+
+    fn add_assign(&self, p: &mut DeviceMat, a: &DeviceMat) {
+        self.unit_or(|| CudaBackend::add_assign(self, p, a));
+    }
+
+    fn attn_res(&self, sources: &[&DeviceMat], w: &CudaSlice<f32>, eps: f32) -> DeviceMat {
+        let (rows, cols) = sources.first().map_or((0, 0), |s| (s.rows, s.cols));
+        self.mat_or(rows, cols, || CudaBackend::attn_res(self, sources, w, eps))
+    }
+
+    fn situ_glu(&self, gate: &DeviceMat, up: &DeviceMat, p: SituParams) -> DeviceMat {
+        self.mat_or(gate.rows, gate.cols, || {
+            CudaBackend::situ_glu(self, gate, up, p)
+        })
+    }
+
+    fn sigmoid_mul(&self, o: &mut DeviceMat, gate: &DeviceMat) {
+        self.unit_or(|| CudaBackend::sigmoid_mul(self, o, gate));
+    }
+
+    fn gated_head_norm(
+        &self,
+        o: &DeviceMat,
+        gate: &DeviceMat,
+        w: &CudaSlice<f32>,
+        head_dim: usize,
+        eps: f32,
+    ) -> DeviceMat {
+        self.mat_or(o.rows, o.cols, || {
+            CudaBackend::gated_head_norm(self, o, gate, w, head_dim, eps)
+        })
+    }
+
+    fn kda(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        geom: KdaGeom,
+        params: &KdaParams<'_, Self>,
+        inputs: &KdaInputs<'_, Self>,
+        loc: KdaStateLoc<'_>,
+    ) -> std::result::Result<DeviceMat, ExecError> {
+        if let Some(e) = self.error() {
+            return Err(ExecError::Backend(e));
+        }
+        self.bound()
+            .and_then(|()| self.kda_seq(arena, geom, params, inputs, loc))
+            .map_err(backend_err)
+    }
+
+    fn mla(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        geom: MlaGeom,
+        q: &DeviceMat,
+        kv_a: &DeviceMat,
+        kv_norm: &CudaSlice<f32>,
+        kv_b: &DeviceMat,
+        loc: MlaCacheLoc<'_>,
+    ) -> std::result::Result<DeviceMat, ExecError> {
+        if let Some(e) = self.error() {
+            return Err(ExecError::Backend(e));
+        }
+        self.bound()
+            .and_then(|()| self.mla_seq(arena, geom, q, kv_a, kv_norm, kv_b, loc))
+            .map_err(backend_err)
+    }
+
+    fn moe_routed(
+        &self,
+        z: &DeviceMat,
+        router_logits: &DeviceMat,
+        bias: &CudaSlice<f32>,
+        experts: &DeviceExperts,
+        router: RouterParams,
+        situ: SituParams,
+    ) -> DeviceMat {
+        self.mat_or(z.rows, experts.latent, || {
+            CudaBackend::moe_routed(self, z, router_logits, bias, experts, router, situ)
+        })
+    }
+
+    fn take_error(&self) -> Option<String> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+impl CudaBackend {
+    /// The arena: zeroed device memory (at least one float so the buffer exists).
+    fn placeholder_arena(&self, bytes: usize) -> CudaSlice<f32> {
+        let floats = (bytes / 4).max(1);
+        match self.stream.alloc_zeros::<f32>(floats) {
+            Ok(a) => a,
+            Err(e) => {
+                self.record(CudaError::from(e));
+                self.placeholder(1, 1).buf
+            }
+        }
+    }
+}

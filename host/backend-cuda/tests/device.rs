@@ -1,0 +1,790 @@
+//! GPU correctness of the CUDA backend against the CPU backend (the ground truth), in f32 on
+//! both sides. Every test returns early ("skipped: no CUDA device") where no GPU opens, so it
+//! passes on CI. On a GPU (`--nocapture --test-threads=1` for readable output):
+//!   ops_match_cpu          every Backend op on fresh random inputs: `op=<name> rel_err=<x> tol=<y>`
+//!   k3_mini_matches_cpu    models/k3-mini on the golden prompts: logits and greedy tokens
+//!   engine_matches_cpu     ModelExecutor<CudaBackend> inside k3_engine, concurrent requests
+//! The seed is printed; `K3_SEED=<n>` repeats a run. `K3_ROOT` points at the repository root
+//! when the test binary runs outside the source tree (default: the current directory if it has
+//! models/, else the crate's source location).
+
+use k3_backend_cpu::CpuBackend;
+use k3_backend_cuda::CudaBackend;
+use k3_model::backend::{
+    Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
+    MxMatrixHost, RouterParams, SituParams,
+};
+use k3_model::{Executor, LogitsWant, Model, ModelExecutor, Session};
+use std::path::PathBuf;
+
+fn cuda() -> Option<CudaBackend> {
+    match CudaBackend::try_new(0) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+fn root() -> PathBuf {
+    if let Ok(r) = std::env::var("K3_ROOT") {
+        return PathBuf::from(r);
+    }
+    let cwd = std::env::current_dir().unwrap_or_default();
+    if cwd.join("models/k3-mini").is_dir() {
+        return cwd;
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// xorshift64*: reproducible inputs from a printed seed.
+struct Rng(u64);
+
+impl Rng {
+    fn new(test: &str) -> Self {
+        let seed = std::env::var("K3_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(1)
+            });
+        println!("{test}: seed {seed} (K3_SEED={seed} repeats it)");
+        Rng(seed | 1)
+    }
+    fn u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [-scale, scale).
+    fn f(&mut self, scale: f32) -> f32 {
+        ((self.u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f(scale)).collect()
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.u64() % n as u64) as usize
+    }
+}
+
+/// `max|a−b| / max|b|` over the whole tensor.
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    let scale = b.iter().fold(0f64, |m, x| m.max(x.abs() as f64)).max(1e-30);
+    let diff = a.iter().zip(b).fold(0f64, |m, (x, y)| {
+        let d = (*x as f64 - *y as f64).abs();
+        match (x.is_nan(), y.is_nan()) {
+            (true, true) => m, // same bytes reinterpreted (arena test)
+            (false, false) if !d.is_nan() => m.max(d),
+            _ => f64::INFINITY,
+        }
+    });
+    diff / scale
+}
+
+fn bytes_to_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// Collects `op=… rel_err=… tol=…` lines; fails at the end if any is over its tolerance.
+struct Table {
+    /// Prefix of every line ("" on the GPU, "cpu-selfcheck " for the harness self-check).
+    tag: &'static str,
+    failed: Vec<String>,
+}
+
+impl Table {
+    fn check(&mut self, op: &str, cuda: &[f32], cpu: &[f32], tol: f64) {
+        let e = rel_err(cuda, cpu);
+        let ok = e <= tol;
+        println!(
+            "{}op={op} rel_err={e:.3e} tol={tol:.0e} n={} {}",
+            self.tag,
+            cpu.len(),
+            if ok { "ok" } else { "FAIL" }
+        );
+        if !ok {
+            self.failed.push(format!("{op}: {e:.3e} > {tol:.0e}"));
+        }
+    }
+    fn finish(self) {
+        assert!(
+            self.failed.is_empty(),
+            "ops over tolerance: {:?}",
+            self.failed
+        );
+    }
+}
+
+const TOL_POINTWISE: f64 = 1e-5;
+const TOL_GEMM: f64 = 1e-5;
+const TOL_FUSED: f64 = 1e-4;
+
+/// Simple ops, generic over the backend: each returns its output(s) on the host.
+fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f64)> {
+    let mut out = Vec::new();
+    let mat = |be: &B, rows: usize, cols: usize, d: &[f32]| {
+        be.embed(
+            &be.linear(rows, cols, d.to_vec()),
+            &(0..rows as u32).collect::<Vec<_>>(),
+        )
+    };
+    // matmul: prefill-like and decode-like shapes, K not a multiple of anything in particular.
+    for &(m, k, n) in &[
+        (37usize, 200usize, 130usize),
+        (1, 256, 8192),
+        (64, 128, 768),
+    ] {
+        let (x, w) = (r.vec(m * k, 1.0), r.vec(n * k, 0.1));
+        let y = be.matmul(&mat(be, m, k, &x), &be.linear(n, k, w));
+        out.push(("matmul", be.to_host(&y), TOL_GEMM));
+    }
+    let (rows, d) = (19, 256);
+    let table = r.vec(50 * d, 1.0);
+    let ids: Vec<u32> = (0..rows).map(|_| r.below(50) as u32).collect();
+    let e = be.embed(&be.linear(50, d, table), &ids);
+    out.push(("embed", be.to_host(&e), 0.0));
+    out.push(("slice_rows", be.to_host(&be.slice_rows(&e, 3, 11)), 0.0));
+    let x = mat(be, rows, d, &r.vec(rows * d, 2.0));
+    let w = be.vector(r.vec(d, 1.0));
+    out.push((
+        "rms_norm",
+        be.to_host(&be.rms_norm(&x, &w, 1e-5)),
+        TOL_POINTWISE,
+    ));
+    let mut p = mat(be, rows, d, &r.vec(rows * d, 1.0));
+    be.add_assign(&mut p, &x);
+    out.push(("add_assign", be.to_host(&p), TOL_POINTWISE));
+    for n in [1usize, 3, 9] {
+        let srcs: Vec<B::Act> = (0..n)
+            .map(|_| mat(be, rows, d, &r.vec(rows * d, 1.5)))
+            .collect();
+        let refs: Vec<&B::Act> = srcs.iter().collect();
+        let name = match n {
+            1 => "attn_res(1)",
+            3 => "attn_res(3)",
+            _ => "attn_res(9)",
+        };
+        out.push((
+            name,
+            be.to_host(&be.attn_res(&refs, &w, 1e-5)),
+            TOL_POINTWISE,
+        ));
+    }
+    let (g, u) = (
+        mat(be, rows, 768, &r.vec(rows * 768, 4.0)),
+        mat(be, rows, 768, &r.vec(rows * 768, 2.0)),
+    );
+    for (name, lb) in [("situ_glu", Some(25.0)), ("situ_glu(no linear)", None)] {
+        let y = be.situ_glu(
+            &g,
+            &u,
+            SituParams {
+                beta: 4.0,
+                linear_beta: lb,
+            },
+        );
+        out.push((name, be.to_host(&y), TOL_POINTWISE));
+    }
+    let mut o = mat(be, rows, d, &r.vec(rows * d, 1.0));
+    be.sigmoid_mul(&mut o, &x);
+    out.push(("sigmoid_mul", be.to_host(&o), TOL_POINTWISE));
+    let hw = be.vector(r.vec(128, 1.0));
+    let gate = mat(be, rows, d, &r.vec(rows * d, 3.0));
+    out.push((
+        "gated_head_norm",
+        be.to_host(&be.gated_head_norm(&o, &gate, &hw, 128, 1e-5)),
+        TOL_POINTWISE,
+    ));
+    out
+}
+
+fn mx_matrix(r: &mut Rng, rows: usize, cols: usize) -> MxMatrixHost {
+    MxMatrixHost {
+        rows,
+        cols,
+        packed: (0..rows * cols / 2).map(|_| r.u64() as u8).collect(),
+        // E8M0 around 2^-4..2^2 (255 would be NaN).
+        scales: (0..rows * cols / 32)
+            .map(|_| 123 + r.below(7) as u8)
+            .collect(),
+    }
+}
+
+fn moe<B: Backend>(be: &B, r: &mut Rng, t: usize) -> Vec<f32> {
+    let (e, lt, ie, k) = (32, 128, 256, 4);
+    let host = MxExpertsHost {
+        num_experts: e,
+        latent: lt,
+        inter: ie,
+        w1: (0..e).map(|_| mx_matrix(r, ie, lt)).collect(),
+        w3: (0..e).map(|_| mx_matrix(r, ie, lt)).collect(),
+        w2: (0..e).map(|_| mx_matrix(r, lt, ie)).collect(),
+    };
+    let ex = be.experts(host);
+    let z = be.embed(
+        &be.linear(t, lt, r.vec(t * lt, 0.3)),
+        &(0..t as u32).collect::<Vec<_>>(),
+    );
+    let logits = be.embed(
+        &be.linear(t, e, r.vec(t * e, 3.0)),
+        &(0..t as u32).collect::<Vec<_>>(),
+    );
+    let bias = be.vector(r.vec(e, 0.2));
+    let router = RouterParams {
+        top_k: k,
+        renormalize: true,
+        scaling: 1.5,
+    };
+    let situ = SituParams {
+        beta: 4.0,
+        linear_beta: Some(25.0),
+    };
+    be.to_host(&be.moe_routed(&z, &logits, &bias, &ex, router, situ))
+}
+
+/// KDA over three calls of one sequence (prefill with checkpoints, decode with a checkpoint,
+/// another prefill chunk); returns each call's `o` and the arena afterwards.
+fn kda<B: Backend>(be: &B, r: &mut Rng) -> (Vec<Vec<f32>>, Vec<f32>) {
+    let g = KdaGeom {
+        heads: 2,
+        head_dim: 128,
+        conv_kernel: 4,
+        gate_lower_bound: -5.0,
+    };
+    let (hk, h) = (g.hk(), g.heads);
+    let block = 4 * g.state_floats();
+    let (work, ck) = (block, 3 * block); // block 0 unused: offsets are not all zero
+    let mut arena = be.arena(6 * block);
+    let conv: Vec<B::Vector> = (0..3).map(|_| be.vector(r.vec(hk * 4, 0.5))).collect();
+    let a_log = be.vector(r.vec(h, 0.5));
+    let dt_bias = be.vector(r.vec(hk, 0.5));
+    let params = KdaParams::<B> {
+        conv: [&conv[0], &conv[1], &conv[2]],
+        a_log: &a_log,
+        dt_bias: &dt_bias,
+    };
+    let mut outs = Vec::new();
+    let steps: [(usize, Vec<(usize, usize)>); 3] = [
+        (37, vec![(5, ck), (37, ck + block)]),
+        (1, vec![(1, ck + 2 * block)]),
+        (20, vec![(16, 0)]),
+    ];
+    for (t, cps) in steps {
+        let ids: Vec<u32> = (0..t as u32).collect();
+        let m = |be: &B, r: &mut Rng, w: usize, s: f32| {
+            be.embed(&be.linear(t, w, r.vec(t * w, s)), &ids)
+        };
+        let (q, k, v) = (m(be, r, hk, 1.0), m(be, r, hk, 1.0), m(be, r, hk, 1.0));
+        let (f, b) = (m(be, r, hk, 2.0), m(be, r, h, 2.0));
+        let inputs = KdaInputs::<B> {
+            qkv: [&q, &k, &v],
+            f: &f,
+            b: &b,
+        };
+        let o = be
+            .kda(
+                &mut arena,
+                g,
+                &params,
+                &inputs,
+                KdaStateLoc {
+                    offset: work,
+                    checkpoints: &cps,
+                },
+            )
+            .expect("kda");
+        outs.push(be.to_host(&o));
+    }
+    let len = be.arena_len(&arena);
+    (outs, bytes_to_f32(&be.arena_read(&arena, 0, len)))
+}
+
+/// MLA over scattered pages: prefill, decode, a chunk, then a long decode (several splits).
+fn mla<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom, long: usize) -> (Vec<Vec<f32>>, Vec<f32>) {
+    let (pt, row) = (8usize, g.row());
+    let layer_off = 4 * row * pt; // two "layers" per page: test the second
+    let page_bytes = 2 * layer_off;
+    let total = 21 + 1 + 9 + long;
+    let npages = total.div_ceil(pt);
+    // Pages in reverse order, after a gap: page tables are followed, not assumed contiguous.
+    let pages: Vec<usize> = (0..npages).map(|i| (npages - i) * page_bytes).collect();
+    let mut arena = be.arena((npages + 1) * page_bytes);
+    let kv_norm = be.vector(r.vec(g.kv_lora, 1.0));
+    let kv_b = be.linear(
+        g.heads * (g.nope + g.v_dim),
+        g.kv_lora,
+        r.vec(g.heads * (g.nope + g.v_dim) * g.kv_lora, 0.1),
+    );
+    let mut outs = Vec::new();
+    let mut pos = 0;
+    for t in [21usize, 1, 9, long] {
+        if t == 0 {
+            continue;
+        }
+        let ids: Vec<u32> = (0..t as u32).collect();
+        let q = be.embed(
+            &be.linear(
+                t,
+                g.heads * (g.nope + g.rope),
+                r.vec(t * g.heads * (g.nope + g.rope), 1.0),
+            ),
+            &ids,
+        );
+        let kv_a = be.embed(&be.linear(t, row, r.vec(t * row, 1.0)), &ids);
+        let loc = MlaCacheLoc {
+            pages: &pages,
+            page_tokens: pt,
+            layer_offset: layer_off,
+            start_pos: pos,
+        };
+        let o = be
+            .mla(&mut arena, g, &q, &kv_a, &kv_norm, &kv_b, loc)
+            .expect("mla");
+        outs.push(be.to_host(&o));
+        pos += t;
+    }
+    let len = be.arena_len(&arena);
+    (outs, bytes_to_f32(&be.arena_read(&arena, 0, len)))
+}
+
+fn arena_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<f32> {
+    let mut a = be.arena(4096);
+    let (rows, cols) = (4, 64);
+    let src = be.embed(
+        &be.linear(rows, cols, r.vec(rows * cols, 1.0)),
+        &[0, 1, 2, 3],
+    );
+    // A pattern written through MLA's append: rows [RMSNorm(c_kv) (32) ; k_r (32)].
+    let g = MlaGeom {
+        heads: 1,
+        nope: 32,
+        rope: 32,
+        v_dim: 32,
+        kv_lora: 32,
+        eps: 1e-5,
+    };
+    let q = be.embed(&be.linear(rows, 64, r.vec(rows * 64, 1.0)), &[0, 1, 2, 3]);
+    let kv_b = be.linear(64, 32, r.vec(64 * 32, 0.1));
+    let norm = be.vector(vec![1.0; 32]);
+    let loc = MlaCacheLoc {
+        pages: &[0],
+        page_tokens: 4,
+        layer_offset: 0,
+        start_pos: 0,
+    };
+    be.mla(&mut a, g, &q, &src, &norm, &kv_b, loc)
+        .expect("mla append");
+    be.arena_copy(&mut a, 0, 2048, 1024);
+    // Unaligned byte ranges, inside row 0's k_r part (bytes 128..256: copied verbatim, so the
+    // bytes match exactly and their reinterpretation as floats is comparable).
+    be.arena_copy(&mut a, 130, 3072 + 2, 120);
+    be.arena_zero(&mut a, 100, 37);
+    let mut out = bytes_to_f32(&be.arena_read(&a, 0, 4096));
+    out.extend(bytes_to_f32(&be.arena_read(&a, 3073, 12)));
+    out
+}
+
+#[test]
+fn ops_match_cpu() {
+    let Some(gpu) = cuda() else { return };
+    compare_ops(&gpu, "ops_match_cpu", "");
+}
+
+/// The harness itself on the CPU against the CPU (runs everywhere): shapes and plumbing of every
+/// comparison above, and a deterministic CPU backend (all errors 0).
+#[test]
+fn harness_self_check_on_cpu() {
+    const TAG: &str = "cpu-selfcheck ";
+    compare_ops(&CpuBackend::new(), "harness_self_check_on_cpu", TAG);
+    compare_model(CpuBackend::new(), 4, TAG);
+    compare_engine(CpuBackend::new(), 3, TAG);
+}
+
+fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
+    let cpu = CpuBackend::new();
+    let seed = Rng::new(name).0;
+    let mut t = Table {
+        tag,
+        failed: Vec::new(),
+    };
+    let (mut rc, mut rg) = (Rng(seed), Rng(seed));
+    let (a, b) = (simple_ops(&cpu, &mut rc), simple_ops(gpu, &mut rg));
+    for ((name, want, tol), (_, got, _)) in a.iter().zip(&b) {
+        t.check(name, got, want, *tol);
+    }
+    for tokens in [3usize, 40] {
+        let (mut rc, mut rg) = (Rng(seed ^ tokens as u64), Rng(seed ^ tokens as u64));
+        let name = if tokens == 3 {
+            "moe_routed(T=3)"
+        } else {
+            "moe_routed(T=40)"
+        };
+        t.check(
+            name,
+            &moe(gpu, &mut rg, tokens),
+            &moe(&cpu, &mut rc, tokens),
+            TOL_FUSED,
+        );
+    }
+    let (mut rc, mut rg) = (Rng(seed ^ 7), Rng(seed ^ 7));
+    let ((oc, ac), (og, ag)) = (kda(&cpu, &mut rc), kda(gpu, &mut rg));
+    for (i, name) in [
+        "kda prefill(T=37)",
+        "kda decode(T=1)",
+        "kda prefill(T=20, from state)",
+    ]
+    .iter()
+    .enumerate()
+    {
+        t.check(name, &og[i], &oc[i], TOL_FUSED);
+    }
+    t.check("kda state+checkpoints", &ag, &ac, TOL_FUSED);
+    for (label, g, long) in [
+        (
+            "k3-mini",
+            MlaGeom {
+                heads: 4,
+                nope: 64,
+                rope: 32,
+                v_dim: 64,
+                kv_lora: 128,
+                eps: 1e-5,
+            },
+            0,
+        ),
+        (
+            "K3",
+            MlaGeom {
+                heads: 8,
+                nope: 128,
+                rope: 64,
+                v_dim: 128,
+                kv_lora: 512,
+                eps: 1e-6,
+            },
+            700,
+        ),
+    ] {
+        let (mut rc, mut rg) = (Rng(seed ^ 11), Rng(seed ^ 11));
+        let ((oc, ac), (og, ag)) = (mla(&cpu, &mut rc, g, long), mla(gpu, &mut rg, g, long));
+        let names = [
+            "prefill(T=21)",
+            "decode(T=1)",
+            "chunk(T=9, from 22)",
+            "long prefill",
+        ];
+        for i in 0..oc.len() {
+            t.check(
+                &format!("mla {label} {}", names[i]),
+                &og[i],
+                &oc[i],
+                TOL_FUSED,
+            );
+        }
+        t.check(&format!("mla {label} cache rows"), &ag, &ac, TOL_POINTWISE);
+    }
+    {
+        // A 1-token decode over a long cache (several position splits on the GPU).
+        let g = MlaGeom {
+            heads: 4,
+            nope: 64,
+            rope: 32,
+            v_dim: 64,
+            kv_lora: 128,
+            eps: 1e-5,
+        };
+        let (mut rc, mut rg) = (Rng(seed ^ 13), Rng(seed ^ 13));
+        let ((oc, _), (og, _)) = (mla(&cpu, &mut rc, g, 900), mla(gpu, &mut rg, g, 900));
+        t.check(
+            "mla k3-mini prefill(T=900 after 31)",
+            &og[3],
+            &oc[3],
+            TOL_FUSED,
+        );
+    }
+    let (mut rc, mut rg) = (Rng(seed ^ 17), Rng(seed ^ 17));
+    t.check(
+        "arena copy/zero/read",
+        &arena_ops(gpu, &mut rg),
+        &arena_ops(&cpu, &mut rc),
+        TOL_POINTWISE,
+    );
+    let recorded = gpu.take_error();
+    assert!(recorded.is_none(), "backend recorded: {recorded:?}");
+    t.finish();
+}
+
+/// Index and value of the two largest logits.
+fn top2(l: &[f32]) -> ((usize, f32), (usize, f32)) {
+    let mut a = (0, f32::NEG_INFINITY);
+    let mut b = (0, f32::NEG_INFINITY);
+    for (i, &x) in l.iter().enumerate() {
+        if x > a.1 {
+            b = a;
+            a = (i, x);
+        } else if x > b.1 {
+            b = (i, x);
+        }
+    }
+    (a, b)
+}
+
+/// A near-tie: the CPU's top-2 gap is within what the backends' logits differ by (x4), or
+/// below 1e-3 of the logit scale.
+fn near_tie(cpu: &[f32], gpu: &[f32]) -> (bool, f32) {
+    let ((_, a), (_, b)) = top2(cpu);
+    let gap = a - b;
+    let diff = cpu
+        .iter()
+        .zip(gpu)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    let scale = cpu.iter().fold(0f32, |m, x| m.max(x.abs()));
+    (gap <= 4.0 * diff || gap <= 1e-3 * scale, gap)
+}
+
+fn golden() -> (Vec<Vec<u32>>, usize) {
+    let path = root().join("tests/golden/golden.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let v: serde_json::Value = serde_json::from_str(&text).expect("golden.json");
+    let prompts = v["input_ids"]
+        .as_array()
+        .expect("input_ids")
+        .iter()
+        .map(|p| {
+            p.as_array()
+                .expect("ids")
+                .iter()
+                .map(|x| x.as_u64().expect("id") as u32)
+                .collect()
+        })
+        .collect();
+    let n = v["greedy_tokens"].as_u64().unwrap_or(16) as usize;
+    (prompts, n)
+}
+
+const LOGITS_TOL: f64 = 1e-3;
+
+#[test]
+fn k3_mini_matches_cpu() {
+    let Some(gpu) = cuda() else { return };
+    compare_model(gpu, usize::MAX, "");
+}
+
+/// models/k3-mini on `gpu` vs the CPU: the golden prompts, `max_new` greedy tokens at most.
+fn compare_model<G: Backend>(gpu: G, max_new: usize, tag: &str) {
+    let dir = root().join("models/k3-mini");
+    let (prompts, n) = golden();
+    let n = n.min(max_new);
+    let cap = prompts.iter().map(Vec::len).max().unwrap_or(0) + n + 1;
+    let mk_cpu = || {
+        ModelExecutor::with_capacity(
+            Model::load_dir(&dir, CpuBackend::new()).expect("load cpu"),
+            16,
+            1,
+            cap,
+            0,
+        )
+        .expect("cpu exec")
+    };
+    let gpu_model = Model::load_dir(&dir, gpu).expect("load on the GPU");
+    let recorded = gpu_model.backend.take_error();
+    assert!(recorded.is_none(), "upload: {recorded:?}");
+    let mut g =
+        Session::new(ModelExecutor::with_capacity(gpu_model, 16, 1, cap, 0).expect("gpu exec"))
+            .expect("session");
+    let mut c = Session::new(mk_cpu()).expect("session");
+    let mut failures = Vec::new();
+    for (i, prompt) in prompts.iter().enumerate() {
+        g.reset().unwrap();
+        c.reset().unwrap();
+        // All prompt positions: every row of the prefill is compared, not only the last.
+        let (lg, lc) = (
+            g.feed(prompt, LogitsWant::All).expect("gpu prefill"),
+            c.feed(prompt, LogitsWant::All).expect("cpu prefill"),
+        );
+        let e = rel_err(&lg, &lc);
+        println!(
+            "{tag}e2e prompt={i} tokens={} prefill_logits rel_err={e:.3e} tol={LOGITS_TOL:.0e}",
+            prompt.len()
+        );
+        if e > LOGITS_TOL {
+            failures.push(format!("prompt {i}: prefill logits {e:.3e}"));
+        }
+        let vocab = g.executor().vocab_size();
+        let (mut lg, mut lc) = (
+            lg[lg.len() - vocab..].to_vec(),
+            lc[lc.len() - vocab..].to_vec(),
+        );
+        let (mut tg, mut tc) = (Vec::new(), Vec::new());
+        let mut worst = 0f64;
+        for step in 0..n {
+            let (a, b) = (top2(&lg).0.0 as u32, top2(&lc).0.0 as u32);
+            tg.push(a);
+            tc.push(b);
+            if a != b {
+                let (tie, gap) = near_tie(&lc, &lg);
+                println!(
+                    "{tag}e2e prompt={i} diverges at step {step}: cuda {a} cpu {b}; CPU top-2 gap {gap:.3e} ({})",
+                    if tie {
+                        "near tie: acceptable"
+                    } else {
+                        "NOT a near tie"
+                    }
+                );
+                if !tie {
+                    failures.push(format!("prompt {i}: token {step} differs (gap {gap:.3e})"));
+                }
+                break;
+            }
+            if step + 1 == n {
+                break;
+            }
+            lg = g.feed(&[a], LogitsWant::Last).expect("gpu decode");
+            lc = c.feed(&[b], LogitsWant::Last).expect("cpu decode");
+            worst = worst.max(rel_err(&lg, &lc));
+        }
+        println!("{tag}e2e prompt={i} decode_logits max_rel_err={worst:.3e} tol={LOGITS_TOL:.0e}");
+        println!("{tag}e2e prompt={i} greedy cuda={tg:?}");
+        println!(
+            "{tag}e2e prompt={i} greedy cpu ={tc:?} {}",
+            if tg == tc { "equal" } else { "differ" }
+        );
+        if worst > LOGITS_TOL {
+            failures.push(format!("prompt {i}: decode logits {worst:.3e}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:?}");
+}
+
+fn engine_tokens(exec: Box<dyn Executor>, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<u32>> {
+    use k3_engine::{Engine, EngineConfig, Request, SamplingParams};
+    let cfg = EngineConfig {
+        prefix_cache: true,
+        checkpoint_interval: 8,
+        step_tokens: 24,
+        max_step_tokens: 40,
+        max_context: 4096,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(exec, cfg).expect("engine");
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(n),
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let mut streams: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            engine
+                .submit(Request::new(i as u64 + 1, p.clone(), params.clone()))
+                .expect("submit")
+        })
+        .collect();
+    let out = streams
+        .iter_mut()
+        .map(|s| {
+            let mut toks = Vec::new();
+            while let Some(ev) = s.blocking_next() {
+                let ev = ev.expect("request failed");
+                toks.push(ev.token);
+                if ev.finish.is_some() {
+                    break;
+                }
+            }
+            toks
+        })
+        .collect();
+    engine.shutdown(std::time::Duration::from_secs(5));
+    out
+}
+
+#[test]
+fn engine_matches_cpu() {
+    let Some(gpu) = cuda() else { return };
+    compare_engine(gpu, 10, "");
+}
+
+/// A few concurrent requests (shared prefix included) through k3_engine on `gpu` vs the CPU.
+fn compare_engine<G: Backend>(gpu: G, n: usize, tag: &str) {
+    let dir = root().join("models/k3-mini");
+    let (mut prompts, _) = golden();
+    // A shared prefix (prefix cache hit + checkpoints) and a longer continuation.
+    let first = prompts[0].clone();
+    prompts.push([&first[..], &[17, 18, 19]].concat());
+    prompts.push(first.iter().rev().copied().collect());
+    let gpu_exec = ModelExecutor::with_capacity(
+        Model::load_dir(&dir, gpu).expect("load gpu"),
+        4,
+        24,
+        160,
+        96,
+    )
+    .expect("gpu exec");
+    let cpu_exec = ModelExecutor::with_capacity(
+        Model::load_dir(&dir, CpuBackend::new()).expect("load cpu"),
+        4,
+        24,
+        160,
+        96,
+    )
+    .expect("cpu exec");
+    let g = engine_tokens(Box::new(gpu_exec), &prompts, n);
+    let c = engine_tokens(Box::new(cpu_exec), &prompts, n);
+    let mut bad = Vec::new();
+    for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+        println!("{tag}engine request={i} cuda={a:?}");
+        println!(
+            "{tag}engine request={i} cpu ={b:?} {}",
+            if a == b { "equal" } else { "differ" }
+        );
+        if a.len() != n {
+            bad.push(format!("request {i}: {} tokens", a.len()));
+        } else if a != b {
+            // Judge the first divergence on the CPU's logits at that point.
+            let j = a.iter().zip(b).position(|(x, y)| x != y).unwrap_or(0);
+            let mut s = Session::new(
+                ModelExecutor::with_capacity(
+                    Model::load_dir(&dir, CpuBackend::new()).expect("load"),
+                    16,
+                    1,
+                    256,
+                    0,
+                )
+                .expect("exec"),
+            )
+            .expect("session");
+            let l = s
+                .feed(&[&prompts[i][..], &b[..j]].concat(), LogitsWant::Last)
+                .expect("cpu");
+            let ((_, x), (_, y)) = top2(&l);
+            let scale = l.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let tie = x - y <= 1e-3 * scale;
+            println!(
+                "{tag}engine request={i} diverges at {j}; CPU top-2 gap {:.3e} ({})",
+                x - y,
+                if tie {
+                    "near tie: acceptable"
+                } else {
+                    "NOT a near tie"
+                }
+            );
+            if !tie {
+                bad.push(format!("request {i}: differs at {j}"));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{bad:?}");
+}

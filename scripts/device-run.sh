@@ -1,0 +1,190 @@
+#!/usr/bin/env bash
+# On the H200 (device tool, from the repo root, with `.carry` carried; build it here first with
+# scripts/device-build.sh):
+#   bash scripts/device-run.sh
+# 1. the CUDA-vs-CPU device tests (tests/device.rs: every op, k3-mini end to end, the engine);
+# 2. `k3serve serve --device cuda` on models/k3-mini, smoke requests (chat/completions, stream
+#    and not), and `k3serve generate` on CUDA vs CPU (greedy, informational).
+# Results in $OUT: summary.txt, device-test.log, server.log, smoke.log, generate.log,
+# nvidia-smi.txt. Exit status: non-zero if anything failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/k3-device-run}"
+mkdir -p "$OUT"
+BIN=/tmp/k3bin
+PORT=8011
+BASE="http://127.0.0.1:$PORT"
+failures=()
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+fail() {
+    failures+=("$1")
+    summary "FAIL: $1"
+}
+
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed" >>"$OUT/nvidia-smi.txt"
+
+# --- libraries: cudarc loads libcuda (driver), libnvrtc and libcublas by name at run time.
+libdirs=()
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/nvidia/lib64; do
+    [ -d "$d" ] && libdirs+=("$d")
+done
+pydirs=$(python3 - <<'EOF' 2>/dev/null
+import glob, os
+dirs = []
+def add(pattern):
+    for f in sorted(glob.glob(pattern, recursive=True)):
+        d = os.path.dirname(f)
+        if d not in dirs:
+            dirs.append(d)
+try:
+    import nvidia
+    for p in nvidia.__path__:
+        add(os.path.join(p, "**", "libnvrtc.so*"))
+        add(os.path.join(p, "**", "libcublas.so*"))
+except Exception:
+    pass
+try:
+    import importlib.util
+    spec = importlib.util.find_spec("torch")
+    if spec and spec.origin:
+        add(os.path.join(os.path.dirname(spec.origin), "lib", "libcublas.so*"))
+except Exception:
+    pass
+print(":".join(dirs))
+EOF
+)
+LD_LIBRARY_PATH="$(IFS=:; echo "${libdirs[*]:-}")${pydirs:+:$pydirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH#:}"
+summary "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+for lib in libcuda.so.1 libnvrtc.so.13 libcublas.so.13; do
+    found=$( (ldconfig -p 2>/dev/null | grep -o "/[^ ]*/$lib\$"; IFS=:; for d in $LD_LIBRARY_PATH; do ls "$d/$lib" 2>/dev/null; done) | head -1)
+    summary "library $lib: ${found:-NOT FOUND}"
+done
+export K3_KERNEL_CACHE=/tmp/k3-kernel-cache
+
+
+# --- unpack the binaries (xz; Python's lzma where the xz tool is missing).
+mkdir -p "$BIN"
+unpack() {
+    if command -v xz >/dev/null; then
+        xz -dc "$1" >"$2"
+    else
+        python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$1" "$2"
+    fi && chmod +x "$2"
+}
+for b in k3serve device-test; do
+    if ! unpack ".carry/$b.xz" "$BIN/$b"; then
+        fail "unpacking .carry/$b.xz (run scripts/device-build.sh and carry .carry)"
+        exit 1
+    fi
+done
+[ -f .carry/BUILD_INFO ] && summary "build: $(tr '\n' ' ' <.carry/BUILD_INFO)"
+
+# --- 1. device tests.
+summary "== device tests"
+K3_ROOT="$PWD" timeout 420 "$BIN/device-test" --nocapture --test-threads=1 >"$OUT/device-test.log" 2>&1
+rc=$?
+grep -E '^(op=|e2e |engine |test )|skipped|seed|FAIL|panicked|near tie' "$OUT/device-test.log" | tee -a "$OUT/summary.txt"
+[ $rc -eq 0 ] || fail "device tests (exit $rc; see device-test.log)"
+grep -q 'skipped: no CUDA device' "$OUT/device-test.log" && fail "device tests skipped: no CUDA device opened"
+
+# --- 2. the server on CUDA.
+summary "== k3serve serve --device cuda"
+"$BIN/k3serve" serve --device cuda --model models/k3-mini --host 127.0.0.1 --port $PORT \
+    --plugin-dir .carry/plugins --max-model-len 2048 >"$OUT/server.log" 2>&1 &
+server=$!
+ready=0
+for _ in $(seq 1 240); do
+    if curl -sf "$BASE/health" >/dev/null 2>&1; then
+        ready=1
+        break
+    fi
+    kill -0 $server 2>/dev/null || break
+    sleep 0.5
+done
+if [ $ready -eq 0 ]; then
+    fail "server did not become healthy (see server.log)"
+    tail -20 "$OUT/server.log" | tee -a "$OUT/summary.txt"
+else
+    summary "server healthy; device line: $(grep -iE 'device|cuda' "$OUT/server.log" | head -3 | tr '\n' ' ')"
+    S="$OUT/smoke.log"
+    req() { # name, path, json body, [stream]
+        local name=$1 path=$2 body=$3
+        echo "== $name" >>"$S"
+        if ! curl -sfN --max-time 120 "$BASE$path" -H 'Content-Type: application/json' -d "$body" >"$BIN/resp" 2>>"$S"; then
+            cat "$BIN/resp" >>"$S"
+            fail "smoke: $name (curl error)"
+            return
+        fi
+        cat "$BIN/resp" >>"$S"
+        echo >>"$S"
+        if [ "${4:-}" = stream ]; then
+            grep -q '^data: \[DONE\]' "$BIN/resp" || fail "smoke: $name (no [DONE])"
+            summary "smoke $name: $(grep -c '^data: ' "$BIN/resp") SSE events"
+        else
+            local text
+            text=$(python3 -c 'import json,sys; c=json.load(open(sys.argv[1]))["choices"][0]; print(repr((c.get("message") or {}).get("content") or c.get("text"))[:160], c.get("finish_reason"))' "$BIN/resp") \
+                || fail "smoke: $name (bad JSON)"
+            summary "smoke $name: $text"
+        fi
+    }
+    req models-probe /v1/completions '{"model":"k3-mini","prompt":"1, 2, 3,","max_tokens":1}'
+    req "chat" /v1/chat/completions '{"model":"k3-mini","temperature":0,"max_tokens":64,"messages":[{"role":"user","content":"What is 47 + 85?"}]}'
+    req "chat stream" /v1/chat/completions '{"model":"k3-mini","temperature":0,"max_tokens":64,"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"What is 7 + 8?"}]}' stream
+    req "completions" /v1/completions '{"model":"k3-mini","temperature":0,"max_tokens":48,"prompt":"The capital of France is"}'
+    req "completions stream" /v1/completions '{"model":"k3-mini","temperature":0,"max_tokens":48,"stream":true,"prompt":"The capital of France is"}' stream
+    req "completions n=3 sampled" /v1/completions '{"model":"k3-mini","temperature":0.8,"seed":1,"n":3,"max_tokens":32,"prompt":"Once upon a time"}'
+    # Concurrent requests through the batching engine on the GPU.
+    pids=()
+    for i in 1 2 3 4 5 6; do
+        curl -sf --max-time 120 "$BASE/v1/chat/completions" -H 'Content-Type: application/json' \
+            -d "{\"model\":\"k3-mini\",\"temperature\":0,\"max_tokens\":48,\"messages\":[{\"role\":\"user\",\"content\":\"Count to $i.\"}]}" \
+            >"$BIN/conc$i" 2>&1 &
+        pids+=($!)
+    done
+    conc_ok=1
+    for p in "${pids[@]}"; do wait "$p" || conc_ok=0; done
+    for i in 1 2 3 4 5 6; do
+        echo "== concurrent $i" >>"$S"
+        cat "$BIN/conc$i" >>"$S"
+        echo >>"$S"
+    done
+    [ $conc_ok -eq 1 ] && summary "smoke concurrent x6: ok" || fail "smoke: concurrent chat requests"
+    if [ -f examples/clients/curl.sh ]; then
+        echo "== examples/clients/curl.sh" >>"$S"
+        if timeout 180 bash examples/clients/curl.sh "$BASE" >>"$S" 2>&1; then
+            summary "examples/clients/curl.sh: ok"
+        else
+            fail "examples/clients/curl.sh"
+        fi
+    fi
+    curl -sf "$BASE/metrics" | grep -E '^k3serve_(num_requests|generation_tokens)' >>"$S" 2>&1
+fi
+kill $server 2>/dev/null
+for _ in $(seq 1 40); do kill -0 $server 2>/dev/null || break; sleep 0.25; done
+kill -9 $server 2>/dev/null
+wait $server 2>/dev/null
+grep -iE 'panick|error' "$OUT/server.log" | head -5 | sed 's/^/server.log: /' | tee -a "$OUT/summary.txt"
+
+# --- 3. generate: CUDA vs CPU, greedy (informational: near-ties can flip a token).
+G="$OUT/generate.log"
+prompt='<|open|>message role="user"<|sep|>What is 47 + 85?<|close|>message<|sep|><|end_of_msg|><|open|>message role="assistant"<|sep|>'
+for dev in cuda cpu; do
+    echo "== generate --device $dev" >>"$G"
+    if ! timeout 120 "$BIN/k3serve" generate --device $dev --model models/k3-mini --prompt "$prompt" \
+        --max-tokens 48 --ignore-eos >"$BIN/gen-$dev" 2>>"$G"; then
+        fail "generate --device $dev"
+    fi
+    cat "$BIN/gen-$dev" >>"$G"
+done
+if cmp -s "$BIN/gen-cuda" "$BIN/gen-cpu"; then
+    summary "generate: CUDA and CPU greedy texts are identical"
+else
+    summary "generate: CUDA and CPU greedy texts differ (see generate.log; device tests judge near-ties)"
+fi
+
+if [ ${#failures[@]} -gt 0 ]; then
+    summary "== ${#failures[@]} failure(s): ${failures[*]}"
+    exit 1
+fi
+summary "== all passed"
