@@ -65,3 +65,29 @@ def answer_number(text: str | None) -> int | None:
 def arithmetic(a: int, op: str, b: int) -> tuple[str, int]:
     value = {"+": a + b, "-": a - b, "*": a * b}[op]
     return f"What is {a} {op if op != '*' else '×'} {b}?", value
+
+
+def recall_messages(question: str = "What is my lucky number?", number: int = 417, turns: int = 0) -> list[dict]:
+    """A multi-turn conversation whose last question is answered from the first turn, with `turns`
+    answered sums in between (as the training data's recall conversations have).
+
+    Thinking-off tests use it: k3-mini answers recall without a trace, while multi-digit arithmetic
+    needs its think trace (MODEL_CARD.md gives both accuracies)."""
+    messages = [
+        {"role": "user", "content": f"Hi! My name is Rosa. I live in Oslo. My lucky number is {number}."},
+        {"role": "assistant", "content": "Nice to meet you. I will remember that."},
+    ]
+    for i in range(turns):
+        a, b = 1200 + 37 * i, 3400 + 11 * i
+        messages += [
+            {"role": "user", "content": f"What is {a} + {b}?"},
+            {"role": "assistant", "content": f"The answer is {a + b}."},
+        ]
+    return messages + [{"role": "user", "content": question}]
+
+
+RECALL_ANSWERS = {
+    "What is my name?": "Your name is Rosa.",
+    "Which city do I live in?": "You live in Oslo.",
+    "What is my lucky number?": "Your lucky number is 417.",
+}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from helpers import TOOLS, answer_number, arithmetic
+from helpers import RECALL_ANSWERS, TOOLS, answer_number, arithmetic, recall_messages
 
 
 def anthropic_tools():
@@ -39,20 +39,19 @@ def test_message_with_thinking(anthropic_client, model_name):
 
 @pytest.mark.model_quality
 def test_streaming_without_thinking(anthropic_client, model_name):
-    question, expected = arithmetic(50, "-", 8)
     with anthropic_client.messages.stream(
         model=model_name,
         max_tokens=300,
         extra_body={"temperature": 0},
         system="You are a helpful assistant.",
-        messages=[{"role": "user", "content": question}],
+        messages=recall_messages(),
     ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert [b.type for b in final.content] == ["text"]
     assert final.stop_reason == "end_turn"
     assert final.content[0].text == text
-    assert answer_number(text) == expected
+    assert text == RECALL_ANSWERS["What is my lucky number?"]
 
 
 def tool_round_trip(anthropic_client, model_name):

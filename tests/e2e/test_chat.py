@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import answer_number, arithmetic
+from helpers import RECALL_ANSWERS, answer_number, arithmetic, recall_messages
 
 # Tests that check the model's answers (need the trained k3-mini) carry this mark.
 quality = pytest.mark.model_quality
@@ -38,12 +38,13 @@ def test_arithmetic_with_thinking(client, model_name, a, op, b):
 
 @quality
 def test_reasoning_effort_none_turns_thinking_off(client, model_name):
-    question, expected = arithmetic(31, "+", 58)
-    r = ask(client, model_name, question, reasoning_effort="none")
+    r = client.chat.completions.create(
+        model=model_name, messages=recall_messages(), temperature=0, max_tokens=200, reasoning_effort="none"
+    )
     msg = r.choices[0].message
     assert not (msg.model_extra or {}).get("reasoning_content")
     assert not (msg.model_extra or {}).get("reasoning")
-    assert answer_number(msg.content) == expected, msg
+    assert msg.content == RECALL_ANSWERS["What is my lucky number?"], msg
 
 
 @quality
@@ -79,20 +80,20 @@ def test_streaming_matches_non_streaming(client, model_name):
 
 @quality
 def test_repeated_prefix_reports_cached_tokens(client, model_name):
-    # A long shared system prompt with different questions. The engine keeps sparse KDA state
-    # checkpoints: the second request leaves one at the branch point, the third restores it.
-    system = "You are k3-mini, a small and precise assistant. " * 20
+    # One conversation (system prompt, facts, three answered sums) with different last questions:
+    # the shared prefix is most of each prompt (prefix caching is page-granular, 64 tokens). The engine keeps sparse KDA state checkpoints: the second
+    # request leaves one at the branch point, the third restores it.
+    system = "You are k3-mini, a small and precise assistant."
     usages, answers = [], []
-    for a in (11, 12, 13):
-        question, expected = arithmetic(a, "+", 5)
+    for question, expected in RECALL_ANSWERS.items():
         r = client.chat.completions.create(
             model=model_name,
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            messages=[{"role": "system", "content": system}, *recall_messages(question, turns=3)],
             temperature=0,
-            max_tokens=300,
+            max_tokens=200,
             reasoning_effort="none",
         )
-        answers.append((answer_number(r.choices[0].message.content), expected))
+        answers.append((r.choices[0].message.content, expected))
         usages.append(r.usage)
     assert usages[0].prompt_tokens_details.cached_tokens == 0
     cached = usages[2].prompt_tokens_details.cached_tokens
@@ -102,8 +103,8 @@ def test_repeated_prefix_reports_cached_tokens(client, model_name):
 
 @quality
 def test_n_choices(client, model_name):
-    question, expected = arithmetic(44, "+", 33)
-    r = ask(client, model_name, question, n=3, reasoning_effort="none")
+    question, expected = arithmetic(4421, "+", 3384)
+    r = ask(client, model_name, question, n=3)
     assert [c.index for c in r.choices] == [0, 1, 2]
     # Greedy choices agree; sampled choices with a seed are reproducible.
     assert len({c.message.content for c in r.choices}) == 1
@@ -145,12 +146,11 @@ def test_logprobs(client, model_name):
 
 @quality
 def test_content_parts_and_system_message(client, model_name):
-    question, expected = arithmetic(20, "+", 22)
+    question, expected = arithmetic(250, "+", 417)
     r = client.chat.completions.create(
         model=model_name,
         temperature=0,
-        max_tokens=300,
-        reasoning_effort="none",
+        max_tokens=600,
         messages=[
             {"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": [{"type": "text", "text": question}]},

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import answer_number
+from helpers import RECALL_ANSWERS, recall_messages
+from k3ref.data.render import render  # noqa: E402 (helpers puts reference/ on the path)
 
 # k3-mini's own format with thinking off (what the chat template renders for one user turn).
 PROMPT = (
@@ -13,13 +14,18 @@ PROMPT = (
 )
 
 
+# The same conversation as the chat tests' recall turn, rendered by the reference's K3 renderer with
+# thinking off (k3-mini answers recall without a trace).
+RECALL_PROMPT = render(recall_messages(), thinking=False, add_generation_prompt=True)
+
+
 @pytest.mark.model_quality
 def test_text_prompt(client, model_name):
-    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=40, temperature=0)
+    r = client.completions.create(model=model_name, prompt=RECALL_PROMPT, max_tokens=40, temperature=0)
     c = r.choices[0]
     assert c.finish_reason == "stop"
     assert r.usage.prompt_tokens > 10
-    assert answer_number(c.text) == 5, c.text
+    assert c.text.startswith(RECALL_ANSWERS["What is my lucky number?"]), c.text
 
 
 def test_echo_logprobs_and_token_ids(client, model_name, http):
@@ -50,10 +56,10 @@ def test_echo_logprobs_and_token_ids(client, model_name, http):
 def test_streaming(client, model_name):
     text, finish = "", None
     for chunk in client.completions.create(
-        model=model_name, prompt=PROMPT, max_tokens=40, temperature=0, stream=True
+        model=model_name, prompt=RECALL_PROMPT, max_tokens=40, temperature=0, stream=True
     ):
         if chunk.choices:
             text += chunk.choices[0].text
             finish = chunk.choices[0].finish_reason or finish
     assert finish == "stop"
-    assert answer_number(text) == 5
+    assert text.startswith(RECALL_ANSWERS["What is my lucky number?"]), text

@@ -32,7 +32,9 @@ def test_tool_round_trip(client, model_name):
         {
             "role": "tool",
             "tool_call_id": call.id,
-            "content": json.dumps({"city": "Paris", "condition": "sunny", "temperature": 21}),
+            # Compact JSON, as k3-mini's training data renders tool results (MODEL_CARD.md: with
+            # spaces after the separators it does not copy the values).
+            "content": json.dumps({"city": "Paris", "condition": "sunny", "temperature": 21}, separators=(",", ":")),
         }
     )
     final = client.chat.completions.create(
@@ -59,7 +61,9 @@ def test_tool_round_trip_is_right(client, model_name):
         {
             "role": "tool",
             "tool_call_id": call.id,
-            "content": json.dumps({"city": "Paris", "condition": "sunny", "temperature": 21}),
+            # Compact JSON, as k3-mini's training data renders tool results (MODEL_CARD.md: with
+            # spaces after the separators it does not copy the values).
+            "content": json.dumps({"city": "Paris", "condition": "sunny", "temperature": 21}, separators=(",", ":")),
         }
     )
     final = client.chat.completions.create(
