@@ -2,6 +2,7 @@
 
 pub mod backend;
 pub mod config;
+mod dummy;
 pub mod exec;
 pub mod model;
 pub mod runner;

@@ -211,6 +211,13 @@ impl<B: Backend> Model<B> {
         Ok(Self::from_tensors(config, &file.tensors(), backend)?)
     }
 
+    /// `config.json` from a model directory with seeded random weights (no checkpoint needed):
+    /// for benchmarking real K3 shapes, e.g. `models/k3-slice`.
+    pub fn load_dir_dummy(dir: &Path, backend: B, seed: u64) -> Result<Self, LoadError> {
+        let config = Config::from_file(&dir.join("config.json"))?;
+        Ok(Self::from_tensors(config, &Tensors::dummy(seed), backend)?)
+    }
+
     pub fn from_tensors(config: Config, t: &Tensors<'_>, be: B) -> Result<Self, WeightError> {
         let c = &config;
         let d = c.hidden_size;

@@ -31,7 +31,6 @@ pub enum WeightError {
 
 /// A memory-mapped safetensors file.
 pub struct WeightFile {
-    path: String,
     mmap: Mmap,
 }
 
@@ -52,35 +51,62 @@ impl WeightFile {
             path: p.clone(),
             msg: e.to_string(),
         })?;
-        Ok(Self { path: p, mmap })
+        Ok(Self { mmap })
     }
 
     pub fn tensors(&self) -> Tensors<'_> {
         // Validated in `open`.
         Tensors {
-            st: SafeTensors::deserialize(&self.mmap).expect("validated at open"),
-            path: &self.path,
+            src: Source::File(SafeTensors::deserialize(&self.mmap).expect("validated at open")),
         }
     }
 }
 
+/// Named tensors: a safetensors file, or seeded random weights (`--load-format dummy`).
 pub struct Tensors<'a> {
-    st: SafeTensors<'a>,
-    #[allow(dead_code)]
-    path: &'a str,
+    src: Source<'a>,
+}
+
+enum Source<'a> {
+    File(SafeTensors<'a>),
+    Dummy(u64),
 }
 
 fn dtype_name(d: Dtype) -> String {
     format!("{d:?}").to_lowercase()
 }
 
+impl Tensors<'static> {
+    /// Seeded random weights of whatever shape the loader asks for: benchmarking K3's real
+    /// per-layer shapes (`models/k3-slice`) without a checkpoint. Deterministic per (seed, name).
+    pub fn dummy(seed: u64) -> Self {
+        Tensors {
+            src: Source::Dummy(seed),
+        }
+    }
+}
+
 impl<'a> Tensors<'a> {
-    pub fn contains(&self, name: &str) -> bool {
-        self.st.tensor(name).is_ok()
+    fn st(&self, name: &str) -> Result<&SafeTensors<'a>, WeightError> {
+        match &self.src {
+            Source::File(st) => Ok(st),
+            Source::Dummy(_) => Err(WeightError::Missing(format!("{name} (dummy weights)"))),
+        }
     }
 
+    pub fn contains(&self, name: &str) -> bool {
+        match &self.src {
+            Source::File(st) => st.tensor(name).is_ok(),
+            Source::Dummy(_) => true,
+        }
+    }
+
+    /// Tensor names of a file (none for dummy weights).
     pub fn names(&self) -> Vec<String> {
-        self.st.names().into_iter().map(str::to_string).collect()
+        match &self.src {
+            Source::File(st) => st.names().into_iter().map(str::to_string).collect(),
+            Source::Dummy(_) => Vec::new(),
+        }
     }
 
     fn raw(
@@ -90,7 +116,7 @@ impl<'a> Tensors<'a> {
         dtypes: &[Dtype],
     ) -> Result<(Dtype, &'a [u8]), WeightError> {
         let t = self
-            .st
+            .st(name)?
             .tensor(name)
             .map_err(|_| WeightError::Missing(name.to_string()))?;
         if !dtypes.contains(&t.dtype()) {
@@ -117,6 +143,9 @@ impl<'a> Tensors<'a> {
 
     /// A float tensor (bf16, f16 or f32 on disk) converted to f32.
     pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, WeightError> {
+        if let Source::Dummy(seed) = self.src {
+            return Ok(crate::dummy::floats(seed, name, shape));
+        }
         let (dt, data) = self.raw(name, shape, &[Dtype::BF16, Dtype::F32, Dtype::F16])?;
         Ok(match dt {
             Dtype::BF16 => data
@@ -136,13 +165,16 @@ impl<'a> Tensors<'a> {
 
     /// A u8 tensor (MXFP4 codes or E8M0 scales).
     pub fn u8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>, WeightError> {
+        if let Source::Dummy(seed) = self.src {
+            return Ok(crate::dummy::bytes(seed, name, shape));
+        }
         Ok(self.raw(name, shape, &[Dtype::U8])?.1.to_vec())
     }
 
     /// An integer tensor (i64 or i32 on disk), e.g. golden token ids.
     pub fn ints(&self, name: &str) -> Result<Vec<i64>, WeightError> {
         let t = self
-            .st
+            .st(name)?
             .tensor(name)
             .map_err(|_| WeightError::Missing(name.to_string()))?;
         let data = t.data();
@@ -166,7 +198,7 @@ impl<'a> Tensors<'a> {
     /// Any float tensor with its shape (tests / golden files).
     pub fn any_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), WeightError> {
         let t = self
-            .st
+            .st(name)?
             .tensor(name)
             .map_err(|_| WeightError::Missing(name.to_string()))?;
         let shape = t.shape().to_vec();

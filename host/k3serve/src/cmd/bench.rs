@@ -1,8 +1,8 @@
-//! `k3serve bench`: CPU throughput of the model on this machine — batch-1 decode tok/s,
+//! `k3serve bench`: throughput of the model on this machine (CPU or CUDA) — batch-1 decode tok/s,
 //! prefill tok/s of a long prompt, peak RSS. Prompts are synthetic token ids (seeded), since
 //! throughput does not depend on their content.
 
-use super::model_loading::{Device, init_threads, load_single};
+use super::model_loading::{Device, LoadFormat, init_threads, load_single};
 use k3_model::{Executor, LogitsWant, Session, argmax};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -26,6 +26,13 @@ pub struct Args {
     /// `cuda`, `cpu` or `auto` (CUDA when a GPU opens, else the CPU).
     #[arg(long)]
     pub device: Option<String>,
+    /// `safetensors`, or `dummy`: seeded random weights of the config's shapes (e.g. `--model
+    /// models/k3-slice`, K3's real per-layer shapes, which has no checkpoint).
+    #[arg(long, default_value = "safetensors")]
+    pub load_format: String,
+    /// Seed of the dummy weights.
+    #[arg(long, default_value_t = 0)]
+    pub weights_seed: u64,
 }
 
 fn synthetic_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
@@ -88,7 +95,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     init_threads(a.threads)?;
     let max = a.prefill_tokens.max(64 + a.decode_tokens) + 1;
     let t = Instant::now();
-    let (exec, _, device) = load_single(&a.model, max, Device::parse(a.device.as_deref())?)?;
+    let format = LoadFormat::parse(&a.load_format, a.weights_seed)?;
+    let (exec, _, device) =
+        load_single(&a.model, max, Device::parse(a.device.as_deref())?, format)?;
     eprintln!(
         "loaded {} on the {} in {:.2}s",
         a.model.display(),

@@ -1,6 +1,6 @@
 //! `k3serve generate`: one raw prompt (already in the model's chat format) → streamed text.
 
-use super::model_loading::{Device, init_threads, load_single};
+use super::model_loading::{Device, LoadFormat, init_threads, load_single};
 use anyhow::{Context, bail};
 use k3_frontend::{IncrementalDetokenizer, Tokenizer};
 use k3_model::{Executor, LogitsWant, Session};
@@ -68,7 +68,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         ..Default::default()
     };
     params.validate().context("sampling flags")?;
-    let (exec, config, _) = load_single(&a.model, prompt.len() + a.max_tokens, device)?;
+    let (exec, config, _) = load_single(
+        &a.model,
+        prompt.len() + a.max_tokens,
+        device,
+        LoadFormat::Safetensors,
+    )?;
     let vocab = exec.vocab_size();
     let eos: Vec<u32> = std::iter::once(config.eos_token_id)
         .chain(tokenizer.eos_token_id())

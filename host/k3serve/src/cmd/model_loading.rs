@@ -144,13 +144,49 @@ impl LoadedModel {
     }
 }
 
+/// How weights are obtained (`--load-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadFormat {
+    /// `model.safetensors` in the model directory.
+    Safetensors,
+    /// Seeded random weights of the config's shapes (benchmarks at real K3 shapes: `models/k3-slice`).
+    Dummy { seed: u64 },
+}
+
+impl LoadFormat {
+    pub fn parse(s: &str, seed: u64) -> anyhow::Result<Self> {
+        match s {
+            "auto" | "safetensors" => Ok(LoadFormat::Safetensors),
+            "dummy" => Ok(LoadFormat::Dummy { seed }),
+            other => bail!("--load-format {other} is not supported; use safetensors or dummy"),
+        }
+    }
+}
+
+fn load_on<B: Backend>(dir: &Path, be: B, format: LoadFormat) -> anyhow::Result<Model<B>> {
+    let ctx = || format!("loading the model from {}", dir.display());
+    Ok(match format {
+        LoadFormat::Safetensors => Model::load_dir(dir, be).with_context(ctx)?,
+        LoadFormat::Dummy { seed } => Model::load_dir_dummy(dir, be, seed).with_context(ctx)?,
+    })
+}
+
 /// Load `dir` on the device `wanted` (or the automatic choice).
 pub fn load_model(dir: &Path, wanted: Option<Device>) -> anyhow::Result<LoadedModel> {
+    load_model_as(dir, wanted, LoadFormat::Safetensors)
+}
+
+/// [`load_model`] with an explicit weight source.
+pub fn load_model_as(
+    dir: &Path,
+    wanted: Option<Device>,
+    format: LoadFormat,
+) -> anyhow::Result<LoadedModel> {
     let ctx = || format!("loading the model from {}", dir.display());
     Ok(match open_backend(wanted)? {
-        None => LoadedModel::Cpu(Model::load_dir(dir, CpuBackend::new()).with_context(ctx)?),
+        None => LoadedModel::Cpu(load_on(dir, CpuBackend::new(), format)?),
         Some(cuda) => {
-            let m = Model::load_dir(dir, cuda).with_context(ctx)?;
+            let m = load_on(dir, cuda, format)?;
             if let Some(e) = m.backend.take_error() {
                 bail!("{}: uploading the weights to the GPU: {e}", ctx());
             }
@@ -164,9 +200,10 @@ pub fn load_single(
     dir: &Path,
     max_tokens: usize,
     wanted: Option<Device>,
+    format: LoadFormat,
 ) -> anyhow::Result<(DynExecutor, Config, Device)> {
     const PAGE_TOKENS: usize = 64;
-    let model = load_model(dir, wanted)?;
+    let model = load_model_as(dir, wanted, format)?;
     let (config, device) = (model.config().clone(), model.device());
     // Same sizing as ModelExecutor::with_capacity(model, 64, 1, max_tokens, 0).
     let offs = k3_model::model::CacheOffsets::new(&config, PAGE_TOKENS);
