@@ -235,3 +235,156 @@ kda_chunk_fwd_f32(const float* __restrict__ q, const float* __restrict__ k, cons
 #pragma unroll
     for (int i = 0; i < KDA_ROWS; ++i) S[kda_row(i, lane) * KDA_V + vcol] = s[i];
 }
+
+// ---------------------------------------------------------------------------------------------
+// kda_conv_prep_f32: conv + SiLU + prep in one pass (replaces the first two launches; same
+// results, g and beta to their own outputs so f is not copied first). The two-kernel version
+// walks each channel over all T tokens in one thread (3*H*K threads, a serial chain of T
+// dependent steps) and then re-reads q, k for the norms; here a warp owns one (head, segment
+// of KDA_SEG tokens), lane l channels 4l..4l+3 (one float4 per tensor and token: a warp reads
+// 512 contiguous bytes), so T*H/KDA_SEG warps run independently and q, k, v, f are read once.
+// A segment's first conv-1 history inputs are re-read from the previous segment's rows (or the
+// stored window for segment 0), so segments need no ordering.
+// Window writes: the working window is read (segment 0) and rewritten only by segment 0's warp
+// of each head, so no block overwrites it while another still needs it; checkpoint n's window
+// goes from the warp whose segment holds token n-1. Grid (ceil(T/KDA_SEG), ceil(H/4)), 128.
+// Only conv <= KDA_FUSED_MAX_CONV (K3: 4); launchers fall back to the two kernels above.
+#define KDA_SEG 32
+#define KDA_FUSED_MAX_CONV 4
+
+template <int C>
+__device__ __forceinline__ void kda_conv_prep_impl(
+    const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
+    const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
+    const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
+    const float* __restrict__ dt_bias, float* __restrict__ q_out, float* __restrict__ k_out,
+    float* __restrict__ v_out, float* __restrict__ g_out, float* __restrict__ beta_out, float* __restrict__ arena,
+    i64 state_off, const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt, int tokens,
+    int heads, float lower_bound) {
+    constexpr int H1 = C > 1 ? C - 1 : 1;  // history length (array size >= 1)
+    const int lane = threadIdx.x & 31, h = blockIdx.y * 4 + (threadIdx.x >> 5);
+    const int t0 = blockIdx.x * KDA_SEG, t1 = min(tokens, t0 + KDA_SEG);
+    if (h >= heads || t0 >= tokens) return;
+    const int hk = heads * KDA_K, c0 = h * KDA_K + 4 * lane;  // first of this lane's 4 channels
+    const i64 wf = kda_window_floats(hk, C);
+    const float* ins[3] = {q_in, k_in, v_in};
+    const float* cws[3] = {conv_q, conv_k, conv_v};
+    float w[3][4][C], hist[3][4][H1];
+#pragma unroll
+    for (int r = 0; r < 3; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+#pragma unroll
+            for (int j = 0; j < C; ++j) w[r][c][j] = cws[r][(i64)(c0 + c) * C + j];
+            // hist[j] = input at token t0 - (C-1) + j; before token 0 it is window slot t0 + j.
+#pragma unroll
+            for (int j = 0; j < C - 1; ++j) {
+                const int p = t0 - (C - 1) + j;
+                hist[r][c][j] = p >= 0 ? ins[r][(i64)p * hk + c0 + c]
+                                       : arena[state_off + r * wf + (i64)(c0 + c) * (C - 1) + (p + C - 1)];
+            }
+        }
+    float dtb[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dtb[c] = dt_bias[c0 + c];
+    const float a = expf(a_log[h]);
+    const float qscale = rsqrtf((float)KDA_K);
+    // First checkpoint at or after token t0 + 1 (ckpt_n ascending).
+    int next_ck = 0;
+    {
+        int lo = 0, hi = n_ckpt;
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (ckpt_n[mid] < t0 + 1) lo = mid + 1; else hi = mid;
+        }
+        next_ck = lo;
+    }
+    auto ld4 = [&](const float* p, int t) { return *reinterpret_cast<const float4*>(p + (i64)t * hk + c0); };
+    float4 nx[4] = {ld4(q_in, t0), ld4(k_in, t0), ld4(v_in, t0), ld4(f_in, t0)};
+    float nb = b_in[(i64)t0 * heads + h];
+    for (int t = t0; t < t1; ++t) {
+        float x[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            x[r][0] = nx[r].x; x[r][1] = nx[r].y; x[r][2] = nx[r].z; x[r][3] = nx[r].w;
+        }
+        const float bt = nb;
+        if (t + 1 < t1) {  // prefetch the next token while this one computes
+            nx[0] = ld4(q_in, t + 1); nx[1] = ld4(k_in, t + 1); nx[2] = ld4(v_in, t + 1); nx[3] = ld4(f_in, t + 1);
+            nb = b_in[(i64)(t + 1) * heads + h];
+        }
+        float y[3][4];
+#pragma unroll
+        for (int r = 0; r < 3; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                float acc = w[r][c][C - 1] * x[r][c];
+#pragma unroll
+                for (int j = 0; j < C - 1; ++j) acc += w[r][c][j] * hist[r][c][j];
+#pragma unroll
+                for (int j = 0; j < C - 1; ++j) hist[r][c][j] = j + 1 < C - 1 ? hist[r][c][j + 1] : x[r][c];
+                y[r][c] = k3_silu(acc);
+            }
+        float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            sq += y[0][c] * y[0][c];
+            sk += y[1][c] * y[1][c];
+        }
+        const float iq = qscale / sqrtf(warp_sum(sq) + 1e-6f);
+        const float ik = 1.0f / sqrtf(warp_sum(sk) + 1e-6f);
+        const i64 o = (i64)t * hk + c0;
+        *reinterpret_cast<float4*>(q_out + o) = make_float4(y[0][0] * iq, y[0][1] * iq, y[0][2] * iq, y[0][3] * iq);
+        *reinterpret_cast<float4*>(k_out + o) = make_float4(y[1][0] * ik, y[1][1] * ik, y[1][2] * ik, y[1][3] * ik);
+        *reinterpret_cast<float4*>(v_out + o) = make_float4(y[2][0], y[2][1], y[2][2], y[2][3]);
+        *reinterpret_cast<float4*>(g_out + o) =
+            make_float4(kda_gate(x[3][0], dtb[0], a, lower_bound), kda_gate(x[3][1], dtb[1], a, lower_bound),
+                        kda_gate(x[3][2], dtb[2], a, lower_bound), kda_gate(x[3][3], dtb[3], a, lower_bound));
+        if (lane == 0) beta_out[(i64)t * heads + h] = k3_sigmoid(bt);
+        while (next_ck < n_ckpt && ckpt_n[next_ck] == t + 1) {
+#pragma unroll
+            for (int r = 0; r < 3; ++r)
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+#pragma unroll
+                    for (int j = 0; j < C - 1; ++j)
+                        arena[ckpt_off[next_ck] + r * wf + (i64)(c0 + c) * (C - 1) + j] = hist[r][c][j];
+            ++next_ck;
+        }
+    }
+    // The working window after all T tokens: inputs T-(C-1) .. T-1, written by segment 0 only
+    // (it alone read the old window). If segment 0 is also the last, that is its history.
+    if (blockIdx.x == 0) {
+#pragma unroll
+        for (int r = 0; r < 3; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+#pragma unroll
+                for (int j = 0; j < C - 1; ++j) {
+                    const int p = tokens - (C - 1) + j;
+                    const float val = t1 == tokens ? hist[r][c][j] : ins[r][(i64)p * hk + c0 + c];
+                    arena[state_off + r * wf + (i64)(c0 + c) * (C - 1) + j] = val;
+                }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+kda_conv_prep_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
+                  const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
+                  const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
+                  const float* __restrict__ dt_bias, float* __restrict__ q_out, float* __restrict__ k_out,
+                  float* __restrict__ v_out, float* __restrict__ g_out, float* __restrict__ beta_out,
+                  float* __restrict__ arena, i64 state_off, const int* __restrict__ ckpt_n,
+                  const i64* __restrict__ ckpt_off, int n_ckpt, int tokens, int heads, int conv, float lower_bound) {
+#define KDA_CP_ARGS                                                                                            \
+    q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, q_out, k_out, v_out, g_out, beta_out, \
+        arena, state_off, ckpt_n, ckpt_off, n_ckpt, tokens, heads, lower_bound
+    switch (conv) {
+        case 1: kda_conv_prep_impl<1>(KDA_CP_ARGS); break;
+        case 2: kda_conv_prep_impl<2>(KDA_CP_ARGS); break;
+        case 3: kda_conv_prep_impl<3>(KDA_CP_ARGS); break;
+        case 4: kda_conv_prep_impl<4>(KDA_CP_ARGS); break;
+        default: break;  // conv > KDA_FUSED_MAX_CONV: the launcher uses the two-kernel path
+    }
+#undef KDA_CP_ARGS
+}

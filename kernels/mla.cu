@@ -419,3 +419,268 @@ mla_attend_tc_f32(const float* __restrict__ qt, const float* __restrict__ arena,
         out[(h0 + sh) * hstride + kv_lora + 1] = l_run;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Decode path v2 (selected by ops.rs MLA_DECODE_V2; the kernels above stay as the fallback).
+// v1 measured ~4 us per 8-position tile on the H200 for every shape (5% of HBM), ~4x more than its
+// MMA count and bytes explain: one 184-register block per SM runs three barrier-separated phases
+// per tile (split-K scores, softmax on half the warps, P V) with nothing to overlap their latency,
+// and every thread redoes two integer divisions and a page-table load per 16-byte chunk.
+// mla_attend_tc2_f32 is the same math and partial layout with (a) __launch_bounds__(256, 2): two
+// blocks per SM, so one block's barriers/softmax overlap the other's MMAs and copies; (b) warp w
+// copies row w of the tile (8 rows = 8 warps): one page lookup per row; (c) L2 prefetch of the
+// rows pf tiles ahead. The six head-group blocks of one (item, split) read the same rows, so
+// only ~1/6 of the bytes v1 had in flight were HBM misses: ~1 MB over the GPU, a ~1 TB/s cap at
+// HBM latency. mode = precision | pf << 2, precision 1 = 3xTF32, 0 = 1xTF32, 3 = 3xTF32 scores and
+// 1xTF32 P V (scores need the precision: an error d in s scales the weight by e^d), 2 = copies
+// only, no math (a benchmark probe of the load pipeline; its output is garbage).
+// The W_UV step moves to mla_out_proj_f32, which reads each head's W_UV once for up to 64 items
+// (v1's combine re-read all 25 MB of W_UV per item: 1.6 GB of L2 traffic at N = 64).
+static_assert(MLA_TC_POS == MLA_TC_WARPS, "mla_attend_tc2_f32: warp w copies tile row w");
+extern "C" __global__ void __launch_bounds__(MLA_TC_THREADS, 2)
+mla_attend_tc2_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
+                   const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
+                   int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale, int mode) {
+    __shared__ __align__(16) float kv[2][MLA_TC_POS][MLA_TC_STRIDE];
+    __shared__ float sp[MLA_TC_WARPS][MLA_TC_HEADS][MLA_TC_POS];
+    __shared__ float ps[MLA_TC_HEADS][MLA_TC_PSTRIDE];
+    __shared__ float cs[MLA_TC_HEADS];
+    const int h0 = blockIdx.x * MLA_TC_HEADS, n = blockIdx.y, spl = blockIdx.z;
+    const int row = kv_lora + rope;
+    if (n >= items || row > MLA_MAX_ROW || kv_lora > 512) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int len = lens[n], base = pt_base[n];
+    const int j0 = spl * chunk, j1 = min(len, j0 + chunk);
+    const bool prec = (mode & 3) == 1, prec_qk = prec || (mode & 3) == 3;
+    const int probe = (mode & 3) == 2, pf = mode >> 2;
+
+    for (int i = tid; i < 2 * MLA_TC_POS * (MLA_MAX_ROW - row); i += MLA_TC_THREADS) {
+        const int b = i / (MLA_TC_POS * (MLA_MAX_ROW - row)), rest = i % (MLA_TC_POS * (MLA_MAX_ROW - row));
+        kv[b][rest / (MLA_MAX_ROW - row)][row + rest % (MLA_MAX_ROW - row)] = 0.0f;
+    }
+    float qa[MLA_TC_KSTEPS][4];
+#pragma unroll
+    for (int i = 0; i < MLA_TC_KSTEPS; ++i)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int hh = h0 + g + 8 * (r & 1), c = (warp + MLA_TC_WARPS * i) * 8 + t + 4 * (r >> 1);
+            qa[i][r] = (hh < heads && c < row) ? qt[((i64)n * heads + hh) * row + c] * scale : 0.0f;
+        }
+    float acc[MLA_TC_NT][4];
+#pragma unroll
+    for (int i = 0; i < MLA_TC_NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    const int sh = tid >> 3, sj = tid & 7;
+    float m_run = K3_NEG_INF, l_run = 0.0f;
+
+    // Warp w copies position p0 + w (MLA_TC_POS == MLA_TC_WARPS); rows past j1 are zero-filled.
+    auto load_tile = [&](int b, int p0) {
+        const int j = p0 + warp;
+        float* dst = kv[b][warp];
+        if (j < j1) {
+            const i64 off = mla_row_off(page_start, base, j, page_tokens, row);
+            const float* src = arena + off;
+            if ((off & 3) == 0 && (row & 3) == 0) {
+                for (int c4 = lane; c4 < (row >> 2); c4 += 32) cp_async16(dst + 4 * c4, src + 4 * c4);
+            } else {
+                for (int c = lane; c < row; c += 32) cp_async4(dst + c, src + c);
+            }
+        } else {
+            for (int c = lane; c < row; c += 32) dst[c] = 0.0f;
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+
+    // Warp w asks L2 for row w of tile `tile` (one prefetch per 32-byte sector, no registers or
+    // shared memory held): keeps pf more tiles of HBM reads in flight than the double buffer.
+    auto prefetch_tile = [&](int tile) {
+        const int j = j0 + tile * MLA_TC_POS + warp;
+        if (j >= j1) return;
+        const float* src = arena + mla_row_off(page_start, base, j, page_tokens, row);
+        for (int c = lane * 8; c < row; c += 256) asm volatile("prefetch.global.L2 [%0];" ::"l"(src + c));
+    };
+
+    const int tiles = j1 > j0 ? (j1 - j0 + MLA_TC_POS - 1) / MLA_TC_POS : 0;
+    if (tiles > 0) load_tile(0, j0);
+    for (int d = 1; d <= pf && d < tiles; ++d) prefetch_tile(d);
+    for (int it = 0; it < tiles; ++it) {
+        const int b = it & 1;
+        asm volatile("cp.async.wait_group 0;");
+        __syncthreads();
+        if (it + 1 < tiles) load_tile(b ^ 1, j0 + (it + 1) * MLA_TC_POS);
+        if (pf > 0 && it + 1 + pf < tiles) prefetch_tile(it + 1 + pf);
+        if (probe) continue;  // uniform: every thread skips the same barriers
+        // Opaque to the compiler: it would otherwise hoist the TF32 hi/lo splits of Q out of the
+        // loop (72 live registers instead of 36: 184 in v1, spills under the 128 cap).
+#pragma unroll
+        for (int i = 0; i < MLA_TC_KSTEPS; ++i)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) asm volatile("" : "+f"(qa[i][r]));
+        // Four accumulators, and the 3xTF32 terms of one k-step go to three different ones: the
+        // score MMAs form 4 independent chains (v1: 2 chains of up to 15 dependent MMAs, the
+        // longest latency path of the tile).
+        float sa[4][4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) sa[a][0] = sa[a][1] = sa[a][2] = sa[a][3] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MLA_TC_KSTEPS; ++i) {
+            const int c0 = (warp + MLA_TC_WARPS * i) * 8;
+            if (c0 < row) {
+                const float b0 = kv[b][g][c0 + t], b1 = kv[b][g][c0 + t + 4];
+                u32 ah[4];
+#pragma unroll
+                for (int r = 0; r < 4; ++r) ah[r] = tf32_of(qa[i][r]);
+                const u32 bh0 = tf32_of(b0), bh1 = tf32_of(b1);
+                if (prec_qk) {
+                    u32 al[4];
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) al[r] = tf32_of(qa[i][r] - __uint_as_float(ah[r]));
+                    mma_tf32(sa[(i + 1) & 3], al, bh0, bh1);
+                    mma_tf32(sa[(i + 2) & 3], ah, tf32_of(b0 - __uint_as_float(bh0)),
+                             tf32_of(b1 - __uint_as_float(bh1)));
+                }
+                mma_tf32(sa[i & 3], ah, bh0, bh1);
+            }
+        }
+        float s4[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s4[r] = (sa[0][r] + sa[1][r]) + (sa[2][r] + sa[3][r]);
+        sp[warp][g][2 * t] = s4[0];
+        sp[warp][g][2 * t + 1] = s4[1];
+        sp[warp][g + 8][2 * t] = s4[2];
+        sp[warp][g + 8][2 * t + 1] = s4[3];
+        __syncthreads();
+        if (tid < MLA_TC_HEADS * MLA_TC_POS) {
+            const int j = j0 + it * MLA_TC_POS + sj;
+            float s = 0.0f;
+#pragma unroll
+            for (int w = 0; w < MLA_TC_WARPS; ++w) s += sp[w][sh][sj];
+            if (j >= j1) s = K3_NEG_INF;
+            float mt = s;
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) mt = fmaxf(mt, __shfl_xor_sync(K3_FULL_MASK, mt, o));
+            const float mn = fmaxf(m_run, mt);
+            const float corr = m_run == K3_NEG_INF ? 0.0f : __expf(m_run - mn);
+            const float p = s == K3_NEG_INF ? 0.0f : __expf(s - mn);
+            float pl = p;
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) pl += __shfl_xor_sync(K3_FULL_MASK, pl, o);
+            l_run = l_run * corr + pl;
+            m_run = mn;
+            ps[sh][sj] = p;
+            if (sj == 0) cs[sh] = corr;
+        }
+        __syncthreads();
+        const float ca = cs[g], cb = cs[g + 8];
+        const float pa[4] = {ps[g][t], ps[g + 8][t], ps[g][t + 4], ps[g + 8][t + 4]};
+#pragma unroll
+        for (int nt = 0; nt < MLA_TC_NT; ++nt) {
+            const int c0 = warp * 64 + nt * 8;
+            if (c0 < kv_lora) {
+                acc[nt][0] *= ca;
+                acc[nt][1] *= ca;
+                acc[nt][2] *= cb;
+                acc[nt][3] *= cb;
+                mma_f32x(acc[nt], pa, kv[b][t][c0 + g], kv[b][t + 4][c0 + g], prec);
+            }
+        }
+    }
+
+    float* out = part + ((i64)n * heads * splits + spl) * (kv_lora + 2);
+    const i64 hstride = (i64)splits * (kv_lora + 2);
+#pragma unroll
+    for (int nt = 0; nt < MLA_TC_NT; ++nt) {
+        const int c = warp * 64 + nt * 8 + 2 * t;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int hh = h0 + g + 8 * (r >> 1), cc = c + (r & 1);
+            if (hh < heads && cc < kv_lora) out[hh * hstride + cc] = acc[nt][r];
+        }
+    }
+    if (tid < MLA_TC_HEADS * MLA_TC_POS && sj == 0 && h0 + sh < heads) {
+        out[(h0 + sh) * hstride + kv_lora] = m_run;
+        out[(h0 + sh) * hstride + kv_lora + 1] = l_run;
+    }
+}
+
+// Grid (items, heads), 128 threads: merge the splits of part [items, H, splits, kv_lora + 2] into
+// the normalised latent lat [items, H, kv_lora] (mla_combine_f32 without the W_UV step).
+extern "C" __global__ void mla_merge_f32(const float* __restrict__ part, float* __restrict__ lat, int items, int heads,
+                                         int kv_lora, int splits) {
+    __shared__ float wsplit[256];
+    __shared__ float scratch[32];
+    const int n = blockIdx.x, h = blockIdx.y;
+    if (n >= items || h >= heads || splits > 256) return;
+    const float* p = part + ((i64)n * heads + h) * splits * (kv_lora + 2);
+    float mloc = K3_NEG_INF;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) mloc = fmaxf(mloc, p[s * (kv_lora + 2) + kv_lora]);
+    const float mm = block_max(mloc, scratch);
+    float lloc = 0.0f;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        const float ms = p[s * (kv_lora + 2) + kv_lora];
+        wsplit[s] = ms == K3_NEG_INF ? 0.0f : expf(ms - mm);
+        lloc += wsplit[s] * p[s * (kv_lora + 2) + kv_lora + 1];
+    }
+    const float ll = block_sum(lloc, scratch);  // its barriers also publish wsplit
+    const float inv_l = ll > 0.0f ? 1.0f / ll : 0.0f;
+    float* out = lat + ((i64)n * heads + h) * kv_lora;
+    for (int c = threadIdx.x; c < kv_lora; c += blockDim.x) {
+        float a = 0.0f;
+        for (int s = 0; s < splits; ++s) a += wsplit[s] * p[s * (kv_lora + 2) + c];
+        out[c] = a * inv_l;
+    }
+}
+
+// o[n, h*v_dim + v] = W_UV,h[v] . lat[n, h] for a tile of MLA_OP_ROWS rows of one head's W_UV,
+// staged once in shared memory and applied to up to MLA_OP_ITEMS items (a batched GEMV: W_UV is
+// read from HBM once per call, not once per item). Grid (heads, ceil(v_dim / 16),
+// ceil(items / 64)), 256 threads: warp w owns rows 2w, 2w + 1; items go 4 at a time so 4
+// independent lat loads per lane are in flight.
+#define MLA_OP_ROWS 16
+#define MLA_OP_ITEMS 64
+extern "C" __global__ void __launch_bounds__(256)
+mla_out_proj_f32(const float* __restrict__ lat, const float* __restrict__ kv_b, float* __restrict__ o, int items,
+                 int heads, int nope, int v_dim, int kv_lora) {
+    __shared__ __align__(16) float w[MLA_OP_ROWS * 512];
+    const int h = blockIdx.x, v0 = blockIdx.y * MLA_OP_ROWS, n0 = blockIdx.z * MLA_OP_ITEMS;
+    if (h >= heads || v0 >= v_dim || n0 >= items || kv_lora > 512) return;
+    const int rows = min(MLA_OP_ROWS, v_dim - v0);
+    const float* src = kv_b + ((i64)h * (nope + v_dim) + nope + v0) * kv_lora;  // rows are contiguous
+    if ((kv_lora & 3) == 0) {
+        const float4* s4 = reinterpret_cast<const float4*>(src);
+        float4* w4 = reinterpret_cast<float4*>(w);
+#pragma unroll 8
+        for (int i = threadIdx.x; i < (rows * kv_lora) >> 2; i += blockDim.x) w4[i] = s4[i];
+    } else {
+        for (int i = threadIdx.x; i < rows * kv_lora; i += blockDim.x) w[i] = src[i];
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, r0 = 2 * (threadIdx.x >> 5);
+    const int n1 = min(items, n0 + MLA_OP_ITEMS);
+    const float* w0 = w + r0 * kv_lora;
+    const float* w1 = w0 + kv_lora;
+    for (int n = n0; n < n1; n += 4) {
+        const float* x[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) x[k] = lat + ((i64)min(n + k, n1 - 1) * heads + h) * kv_lora;
+        float a[4][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}};
+#pragma unroll 4
+        for (int c = lane; c < kv_lora; c += 32) {
+            const float wa = w0[c], wb = w1[c];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const float xv = x[k][c];
+                a[k][0] += wa * xv;
+                a[k][1] += wb * xv;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float s0 = warp_sum(a[k][0]), s1 = warp_sum(a[k][1]);
+            if (lane == 0 && n + k < n1) {
+                float* dst = o + ((i64)(n + k) * heads + h) * v_dim + v0 + r0;
+                if (r0 < rows) dst[0] = s0;
+                if (r0 + 1 < rows) dst[1] = s1;
+            }
+        }
+    }
+}

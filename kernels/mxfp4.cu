@@ -155,8 +155,10 @@ mxfp4_expert_down_f32(const float* __restrict__ act, const u8* __restrict__ w2p,
 // rows, the words of a row chunk are all requested before any is used (bytes in flight), and a
 // nibble decodes in 3-4 ops: sign|e1e0m placed at f32 bits 31|24..22 is the E2M1 value times
 // 2^-126 exactly (e = 0 lands on the subnormals, which is what makes 0 and 0.5 come out right),
-// so one FMUL by 2^126 restores it. That needs denormals kept: never compile this file with
-// -ftz=true or --use_fast_math (NVRTC's default keeps them).
+// so one FMUL by 2^126 restores it. That FMUL must keep its subnormal input: it is written as
+// PTX mul.rn.f32 without .ftz, which the compiler's -ftz=true (CuPy adds it to every NVRTC
+// compile, so the harness builds this file that way) does not touch; a plain C++ multiply
+// was flushed there and turned every 0.5 into 0 (the H200 check's 1.1e-1 error).
 #define MX_WPL 16       // words per lane per row chunk (a 4096-wide row in one chunk)
 #define MX_FAST_ROWS 16 // rows per block: 2 per warp
 
@@ -166,8 +168,39 @@ __device__ __forceinline__ void mx_decode_word(u32 w, float* out) {
     for (int p = 0; p < 8; ++p) {
         const u32 mag = (4 * p <= 22 ? (w << (22 - 4 * p)) : (w >> (4 * p - 22))) & 0x01c00000u;
         const u32 sgn = (w << (28 - 4 * p)) & 0x80000000u;
-        out[p] = __uint_as_float(mag | sgn) * k2_126;
+        asm("mul.rn.f32 %0, %1, %2;" : "=f"(out[p]) : "f"(__uint_as_float(mag | sgn)), "f"(k2_126));
     }
+}
+
+// Expert id of the n-th (from 0) expert with assignments, -1 if there are fewer. The fast kernels
+// take grid.x = min(E, assignments) and map block x to the x-th busy expert: with grid.x = E
+// (T = 1: 16 of 128 busy) ~88% of the blocks only read offsets and exit, and each holds a whole
+// SM's registers (1 block/SM at ~210 regs x 256 threads) while it waits for that load.
+// Block-uniform (all threads reach the barriers): call before any early return.
+__device__ int mx_active_expert(const int* __restrict__ offsets, int experts, int n) {
+    __shared__ int warp_cnt[32];
+    __shared__ int result;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if (threadIdx.x == 0) result = -1;
+    __syncthreads();
+    int before = 0;  // busy experts in earlier chunks of 256
+    for (int e0 = 0; e0 < experts; e0 += blockDim.x) {
+        const int e = e0 + threadIdx.x;
+        const bool busy = e < experts && offsets[e + 1] > offsets[e];
+        const u32 bal = __ballot_sync(K3_FULL_MASK, busy);
+        if (lane == 0) warp_cnt[warp] = __popc(bal);
+        __syncthreads();
+        int rank = before + __popc(bal & ((1u << lane) - 1u)), total = 0;
+        for (int w = 0; w < nwarps; ++w) {
+            const int c = warp_cnt[w];
+            rank += w < warp ? c : 0;
+            total += c;
+        }
+        if (busy && rank == n) result = e;
+        before += total;
+        __syncthreads();  // warp_cnt is rewritten by the next chunk; result is final after the last
+    }
+    return result;
 }
 
 // Dot of 8 decoded weights with the activations (a, b).
@@ -175,17 +208,18 @@ __device__ __forceinline__ float mx_dot8x(const float* w, float4 a, float4 b) {
     return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
 }
 
-// Grid (E, ceil(inter / 16)), 256 threads: warp w computes rows r0 = blockIdx.y*16 + 2w and
-// r0 + 1 of W1 and W3 for every assignment of expert e (two rows share each activation load).
+// Grid (min(E, assignments), ceil(inter / 16)), 256 threads: block x takes the x-th busy expert
+// e; warp w computes rows r0 = blockIdx.y*16 + 2w and r0 + 1 of W1 and W3 for every assignment
+// of e (two rows share each activation load). `experts` = E (the old kernels' arguments + E).
 extern "C" __global__ void __launch_bounds__(256)
 mxfp4_up_fast_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
                   const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
                   const int* __restrict__ sorted, float* __restrict__ act, int top_k, int latent, int inter,
-                  float beta, float beta_lin, int has_lin) {
-    const int e = blockIdx.x, lane = threadIdx.x & 31;
+                  float beta, float beta_lin, int has_lin, int experts) {
+    const int e = mx_active_expert(offsets, experts, blockIdx.x), lane = threadIdx.x & 31;
     const int r0 = blockIdx.y * MX_FAST_ROWS + 2 * (threadIdx.x >> 5);
+    if (e < 0 || r0 >= inter) return;
     const int a0 = offsets[e], a1 = offsets[e + 1];
-    if (a0 == a1 || r0 >= inter) return;
     const int nr = min(2, inter - r0);  // rows of this warp (1 at an odd tail)
     const int nw = latent / 8, nb = latent / 32;
     const u32* p1[2];
@@ -261,15 +295,16 @@ mxfp4_up_fast_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const
     }
 }
 
-// Grid (E, ceil(latent / 16)), 256 threads: y[a, r] = W2_e[r, :] . act[a, :], rows as above.
+// Grid (min(E, assignments), ceil(latent / 16)), 256 threads: y[a, r] = W2_e[r, :] . act[a, :],
+// experts and rows as above.
 extern "C" __global__ void __launch_bounds__(256)
 mxfp4_down_fast_f32(const float* __restrict__ act, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
                     const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y,
-                    int latent, int inter) {
-    const int e = blockIdx.x, lane = threadIdx.x & 31;
+                    int latent, int inter, int experts) {
+    const int e = mx_active_expert(offsets, experts, blockIdx.x), lane = threadIdx.x & 31;
     const int r0 = blockIdx.y * MX_FAST_ROWS + 2 * (threadIdx.x >> 5);
+    if (e < 0 || r0 >= latent) return;
     const int a0 = offsets[e], a1 = offsets[e + 1];
-    if (a0 == a1 || r0 >= latent) return;
     const int nr = min(2, latent - r0);
     const int nw = inter / 8, nb = inter / 32;
     const u32* p[2];

@@ -438,10 +438,16 @@ KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4)),
 KDA_CHUNK_TOL = {"f32": 1e-4, "tc": 1e-4, "tc_fast": 2e-3}
 
 
+# Conv + prep: "fused" = kda_conv_prep_f32 (one pass, conv <= 4), "split" = the two old kernels
+# (kda_conv_silu_f32 + kda_prep_f32), kept as the fallback. Must match ops.rs KDA_FUSED_PREP.
+KDA_PREP = "fused"
+
+
 def run_kda_prefill(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk, xv, f, b, convw, a_log, dt_bias,
-                    chunk="f32"):
-    """Launch the three prefill kernels; returns (o, launch closure) with device tensors as given."""
+                    chunk="f32", prep=KDA_PREP):
+    """Launch the prefill kernels; returns (o, launch closure) with device tensors as given."""
     chunk_name, chunk_grid = KDA_CHUNK_KERNELS[chunk]
+    fused = prep == "fused" and conv <= 4
     hk = heads * 128
     dev = lambda x: x.float().contiguous().to(d.tdev)  # noqa: E731
     qo, ko, vo = (torch.empty(t, hk, device=d.tdev) for _ in range(3))
@@ -455,6 +461,12 @@ def run_kda_prefill(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk,
     bv, al, dtb = d.view(dev(b)), d.view(dev(a_log)), d.view(dev(dt_bias))
 
     def go():
+        if fused:  # g to its own buffer (fg): f is only read
+            d.launch("kda_conv_prep_f32", (cdiv(t, 32), cdiv(heads, 4)), 128, *v[:3], d.view(f0), bv, *v[3:], al, dtb,
+                     d.view(qo), d.view(ko), d.view(vo), d.view(fg), d.view(beta), d.view(A), off, d.view(cn),
+                     d.view(co), len(ck_n), t, heads, conv, lb)
+            chunk_only()
+            return
         fg.copy_(f0)  # the prep kernel writes g over f
         d.launch("kda_conv_silu_f32", cdiv(3 * hk, 256), 256, *v, d.view(qo), d.view(ko), d.view(vo), d.view(A), off,
                  d.view(cn), d.view(co), len(ck_n), t, hk, conv)
@@ -469,12 +481,14 @@ def run_kda_prefill(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk,
     return o, go
 
 
-def check_kda_prefill(d: Device, r: Results, gen, chunk="f32"):
-    heads, conv, lb = 2, 4, -5.0
+def check_kda_prefill(d: Device, r: Results, gen, chunk="f32", prep=KDA_PREP, conv=4):
+    heads, lb = 2, -5.0
     hk, reg = heads * 128, kda_region_floats(heads * 128, conv, heads)
     tag = "kda_prefill" if chunk == "f32" else f"kda_prefill[{chunk}]"
+    if prep != KDA_PREP or conv != 4:
+        tag += f"[prep={prep},conv={conv}]"
     tol = KDA_CHUNK_TOL[chunk]
-    for t, emit in ((45, [1, 16, 30, 45]), (16, []), (3, [2])):
+    for t, emit in ((45, [1, 16, 30, 45]), (16, []), (3, [2])) + (((2, [1]),) if conv == 4 else ()):
         inp = kda_inputs(t, heads, conv, gen)
         arena = torch.zeros((len(emit) + 1) * reg, dtype=torch.float64)
         off = len(emit) * reg  # the working slot is the last; checkpoint j goes to slot j
@@ -482,7 +496,7 @@ def check_kda_prefill(d: Device, r: Results, gen, chunk="f32"):
         ck_off = [j * reg for j in range(len(emit))]
         A = arena.float().to(d.tdev)
         o, go = run_kda_prefill(d, t, heads, conv, lb, A, off, emit, ck_off, inp["xq"][0], inp["xk"][0], inp["xv"][0],
-                                inp["f"][0], inp["b"][0], inp["convw"], inp["a_log"], inp["dt_bias"], chunk)
+                                inp["f"][0], inp["b"][0], inp["convw"], inp["a_log"], inp["dt_bias"], chunk, prep)
         go()
         d.sync()
         ro, rS, rw, em = kda_reference(inp["xq"][0], inp["xk"][0], inp["xv"][0], inp["f"][0], inp["b"][0], inp["convw"],
@@ -503,6 +517,13 @@ def check_kda_prefill_tc(d: Device, r: Results, gen):
     """The tensor-core chunk kernels on the same cases (3xTF32: the f32 tolerances hold)."""
     check_kda_prefill(d, r, gen, chunk="tc")
     check_kda_prefill(d, r, gen, chunk="tc_fast")
+
+
+def check_kda_prefill_prep(d: Device, r: Results, gen):
+    """The conv + prep variant not taken by default, and the fused one at other conv widths."""
+    check_kda_prefill(d, r, gen, prep="split" if KDA_PREP == "fused" else "fused")
+    for conv in (3, 2):  # (conv 1 has no window; the checks below would compare empty tensors)
+        check_kda_prefill(d, r, gen, prep="fused", conv=conv)
 
 
 def mla_reference(q, rows, kv_b, heads, nope, rope, v_dim, kv_lora):
@@ -583,6 +604,22 @@ def check_mla(d: Device, r: Results, gen):
             d.sync()
             mode = "" if not extra else (" tc precise" if extra[0] else " tc fast")
             r.check(f"mla decode{mode} (H={heads}, Lkv={kv_lora}, splits={splits})", rel_err(o, ref), tol)
+        # v2: mla_attend_tc2_f32 (mode = precision | prefetch tiles << 2) + mla_merge_f32 + mla_out_proj_f32.
+        # mixed = 3xTF32 scores, 1xTF32 P V: its error is what decides whether it can be the default.
+        for label, splits, tol, mode in (("precise", 3, 1e-4, 1 | 4 << 2), ("fast", 2, 1e-2, 0 | 4 << 2),
+                                         ("precise pf0", 1, 1e-4, 1), ("mixed", 3, 1e-3, 3 | 4 << 2)):
+            chunk = cdiv(max(lens), splits)
+            part = torch.empty(n, heads, splits, kv_lora + 2, device=d.tdev)
+            d.launch("mla_attend_tc2_f32", (cdiv(heads, 16), n, splits), 256, d.view(qt), d.view(A),
+                     d.view(i64(page_start)), d.view(i32(pt_base)), d.view(i32(lens)), d.view(part), n, heads, kv_lora,
+                     rope, pt, splits, chunk, (nope + rope) ** -0.5, mode)
+            lat = torch.empty(n, heads, kv_lora, device=d.tdev)
+            d.launch("mla_merge_f32", (n, heads), 128, d.view(part), d.view(lat), n, heads, kv_lora, splits)
+            o = torch.empty(n, heads * v_dim, device=d.tdev)
+            d.launch("mla_out_proj_f32", (heads, cdiv(v_dim, 16), cdiv(n, 64)), 256, d.view(lat), d.view(kvb),
+                     d.view(o), n, heads, nope, v_dim, kv_lora)
+            d.sync()
+            r.check(f"mla decode v2 {label} (H={heads}, Lkv={kv_lora}, splits={splits})", rel_err(o, ref), tol)
 
 
 def mx_experts(e, rows, cols, gen):
@@ -610,11 +647,6 @@ def check_moe(d: Device, r: Results, gen):
     logits, bias = rand(t, e, gen=gen), rand(e, scale=0.1, gen=gen)
     idx, wts, _ = ref_route(logits, torch.eye(e, dtype=torch.float64), bias, k, True, 1.0)
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
-    na = t * k
-    offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
-    sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
-    d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx.int().reshape(-1))), na, e, d.view(offsets),
-             d.view(sorted_))
     zf = dev(z.float())
     ref = torch.zeros(t, lt, dtype=torch.float64)
     for tt in range(t):
@@ -622,21 +654,32 @@ def check_moe(d: Device, r: Results, gen):
             ex = int(idx[tt, j])
             h = ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0)
             ref[tt] += wts[tt, j] * (w2[ex] @ h)
-    # The old expert kernels (8 rows per block) and the word-per-lane ones (16 rows per block).
-    for up, down, rpb in (("mxfp4_expert_up_f32", "mxfp4_expert_down_f32", 8),
-                          ("mxfp4_up_fast_f32", "mxfp4_down_fast_f32", 16)):
-        act = torch.empty(na, ie, device=d.tdev)
-        y = torch.empty(na, lt, device=d.tdev)
-        d.launch(up, (e, cdiv(ie, rpb)), 256, d.view(zf), d.view(dev(w1p)), d.view(dev(w1s)), d.view(dev(w3p)),
-                 d.view(dev(w3s)), d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1)
-        d.launch(down, (e, cdiv(lt, rpb)), 256, d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets),
-                 d.view(sorted_), d.view(y), lt, ie)
-        res = torch.empty(t, lt, device=d.tdev)
-        wv = d.view(dev(wts.float().reshape(-1)))
-        d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), wv, d.view(res), t, k, lt)
-        d.sync()
-        tag = "" if up == "mxfp4_expert_up_f32" else " fast"
-        r.check(f"moe routed{tag} (sort+up+down+combine)", rel_err(res, ref), 1e-5)
+    # All t tokens, then the first alone (4 busy experts of 16: the fast kernels' grid.x =
+    # min(E, assignments) = 4 < E, blocks mapped to busy experts).
+    for tn in (t, 1):
+        na = tn * k
+        offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
+        sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
+        d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx[:tn].int().reshape(-1))), na, e, d.view(offsets),
+                 d.view(sorted_))
+        # The old expert kernels (8 rows per block, grid.x = E) and the word-per-lane ones (16 rows
+        # per block, + the expert count E, grid.x = min(E, assignments)).
+        for up, down, rpb, ex_arg in (("mxfp4_expert_up_f32", "mxfp4_expert_down_f32", 8, ()),
+                                      ("mxfp4_up_fast_f32", "mxfp4_down_fast_f32", 16, (e,))):
+            gx = min(e, na) if ex_arg else e
+            act = torch.empty(na, ie, device=d.tdev)
+            y = torch.empty(na, lt, device=d.tdev)
+            d.launch(up, (gx, cdiv(ie, rpb)), 256, d.view(zf), d.view(dev(w1p)), d.view(dev(w1s)), d.view(dev(w3p)),
+                     d.view(dev(w3s)), d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1,
+                     *ex_arg)
+            d.launch(down, (gx, cdiv(lt, rpb)), 256, d.view(act), d.view(dev(w2p)), d.view(dev(w2s)),
+                     d.view(offsets), d.view(sorted_), d.view(y), lt, ie, *ex_arg)
+            res = torch.empty(tn, lt, device=d.tdev)
+            wv = d.view(dev(wts[:tn].float().reshape(-1)))
+            d.launch("moe_combine_f32", cdiv(tn * lt, 256), 256, d.view(y), wv, d.view(res), tn, k, lt)
+            d.sync()
+            tag = ("" if up == "mxfp4_expert_up_f32" else " fast") + ("" if tn == t else f" T={tn}")
+            r.check(f"moe routed{tag} (sort+up+down+combine)", rel_err(res, ref[:tn]), 1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -680,6 +723,16 @@ def _emu_kda_conv(qi, ki, vi, cq, ck, cv, qo, ko, vo, arena, off, ck_n, ck_off, 
             _, wn = rk.short_conv(x[None, :int(ck_n[j])], wc[:, None, :], win.t()[None])
             base = int(ck_off[j]) + i * int(hk) * (int(conv) - 1)
             A[base: base + int(hk) * (int(conv) - 1)] = wn[0].t().reshape(-1).float()
+
+
+def _emu_kda_conv_prep(qi, ki, vi, fi, bi, cq, ck, cv, a_log, dt_bias, qo, ko, vo, g, beta, arena, off, ck_n, ck_off,
+                       n_ck, t, heads, conv, lb):
+    # Same contract as conv then prep, with g written to its own buffer (f only read).
+    if int(conv) > 4:
+        return  # the kernel does nothing there; launchers take the two-kernel path
+    _emu_kda_conv(qi, ki, vi, cq, ck, cv, qo, ko, vo, arena, off, ck_n, ck_off, n_ck, t, int(heads) * 128, conv)
+    g[:] = fi
+    _emu_kda_prep(qo, ko, g, bi, beta, a_log, dt_bias, t, heads, lb)
 
 
 def _emu_kda_prep(q, k, f, b, beta, a_log, dt_bias, t, heads, lb):
@@ -738,6 +791,20 @@ def _emu_mla_combine(part, kv_b, o, items, heads, nope, v_dim, kv_lora, splits):
     f = torch.exp(P[..., int(kv_lora)] - m)
     lat = (f.unsqueeze(-1) * P[..., :int(kv_lora)]).sum(2) / (f * P[..., int(kv_lora) + 1]).sum(-1, keepdim=True)
     out[:] = torch.einsum("nhl,hvl->nhv", lat, W[:, int(nope):]).float()
+
+
+def _emu_mla_merge(part, lat, items, heads, kv_lora, splits):
+    P = _t(part).view(int(items), int(heads), int(splits), int(kv_lora) + 2).double()
+    m = P[..., int(kv_lora)].amax(-1, keepdim=True)
+    f = torch.exp(P[..., int(kv_lora)] - m)
+    lat[:] = ((f.unsqueeze(-1) * P[..., :int(kv_lora)]).sum(2) / (f * P[..., int(kv_lora) + 1]).sum(-1, keepdim=True)) \
+        .float().numpy().reshape(lat.shape)
+
+
+def _emu_mla_out_proj(lat, kv_b, o, items, heads, nope, v_dim, kv_lora):
+    L = _t(lat).view(int(items), int(heads), int(kv_lora)).double()
+    W = _t(kv_b).view(int(heads), int(nope) + int(v_dim), int(kv_lora)).double()
+    o[:] = torch.einsum("nhl,hvl->nhv", L, W[:, int(nope):]).float().numpy().reshape(o.shape)
 
 
 def _emu_moe_up(z, w1p, w1s, w3p, w3s, offsets, sorted_, act, top_k, lt, ie, beta, beta_lin, has_lin):
@@ -808,6 +875,7 @@ EMU = {
     "kda_decode_f32": _emu_kda_decode,
     "kda_conv_silu_f32": _emu_kda_conv,
     "kda_prep_f32": _emu_kda_prep,
+    "kda_conv_prep_f32": _emu_kda_conv_prep,
     "kda_chunk_fwd_f32": _emu_kda_chunk,
     "kda_chunk_tc_f32": _emu_kda_chunk,  # same contract; only the grid and the chunking differ
     "kda_chunk_tc_fast_f32": _emu_kda_chunk,
@@ -822,11 +890,14 @@ EMU = {
     "mla_attend_f32": _emu_mla_attend,
     "mla_attend_tc_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # same math; `precise` only changes rounding
     "mla_combine_f32": _emu_mla_combine,
+    "mla_attend_tc2_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # mode: rounding / prefetch / probe only
+    "mla_merge_f32": _emu_mla_merge,
+    "mla_out_proj_f32": _emu_mla_out_proj,
     "moe_sort_assignments": _emu_sort,
     "mxfp4_expert_up_f32": _emu_moe_up,
     "mxfp4_expert_down_f32": _emu_moe_down,
-    "mxfp4_up_fast_f32": _emu_moe_up,
-    "mxfp4_down_fast_f32": _emu_moe_down,
+    "mxfp4_up_fast_f32": lambda *a: _emu_moe_up(*a[:-1]),  # + E (the grid's busy-expert mapping)
+    "mxfp4_down_fast_f32": lambda *a: _emu_moe_down(*a[:-1]),
     "moe_combine_f32": lambda y, w, out, t, k, lt: out.__setitem__(slice(None), torch.einsum(
         "tk,tkl->tl", _t(w).view(int(t), int(k)), _t(y).view(int(t), int(k), int(lt))).numpy().reshape(out.shape)),
     "mxfp4_dequant_f32": lambda p, s, out, rows, cols: out.__setitem__(slice(None), rmx.dequantize(
@@ -837,16 +908,64 @@ EMU = {
 # Benchmarks (GPU only), K3 shapes.
 
 
-def mla_splits_tc(blocks, max_len, sms=132):
-    """geometry::mla_splits_tc: >= 2 blocks per SM, then the fullest last wave in [want, 2 want]."""
-    want = max(1, cdiv(2 * sms, blocks))
+def mla_splits_tc(blocks, max_len, sms=132, slots=None):
+    """geometry::mla_splits_tc: >= 2 blocks per SM, then the fullest last wave in [want, 2 want].
+    slots = 2 * sms: geometry::mla_splits_tc2 (two resident blocks per SM, waves of 2 * sms)."""
+    wave = slots or sms
+    want = max(1, cdiv(2 * sms if slots is None else slots, blocks))
     cap = max(1, min(256, cdiv(max_len, 128)))
-    fill = lambda s: blocks * s / (cdiv(blocks * s, sms) * sms)  # noqa: E731
+    fill = lambda s: blocks * s / (cdiv(blocks * s, wave) * wave)  # noqa: E731
     best = min(want, cap)
     for s in range(want, min(2 * want, cap) + 1):
         if fill(s) > fill(best) + 1e-9:
             best = s
     return best
+
+
+def bench_mla_v2(d: Device, record, N, L, A, ps, qt, kvb, o, base, lens, floor):
+    """MLA decode v2 (ops.rs MLA_DECODE_V2) on bench()'s buffers: the full path (attend_tc2 + merge +
+    out_proj) in both precisions, then probes: attend alone at prefetch distances 0/4/8 tiles, the
+    load pipeline alone (mode 2: copies, no math) and the W_UV tail alone."""
+    heads, nope, rope, v_dim, kv_lora, pt = 96, 128, 64, 128, 512, 64
+    hg = cdiv(heads, 16)
+    splits = mla_splits_tc(N * hg, L, slots=2 * 132)
+    chunk = cdiv(L, splits)
+    part = torch.empty(N, heads, splits, kv_lora + 2, device=qt.device)
+    lat = torch.empty(N, heads, kv_lora, device=qt.device)
+    a2 = [d.view(qt), d.view(A), d.view(ps), d.view(base), d.view(lens), d.view(part), N, heads, kv_lora, rope, pt,
+          splits, chunk, (nope + rope) ** -0.5]
+    margs = [d.view(part), d.view(lat), N, heads, kv_lora, splits]
+    pargs = [d.view(lat), d.view(kvb), d.view(o), N, heads, nope, v_dim, kv_lora]
+
+    def tail():
+        d.launch("mla_merge_f32", (N, heads), 128, *margs)
+        d.launch("mla_out_proj_f32", (heads, cdiv(v_dim, 16), cdiv(N, 64)), 256, *pargs)
+    big = N * L > 16 * 8192
+    variants = [("v2 precise", 1 | 4 << 2, True), ("v2 mixed", 3 | 4 << 2, True), ("v2 fast", 0 | 4 << 2, True),
+                ("v2 precise pf0", 1, False), ("v2 precise pf4", 1 | 4 << 2, False),
+                ("v2 fast pf0", 0, False), ("v2 fast pf4", 0 | 4 << 2, False), ("v2 fast pf8", 0 | 8 << 2, False),
+                ("v2 loads-only pf0", 2, False), ("v2 loads-only pf4", 2 | 4 << 2, False),
+                ("v2 loads-only pf8", 2 | 8 << 2, False)]
+    for label, mode, full in variants:
+        def go(mode=mode, full=full):
+            d.launch("mla_attend_tc2_f32", (hg, N, splits), 256, *a2, mode)
+            if full:
+                tail()
+        name = f"mla_decode {label} N={N} L={L} (attend+merge+proj, f32 rows)" if full else \
+            f"mla_attend {label} N={N} L={L} (attend only)"
+        try:
+            ms, how = d.time_graph(go, reps=5, inner=3) if big else d.time_graph(go)
+            record(name, ms, floor, splits=splits, timing=how)
+        except Exception as e:  # noqa: BLE001
+            log(f"bench {name} raised {type(e).__name__}: {str(e)[:200]}")
+    try:
+        ms, how = d.time_graph(tail)
+        tail_bytes = (heads * v_dim * kv_lora + N * heads * (splits * (kv_lora + 2) + 2 * kv_lora)) * 4
+        record(f"mla_tail v2 N={N} L={L} (merge + out_proj)", ms, tail_bytes / (COPY_TBPS / 2 * 1e12) * 1e3,
+               splits=splits, timing=how)
+    except Exception as e:  # noqa: BLE001
+        log(f"bench mla_tail v2 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
+    del part, lat
 
 
 def bench(d: Device, r: Results, quick: bool):
@@ -943,6 +1062,18 @@ def bench(d: Device, r: Results, quick: bool):
             tol = KDA_CHUNK_TOL[chunk]
             r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: o", rel_err(o2, o1), tol)
             r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: state", rel_err(a2, a1), tol)
+        # The other conv + prep path with the tc chunk kernel: timing and agreement at K3 shapes.
+        other = "split" if KDA_PREP == "fused" else "fused"
+        A.copy_(A0)
+        o, go = run_kda_prefill(d, T, H, conv, lb, A, 0, [], [], *xs, *ws, chunk="tc", prep=other)
+        go()
+        d.sync()
+        eo, ea = rel_err(o, outs["tc"][0]), rel_err(A, outs["tc"][1])
+        ms = d.time_ms(go, reps=5, warmup=1)
+        record(f"kda_prefill[tc,prep={other}] T={T} (conv+prep+chunk)", ms, None, Mtok_s=T / ms / 1e3)
+        # Only the norms' summation order differs between the two: f32 rounding, not 1e-4.
+        r.check(f"kda_prefill[tc] T={T} H={H} prep {KDA_PREP} vs {other}: o", eo, 1e-4)
+        r.check(f"kda_prefill[tc] T={T} H={H} prep {KDA_PREP} vs {other}: state+windows", ea, 1e-4)
         del A, A0, xs, outs
 
     # MLA decode: N queries, L cached positions each, K3 heads and row. The CUDA-core attend (old)
@@ -987,7 +1118,20 @@ def bench(d: Device, r: Results, quick: bool):
                        timing=how)
             except Exception as e:  # noqa: BLE001
                 log(f"bench mla_decode {label} N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
+            if label == "tc precise" and N * L <= 16 * 8192:  # where v1's time goes: attend vs combine
+                try:
+                    ms_a, _ = d.time_graph(lambda kern=kern, grid=grid, block=block, args=args:
+                                           d.launch(kern, grid, block, *args))
+                    record(f"mla_attend v1 tc precise N={N} L={L} (attend only)", ms_a, floor, splits=splits)
+                    ms_c, _ = d.time_graph(lambda cargs=cargs: d.launch("mla_combine_f32", (N, heads), 128, *cargs))
+                    record(f"mla_combine v1 N={N} L={L} (merge + W_UV per item)", ms_c, None, splits=splits)
+                except Exception as e:  # noqa: BLE001
+                    log(f"bench mla v1 parts N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
             del part
+        try:  # a failure here must not cost the benchmarks after it
+            bench_mla_v2(d, record, N, L, A, ps, qt, kvb, o, base, lens, floor)
+        except Exception as e:  # noqa: BLE001
+            log(f"bench mla v2 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
         del A
 
     # AttnRes, 9 sources, d = 7168.
@@ -1020,14 +1164,15 @@ def bench(d: Device, r: Results, quick: bool):
                                               ("w1p", w1p), ("w1s", w1s), ("w3p", w3p), ("w3s", w3s), ("w2p", w2p),
                                               ("w2s", w2s), ("act", act), ("y", y), ("wts", wts), ("res", res))}
         wbytes = touched * (2 * ie * (lt // 2 + lt // 32) + lt * (ie // 2 + ie // 32))
-        for label, up, down, rpb in (("old", "mxfp4_expert_up_f32", "mxfp4_expert_down_f32", 8),
-                                     ("fast", "mxfp4_up_fast_f32", "mxfp4_down_fast_f32", 16)):
-            def go(up=up, down=down, rpb=rpb):
+        for label, up, down, rpb, ex_arg in (("old", "mxfp4_expert_up_f32", "mxfp4_expert_down_f32", 8, ()),
+                                             ("fast", "mxfp4_up_fast_f32", "mxfp4_down_fast_f32", 16, (E,))):
+            def go(up=up, down=down, rpb=rpb, ex_arg=ex_arg):
+                gx = min(E, T * k) if ex_arg else E  # fast: blocks only for (at most) the busy experts
                 d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
-                d.launch(up, (E, cdiv(ie, rpb)), 256, V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"],
-                         V["srt"], V["act"], k, lt, ie, 4.0, 25.0, 1)
-                d.launch(down, (E, cdiv(lt, rpb)), 256, V["act"], V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt,
-                         ie)
+                d.launch(up, (gx, cdiv(ie, rpb)), 256, V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"],
+                         V["srt"], V["act"], k, lt, ie, 4.0, 25.0, 1, *ex_arg)
+                d.launch(down, (gx, cdiv(lt, rpb)), 256, V["act"], V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt,
+                         ie, *ex_arg)
                 d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
             ms, how = d.time_graph(go)
             record(f"moe_routed {label} T={T} top{k} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS / 2 * 1e12) * 1e3,
@@ -1051,7 +1196,7 @@ def main():
         log(f"device: {torch.cuda.get_device_name()} torch {torch.__version__} cupy {d.cp.__version__}")
     t0 = time.time()
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
-               check_kda_prefill_tc, check_mla, check_moe):
+               check_kda_prefill_tc, check_mla, check_moe, check_kda_prefill_prep):
         try:
             fn(d, r, gen)
         except Exception as e:  # noqa: BLE001  a crash in one check must not hide the others

@@ -157,6 +157,46 @@ pub fn mla_attend_tc(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch>
     )
 }
 
+/// `mla_attend_tc2_f32` (same grid as `mla_attend_tc`) is register-capped to two resident blocks
+/// per SM: splits are chosen as for v1 but against waves of 2 · `sms` blocks.
+pub const MLA_TC2_BLOCKS_PER_SM: usize = 2;
+
+pub fn mla_splits_tc2(items: usize, heads: usize, max_len: usize, sms: usize) -> (usize, usize) {
+    let blocks = items.max(1) * heads.div_ceil(MLA_TC_HEADS_PER_BLOCK);
+    let slots = sms.max(1) * MLA_TC2_BLOCKS_PER_SM;
+    let want = slots.div_ceil(blocks).max(1);
+    let cap = max_len.div_ceil(128).clamp(1, MLA_MAX_SPLITS);
+    let fill = |s: usize| (blocks * s) as f64 / ((blocks * s).div_ceil(slots) * slots) as f64;
+    let mut splits = want.min(cap);
+    for s in want..=(2 * want).min(cap) {
+        if fill(s) > fill(splits) + 1e-9 {
+            splits = s;
+        }
+    }
+    (splits, max_len.max(1).div_ceil(splits))
+}
+
+/// `mla_merge_f32`: one 128-thread block per (item, head).
+pub fn mla_merge(g: &MlaGeom, items: usize) -> Result<Launch> {
+    Launch::new((items, g.heads, 1), 128)
+}
+
+/// `mla_out_proj_f32`: W_UV rows in tiles of 16 per block, up to 64 items per block.
+pub const MLA_OUT_PROJ_ROWS: usize = 16;
+pub const MLA_OUT_PROJ_ITEMS: usize = 64;
+
+pub fn mla_out_proj(g: &MlaGeom, items: usize) -> Result<Launch> {
+    check_mla(g)?;
+    Launch::new(
+        (
+            g.heads,
+            g.v_dim.div_ceil(MLA_OUT_PROJ_ROWS),
+            items.div_ceil(MLA_OUT_PROJ_ITEMS),
+        ),
+        256,
+    )
+}
+
 /// Grid-stride elementwise kernels: enough 256-thread blocks for `n`, capped (each thread loops).
 pub fn elementwise(n: usize) -> Result<Launch> {
     Launch::new((n.div_ceil(256).clamp(1, 132 * 32), 1, 1), 256)
@@ -300,6 +340,14 @@ mod tests {
         assert_eq!(mla_splits_tc(1, 96, 100, 132).0, 1);
         let l = mla_attend_tc(&k3, 3, 5).unwrap();
         assert_eq!((l.grid, l.block), ((6, 3, 5), 256));
+        // v2: two blocks per SM, so one 264-block wave at N = 1; 768 blocks (2.9 waves) at N = 64.
+        assert_eq!(mla_splits_tc2(1, 96, 32768, 132).0, 44);
+        assert_eq!(mla_splits_tc2(16, 96, 8192, 132).0, 5);
+        assert_eq!(mla_splits_tc2(64, 96, 32768, 132).0, 2);
+        assert_eq!(mla_splits_tc2(1, 96, 100, 132).0, 1);
+        let l = mla_out_proj(&k3, 65).unwrap();
+        assert_eq!((l.grid, l.block), ((96, 8, 2), 256));
+        assert_eq!(mla_merge(&k3, 3).unwrap().grid, (3, 96, 1));
     }
 
     #[test]

@@ -23,7 +23,14 @@ macro_rules! launch {
 /// the tensor-core MLA attend (`mla_attend_tc_f32`) over the CUDA-core one, and the word-per-lane
 /// MXFP4 expert kernels over the block-per-lane ones. Flip to false if the device check fails.
 const MLA_TENSOR_CORES: bool = true;
-const MX_FAST_EXPERTS: bool = true;
+/// MLA decode v2 (kernels/mla.cu): `mla_attend_tc2_f32` (two blocks per SM, L2 prefetch
+/// `MLA_V2_PREFETCH_TILES` tiles of 8 positions ahead) + `mla_merge_f32` + `mla_out_proj_f32`
+/// (W_UV read once per call, not once per item). false: the v1 path above.
+const MLA_DECODE_V2: bool = true;
+const MLA_V2_PREFETCH_TILES: i32 = 4;
+// Off until a green H200 run of `moe routed fast`: flip to true once the harness shows
+// "ok   moe routed fast (sort+up+down+combine)" (kernels/mxfp4.cu mx_decode_word ftz fix).
+const MX_FAST_EXPERTS: bool = false;
 
 fn same_shape(a: &DeviceMat, b: &DeviceMat, what: &str) -> Result<()> {
     if (a.rows, a.cols) != (b.rows, b.cols) {
@@ -58,16 +65,24 @@ pub fn float_offset(byte_offset: usize, len_floats: usize, arena_floats: usize) 
     Ok(f as i64)
 }
 
-/// The tensor-core KDA chunk kernel picked by `K3_KDA_CHUNK` (read once per process): `tc` (3xTF32,
-/// f32 accuracy) or `tc_fast` (1xTF32, ~1e-3); anything else keeps the f32 CUDA-core kernel.
+/// The KDA chunk kernel picked by `K3_KDA_CHUNK` (read once per process): `tc` (the default:
+/// 3xTF32 tensor cores, f32 accuracy, checked on the H200), `tc_fast` (1xTF32, ~1e-3) or `f32`
+/// (the CUDA-core kernel, `None`).
 fn kda_chunk_tc() -> Option<&'static str> {
     static TC: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
     *TC.get_or_init(|| match std::env::var("K3_KDA_CHUNK").as_deref() {
-        Ok("tc") => Some("kda_chunk_tc_f32"),
+        Ok("f32") => None,
         Ok("tc_fast") => Some("kda_chunk_tc_fast_f32"),
-        _ => None,
+        _ => Some("kda_chunk_tc_f32"),
     })
 }
+
+/// KDA prefill conv + prep in one pass (`kda_conv_prep_f32`, conv <= 4) instead of
+/// `kda_conv_silu_f32` + `kda_prep_f32`; the harness's `KDA_PREP` must say the same. Flip to
+/// false if "kda_prefill ... prep fused vs split" fails on the device.
+const KDA_FUSED_PREP: bool = true;
+const KDA_FUSED_MAX_CONV: usize = 4;
+const KDA_SEG: usize = 32;
 
 /// One sequence's slot for a batched KDA decode: working state offset and an optional checkpoint.
 #[derive(Debug, Clone, Copy)]
@@ -337,9 +352,7 @@ impl CudaBackend {
                 "KDA prefill beta logits shape".into(),
             ));
         }
-        // The prep kernel writes the gate over its input: work on a copy of f.
         let mut gate = self.zeros(t, g.hk())?;
-        self.stream.memcpy_dtod(&x.f.buf, &mut gate.buf)?;
         let beta = self.zeros(t, g.heads)?;
         let o = self.zeros(t, g.hk())?;
         let (tt, hk, conv, h) = (
@@ -348,13 +361,24 @@ impl CudaBackend {
             g.conv_kernel as i32,
             g.heads as i32,
         );
-        launch!(self, "kda_conv_silu_f32", lc;
-            &x.q.buf, &x.k.buf, &x.v.buf, w.conv[0], w.conv[1], w.conv[2], &q.buf, &k.buf, &v.buf, &mut *arena, &off,
-            &ck_n, &ck_off, &n_ck, &tt, &hk, &conv)?;
-        launch!(self, "kda_prep_f32", lp;
-            &q.buf, &k.buf, &gate.buf, &x.b.buf, &beta.buf, w.a_log, w.dt_bias, &tt, &h, &g.gate_lower_bound)?;
-        // Chunk kernel: K3_KDA_CHUNK=tc | tc_fast selects a tensor-core one (kernels/kda_chunk_tc.cu,
-        // same arguments, grid (V/32, heads)) until the H200 numbers make it the default.
+        if KDA_FUSED_PREP && g.conv_kernel <= KDA_FUSED_MAX_CONV {
+            // One warp per (head, KDA_SEG tokens), 4 heads per block; g to its own buffer.
+            let lf = Launch::new((t.div_ceil(KDA_SEG), g.heads.div_ceil(4), 1), 128)?;
+            launch!(self, "kda_conv_prep_f32", lf;
+                &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log,
+                w.dt_bias, &q.buf, &k.buf, &v.buf, &gate.buf, &beta.buf, &mut *arena, &off, &ck_n, &ck_off, &n_ck,
+                &tt, &h, &conv, &g.gate_lower_bound)?;
+        } else {
+            // The prep kernel writes the gate over its input: work on a copy of f.
+            self.stream.memcpy_dtod(&x.f.buf, &mut gate.buf)?;
+            launch!(self, "kda_conv_silu_f32", lc;
+                &x.q.buf, &x.k.buf, &x.v.buf, w.conv[0], w.conv[1], w.conv[2], &q.buf, &k.buf, &v.buf, &mut *arena,
+                &off, &ck_n, &ck_off, &n_ck, &tt, &hk, &conv)?;
+            launch!(self, "kda_prep_f32", lp;
+                &q.buf, &k.buf, &gate.buf, &x.b.buf, &beta.buf, w.a_log, w.dt_bias, &tt, &h, &g.gate_lower_bound)?;
+        }
+        // Chunk kernel: a tensor-core one unless K3_KDA_CHUNK=f32 (kernels/kda_chunk_tc.cu, same
+        // arguments, grid (V/32, heads)).
         let (chunk_fn, lk) = match kda_chunk_tc() {
             Some(name) => {
                 let grid = (geometry::KDA_HEAD_DIM / 32, g.heads, 1);
@@ -421,7 +445,9 @@ impl CudaBackend {
             }
         }
         let max_len = lens.iter().copied().max().unwrap_or(1);
-        let (splits, chunk) = if MLA_TENSOR_CORES {
+        let (splits, chunk) = if MLA_DECODE_V2 {
+            geometry::mla_splits_tc2(items, g.heads, max_len, self.multiprocessors)
+        } else if MLA_TENSOR_CORES {
             geometry::mla_splits_tc(items, g.heads, max_len, self.multiprocessors)
         } else {
             geometry::mla_splits(items, g.heads, max_len, self.multiprocessors)
@@ -455,6 +481,19 @@ impl CudaBackend {
         let part = self.zeros(items * g.heads * splits, g.kv_lora + 2)?;
         let (pt, sp, ch) = (page_tokens as i32, splits as i32, chunk as i32);
         let scale = 1.0 / ((g.nope + g.rope) as f32).sqrt();
+        if MLA_DECODE_V2 {
+            let mode = 1 | (MLA_V2_PREFETCH_TILES << 2); // 3xTF32 (f32-level accuracy)
+            launch!(self, "mla_attend_tc2_f32", geometry::mla_attend_tc(&g, items, splits)?;
+                &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch, &scale,
+                &mode)?;
+            let lat = self.zeros(items * g.heads, g.kv_lora)?;
+            launch!(self, "mla_merge_f32", geometry::mla_merge(&g, items)?;
+                &part.buf, &lat.buf, &it, &h, &lkv, &sp)?;
+            let o = self.zeros(items, g.heads * g.v_dim)?;
+            launch!(self, "mla_out_proj_f32", geometry::mla_out_proj(&g, items)?;
+                &lat.buf, kv_b, &o.buf, &it, &h, &nope, &vd, &lkv)?;
+            return Ok(o);
+        }
         if MLA_TENSOR_CORES {
             let precise = 1i32; // 3xTF32: f32-level accuracy (the device check's 1e-4)
             launch!(self, "mla_attend_tc_f32", geometry::mla_attend_tc(&g, items, splits)?;
@@ -503,18 +542,21 @@ impl CudaBackend {
         } else {
             ("mxfp4_expert_up_f32", "mxfp4_expert_down_f32")
         };
-        let geom = |rows, cols| {
-            if MX_FAST_EXPERTS {
-                geometry::mx_expert_fast(ex.experts, rows, cols)
-            } else {
-                geometry::mx_expert(ex.experts, rows, cols)
-            }
-        };
-        launch!(self, up, geom(ex.inter, ex.latent)?;
-            &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
-            &situ.beta, &lin, &has)?;
-        launch!(self, down, geom(ex.latent, ex.inter)?;
-            &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie)?;
+        if MX_FAST_EXPERTS {
+            // Blocks for at most min(E, T*k) experts: each maps itself to a busy one (mxfp4.cu).
+            let busy = ex.experts.min(t * k).max(1);
+            launch!(self, up, geometry::mx_expert_fast(busy, ex.inter, ex.latent)?;
+                &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
+                &situ.beta, &lin, &has, &e)?;
+            launch!(self, down, geometry::mx_expert_fast(busy, ex.latent, ex.inter)?;
+                &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e)?;
+        } else {
+            launch!(self, up, geometry::mx_expert(ex.experts, ex.inter, ex.latent)?;
+                &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
+                &situ.beta, &lin, &has)?;
+            launch!(self, down, geometry::mx_expert(ex.experts, ex.latent, ex.inter)?;
+                &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie)?;
+        }
         let out = self.zeros(t, ex.latent)?;
         let tt = t as i32;
         launch!(self, "moe_combine_f32", geometry::elementwise(t * ex.latent)?; &y.buf, &w, &out.buf, &tt, &kk, &lt)?;

@@ -37,7 +37,12 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "kda_chunk.cu",
         text: include_str!("../../../kernels/kda_chunk.cu"),
-        entries: &["kda_conv_silu_f32", "kda_prep_f32", "kda_chunk_fwd_f32"],
+        entries: &[
+            "kda_conv_silu_f32",
+            "kda_prep_f32",
+            "kda_chunk_fwd_f32",
+            "kda_conv_prep_f32",
+        ],
     },
     KernelFile {
         name: "kda_chunk_tc.cu",
@@ -58,6 +63,9 @@ pub const FILES: &[KernelFile] = &[
             "mla_attend_f32",
             "mla_attend_tc_f32",
             "mla_combine_f32",
+            "mla_attend_tc2_f32",
+            "mla_merge_f32",
+            "mla_out_proj_f32",
         ],
     },
     KernelFile {
