@@ -115,3 +115,24 @@ def test_disconnect_frees_memory(server, model_name):
         time.sleep(0.2)
     assert (running, held) == (0, baseline)
     assert server.metrics()["k3serve_client_disconnects_total"] >= disconnects_before + 1
+
+
+def test_serving_benchmark_measures_what_it_claims(base_url, model_name):
+    """scripts/bench_serving.py (the seeds' TTFT / TPOT / throughput workload) on a tiny size: every
+    request yields exactly the asked-for tokens and the derived figures are consistent."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts/bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    r = asyncio.run(bench.level(base_url, model_name, concurrency=3, requests=5, prompt_tokens=40,
+                                output_tokens=7, vocab=(100, 8000), seed=1, timeout=300))
+    assert r["requests"] == 5
+    assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+    assert r["tpot_ms"]["mean"] > 0
+    assert r["latency_s"]["p50"] * 1e3 >= r["ttft_ms"]["p50"]
+    # throughput = tokens / wall: 5 × 7 output tokens and 5 × (40 + 7) in total
+    assert abs(r["output_tok_s"] * r["wall_s"] - 35) < 1e-6
+    assert abs(r["total_tok_s"] * r["wall_s"] - 235) < 1e-6

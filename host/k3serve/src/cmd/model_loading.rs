@@ -171,13 +171,8 @@ fn load_on<B: Backend>(dir: &Path, be: B, format: LoadFormat) -> anyhow::Result<
     })
 }
 
-/// Load `dir` on the device `wanted` (or the automatic choice).
-pub fn load_model(dir: &Path, wanted: Option<Device>) -> anyhow::Result<LoadedModel> {
-    load_model_as(dir, wanted, LoadFormat::Safetensors)
-}
-
-/// [`load_model`] with an explicit weight source.
-pub fn load_model_as(
+/// Load `dir` on the device `wanted` (or the automatic choice), weights from `format`.
+pub fn load_model(
     dir: &Path,
     wanted: Option<Device>,
     format: LoadFormat,
@@ -203,7 +198,7 @@ pub fn load_single(
     format: LoadFormat,
 ) -> anyhow::Result<(DynExecutor, Config, Device)> {
     const PAGE_TOKENS: usize = 64;
-    let model = load_model_as(dir, wanted, format)?;
+    let model = load_model(dir, wanted, format)?;
     let (config, device) = (model.config().clone(), model.device());
     // Same sizing as ModelExecutor::with_capacity(model, 64, 1, max_tokens, 0).
     let offs = k3_model::model::CacheOffsets::new(&config, PAGE_TOKENS);

@@ -13,6 +13,8 @@ use k3_frontend::Tokenizer;
 use k3_model::model::CacheOffsets;
 use k3_plugin_host::{PluginHost, PluginHostConfig, Stage, default_plugin_dir};
 
+use super::model_loading::LoadFormat;
+
 pub use super::serve_config::Args;
 use super::serve_config::ServeConfig;
 
@@ -160,10 +162,11 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         );
     }
 
+    let tokenizer_dir = cfg.tokenizer.clone().unwrap_or_else(|| model_dir.clone());
     let tokenizer = progress.run("loading the tokenizer", || {
-        Tokenizer::from_dir(&model_dir)
+        Tokenizer::from_dir(&tokenizer_dir)
             .map(Arc::new)
-            .with_context(|| format!("loading the tokenizer of {}", model_dir.display()))
+            .with_context(|| format!("loading the tokenizer from {}", tokenizer_dir.display()))
     })?;
     let chat_template = match &cfg.chat_template {
         Some(path) => std::fs::read_to_string(path)
@@ -173,14 +176,20 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         )?,
     };
 
-    let weights = model_dir.join("model.safetensors");
-    let weight_mb = std::fs::metadata(&weights).map(|m| m.len()).unwrap_or(0) as f64 / 1e6;
+    let weights = match cfg.load_format {
+        LoadFormat::Safetensors => {
+            let file = model_dir.join("model.safetensors");
+            let mb = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0) as f64 / 1e6;
+            format!("{mb:.1} MB")
+        }
+        LoadFormat::Dummy { seed } => format!("dummy, seed {seed}"),
+    };
     let model = progress.run(
         &format!(
-            "loading the model weights ({weight_mb:.1} MB, {})",
+            "loading the model weights ({weights}, {})",
             cfg.device.map_or("device: auto", |d| d.name())
         ),
-        || super::model_loading::load_model(&model_dir, cfg.device),
+        || super::model_loading::load_model(&model_dir, cfg.device, cfg.load_format),
     )?;
     tracing::info!(device = model.device().name(), "model loaded");
     let config = model.config().clone();

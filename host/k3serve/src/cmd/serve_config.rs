@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
-use super::model_loading::Device;
+use super::model_loading::{Device, LoadFormat};
 
 /// The flags. Every field is optional so the TOML file can fill what the command line leaves out.
 #[derive(clap::Args, Debug, Default, Clone)]
@@ -22,6 +22,14 @@ pub struct Args {
     /// Name the API serves the model under [default: the model directory's name].
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Directory with tokenizer.json and tokenizer_config.json [default: the model directory].
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// `safetensors`, or `dummy`: seeded random weights of config.json's shapes, for benchmarking
+    /// shapes without a checkpoint (e.g. models/k3-slice with `--tokenizer models/k3-mini`)
+    /// [default: safetensors].
+    #[arg(long)]
+    pub load_format: Option<String>,
     /// Address to listen on [default: 0.0.0.0].
     #[arg(long)]
     pub host: Option<String>,
@@ -94,6 +102,8 @@ pub struct Args {
 struct FileConfig {
     model: Option<PathBuf>,
     served_model_name: Option<String>,
+    tokenizer: Option<PathBuf>,
+    load_format: Option<String>,
     host: Option<String>,
     port: Option<u16>,
     device: Option<String>,
@@ -123,6 +133,9 @@ pub struct ServeConfig {
     pub device: Option<Device>,
     pub model: PathBuf,
     pub served_model_name: Option<String>,
+    /// `None`: the model directory.
+    pub tokenizer: Option<PathBuf>,
+    pub load_format: LoadFormat,
     pub host: String,
     pub port: u16,
     pub api_key: Option<String>,
@@ -176,6 +189,14 @@ impl ServeConfig {
                 .or(file.model)
                 .unwrap_or_else(|| PathBuf::from("models/k3-mini")),
             served_model_name: args.served_model_name.or(file.served_model_name),
+            tokenizer: args.tokenizer.or(file.tokenizer),
+            load_format: LoadFormat::parse(
+                args.load_format
+                    .or(file.load_format)
+                    .as_deref()
+                    .unwrap_or("safetensors"),
+                0,
+            )?,
             host: args.host.or(file.host).unwrap_or_else(|| "0.0.0.0".into()),
             port: args.port.or(file.port).unwrap_or(8000),
             api_key: args.api_key.or(file.api_key).filter(|k| !k.is_empty()),
@@ -296,5 +317,28 @@ mod tests {
         })
         .unwrap_err();
         assert!(err.to_string().contains("max-num-seqs"));
+        let err = ServeConfig::resolve(Args {
+            load_format: Some("gguf".into()),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("--load-format gguf"), "{err}");
+    }
+
+    #[test]
+    fn load_format_and_tokenizer_dir() {
+        let cfg = ServeConfig::resolve(Args::default()).unwrap();
+        assert_eq!(cfg.load_format, LoadFormat::Safetensors);
+        assert_eq!(cfg.tokenizer, None);
+        let path = write("load-format = \"dummy\"\ntokenizer = \"models/k3-mini\"\n");
+        let cfg = ServeConfig::resolve(Args {
+            config: Some(path.clone()),
+            model: Some("models/k3-slice".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        std::fs::remove_file(path).ok();
+        assert_eq!(cfg.load_format, LoadFormat::Dummy { seed: 0 });
+        assert_eq!(cfg.tokenizer, Some(PathBuf::from("models/k3-mini")));
     }
 }
