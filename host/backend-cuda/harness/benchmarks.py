@@ -1,0 +1,285 @@
+"""Benchmarks of kernels/*.cu at K3 shapes (GPU only; device_check.py runs them after the checks
+unless --dry-run or --no-bench): CUDA-event / CUDA-graph timings against the memory-traffic floor
+and, where importable, fla's kernels. Results go to Results.bench and the log."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_PREP, cdiv, kda_region_floats, log, rel_err,
+                    run_kda_prefill)
+
+if TYPE_CHECKING:
+    from device_check import Device, Results
+
+
+def mla_splits_tc(blocks, max_len, sms=132, slots=None):
+    """geometry::mla_splits_tc: >= 2 blocks per SM, then the fullest last wave in [want, 2 want].
+    slots = 2 * sms: geometry::mla_splits_tc2 (two resident blocks per SM, waves of 2 * sms)."""
+    wave = slots or sms
+    want = max(1, cdiv(2 * sms if slots is None else slots, blocks))
+    cap = max(1, min(256, cdiv(max_len, 128)))
+    fill = lambda s: blocks * s / (cdiv(blocks * s, wave) * wave)  # noqa: E731
+    best = min(want, cap)
+    for s in range(want, min(2 * want, cap) + 1):
+        if fill(s) > fill(best) + 1e-9:
+            best = s
+    return best
+
+
+def bench_mla_v2(d: Device, record, N, L, A, ps, qt, kvb, o, base, lens, floor):
+    """MLA decode v2 (ops.rs MLA_DECODE_V2) on bench()'s buffers: the full path (attend_tc2 + merge +
+    out_proj) in both precisions, then probes: attend alone at prefetch distances 0/4/8 tiles, the
+    load pipeline alone (mode 2: copies, no math) and the W_UV tail alone."""
+    heads, nope, rope, v_dim, kv_lora, pt = 96, 128, 64, 128, 512, 64
+    hg = cdiv(heads, 16)
+    splits = mla_splits_tc(N * hg, L, slots=2 * 132)
+    chunk = cdiv(L, splits)
+    part = torch.empty(N, heads, splits, kv_lora + 2, device=qt.device)
+    lat = torch.empty(N, heads, kv_lora, device=qt.device)
+    a2 = [d.view(qt), d.view(A), d.view(ps), d.view(base), d.view(lens), d.view(part), N, heads, kv_lora, rope, pt,
+          splits, chunk, (nope + rope) ** -0.5]
+    margs = [d.view(part), d.view(lat), N, heads, kv_lora, splits]
+    pargs = [d.view(lat), d.view(kvb), d.view(o), N, heads, nope, v_dim, kv_lora]
+
+    def tail():
+        d.launch("mla_merge_f32", (N, heads), 128, *margs)
+        d.launch("mla_out_proj_f32", (heads, cdiv(v_dim, 16), cdiv(N, 64)), 256, *pargs)
+    big = N * L > 16 * 8192
+    variants = [("v2 precise", 1 | 4 << 2, True), ("v2 mixed", 3 | 4 << 2, True), ("v2 fast", 0 | 4 << 2, True),
+                ("v2 precise pf0", 1, False), ("v2 precise pf4", 1 | 4 << 2, False),
+                ("v2 fast pf0", 0, False), ("v2 fast pf4", 0 | 4 << 2, False), ("v2 fast pf8", 0 | 8 << 2, False),
+                ("v2 loads-only pf0", 2, False), ("v2 loads-only pf4", 2 | 4 << 2, False),
+                ("v2 loads-only pf8", 2 | 8 << 2, False)]
+    for label, mode, full in variants:
+        def go(mode=mode, full=full):
+            d.launch("mla_attend_tc2_f32", (hg, N, splits), 256, *a2, mode)
+            if full:
+                tail()
+        name = f"mla_decode {label} N={N} L={L} (attend+merge+proj, f32 rows)" if full else \
+            f"mla_attend {label} N={N} L={L} (attend only)"
+        try:
+            ms, how = d.time_graph(go, reps=5, inner=3) if big else d.time_graph(go)
+            record(name, ms, floor, splits=splits, timing=how)
+        except Exception as e:  # noqa: BLE001
+            log(f"bench {name} raised {type(e).__name__}: {str(e)[:200]}")
+    try:
+        ms, how = d.time_graph(tail)
+        tail_bytes = (heads * v_dim * kv_lora + N * heads * (splits * (kv_lora + 2) + 2 * kv_lora)) * 4
+        record(f"mla_tail v2 N={N} L={L} (merge + out_proj)", ms, tail_bytes / (COPY_TBPS / 2 * 1e12) * 1e3,
+               splits=splits, timing=how)
+    except Exception as e:  # noqa: BLE001
+        log(f"bench mla_tail v2 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
+    del part, lat
+
+
+def bench(d: Device, r: Results, quick: bool):
+    H, hk, conv, lb = 96, 96 * 128, 4, -5.0
+    reg = kda_region_floats(hk, conv, H)
+    fla = None
+    try:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+        fla = (chunk_kda, fused_recurrent_kda)
+    except Exception as e:  # noqa: BLE001
+        log(f"fla not importable ({type(e).__name__}: {str(e)[:120]}); no fla comparison")
+
+    def record(name, ms, floor_ms=None, **kw):
+        entry = {"name": name, "ms": ms, **kw}
+        if floor_ms is not None:
+            entry["floor_ms"] = floor_ms
+            entry["pct_of_floor"] = 100 * floor_ms / ms
+        r.bench.append(entry)
+        extra = f", floor {floor_ms * 1e3:.1f} us ({100 * floor_ms / ms:.0f}%)" if floor_ms else ""
+        log(f"bench {name}: {ms * 1e3:.1f} us{extra} " + " ".join(f"{k}={v}" for k, v in kw.items()))
+
+    dev = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
+    # KDA decode, N sequences in scattered slots.
+    fla_graph = True
+    for N in ([1, 64] if quick else [1, 16, 64, 256]):
+        A = torch.randn(N * reg, device="cuda") * 0.01
+        offs = torch.randperm(N, device="cuda").to(torch.int64) * reg
+        ck = torch.full((N,), -1, dtype=torch.int64, device="cuda")
+        x = [dev(N, hk) for _ in range(4)] + [dev(N, H)]
+        cw = [dev(hk, conv) * 0.5 for _ in range(3)]
+        o = torch.empty(N, hk, device="cuda")
+        args = [d.view(t) for t in x + cw] + [d.view(dev(H)), d.view(dev(hk)), d.view(A), d.view(offs), d.view(ck),
+                                              d.view(o), N, H, conv, lb]
+        ms, how = d.time_graph(lambda: d.launch("kda_decode_f32", (H, N), 512, *args))
+        floor = N * H * 128 * 128 * 4 * 2 / (COPY_TBPS * 1e12) * 1e3
+        extra = {"timing": how}
+        if fla:
+            q, k, v = (torch.randn(N, 1, H, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            g = -torch.rand(N, 1, H, 128, device="cuda") * 5
+            beta = torch.rand(N, 1, H, device="cuda", dtype=torch.bfloat16)
+            h0 = torch.randn(N, H, 128, 128, device="cuda") * 0.01
+            try:
+                def fla_step():
+                    with torch.inference_mode():
+                        fla[1](q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+                if fla_graph:  # one failed capture is enough: time fla eagerly from then on
+                    extra["fla_ms"], extra["fla_timing"] = d.time_graph(fla_step)
+                    fla_graph = extra["fla_timing"] == "graph"
+                else:
+                    extra["fla_ms"], extra["fla_timing"] = d.time_ms(fla_step), "eager"
+            except Exception as e:  # noqa: BLE001
+                extra["fla_error"] = repr(e)[:200]
+        record(f"kda_decode N={N}", ms, floor, **extra)
+        del A
+
+    # KDA prefill, one sequence of T tokens.
+    for T in ([8192] if quick else [1024, 8192]):
+        A = torch.randn(reg, device="cuda") * 0.01
+        A0 = A.clone()
+        xs = [dev(T, hk) for _ in range(4)] + [dev(T, H)]
+        ws = [dev(hk, conv) * 0.5 for _ in range(3)], dev(H), dev(hk)
+        extra = {}
+        if fla:
+            q, k, v = (torch.randn(1, T, H, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            g = -torch.rand(1, T, H, 128, device="cuda") * 5
+            beta = torch.rand(1, T, H, device="cuda", dtype=torch.bfloat16)
+            h0 = torch.randn(1, H, 128, 128, device="cuda") * 0.01
+            try:
+                with torch.inference_mode():
+                    extra["fla_ms"] = d.time_ms(lambda: fla[0](q, k, v, g, beta, initial_state=h0,
+                                                               output_final_state=True, use_qk_l2norm_in_kernel=True),
+                                                reps=5, warmup=1)
+            except Exception as e:  # noqa: BLE001
+                extra["fla_error"] = repr(e)[:200]
+        outs = {}
+        for chunk in KDA_CHUNK_KERNELS:
+            A.copy_(A0)
+            o, go = run_kda_prefill(d, T, H, conv, lb, A, 0, [], [], *xs, *ws, chunk=chunk)
+            go()
+            d.sync()
+            outs[chunk] = (o.clone(), A.clone())
+            ms = d.time_ms(go, reps=5, warmup=1)
+            chunk_ms = d.time_ms(go.chunk_only, reps=5, warmup=1)
+            tag, err = "", {}
+            if chunk != "f32":  # vs the f32 kernel at the K3 shape (96 heads, long T), same start state
+                tag = f"[{chunk}]"
+                err = {"o_err_vs_f32": rel_err(outs[chunk][0], outs["f32"][0]),
+                       "S_err_vs_f32": rel_err(outs[chunk][1], outs["f32"][1])}
+            record(f"kda_prefill{tag} T={T} (conv+prep+chunk)", ms, None, Mtok_s=T / ms / 1e3, chunk_ms=chunk_ms,
+                   **err, **extra)
+        for chunk in ("tc", "tc_fast"):
+            (o1, a1), (o2, a2) = outs["f32"], outs[chunk]
+            tol = KDA_CHUNK_TOL[chunk]
+            r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: o", rel_err(o2, o1), tol)
+            r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: state", rel_err(a2, a1), tol)
+        # The other conv + prep path with the tc chunk kernel: timing and agreement at K3 shapes.
+        other = "split" if KDA_PREP == "fused" else "fused"
+        A.copy_(A0)
+        o, go = run_kda_prefill(d, T, H, conv, lb, A, 0, [], [], *xs, *ws, chunk="tc", prep=other)
+        go()
+        d.sync()
+        eo, ea = rel_err(o, outs["tc"][0]), rel_err(A, outs["tc"][1])
+        ms = d.time_ms(go, reps=5, warmup=1)
+        record(f"kda_prefill[tc,prep={other}] T={T} (conv+prep+chunk)", ms, None, Mtok_s=T / ms / 1e3)
+        # Only the norms' summation order differs between the two: f32 rounding, not 1e-4.
+        r.check(f"kda_prefill[tc] T={T} H={H} prep {KDA_PREP} vs {other}: o", eo, 1e-4)
+        r.check(f"kda_prefill[tc] T={T} H={H} prep {KDA_PREP} vs {other}: state+windows", ea, 1e-4)
+        del A, A0, xs, outs
+
+    # MLA decode: N queries, L cached positions each, K3 heads and row. The CUDA-core attend (old)
+    # and the tensor-core one (3xTF32 "precise" and 1xTF32 "fast"), each + combine.
+    heads, nope, rope, v_dim, kv_lora, pt = 96, 128, 64, 128, 512, 64
+    row = kv_lora + rope
+    mla_shapes = [(16, 8192), (1, 32768), (64, 32768)] if quick else \
+        [(1, 8192), (16, 8192), (64, 4096), (1, 32768), (16, 32768), (64, 32768)]
+    for N, L in mla_shapes:
+        pages = cdiv(L, pt)
+        A = torch.randn(N * pages * pt * row, device="cuda")
+        ps = (torch.randperm(N * pages, device="cuda").to(torch.int64) * pt * row)
+        qt = dev(N, heads, row)
+        kvb = dev(heads * (nope + v_dim), kv_lora) * kv_lora ** -0.5
+        o = torch.empty(N, heads * v_dim, device="cuda")
+        base = torch.arange(N, dtype=torch.int32, device="cuda") * pages
+        lens = torch.full((N,), L, dtype=torch.int32, device="cuda")
+        floor = N * L * row * 4 / (COPY_TBPS / 2 * 1e12) * 1e3
+        hg = cdiv(heads, 16)
+        variants = [("tc precise", "mla_attend_tc_f32", (1,)), ("tc fast", "mla_attend_tc_f32", (0,))]
+        if N * L <= 16 * 8192:  # the old kernel takes ~50 ms at 64 x 32k
+            variants.insert(0, ("cuda-core", "mla_attend_f32", ()))
+        for label, kern, extra in variants:
+            if extra:
+                splits = mla_splits_tc(N * hg, L)
+                grid, block = (hg, N, splits), 256
+            else:
+                splits = max(1, min(64, 264 // (N * heads // 4)))
+                grid, block = (N, heads // 4, splits), 128
+            chunk = cdiv(L, splits)
+            part = torch.empty(N, heads, splits, kv_lora + 2, device="cuda")
+            args = [d.view(qt), d.view(A), d.view(ps), d.view(base), d.view(lens), d.view(part), N, heads, kv_lora,
+                    rope, pt, splits, chunk, (nope + rope) ** -0.5, *extra]
+            cargs = [d.view(part), d.view(kvb), d.view(o), N, heads, nope, v_dim, kv_lora, splits]
+
+            def go(kern=kern, grid=grid, block=block, args=args, cargs=cargs):
+                d.launch(kern, grid, block, *args)
+                d.launch("mla_combine_f32", (N, heads), 128, *cargs)
+            try:
+                ms, how = d.time_graph(go, reps=10 if N * L > 16 * 8192 else 20)
+                record(f"mla_decode {label} N={N} L={L} (attend+combine, f32 rows)", ms, floor, splits=splits,
+                       timing=how)
+            except Exception as e:  # noqa: BLE001
+                log(f"bench mla_decode {label} N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
+            if label == "tc precise" and N * L <= 16 * 8192:  # where v1's time goes: attend vs combine
+                try:
+                    ms_a, _ = d.time_graph(lambda kern=kern, grid=grid, block=block, args=args:
+                                           d.launch(kern, grid, block, *args))
+                    record(f"mla_attend v1 tc precise N={N} L={L} (attend only)", ms_a, floor, splits=splits)
+                    ms_c, _ = d.time_graph(lambda cargs=cargs: d.launch("mla_combine_f32", (N, heads), 128, *cargs))
+                    record(f"mla_combine v1 N={N} L={L} (merge + W_UV per item)", ms_c, None, splits=splits)
+                except Exception as e:  # noqa: BLE001
+                    log(f"bench mla v1 parts N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
+            del part
+        try:  # a failure here must not cost the benchmarks after it
+            bench_mla_v2(d, record, N, L, A, ps, qt, kvb, o, base, lens, floor)
+        except Exception as e:  # noqa: BLE001
+            log(f"bench mla v2 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
+        del A
+
+    # AttnRes, 9 sources, d = 7168.
+    T, dm = 4096, 7168
+    srcs = [dev(T, dm) for _ in range(9)]
+    out = torch.empty(T, dm, device="cuda")
+    w = dev(dm) * 0.01
+    ms = d.time_ms(lambda: d.launch("attn_res_f32", T, 256, *[d.view(s) for s in srcs], 9, d.view(w), d.view(out), T,
+                                    dm, 1e-5))
+    record(f"attn_res T={T} n=9", ms, (9 * T * dm * 4 + T * dm * 4) / (COPY_TBPS / 2 * 1e12) * 1e3)
+
+    # Routed MoE decode: T tokens, top-16 of E experts, K3 expert sizes (E reduced to bound memory).
+    E, k, lt, ie = 128, 16, 3584, 3072
+    w1p = torch.randint(0, 256, (E, ie, lt // 2), dtype=torch.uint8, device="cuda")
+    w3p = torch.randint(0, 256, (E, ie, lt // 2), dtype=torch.uint8, device="cuda")
+    w2p = torch.randint(0, 256, (E, lt, ie // 2), dtype=torch.uint8, device="cuda")
+    w1s, w3s = (torch.randint(118, 124, (E, ie, lt // 32), dtype=torch.uint8, device="cuda") for _ in range(2))
+    w2s = torch.randint(118, 124, (E, lt, ie // 32), dtype=torch.uint8, device="cuda")
+    for T in ([1, 16] if quick else [1, 16, 64]):
+        idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)]).int()
+        touched = int(idx.unique().numel())
+        wts = torch.rand(T, k, device="cuda")
+        z = dev(T, lt)
+        offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
+        srt = torch.empty(T * k, dtype=torch.int32, device="cuda")
+        act = torch.empty(T * k, ie, device="cuda")
+        y = torch.empty(T * k, lt, device="cuda")
+        res = torch.empty(T, lt, device="cuda")
+        V = {name: d.view(x) for name, x in (("idx", idx.reshape(-1)), ("off", offsets), ("srt", srt), ("z", z),
+                                              ("w1p", w1p), ("w1s", w1s), ("w3p", w3p), ("w3s", w3s), ("w2p", w2p),
+                                              ("w2s", w2s), ("act", act), ("y", y), ("wts", wts), ("res", res))}
+        wbytes = touched * (2 * ie * (lt // 2 + lt // 32) + lt * (ie // 2 + ie // 32))
+        for label, up, down, rpb, ex_arg in (("old", "mxfp4_expert_up_f32", "mxfp4_expert_down_f32", 8, ()),
+                                             ("fast", "mxfp4_up_fast_f32", "mxfp4_down_fast_f32", 16, (E,))):
+            def go(up=up, down=down, rpb=rpb, ex_arg=ex_arg):
+                gx = min(E, T * k) if ex_arg else E  # fast: blocks only for (at most) the busy experts
+                d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
+                d.launch(up, (gx, cdiv(ie, rpb)), 256, V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"],
+                         V["srt"], V["act"], k, lt, ie, 4.0, 25.0, 1, *ex_arg)
+                d.launch(down, (gx, cdiv(lt, rpb)), 256, V["act"], V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt,
+                         ie, *ex_arg)
+                d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
+            ms, how = d.time_graph(go)
+            record(f"moe_routed {label} T={T} top{k} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS / 2 * 1e12) * 1e3,
+                   experts_touched=touched, timing=how)

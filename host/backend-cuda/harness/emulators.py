@@ -1,0 +1,242 @@
+"""NumPy/PyTorch emulators of kernels/*.cu for `device_check.py --dry-run` (no GPU).
+
+Each takes the kernel's exact argument list (NumPy views in place of device pointers, already
+type-checked against the parsed C signature by Device.launch) and writes its outputs in place,
+computed with reference/k3ref in float64. EMU maps every kernel name to its emulator; a kernel
+without one fails the "every kernel has an emulator" check.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from common import kda_reference, pack_kda_region, unpack_kda_region  # first: puts reference/ on sys.path
+from k3ref import kda as rk
+from k3ref import mxfp4 as rmx
+from k3ref.attnres import attn_res as ref_attn_res
+from k3ref.moe import route as ref_route
+from k3ref.norm import rms_norm as ref_rms_norm
+from k3ref.situ import situ_glu as ref_situ_glu
+
+# Same argument lists as the kernels, NumPy arrays in place.
+
+
+def _t(a):
+    return torch.from_numpy(a)
+
+
+def _emu_kda_decode(q_in, k_in, v_in, f_in, b_in, cq, ck, cv, a_log, dt_bias, arena, state_off, ckpt_off, o_out,
+                    n_seqs, heads, conv, lb):
+    hk = int(heads) * 128
+    A = _t(arena)
+    for n in range(int(n_seqs)):
+        w, S = unpack_kda_region(A, int(state_off[n]), hk, int(conv), int(heads))
+        row = lambda x, w: _t(x).reshape(-1)[n * w:(n + 1) * w].view(1, w).double()  # noqa: E731
+        ro, rS, rw, _ = kda_reference(*(row(x, hk) for x in (q_in, k_in, v_in, f_in)), row(b_in, int(heads)),
+                                      [_t(c).view(hk, int(conv)).double() for c in (cq, ck, cv)], _t(a_log).double(),
+                                      _t(dt_bias).double(), [x.double() for x in w], S.double(), int(heads), float(lb))
+        for dst in [int(state_off[n])] + ([int(ckpt_off[n])] if ckpt_off[n] >= 0 else []):
+            pack_kda_region(A, dst, [x.float() for x in rw], rS.float())
+        o_out.reshape(-1)[n * hk:(n + 1) * hk] = ro.float().numpy().reshape(-1)
+
+
+_PREFILL = {}
+
+
+def _emu_kda_conv(qi, ki, vi, cq, ck, cv, qo, ko, vo, arena, off, ck_n, ck_off, n_ck, t, hk, conv):
+    # The whole prefill is emulated at the chunk kernel; here only stash the inputs and conv outputs.
+    A = _t(arena)
+    w, S = unpack_kda_region(A, int(off), int(hk), int(conv), int(hk) // 128)
+    _PREFILL.update(xs=[_t(x).view(int(t), int(hk)).double().clone() for x in (qi, ki, vi)],
+                    convw=[_t(c).view(int(hk), int(conv)).double() for c in (cq, ck, cv)],
+                    windows=[x.double().clone() for x in w])
+    for x, wc, win, out, i in zip(_PREFILL["xs"], _PREFILL["convw"], _PREFILL["windows"], (qo, ko, vo), range(3)):
+        y, nw = rk.short_conv(x[None], wc[:, None, :], win.t()[None])
+        out[:] = F.silu(y[0]).float().numpy()
+        A[int(off) + i * int(hk) * (int(conv) - 1): int(off) + (i + 1) * int(hk) * (int(conv) - 1)] = \
+            nw[0].t().reshape(-1).float()
+        for j in range(int(n_ck)):
+            _, wn = rk.short_conv(x[None, :int(ck_n[j])], wc[:, None, :], win.t()[None])
+            base = int(ck_off[j]) + i * int(hk) * (int(conv) - 1)
+            A[base: base + int(hk) * (int(conv) - 1)] = wn[0].t().reshape(-1).float()
+
+
+def _emu_kda_conv_prep(qi, ki, vi, fi, bi, cq, ck, cv, a_log, dt_bias, qo, ko, vo, g, beta, arena, off, ck_n, ck_off,
+                       n_ck, t, heads, conv, lb):
+    # Same contract as conv then prep, with g written to its own buffer (f only read).
+    if int(conv) > 4:
+        return  # the kernel does nothing there; launchers take the two-kernel path
+    _emu_kda_conv(qi, ki, vi, cq, ck, cv, qo, ko, vo, arena, off, ck_n, ck_off, n_ck, t, int(heads) * 128, conv)
+    g[:] = fi
+    _emu_kda_prep(qo, ko, g, bi, beta, a_log, dt_bias, t, heads, lb)
+
+
+def _emu_kda_prep(q, k, f, b, beta, a_log, dt_bias, t, heads, lb):
+    t, heads = int(t), int(heads)
+    qq, kk = _t(q).view(t, heads, 128), _t(k).view(t, heads, 128)
+    qq[:] = rk.l2norm(qq.double()).float() * 128 ** -0.5
+    kk[:] = rk.l2norm(kk.double()).float()
+    ff = _t(f).view(t, heads, 128)
+    ff[:] = rk.kda_gate(ff.double(), _t(a_log).double(), _t(dt_bias).double(), float(lb)).float()
+    _t(beta).view(t, heads)[:] = torch.sigmoid(_t(b).view(t, heads))
+
+
+def _emu_kda_chunk(q, k, v, g, beta, arena, off, ck_n, ck_off, n_ck, o_out, t, heads, conv):
+    t, heads, hk = int(t), int(heads), int(heads) * 128
+    A = _t(arena)
+    _, S = unpack_kda_region(A, int(off), hk, int(conv), heads)
+    sh = lambda x: _t(x).view(1, t, heads, 128).double()  # noqa: E731
+    emit = [int(ck_n[j]) for j in range(int(n_ck))]
+    o, S1, em = rk.kda_chunked(sh(q), sh(k), sh(v), sh(g), _t(beta).view(1, t, heads).double(), 1.0,
+                               initial_state=S.double()[None], chunk=16, emit_at=emit)
+    o_out[:] = o.reshape(t, hk).float().numpy()
+    wf = 3 * hk * (int(conv) - 1)
+    A[int(off) + wf: int(off) + wf + S1.numel()] = S1.reshape(-1).float()
+    for j, n in enumerate(emit):
+        A[int(ck_off[j]) + wf: int(ck_off[j]) + wf + S1.numel()] = em[n].reshape(-1).float()
+
+
+def _emu_mla_attend(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens, splits,
+                    chunk, scale):
+    row = int(kv_lora) + int(rope)
+    A, P = _t(arena), _t(part).view(int(items), int(heads), int(splits), int(kv_lora) + 2)
+    for n in range(int(items)):
+        L = int(lens[n])
+        rows = torch.stack([A[int(page_start[int(pt_base[n]) + j // int(page_tokens)]) + (j % int(page_tokens)) * row:][:row]
+                            for j in range(L)]).double()
+        for s in range(int(splits)):
+            j0, j1 = s * int(chunk), min(L, (s + 1) * int(chunk))
+            for h in range(int(heads)):
+                if j1 <= j0:
+                    P[n, h, s, :] = 0.0
+                    P[n, h, s, int(kv_lora)] = float("-inf")
+                    continue
+                sc = rows[j0:j1] @ _t(qt).view(int(items), int(heads), row)[n, h].double() * float(scale)
+                m = sc.max()
+                p = torch.exp(sc - m)
+                P[n, h, s, :int(kv_lora)] = (p @ rows[j0:j1, :int(kv_lora)]).float()
+                P[n, h, s, int(kv_lora)] = float(m)
+                P[n, h, s, int(kv_lora) + 1] = float(p.sum())
+
+
+def _emu_mla_combine(part, kv_b, o, items, heads, nope, v_dim, kv_lora, splits):
+    P = _t(part).view(int(items), int(heads), int(splits), int(kv_lora) + 2).double()
+    W = _t(kv_b).view(int(heads), int(nope) + int(v_dim), int(kv_lora)).double()
+    out = _t(o).view(int(items), int(heads), int(v_dim))
+    m = P[..., int(kv_lora)].amax(-1, keepdim=True)
+    f = torch.exp(P[..., int(kv_lora)] - m)
+    lat = (f.unsqueeze(-1) * P[..., :int(kv_lora)]).sum(2) / (f * P[..., int(kv_lora) + 1]).sum(-1, keepdim=True)
+    out[:] = torch.einsum("nhl,hvl->nhv", lat, W[:, int(nope):]).float()
+
+
+def _emu_mla_merge(part, lat, items, heads, kv_lora, splits):
+    P = _t(part).view(int(items), int(heads), int(splits), int(kv_lora) + 2).double()
+    m = P[..., int(kv_lora)].amax(-1, keepdim=True)
+    f = torch.exp(P[..., int(kv_lora)] - m)
+    lat[:] = ((f.unsqueeze(-1) * P[..., :int(kv_lora)]).sum(2) / (f * P[..., int(kv_lora) + 1]).sum(-1, keepdim=True)) \
+        .float().numpy().reshape(lat.shape)
+
+
+def _emu_mla_out_proj(lat, kv_b, o, items, heads, nope, v_dim, kv_lora):
+    L = _t(lat).view(int(items), int(heads), int(kv_lora)).double()
+    W = _t(kv_b).view(int(heads), int(nope) + int(v_dim), int(kv_lora)).double()
+    o[:] = torch.einsum("nhl,hvl->nhv", L, W[:, int(nope):]).float().numpy().reshape(o.shape)
+
+
+def _emu_moe_up(z, w1p, w1s, w3p, w3s, offsets, sorted_, act, top_k, lt, ie, beta, beta_lin, has_lin):
+    lt, ie = int(lt), int(ie)
+    e = len(offsets) - 1
+    for ex in range(e):
+        for a in sorted_[offsets[ex]:offsets[ex + 1]]:
+            x = _t(z).view(-1, lt)[int(a) // int(top_k)].double()
+            w1 = rmx.dequantize(_t(w1p).view(e, ie, lt // 2)[ex], _t(w1s).view(e, ie, lt // 32)[ex], torch.float64)
+            w3 = rmx.dequantize(_t(w3p).view(e, ie, lt // 2)[ex], _t(w3s).view(e, ie, lt // 32)[ex], torch.float64)
+            _t(act).view(-1, ie)[int(a)] = ref_situ_glu(w1 @ x, w3 @ x, float(beta),
+                                                        float(beta_lin) if has_lin else None).float()
+
+
+def _emu_moe_down(act, w2p, w2s, offsets, sorted_, y, lt, ie):
+    lt, ie = int(lt), int(ie)
+    e = len(offsets) - 1
+    for ex in range(e):
+        w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
+        for a in sorted_[offsets[ex]:offsets[ex + 1]]:
+            _t(y).view(-1, lt)[int(a)] = (w2 @ _t(act).view(-1, ie)[int(a)].double()).float()
+
+
+def _emu_sort(idx, n, e, offsets, sorted_):
+    order = np.argsort(idx[:int(n)], kind="stable")
+    sorted_[:] = order.astype(np.int32)
+    offsets[:] = np.concatenate([[0], np.cumsum(np.bincount(idx[:int(n)], minlength=int(e)))]).astype(np.int32)
+
+
+def _emu_router(logits, bias, idx, w, t, e, k, renorm, scaling):
+    ri, rw, _ = ref_route(_t(logits).view(int(t), int(e)).double(), torch.eye(int(e), dtype=torch.float64),
+                          _t(bias).double(), int(k), bool(renorm), float(scaling))
+    idx[:] = ri.int().numpy().reshape(idx.shape)
+    w[:] = rw.float().numpy().reshape(w.shape)
+
+
+def _emu_attn_res(*a):
+    srcs, n, w, out, rows, dm, eps = a[:9], int(a[9]), a[10], a[11], int(a[12]), int(a[13]), float(a[14])
+    S = [_t(s).view(rows, dm).double() for s in srcs[:n]]
+    out[:] = ref_attn_res(S[-1], S[:-1], _t(w).double(), torch.ones(1, dm, dtype=torch.float64), eps).float() \
+        .numpy().reshape(out.shape)
+
+
+EMU = {
+    "rms_norm_f32": lambda x, w, y, rows, cols, eps: y.__setitem__(
+        slice(None), ref_rms_norm(_t(x).view(int(rows), int(cols)).double(), _t(w).double(), float(eps)).float().numpy()
+        .reshape(y.shape)),
+    "gated_head_norm_f32": lambda o, g, w, y, rows, heads, hd, eps: y.__setitem__(slice(None), (
+        ref_rms_norm(_t(o).view(-1, int(hd)).double(), _t(w).double(), float(eps))
+        * torch.sigmoid(_t(g).view(-1, int(hd)).double())).float().numpy().reshape(y.shape)),
+    "situ_glu_packed_f32": lambda gu, out, rows, ie, b, bl, hl: out.__setitem__(slice(None), ref_situ_glu(
+        _t(gu).view(int(rows), 2, int(ie))[:, 0].double(), _t(gu).view(int(rows), 2, int(ie))[:, 1].double(), float(b),
+        float(bl) if hl else None).float().numpy().reshape(out.shape)),
+    "situ_glu_f32": lambda g, u, out, n, b, bl, hl: out.__setitem__(slice(None), ref_situ_glu(
+        _t(g).double(), _t(u).double(), float(b), float(bl) if hl else None).float().numpy()),
+    "add_assign_f32": lambda p, a, n: p.__setitem__(slice(None), p + a),
+    "sigmoid_mul_f32": lambda o, g, n: o.__setitem__(slice(None), o * torch.sigmoid(_t(g)).numpy()),
+    "embed_rows_f32": lambda tab, ids, out, t, dm, v: out.__setitem__(slice(None), _t(tab).view(int(v), int(dm))[
+        torch.from_numpy(ids.astype(np.int64))].numpy()),
+    "embed_rows_bf16": lambda tab, ids, out, t, dm, v: out.__setitem__(slice(None), _t(tab.view(np.int16)).view(
+        torch.bfloat16).view(int(v), int(dm))[torch.from_numpy(ids.astype(np.int64))].float().numpy()),
+    "attn_res_f32": _emu_attn_res,
+    "router_topk_f32": _emu_router,
+    "argmax_rows_f32": lambda lg, ids, rows, v: ids.__setitem__(slice(None), _t(lg).view(int(rows), int(v)).argmax(-1)
+                                                               .int().numpy()),
+    "softmax_temperature_f32": lambda lg, p, rows, v, temp: p.__setitem__(slice(None), torch.softmax(
+        _t(lg).view(int(rows), int(v)).double() / float(temp), -1).float().numpy()),
+    "kda_decode_f32": _emu_kda_decode,
+    "kda_conv_silu_f32": _emu_kda_conv,
+    "kda_prep_f32": _emu_kda_prep,
+    "kda_conv_prep_f32": _emu_kda_conv_prep,
+    "kda_chunk_fwd_f32": _emu_kda_chunk,
+    "kda_chunk_tc_f32": _emu_kda_chunk,  # same contract; only the grid and the chunking differ
+    "kda_chunk_tc_fast_f32": _emu_kda_chunk,
+    "mla_append_rows_f32": lambda kv_a, nw, arena, dst, t, lkv, rope, eps: [arena.__setitem__(
+        slice(int(dst[i]), int(dst[i]) + int(lkv) + int(rope)), np.concatenate([ref_rms_norm(
+            _t(kv_a).view(int(t), -1)[i, :int(lkv)].double(), _t(nw).double(), float(eps)).float().numpy(),
+            kv_a.reshape(int(t), -1)[i, int(lkv):]])) for i in range(int(t))],
+    "mla_absorb_q_f32": lambda q, kvb, qt, items, heads, nope, rope, vd, lkv: qt.__setitem__(slice(None), torch.cat([
+        torch.einsum("nhp,hpl->nhl", _t(q).view(int(items), int(heads), -1)[..., :int(nope)].double(),
+                     _t(kvb).view(int(heads), int(nope) + int(vd), int(lkv))[:, :int(nope)].double()),
+        _t(q).view(int(items), int(heads), -1)[..., int(nope):].double()], -1).float().numpy().reshape(qt.shape)),
+    "mla_attend_f32": _emu_mla_attend,
+    "mla_attend_tc_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # same math; `precise` only changes rounding
+    "mla_combine_f32": _emu_mla_combine,
+    "mla_attend_tc2_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # mode: rounding / prefetch / probe only
+    "mla_merge_f32": _emu_mla_merge,
+    "mla_out_proj_f32": _emu_mla_out_proj,
+    "moe_sort_assignments": _emu_sort,
+    "mxfp4_expert_up_f32": _emu_moe_up,
+    "mxfp4_expert_down_f32": _emu_moe_down,
+    "mxfp4_up_fast_f32": lambda *a: _emu_moe_up(*a[:-1]),  # + E (the grid's busy-expert mapping)
+    "mxfp4_down_fast_f32": lambda *a: _emu_moe_down(*a[:-1]),
+    "moe_combine_f32": lambda y, w, out, t, k, lt: out.__setitem__(slice(None), torch.einsum(
+        "tk,tkl->tl", _t(w).view(int(t), int(k)), _t(y).view(int(t), int(k), int(lt))).numpy().reshape(out.shape)),
+    "mxfp4_dequant_f32": lambda p, s, out, rows, cols: out.__setitem__(slice(None), rmx.dequantize(
+        _t(p).view(int(rows), -1), _t(s).view(int(rows), -1)).numpy().reshape(out.shape)),
+}
