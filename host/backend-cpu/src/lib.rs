@@ -218,6 +218,16 @@ impl Backend for CpuBackend {
         )
     }
 
+    fn concat_rows(&self, parts: &[&Mat]) -> Mat {
+        let cols = parts.first().map_or(0, |m| m.cols);
+        let mut data = Vec::with_capacity(parts.iter().map(|m| m.data.len()).sum());
+        for m in parts {
+            assert_eq!(m.cols, cols, "concat_rows: widths differ");
+            data.extend_from_slice(&m.data);
+        }
+        Mat::new(data.len() / cols.max(1), cols, data)
+    }
+
     fn embed(&self, table: &Linear, ids: &[u32]) -> Mat {
         let d = table.cols;
         let mut data = Vec::with_capacity(ids.len() * d);
@@ -393,6 +403,32 @@ impl Backend for CpuBackend {
             mla::attend_naive(&d, &q.data, t, loc.start_pos, &lat, &kv_b.row_major())
         };
         Ok(Mat::new(t, g.heads * g.v_dim, o))
+    }
+
+    /// Sequence by sequence: an expert's kernel depends on how many tokens it gets
+    /// (`DENSE_EXPERT_MIN_TOKENS`), so grouping across sequences would make a sequence's
+    /// results depend on the batch.
+    fn moe_routed_batch(
+        &self,
+        z: &Mat,
+        logits: &Mat,
+        bias: &Vec<f32>,
+        ex: &Experts,
+        r: RouterParams,
+        situ: SituParams,
+        spans: &[(usize, usize)],
+    ) -> Mat {
+        if spans.len() <= 1 {
+            return self.moe_routed(z, logits, bias, ex, r, situ);
+        }
+        let parts: Vec<Mat> = spans
+            .iter()
+            .map(|&(r0, r1)| {
+                let (z, l) = (self.slice_rows(z, r0, r1), self.slice_rows(logits, r0, r1));
+                self.moe_routed(&z, &l, bias, ex, r, situ)
+            })
+            .collect();
+        self.concat_rows(&parts.iter().collect::<Vec<_>>())
     }
 
     fn moe_routed(

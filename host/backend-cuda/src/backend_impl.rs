@@ -156,6 +156,26 @@ impl CudaBackend {
         Ok(out)
     }
 
+    fn concat(&self, parts: &[&DeviceMat]) -> Result<DeviceMat> {
+        let cols = parts.first().map_or(0, |m| m.cols);
+        if parts.iter().any(|m| m.cols != cols) {
+            return Err(CudaError::InvalidArg("concat_rows: widths differ".into()));
+        }
+        let rows = parts.iter().map(|m| m.rows).sum();
+        let mut out = self.zeros(rows, cols)?;
+        let mut at = 0;
+        for m in parts {
+            let n = m.rows * cols;
+            if n > 0 {
+                let src = m.buf.slice(0..n);
+                let mut dst = out.buf.slice_mut(at..at + n);
+                self.stream.memcpy_dtod(&src, &mut dst)?;
+            }
+            at += n;
+        }
+        Ok(out)
+    }
+
     fn arena_check(arena: &CudaSlice<f32>, offset: usize, len: usize) -> Result<()> {
         if offset.checked_add(len).is_none_or(|e| e > arena.len() * 4) {
             return Err(CudaError::InvalidArg(format!(
@@ -456,6 +476,12 @@ impl Backend for CudaBackend {
         self.mat_or(end.saturating_sub(start), a.cols, || {
             self.rows_of(a, start, end)
         })
+    }
+
+    fn concat_rows(&self, parts: &[&DeviceMat]) -> DeviceMat {
+        let rows = parts.iter().map(|m| m.rows).sum();
+        let cols = parts.first().map_or(0, |m| m.cols);
+        self.mat_or(rows, cols, || self.concat(parts))
     }
 
     fn embed(&self, table: &DeviceMat, ids: &[u32]) -> DeviceMat {

@@ -146,6 +146,8 @@ pub trait Backend: Send + Sync + 'static {
     fn rows(&self, a: &Self::Act) -> usize;
     /// Rows `[start, end)` of `a` as a new activation.
     fn slice_rows(&self, a: &Self::Act, start: usize, end: usize) -> Self::Act;
+    /// The rows of `parts` one after another (all of the same width; at least one part).
+    fn concat_rows(&self, parts: &[&Self::Act]) -> Self::Act;
     /// Rows of `table` selected by `ids`.
     fn embed(&self, table: &Self::Linear, ids: &[u32]) -> Self::Act;
     fn matmul(&self, x: &Self::Act, w: &Self::Linear) -> Self::Act;
@@ -210,5 +212,25 @@ pub trait Backend: Send + Sync + 'static {
     /// instead of panicking); the executor turns it into `ExecError::Backend` after each step.
     fn take_error(&self) -> Option<String> {
         None
+    }
+
+    /// [`Backend::moe_routed`] over the stacked rows of several sequences (`spans`: each
+    /// sequence's rows, in order). The default routes them all together, so an expert's weights
+    /// are read once per step. A backend whose expert kernels choose their algorithm (and so
+    /// their reduction order) by the number of tokens per expert overrides this to keep every
+    /// sequence's results independent of the rest of the batch.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_routed_batch(
+        &self,
+        z: &Self::Act,
+        router_logits: &Self::Act,
+        bias: &Self::Vector,
+        experts: &Self::Experts,
+        router: RouterParams,
+        situ: SituParams,
+        spans: &[(usize, usize)],
+    ) -> Self::Act {
+        let _ = spans;
+        self.moe_routed(z, router_logits, bias, experts, router, situ)
     }
 }

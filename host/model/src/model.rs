@@ -131,7 +131,17 @@ impl CacheOffsets {
     }
 }
 
+/// One sequence's share of a batched forward pass.
+pub struct SeqPass<'a> {
+    /// Its new tokens.
+    pub ids: &'a [u32],
+    pub cache: SeqCache<'a>,
+    /// First row (among its new tokens) whose logits are wanted; `None`: no logits.
+    pub logits_from: Option<usize>,
+}
+
 /// One sequence's view of the cache for a forward pass.
+#[derive(Clone, Copy)]
 pub struct SeqCache<'a> {
     pub start_pos: usize,
     pub kv_pages: &'a [usize],
@@ -425,10 +435,7 @@ impl<B: Backend> Model<B> {
         be.matmul(&h, &w.down)
     }
 
-    /// Run the layer graph over `ids` (the new tokens of one sequence), reading and updating its
-    /// cache. Returns the final hidden rows selected by `logits_from` (row index of the first
-    /// row whose logits are wanted; `None` = no logits) as logits `[rows, V]`.
-    /// `trace`, when given, receives the partial sum `p` after every layer (golden tests).
+    /// Run the layer graph over the new tokens of one sequence (see [`Model::forward_batch`]).
     pub fn forward_seq(
         &self,
         arena: &mut B::Arena,
@@ -436,19 +443,55 @@ impl<B: Backend> Model<B> {
         ids: &[u32],
         cache: &SeqCache<'_>,
         logits_from: Option<usize>,
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Option<B::Act>, ExecError> {
+        let pass = SeqPass {
+            ids,
+            cache: *cache,
+            logits_from,
+        };
+        self.forward_batch(arena, offsets, &[pass], trace)
+    }
+
+    /// Run the layer graph over the new tokens of several sequences at once: their rows are
+    /// stacked, so every dense op (projections, norms, AttnRes, MoE) runs once per step and reads
+    /// its weights once; only the KDA and MLA cores run per sequence, each on its own rows and
+    /// cache. Returns the logits `[rows, V]` of the rows each sequence wants (from its
+    /// `logits_from` to its end), in batch order, or `None` when no sequence wants any.
+    /// `trace`, when given, receives the partial sum `p` (all rows) after every layer.
+    pub fn forward_batch(
+        &self,
+        arena: &mut B::Arena,
+        offsets: &CacheOffsets,
+        seqs: &[SeqPass<'_>],
         mut trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Option<B::Act>, ExecError> {
         let be = &self.backend;
         let c = &self.config;
         let eps = c.rms_norm_eps;
-        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(ExecError::InvalidBatch(format!(
-                "token id {bad} >= vocab size {}",
-                c.vocab_size
-            )));
+        let mut spans = Vec::with_capacity(seqs.len());
+        let mut ids: Vec<u32> = Vec::new();
+        for s in seqs {
+            if let Some(&bad) = s.ids.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return Err(ExecError::InvalidBatch(format!(
+                    "token id {bad} >= vocab size {}",
+                    c.vocab_size
+                )));
+            }
+            if s.ids.is_empty() || s.logits_from.is_some_and(|f| f >= s.ids.len()) {
+                return Err(ExecError::InvalidBatch(
+                    "a sequence has no tokens or asks for logits past its end".into(),
+                ));
+            }
+            spans.push((ids.len(), ids.len() + s.ids.len()));
+            ids.extend_from_slice(s.ids);
+        }
+        let total = ids.len();
+        if total == 0 {
+            return Err(ExecError::InvalidBatch("an empty batch".into()));
         }
         let mut bank: Vec<B::Act> = Vec::new();
-        let mut p: Option<B::Act> = Some(be.embed(&self.embed, ids));
+        let mut p: Option<B::Act> = Some(be.embed(&self.embed, &ids));
         for (l, layer) in self.layers.iter().enumerate() {
             let h = match (&layer.attn_res, bank.is_empty()) {
                 (Some(w), false) => {
@@ -461,15 +504,15 @@ impl<B: Backend> Model<B> {
             };
             let mut h = match h {
                 Some(h) => h,
-                None => be.slice_rows(p.as_ref().expect("p set"), 0, ids.len()),
+                None => be.slice_rows(p.as_ref().expect("p set"), 0, total),
             };
             if l % c.attn_res_block_size == 0 {
                 bank.push(p.take().expect("p set"));
             }
             let x = be.rms_norm(&h, &layer.input_norm, eps);
             let a = match &layer.mixer {
-                Mixer::Kda(w) => self.kda_layer(arena, offsets, l, &x, w, cache)?,
-                Mixer::Mla(w) => self.mla_layer(arena, offsets, l, &x, w, cache)?,
+                Mixer::Kda(w) => self.kda_layer(arena, offsets, l, &x, w, seqs, &spans)?,
+                Mixer::Mla(w) => self.mla_layer(arena, offsets, l, &x, w, seqs, &spans)?,
             };
             let mut pp = match p.take() {
                 None => a,
@@ -486,7 +529,7 @@ impl<B: Backend> Model<B> {
             let x = be.rms_norm(&h, &layer.post_norm, eps);
             let f = match &layer.ffn {
                 Ffn::Dense(w) => self.glu(&x, w),
-                Ffn::Moe(w) => self.moe(&x, w),
+                Ffn::Moe(w) => self.moe(&x, w, &spans),
             };
             be.add_assign(&mut pp, &f);
             if let Some(tr) = trace.as_deref_mut() {
@@ -494,29 +537,64 @@ impl<B: Backend> Model<B> {
             }
             p = Some(pp);
         }
-        let Some(first) = logits_from else {
+        let wanted: Vec<(usize, usize)> = seqs
+            .iter()
+            .zip(&spans)
+            .filter_map(|(s, &(r0, r1))| s.logits_from.map(|f| (r0 + f, r1)))
+            .collect();
+        if wanted.is_empty() {
             return Ok(None);
-        };
-        let p = p.expect("p set");
-        let n = ids.len();
-        let p = if first == 0 {
-            p
-        } else {
-            be.slice_rows(&p, first, n)
-        };
-        let bank_rows: Vec<B::Act>;
-        let mut src: Vec<&B::Act> = Vec::new();
-        if first == 0 {
-            src.extend(bank.iter());
-        } else {
-            bank_rows = bank.iter().map(|b| be.slice_rows(b, first, n)).collect();
-            src.extend(bank_rows.iter());
         }
+        let p = p.expect("p set");
+        // The final AttnRes, norm and lm_head run on the wanted rows only.
+        let picked: Vec<B::Act>;
+        let mut src: Vec<&B::Act> = bank.iter().collect();
         src.push(&p);
+        if wanted != [(0, total)] {
+            picked = src.iter().map(|a| self.gather_rows(a, &wanted)).collect();
+            src = picked.iter().collect();
+        }
         let y = be.rms_norm(&be.attn_res(&src, &self.final_res.w, eps), &self.norm, eps);
         Ok(Some(be.matmul(&y, &self.lm_head)))
     }
 
+    /// Rows `ranges` of `a`, stacked in order.
+    fn gather_rows(&self, a: &B::Act, ranges: &[(usize, usize)]) -> B::Act {
+        let be = &self.backend;
+        match ranges {
+            [(r0, r1)] => be.slice_rows(a, *r0, *r1),
+            _ => {
+                let parts: Vec<B::Act> = ranges
+                    .iter()
+                    .map(|&(r0, r1)| be.slice_rows(a, r0, r1))
+                    .collect();
+                be.concat_rows(&parts.iter().collect::<Vec<_>>())
+            }
+        }
+    }
+
+    /// `f(i, rows)` for each sequence `i` with its rows of every act in `acts` (the acts
+    /// themselves when the batch has one sequence), the results stacked in batch order.
+    fn per_seq<const N: usize>(
+        &self,
+        acts: [&B::Act; N],
+        spans: &[(usize, usize)],
+        mut f: impl FnMut(usize, [&B::Act; N]) -> Result<B::Act, ExecError>,
+    ) -> Result<B::Act, ExecError> {
+        let be = &self.backend;
+        if spans.len() == 1 {
+            return f(0, acts);
+        }
+        let mut outs = Vec::with_capacity(spans.len());
+        for (i, &(r0, r1)) in spans.iter().enumerate() {
+            let rows: Vec<B::Act> = acts.iter().map(|a| be.slice_rows(a, r0, r1)).collect();
+            let refs: [&B::Act; N] = std::array::from_fn(|j| &rows[j]);
+            outs.push(f(i, refs)?);
+        }
+        Ok(be.concat_rows(&outs.iter().collect::<Vec<_>>()))
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn kda_layer(
         &self,
         arena: &mut B::Arena,
@@ -524,7 +602,8 @@ impl<B: Backend> Model<B> {
         l: usize,
         x: &B::Act,
         w: &KdaW<B>,
-        cache: &SeqCache<'_>,
+        seqs: &[SeqPass<'_>],
+        spans: &[(usize, usize)],
     ) -> Result<B::Act, ExecError> {
         let be = &self.backend;
         let geom = self.kda_geom();
@@ -534,29 +613,32 @@ impl<B: Backend> Model<B> {
         let v = be.matmul(x, &w.v);
         let f = be.matmul(&be.matmul(x, &w.f_a), &w.f_b);
         let b = be.matmul(x, &w.b);
-        let cps: Vec<(usize, usize)> = cache
-            .checkpoints
-            .iter()
-            .map(|&(n, dst)| (n, dst + lo))
-            .collect();
-        let o = be.kda(
-            arena,
-            geom,
-            &KdaParams {
-                conv: [&w.conv[0], &w.conv[1], &w.conv[2]],
-                a_log: &w.a_log,
-                dt_bias: &w.dt_bias,
-            },
-            &KdaInputs {
-                qkv: [&q, &k, &v],
-                f: &f,
-                b: &b,
-            },
-            KdaStateLoc {
-                offset: cache.state_block + lo,
-                checkpoints: &cps,
-            },
-        )?;
+        let o = self.per_seq([&q, &k, &v, &f, &b], spans, |i, [q, k, v, f, b]| {
+            let cache = &seqs[i].cache;
+            let cps: Vec<(usize, usize)> = cache
+                .checkpoints
+                .iter()
+                .map(|&(n, dst)| (n, dst + lo))
+                .collect();
+            be.kda(
+                arena,
+                geom,
+                &KdaParams {
+                    conv: [&w.conv[0], &w.conv[1], &w.conv[2]],
+                    a_log: &w.a_log,
+                    dt_bias: &w.dt_bias,
+                },
+                &KdaInputs {
+                    qkv: [q, k, v],
+                    f,
+                    b,
+                },
+                KdaStateLoc {
+                    offset: cache.state_block + lo,
+                    checkpoints: &cps,
+                },
+            )
+        })?;
         let gate = be.matmul(x, &w.g);
         let o = be.gated_head_norm(
             &o,
@@ -568,6 +650,7 @@ impl<B: Backend> Model<B> {
         Ok(be.matmul(&o, &w.o))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn mla_layer(
         &self,
         arena: &mut B::Arena,
@@ -575,33 +658,30 @@ impl<B: Backend> Model<B> {
         l: usize,
         x: &B::Act,
         w: &MlaW<B>,
-        cache: &SeqCache<'_>,
+        seqs: &[SeqPass<'_>],
+        spans: &[(usize, usize)],
     ) -> Result<B::Act, ExecError> {
         let be = &self.backend;
         let eps = self.config.rms_norm_eps;
         let cq = be.rms_norm(&be.matmul(x, &w.q_a), &w.q_a_norm, eps);
         let q = be.matmul(&cq, &w.q_b);
         let kv_a = be.matmul(x, &w.kv_a);
-        let loc = MlaCacheLoc {
-            pages: cache.kv_pages,
-            page_tokens: cache.page_tokens,
-            layer_offset: offsets.mla[l].expect("MLA layer has a page offset"),
-            start_pos: cache.start_pos,
-        };
-        let mut o = be.mla(
-            arena,
-            self.mla_geom(),
-            &q,
-            &kv_a,
-            &w.kv_a_norm,
-            &w.kv_b,
-            loc,
-        )?;
+        let layer_offset = offsets.mla[l].expect("MLA layer has a page offset");
+        let mut o = self.per_seq([&q, &kv_a], spans, |i, [q, kv_a]| {
+            let cache = &seqs[i].cache;
+            let loc = MlaCacheLoc {
+                pages: cache.kv_pages,
+                page_tokens: cache.page_tokens,
+                layer_offset,
+                start_pos: cache.start_pos,
+            };
+            be.mla(arena, self.mla_geom(), q, kv_a, &w.kv_a_norm, &w.kv_b, loc)
+        })?;
         be.sigmoid_mul(&mut o, &be.matmul(x, &w.g));
         Ok(be.matmul(&o, &w.o))
     }
 
-    fn moe(&self, x: &B::Act, w: &MoeW<B>) -> B::Act {
+    fn moe(&self, x: &B::Act, w: &MoeW<B>, spans: &[(usize, usize)]) -> B::Act {
         let be = &self.backend;
         let m = &self.config.moe;
         let z = be.matmul(x, &w.down);
@@ -611,7 +691,8 @@ impl<B: Backend> Model<B> {
             renormalize: m.renormalize,
             scaling: m.routed_scaling_factor,
         };
-        let y_lat = be.moe_routed(&z, &logits, &w.bias, &w.experts, router, self.situ());
+        let y_lat =
+            be.moe_routed_batch(&z, &logits, &w.bias, &w.experts, router, self.situ(), spans);
         let y_lat = match &w.norm {
             Some(n) => be.rms_norm(&y_lat, n, self.config.rms_norm_eps),
             None => y_lat,

@@ -5,7 +5,7 @@ use crate::backend::Backend;
 use crate::exec::{
     CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput,
 };
-use crate::model::{CacheOffsets, Model, SeqCache};
+use crate::model::{CacheOffsets, Model, SeqCache, SeqPass};
 
 /// A model bound to its backend and one arena.
 pub struct ModelExecutor<B: Backend> {
@@ -139,11 +139,7 @@ impl<B: Backend> ModelExecutor<B> {
             state_block: s.state_block,
             checkpoints: s.checkpoints,
         };
-        let from = match s.logits {
-            LogitsWant::None => None,
-            LogitsWant::Last => Some(ids.len() - 1),
-            LogitsWant::All => Some(0),
-        };
+        let from = logits_from(s);
         let logits =
             self.model
                 .forward_seq(&mut self.arena, &self.offsets, &ids, &cache, from, trace);
@@ -200,27 +196,62 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         Ok(bytes)
     }
 
-    /// Sequences run one after another, each with its own fixed reduction orders, so a
-    /// sequence's results never depend on the rest of the batch.
+    /// All sequences in one pass ([`Model::forward_batch`]): dense ops over the stacked rows,
+    /// KDA/MLA cores per sequence. A backend whose kernels are row-invariant (the CPU's packed
+    /// GEMM, per-row norms, per-token routing) gives each sequence the same results as alone.
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, ExecError> {
         for s in &batch.seqs {
             self.validate(s)?;
         }
         let vocab = self.model.config.vocab_size;
+        let page_tokens = self.layout.page_tokens;
+        let passes: Vec<SeqPass<'_>> = batch
+            .seqs
+            .iter()
+            .map(|s| SeqPass {
+                ids: s.tokens,
+                cache: SeqCache {
+                    start_pos: s.start_pos,
+                    kv_pages: s.kv_pages,
+                    page_tokens,
+                    state_block: s.state_block,
+                    checkpoints: s.checkpoints,
+                },
+                logits_from: logits_from(s),
+            })
+            .collect();
         let mut out = ForwardOutput {
             vocab,
             logits: Vec::new(),
             row_ranges: Vec::with_capacity(batch.seqs.len()),
         };
+        if batch.seqs.is_empty() {
+            return Ok(out);
+        }
+        let logits = self
+            .model
+            .forward_batch(&mut self.arena, &self.offsets, &passes, None);
+        let logits = logits.map(|l| l.map(|l| self.model.backend.to_host(&l)));
+        // A backend failure recorded during the pass wins over whatever the pass returned.
+        self.backend_error()?;
+        out.logits = logits?.unwrap_or_default();
         let mut row = 0;
-        for s in &batch.seqs {
-            let logits = self.run_one(s, None)?;
-            let rows = logits.len() / vocab;
-            out.logits.extend_from_slice(&logits);
+        for (s, p) in batch.seqs.iter().zip(&passes) {
+            let rows = p.logits_from.map_or(0, |f| s.tokens.len() - f);
             out.row_ranges.push(row..row + rows);
             row += rows;
         }
+        debug_assert_eq!(row * vocab, out.logits.len());
         Ok(out)
+    }
+}
+
+/// The first new row whose logits `s` wants.
+fn logits_from(s: &SeqInput<'_>) -> Option<usize> {
+    match s.logits {
+        LogitsWant::None => None,
+        LogitsWant::Last => Some(s.tokens.len() - 1),
+        LogitsWant::All => Some(0),
     }
 }
 
