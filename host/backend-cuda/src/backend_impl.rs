@@ -333,10 +333,12 @@ impl CudaBackend {
         self.kda_prefill(arena, g, &w, &x, loc.offset, loc.checkpoints)
     }
 
-    /// MLA for the T new tokens of one sequence: token i is an item attending over its causal
-    /// prefix of `start_pos + i + 1` rows (all T rows are appended first, on the same stream).
+    /// MLA for the new tokens of several sequences (rows `spans[i]` of `q` / `kv_a` belong to
+    /// the sequence cached at `locs[i]`), in one launch sequence: every token is an item
+    /// attending over its causal prefix of `start_pos + j + 1` rows (all rows are appended
+    /// first, on the same stream).
     #[allow(clippy::too_many_arguments)]
-    fn mla_seq(
+    fn mla_seqs(
         &self,
         arena: &mut CudaSlice<f32>,
         g: MlaGeom,
@@ -344,30 +346,43 @@ impl CudaBackend {
         kv_a: &DeviceMat,
         kv_norm: &CudaSlice<f32>,
         kv_b: &DeviceMat,
-        loc: MlaCacheLoc<'_>,
+        spans: &[(usize, usize)],
+        locs: &[MlaCacheLoc<'_>],
     ) -> Result<DeviceMat> {
-        let (t, pt) = (q.rows, loc.page_tokens);
-        if pt == 0 {
-            return Err(CudaError::InvalidArg("page_tokens = 0".into()));
+        if spans.len() != locs.len() || spans.last().map_or(0, |s| s.1) != q.rows {
+            return Err(CudaError::InvalidArg(
+                "MLA batch: spans do not cover the rows".into(),
+            ));
         }
-        let end = loc.start_pos + t;
-        let npages = end.div_ceil(pt);
-        if loc.pages.len() < npages {
-            return Err(CudaError::InvalidArg(format!(
-                "{} KV pages for {end} positions",
-                loc.pages.len()
-            )));
-        }
-        let pages: Vec<usize> = loc.pages[..npages]
-            .iter()
-            .map(|&p| p + loc.layer_offset)
-            .collect();
         let row_bytes = 4 * g.row();
-        let append_at: Vec<usize> = (loc.start_pos..end)
-            .map(|pos| pages[pos / pt] + (pos % pt) * row_bytes)
-            .collect();
-        let lens: Vec<usize> = (loc.start_pos + 1..=end).collect();
-        let tables: Vec<&[usize]> = vec![&pages[..]; t];
+        let mut seq_pages = Vec::with_capacity(locs.len());
+        let (mut append_at, mut lens, mut owner) = (Vec::new(), Vec::new(), Vec::new());
+        let mut pt = 0;
+        for (i, (&(r0, r1), loc)) in spans.iter().zip(locs).enumerate() {
+            pt = loc.page_tokens;
+            if pt == 0 || (i > 0 && pt != locs[0].page_tokens) {
+                return Err(CudaError::InvalidArg("page_tokens differ or are 0".into()));
+            }
+            let end = loc.start_pos + (r1 - r0);
+            let npages = end.div_ceil(pt);
+            if loc.pages.len() < npages {
+                return Err(CudaError::InvalidArg(format!(
+                    "{} KV pages for {end} positions",
+                    loc.pages.len()
+                )));
+            }
+            let pages: Vec<usize> = loc.pages[..npages]
+                .iter()
+                .map(|&p| p + loc.layer_offset)
+                .collect();
+            for pos in loc.start_pos..end {
+                append_at.push(pages[pos / pt] + (pos % pt) * row_bytes);
+                lens.push(pos + 1);
+                owner.push(i);
+            }
+            seq_pages.push(pages);
+        }
+        let tables: Vec<&[usize]> = owner.iter().map(|&i| &seq_pages[i][..]).collect();
         self.mla_decode(
             arena, g, q, kv_a, kv_norm, &kv_b.buf, &append_at, &tables, &lens, pt,
         )
@@ -558,7 +573,10 @@ impl Backend for CudaBackend {
             return Err(ExecError::Backend(e));
         }
         self.bound()
-            .and_then(|()| self.mla_seq(arena, geom, q, kv_a, kv_norm, kv_b, loc))
+            .and_then(|()| {
+                let spans = [(0, q.rows)];
+                self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, &spans, &[loc])
+            })
             .map_err(backend_err)
     }
 
@@ -574,6 +592,75 @@ impl Backend for CudaBackend {
         self.mat_or(z.rows, experts.latent, || {
             CudaBackend::moe_routed(self, z, router_logits, bias, experts, router, situ)
         })
+    }
+
+    /// Every sequence decoding one token (at most one checkpoint, after it): one launch of the
+    /// batched decode kernel over the sequences' state slots. Anything else: per sequence.
+    fn kda_batch(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        geom: KdaGeom,
+        params: &KdaParams<'_, Self>,
+        inputs: &KdaInputs<'_, Self>,
+        spans: &[(usize, usize)],
+        locs: &[KdaStateLoc<'_>],
+    ) -> std::result::Result<DeviceMat, ExecError> {
+        let all_decode = spans.len() > 1
+            && spans.iter().all(|&(r0, r1)| r1 == r0 + 1)
+            && locs
+                .iter()
+                .all(|l| l.checkpoints.iter().all(|&(n, _)| n == 1))
+            && locs.iter().all(|l| l.checkpoints.len() <= 1);
+        if !all_decode {
+            return k3_model::backend::kda_per_sequence(
+                self, arena, geom, params, inputs, spans, locs,
+            );
+        }
+        if let Some(e) = self.error() {
+            return Err(ExecError::Backend(e));
+        }
+        let slots: Vec<KdaSlot> = locs
+            .iter()
+            .map(|l| KdaSlot {
+                offset: l.offset,
+                checkpoint: l.checkpoints.first().map(|&(_, dst)| dst),
+            })
+            .collect();
+        let w = KdaWeights {
+            conv: params.conv,
+            a_log: params.a_log,
+            dt_bias: params.dt_bias,
+        };
+        let x = KdaIn {
+            q: inputs.qkv[0],
+            k: inputs.qkv[1],
+            v: inputs.qkv[2],
+            f: inputs.f,
+            b: inputs.b,
+        };
+        self.bound()
+            .and_then(|()| self.kda_decode(arena, geom, &w, &x, &slots))
+            .map_err(backend_err)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn mla_batch(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        geom: MlaGeom,
+        q: &DeviceMat,
+        kv_a: &DeviceMat,
+        kv_norm: &CudaSlice<f32>,
+        kv_b: &DeviceMat,
+        spans: &[(usize, usize)],
+        locs: &[MlaCacheLoc<'_>],
+    ) -> std::result::Result<DeviceMat, ExecError> {
+        if let Some(e) = self.error() {
+            return Err(ExecError::Backend(e));
+        }
+        self.bound()
+            .and_then(|()| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, spans, locs))
+            .map_err(backend_err)
     }
 
     fn take_error(&self) -> Option<String> {

@@ -233,4 +233,91 @@ pub trait Backend: Send + Sync + 'static {
         let _ = spans;
         self.moe_routed(z, router_logits, bias, experts, router, situ)
     }
+
+    /// [`Backend::kda`] for several sequences' stacked rows: `spans[i]` are sequence i's rows of
+    /// every input, `locs[i]` its state. Returns the stacked `o`. The default runs one `kda` per
+    /// sequence; a backend with a batched decode kernel overrides it.
+    fn kda_batch(
+        &self,
+        arena: &mut Self::Arena,
+        geom: KdaGeom,
+        params: &KdaParams<'_, Self>,
+        inputs: &KdaInputs<'_, Self>,
+        spans: &[(usize, usize)],
+        locs: &[KdaStateLoc<'_>],
+    ) -> Result<Self::Act, ExecError> {
+        kda_per_sequence(self, arena, geom, params, inputs, spans, locs)
+    }
+
+    /// [`Backend::mla`] for several sequences' stacked rows (`spans[i]`, cache `locs[i]`).
+    /// The default runs one `mla` per sequence.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_batch(
+        &self,
+        arena: &mut Self::Arena,
+        geom: MlaGeom,
+        q: &Self::Act,
+        kv_a: &Self::Act,
+        kv_norm: &Self::Vector,
+        kv_b: &Self::Linear,
+        spans: &[(usize, usize)],
+        locs: &[MlaCacheLoc<'_>],
+    ) -> Result<Self::Act, ExecError> {
+        per_sequence(self, [q, kv_a], spans, |i, [q, kv_a]| {
+            self.mla(arena, geom, q, kv_a, kv_norm, kv_b, locs[i])
+        })
+    }
+}
+
+/// `f(i, rows)` for each sequence `i` with its rows of every act in `acts` (the acts themselves
+/// when there is one sequence), the results stacked in order.
+pub fn per_sequence<B: Backend + ?Sized, const N: usize>(
+    be: &B,
+    acts: [&B::Act; N],
+    spans: &[(usize, usize)],
+    mut f: impl FnMut(usize, [&B::Act; N]) -> Result<B::Act, ExecError>,
+) -> Result<B::Act, ExecError> {
+    if spans.len() == 1 {
+        return f(0, acts);
+    }
+    let mut outs = Vec::with_capacity(spans.len());
+    for (i, &(r0, r1)) in spans.iter().enumerate() {
+        let rows: Vec<B::Act> = acts.iter().map(|a| be.slice_rows(a, r0, r1)).collect();
+        let refs: [&B::Act; N] = std::array::from_fn(|j| &rows[j]);
+        outs.push(f(i, refs)?);
+    }
+    Ok(be.concat_rows(&outs.iter().collect::<Vec<_>>()))
+}
+
+/// The default [`Backend::kda_batch`]: one [`Backend::kda`] per sequence (also the fallback of
+/// backends that batch only some cases).
+pub fn kda_per_sequence<B: Backend + ?Sized>(
+    be: &B,
+    arena: &mut B::Arena,
+    geom: KdaGeom,
+    params: &KdaParams<'_, B>,
+    inputs: &KdaInputs<'_, B>,
+    spans: &[(usize, usize)],
+    locs: &[KdaStateLoc<'_>],
+) -> Result<B::Act, ExecError> {
+    let acts = [
+        inputs.qkv[0],
+        inputs.qkv[1],
+        inputs.qkv[2],
+        inputs.f,
+        inputs.b,
+    ];
+    per_sequence(be, acts, spans, |i, [q, k, v, f, b]| {
+        be.kda(
+            arena,
+            geom,
+            params,
+            &KdaInputs {
+                qkv: [q, k, v],
+                f,
+                b,
+            },
+            locs[i],
+        )
+    })
 }

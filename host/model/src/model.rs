@@ -573,27 +573,6 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// `f(i, rows)` for each sequence `i` with its rows of every act in `acts` (the acts
-    /// themselves when the batch has one sequence), the results stacked in batch order.
-    fn per_seq<const N: usize>(
-        &self,
-        acts: [&B::Act; N],
-        spans: &[(usize, usize)],
-        mut f: impl FnMut(usize, [&B::Act; N]) -> Result<B::Act, ExecError>,
-    ) -> Result<B::Act, ExecError> {
-        let be = &self.backend;
-        if spans.len() == 1 {
-            return f(0, acts);
-        }
-        let mut outs = Vec::with_capacity(spans.len());
-        for (i, &(r0, r1)) in spans.iter().enumerate() {
-            let rows: Vec<B::Act> = acts.iter().map(|a| be.slice_rows(a, r0, r1)).collect();
-            let refs: [&B::Act; N] = std::array::from_fn(|j| &rows[j]);
-            outs.push(f(i, refs)?);
-        }
-        Ok(be.concat_rows(&outs.iter().collect::<Vec<_>>()))
-    }
-
     #[allow(clippy::too_many_arguments)]
     fn kda_layer(
         &self,
@@ -613,32 +592,37 @@ impl<B: Backend> Model<B> {
         let v = be.matmul(x, &w.v);
         let f = be.matmul(&be.matmul(x, &w.f_a), &w.f_b);
         let b = be.matmul(x, &w.b);
-        let o = self.per_seq([&q, &k, &v, &f, &b], spans, |i, [q, k, v, f, b]| {
-            let cache = &seqs[i].cache;
-            let cps: Vec<(usize, usize)> = cache
-                .checkpoints
-                .iter()
-                .map(|&(n, dst)| (n, dst + lo))
-                .collect();
-            be.kda(
-                arena,
-                geom,
-                &KdaParams {
-                    conv: [&w.conv[0], &w.conv[1], &w.conv[2]],
-                    a_log: &w.a_log,
-                    dt_bias: &w.dt_bias,
-                },
-                &KdaInputs {
-                    qkv: [q, k, v],
-                    f,
-                    b,
-                },
-                KdaStateLoc {
-                    offset: cache.state_block + lo,
-                    checkpoints: &cps,
-                },
-            )
-        })?;
+        let cps: Vec<Vec<(usize, usize)>> = seqs
+            .iter()
+            .map(|s| {
+                let cps = s.cache.checkpoints.iter();
+                cps.map(|&(n, dst)| (n, dst + lo)).collect()
+            })
+            .collect();
+        let locs: Vec<KdaStateLoc<'_>> = seqs
+            .iter()
+            .zip(&cps)
+            .map(|(s, cps)| KdaStateLoc {
+                offset: s.cache.state_block + lo,
+                checkpoints: cps,
+            })
+            .collect();
+        let o = be.kda_batch(
+            arena,
+            geom,
+            &KdaParams {
+                conv: [&w.conv[0], &w.conv[1], &w.conv[2]],
+                a_log: &w.a_log,
+                dt_bias: &w.dt_bias,
+            },
+            &KdaInputs {
+                qkv: [&q, &k, &v],
+                f: &f,
+                b: &b,
+            },
+            spans,
+            &locs,
+        )?;
         let gate = be.matmul(x, &w.g);
         let o = be.gated_head_norm(
             &o,
@@ -667,16 +651,25 @@ impl<B: Backend> Model<B> {
         let q = be.matmul(&cq, &w.q_b);
         let kv_a = be.matmul(x, &w.kv_a);
         let layer_offset = offsets.mla[l].expect("MLA layer has a page offset");
-        let mut o = self.per_seq([&q, &kv_a], spans, |i, [q, kv_a]| {
-            let cache = &seqs[i].cache;
-            let loc = MlaCacheLoc {
-                pages: cache.kv_pages,
-                page_tokens: cache.page_tokens,
+        let locs: Vec<MlaCacheLoc<'_>> = seqs
+            .iter()
+            .map(|s| MlaCacheLoc {
+                pages: s.cache.kv_pages,
+                page_tokens: s.cache.page_tokens,
                 layer_offset,
-                start_pos: cache.start_pos,
-            };
-            be.mla(arena, self.mla_geom(), q, kv_a, &w.kv_a_norm, &w.kv_b, loc)
-        })?;
+                start_pos: s.cache.start_pos,
+            })
+            .collect();
+        let mut o = be.mla_batch(
+            arena,
+            self.mla_geom(),
+            &q,
+            &kv_a,
+            &w.kv_a_norm,
+            &w.kv_b,
+            spans,
+            &locs,
+        )?;
         be.sigmoid_mul(&mut o, &be.matmul(x, &w.g));
         Ok(be.matmul(&o, &w.o))
     }
