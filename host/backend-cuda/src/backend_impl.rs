@@ -302,18 +302,7 @@ impl CudaBackend {
         inp: &KdaInputs<'_, Self>,
         loc: KdaStateLoc<'_>,
     ) -> Result<DeviceMat> {
-        let w = KdaWeights {
-            conv: p.conv,
-            a_log: p.a_log,
-            dt_bias: p.dt_bias,
-        };
-        let x = KdaIn {
-            q: inp.qkv[0],
-            k: inp.qkv[1],
-            v: inp.qkv[2],
-            f: inp.f,
-            b: inp.b,
-        };
+        let (w, x) = kda_parts(p, inp);
         // One token with at most one checkpoint is the recurrent decode kernel; anything else
         // (prefill chunks, several checkpoints) goes through the chunked path.
         if x.q.rows == 1 && loc.checkpoints.len() <= 1 {
@@ -387,6 +376,26 @@ impl CudaBackend {
             arena, g, q, kv_a, kv_norm, &kv_b.buf, &append_at, &tables, &lens, pt,
         )
     }
+}
+
+/// The trait's KDA arguments as the launch wrappers take them.
+fn kda_parts<'a>(
+    p: &KdaParams<'a, CudaBackend>,
+    inp: &KdaInputs<'a, CudaBackend>,
+) -> (KdaWeights<'a>, KdaIn<'a>) {
+    let w = KdaWeights {
+        conv: p.conv,
+        a_log: p.a_log,
+        dt_bias: p.dt_bias,
+    };
+    let x = KdaIn {
+        q: inp.qkv[0],
+        k: inp.qkv[1],
+        v: inp.qkv[2],
+        f: inp.f,
+        b: inp.b,
+    };
+    (w, x)
 }
 
 fn backend_err(e: CudaError) -> ExecError {
@@ -626,18 +635,7 @@ impl Backend for CudaBackend {
                 checkpoint: l.checkpoints.first().map(|&(_, dst)| dst),
             })
             .collect();
-        let w = KdaWeights {
-            conv: params.conv,
-            a_log: params.a_log,
-            dt_bias: params.dt_bias,
-        };
-        let x = KdaIn {
-            q: inputs.qkv[0],
-            k: inputs.qkv[1],
-            v: inputs.qkv[2],
-            f: inputs.f,
-            b: inputs.b,
-        };
+        let (w, x) = kda_parts(params, inputs);
         self.bound()
             .and_then(|()| self.kda_decode(arena, geom, &w, &x, &slots))
             .map_err(backend_err)
