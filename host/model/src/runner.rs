@@ -197,8 +197,9 @@ impl<B: Backend> Executor for ModelExecutor<B> {
     }
 
     /// All sequences in one pass ([`Model::forward_batch`]): dense ops over the stacked rows,
-    /// KDA/MLA cores per sequence. A backend whose kernels are row-invariant (the CPU's packed
-    /// GEMM, per-row norms, per-token routing) gives each sequence the same results as alone.
+    /// KDA/MLA cores with each sequence's cache. A backend whose ops are row-invariant (the CPU:
+    /// packed GEMM, per-row norms, experts grouped per sequence) gives each sequence the same
+    /// results as alone.
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, ExecError> {
         for s in &batch.seqs {
             self.validate(s)?;

@@ -27,7 +27,7 @@ pub enum Device {
 }
 
 impl Device {
-    /// Parse a `--device` value (`None`/`auto`: decided by [`Device::pick`] at load time).
+    /// Parse a `--device` value (`None`/`auto`: decided by [`open_backend`] at load time).
     pub fn parse(s: Option<&str>) -> anyhow::Result<Option<Device>> {
         match s.map(str::to_ascii_lowercase).as_deref() {
             None | Some("auto") => Ok(None),
