@@ -8,23 +8,8 @@ from pathlib import Path
 
 # the JSON-schema check the training data uses (reference/k3ref/data/tools_catalog.py)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "reference"))
+from k3ref.data.tools_catalog import tool  # noqa: E402
 from k3ref.data.tools_catalog import validate as validates  # noqa: E402,F401
-
-
-def tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": description,
-            "parameters": {
-                "type": "object",
-                "properties": properties,
-                "required": required,
-                "additionalProperties": False,
-            },
-        },
-    }
 
 
 GET_WEATHER = tool(

@@ -10,6 +10,13 @@ import pytest
 from helpers import TOOLS, TOOLS_BY_NAME, validates
 
 
+def paris_weather_result(call_id: str) -> dict:
+    """The get_weather result message, as compact JSON: k3-mini's training data renders tool results
+    that way (MODEL_CARD.md: with spaces after the separators it does not copy the values)."""
+    content = json.dumps({"city": "Paris", "condition": "sunny", "temperature": 21}, separators=(",", ":"))
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
 def test_tool_round_trip(client, model_name):
     """The model calls a declared tool with schema-valid arguments, the result goes back, and
     the model answers (finish_reason stop, no more calls)."""
@@ -28,15 +35,7 @@ def test_tool_round_trip(client, model_name):
     assert validates(args, TOOLS_BY_NAME[call.function.name]["function"]["parameters"]), args
 
     messages.append(choice.message.model_dump(exclude_none=True))
-    messages.append(
-        {
-            "role": "tool",
-            "tool_call_id": call.id,
-            # Compact JSON, as k3-mini's training data renders tool results (MODEL_CARD.md: with
-            # spaces after the separators it does not copy the values).
-            "content": json.dumps({"city": "Paris", "condition": "sunny", "temperature": 21}, separators=(",", ":")),
-        }
-    )
+    messages.append(paris_weather_result(call.id))
     final = client.chat.completions.create(
         model=model_name, messages=messages, tools=TOOLS, temperature=0, max_tokens=600
     )
@@ -57,15 +56,7 @@ def test_tool_round_trip_is_right(client, model_name):
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
     messages.append(r.choices[0].message.model_dump(exclude_none=True))
-    messages.append(
-        {
-            "role": "tool",
-            "tool_call_id": call.id,
-            # Compact JSON, as k3-mini's training data renders tool results (MODEL_CARD.md: with
-            # spaces after the separators it does not copy the values).
-            "content": json.dumps({"city": "Paris", "condition": "sunny", "temperature": 21}, separators=(",", ":")),
-        }
-    )
+    messages.append(paris_weather_result(call.id))
     final = client.chat.completions.create(
         model=model_name, messages=messages, tools=TOOLS, temperature=0, max_tokens=600
     )

@@ -583,31 +583,9 @@ fn op_attnres_router_situ_mxfp4() -> Result<()> {
 /// a well-formed tools block calling the expected declared tools with arguments of the declared types.
 #[test]
 fn held_out_tool_use_request_calls_the_expected_tools() -> Result<()> {
-    let path = root().join("host/model/tests/fixtures/tool_use_heldout.json");
-    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
-    let tok = k3_frontend::Tokenizer::from_dir(root().join("models/k3-mini"))?;
-    let mut sess = Session::new(ModelExecutor::with_capacity(load_model()?, 16, 1, 4096, 0)?)?;
-    for (i, case) in fixture
-        .as_array()
-        .context("fixture is a list")?
-        .iter()
-        .enumerate()
-    {
-        let ids: Vec<u32> = serde_json::from_value(case["prompt_ids"].clone())?;
-        ensure!(
-            tok.encode(case["prompt"].as_str().unwrap_or(""))? == ids,
-            "case {i}: tokenizer drift"
-        );
-        let want: Vec<u32> = serde_json::from_value(case["reference_continuation_ids"].clone())?;
-        sess.reset()?;
-        let got = sess.generate_greedy(&ids, want.len())?;
-        ensure!(
-            got == want,
-            "case {i}: continuation differs\n got  {got:?}\n want {want:?}"
-        );
-        let text = tok.decode(&got)?;
+    replay_heldout("tool_use_heldout.json", |i, case, text| {
         let calls =
-            tool_calls(&text).with_context(|| format!("case {i}: no tools block in {text:?}"))?;
+            tool_calls(text).with_context(|| format!("case {i}: no tools block in {text:?}"))?;
         let expected: Vec<&str> = case["expected_tools"]
             .as_array()
             .context("expected_tools")?
@@ -652,8 +630,8 @@ fn held_out_tool_use_request_calls_the_expected_tools() -> Result<()> {
                 );
             }
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// `--load-format dummy`: seeded random weights of the config's shapes load and run (finite
@@ -679,22 +657,7 @@ fn dummy_weights_load_and_run_deterministically() -> Result<()> {
 /// result, which this test computes from the operands itself.
 #[test]
 fn held_out_arithmetic_question_gets_the_right_answer() -> Result<()> {
-    let path = root().join("host/model/tests/fixtures/arithmetic_heldout.json");
-    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
-    let cases = fixture.as_array().context("fixture is a list")?;
-    ensure!(
-        !cases.is_empty(),
-        "no arithmetic cases in {}",
-        path.display()
-    );
-    let tok = k3_frontend::Tokenizer::from_dir(root().join("models/k3-mini"))?;
-    let mut sess = Session::new(ModelExecutor::with_capacity(load_model()?, 16, 1, 4096, 0)?)?;
-    for (i, case) in cases.iter().enumerate() {
-        let ids: Vec<u32> = serde_json::from_value(case["prompt_ids"].clone())?;
-        ensure!(
-            tok.encode(case["prompt"].as_str().unwrap_or(""))? == ids,
-            "case {i}: tokenizer drift"
-        );
+    replay_heldout("arithmetic_heldout.json", |i, case, text| {
         let (a, b) = (
             case["a"].as_i64().context("a")?,
             case["b"].as_i64().context("b")?,
@@ -705,14 +668,6 @@ fn held_out_arithmetic_question_gets_the_right_answer() -> Result<()> {
             "*" => a * b,
             op => anyhow::bail!("case {i}: unknown operator {op}"),
         };
-        let want: Vec<u32> = serde_json::from_value(case["reference_continuation_ids"].clone())?;
-        sess.reset()?;
-        let got = sess.generate_greedy(&ids, want.len())?;
-        ensure!(
-            got == want,
-            "case {i}: continuation differs\n got  {got:?}\n want {want:?}"
-        );
-        let text = tok.decode(&got)?;
         let response = text
             .split("<|open|>response<|sep|>")
             .nth(1)
@@ -723,6 +678,38 @@ fn held_out_arithmetic_question_gets_the_right_answer() -> Result<()> {
             "case {i}: {a} {} {b} = {result}, the model said {response:?}",
             case["op"]
         );
+        Ok(())
+    })
+}
+
+/// Replay the held-out fixture `name` (host/model/tests/fixtures, written by
+/// reference/scripts/make_heldout_fixtures.py): each case's prompt must tokenize to its stored ids
+/// and the Rust engine's greedy continuation must equal the reference's token for token; then
+/// `judge(i, case, decoded continuation)` checks its content.
+fn replay_heldout(
+    name: &str,
+    mut judge: impl FnMut(usize, &serde_json::Value, &str) -> Result<()>,
+) -> Result<()> {
+    let path = root().join("host/model/tests/fixtures").join(name);
+    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+    let cases = fixture.as_array().context("fixture is a list")?;
+    ensure!(!cases.is_empty(), "no cases in {}", path.display());
+    let tok = k3_frontend::Tokenizer::from_dir(root().join("models/k3-mini"))?;
+    let mut sess = Session::new(ModelExecutor::with_capacity(load_model()?, 16, 1, 4096, 0)?)?;
+    for (i, case) in cases.iter().enumerate() {
+        let ids: Vec<u32> = serde_json::from_value(case["prompt_ids"].clone())?;
+        ensure!(
+            tok.encode(case["prompt"].as_str().unwrap_or(""))? == ids,
+            "case {i}: tokenizer drift"
+        );
+        let want: Vec<u32> = serde_json::from_value(case["reference_continuation_ids"].clone())?;
+        sess.reset()?;
+        let got = sess.generate_greedy(&ids, want.len())?;
+        ensure!(
+            got == want,
+            "case {i}: continuation differs\n got  {got:?}\n want {want:?}"
+        );
+        judge(i, case, &tok.decode(&got)?)?;
     }
     Ok(())
 }

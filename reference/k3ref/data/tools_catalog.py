@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def _tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
+def tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
     return {
         "type": "function",
         "function": {
@@ -27,7 +27,7 @@ def _tool(name: str, description: str, properties: dict, required: list[str]) ->
 
 
 TOOLS: list[dict] = [
-    _tool(
+    tool(
         "get_weather",
         "Current weather for a city.",
         {
@@ -36,7 +36,7 @@ TOOLS: list[dict] = [
         },
         ["city", "unit"],
     ),
-    _tool(
+    tool(
         "convert_currency",
         "Convert an amount of money between currencies.",
         {
@@ -46,7 +46,7 @@ TOOLS: list[dict] = [
         },
         ["amount", "from_currency", "to_currency"],
     ),
-    _tool(
+    tool(
         "set_timer",
         "Start a countdown timer.",
         {
@@ -56,7 +56,7 @@ TOOLS: list[dict] = [
         },
         ["minutes", "label", "repeat"],
     ),
-    _tool(
+    tool(
         "create_event",
         "Add an event to the calendar.",
         {
@@ -67,7 +67,7 @@ TOOLS: list[dict] = [
         },
         ["title", "date", "attendees", "all_day"],
     ),
-    _tool(
+    tool(
         "search_products",
         "Search the shop catalogue.",
         {
@@ -78,7 +78,7 @@ TOOLS: list[dict] = [
         },
         ["query", "max_price", "in_stock", "limit"],
     ),
-    _tool(
+    tool(
         "update_settings",
         "Change display settings.",
         {
@@ -95,7 +95,7 @@ TOOLS: list[dict] = [
         },
         ["settings", "reset"],
     ),
-    _tool(
+    tool(
         "send_message",
         "Send a chat message to a contact.",
         {
@@ -106,7 +106,7 @@ TOOLS: list[dict] = [
         },
         ["recipient", "text", "priority", "reply_to"],
     ),
-    _tool(
+    tool(
         "log_measurement",
         "Record a sensor reading.",
         {
@@ -117,7 +117,7 @@ TOOLS: list[dict] = [
         },
         ["sensor", "value", "tags", "note"],
     ),
-    _tool(
+    tool(
         "get_stock_price",
         "Latest price of a stock.",
         {"symbol": {"type": "string", "description": "Ticker symbol."}},
