@@ -303,23 +303,20 @@ impl CudaBackend {
         loc: KdaStateLoc<'_>,
     ) -> Result<DeviceMat> {
         let (w, x) = kda_parts(p, inp);
-        // One token with at most one checkpoint is the recurrent decode kernel; anything else
-        // (prefill chunks, several checkpoints) goes through the chunked path.
-        if x.q.rows == 1 && loc.checkpoints.len() <= 1 {
-            let slot = KdaSlot {
-                offset: loc.offset,
-                checkpoint: loc.checkpoints.first().map(|&(_, dst)| dst),
-            };
-            if let Some(&(n, _)) = loc.checkpoints.first()
-                && n != 1
-            {
-                return Err(CudaError::InvalidArg(format!(
-                    "checkpoint after {n} of 1 token"
-                )));
-            }
-            return self.kda_decode(arena, g, &w, &x, &[slot]);
+        // One token is the recurrent decode kernel; anything else (prefill chunks) goes through
+        // the chunked path, which also rejects checkpoints outside 1..=T.
+        if let Some(slots) = decode_slots(&[(0, x.q.rows)], &[loc]) {
+            return self.kda_decode(arena, g, &w, &x, &slots);
         }
         self.kda_prefill(arena, g, &w, &x, loc.offset, loc.checkpoints)
+    }
+
+    /// Run a fallible mixer op: refused once an earlier failure is recorded, on our context.
+    fn checked<T>(&self, f: impl FnOnce() -> Result<T>) -> std::result::Result<T, ExecError> {
+        if let Some(e) = self.error() {
+            return Err(ExecError::Backend(e));
+        }
+        self.bound().and_then(|()| f()).map_err(backend_err)
     }
 
     /// MLA for the new tokens of several sequences (rows `spans[i]` of `q` / `kv_a` belong to
@@ -376,6 +373,21 @@ impl CudaBackend {
             arena, g, q, kv_a, kv_norm, &kv_b.buf, &append_at, &tables, &lens, pt,
         )
     }
+}
+
+/// The decode kernel's state slots when every sequence has exactly one new token and at most one
+/// checkpoint (after it); `None` otherwise (the chunked path).
+fn decode_slots(spans: &[(usize, usize)], locs: &[KdaStateLoc<'_>]) -> Option<Vec<KdaSlot>> {
+    let decode = spans.iter().all(|&(r0, r1)| r1 == r0 + 1)
+        && locs.iter().all(|l| matches!(l.checkpoints, [] | [(1, _)]));
+    decode.then(|| {
+        locs.iter()
+            .map(|l| KdaSlot {
+                offset: l.offset,
+                checkpoint: l.checkpoints.first().map(|&(_, dst)| dst),
+            })
+            .collect()
+    })
 }
 
 /// The trait's KDA arguments as the launch wrappers take them.
@@ -560,12 +572,7 @@ impl Backend for CudaBackend {
         inputs: &KdaInputs<'_, Self>,
         loc: KdaStateLoc<'_>,
     ) -> std::result::Result<DeviceMat, ExecError> {
-        if let Some(e) = self.error() {
-            return Err(ExecError::Backend(e));
-        }
-        self.bound()
-            .and_then(|()| self.kda_seq(arena, geom, params, inputs, loc))
-            .map_err(backend_err)
+        self.checked(|| self.kda_seq(arena, geom, params, inputs, loc))
     }
 
     fn mla(
@@ -578,15 +585,8 @@ impl Backend for CudaBackend {
         kv_b: &DeviceMat,
         loc: MlaCacheLoc<'_>,
     ) -> std::result::Result<DeviceMat, ExecError> {
-        if let Some(e) = self.error() {
-            return Err(ExecError::Backend(e));
-        }
-        self.bound()
-            .and_then(|()| {
-                let spans = [(0, q.rows)];
-                self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, &spans, &[loc])
-            })
-            .map_err(backend_err)
+        let spans = [(0, q.rows)];
+        self.checked(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, &spans, &[loc]))
     }
 
     fn moe_routed(
@@ -614,31 +614,15 @@ impl Backend for CudaBackend {
         spans: &[(usize, usize)],
         locs: &[KdaStateLoc<'_>],
     ) -> std::result::Result<DeviceMat, ExecError> {
-        let all_decode = spans.len() > 1
-            && spans.iter().all(|&(r0, r1)| r1 == r0 + 1)
-            && locs
-                .iter()
-                .all(|l| l.checkpoints.iter().all(|&(n, _)| n == 1))
-            && locs.iter().all(|l| l.checkpoints.len() <= 1);
-        if !all_decode {
-            return k3_model::backend::kda_per_sequence(
-                self, arena, geom, params, inputs, spans, locs,
-            );
+        match decode_slots(spans, locs) {
+            Some(slots) if spans.len() > 1 => {
+                let (w, x) = kda_parts(params, inputs);
+                self.checked(|| self.kda_decode(arena, geom, &w, &x, &slots))
+            }
+            _ => {
+                k3_model::backend::kda_per_sequence(self, arena, geom, params, inputs, spans, locs)
+            }
         }
-        if let Some(e) = self.error() {
-            return Err(ExecError::Backend(e));
-        }
-        let slots: Vec<KdaSlot> = locs
-            .iter()
-            .map(|l| KdaSlot {
-                offset: l.offset,
-                checkpoint: l.checkpoints.first().map(|&(_, dst)| dst),
-            })
-            .collect();
-        let (w, x) = kda_parts(params, inputs);
-        self.bound()
-            .and_then(|()| self.kda_decode(arena, geom, &w, &x, &slots))
-            .map_err(backend_err)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -653,12 +637,7 @@ impl Backend for CudaBackend {
         spans: &[(usize, usize)],
         locs: &[MlaCacheLoc<'_>],
     ) -> std::result::Result<DeviceMat, ExecError> {
-        if let Some(e) = self.error() {
-            return Err(ExecError::Backend(e));
-        }
-        self.bound()
-            .and_then(|()| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, spans, locs))
-            .map_err(backend_err)
+        self.checked(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, spans, locs))
     }
 
     fn take_error(&self) -> Option<String> {
