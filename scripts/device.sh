@@ -4,8 +4,10 @@
 #   1. kernels vs the PyTorch reference + kernel benchmarks vs floors and fla (scripts/device-check.sh)
 #   2. the Rust CUDA backend vs the CPU backend: ops, k3-mini golden prompts, the engine; then
 #      `k3serve serve --device cuda` smoke requests (scripts/device-run.sh)
-#   3. end-to-end throughput: k3-mini on CUDA and on the CPU, and k3-slice (K3's per-layer shapes,
-#      dummy weights) on CUDA (`k3serve bench`)
+#   3. end-to-end throughput (`k3serve bench`): k3-mini on CUDA (and the CPU with K3_CPU_BENCH=1),
+#      k3-slice (K3's per-layer shapes, dummy weights) on CUDA at decode batch 1/16/64 with both
+#      MXFP4 expert kernels, then one per-op profile (K3_PROFILE=1)
+# K3_BENCH_ONLY (e.g. "mla,moe") limits stage 1's kernel benchmarks to those sections.
 # Each stage has its own time limit so one slow stage leaves the others their share of the call.
 # Results under $OUT; exit status non-zero if a check failed.
 set -uo pipefail
@@ -23,16 +25,21 @@ BIN=/tmp/k3bin/k3serve
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export K3_KERNEL_CACHE=/tmp/k3-kernel-cache
 B="$OUT/bench.txt"
+SLICE=(bench --device cuda --model models/k3-slice --load-format dummy --prefill-tokens 2048 --repeats 1)
 {
     echo "== k3-mini, CUDA"
-    timeout 40 "$BIN" bench --device cuda --model models/k3-mini --prefill-tokens 2048 --decode-tokens 256 --repeats 2
+    timeout 60 "$BIN" bench --device cuda --model models/k3-mini --prefill-tokens 2048 --decode-tokens 256 \
+        --repeats 2 --batch-sizes 16,64
     if [ -n "${K3_CPU_BENCH:-}" ]; then
         echo "== k3-mini, CPU ($(nproc) threads)"
         timeout 60 "$BIN" bench --device cpu --model models/k3-mini --prefill-tokens 2048 --decode-tokens 256
     fi
-    echo "== k3-slice (dummy weights), CUDA"
-    timeout "${K3_SLICE_S:-150}" "$BIN" bench --device cuda --model models/k3-slice --load-format dummy \
-        --prefill-tokens 2048 --decode-tokens 32 --repeats 1
+    echo "== k3-slice (dummy weights), CUDA, MXFP4 experts: block kernels (the default)"
+    timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
+    echo "== k3-slice, CUDA, MXFP4 experts: fast kernels (K3_MX_EXPERTS=fast)"
+    K3_MX_EXPERTS=fast timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
+    echo "== k3-slice, CUDA, per-op profile (K3_PROFILE=1: synchronised, for shares only)"
+    K3_PROFILE=1 timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 8 --batch-sizes 16
 } >"$B" 2>&1
-grep -vE "^\s*$" "$B" | grep -vE "INFO|compil" | tail -30
+grep -vE "^\s*$" "$B" | grep -vE "INFO|compil" | tail -80
 exit $rc

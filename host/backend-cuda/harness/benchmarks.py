@@ -74,7 +74,11 @@ def bench_mla_v2(d: Device, record, N, L, A, ps, qt, kvb, o, base, lens, floor):
     del part, lat
 
 
-def bench(d: Device, r: Results, quick: bool):
+def bench(d: Device, r: Results, quick: bool, only=None):
+    """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, attn_res, moe)."""
+    def want(section):
+        return not only or section in only
+
     H, hk, conv, lb = 96, 96 * 128, 4, -5.0
     reg = kda_region_floats(hk, conv, H)
     fla = None
@@ -96,7 +100,7 @@ def bench(d: Device, r: Results, quick: bool):
     dev = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
     # KDA decode, N sequences in scattered slots.
     fla_graph = True
-    for N in ([1, 64] if quick else [1, 16, 64, 256]):
+    for N in ([] if not want("kda_decode") else [1, 64] if quick else [1, 16, 64, 256]):
         A = torch.randn(N * reg, device="cuda") * 0.01
         offs = torch.randperm(N, device="cuda").to(torch.int64) * reg
         ck = torch.full((N,), -1, dtype=torch.int64, device="cuda")
@@ -129,7 +133,7 @@ def bench(d: Device, r: Results, quick: bool):
         del A
 
     # KDA prefill, one sequence of T tokens.
-    for T in ([8192] if quick else [1024, 8192]):
+    for T in ([] if not want("kda_prefill") else [8192] if quick else [1024, 8192]):
         A = torch.randn(reg, device="cuda") * 0.01
         A0 = A.clone()
         xs = [dev(T, hk) for _ in range(4)] + [dev(T, H)]
@@ -186,7 +190,7 @@ def bench(d: Device, r: Results, quick: bool):
     # and the tensor-core one (3xTF32 "precise" and 1xTF32 "fast"), each + combine.
     heads, nope, rope, v_dim, kv_lora, pt = 96, 128, 64, 128, 512, 64
     row = kv_lora + rope
-    mla_shapes = [(16, 8192), (1, 32768), (64, 32768)] if quick else \
+    mla_shapes = [] if not want("mla") else [(16, 8192), (1, 32768), (64, 32768)] if quick else \
         [(1, 8192), (16, 8192), (64, 4096), (1, 32768), (16, 32768), (64, 32768)]
     for N, L in mla_shapes:
         pages = cdiv(L, pt)
@@ -240,7 +244,15 @@ def bench(d: Device, r: Results, quick: bool):
             log(f"bench mla v2 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
         del A
 
-    # AttnRes, 9 sources, d = 7168.
+    if want("attn_res"):
+        bench_attn_res(d, record)
+    if want("moe"):
+        bench_moe(d, record, quick)
+
+
+def bench_attn_res(d: Device, record):
+    """AttnRes, 9 sources, d = 7168."""
+    dev = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
     T, dm = 4096, 7168
     srcs = [dev(T, dm) for _ in range(9)]
     out = torch.empty(T, dm, device="cuda")
@@ -249,7 +261,11 @@ def bench(d: Device, r: Results, quick: bool):
                                     dm, 1e-5))
     record(f"attn_res T={T} n=9", ms, (9 * T * dm * 4 + T * dm * 4) / (COPY_TBPS / 2 * 1e12) * 1e3)
 
-    # Routed MoE decode: T tokens, top-16 of E experts, K3 expert sizes (E reduced to bound memory).
+
+
+def bench_moe(d: Device, record, quick: bool):
+    """Routed MoE decode: T tokens, top-16 of E experts, K3 expert sizes."""
+    dev = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
     E, k, lt, ie = 128, 16, 3584, 3072
     w1p = torch.randint(0, 256, (E, ie, lt // 2), dtype=torch.uint8, device="cuda")
     w3p = torch.randint(0, 256, (E, ie, lt // 2), dtype=torch.uint8, device="cuda")

@@ -584,6 +584,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer benchmark shapes")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", default=os.environ.get("K3_BENCH_ONLY", ""),
+                    help="comma list of benchmark sections (kda_decode,kda_prefill,mla,attn_res,moe); default all")
     args = ap.parse_args()
     d = Device(args.dry_run)
     r = Results()
@@ -602,7 +604,7 @@ def main():
     log(f"checks: {len(r.checks)} run, {r.failed} failed, {time.time() - t0:.1f}s")
     if not args.dry_run and not args.no_bench:
         try:
-            bench(d, r, args.quick)
+            bench(d, r, args.quick, [x for x in args.only.split(",") if x])
         except Exception as e:  # noqa: BLE001
             log(f"bench raised {type(e).__name__}: {e}")
     os.makedirs(args.out, exist_ok=True)

@@ -311,6 +311,20 @@ impl CudaBackend {
         self.kda_prefill(arena, g, &w, &x, loc.offset, loc.checkpoints)
     }
 
+    /// `f`, timed under `key` when `K3_PROFILE` is set (see `profile.rs`).
+    fn timed<T>(&self, key: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T {
+        match &self.profile {
+            None => f(),
+            Some(p) => p.time(
+                key(),
+                || {
+                    let _ = self.stream.synchronize();
+                },
+                f,
+            ),
+        }
+    }
+
     /// Run a fallible mixer op: refused once an earlier failure is recorded, on our context.
     fn checked<T>(&self, f: impl FnOnce() -> Result<T>) -> std::result::Result<T, ExecError> {
         if let Some(e) = self.error() {
@@ -408,6 +422,12 @@ fn kda_parts<'a>(
         b: inp.b,
     };
     (w, x)
+}
+
+/// Row counts in the profile's keys, rounded up to a power of two so prompts of similar length
+/// share a line.
+fn bucket(n: usize) -> usize {
+    n.next_power_of_two()
 }
 
 fn backend_err(e: CudaError) -> ExecError {
@@ -509,46 +529,77 @@ impl Backend for CudaBackend {
     }
 
     fn slice_rows(&self, a: &DeviceMat, start: usize, end: usize) -> DeviceMat {
-        self.mat_or(end.saturating_sub(start), a.cols, || {
-            self.rows_of(a, start, end)
-        })
+        self.timed(
+            || "slice_rows".into(),
+            || {
+                self.mat_or(end.saturating_sub(start), a.cols, || {
+                    self.rows_of(a, start, end)
+                })
+            },
+        )
     }
 
     fn concat_rows(&self, parts: &[&DeviceMat]) -> DeviceMat {
         let rows = parts.iter().map(|m| m.rows).sum();
         let cols = parts.first().map_or(0, |m| m.cols);
-        self.mat_or(rows, cols, || self.concat(parts))
+        self.timed(
+            || "concat_rows".into(),
+            || self.mat_or(rows, cols, || self.concat(parts)),
+        )
     }
 
     fn embed(&self, table: &DeviceMat, ids: &[u32]) -> DeviceMat {
-        self.mat_or(ids.len(), table.cols, || self.embed_rows(table, ids))
+        self.timed(
+            || "embed".into(),
+            || self.mat_or(ids.len(), table.cols, || self.embed_rows(table, ids)),
+        )
     }
 
     fn matmul(&self, x: &DeviceMat, w: &DeviceMat) -> DeviceMat {
-        self.mat_or(x.rows, w.rows, || self.matmul_rt(x, w))
+        self.timed(
+            || format!("matmul {}x{} (M={})", w.rows, w.cols, bucket(x.rows)),
+            || self.mat_or(x.rows, w.rows, || self.matmul_rt(x, w)),
+        )
     }
 
     fn rms_norm(&self, x: &DeviceMat, w: &CudaSlice<f32>, eps: f32) -> DeviceMat {
-        self.mat_or(x.rows, x.cols, || CudaBackend::rms_norm(self, x, w, eps))
+        self.timed(
+            || "rms_norm".into(),
+            || self.mat_or(x.rows, x.cols, || CudaBackend::rms_norm(self, x, w, eps)),
+        )
     }
 
     fn add_assign(&self, p: &mut DeviceMat, a: &DeviceMat) {
-        self.unit_or(|| CudaBackend::add_assign(self, p, a));
+        self.timed(
+            || "add_assign".into(),
+            || self.unit_or(|| CudaBackend::add_assign(self, p, a)),
+        );
     }
 
     fn attn_res(&self, sources: &[&DeviceMat], w: &CudaSlice<f32>, eps: f32) -> DeviceMat {
         let (rows, cols) = sources.first().map_or((0, 0), |s| (s.rows, s.cols));
-        self.mat_or(rows, cols, || CudaBackend::attn_res(self, sources, w, eps))
+        self.timed(
+            || format!("attn_res ({} sources)", sources.len()),
+            || self.mat_or(rows, cols, || CudaBackend::attn_res(self, sources, w, eps)),
+        )
     }
 
     fn situ_glu(&self, gate: &DeviceMat, up: &DeviceMat, p: SituParams) -> DeviceMat {
-        self.mat_or(gate.rows, gate.cols, || {
-            CudaBackend::situ_glu(self, gate, up, p)
-        })
+        self.timed(
+            || "situ_glu".into(),
+            || {
+                self.mat_or(gate.rows, gate.cols, || {
+                    CudaBackend::situ_glu(self, gate, up, p)
+                })
+            },
+        )
     }
 
     fn sigmoid_mul(&self, o: &mut DeviceMat, gate: &DeviceMat) {
-        self.unit_or(|| CudaBackend::sigmoid_mul(self, o, gate));
+        self.timed(
+            || "sigmoid_mul".into(),
+            || self.unit_or(|| CudaBackend::sigmoid_mul(self, o, gate)),
+        );
     }
 
     fn gated_head_norm(
@@ -559,9 +610,14 @@ impl Backend for CudaBackend {
         head_dim: usize,
         eps: f32,
     ) -> DeviceMat {
-        self.mat_or(o.rows, o.cols, || {
-            CudaBackend::gated_head_norm(self, o, gate, w, head_dim, eps)
-        })
+        self.timed(
+            || "gated_head_norm".into(),
+            || {
+                self.mat_or(o.rows, o.cols, || {
+                    CudaBackend::gated_head_norm(self, o, gate, w, head_dim, eps)
+                })
+            },
+        )
     }
 
     fn kda(
@@ -572,7 +628,10 @@ impl Backend for CudaBackend {
         inputs: &KdaInputs<'_, Self>,
         loc: KdaStateLoc<'_>,
     ) -> std::result::Result<DeviceMat, ExecError> {
-        self.checked(|| self.kda_seq(arena, geom, params, inputs, loc))
+        self.timed(
+            || format!("kda (T={})", bucket(inputs.qkv[0].rows)),
+            || self.checked(|| self.kda_seq(arena, geom, params, inputs, loc)),
+        )
     }
 
     fn mla(
@@ -586,7 +645,10 @@ impl Backend for CudaBackend {
         loc: MlaCacheLoc<'_>,
     ) -> std::result::Result<DeviceMat, ExecError> {
         let spans = [(0, q.rows)];
-        self.checked(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, &spans, &[loc]))
+        self.timed(
+            || format!("mla (T={})", bucket(q.rows)),
+            || self.checked(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, &spans, &[loc])),
+        )
     }
 
     fn moe_routed(
@@ -598,9 +660,14 @@ impl Backend for CudaBackend {
         router: RouterParams,
         situ: SituParams,
     ) -> DeviceMat {
-        self.mat_or(z.rows, experts.latent, || {
-            CudaBackend::moe_routed(self, z, router_logits, bias, experts, router, situ)
-        })
+        self.timed(
+            || format!("moe_routed (T={})", bucket(z.rows)),
+            || {
+                self.mat_or(z.rows, experts.latent, || {
+                    CudaBackend::moe_routed(self, z, router_logits, bias, experts, router, situ)
+                })
+            },
+        )
     }
 
     /// Every sequence decoding one token (at most one checkpoint, after it): one launch of the
@@ -617,7 +684,10 @@ impl Backend for CudaBackend {
         match decode_slots(spans, locs) {
             Some(slots) if spans.len() > 1 => {
                 let (w, x) = kda_parts(params, inputs);
-                self.checked(|| self.kda_decode(arena, geom, &w, &x, &slots))
+                self.timed(
+                    || format!("kda_batch decode (N={})", bucket(slots.len())),
+                    || self.checked(|| self.kda_decode(arena, geom, &w, &x, &slots)),
+                )
             }
             _ => {
                 k3_model::backend::kda_per_sequence(self, arena, geom, params, inputs, spans, locs)
@@ -637,7 +707,16 @@ impl Backend for CudaBackend {
         spans: &[(usize, usize)],
         locs: &[MlaCacheLoc<'_>],
     ) -> std::result::Result<DeviceMat, ExecError> {
-        self.checked(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, spans, locs))
+        self.timed(
+            || {
+                format!(
+                    "mla_batch (T={}, seqs={})",
+                    bucket(q.rows),
+                    bucket(spans.len())
+                )
+            },
+            || self.checked(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, spans, locs)),
+        )
     }
 
     fn take_error(&self) -> Option<String> {

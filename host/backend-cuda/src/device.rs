@@ -32,6 +32,16 @@ pub struct CudaBackend {
     pub(crate) blas: CudaBlas,
     /// First failure of an infallible `Backend` op; later ops are skipped until it is taken.
     pub(crate) error: Mutex<Option<String>>,
+    /// Per-op wall times when `K3_PROFILE` is set (see `profile.rs`).
+    pub(crate) profile: Option<crate::profile::OpProfile>,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            eprint!("{}", p.report());
+        }
+    }
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -120,6 +130,7 @@ impl CudaBackend {
             functions,
             blas,
             error: Mutex::new(None),
+            profile: crate::profile::OpProfile::from_env(),
         })
     }
 

@@ -13,6 +13,7 @@ pub mod device;
 pub mod error;
 pub mod geometry;
 pub mod ops;
+mod profile;
 pub mod sources;
 
 pub use device::{CudaBackend, DeviceMat};

@@ -19,18 +19,38 @@ macro_rules! launch {
     }};
 }
 
-/// Kernel choices with a fallback kept in kernels/*.cu (both are checked by the device harness):
-/// the tensor-core MLA attend (`mla_attend_tc_f32`) over the CUDA-core one, and the word-per-lane
-/// MXFP4 expert kernels over the block-per-lane ones. Flip to false if the device check fails.
-const MLA_TENSOR_CORES: bool = true;
-/// MLA decode v2 (kernels/mla.cu): `mla_attend_tc2_f32` (two blocks per SM, L2 prefetch
-/// `MLA_V2_PREFETCH_TILES` tiles of 8 positions ahead) + `mla_merge_f32` + `mla_out_proj_f32`
-/// (W_UV read once per call, not once per item). false: the v1 path above.
-const MLA_DECODE_V2: bool = true;
+/// Kernel choices with a fallback kept in kernels/*.cu (both are checked by the device harness),
+/// each read once per process from an environment variable so one device run can A/B them
+/// through the whole model:
+/// - `K3_MLA_DECODE`: `v2` (default: `mla_attend_tc2_f32`, two blocks per SM, L2 prefetch
+///   `MLA_V2_PREFETCH_TILES` tiles ahead, + `mla_merge_f32` + `mla_out_proj_f32`, which reads
+///   W_UV once per call), `tc` (v1 on tensor cores) or `cuda` (v1 on CUDA cores).
+/// - `K3_MX_EXPERTS`: `block` (default: a block per (expert, output rows)) or `fast` (a word
+///   per lane, blocks mapped onto busy experts only).
+fn env_choice(
+    cell: &'static std::sync::OnceLock<String>,
+    var: &str,
+    default: &str,
+) -> &'static str {
+    cell.get_or_init(|| std::env::var(var).unwrap_or_else(|_| default.to_string()))
+}
+
+fn mla_decode_v2() -> bool {
+    static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    env_choice(&C, "K3_MLA_DECODE", "v2") == "v2"
+}
+
+fn mla_tensor_cores() -> bool {
+    static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    env_choice(&C, "K3_MLA_DECODE", "v2") != "cuda"
+}
+
+fn mx_fast_experts() -> bool {
+    static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    env_choice(&C, "K3_MX_EXPERTS", "block") == "fast"
+}
+
 const MLA_V2_PREFETCH_TILES: i32 = 4;
-// Off until a green H200 run of `moe routed fast`: flip to true once the harness shows
-// "ok   moe routed fast (sort+up+down+combine)" (kernels/mxfp4.cu mx_decode_word ftz fix).
-const MX_FAST_EXPERTS: bool = false;
 
 fn same_shape(a: &DeviceMat, b: &DeviceMat, what: &str) -> Result<()> {
     if (a.rows, a.cols) != (b.rows, b.cols) {
@@ -445,9 +465,9 @@ impl CudaBackend {
             }
         }
         let max_len = lens.iter().copied().max().unwrap_or(1);
-        let (splits, chunk) = if MLA_DECODE_V2 {
+        let (splits, chunk) = if mla_decode_v2() {
             geometry::mla_splits_tc2(items, g.heads, max_len, self.multiprocessors)
-        } else if MLA_TENSOR_CORES {
+        } else if mla_tensor_cores() {
             geometry::mla_splits_tc(items, g.heads, max_len, self.multiprocessors)
         } else {
             geometry::mla_splits(items, g.heads, max_len, self.multiprocessors)
@@ -481,7 +501,7 @@ impl CudaBackend {
         let part = self.zeros(items * g.heads * splits, g.kv_lora + 2)?;
         let (pt, sp, ch) = (page_tokens as i32, splits as i32, chunk as i32);
         let scale = 1.0 / ((g.nope + g.rope) as f32).sqrt();
-        if MLA_DECODE_V2 {
+        if mla_decode_v2() {
             let mode = 1 | (MLA_V2_PREFETCH_TILES << 2); // 3xTF32 (f32-level accuracy)
             launch!(self, "mla_attend_tc2_f32", geometry::mla_attend_tc(&g, items, splits)?;
                 &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch, &scale,
@@ -494,7 +514,7 @@ impl CudaBackend {
                 &lat.buf, kv_b, &o.buf, &it, &h, &nope, &vd, &lkv)?;
             return Ok(o);
         }
-        if MLA_TENSOR_CORES {
+        if mla_tensor_cores() {
             let precise = 1i32; // 3xTF32: f32-level accuracy (the device check's 1e-4)
             launch!(self, "mla_attend_tc_f32", geometry::mla_attend_tc(&g, items, splits)?;
                 &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch, &scale,
@@ -537,12 +557,12 @@ impl CudaBackend {
             situ.linear_beta.unwrap_or(1.0),
             i32::from(situ.linear_beta.is_some()),
         );
-        let (up, down) = if MX_FAST_EXPERTS {
+        let (up, down) = if mx_fast_experts() {
             ("mxfp4_up_fast_f32", "mxfp4_down_fast_f32")
         } else {
             ("mxfp4_expert_up_f32", "mxfp4_expert_down_f32")
         };
-        if MX_FAST_EXPERTS {
+        if mx_fast_experts() {
             // Blocks for at most min(E, T*k) experts: each maps itself to a busy one (mxfp4.cu).
             let busy = ex.experts.min(t * k).max(1);
             launch!(self, up, geometry::mx_expert_fast(busy, ex.inter, ex.latent)?;

@@ -1,8 +1,10 @@
 //! `k3serve bench`: throughput of the model on this machine (CPU or CUDA) — batch-1 decode tok/s,
-//! prefill tok/s of a long prompt, peak RSS. Prompts are synthetic token ids (seeded), since
+//! prefill tok/s of a long prompt, decode TPOT with N sequences per step (`--batch-sizes`), peak
+//! RSS. Prompts are synthetic token ids (seeded), since
 //! throughput does not depend on their content.
 
-use super::model_loading::{Device, LoadFormat, init_threads, load_single};
+use super::model_loading::{Device, LoadFormat, init_threads, load_for};
+use k3_model::exec::{ForwardBatch, SeqInput};
 use k3_model::{Executor, LogitsWant, Session, argmax};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -33,6 +35,10 @@ pub struct Args {
     /// Seed of the dummy weights.
     #[arg(long, default_value_t = 0)]
     pub weights_seed: u64,
+    /// Also time decode steps of N sequences at once (one engine step = N decode tokens), for
+    /// each N here, e.g. `16,64`: TPOT (ms per step) and output tok/s.
+    #[arg(long, value_delimiter = ',')]
+    pub batch_sizes: Vec<usize>,
 }
 
 fn synthetic_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
@@ -96,8 +102,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let max = a.prefill_tokens.max(64 + a.decode_tokens) + 1;
     let t = Instant::now();
     let format = LoadFormat::parse(&a.load_format, a.weights_seed)?;
-    let (exec, _, device) =
-        load_single(&a.model, max, Device::parse(a.device.as_deref())?, format)?;
+    let seqs = a.batch_sizes.iter().copied().max().unwrap_or(1).max(1);
+    // One arena serves both: the batch-1 session uses it all; the batched runs split it.
+    let (exec, _, device) = load_for(
+        &a.model,
+        seqs,
+        max,
+        Device::parse(a.device.as_deref())?,
+        format,
+    )?;
     eprintln!(
         "loaded {} on the {} in {:.2}s",
         a.model.display(),
@@ -142,6 +155,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     }
 
+    let mut batched = Vec::new();
+    let mut exec = session.into_inner();
+    for &n in a.batch_sizes.iter().filter(|&&n| n > 0) {
+        batched.push((n, batch_decode(&mut exec, n, a.decode_tokens, a.repeats)?));
+    }
+
     println!("device:            {}", device.name());
     println!("threads:           {}", rayon::current_num_threads());
     println!(
@@ -158,9 +177,94 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.repeats,
         fmt_cpu(&best_decode)
     );
+    for (n, step_s) in batched {
+        println!(
+            "decode batch {n:<4}   TPOT {:.2} ms, {:.0} output tok/s  ({} steps after 64-token prompts, best of {})",
+            step_s * 1e3,
+            n as f64 / step_s,
+            a.decode_tokens,
+            a.repeats
+        );
+    }
     match peak_rss_mib() {
         Some(m) => println!("peak RSS:          {m:.0} MiB"),
         None => println!("peak RSS:          unavailable"),
     }
     Ok(())
+}
+
+/// Seconds per decode step with `n` sequences in every step (best of `repeats`): each sequence
+/// is prefilled with its own 64-token prompt (one batched step), then decodes `steps` greedy
+/// tokens. The arena is split evenly: `n` state blocks, then each sequence's KV pages.
+fn batch_decode<E: Executor>(
+    exec: &mut E,
+    n: usize,
+    steps: usize,
+    repeats: usize,
+) -> anyhow::Result<f64> {
+    const PROMPT: usize = 64;
+    let lay = exec.layout();
+    let block = lay.state_block_bytes.div_ceil(4) * 4;
+    let pages_per_seq = (PROMPT + steps + 1).div_ceil(lay.page_tokens);
+    let need = n * (block + pages_per_seq * lay.kv_page_bytes);
+    anyhow::ensure!(
+        need <= lay.arena_bytes,
+        "batch {n}: needs {need} arena bytes, have {}",
+        lay.arena_bytes
+    );
+    let pages: Vec<Vec<usize>> = (0..n)
+        .map(|i| {
+            (0..pages_per_seq)
+                .map(|j| n * block + (i * pages_per_seq + j) * lay.kv_page_bytes)
+                .collect()
+        })
+        .collect();
+    let prompts: Vec<Vec<u32>> = (0..n)
+        .map(|i| synthetic_ids(PROMPT, exec.vocab_size(), 1000 + i as u64))
+        .collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..repeats.max(1) {
+        exec.arena_zero(0, n * block)?;
+        let step = |exec: &mut E, toks: &[Vec<u32>], pos: usize| {
+            let seqs = (0..n)
+                .map(|i| SeqInput {
+                    tokens: &toks[i],
+                    start_pos: pos,
+                    kv_pages: &pages[i],
+                    state_block: i * block,
+                    checkpoints: &[],
+                    logits: LogitsWant::Last,
+                })
+                .collect();
+            let out = exec.forward(&ForwardBatch { seqs })?;
+            anyhow::Ok((0..n).map(|i| vec![argmax(out.row(i))]).collect::<Vec<_>>())
+        };
+        let mut next = step(exec, &prompts, 0)?;
+        let t = Instant::now();
+        for s in 0..steps {
+            next = step(exec, &next, PROMPT + s)?;
+        }
+        best = best.min(t.elapsed().as_secs_f64() / steps.max(1) as f64);
+    }
+    Ok(best)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cmd::model_loading::Device;
+
+    fn k3_mini() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-mini")
+    }
+
+    #[test]
+    fn batched_decode_runs_in_its_share_of_the_arena_and_refuses_more() {
+        let fmt = LoadFormat::parse("safetensors", 0).unwrap();
+        let (mut exec, _, _) = load_for(&k3_mini(), 3, 64 + 4 + 1, Some(Device::Cpu), fmt).unwrap();
+        let step = batch_decode(&mut exec, 3, 4, 1).unwrap();
+        assert!(step.is_finite() && step > 0.0, "{step}");
+        let err = batch_decode(&mut exec, 4, 4, 1).unwrap_err().to_string();
+        assert!(err.contains("arena"), "{err}");
+    }
 }

@@ -197,15 +197,31 @@ pub fn load_single(
     wanted: Option<Device>,
     format: LoadFormat,
 ) -> anyhow::Result<(DynExecutor, Config, Device)> {
-    const PAGE_TOKENS: usize = 64;
+    load_for(dir, 1, max_tokens, wanted, format)
+}
+
+/// Like [`load_single`], with an arena for `seqs` sequences of up to `max_tokens` each (state
+/// blocks first, then KV pages; `k3serve bench --batch-sizes` lays them out itself).
+pub fn load_for(
+    dir: &Path,
+    seqs: usize,
+    max_tokens: usize,
+    wanted: Option<Device>,
+    format: LoadFormat,
+) -> anyhow::Result<(DynExecutor, Config, Device)> {
     let model = load_model(dir, wanted, format)?;
     let (config, device) = (model.config().clone(), model.device());
-    // Same sizing as ModelExecutor::with_capacity(model, 64, 1, max_tokens, 0).
+    // Same sizing as ModelExecutor::with_capacity(model, 64, seqs, max_tokens, 0).
     let offs = k3_model::model::CacheOffsets::new(&config, PAGE_TOKENS);
-    let bytes = offs.state_block_bytes + max_tokens.div_ceil(PAGE_TOKENS) * offs.kv_page_bytes;
+    let block = offs.state_block_bytes.div_ceil(4) * 4;
+    let pages = max_tokens.div_ceil(PAGE_TOKENS);
+    let bytes = seqs.max(1) * (block + pages * offs.kv_page_bytes);
     let exec = model.executor(PAGE_TOKENS, bytes)?;
     Ok((DynExecutor(exec), config, device))
 }
+
+/// Tokens per KV page of the CLI's executors (`bench`, `generate`).
+pub const PAGE_TOKENS: usize = 64;
 
 #[cfg(test)]
 mod tests {
