@@ -87,3 +87,27 @@ __device__ __forceinline__ float fp4_e2m1_to_f32(u32 code) {
 __device__ __forceinline__ float e8m0_to_f32(u8 s) {
     return s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(((u32)s) << 23);
 }
+
+// SiTU-GLU of one element (k3-architecture.md §4.4); shared by situ.cu and moe_gemm.cu.
+__device__ __forceinline__ float situ_glu_one(float g, float u, float beta, float beta_lin, int has_lin) {
+    const float a = beta * tanhf(g / beta) * k3_sigmoid(g);
+    const float b = has_lin ? beta_lin * tanhf(u / beta_lin) : u;
+    return a * b;
+}
+
+typedef unsigned short u16;
+
+// f32 -> bf16 bits, round to nearest even (NaN kept quiet).
+__device__ __forceinline__ u16 f32_to_bf16_bits(float x) {
+    u32 u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+// x = hi + lo + O(2^-16 |x|) with hi, lo bf16: GEMMs of bf16 weights with both halves of an f32
+// activation keep ~16 mantissa bits of it (moe_gemm.cu, bf16.cu).
+__device__ __forceinline__ void split_bf16(float x, u16& hi, u16& lo) {
+    hi = f32_to_bf16_bits(x);
+    lo = f32_to_bf16_bits(x - bf16_bits_to_f32(hi));
+}

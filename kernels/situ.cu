@@ -1,11 +1,5 @@
 // SiTU-GLU (k3-architecture.md §4.4): beta*tanh(g/beta)*sigmoid(g) * beta_lin*tanh(u/beta_lin), f32.
-#include "common.cuh"
-
-__device__ __forceinline__ float situ_glu_one(float g, float u, float beta, float beta_lin, int has_lin) {
-    const float a = beta * tanhf(g / beta) * k3_sigmoid(g);
-    const float b = has_lin ? beta_lin * tanhf(u / beta_lin) : u;
-    return a * b;
-}
+#include "common.cuh"  // situ_glu_one
 
 // out = SiTU-GLU(gate, up), n elements; has_lin = 0 skips the soft cap on `up`.
 extern "C" __global__ void situ_glu_f32(const float* __restrict__ gate, const float* __restrict__ up,

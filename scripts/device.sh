@@ -7,7 +7,9 @@
 #   3. end-to-end throughput (`k3serve bench`): k3-mini on CUDA (and the CPU with K3_CPU_BENCH=1),
 #      k3-slice (K3's per-layer shapes, dummy weights) on CUDA at decode batch 1/16/64 with both
 #      MXFP4 expert kernels, then one per-op profile (K3_PROFILE=1)
-# K3_BENCH_ONLY (e.g. "mla,moe") limits stage 1's kernel benchmarks to those sections.
+# K3_BENCH_ONLY (e.g. "mla,moe"; "none") limits stage 1's kernel benchmarks to those sections;
+# K3_SLICE_RUNS (default "default fast profile"; also "nogemm") picks stage 3's k3-slice runs.
+# K3_SERVING=1 adds stage 4, the seeds' serving workload on k3-slice (scripts/device-serving.sh).
 # Each stage has its own time limit so one slow stage leaves the others their share of the call.
 # Results under $OUT; exit status non-zero if a check failed.
 set -uo pipefail
@@ -34,12 +36,28 @@ SLICE=(bench --device cuda --model models/k3-slice --load-format dummy --prefill
         echo "== k3-mini, CPU ($(nproc) threads)"
         timeout 60 "$BIN" bench --device cpu --model models/k3-mini --prefill-tokens 2048 --decode-tokens 256
     fi
-    echo "== k3-slice (dummy weights), CUDA, MXFP4 experts: block kernels (the default)"
-    timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
-    echo "== k3-slice, CUDA, MXFP4 experts: fast kernels (K3_MX_EXPERTS=fast)"
-    K3_MX_EXPERTS=fast timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
-    echo "== k3-slice, CUDA, per-op profile (K3_PROFILE=1: synchronised, for shares only)"
-    K3_PROFILE=1 timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 8 --batch-sizes 16
+    runs=" ${K3_SLICE_RUNS:-default fast profile} "
+    if [[ $runs == *" default "* ]]; then
+        echo "== k3-slice (dummy weights), CUDA, default kernels"
+        timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
+    fi
+    if [[ $runs == *" fast "* ]]; then
+        echo "== k3-slice, CUDA, MXFP4 experts below the GEMM threshold: fast kernels (K3_MX_EXPERTS=fast)"
+        K3_MX_EXPERTS=fast timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
+    fi
+    if [[ $runs == *" nogemm "* ]]; then
+        echo "== k3-slice, CUDA, MoE without the GEMM path (K3_MOE_GEMM_MIN=huge)"
+        K3_MOE_GEMM_MIN=1000000000 timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
+    fi
+    if [[ $runs == *" profile "* ]]; then
+        echo "== k3-slice, CUDA, per-op profile (K3_PROFILE=1: synchronised, for shares only)"
+        K3_PROFILE=1 timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 8 --batch-sizes 16
+    fi
 } >"$B" 2>&1
 grep -vE "^\s*$" "$B" | grep -vE "INFO|compil" | tail -80
+if [ -n "${K3_SERVING:-}" ]; then
+    echo "== serving: k3-slice through HTTP (scripts/device-serving.sh)"
+    timeout "${K3_SERVING_S:-420}" bash scripts/device-serving.sh || rc=1
+    grep -iE "warn|error|panic" "$OUT/serving-server.log" | grep -v "vocabulary is wider" | tail -5
+fi
 exit $rc

@@ -9,6 +9,12 @@ import torch
 
 from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_PREP, cdiv, kda_region_floats, log, rel_err,
                     run_kda_prefill)
+from common import run_mla_prefill
+
+# H200 SXM peak FP32 rate on the CUDA cores (NVIDIA data sheet: 67 TFLOP/s), where cuBLAS SGEMM in
+# the default math mode (no TF32) runs: the floor of the f32 expanded MLA prefill. The "sgemm f32"
+# line of the mla_prefill section measures what this card reaches in the same run.
+F32_TFLOPS = 67.0
 
 if TYPE_CHECKING:
     from device_check import Device, Results
@@ -75,7 +81,8 @@ def bench_mla_v2(d: Device, record, N, L, A, ps, qt, kvb, o, base, lens, floor):
 
 
 def bench(d: Device, r: Results, quick: bool, only=None):
-    """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, attn_res, moe)."""
+    """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, mla_prefill,
+    attn_res, moe)."""
     def want(section):
         return not only or section in only
 
@@ -244,10 +251,73 @@ def bench(d: Device, r: Results, quick: bool, only=None):
             log(f"bench mla v2 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
         del A
 
+    if want("mla_prefill"):
+        bench_mla_prefill(d, r, record)
     if want("attn_res"):
         bench_attn_res(d, record)
     if want("moe"):
         bench_moe(d, record, quick)
+
+
+def bench_mla_prefill(d: Device, r: Results, record):
+    """MLA prefill of one sequence, T new tokens from position 0, K3 shapes, rows already in the pages
+    (the append is the same kernel on both paths): the expanded form (mla_prefill.rs, what mla_seqs
+    runs for >= 64 new tokens) against the absorbed one (ops.rs mla_decode v2: absorb_q + attend_tc2
+    precise + merge + out_proj over T items of causal lengths 1..T). Floor: the expanded form's FLOPs
+    (K/V expansion + causal QK and PV) at F32_TFLOPS. Also checks the two outputs agree. ~10 s."""
+    heads, nope, rope, v_dim, kv_lora, pt = 96, 128, 64, 128, 512, 64
+    row, qk, hg16 = kv_lora + rope, nope + rope, cdiv(heads, 16)
+    n = 8192
+    a, b, c = (torch.randn(n, n, device="cuda") for _ in range(3))
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ms = d.time_ms(lambda: torch.matmul(a, b, out=c), reps=5, warmup=1)
+        record(f"sgemm f32 {n}^3 (torch, no TF32)", ms, 2 * n ** 3 / (F32_TFLOPS * 1e12) * 1e3,
+               tflops=2 * n ** 3 / ms / 1e9)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    for T in (2048, 8192):
+        try:
+            pages = cdiv(T, pt)
+            A = torch.randn(pages * pt * row, device="cuda")
+            ps = torch.randperm(pages, device="cuda").to(torch.int64) * (pt * row)
+            q = torch.randn(T, heads * qk, device="cuda")
+            kvb = torch.randn(heads * (nope + v_dim), kv_lora, device="cuda") * kv_lora ** -0.5
+            o_e, o_a = (torch.empty(T, heads * v_dim, device="cuda") for _ in range(2))
+            go_e, (hg, qc) = run_mla_prefill(d, A, ps, q, kvb, o_e, 0, T, 0, heads, nope, rope, v_dim, kv_lora, pt)
+            splits = mla_splits_tc(T * hg16, T, slots=2 * 132)
+            chunk = cdiv(T, splits)
+            bufs = dict(q=q, kvb=kvb, A=A, ps=ps, o=o_a, qt=torch.empty(T, heads, row, device="cuda"),
+                        part=torch.empty(T, heads, splits, kv_lora + 2, device="cuda"),
+                        lat=torch.empty(T, heads, kv_lora, device="cuda"),
+                        base=torch.zeros(T, dtype=torch.int32, device="cuda"),  # one page table for all items
+                        lens=torch.arange(1, T + 1, dtype=torch.int32, device="cuda"))
+            v = {k: d.view(x) for k, x in bufs.items()}
+
+            def go_a(T=T, v=v, splits=splits, chunk=chunk):
+                d.launch("mla_absorb_q_f32", (T, heads), 128, v["q"], v["kvb"], v["qt"], T, heads, nope, rope,
+                         v_dim, kv_lora)
+                d.launch("mla_attend_tc2_f32", (hg16, T, splits), 256, v["qt"], v["A"], v["ps"], v["base"],
+                         v["lens"], v["part"], T, heads, kv_lora, rope, pt, splits, chunk, qk ** -0.5, 1 | 4 << 2)
+                d.launch("mla_merge_f32", (T, heads), 128, v["part"], v["lat"], T, heads, kv_lora, splits)
+                d.launch("mla_out_proj_f32", (heads, cdiv(v_dim, 16), cdiv(T, 64)), 256, v["lat"], v["kvb"], v["o"],
+                         T, heads, nope, v_dim, kv_lora)
+            go_e()
+            go_a()
+            d.sync()
+            r.check(f"mla_prefill expanded vs absorbed T={T} (K3 shapes)", rel_err(o_e, o_a), 1e-4)
+            flops = 2 * T * kv_lora * heads * (nope + v_dim) + heads * (qk + v_dim) * T * (T + 1)
+            floor = flops / (F32_TFLOPS * 1e12) * 1e3
+            ms_e = d.time_ms(go_e, reps=5, warmup=1)
+            ms_a = d.time_ms(go_a, reps=3 if T > 4096 else 5, warmup=1)
+            record(f"mla_prefill expanded T={T} start=0 (gather+expand+QK+softmax+PV)", ms_e, floor, head_group=hg,
+                   q_chunk=qc, tflops=flops / ms_e / 1e9, speedup_vs_absorbed=ms_a / ms_e)
+            record(f"mla_prefill absorbed T={T} start=0 (absorb_q+attend_tc2+merge+out_proj)", ms_a, floor,
+                   splits=splits, tflops=flops / ms_a / 1e9)
+            del A, q, kvb, o_e, o_a, bufs, v, go_e
+        except Exception as e:  # noqa: BLE001  a failure here must not cost the benchmarks after it
+            log(f"bench mla_prefill T={T} raised {type(e).__name__}: {str(e)[:200]}")
 
 
 def bench_attn_res(d: Device, record):

@@ -1,6 +1,7 @@
 """Helpers shared by device_check.py, emulators.py and benchmarks.py: the log, the error and
-grid arithmetic, the KDA state-arena layout with its float64 reference, and the KDA prefill launch
-sequence (the packing and launches the Rust backend does). A module of its own so the three can
+grid arithmetic, the KDA state-arena layout with its float64 reference, the KDA prefill launch
+sequence and the expanded MLA prefill with its cuBLAS calls (the packing and launches the Rust
+backend does). A module of its own so the three can
 import it without importing each other (device_check.py runs as __main__)."""
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -130,3 +132,104 @@ def run_kda_prefill(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk,
                  d.view(A), off, d.view(cn), d.view(co), len(ck_n), d.view(o), t, heads, conv)
     go.chunk_only = chunk_only
     return o, go
+
+
+# ---------------------------------------------------------------------------------------------
+# Expanded MLA prefill (host/backend-cuda/src/mla_prefill.rs): its plan, its cuBLAS calls and its
+# launch sequence, so the device check and the benchmark run exactly what the backend runs.
+
+MLA_PREFILL_Q_CHUNK, MLA_PREFILL_MIN_Q_CHUNK = 512, 16
+MLA_PREFILL_SCRATCH_BYTES = 2 << 30
+
+
+def mla_prefill_plan(heads, nope, rope, v_dim, kv_lora, t, length, budget=MLA_PREFILL_SCRATCH_BYTES):
+    """mla_prefill::plan: (head_group, q_chunk) within `budget` bytes of scratch."""
+    heads, length = max(heads, 1), max(length, 1)
+    avail = max(0, budget // 4 - length * kv_lora)
+    kv = nope + rope + v_dim
+    q_chunk = min(max(t, 1), MLA_PREFILL_Q_CHUNK)
+    if avail < length * (kv + q_chunk):
+        q_chunk = min(max(max(0, avail // length - kv), min(MLA_PREFILL_MIN_Q_CHUNK, q_chunk)), q_chunk)
+    fit = min(max(avail // (length * (kv + q_chunk)), 1), heads)
+    return cdiv(heads, cdiv(heads, fit)), q_chunk
+
+
+_CUBLAS: dict = {}
+
+
+def _cupy_cublas():
+    """CuPy's cuBLAS bindings (the module moved between CuPy versions), or None."""
+    if "mod" not in _CUBLAS:
+        mod = None
+        for name in ("cupy_backends.cuda.libs.cublas", "cupy.cuda.cublas"):
+            try:
+                mod = __import__(name, fromlist=["sgemmStridedBatched"])
+                break
+            except ImportError:
+                continue
+        _CUBLAS["mod"] = mod
+        log(f"sgemm_sb: {'cuBLAS through ' + mod.__name__ if mod else 'torch.bmm (no CuPy cuBLAS)'}")
+    return _CUBLAS["mod"]
+
+
+def sgemm_sb(d: Device, ta, tb, m, n, k, alpha, a, b, c, lda, ldb, ldc, sa, sb, sc, batch):
+    """cublasSgemmStridedBatched (column-major, beta = 0) as mla_prefill.rs calls it: for each batch
+    i, C_i = alpha op(A_i) op(B_i) with X_i at X's float offset + i * stride. a, b, c: (flat float32
+    tensor, float offset). The extents are checked as Sgemm::check does. Dry run: float64 on the
+    host; on the GPU: cuBLAS through CuPy (torch.bmm over the same strided views if unavailable)."""
+    (A, ao), (B, bo), (C, co) = a, b, c
+    ar, ac = (k, m) if ta else (m, k)
+    br, bc = (n, k) if tb else (k, n)
+    for what, t, off, rows, cols, ld, st in (("A", A, ao, ar, ac, lda, sa), ("B", B, bo, br, bc, ldb, sb),
+                                             ("C", C, co, m, n, ldc, sc)):
+        end = off + (cols - 1) * ld + rows + (batch - 1) * st
+        if ld < max(rows, 1) or end > t.numel():
+            raise ValueError(f"sgemm {what}: {rows}x{cols} ld {ld} stride {st} x{batch} at {off} in {t.numel()}")
+    cb = None if d.dry or int(d.cp.__version__.split(".")[0]) < 9 else _cupy_cublas()  # < 9: alpha by value
+    if cb is not None:
+        h = d.cp.cuda.device.get_cublas_handle()
+        al, be = np.array([alpha], np.float32), np.array([0.0], np.float32)
+        ptr = lambda t, off: t.data_ptr() + 4 * off  # noqa: E731
+        cb.sgemmStridedBatched(h, int(ta), int(tb), m, n, k, al.ctypes.data, ptr(A, ao), lda, sa, ptr(B, bo), ldb, sb,
+                               be.ctypes.data, ptr(C, co), ldc, sc, batch)
+        return
+    dt = torch.float64 if d.dry else torch.float32
+
+    def view(t, off, rows, cols, ld, st):  # column-major rows x cols per batch
+        return t.as_strided((batch, rows, cols), (st, 1, ld), t.storage_offset() + off)
+    opa, opb = view(A, ao, ar, ac, lda, sa).to(dt), view(B, bo, br, bc, ldb, sb).to(dt)
+    opa, opb = opa.transpose(1, 2) if ta else opa, opb.transpose(1, 2) if tb else opb
+    view(C, co, m, n, ldc, sc).copy_((alpha * torch.bmm(opa, opb)).float())
+
+
+def run_mla_prefill(d: Device, A, page_start, q, kvb, o, row0, t, start, heads, nope, rope, v_dim, kv_lora, pt,
+                    plan=None):
+    """The expanded prefill of one sequence (mla_prefill.rs mla_prefill_expanded): rows row0..row0+t of
+    q [*, H*(nope+rope)] -> the same rows of o [*, H*v_dim], keys 0..start+t read from the pages of
+    arena A (page_start: int64 float offsets, layer offset included). Allocates the scratch; returns
+    go() (every launch and GEMM) and the plan (head_group, q_chunk)."""
+    qk, length = nope + rope, start + t
+    hg, qc = plan or mla_prefill_plan(heads, nope, rope, v_dim, kv_lora, t, length)
+    new = lambda n: torch.empty(n, device=d.tdev)  # noqa: E731  fully written before read, as in Rust
+    lat, kb, vb, sb = new(length * kv_lora), new(hg * length * qk), new(hg * length * v_dim), new(hg * qc * length)
+    va, vps, vlat, vkb, vsb = d.view(A), d.view(page_start), d.view(lat), d.view(kb), d.view(sb)
+    hw = (nope + v_dim) * kv_lora
+
+    def go():
+        d.launch("mla_prefill_gather_f32", length, 128, va, vps, vlat, vkb, length, hg, kv_lora, rope, qk, pt)
+        for h0 in range(0, heads, hg):
+            hn = min(hg, heads - h0)
+            # K_nope,h into K's first nope columns (ldc = qk); V_h; lat shared (stride 0).
+            sgemm_sb(d, 1, 0, nope, length, kv_lora, 1.0, (kvb, h0 * hw), (lat, 0), (kb, 0), kv_lora, kv_lora, qk,
+                     hw, 0, length * qk, hn)
+            sgemm_sb(d, 1, 0, v_dim, length, kv_lora, 1.0, (kvb, h0 * hw + nope * kv_lora), (lat, 0), (vb, 0), kv_lora,
+                     kv_lora, v_dim, hw, 0, length * v_dim, hn)
+            for i0 in range(0, t, qc):
+                tq = min(qc, t - i0)
+                lk = start + i0 + tq
+                sgemm_sb(d, 1, 0, lk, tq, qk, qk ** -0.5, (kb, 0), (q, (row0 + i0) * heads * qk + h0 * qk), (sb, 0),
+                         qk, heads * qk, lk, length * qk, qk, tq * lk, hn)
+                d.launch("mla_prefill_softmax_f32", hn * tq, 256, vsb, hn * tq, tq, lk, start + i0)
+                sgemm_sb(d, 0, 0, v_dim, tq, lk, 1.0, (vb, 0), (sb, 0), (o, (row0 + i0) * heads * v_dim + h0 * v_dim),
+                         v_dim, lk, heads * v_dim, length * v_dim, tq * lk, v_dim, hn)
+    return go, (hg, qc)

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks import bench  # noqa: E402
 from common import (KDA_CHUNK_TOL, KDA_PREP, LOG, ROOT, cdiv, kda_reference, kda_region_floats,  # noqa: E402
                     log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
+from common import mla_prefill_plan, run_mla_prefill  # noqa: E402
 from emulators import EMU  # noqa: E402
 from k3ref import mxfp4 as rmx  # noqa: E402
 from k3ref.attnres import attn_res as ref_attn_res  # noqa: E402
@@ -64,7 +65,7 @@ def inline_includes(path: Path, seen: set | None = None) -> str:
 ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)', re.S)
 SCALARS = {"int": np.int32, "float": np.float32, "i64": np.int64, "u32": np.uint32}
 POINTEES = {"float": np.float32, "int": np.int32, "i64": np.int64, "u8": np.uint8, "u32": np.uint32,
-            "unsigned short": np.uint16}
+            "unsigned short": np.uint16, "u16": np.uint16}
 
 
 def parse_params(text: str) -> list[tuple[str, object]]:
@@ -516,6 +517,75 @@ def check_mla(d: Device, r: Results, gen):
             r.check(f"mla decode v2 {label} (H={heads}, Lkv={kv_lora}, splits={splits})", rel_err(o, ref), tol)
 
 
+def mla_prefill_reference(q, rows, kv_b, heads, nope, rope, v_dim, kv_lora, start):
+    """Expanded causal MLA, float64: queries q [T, H*(nope+rope)] at positions start.. over the latent
+    rows [start + T, kv_lora + rope]. Returns o [T, H*v_dim]."""
+    t, length, qk = q.shape[0], rows.shape[0], nope + rope
+    c, kr = rows[:, :kv_lora], rows[:, kv_lora:]
+    w = kv_b.view(heads, nope + v_dim, kv_lora)
+    hidden = torch.arange(length)[None, :] > (start + torch.arange(t))[:, None]
+    out = []
+    for h in range(heads):
+        k = torch.cat([c @ w[h, :nope].t(), kr], -1)
+        s = (q[:, h * qk:(h + 1) * qk] @ k.t()) * qk ** -0.5
+        out.append(torch.softmax(s.masked_fill(hidden, float("-inf")), -1) @ (c @ w[h, nope:].t()))
+    return torch.stack(out, 1).reshape(t, heads * v_dim)
+
+
+def check_mla_prefill(d: Device, r: Results, gen):
+    """Expanded MLA prefill (kernels/mla_prefill.cu + the cuBLAS calls of mla_prefill.rs, launched by
+    common.run_mla_prefill as the backend does) vs the float64 expanded form: new rows appended by
+    mla_append_rows_f32 after a cached prefix (start > 0), T not a multiple of the query chunk,
+    head groups with a smaller last one, the sequence's rows at row0 > 0 of q / o (mla_seqs_split
+    writes into a shared o), the default plan, and one row of > 8192 keys (the softmax's
+    two-read path)."""
+    cases = (  # heads, nope, rope, v_dim, kv_lora, start, T, plan (head_group, q_chunk) or None
+        (6, 64, 32, 64, 128, 0, 45, (4, 16)),
+        (6, 64, 32, 64, 128, 37, 29, (6, 8)),
+        (4, 128, 64, 128, 512, 50, 70, None),
+        (2, 32, 16, 32, 64, 8300, 70, (1, 32)))
+    for heads, nope, rope, v_dim, kv_lora, start, t, plan in cases:
+        row, pt, eps, row0, qk = kv_lora + rope, 16, 1e-5, 3, nope + rope
+        length = start + t
+        npages = cdiv(length, pt)
+        perm = torch.randperm(npages, generator=gen)
+        layer_off = 2 * row + 1  # 4-byte aligned rows only, as in check_mla
+        page_floats = pt * row + 3 * row
+        page_start = perm.to(torch.int64) * page_floats + layer_off
+        rows = rand(length, row, gen=gen)
+        kv_a = rand(t, row, gen=gen)
+        norm_w = rand(kv_lora, gen=gen)
+        rows[start:] = torch.cat([ref_rms_norm(kv_a[:, :kv_lora], norm_w, eps), kv_a[:, kv_lora:]], -1)
+        j = torch.arange(length)
+        offs = page_start[j // pt] + (j % pt) * row
+        arena = torch.zeros(npages * page_floats, dtype=torch.float64)
+        arena[(offs[:start, None] + torch.arange(row)[None, :]).reshape(-1)] = rows[:start].reshape(-1)
+        kv_b = rand(heads * (nope + v_dim), kv_lora, scale=kv_lora ** -0.5, gen=gen)
+        q = rand(t, heads * qk, gen=gen)
+        dev = lambda x: x.float().contiguous().to(d.tdev)  # noqa: E731
+        A = dev(arena)
+        d.launch("mla_append_rows_f32", t, 128, d.view(dev(kv_a)), d.view(dev(norm_w)), d.view(A),
+                 d.view(offs[start:].contiguous().to(d.tdev)), t, kv_lora, rope, eps)
+        qf = dev(torch.cat([rand(row0, heads * qk, gen=gen), q]))
+        o = torch.zeros(row0 + t, heads * v_dim, device=d.tdev)
+        go, used = run_mla_prefill(d, A, page_start.to(d.tdev), qf, dev(kv_b), o, row0, t, start, heads, nope, rope,
+                                   v_dim, kv_lora, pt, plan)
+        go()
+        d.sync()
+        ref = mla_prefill_reference(q, rows, kv_b, heads, nope, rope, v_dim, kv_lora, start)
+        tag = f"mla_prefill expanded (H={heads}, Lkv={kv_lora}, start={start}, T={t}, group,chunk={used})"
+        r.check(tag, rel_err(o[row0:], ref), 2e-5)
+        r.exact(f"{tag}: rows outside the sequence untouched", bool((o[:row0] == 0).all()))
+        if start == 0:  # the vectorised reference against check_mla's per-query one
+            i = t - 1
+            one = mla_reference(q[i], rows[:start + i + 1], kv_b, heads, nope, rope, v_dim, kv_lora)
+            r.check(f"mla_prefill_reference vs mla_reference (T={t})", rel_err(ref[i], one), 1e-12)
+    # The backend's plan at K3 shapes (mla_prefill.rs plan_fits_the_budget_at_k3_shapes).
+    k3 = lambda t, n: mla_prefill_plan(96, 128, 64, 128, 512, t, n)  # noqa: E731
+    r.exact("mla_prefill plan (K3 shapes)", (k3(2048, 2048), k3(8192, 8192)[0], k3(4096, 1 << 20)) ==
+            ((96, 512), 48, (1, 16)))
+
+
 def mx_experts(e, rows, cols, gen):
     ps, ss, deq = [], [], []
     for _ in range(e):
@@ -577,6 +647,93 @@ def check_moe(d: Device, r: Results, gen):
 
 
 
+def check_bf16_matmul(d: Device, r: Results, gen):
+    """Dense matmul with bf16 weights (kernels/bf16.cu around the cuBLAS bf16 GEMM of
+    backend_impl.rs matmul_linear; the GEMM played by an f32 matmul of the same bf16 values)."""
+    m, k, n = 5, 96, 40
+    x = rand(m, k, gen=gen)
+    w = rand(n, k, scale=0.1, gen=gen).float().to(torch.bfloat16).double()  # bf16 checkpoint values
+    dev = lambda t: t.contiguous().to(d.tdev)  # noqa: E731
+    u16 = lambda t: d.view(t).view(np.uint16)  # noqa: E731
+    bits_f32 = lambda t: ((t.to(torch.int32) & 0xFFFF) << 16).view(torch.float32)  # noqa: E731
+    wb = dev(w.float().to(torch.bfloat16).view(torch.int16))
+    wf = dev(torch.zeros(n, k))
+    d.launch("bf16_to_f32", cdiv(n * k, 256), 256, u16(wb), d.view(wf), n * k)
+    xs = dev(torch.zeros(2 * m, k, dtype=torch.int16))
+    d.launch("bf16_split_rows_f32", cdiv(m * k, 256), 256, d.view(dev(x.float())), u16(xs), m * k)
+    d.sync()
+    r.check("bf16_to_f32 (exact)", rel_err(wf, w), 0.0)
+    c = dev(bits_f32(xs) @ bits_f32(wb).T)
+    y = dev(torch.zeros(m, n))
+    d.launch("sum_row_halves_f32", cdiv(m * n, 256), 256, d.view(c), d.view(y), m * n)
+    d.sync()
+    r.check("matmul with bf16 weights (split activations)", rel_err(y, x @ w.T), 2e-5)
+
+
+def check_moe_gemm(d: Device, r: Results, gen):
+    """The tensor-core MoE path (kernels/moe_gemm.cu, host/backend-cuda/src/moe_gemm.rs) end to end,
+    with the two cuBLAS bf16 GEMMs played by f32 matmuls of the same bf16 values (exact products,
+    f32 sums, as cuBLAS computes them), against the float64 reference. Two expert groups, so the
+    per-group GLU position ranges are exercised."""
+    t, e, k, lt, ie = 6, 8, 3, 64, 32
+    w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
+    w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
+    w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+    z = rand(t, lt, gen=gen)
+    logits, bias = rand(t, e, gen=gen), rand(e, scale=0.1, gen=gen)
+    idx, wts, _ = ref_route(logits, torch.eye(e, dtype=torch.float64), bias, k, True, 1.0)
+    ref = torch.zeros(t, lt, dtype=torch.float64)
+    for tt in range(t):
+        for j in range(k):
+            ex = int(idx[tt, j])
+            ref[tt] += wts[tt, j] * (w2[ex] @ ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0))
+    dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
+    u16 = lambda x: d.view(x).view(np.uint16)  # noqa: E731  int16 storage, u16 kernel view
+    bits_f32 = lambda x: ((x.to(torch.int32) & 0xFFFF) << 16).view(torch.float32)  # noqa: E731
+    n = t * k
+    offsets = dev(torch.zeros(e + 1, dtype=torch.int32))
+    sorted_ = dev(torch.zeros(n, dtype=torch.int32))
+    d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx.int().reshape(-1))), n, e, d.view(offsets),
+             d.view(sorted_))
+    xs, inv = dev(torch.zeros(2 * n, lt, dtype=torch.int16)), dev(torch.zeros(n, dtype=torch.int32))
+    d.launch("moe_gather_split_bf16", n, 256, d.view(dev(z.float())), d.view(sorted_), d.view(offsets), e, k, lt,
+             u16(xs), d.view(inv))
+    d.sync()
+    off = offsets.cpu().tolist()
+    touched = [x for x in range(e) if off[x + 1] > off[x]]
+    h = dev(torch.zeros(2 * n, 2 * ie))
+    act = dev(torch.zeros(2 * n, ie, dtype=torch.int16))
+    y = dev(torch.zeros(2 * n, lt))
+    group = max(1, (len(touched) + 1) // 2)
+    for g0 in range(0, len(touched), group):
+        chunk = touched[g0:g0 + group]
+        lst = dev(torch.tensor(chunk, dtype=torch.int32))
+        w13 = dev(torch.zeros(len(chunk), 2 * ie, lt, dtype=torch.int16))
+        w2b = dev(torch.zeros(len(chunk), lt, ie, dtype=torch.int16))
+        for (pk, sc), row0 in (((w1p, w1s), 0), ((w3p, w3s), ie)):
+            d.launch("mxfp4_to_bf16_experts", cdiv(len(chunk) * ie * lt // 32, 256), 256, d.view(dev(pk)),
+                     d.view(dev(sc)), d.view(lst), len(chunk), ie, lt, u16(w13), 2 * ie * lt, row0)
+        d.launch("mxfp4_to_bf16_experts", cdiv(len(chunk) * lt * ie // 32, 256), 256, d.view(dev(w2p)),
+                 d.view(dev(w2s)), d.view(lst), len(chunk), lt, ie, u16(w2b), lt * ie, 0)
+        d.sync()
+        if g0 == 0:
+            r.check("mxfp4_to_bf16_experts (exact)", rel_err(bits_f32(w13[0, :ie]).cpu(), w1[chunk[0]]), 0.0)
+        for gi, ex in enumerate(chunk):
+            r0, r1 = 2 * off[ex], 2 * off[ex + 1]
+            h[r0:r1] = bits_f32(xs[r0:r1]) @ bits_f32(w13[gi]).T
+        d.launch("moe_glu_split_bf16", cdiv((off[chunk[-1] + 1] - off[chunk[0]]) * ie, 256), 256, d.view(h),
+                 d.view(offsets), e, off[chunk[0]], off[chunk[-1] + 1], ie, 4.0, 25.0, 1, u16(act))
+        d.sync()
+        for gi, ex in enumerate(chunk):
+            r0, r1 = 2 * off[ex], 2 * off[ex + 1]
+            y[r0:r1] = bits_f32(act[r0:r1]) @ bits_f32(w2b[gi]).T
+    out = dev(torch.zeros(t, lt))
+    d.launch("moe_combine_split_f32", t, 256, d.view(y), d.view(inv), d.view(offsets), e,
+             d.view(dev(wts.float().reshape(-1))), d.view(out), k, lt)
+    d.sync()
+    r.check("moe routed gemm path (split bf16, 2 groups)", rel_err(out, ref), 2e-5)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="no GPU: check signatures, run emulators")
@@ -585,7 +742,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=os.environ.get("K3_BENCH_ONLY", ""),
-                    help="comma list of benchmark sections (kda_decode,kda_prefill,mla,attn_res,moe); default all")
+                    help="comma list of benchmark sections (kda_decode,kda_prefill,mla,mla_prefill,attn_res,moe); "
+                         "default all")
     args = ap.parse_args()
     d = Device(args.dry_run)
     r = Results()
@@ -596,7 +754,7 @@ def main():
         log(f"device: {torch.cuda.get_device_name()} torch {torch.__version__} cupy {d.cp.__version__}")
     t0 = time.time()
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
-               check_kda_prefill_tc, check_mla, check_moe, check_kda_prefill_prep):
+               check_kda_prefill_tc, check_mla, check_mla_prefill, check_moe, check_moe_gemm, check_bf16_matmul, check_kda_prefill_prep):
         try:
             fn(d, r, gen)
         except Exception as e:  # noqa: BLE001  a crash in one check must not hide the others

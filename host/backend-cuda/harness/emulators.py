@@ -144,6 +144,24 @@ def _emu_mla_out_proj(lat, kv_b, o, items, heads, nope, v_dim, kv_lora):
     o[:] = torch.einsum("nhl,hvl->nhv", L, W[:, int(nope):]).float().numpy().reshape(o.shape)
 
 
+def _emu_mla_prefill_gather(arena, page_start, lat, k, length, heads, kv_lora, rope, qk, page_tokens):
+    length, heads, kv_lora, rope, qk, pt = (int(x) for x in (length, heads, kv_lora, rope, qk, page_tokens))
+    row, nope = kv_lora + rope, qk - rope
+    j = np.arange(length)
+    offs = page_start[j // pt].astype(np.int64) + (j % pt) * row
+    rows = arena[offs[:, None] + np.arange(row)[None, :]]  # [length, row]
+    lat[:length * kv_lora] = rows[:, :kv_lora].reshape(-1)
+    k[:heads * length * qk].reshape(heads, length, qk)[:, :, nope:] = rows[None, :, kv_lora:]
+
+
+def _emu_mla_prefill_softmax(s, rows, tq, lk, q0):
+    rows, tq, lk, q0 = int(rows), int(tq), int(lk), int(q0)
+    S = _t(s)[:rows * lk].view(rows, lk)
+    lim = torch.clamp(q0 + torch.arange(rows) % tq + 1, max=lk)
+    hidden = torch.arange(lk)[None, :] >= lim[:, None]
+    S[:] = torch.softmax(S.double().masked_fill(hidden, float("-inf")), -1).masked_fill(hidden, 0.0).float()
+
+
 def _emu_moe_up(z, w1p, w1s, w3p, w3s, offsets, sorted_, act, top_k, lt, ie, beta, beta_lin, has_lin):
     lt, ie = int(lt), int(ie)
     e = len(offsets) - 1
@@ -183,6 +201,67 @@ def _emu_attn_res(*a):
     S = [_t(s).view(rows, dm).double() for s in srcs[:n]]
     out[:] = ref_attn_res(S[-1], S[:-1], _t(w).double(), torch.ones(1, dm, dtype=torch.float64), eps).float() \
         .numpy().reshape(out.shape)
+
+
+def bf16_bits(x):
+    """f32 -> bf16 bits, round to nearest even (kernels/moe_gemm.cu f32_to_bf16_bits; no NaNs here)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_value(b):
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def split_bf16(x):
+    hi = bf16_bits(x)
+    return hi, bf16_bits(np.asarray(x, dtype=np.float32) - bf16_value(hi))
+
+
+def _stack_rows(offsets, p):
+    """Stacked hi / lo rows of sorted position p (kernels/moe_gemm.cu)."""
+    e = int(np.searchsorted(offsets, p, side="right")) - 1
+    cnt = int(offsets[e + 1] - offsets[e])
+    return int(offsets[e]) + p, int(offsets[e]) + p + cnt
+
+
+def _emu_gather_split(z, sorted_, offsets, experts, top_k, lt, xs, inv):
+    lt = int(lt)
+    X, Z = xs.reshape(-1, lt), z.reshape(-1, lt)
+    for p, a in enumerate(sorted_):
+        h, lo = _stack_rows(offsets, p)
+        X[h], X[lo] = split_bf16(Z[int(a) // int(top_k)])
+        inv[int(a)] = p
+
+
+def _emu_to_bf16(packed, scales, lst, count, rows, cols, out, stride, row0):
+    rows, cols = int(rows), int(cols)
+    for i in range(int(count)):
+        e = int(lst[i])
+        w = rmx.dequantize(_t(packed).view(-1, rows, cols // 2)[e], _t(scales).view(-1, rows, cols // 32)[e])
+        base = i * int(stride) + int(row0) * cols
+        out.reshape(-1)[base:base + rows * cols] = bf16_bits(w.float().numpy()).reshape(-1)
+
+
+def _emu_glu_split(h, offsets, experts, p0, p1, ie, beta, beta_lin, has_lin, act):
+    ie = int(ie)
+    H, A = h.reshape(-1, 2 * ie), act.reshape(-1, ie)
+    for p in range(int(p0), int(p1)):
+        hr, lr = _stack_rows(offsets, p)
+        g = _t(H[hr, :ie].astype(np.float32) + H[lr, :ie]).double()
+        u = _t(H[hr, ie:].astype(np.float32) + H[lr, ie:]).double()
+        A[hr], A[lr] = split_bf16(ref_situ_glu(g, u, float(beta), float(beta_lin) if has_lin else None).float().numpy())
+
+
+def _emu_combine_split(y, inv, offsets, experts, w, out, top_k, lt):
+    k, lt = int(top_k), int(lt)
+    Y, O, W = y.reshape(-1, lt), out.reshape(-1, lt), w.reshape(-1, k)
+    for t in range(O.shape[0]):
+        acc = np.zeros(lt, dtype=np.float64)
+        for j in range(k):
+            hr, lr = _stack_rows(offsets, int(inv[t * k + j]))
+            acc += float(W[t, j]) * (Y[hr].astype(np.float64) + Y[lr])
+        O[t] = acc
 
 
 EMU = {
@@ -230,7 +309,18 @@ EMU = {
     "mla_attend_tc2_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # mode: rounding / prefetch / probe only
     "mla_merge_f32": _emu_mla_merge,
     "mla_out_proj_f32": _emu_mla_out_proj,
+    "mla_prefill_gather_f32": _emu_mla_prefill_gather,
+    "mla_prefill_softmax_f32": _emu_mla_prefill_softmax,
     "moe_sort_assignments": _emu_sort,
+    "bf16_split_rows_f32": lambda x, xs, n: [xs.reshape(-1).__setitem__(slice(k * int(n), (k + 1) * int(n)), h)
+                                             for k, h in enumerate(split_bf16(x.reshape(-1)[:int(n)]))],
+    "sum_row_halves_f32": lambda c, y, n: y.reshape(-1).__setitem__(
+        slice(0, int(n)), c.reshape(-1)[:int(n)] + c.reshape(-1)[int(n):2 * int(n)]),
+    "bf16_to_f32": lambda b, out, n: out.reshape(-1).__setitem__(slice(0, int(n)), bf16_value(b.reshape(-1)[:int(n)])),
+    "moe_gather_split_bf16": _emu_gather_split,
+    "mxfp4_to_bf16_experts": _emu_to_bf16,
+    "moe_glu_split_bf16": _emu_glu_split,
+    "moe_combine_split_f32": _emu_combine_split,
     "mxfp4_expert_up_f32": _emu_moe_up,
     "mxfp4_expert_down_f32": _emu_moe_down,
     "mxfp4_up_fast_f32": lambda *a: _emu_moe_up(*a[:-1]),  # + E (the grid's busy-expert mapping)

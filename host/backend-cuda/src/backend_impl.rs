@@ -7,8 +7,9 @@
 //! later op is skipped (returning correctly shaped placeholders), and the executor turns the
 //! recorded error into `ExecError::Backend` at the end of the step (`Backend::take_error`).
 
-use crate::device::{CudaBackend, DeviceMat};
+use crate::device::{CudaBackend, DeviceLinear, DeviceMat, exact_bf16};
 use crate::error::{CudaError, Result};
+use crate::geometry::{self, Launch};
 use crate::ops::{DeviceExperts, KdaIn, KdaSlot, KdaWeights};
 use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaSlice, DevicePtrMut};
@@ -121,23 +122,98 @@ impl CudaBackend {
         Ok(y)
     }
 
-    fn embed_rows(&self, table: &DeviceMat, ids: &[u32]) -> Result<DeviceMat> {
+    fn embed_rows(&self, table: &DeviceLinear, ids: &[u32]) -> Result<DeviceMat> {
         let d = table.cols;
-        let mut out = self.zeros(ids.len(), d)?;
-        // One device-to-device copy per token (prefill chunks are at most a few thousand rows).
-        for (r, &id) in ids.iter().enumerate() {
-            let id = id as usize;
-            if id >= table.rows {
-                return Err(CudaError::InvalidArg(format!(
-                    "token id {id} outside the vocabulary of {}",
-                    table.rows
-                )));
+        let out = self.zeros(ids.len(), d)?;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows) {
+            return Err(CudaError::InvalidArg(format!(
+                "token id {id} outside the vocabulary of {}",
+                table.rows
+            )));
+        }
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        let dev_ids = self.upload_slice(ids)?;
+        let (t, di, v) = (ids.len() as i32, d as i32, table.rows as u32);
+        let l = Launch::new((ids.len(), 1, 1), 256)?;
+        match &table.bf16 {
+            Some(b) => launch!(self, "embed_rows_bf16", l; b, &dev_ids, &out.buf, &t, &di, &v)?,
+            None => {
+                let f = self.linear_f32(table)?;
+                launch!(self, "embed_rows_f32", l; &f.buf, &dev_ids, &out.buf, &t, &di, &v)?
             }
-            let src = table.buf.slice(id * d..(id + 1) * d);
-            let mut dst = out.buf.slice_mut(r * d..(r + 1) * d);
-            self.stream.memcpy_dtod(&src, &mut dst)?;
         }
         Ok(out)
+    }
+
+    /// A weight on the device: bf16 bits when every value is exactly bf16, else f32.
+    fn upload_linear(&self, rows: usize, cols: usize, data: &[f32]) -> Result<DeviceLinear> {
+        if data.len() != rows * cols {
+            return Err(CudaError::InvalidArg(format!(
+                "{} values for a {rows}x{cols} matrix",
+                data.len()
+            )));
+        }
+        let f32 = std::sync::OnceLock::new();
+        let bf16 = match exact_bf16(data) {
+            Some(bits) => Some(self.upload_slice(&bits)?),
+            None => {
+                let _ = f32.set(self.upload(rows, cols, data)?);
+                None
+            }
+        };
+        Ok(DeviceLinear {
+            rows,
+            cols,
+            bf16,
+            f32,
+        })
+    }
+
+    /// The weight as f32 (its storage, or a copy widened from bf16 once, on first use).
+    pub fn linear_f32<'a>(&self, w: &'a DeviceLinear) -> Result<&'a DeviceMat> {
+        if let Some(m) = w.f32.get() {
+            return Ok(m);
+        }
+        let bits = w
+            .bf16
+            .as_ref()
+            .ok_or_else(|| CudaError::InvalidArg("weight without storage".into()))?;
+        let m = self.zeros(w.rows, w.cols)?;
+        let n = (w.rows * w.cols) as i64;
+        launch!(self, "bf16_to_f32", geometry::elementwise(n as usize)?; bits, &m.buf, &n)?;
+        let _ = w.f32.set(m);
+        w.f32
+            .get()
+            .ok_or_else(|| CudaError::InvalidArg("weight f32 copy".into()))
+    }
+
+    /// `y = x Wᵀ` for any weight: bf16 weights through one tensor-core GEMM over the hi and lo
+    /// bf16 rows of x (kernels/bf16.cu), f32 weights through `matmul_rt`.
+    pub fn matmul_linear(&self, x: &DeviceMat, w: &DeviceLinear) -> Result<DeviceMat> {
+        let Some(bits) = &w.bf16 else {
+            return self.matmul_rt(x, self.linear_f32(w)?);
+        };
+        if x.cols != w.cols {
+            return Err(CudaError::InvalidArg(format!(
+                "matmul: x {}x{} with W {}x{}",
+                x.rows, x.cols, w.rows, w.cols
+            )));
+        }
+        let (m, n, k) = (x.rows, w.rows, x.cols);
+        let y = self.zeros(m, n)?;
+        if m == 0 || n == 0 || k == 0 {
+            return Ok(y);
+        }
+        // SAFETY: both are written in full (split, then the GEMM) before anything reads them.
+        let xs = unsafe { self.stream.alloc::<u16>(2 * m * k) }?;
+        let mut c = unsafe { self.stream.alloc::<f32>(2 * m * n) }?;
+        let (xn, yn) = ((m * k) as i64, (m * n) as i64);
+        launch!(self, "bf16_split_rows_f32", geometry::elementwise(m * k)?; &x.buf, &xs, &xn)?;
+        self.gemm_bf16(bits, 0, &xs, 0, &mut c, 0, n, 2 * m, k)?;
+        launch!(self, "sum_row_halves_f32", geometry::elementwise(m * n)?; &c, &y.buf, &yn)?;
+        Ok(y)
     }
 
     fn rows_of(&self, a: &DeviceMat, start: usize, end: usize) -> Result<DeviceMat> {
@@ -312,7 +388,7 @@ impl CudaBackend {
     }
 
     /// `f`, timed under `key` when `K3_PROFILE` is set (see `profile.rs`).
-    fn timed<T>(&self, key: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T {
+    pub(crate) fn timed<T>(&self, key: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T {
         match &self.profile {
             None => f(),
             Some(p) => p.time(
@@ -336,7 +412,8 @@ impl CudaBackend {
     /// MLA for the new tokens of several sequences (rows `spans[i]` of `q` / `kv_a` belong to
     /// the sequence cached at `locs[i]`), in one launch sequence: every token is an item
     /// attending over its causal prefix of `start_pos + j + 1` rows (all rows are appended
-    /// first, on the same stream).
+    /// first, on the same stream). Spans of `MLA_EXPANDED_MIN_TOKENS` or more new tokens take
+    /// the expanded form instead (`mla_seqs_split`).
     #[allow(clippy::too_many_arguments)]
     fn mla_seqs(
         &self,
@@ -381,6 +458,15 @@ impl CudaBackend {
                 owner.push(i);
             }
             seq_pages.push(pages);
+        }
+        // Sequences with many new tokens take the expanded form (mla_prefill.rs); the others
+        // stay on this absorbed launch sequence. K3_MLA_PREFILL=absorbed keeps them all here.
+        let mode = crate::mla_prefill::prefill_mode();
+        if spans.iter().any(|&(r0, r1)| mode.expanded(r1 - r0)) {
+            let starts: Vec<usize> = locs.iter().map(|l| l.start_pos).collect();
+            return self.mla_seqs_split(
+                arena, g, q, kv_a, kv_norm, &kv_b.buf, spans, &starts, &seq_pages, pt,
+            );
         }
         let tables: Vec<&[usize]> = owner.iter().map(|&i| &seq_pages[i][..]).collect();
         self.mla_decode(
@@ -436,13 +522,31 @@ fn backend_err(e: CudaError) -> ExecError {
 
 impl Backend for CudaBackend {
     type Act = DeviceMat;
-    type Linear = DeviceMat;
+    type Linear = DeviceLinear;
     type Vector = CudaSlice<f32>;
     type Experts = DeviceExperts;
     type Arena = CudaSlice<f32>;
 
-    fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> DeviceMat {
-        self.mat_or(rows, cols, || self.upload(rows, cols, &data))
+    fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> DeviceLinear {
+        let placeholder = |be: &Self| DeviceLinear {
+            rows,
+            cols,
+            bf16: None,
+            f32: be.placeholder(rows, cols).into(),
+        };
+        if self.failed() {
+            return placeholder(self);
+        }
+        match self
+            .bound()
+            .and_then(|()| self.upload_linear(rows, cols, &data))
+        {
+            Ok(w) => w,
+            Err(e) => {
+                self.record(e);
+                placeholder(self)
+            }
+        }
     }
 
     fn vector(&self, data: Vec<f32>) -> CudaSlice<f32> {
@@ -548,17 +652,20 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn embed(&self, table: &DeviceMat, ids: &[u32]) -> DeviceMat {
+    fn embed(&self, table: &DeviceLinear, ids: &[u32]) -> DeviceMat {
         self.timed(
             || "embed".into(),
             || self.mat_or(ids.len(), table.cols, || self.embed_rows(table, ids)),
         )
     }
 
-    fn matmul(&self, x: &DeviceMat, w: &DeviceMat) -> DeviceMat {
+    fn matmul(&self, x: &DeviceMat, w: &DeviceLinear) -> DeviceMat {
         self.timed(
-            || format!("matmul {}x{} (M={})", w.rows, w.cols, bucket(x.rows)),
-            || self.mat_or(x.rows, w.rows, || self.matmul_rt(x, w)),
+            || {
+                let ty = if w.bf16.is_some() { "bf16" } else { "f32" };
+                format!("matmul {}x{} {ty} (M={})", w.rows, w.cols, bucket(x.rows))
+            },
+            || self.mat_or(x.rows, w.rows, || self.matmul_linear(x, w)),
         )
     }
 
@@ -641,13 +748,18 @@ impl Backend for CudaBackend {
         q: &DeviceMat,
         kv_a: &DeviceMat,
         kv_norm: &CudaSlice<f32>,
-        kv_b: &DeviceMat,
+        kv_b: &DeviceLinear,
         loc: MlaCacheLoc<'_>,
     ) -> std::result::Result<DeviceMat, ExecError> {
         let spans = [(0, q.rows)];
         self.timed(
             || format!("mla (T={})", bucket(q.rows)),
-            || self.checked(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, &spans, &[loc])),
+            || {
+                self.checked(|| {
+                    let kv_b = self.linear_f32(kv_b)?;
+                    self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, &spans, &[loc])
+                })
+            },
         )
     }
 
@@ -703,7 +815,7 @@ impl Backend for CudaBackend {
         q: &DeviceMat,
         kv_a: &DeviceMat,
         kv_norm: &CudaSlice<f32>,
-        kv_b: &DeviceMat,
+        kv_b: &DeviceLinear,
         spans: &[(usize, usize)],
         locs: &[MlaCacheLoc<'_>],
     ) -> std::result::Result<DeviceMat, ExecError> {
@@ -715,7 +827,12 @@ impl Backend for CudaBackend {
                     bucket(spans.len())
                 )
             },
-            || self.checked(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, spans, locs)),
+            || {
+                self.checked(|| {
+                    let kv_b = self.linear_f32(kv_b)?;
+                    self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, spans, locs)
+                })
+            },
         )
     }
 

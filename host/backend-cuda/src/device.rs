@@ -21,6 +21,25 @@ pub struct DeviceMat {
     pub buf: CudaSlice<f32>,
 }
 
+/// A weight matrix `[rows, cols]` (row-major) on the device. Values that are all exactly bf16 (a
+/// bf16 checkpoint, or `--load-format dummy`) are kept as bf16 bits: half the bytes per matmul,
+/// and no precision lost. Ops with only an f32 kernel (MLA's `kv_b`) get an f32 copy made on
+/// first use.
+pub struct DeviceLinear {
+    pub rows: usize,
+    pub cols: usize,
+    pub bf16: Option<CudaSlice<u16>>,
+    pub(crate) f32: std::sync::OnceLock<DeviceMat>,
+}
+
+/// bf16 bits of every value when all of them are exactly representable in bf16, else None.
+pub fn exact_bf16(data: &[f32]) -> Option<Vec<u16>> {
+    if data.is_empty() || data.iter().any(|v| v.to_bits() & 0xFFFF != 0) {
+        return None;
+    }
+    Some(data.iter().map(|v| (v.to_bits() >> 16) as u16).collect())
+}
+
 /// The CUDA context, stream and every kernel of kernels/*.cu, compiled for this GPU.
 pub struct CudaBackend {
     pub ctx: Arc<CudaContext>,
@@ -34,6 +53,8 @@ pub struct CudaBackend {
     pub(crate) error: Mutex<Option<String>>,
     /// Per-op wall times when `K3_PROFILE` is set (see `profile.rs`).
     pub(crate) profile: Option<crate::profile::OpProfile>,
+    /// The tensor-core MoE path's work buffers (moe_gemm.rs), kept between calls.
+    pub(crate) moe_scratch: Mutex<crate::moe_gemm::MoeScratch>,
 }
 
 impl Drop for CudaBackend {
@@ -96,6 +117,7 @@ impl CudaBackend {
         // SAFETY: everything runs on the one stream below, so the per-buffer events that order
         // work across streams are not needed (and cost two driver calls per allocation).
         unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory_pooled(&ctx);
         let (major, minor) = ctx.compute_capability()?;
         let arch = nvrtc_arch(major, minor);
         let sms = ctx.attribute(
@@ -131,6 +153,7 @@ impl CudaBackend {
             blas,
             error: Mutex::new(None),
             profile: crate::profile::OpProfile::from_env(),
+            moe_scratch: Mutex::default(),
         })
     }
 
@@ -174,6 +197,28 @@ impl CudaBackend {
 
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
+    }
+}
+
+/// Let the device's default memory pool keep freed blocks instead of returning them to the driver
+/// at every synchronisation (its default): every op allocates its output on the stream, and a
+/// prefill step frees and re-allocates gigabytes per layer. Best effort; without it allocations
+/// are only slower.
+fn keep_freed_memory_pooled(ctx: &CudaContext) {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let threshold: u64 = u64::MAX;
+    // SAFETY: an out-pointer to a local, then an attribute write through a pointer to a local u64
+    // (the type CU_MEMPOOL_ATTR_RELEASE_THRESHOLD takes); both calls only read / write those.
+    unsafe {
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS
+        {
+            let _ = sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &threshold as *const u64 as *mut std::ffi::c_void,
+            );
+        }
     }
 }
 

@@ -7,16 +7,19 @@
 //! [`CudaBackend`] implements `k3_model::backend::Backend` (backend_impl.rs), checked against
 //! the CPU backend by `tests/device.rs` on a GPU.
 
-pub mod backend_impl;
 pub mod cache;
 pub mod device;
 pub mod error;
 pub mod geometry;
+pub mod mla_prefill;
+#[macro_use]
 pub mod ops;
+pub mod backend_impl;
+mod moe_gemm;
 mod profile;
 pub mod sources;
 
-pub use device::{CudaBackend, DeviceMat};
+pub use device::{CudaBackend, DeviceLinear, DeviceMat};
 pub use error::{CudaError, Result};
 
 #[cfg(test)]

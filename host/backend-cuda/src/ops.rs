@@ -4,14 +4,15 @@
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
-use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use k3_model::backend::{KdaGeom, MlaGeom, RouterParams, SituParams};
 
 /// Push every argument (references that outlive the builder), then launch on the stream.
 macro_rules! launch {
     ($be:expr, $name:expr, $l:expr; $($arg:expr),* $(,)?) => {{
+        use cudarc::driver::PushKernelArg as _;
         let f = $be.function($name)?;
-        let mut b: LaunchArgs<'_> = $be.stream.launch_builder(f);
+        let mut b: cudarc::driver::LaunchArgs<'_> = $be.stream.launch_builder(f);
         $( b.arg($arg); )*
         // SAFETY: argument count and types follow the kernel's C signature (checked against the
         // parsed signatures by the device harness), every buffer is live for the launch.
@@ -25,8 +26,9 @@ macro_rules! launch {
 /// - `K3_MLA_DECODE`: `v2` (default: `mla_attend_tc2_f32`, two blocks per SM, L2 prefetch
 ///   `MLA_V2_PREFETCH_TILES` tiles ahead, + `mla_merge_f32` + `mla_out_proj_f32`, which reads
 ///   W_UV once per call), `tc` (v1 on tensor cores) or `cuda` (v1 on CUDA cores).
-/// - `K3_MX_EXPERTS`: `block` (default: a block per (expert, output rows)) or `fast` (a word
-///   per lane, blocks mapped onto busy experts only).
+/// - `K3_MX_EXPERTS` (steps below the tensor-core path's threshold, moe_gemm.rs): `auto`
+///   (default: `block` under `MX_FAST_MIN_ASSIGNMENTS`, else `fast`), `block` (a block per
+///   (expert, output rows)) or `fast` (a word per lane, blocks mapped onto busy experts only).
 fn env_choice(
     cell: &'static std::sync::OnceLock<String>,
     var: &str,
@@ -45,10 +47,18 @@ fn mla_tensor_cores() -> bool {
     env_choice(&C, "K3_MLA_DECODE", "v2") != "cuda"
 }
 
-fn mx_fast_experts() -> bool {
+fn mx_fast_experts(assignments: usize) -> bool {
     static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    env_choice(&C, "K3_MX_EXPERTS", "block") == "fast"
+    match env_choice(&C, "K3_MX_EXPERTS", "auto") {
+        "fast" => true,
+        "block" => false,
+        _ => assignments >= MX_FAST_MIN_ASSIGNMENTS,
+    }
 }
+
+/// H200, K3 expert shapes (docs/performance.md): `block` 0.73 ms vs `fast` 0.88 ms at 1 token x
+/// top-16; `fast` 6.2 vs 7.1 ms at 16 tokens and 11 vs 24 ms at 64.
+const MX_FAST_MIN_ASSIGNMENTS: usize = 64;
 
 const MLA_V2_PREFETCH_TILES: i32 = 4;
 
@@ -550,6 +560,9 @@ impl CudaBackend {
         let sorted = self.stream.alloc_zeros::<i32>((t * k).max(1))?;
         let (na, e) = (i32_of(t * k, "assignments")?, ex.experts as i32);
         launch!(self, "moe_sort_assignments", Launch::new((1, 1, 1), 1024)?; &idx, &na, &e, &offsets, &sorted)?;
+        if t * k >= crate::moe_gemm::min_assignments() {
+            return self.moe_experts_gemm(z, &w, ex, k, &offsets, &sorted, situ);
+        }
         let act = self.zeros(t * k, ex.inter)?;
         let y = self.zeros(t * k, ex.latent)?;
         let (kk, lt, ie) = (k as i32, ex.latent as i32, ex.inter as i32);
@@ -557,12 +570,13 @@ impl CudaBackend {
             situ.linear_beta.unwrap_or(1.0),
             i32::from(situ.linear_beta.is_some()),
         );
-        let (up, down) = if mx_fast_experts() {
+        let fast = mx_fast_experts(t * k);
+        let (up, down) = if fast {
             ("mxfp4_up_fast_f32", "mxfp4_down_fast_f32")
         } else {
             ("mxfp4_expert_up_f32", "mxfp4_expert_down_f32")
         };
-        if mx_fast_experts() {
+        if fast {
             // Blocks for at most min(E, T*k) experts: each maps itself to a busy one (mxfp4.cu).
             let busy = ex.experts.min(t * k).max(1);
             launch!(self, up, geometry::mx_expert_fast(busy, ex.inter, ex.latent)?;

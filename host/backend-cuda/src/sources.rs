@@ -25,6 +25,11 @@ pub const FILES: &[KernelFile] = &[
         entries: &["attn_res_f32"],
     },
     KernelFile {
+        name: "bf16.cu",
+        text: include_str!("../../../kernels/bf16.cu"),
+        entries: &["bf16_split_rows_f32", "sum_row_halves_f32", "bf16_to_f32"],
+    },
+    KernelFile {
         name: "elementwise.cu",
         text: include_str!("../../../kernels/elementwise.cu"),
         entries: &[
@@ -66,6 +71,21 @@ pub const FILES: &[KernelFile] = &[
             "mla_attend_tc2_f32",
             "mla_merge_f32",
             "mla_out_proj_f32",
+        ],
+    },
+    KernelFile {
+        name: "mla_prefill.cu",
+        text: include_str!("../../../kernels/mla_prefill.cu"),
+        entries: &["mla_prefill_gather_f32", "mla_prefill_softmax_f32"],
+    },
+    KernelFile {
+        name: "moe_gemm.cu",
+        text: include_str!("../../../kernels/moe_gemm.cu"),
+        entries: &[
+            "moe_gather_split_bf16",
+            "mxfp4_to_bf16_experts",
+            "moe_glu_split_bf16",
+            "moe_combine_split_f32",
         ],
     },
     KernelFile {

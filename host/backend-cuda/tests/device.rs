@@ -129,6 +129,19 @@ impl Table {
 const TOL_POINTWISE: f64 = 1e-5;
 const TOL_GEMM: f64 = 1e-5;
 const TOL_FUSED: f64 = 1e-4;
+/// bf16 weights: the activation enters the tensor-core GEMM as two bf16 halves (~16 of its 24
+/// mantissa bits), so one more digit than f32 SGEMM is given up.
+const TOL_BF16_GEMM: f64 = 5e-5;
+
+/// `x` rounded to the nearest bf16 value (ties to even): weights of a bf16 checkpoint, which the
+/// CUDA backend stores as bf16.
+fn bf16_values(mut v: Vec<f32>) -> Vec<f32> {
+    for x in &mut v {
+        let u = x.to_bits();
+        *x = f32::from_bits((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF_0000);
+    }
+    v
+}
 
 /// Simple ops, generic over the backend: each returns its output(s) on the host.
 fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f64)> {
@@ -148,12 +161,18 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         let (x, w) = (r.vec(m * k, 1.0), r.vec(n * k, 0.1));
         let y = be.matmul(&mat(be, m, k, &x), &be.linear(n, k, w));
         out.push(("matmul", be.to_host(&y), TOL_GEMM));
+        let w = bf16_values(r.vec(n * k, 0.1));
+        let y = be.matmul(&mat(be, m, k, &x), &be.linear(n, k, w));
+        out.push(("matmul, bf16 weights", be.to_host(&y), TOL_BF16_GEMM));
     }
     let (rows, d) = (19, 256);
     let table = r.vec(50 * d, 1.0);
     let ids: Vec<u32> = (0..rows).map(|_| r.below(50) as u32).collect();
     let e = be.embed(&be.linear(50, d, table), &ids);
     out.push(("embed", be.to_host(&e), 0.0));
+    let table = bf16_values(r.vec(50 * d, 1.0));
+    let eb = be.embed(&be.linear(50, d, table), &ids);
+    out.push(("embed, bf16 table", be.to_host(&eb), 0.0));
     out.push(("slice_rows", be.to_host(&be.slice_rows(&e, 3, 11)), 0.0));
     let x = mat(be, rows, d, &r.vec(rows * d, 2.0));
     let w = be.vector(r.vec(d, 1.0));
@@ -321,10 +340,11 @@ fn mla<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom, long: usize) -> (Vec<Vec<f32
     let pages: Vec<usize> = (0..npages).map(|i| (npages - i) * page_bytes).collect();
     let mut arena = be.arena((npages + 1) * page_bytes);
     let kv_norm = be.vector(r.vec(g.kv_lora, 1.0));
+    // bf16 values: the CUDA backend keeps kv_b as bf16 and widens it for the MLA kernels.
     let kv_b = be.linear(
         g.heads * (g.nope + g.v_dim),
         g.kv_lora,
-        r.vec(g.heads * (g.nope + g.v_dim) * g.kv_lora, 0.1),
+        bf16_values(r.vec(g.heads * (g.nope + g.v_dim) * g.kv_lora, 0.1)),
     );
     let mut outs = Vec::new();
     let mut pos = 0;
@@ -354,6 +374,75 @@ fn mla<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom, long: usize) -> (Vec<Vec<f32
         outs.push(be.to_host(&o));
         pos += t;
     }
+    let len = be.arena_len(&arena);
+    (outs, bytes_to_f32(&be.arena_read(&arena, 0, len)))
+}
+
+/// The steps of [`mla_both_paths`], in order.
+const MLA_PATH_STEPS: [&str; 4] = [
+    "prompt(T=64, no prefix: expanded)",
+    "chunk(T=63 after 64: absorbed)",
+    "chunk(T=600 after 127: expanded, 512 + 88 queries)",
+    "batch(decode after 727: absorbed + T=70 prompt: expanded)",
+];
+
+/// `q` `[t, H·(nope+rope)]` and `kv_a` `[t, row]` as activations.
+fn mla_inputs<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom, t: usize) -> (B::Act, B::Act) {
+    let ids: Vec<u32> = (0..t as u32).collect();
+    let qw = g.heads * (g.nope + g.rope);
+    let q = be.embed(&be.linear(t, qw, r.vec(t * qw, 1.0)), &ids);
+    let kv_a = be.embed(&be.linear(t, g.row(), r.vec(t * g.row(), 1.0)), &ids);
+    (q, kv_a)
+}
+
+/// MLA steps around the expanded-prefill threshold ([`MLA_PATH_STEPS`]): sequence 0 gets a
+/// 64-token prompt, a 63-token chunk and a 600-token chunk; then one `mla_batch` step decodes
+/// sequence 0 (row 0) together with sequence 1's 70-token prompt (rows 1..71), so the expanded
+/// sequence's rows start at row 1 of the shared output. Returns the outputs and the arena.
+fn mla_both_paths<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom) -> (Vec<Vec<f32>>, Vec<f32>) {
+    let pt = 16usize; // as in `loc` below
+    let page_bytes = pt * g.row() * 4;
+    let (n0, n1) = ((64 + 63 + 600 + 1usize).div_ceil(pt), 70usize.div_ceil(pt));
+    // Sequence 1 in the first pages, sequence 0 in the rest in reverse order.
+    let pages0: Vec<usize> = (0..n0).map(|i| (n0 + n1 - 1 - i) * page_bytes).collect();
+    let pages1: Vec<usize> = (0..n1).map(|i| i * page_bytes).collect();
+    let mut arena = be.arena((n0 + n1) * page_bytes);
+    let kv_norm = be.vector(r.vec(g.kv_lora, 1.0));
+    let kvb_rows = g.heads * (g.nope + g.v_dim);
+    let kv_b = be.linear(kvb_rows, g.kv_lora, r.vec(kvb_rows * g.kv_lora, 0.1));
+    fn loc(pages: &[usize], start_pos: usize) -> MlaCacheLoc<'_> {
+        MlaCacheLoc {
+            pages,
+            page_tokens: 16,
+            layer_offset: 0,
+            start_pos,
+        }
+    }
+    let mut outs = Vec::new();
+    let mut pos = 0;
+    for t in [64usize, 63, 600] {
+        let (q, kv_a) = mla_inputs(be, r, g, t);
+        let o = be
+            .mla(&mut arena, g, &q, &kv_a, &kv_norm, &kv_b, loc(&pages0, pos))
+            .expect("mla");
+        outs.push(be.to_host(&o));
+        pos += t;
+    }
+    let (q, kv_a) = mla_inputs(be, r, g, 71);
+    let locs = [loc(&pages0, pos), loc(&pages1, 0)];
+    let o = be
+        .mla_batch(
+            &mut arena,
+            g,
+            &q,
+            &kv_a,
+            &kv_norm,
+            &kv_b,
+            &[(0, 1), (1, 71)],
+            &locs,
+        )
+        .expect("mla_batch");
+    outs.push(be.to_host(&o));
     let len = be.arena_len(&arena);
     (outs, bytes_to_f32(&be.arena_read(&arena, 0, len)))
 }
@@ -423,12 +512,15 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
     for ((name, want, tol), (_, got, _)) in a.iter().zip(&b) {
         t.check(name, got, want, *tol);
     }
-    for tokens in [3usize, 40] {
+    for tokens in [3usize, 40, 300] {
         let (mut rc, mut rg) = (Rng(seed ^ tokens as u64), Rng(seed ^ tokens as u64));
-        let name = if tokens == 3 {
-            "moe_routed(T=3)"
-        } else {
-            "moe_routed(T=40)"
+        // Assignments = tokens x top-4: 12 take the block kernels, 160 the word-per-lane ones
+        // (ops.rs MX_FAST_MIN_ASSIGNMENTS = 64), 1200 the tensor-core GEMM path (moe_gemm.rs,
+        // default K3_MOE_GEMM_MIN = 1024).
+        let name = match tokens {
+            3 => "moe_routed(T=3, block kernels)",
+            40 => "moe_routed(T=40, fast kernels)",
+            _ => "moe_routed(T=300, bf16 split GEMMs)",
         };
         t.check(
             name,
@@ -512,6 +604,28 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
             &oc[3],
             TOL_FUSED,
         );
+    }
+    {
+        // Both sides of the CUDA backend's expanded-prefill threshold (mla_prefill.rs,
+        // MLA_EXPANDED_MIN_TOKENS = 64), at K3 head dims; the "long prefill" cases above (700 and
+        // 900 new tokens after 31 cached) take the expanded form too.
+        let g = MlaGeom {
+            heads: 8,
+            nope: 128,
+            rope: 64,
+            v_dim: 128,
+            kv_lora: 512,
+            eps: 1e-6,
+        };
+        let (mut rc, mut rg) = (Rng(seed ^ 19), Rng(seed ^ 19));
+        let ((oc, ac), (og, ag)) = (
+            mla_both_paths(&cpu, &mut rc, g),
+            mla_both_paths(gpu, &mut rg, g),
+        );
+        for (i, name) in MLA_PATH_STEPS.iter().enumerate() {
+            t.check(&format!("mla paths {name}"), &og[i], &oc[i], TOL_FUSED);
+        }
+        t.check("mla paths cache rows", &ag, &ac, TOL_POINTWISE);
     }
     let (mut rc, mut rg) = (Rng(seed ^ 17), Rng(seed ^ 17));
     t.check(

@@ -2,7 +2,9 @@
 //! can be benchmarked without a checkpoint. Values are scaled so activations stay O(1) through the
 //! layers (uniform with variance 1/fan-in for matrices, ≈1 for norm weights, K3-like gate parameters),
 //! and MXFP4 experts get random codes with E8M0 scales of 2⁻⁹…2⁻⁵. Deterministic per (seed, name);
-//! large tensors are generated in parallel blocks with the same result on any core count.
+//! large tensors are generated in parallel blocks with the same result on any core count. Matrices
+//! are rounded to bf16 values, as in K3's bf16 checkpoints (a backend may then store them as bf16
+//! without losing anything).
 
 const BLOCK: usize = 1 << 16;
 
@@ -54,6 +56,12 @@ fn unit(s: &mut u64) -> f32 {
     ((splitmix(s) >> 40) as f32 / (1u64 << 23) as f32) - 1.0
 }
 
+/// `x` rounded to the nearest bf16 value (ties to even), as an f32.
+pub(crate) fn round_bf16(x: f32) -> f32 {
+    let u = x.to_bits();
+    f32::from_bits((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF_0000)
+}
+
 /// A float tensor named `name` of `shape`.
 pub(crate) fn floats(seed: u64, name: &str, shape: &[usize]) -> Vec<f32> {
     let n: usize = shape.iter().product();
@@ -73,7 +81,7 @@ pub(crate) fn floats(seed: u64, name: &str, shape: &[usize]) -> Vec<f32> {
         // Variance 1/fan-in (fan-in = the product of the trailing dims), so y = x Wᵀ keeps scale.
         let fan_in: usize = shape[1..].iter().product();
         let a = (3.0 / fan_in as f32).sqrt();
-        fill(&mut out, base, |s| a * unit(s));
+        fill(&mut out, base, |s| round_bf16(a * unit(s)));
     } else {
         fill(&mut out, base, |s| 0.02 * unit(s));
     }
@@ -120,6 +128,17 @@ mod tests {
         );
         let norm = floats(7, "model.norm.weight", &[64]);
         assert!(norm.iter().all(|x| (x - 1.0).abs() <= 0.02));
+        assert!(
+            a.iter().all(|x| x.to_bits() & 0xFFFF == 0),
+            "matrices are bf16 values"
+        );
+        assert_eq!(
+            round_bf16(1.0 + 2f32.powi(-8)),
+            1.0,
+            "a tie goes to the even neighbour"
+        );
+        assert_eq!(round_bf16(1.0 + 3.0 * 2f32.powi(-8)), 1.0 + 2f32.powi(-6));
+        assert_eq!(round_bf16(-0.1), f32::from_bits(0xBDCD_0000));
         let scales = bytes(7, "x.experts.0.w1.weight_scale", &[8, 4]);
         assert!(scales.iter().all(|s| (118..=122).contains(s)));
     }
@@ -133,7 +152,7 @@ mod tests {
         let a = (3.0f32 / 2.0).sqrt();
         serial.chunks_mut(BLOCK).enumerate().for_each(|(i, c)| {
             let mut s = base ^ (i as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93);
-            c.iter_mut().for_each(|v| *v = a * unit(&mut s));
+            c.iter_mut().for_each(|v| *v = round_bf16(a * unit(&mut s)));
         });
         assert_eq!(big, serial);
     }

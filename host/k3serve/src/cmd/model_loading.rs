@@ -99,7 +99,65 @@ impl Executor for DynExecutor {
     }
 }
 
+/// An executor whose logits rows are cut to the first `vocab` ids: for a model whose embedding is
+/// wider than its tokenizer (padded vocabularies, or `--load-format dummy` with a borrowed
+/// tokenizer), so that no id the tokenizer cannot decode is ever sampled.
+pub struct VocabLimited {
+    inner: Box<dyn Executor>,
+    vocab: usize,
+}
+
+/// `exec` itself when its vocabulary fits `tokenizer_vocab`, else wrapped in [`VocabLimited`].
+pub fn limit_vocab(exec: Box<dyn Executor>, tokenizer_vocab: usize) -> Box<dyn Executor> {
+    if tokenizer_vocab == 0 || exec.vocab_size() <= tokenizer_vocab {
+        return exec;
+    }
+    tracing::warn!(
+        model_vocab = exec.vocab_size(),
+        tokenizer_vocab,
+        "the model's vocabulary is wider than the tokenizer's: sampling only the tokenizer's ids"
+    );
+    Box::new(VocabLimited {
+        inner: exec,
+        vocab: tokenizer_vocab,
+    })
+}
+
+impl Executor for VocabLimited {
+    fn layout(&self) -> CacheLayout {
+        self.inner.layout()
+    }
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+    fn arena_copy(&mut self, src: usize, dst: usize, len: usize) -> Result<(), ExecError> {
+        self.inner.arena_copy(src, dst, len)
+    }
+    fn arena_zero(&mut self, offset: usize, len: usize) -> Result<(), ExecError> {
+        self.inner.arena_zero(offset, len)
+    }
+    fn arena_read(&self, offset: usize, len: usize) -> Result<Vec<u8>, ExecError> {
+        self.inner.arena_read(offset, len)
+    }
+    fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, ExecError> {
+        let out = self.inner.forward(batch)?;
+        let logits = out
+            .logits
+            .chunks_exact(out.vocab)
+            .flat_map(|row| &row[..self.vocab])
+            .copied()
+            .collect();
+        Ok(ForwardOutput {
+            vocab: self.vocab,
+            logits,
+            row_ranges: out.row_ranges,
+        })
+    }
+}
+
 /// A model loaded on some backend, before its executor (arena) is built.
+// One per process, moved once into its executor: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum LoadedModel {
     Cpu(Model<CpuBackend>),
     Cuda(Model<CudaBackend>),
@@ -226,6 +284,45 @@ pub const PAGE_TOKENS: usize = 64;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vocab_limit_cuts_every_logits_row_and_only_when_needed() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-mini");
+        let fmt = LoadFormat::parse("safetensors", 0).unwrap();
+        let run = |limit: usize| {
+            let (exec, _, _) = load_single(&dir, 64, Some(Device::Cpu), fmt).unwrap();
+            let full = exec.vocab_size();
+            let mut exec = limit_vocab(exec.0, limit);
+            let lay = exec.layout();
+            let pages: Vec<usize> = (0..2)
+                .map(|i| lay.state_block_bytes.div_ceil(4) * 4 + i * lay.kv_page_bytes)
+                .collect();
+            let seq = k3_model::exec::SeqInput {
+                tokens: &[5, 6, 7],
+                start_pos: 0,
+                kv_pages: &pages,
+                state_block: 0,
+                checkpoints: &[],
+                logits: k3_model::LogitsWant::All,
+            };
+            let out = exec.forward(&ForwardBatch { seqs: vec![seq] }).unwrap();
+            (full, exec.vocab_size(), out)
+        };
+        let (full, v, whole) = run(usize::MAX);
+        assert_eq!(
+            (v, whole.vocab),
+            (full, full),
+            "no cut when the tokenizer is wider"
+        );
+        let (_, v, cut) = run(100);
+        assert_eq!(
+            (v, cut.vocab, cut.row_ranges.clone()),
+            (100, 100, whole.row_ranges.clone())
+        );
+        for r in 0..3 {
+            assert_eq!(cut.row(r), &whole.row(r)[..100]);
+        }
+    }
 
     #[test]
     fn device_flag_values() {

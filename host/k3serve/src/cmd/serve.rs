@@ -207,7 +207,10 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
                 max_model_len,
             )
         });
-        let exec = model.executor(PAGE_TOKENS, arena)?;
+        let exec = super::model_loading::limit_vocab(
+            model.executor(PAGE_TOKENS, arena)?,
+            tokenizer.vocab_size(),
+        );
         let layout = exec.layout();
         let vocab = exec.vocab_size();
         let mut eos = vec![config.eos_token_id];
