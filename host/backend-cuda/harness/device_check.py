@@ -668,6 +668,11 @@ def check_bf16_matmul(d: Device, r: Results, gen):
     d.launch("sum_row_halves_f32", cdiv(m * n, 256), 256, d.view(c), d.view(y), m * n)
     d.sync()
     r.check("matmul with bf16 weights (split activations)", rel_err(y, x @ w.T), 2e-5)
+    for mm in (1, 5):
+        yg = dev(torch.zeros(mm, n))
+        d.launch("gemv_bf16_f32", cdiv(n, 8), 256, d.view(dev(x[:mm].float())), u16(wb), d.view(yg), mm, n, k)
+        d.sync()
+        r.check(f"gemv_bf16_f32 M={mm}", rel_err(yg, x[:mm] @ w.T), 1e-5)
 
 
 def check_moe_gemm(d: Device, r: Results, gen):

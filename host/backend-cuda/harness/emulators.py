@@ -316,6 +316,9 @@ EMU = {
                                              for k, h in enumerate(split_bf16(x.reshape(-1)[:int(n)]))],
     "sum_row_halves_f32": lambda c, y, n: y.reshape(-1).__setitem__(
         slice(0, int(n)), c.reshape(-1)[:int(n)] + c.reshape(-1)[int(n):2 * int(n)]),
+    "gemv_bf16_f32": lambda x, w, y, m, n, k: y.reshape(-1).__setitem__(slice(0, int(m) * int(n)), (
+        _t(x).view(-1)[:int(m) * int(k)].view(int(m), int(k)).double()
+        @ _t(bf16_value(w.reshape(-1)[:int(n) * int(k)])).view(int(n), int(k)).double().T).float().reshape(-1).numpy()),
     "bf16_to_f32": lambda b, out, n: out.reshape(-1).__setitem__(slice(0, int(n)), bf16_value(b.reshape(-1)[:int(n)])),
     "moe_gather_split_bf16": _emu_gather_split,
     "mxfp4_to_bf16_experts": _emu_to_bf16,

@@ -97,10 +97,10 @@ impl CudaBackend {
             )));
         }
         let (m, n, k) = (x.rows, w.rows, x.cols);
-        let mut y = self.zeros(m, n)?;
         if m == 0 || n == 0 || k == 0 {
-            return Ok(y);
+            return self.zeros(m, n);
         }
+        let mut y = self.output(m, n)?; // beta = 0: the GEMM writes every element
         let i = |v: usize| {
             i32::try_from(v).map_err(|_| CudaError::InvalidArg(format!("matmul dim {v} > i32")))
         };
@@ -189,8 +189,9 @@ impl CudaBackend {
             .ok_or_else(|| CudaError::InvalidArg("weight f32 copy".into()))
     }
 
-    /// `y = x Wᵀ` for any weight: bf16 weights through one tensor-core GEMM over the hi and lo
-    /// bf16 rows of x (kernels/bf16.cu), f32 weights through `matmul_rt`.
+    /// `y = x Wᵀ` for any weight: bf16 weights through the weight-streaming kernel for decode
+    /// sizes (`GEMV_MAX_ROWS` rows of x at most) and otherwise one tensor-core GEMM over the hi
+    /// and lo bf16 rows of x (kernels/bf16.cu); f32 weights through `matmul_rt`.
     pub fn matmul_linear(&self, x: &DeviceMat, w: &DeviceLinear) -> Result<DeviceMat> {
         let Some(bits) = &w.bf16 else {
             return self.matmul_rt(x, self.linear_f32(w)?);
@@ -202,8 +203,14 @@ impl CudaBackend {
             )));
         }
         let (m, n, k) = (x.rows, w.rows, x.cols);
-        let y = self.zeros(m, n)?;
         if m == 0 || n == 0 || k == 0 {
+            return self.zeros(m, n);
+        }
+        let y = self.output(m, n)?; // both paths below write every element
+        if m <= GEMV_MAX_ROWS && k.is_multiple_of(8) {
+            let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+            let l = Launch::new((n.div_ceil(8), 1, 1), 256)?;
+            launch!(self, "gemv_bf16_f32", l; &x.buf, bits, &y.buf, &mi, &ni, &ki)?;
             return Ok(y);
         }
         // SAFETY: both are written in full (split, then the GEMM) before anything reads them.
@@ -509,6 +516,9 @@ fn kda_parts<'a>(
     };
     (w, x)
 }
+
+/// Most activation rows for `gemv_bf16_f32` (kernels/bf16.cu GEMV_MAX_M).
+const GEMV_MAX_ROWS: usize = 8;
 
 /// Row counts in the profile's keys, rounded up to a power of two so prompts of similar length
 /// share a line.

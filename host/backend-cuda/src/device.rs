@@ -185,6 +185,15 @@ impl CudaBackend {
         })
     }
 
+    /// A matrix whose every element the caller's next launch writes (no memset: outputs of
+    /// GEMMs with beta = 0 and of kernels that cover the whole matrix).
+    pub fn output(&self, rows: usize, cols: usize) -> Result<DeviceMat> {
+        // SAFETY: uninitialised device memory, only ever read after the writer that the
+        // caller launches next on the same stream.
+        let buf = unsafe { self.stream.alloc::<f32>((rows * cols).max(1)) }?;
+        Ok(DeviceMat { rows, cols, buf })
+    }
+
     pub fn download(&self, m: &DeviceMat) -> Result<Vec<f32>> {
         let mut v = self.stream.memcpy_dtov(&m.buf)?;
         v.truncate(m.rows * m.cols);

@@ -22,11 +22,11 @@ use k3_model::backend::SituParams;
 const SCRATCH_BYTES: usize = 2 << 30;
 
 /// Assignments (tokens x top-k) from which a step takes this path, unless `K3_MOE_GEMM_MIN`
-/// says otherwise (`0` = always, a huge value = never). Measured on the H200 at K3 shapes
-/// (docs/performance.md): the word-per-lane kernels take 6.2 ms at 16 tokens x top-16 and 11 ms at
-/// 64 tokens, and this path has a fixed cost (expanding every touched expert: 66 MB of bf16 each)
-/// that the tensor cores repay from about 64 tokens x top-16.
-const DEFAULT_MIN_ASSIGNMENTS: usize = 1024;
+/// says otherwise (`0` = always, a huge value = never). This path has a fixed cost per touched
+/// expert (expanding 66 MB of bf16 at K3 sizes: ~8.7 ms for all 128), so it loses to the
+/// word-per-lane kernels at 64 tokens x top-16 on the H200 (18.9 ms vs 11 ms) and wins at 2048
+/// (59 ms vs 760 ms for the block kernels); docs/performance.md has the figures.
+const DEFAULT_MIN_ASSIGNMENTS: usize = 4096;
 
 pub(crate) fn min_assignments() -> usize {
     static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();

@@ -27,7 +27,12 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "bf16.cu",
         text: include_str!("../../../kernels/bf16.cu"),
-        entries: &["bf16_split_rows_f32", "sum_row_halves_f32", "bf16_to_f32"],
+        entries: &[
+            "bf16_split_rows_f32",
+            "sum_row_halves_f32",
+            "bf16_to_f32",
+            "gemv_bf16_f32",
+        ],
     },
     KernelFile {
         name: "elementwise.cu",

@@ -165,6 +165,20 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         let y = be.matmul(&mat(be, m, k, &x), &be.linear(n, k, w));
         out.push(("matmul, bf16 weights", be.to_host(&y), TOL_BF16_GEMM));
     }
+    // bf16 weights at decode sizes (<= 8 rows, K % 8 == 0): the weight-streaming kernel, f32
+    // math; K % 8 != 0 falls back to the split GEMM.
+    for &(m, k, n) in &[
+        (1usize, 7168usize, 300usize),
+        (5, 520, 77),
+        (8, 64, 4096),
+        (3, 202, 50),
+    ] {
+        let x = r.vec(m * k, 1.0);
+        let w = bf16_values(r.vec(n * k, 0.1));
+        let y = be.matmul(&mat(be, m, k, &x), &be.linear(n, k, w));
+        let tol = if k % 8 == 0 { TOL_GEMM } else { TOL_BF16_GEMM };
+        out.push(("matmul, bf16 weights, decode rows", be.to_host(&y), tol));
+    }
     let (rows, d) = (19, 256);
     let table = r.vec(50 * d, 1.0);
     let ids: Vec<u32> = (0..rows).map(|_| r.below(50) as u32).collect();
@@ -512,15 +526,15 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
     for ((name, want, tol), (_, got, _)) in a.iter().zip(&b) {
         t.check(name, got, want, *tol);
     }
-    for tokens in [3usize, 40, 300] {
+    for tokens in [3usize, 40, 1100] {
         let (mut rc, mut rg) = (Rng(seed ^ tokens as u64), Rng(seed ^ tokens as u64));
         // Assignments = tokens x top-4: 12 take the block kernels, 160 the word-per-lane ones
-        // (ops.rs MX_FAST_MIN_ASSIGNMENTS = 64), 1200 the tensor-core GEMM path (moe_gemm.rs,
-        // default K3_MOE_GEMM_MIN = 1024).
+        // (ops.rs MX_FAST_MIN_ASSIGNMENTS = 64), 4400 the tensor-core GEMM path (moe_gemm.rs,
+        // default K3_MOE_GEMM_MIN = 4096).
         let name = match tokens {
             3 => "moe_routed(T=3, block kernels)",
             40 => "moe_routed(T=40, fast kernels)",
-            _ => "moe_routed(T=300, bf16 split GEMMs)",
+            _ => "moe_routed(T=1100, bf16 split GEMMs)",
         };
         t.check(
             name,
