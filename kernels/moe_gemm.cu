@@ -48,20 +48,24 @@ extern "C" __global__ void moe_gather_split_bf16(const float* __restrict__ z, co
 
 // The `count` experts in list[] (indices into the layer's experts), each an MXFP4 matrix
 // [rows, cols] (packed [E, rows, cols/2], scales [E, rows, cols/32]), expanded to bf16 bits at
-// out + i * out_stride + (row0 + r) * cols. One thread per 32-value block (16 bytes -> 64 bytes).
+// out + i * out_stride + (row0 + r) * cols. Grid (x, count): blockIdx.y is the listed expert, the
+// x blocks stride over its rows * cols/32 MX blocks, one thread per MX block (16 bytes -> 64
+// bytes). 32-bit index math: a 64-bit divide per block cost more than the memory traffic.
 extern "C" __global__ void mxfp4_to_bf16_experts(const u8* __restrict__ packed, const u8* __restrict__ scales,
                                                  const int* __restrict__ list, int count, int rows, int cols,
                                                  u16* __restrict__ out, i64 out_stride, int row0) {
+    const int which = blockIdx.y;
+    if (which >= count) return;
     const int bpr = cols / 32;
-    const i64 per_expert = (i64)rows * bpr;
-    const i64 n = per_expert * count;
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        const int which = (int)(i / per_expert);
-        const i64 rb = i % per_expert;  // row * bpr + block
-        const i64 e = list[which];
-        const i64 r = rb / bpr, b = rb % bpr;
-        const uint4 raw = *reinterpret_cast<const uint4*>(packed + (e * rows + r) * (cols / 2) + b * 16);
-        const float sc = e8m0_to_f32(scales[(e * rows + r) * bpr + b]);
+    const int per_expert = rows * bpr;
+    const i64 e = list[which];
+    const u8* pk = packed + e * rows * (i64)(cols / 2);
+    const u8* sc_row = scales + e * rows * (i64)bpr;
+    u16* dst_base = out + which * out_stride + (i64)row0 * cols;
+    for (int rb = blockIdx.x * blockDim.x + threadIdx.x; rb < per_expert; rb += gridDim.x * blockDim.x) {
+        const int r = rb / bpr, b = rb - r * bpr;
+        const uint4 raw = *reinterpret_cast<const uint4*>(pk + (i64)r * (cols / 2) + b * 16);
+        const float sc = e8m0_to_f32(sc_row[rb]);
         const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
         u32 packed_out[16];
 #pragma unroll
@@ -72,24 +76,24 @@ extern "C" __global__ void mxfp4_to_bf16_experts(const u8* __restrict__ packed, 
                 const u32 hi = f32_to_bf16_bits(fp4_e2m1_to_f32((words[wi] >> (8 * j + 4)) & 0xFu) * sc);
                 packed_out[wi * 4 + j] = lo | (hi << 16);
             }
-        uint4* dst = reinterpret_cast<uint4*>(out + which * out_stride + (row0 + r) * cols + b * 32);
+        uint4* dst = reinterpret_cast<uint4*>(dst_base + (i64)r * cols + b * 32);
 #pragma unroll
         for (int q = 0; q < 4; ++q)
             dst[q] = make_uint4(packed_out[4 * q], packed_out[4 * q + 1], packed_out[4 * q + 2], packed_out[4 * q + 3]);
     }
 }
 
-// Sorted positions [p0, p1): h [2 n_assign, 2 inter] f32 (gate | up, hi and lo rows) ->
+// Sorted positions [p0, p1) (grid (p1 - p0, ceil(inter / 256)), 256 threads): h [2 n_assign, 2 inter] f32 (gate | up, hi and lo rows) ->
 // act [2 n_assign, inter] bf16 bits, hi/lo split of SiTU-GLU(gate, up).
 extern "C" __global__ void moe_glu_split_bf16(const float* __restrict__ h, const int* __restrict__ offsets,
                                               int experts, int p0, int p1, int inter, float beta, float beta_lin,
                                               int has_lin, u16* __restrict__ act) {
-    const i64 n = (i64)(p1 - p0) * inter;
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        const int p = p0 + (int)(i / inter), c = (int)(i % inter);
-        const int e = expert_of(offsets, experts, p);
-        const int cnt = offsets[e + 1] - offsets[e];
-        const i64 hr = offsets[e] + p, lr = hr + cnt;
+    const int p = p0 + blockIdx.x;
+    if (p >= p1) return;
+    const int e = expert_of(offsets, experts, p);
+    const int cnt = offsets[e + 1] - offsets[e];
+    const i64 hr = offsets[e] + p, lr = hr + cnt;
+    for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < inter; c += gridDim.y * blockDim.x) {
         const float g = h[hr * 2 * inter + c] + h[lr * 2 * inter + c];
         const float u = h[hr * 2 * inter + inter + c] + h[lr * 2 * inter + inter + c];
         u16 hi, lo;

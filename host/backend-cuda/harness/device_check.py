@@ -716,9 +716,9 @@ def check_moe_gemm(d: Device, r: Results, gen):
         w13 = dev(torch.zeros(len(chunk), 2 * ie, lt, dtype=torch.int16))
         w2b = dev(torch.zeros(len(chunk), lt, ie, dtype=torch.int16))
         for (pk, sc), row0 in (((w1p, w1s), 0), ((w3p, w3s), ie)):
-            d.launch("mxfp4_to_bf16_experts", cdiv(len(chunk) * ie * lt // 32, 256), 256, d.view(dev(pk)),
+            d.launch("mxfp4_to_bf16_experts", (2, len(chunk)), 256, d.view(dev(pk)),
                      d.view(dev(sc)), d.view(lst), len(chunk), ie, lt, u16(w13), 2 * ie * lt, row0)
-        d.launch("mxfp4_to_bf16_experts", cdiv(len(chunk) * lt * ie // 32, 256), 256, d.view(dev(w2p)),
+        d.launch("mxfp4_to_bf16_experts", (2, len(chunk)), 256, d.view(dev(w2p)),
                  d.view(dev(w2s)), d.view(lst), len(chunk), lt, ie, u16(w2b), lt * ie, 0)
         d.sync()
         if g0 == 0:
@@ -726,7 +726,7 @@ def check_moe_gemm(d: Device, r: Results, gen):
         for gi, ex in enumerate(chunk):
             r0, r1 = 2 * off[ex], 2 * off[ex + 1]
             h[r0:r1] = bits_f32(xs[r0:r1]) @ bits_f32(w13[gi]).T
-        d.launch("moe_glu_split_bf16", cdiv((off[chunk[-1] + 1] - off[chunk[0]]) * ie, 256), 256, d.view(h),
+        d.launch("moe_glu_split_bf16", (off[chunk[-1] + 1] - off[chunk[0]], cdiv(ie, 256)), 256, d.view(h),
                  d.view(offsets), e, off[chunk[0]], off[chunk[-1] + 1], ie, 4.0, 25.0, 1, u16(act))
         d.sync()
         for gi, ex in enumerate(chunk):

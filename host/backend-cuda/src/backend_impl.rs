@@ -207,7 +207,7 @@ impl CudaBackend {
             return self.zeros(m, n);
         }
         let y = self.output(m, n)?; // both paths below write every element
-        if m <= GEMV_MAX_ROWS && k.is_multiple_of(8) {
+        if m <= GEMV_MAX_ROWS && k.is_multiple_of(8) && n * k <= gemv_max_weight() {
             let (mi, ni, ki) = (m as i32, n as i32, k as i32);
             let l = Launch::new((n.div_ceil(8), 1, 1), 256)?;
             launch!(self, "gemv_bf16_f32", l; &x.buf, bits, &y.buf, &mi, &ni, &ki)?;
@@ -519,6 +519,20 @@ fn kda_parts<'a>(
 
 /// Most activation rows for `gemv_bf16_f32` (kernels/bf16.cu GEMV_MAX_M).
 const GEMV_MAX_ROWS: usize = 8;
+
+/// Largest weight (elements) `gemv_bf16_f32` takes; bigger ones go to cuBLAS (`K3_GEMV_MAX_ELEMS`
+/// overrides). On the H200 the kernel wins where launches dominate (k3-mini decode: 501 vs 233
+/// tok/s with the split GEMM's three launches) and loses on K3's large matrices (k3-slice decode
+/// 68.9 vs 80.4 tok/s), where cuBLAS streams the weight faster than one warp per row does.
+fn gemv_max_weight() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("K3_GEMV_MAX_ELEMS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1 << 22)
+    })
+}
 
 /// Row counts in the profile's keys, rounded up to a power of two so prompts of similar length
 /// share a line.

@@ -11,7 +11,7 @@
 
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
-use crate::geometry::{self, Launch};
+use crate::geometry::Launch;
 use crate::ops::DeviceExperts;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
@@ -173,9 +173,8 @@ impl CudaBackend {
             })?;
             let p0 = plan.offsets[chunk[0]];
             let p1 = plan.offsets[chunk[chunk.len() - 1] + 1];
-            let span = (p1 - p0) as usize * ie;
             self.part("glu", || {
-                launch!(self, "moe_glu_split_bf16", geometry::elementwise(span)?; &*h, offsets, &ei, &p0, &p1, &iei, &situ.beta, &lin, &has, act)
+                launch!(self, "moe_glu_split_bf16", Launch::new(((p1 - p0) as usize, ie.div_ceil(256), 1), 256)?; &*h, offsets, &ei, &p0, &p1, &iei, &situ.beta, &lin, &has, act)
             })?;
             self.part("down GEMMs", || {
                 for (g, &ex_i) in chunk.iter().enumerate() {
@@ -231,8 +230,13 @@ impl CudaBackend {
         row0: i32,
     ) -> Result<()> {
         let (r, c) = (rows as i32, cols as i32);
-        let blocks = count as usize * rows * cols / 32;
-        launch!(self, "mxfp4_to_bf16_experts", geometry::elementwise(blocks)?; &mat.0, &mat.1, list, &count, &r, &c, out, &stride, &row0)
+        // Per expert: enough x blocks to cover its MX blocks, at most ~2 waves over the GPU.
+        let per_expert = rows * cols / 32;
+        let x = per_expert.div_ceil(256).clamp(
+            1,
+            (2 * self.multiprocessors * 8).div_ceil(count.max(1) as usize),
+        );
+        launch!(self, "mxfp4_to_bf16_experts", Launch::new((x, count as usize, 1), 256)?; &mat.0, &mat.1, list, &count, &r, &c, out, &stride, &row0)
     }
 
     /// Row-major `c[rows, n] = x[rows, k] · wᵀ` with `w [n, k]` and `x` in bf16 bits, f32
