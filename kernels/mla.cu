@@ -1,9 +1,10 @@
 // Absorbed MLA decode over the paged latent cache (k3-architecture.md §2.2):
 //   mla_append_rows_f32   new rows [RMSNorm(c_kv) ; k_r] into their pages
 //   mla_absorb_q_f32      q~_h = [W_UK,h^T q_nope,h ; q_r,h]  (row = kv_lora + rope, 576 in K3)
-//   mla_attend_f32        MQA over rows 0..len-1 with online softmax, split over positions
-//   mla_attend_tc_f32     the same on tensor cores (TF32 mma.sync), 16 heads per KV tile
-//   mla_combine_f32       merge the splits (log-sum-exp), o_h = W_UV,h o~_h
+//   mla_attend_tc2_f32    MQA over rows 0..len-1 with online softmax on tensor cores (TF32
+//                         mma.sync), 16 heads per KV tile, split over positions
+//   mla_merge_f32         merge the splits (log-sum-exp) into the normalised latent o~_h
+//   mla_out_proj_f32      o_h = W_UV,h o~_h, each head's W_UV read once for up to 64 items
 // Queries are independent items with their own page table and length, so a prefill chunk can
 // run as T queries with causal lengths start+1 .. start+T (exact; the expanded form is faster).
 //
@@ -12,8 +13,6 @@
 #include "common.cuh"
 
 #define MLA_MAX_ROW 576
-#define MLA_LANE_VALS (MLA_MAX_ROW / 32)  // 18 row values per lane
-#define MLA_HPB 4                         // heads per block: one row load feeds 4 heads
 
 __device__ __forceinline__ i64 mla_row_off(const i64* page_start, int base, int j, int page_tokens, int row) {
     return page_start[base + j / page_tokens] + (i64)(j % page_tokens) * row;
@@ -59,170 +58,16 @@ extern "C" __global__ void mla_absorb_q_f32(const float* __restrict__ q, const f
     for (int r = threadIdx.x; r < rope; r += blockDim.x) out[kv_lora + r] = qh[nope + r];
 }
 
-// Grid (items, ceil(H / MLA_HPB), splits), 128 threads (4 warps). Split s covers positions
-// [s*chunk, min(len, (s+1)*chunk)); warp w of the block takes every 4th position of it. Each
-// warp keeps, for MLA_HPB heads, a running max m, sum l and o~ (kv_lora values, 16 per lane);
-// the 4 warps merge in shared memory and write the partial (m, l, o~) of the split.
-// part: [items, H, splits, kv_lora + 2].
-extern "C" __global__ void __launch_bounds__(128)
-mla_attend_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
-               const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
-               int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale) {
-    __shared__ float red_o[4][MLA_HPB][512];
-    __shared__ float red_ml[4][MLA_HPB][2];
-    const int n = blockIdx.x, h0 = blockIdx.y * MLA_HPB, sp = blockIdx.z;
-    const int row = kv_lora + rope;
-    if (n >= items || row > MLA_MAX_ROW || kv_lora > 512) return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int len = lens[n], base = pt_base[n];
-    const int j0 = sp * chunk, j1 = min(len, j0 + chunk);
-    float q[MLA_HPB][MLA_LANE_VALS];
-#pragma unroll
-    for (int hh = 0; hh < MLA_HPB; ++hh)
-#pragma unroll
-        for (int i = 0; i < MLA_LANE_VALS; ++i) {
-            const int c = lane + 32 * i;
-            q[hh][i] = (h0 + hh < heads && c < row) ? qt[((i64)n * heads + h0 + hh) * row + c] * scale : 0.0f;
-        }
-    float m[MLA_HPB], l[MLA_HPB], acc[MLA_HPB][16];
-#pragma unroll
-    for (int hh = 0; hh < MLA_HPB; ++hh) {
-        m[hh] = K3_NEG_INF;
-        l[hh] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) acc[hh][i] = 0.0f;
-    }
-    for (int j = j0 + warp; j < j1; j += 4) {
-        const float* r = arena + mla_row_off(page_start, base, j, page_tokens, row);
-        float x[MLA_LANE_VALS];
-#pragma unroll
-        for (int i = 0; i < MLA_LANE_VALS; ++i) {
-            const int c = lane + 32 * i;
-            x[i] = c < row ? r[c] : 0.0f;
-        }
-#pragma unroll
-        for (int hh = 0; hh < MLA_HPB; ++hh) {
-            float s = 0.0f;
-#pragma unroll
-            for (int i = 0; i < MLA_LANE_VALS; ++i) s += q[hh][i] * x[i];
-            s = warp_sum(s);
-            const float mn = fmaxf(m[hh], s);
-            const float corr = expf(m[hh] - mn), p = expf(s - mn);
-            l[hh] = l[hh] * corr + p;
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                const int c = lane + 32 * i;
-                acc[hh][i] = acc[hh][i] * corr + (c < kv_lora ? p * x[i] : 0.0f);
-            }
-            m[hh] = mn;
-        }
-    }
-#pragma unroll
-    for (int hh = 0; hh < MLA_HPB; ++hh) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) red_o[warp][hh][lane + 32 * i] = acc[hh][i];
-        if (lane == 0) {
-            red_ml[warp][hh][0] = m[hh];
-            red_ml[warp][hh][1] = l[hh];
-        }
-    }
-    __syncthreads();
-    // Warp hh merges head hh (MLA_HPB == 4 == warps).
-    const int hh = warp, h = h0 + hh;
-    if (h >= heads) return;
-    float mm = K3_NEG_INF;
-    for (int w = 0; w < 4; ++w) mm = fmaxf(mm, red_ml[w][hh][0]);
-    float* out = part + (((i64)n * heads + h) * splits + sp) * (kv_lora + 2);
-    float f[4], ll = 0.0f;
-    for (int w = 0; w < 4; ++w) {
-        f[w] = mm == K3_NEG_INF ? 0.0f : expf(red_ml[w][hh][0] - mm);
-        ll += f[w] * red_ml[w][hh][1];
-    }
-    for (int c = lane; c < kv_lora; c += 32)
-        out[c] = f[0] * red_o[0][hh][c] + f[1] * red_o[1][hh][c] + f[2] * red_o[2][hh][c] + f[3] * red_o[3][hh][c];
-    if (lane == 0) {
-        out[kv_lora] = mm;
-        out[kv_lora + 1] = ll;
-    }
-}
-
-// Grid (items, heads), 128 threads: merge the splits into o~ (shared), then o = W_UV,h o~.
-// o [items, H*v_dim].
-extern "C" __global__ void mla_combine_f32(const float* __restrict__ part, const float* __restrict__ kv_b,
-                                           float* __restrict__ o, int items, int heads, int nope, int v_dim,
-                                           int kv_lora, int splits) {
-    __shared__ __align__(16) float lat[512];
-    __shared__ float wsplit[256];
-    __shared__ float scratch[32];
-    const int n = blockIdx.x, h = blockIdx.y;
-    if (n >= items || h >= heads || kv_lora > 512 || splits > 256) return;
-    const float* p = part + ((i64)n * heads + h) * splits * (kv_lora + 2);
-    // Split weights in parallel (a serial loop over ~44 splits is ~44 dependent L2 round trips).
-    float mloc = K3_NEG_INF;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) mloc = fmaxf(mloc, p[s * (kv_lora + 2) + kv_lora]);
-    const float mm = block_max(mloc, scratch);
-    float lloc = 0.0f;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
-        const float ms = p[s * (kv_lora + 2) + kv_lora];
-        wsplit[s] = ms == K3_NEG_INF ? 0.0f : expf(ms - mm);
-        lloc += wsplit[s] * p[s * (kv_lora + 2) + kv_lora + 1];
-    }
-    const float ll = block_sum(lloc, scratch);  // its barriers also publish wsplit
-    const float inv_l = ll > 0.0f ? 1.0f / ll : 0.0f;
-    for (int c = threadIdx.x; c < kv_lora; c += blockDim.x) {
-        float a = 0.0f;
-        for (int s = 0; s < splits; ++s) a += wsplit[s] * p[s * (kv_lora + 2) + c];
-        lat[c] = a * inv_l;
-    }
-    __syncthreads();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const float* wuv = kv_b + ((i64)h * (nope + v_dim) + nope) * kv_lora;
-    if ((kv_lora & 3) == 0) {
-        // A warp takes 4 output channels at a time with float4 loads: 16 independent 16-byte loads
-        // per lane in flight (at N = 1 the 96 blocks must stream 25 MB of W_UV at HBM speed).
-        const int q4 = kv_lora >> 2;
-        const float4* lat4 = reinterpret_cast<const float4*>(lat);
-        const float4* w4 = reinterpret_cast<const float4*>(wuv);
-        for (int vd0 = warp * 4; vd0 < v_dim; vd0 += nw * 4) {
-            float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 4
-            for (int c4 = lane; c4 < q4; c4 += 32) {
-                const float4 x = lat4[c4];
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    if (vd0 + r < v_dim) {
-                        const float4 w = w4[(i64)(vd0 + r) * q4 + c4];
-                        a[r] += w.x * x.x + w.y * x.y + w.z * x.z + w.w * x.w;
-                    }
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const float v = warp_sum(a[r]);
-                if (lane == 0 && vd0 + r < v_dim) o[(i64)n * heads * v_dim + h * v_dim + vd0 + r] = v;
-            }
-        }
-        return;
-    }
-    // Any other width: one warp per output channel, coalesced scalar reads of the W_UV row.
-    for (int vd = warp; vd < v_dim; vd += nw) {
-        float a = 0.0f;
-        for (int c = lane; c < kv_lora; c += 32) a += wuv[(i64)vd * kv_lora + c] * lat[c];
-        a = warp_sum(a);
-        if (lane == 0) o[(i64)n * heads * v_dim + h * v_dim + vd] = a;
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
-// Tensor-core attend (mma.sync m16n8k8 TF32). Same math and partial layout as mla_attend_f32, but
-// each loaded KV tile feeds 16 heads at once (the old kernel: 4), and the products run on tensor
-// cores: the absorbed form does ~90 flop per KV byte at 96 heads, far past what f32 CUDA cores
-// can keep up with at HBM speed. precise = 1 splits every operand into a TF32 hi + lo pair and
-// sums hi*hi + hi*lo + lo*hi (3 MMAs, ~f32 accuracy); precise = 0 is one TF32 MMA (~1e-3 rel).
+// Tensor-core attend (mma.sync m16n8k8 TF32): each loaded KV tile feeds 16 heads at once, and the
+// products run on tensor cores: the absorbed form does ~90 flop per KV byte at 96 heads, far past
+// what f32 CUDA cores can keep up with at HBM speed (a CUDA-core version, 4 heads per tile, ran at
+// 3-4 % of HBM on the H200 and was removed). Precise mode splits every operand into a TF32 hi + lo
+// pair and sums hi*hi + hi*lo + lo*hi (3 MMAs, ~f32 accuracy); fast mode is one TF32 MMA (~1e-3).
 //
 // Grid (ceil(H / 16), items, splits): the head groups of one (item, split) are adjacent so their
 // repeated KV reads hit L2. 256 threads = 8 warps. Per tile of 8 positions (double-buffered with
-// cp.async, three barriers): warp w computes partial scores over its eighth of the row (9 k-steps of 8; Q
+// cp.async): warp w computes partial scores over its eighth of the row (9 k-steps of 8; Q
 // fragments live in registers), the partials meet in shared memory for the online softmax, then
 // warp w accumulates P V for latent columns [64w, 64w + 64) (8 n-tiles, 32 f32 per lane).
 #define MLA_TC_HEADS 16
@@ -271,159 +116,10 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src));
 }
 
-extern "C" __global__ void __launch_bounds__(MLA_TC_THREADS)
-mla_attend_tc_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
-                  const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
-                  int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale, int precise) {
-    __shared__ __align__(16) float kv[2][MLA_TC_POS][MLA_TC_STRIDE];
-    __shared__ float sp[MLA_TC_WARPS][MLA_TC_HEADS][MLA_TC_POS];
-    __shared__ float ps[MLA_TC_HEADS][MLA_TC_PSTRIDE];
-    __shared__ float cs[MLA_TC_HEADS];
-    const int h0 = blockIdx.x * MLA_TC_HEADS, n = blockIdx.y, spl = blockIdx.z;
-    const int row = kv_lora + rope;
-    if (n >= items || row > MLA_MAX_ROW || kv_lora > 512) return;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int len = lens[n], base = pt_base[n];
-    const int j0 = spl * chunk, j1 = min(len, j0 + chunk);
-    const bool prec = precise != 0;
-
-    // Columns [row, 576) are never loaded: zero them once in both buffers (Q is zero there too,
-    // but 0 * stale NaN bits would not be).
-    for (int i = tid; i < 2 * MLA_TC_POS * (MLA_MAX_ROW - row); i += MLA_TC_THREADS) {
-        const int b = i / (MLA_TC_POS * (MLA_MAX_ROW - row)), rest = i % (MLA_TC_POS * (MLA_MAX_ROW - row));
-        kv[b][rest / (MLA_MAX_ROW - row)][row + rest % (MLA_MAX_ROW - row)] = 0.0f;
-    }
-    // Q fragments (scaled), k-step ks = warp + 8i: a0 (head g, col 8ks + t), a1 (g + 8), a2/a3 col + 4.
-    float qa[MLA_TC_KSTEPS][4];
-#pragma unroll
-    for (int i = 0; i < MLA_TC_KSTEPS; ++i)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int hh = h0 + g + 8 * (r & 1), c = (warp + MLA_TC_WARPS * i) * 8 + t + 4 * (r >> 1);
-            qa[i][r] = (hh < heads && c < row) ? qt[((i64)n * heads + hh) * row + c] * scale : 0.0f;
-        }
-    float acc[MLA_TC_NT][4];
-#pragma unroll
-    for (int i = 0; i < MLA_TC_NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-    // Softmax role (threads < 128): thread = (head tid >> 3, position tid & 7); m and l are
-    // replicated in the 8 lanes of a head.
-    const int sh = tid >> 3, sj = tid & 7;
-    float m_run = K3_NEG_INF, l_run = 0.0f;
-
-    // Issue the cp.async copies of positions [p0, p0 + 8) into buffer b (rows past j1 zero-filled).
-    auto load_tile = [&](int b, int p0) {
-        const int cpr = row >> 2;  // 16-byte chunks per row (row % 4 == 0 checked below)
-        for (int i = tid; i < MLA_TC_POS * cpr; i += MLA_TC_THREADS) {
-            const int r = i / cpr, c4 = i - r * cpr, j = p0 + r;
-            float* dst = &kv[b][r][c4 * 4];
-            if (j < j1) {
-                const i64 off = mla_row_off(page_start, base, j, page_tokens, row);
-                const float* src = arena + off + c4 * 4;
-                if ((off & 3) == 0) {
-                    cp_async16(dst, src);
-                } else {
-                    cp_async4(dst, src);
-                    cp_async4(dst + 1, src + 1);
-                    cp_async4(dst + 2, src + 2);
-                    cp_async4(dst + 3, src + 3);
-                }
-            } else {
-                dst[0] = dst[1] = dst[2] = dst[3] = 0.0f;
-            }
-        }
-        // A row width that is not a multiple of 4: the last 1-3 columns one by one.
-        for (int i = tid; i < MLA_TC_POS * (row & 3); i += MLA_TC_THREADS) {
-            const int r = i / (row & 3), c = (row & ~3) + i % (row & 3), j = p0 + r;
-            if (j < j1)
-                cp_async4(&kv[b][r][c], arena + mla_row_off(page_start, base, j, page_tokens, row) + c);
-            else
-                kv[b][r][c] = 0.0f;
-        }
-        asm volatile("cp.async.commit_group;");
-    };
-
-    const int tiles = j1 > j0 ? (j1 - j0 + MLA_TC_POS - 1) / MLA_TC_POS : 0;
-    if (tiles > 0) load_tile(0, j0);
-    for (int it = 0; it < tiles; ++it) {
-        const int b = it & 1;
-        asm volatile("cp.async.wait_group 0;");
-        // Tile `it` has landed for every thread, and every warp is done with the previous tile's
-        // P V (buffer b ^ 1, ps, cs): refill b ^ 1 while this tile is computed.
-        __syncthreads();
-        if (it + 1 < tiles) load_tile(b ^ 1, j0 + (it + 1) * MLA_TC_POS);
-        // Partial scores of this warp's row quarter: S[16 heads][8 positions].
-        // Two accumulators alternate so consecutive MMAs do not wait on each other.
-        float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s5[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int i = 0; i < MLA_TC_KSTEPS; ++i) {
-            const int c0 = (warp + MLA_TC_WARPS * i) * 8;
-            if (c0 < row) mma_f32x(i & 1 ? s5 : s4, qa[i], kv[b][g][c0 + t], kv[b][g][c0 + t + 4], prec);
-        }
-#pragma unroll
-        for (int r = 0; r < 4; ++r) s4[r] += s5[r];
-        sp[warp][g][2 * t] = s4[0];
-        sp[warp][g][2 * t + 1] = s4[1];
-        sp[warp][g + 8][2 * t] = s4[2];
-        sp[warp][g + 8][2 * t + 1] = s4[3];
-        __syncthreads();
-        if (tid < MLA_TC_HEADS * MLA_TC_POS) {  // whole warps 0-3: the shuffles stay uniform
-            const int j = j0 + it * MLA_TC_POS + sj;
-            float s = 0.0f;
-#pragma unroll
-            for (int w = 0; w < MLA_TC_WARPS; ++w) s += sp[w][sh][sj];
-            if (j >= j1) s = K3_NEG_INF;
-            float mt = s;
-#pragma unroll
-            for (int o = 1; o < 8; o <<= 1) mt = fmaxf(mt, __shfl_xor_sync(K3_FULL_MASK, mt, o));
-            const float mn = fmaxf(m_run, mt);
-            const float corr = m_run == K3_NEG_INF ? 0.0f : expf(m_run - mn);
-            const float p = s == K3_NEG_INF ? 0.0f : expf(s - mn);
-            float pl = p;
-#pragma unroll
-            for (int o = 1; o < 8; o <<= 1) pl += __shfl_xor_sync(K3_FULL_MASK, pl, o);
-            l_run = l_run * corr + pl;
-            m_run = mn;
-            ps[sh][sj] = p;
-            if (sj == 0) cs[sh] = corr;
-        }
-        __syncthreads();
-        // O[16 heads][64w + 8nt + ..] = O * corr + P V: A = P (16 x 8 positions), B = V (8 x 8 columns).
-        const float ca = cs[g], cb = cs[g + 8];
-        const float pa[4] = {ps[g][t], ps[g + 8][t], ps[g][t + 4], ps[g + 8][t + 4]};
-#pragma unroll
-        for (int nt = 0; nt < MLA_TC_NT; ++nt) {
-            const int c0 = warp * 64 + nt * 8;
-            if (c0 < kv_lora) {
-                acc[nt][0] *= ca;
-                acc[nt][1] *= ca;
-                acc[nt][2] *= cb;
-                acc[nt][3] *= cb;
-                mma_f32x(acc[nt], pa, kv[b][t][c0 + g], kv[b][t + 4][c0 + g], prec);
-            }
-        }
-    }
-
-    float* out = part + ((i64)n * heads * splits + spl) * (kv_lora + 2);
-    const i64 hstride = (i64)splits * (kv_lora + 2);
-#pragma unroll
-    for (int nt = 0; nt < MLA_TC_NT; ++nt) {
-        const int c = warp * 64 + nt * 8 + 2 * t;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int hh = h0 + g + 8 * (r >> 1), cc = c + (r & 1);
-            if (hh < heads && cc < kv_lora) out[hh * hstride + cc] = acc[nt][r];
-        }
-    }
-    if (tid < MLA_TC_HEADS * MLA_TC_POS && sj == 0 && h0 + sh < heads) {
-        out[(h0 + sh) * hstride + kv_lora] = m_run;
-        out[(h0 + sh) * hstride + kv_lora + 1] = l_run;
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
-// Decode path v2 (selected by ops.rs MLA_DECODE_V2; the kernels above stay as the fallback).
-// v1 measured ~4 us per 8-position tile on the H200 for every shape (5% of HBM), ~4x more than its
-// MMA count and bytes explain: one 184-register block per SM runs three barrier-separated phases
+// Why this shape (v2). The first tensor-core attend (v1, removed after both were timed on the
+// H200: v2 took 59-70 % of v1's time at every shape) measured ~4 us per 8-position tile for
+// every shape (5% of HBM), ~4x more than its MMA count and bytes explain: one 184-register block per SM runs three barrier-separated phases
 // per tile (split-K scores, softmax on half the warps, P V) with nothing to overlap their latency,
 // and every thread redoes two integer divisions and a page-table load per 16-byte chunk.
 // mla_attend_tc2_f32 is the same math and partial layout with (a) __launch_bounds__(256, 2): two
@@ -603,7 +299,7 @@ mla_attend_tc2_f32(const float* __restrict__ qt, const float* __restrict__ arena
 }
 
 // Grid (items, heads), 128 threads: merge the splits of part [items, H, splits, kv_lora + 2] into
-// the normalised latent lat [items, H, kv_lora] (mla_combine_f32 without the W_UV step).
+// the normalised latent lat [items, H, kv_lora].
 extern "C" __global__ void mla_merge_f32(const float* __restrict__ part, float* __restrict__ lat, int items, int heads,
                                          int kv_lora, int splits) {
     __shared__ float wsplit[256];

@@ -20,11 +20,11 @@ if TYPE_CHECKING:
     from device_check import Device, Results
 
 
-def mla_splits_tc(blocks, max_len, sms=132, slots=None):
-    """geometry::mla_splits_tc: >= 2 blocks per SM, then the fullest last wave in [want, 2 want].
-    slots = 2 * sms: geometry::mla_splits_tc2 (two resident blocks per SM, waves of 2 * sms)."""
-    wave = slots or sms
-    want = max(1, cdiv(2 * sms if slots is None else slots, blocks))
+def mla_splits_tc2(blocks, max_len, sms=132):
+    """geometry::mla_splits_tc2: at least one wave of 2 * sms blocks (two resident per SM), then the
+    fullest last wave in [want, 2 want], splits of at least 128 positions."""
+    wave = 2 * sms
+    want = max(1, cdiv(wave, blocks))
     cap = max(1, min(256, cdiv(max_len, 128)))
     fill = lambda s: blocks * s / (cdiv(blocks * s, wave) * wave)  # noqa: E731
     best = min(want, cap)
@@ -35,12 +35,12 @@ def mla_splits_tc(blocks, max_len, sms=132, slots=None):
 
 
 def bench_mla_v2(d: Device, record, N, L, A, ps, qt, kvb, o, base, lens, floor):
-    """MLA decode v2 (ops.rs MLA_DECODE_V2) on bench()'s buffers: the full path (attend_tc2 + merge +
+    """MLA absorbed decode (ops.rs mla_decode) on bench()'s buffers: the full path (attend_tc2 + merge +
     out_proj) in both precisions, then probes: attend alone at prefetch distances 0/4/8 tiles, the
     load pipeline alone (mode 2: copies, no math) and the W_UV tail alone."""
     heads, nope, rope, v_dim, kv_lora, pt = 96, 128, 64, 128, 512, 64
     hg = cdiv(heads, 16)
-    splits = mla_splits_tc(N * hg, L, slots=2 * 132)
+    splits = mla_splits_tc2(N * hg, L)
     chunk = cdiv(L, splits)
     part = torch.empty(N, heads, splits, kv_lora + 2, device=qt.device)
     lat = torch.empty(N, heads, kv_lora, device=qt.device)
@@ -209,42 +209,6 @@ def bench(d: Device, r: Results, quick: bool, only=None):
         base = torch.arange(N, dtype=torch.int32, device="cuda") * pages
         lens = torch.full((N,), L, dtype=torch.int32, device="cuda")
         floor = N * L * row * 4 / (COPY_TBPS / 2 * 1e12) * 1e3
-        hg = cdiv(heads, 16)
-        variants = [("tc precise", "mla_attend_tc_f32", (1,)), ("tc fast", "mla_attend_tc_f32", (0,))]
-        if N * L <= 16 * 8192:  # the old kernel takes ~50 ms at 64 x 32k
-            variants.insert(0, ("cuda-core", "mla_attend_f32", ()))
-        for label, kern, extra in variants:
-            if extra:
-                splits = mla_splits_tc(N * hg, L)
-                grid, block = (hg, N, splits), 256
-            else:
-                splits = max(1, min(64, 264 // (N * heads // 4)))
-                grid, block = (N, heads // 4, splits), 128
-            chunk = cdiv(L, splits)
-            part = torch.empty(N, heads, splits, kv_lora + 2, device="cuda")
-            args = [d.view(qt), d.view(A), d.view(ps), d.view(base), d.view(lens), d.view(part), N, heads, kv_lora,
-                    rope, pt, splits, chunk, (nope + rope) ** -0.5, *extra]
-            cargs = [d.view(part), d.view(kvb), d.view(o), N, heads, nope, v_dim, kv_lora, splits]
-
-            def go(kern=kern, grid=grid, block=block, args=args, cargs=cargs):
-                d.launch(kern, grid, block, *args)
-                d.launch("mla_combine_f32", (N, heads), 128, *cargs)
-            try:
-                ms, how = d.time_graph(go, reps=10 if N * L > 16 * 8192 else 20)
-                record(f"mla_decode {label} N={N} L={L} (attend+combine, f32 rows)", ms, floor, splits=splits,
-                       timing=how)
-            except Exception as e:  # noqa: BLE001
-                log(f"bench mla_decode {label} N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
-            if label == "tc precise" and N * L <= 16 * 8192:  # where v1's time goes: attend vs combine
-                try:
-                    ms_a, _ = d.time_graph(lambda kern=kern, grid=grid, block=block, args=args:
-                                           d.launch(kern, grid, block, *args))
-                    record(f"mla_attend v1 tc precise N={N} L={L} (attend only)", ms_a, floor, splits=splits)
-                    ms_c, _ = d.time_graph(lambda cargs=cargs: d.launch("mla_combine_f32", (N, heads), 128, *cargs))
-                    record(f"mla_combine v1 N={N} L={L} (merge + W_UV per item)", ms_c, None, splits=splits)
-                except Exception as e:  # noqa: BLE001
-                    log(f"bench mla v1 parts N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
-            del part
         try:  # a failure here must not cost the benchmarks after it
             bench_mla_v2(d, record, N, L, A, ps, qt, kvb, o, base, lens, floor)
         except Exception as e:  # noqa: BLE001
@@ -286,7 +250,7 @@ def bench_mla_prefill(d: Device, r: Results, record):
             kvb = torch.randn(heads * (nope + v_dim), kv_lora, device="cuda") * kv_lora ** -0.5
             o_e, o_a = (torch.empty(T, heads * v_dim, device="cuda") for _ in range(2))
             go_e, (hg, qc) = run_mla_prefill(d, A, ps, q, kvb, o_e, 0, T, 0, heads, nope, rope, v_dim, kv_lora, pt)
-            splits = mla_splits_tc(T * hg16, T, slots=2 * 132)
+            splits = mla_splits_tc2(T * hg16, T)
             chunk = cdiv(T, splits)
             bufs = dict(q=q, kvb=kvb, A=A, ps=ps, o=o_a, qt=torch.empty(T, heads, row, device="cuda"),
                         part=torch.empty(T, heads, splits, kv_lora + 2, device="cuda"),

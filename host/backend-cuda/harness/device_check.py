@@ -483,24 +483,9 @@ def check_mla(d: Device, r: Results, gen):
         r.check(f"mla append (Lkv={kv_lora})", max(rel_err(Ah[x:x + row], rows_all[i][lens[i] - 1])
                                                    for i, x in enumerate(dst)), 1e-5)
         ref = torch.stack([mla_reference(q[i], rows_all[i], kv_b, heads, nope, rope, v_dim, kv_lora) for i in range(n)])
-        # The CUDA-core attend, and the tensor-core one in 3xTF32 (~f32) and 1xTF32 modes (TF32 rounds
-        # to 11 significant bits: ~1e-3 expected here, 1e-2 allowed; the backend uses 3xTF32).
-        for kern, splits, tol, extra in (("mla_attend_f32", 3, 1e-4, ()), ("mla_attend_tc_f32", 3, 1e-4, (1,)),
-                                         ("mla_attend_tc_f32", 2, 1e-2, (0,))):
-            chunk = cdiv(max(lens), splits)
-            part = torch.empty(n, heads, splits, kv_lora + 2, device=d.tdev)
-            grid, block = ((n, cdiv(heads, 4), splits), 128) if not extra else ((cdiv(heads, 16), n, splits), 256)
-            d.launch(kern, grid, block, d.view(qt), d.view(A), d.view(i64(page_start)), d.view(i32(pt_base)),
-                     d.view(i32(lens)), d.view(part), n, heads, kv_lora, rope, pt, splits, chunk, (nope + rope) ** -0.5,
-                     *extra)
-            o = torch.empty(n, heads * v_dim, device=d.tdev)
-            d.launch("mla_combine_f32", (n, heads), 128, d.view(part), d.view(kvb), d.view(o), n, heads, nope, v_dim,
-                     kv_lora, splits)
-            d.sync()
-            mode = "" if not extra else (" tc precise" if extra[0] else " tc fast")
-            r.check(f"mla decode{mode} (H={heads}, Lkv={kv_lora}, splits={splits})", rel_err(o, ref), tol)
-        # v2: mla_attend_tc2_f32 (mode = precision | prefetch tiles << 2) + mla_merge_f32 + mla_out_proj_f32.
-        # mixed = 3xTF32 scores, 1xTF32 P V: its error is what decides whether it can be the default.
+        # mla_attend_tc2_f32 (mode = precision | prefetch tiles << 2) + mla_merge_f32 + mla_out_proj_f32.
+        # precise = 3xTF32 (~f32, what the backend uses); fast = 1xTF32 (TF32 rounds to 11 significant
+        # bits: ~1e-3 expected, 1e-2 allowed); mixed = 3xTF32 scores, 1xTF32 P V.
         for label, splits, tol, mode in (("precise", 3, 1e-4, 1 | 4 << 2), ("fast", 2, 1e-2, 0 | 4 << 2),
                                          ("precise pf0", 1, 1e-4, 1), ("mixed", 3, 1e-3, 3 | 4 << 2)):
             chunk = cdiv(max(lens), splits)

@@ -120,16 +120,6 @@ def _emu_mla_attend(qt, arena, page_start, pt_base, lens, part, items, heads, kv
                 P[n, h, s, int(kv_lora) + 1] = float(p.sum())
 
 
-def _emu_mla_combine(part, kv_b, o, items, heads, nope, v_dim, kv_lora, splits):
-    P = _t(part).view(int(items), int(heads), int(splits), int(kv_lora) + 2).double()
-    W = _t(kv_b).view(int(heads), int(nope) + int(v_dim), int(kv_lora)).double()
-    out = _t(o).view(int(items), int(heads), int(v_dim))
-    m = P[..., int(kv_lora)].amax(-1, keepdim=True)
-    f = torch.exp(P[..., int(kv_lora)] - m)
-    lat = (f.unsqueeze(-1) * P[..., :int(kv_lora)]).sum(2) / (f * P[..., int(kv_lora) + 1]).sum(-1, keepdim=True)
-    out[:] = torch.einsum("nhl,hvl->nhv", lat, W[:, int(nope):]).float()
-
-
 def _emu_mla_merge(part, lat, items, heads, kv_lora, splits):
     P = _t(part).view(int(items), int(heads), int(splits), int(kv_lora) + 2).double()
     m = P[..., int(kv_lora)].amax(-1, keepdim=True)
@@ -303,9 +293,6 @@ EMU = {
         torch.einsum("nhp,hpl->nhl", _t(q).view(int(items), int(heads), -1)[..., :int(nope)].double(),
                      _t(kvb).view(int(heads), int(nope) + int(vd), int(lkv))[:, :int(nope)].double()),
         _t(q).view(int(items), int(heads), -1)[..., int(nope):].double()], -1).float().numpy().reshape(qt.shape)),
-    "mla_attend_f32": _emu_mla_attend,
-    "mla_attend_tc_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # same math; `precise` only changes rounding
-    "mla_combine_f32": _emu_mla_combine,
     "mla_attend_tc2_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # mode: rounding / prefetch / probe only
     "mla_merge_f32": _emu_mla_merge,
     "mla_out_proj_f32": _emu_mla_out_proj,

@@ -287,3 +287,21 @@ pub fn compile_cubin(file: &str, source: &str, arch: &str, options: &[String]) -
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_storage_only_for_exact_values() {
+        let exact = [1.0f32, -0.5, f32::from_bits(0x3B45_0000)];
+        let bits = exact_bf16(&exact).unwrap();
+        assert_eq!(bits, vec![0x3F80, 0xBF00, 0x3B45]);
+        assert_eq!(
+            exact_bf16(&[1.0, 0.1]),
+            None,
+            "0.1 needs more than bf16's 8 bits"
+        );
+        assert_eq!(exact_bf16(&[]), None);
+    }
+}

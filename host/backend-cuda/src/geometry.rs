@@ -88,13 +88,12 @@ pub fn kda_prefill(g: &KdaGeom, tokens: usize) -> Result<[Launch; 3]> {
     ])
 }
 
-/// Limits of kernels/mla.cu: a latent row in 18 values per lane, o~ in 16 per lane, q_nope staged
-/// in 256 floats of shared memory, at most 256 position splits.
+/// Limits of kernels/mla.cu: a latent row of at most 576 values (72 k-steps of 8), o~ in 512, q_nope
+/// staged in 256 floats of shared memory, at most 256 position splits.
 pub const MLA_MAX_ROW: usize = 576;
 pub const MLA_MAX_KV_LORA: usize = 512;
 pub const MLA_MAX_NOPE: usize = 256;
 pub const MLA_MAX_SPLITS: usize = 256;
-pub const MLA_HEADS_PER_BLOCK: usize = 4;
 
 pub fn check_mla(g: &MlaGeom) -> Result<()> {
     if g.row() > MLA_MAX_ROW
@@ -110,42 +109,8 @@ pub fn check_mla(g: &MlaGeom) -> Result<()> {
     Ok(())
 }
 
-/// Position splits for the attend kernel: enough blocks to cover `sms` multiprocessors about
-/// twice, each split at least 256 positions (shorter ones cost more to merge than they save).
-pub fn mla_splits(items: usize, heads: usize, max_len: usize, sms: usize) -> (usize, usize) {
-    let blocks = items.max(1) * heads.div_ceil(MLA_HEADS_PER_BLOCK);
-    let want = (2 * sms).div_ceil(blocks).max(1);
-    let by_len = max_len.div_ceil(256).max(1);
-    let splits = want.min(by_len).min(MLA_MAX_SPLITS);
-    (splits, max_len.max(1).div_ceil(splits))
-}
-
-pub fn mla_attend(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
-    check_mla(g)?;
-    Launch::new((items, g.heads.div_ceil(MLA_HEADS_PER_BLOCK), splits), 128)
-}
-
-/// The tensor-core attend (`mla_attend_tc_f32`) runs 16 heads per 256-thread block and fits one
-/// block per SM (~184 registers a thread).
+/// The tensor-core attend (`mla_attend_tc2_f32`) runs 16 heads per 256-thread block.
 pub const MLA_TC_HEADS_PER_BLOCK: usize = 16;
-
-/// Position splits for the tensor-core attend: at least two blocks per SM, then the count in
-/// [want, 2 want] whose last wave is fullest (one resident block per SM: 288 blocks on 132 SMs
-/// run as 3 waves, 384 nearly as fast), splits of at least 128 positions.
-pub fn mla_splits_tc(items: usize, heads: usize, max_len: usize, sms: usize) -> (usize, usize) {
-    let blocks = items.max(1) * heads.div_ceil(MLA_TC_HEADS_PER_BLOCK);
-    let sms = sms.max(1);
-    let want = (2 * sms).div_ceil(blocks).max(1);
-    let cap = max_len.div_ceil(128).clamp(1, MLA_MAX_SPLITS);
-    let fill = |s: usize| (blocks * s) as f64 / ((blocks * s).div_ceil(sms) * sms) as f64;
-    let mut splits = want.min(cap);
-    for s in want..=(2 * want).min(cap) {
-        if fill(s) > fill(splits) + 1e-9 {
-            splits = s;
-        }
-    }
-    (splits, max_len.max(1).div_ceil(splits))
-}
 
 /// Grid (head groups, items, splits): the head groups of one (item, split) run side by side and
 /// share the KV tile through L2.
@@ -157,8 +122,9 @@ pub fn mla_attend_tc(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch>
     )
 }
 
-/// `mla_attend_tc2_f32` (same grid as `mla_attend_tc`) is register-capped to two resident blocks
-/// per SM: splits are chosen as for v1 but against waves of 2 · `sms` blocks.
+/// `mla_attend_tc2_f32` is register-capped to two resident blocks per SM. Position splits: at
+/// least one wave of 2 · `sms` blocks, then the count in [want, 2 want] whose last wave is fullest,
+/// splits of at least 128 positions.
 pub const MLA_TC2_BLOCKS_PER_SM: usize = 2;
 
 pub fn mla_splits_tc2(items: usize, heads: usize, max_len: usize, sms: usize) -> (usize, usize) {
@@ -321,26 +287,12 @@ mod tests {
         };
         assert!(check_mla(&k3).is_ok());
         assert!(check_mla(&MlaGeom { rope: 65, ..k3 }).is_err());
-        // One long sequence: 24 head groups, splits to fill 132 SMs twice.
-        let (s, c) = mla_splits(1, 96, 32768, 132);
-        assert_eq!(s, 11);
+        // 6 head groups of 16; two blocks per SM, so one 264-block wave at N = 1 (44 splits
+        // covering 32k positions); 768 blocks (2.9 waves) at N = 64.
+        let (s, c) = mla_splits_tc2(1, 96, 32768, 132);
         assert!(s * c >= 32768 && (s - 1) * c < 32768);
-        // Short context: no split shorter than 256 positions.
-        assert_eq!(mla_splits(1, 96, 300, 132).0, 2);
-        // Many sequences already fill the GPU.
-        assert_eq!(mla_splits(64, 96, 8192, 132).0, 1);
-        let l = mla_attend(&k3, 3, 5).unwrap();
-        assert_eq!(l.grid, (3, 24, 5));
-        // Tensor-core attend: 6 head groups; one 32k sequence gets 44 splits, 64 fill the GPU.
-        let (s, c) = mla_splits_tc(1, 96, 32768, 132);
-        assert_eq!(s, 44);
-        assert!(s * c >= 32768 && (s - 1) * c < 32768);
-        assert_eq!(mla_splits_tc(64, 96, 32768, 132).0, 1);
-        assert_eq!(mla_splits_tc(16, 96, 8192, 132).0, 4, "384 blocks, not 288");
-        assert_eq!(mla_splits_tc(1, 96, 100, 132).0, 1);
         let l = mla_attend_tc(&k3, 3, 5).unwrap();
         assert_eq!((l.grid, l.block), ((6, 3, 5), 256));
-        // v2: two blocks per SM, so one 264-block wave at N = 1; 768 blocks (2.9 waves) at N = 64.
         assert_eq!(mla_splits_tc2(1, 96, 32768, 132).0, 44);
         assert_eq!(mla_splits_tc2(16, 96, 8192, 132).0, 5);
         assert_eq!(mla_splits_tc2(64, 96, 32768, 132).0, 2);

@@ -23,9 +23,6 @@ macro_rules! launch {
 /// Kernel choices with a fallback kept in kernels/*.cu (both are checked by the device harness),
 /// each read once per process from an environment variable so one device run can A/B them
 /// through the whole model:
-/// - `K3_MLA_DECODE`: `v2` (default: `mla_attend_tc2_f32`, two blocks per SM, L2 prefetch
-///   `MLA_V2_PREFETCH_TILES` tiles ahead, + `mla_merge_f32` + `mla_out_proj_f32`, which reads
-///   W_UV once per call), `tc` (v1 on tensor cores) or `cuda` (v1 on CUDA cores).
 /// - `K3_MX_EXPERTS` (steps below the tensor-core path's threshold, moe_gemm.rs): `auto`
 ///   (default: `block` under `MX_FAST_MIN_ASSIGNMENTS`, else `fast`), `block` (a block per
 ///   (expert, output rows)) or `fast` (a word per lane, blocks mapped onto busy experts only).
@@ -35,16 +32,6 @@ fn env_choice(
     default: &str,
 ) -> &'static str {
     cell.get_or_init(|| std::env::var(var).unwrap_or_else(|_| default.to_string()))
-}
-
-fn mla_decode_v2() -> bool {
-    static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    env_choice(&C, "K3_MLA_DECODE", "v2") == "v2"
-}
-
-fn mla_tensor_cores() -> bool {
-    static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    env_choice(&C, "K3_MLA_DECODE", "v2") != "cuda"
 }
 
 fn mx_fast_experts(assignments: usize) -> bool {
@@ -475,13 +462,8 @@ impl CudaBackend {
             }
         }
         let max_len = lens.iter().copied().max().unwrap_or(1);
-        let (splits, chunk) = if mla_decode_v2() {
-            geometry::mla_splits_tc2(items, g.heads, max_len, self.multiprocessors)
-        } else if mla_tensor_cores() {
-            geometry::mla_splits_tc(items, g.heads, max_len, self.multiprocessors)
-        } else {
-            geometry::mla_splits(items, g.heads, max_len, self.multiprocessors)
-        };
+        let (splits, chunk) =
+            geometry::mla_splits_tc2(items, g.heads, max_len, self.multiprocessors);
         let lens32: Vec<i32> = lens
             .iter()
             .map(|&l| i32_of(l, "length"))
@@ -511,31 +493,18 @@ impl CudaBackend {
         let part = self.zeros(items * g.heads * splits, g.kv_lora + 2)?;
         let (pt, sp, ch) = (page_tokens as i32, splits as i32, chunk as i32);
         let scale = 1.0 / ((g.nope + g.rope) as f32).sqrt();
-        if mla_decode_v2() {
-            let mode = 1 | (MLA_V2_PREFETCH_TILES << 2); // 3xTF32 (f32-level accuracy)
-            launch!(self, "mla_attend_tc2_f32", geometry::mla_attend_tc(&g, items, splits)?;
-                &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch, &scale,
-                &mode)?;
-            let lat = self.zeros(items * g.heads, g.kv_lora)?;
-            launch!(self, "mla_merge_f32", geometry::mla_merge(&g, items)?;
-                &part.buf, &lat.buf, &it, &h, &lkv, &sp)?;
-            let o = self.zeros(items, g.heads * g.v_dim)?;
-            launch!(self, "mla_out_proj_f32", geometry::mla_out_proj(&g, items)?;
-                &lat.buf, kv_b, &o.buf, &it, &h, &nope, &vd, &lkv)?;
-            return Ok(o);
-        }
-        if mla_tensor_cores() {
-            let precise = 1i32; // 3xTF32: f32-level accuracy (the device check's 1e-4)
-            launch!(self, "mla_attend_tc_f32", geometry::mla_attend_tc(&g, items, splits)?;
-                &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch, &scale,
-                &precise)?;
-        } else {
-            launch!(self, "mla_attend_f32", geometry::mla_attend(&g, items, splits)?;
-                &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch, &scale)?;
-        }
+        // Attend on tensor cores (3xTF32: f32-level accuracy, two blocks per SM, L2 prefetch of
+        // MLA_V2_PREFETCH_TILES tiles ahead), merge the splits, then W_UV once per call.
+        let mode = 1 | (MLA_V2_PREFETCH_TILES << 2);
+        launch!(self, "mla_attend_tc2_f32", geometry::mla_attend_tc(&g, items, splits)?;
+            &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch, &scale,
+            &mode)?;
+        let lat = self.zeros(items * g.heads, g.kv_lora)?;
+        launch!(self, "mla_merge_f32", geometry::mla_merge(&g, items)?;
+            &part.buf, &lat.buf, &it, &h, &lkv, &sp)?;
         let o = self.zeros(items, g.heads * g.v_dim)?;
-        launch!(self, "mla_combine_f32", Launch::new((items, g.heads, 1), 128)?;
-            &part.buf, kv_b, &o.buf, &it, &h, &nope, &vd, &lkv, &sp)?;
+        launch!(self, "mla_out_proj_f32", geometry::mla_out_proj(&g, items)?;
+            &lat.buf, kv_b, &o.buf, &it, &h, &nope, &vd, &lkv)?;
         Ok(o)
     }
 

@@ -58,3 +58,27 @@ impl OpProfile {
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn report_orders_by_total_and_counts_calls() {
+        let p = OpProfile::default();
+        let syncs = std::cell::Cell::new(0);
+        let sync = || syncs.set(syncs.get() + 1);
+        let v = p.time("short".into(), sync, || 7);
+        assert_eq!(v, 7, "the timed closure's value comes back");
+        for _ in 0..2 {
+            p.time("long".into(), sync, || {
+                std::thread::sleep(Duration::from_millis(5))
+            });
+        }
+        assert_eq!(syncs.get(), 6, "one wait before and one after every op");
+        let r = p.report();
+        let (long, short) = (r.find("long").unwrap(), r.find("short").unwrap());
+        assert!(long < short, "largest total first:\n{r}");
+        assert!(r.contains("2 calls") && r.contains("1 calls"), "{r}");
+    }
+}

@@ -70,9 +70,6 @@ pub const FILES: &[KernelFile] = &[
         entries: &[
             "mla_append_rows_f32",
             "mla_absorb_q_f32",
-            "mla_attend_f32",
-            "mla_attend_tc_f32",
-            "mla_combine_f32",
             "mla_attend_tc2_f32",
             "mla_merge_f32",
             "mla_out_proj_f32",
