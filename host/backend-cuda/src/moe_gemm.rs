@@ -17,6 +17,9 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use k3_model::backend::SituParams;
 
+/// Slots per token `moe_combine_split_f32` holds (kernels/moe_gemm.cu MOE_MAX_TOP_K).
+const MAX_TOP_K: usize = 64;
+
 /// Bytes of bf16 expert weights expanded at once (the rest of the touched experts follow in
 /// later groups); bounds the scratch at K3 sizes (66 MB per expert) to ~32 experts.
 const SCRATCH_BYTES: usize = 2 << 30;
@@ -83,6 +86,11 @@ impl CudaBackend {
         situ: SituParams,
     ) -> Result<DeviceMat> {
         let (t, lt, ie, e) = (z.rows, ex.latent, ex.inter, ex.experts);
+        if top_k > MAX_TOP_K {
+            return Err(CudaError::Unsupported(format!(
+                "moe GEMM path: top-{top_k} (the combine kernel holds at most {MAX_TOP_K} slots)"
+            )));
+        }
         let n = t * top_k;
         let host_offsets = self.part("offsets to host", || self.stream.memcpy_dtov(offsets))?;
         let touched = (0..e)
