@@ -5,7 +5,9 @@
 //!
 //! Status: the kernels are verified on the H200 by `host/backend-cuda/harness/device_check.py`;
 //! [`CudaBackend`] implements `k3_model::backend::Backend` (backend_impl.rs), checked against
-//! the CPU backend by `tests/device.rs` on a GPU.
+//! the CPU backend by `tests/device.rs` on a GPU. Besides the kernels: bf16 weights and their
+//! GEMMs (backend_impl.rs `matmul_linear`), routed experts as tensor-core GEMMs for large steps
+//! (moe_gemm.rs), MLA prefill in the expanded form (mla_prefill.rs), per-op timing (profile.rs).
 
 pub mod cache;
 pub mod device;
