@@ -204,6 +204,12 @@ impl CudaBackend {
         Ok(self.stream.memcpy_stod(data)?)
     }
 
+    /// (free, total) bytes of this device's memory, as the driver reports them now.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.ctx.bind_to_thread()?;
+        Ok(cudarc::driver::result::mem_get_info()?)
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
     }

@@ -164,6 +164,19 @@ pub enum LoadedModel {
 }
 
 impl LoadedModel {
+    /// Free and total device memory (a GPU backend only; `None` on the CPU or if the driver
+    /// cannot say).
+    pub fn device_memory(&self) -> Option<super::cache_budget::DeviceMemory> {
+        match self {
+            LoadedModel::Cpu(_) => None,
+            LoadedModel::Cuda(m) => m
+                .backend
+                .memory_info()
+                .ok()
+                .map(|(free, total)| super::cache_budget::DeviceMemory { free, total }),
+        }
+    }
+
     pub fn config(&self) -> &Config {
         match self {
             LoadedModel::Cpu(m) => &m.config,

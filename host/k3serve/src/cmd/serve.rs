@@ -18,12 +18,7 @@ use super::model_loading::LoadFormat;
 pub use super::serve_config::Args;
 use super::serve_config::ServeConfig;
 
-/// Tokens per KV page.
-const PAGE_TOKENS: usize = 16;
-/// State blocks a running request holds (working, snapshot, two spares; see the engine).
-const STATE_SLOTS_PER_REQUEST: usize = 4;
-/// Extra state blocks per request slot for prefix-cache checkpoints.
-const CHECKPOINT_BLOCKS_PER_SEQ: usize = 4;
+use super::cache_budget::{PAGE_TOKENS, arena_bytes_for, fit_arena};
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let cfg = ServeConfig::resolve(args)?;
@@ -139,18 +134,6 @@ fn load_plugins(cfg: &ServeConfig) -> anyhow::Result<PluginHost> {
     Ok(host)
 }
 
-/// Arena bytes for `seqs` full-length requests plus checkpoint blocks.
-fn default_arena_bytes(
-    kv_page_bytes: usize,
-    state_block_bytes: usize,
-    seqs: usize,
-    len: usize,
-) -> usize {
-    let pages = len.div_ceil(PAGE_TOKENS);
-    seqs * ((STATE_SLOTS_PER_REQUEST + CHECKPOINT_BLOCKS_PER_SEQ) * state_block_bytes
-        + pages * kv_page_bytes)
-}
-
 async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut progress = Progress { step: 0, total: 5 };
@@ -199,14 +182,23 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
 
     let (engine, layout, vocab_size) = progress.run("starting the engine", || {
         let offsets = CacheOffsets::new(model.config(), PAGE_TOKENS);
-        let arena = cfg.kv_cache_memory_bytes.unwrap_or_else(|| {
-            default_arena_bytes(
-                offsets.kv_page_bytes,
-                offsets.state_block_bytes,
-                cfg.max_num_seqs,
-                max_model_len,
-            )
-        });
+        let arena = match cfg.kv_cache_memory_bytes {
+            Some(bytes) => bytes,
+            None => {
+                let (page, block) = (offsets.kv_page_bytes, offsets.state_block_bytes);
+                let wanted = arena_bytes_for(page, block, cfg.max_num_seqs, max_model_len);
+                match model.device_memory() {
+                    Some(mem) => fit_arena(
+                        wanted,
+                        arena_bytes_for(page, block, 1, max_model_len),
+                        mem,
+                        cfg.gpu_memory_utilization,
+                    )
+                    .map_err(anyhow::Error::msg)?,
+                    None => wanted,
+                }
+            }
+        };
         let exec = super::model_loading::limit_vocab(
             model.executor(PAGE_TOKENS, arena)?,
             tokenizer.vocab_size(),

@@ -58,9 +58,13 @@ pub struct Args {
     #[arg(long)]
     pub max_waiting_requests: Option<usize>,
     /// Bytes of the KV/state cache arena [default: enough for max-num-seqs full-length requests
-    /// plus prefix-cache checkpoints].
+    /// plus prefix-cache checkpoints, within --gpu-memory-utilization on a GPU].
     #[arg(long)]
     pub kv_cache_memory_bytes: Option<usize>,
+    /// Share of the GPU's memory the server may use, weights included; caps the default cache
+    /// arena [default: 0.9].
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
     /// Turn the prefix cache off.
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
@@ -114,6 +118,7 @@ struct FileConfig {
     max_num_batched_tokens: Option<usize>,
     max_waiting_requests: Option<usize>,
     kv_cache_memory_bytes: Option<usize>,
+    gpu_memory_utilization: Option<f64>,
     enable_prefix_caching: Option<bool>,
     tool_call_parser: Option<String>,
     reasoning_parser: Option<String>,
@@ -146,6 +151,7 @@ pub struct ServeConfig {
     pub max_num_batched_tokens: usize,
     pub max_waiting_requests: usize,
     pub kv_cache_memory_bytes: Option<usize>,
+    pub gpu_memory_utilization: f64,
     pub enable_prefix_caching: bool,
     pub tool_call_parser: String,
     pub reasoning_parser: String,
@@ -215,6 +221,10 @@ impl ServeConfig {
                 .or(file.max_waiting_requests)
                 .unwrap_or(1024),
             kv_cache_memory_bytes: args.kv_cache_memory_bytes.or(file.kv_cache_memory_bytes),
+            gpu_memory_utilization: args
+                .gpu_memory_utilization
+                .or(file.gpu_memory_utilization)
+                .unwrap_or(0.9),
             enable_prefix_caching: if args.no_enable_prefix_caching {
                 false
             } else {
@@ -253,6 +263,9 @@ impl ServeConfig {
         }
         if cfg.max_model_len == Some(0) {
             bail!("--max-model-len must be at least 1");
+        }
+        if !(cfg.gpu_memory_utilization > 0.0 && cfg.gpu_memory_utilization <= 1.0) {
+            bail!("--gpu-memory-utilization must be in (0, 1]");
         }
         if !(cfg.shutdown_timeout.is_finite() && cfg.shutdown_timeout >= 0.0) {
             bail!("--shutdown-timeout must be a non-negative number of seconds");
@@ -323,6 +336,22 @@ mod tests {
         })
         .unwrap_err();
         assert!(err.to_string().contains("--load-format gguf"), "{err}");
+        for bad in [0.0, 1.5, f64::NAN] {
+            let err = ServeConfig::resolve(Args {
+                gpu_memory_utilization: Some(bad),
+                ..Default::default()
+            })
+            .unwrap_err();
+            assert!(err.to_string().contains("gpu-memory-utilization"), "{err}");
+        }
+        let path = write("gpu-memory-utilization = 0.5\n");
+        let cfg = ServeConfig::resolve(Args {
+            config: Some(path.clone()),
+            ..Default::default()
+        })
+        .unwrap();
+        std::fs::remove_file(path).ok();
+        assert_eq!(cfg.gpu_memory_utilization, 0.5);
     }
 
     #[test]
