@@ -90,13 +90,7 @@ impl CudaBackend {
     /// `Xc [K, M]` and `w` as `Wc [K, N]`, so it computes `Yc [N, M] = Wcᵀ Xc`, which is the
     /// row-major `y [M, N]`.
     pub fn matmul_rt(&self, x: &DeviceMat, w: &DeviceMat) -> Result<DeviceMat> {
-        if x.cols != w.cols {
-            return Err(CudaError::InvalidArg(format!(
-                "matmul: x {}x{} with W {}x{}",
-                x.rows, x.cols, w.rows, w.cols
-            )));
-        }
-        let (m, n, k) = (x.rows, w.rows, x.cols);
+        let (m, n, k) = matmul_dims(x, w.rows, w.cols)?;
         if m == 0 || n == 0 || k == 0 {
             return self.zeros(m, n);
         }
@@ -196,13 +190,7 @@ impl CudaBackend {
         let Some(bits) = &w.bf16 else {
             return self.matmul_rt(x, self.linear_f32(w)?);
         };
-        if x.cols != w.cols {
-            return Err(CudaError::InvalidArg(format!(
-                "matmul: x {}x{} with W {}x{}",
-                x.rows, x.cols, w.rows, w.cols
-            )));
-        }
-        let (m, n, k) = (x.rows, w.rows, x.cols);
+        let (m, n, k) = matmul_dims(x, w.rows, w.cols)?;
         if m == 0 || n == 0 || k == 0 {
             return self.zeros(m, n);
         }
@@ -515,6 +503,17 @@ fn kda_parts<'a>(
         b: inp.b,
     };
     (w, x)
+}
+
+/// `(M, N, K)` of `x [M, K] · Wᵀ` for a weight `[rows, cols]`, or the mismatch as an error.
+fn matmul_dims(x: &DeviceMat, rows: usize, cols: usize) -> Result<(usize, usize, usize)> {
+    if x.cols != cols {
+        return Err(CudaError::InvalidArg(format!(
+            "matmul: x {}x{} with W {rows}x{cols}",
+            x.rows, x.cols
+        )));
+    }
+    Ok((x.rows, rows, x.cols))
 }
 
 /// Most activation rows for `gemv_bf16_f32` (kernels/bf16.cu GEMV_MAX_M).
