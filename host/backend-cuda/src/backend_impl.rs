@@ -201,9 +201,9 @@ impl CudaBackend {
             launch!(self, "gemv_bf16_f32", l; &x.buf, bits, &y.buf, &mi, &ni, &ki)?;
             return Ok(y);
         }
-        // SAFETY: both are written in full (split, then the GEMM) before anything reads them.
-        let xs = unsafe { self.stream.alloc::<u16>(2 * m * k) }?;
-        let mut c = unsafe { self.stream.alloc::<f32>(2 * m * n) }?;
+        // Both are written in full (split, then the GEMM) before anything reads them.
+        let xs = self.uninit::<u16>(2 * m * k)?;
+        let mut c = self.uninit::<f32>(2 * m * n)?;
         let (xn, yn) = ((m * k) as i64, (m * n) as i64);
         launch!(self, "bf16_split_rows_f32", geometry::elementwise(m * k)?; &x.buf, &xs, &xn)?;
         self.gemm_bf16(bits, 0, &xs, 0, &mut c, 0, n, 2 * m, k)?;

@@ -185,12 +185,19 @@ impl CudaBackend {
         })
     }
 
-    /// A matrix whose every element the caller's next launch writes (no memset: outputs of
-    /// GEMMs with beta = 0 and of kernels that cover the whole matrix).
+    /// A buffer of `len` elements (at least one) that is not zeroed: for buffers whose every
+    /// element read is first written by work queued on the same stream (GEMM outputs with
+    /// beta = 0, kernels that cover their output, scratch; at prefill sizes a memset would move
+    /// gigabytes for nothing).
+    pub(crate) fn uninit<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: device memory holds no Rust values; stale contents are only ever overwritten
+        // before they are read (the callers' contract above).
+        Ok(unsafe { self.stream.alloc::<T>(len.max(1)) }?)
+    }
+
+    /// A matrix whose every element the caller's next launch writes (see `uninit`).
     pub fn output(&self, rows: usize, cols: usize) -> Result<DeviceMat> {
-        // SAFETY: uninitialised device memory, only ever read after the writer that the
-        // caller launches next on the same stream.
-        let buf = unsafe { self.stream.alloc::<f32>((rows * cols).max(1)) }?;
+        let buf = self.uninit::<f32>(rows * cols)?;
         Ok(DeviceMat { rows, cols, buf })
     }
 

@@ -249,11 +249,11 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Scratch that every reader finds fully written first (no zeroing pass over ~GiB).
+    /// Scratch that every reader finds fully written first (no zeroing pass over ~GiB): each
+    /// buffer of mla_prefill_expanded is written (gather, SGEMM with beta = 0, softmax) before it
+    /// is read, over exactly the ranges read.
     fn scratch(&self, floats: usize) -> Result<CudaSlice<f32>> {
-        // SAFETY: uninitialised device memory; each buffer of mla_prefill_expanded is written
-        // (gather, SGEMM with beta = 0, softmax) before it is read, over exactly the ranges read.
-        Ok(unsafe { self.stream.alloc::<f32>(floats.max(1)) }?)
+        self.uninit::<f32>(floats)
     }
 
     /// `mla_append_rows_f32` for rows `row0..row0 + dst.len()` of `kv_a` at byte offsets `dst`.
