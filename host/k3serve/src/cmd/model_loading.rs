@@ -140,18 +140,17 @@ impl Executor for VocabLimited {
         self.inner.arena_read(offset, len)
     }
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, ExecError> {
-        let out = self.inner.forward(batch)?;
-        let logits = out
-            .logits
-            .chunks_exact(out.vocab)
-            .flat_map(|row| &row[..self.vocab])
-            .copied()
-            .collect();
-        Ok(ForwardOutput {
-            vocab: self.vocab,
-            logits,
-            row_ranges: out.row_ranges,
-        })
+        let mut out = self.inner.forward(batch)?;
+        // Compact the rows in place: row r's first `vocab` values move to r * vocab.
+        let (wide, narrow) = (out.vocab, self.vocab);
+        let rows = out.logits.len() / wide.max(1);
+        for r in 1..rows {
+            out.logits
+                .copy_within(r * wide..r * wide + narrow, r * narrow);
+        }
+        out.logits.truncate(rows * narrow);
+        out.vocab = narrow;
+        Ok(out)
     }
 }
 
