@@ -126,6 +126,24 @@ impl Table {
     }
 }
 
+/// k3-mini's MLA shape, and K3's per-head dims with 8 of its 96 heads (CPU time stays small).
+const MLA_MINI: MlaGeom = MlaGeom {
+    heads: 4,
+    nope: 64,
+    rope: 32,
+    v_dim: 64,
+    kv_lora: 128,
+    eps: 1e-5,
+};
+const MLA_K3_DIMS: MlaGeom = MlaGeom {
+    heads: 8,
+    nope: 128,
+    rope: 64,
+    v_dim: 128,
+    kv_lora: 512,
+    eps: 1e-6,
+};
+
 const TOL_POINTWISE: f64 = 1e-5;
 const TOL_GEMM: f64 = 1e-5;
 const TOL_FUSED: f64 = 1e-4;
@@ -562,32 +580,7 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
         t.check(name, &og[i], &oc[i], TOL_FUSED);
     }
     t.check("kda state+checkpoints", &ag, &ac, TOL_FUSED);
-    for (label, g, long) in [
-        (
-            "k3-mini",
-            MlaGeom {
-                heads: 4,
-                nope: 64,
-                rope: 32,
-                v_dim: 64,
-                kv_lora: 128,
-                eps: 1e-5,
-            },
-            0,
-        ),
-        (
-            "K3",
-            MlaGeom {
-                heads: 8,
-                nope: 128,
-                rope: 64,
-                v_dim: 128,
-                kv_lora: 512,
-                eps: 1e-6,
-            },
-            700,
-        ),
-    ] {
+    for (label, g, long) in [("k3-mini", MLA_MINI, 0), ("K3", MLA_K3_DIMS, 700)] {
         let (mut rc, mut rg) = (Rng(seed ^ 11), Rng(seed ^ 11));
         let ((oc, ac), (og, ag)) = (mla(&cpu, &mut rc, g, long), mla(gpu, &mut rg, g, long));
         let names = [
@@ -608,14 +601,7 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
     }
     {
         // A 1-token decode over a long cache (several position splits on the GPU).
-        let g = MlaGeom {
-            heads: 4,
-            nope: 64,
-            rope: 32,
-            v_dim: 64,
-            kv_lora: 128,
-            eps: 1e-5,
-        };
+        let g = MLA_MINI;
         let (mut rc, mut rg) = (Rng(seed ^ 13), Rng(seed ^ 13));
         let ((oc, _), (og, _)) = (mla(&cpu, &mut rc, g, 900), mla(gpu, &mut rg, g, 900));
         t.check(
@@ -629,14 +615,7 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
         // Both sides of the CUDA backend's expanded-prefill threshold (mla_prefill.rs,
         // MLA_EXPANDED_MIN_TOKENS = 64), at K3 head dims; the "long prefill" cases above (700 and
         // 900 new tokens after 31 cached) take the expanded form too.
-        let g = MlaGeom {
-            heads: 8,
-            nope: 128,
-            rope: 64,
-            v_dim: 128,
-            kv_lora: 512,
-            eps: 1e-6,
-        };
+        let g = MLA_K3_DIMS;
         let (mut rc, mut rg) = (Rng(seed ^ 19), Rng(seed ^ 19));
         let ((oc, ac), (og, ag)) = (
             mla_both_paths(&cpu, &mut rc, g),
