@@ -4,9 +4,9 @@
 //   mxfp4_expert_up_f32    act[a] = SiTU-GLU(W1_e z_t, W3_e z_t) for each assignment a of e
 //   mxfp4_expert_down_f32  y[a] = W2_e act[a]
 //   moe_combine_f32        out[t] = sum_j w[t,j] y[t*k + j]   (fixed slot order: deterministic)
-//   mxfp4_dequant_f32      a whole matrix to f32 (tests; prefill GEMMs through cuBLAS)
 // Experts of a layer are stored back to back: packed [E, rows, cols/2], scales [E, rows, cols/32].
-// A Hopper-fast version would expand to bf16 in registers and use wgmma (k3-architecture.md §5.4).
+// Large steps expand the experts to bf16 for tensor-core GEMMs instead (moe_gemm.cu). A Hopper-fast
+// small-batch version would expand to bf16 in registers and use wgmma (k3-architecture.md §5.4).
 #include "common.cuh"
 
 #define MX_TOKENS 8  // assignments per pass: weights decoded once, reused 8 times
@@ -373,18 +373,5 @@ extern "C" __global__ void moe_combine_f32(const float* __restrict__ y, const fl
         float acc = 0.0f;
         for (int j = 0; j < top_k; ++j) acc += w[t * top_k + j] * y[(t * top_k + j) * latent + c];
         out[i] = acc;
-    }
-}
-
-// out [rows, cols] f32 from packed [rows, cols/2] + scales [rows, cols/32]; one thread per byte.
-extern "C" __global__ void mxfp4_dequant_f32(const u8* __restrict__ packed, const u8* __restrict__ scales,
-                                             float* __restrict__ out, int rows, int cols) {
-    const i64 n = (i64)rows * (cols / 2);
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        const i64 r = i / (cols / 2), j = i % (cols / 2);
-        const float sc = e8m0_to_f32(scales[r * (cols / 32) + (2 * j) / 32]);
-        const u8 b = packed[i];
-        out[r * cols + 2 * j] = fp4_e2m1_to_f32(b & 0xFu) * sc;
-        out[r * cols + 2 * j + 1] = fp4_e2m1_to_f32((u32)b >> 4) * sc;
     }
 }

@@ -317,6 +317,4 @@ EMU = {
     "mxfp4_down_fast_f32": lambda *a: _emu_moe_down(*a[:-1]),
     "moe_combine_f32": lambda y, w, out, t, k, lt: out.__setitem__(slice(None), torch.einsum(
         "tk,tkl->tl", _t(w).view(int(t), int(k)), _t(y).view(int(t), int(k), int(lt))).numpy().reshape(out.shape)),
-    "mxfp4_dequant_f32": lambda p, s, out, rows, cols: out.__setitem__(slice(None), rmx.dequantize(
-        _t(p).view(int(rows), -1), _t(s).view(int(rows), -1)).numpy().reshape(out.shape)),
 }

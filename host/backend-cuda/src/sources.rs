@@ -100,7 +100,6 @@ pub const FILES: &[KernelFile] = &[
             "mxfp4_up_fast_f32",
             "mxfp4_down_fast_f32",
             "moe_combine_f32",
-            "mxfp4_dequant_f32",
         ],
     },
     KernelFile {
