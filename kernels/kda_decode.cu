@@ -132,3 +132,164 @@ kda_decode_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, c
     if (lane < 2)
         *reinterpret_cast<float4*>(o_out + (i64)n * hk + h * KDA_V + v0) = make_float4(o[0], o[1], o[2], o[3]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Split variant (the default; K3_KDA_DECODE=old picks the kernel above): the state tile of one
+// (sequence, head) is cut into KDA_SPLIT column slices of 32, one 128-thread block each, the
+// slices of one head forming a thread-block cluster. Small blocks keep 8 per SM at different
+// phases (one loading while another stores) and fill all 132 SMs at N = 1, where the 512-thread
+// kernel used 96. The window race is avoided by ownership, not ordering: block r of the cluster
+// convolves (and rewrites the windows of) q, k and v channels r*32..r*32+31 and the gate of those
+// key rows, then pushes its q, k, alpha slices and its two L2 partial sums into the other blocks
+// of the cluster with st.async (plain stores into itself), counted by one mbarrier per block: no
+// cluster-scope release fence, which compiles to MEMBAR.GPU and would stall on the outstanding
+// state loads. A block exits only after receiving everything, so nobody writes into a finished
+// block and no exit barrier is needed.
+// Same math and per-warp state layout as the kernel above (lane l of warp w: columns
+// r*32 + w*8 + (l&1)*4 .. +3 of rows i*16 + (l>>1)); the L2 sums add the same four 32-channel
+// partials in the same order and q, k are scaled by the same factors: bit-identical results.
+#define KDA_SPLIT 4
+#define KDA_SPLIT_COLS (KDA_V / KDA_SPLIT)
+#define KDA_SPLIT_THREADS 128
+// Bytes each block receives: from each other block, 32 q + 32 k + 32 alpha + 2 partial sums
+// (its own slices it stores directly, ordered by the __syncthreads before the wait).
+#define KDA_SPLIT_TX_BYTES ((KDA_SPLIT - 1) * (3 * KDA_SPLIT_COLS + 2) * 4)
+
+__device__ __forceinline__ u32 kda_cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ u32 kda_smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// Store `v` at shared address `addr` (of this block) in block `rank`, completing 4 bytes of the
+// transaction count of that block's mbarrier at `bar` (same offset in every block).
+__device__ __forceinline__ void kda_push(u32 addr, float v, u32 bar, u32 rank) {
+    u32 ra, rb;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(addr), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(bar), "r"(rank));
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                 :: "r"(ra), "r"(__float_as_uint(v)), "r"(rb) : "memory");
+}
+
+extern "C" __global__ void __cluster_dims__(KDA_SPLIT, 1, 1) __launch_bounds__(KDA_SPLIT_THREADS)
+kda_decode_split_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
+                     const float* __restrict__ f_in, const float* __restrict__ b_in,
+                     const float* __restrict__ conv_q, const float* __restrict__ conv_k,
+                     const float* __restrict__ conv_v, const float* __restrict__ a_log,
+                     const float* __restrict__ dt_bias, float* __restrict__ arena, const i64* __restrict__ state_off,
+                     const i64* __restrict__ ckpt_off, float* __restrict__ o_out, int n_seqs, int heads, int conv,
+                     float lower_bound) {
+    // qs/ks/alpha/ssp are filled by the cluster's pushes (q and k before normalisation; ssp[2b],
+    // ssp[2b+1]: block b's sums of q^2 and k^2); vs and beta_s are this block's own.
+    __shared__ float qs[KDA_K], ks[KDA_K], alpha[KDA_K], ssp[2 * KDA_SPLIT], vs[KDA_SPLIT_COLS];
+    __shared__ float beta_s;
+    __shared__ __align__(8) unsigned long long bar;
+    const u32 r = kda_cluster_rank();
+    const int h = blockIdx.x / KDA_SPLIT, n = blockIdx.y;
+    // Uniform over the cluster (same h and n), so no block skips the cluster barrier alone.
+    if (h >= heads || n >= n_seqs || conv < 1 || conv > KDA_MAX_CONV) return;
+    const int hk = heads * KDA_K;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 bar_a = kda_smem_addr(&bar);
+    if (tid == 0) {  // one arrival (this one) plus the bytes of every push
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar_a) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(bar_a), "r"(KDA_SPLIT_TX_BYTES) : "memory");
+    }
+    // Nobody pushes before every block's mbarrier is initialised (the wait is just before the pushes).
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    float* region = arena + state_off[n];
+    float* ckpt = ckpt_off[n] >= 0 ? arena + ckpt_off[n] : nullptr;
+    const i64 wf = kda_window_floats(hk, conv);
+    const int vl = warp * 8 + (lane & 1) * 4, v0 = (int)r * KDA_SPLIT_COLS + vl, kr = lane >> 1;
+    float* S = region + kda_state_base(hk, conv) + (i64)h * KDA_K * KDA_V;
+    const bool s_al = (state_off[n] & 3) == 0, c_al = (ckpt_off[n] & 3) == 0;
+    float4 s[KDA_DEC_ROWS];
+#pragma unroll
+    for (int i = 0; i < KDA_DEC_ROWS; ++i) s[i] = kda_ld4(S + (i * 16 + kr) * KDA_V + v0, s_al);
+
+    // Phase 1: warp 0/1/2 convolve channel r*32 + lane of q/k/v (and update its window), warp 3
+    // computes the gate of key row r*32 + lane.
+    const int c = (int)r * KDA_SPLIT_COLS + lane, ch = h * KDA_K + c;
+    float y, ss = 0.0f;
+    if (warp < 3) {
+        const float* in = warp == 0 ? q_in : warp == 1 ? k_in : v_in;
+        const float* wconv = (warp == 0 ? conv_q : warp == 1 ? conv_k : conv_v) + (i64)ch * conv;
+        float* win = region + warp * wf + (i64)ch * (conv - 1);
+        const float x = in[(i64)n * hk + ch];
+        y = wconv[conv - 1] * x;
+        float hist[KDA_MAX_CONV];
+#pragma unroll
+        for (int j = 0; j < KDA_MAX_CONV - 1; ++j) {
+            hist[j] = j < conv - 1 ? win[j] : 0.0f;
+            if (j < conv - 1) y += wconv[j] * hist[j];
+        }
+#pragma unroll
+        for (int j = 0; j < KDA_MAX_CONV - 1; ++j) {
+            if (j < conv - 1) {
+                const float nv = j + 1 < conv - 1 ? hist[j + 1] : x;
+                win[j] = nv;
+                if (ckpt) ckpt[warp * wf + (i64)ch * (conv - 1) + j] = nv;
+            }
+        }
+        y = k3_silu(y);
+        if (warp == 2) vs[lane] = y;
+        else ss = warp_sum(y * y);
+    } else {
+        y = expf(kda_gate(f_in[(i64)n * hk + ch], dt_bias[ch], expf(a_log[h]), lower_bound));
+        if (lane == 0) beta_s = k3_sigmoid(b_in[(i64)n * heads + h]);
+    }
+    __syncwarp();  // the .aligned cluster barrier wants converged warps
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    if (warp != 2) {
+        float* dst = warp == 0 ? &qs[c] : warp == 1 ? &ks[c] : &alpha[c];
+        float* dss = &ssp[2 * r + (warp & 1)];  // used by warps 0 and 1
+        *dst = y;
+        if (warp < 2 && lane == 0) *dss = ss;
+#pragma unroll
+        for (u32 b = 1; b < KDA_SPLIT; ++b) {
+            const u32 to = (r + b) % KDA_SPLIT;
+            kda_push(kda_smem_addr(dst), y, bar_a, to);
+            if (warp < 2 && lane == 0) kda_push(kda_smem_addr(dss), ss, bar_a, to);
+        }
+    }
+    __syncthreads();  // vs, beta_s and this block's own slices
+    asm volatile("{\n\t.reg .pred done;\n"
+                 "KDA_WAIT_%=:\n\t"
+                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], 0;\n\t"
+                 "@!done bra KDA_WAIT_%=;\n\t}" :: "r"(bar_a) : "memory");
+    // Same expressions (and order) as kda_decode_f32's normalisation.
+    const float invq = rsqrtf((float)KDA_K) / sqrtf(ssp[0] + ssp[2] + ssp[4] + ssp[6] + 1e-6f);
+    const float invk = 1.0f / sqrtf(ssp[1] + ssp[3] + ssp[5] + ssp[7] + 1e-6f);
+
+    // Phase 2: as in kda_decode_f32, on this block's 32 columns.
+    float kv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < KDA_DEC_ROWS; ++i) {
+        const int k = i * 16 + kr;
+        const float a = alpha[k], kk = ks[k] * invk;
+        s[i].x *= a; s[i].y *= a; s[i].z *= a; s[i].w *= a;
+        kv[0] += s[i].x * kk; kv[1] += s[i].y * kk; kv[2] += s[i].z * kk; kv[3] += s[i].w * kk;
+    }
+    float u[4], o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) u[j] = beta_s * (vs[vl + j] - kda_reduce_rows16(kv[j]));
+#pragma unroll
+    for (int i = 0; i < KDA_DEC_ROWS; ++i) {
+        const int k = i * 16 + kr;
+        const float kk = ks[k] * invk, qq = qs[k] * invq;
+        s[i].x += kk * u[0]; s[i].y += kk * u[1]; s[i].z += kk * u[2]; s[i].w += kk * u[3];
+        o[0] += s[i].x * qq; o[1] += s[i].y * qq; o[2] += s[i].z * qq; o[3] += s[i].w * qq;
+        kda_st4(S + k * KDA_V + v0, s[i], s_al);
+    }
+    if (ckpt) {
+        float* Sc = ckpt + kda_state_base(hk, conv) + (i64)h * KDA_K * KDA_V;
+#pragma unroll
+        for (int i = 0; i < KDA_DEC_ROWS; ++i) kda_st4(Sc + (i * 16 + kr) * KDA_V + v0, s[i], c_al);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[j] = kda_reduce_rows16(o[j]);
+    if (lane < 2)
+        *reinterpret_cast<float4*>(o_out + (i64)n * hk + h * KDA_V + v0) = make_float4(o[0], o[1], o[2], o[3]);
+}

@@ -146,7 +146,10 @@ mla_attend_tc2_f32(const float* __restrict__ qt, const float* __restrict__ arena
     if (n >= items || row > MLA_MAX_ROW || kv_lora > 512) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int len = lens[n], base = pt_base[n];
-    const int j0 = spl * chunk, j1 = min(len, j0 + chunk);
+    // chunk <= 0: each item splits its own length evenly (the host's split count then depends
+    // only on a length bucket, so decode steps replay as one CUDA graph while contexts grow).
+    const int ch = chunk > 0 ? chunk : (len + splits - 1) / splits;
+    const int j0 = spl * ch, j1 = min(len, j0 + ch);
     const bool prec = (mode & 3) == 1, prec_qk = prec || (mode & 3) == 3;
     const int probe = (mode & 3) == 2, pf = mode >> 2;
 

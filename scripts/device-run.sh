@@ -84,7 +84,7 @@ done
 summary "== device tests"
 K3_ROOT="$PWD" timeout 420 "$BIN/device-test" --nocapture --test-threads=1 >"$OUT/device-test.log" 2>&1
 rc=$?
-grep -E '^(op=|e2e |engine |test )|skipped|seed|FAIL|panicked|near tie' "$OUT/device-test.log" | tee -a "$OUT/summary.txt"
+grep -E '^(op=|e2e |engine |test |graph_decode )|skipped|seed|FAIL|panicked|near tie' "$OUT/device-test.log" | tee -a "$OUT/summary.txt"
 [ $rc -eq 0 ] || fail "device tests (exit $rc; see device-test.log)"
 grep -q 'skipped: no CUDA device' "$OUT/device-test.log" && fail "device tests skipped: no CUDA device opened"
 

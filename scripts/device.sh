@@ -8,7 +8,7 @@
 #      k3-slice (K3's per-layer shapes, dummy weights) on CUDA at decode batch 1/16/64 with both
 #      MXFP4 expert kernels, then one per-op profile (K3_PROFILE=1)
 # K3_BENCH_ONLY (e.g. "mla,moe"; "none") limits stage 1's kernel benchmarks to those sections;
-# K3_SLICE_RUNS (default "default fast profile"; also "nogemm") picks stage 3's k3-slice runs.
+# K3_SLICE_RUNS (default "default fast profile"; also "nogemm", "nographs") picks stage 3's k3-slice runs.
 # K3_SERVING=1 adds stage 4, the seeds' serving workload on k3-slice (scripts/device-serving.sh).
 # Each stage has its own time limit so one slow stage leaves the others their share of the call.
 # Results under $OUT; exit status non-zero if a check failed.
@@ -27,11 +27,14 @@ BIN=/tmp/k3bin/k3serve
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export K3_KERNEL_CACHE=/tmp/k3-kernel-cache
 B="$OUT/bench.txt"
-SLICE=(bench --device cuda --model models/k3-slice --load-format dummy --prefill-tokens 2048 --repeats 1)
+SLICE=(bench --device cuda --model models/k3-slice --load-format dummy --prefill-tokens 2048 --repeats 2)
 {
     echo "== k3-mini, CUDA"
     timeout 60 "$BIN" bench --device cuda --model models/k3-mini --prefill-tokens 2048 --decode-tokens 256 \
         --repeats 2 --batch-sizes 16,64
+    echo "== k3-mini, CUDA, decode without CUDA graphs (K3_CUDA_GRAPHS=0)"
+    K3_CUDA_GRAPHS=0 timeout 60 "$BIN" bench --device cuda --model models/k3-mini --prefill-tokens 2048 \
+        --decode-tokens 256 --repeats 2 --batch-sizes 16,64
     if [ -n "${K3_CPU_BENCH:-}" ]; then
         echo "== k3-mini, CPU ($(nproc) threads)"
         timeout 60 "$BIN" bench --device cpu --model models/k3-mini --prefill-tokens 2048 --decode-tokens 256
@@ -40,6 +43,10 @@ SLICE=(bench --device cuda --model models/k3-slice --load-format dummy --prefill
     if [[ $runs == *" default "* ]]; then
         echo "== k3-slice (dummy weights), CUDA, default kernels"
         timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
+    fi
+    if [[ $runs == *" nographs "* ]]; then
+        echo "== k3-slice, CUDA, decode without CUDA graphs (K3_CUDA_GRAPHS=0)"
+        K3_CUDA_GRAPHS=0 timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
     fi
     if [[ $runs == *" fast "* ]]; then
         echo "== k3-slice, CUDA, MXFP4 experts below the GEMM threshold: fast kernels (K3_MX_EXPERTS=fast)"

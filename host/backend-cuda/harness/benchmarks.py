@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_PREP, cdiv, kda_region_floats, log, rel_err,
-                    run_kda_prefill)
-from common import run_mla_prefill
+from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_KERNELS, KDA_PREP, cdiv,
+                    kda_region_floats, log, rel_err, run_kda_prefill)
+from common import MX_GEMV_ROWS, mx_gemv_stage, run_mla_prefill
 
 # H200 SXM peak FP32 rate on the CUDA cores (NVIDIA data sheet: 67 TFLOP/s), where cuBLAS SGEMM in
 # the default math mode (no TF32) runs: the floor of the f32 expanded MLA prefill. The "sgemm f32"
@@ -73,7 +73,7 @@ def bench_mla_v2(d: Device, record, N, L, A, ps, qt, kvb, o, base, lens, floor):
     try:
         ms, how = d.time_graph(tail)
         tail_bytes = (heads * v_dim * kv_lora + N * heads * (splits * (kv_lora + 2) + 2 * kv_lora)) * 4
-        record(f"mla_tail v2 N={N} L={L} (merge + out_proj)", ms, tail_bytes / (COPY_TBPS / 2 * 1e12) * 1e3,
+        record(f"mla_tail v2 N={N} L={L} (merge + out_proj)", ms, tail_bytes / (COPY_TBPS * 1e12) * 1e3,
                splits=splits, timing=how)
     except Exception as e:  # noqa: BLE001
         log(f"bench mla_tail v2 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
@@ -116,9 +116,13 @@ def bench(d: Device, r: Results, quick: bool, only=None):
         o = torch.empty(N, hk, device="cuda")
         args = [d.view(t) for t in x + cw] + [d.view(dev(H)), d.view(dev(hk)), d.view(A), d.view(offs), d.view(ck),
                                               d.view(o), N, H, conv, lb]
-        ms, how = d.time_graph(lambda: d.launch("kda_decode_f32", (H, N), 512, *args))
+        # Every decode kernel on the same buffers ("kda_decode N=.." is the old 512-thread one).
+        runs = {}
+        for variant, (name, grid, block) in KDA_DECODE_KERNELS.items():
+            runs[variant] = d.time_graph(lambda name=name, grid=grid, block=block: d.launch(
+                name, grid(H, N), block, *args))
         floor = N * H * 128 * 128 * 4 * 2 / (COPY_TBPS * 1e12) * 1e3
-        extra = {"timing": how}
+        extra = {}
         if fla:
             q, k, v = (torch.randn(N, 1, H, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             g = -torch.rand(N, 1, H, 128, device="cuda") * 5
@@ -136,7 +140,12 @@ def bench(d: Device, r: Results, quick: bool, only=None):
                     extra["fla_ms"], extra["fla_timing"] = d.time_ms(fla_step), "eager"
             except Exception as e:  # noqa: BLE001
                 extra["fla_error"] = repr(e)[:200]
-        record(f"kda_decode N={N}", ms, floor, **extra)
+        for variant, (ms, how) in runs.items():
+            ratio = {} if variant == "old" else {"vs_old": round(runs["old"][0] / ms, 3)}
+            if "fla_ms" in extra:
+                ratio["vs_fla"] = round(extra["fla_ms"] / ms, 3)
+            record(f"kda_decode N={N}" if variant == "old" else f"kda_decode {variant} N={N}", ms, floor,
+                   timing=how, **ratio, **extra)
         del A
 
     # KDA prefill, one sequence of T tokens.
@@ -167,14 +176,19 @@ def bench(d: Device, r: Results, quick: bool, only=None):
             outs[chunk] = (o.clone(), A.clone())
             ms = d.time_ms(go, reps=5, warmup=1)
             chunk_ms = d.time_ms(go.chunk_only, reps=5, warmup=1)
+            # conv + prep alone (scan modes: the record pass, i.e. conv + prep + chunk algebra)
+            prep_ms = d.time_ms(go.prep_only, reps=5, warmup=1)
             tag, err = "", {}
             if chunk != "f32":  # vs the f32 kernel at the K3 shape (96 heads, long T), same start state
                 tag = f"[{chunk}]"
                 err = {"o_err_vs_f32": rel_err(outs[chunk][0], outs["f32"][0]),
                        "S_err_vs_f32": rel_err(outs[chunk][1], outs["f32"][1])}
-            record(f"kda_prefill{tag} T={T} (conv+prep+chunk)", ms, None, Mtok_s=T / ms / 1e3, chunk_ms=chunk_ms,
-                   **err, **extra)
-        for chunk in ("tc", "tc_fast"):
+            # Floor: the DRAM bytes of the record pass (raw q, k, v, f in, records out) + the scan's
+            # record reads and o write: about 4 + 4.3 + 4.3 + 1 tensors of T*H*128 f32.
+            floor = (4 + 4.3 + 4.3 + 1) * T * hk * 4 / (COPY_TBPS * 1e12) * 1e3 if chunk.startswith("scan") else None
+            record(f"kda_prefill{tag} T={T} (conv+prep+chunk)", ms, floor, Mtok_s=T / ms / 1e3, chunk_ms=chunk_ms,
+                   prep_ms=prep_ms, **err, **extra)
+        for chunk in [c for c in KDA_CHUNK_KERNELS if c != "f32"]:
             (o1, a1), (o2, a2) = outs["f32"], outs[chunk]
             tol = KDA_CHUNK_TOL[chunk]
             r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: o", rel_err(o2, o1), tol)
@@ -208,7 +222,7 @@ def bench(d: Device, r: Results, quick: bool, only=None):
         o = torch.empty(N, heads * v_dim, device="cuda")
         base = torch.arange(N, dtype=torch.int32, device="cuda") * pages
         lens = torch.full((N,), L, dtype=torch.int32, device="cuda")
-        floor = N * L * row * 4 / (COPY_TBPS / 2 * 1e12) * 1e3
+        floor = N * L * row * 4 / (COPY_TBPS * 1e12) * 1e3
         try:  # a failure here must not cost the benchmarks after it
             bench_mla_v2(d, record, N, L, A, ps, qt, kvb, o, base, lens, floor)
         except Exception as e:  # noqa: BLE001
@@ -293,7 +307,7 @@ def bench_attn_res(d: Device, record):
     w = dev(dm) * 0.01
     ms = d.time_ms(lambda: d.launch("attn_res_f32", T, 256, *[d.view(s) for s in srcs], 9, d.view(w), d.view(out), T,
                                     dm, 1e-5))
-    record(f"attn_res T={T} n=9", ms, (9 * T * dm * 4 + T * dm * 4) / (COPY_TBPS / 2 * 1e12) * 1e3)
+    record(f"attn_res T={T} n=9", ms, (9 * T * dm * 4 + T * dm * 4) / (COPY_TBPS * 1e12) * 1e3)
 
 
 
@@ -331,5 +345,25 @@ def bench_moe(d: Device, record, quick: bool):
                          ie, *ex_arg)
                 d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
             ms, how = d.time_graph(go)
-            record(f"moe_routed {label} T={T} top{k} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS / 2 * 1e12) * 1e3,
+            record(f"moe_routed {label} T={T} top{k} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS * 1e12) * 1e3,
                    experts_touched=touched, timing=how)
+        # The decode-step pair (ops.rs `gemv`), same buffers and run; floor = weight bytes read / 4.25 TB/s.
+        su, sd = mx_gemv_stage(T, lt), mx_gemv_stage(T, ie)
+
+        def gemv():
+            gx = min(E, T * k)
+            d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
+            d.launch("mxfp4_up_gemv_f32", (gx, cdiv(ie, MX_GEMV_ROWS)), 128, V["z"], V["w1p"], V["w1s"], V["w3p"],
+                     V["w3s"], V["off"], V["srt"], V["act"], k, lt, ie, 4.0, 25.0, 1, E, su, shared_mem=su * lt * 4)
+            d.launch("mxfp4_down_gemv_f32", (gx, cdiv(lt, MX_GEMV_ROWS)), 128, V["act"], V["w2p"], V["w2s"], V["off"],
+                     V["srt"], V["y"], lt, ie, E, sd, shared_mem=sd * ie * 4)
+            d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
+        go()  # the fast kernels (the loop's last `go`): K3-size agreement of the two paths
+        d.sync()
+        fast_res = res.clone()
+        gemv()
+        d.sync()
+        agree = rel_err(res, fast_res)
+        ms, how = d.time_graph(gemv)
+        record(f"moe_routed gemv T={T} top{k} (sort+up+down+combine)", ms, wbytes / 4.25e12 * 1e3,
+               experts_touched=touched, stage=su, rel_vs_fast=f"{agree:.1e}", timing=how)

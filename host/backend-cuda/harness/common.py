@@ -20,7 +20,20 @@ from k3ref import kda as rk  # noqa: E402
 if TYPE_CHECKING:
     from device_check import Device
 
-COPY_TBPS = 4.25  # anchors.md: device-to-device copy, bytes read + written
+# anchors.md: device-to-device copy, bytes read + written. Every floor is (bytes read + bytes
+# written) / COPY_TBPS: a read-only kernel moves only its reads, so its floor is reads / 4.25 TB/s.
+COPY_TBPS = 4.25
+
+
+# The decode-step MXFP4 expert kernels (kernels/mxfp4.cu mxfp4_*_gemv_f32; ops.rs mx_gemv_stage):
+# 64 rows per 128-thread block; up to 4 tokens staged per pass in dynamic shared memory, kept
+# under the 48 KB that needs no opt-in (the kernels' static shared memory is ~0.2 KB).
+MX_GEMV_ROWS = 64
+MX_GEMV_STAGE_BYTES = 48 * 1024 - 512
+
+
+def mx_gemv_stage(max_tokens_per_expert: int, cols: int) -> int:
+    return max(1, min(max_tokens_per_expert, 4, MX_GEMV_STAGE_BYTES // (cols * 4)))
 
 
 LOG: list[str] = []
@@ -83,12 +96,23 @@ def kda_reference(xq, xk, xv, f, b, convw, a_log, dt_bias, windows, S0, heads, l
     return o.reshape(t, hk), S[0], wins_end, {n: (em[n][0], emitted_w[n]) for n in emit_at}
 
 
+# Decode kernels (same arguments): variant -> (name, grid for (heads, seqs), block). "split" is the
+# default of ops.rs (K3_KDA_DECODE), "old" the 512-thread kernel kept for one A/B run.
+KDA_DECODE_KERNELS = {"old": ("kda_decode_f32", lambda h, n: (h, n), 512),
+                      "split": ("kda_decode_split_f32", lambda h, n: (4 * h, n), 128)}
+
 # Chunk kernels of the prefill (same arguments): name -> grid for `heads`.
 KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4)),
                      "tc": ("kda_chunk_tc_f32", lambda h: (4, h)),
                      "tc_fast": ("kda_chunk_tc_fast_f32", lambda h: (4, h))}
+# The two-pass path (kernels/kda_chunk_scan.cu, ops.rs default for conv <= 4): kda_chunk_rec_f32
+# (conv + prep + chunk algebra, grid (chunks, heads)) then the scan named here, grid (4, heads).
+KDA_SCAN_KERNELS = {"scan": "kda_chunk_scan_f32", "scan_fast": "kda_chunk_scan_fast_f32"}
+KDA_CHUNK_KERNELS.update({k: (v, lambda h: (4, h)) for k, v in KDA_SCAN_KERNELS.items()})
 # Tolerance of each against the float64 reference: 3xTF32 keeps f32 accuracy, 1xTF32 ~7e-4.
-KDA_CHUNK_TOL = {"f32": 1e-4, "tc": 1e-4, "tc_fast": 2e-3}
+KDA_CHUNK_TOL = {"f32": 1e-4, "tc": 1e-4, "tc_fast": 2e-3, "scan": 1e-4, "scan_fast": 2e-3}
+KDA_REC_FLOATS = 8576  # one (chunk, head) record; ops.rs KDA_REC_FLOATS
+KDA_SCAN_SEG = 8192  # tokens per rec + scan segment; ops.rs KDA_SCAN_SEG
 
 
 # Conv + prep: "fused" = kda_conv_prep_f32 (one pass, conv <= 4), "split" = the two old kernels
@@ -97,8 +121,13 @@ KDA_PREP = "fused"
 
 
 def run_kda_prefill(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk, xv, f, b, convw, a_log, dt_bias,
-                    chunk="f32", prep=KDA_PREP):
-    """Launch the prefill kernels; returns (o, launch closure) with device tensors as given."""
+                    chunk="f32", prep=KDA_PREP, seg=KDA_SCAN_SEG):
+    """Launch the prefill kernels; returns (o, launch closure) with device tensors as given. The closure
+    has .chunk_only (the chunk / scan kernel alone, inputs from a previous go()) and .prep_only (the
+    conv + prep part alone: conv_prep or conv_silu + prep, or the record pass)."""
+    if chunk in KDA_SCAN_KERNELS and conv <= 4:
+        return _run_kda_scan(d, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk, xv, f, b, convw, a_log, dt_bias,
+                             KDA_SCAN_KERNELS[chunk], seg)
     chunk_name, chunk_grid = KDA_CHUNK_KERNELS[chunk]
     fused = prep == "fused" and conv <= 4
     hk = heads * 128
@@ -130,7 +159,49 @@ def run_kda_prefill(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk,
     def chunk_only():  # the chunk kernel alone (inputs from a previous go())
         d.launch(chunk_name, chunk_grid(heads), 128, d.view(qo), d.view(ko), d.view(vo), d.view(fg), d.view(beta),
                  d.view(A), off, d.view(cn), d.view(co), len(ck_n), d.view(o), t, heads, conv)
-    go.chunk_only = chunk_only
+
+    def prep_only():
+        if fused:
+            d.launch("kda_conv_prep_f32", (cdiv(t, 32), cdiv(heads, 4)), 128, *v[:3], d.view(f0), bv, *v[3:], al, dtb,
+                     d.view(qo), d.view(ko), d.view(vo), d.view(fg), d.view(beta), d.view(A), off, d.view(cn),
+                     d.view(co), len(ck_n), t, heads, conv, lb)
+            return
+        fg.copy_(f0)
+        d.launch("kda_conv_silu_f32", cdiv(3 * hk, 256), 256, *v, d.view(qo), d.view(ko), d.view(vo), d.view(A), off,
+                 d.view(cn), d.view(co), len(ck_n), t, hk, conv)
+        d.launch("kda_prep_f32", cdiv(t * heads, 4), 128, d.view(qo), d.view(ko), d.view(fg), bv, d.view(beta), al, dtb,
+                 t, heads, lb)
+    go.chunk_only, go.prep_only = chunk_only, prep_only
+    return o, go
+
+
+def _run_kda_scan(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk, xv, f, b, convw, a_log, dt_bias, scan,
+                  seg):
+    """ops.rs kda_prefill's default path: per segment of `seg` tokens, kda_chunk_rec_f32 then `scan`."""
+    dev = lambda x: x.float().contiguous().to(d.tdev)  # noqa: E731
+    o = torch.empty(t, heads * 128, device=d.tdev)
+    rec = torch.empty(cdiv(min(t, seg), 16) * heads * KDA_REC_FLOATS, device=d.tdev)
+    cn = torch.tensor(ck_n or [0], dtype=torch.int32).to(d.tdev)
+    co = torch.tensor(ck_off or [0], dtype=torch.int64).to(d.tdev)
+    ins = [d.view(dev(x)) for x in (xq, xk, xv, f, b)] + [d.view(dev(w)) for w in convw]
+    al, dtb = d.view(dev(a_log)), d.view(dev(dt_bias))
+    segs = [(t0, min(t, t0 + seg)) for t0 in range(0, t, seg)]
+
+    def rec_pass(t0, t1):
+        d.launch("kda_chunk_rec_f32", (cdiv(t1 - t0, 16), heads), 128, *ins, al, dtb, d.view(rec), d.view(A), off,
+                 d.view(cn), d.view(co), len(ck_n), t0, t1, heads, conv, lb)
+
+    def scan_pass(t0, t1):
+        d.launch(scan, (4, heads), 128, d.view(rec), d.view(A), off, d.view(cn), d.view(co), len(ck_n), d.view(o),
+                 ins[3], al, dtb, lb, t0, t1, heads, conv)
+
+    def go():
+        for t0, t1 in segs:
+            rec_pass(t0, t1)
+            scan_pass(t0, t1)
+    # Alone (inputs from a previous go(); the last segment's records): per-kernel timings.
+    go.prep_only = lambda: [rec_pass(*s) for s in segs[-1:]]
+    go.chunk_only = lambda: [scan_pass(*s) for s in segs[-1:]]
     return o, go
 
 

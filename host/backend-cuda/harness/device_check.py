@@ -31,9 +31,9 @@ import torch
 # puts reference/ on sys.path for k3ref.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks import bench  # noqa: E402
-from common import (KDA_CHUNK_TOL, KDA_PREP, LOG, ROOT, cdiv, kda_reference, kda_region_floats,  # noqa: E402
-                    log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
-from common import mla_prefill_plan, run_mla_prefill  # noqa: E402
+from common import (KDA_CHUNK_TOL, KDA_DECODE_KERNELS, KDA_PREP, LOG, ROOT, cdiv, kda_reference,  # noqa: E402
+                    kda_region_floats, log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
+from common import MX_GEMV_ROWS, mla_prefill_plan, mx_gemv_stage, run_mla_prefill  # noqa: E402
 from emulators import EMU  # noqa: E402
 from k3ref import mxfp4 as rmx  # noqa: E402
 from k3ref.attnres import attn_res as ref_attn_res  # noqa: E402
@@ -62,7 +62,9 @@ def inline_includes(path: Path, seen: set | None = None) -> str:
     return "".join(out)
 
 
-ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)', re.S)
+# Attributes (__launch_bounds__, __cluster_dims__) may sit between `void` and the name.
+ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__(?:launch_bounds|cluster_dims)__\([^)]*\)\s*)*'
+                   r'(\w+)\s*\(([^)]*)\)', re.S)
 SCALARS = {"int": np.int32, "float": np.float32, "i64": np.int64, "u32": np.uint32}
 POINTEES = {"float": np.float32, "int": np.int32, "i64": np.int64, "u8": np.uint8, "u32": np.uint32,
             "unsigned short": np.uint16, "u16": np.uint16}
@@ -117,7 +119,7 @@ class Device:
             log(f"compiled {f.name} in {time.time() - t0:.1f}s")
         return self.modules[f].get_function(name)
 
-    def launch(self, name, grid, block, *args):
+    def launch(self, name, grid, block, *args, shared_mem=0):
         _, params = self.sigs[name]
         if len(args) != len(params):
             raise TypeError(f"{name}: {len(args)} arguments for {len(params)} parameters")
@@ -137,7 +139,7 @@ class Device:
         if self.dry:
             EMU[name](*conv)
         else:
-            self.kernel(name)(grid, block, tuple(conv))
+            self.kernel(name)(grid, block, tuple(conv), shared_mem=shared_mem)  # dynamic, <= 48 KB
 
     def sync(self):
         if not self.dry:
@@ -347,41 +349,52 @@ def check_kda_decode(d: Device, r: Results, gen):
     for i in range(n):
         pack_kda_region(arena, offs[i], inp["windows"][i], inp["S0"][i])
     ck = [-1, at(1), -1]
-    A = arena.float().to(d.tdev)
+    refs = [kda_reference(inp["xq"][i], inp["xk"][i], inp["xv"][i], inp["f"][i], inp["b"][i], inp["convw"],
+                          inp["a_log"], inp["dt_bias"], inp["windows"][i], inp["S0"][i], heads, lb) for i in range(n)]
     F32 = lambda xs: torch.cat([x for x in xs]).float().contiguous().to(d.tdev)  # noqa: E731
-    o = torch.empty(n, hk, device=d.tdev)
-    args = [d.view(F32(inp["xq"])), d.view(F32(inp["xk"])), d.view(F32(inp["xv"])), d.view(F32(inp["f"])),
-            d.view(F32(inp["b"]))] + [d.view(w.float().contiguous().to(d.tdev)) for w in inp["convw"]] + [
-        d.view(inp["a_log"].float().to(d.tdev)), d.view(inp["dt_bias"].float().to(d.tdev)), d.view(A),
-        d.view(torch.tensor(offs, dtype=torch.int64).to(d.tdev)), d.view(torch.tensor(ck, dtype=torch.int64).to(d.tdev)),
-        d.view(o), n, heads, conv, lb]
-    d.launch("kda_decode_f32", (heads, n), 512, *args)
-    d.sync()
-    A = A.double().cpu()
-    eo, es, ew = 0.0, 0.0, 0.0
-    for i in range(n):
-        ro, rS, rw, _ = kda_reference(inp["xq"][i], inp["xk"][i], inp["xv"][i], inp["f"][i], inp["b"][i],
-                                      inp["convw"], inp["a_log"], inp["dt_bias"], inp["windows"][i], inp["S0"][i],
-                                      heads, lb)
-        gw, gS = unpack_kda_region(A, offs[i], hk, conv, heads)
-        eo = max(eo, rel_err(o[i:i + 1], ro))
-        es = max(es, rel_err(gS, rS))
-        ew = max(ew, max(rel_err(a, b) for a, b in zip(gw, rw)))
-        if ck[i] >= 0:
-            cw, cS = unpack_kda_region(A, ck[i], hk, conv, heads)
-            es = max(es, rel_err(cS, rS))
-            ew = max(ew, max(rel_err(a, b) for a, b in zip(cw, rw)))
-    r.check("kda_decode o", eo, 2e-5)
-    r.check("kda_decode state (+checkpoint)", es, 2e-5)
-    r.check("kda_decode windows (+checkpoint)", ew, 1e-6)
+    outs = {}
+    for variant, (name, grid, block) in KDA_DECODE_KERNELS.items():  # both from the same arena
+        A = arena.float().to(d.tdev)
+        o = torch.empty(n, hk, device=d.tdev)
+        args = [d.view(F32(inp["xq"])), d.view(F32(inp["xk"])), d.view(F32(inp["xv"])), d.view(F32(inp["f"])),
+                d.view(F32(inp["b"]))] + [d.view(w.float().contiguous().to(d.tdev)) for w in inp["convw"]] + [
+            d.view(inp["a_log"].float().to(d.tdev)), d.view(inp["dt_bias"].float().to(d.tdev)), d.view(A),
+            d.view(torch.tensor(offs, dtype=torch.int64).to(d.tdev)),
+            d.view(torch.tensor(ck, dtype=torch.int64).to(d.tdev)), d.view(o), n, heads, conv, lb]
+        d.launch(name, grid(heads, n), block, *args)
+        d.sync()
+        A, o = A.cpu(), o.cpu()
+        outs[variant] = (A, o)
+        A = A.double()
+        eo, es, ew = 0.0, 0.0, 0.0
+        for i in range(n):
+            ro, rS, rw, _ = refs[i]
+            gw, gS = unpack_kda_region(A, offs[i], hk, conv, heads)
+            eo = max(eo, rel_err(o[i:i + 1], ro))
+            es = max(es, rel_err(gS, rS))
+            ew = max(ew, max(rel_err(a, b) for a, b in zip(gw, rw)))
+            if ck[i] >= 0:
+                cw, cS = unpack_kda_region(A, ck[i], hk, conv, heads)
+                es = max(es, rel_err(cS, rS))
+                ew = max(ew, max(rel_err(a, b) for a, b in zip(cw, rw)))
+        tag = "kda_decode" if variant == "old" else f"kda_decode {variant}"
+        r.check(f"{tag} o", eo, 2e-5)
+        r.check(f"{tag} state (+checkpoint)", es, 2e-5)
+        r.check(f"{tag} windows (+checkpoint)", ew, 1e-6)
+    # The split kernel sums the same partials in the same order: it should match the old one exactly.
+    (A0, o0), (A1, o1) = outs["old"], outs["split"]
+    r.check("kda_decode split vs old (arena, o)", max(rel_err(A1, A0), rel_err(o1, o0)), 1e-6)
 
 
-def check_kda_prefill(d: Device, r: Results, gen, chunk="f32", prep=KDA_PREP, conv=4):
+def check_kda_prefill(d: Device, r: Results, gen, chunk="f32", prep=KDA_PREP, conv=4, seg=None):
     heads, lb = 2, -5.0
     hk, reg = heads * 128, kda_region_floats(heads * 128, conv, heads)
     tag = "kda_prefill" if chunk == "f32" else f"kda_prefill[{chunk}]"
     if prep != KDA_PREP or conv != 4:
         tag += f"[prep={prep},conv={conv}]"
+    if seg:
+        tag += f"[seg={seg}]"
+    extra = {"seg": seg} if seg else {}
     tol = KDA_CHUNK_TOL[chunk]
     for t, emit in ((45, [1, 16, 30, 45]), (16, []), (3, [2])) + (((2, [1]),) if conv == 4 else ()):
         inp = kda_inputs(t, heads, conv, gen)
@@ -391,7 +404,8 @@ def check_kda_prefill(d: Device, r: Results, gen, chunk="f32", prep=KDA_PREP, co
         ck_off = [j * reg for j in range(len(emit))]
         A = arena.float().to(d.tdev)
         o, go = run_kda_prefill(d, t, heads, conv, lb, A, off, emit, ck_off, inp["xq"][0], inp["xk"][0], inp["xv"][0],
-                                inp["f"][0], inp["b"][0], inp["convw"], inp["a_log"], inp["dt_bias"], chunk, prep)
+                                inp["f"][0], inp["b"][0], inp["convw"], inp["a_log"], inp["dt_bias"], chunk, prep,
+                                **extra)
         go()
         d.sync()
         ro, rS, rw, em = kda_reference(inp["xq"][0], inp["xk"][0], inp["xv"][0], inp["f"][0], inp["b"][0], inp["convw"],
@@ -412,6 +426,12 @@ def check_kda_prefill_tc(d: Device, r: Results, gen):
     """The tensor-core chunk kernels on the same cases (3xTF32: the f32 tolerances hold)."""
     check_kda_prefill(d, r, gen, chunk="tc")
     check_kda_prefill(d, r, gen, chunk="tc_fast")
+    # The two-pass default (kda_chunk_rec_f32 + scan), also chained over 16-token segments.
+    check_kda_prefill(d, r, gen, chunk="scan")
+    check_kda_prefill(d, r, gen, chunk="scan_fast")
+    check_kda_prefill(d, r, gen, chunk="scan", seg=16)
+    for conv in (2, 3):
+        check_kda_prefill(d, r, gen, chunk="scan", conv=conv)
 
 
 def check_kda_prefill_prep(d: Device, r: Results, gen):
@@ -486,9 +506,12 @@ def check_mla(d: Device, r: Results, gen):
         # mla_attend_tc2_f32 (mode = precision | prefetch tiles << 2) + mla_merge_f32 + mla_out_proj_f32.
         # precise = 3xTF32 (~f32, what the backend uses); fast = 1xTF32 (TF32 rounds to 11 significant
         # bits: ~1e-3 expected, 1e-2 allowed); mixed = 3xTF32 scores, 1xTF32 P V.
+        # "per-item chunk" passes chunk 0: each item splits its own length (what ops.rs does, so
+        # decode launches stay equal from step to step for CUDA graphs).
         for label, splits, tol, mode in (("precise", 3, 1e-4, 1 | 4 << 2), ("fast", 2, 1e-2, 0 | 4 << 2),
-                                         ("precise pf0", 1, 1e-4, 1), ("mixed", 3, 1e-3, 3 | 4 << 2)):
-            chunk = cdiv(max(lens), splits)
+                                         ("precise pf0", 1, 1e-4, 1), ("mixed", 3, 1e-3, 3 | 4 << 2),
+                                         ("precise per-item chunk", 4, 1e-4, 1 | 4 << 2)):
+            chunk = 0 if "per-item" in label else cdiv(max(lens), splits)
             part = torch.empty(n, heads, splits, kv_lora + 2, device=d.tdev)
             d.launch("mla_attend_tc2_f32", (cdiv(heads, 16), n, splits), 256, d.view(qt), d.view(A),
                      d.view(i64(page_start)), d.view(i32(pt_base)), d.view(i32(lens)), d.view(part), n, heads, kv_lora,
@@ -627,6 +650,46 @@ def check_moe(d: Device, r: Results, gen):
 
 
 
+def check_moe_gemv(d: Device, r: Results, gen):
+    """The decode-step expert pair (mxfp4_*_gemv_f32) on shapes with an odd number of 32-value
+    blocks per row (a lane pair's tail) and rows that leave a partial 64-row tile, at T = 1, at
+    several tokens per expert, and with a 1-token stage (one pass per token: weights re-read)."""
+    e, k, lt, ie = 6, 3, 160, 96
+    w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
+    w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
+    w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+    dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
+    for t, stage in ((1, None), (9, None), (9, 1)):
+        z = rand(t, lt, gen=gen)
+        idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64), rand(e, scale=0.1, gen=gen),
+                                k, True, 1.0)
+        ref = torch.zeros(t, lt, dtype=torch.float64)
+        for tt in range(t):
+            for j in range(k):
+                ex = int(idx[tt, j])
+                ref[tt] += wts[tt, j] * (w2[ex] @ ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0))
+        na = t * k
+        offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
+        sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
+        d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx.int().reshape(-1))), na, e, d.view(offsets),
+                 d.view(sorted_))
+        su, sd = (stage or mx_gemv_stage(t, lt), stage or mx_gemv_stage(t, ie))
+        act = torch.empty(na, ie, device=d.tdev)
+        y = torch.empty(na, lt, device=d.tdev)
+        gx = min(e, na)
+        d.launch("mxfp4_up_gemv_f32", (gx, cdiv(ie, MX_GEMV_ROWS)), 128, d.view(dev(z.float())), d.view(dev(w1p)),
+                 d.view(dev(w1s)), d.view(dev(w3p)), d.view(dev(w3s)), d.view(offsets), d.view(sorted_), d.view(act),
+                 k, lt, ie, 4.0, 25.0, 1, e, su, shared_mem=su * lt * 4)
+        d.launch("mxfp4_down_gemv_f32", (gx, cdiv(lt, MX_GEMV_ROWS)), 128, d.view(act), d.view(dev(w2p)),
+                 d.view(dev(w2s)), d.view(offsets), d.view(sorted_), d.view(y), lt, ie, e, sd, shared_mem=sd * ie * 4)
+        res = torch.empty(t, lt, device=d.tdev)
+        d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
+                 d.view(res), t, k, lt)
+        d.sync()
+        tag = f"T={t}" + (f" stage={stage}" if stage else "")
+        r.check(f"moe routed gemv {tag} (sort+up+down+combine)", rel_err(res, ref), 1e-5)
+
+
 def check_bf16_matmul(d: Device, r: Results, gen):
     """Dense matmul with bf16 weights (kernels/bf16.cu around the cuBLAS bf16 GEMM of
     backend_impl.rs matmul_linear; the GEMM played by an f32 matmul of the same bf16 values)."""
@@ -739,7 +802,8 @@ def main():
         log(f"device: {torch.cuda.get_device_name()} torch {torch.__version__} cupy {d.cp.__version__}")
     t0 = time.time()
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
-               check_kda_prefill_tc, check_mla, check_mla_prefill, check_moe, check_moe_gemm, check_bf16_matmul, check_kda_prefill_prep):
+               check_kda_prefill_tc, check_mla, check_mla_prefill, check_moe, check_moe_gemv, check_moe_gemm,
+               check_bf16_matmul, check_kda_prefill_prep):
         try:
             fn(d, r, gen)
         except Exception as e:  # noqa: BLE001  a crash in one check must not hide the others

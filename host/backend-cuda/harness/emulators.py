@@ -97,6 +97,125 @@ def _emu_kda_chunk(q, k, v, g, beta, arena, off, ck_n, ck_off, n_ck, o_out, t, h
         A[int(ck_off[j]) + wf: int(ck_off[j]) + wf + S1.numel()] = em[n].reshape(-1).float()
 
 
+_REC_PERM = []
+
+
+def _rec_perm():
+    """Record float p (kernels/kda_chunk_scan.cu layout) -> index into the concatenation
+    [W (16x128), Qp (16x128), Kd (16x128), U (16x128), Aqk (16x16), e (128)], all row-major."""
+    if not _REC_PERM:
+        perm = np.zeros(8576, np.int64)
+        for w in range(4):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                for s in range(4):
+                    k0 = 32 * w + 8 * s
+                    for r, (i, j) in enumerate(((g, k0 + t), (g + 8, k0 + t), (g, k0 + t + 4), (g + 8, k0 + t + 4))):
+                        p = ((w * 32 + lane) * 4 + s) * 4 + r
+                        perm[p], perm[2048 + p] = i * 128 + j, 2048 + i * 128 + j
+                    mt, ss = s // 2, s % 2
+                    d0, j = 32 * w + 16 * mt, 8 * ss + t
+                    for r, (tok, dd) in enumerate(((j, d0 + g), (j, d0 + g + 8), (j + 4, d0 + g), (j + 4, d0 + g + 8))):
+                        perm[4096 + ((w * 32 + lane) * 4 + s) * 4 + r] = 4096 + tok * 128 + dd
+        for vt in range(4):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                for s in range(2):
+                    for nt in range(4):
+                        for r in range(2):
+                            perm[6144 + (vt * 32 + lane) * 16 + (s * 4 + nt) * 2 + r] = \
+                                6144 + (8 * s + t + 4 * r) * 128 + 32 * vt + 8 * nt + g
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for s in range(2):
+                for r, (i, j) in enumerate(((g, 8 * s + t), (g + 8, 8 * s + t), (g, 8 * s + t + 4), (g + 8, 8 * s + t + 4))):
+                    perm[8192 + (lane * 2 + s) * 4 + r] = 8192 + i * 16 + j
+        perm[8448:] = 8448 + np.arange(128)
+        assert sorted(perm.tolist()) == list(range(8576))
+        _REC_PERM.append(perm)
+    return _REC_PERM[0]
+
+
+def _emu_kda_chunk_rec(qi, ki, vi, fi, bi, cq, ck, cv, a_log, dt_bias, rec, arena, off, ck_n, ck_off, n_ck, t0, t1,
+                       heads, conv, lb):
+    """Records of chunks [t0, t1) (float64 math), windows after t1 and window checkpoints in (t0, t1]."""
+    t0, t1, heads, conv = int(t0), int(t1), int(heads), int(conv)
+    if conv > 4:
+        return
+    hk, A = heads * 128, _t(arena)
+    rows = lambda x, c: _t(x).view(-1, c).double()  # noqa: E731
+    win, _ = unpack_kda_region(A, int(off), hk, conv, heads)
+    ys = []
+    for i, (x, c) in enumerate(zip((qi, ki, vi), (cq, ck, cv))):
+        X, wc = rows(x, hk), _t(c).view(hk, conv).double()
+        w0 = win[i].double().t() if t0 == 0 else X[t0 - (conv - 1):t0]  # [C-1, hk], oldest first
+        y, nw = rk.short_conv(X[None, t0:t1], wc[:, None, :], w0[None])
+        ys.append(F.silu(y[0]))
+        wlen = hk * (conv - 1)
+        A[int(off) + i * wlen:int(off) + (i + 1) * wlen] = nw[0].t().reshape(-1).float()
+        for j in range(int(n_ck)):
+            n = int(ck_n[j])
+            if t0 < n <= t1:
+                _, wn = rk.short_conv(X[None, t0:n], wc[:, None, :], w0[None])
+                A[int(ck_off[j]) + i * wlen:int(ck_off[j]) + (i + 1) * wlen] = wn[0].t().reshape(-1).float()
+    n = t1 - t0
+    nc = (n + 15) // 16
+    pad = lambda x: F.pad(x, (0, 0) * (x.dim() - 1) + (0, nc * 16 - n)).view(nc, 16, *x.shape[1:])  # noqa: E731
+    q = pad(rk.l2norm(ys[0].view(n, heads, 128)) * 128 ** -0.5)  # [nc, 16, H, K]
+    k = pad(rk.l2norm(ys[1].view(n, heads, 128)))
+    v = pad(ys[2].view(n, heads, 128))
+    g = pad(rk.kda_gate(rows(fi, hk)[t0:t1].view(n, heads, 128), _t(a_log).double(), _t(dt_bias).double(), float(lb)))
+    beta = pad(torch.sigmoid(rows(bi, heads)[t0:t1]))  # [nc, 16, H]
+    G = g.cumsum(1)
+    kp, kn, qp = k * G.exp(), k * (-G).exp(), q * G.exp()
+    kd = k * (G[:, -1:] - G).exp()
+    tri = lambda x, d: torch.tril(x, d)  # noqa: E731
+    L = tri(torch.einsum("cihd,cjhd->chij", kp, kn), -1) * beta.permute(0, 2, 1)[..., None]
+    Aqk = tri(torch.einsum("cihd,cjhd->chij", qp, kn), 0)
+    eye = torch.eye(16, dtype=torch.float64)
+    bd = torch.diag_embed(beta.permute(0, 2, 1))  # [nc, H, 16, 16]
+    Tm = torch.linalg.solve_triangular(eye + L, bd, upper=False)
+    W = Tm @ kp.permute(0, 2, 1, 3)
+    U = Tm @ v.permute(0, 2, 1, 3)
+    src = torch.cat([W.reshape(nc, heads, -1), qp.permute(0, 2, 1, 3).reshape(nc, heads, -1),
+                     kd.permute(0, 2, 1, 3).reshape(nc, heads, -1), U.reshape(nc, heads, -1),
+                     Aqk.reshape(nc, heads, -1), G[:, -1].exp()], -1)  # [nc, H, 8576]
+    R = _t(rec).view(-1)
+    R[:nc * heads * 8576] = src[..., torch.from_numpy(_rec_perm())].reshape(-1).float()
+
+
+def _emu_kda_chunk_scan(rec, arena, off, ck_n, ck_off, n_ck, o_out, f_in, a_log, dt_bias, lb, t0, t1, heads, conv):
+    """The state scan over the records of [t0, t1): X = U - W S, O = Qp S + Aqk X, S <- e S + Kd^T X
+    (float64); checkpoints from the chunk-start state with G recomputed from f."""
+    t0, t1, heads, conv = int(t0), int(t1), int(heads), int(conv)
+    hk, A = heads * 128, _t(arena)
+    nc = (t1 - t0 + 15) // 16
+    src = torch.empty(nc, heads, 8576, dtype=torch.float64)
+    src[..., torch.from_numpy(_rec_perm())] = _t(rec).view(-1)[:nc * heads * 8576].view(nc, heads, 8576).double()
+    W, Qp, Kd, U = (src[..., i * 2048:(i + 1) * 2048].reshape(nc, heads, 16, 128) for i in range(4))
+    Aqk, e = src[..., 8192:8448].reshape(nc, heads, 16, 16), src[..., 8448:]
+    _, S = unpack_kda_region(A, int(off), hk, conv, heads)
+    S = S.double().clone()
+    wf = 3 * hk * (conv - 1)
+    O = _t(o_out).view(-1, hk)
+    F_ = _t(f_in).view(-1, heads, 128).double()
+    for c in range(nc):
+        c0 = t0 + 16 * c
+        cl = min(16, t1 - c0)
+        X = U[c] - W[c] @ S
+        O[c0:c0 + cl] = (Qp[c] @ S + Aqk[c] @ X).permute(1, 0, 2).reshape(16, hk)[:cl].float()
+        for j in range(int(n_ck)):
+            m = int(ck_n[j]) - c0
+            if 1 <= m <= cl:
+                G = rk.kda_gate(F_[c0:c0 + cl], _t(a_log).double(), _t(dt_bias).double(), float(lb)).cumsum(0)
+                gm, gc = G[m - 1], G[cl - 1]  # [H, K]
+                Sm = gm.exp()[..., None] * S + ((Kd[c][:, :m] * (gm - gc).exp()[:, None]).transpose(-1, -2)
+                                                @ X[:, :m])
+                A[int(ck_off[j]) + wf:int(ck_off[j]) + wf + Sm.numel()] = Sm.reshape(-1).float()
+        S = e[c][..., None] * S + Kd[c].transpose(-1, -2) @ X
+    A[int(off) + wf:int(off) + wf + S.numel()] = S.reshape(-1).float()
+
+
 def _emu_mla_attend(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens, splits,
                     chunk, scale):
     row = int(kv_lora) + int(rope)
@@ -105,8 +224,9 @@ def _emu_mla_attend(qt, arena, page_start, pt_base, lens, part, items, heads, kv
         L = int(lens[n])
         rows = torch.stack([A[int(page_start[int(pt_base[n]) + j // int(page_tokens)]) + (j % int(page_tokens)) * row:][:row]
                             for j in range(L)]).double()
+        ch = int(chunk) if int(chunk) > 0 else -(-L // int(splits))  # chunk <= 0: per item (mla.cu)
         for s in range(int(splits)):
-            j0, j1 = s * int(chunk), min(L, (s + 1) * int(chunk))
+            j0, j1 = s * ch, min(L, (s + 1) * ch)
             for h in range(int(heads)):
                 if j1 <= j0:
                     P[n, h, s, :] = 0.0
@@ -279,12 +399,16 @@ EMU = {
     "softmax_temperature_f32": lambda lg, p, rows, v, temp: p.__setitem__(slice(None), torch.softmax(
         _t(lg).view(int(rows), int(v)).double() / float(temp), -1).float().numpy()),
     "kda_decode_f32": _emu_kda_decode,
+    "kda_decode_split_f32": _emu_kda_decode,  # same contract; grid (4H, N) of 128-thread clusters
     "kda_conv_silu_f32": _emu_kda_conv,
     "kda_prep_f32": _emu_kda_prep,
     "kda_conv_prep_f32": _emu_kda_conv_prep,
     "kda_chunk_fwd_f32": _emu_kda_chunk,
     "kda_chunk_tc_f32": _emu_kda_chunk,  # same contract; only the grid and the chunking differ
     "kda_chunk_tc_fast_f32": _emu_kda_chunk,
+    "kda_chunk_rec_f32": _emu_kda_chunk_rec,
+    "kda_chunk_scan_f32": _emu_kda_chunk_scan,
+    "kda_chunk_scan_fast_f32": _emu_kda_chunk_scan,
     "mla_append_rows_f32": lambda kv_a, nw, arena, dst, t, lkv, rope, eps: [arena.__setitem__(
         slice(int(dst[i]), int(dst[i]) + int(lkv) + int(rope)), np.concatenate([ref_rms_norm(
             _t(kv_a).view(int(t), -1)[i, :int(lkv)].double(), _t(nw).double(), float(eps)).float().numpy(),
@@ -315,6 +439,8 @@ EMU = {
     "mxfp4_expert_down_f32": _emu_moe_down,
     "mxfp4_up_fast_f32": lambda *a: _emu_moe_up(*a[:-1]),  # + E (the grid's busy-expert mapping)
     "mxfp4_down_fast_f32": lambda *a: _emu_moe_down(*a[:-1]),
+    "mxfp4_up_gemv_f32": lambda *a: _emu_moe_up(*a[:-2]),  # + E, stage (tokens per pass)
+    "mxfp4_down_gemv_f32": lambda *a: _emu_moe_down(*a[:-2]),
     "moe_combine_f32": lambda y, w, out, t, k, lt: out.__setitem__(slice(None), torch.einsum(
         "tk,tkl->tl", _t(w).view(int(t), int(k)), _t(y).view(int(t), int(k), int(lt))).numpy().reshape(out.shape)),
 }

@@ -22,6 +22,12 @@ use k3_model::exec::ExecError;
 impl CudaBackend {
     /// Remember `e` unless an earlier error is already recorded.
     fn record(&self, e: CudaError) {
+        if self.step.recording() {
+            // A logged pass (graph.rs) that fails is abandoned and the step rerun eagerly,
+            // which reports the failure for real if it recurs.
+            self.step.abort(|| e.to_string());
+            return;
+        }
         let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
             *slot = Some(e.to_string());
@@ -34,6 +40,9 @@ impl CudaBackend {
     }
 
     fn failed(&self) -> bool {
+        if self.step.recording() && self.step.aborted() {
+            return true;
+        }
         self.error
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -110,6 +119,12 @@ impl CudaBackend {
             beta: 0.0f32,
             ldc: i(n)?,
         };
+        if self.step.recording() {
+            self.step.log_gemm(&[0, m, n, k]);
+            if self.step.dry() {
+                return Ok(y);
+            }
+        }
         // SAFETY: w holds n*k, x holds m*k and y holds m*n floats, matching the dims and leading
         // dimensions above; all three live until the call is queued on the stream.
         unsafe { self.blas.gemm(cfg, &w.buf, &x.buf, &mut y.buf) }?;
@@ -222,7 +237,7 @@ impl CudaBackend {
         if end > start {
             let src = a.buf.slice(start * a.cols..end * a.cols);
             let mut dst = out.buf.slice_mut(0..(end - start) * a.cols);
-            self.stream.memcpy_dtod(&src, &mut dst)?;
+            self.copy_dtod(&src, &mut dst)?;
         }
         Ok(out)
     }
@@ -240,7 +255,7 @@ impl CudaBackend {
             if n > 0 {
                 let src = m.buf.slice(0..n);
                 let mut dst = out.buf.slice_mut(at..at + n);
-                self.stream.memcpy_dtod(&src, &mut dst)?;
+                self.copy_dtod(&src, &mut dst)?;
             }
             at += n;
         }
@@ -267,6 +282,7 @@ impl CudaBackend {
     ) -> Result<()> {
         Self::arena_check(arena, src, len)?;
         Self::arena_check(arena, dst, len)?;
+        self.no_download_while_recording("arena copy")?; // cache moves: not part of a step
         if len == 0 {
             return Ok(());
         }
@@ -290,6 +306,7 @@ impl CudaBackend {
         len: usize,
     ) -> Result<()> {
         Self::arena_check(arena, offset, len)?;
+        self.no_download_while_recording("arena zero")?; // cache moves: not part of a step
         if len == 0 {
             return Ok(());
         }
@@ -317,6 +334,7 @@ impl CudaBackend {
         if len == 0 {
             return Ok(Vec::new());
         }
+        self.no_download_while_recording("arena read")?;
         let (f0, f1) = (offset / 4, (offset + len).div_ceil(4));
         let floats = self.stream.memcpy_dtov(&arena.slice(f0..f1))?;
         let bytes: Vec<u8> = floats.iter().flat_map(|f| f.to_ne_bytes()).collect();
@@ -613,7 +631,10 @@ impl Backend for CudaBackend {
     }
 
     fn arena(&self, bytes: usize) -> CudaSlice<f32> {
-        self.placeholder_arena(bytes)
+        let a = self.placeholder_arena(bytes);
+        let base = cudarc::driver::DevicePtr::device_ptr(&a, &self.stream).0;
+        self.step.add_arena(base, a.len() * 4);
+        a
     }
 
     fn arena_len(&self, arena: &CudaSlice<f32>) -> usize {
@@ -857,6 +878,14 @@ impl Backend for CudaBackend {
                 })
             },
         )
+    }
+
+    fn run_step(
+        &self,
+        replayable: bool,
+        pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, ExecError>,
+    ) -> std::result::Result<Option<DeviceMat>, ExecError> {
+        self.run_graph_step(replayable, pass)
     }
 
     fn take_error(&self) -> Option<String> {

@@ -55,6 +55,8 @@ pub struct CudaBackend {
     pub(crate) profile: Option<crate::profile::OpProfile>,
     /// The tensor-core MoE path's work buffers (moe_gemm.rs), kept between calls.
     pub(crate) moe_scratch: Mutex<crate::moe_gemm::MoeScratch>,
+    /// CUDA graphs of decode steps (graph.rs).
+    pub(crate) step: crate::graph::StepState,
 }
 
 impl Drop for CudaBackend {
@@ -123,7 +125,8 @@ impl CudaBackend {
         let sms = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )?;
-        let stream = ctx.default_stream();
+        // Not the legacy default stream: stream capture (CUDA graphs) needs a created one.
+        let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let version = nvrtc_version()?;
         let options: Vec<String> = NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect();
@@ -144,6 +147,7 @@ impl CudaBackend {
                 functions.insert(entry, module.load_function(entry)?);
             }
         }
+        let profile = crate::profile::OpProfile::from_env();
         Ok(Self {
             ctx,
             stream,
@@ -152,7 +156,8 @@ impl CudaBackend {
             functions,
             blas,
             error: Mutex::new(None),
-            profile: crate::profile::OpProfile::from_env(),
+            step: crate::graph::StepState::new(profile.is_some()),
+            profile,
             moe_scratch: Mutex::default(),
         })
     }
@@ -181,8 +186,20 @@ impl CudaBackend {
         Ok(DeviceMat {
             rows,
             cols,
-            buf: self.stream.alloc_zeros::<f32>((rows * cols).max(1))?,
+            buf: self.zeroed::<f32>(rows * cols)?,
         })
+    }
+
+    /// `len` (at least one) zeroed elements; not zeroed in a dry pass (graph.rs), which
+    /// queues no device work.
+    pub(crate) fn zeroed<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>> {
+        if self.step.dry() {
+            return self.uninit(len);
+        }
+        Ok(self.stream.alloc_zeros::<T>(len.max(1))?)
     }
 
     /// A buffer of `len` elements (at least one) that is not zeroed: for buffers whose every
@@ -202,13 +219,10 @@ impl CudaBackend {
     }
 
     pub fn download(&self, m: &DeviceMat) -> Result<Vec<f32>> {
+        self.no_download_while_recording("download")?;
         let mut v = self.stream.memcpy_dtov(&m.buf)?;
         v.truncate(m.rows * m.cols);
         Ok(v)
-    }
-
-    pub fn upload_slice<T: cudarc::driver::DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
-        Ok(self.stream.memcpy_stod(data)?)
     }
 
     /// (free, total) bytes of this device's memory, as the driver reports them now.

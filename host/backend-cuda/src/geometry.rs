@@ -9,6 +9,8 @@ use k3_model::backend::{KdaGeom, MlaGeom};
 pub struct Launch {
     pub grid: (u32, u32, u32),
     pub block: u32,
+    /// Dynamic shared memory in bytes (0 unless set by `with_shared`).
+    pub shared: u32,
 }
 
 impl Launch {
@@ -28,6 +30,21 @@ impl Launch {
                 dim(grid.2, 65535, "z")?,
             ),
             block,
+            shared: 0,
+        })
+    }
+
+    /// The same launch with `bytes` of dynamic shared memory: at most 48 KB, what a kernel gets
+    /// without the opt-in attribute (static shared memory counts against it too).
+    pub fn with_shared(self, bytes: usize) -> Result<Self> {
+        if bytes > 48 * 1024 {
+            return Err(CudaError::Unsupported(format!(
+                "{bytes} B of dynamic shared memory (48 KB at most)"
+            )));
+        }
+        Ok(Self {
+            shared: bytes as u32,
+            ..self
         })
     }
 
@@ -35,7 +52,7 @@ impl Launch {
         cudarc::driver::LaunchConfig {
             grid_dim: self.grid,
             block_dim: (self.block, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: self.shared,
         }
     }
 }
@@ -72,6 +89,15 @@ pub fn check_kda(g: &KdaGeom) -> Result<()> {
 pub fn kda_decode(g: &KdaGeom, seqs: usize) -> Result<Launch> {
     check_kda(g)?;
     Launch::new((g.heads, seqs, 1), 512)
+}
+
+/// Column slices of `kda_decode_split_f32` per (head, sequence): its compile-time cluster size.
+pub const KDA_DECODE_SPLIT: usize = 4;
+
+/// Split decode: a cluster of 4 128-thread blocks per (head, sequence), grid.x = 4 * heads.
+pub fn kda_decode_split(g: &KdaGeom, seqs: usize) -> Result<Launch> {
+    check_kda(g)?;
+    Launch::new((KDA_DECODE_SPLIT * g.heads, seqs, 1), 128)
 }
 
 /// Prefill: (conv, prep, chunk) launches for `tokens` new tokens.
@@ -231,6 +257,8 @@ mod tests {
     fn kda_geometry_matches_the_kernels() {
         let l = kda_decode(&kda(96), 64).unwrap();
         assert_eq!((l.grid, l.block), ((96, 64, 1), 512));
+        let l = kda_decode_split(&kda(96), 64).unwrap();
+        assert_eq!((l.grid, l.block), ((4 * 96, 64, 1), 128));
         let [conv, prep, chunk] = kda_prefill(&kda(96), 8192).unwrap();
         assert_eq!(conv.grid.0 as usize * 256, 3 * 96 * 128);
         assert_eq!(prep.grid.0 as usize * 4, 8192 * 96);
@@ -273,6 +301,7 @@ mod tests {
             kda_decode(&kda(2), 70_000).is_err(),
             "grid y is limited to 65535 sequences"
         );
+        assert!(kda_decode_split(&kda(2), 70_000).is_err());
     }
 
     #[test]

@@ -17,12 +17,14 @@ pub mod mla_prefill;
 #[macro_use]
 pub mod ops;
 pub mod backend_impl;
+mod graph;
 mod moe_gemm;
 mod profile;
 pub mod sources;
 
 pub use device::{CudaBackend, DeviceLinear, DeviceMat};
 pub use error::{CudaError, Result};
+pub use graph::GraphCounts;
 
 #[cfg(test)]
 mod tests {

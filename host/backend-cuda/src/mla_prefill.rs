@@ -303,6 +303,12 @@ impl CudaBackend {
         seq: ExpandedSeq<'_>,
         o: &mut DeviceMat,
     ) -> Result<()> {
+        if self.step.recording() {
+            // Prefill-sized spans only: never part of a replayable (decode) step.
+            return Err(CudaError::Unsupported(
+                "MLA expanded prefill inside a replayable step".into(),
+            ));
+        }
         let (t, start, pt) = (seq.tokens, seq.start_pos, seq.page_tokens);
         let (heads, nope, rope, vd, lkv) = (g.heads, g.nope, g.rope, g.v_dim, g.kv_lora);
         let (qk, row, len) = (nope + rope, g.row(), start + t);

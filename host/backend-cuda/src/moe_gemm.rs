@@ -92,6 +92,7 @@ impl CudaBackend {
             )));
         }
         let n = t * top_k;
+        self.no_download_while_recording("moe GEMM path")?;
         let host_offsets = self.part("offsets to host", || self.stream.memcpy_dtov(offsets))?;
         let touched = (0..e)
             .filter(|&i| host_offsets[i + 1] > host_offsets[i])
@@ -271,6 +272,13 @@ impl CudaBackend {
             i32::try_from(v).map_err(|_| CudaError::InvalidArg(format!("gemm dim {v} > i32")))
         };
         let (m_, n_, k_) = (dim(n)?, dim(rows)?, dim(k)?);
+        if self.step.recording() {
+            // Weight offsets are logged: a different expert or layer is different work.
+            self.step.log_gemm(&[1, w_off, x_off, c_off, n, rows, k]);
+            if self.step.dry() {
+                return Ok(());
+            }
+        }
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (wp, _g1) = w.device_ptr(&self.stream);
         let (xp, _g2) = x.device_ptr(&self.stream);

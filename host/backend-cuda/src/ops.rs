@@ -7,16 +7,26 @@ use crate::geometry::{self, Launch};
 use cudarc::driver::CudaSlice;
 use k3_model::backend::{KdaGeom, MlaGeom, RouterParams, SituParams};
 
-/// Push every argument (references that outlive the builder), then launch on the stream.
+/// Push every argument (references that outlive the builder), then launch on the stream. Inside
+/// a replayable step (graph.rs) the launch is logged first, and a dry pass stops there.
 macro_rules! launch {
     ($be:expr, $name:expr, $l:expr; $($arg:expr),* $(,)?) => {{
         use cudarc::driver::PushKernelArg as _;
-        let f = $be.function($name)?;
-        let mut b: cudarc::driver::LaunchArgs<'_> = $be.stream.launch_builder(f);
-        $( b.arg($arg); )*
-        // SAFETY: argument count and types follow the kernel's C signature (checked against the
-        // parsed signatures by the device harness), every buffer is live for the launch.
-        unsafe { b.launch($l.config()) }.map(|_| ()).map_err(CudaError::from)
+        let l: $crate::geometry::Launch = $l;
+        if $be.step.recording() {
+            let words = [$( $crate::graph::StepArg::step_word(&$arg, &$be.step, &$be.stream) ),*];
+            $be.step.log_launch($name, &l, &words);
+        }
+        if $be.step.dry() {
+            Ok(())
+        } else {
+            let f = $be.function($name)?;
+            let mut b: cudarc::driver::LaunchArgs<'_> = $be.stream.launch_builder(f);
+            $( b.arg($arg); )*
+            // SAFETY: argument count and types follow the kernel's C signature (checked against
+            // the parsed signatures by the device harness), every buffer is live for the launch.
+            unsafe { b.launch(l.config()) }.map(|_| ()).map_err(CudaError::from)
+        }
     }};
 }
 
@@ -24,8 +34,9 @@ macro_rules! launch {
 /// each read once per process from an environment variable so one device run can A/B them
 /// through the whole model:
 /// - `K3_MX_EXPERTS` (steps below the tensor-core path's threshold, moe_gemm.rs): `auto`
-///   (default: `block` under `MX_FAST_MIN_ASSIGNMENTS`, else `fast`), `block` (a block per
-///   (expert, output rows)) or `fast` (a word per lane, blocks mapped onto busy experts only).
+///   (default: `gemv`), `gemv` (two lanes per row, the step's tokens staged in shared memory, a
+///   weight byte loaded once per pass of up to 4 tokens), `block` (a block per (expert, output
+///   rows)) or `fast` (a word per lane, blocks mapped onto busy experts only).
 fn env_choice(
     cell: &'static std::sync::OnceLock<String>,
     var: &str,
@@ -34,18 +45,55 @@ fn env_choice(
     cell.get_or_init(|| std::env::var(var).unwrap_or_else(|_| default.to_string()))
 }
 
-fn mx_fast_experts(assignments: usize) -> bool {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MxExperts {
+    Block,
+    Fast,
+    Gemv,
+}
+
+/// `auto` is `gemv` at every size that reaches these kernels: it reads each weight byte once per
+/// pass of up to 4 tokens where `block` / `fast` decode it per token (or per 8) with more
+/// instructions per byte (H200, K3 shapes before it: `block` 0.73 ms, `fast` 0.88 ms at 1 token
+/// x top-16; `fast` 6.2 ms at 16 tokens and 11 ms at 64; docs/performance.md).
+fn mx_experts_choice() -> MxExperts {
     static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     match env_choice(&C, "K3_MX_EXPERTS", "auto") {
-        "fast" => true,
-        "block" => false,
-        _ => assignments >= MX_FAST_MIN_ASSIGNMENTS,
+        "fast" => MxExperts::Fast,
+        "block" => MxExperts::Block,
+        _ => MxExperts::Gemv,
     }
 }
 
-/// H200, K3 expert shapes (docs/performance.md): `block` 0.73 ms vs `fast` 0.88 ms at 1 token x
-/// top-16; `fast` 6.2 vs 7.1 ms at 16 tokens and 11 vs 24 ms at 64.
-const MX_FAST_MIN_ASSIGNMENTS: usize = 64;
+/// kernels/mxfp4.cu `mxfp4_*_gemv_f32`: rows per 128-thread block, most tokens per pass.
+const MX_GEMV_ROWS: usize = 64;
+const MX_GEMV_MAX_STAGE: usize = 4;
+/// Dynamic shared memory for the staged tokens: under the 48 KB a launch gets without an opt-in
+/// attribute, less the kernels' ~0.2 KB of static shared memory.
+const MX_GEMV_STAGE_BYTES: usize = 48 * 1024 - 512;
+
+/// Tokens the gemv kernels stage per pass for input width `cols`: no expert gets more than
+/// `max_per_expert` (= T: a token's top-k experts are distinct), so T = 1 reserves one row.
+fn mx_gemv_stage(max_per_expert: usize, cols: usize) -> usize {
+    max_per_expert
+        .min(MX_GEMV_MAX_STAGE)
+        .min(MX_GEMV_STAGE_BYTES / (cols * 4))
+        .max(1)
+}
+
+/// Grid of the gemv kernels: blocks for `busy` experts x 64-row tiles, `stage` tokens of `cols`
+/// in dynamic shared memory (the staged bytes are fixed by `stage`, which is a kernel argument,
+/// so a recorded step's launch log covers them).
+fn mx_gemv_launch(busy: usize, rows: usize, cols: usize, stage: usize) -> Result<Launch> {
+    geometry::mx_expert(busy, rows, cols)?; // cols a multiple of 32
+    let bytes = stage * cols * 4;
+    if bytes > MX_GEMV_STAGE_BYTES {
+        return Err(CudaError::Unsupported(format!(
+            "MXFP4 gemv: input width {cols} does not fit the shared-memory stage"
+        )));
+    }
+    Launch::new((busy, rows.div_ceil(MX_GEMV_ROWS), 1), 128)?.with_shared(bytes)
+}
 
 const MLA_V2_PREFETCH_TILES: i32 = 4;
 
@@ -82,9 +130,8 @@ pub fn float_offset(byte_offset: usize, len_floats: usize, arena_floats: usize) 
     Ok(f as i64)
 }
 
-/// The KDA chunk kernel picked by `K3_KDA_CHUNK` (read once per process): `tc` (the default:
-/// 3xTF32 tensor cores, f32 accuracy, checked on the H200), `tc_fast` (1xTF32, ~1e-3) or `f32`
-/// (the CUDA-core kernel, `None`).
+/// The one-pass KDA chunk kernel when `kda_scan` is off or conv > 4, by `K3_KDA_CHUNK`: `tc`
+/// (3xTF32 tensor cores, f32 accuracy), `tc_fast` (1xTF32, ~1e-3) or `f32` (CUDA cores, `None`).
 fn kda_chunk_tc() -> Option<&'static str> {
     static TC: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
     *TC.get_or_init(|| match std::env::var("K3_KDA_CHUNK").as_deref() {
@@ -93,6 +140,32 @@ fn kda_chunk_tc() -> Option<&'static str> {
         _ => Some("kda_chunk_tc_f32"),
     })
 }
+
+/// The KDA decode kernel picked by `K3_KDA_DECODE` (read once per process): `split` (the default:
+/// `kda_decode_split_f32`, a cluster of 4 column-slice blocks per head) or `old` (`kda_decode_f32`,
+/// one 512-thread block per head), kept for an A/B run on the device.
+fn kda_decode_old() -> bool {
+    static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    env_choice(&C, "K3_KDA_DECODE", "split") == "old"
+}
+
+/// The two-pass KDA prefill (kernels/kda_chunk_scan.cu, conv <= 4) unless `K3_KDA_CHUNK` names
+/// one of the older paths (`tc`, `tc_fast`, `f32`): `scan` (default, 3xTF32 scan) or `scan_fast`
+/// (1xTF32 scan, ~1e-3). Returns the scan kernel's name.
+fn kda_scan() -> Option<&'static str> {
+    static SCAN: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
+    *SCAN.get_or_init(|| match std::env::var("K3_KDA_CHUNK").as_deref() {
+        Ok("tc" | "tc_fast" | "f32") => None,
+        Ok("scan_fast") => Some("kda_chunk_scan_fast_f32"),
+        _ => Some("kda_chunk_scan_f32"),
+    })
+}
+
+/// Floats of one (16-token chunk, head) record of `kda_chunk_rec_f32` (KDA_REC in the kernel).
+const KDA_REC_FLOATS: usize = 8576;
+/// Tokens per rec + scan segment (a multiple of 16): bounds the record buffer to
+/// 512 chunks x H x 34 KiB (1.7 GB at H = 96); the state and windows carry over in the arena.
+const KDA_SCAN_SEG: usize = 8192;
 
 /// KDA prefill conv + prep in one pass (`kda_conv_prep_f32`, conv <= 4) instead of
 /// `kda_conv_silu_f32` + `kda_prep_f32`; the harness's `KDA_PREP` must say the same. Flip to
@@ -236,6 +309,7 @@ impl CudaBackend {
 
     /// Greedy ids of each logits row.
     pub fn argmax_rows(&self, logits: &DeviceMat) -> Result<Vec<i32>> {
+        self.no_download_while_recording("argmax")?;
         let ids = self.stream.alloc_zeros::<i32>(logits.rows.max(1))?;
         let (r, v) = (i32_of(logits.rows, "rows")?, i32_of(logits.cols, "vocab")?);
         launch!(self, "argmax_rows_f32", geometry::per_row(logits.rows, 1024)?; &logits.buf, &ids, &r, &v)?;
@@ -259,8 +333,8 @@ impl CudaBackend {
             )));
         }
         let l = geometry::router(logits.rows, logits.cols, r.top_k)?;
-        let idx = self.stream.alloc_zeros::<i32>(logits.rows * r.top_k)?;
-        let w = self.stream.alloc_zeros::<f32>(logits.rows * r.top_k)?;
+        let idx = self.zeroed::<i32>(logits.rows * r.top_k)?;
+        let w = self.zeroed::<f32>(logits.rows * r.top_k)?;
         let (t, e, k, ren) = (
             logits.rows as i32,
             logits.cols as i32,
@@ -282,7 +356,11 @@ impl CudaBackend {
         slots: &[KdaSlot],
     ) -> Result<DeviceMat> {
         let n = slots.len();
-        let l = geometry::kda_decode(&g, n)?;
+        let (name, l) = if kda_decode_old() {
+            ("kda_decode_f32", geometry::kda_decode(&g, n)?)
+        } else {
+            ("kda_decode_split_f32", geometry::kda_decode_split(&g, n)?)
+        };
         for m in [x.q, x.k, x.v, x.f] {
             if (m.rows, m.cols) != (n, g.hk()) {
                 return Err(CudaError::InvalidArg(format!(
@@ -309,7 +387,7 @@ impl CudaBackend {
         let (offs, cks) = (self.upload_slice(&offs)?, self.upload_slice(&cks)?);
         let o = self.zeros(n, g.hk())?;
         let (nn, h, conv) = (n as i32, g.heads as i32, g.conv_kernel as i32);
-        launch!(self, "kda_decode_f32", l;
+        launch!(self, name, l;
             &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log, w.dt_bias,
             arena, &offs, &cks, &o.buf, &nn, &h, &conv, &g.gate_lower_bound)?;
         Ok(o)
@@ -349,11 +427,6 @@ impl CudaBackend {
             ck_off.push(0);
         }
         let (ck_n, ck_off) = (self.upload_slice(&ck_n)?, self.upload_slice(&ck_off)?);
-        let (q, k, v) = (
-            self.zeros(t, g.hk())?,
-            self.zeros(t, g.hk())?,
-            self.zeros(t, g.hk())?,
-        );
         for m in [x.q, x.k, x.v, x.f] {
             if (m.rows, m.cols) != (t, g.hk()) {
                 return Err(CudaError::InvalidArg(format!(
@@ -369,15 +442,42 @@ impl CudaBackend {
                 "KDA prefill beta logits shape".into(),
             ));
         }
-        let mut gate = self.zeros(t, g.hk())?;
-        let beta = self.zeros(t, g.heads)?;
-        let o = self.zeros(t, g.hk())?;
         let (tt, hk, conv, h) = (
             t as i32,
             g.hk() as i32,
             g.conv_kernel as i32,
             g.heads as i32,
         );
+        if let (Some(scan), true) = (kda_scan(), g.conv_kernel <= KDA_FUSED_MAX_CONV) {
+            // Record pass (conv, prep, chunk algebra; parallel) then the state scan, per segment.
+            let o = self.output(t, g.hk())?;
+            let mut rec =
+                self.uninit::<f32>(t.min(KDA_SCAN_SEG).div_ceil(16) * g.heads * KDA_REC_FLOATS)?;
+            let ls = Launch::new((geometry::KDA_HEAD_DIM / 32, g.heads, 1), 128)?;
+            let mut t0 = 0;
+            while t0 < t {
+                let t1 = (t0 + KDA_SCAN_SEG).min(t);
+                let lr = Launch::new(((t1 - t0).div_ceil(16), g.heads, 1), 128)?;
+                let (b, e) = (t0 as i32, t1 as i32);
+                launch!(self, "kda_chunk_rec_f32", lr;
+                    &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log,
+                    w.dt_bias, &mut rec, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &b, &e, &h, &conv,
+                    &g.gate_lower_bound)?;
+                launch!(self, scan, ls;
+                    &rec, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &o.buf, &x.f.buf, w.a_log, w.dt_bias,
+                    &g.gate_lower_bound, &b, &e, &h, &conv)?;
+                t0 = t1;
+            }
+            return Ok(o);
+        }
+        let (q, k, v) = (
+            self.zeros(t, g.hk())?,
+            self.zeros(t, g.hk())?,
+            self.zeros(t, g.hk())?,
+        );
+        let mut gate = self.zeros(t, g.hk())?;
+        let beta = self.zeros(t, g.heads)?;
+        let o = self.zeros(t, g.hk())?;
         if KDA_FUSED_PREP && g.conv_kernel <= KDA_FUSED_MAX_CONV {
             // One warp per (head, KDA_SEG tokens), 4 heads per block; g to its own buffer.
             let lf = Launch::new((t.div_ceil(KDA_SEG), g.heads.div_ceil(4), 1), 128)?;
@@ -387,7 +487,7 @@ impl CudaBackend {
                 &tt, &h, &conv, &g.gate_lower_bound)?;
         } else {
             // The prep kernel writes the gate over its input: work on a copy of f.
-            self.stream.memcpy_dtod(&x.f.buf, &mut gate.buf)?;
+            self.copy_dtod(&x.f.buf, &mut gate.buf)?;
             launch!(self, "kda_conv_silu_f32", lc;
                 &x.q.buf, &x.k.buf, &x.v.buf, w.conv[0], w.conv[1], w.conv[2], &q.buf, &k.buf, &v.buf, &mut *arena,
                 &off, &ck_n, &ck_off, &n_ck, &tt, &hk, &conv)?;
@@ -461,9 +561,14 @@ impl CudaBackend {
                 starts.push(float_offset(s, page_tokens * row, len)?);
             }
         }
-        let max_len = lens.iter().copied().max().unwrap_or(1);
-        let (splits, chunk) =
-            geometry::mla_splits_tc2(items, g.heads, max_len, self.multiprocessors);
+        // Splits from the longest length rounded up to a power of two, positions per split
+        // from each item's own length (chunk 0, mla.cu): the launch then changes only when the
+        // bucket does, not every step (graph.rs replays a step only if its launches are equal).
+        let max_len = lens.iter().copied().max().unwrap_or(1).next_power_of_two();
+        let (splits, _) = geometry::mla_splits_tc2(items, g.heads, max_len, self.multiprocessors);
+        let chunk: i32 = 0;
+        // Padded to a power of two for the same reason (entries past an item's pages are unread).
+        starts.resize(starts.len().next_power_of_two(), 0);
         let lens32: Vec<i32> = lens
             .iter()
             .map(|&l| i32_of(l, "length"))
@@ -491,7 +596,7 @@ impl CudaBackend {
         launch!(self, "mla_absorb_q_f32", Launch::new((items, g.heads, 1), 128)?;
             &q.buf, kv_b, &qt.buf, &it, &h, &nope, &rope, &vd, &lkv)?;
         let part = self.zeros(items * g.heads * splits, g.kv_lora + 2)?;
-        let (pt, sp, ch) = (page_tokens as i32, splits as i32, chunk as i32);
+        let (pt, sp, ch) = (page_tokens as i32, splits as i32, chunk);
         let scale = 1.0 / ((g.nope + g.rope) as f32).sqrt();
         // Attend on tensor cores (3xTF32: f32-level accuracy, two blocks per SM, L2 prefetch of
         // MLA_V2_PREFETCH_TILES tiles ahead), merge the splits, then W_UV once per call.
@@ -525,8 +630,8 @@ impl CudaBackend {
         }
         let (idx, w) = self.route(router_logits, bias, r)?;
         let (t, k) = (z.rows, r.top_k);
-        let offsets = self.stream.alloc_zeros::<i32>(ex.experts + 1)?;
-        let sorted = self.stream.alloc_zeros::<i32>((t * k).max(1))?;
+        let offsets = self.zeroed::<i32>(ex.experts + 1)?;
+        let sorted = self.zeroed::<i32>((t * k).max(1))?;
         let (na, e) = (i32_of(t * k, "assignments")?, ex.experts as i32);
         launch!(self, "moe_sort_assignments", Launch::new((1, 1, 1), 1024)?; &idx, &na, &e, &offsets, &sorted)?;
         if t * k >= crate::moe_gemm::min_assignments() {
@@ -539,26 +644,32 @@ impl CudaBackend {
             situ.linear_beta.unwrap_or(1.0),
             i32::from(situ.linear_beta.is_some()),
         );
-        let fast = mx_fast_experts(t * k);
-        let (up, down) = if fast {
-            ("mxfp4_up_fast_f32", "mxfp4_down_fast_f32")
-        } else {
-            ("mxfp4_expert_up_f32", "mxfp4_expert_down_f32")
-        };
-        if fast {
-            // Blocks for at most min(E, T*k) experts: each maps itself to a busy one (mxfp4.cu).
-            let busy = ex.experts.min(t * k).max(1);
-            launch!(self, up, geometry::mx_expert_fast(busy, ex.inter, ex.latent)?;
-                &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
-                &situ.beta, &lin, &has, &e)?;
-            launch!(self, down, geometry::mx_expert_fast(busy, ex.latent, ex.inter)?;
-                &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e)?;
-        } else {
-            launch!(self, up, geometry::mx_expert(ex.experts, ex.inter, ex.latent)?;
-                &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
-                &situ.beta, &lin, &has)?;
-            launch!(self, down, geometry::mx_expert(ex.experts, ex.latent, ex.inter)?;
-                &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie)?;
+        // Blocks of `fast` / `gemv` for at most min(E, T*k) experts: each maps itself to a busy one.
+        let busy = ex.experts.min(t * k).max(1);
+        match mx_experts_choice() {
+            MxExperts::Gemv => {
+                let (su, sd) = (mx_gemv_stage(t, ex.latent), mx_gemv_stage(t, ex.inter));
+                let (sui, sdi) = (su as i32, sd as i32);
+                launch!(self, "mxfp4_up_gemv_f32", mx_gemv_launch(busy, ex.inter, ex.latent, su)?;
+                    &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
+                    &situ.beta, &lin, &has, &e, &sui)?;
+                launch!(self, "mxfp4_down_gemv_f32", mx_gemv_launch(busy, ex.latent, ex.inter, sd)?;
+                    &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &sdi)?;
+            }
+            MxExperts::Fast => {
+                launch!(self, "mxfp4_up_fast_f32", geometry::mx_expert_fast(busy, ex.inter, ex.latent)?;
+                    &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
+                    &situ.beta, &lin, &has, &e)?;
+                launch!(self, "mxfp4_down_fast_f32", geometry::mx_expert_fast(busy, ex.latent, ex.inter)?;
+                    &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e)?;
+            }
+            MxExperts::Block => {
+                launch!(self, "mxfp4_expert_up_f32", geometry::mx_expert(ex.experts, ex.inter, ex.latent)?;
+                    &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
+                    &situ.beta, &lin, &has)?;
+                launch!(self, "mxfp4_expert_down_f32", geometry::mx_expert(ex.experts, ex.latent, ex.inter)?;
+                    &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie)?;
+            }
         }
         let out = self.zeros(t, ex.latent)?;
         let tt = t as i32;
@@ -577,5 +688,32 @@ mod tests {
         assert!(float_offset(18, 1, 100).is_err(), "unaligned");
         assert!(float_offset(16, 5, 8).is_err(), "past the end");
         assert!(float_offset(0, 8, 8).is_ok());
+    }
+
+    #[test]
+    fn gemv_stage_fits_the_shared_budget() {
+        // K3: latent 3584 / inter 3072 take 3 tokens per pass; T = 1 stages one row.
+        assert_eq!(mx_gemv_stage(1, 3584), 1);
+        assert_eq!(mx_gemv_stage(64, 3584), 3);
+        assert_eq!(mx_gemv_stage(64, 3072), 3);
+        assert_eq!(mx_gemv_stage(64, 128), MX_GEMV_MAX_STAGE);
+        assert_eq!(
+            mx_gemv_stage(64, 16384),
+            1,
+            "over the budget: the launch refuses it"
+        );
+        let l = mx_gemv_launch(16, 3072, 3584, 3).unwrap();
+        assert_eq!(
+            (l.grid, l.block, l.shared),
+            ((16, 48, 1), 128, 3 * 3584 * 4)
+        );
+        assert!(
+            mx_gemv_launch(16, 3072, 16384, 1).is_err(),
+            "one row over the budget"
+        );
+        assert!(
+            mx_gemv_launch(16, 3072, 100, 1).is_err(),
+            "width not a multiple of 32"
+        );
     }
 }

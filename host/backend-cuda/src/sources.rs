@@ -55,6 +55,15 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "kda_chunk_scan.cu",
+        text: include_str!("../../../kernels/kda_chunk_scan.cu"),
+        entries: &[
+            "kda_chunk_rec_f32",
+            "kda_chunk_scan_f32",
+            "kda_chunk_scan_fast_f32",
+        ],
+    },
+    KernelFile {
         name: "kda_chunk_tc.cu",
         text: include_str!("../../../kernels/kda_chunk_tc.cu"),
         entries: &["kda_chunk_tc_f32", "kda_chunk_tc_fast_f32"],
@@ -62,7 +71,7 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "kda_decode.cu",
         text: include_str!("../../../kernels/kda_decode.cu"),
-        entries: &["kda_decode_f32"],
+        entries: &["kda_decode_f32", "kda_decode_split_f32"],
     },
     KernelFile {
         name: "mla.cu",
@@ -99,6 +108,8 @@ pub const FILES: &[KernelFile] = &[
             "mxfp4_expert_down_f32",
             "mxfp4_up_fast_f32",
             "mxfp4_down_fast_f32",
+            "mxfp4_up_gemv_f32",
+            "mxfp4_down_gemv_f32",
             "moe_combine_f32",
         ],
     },
@@ -177,7 +188,11 @@ pub fn entry_points(text: &str) -> Vec<String> {
     while let Some(i) = rest.find("extern \"C\" __global__ void") {
         rest = &rest[i + "extern \"C\" __global__ void".len()..];
         let mut head = rest.trim_start();
-        if let Some(after) = head.strip_prefix("__launch_bounds__(") {
+        // Skip attributes such as `__launch_bounds__(..)` and `__cluster_dims__(..)`.
+        while let Some(after) = ["__launch_bounds__(", "__cluster_dims__("]
+            .iter()
+            .find_map(|a| head.strip_prefix(a))
+        {
             head = after
                 .split_once(')')
                 .map(|(_, r)| r.trim_start())

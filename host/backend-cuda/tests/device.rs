@@ -534,7 +534,7 @@ fn ops_match_cpu() {
 fn harness_self_check_on_cpu() {
     const TAG: &str = "cpu-selfcheck ";
     compare_ops(&CpuBackend::new(), "harness_self_check_on_cpu", TAG);
-    compare_model(CpuBackend::new(), 4, TAG);
+    let _ = compare_model(CpuBackend::new(), 4, TAG);
     compare_engine(CpuBackend::new(), 3, TAG);
 }
 
@@ -550,14 +550,16 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
     for ((name, want, tol), (_, got, _)) in a.iter().zip(&b) {
         t.check(name, got, want, *tol);
     }
-    for tokens in [3usize, 40, 1100] {
+    for tokens in [1usize, 3, 40, 1100] {
         let (mut rc, mut rg) = (Rng(seed ^ tokens as u64), Rng(seed ^ tokens as u64));
-        // Assignments = tokens x top-4: 12 take the block kernels, 160 the word-per-lane ones
-        // (ops.rs MX_FAST_MIN_ASSIGNMENTS = 64), 4400 the tensor-core GEMM path (moe_gemm.rs,
-        // default K3_MOE_GEMM_MIN = 4096).
+        // Assignments = tokens x top-4 over 32 experts: 4, 12 and 160 take the decode-step kernels
+        // (K3_MX_EXPERTS, default `gemv`; 160 = 5 per expert on average, so experts with more
+        // than the 4 tokens of one pass take several), 4400 the tensor-core GEMM path
+        // (moe_gemm.rs, default K3_MOE_GEMM_MIN = 4096).
         let name = match tokens {
-            3 => "moe_routed(T=3, block kernels)",
-            40 => "moe_routed(T=40, fast kernels)",
+            1 => "moe_routed(T=1, K3_MX_EXPERTS kernels)",
+            3 => "moe_routed(T=3, K3_MX_EXPERTS kernels)",
+            40 => "moe_routed(T=40, K3_MX_EXPERTS kernels, several passes)",
             _ => "moe_routed(T=1100, bf16 split GEMMs)",
         };
         t.check(
@@ -691,11 +693,67 @@ const LOGITS_TOL: f64 = 1e-3;
 #[test]
 fn k3_mini_matches_cpu() {
     let Some(gpu) = cuda() else { return };
-    compare_model(gpu, usize::MAX, "");
+    let exec = compare_model(gpu, usize::MAX, "");
+    // The decode steps above went through CUDA graphs (captured, then replayed).
+    let c = exec.model().backend.graph_counts();
+    println!("e2e cuda graphs {c:?}");
+    if std::env::var("K3_CUDA_GRAPHS").as_deref() != Ok("0") {
+        assert!(
+            c.captured > 0 && c.replayed > 0,
+            "no decode step replayed: {c:?}"
+        );
+    }
+}
+
+/// Decode through CUDA graphs gives bit-identical logits to eager launches (the same kernels
+/// with the same inputs), over enough steps to cross MLA split buckets and page boundaries.
+#[test]
+fn cuda_graph_decode_matches_eager() {
+    let (Some(a), Some(mut b)) = (cuda(), cuda()) else {
+        return;
+    };
+    b.set_cuda_graphs(false);
+    let dir = root().join("models/k3-mini");
+    let (prompts, _) = golden();
+    let steps = 140;
+    let cap = prompts[0].len() + steps + 2;
+    let mk = |be: CudaBackend| {
+        let m = Model::load_dir(&dir, be).expect("load");
+        Session::new(ModelExecutor::with_capacity(m, 16, 1, cap, 0).expect("exec")).expect("s")
+    };
+    let (mut g, mut e) = (mk(a), mk(b));
+    let mut lg = g
+        .feed(&prompts[0], LogitsWant::Last)
+        .expect("graph prefill");
+    let le = e
+        .feed(&prompts[0], LogitsWant::Last)
+        .expect("eager prefill");
+    assert_eq!(lg, le, "prefill (never graphed) differs");
+    for step in 0..steps {
+        let next = top2(&lg).0.0 as u32;
+        lg = g.feed(&[next], LogitsWant::Last).expect("graph decode");
+        let le = e.feed(&[next], LogitsWant::Last).expect("eager decode");
+        assert!(
+            lg == le,
+            "step {step}: graph logits differ from eager (max |d| {})",
+            lg.iter()
+                .zip(&le)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max)
+        );
+    }
+    let (cg, ce) = (
+        g.executor().model().backend.graph_counts(),
+        e.executor().model().backend.graph_counts(),
+    );
+    println!("graph_decode steps={steps} graphs {cg:?} eager-only {ce:?}");
+    assert!(cg.replayed >= steps as u64 / 2, "too few replays: {cg:?}");
+    assert_eq!(ce.replayed + ce.captured, 0, "graphs were off: {ce:?}");
 }
 
 /// models/k3-mini on `gpu` vs the CPU: the golden prompts, `max_new` greedy tokens at most.
-fn compare_model<G: Backend>(gpu: G, max_new: usize, tag: &str) {
+/// Returns the GPU executor (for its backend's counters).
+fn compare_model<G: Backend>(gpu: G, max_new: usize, tag: &str) -> ModelExecutor<G> {
     let dir = root().join("models/k3-mini");
     let (prompts, n) = golden();
     let n = n.min(max_new);
@@ -778,6 +836,7 @@ fn compare_model<G: Backend>(gpu: G, max_new: usize, tag: &str) {
         }
     }
     assert!(failures.is_empty(), "{failures:?}");
+    g.into_inner()
 }
 
 fn engine_tokens(exec: Box<dyn Executor>, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<u32>> {

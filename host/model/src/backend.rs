@@ -208,6 +208,20 @@ pub trait Backend: Send + Sync + 'static {
         situ: SituParams,
     ) -> Self::Act;
 
+    /// Runs `pass`, one engine step's forward pass. `replayable` marks a decode step (one new
+    /// token per sequence): its work recurs step after step with only small inputs changing,
+    /// so a backend may record it once and replay it (the CUDA backend's graphs). The default
+    /// just runs `pass`.
+    #[allow(clippy::type_complexity)]
+    fn run_step(
+        &self,
+        replayable: bool,
+        pass: &mut dyn FnMut() -> Result<Option<Self::Act>, ExecError>,
+    ) -> Result<Option<Self::Act>, ExecError> {
+        let _ = replayable;
+        pass()
+    }
+
     /// The first failure of an infallible op since the last call (a device backend records it
     /// instead of panicking); the executor turns it into `ExecError::Backend` after each step.
     fn take_error(&self) -> Option<String> {

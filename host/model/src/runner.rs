@@ -229,9 +229,12 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         if batch.seqs.is_empty() {
             return Ok(out);
         }
-        let logits = self
-            .model
-            .forward_batch(&mut self.arena, &self.offsets, &passes, None);
+        // Decode steps (one token per sequence) may be replayed as a CUDA graph.
+        let replayable = batch.seqs.iter().all(|s| s.tokens.len() == 1);
+        let (model, arena, offsets) = (&self.model, &mut self.arena, &self.offsets);
+        let logits = model.backend.run_step(replayable, &mut || {
+            model.forward_batch(arena, offsets, &passes, None)
+        });
         let logits = logits.map(|l| l.map(|l| self.model.backend.to_host(&l)));
         // A backend failure recorded during the pass wins over whatever the pass returned.
         self.backend_error()?;
