@@ -4,7 +4,9 @@
 //   bf16_split_rows_f32   x [M, K] f32 -> xs [2M, K] bf16 bits: rows 0..M hi, M..2M lo
 //   sum_row_halves_f32    c [2M, N] f32 -> y [M, N] = c[0..M] + c[M..2M]
 //   bf16_to_f32           widen (f32 copies for ops without a bf16 kernel)
-//   gemv_bf16_f32         y = x w^T for a few rows of x (decode), f32 math, no split
+//   gemv_bf16_f32         y = x w^T for a few rows of x (decode), f32 math, no split (K3_GEMV=old)
+//   gemv_bf16_tc_f32      y = x w^T for M <= 16 rows (decode): tensor cores, x in three bf16 pieces
+//   gemv_sum_splits_f32   y = the sum of gemv_bf16_tc_f32's split-K partials
 #include "common.cuh"
 
 extern "C" __global__ void bf16_split_rows_f32(const float* __restrict__ x, u16* __restrict__ xs, i64 n) {
@@ -63,5 +65,153 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32(const float* __r
     for (int m = 0; m < GEMV_MAX_M; ++m) {
         const float v = warp_sum(acc[m]);
         if (lane == 0 && m < M) y[(i64)m * N + n] = v;
+    }
+}
+
+// Decode-sized products on the tensor cores, reading each weight byte once for all M <= 16 rows:
+// y [M, N] = x [M, K] . w [N, K]^T with the weight as the MMA's A operand (16 output rows) and
+// the activation rows as B (two n8 tiles). Each x value enters as three bf16 pieces (hi + mid +
+// lo = all 24 mantissa bits) and bf16 x bf16 products are exact in the f32 accumulator, so the
+// result tracks an f32 matmul (~1e-6) while the FMA count stops limiting at M = 16.
+// Sums over k do not care about the order of k, so a lane loads 8 consecutive bf16 of a row (one
+// 16-byte load) and the matching 8 x values, and they fill its fragment slots of two k16 MMAs.
+// Block: 4 warps x 32 rows (two m16 tiles each), all on one K slice (the warps' x reads then hit
+// L1); grid (ceil(N / 128), splits), slice `kslice` columns (a multiple of GEMV_TC_KSTEP).
+// out [splits, M, N]: the launch with splits == 1 writes y, else gemv_sum_splits_f32 adds them.
+// K % 8 == 0 (16-byte rows); M <= 16.
+#define GEMV_TC_MAX_M 16
+#define GEMV_TC_MT 2      // m16 tiles per warp
+#define GEMV_TC_UNROLL 2  // 32-column chunks per step (a step's loads are issued together)
+#define GEMV_TC_KSTEP (32 * GEMV_TC_UNROLL)
+
+__device__ __forceinline__ uint4 gemv_ld_stream(const u16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// Two f32 -> bf16x2 (lo in the low half), round to nearest even.
+__device__ __forceinline__ u32 gemv_pack_bf16(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// (a, b) -> three bf16x2 words whose sum is (a, b): each piece is the residual of the previous
+// ones rounded to bf16, and every residual is exact in f32.
+__device__ __forceinline__ void gemv_split3(float a, float b, u32& p0, u32& p1, u32& p2) {
+    p0 = gemv_pack_bf16(a, b);
+    a -= __uint_as_float(p0 << 16);
+    b -= __uint_as_float(p0 & 0xffff0000u);
+    p1 = gemv_pack_bf16(a, b);
+    a -= __uint_as_float(p1 << 16);
+    b -= __uint_as_float(p1 & 0xffff0000u);
+    p2 = gemv_pack_bf16(a, b);
+}
+
+__device__ __forceinline__ void gemv_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(128, 4)
+    gemv_bf16_tc_f32(const float* __restrict__ x, const u16* __restrict__ w, float* __restrict__ out, int M, int N,
+                     int K, int kslice) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * 128 + (threadIdx.x >> 5) * (16 * GEMV_TC_MT);
+    const int k0 = blockIdx.y * kslice, k1 = min(K, k0 + kslice);
+    const bool two = M > 8;  // uniform: the second n8 tile of x rows
+    // This lane's weight rows (g and g + 8 of each m tile); rows past N read nothing.
+    const u16* wr[GEMV_TC_MT][2];
+    bool wok[GEMV_TC_MT][2];
+#pragma unroll
+    for (int mt = 0; mt < GEMV_TC_MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + mt * 16 + h * 8 + g;
+            wok[mt][h] = r < N;
+            wr[mt][h] = w + (i64)min(r, N - 1) * K;
+        }
+    // This lane's x rows: g (tile 0) and 8 + g (tile 1).
+    const bool xok0 = g < M, xok1 = two && g + 8 < M;
+    const float* xr0 = x + (i64)min(g, M - 1) * K;
+    const float* xr1 = x + (i64)min(g + 8, M - 1) * K;
+    float acc[GEMV_TC_MT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < GEMV_TC_MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+    for (int kb = k0; kb < k1; kb += GEMV_TC_KSTEP) {
+        uint4 wv[GEMV_TC_UNROLL][GEMV_TC_MT][2];
+#pragma unroll
+        for (int u = 0; u < GEMV_TC_UNROLL; ++u) {
+            const int col = kb + u * 32 + t * 8;
+#pragma unroll
+            for (int mt = 0; mt < GEMV_TC_MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    wv[u][mt][h] = (col < k1 && wok[mt][h]) ? gemv_ld_stream(wr[mt][h] + col) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_TC_UNROLL; ++u) {
+            const int col = kb + u * 32 + t * 8;
+            const bool cin = col < k1;
+            // B fragments: [piece][tile][k16 half][b0b1 | b2b3] (physical columns 8t+0..3, 8t+4..7).
+            u32 b[3][2][2][2];
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                float4 lo4 = make_float4(0.f, 0.f, 0.f, 0.f), hi4 = lo4;
+                if (cin && (nt == 0 ? xok0 : xok1)) {
+                    const float4* p = reinterpret_cast<const float4*>((nt == 0 ? xr0 : xr1) + col);
+                    lo4 = __ldg(p);
+                    hi4 = __ldg(p + 1);
+                }
+                gemv_split3(lo4.x, lo4.y, b[0][nt][0][0], b[1][nt][0][0], b[2][nt][0][0]);
+                gemv_split3(lo4.z, lo4.w, b[0][nt][0][1], b[1][nt][0][1], b[2][nt][0][1]);
+                gemv_split3(hi4.x, hi4.y, b[0][nt][1][0], b[1][nt][1][0], b[2][nt][1][0]);
+                gemv_split3(hi4.z, hi4.w, b[0][nt][1][1], b[1][nt][1][1], b[2][nt][1][1]);
+            }
+#pragma unroll
+            for (int mt = 0; mt < GEMV_TC_MT; ++mt) {
+                const uint4 r = wv[u][mt][0], r8 = wv[u][mt][1];
+#pragma unroll
+                for (int p = 2; p >= 0; --p) {  // small pieces first
+                    gemv_mma(acc[mt][0], r.x, r8.x, r.y, r8.y, b[p][0][0][0], b[p][0][0][1]);
+                    gemv_mma(acc[mt][0], r.z, r8.z, r.w, r8.w, b[p][0][1][0], b[p][0][1][1]);
+                    if (two) {
+                        gemv_mma(acc[mt][1], r.x, r8.x, r.y, r8.y, b[p][1][0][0], b[p][1][0][1]);
+                        gemv_mma(acc[mt][1], r.z, r8.z, r.w, r8.w, b[p][1][1][0], b[p][1][1][1]);
+                    }
+                }
+            }
+        }
+    }
+    // D fragment: c0/c1 at (row g, x rows 2t, 2t+1), c2/c3 at row g + 8.
+    float* o = out + (i64)blockIdx.y * M * N;
+#pragma unroll
+    for (int mt = 0; mt < GEMV_TC_MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int m = nt * 8 + 2 * t + (i & 1), r = row0 + mt * 16 + g + (i >> 1) * 8;
+                if (m < M && r < N) o[(i64)m * N + r] = acc[mt][nt][i];
+            }
+}
+
+// y [n] = sum over s of part [s, n], in order (deterministic split-K for gemv_bf16_tc_f32).
+extern "C" __global__ void gemv_sum_splits_f32(const float* __restrict__ part, float* __restrict__ y, int splits,
+                                               i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (int j = 0; j < splits; ++j) s += part[(i64)j * n + i];
+        y[i] = s;
     }
 }

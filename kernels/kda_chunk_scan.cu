@@ -7,6 +7,11 @@
 //   kda_chunk_scan_f32   the only sequential part, grid (V / 32, heads): per chunk
 //                            X = U - W S,   O = Qp S + Aqk X,   S <- diag(e) S + Kd^T X
 //                        in 3xTF32 (kda_chunk_scan_fast_f32: 1xTF32).
+//   *2_f32               the same math, cheaper instructions (v2, the default): the tf32 rounding as an
+//                        integer add + mask (ptxas expands cvt.rna.tf32.f32 to 4 instructions with an
+//                        Inf/NaN guard: 9 per 3xTF32 split, ~55% of the scan loop; now 5, bit-identical
+//                        for finite values), SiLU and gate without the IEEE-division slow path, and the
+//                        record pass at 4 blocks / SM. The v1 kernels stay for one A/B run.
 //
 // Why: kda_chunk_tc_f32 keeps the decays, Lkk/Aqk and a 16-row forward substitution inside the
 // sequential loop; its per-chunk latency, not its math, set the time. Here the loop is three
@@ -69,7 +74,40 @@ struct RecSmem {
     float lm[RC][RC + 1], am[RC][RC + 1], red[4][32], nrm[32], bs[RC];
 };
 
-template <int C>
+// v1: k3_silu / kda_gate (IEEE division: rcp + a slow-path branch each). v2: __fdividef (2 ulp; the
+// limits at +-inf are still right: a denominator past 2^126 gives 0).
+template <bool V2>
+__device__ __forceinline__ float rec_silu(float x) {
+    return V2 ? __fdividef(x, 1.0f + __expf(-x)) : k3_silu(x);
+}
+template <bool V2>
+__device__ __forceinline__ float rec_gate(float f, float dt_bias, float a_exp, float lower_bound) {
+    return V2 ? lower_bound * __fdividef(1.0f, 1.0f + __expf(-a_exp * (f + dt_bias)))
+              : kda_gate(f, dt_bias, a_exp, lower_bound);
+}
+
+// v3 record layout (kernels/kda_chunk_scan3.cu): the same regions, B-operand / accumulator order of
+// the register-state scan; written from the same smem tiles as the v1 layout.
+__device__ __forceinline__ void kda_rec_store3(RecSmem& sm, float* __restrict__ R, int tid) {
+    float4* R4 = reinterpret_cast<float4*>(R);
+    const int ln = tid & 31, g = ln >> 2, t = ln & 3;
+#pragma unroll
+    for (int e = tid; e < 512; e += 128) {
+        const int s = e >> 5, k = 8 * s + 2 * t;  // W, Qp: k-step s (keys 8s + 2t, +1), tokens g, g + 8
+        R4[(REC_W >> 2) + e] = make_float4(sm.kp[g][k], sm.kp[g][k + 1], sm.kp[g + 8][k], sm.kp[g + 8][k + 1]);
+        R4[(REC_Q >> 2) + e] = make_float4(sm.qp[g][k], sm.qp[g][k + 1], sm.qp[g + 8][k], sm.qp[g + 8][k + 1]);
+        const int s2 = e >> 8, p = (e >> 5) & 7, j = 8 * s2 + 2 * t, d = 16 * p + g;  // Kd: tokens j, j + 1
+        R4[(REC_KD >> 2) + e] = make_float4(sm.kn[j][d], sm.kn[j + 1][d], sm.kn[j][d + 8], sm.kn[j + 1][d + 8]);
+        const int mc = e >> 6, nt = (e >> 5) & 1, i = 8 * nt + 2 * t, col = 16 * mc + g;  // U^T accumulators
+        R4[(REC_U >> 2) + e] = make_float4(sm.vv[i][col], sm.vv[i + 1][col], sm.vv[i][col + 8], sm.vv[i + 1][col + 8]);
+    }
+    if (tid < 64) {
+        const int s2 = tid >> 5, j = 8 * s2 + 2 * t;  // Aqk^T: k = tokens j, j + 1; n = rows g, g + 8
+        R4[(REC_A >> 2) + tid] = make_float4(sm.am[g][j], sm.am[g][j + 1], sm.am[g + 8][j], sm.am[g + 8][j + 1]);
+    }
+}
+
+template <int C, bool V2, bool R3>
 __device__ __forceinline__ void kda_rec_impl(
     RecSmem& sm, const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
     const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
@@ -141,7 +179,7 @@ __device__ __forceinline__ void kda_rec_impl(
                 for (int j = 0; j < C - 1; ++j) acc += w[r][j] * hist[r][j];
 #pragma unroll
                 for (int j = 0; j < C - 1; ++j) hist[r][j] = j + 1 < C - 1 ? hist[r][j + 1] : x[r][i];
-                x[r][i] = k3_silu(acc);
+                x[r][i] = rec_silu<V2>(acc);
             }
             while (next_ck < n_ckpt && ckpt_n[next_ck] == c0 + i + 1) {
 #pragma unroll
@@ -193,7 +231,7 @@ __device__ __forceinline__ void kda_rec_impl(
     float gcum[RC], acc = 0.0f;
 #pragma unroll
     for (int i = 0; i < RC; ++i) {
-        acc += (i < cl ? kda_gate(fv[i], dtb, a, lower_bound) : 0.0f) * RLOG2E;
+        acc += (i < cl ? rec_gate<V2>(fv[i], dtb, a, lower_bound) : 0.0f) * RLOG2E;
         gcum[i] = acc;
         const float ep = exp2f(acc), en = exp2f(-acc);
         const float kk = x[1][i] * nrm[RC + i];
@@ -205,7 +243,8 @@ __device__ __forceinline__ void kda_rec_impl(
     }
     const i64 rbase = ((i64)blockIdx.x * heads + h) * KDA_REC;
     float* R = rec + rbase;
-    R[REC_E + tid] = exp2f(acc);
+    // v3: e for key d = 8n + 2t + r at (t * 32 + 2n + r), the lane order of the scan's accumulators.
+    R[REC_E + (R3 ? ((tid >> 1) & 3) * 32 + 2 * (tid >> 3) + (tid & 1) : tid)] = exp2f(acc);
     __syncthreads();
 
     // 4. Lkk = beta_i <kp_i, kn_j> (j < i), Aqk = <qp_i, kn_j> (j <= i): pairs (i, j), (i + 8, j).
@@ -250,6 +289,10 @@ __device__ __forceinline__ void kda_rec_impl(
     __syncthreads();
 
     // 6. The record in fragment order, float4 stores (consecutive threads, consecutive 16 B).
+    if (R3) {
+        kda_rec_store3(sm, R, tid);
+        return;
+    }
     float4* R4 = reinterpret_cast<float4*>(R);
 #pragma unroll
     for (int e = tid; e < 512; e += 128) {
@@ -270,6 +313,27 @@ __device__ __forceinline__ void kda_rec_impl(
     }
 }
 
+#define KDA_REC_ARGS                                                                                          \
+    sm, q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, rec, arena, state_off, ckpt_n, ckpt_off, \
+        n_ckpt, t_begin, t_end, heads, lower_bound
+
+template <bool V2, bool R3 = false>
+__device__ __forceinline__ void kda_rec_entry(
+    RecSmem& sm, const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
+    const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
+    const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
+    const float* __restrict__ dt_bias, float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
+    const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt, int t_begin, int t_end, int heads,
+    int conv, float lower_bound) {
+    switch (conv) {
+        case 1: kda_rec_impl<1, V2, R3>(KDA_REC_ARGS); break;
+        case 2: kda_rec_impl<2, V2, R3>(KDA_REC_ARGS); break;
+        case 3: kda_rec_impl<3, V2, R3>(KDA_REC_ARGS); break;
+        case 4: kda_rec_impl<4, V2, R3>(KDA_REC_ARGS); break;
+        default: break;  // conv > 4: the launchers take the kda_chunk.cu path
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128)
 kda_chunk_rec_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
                   const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
@@ -278,18 +342,36 @@ kda_chunk_rec_f32(const float* __restrict__ q_in, const float* __restrict__ k_in
                   const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt, int t_begin, int t_end,
                   int heads, int conv, float lower_bound) {
     __shared__ RecSmem sm;
-#define KDA_REC_ARGS                                                                                          \
-    sm, q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, rec, arena, state_off, ckpt_n, ckpt_off, \
-        n_ckpt, t_begin, t_end, heads, lower_bound
-    switch (conv) {
-        case 1: kda_rec_impl<1>(KDA_REC_ARGS); break;
-        case 2: kda_rec_impl<2>(KDA_REC_ARGS); break;
-        case 3: kda_rec_impl<3>(KDA_REC_ARGS); break;
-        case 4: kda_rec_impl<4>(KDA_REC_ARGS); break;
-        default: break;  // conv > 4: the launchers take the kda_chunk.cu path
-    }
-#undef KDA_REC_ARGS
+    kda_rec_entry<false>(sm, q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, rec, arena,
+                         state_off, ckpt_n, ckpt_off, n_ckpt, t_begin, t_end, heads, conv, lower_bound);
 }
+
+// 4 blocks / SM (128 registers): the pass alternates DRAM phases (loads, record stores) with
+// barrier-separated math, so more resident blocks overlap one block's math with another's traffic.
+extern "C" __global__ void __launch_bounds__(128, 4)
+kda_chunk_rec2_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
+                   const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
+                   const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
+                   const float* __restrict__ dt_bias, float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
+                   const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt, int t_begin, int t_end,
+                   int heads, int conv, float lower_bound) {
+    __shared__ RecSmem sm;
+    kda_rec_entry<true>(sm, q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, rec, arena,
+                        state_off, ckpt_n, ckpt_off, n_ckpt, t_begin, t_end, heads, conv, lower_bound);
+}
+// v2 math, v3 record layout (for kda_chunk_scan3*_f32).
+extern "C" __global__ void __launch_bounds__(128, 4)
+kda_chunk_rec3_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
+                   const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
+                   const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
+                   const float* __restrict__ dt_bias, float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
+                   const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt, int t_begin, int t_end,
+                   int heads, int conv, float lower_bound) {
+    __shared__ RecSmem sm;
+    kda_rec_entry<true, true>(sm, q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, rec, arena,
+                              state_off, ckpt_n, ckpt_off, n_ckpt, t_begin, t_end, heads, conv, lower_bound);
+}
+#undef KDA_REC_ARGS
 
 // ---------------------------------------------------------------------------------------------
 // Scan. Block (vt, h) owns state columns 32vt..32vt+31 of head h; warp w owns state rows
@@ -297,18 +379,23 @@ kda_chunk_rec_f32(const float* __restrict__ q_in, const float* __restrict__ k_in
 // fragments come straight from the record into registers and the only cross-warp traffic is the
 // 16 x 32 partial sums of W S and Qp S (double-buffered: one barrier per chunk).
 
+// f32 -> tf32, round to nearest, ties away. v1: cvt.rna.tf32.f32. v2: the same rounding on the
+// bits (add half an ulp of tf32, clear the 13 low bits): identical for finite x (all values here),
+// 2 instructions instead of 4.
+template <bool V2>
 __device__ __forceinline__ u32 sc_tf32(float x) {
+    if (V2) return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
     u32 r;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
     return r;
 }
 
-template <bool SPLIT, int N>
+template <bool SPLIT, bool V2, int N>
 __device__ __forceinline__ void sc_split(const float* v, u32* hi, u32* lo) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-        hi[i] = sc_tf32(v[i]);
-        lo[i] = SPLIT ? sc_tf32(v[i] - __uint_as_float(hi[i])) : 0u;
+        hi[i] = sc_tf32<V2>(v[i]);
+        lo[i] = SPLIT ? sc_tf32<V2>(v[i] - __uint_as_float(hi[i])) : 0u;
     }
 }
 
@@ -335,7 +422,7 @@ __device__ __forceinline__ int sc_idx(int row, int col) { return row * 32 + (col
 
 __device__ __forceinline__ float4 sc_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
-template <bool SPLIT>
+template <bool SPLIT, bool V2>
 __device__ __forceinline__ void kda_scan_impl(const float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
                                               const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off,
                                               int n_ckpt, float* __restrict__ o_out, const float* __restrict__ f_in,
@@ -408,14 +495,14 @@ __device__ __forceinline__ void kda_scan_impl(const float* __restrict__ rec, flo
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
                 u32 wh[4], wl[4], qh[4], ql[4];
-                sc_split<SPLIT, 4>(aw[s], wh, wl);
-                sc_split<SPLIT, 4>(aq[s], qh, ql);
+                sc_split<SPLIT, V2, 4>(aw[s], wh, wl);
+                sc_split<SPLIT, V2, 4>(aq[s], qh, ql);
                 const int k0 = warp * 32 + 8 * s;
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) {
                     const float b[2] = {ssm[sc_idx(k0 + t, 8 * nt + g)], ssm[sc_idx(k0 + t + 4, 8 * nt + g)]};
                     u32 bh[2], bl[2];
-                    sc_split<SPLIT, 2>(b, bh, bl);
+                    sc_split<SPLIT, V2, 2>(b, bh, bl);
                     sc_mma<SPLIT>(P[nt], wh, wl, bh, bl);
                     sc_mma<SPLIT>(Q[nt], qh, ql, bh, bl);
                 }
@@ -449,7 +536,7 @@ __device__ __forceinline__ void kda_scan_impl(const float* __restrict__ rec, flo
                         for (int w = 0; w < 4; ++w) sum += r0[w * 2 * RC * 32 + idx];
                         xv[(s * 4 + nt) * 2 + r] = bu[(s * 4 + nt) * 2 + r] - sum;
                     }
-            sc_split<SPLIT, 16>(xv, xh, xl);
+            sc_split<SPLIT, V2, 16>(xv, xh, xl);
         }
         // c) O for n-tile `warp`: sum_w (Qp S)_w + Aqk X; rows past t_end are not stored.
         {
@@ -470,7 +557,7 @@ __device__ __forceinline__ void kda_scan_impl(const float* __restrict__ rec, flo
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
                 u32 ah[4], al[4], bh[2], bl[2];
-                sc_split<SPLIT, 4>(aa[s], ah, al);
+                sc_split<SPLIT, V2, 4>(aa[s], ah, al);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {  // pick n-tile `warp` without dynamic register indexing
                     bh[r] = xh[(s * 4) * 2 + r];
@@ -505,7 +592,8 @@ __device__ __forceinline__ void kda_scan_impl(const float* __restrict__ rec, flo
                 const int d = warp * 32 + 16 * (q >> 1) + g + 8 * (q & 1);
                 float acc = 0.0f, gm = 0.0f;
                 for (int i = 0; i < cl; ++i) {
-                    acc += kda_gate(f_in[(i64)(c0 + i) * hk + h * KDA_K + d], dt_bias[h * KDA_K + d], a, lower_bound) *
+                    acc += rec_gate<V2>(f_in[(i64)(c0 + i) * hk + h * KDA_K + d], dt_bias[h * KDA_K + d], a,
+                                        lower_bound) *
                            RLOG2E;
                     if (i == m - 1) gm = acc;
                 }
@@ -533,7 +621,7 @@ __device__ __forceinline__ void kda_scan_impl(const float* __restrict__ rec, flo
                                          j + 4 < m ? akd[2 * mt + s][2] * sc[2 * mt] : 0.0f,
                                          j + 4 < m ? akd[2 * mt + s][3] * sc[2 * mt + 1] : 0.0f};
                     u32 ah[4], al[4];
-                    sc_split<SPLIT, 4>(av, ah, al);
+                    sc_split<SPLIT, V2, 4>(av, ah, al);
 #pragma unroll
                     for (int nt = 0; nt < 4; ++nt)
                         sc_mma<SPLIT>(cacc[nt], ah, al, &xh[(s * 4 + nt) * 2], &xl[(s * 4 + nt) * 2]);
@@ -564,7 +652,7 @@ __device__ __forceinline__ void kda_scan_impl(const float* __restrict__ rec, flo
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
                 u32 ah[4], al[4];
-                sc_split<SPLIT, 4>(akd[2 * mt + s], ah, al);
+                sc_split<SPLIT, V2, 4>(akd[2 * mt + s], ah, al);
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt)
                     sc_mma<SPLIT>(cacc[nt], ah, al, &xh[(s * 4 + nt) * 2], &xl[(s * 4 + nt) * 2]);
@@ -584,21 +672,38 @@ __device__ __forceinline__ void kda_scan_impl(const float* __restrict__ rec, flo
     }
 }
 
+#define KDA_SCAN_ARGS                                                                                    \
+    rec, arena, state_off, ckpt_n, ckpt_off, n_ckpt, o_out, f_in, a_log, dt_bias, lower_bound, t_begin, t_end, heads, \
+        conv
+
+// Records of kda_chunk_rec_f32 (v1) / kda_chunk_rec2_f32 (v2): the checkpoint step recomputes the
+// gate with the same function as the record pass that wrote them.
 extern "C" __global__ void __launch_bounds__(128, 3)
 kda_chunk_scan_f32(const float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
                    const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
                    float* __restrict__ o_out, const float* __restrict__ f_in, const float* __restrict__ a_log,
                    const float* __restrict__ dt_bias, float lower_bound, int t_begin, int t_end, int heads, int conv) {
-    kda_scan_impl<true>(rec, arena, state_off, ckpt_n, ckpt_off, n_ckpt, o_out, f_in, a_log, dt_bias, lower_bound,
-                        t_begin, t_end, heads, conv);
+    kda_scan_impl<true, false>(KDA_SCAN_ARGS);
 }
-
 extern "C" __global__ void __launch_bounds__(128, 3)
 kda_chunk_scan_fast_f32(const float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
-                        const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
-                        float* __restrict__ o_out, const float* __restrict__ f_in, const float* __restrict__ a_log,
-                        const float* __restrict__ dt_bias, float lower_bound, int t_begin, int t_end, int heads,
-                        int conv) {
-    kda_scan_impl<false>(rec, arena, state_off, ckpt_n, ckpt_off, n_ckpt, o_out, f_in, a_log, dt_bias, lower_bound,
-                         t_begin, t_end, heads, conv);
+                   const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
+                   float* __restrict__ o_out, const float* __restrict__ f_in, const float* __restrict__ a_log,
+                   const float* __restrict__ dt_bias, float lower_bound, int t_begin, int t_end, int heads, int conv) {
+    kda_scan_impl<false, false>(KDA_SCAN_ARGS);
 }
+extern "C" __global__ void __launch_bounds__(128, 3)
+kda_chunk_scan2_f32(const float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
+                   const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
+                   float* __restrict__ o_out, const float* __restrict__ f_in, const float* __restrict__ a_log,
+                   const float* __restrict__ dt_bias, float lower_bound, int t_begin, int t_end, int heads, int conv) {
+    kda_scan_impl<true, true>(KDA_SCAN_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128, 3)
+kda_chunk_scan2_fast_f32(const float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
+                   const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
+                   float* __restrict__ o_out, const float* __restrict__ f_in, const float* __restrict__ a_log,
+                   const float* __restrict__ dt_bias, float lower_bound, int t_begin, int t_end, int heads, int conv) {
+    kda_scan_impl<false, true>(KDA_SCAN_ARGS);
+}
+#undef KDA_SCAN_ARGS

@@ -6,8 +6,8 @@
 //   moe_combine_f32        out[t] = sum_j w[t,j] y[t*k + j]   (fixed slot order: deterministic)
 //   mxfp4_*_gemv_f32       the decode-step pair (lane pairs per row, activations staged in shared)
 // Experts of a layer are stored back to back: packed [E, rows, cols/2], scales [E, rows, cols/32].
-// Large steps expand the experts to bf16 for tensor-core GEMMs instead (moe_gemm.cu). A Hopper-fast
-// small-batch version would expand to bf16 in registers and use wgmma (k3-architecture.md §5.4).
+// Large steps expand the experts to bf16 for tensor-core GEMMs instead (moe_gemm.cu); decode steps
+// default to the register-expanding mma.sync pair in mxfp4_tc.cu (these stay for A/B).
 #include "common.cuh"
 
 #define MX_TOKENS 8  // assignments per pass: weights decoded once, reused 8 times

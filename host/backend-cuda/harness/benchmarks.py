@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_KERNELS, KDA_PREP, cdiv,
+from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, cdiv,
                     kda_region_floats, log, rel_err, run_kda_prefill)
-from common import MX_GEMV_ROWS, mx_gemv_stage, run_mla_prefill
+from common import MX_GEMV_ROWS, MX_TC_ROWS, MX_TC_SHARED, mx_gemv_stage, mx_tc_stage, run_mla_prefill
+from common import gemv_tc_plan, run_gemv_tc
 
 # H200 SXM peak FP32 rate on the CUDA cores (NVIDIA data sheet: 67 TFLOP/s), where cuBLAS SGEMM in
 # the default math mode (no TF32) runs: the floor of the f32 expanded MLA prefill. The "sgemm f32"
@@ -82,7 +84,7 @@ def bench_mla_v2(d: Device, record, N, L, A, ps, qt, kvb, o, base, lens, floor):
 
 def bench(d: Device, r: Results, quick: bool, only=None):
     """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, mla_prefill,
-    attn_res, moe)."""
+    attn_res, moe, gemv)."""
     def want(section):
         return not only or section in only
 
@@ -118,9 +120,8 @@ def bench(d: Device, r: Results, quick: bool, only=None):
                                               d.view(o), N, H, conv, lb]
         # Every decode kernel on the same buffers ("kda_decode N=.." is the old 512-thread one).
         runs = {}
-        for variant, (name, grid, block) in KDA_DECODE_KERNELS.items():
-            runs[variant] = d.time_graph(lambda name=name, grid=grid, block=block: d.launch(
-                name, grid(H, N), block, *args))
+        for variant in KDA_DECODE_VARIANTS:  # two-kernel variants: both launches in the graph
+            runs[variant] = d.time_graph(kda_decode_launcher(d, variant, H, N, args))
         floor = N * H * 128 * 128 * 4 * 2 / (COPY_TBPS * 1e12) * 1e3
         extra = {}
         if fla:
@@ -193,6 +194,10 @@ def bench(d: Device, r: Results, quick: bool, only=None):
             tol = KDA_CHUNK_TOL[chunk]
             r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: o", rel_err(o2, o1), tol)
             r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: state", rel_err(a2, a1), tol)
+        # v2 vs v1 (same record layout and tf32 rounding; only the SiLU / gate ulps differ).
+        for v2, v1 in (("scan", "scan_v1"), ("scan_fast", "scan_v1_fast")):
+            r.check(f"kda_prefill[{v2}] T={T} H={H} vs [{v1}]: o, state",
+                    max(rel_err(outs[v2][0], outs[v1][0]), rel_err(outs[v2][1], outs[v1][1])), 1e-5)
         # The other conv + prep path with the tc chunk kernel: timing and agreement at K3 shapes.
         other = "split" if KDA_PREP == "fused" else "fused"
         A.copy_(A0)
@@ -235,6 +240,8 @@ def bench(d: Device, r: Results, quick: bool, only=None):
         bench_attn_res(d, record)
     if want("moe"):
         bench_moe(d, record, quick)
+    if want("gemv"):
+        bench_gemv(d, record, quick)
 
 
 def bench_mla_prefill(d: Device, r: Results, record):
@@ -367,3 +374,79 @@ def bench_moe(d: Device, record, quick: bool):
         ms, how = d.time_graph(gemv)
         record(f"moe_routed gemv T={T} top{k} (sort+up+down+combine)", ms, wbytes / 4.25e12 * 1e3,
                experts_touched=touched, stage=su, rel_vs_fast=f"{agree:.1e}", timing=how)
+        # The tensor-core pair (ops.rs `tc`, the `auto` choice), same buffers and floor.
+        st = mx_tc_stage(T)
+
+        def tc():
+            gx = min(E, T * k)
+            d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
+            d.launch("mxfp4_up_tc_f32", (gx, cdiv(ie, MX_TC_ROWS)), 256, V["z"], V["w1p"], V["w1s"], V["w3p"],
+                     V["w3s"], V["off"], V["srt"], V["act"], k, lt, ie, 4.0, 25.0, 1, E, st, shared_mem=MX_TC_SHARED)
+            d.launch("mxfp4_down_tc_f32", (gx, cdiv(lt, MX_TC_ROWS)), 256, V["act"], V["w2p"], V["w2s"], V["off"],
+                     V["srt"], V["y"], lt, ie, E, st, shared_mem=MX_TC_SHARED)
+            d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
+        tc()
+        d.sync()
+        agree = rel_err(res, fast_res)
+        ms, how = d.time_graph(tc)
+        record(f"moe_routed tc T={T} top{k} (sort+up+down+combine)", ms, wbytes / 4.25e12 * 1e3,
+               experts_touched=touched, stage=st, rel_vs_fast=f"{agree:.1e}", timing=how)
+
+
+# K3's dense decode matmuls (n x k of the bf16 weight): k3-slice K3_PROFILE shapes.
+GEMV_SHAPES = [(12288, 7168), (7168, 12288), (33792, 7168), (6144, 7168), (3584, 7168), (7168, 6144),
+               (7168, 3584), (1536, 7168), (18432, 1536), (576, 7168), (128, 7168), (96, 7168), (12288, 128)]
+
+
+def bench_gemv(d: Device, record, quick: bool):
+    """Dense bf16-weight decode products, y [M, n] = x [M, k] w^T, per shape and M: `new`
+    (gemv_bf16_tc_f32 + gemv_sum_splits_f32 when split, backend_impl.rs K3_GEMV=new), `old`
+    (gemv_bf16_f32, M <= 8 only) and `cublas` (split rows + torch bf16 matmul of the [2M, k] hi/lo
+    rows + sum of halves, the K3_GEMV=cublas path). Floor = weight bytes / 4.25 TB/s; `new` also
+    reports its error against float64 (rel). Buffers are rebound per shape (the loop frees them)."""
+    shapes = GEMV_SHAPES[:4] + GEMV_SHAPES[7:8] if quick else GEMV_SHAPES
+    for n, k in shapes:
+        wt = (torch.randn(n, k, device="cuda") * 0.1).to(torch.bfloat16)
+        wb = wt.view(torch.int16)
+        floor = n * k * 2 / 4.25e12 * 1e3
+        wv = d.view(wb).view(np.uint16)
+        for M in ([1, 16] if quick else [1, 16, 64]):
+            if M > 16:
+                log(f"bench gemv {n}x{k} M={M}: new kernel takes M <= 16 (matmul_linear uses cuBLAS)")
+            x = torch.randn(M, k, device="cuda")
+            y = torch.empty(M, n, device="cuda")
+            splits, kslice = gemv_tc_plan(n, k)
+            part = torch.empty(max(1, splits) * M * n, device="cuda")
+            xs = torch.empty(2 * M, k, dtype=torch.int16, device="cuda")
+            c = torch.empty(2 * M, n, device="cuda")
+            cb = torch.empty(2 * M, n, dtype=torch.bfloat16, device="cuda")
+            V = {name: d.view(t) for name, t in (("x", x), ("y", y), ("part", part), ("xs", xs), ("c", c))}
+            xsv = V["xs"].view(np.uint16)
+
+            def new(M=M):
+                run_gemv_tc(d, V["x"], wv, V["y"], M, n, k, V["part"], (splits, kslice))
+
+            def cublas(M=M):
+                d.launch("bf16_split_rows_f32", cdiv(M * k, 256), 256, V["x"], xsv, M * k)
+                # cuBLAS writes f32 in matmul_linear; torch's bf16 matmul writes bf16 (a proxy: the
+                # weight stream dominates, the output is 2M x n).
+                torch.matmul(xs.view(torch.bfloat16), wt.T, out=cb)
+                d.launch("sum_row_halves_f32", cdiv(M * n, 256), 256, V["c"], V["y"], M * n)
+
+            def old(M=M):
+                d.launch("gemv_bf16_f32", cdiv(n, 8), 256, V["x"], wv, V["y"], M, n, k)
+            runs = [("new", new)] if M <= 16 else []
+            runs += [("old", old)] if M <= 8 else []
+            runs += [("cublas", cublas)]
+            extra = {}
+            if M <= 16:
+                new()
+                torch.cuda.synchronize()
+                extra = {"rel": f"{rel_err(y, x.double() @ wt.double().T):.1e}"}
+            for label, fn in runs:
+                try:
+                    ms, how = d.time_graph(fn)
+                    kw = {"splits": splits, "kslice": kslice, **extra} if label == "new" else {}
+                    record(f"gemv {label} {n}x{k} M={M}", ms, floor, timing=how, **kw)
+                except Exception as e:  # noqa: BLE001
+                    log(f"bench gemv {label} {n}x{k} M={M} raised {type(e).__name__}: {str(e)[:200]}")

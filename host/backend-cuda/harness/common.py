@@ -36,6 +36,41 @@ def mx_gemv_stage(max_tokens_per_expert: int, cols: int) -> int:
     return max(1, min(max_tokens_per_expert, 4, MX_GEMV_STAGE_BYTES // (cols * 4)))
 
 
+# The tensor-core pair (kernels/mxfp4_tc.cu mxfp4_*_tc_f32; ops.rs mx_tc_stage / mx_tc_launch):
+# 128 rows per 256-thread block, up to 8 tokens per pass, fixed dynamic shared memory (32 KB
+# decode table + 16 staged bf16 rows of 272).
+MX_TC_ROWS = 128
+MX_TC_SHARED = 8192 * 4 + 2 * 8 * 272 * 2
+
+
+def mx_tc_stage(max_tokens_per_expert: int) -> int:
+    return max(1, min(max_tokens_per_expert, 8))
+
+
+# Dense bf16-weight decode products (kernels/bf16.cu gemv_bf16_tc_f32; backend_impl.rs gemv_tc_plan):
+# 128 weight rows per 128-thread block, K slices a multiple of 64 columns and >= 512 long, as many
+# splits as fit the row blocks into one wave of 4 blocks per SM.
+GEMV_TC_ROWS = 128
+
+
+def gemv_tc_plan(n: int, k: int, sms: int = 132) -> tuple[int, int]:
+    want = max(1, min((max(1, sms) * 4) // cdiv(n, GEMV_TC_ROWS), max(1, cdiv(k, 512))))
+    kslice = cdiv(cdiv(k, want), 64) * 64
+    return cdiv(k, kslice), kslice
+
+
+def run_gemv_tc(d: Device, x, wbits, y, m: int, n: int, k: int, part, plan=None):
+    """backend_impl.rs matmul_linear's `new` path: the kernel, plus the ordered sum of its K-split
+    partials when there is more than one. x [m, k] f32, wbits [n, k] bf16 bits (u16 view), y [m, n],
+    part: a view of >= splits * m * n floats (the caller keeps it alive until the launches finish)."""
+    splits, kslice = plan or gemv_tc_plan(n, k)
+    if splits == 1:
+        d.launch("gemv_bf16_tc_f32", (cdiv(n, GEMV_TC_ROWS), 1), 128, x, wbits, y, m, n, k, kslice)
+        return
+    d.launch("gemv_bf16_tc_f32", (cdiv(n, GEMV_TC_ROWS), splits), 128, x, wbits, part, m, n, k, kslice)
+    d.launch("gemv_sum_splits_f32", cdiv(m * n, 256), 256, part, y, splits, m * n)
+
+
 LOG: list[str] = []
 
 
@@ -96,21 +131,48 @@ def kda_reference(xq, xk, xv, f, b, convw, a_log, dt_bias, windows, S0, heads, l
     return o.reshape(t, hk), S[0], wins_end, {n: (em[n][0], emitted_w[n]) for n in emit_at}
 
 
-# Decode kernels (same arguments): variant -> (name, grid for (heads, seqs), block). "split" is the
-# default of ops.rs (K3_KDA_DECODE), "old" the 512-thread kernel kept for one A/B run.
+# Decode variants (ops.rs K3_KDA_DECODE). One-launch kernels (same arguments): variant -> (name,
+# grid for (heads, seqs), block). Two-kernel variants (the default "two"): kda_decode_prep_f32
+# (grid (H, N), 128 threads) writes a KDA_PREP_FLOATS record per (seq, head) that the state kernel
+# named here reads: variant -> (name, warps per block), grid (16 / warps * H, N).
 KDA_DECODE_KERNELS = {"old": ("kda_decode_f32", lambda h, n: (h, n), 512),
                       "split": ("kda_decode_split_f32", lambda h, n: (4 * h, n), 128)}
+KDA_DECODE_TWO = {"two": ("kda_decode_state_f32", 4), "two_plain": ("kda_decode_state_plain_f32", 4),
+                  "two_w1": ("kda_decode_state_w1_f32", 1)}
+KDA_DECODE_VARIANTS = list(KDA_DECODE_KERNELS) + list(KDA_DECODE_TWO)
+KDA_PREP_FLOATS = 4 * 128 + 4  # geometry.rs KDA_PREP_FLOATS
+
+
+def kda_decode_launcher(d: Device, variant, heads, n, args):
+    """A closure that runs decode `variant` with the one-launch kernels' argument list `args`
+    (views made here, up front: time_graph closures must not create cupy views)."""
+    if variant in KDA_DECODE_KERNELS:
+        name, grid, block = KDA_DECODE_KERNELS[variant]
+        return lambda: d.launch(name, grid(heads, n), block, *args)
+    state, warps = KDA_DECODE_TWO[variant]
+    prep = d.view(torch.empty(n * heads * KDA_PREP_FLOATS, device=d.tdev))
+    arena, offs, cks, o, conv = args[10], args[11], args[12], args[13], args[16]
+
+    def go():
+        d.launch("kda_decode_prep_f32", (heads, n), 128, *args[:13], prep, *args[14:])
+        d.launch(state, (16 // warps * heads, n), 32 * warps, prep, arena, offs, cks, o, n, heads, conv)
+    return go
 
 # Chunk kernels of the prefill (same arguments): name -> grid for `heads`.
 KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4)),
                      "tc": ("kda_chunk_tc_f32", lambda h: (4, h)),
                      "tc_fast": ("kda_chunk_tc_fast_f32", lambda h: (4, h))}
-# The two-pass path (kernels/kda_chunk_scan.cu, ops.rs default for conv <= 4): kda_chunk_rec_f32
-# (conv + prep + chunk algebra, grid (chunks, heads)) then the scan named here, grid (4, heads).
-KDA_SCAN_KERNELS = {"scan": "kda_chunk_scan_f32", "scan_fast": "kda_chunk_scan_fast_f32"}
-KDA_CHUNK_KERNELS.update({k: (v, lambda h: (4, h)) for k, v in KDA_SCAN_KERNELS.items()})
+# The two-pass path (kernels/kda_chunk_scan.cu, ops.rs default for conv <= 4): a record pass (conv +
+# prep + chunk algebra, grid (chunks, heads)) then a scan, grid (4, heads): mode -> (record, scan), as
+# ops.rs kda_scan (K3_KDA_CHUNK). "scan" / "scan_fast" are the v2 kernels, "scan_v1*" the first ones.
+KDA_SCAN_KERNELS = {"scan": ("kda_chunk_rec2_f32", "kda_chunk_scan2_f32"),
+                    "scan_fast": ("kda_chunk_rec2_f32", "kda_chunk_scan2_fast_f32"),
+                    "scan_v1": ("kda_chunk_rec_f32", "kda_chunk_scan_f32"),
+                    "scan_v1_fast": ("kda_chunk_rec_f32", "kda_chunk_scan_fast_f32")}
+KDA_CHUNK_KERNELS.update({k: (v[1], lambda h: (4, h)) for k, v in KDA_SCAN_KERNELS.items()})
 # Tolerance of each against the float64 reference: 3xTF32 keeps f32 accuracy, 1xTF32 ~7e-4.
-KDA_CHUNK_TOL = {"f32": 1e-4, "tc": 1e-4, "tc_fast": 2e-3, "scan": 1e-4, "scan_fast": 2e-3}
+KDA_CHUNK_TOL = {"f32": 1e-4, "tc": 1e-4, "tc_fast": 2e-3, "scan": 1e-4, "scan_fast": 2e-3, "scan_v1": 1e-4,
+                 "scan_v1_fast": 2e-3}
 KDA_REC_FLOATS = 8576  # one (chunk, head) record; ops.rs KDA_REC_FLOATS
 KDA_SCAN_SEG = 8192  # tokens per rec + scan segment; ops.rs KDA_SCAN_SEG
 
@@ -175,9 +237,11 @@ def run_kda_prefill(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk,
     return o, go
 
 
-def _run_kda_scan(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk, xv, f, b, convw, a_log, dt_bias, scan,
+def _run_kda_scan(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk, xv, f, b, convw, a_log, dt_bias, kernels,
                   seg):
-    """ops.rs kda_prefill's default path: per segment of `seg` tokens, kda_chunk_rec_f32 then `scan`."""
+    """ops.rs kda_prefill's default path: per segment of `seg` tokens, the record pass then the scan
+    (`kernels` = their names)."""
+    rec_fn, scan = kernels
     dev = lambda x: x.float().contiguous().to(d.tdev)  # noqa: E731
     o = torch.empty(t, heads * 128, device=d.tdev)
     rec = torch.empty(cdiv(min(t, seg), 16) * heads * KDA_REC_FLOATS, device=d.tdev)
@@ -188,7 +252,7 @@ def _run_kda_scan(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk, x
     segs = [(t0, min(t, t0 + seg)) for t0 in range(0, t, seg)]
 
     def rec_pass(t0, t1):
-        d.launch("kda_chunk_rec_f32", (cdiv(t1 - t0, 16), heads), 128, *ins, al, dtb, d.view(rec), d.view(A), off,
+        d.launch(rec_fn, (cdiv(t1 - t0, 16), heads), 128, *ins, al, dtb, d.view(rec), d.view(A), off,
                  d.view(cn), d.view(co), len(ck_n), t0, t1, heads, conv, lb)
 
     def scan_pass(t0, t1):

@@ -31,9 +31,11 @@ import torch
 # puts reference/ on sys.path for k3ref.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks import bench  # noqa: E402
-from common import (KDA_CHUNK_TOL, KDA_DECODE_KERNELS, KDA_PREP, LOG, ROOT, cdiv, kda_reference,  # noqa: E402
-                    kda_region_floats, log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
+from common import (KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, LOG, ROOT, cdiv, kda_decode_launcher,  # noqa: E402
+                    kda_reference, kda_region_floats, log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
 from common import MX_GEMV_ROWS, mla_prefill_plan, mx_gemv_stage, run_mla_prefill  # noqa: E402
+from common import MX_TC_ROWS, MX_TC_SHARED, mx_tc_stage  # noqa: E402
+from common import gemv_tc_plan, run_gemv_tc  # noqa: E402
 from emulators import EMU  # noqa: E402
 from k3ref import mxfp4 as rmx  # noqa: E402
 from k3ref.attnres import attn_res as ref_attn_res  # noqa: E402
@@ -353,7 +355,7 @@ def check_kda_decode(d: Device, r: Results, gen):
                           inp["a_log"], inp["dt_bias"], inp["windows"][i], inp["S0"][i], heads, lb) for i in range(n)]
     F32 = lambda xs: torch.cat([x for x in xs]).float().contiguous().to(d.tdev)  # noqa: E731
     outs = {}
-    for variant, (name, grid, block) in KDA_DECODE_KERNELS.items():  # both from the same arena
+    for variant in KDA_DECODE_VARIANTS:  # all from the same arena
         A = arena.float().to(d.tdev)
         o = torch.empty(n, hk, device=d.tdev)
         args = [d.view(F32(inp["xq"])), d.view(F32(inp["xk"])), d.view(F32(inp["xv"])), d.view(F32(inp["f"])),
@@ -361,7 +363,7 @@ def check_kda_decode(d: Device, r: Results, gen):
             d.view(inp["a_log"].float().to(d.tdev)), d.view(inp["dt_bias"].float().to(d.tdev)), d.view(A),
             d.view(torch.tensor(offs, dtype=torch.int64).to(d.tdev)),
             d.view(torch.tensor(ck, dtype=torch.int64).to(d.tdev)), d.view(o), n, heads, conv, lb]
-        d.launch(name, grid(heads, n), block, *args)
+        kda_decode_launcher(d, variant, heads, n, args)()
         d.sync()
         A, o = A.cpu(), o.cpu()
         outs[variant] = (A, o)
@@ -381,9 +383,11 @@ def check_kda_decode(d: Device, r: Results, gen):
         r.check(f"{tag} o", eo, 2e-5)
         r.check(f"{tag} state (+checkpoint)", es, 2e-5)
         r.check(f"{tag} windows (+checkpoint)", ew, 1e-6)
-    # The split kernel sums the same partials in the same order: it should match the old one exactly.
-    (A0, o0), (A1, o1) = outs["old"], outs["split"]
-    r.check("kda_decode split vs old (arena, o)", max(rel_err(A1, A0), rel_err(o1, o0)), 1e-6)
+    # The other kernels sum the same partials in the same order: they should match the old one exactly.
+    A0, o0 = outs["old"]
+    for variant, (A1, o1) in outs.items():
+        if variant != "old":
+            r.check(f"kda_decode {variant} vs old (arena, o)", max(rel_err(A1, A0), rel_err(o1, o0)), 1e-6)
 
 
 def check_kda_prefill(d: Device, r: Results, gen, chunk="f32", prep=KDA_PREP, conv=4, seg=None):
@@ -426,9 +430,10 @@ def check_kda_prefill_tc(d: Device, r: Results, gen):
     """The tensor-core chunk kernels on the same cases (3xTF32: the f32 tolerances hold)."""
     check_kda_prefill(d, r, gen, chunk="tc")
     check_kda_prefill(d, r, gen, chunk="tc_fast")
-    # The two-pass default (kda_chunk_rec_f32 + scan), also chained over 16-token segments.
+    # The two-pass default (record pass + scan, v2 kernels), also chained over 16-token segments.
     check_kda_prefill(d, r, gen, chunk="scan")
     check_kda_prefill(d, r, gen, chunk="scan_fast")
+    check_kda_prefill(d, r, gen, chunk="scan_v1")  # the first kernels, still selectable
     check_kda_prefill(d, r, gen, chunk="scan", seg=16)
     for conv in (2, 3):
         check_kda_prefill(d, r, gen, chunk="scan", conv=conv)
@@ -651,43 +656,59 @@ def check_moe(d: Device, r: Results, gen):
 
 
 def check_moe_gemv(d: Device, r: Results, gen):
-    """The decode-step expert pair (mxfp4_*_gemv_f32) on shapes with an odd number of 32-value
-    blocks per row (a lane pair's tail) and rows that leave a partial 64-row tile, at T = 1, at
-    several tokens per expert, and with a 1-token stage (one pass per token: weights re-read)."""
-    e, k, lt, ie = 6, 3, 160, 96
-    w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
-    w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
-    w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+    """The decode-step expert pairs (mxfp4_*_gemv_f32, mxfp4_*_tc_f32) on shapes with an odd number
+    of 32-value blocks per row (a lane pair's / super-step's tail) and rows that leave a partial
+    row tile, at T = 1, at several tokens per expert (tc: more than 8 on some experts, so two
+    passes), and with small stages (one or three tokens per pass: weights re-read). tc also on a
+    shape wider than one 256-column staging chunk (416 = 13 blocks: a partial second chunk)."""
+    e, k = 6, 3
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
-    for t, stage in ((1, None), (9, None), (9, 1)):
-        z = rand(t, lt, gen=gen)
-        idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64), rand(e, scale=0.1, gen=gen),
-                                k, True, 1.0)
-        ref = torch.zeros(t, lt, dtype=torch.float64)
-        for tt in range(t):
-            for j in range(k):
-                ex = int(idx[tt, j])
-                ref[tt] += wts[tt, j] * (w2[ex] @ ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0))
-        na = t * k
-        offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
-        sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
-        d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx.int().reshape(-1))), na, e, d.view(offsets),
-                 d.view(sorted_))
-        su, sd = (stage or mx_gemv_stage(t, lt), stage or mx_gemv_stage(t, ie))
-        act = torch.empty(na, ie, device=d.tdev)
-        y = torch.empty(na, lt, device=d.tdev)
-        gx = min(e, na)
-        d.launch("mxfp4_up_gemv_f32", (gx, cdiv(ie, MX_GEMV_ROWS)), 128, d.view(dev(z.float())), d.view(dev(w1p)),
-                 d.view(dev(w1s)), d.view(dev(w3p)), d.view(dev(w3s)), d.view(offsets), d.view(sorted_), d.view(act),
-                 k, lt, ie, 4.0, 25.0, 1, e, su, shared_mem=su * lt * 4)
-        d.launch("mxfp4_down_gemv_f32", (gx, cdiv(lt, MX_GEMV_ROWS)), 128, d.view(act), d.view(dev(w2p)),
-                 d.view(dev(w2s)), d.view(offsets), d.view(sorted_), d.view(y), lt, ie, e, sd, shared_mem=sd * ie * 4)
-        res = torch.empty(t, lt, device=d.tdev)
-        d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
-                 d.view(res), t, k, lt)
-        d.sync()
-        tag = f"T={t}" + (f" stage={stage}" if stage else "")
-        r.check(f"moe routed gemv {tag} (sort+up+down+combine)", rel_err(res, ref), 1e-5)
+    for lt, ie, kinds in ((160, 96, ("gemv", "tc")), (416, 288, ("tc",))):
+        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
+        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
+        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+        for t, stage in ((1, None), (9, None), (17, None), (9, 1), (9, 3)):
+            z = rand(t, lt, gen=gen)
+            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
+                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
+            ref = torch.zeros(t, lt, dtype=torch.float64)
+            for tt in range(t):
+                for j in range(k):
+                    ex = int(idx[tt, j])
+                    ref[tt] += wts[tt, j] * (w2[ex] @ ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0))
+            na = t * k
+            offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
+            sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
+            d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx.int().reshape(-1))), na, e, d.view(offsets),
+                     d.view(sorted_))
+            gx = min(e, na)
+            for kind in kinds:
+                if kind == "gemv" and t == 17:
+                    continue
+                act = torch.empty(na, ie, device=d.tdev)
+                y = torch.empty(na, lt, device=d.tdev)
+                wargs = (d.view(dev(z.float())), d.view(dev(w1p)), d.view(dev(w1s)), d.view(dev(w3p)),
+                         d.view(dev(w3s)), d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1, e)
+                dargs = (d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets), d.view(sorted_), d.view(y),
+                         lt, ie, e)
+                if kind == "gemv":
+                    su, sd = (stage or mx_gemv_stage(t, lt), stage or mx_gemv_stage(t, ie))
+                    d.launch("mxfp4_up_gemv_f32", (gx, cdiv(ie, MX_GEMV_ROWS)), 128, *wargs, su, shared_mem=su * lt * 4)
+                    d.launch("mxfp4_down_gemv_f32", (gx, cdiv(lt, MX_GEMV_ROWS)), 128, *dargs, sd,
+                             shared_mem=sd * ie * 4)
+                else:
+                    st = stage or mx_tc_stage(t)
+                    d.launch("mxfp4_up_tc_f32", (gx, cdiv(ie, MX_TC_ROWS)), 256, *wargs, st, shared_mem=MX_TC_SHARED)
+                    d.launch("mxfp4_down_tc_f32", (gx, cdiv(lt, MX_TC_ROWS)), 256, *dargs, st, shared_mem=MX_TC_SHARED)
+                res = torch.empty(t, lt, device=d.tdev)
+                d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
+                         d.view(res), t, k, lt)
+                d.sync()
+                tag = f"T={t}" + (f" stage={stage}" if stage else "") + ("" if lt == 160 else f" {lt}x{ie}")
+                # tc: bf16 weights (exact) times hi + lo bf16 activations (~16 bits) in f32, as the
+                # split-bf16 GEMM path (check_moe_gemm's 2e-5).
+                r.check(f"moe routed {kind} {tag} (sort+up+down+combine)", rel_err(res, ref),
+                        1e-5 if kind == "gemv" else 2e-5)
 
 
 def check_bf16_matmul(d: Device, r: Results, gen):
@@ -716,6 +737,26 @@ def check_bf16_matmul(d: Device, r: Results, gen):
         d.launch("gemv_bf16_f32", cdiv(n, 8), 256, d.view(dev(x[:mm].float())), u16(wb), d.view(yg), mm, n, k)
         d.sync()
         r.check(f"gemv_bf16_f32 M={mm}", rel_err(yg, x[:mm] @ w.T), 1e-5)
+
+
+def check_gemv_tc(d: Device, r: Results, gen):
+    """The tensor-core decode product (gemv_bf16_tc_f32 + gemv_sum_splits_f32) against float64, f32
+    accuracy: N below / not a multiple of the 128-row block, K not a multiple of the 64-column step
+    (and a short last K slice), one split and several, M across both n8 tiles of x rows."""
+    dev = lambda t: t.contiguous().to(d.tdev)  # noqa: E731
+    u16 = lambda t: d.view(t).view(np.uint16)  # noqa: E731
+    for n, k, plan in ((77, 520, None), (300, 1544, None), (130, 200, (1, 256)),
+                       (260, 1032, (5, 256))):
+        w = rand(n, k, scale=0.1, gen=gen).float().to(torch.bfloat16)
+        wb = dev(w.view(torch.int16))
+        part = dev(torch.zeros(16 * 16 * n))
+        for m in (1, 3, 8, 16):
+            x = rand(m, k, gen=gen)
+            y = dev(torch.full((m, n), float("nan")))
+            run_gemv_tc(d, d.view(dev(x.float())), u16(wb), d.view(y), m, n, k, d.view(part), plan)
+            d.sync()
+            splits = (plan or gemv_tc_plan(n, k))[0]
+            r.check(f"gemv_bf16_tc_f32 M={m} {n}x{k} splits={splits}", rel_err(y, x @ w.double().T), 1e-5)
 
 
 def check_moe_gemm(d: Device, r: Results, gen):
@@ -790,7 +831,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=os.environ.get("K3_BENCH_ONLY", ""),
-                    help="comma list of benchmark sections (kda_decode,kda_prefill,mla,mla_prefill,attn_res,moe); "
+                    help="comma list of benchmark sections (kda_decode,kda_prefill,mla,mla_prefill,attn_res,moe,gemv); "
                          "default all")
     args = ap.parse_args()
     d = Device(args.dry_run)
@@ -803,7 +844,7 @@ def main():
     t0 = time.time()
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
                check_kda_prefill_tc, check_mla, check_mla_prefill, check_moe, check_moe_gemv, check_moe_gemm,
-               check_bf16_matmul, check_kda_prefill_prep):
+               check_bf16_matmul, check_gemv_tc, check_kda_prefill_prep):
         try:
             fn(d, r, gen)
         except Exception as e:  # noqa: BLE001  a crash in one check must not hide the others

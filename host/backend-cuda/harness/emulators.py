@@ -41,6 +41,46 @@ def _emu_kda_decode(q_in, k_in, v_in, f_in, b_in, cq, ck, cv, a_log, dt_bias, ar
         o_out.reshape(-1)[n * hk:(n + 1) * hk] = ro.float().numpy().reshape(-1)
 
 
+def _emu_kda_decode_prep(q_in, k_in, v_in, f_in, b_in, cq, ck, cv, a_log, dt_bias, arena, state_off, ckpt_off, prep,
+                         n_seqs, heads, conv, lb):
+    # Windows (into the slot and the checkpoint) and one record per (seq, head): q (normalised,
+    # times K^-1/2) | k (normalised) | exp(g) | v | beta | pad.
+    hk, heads, conv = int(heads) * 128, int(heads), int(conv)
+    A, P = _t(arena), _t(prep).view(int(n_seqs), heads, -1)
+    for n in range(int(n_seqs)):
+        w, _ = unpack_kda_region(A, int(state_off[n]), hk, conv, heads)
+        row = lambda x, w: _t(x).reshape(-1)[n * w:(n + 1) * w].view(1, w).double()  # noqa: E731
+        ys, nws = [], []
+        for x, c, win in zip((q_in, k_in, v_in), (cq, ck, cv), w):
+            y, nw = rk.short_conv(row(x, hk)[None], _t(c).view(hk, 1, conv).double(), win.double().t()[None])
+            ys.append(F.silu(y[0, 0]).view(heads, 128))
+            nws.append(nw[0].t().float())
+        for dst in [int(state_off[n])] + ([int(ckpt_off[n])] if ckpt_off[n] >= 0 else []):
+            A[dst:dst + 3 * hk * (conv - 1)] = torch.cat([x.reshape(-1) for x in nws])
+        g = rk.kda_gate(row(f_in, hk).view(heads, 128), _t(a_log).double(), _t(dt_bias).double(), float(lb))
+        P[n, :, :128] = (rk.l2norm(ys[0]) * 128 ** -0.5).float()
+        P[n, :, 128:256] = rk.l2norm(ys[1]).float()
+        P[n, :, 256:384] = torch.exp(g).float()
+        P[n, :, 384:512] = ys[2].float()
+        P[n, :, 512] = torch.sigmoid(row(b_in, heads)[0]).float()
+
+
+def _emu_kda_decode_state(prep, arena, state_off, ckpt_off, o_out, n_seqs, heads, conv):
+    # The delta rule from the records: S <- diag(alpha) S; u = beta (v - S^T k); S += k u^T; o = S^T q.
+    hk, heads, conv = int(heads) * 128, int(heads), int(conv)
+    A, P = _t(arena), _t(prep).view(int(n_seqs), heads, -1).double()
+    base = 3 * hk * (conv - 1)
+    for n in range(int(n_seqs)):
+        _, S = unpack_kda_region(A, int(state_off[n]), hk, conv, heads)
+        q, k, a, v, beta = P[n, :, :128], P[n, :, 128:256], P[n, :, 256:384], P[n, :, 384:512], P[n, :, 512]
+        S = S.double() * a[:, :, None]
+        u = beta[:, None] * (v - torch.einsum("hkv,hk->hv", S, k))
+        S = S + k[:, :, None] * u[:, None, :]
+        o_out.reshape(-1)[n * hk:(n + 1) * hk] = torch.einsum("hkv,hk->hv", S, q).float().numpy().reshape(-1)
+        for dst in [int(state_off[n])] + ([int(ckpt_off[n])] if ckpt_off[n] >= 0 else []):
+            A[dst + base:dst + base + heads * 128 * 128] = S.float().reshape(-1)
+
+
 _PREFILL = {}
 
 
@@ -328,6 +368,30 @@ def split_bf16(x):
     return hi, bf16_bits(np.asarray(x, dtype=np.float32) - bf16_value(hi))
 
 
+def _emu_gemv_tc(x, w, out, m, n, k, kslice):
+    """kernels/bf16.cu gemv_bf16_tc_f32: x in three bf16 pieces (each the rounded residual of the ones
+    before), exact products summed in f64 per K slice; out [ceil(K / kslice), M, N] partials."""
+    m, n, k, ks = int(m), int(n), int(k), int(kslice)
+    xv = x.reshape(-1)[:m * k].astype(np.float32)
+    pieces = []
+    for _ in range(3):
+        b = bf16_bits(xv)
+        pieces.append(bf16_value(b).astype(np.float64))
+        xv = (xv - bf16_value(b)).astype(np.float32)
+    xs = sum(pieces).reshape(m, k)
+    wv = bf16_value(w.reshape(-1)[:n * k]).astype(np.float64).reshape(n, k)
+    for s, k0 in enumerate(range(0, k, ks)):
+        part = xs[:, k0:k0 + ks] @ wv[:, k0:k0 + ks].T
+        out.reshape(-1)[s * m * n:(s + 1) * m * n] = part.astype(np.float32).reshape(-1)
+
+
+def _emu_sum_splits(part, y, splits, n):
+    acc = np.zeros(int(n), dtype=np.float32)
+    for j in range(int(splits)):
+        acc += part.reshape(-1)[j * int(n):(j + 1) * int(n)]
+    y.reshape(-1)[:int(n)] = acc
+
+
 def _stack_rows(offsets, p):
     """Stacked hi / lo rows of sorted position p (kernels/moe_gemm.cu)."""
     e = int(np.searchsorted(offsets, p, side="right")) - 1
@@ -400,6 +464,10 @@ EMU = {
         _t(lg).view(int(rows), int(v)).double() / float(temp), -1).float().numpy()),
     "kda_decode_f32": _emu_kda_decode,
     "kda_decode_split_f32": _emu_kda_decode,  # same contract; grid (4H, N) of 128-thread clusters
+    "kda_decode_prep_f32": _emu_kda_decode_prep,
+    "kda_decode_state_f32": _emu_kda_decode_state,
+    "kda_decode_state_plain_f32": _emu_kda_decode_state,  # same contract; plain state loads / stores
+    "kda_decode_state_w1_f32": _emu_kda_decode_state,  # same contract; grid (16H, N) of one-warp blocks
     "kda_conv_silu_f32": _emu_kda_conv,
     "kda_prep_f32": _emu_kda_prep,
     "kda_conv_prep_f32": _emu_kda_conv_prep,
@@ -407,8 +475,11 @@ EMU = {
     "kda_chunk_tc_f32": _emu_kda_chunk,  # same contract; only the grid and the chunking differ
     "kda_chunk_tc_fast_f32": _emu_kda_chunk,
     "kda_chunk_rec_f32": _emu_kda_chunk_rec,
+    "kda_chunk_rec2_f32": _emu_kda_chunk_rec,  # v2: same math (float64 here), cheaper instructions
     "kda_chunk_scan_f32": _emu_kda_chunk_scan,
     "kda_chunk_scan_fast_f32": _emu_kda_chunk_scan,
+    "kda_chunk_scan2_f32": _emu_kda_chunk_scan,
+    "kda_chunk_scan2_fast_f32": _emu_kda_chunk_scan,
     "mla_append_rows_f32": lambda kv_a, nw, arena, dst, t, lkv, rope, eps: [arena.__setitem__(
         slice(int(dst[i]), int(dst[i]) + int(lkv) + int(rope)), np.concatenate([ref_rms_norm(
             _t(kv_a).view(int(t), -1)[i, :int(lkv)].double(), _t(nw).double(), float(eps)).float().numpy(),
@@ -430,6 +501,8 @@ EMU = {
     "gemv_bf16_f32": lambda x, w, y, m, n, k: y.reshape(-1).__setitem__(slice(0, int(m) * int(n)), (
         _t(x).view(-1)[:int(m) * int(k)].view(int(m), int(k)).double()
         @ _t(bf16_value(w.reshape(-1)[:int(n) * int(k)])).view(int(n), int(k)).double().T).float().reshape(-1).numpy()),
+    "gemv_bf16_tc_f32": _emu_gemv_tc,
+    "gemv_sum_splits_f32": _emu_sum_splits,
     "bf16_to_f32": lambda b, out, n: out.reshape(-1).__setitem__(slice(0, int(n)), bf16_value(b.reshape(-1)[:int(n)])),
     "moe_gather_split_bf16": _emu_gather_split,
     "mxfp4_to_bf16_experts": _emu_to_bf16,
@@ -441,6 +514,8 @@ EMU = {
     "mxfp4_down_fast_f32": lambda *a: _emu_moe_down(*a[:-1]),
     "mxfp4_up_gemv_f32": lambda *a: _emu_moe_up(*a[:-2]),  # + E, stage (tokens per pass)
     "mxfp4_down_gemv_f32": lambda *a: _emu_moe_down(*a[:-2]),
+    "mxfp4_up_tc_f32": lambda *a: _emu_moe_up(*a[:-2]),  # + E, stage; bf16 hi/lo products ~ f32
+    "mxfp4_down_tc_f32": lambda *a: _emu_moe_down(*a[:-2]),
     "moe_combine_f32": lambda y, w, out, t, k, lt: out.__setitem__(slice(None), torch.einsum(
         "tk,tkl->tl", _t(w).view(int(t), int(k)), _t(y).view(int(t), int(k), int(lt))).numpy().reshape(out.shape)),
 }

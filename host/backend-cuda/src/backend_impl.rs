@@ -198,9 +198,9 @@ impl CudaBackend {
             .ok_or_else(|| CudaError::InvalidArg("weight f32 copy".into()))
     }
 
-    /// `y = x Wᵀ` for any weight: bf16 weights through the weight-streaming kernel for decode
-    /// sizes (`GEMV_MAX_ROWS` rows of x at most) and otherwise one tensor-core GEMM over the hi
-    /// and lo bf16 rows of x (kernels/bf16.cu); f32 weights through `matmul_rt`.
+    /// `y = x Wᵀ` for any weight: bf16 weights through the weight-streaming kernels for decode
+    /// sizes (`gemv_choice`) and otherwise one tensor-core GEMM over the hi and lo bf16 rows of
+    /// x (kernels/bf16.cu); f32 weights through `matmul_rt`.
     pub fn matmul_linear(&self, x: &DeviceMat, w: &DeviceLinear) -> Result<DeviceMat> {
         let Some(bits) = &w.bf16 else {
             return self.matmul_rt(x, self.linear_f32(w)?);
@@ -210,7 +210,27 @@ impl CudaBackend {
             return self.zeros(m, n);
         }
         let y = self.output(m, n)?; // both paths below write every element
-        if m <= GEMV_MAX_ROWS && k.is_multiple_of(8) && n * k <= gemv_max_weight() {
+        let choice = gemv_choice();
+        if choice == Gemv::New && m <= GEMV_TC_MAX_ROWS && k.is_multiple_of(8) {
+            let (splits, kslice) = gemv_tc_plan(n, k, self.multiprocessors);
+            let (mi, ni, ki, ks) = (m as i32, n as i32, k as i32, kslice as i32);
+            let l = Launch::new((n.div_ceil(GEMV_TC_BLOCK_ROWS), splits, 1), 128)?;
+            if splits == 1 {
+                launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &y.buf, &mi, &ni, &ki, &ks)?;
+                return Ok(y);
+            }
+            // Every split writes its whole [M, N] partial before the sum reads it.
+            let part = self.uninit::<f32>(splits * m * n)?;
+            let (si, yn) = (splits as i32, (m * n) as i64);
+            launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &part, &mi, &ni, &ki, &ks)?;
+            launch!(self, "gemv_sum_splits_f32", geometry::elementwise(m * n)?; &part, &y.buf, &si, &yn)?;
+            return Ok(y);
+        }
+        if choice == Gemv::Old
+            && m <= GEMV_MAX_ROWS
+            && k.is_multiple_of(8)
+            && n * k <= gemv_max_weight()
+        {
             let (mi, ni, ki) = (m as i32, n as i32, k as i32);
             let l = Launch::new((n.div_ceil(8), 1, 1), 256)?;
             launch!(self, "gemv_bf16_f32", l; &x.buf, bits, &y.buf, &mi, &ni, &ki)?;
@@ -532,6 +552,49 @@ fn matmul_dims(x: &DeviceMat, rows: usize, cols: usize) -> Result<(usize, usize,
         )));
     }
     Ok((x.rows, rows, x.cols))
+}
+
+/// Which kernel takes bf16-weight products with few rows of x, by `K3_GEMV` (read once):
+/// `new` (default): `gemv_bf16_tc_f32` for M <= 16 at any size (one pass over the weight for all
+/// rows, split-K so short-N shapes fill the GPU); `old`: `gemv_bf16_f32` for M <= 8 up to
+/// `K3_GEMV_MAX_ELEMS` weights; `cublas`: the split cuBLAS GEMM always. Everything else (M > 16,
+/// K % 8 != 0) goes to the split cuBLAS GEMM, which reaches the tensor cores' rate at prefill sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gemv {
+    New,
+    Old,
+    Cublas,
+}
+
+fn gemv_choice() -> Gemv {
+    static C: std::sync::OnceLock<Gemv> = std::sync::OnceLock::new();
+    *C.get_or_init(|| match std::env::var("K3_GEMV").as_deref() {
+        Ok("old") => Gemv::Old,
+        Ok("cublas") => Gemv::Cublas,
+        _ => Gemv::New,
+    })
+}
+
+/// kernels/bf16.cu `gemv_bf16_tc_f32`: most rows of x, weight rows per 128-thread block, K step.
+const GEMV_TC_MAX_ROWS: usize = 16;
+const GEMV_TC_BLOCK_ROWS: usize = 128;
+const GEMV_TC_KSTEP: usize = 64;
+/// Blocks resident per SM (98 registers x 128 threads, `__launch_bounds__(128, 4)`).
+const GEMV_TC_BLOCKS_PER_SM: usize = 4;
+/// Fewest columns per K split: shorter slices cost more in partial sums (splits x M x N floats
+/// written and read) and per-warp setup than the extra parallelism returns.
+const GEMV_TC_MIN_SLICE: usize = 512;
+
+/// `(splits, kslice)` for `gemv_bf16_tc_f32`: as many K splits as fit the row blocks into one
+/// wave of resident blocks (the weight stream needs every SM's loads in flight; a second, partial
+/// wave would leave most SMs idle at the end), slices a multiple of the K step and at least
+/// `GEMV_TC_MIN_SLICE` long. Big-N shapes get one split (no partials, one launch).
+fn gemv_tc_plan(n: usize, k: usize, sms: usize) -> (usize, usize) {
+    let row_blocks = n.div_ceil(GEMV_TC_BLOCK_ROWS);
+    let wave = sms.max(1) * GEMV_TC_BLOCKS_PER_SM;
+    let want = (wave / row_blocks).clamp(1, k.div_ceil(GEMV_TC_MIN_SLICE).clamp(1, 65535));
+    let kslice = k.div_ceil(want).next_multiple_of(GEMV_TC_KSTEP);
+    (k.div_ceil(kslice), kslice)
 }
 
 /// Most activation rows for `gemv_bf16_f32` (kernels/bf16.cu GEMV_MAX_M).
@@ -903,6 +966,39 @@ impl CudaBackend {
                 self.record(CudaError::from(e));
                 self.placeholder(1, 1).buf
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod gemv_tests {
+    use super::gemv_tc_plan;
+
+    #[test]
+    fn gemv_tc_plan_covers_k_in_one_wave() {
+        // K3 decode shapes on 132 SMs: (n, k) -> (splits, kslice).
+        assert_eq!(gemv_tc_plan(12288, 7168, 132), (5, 1472));
+        assert_eq!(gemv_tc_plan(33792, 7168, 132), (2, 3584));
+        assert_eq!(gemv_tc_plan(1536, 7168, 132), (14, 512));
+        assert_eq!(gemv_tc_plan(12288, 128, 132), (1, 128));
+        assert_eq!(gemv_tc_plan(100_000, 7168, 132), (1, 7168));
+        for &(n, k) in &[
+            (1, 8),
+            (77, 520),
+            (7168, 12288),
+            (18432, 1536),
+            (96, 7168),
+            (300, 7000),
+        ] {
+            let (s, ks) = gemv_tc_plan(n, k, 132);
+            assert!(
+                ks.is_multiple_of(64) && s * ks >= k && (s - 1) * ks < k,
+                "{n}x{k}"
+            );
+            assert!(
+                s == 1 || n.div_ceil(128) * s <= 132 * 4,
+                "{n}x{k}: one wave"
+            );
         }
     }
 }

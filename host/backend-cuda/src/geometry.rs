@@ -100,6 +100,30 @@ pub fn kda_decode_split(g: &KdaGeom, seqs: usize) -> Result<Launch> {
     Launch::new((KDA_DECODE_SPLIT * g.heads, seqs, 1), 128)
 }
 
+/// Floats of one (sequence, head) record of `kda_decode_prep_f32` (q, k, alpha, v, beta + pad).
+pub const KDA_PREP_FLOATS: usize = 4 * KDA_HEAD_DIM + 4;
+
+/// Two-kernel decode, first launch: one 128-thread block per (head, sequence).
+pub fn kda_decode_prep(g: &KdaGeom, seqs: usize) -> Result<Launch> {
+    check_kda(g)?;
+    Launch::new((g.heads, seqs, 1), KDA_HEAD_DIM as u32)
+}
+
+/// Two-kernel decode, state pass: blocks of `warps` warps (1, 2, 4, 8 or 16), each owning
+/// 8 * warps state columns of one (head, sequence); grid.x = 16 / warps * heads.
+pub fn kda_decode_state(g: &KdaGeom, seqs: usize, warps: usize) -> Result<Launch> {
+    check_kda(g)?;
+    if !(warps.is_power_of_two() && warps <= 16) {
+        return Err(CudaError::InvalidArg(format!(
+            "KDA decode state: {warps} warps"
+        )));
+    }
+    Launch::new(
+        (KDA_HEAD_DIM / (8 * warps) * g.heads, seqs, 1),
+        32 * warps as u32,
+    )
+}
+
 /// Prefill: (conv, prep, chunk) launches for `tokens` new tokens.
 pub fn kda_prefill(g: &KdaGeom, tokens: usize) -> Result<[Launch; 3]> {
     check_kda(g)?;
@@ -259,6 +283,13 @@ mod tests {
         assert_eq!((l.grid, l.block), ((96, 64, 1), 512));
         let l = kda_decode_split(&kda(96), 64).unwrap();
         assert_eq!((l.grid, l.block), ((4 * 96, 64, 1), 128));
+        let l = kda_decode_prep(&kda(96), 64).unwrap();
+        assert_eq!((l.grid, l.block), ((96, 64, 1), 128));
+        let l = kda_decode_state(&kda(96), 64, 4).unwrap();
+        assert_eq!((l.grid, l.block), ((4 * 96, 64, 1), 128));
+        let l = kda_decode_state(&kda(96), 64, 1).unwrap();
+        assert_eq!((l.grid, l.block), ((16 * 96, 64, 1), 32));
+        assert!(kda_decode_state(&kda(96), 64, 3).is_err());
         let [conv, prep, chunk] = kda_prefill(&kda(96), 8192).unwrap();
         assert_eq!(conv.grid.0 as usize * 256, 3 * 96 * 128);
         assert_eq!(prep.grid.0 as usize * 4, 8192 * 96);

@@ -48,8 +48,11 @@ const TAG_ARENA: u64 = 5 << 60;
 /// Pinned staging for the uploads of one step. 8 MiB: a decode step of 64 sequences at 32k
 /// tokens uploads ~0.3 MB per MLA layer (page tables); a step that needs more runs eagerly.
 const STAGING_BYTES: usize = 8 << 20;
-/// Graphs kept (one per distinct step log: batch size, MLA split count, page-table bucket).
-const MAX_GRAPHS: usize = 32;
+/// Graphs kept (one per distinct step log: batch size, MLA split count, page-table bucket),
+/// least recently used dropped first. Each holds its result buffer (rows x vocab f32) and the
+/// graph's own activation memory, which the 6 GiB work reserve of `--gpu-memory-utilization`
+/// must cover.
+const MAX_GRAPHS: usize = 16;
 /// A log is captured the second time it is seen, so one-off shapes never pay for a capture.
 const CAPTURE_AFTER: u32 = 2;
 const NEVER: u32 = u32::MAX;
@@ -562,5 +565,65 @@ impl CudaBackend {
                 Err(format!("first launch: {e}"))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch(grid: usize) -> Launch {
+        Launch::new((grid, 1, 1), 128).unwrap()
+    }
+
+    #[test]
+    fn logs_differ_exactly_when_the_queued_work_differs() {
+        let s = StepState::new(false);
+        let run = |grid: usize, arg: u64, upload: usize| {
+            s.begin(Mode::Dry);
+            s.log_launch("k_a", &launch(grid), &[arg, 0]);
+            s.log_gemm(&[0, 1, 2, 3]);
+            s.lock().log.push(TAG_UPLOAD | upload as u64);
+            s.finish().0
+        };
+        let base = run(4, 7, 64);
+        assert_eq!(base, run(4, 7, 64), "same work, same log");
+        assert_ne!(base, run(5, 7, 64), "grid");
+        assert_ne!(base, run(4, 8, 64), "scalar argument");
+        assert_ne!(base, run(4, 7, 72), "upload size");
+        s.begin(Mode::Dry);
+        s.log_launch("k_b", &launch(4), &[7, 0]);
+        s.log_gemm(&[0, 1, 2, 3]);
+        s.lock().log.push(TAG_UPLOAD | 64);
+        assert_ne!(base, s.finish().0, "kernel name");
+        assert_eq!(s.mode(), Mode::Eager, "finish ends the pass");
+    }
+
+    #[test]
+    fn arena_pointers_are_logged_by_arena_and_offset() {
+        let s = StepState::new(false);
+        s.add_arena(0x1000, 0x100);
+        s.add_arena(0x8000, 0x100);
+        assert_eq!(s.ptr_word(0x0fff), 0, "outside every arena: not logged");
+        assert_eq!(s.ptr_word(0x1010), TAG_ARENA | 0x10);
+        assert_eq!(s.ptr_word(0x8010), TAG_ARENA | 1 << 44 | 0x10);
+        assert_ne!(s.ptr_word(0x1010), s.ptr_word(0x8010));
+        // A new arena over the first one's range gets a new id: old graphs can never match.
+        s.add_arena(0x1000, 0x100);
+        assert_eq!(s.ptr_word(0x1010), TAG_ARENA | 2 << 44 | 0x10);
+    }
+
+    #[test]
+    fn an_aborted_pass_keeps_its_first_reason_and_the_next_pass_starts_clean() {
+        let s = StepState::new(false);
+        s.begin(Mode::Capture);
+        assert!(s.recording() && !s.dry());
+        s.abort(|| "first".into());
+        s.abort(|| "second".into());
+        assert!(s.aborted());
+        assert_eq!(s.finish().1.as_deref(), Some("first"));
+        s.begin(Mode::Dry);
+        assert!(!s.aborted() && s.dry());
+        assert_eq!(s.finish().1, None);
     }
 }

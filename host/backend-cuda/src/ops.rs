@@ -50,19 +50,42 @@ enum MxExperts {
     Block,
     Fast,
     Gemv,
+    Tc,
 }
 
-/// `auto` is `gemv` at every size that reaches these kernels: it reads each weight byte once per
-/// pass of up to 4 tokens where `block` / `fast` decode it per token (or per 8) with more
-/// instructions per byte (H200, K3 shapes before it: `block` 0.73 ms, `fast` 0.88 ms at 1 token
-/// x top-16; `fast` 6.2 ms at 16 tokens and 11 ms at 64; docs/performance.md).
+/// `auto` is `tc` (kernels/mxfp4_tc.cu) at every size that reaches these kernels, 1 token
+/// included. `gemv` (H200: 183 us at 1 token x top-16, 2.0 ms at 16 tokens, 6.2 ms at 64) is
+/// bound by shared-memory wavefronts (~11 per 4 weight bytes and warp against the ~7 SM cycles
+/// that 4.25 TB/s leaves) and, from 2 tokens per expert, by f32 FMAs; `tc` decodes a byte pair
+/// with one conflict-free table load (~4 wavefronts per 4 bytes) and covers up to 8 tokens per
+/// pass with the same decode, so it should be bandwidth-bound at every decode size (not yet
+/// measured: K3_MX_EXPERTS=gemv / fast / block select the others for A/B).
 fn mx_experts_choice() -> MxExperts {
     static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     match env_choice(&C, "K3_MX_EXPERTS", "auto") {
         "fast" => MxExperts::Fast,
         "block" => MxExperts::Block,
-        _ => MxExperts::Gemv,
+        "gemv" => MxExperts::Gemv,
+        _ => MxExperts::Tc,
     }
+}
+
+/// kernels/mxfp4_tc.cu: rows per 256-thread block, most tokens per pass (two n-tiles), and the
+/// fixed dynamic shared memory (replicated decode table 32 KB + 16 staged bf16 rows of 272).
+const MX_TC_ROWS: usize = 128;
+const MX_TC_MAX_STAGE: usize = 8;
+const MX_TC_SHARED: usize = 8192 * 4 + 2 * MX_TC_MAX_STAGE * 272 * 2;
+
+/// Tokens per pass of the tc kernels: no expert gets more than T, and a pass's cost hardly
+/// depends on its tokens (one decode, 1-2 mma per 16x16 tile), so take as many as fit.
+fn mx_tc_stage(max_per_expert: usize) -> usize {
+    max_per_expert.clamp(1, MX_TC_MAX_STAGE)
+}
+
+/// Grid of the tc kernels: blocks for `busy` experts x 128-row tiles.
+fn mx_tc_launch(busy: usize, rows: usize, cols: usize) -> Result<Launch> {
+    geometry::mx_expert(busy, rows, cols)?; // cols a multiple of 32
+    Launch::new((busy, rows.div_ceil(MX_TC_ROWS), 1), 256)?.with_shared(MX_TC_SHARED)
 }
 
 /// kernels/mxfp4.cu `mxfp4_*_gemv_f32`: rows per 128-thread block, most tokens per pass.
@@ -141,24 +164,54 @@ fn kda_chunk_tc() -> Option<&'static str> {
     })
 }
 
-/// The KDA decode kernel picked by `K3_KDA_DECODE` (read once per process): `split` (the default:
-/// `kda_decode_split_f32`, a cluster of 4 column-slice blocks per head) or `old` (`kda_decode_f32`,
-/// one 512-thread block per head), kept for an A/B run on the device.
-fn kda_decode_old() -> bool {
+/// The KDA decode kernels picked by `K3_KDA_DECODE` (read once per process), kept for an A/B run
+/// on the device: `two` (the default: `kda_decode_prep_f32` for the conv / gates / norms and the
+/// windows, then `kda_decode_state_f32`, a streaming pass over 32-column state slices),
+/// `two_plain` (the same without the evict-first hints), `two_w1` (8-column one-warp slices),
+/// `split` (`kda_decode_split_f32`, a cluster of 4 column-slice blocks per head) or `old`
+/// (`kda_decode_f32`, one 512-thread block per head). Returns (kernel, state kernel or None).
+fn kda_decode_kernels() -> (&'static str, Option<(&'static str, usize)>) {
     static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    env_choice(&C, "K3_KDA_DECODE", "split") == "old"
+    match env_choice(&C, "K3_KDA_DECODE", "two") {
+        "old" => ("kda_decode_f32", None),
+        "split" => ("kda_decode_split_f32", None),
+        "two_plain" => (
+            "kda_decode_prep_f32",
+            Some(("kda_decode_state_plain_f32", 4)),
+        ),
+        "two_w1" => ("kda_decode_prep_f32", Some(("kda_decode_state_w1_f32", 1))),
+        _ => ("kda_decode_prep_f32", Some(("kda_decode_state_f32", 4))),
+    }
 }
 
 /// The two-pass KDA prefill (kernels/kda_chunk_scan.cu, conv <= 4) unless `K3_KDA_CHUNK` names
-/// one of the older paths (`tc`, `tc_fast`, `f32`): `scan` (default, 3xTF32 scan) or `scan_fast`
-/// (1xTF32 scan, ~1e-3). Returns the scan kernel's name.
-fn kda_scan() -> Option<&'static str> {
-    static SCAN: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
+/// one of the older paths (`tc`, `tc_fast`, `f32`): `scan` (default, v2 kernels, 3xTF32 scan),
+/// `scan_fast` (v2, 1xTF32 scan, ~1e-3), `scan_v1` / `scan_v1_fast` (the first kernels, kept for
+/// an A/B run), `scan3` / `scan3_w4` (v3: the state in mma registers, kernels/kda_chunk_scan3.cu,
+/// 2 / 4 warps of 16 columns per block). Returns the (record pass, scan) kernel names and the
+/// scan's columns per block.
+fn kda_scan() -> Option<(&'static str, &'static str, usize)> {
+    static SCAN: std::sync::OnceLock<Option<(&'static str, &'static str, usize)>> =
+        std::sync::OnceLock::new();
     *SCAN.get_or_init(|| match std::env::var("K3_KDA_CHUNK").as_deref() {
         Ok("tc" | "tc_fast" | "f32") => None,
-        Ok("scan_fast") => Some("kda_chunk_scan_fast_f32"),
-        _ => Some("kda_chunk_scan_f32"),
+        Ok("scan_fast") => Some(("kda_chunk_rec2_f32", "kda_chunk_scan2_fast_f32", 32)),
+        Ok("scan_v1") => Some(("kda_chunk_rec_f32", "kda_chunk_scan_f32", 32)),
+        Ok("scan_v1_fast") => Some(("kda_chunk_rec_f32", "kda_chunk_scan_fast_f32", 32)),
+        Ok("scan3") => Some(("kda_chunk_rec3_f32", "kda_chunk_scan3_f32", 32)),
+        Ok("scan3_w4") => Some(("kda_chunk_rec3_f32", "kda_chunk_scan3_w4_f32", 64)),
+        _ => Some(("kda_chunk_rec2_f32", "kda_chunk_scan2_f32", 32)),
     })
+}
+
+/// Scan launch: v1 / v2 use 4 warps per 32 columns, v3 one warp per 16 columns.
+fn kda_scan_launch(scan: &str, cols: usize, heads: usize) -> Result<Launch> {
+    let threads = if scan.starts_with("kda_chunk_scan3") {
+        2 * cols
+    } else {
+        128
+    };
+    Launch::new((geometry::KDA_HEAD_DIM / cols, heads, 1), threads as u32)
 }
 
 /// Floats of one (16-token chunk, head) record of `kda_chunk_rec_f32` (KDA_REC in the kernel).
@@ -356,10 +409,11 @@ impl CudaBackend {
         slots: &[KdaSlot],
     ) -> Result<DeviceMat> {
         let n = slots.len();
-        let (name, l) = if kda_decode_old() {
-            ("kda_decode_f32", geometry::kda_decode(&g, n)?)
-        } else {
-            ("kda_decode_split_f32", geometry::kda_decode_split(&g, n)?)
+        let (name, state) = kda_decode_kernels();
+        let l = match (name, state) {
+            ("kda_decode_f32", _) => geometry::kda_decode(&g, n)?,
+            (_, None) => geometry::kda_decode_split(&g, n)?,
+            (_, Some(_)) => geometry::kda_decode_prep(&g, n)?,
         };
         for m in [x.q, x.k, x.v, x.f] {
             if (m.rows, m.cols) != (n, g.hk()) {
@@ -385,11 +439,22 @@ impl CudaBackend {
             });
         }
         let (offs, cks) = (self.upload_slice(&offs)?, self.upload_slice(&cks)?);
-        let o = self.zeros(n, g.hk())?;
+        // Every kernel writes all of o (each head's 128 columns): no memset node in the step.
+        let o = self.output(n, g.hk())?;
         let (nn, h, conv) = (n as i32, g.heads as i32, g.conv_kernel as i32);
+        let Some((state_name, warps)) = state else {
+            launch!(self, name, l;
+                &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log,
+                w.dt_bias, arena, &offs, &cks, &o.buf, &nn, &h, &conv, &g.gate_lower_bound)?;
+            return Ok(o);
+        };
+        // Every record is written by the prep kernel before the state kernel reads it.
+        let mut prep = self.uninit::<f32>(n * g.heads * geometry::KDA_PREP_FLOATS)?;
         launch!(self, name, l;
             &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log, w.dt_bias,
-            arena, &offs, &cks, &o.buf, &nn, &h, &conv, &g.gate_lower_bound)?;
+            &mut *arena, &offs, &cks, &mut prep, &nn, &h, &conv, &g.gate_lower_bound)?;
+        launch!(self, state_name, geometry::kda_decode_state(&g, n, warps)?;
+            &prep, arena, &offs, &cks, &o.buf, &nn, &h, &conv)?;
         Ok(o)
     }
 
@@ -448,18 +513,20 @@ impl CudaBackend {
             g.conv_kernel as i32,
             g.heads as i32,
         );
-        if let (Some(scan), true) = (kda_scan(), g.conv_kernel <= KDA_FUSED_MAX_CONV) {
+        if let (Some((rec_fn, scan, cols)), true) =
+            (kda_scan(), g.conv_kernel <= KDA_FUSED_MAX_CONV)
+        {
             // Record pass (conv, prep, chunk algebra; parallel) then the state scan, per segment.
             let o = self.output(t, g.hk())?;
             let mut rec =
                 self.uninit::<f32>(t.min(KDA_SCAN_SEG).div_ceil(16) * g.heads * KDA_REC_FLOATS)?;
-            let ls = Launch::new((geometry::KDA_HEAD_DIM / 32, g.heads, 1), 128)?;
+            let ls = kda_scan_launch(scan, cols, g.heads)?;
             let mut t0 = 0;
             while t0 < t {
                 let t1 = (t0 + KDA_SCAN_SEG).min(t);
                 let lr = Launch::new(((t1 - t0).div_ceil(16), g.heads, 1), 128)?;
                 let (b, e) = (t0 as i32, t1 as i32);
-                launch!(self, "kda_chunk_rec_f32", lr;
+                launch!(self, rec_fn, lr;
                     &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log,
                     w.dt_bias, &mut rec, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &b, &e, &h, &conv,
                     &g.gate_lower_bound)?;
@@ -647,6 +714,14 @@ impl CudaBackend {
         // Blocks of `fast` / `gemv` for at most min(E, T*k) experts: each maps itself to a busy one.
         let busy = ex.experts.min(t * k).max(1);
         match mx_experts_choice() {
+            MxExperts::Tc => {
+                let st = mx_tc_stage(t) as i32;
+                launch!(self, "mxfp4_up_tc_f32", mx_tc_launch(busy, ex.inter, ex.latent)?;
+                    &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
+                    &situ.beta, &lin, &has, &e, &st)?;
+                launch!(self, "mxfp4_down_tc_f32", mx_tc_launch(busy, ex.latent, ex.inter)?;
+                    &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &st)?;
+            }
             MxExperts::Gemv => {
                 let (su, sd) = (mx_gemv_stage(t, ex.latent), mx_gemv_stage(t, ex.inter));
                 let (sui, sdi) = (su as i32, sd as i32);
@@ -713,6 +788,31 @@ mod tests {
         );
         assert!(
             mx_gemv_launch(16, 3072, 100, 1).is_err(),
+            "width not a multiple of 32"
+        );
+    }
+
+    #[test]
+    fn kda_scan_launch_geometry() {
+        // v1 / v2: 4 warps per 32 columns; v3: one warp per 16 columns (K3: 96 heads).
+        let l = kda_scan_launch("kda_chunk_scan2_f32", 32, 96).unwrap();
+        assert_eq!((l.grid, l.block), ((4, 96, 1), 128));
+        let l = kda_scan_launch("kda_chunk_scan3_f32", 32, 96).unwrap();
+        assert_eq!((l.grid, l.block), ((4, 96, 1), 64));
+        let l = kda_scan_launch("kda_chunk_scan3_w4_f32", 64, 96).unwrap();
+        assert_eq!((l.grid, l.block), ((2, 96, 1), 128));
+    }
+
+    #[test]
+    fn tc_launch_fits_the_shared_budget() {
+        assert_eq!(MX_TC_SHARED, 41_472, "kernels/mxfp4_tc.cu MXT_SHARED_BYTES");
+        assert_eq!((mx_tc_stage(1), mx_tc_stage(5), mx_tc_stage(64)), (1, 5, 8));
+        // K3 at 1 token x top-16: 16 x 24 up blocks and 16 x 28 down blocks, one wave on 132 SMs.
+        let up = mx_tc_launch(16, 3072, 3584).unwrap();
+        assert_eq!((up.grid, up.block, up.shared), ((16, 24, 1), 256, 41_472));
+        assert_eq!(mx_tc_launch(16, 3584, 3072).unwrap().grid, (16, 28, 1));
+        assert!(
+            mx_tc_launch(16, 3072, 100).is_err(),
             "width not a multiple of 32"
         );
     }

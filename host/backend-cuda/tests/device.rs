@@ -183,24 +183,33 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         let y = be.matmul(&mat(be, m, k, &x), &be.linear(n, k, w));
         out.push(("matmul, bf16 weights", be.to_host(&y), TOL_BF16_GEMM));
     }
-    // bf16 weights at decode sizes (<= 8 rows, K % 8 == 0, <= 2^22 elements): the
-    // weight-streaming kernel, f32 math; otherwise the split GEMM.
+    // bf16 weights at decode sizes (<= 16 rows, K % 8 == 0): the tensor-core weight-streaming
+    // kernel (x in three bf16 pieces: f32 accuracy), split-K on short-N shapes; otherwise the
+    // split GEMM. Tails: N not a multiple of 128, K not a multiple of the 64-column step.
     for &(m, k, n) in &[
         (1usize, 7168usize, 300usize),
         (5, 520, 77),
         (8, 64, 4096),
         (3, 202, 50),
         (2, 1024, 4200),
+        (16, 7168, 1536),
+        (16, 1544, 2100),
+        (1, 1536, 18432),
+        (17, 256, 300),
     ] {
         let x = r.vec(m * k, 1.0);
         let w = bf16_values(r.vec(n * k, 0.1));
         let y = be.matmul(&mat(be, m, k, &x), &be.linear(n, k, w));
-        // The kernel takes weights up to 2^22 elements (backend_impl.rs gemv_max_weight).
-        let tol = if k % 8 == 0 && n * k <= 1 << 22 {
-            TOL_GEMM
-        } else {
-            TOL_BF16_GEMM
-        };
+        // backend_impl.rs gemv_choice: `new` (default) M <= 16, `old` M <= 8 and <= 2^22
+        // elements, both K % 8 == 0, take f32-accurate kernels.
+        let gemv = std::env::var("K3_GEMV").unwrap_or_default();
+        let f32_exact = k % 8 == 0
+            && match gemv.as_str() {
+                "old" => m <= 8 && n * k <= 1 << 22,
+                "cublas" => false,
+                _ => m <= 16,
+            };
+        let tol = if f32_exact { TOL_GEMM } else { TOL_BF16_GEMM };
         out.push(("matmul, bf16 weights, decode rows", be.to_host(&y), tol));
     }
     let (rows, d) = (19, 256);
@@ -553,9 +562,10 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
     for tokens in [1usize, 3, 40, 1100] {
         let (mut rc, mut rg) = (Rng(seed ^ tokens as u64), Rng(seed ^ tokens as u64));
         // Assignments = tokens x top-4 over 32 experts: 4, 12 and 160 take the decode-step kernels
-        // (K3_MX_EXPERTS, default `gemv`; 160 = 5 per expert on average, so experts with more
-        // than the 4 tokens of one pass take several), 4400 the tensor-core GEMM path
-        // (moe_gemm.rs, default K3_MOE_GEMM_MIN = 4096).
+        // (K3_MX_EXPERTS, default `tc` (mxfp4_tc.cu): 160 = 5 per expert on average, so experts
+        // with more than the 8 tokens of one pass take several, and T = 3 fills part of an
+        // n-tile; run again with K3_MX_EXPERTS=gemv for the CUDA-core pair), 4400 the
+        // tensor-core GEMM path (moe_gemm.rs, default K3_MOE_GEMM_MIN = 4096).
         let name = match tokens {
             1 => "moe_routed(T=1, K3_MX_EXPERTS kernels)",
             3 => "moe_routed(T=3, K3_MX_EXPERTS kernels)",
