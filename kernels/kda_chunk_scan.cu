@@ -12,6 +12,9 @@
 //                        Inf/NaN guard: 9 per 3xTF32 split, ~55% of the scan loop; now 5, bit-identical
 //                        for finite values), SiLU and gate without the IEEE-division slow path, and the
 //                        record pass at 4 blocks / SM. The v1 kernels stay for one A/B run.
+//   kda_chunk_rec3_f32   v2 math, records in the v3 layout of kernels/kda_chunk_scan3.cu (state in
+//                        mma registers); kda_chunk_rec3m_f32 the same over 8 chunks per block, the
+//                        next chunk's loads in flight during this one's algebra.
 //
 // Why: kda_chunk_tc_f32 keeps the decays, Lkk/Aqk and a 16-row forward substitution inside the
 // sequential loop; its per-chunk latency, not its math, set the time. Here the loop is three
@@ -107,7 +110,10 @@ __device__ __forceinline__ void kda_rec_store3(RecSmem& sm, float* __restrict__ 
     }
 }
 
-template <int C, bool V2, bool R3>
+// NCH > 1 (rec3m): a block runs NCH consecutive chunks of one head, the conv history carried in
+// registers and the next chunk's raw loads issued into the input registers as soon as step 3 has
+// staged the current one (Kd then comes from the staged k 2^-G), so DRAM overlaps steps 4-6.
+template <int C, bool V2, bool R3, int NCH = 1>
 __device__ __forceinline__ void kda_rec_impl(
     RecSmem& sm, const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
     const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
@@ -126,25 +132,28 @@ __device__ __forceinline__ void kda_rec_impl(
     float* bs = sm.bs;
     constexpr int H1 = C > 1 ? C - 1 : 1;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, h = blockIdx.y;
-    const int c0 = t_begin + blockIdx.x * RC;
-    if (h >= heads || c0 >= t_end) return;  // block-uniform, before any barrier
-    const int cl = min(RC, t_end - c0);
+    const int cb = t_begin + blockIdx.x * (NCH * RC);  // the block's first chunk
+    if (h >= heads || cb >= t_end) return;  // block-uniform, before any barrier
     const int hk = heads * KDA_K, ch = h * KDA_K + tid;
     const i64 wf = kda_window_floats(hk, C);
     auto ins = [&](int r) { return r == 0 ? q_in : r == 1 ? k_in : v_in; };  // r is unrolled: no stack array
     auto cws = [&](int r) { return r == 0 ? conv_q : r == 1 ? conv_k : conv_v; };
 
     // All loads first (64 independent per thread: the pass is DRAM-bound).
-    float x[3][RC], fv[RC];
+    float x[3][RC], fv[RC], bv = 0.0f;
+    auto load_chunk = [&](int c0) {
+        const int cl = min(RC, t_end - c0);
 #pragma unroll
-    for (int i = 0; i < RC; ++i) {
-        const i64 o = (i64)(c0 + i) * hk + ch;
-        const bool in = i < cl;
+        for (int i = 0; i < RC; ++i) {
+            const i64 o = (i64)(c0 + i) * hk + ch;
+            const bool in = i < cl;
 #pragma unroll
-        for (int r = 0; r < 3; ++r) x[r][i] = in ? ins(r)[o] : 0.0f;
-        fv[i] = in ? f_in[o] : 0.0f;
-    }
-    if (tid < RC) bs[tid] = tid < cl ? k3_sigmoid(b_in[(i64)(c0 + tid) * heads + h]) : 0.0f;
+            for (int r = 0; r < 3; ++r) x[r][i] = in ? ins(r)[o] : 0.0f;
+            fv[i] = in ? f_in[o] : 0.0f;
+        }
+        if (tid < RC) bv = tid < cl ? k3_sigmoid(b_in[(i64)(c0 + tid) * heads + h]) : 0.0f;
+    };
+    load_chunk(cb);
     float w[3][C], hist[3][H1];
 #pragma unroll
     for (int r = 0; r < 3; ++r) {
@@ -153,171 +162,178 @@ __device__ __forceinline__ void kda_rec_impl(
         // hist[j] = input at token c0 - (C-1) + j; before token 0 it is window slot c0 + j (c0 = 0).
 #pragma unroll
         for (int j = 0; j < C - 1; ++j) {
-            const int p = c0 - (C - 1) + j;
-            hist[r][j] = p >= 0 ? ins(r)[(i64)p * hk + ch] : arena[state_off + r * wf + (i64)ch * (C - 1) + c0 + j];
+            const int p = cb - (C - 1) + j;
+            hist[r][j] = p >= 0 ? ins(r)[(i64)p * hk + ch] : arena[state_off + r * wf + (i64)ch * (C - 1) + cb + j];
         }
     }
     const float dtb = dt_bias[ch], a = expf(a_log[h]);
     int next_ck = 0;
     {
-        int lo = 0, hi = n_ckpt;  // first checkpoint n >= c0 + 1 (ckpt_n ascending)
+        int lo = 0, hi = n_ckpt;  // first checkpoint n >= cb + 1 (ckpt_n ascending)
         while (lo < hi) {
             const int mid = (lo + hi) >> 1;
-            if (ckpt_n[mid] < c0 + 1) lo = mid + 1; else hi = mid;
+            if (ckpt_n[mid] < cb + 1) lo = mid + 1; else hi = mid;
         }
         next_ck = lo;
     }
+    for (int jc = 0; jc < NCH; ++jc) {
+        const int c0 = cb + jc * RC;
+        if (c0 >= t_end) break;  // block-uniform
+        const int cl = min(RC, t_end - c0);
 
-    // 1. Causal conv + SiLU along the thread's rows; window checkpoints after token n - 1.
-#pragma unroll
-    for (int i = 0; i < RC; ++i) {
-        if (i < cl) {
-#pragma unroll
-            for (int r = 0; r < 3; ++r) {
-                float acc = w[r][C - 1] * x[r][i];
-#pragma unroll
-                for (int j = 0; j < C - 1; ++j) acc += w[r][j] * hist[r][j];
-#pragma unroll
-                for (int j = 0; j < C - 1; ++j) hist[r][j] = j + 1 < C - 1 ? hist[r][j + 1] : x[r][i];
-                x[r][i] = rec_silu<V2>(acc);
-            }
-            while (next_ck < n_ckpt && ckpt_n[next_ck] == c0 + i + 1) {
-#pragma unroll
-                for (int r = 0; r < 3; ++r)
-#pragma unroll
-                    for (int j = 0; j < C - 1; ++j)
-                        arena[ckpt_off[next_ck] + r * wf + (i64)ch * (C - 1) + j] = hist[r][j];
-                ++next_ck;
-            }
-        }
-    }
-    // The working window after t_end, by the segment's first block only (for segment 0 it alone
-    // read the old window; a one-chunk segment has it in hist, incl. old slots when T < C - 1).
-    if (blockIdx.x == 0) {
-#pragma unroll
-        for (int r = 0; r < 3; ++r)
-#pragma unroll
-            for (int j = 0; j < C - 1; ++j) {
-                const int p = t_end - (C - 1) + j;
-                const float val = c0 + cl == t_end ? hist[r][j] : ins(r)[(i64)p * hk + ch];
-                arena[state_off + r * wf + (i64)ch * (C - 1) + j] = val;
-            }
-    }
-
-    // 2. Row norms of q and k: lane l of each warp ends with the warp's sum for value l (q rows
-    //    0-15, k rows 16-31) after a 31-shuffle butterfly, then the 4 warps add up in smem.
-    {
-        float v[32];
+        // 1. Causal conv + SiLU along the thread's rows; window checkpoints after token n - 1.
 #pragma unroll
         for (int i = 0; i < RC; ++i) {
-            v[i] = x[0][i] * x[0][i];
-            v[RC + i] = x[1][i] * x[1][i];
+            if (i < cl) {
+#pragma unroll
+                for (int r = 0; r < 3; ++r) {
+                    float acc = w[r][C - 1] * x[r][i];
+#pragma unroll
+                    for (int j = 0; j < C - 1; ++j) acc += w[r][j] * hist[r][j];
+#pragma unroll
+                    for (int j = 0; j < C - 1; ++j) hist[r][j] = j + 1 < C - 1 ? hist[r][j + 1] : x[r][i];
+                    x[r][i] = rec_silu<V2>(acc);
+                }
+                while (next_ck < n_ckpt && ckpt_n[next_ck] == c0 + i + 1) {
+#pragma unroll
+                    for (int r = 0; r < 3; ++r)
+#pragma unroll
+                        for (int j = 0; j < C - 1; ++j)
+                            arena[ckpt_off[next_ck] + r * wf + (i64)ch * (C - 1) + j] = hist[r][j];
+                    ++next_ck;
+                }
+            }
         }
-        rec_fold<16>(v, lane);
-        rec_fold<8>(v, lane);
-        rec_fold<4>(v, lane);
-        rec_fold<2>(v, lane);
-        rec_fold<1>(v, lane);
-        red[warp][lane] = v[0];
-    }
-    __syncthreads();
-    if (tid < 32) {
-        const float s = red[0][tid] + red[1][tid] + red[2][tid] + red[3][tid];
-        nrm[tid] = (tid < RC ? rsqrtf((float)KDA_K) : 1.0f) / sqrtf(s + 1e-6f);
-    }
-    __syncthreads();
-
-    // 3. Gate, in-chunk decays (padded rows: g = 0, k = q = v = 0), staged for the products.
-    float gcum[RC], acc = 0.0f;
+        // The working window after t_end, by the segment's first block only (for segment 0 it alone
+        // read the old window; a one-chunk segment has it in hist, incl. old slots when T < C - 1).
+        if (blockIdx.x == 0 && jc == 0) {
 #pragma unroll
-    for (int i = 0; i < RC; ++i) {
-        acc += (i < cl ? rec_gate<V2>(fv[i], dtb, a, lower_bound) : 0.0f) * RLOG2E;
-        gcum[i] = acc;
-        const float ep = exp2f(acc), en = exp2f(-acc);
-        const float kk = x[1][i] * nrm[RC + i];
-        x[1][i] = kk;
-        kp[i][tid] = kk * ep;
-        kn[i][tid] = kk * en;
-        qp[i][tid] = x[0][i] * nrm[i] * ep;
-        vv[i][tid] = x[2][i];
-    }
-    const i64 rbase = ((i64)blockIdx.x * heads + h) * KDA_REC;
-    float* R = rec + rbase;
-    // v3: e for key d = 8n + 2t + r at (t * 32 + 2n + r), the lane order of the scan's accumulators.
-    R[REC_E + (R3 ? ((tid >> 1) & 3) * 32 + 2 * (tid >> 3) + (tid & 1) : tid)] = exp2f(acc);
-    __syncthreads();
-
-    // 4. Lkk = beta_i <kp_i, kn_j> (j < i), Aqk = <qp_i, kn_j> (j <= i): pairs (i, j), (i + 8, j).
+            for (int r = 0; r < 3; ++r)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int i = (tid >> 4) + 8 * half, j = tid & 15;
-        float sl = 0.0f, sa = 0.0f;
-        if (j <= i) {
+                for (int j = 0; j < C - 1; ++j) {
+                    const int p = t_end - (C - 1) + j;
+                    const float val = c0 + cl == t_end ? hist[r][j] : ins(r)[(i64)p * hk + ch];
+                    arena[state_off + r * wf + (i64)ch * (C - 1) + j] = val;
+                }
+        }
+
+        // 2. Row norms of q and k: lane l of each warp ends with the warp's sum for value l (q rows
+        //    0-15, k rows 16-31) after a 31-shuffle butterfly, then the 4 warps add up in smem.
+        {
+            float v[32];
+#pragma unroll
+            for (int i = 0; i < RC; ++i) {
+                v[i] = x[0][i] * x[0][i];
+                v[RC + i] = x[1][i] * x[1][i];
+            }
+            rec_fold<16>(v, lane);
+            rec_fold<8>(v, lane);
+            rec_fold<4>(v, lane);
+            rec_fold<2>(v, lane);
+            rec_fold<1>(v, lane);
+            red[warp][lane] = v[0];
+        }
+        __syncthreads();
+        if (tid < 32) {
+            const float s = red[0][tid] + red[1][tid] + red[2][tid] + red[3][tid];
+            nrm[tid] = (tid < RC ? rsqrtf((float)KDA_K) : 1.0f) / sqrtf(s + 1e-6f);
+            if (tid < RC) bs[tid] = bv;  // here: the previous chunk's steps 4-5 read bs before barrier 1
+        }
+        __syncthreads();
+
+        // 3. Gate, in-chunk decays (padded rows: g = 0, k = q = v = 0), staged for the products.
+        float gcum[RC], acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < RC; ++i) {
+            acc += (i < cl ? rec_gate<V2>(fv[i], dtb, a, lower_bound) : 0.0f) * RLOG2E;
+            gcum[i] = acc;
+            const float ep = exp2f(acc), en = exp2f(-acc);
+            const float kk = x[1][i] * nrm[RC + i];
+            x[1][i] = kk;
+            kp[i][tid] = kk * ep;
+            kn[i][tid] = kk * en;
+            qp[i][tid] = x[0][i] * nrm[i] * ep;
+            vv[i][tid] = x[2][i];
+        }
+        if (NCH > 1 && jc + 1 < NCH && c0 + RC < t_end) load_chunk(c0 + RC);  // x, fv, bv dead from here
+        const i64 rbase = ((i64)((c0 - t_begin) / RC) * heads + h) * KDA_REC;
+        float* R = rec + rbase;
+        // v3: e for key d = 8n + 2t + r at (t * 32 + 2n + r), the lane order of the scan's accumulators.
+        R[REC_E + (R3 ? ((tid >> 1) & 3) * 32 + 2 * (tid >> 3) + (tid & 1) : tid)] = exp2f(acc);
+        __syncthreads();
+
+        // 4. Lkk = beta_i <kp_i, kn_j> (j < i), Aqk = <qp_i, kn_j> (j <= i): pairs (i, j), (i + 8, j).
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int i = (tid >> 4) + 8 * half, j = tid & 15;
+            float sl = 0.0f, sa = 0.0f;
+            if (j <= i) {
 #pragma unroll 8
-            for (int d = 0; d < KDA_K; d += 4) {
-                const float4 b = *reinterpret_cast<const float4*>(&kn[j][d]);
-                const float4 p = *reinterpret_cast<const float4*>(&kp[i][d]);
-                const float4 q = *reinterpret_cast<const float4*>(&qp[i][d]);
-                sl += p.x * b.x + p.y * b.y + p.z * b.z + p.w * b.w;
-                sa += q.x * b.x + q.y * b.y + q.z * b.z + q.w * b.w;
+                for (int d = 0; d < KDA_K; d += 4) {
+                    const float4 b = *reinterpret_cast<const float4*>(&kn[j][d]);
+                    const float4 p = *reinterpret_cast<const float4*>(&kp[i][d]);
+                    const float4 q = *reinterpret_cast<const float4*>(&qp[i][d]);
+                    sl += p.x * b.x + p.y * b.y + p.z * b.z + p.w * b.w;
+                    sa += q.x * b.x + q.y * b.y + q.z * b.z + q.w * b.w;
+                }
+            }
+            lm[i][j] = j < i ? bs[i] * sl : 0.0f;
+            am[i][j] = j <= i ? sa : 0.0f;
+        }
+        __syncthreads();
+
+        // 5. (I + Lkk)[W | U] = diag(beta)[Kp | V], column by column (own column only: no barrier);
+        //    Kd = k 2^(G_C - G) over kn (read by step 4 only).
+        {
+            float wv[RC], uv[RC];
+#pragma unroll
+            for (int i = 0; i < RC; ++i) {
+                float sw = bs[i] * kp[i][tid], su = bs[i] * vv[i][tid];
+#pragma unroll
+                for (int j = 0; j < i; ++j) {
+                    sw -= lm[i][j] * wv[j];
+                    su -= lm[i][j] * uv[j];
+                }
+                wv[i] = sw;
+                uv[i] = su;
+                kp[i][tid] = sw;
+                vv[i][tid] = su;
+                kn[i][tid] = NCH > 1 ? kn[i][tid] * exp2f(acc) : x[1][i] * exp2f(acc - gcum[i]);
             }
         }
-        lm[i][j] = j < i ? bs[i] * sl : 0.0f;
-        am[i][j] = j <= i ? sa : 0.0f;
-    }
-    __syncthreads();
+        __syncthreads();
 
-    // 5. (I + Lkk)[W | U] = diag(beta)[Kp | V], column by column (own column only: no barrier);
-    //    Kd = k 2^(G_C - G) over kn (read by step 4 only).
-    {
-        float wv[RC], uv[RC];
-#pragma unroll
-        for (int i = 0; i < RC; ++i) {
-            float sw = bs[i] * kp[i][tid], su = bs[i] * vv[i][tid];
-#pragma unroll
-            for (int j = 0; j < i; ++j) {
-                sw -= lm[i][j] * wv[j];
-                su -= lm[i][j] * uv[j];
-            }
-            wv[i] = sw;
-            uv[i] = su;
-            kp[i][tid] = sw;
-            vv[i][tid] = su;
-            kn[i][tid] = x[1][i] * exp2f(acc - gcum[i]);
+        // 6. The record in fragment order, float4 stores (consecutive threads, consecutive 16 B).
+        if (R3) {
+            kda_rec_store3(sm, R, tid);
+            continue;
         }
-    }
-    __syncthreads();
-
-    // 6. The record in fragment order, float4 stores (consecutive threads, consecutive 16 B).
-    if (R3) {
-        kda_rec_store3(sm, R, tid);
-        return;
-    }
-    float4* R4 = reinterpret_cast<float4*>(R);
+        float4* R4 = reinterpret_cast<float4*>(R);
 #pragma unroll
-    for (int e = tid; e < 512; e += 128) {
-        const int s = e & 3, ln = (e >> 2) & 31, wq = e >> 7, g = ln >> 2, t = ln & 3;
-        const int k0 = 32 * wq + 8 * s;
-        R4[(REC_W >> 2) + e] = make_float4(kp[g][k0 + t], kp[g + 8][k0 + t], kp[g][k0 + t + 4], kp[g + 8][k0 + t + 4]);
-        R4[(REC_Q >> 2) + e] = make_float4(qp[g][k0 + t], qp[g + 8][k0 + t], qp[g][k0 + t + 4], qp[g + 8][k0 + t + 4]);
-        const int d0 = 32 * wq + 16 * (s >> 1), j = 8 * (s & 1) + t;
-        R4[(REC_KD >> 2) + e] = make_float4(kn[j][d0 + g], kn[j][d0 + g + 8], kn[j + 4][d0 + g], kn[j + 4][d0 + g + 8]);
-        // U: e = (vt*32 + lane)*4 + q; q covers (s*4 + nt)*2 + r for s = q / 2, nt = 2 (q % 2) + {0, 1}.
-        const int vt = wq, su = s >> 1, nt0 = 2 * (s & 1), col = 32 * vt + 8 * nt0 + g;
-        R4[(REC_U >> 2) + e] = make_float4(vv[8 * su + t][col], vv[8 * su + t + 4][col], vv[8 * su + t][col + 8],
-                                           vv[8 * su + t + 4][col + 8]);
-    }
-    if (tid < 64) {
-        const int s = tid & 1, ln = tid >> 1, g = ln >> 2, t = ln & 3, k0 = 8 * s;
-        R4[(REC_A >> 2) + tid] = make_float4(am[g][k0 + t], am[g + 8][k0 + t], am[g][k0 + t + 4], am[g + 8][k0 + t + 4]);
-    }
+        for (int e = tid; e < 512; e += 128) {
+            const int s = e & 3, ln = (e >> 2) & 31, wq = e >> 7, g = ln >> 2, t = ln & 3;
+            const int k0 = 32 * wq + 8 * s;
+            R4[(REC_W >> 2) + e] = make_float4(kp[g][k0 + t], kp[g + 8][k0 + t], kp[g][k0 + t + 4], kp[g + 8][k0 + t + 4]);
+            R4[(REC_Q >> 2) + e] = make_float4(qp[g][k0 + t], qp[g + 8][k0 + t], qp[g][k0 + t + 4], qp[g + 8][k0 + t + 4]);
+            const int d0 = 32 * wq + 16 * (s >> 1), j = 8 * (s & 1) + t;
+            R4[(REC_KD >> 2) + e] = make_float4(kn[j][d0 + g], kn[j][d0 + g + 8], kn[j + 4][d0 + g], kn[j + 4][d0 + g + 8]);
+            // U: e = (vt*32 + lane)*4 + q; q covers (s*4 + nt)*2 + r for s = q / 2, nt = 2 (q % 2) + {0, 1}.
+            const int vt = wq, su = s >> 1, nt0 = 2 * (s & 1), col = 32 * vt + 8 * nt0 + g;
+            R4[(REC_U >> 2) + e] = make_float4(vv[8 * su + t][col], vv[8 * su + t + 4][col], vv[8 * su + t][col + 8],
+                                               vv[8 * su + t + 4][col + 8]);
+        }
+        if (tid < 64) {
+            const int s = tid & 1, ln = tid >> 1, g = ln >> 2, t = ln & 3, k0 = 8 * s;
+            R4[(REC_A >> 2) + tid] = make_float4(am[g][k0 + t], am[g + 8][k0 + t], am[g][k0 + t + 4], am[g + 8][k0 + t + 4]);
+        }
+    }  // chunk loop
 }
 
 #define KDA_REC_ARGS                                                                                          \
     sm, q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, rec, arena, state_off, ckpt_n, ckpt_off, \
         n_ckpt, t_begin, t_end, heads, lower_bound
 
-template <bool V2, bool R3 = false>
+template <bool V2, bool R3 = false, int NCH = 1>
 __device__ __forceinline__ void kda_rec_entry(
     RecSmem& sm, const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
     const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
@@ -326,10 +342,10 @@ __device__ __forceinline__ void kda_rec_entry(
     const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt, int t_begin, int t_end, int heads,
     int conv, float lower_bound) {
     switch (conv) {
-        case 1: kda_rec_impl<1, V2, R3>(KDA_REC_ARGS); break;
-        case 2: kda_rec_impl<2, V2, R3>(KDA_REC_ARGS); break;
-        case 3: kda_rec_impl<3, V2, R3>(KDA_REC_ARGS); break;
-        case 4: kda_rec_impl<4, V2, R3>(KDA_REC_ARGS); break;
+        case 1: kda_rec_impl<1, V2, R3, NCH>(KDA_REC_ARGS); break;
+        case 2: kda_rec_impl<2, V2, R3, NCH>(KDA_REC_ARGS); break;
+        case 3: kda_rec_impl<3, V2, R3, NCH>(KDA_REC_ARGS); break;
+        case 4: kda_rec_impl<4, V2, R3, NCH>(KDA_REC_ARGS); break;
         default: break;  // conv > 4: the launchers take the kda_chunk.cu path
     }
 }
@@ -370,6 +386,21 @@ kda_chunk_rec3_f32(const float* __restrict__ q_in, const float* __restrict__ k_i
     __shared__ RecSmem sm;
     kda_rec_entry<true, true>(sm, q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, rec, arena,
                               state_off, ckpt_n, ckpt_off, n_ckpt, t_begin, t_end, heads, conv, lower_bound);
+}
+// rec3 with KDA_REC_NCH chunks per block (grid (ceil(chunks / KDA_REC_NCH), heads)): the next
+// chunk's loads overlap this one's algebra; 3 blocks / SM leave room for the loop's registers.
+#define KDA_REC_NCH 8
+extern "C" __global__ void __launch_bounds__(128, 3)
+kda_chunk_rec3m_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
+                    const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
+                    const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
+                    const float* __restrict__ dt_bias, float* __restrict__ rec, float* __restrict__ arena,
+                    i64 state_off, const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
+                    int t_begin, int t_end, int heads, int conv, float lower_bound) {
+    __shared__ RecSmem sm;
+    kda_rec_entry<true, true, KDA_REC_NCH>(sm, q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias,
+                                           rec, arena, state_off, ckpt_n, ckpt_off, n_ckpt, t_begin, t_end, heads,
+                                           conv, lower_bound);
 }
 #undef KDA_REC_ARGS
 

@@ -12,9 +12,11 @@
 // Block = NW warps (16 NW columns): the chunk record (W, Qp, Kd, Aqk, e and the block's U^T) is
 // staged in shared memory by cp.async, once per block, while the previous chunk's S update runs.
 //
-// 3xTF32 with a 4-instruction split (hi: round on the bits; lo = x - hi, truncated to tf32): per
-// product error ~2^-21 relative, f32-grade like v2's 3xTF32 (the 1e-4 budget), and no TF32 product
-// is dropped: the state recurrence and the output both need it (1xTF32 measured ~7e-4).
+// 3xTF32 with a 3-instruction split (hi = x truncated to tf32, lo = x - hi exactly, then truncated):
+// per product error < 2^-19 relative (lo's truncation and the dropped lo*lo, each < 2^-20), i.e.
+// f32-grade against the 1e-4 budget, where 1xTF32 measured ~7e-4; the split is ~half the scan's
+// instructions (272 values per warp and chunk), so v2's rounded split (4 instructions) is not kept.
+// Neither product can drop to 1xTF32: O and the state recurrence both need the 3 terms.
 //
 // Record v3, per (chunk, head), float4 f (lane = 4g + t):
 //   W, Qp  f = s*32 + lane: {M[g][k], M[g][k+1], M[g+8][k], M[g+8][k+1]}, k = 8s + 2t
@@ -34,9 +36,9 @@
 #define RC 16
 #define RLOG2E 1.4426950408889634f
 
-// hi = tf32(x) rounded (add half an ulp, clear 13 bits), lo = x - hi (exact) with its low bits cleared.
+// hi = x truncated to tf32, lo = x - hi (exact in f32) truncated to tf32.
 __device__ __forceinline__ void s3_split(float x, u32& hi, u32& lo) {
-    hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    hi = __float_as_uint(x) & 0xffffe000u;
     lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
 }
 
@@ -97,16 +99,19 @@ __device__ __forceinline__ void kda_scan3_impl(const float* __restrict__ rec, fl
     const int nchunks = (t_end - t_begin + RC - 1) / RC;
 
     // One chunk's record into the stage buffers: W, Qp to the single buffer, the rest to buffer b.
+    // Unrolled with one base per region: the copies' addresses are immediate offsets.
+    constexpr int NT = NW * 32;
     auto stage = [&](int c, int b) {
-        const float* R = rec + ((i64)c * heads + h) * KDA_REC;
-        for (int f = tid; f < 1024; f += NW * 32) s3_cp16(&sm.wq[0][0] + 4 * f, R + REC_W + 4 * f);
-        for (int f = tid; f < 512; f += NW * 32) s3_cp16(&sm.kd[b][4 * f], R + REC_KD + 4 * f);
-        for (int f = tid; f < NW * 64; f += NW * 32)
-            s3_cp16(&sm.u[b][4 * f], R + REC_U + blockIdx.x * NW * 256 + 4 * f);
-        for (int f = tid; f < 96; f += NW * 32) {
-            if (f < 64) s3_cp16(&sm.a[b][4 * f], R + REC_A + 4 * f);
-            else s3_cp16(&sm.e[b][4 * (f - 64)], R + REC_E + 4 * (f - 64));
-        }
+        const float* R = rec + ((i64)c * heads + h) * KDA_REC + 4 * tid;
+#pragma unroll
+        for (int i = 0; i < 1024 / NT; ++i) s3_cp16(&sm.wq[0][4 * tid] + 4 * NT * i, R + REC_W + 4 * NT * i);
+#pragma unroll
+        for (int i = 0; i < 512 / NT; ++i) s3_cp16(&sm.kd[b][4 * tid] + 4 * NT * i, R + REC_KD + 4 * NT * i);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+            s3_cp16(&sm.u[b][4 * tid] + 4 * NT * i, R + REC_U + blockIdx.x * NW * 256 + 4 * NT * i);
+        if (tid < 64) s3_cp16(&sm.a[b][4 * tid], R + REC_A);
+        if (tid < 32) s3_cp16(&sm.e[b][4 * tid], R + REC_E);
         asm volatile("cp.async.commit_group;\n" ::);
     };
     if (nchunks > 0) stage(0, 0);

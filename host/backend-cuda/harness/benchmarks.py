@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, cdiv,
+from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, cdiv, kda_decode_launcher,
                     kda_region_floats, log, rel_err, run_kda_prefill)
 from common import MX_GEMV_ROWS, MX_TC_ROWS, MX_TC_SHARED, mx_gemv_stage, mx_tc_stage, run_mla_prefill
 from common import gemv_tc_plan, run_gemv_tc
@@ -198,6 +198,10 @@ def bench(d: Device, r: Results, quick: bool, only=None):
         for v2, v1 in (("scan", "scan_v1"), ("scan_fast", "scan_v1_fast")):
             r.check(f"kda_prefill[{v2}] T={T} H={H} vs [{v1}]: o, state",
                     max(rel_err(outs[v2][0], outs[v1][0]), rel_err(outs[v2][1], outs[v1][1])), 1e-5)
+        # v3 vs v2: same records up to layout; only the 3xTF32 split (truncated low part) differs.
+        for v3 in ("scan3", "scan3_w4", "scan3_rec1"):
+            r.check(f"kda_prefill[{v3}] T={T} H={H} vs [scan]: o, state",
+                    max(rel_err(outs[v3][0], outs["scan"][0]), rel_err(outs[v3][1], outs["scan"][1])), 2e-5)
         # The other conv + prep path with the tc chunk kernel: timing and agreement at K3 shapes.
         other = "split" if KDA_PREP == "fused" else "fused"
         A.copy_(A0)

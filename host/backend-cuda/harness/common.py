@@ -168,11 +168,18 @@ KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4)),
 KDA_SCAN_KERNELS = {"scan": ("kda_chunk_rec2_f32", "kda_chunk_scan2_f32"),
                     "scan_fast": ("kda_chunk_rec2_f32", "kda_chunk_scan2_fast_f32"),
                     "scan_v1": ("kda_chunk_rec_f32", "kda_chunk_scan_f32"),
-                    "scan_v1_fast": ("kda_chunk_rec_f32", "kda_chunk_scan_fast_f32")}
+                    "scan_v1_fast": ("kda_chunk_rec_f32", "kda_chunk_scan_fast_f32"),
+                    "scan3": ("kda_chunk_rec3m_f32", "kda_chunk_scan3_f32"),
+                    "scan3_w4": ("kda_chunk_rec3m_f32", "kda_chunk_scan3_w4_f32"),
+                    "scan3_rec1": ("kda_chunk_rec3_f32", "kda_chunk_scan3_f32")}
+# Scan launch (grid x, threads), as ops.rs kda_scan_launch: v3 = one warp per 16 state columns.
+KDA_SCAN_GEOM = {"kda_chunk_scan3_f32": (4, 64), "kda_chunk_scan3_w4_f32": (2, 128)}
+# 16-token chunks per record-pass block (ops.rs KDA_REC_NCH; kernels/kda_chunk_scan.cu KDA_REC_NCH).
+KDA_REC_CHUNKS = {"kda_chunk_rec3m_f32": 8}
 KDA_CHUNK_KERNELS.update({k: (v[1], lambda h: (4, h)) for k, v in KDA_SCAN_KERNELS.items()})
 # Tolerance of each against the float64 reference: 3xTF32 keeps f32 accuracy, 1xTF32 ~7e-4.
 KDA_CHUNK_TOL = {"f32": 1e-4, "tc": 1e-4, "tc_fast": 2e-3, "scan": 1e-4, "scan_fast": 2e-3, "scan_v1": 1e-4,
-                 "scan_v1_fast": 2e-3}
+                 "scan_v1_fast": 2e-3, "scan3": 1e-4, "scan3_w4": 1e-4, "scan3_rec1": 1e-4}
 KDA_REC_FLOATS = 8576  # one (chunk, head) record; ops.rs KDA_REC_FLOATS
 KDA_SCAN_SEG = 8192  # tokens per rec + scan segment; ops.rs KDA_SCAN_SEG
 
@@ -252,11 +259,13 @@ def _run_kda_scan(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk, x
     segs = [(t0, min(t, t0 + seg)) for t0 in range(0, t, seg)]
 
     def rec_pass(t0, t1):
-        d.launch(rec_fn, (cdiv(t1 - t0, 16), heads), 128, *ins, al, dtb, d.view(rec), d.view(A), off,
-                 d.view(cn), d.view(co), len(ck_n), t0, t1, heads, conv, lb)
+        d.launch(rec_fn, (cdiv(t1 - t0, 16 * KDA_REC_CHUNKS.get(rec_fn, 1)), heads), 128, *ins, al, dtb, d.view(rec),
+                 d.view(A), off, d.view(cn), d.view(co), len(ck_n), t0, t1, heads, conv, lb)
+
+    gx, threads = KDA_SCAN_GEOM.get(scan, (4, 128))
 
     def scan_pass(t0, t1):
-        d.launch(scan, (4, heads), 128, d.view(rec), d.view(A), off, d.view(cn), d.view(co), len(ck_n), d.view(o),
+        d.launch(scan, (gx, heads), threads, d.view(rec), d.view(A), off, d.view(cn), d.view(co), len(ck_n), d.view(o),
                  ins[3], al, dtb, lb, t0, t1, heads, conv)
 
     def go():

@@ -390,7 +390,7 @@ def check_kda_decode(d: Device, r: Results, gen):
             r.check(f"kda_decode {variant} vs old (arena, o)", max(rel_err(A1, A0), rel_err(o1, o0)), 1e-6)
 
 
-def check_kda_prefill(d: Device, r: Results, gen, chunk="f32", prep=KDA_PREP, conv=4, seg=None):
+def check_kda_prefill(d: Device, r: Results, gen, chunk="f32", prep=KDA_PREP, conv=4, seg=None, cases=None):
     heads, lb = 2, -5.0
     hk, reg = heads * 128, kda_region_floats(heads * 128, conv, heads)
     tag = "kda_prefill" if chunk == "f32" else f"kda_prefill[{chunk}]"
@@ -400,7 +400,8 @@ def check_kda_prefill(d: Device, r: Results, gen, chunk="f32", prep=KDA_PREP, co
         tag += f"[seg={seg}]"
     extra = {"seg": seg} if seg else {}
     tol = KDA_CHUNK_TOL[chunk]
-    for t, emit in ((45, [1, 16, 30, 45]), (16, []), (3, [2])) + (((2, [1]),) if conv == 4 else ()):
+    cases = cases or ((45, [1, 16, 30, 45]), (16, []), (3, [2])) + (((2, [1]),) if conv == 4 else ())
+    for t, emit in cases:
         inp = kda_inputs(t, heads, conv, gen)
         arena = torch.zeros((len(emit) + 1) * reg, dtype=torch.float64)
         off = len(emit) * reg  # the working slot is the last; checkpoint j goes to slot j
@@ -437,6 +438,15 @@ def check_kda_prefill_tc(d: Device, r: Results, gen):
     check_kda_prefill(d, r, gen, chunk="scan", seg=16)
     for conv in (2, 3):
         check_kda_prefill(d, r, gen, chunk="scan", conv=conv)
+    # v3 (state in mma registers, own record layout): tails, checkpoints, segments, conv widths.
+    check_kda_prefill(d, r, gen, chunk="scan3")
+    check_kda_prefill(d, r, gen, chunk="scan3_w4")
+    check_kda_prefill(d, r, gen, chunk="scan3", seg=16)
+    check_kda_prefill(d, r, gen, chunk="scan3", conv=2)
+    check_kda_prefill(d, r, gen, chunk="scan3_rec1")
+    # Several 8-chunk record blocks: conv history from the inputs at a block start, checkpoints
+    # inside a block and on a block boundary, a 12-token tail.
+    check_kda_prefill(d, r, gen, chunk="scan3", cases=((300, [100, 128, 131, 300]),))
 
 
 def check_kda_prefill_prep(d: Device, r: Results, gen):

@@ -176,8 +176,44 @@ def _rec_perm():
     return _REC_PERM[0]
 
 
+_REC_PERM3 = []
+
+
+def _rec_perm3():
+    """The v3 record layout (kernels/kda_chunk_scan3.cu header): float p -> index into the same
+    concatenation as _rec_perm."""
+    if not _REC_PERM3:
+        perm = np.zeros(8576, np.int64)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for s in range(16):  # W, Qp: {M[g][k], M[g][k+1], M[g+8][k], M[g+8][k+1]}, k = 8s + 2t
+                k = 8 * s + 2 * t
+                for r, (i, j) in enumerate(((g, k), (g, k + 1), (g + 8, k), (g + 8, k + 1))):
+                    p = (s * 32 + lane) * 4 + r
+                    perm[p], perm[2048 + p] = i * 128 + j, 2048 + i * 128 + j
+            for s2 in range(2):
+                j = 8 * s2 + 2 * t
+                for pp in range(8):  # Kd: {Kd[j][d], Kd[j+1][d], Kd[j][d+8], Kd[j+1][d+8]}, d = 16p + g
+                    dd = 16 * pp + g
+                    for r, (tok, key) in enumerate(((j, dd), (j + 1, dd), (j, dd + 8), (j + 1, dd + 8))):
+                        perm[4096 + ((s2 * 8 + pp) * 32 + lane) * 4 + r] = 4096 + tok * 128 + key
+                # Aqk: {A[g][j], A[g][j+1], A[g+8][j], A[g+8][j+1]}
+                for r, (i, jj) in enumerate(((g, j), (g, j + 1), (g + 8, j), (g + 8, j + 1))):
+                    perm[8192 + (s2 * 32 + lane) * 4 + r] = 8192 + i * 16 + jj
+            for mc in range(8):
+                for nt in range(2):  # U: {U[i][c], U[i+1][c], U[i][c+8], U[i+1][c+8]}, i = 8nt + 2t, c = 16mc + g
+                    i, c = 8 * nt + 2 * t, 16 * mc + g
+                    for r, (tok, col) in enumerate(((i, c), (i + 1, c), (i, c + 8), (i + 1, c + 8))):
+                        perm[6144 + ((mc * 2 + nt) * 32 + lane) * 4 + r] = 6144 + tok * 128 + col
+        for d in range(128):  # e[8n + 2t + r] at t*32 + 2n + r
+            perm[8448 + ((d >> 1) & 3) * 32 + 2 * (d >> 3) + (d & 1)] = 8448 + d
+        assert sorted(perm.tolist()) == list(range(8576))
+        _REC_PERM3.append(perm)
+    return _REC_PERM3[0]
+
+
 def _emu_kda_chunk_rec(qi, ki, vi, fi, bi, cq, ck, cv, a_log, dt_bias, rec, arena, off, ck_n, ck_off, n_ck, t0, t1,
-                       heads, conv, lb):
+                       heads, conv, lb, perm=_rec_perm):
     """Records of chunks [t0, t1) (float64 math), windows after t1 and window checkpoints in (t0, t1]."""
     t0, t1, heads, conv = int(t0), int(t1), int(heads), int(conv)
     if conv > 4:
@@ -221,17 +257,18 @@ def _emu_kda_chunk_rec(qi, ki, vi, fi, bi, cq, ck, cv, a_log, dt_bias, rec, aren
                      kd.permute(0, 2, 1, 3).reshape(nc, heads, -1), U.reshape(nc, heads, -1),
                      Aqk.reshape(nc, heads, -1), G[:, -1].exp()], -1)  # [nc, H, 8576]
     R = _t(rec).view(-1)
-    R[:nc * heads * 8576] = src[..., torch.from_numpy(_rec_perm())].reshape(-1).float()
+    R[:nc * heads * 8576] = src[..., torch.from_numpy(perm())].reshape(-1).float()
 
 
-def _emu_kda_chunk_scan(rec, arena, off, ck_n, ck_off, n_ck, o_out, f_in, a_log, dt_bias, lb, t0, t1, heads, conv):
+def _emu_kda_chunk_scan(rec, arena, off, ck_n, ck_off, n_ck, o_out, f_in, a_log, dt_bias, lb, t0, t1, heads, conv,
+                        perm=_rec_perm):
     """The state scan over the records of [t0, t1): X = U - W S, O = Qp S + Aqk X, S <- e S + Kd^T X
     (float64); checkpoints from the chunk-start state with G recomputed from f."""
     t0, t1, heads, conv = int(t0), int(t1), int(heads), int(conv)
     hk, A = heads * 128, _t(arena)
     nc = (t1 - t0 + 15) // 16
     src = torch.empty(nc, heads, 8576, dtype=torch.float64)
-    src[..., torch.from_numpy(_rec_perm())] = _t(rec).view(-1)[:nc * heads * 8576].view(nc, heads, 8576).double()
+    src[..., torch.from_numpy(perm())] = _t(rec).view(-1)[:nc * heads * 8576].view(nc, heads, 8576).double()
     W, Qp, Kd, U = (src[..., i * 2048:(i + 1) * 2048].reshape(nc, heads, 16, 128) for i in range(4))
     Aqk, e = src[..., 8192:8448].reshape(nc, heads, 16, 16), src[..., 8448:]
     _, S = unpack_kda_region(A, int(off), hk, conv, heads)
@@ -480,6 +517,11 @@ EMU = {
     "kda_chunk_scan_fast_f32": _emu_kda_chunk_scan,
     "kda_chunk_scan2_f32": _emu_kda_chunk_scan,
     "kda_chunk_scan2_fast_f32": _emu_kda_chunk_scan,
+    # v3: the same math over the v3 record layout (state in registers in the kernel).
+    "kda_chunk_rec3_f32": lambda *a: _emu_kda_chunk_rec(*a, perm=_rec_perm3),
+    "kda_chunk_rec3m_f32": lambda *a: _emu_kda_chunk_rec(*a, perm=_rec_perm3),  # 8 chunks per block
+    "kda_chunk_scan3_f32": lambda *a: _emu_kda_chunk_scan(*a, perm=_rec_perm3),
+    "kda_chunk_scan3_w4_f32": lambda *a: _emu_kda_chunk_scan(*a, perm=_rec_perm3),
     "mla_append_rows_f32": lambda kv_a, nw, arena, dst, t, lkv, rope, eps: [arena.__setitem__(
         slice(int(dst[i]), int(dst[i]) + int(lkv) + int(rope)), np.concatenate([ref_rms_norm(
             _t(kv_a).view(int(t), -1)[i, :int(lkv)].double(), _t(nw).double(), float(eps)).float().numpy(),

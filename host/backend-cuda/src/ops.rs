@@ -187,22 +187,53 @@ fn kda_decode_kernels() -> (&'static str, Option<(&'static str, usize)>) {
 /// The two-pass KDA prefill (kernels/kda_chunk_scan.cu, conv <= 4) unless `K3_KDA_CHUNK` names
 /// one of the older paths (`tc`, `tc_fast`, `f32`): `scan` (default, v2 kernels, 3xTF32 scan),
 /// `scan_fast` (v2, 1xTF32 scan, ~1e-3), `scan_v1` / `scan_v1_fast` (the first kernels, kept for
-/// an A/B run), `scan3` / `scan3_w4` (v3: the state in mma registers, kernels/kda_chunk_scan3.cu,
-/// 2 / 4 warps of 16 columns per block). Returns the (record pass, scan) kernel names and the
-/// scan's columns per block.
-fn kda_scan() -> Option<(&'static str, &'static str, usize)> {
-    static SCAN: std::sync::OnceLock<Option<(&'static str, &'static str, usize)>> =
-        std::sync::OnceLock::new();
+/// an A/B run), `scan3` / `scan3_w4` (v3: the record pass over 8 chunks per block, the scan with
+/// the state in mma registers, kernels/kda_chunk_scan3.cu, 2 / 4 warps of 16 columns per block),
+/// `scan3_rec1` (v3 scan after the one-chunk-per-block v3 record pass).
+fn kda_scan() -> Option<KdaScan> {
+    static SCAN: std::sync::OnceLock<Option<KdaScan>> = std::sync::OnceLock::new();
+    let k = |rec, rec_chunks, scan, cols| {
+        Some(KdaScan {
+            rec,
+            rec_chunks,
+            scan,
+            cols,
+        })
+    };
     *SCAN.get_or_init(|| match std::env::var("K3_KDA_CHUNK").as_deref() {
         Ok("tc" | "tc_fast" | "f32") => None,
-        Ok("scan_fast") => Some(("kda_chunk_rec2_f32", "kda_chunk_scan2_fast_f32", 32)),
-        Ok("scan_v1") => Some(("kda_chunk_rec_f32", "kda_chunk_scan_f32", 32)),
-        Ok("scan_v1_fast") => Some(("kda_chunk_rec_f32", "kda_chunk_scan_fast_f32", 32)),
-        Ok("scan3") => Some(("kda_chunk_rec3_f32", "kda_chunk_scan3_f32", 32)),
-        Ok("scan3_w4") => Some(("kda_chunk_rec3_f32", "kda_chunk_scan3_w4_f32", 64)),
-        _ => Some(("kda_chunk_rec2_f32", "kda_chunk_scan2_f32", 32)),
+        Ok("scan_fast") => k("kda_chunk_rec2_f32", 1, "kda_chunk_scan2_fast_f32", 32),
+        Ok("scan_v1") => k("kda_chunk_rec_f32", 1, "kda_chunk_scan_f32", 32),
+        Ok("scan_v1_fast") => k("kda_chunk_rec_f32", 1, "kda_chunk_scan_fast_f32", 32),
+        Ok("scan3") => k(
+            "kda_chunk_rec3m_f32",
+            KDA_REC_NCH,
+            "kda_chunk_scan3_f32",
+            32,
+        ),
+        Ok("scan3_w4") => k(
+            "kda_chunk_rec3m_f32",
+            KDA_REC_NCH,
+            "kda_chunk_scan3_w4_f32",
+            64,
+        ),
+        Ok("scan3_rec1") => k("kda_chunk_rec3_f32", 1, "kda_chunk_scan3_f32", 32),
+        _ => k("kda_chunk_rec2_f32", 1, "kda_chunk_scan2_f32", 32),
     })
 }
+
+/// Kernels of the two-pass KDA prefill: record pass (16-token chunks per block) and scan
+/// (state columns per block).
+#[derive(Clone, Copy)]
+struct KdaScan {
+    rec: &'static str,
+    rec_chunks: usize,
+    scan: &'static str,
+    cols: usize,
+}
+
+/// Chunks per block of `kda_chunk_rec3m_f32` (KDA_REC_NCH in kernels/kda_chunk_scan.cu).
+const KDA_REC_NCH: usize = 8;
 
 /// Scan launch: v1 / v2 use 4 warps per 32 columns, v3 one warp per 16 columns.
 fn kda_scan_launch(scan: &str, cols: usize, heads: usize) -> Result<Launch> {
@@ -513,18 +544,17 @@ impl CudaBackend {
             g.conv_kernel as i32,
             g.heads as i32,
         );
-        if let (Some((rec_fn, scan, cols)), true) =
-            (kda_scan(), g.conv_kernel <= KDA_FUSED_MAX_CONV)
-        {
+        if let (Some(ks), true) = (kda_scan(), g.conv_kernel <= KDA_FUSED_MAX_CONV) {
+            let (rec_fn, scan) = (ks.rec, ks.scan);
             // Record pass (conv, prep, chunk algebra; parallel) then the state scan, per segment.
             let o = self.output(t, g.hk())?;
             let mut rec =
                 self.uninit::<f32>(t.min(KDA_SCAN_SEG).div_ceil(16) * g.heads * KDA_REC_FLOATS)?;
-            let ls = kda_scan_launch(scan, cols, g.heads)?;
+            let ls = kda_scan_launch(scan, ks.cols, g.heads)?;
             let mut t0 = 0;
             while t0 < t {
                 let t1 = (t0 + KDA_SCAN_SEG).min(t);
-                let lr = Launch::new(((t1 - t0).div_ceil(16), g.heads, 1), 128)?;
+                let lr = Launch::new(((t1 - t0).div_ceil(16 * ks.rec_chunks), g.heads, 1), 128)?;
                 let (b, e) = (t0 as i32, t1 as i32);
                 launch!(self, rec_fn, lr;
                     &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log,

@@ -63,6 +63,7 @@ pub const FILES: &[KernelFile] = &[
             "kda_chunk_rec_f32",
             "kda_chunk_rec2_f32",
             "kda_chunk_rec3_f32",
+            "kda_chunk_rec3m_f32",
             "kda_chunk_scan_f32",
             "kda_chunk_scan_fast_f32",
             "kda_chunk_scan2_f32",
