@@ -3,7 +3,8 @@
 // beta, the delta-rule step on the f32 state, o = S^T q. Sequences are addressed by state-slot
 // offsets into the arena, so the engine batches any set of slots without copies.
 //
-// Grid (H, N), 512 threads. The state tile of one (sequence, head) is 128x128 f32 = 64 KiB,
+// kda_decode_f32 (K3_KDA_DECODE=old; the default is kda_decode_split_f32 below, same math):
+// grid (H, N), 512 threads. The state tile of one (sequence, head) is 128x128 f32 = 64 KiB,
 // 32 values per thread as 8 float4 (16-byte loads): lane l holds columns warp*8 + (l&1)*4 .. +3
 // of rows k = i*16 + (l>>1), i < 8, so a warp instruction moves 16 rows x 32 B (whole sectors) and
 // K-reductions stay inside the warp (xor 2..16). The state loads are issued before the conv/gate
@@ -134,7 +135,9 @@ kda_decode_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, c
 }
 
 // ---------------------------------------------------------------------------------------------
-// Split variant (K3_KDA_DECODE=split; =old picks the kernel above): the state tile of one
+// Split variant, the default (H200, N = 256: 1090.7 us = 69% of the DRAM floor, vs 1186.2 for the
+// kernel above, which K3_KDA_DECODE=old still picks; a two-kernel prep + streaming-state variant
+// measured 1138-1727 and was dropped): the state tile of one
 // (sequence, head) is cut into KDA_SPLIT column slices of 32, one 128-thread block each, the
 // slices of one head forming a thread-block cluster. Small blocks keep 8 per SM at different
 // phases (one loading while another stores) and fill all 132 SMs at N = 1, where the 512-thread
@@ -292,190 +295,4 @@ kda_decode_split_f32(const float* __restrict__ q_in, const float* __restrict__ k
     for (int j = 0; j < 4; ++j) o[j] = kda_reduce_rows16(o[j]);
     if (lane < 2)
         *reinterpret_cast<float4*>(o_out + (i64)n * hk + h * KDA_V + v0) = make_float4(o[0], o[1], o[2], o[3]);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Two-kernel decode (the default; K3_KDA_DECODE=split / old pick the kernels above). The window
-// race that forces one block (or one cluster) per head exists only because the conv reads and
-// rewrites the windows; a tiny first kernel does all of that per (sequence, head) and writes the
-// finished vectors to a scratch record, so the state kernel is a pure streaming pass that can be
-// tiled like fla's fused_recurrent (independent column slices, no clusters, no cross-block
-// messages). The extra launch is cheap inside the step's CUDA graph; the record traffic
-// (2 KiB per head vs 128 KiB of state moved) is negligible.
-//
-// Record of one (sequence, head), KDA_PREP_FLOATS floats at prep + (n * heads + h) * that:
-// q (L2-normalised, times K^-1/2) | k (L2-normalised) | alpha = exp(g) | v | beta | 3 pad
-// (the pad keeps every record 16-byte aligned).
-#define KDA_PREP_FLOATS (4 * KDA_K + 4)
-
-// Grid (H, N), 128 threads: thread c convolves channel c of q, k and v (and updates their
-// windows) and computes the gate of key row c. The L2 sums use the same four 32-channel warp
-// partials, added in the same order, and the same scale expressions as kda_decode_f32: the
-// record holds exactly the values that kernel multiplies the state with.
-extern "C" __global__ void __launch_bounds__(KDA_K)
-kda_decode_prep_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
-                    const float* __restrict__ f_in, const float* __restrict__ b_in,
-                    const float* __restrict__ conv_q, const float* __restrict__ conv_k,
-                    const float* __restrict__ conv_v, const float* __restrict__ a_log,
-                    const float* __restrict__ dt_bias, float* __restrict__ arena, const i64* __restrict__ state_off,
-                    const i64* __restrict__ ckpt_off, float* __restrict__ prep, int n_seqs, int heads, int conv,
-                    float lower_bound) {
-    __shared__ float red[8];
-    const int h = blockIdx.x, n = blockIdx.y;
-    if (h >= heads || n >= n_seqs || conv < 1 || conv > KDA_MAX_CONV) return;
-    const int hk = heads * KDA_K;
-    const int c = threadIdx.x, lane = c & 31, warp = c >> 5, ch = h * KDA_K + c;
-    float* region = arena + state_off[n];
-    float* ckpt = ckpt_off[n] >= 0 ? arena + ckpt_off[n] : nullptr;
-    const i64 wf = kda_window_floats(hk, conv);
-    // The gate first: its loads do not depend on state_off, so they overlap that load.
-    const float alpha = expf(kda_gate(f_in[(i64)n * hk + ch], dt_bias[ch], expf(a_log[h]), lower_bound));
-    float y[3];
-#pragma unroll
-    for (int role = 0; role < 3; ++role) {
-        const float* in = role == 0 ? q_in : role == 1 ? k_in : v_in;
-        const float* wconv = (role == 0 ? conv_q : role == 1 ? conv_k : conv_v) + (i64)ch * conv;
-        float* win = region + role * wf + (i64)ch * (conv - 1);
-        const float x = in[(i64)n * hk + ch];
-        float acc = wconv[conv - 1] * x;
-        float hist[KDA_MAX_CONV];
-#pragma unroll
-        for (int j = 0; j < KDA_MAX_CONV - 1; ++j) {
-            hist[j] = j < conv - 1 ? win[j] : 0.0f;
-            if (j < conv - 1) acc += wconv[j] * hist[j];
-        }
-#pragma unroll
-        for (int j = 0; j < KDA_MAX_CONV - 1; ++j) {
-            if (j < conv - 1) {
-                const float nv = j + 1 < conv - 1 ? hist[j + 1] : x;
-                win[j] = nv;
-                if (ckpt) ckpt[role * wf + (i64)ch * (conv - 1) + j] = nv;
-            }
-        }
-        y[role] = k3_silu(acc);
-    }
-    const float ssq = warp_sum(y[0] * y[0]), ssk = warp_sum(y[1] * y[1]);
-    if (lane == 0) {
-        red[warp] = ssq;
-        red[4 + warp] = ssk;
-    }
-    __syncthreads();
-    const float invq = rsqrtf((float)KDA_K) / sqrtf(red[0] + red[1] + red[2] + red[3] + 1e-6f);
-    const float invk = 1.0f / sqrtf(red[4] + red[5] + red[6] + red[7] + 1e-6f);
-    float* rec = prep + ((i64)n * heads + h) * KDA_PREP_FLOATS;
-    rec[c] = y[0] * invq;
-    rec[KDA_K + c] = y[1] * invk;
-    rec[2 * KDA_K + c] = alpha;
-    rec[3 * KDA_K + c] = y[2];
-    if (c == 0) rec[4 * KDA_K] = k3_sigmoid(b_in[(i64)n * heads + h]);
-}
-
-// State: evict-first loads and stores (the state of a layer is next read one whole model step
-// later, after far more than L2 has streamed through), or plain ones.
-template <bool STREAM>
-__device__ __forceinline__ float4 kda_ld_state(const float* p, bool aligned) {
-    if (!aligned) return make_float4(p[0], p[1], p[2], p[3]);
-    return STREAM ? __ldcs(reinterpret_cast<const float4*>(p)) : *reinterpret_cast<const float4*>(p);
-}
-template <bool STREAM>
-__device__ __forceinline__ void kda_st_state(float* p, float4 v, bool aligned) {
-    if (!aligned) {
-        p[0] = v.x; p[1] = v.y; p[2] = v.z; p[3] = v.w;
-    } else if (STREAM) {
-        __stcs(reinterpret_cast<float4*>(p), v);
-    } else {
-        *reinterpret_cast<float4*>(p) = v;
-    }
-}
-
-// Grid (16 / WARPS * H, N), 32 * WARPS threads: block (r, h) owns columns r * 8 * WARPS .. +8*WARPS
-// of head h's state. Same per-warp layout and the same expressions as kda_decode_f32's phase 2
-// (lane l: columns warp*8 + (l&1)*4 .. +3 of the slice, rows i*16 + (l>>1)): bit-identical results.
-// The state loads go out first; the record (L2-resident, just written) is staged into shared
-// memory behind them, so its latency hides under theirs.
-template <int WARPS, bool STREAM>
-__device__ __forceinline__ void kda_decode_state(const float* __restrict__ prep, float* __restrict__ arena,
-                                                 const i64* __restrict__ state_off, const i64* __restrict__ ckpt_off,
-                                                 float* __restrict__ o_out, int n_seqs, int heads, int conv,
-                                                 float* qka, float* vs, float* beta_s) {
-    constexpr int COLS = 8 * WARPS, SLICES = KDA_V / COLS;
-    const int h = blockIdx.x / SLICES, r = blockIdx.x % SLICES, n = blockIdx.y;
-    if (h >= heads || n >= n_seqs || conv < 1 || conv > KDA_MAX_CONV) return;
-    const int hk = heads * KDA_K;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const i64 so = state_off[n], co = ckpt_off[n];
-    const int vl = warp * 8 + (lane & 1) * 4, v0 = r * COLS + vl, kr = lane >> 1;
-    float* S = arena + so + kda_state_base(hk, conv) + (i64)h * KDA_K * KDA_V;
-    const bool s_al = (so & 3) == 0, c_al = (co & 3) == 0;
-    float4 s[KDA_DEC_ROWS];
-#pragma unroll
-    for (int i = 0; i < KDA_DEC_ROWS; ++i) s[i] = kda_ld_state<STREAM>(S + (i * 16 + kr) * KDA_V + v0, s_al);
-
-    const float* rec = prep + ((i64)n * heads + h) * KDA_PREP_FLOATS;
-#pragma unroll
-    for (int j = tid; j < 3 * KDA_K; j += 32 * WARPS) qka[j] = rec[j];
-    if (tid < COLS) vs[tid] = rec[3 * KDA_K + r * COLS + tid];
-    if (tid == 0) *beta_s = rec[4 * KDA_K];
-    __syncthreads();
-    const float* qs = qka;
-    const float* ks = qka + KDA_K;
-    const float* alpha = qka + 2 * KDA_K;
-
-    float kv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < KDA_DEC_ROWS; ++i) {
-        const int k = i * 16 + kr;
-        const float a = alpha[k], kk = ks[k];
-        s[i].x *= a; s[i].y *= a; s[i].z *= a; s[i].w *= a;
-        kv[0] += s[i].x * kk; kv[1] += s[i].y * kk; kv[2] += s[i].z * kk; kv[3] += s[i].w * kk;
-    }
-    const float beta = *beta_s;
-    float u[4], o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) u[j] = beta * (vs[vl + j] - kda_reduce_rows16(kv[j]));
-#pragma unroll
-    for (int i = 0; i < KDA_DEC_ROWS; ++i) {
-        const int k = i * 16 + kr;
-        const float kk = ks[k], qq = qs[k];
-        s[i].x += kk * u[0]; s[i].y += kk * u[1]; s[i].z += kk * u[2]; s[i].w += kk * u[3];
-        o[0] += s[i].x * qq; o[1] += s[i].y * qq; o[2] += s[i].z * qq; o[3] += s[i].w * qq;
-        kda_st_state<STREAM>(S + k * KDA_V + v0, s[i], s_al);
-    }
-    if (co >= 0) {
-        float* Sc = arena + co + kda_state_base(hk, conv) + (i64)h * KDA_K * KDA_V;
-#pragma unroll
-        for (int i = 0; i < KDA_DEC_ROWS; ++i) kda_st_state<STREAM>(Sc + (i * 16 + kr) * KDA_V + v0, s[i], c_al);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) o[j] = kda_reduce_rows16(o[j]);
-    if (lane < 2)
-        *reinterpret_cast<float4*>(o_out + (i64)n * hk + h * KDA_V + v0) = make_float4(o[0], o[1], o[2], o[3]);
-}
-
-// The entry points, written out (the harness parses extern "C" signatures from the source).
-// Launch bounds: 32 resident warps per SM, i.e. at most 64 registers (71 unbounded, which left 28
-// warps): 8 four-warp blocks of 16 KiB of state in flight each, far above what HBM needs.
-// 4 warps (32 columns, grid 4H x N), streaming state accesses: the default.
-extern "C" __global__ void __launch_bounds__(128, 8)
-kda_decode_state_f32(const float* __restrict__ prep, float* __restrict__ arena, const i64* __restrict__ state_off,
-                     const i64* __restrict__ ckpt_off, float* __restrict__ o_out, int n_seqs, int heads, int conv) {
-    __shared__ float qka[3 * KDA_K], vs[32], beta_s;
-    kda_decode_state<4, true>(prep, arena, state_off, ckpt_off, o_out, n_seqs, heads, conv, qka, vs, &beta_s);
-}
-
-// The same with plain loads / stores (A/B of the cache hints).
-extern "C" __global__ void __launch_bounds__(128, 8)
-kda_decode_state_plain_f32(const float* __restrict__ prep, float* __restrict__ arena,
-                           const i64* __restrict__ state_off, const i64* __restrict__ ckpt_off,
-                           float* __restrict__ o_out, int n_seqs, int heads, int conv) {
-    __shared__ float qka[3 * KDA_K], vs[32], beta_s;
-    kda_decode_state<4, false>(prep, arena, state_off, ckpt_off, o_out, n_seqs, heads, conv, qka, vs, &beta_s);
-}
-
-// One warp per 8 columns (fla's BV = 8 tiling, grid 16H x N).
-extern "C" __global__ void __launch_bounds__(32, 32)
-kda_decode_state_w1_f32(const float* __restrict__ prep, float* __restrict__ arena, const i64* __restrict__ state_off,
-                        const i64* __restrict__ ckpt_off, float* __restrict__ o_out, int n_seqs, int heads, int conv) {
-    __shared__ float qka[3 * KDA_K], vs[8], beta_s;
-    kda_decode_state<1, true>(prep, arena, state_off, ckpt_off, o_out, n_seqs, heads, conv, qka, vs, &beta_s);
 }

@@ -1,17 +1,14 @@
-// Routed experts in MXFP4 (docs/model-format.md): weight-only W4A32 on CUDA cores, decoding
-// each 32-element block (16 packed bytes + one E8M0 scale) once per tile of up to 8 tokens.
+// Routed experts in MXFP4 (docs/model-format.md) for decode steps: weight-only W4A32 on CUDA cores.
 //   moe_sort_assignments   group the T*k (token, slot) assignments by expert (counting sort)
-//   mxfp4_expert_up_f32    act[a] = SiTU-GLU(W1_e z_t, W3_e z_t) for each assignment a of e
-//   mxfp4_expert_down_f32  y[a] = W2_e act[a]
+//   mxfp4_up_gemv_f32      act[a] = SiTU-GLU(W1_e z_t, W3_e z_t) for each assignment a of e
+//   mxfp4_down_gemv_f32    y[a] = W2_e act[a]
 //   moe_combine_f32        out[t] = sum_j w[t,j] y[t*k + j]   (fixed slot order: deterministic)
-//   mxfp4_*_gemv_f32       the decode-step pair (lane pairs per row, activations staged in shared)
 // Experts of a layer are stored back to back: packed [E, rows, cols/2], scales [E, rows, cols/32].
-// Large steps expand the experts to bf16 for tensor-core GEMMs instead (moe_gemm.cu); decode steps
-// default to the register-expanding mma.sync pair in mxfp4_tc.cu (these stay for A/B).
+// Large steps expand the experts to bf16 for tensor-core GEMMs instead (moe_gemm.cu); the gemv pair
+// here takes 1-token steps (H200, K3 sizes, top-16: 183 us vs 213 for the tensor-core pair in
+// mxfp4_tc.cu, which takes 2 tokens and more: ops.rs mx_experts_choice).
 #include "common.cuh"
 
-#define MX_TOKENS 8  // assignments per pass: weights decoded once, reused 8 times
-#define MX_ROWS_PER_BLOCK 8
 
 // Single block (1024 threads). idx [n_assign] expert ids; offsets [E+1] (out), sorted [n_assign]
 // (out) = assignment ids grouped by expert. Order inside an expert is arbitrary: each
@@ -44,139 +41,10 @@ extern "C" __global__ void moe_sort_assignments(const int* __restrict__ idx, int
     }
 }
 
-// Decode one MX block: 16 bytes -> 32 values (element 2j low nibble, 2j+1 high nibble) times scale.
-__device__ __forceinline__ void mx_decode_block(const u8* __restrict__ packed, u8 scale_byte, float* out) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(packed);
-    const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
-    const float sc = e8m0_to_f32(scale_byte);
-#pragma unroll
-    for (int wi = 0; wi < 4; ++wi)
-#pragma unroll
-        for (int b = 0; b < 8; ++b) out[wi * 8 + b] = fp4_e2m1_to_f32((words[wi] >> (4 * b)) & 0xFu) * sc;
-}
-
-// Dot of 32 decoded weights with x[0..32) (16-byte aligned).
-__device__ __forceinline__ float mx_dot32(const float* w, const float* __restrict__ x) {
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-    float acc = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const float4 v = x4[i];
-        acc += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
-    }
-    return acc;
-}
-
-// Grid (E, ceil(inter / 8)), 256 threads: warp w computes row r = blockIdx.y*8 + w of W1 and W3
-// for every assignment of expert e. z [T, latent]; act [n_assign, inter].
-extern "C" __global__ void __launch_bounds__(256)
-mxfp4_expert_up_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
-                    const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
-                    const int* __restrict__ sorted, float* __restrict__ act, int top_k, int latent, int inter,
-                    float beta, float beta_lin, int has_lin) {
-    const int e = blockIdx.x, lane = threadIdx.x & 31;
-    const int r = blockIdx.y * MX_ROWS_PER_BLOCK + (threadIdx.x >> 5);
-    const int a0 = offsets[e], a1 = offsets[e + 1];
-    if (a0 == a1 || r >= inter) return;
-    const int nb = latent / 32;
-    const i64 mrow = (i64)e * inter + r;
-    const u8* p1 = w1p + mrow * (latent / 2);
-    const u8* p3 = w3p + mrow * (latent / 2);
-    const u8* s1 = w1s + mrow * nb;
-    const u8* s3 = w3s + mrow * nb;
-    for (int t0 = a0; t0 < a1; t0 += MX_TOKENS) {
-        const int nt = min(MX_TOKENS, a1 - t0);
-        float acc1[MX_TOKENS], acc3[MX_TOKENS];
-#pragma unroll
-        for (int i = 0; i < MX_TOKENS; ++i) acc1[i] = acc3[i] = 0.0f;
-        for (int b = lane; b < nb; b += 32) {
-            float wa[32], wb[32];
-            mx_decode_block(p1 + b * 16, s1[b], wa);
-            mx_decode_block(p3 + b * 16, s3[b], wb);
-#pragma unroll
-            for (int i = 0; i < MX_TOKENS; ++i) {
-                if (i < nt) {
-                    const float* x = z + (i64)(sorted[t0 + i] / top_k) * latent + b * 32;
-                    acc1[i] += mx_dot32(wa, x);
-                    acc3[i] += mx_dot32(wb, x);
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < MX_TOKENS; ++i) {
-            const float g = warp_sum(acc1[i]), u = warp_sum(acc3[i]);
-            if (lane == 0 && i < nt) {
-                const float sa = beta * tanhf(g / beta) * k3_sigmoid(g);
-                const float ub = has_lin ? beta_lin * tanhf(u / beta_lin) : u;
-                act[(i64)sorted[t0 + i] * inter + r] = sa * ub;
-            }
-        }
-    }
-}
-
-// Grid (E, ceil(latent / 8)), 256 threads: y[a, r] = W2_e[r, :] . act[a, :].
-extern "C" __global__ void __launch_bounds__(256)
-mxfp4_expert_down_f32(const float* __restrict__ act, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
-                      const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y,
-                      int latent, int inter) {
-    const int e = blockIdx.x, lane = threadIdx.x & 31;
-    const int r = blockIdx.y * MX_ROWS_PER_BLOCK + (threadIdx.x >> 5);
-    const int a0 = offsets[e], a1 = offsets[e + 1];
-    if (a0 == a1 || r >= latent) return;
-    const int nb = inter / 32;
-    const i64 mrow = (i64)e * latent + r;
-    const u8* p = w2p + mrow * (inter / 2);
-    const u8* s = w2s + mrow * nb;
-    for (int t0 = a0; t0 < a1; t0 += MX_TOKENS) {
-        const int nt = min(MX_TOKENS, a1 - t0);
-        float acc[MX_TOKENS];
-#pragma unroll
-        for (int i = 0; i < MX_TOKENS; ++i) acc[i] = 0.0f;
-        for (int b = lane; b < nb; b += 32) {
-            float w[32];
-            mx_decode_block(p + b * 16, s[b], w);
-#pragma unroll
-            for (int i = 0; i < MX_TOKENS; ++i)
-                if (i < nt) acc[i] += mx_dot32(w, act + (i64)sorted[t0 + i] * inter + b * 32);
-        }
-#pragma unroll
-        for (int i = 0; i < MX_TOKENS; ++i) {
-            const float v = warp_sum(acc[i]);
-            if (lane == 0 && i < nt) y[(i64)sorted[t0 + i] * latent + r] = v;
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Faster expert kernels (same arguments and results as the two above; 16 rows per block). The
-// ones above give lane l the 16-byte MX block l (+32i) of a row, so its 32 activations sit 128 B
-// apart from the next lane's: every activation load touches 32 cache lines, and the per-nibble
-// decode costs ~13 integer ops. Here lane l takes the 4-byte words l + 32i (8 weights, all in MX
-// block word/4): the warp's activation loads are contiguous (two float4 per lane) and feed two
-// rows, the words of a row chunk are all requested before any is used (bytes in flight), and a
-// nibble decodes in 3-4 ops: sign|e1e0m placed at f32 bits 31|24..22 is the E2M1 value times
-// 2^-126 exactly (e = 0 lands on the subnormals, which is what makes 0 and 0.5 come out right),
-// so one FMUL by 2^126 restores it. That FMUL must keep its subnormal input: it is written as
-// PTX mul.rn.f32 without .ftz, which the compiler's -ftz=true (CuPy adds it to every NVRTC
-// compile, so the harness builds this file that way) does not touch; a plain C++ multiply
-// was flushed there and turned every 0.5 into 0 (the H200 check's 1.1e-1 error).
-#define MX_WPL 16       // words per lane per row chunk (a 4096-wide row in one chunk)
-#define MX_FAST_ROWS 16 // rows per block: 2 per warp
-
-__device__ __forceinline__ void mx_decode_word(u32 w, float* out) {
-    const float k2_126 = __uint_as_float(0x7e800000u);  // 2^126
-#pragma unroll
-    for (int p = 0; p < 8; ++p) {
-        const u32 mag = (4 * p <= 22 ? (w << (22 - 4 * p)) : (w >> (4 * p - 22))) & 0x01c00000u;
-        const u32 sgn = (w << (28 - 4 * p)) & 0x80000000u;
-        asm("mul.rn.f32 %0, %1, %2;" : "=f"(out[p]) : "f"(__uint_as_float(mag | sgn)), "f"(k2_126));
-    }
-}
-
-// Expert id of the n-th (from 0) expert with assignments, -1 if there are fewer. The fast kernels
-// take grid.x = min(E, assignments) and map block x to the x-th busy expert: with grid.x = E
-// (T = 1: 16 of 128 busy) ~88% of the blocks only read offsets and exit, and each holds a whole
-// SM's registers (1 block/SM at ~210 regs x 256 threads) while it waits for that load.
+// Expert id of the n-th (from 0) expert with assignments, -1 if there are fewer. The expert kernels
+// (here and in mxfp4_tc.cu) take grid.x = min(E, assignments) and map block x to the x-th busy
+// expert: with grid.x = E (T = 1: 16 of 128 busy) ~88% of the blocks would only read offsets and
+// exit.
 // Block-uniform (all threads reach the barriers): call before any early return.
 __device__ int mx_active_expert(const int* __restrict__ offsets, int experts, int n) {
     __shared__ int warp_cnt[32];
@@ -204,169 +72,8 @@ __device__ int mx_active_expert(const int* __restrict__ offsets, int experts, in
     return result;
 }
 
-// Dot of 8 decoded weights with the activations (a, b).
-__device__ __forceinline__ float mx_dot8x(const float* w, float4 a, float4 b) {
-    return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
-}
-
-// Grid (min(E, assignments), ceil(inter / 16)), 256 threads: block x takes the x-th busy expert
-// e; warp w computes rows r0 = blockIdx.y*16 + 2w and r0 + 1 of W1 and W3 for every assignment
-// of e (two rows share each activation load). `experts` = E (the old kernels' arguments + E).
-extern "C" __global__ void __launch_bounds__(256)
-mxfp4_up_fast_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
-                  const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
-                  const int* __restrict__ sorted, float* __restrict__ act, int top_k, int latent, int inter,
-                  float beta, float beta_lin, int has_lin, int experts) {
-    const int e = mx_active_expert(offsets, experts, blockIdx.x), lane = threadIdx.x & 31;
-    const int r0 = blockIdx.y * MX_FAST_ROWS + 2 * (threadIdx.x >> 5);
-    if (e < 0 || r0 >= inter) return;
-    const int a0 = offsets[e], a1 = offsets[e + 1];
-    const int nr = min(2, inter - r0);  // rows of this warp (1 at an odd tail)
-    const int nw = latent / 8, nb = latent / 32;
-    const u32* p1[2];
-    const u32* p3[2];
-    const u8* s1[2];
-    const u8* s3[2];
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-        const i64 mrow = (i64)e * inter + r0 + min(q, nr - 1);
-        p1[q] = reinterpret_cast<const u32*>(w1p + mrow * (latent / 2));
-        p3[q] = reinterpret_cast<const u32*>(w3p + mrow * (latent / 2));
-        s1[q] = w1s + mrow * nb;
-        s3[q] = w3s + mrow * nb;
-    }
-    for (int t0 = a0; t0 < a1; t0 += MX_TOKENS) {
-        const int nt = min(MX_TOKENS, a1 - t0);
-        const float* xr[MX_TOKENS];
-        float acc1[2][MX_TOKENS], acc3[2][MX_TOKENS];
-#pragma unroll
-        for (int i = 0; i < MX_TOKENS; ++i) {
-            xr[i] = z + (i64)(sorted[t0 + min(i, nt - 1)] / top_k) * latent;
-            acc1[0][i] = acc1[1][i] = acc3[0][i] = acc3[1][i] = 0.0f;
-        }
-        for (int c0 = 0; c0 < nw; c0 += 32 * MX_WPL) {
-            u32 wa[2][MX_WPL], wb[2][MX_WPL];
-#pragma unroll
-            for (int j = 0; j < MX_WPL; ++j) {
-                const int wi = c0 + lane + 32 * j;
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    wa[q][j] = wi < nw ? p1[q][wi] : 0u;
-                    wb[q][j] = wi < nw ? p3[q][wi] : 0u;
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < MX_WPL; ++j) {
-                const int wi = c0 + lane + 32 * j;
-                if (wi < nw) {
-                    float fa[2][8], fb[2][8], sa[2], sb[2];
-#pragma unroll
-                    for (int q = 0; q < 2; ++q) {
-                        sa[q] = e8m0_to_f32(s1[q][wi >> 2]);
-                        sb[q] = e8m0_to_f32(s3[q][wi >> 2]);
-                        mx_decode_word(wa[q][j], fa[q]);
-                        mx_decode_word(wb[q][j], fb[q]);
-                    }
-#pragma unroll
-                    for (int i = 0; i < MX_TOKENS; ++i) {
-                        if (i < nt) {
-                            const float4 xa = reinterpret_cast<const float4*>(xr[i] + wi * 8)[0];
-                            const float4 xb = reinterpret_cast<const float4*>(xr[i] + wi * 8)[1];
-#pragma unroll
-                            for (int q = 0; q < 2; ++q) {
-                                acc1[q][i] += mx_dot8x(fa[q], xa, xb) * sa[q];
-                                acc3[q][i] += mx_dot8x(fb[q], xa, xb) * sb[q];
-                            }
-                        }
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int q = 0; q < 2; ++q)
-#pragma unroll
-            for (int i = 0; i < MX_TOKENS; ++i) {
-                const float g = warp_sum(acc1[q][i]), u = warp_sum(acc3[q][i]);
-                if (lane == 0 && i < nt && q < nr) {
-                    const float sa = beta * tanhf(g / beta) * k3_sigmoid(g);
-                    const float ub = has_lin ? beta_lin * tanhf(u / beta_lin) : u;
-                    act[(i64)sorted[t0 + i] * inter + r0 + q] = sa * ub;
-                }
-            }
-    }
-}
-
-// Grid (min(E, assignments), ceil(latent / 16)), 256 threads: y[a, r] = W2_e[r, :] . act[a, :],
-// experts and rows as above.
-extern "C" __global__ void __launch_bounds__(256)
-mxfp4_down_fast_f32(const float* __restrict__ act, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
-                    const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y,
-                    int latent, int inter, int experts) {
-    const int e = mx_active_expert(offsets, experts, blockIdx.x), lane = threadIdx.x & 31;
-    const int r0 = blockIdx.y * MX_FAST_ROWS + 2 * (threadIdx.x >> 5);
-    if (e < 0 || r0 >= latent) return;
-    const int a0 = offsets[e], a1 = offsets[e + 1];
-    const int nr = min(2, latent - r0);
-    const int nw = inter / 8, nb = inter / 32;
-    const u32* p[2];
-    const u8* s[2];
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-        const i64 mrow = (i64)e * latent + r0 + min(q, nr - 1);
-        p[q] = reinterpret_cast<const u32*>(w2p + mrow * (inter / 2));
-        s[q] = w2s + mrow * nb;
-    }
-    for (int t0 = a0; t0 < a1; t0 += MX_TOKENS) {
-        const int nt = min(MX_TOKENS, a1 - t0);
-        const float* xr[MX_TOKENS];
-        float acc[2][MX_TOKENS];
-#pragma unroll
-        for (int i = 0; i < MX_TOKENS; ++i) {
-            xr[i] = act + (i64)sorted[t0 + min(i, nt - 1)] * inter;
-            acc[0][i] = acc[1][i] = 0.0f;
-        }
-        for (int c0 = 0; c0 < nw; c0 += 32 * MX_WPL) {
-            u32 wv[2][MX_WPL];
-#pragma unroll
-            for (int j = 0; j < MX_WPL; ++j) {
-                const int wi = c0 + lane + 32 * j;
-#pragma unroll
-                for (int q = 0; q < 2; ++q) wv[q][j] = wi < nw ? p[q][wi] : 0u;
-            }
-#pragma unroll
-            for (int j = 0; j < MX_WPL; ++j) {
-                const int wi = c0 + lane + 32 * j;
-                if (wi < nw) {
-                    float f[2][8], sc[2];
-#pragma unroll
-                    for (int q = 0; q < 2; ++q) {
-                        sc[q] = e8m0_to_f32(s[q][wi >> 2]);
-                        mx_decode_word(wv[q][j], f[q]);
-                    }
-#pragma unroll
-                    for (int i = 0; i < MX_TOKENS; ++i) {
-                        if (i < nt) {
-                            const float4 xa = reinterpret_cast<const float4*>(xr[i] + wi * 8)[0];
-                            const float4 xb = reinterpret_cast<const float4*>(xr[i] + wi * 8)[1];
-#pragma unroll
-                            for (int q = 0; q < 2; ++q) acc[q][i] += mx_dot8x(f[q], xa, xb) * sc[q];
-                        }
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int q = 0; q < 2; ++q)
-#pragma unroll
-            for (int i = 0; i < MX_TOKENS; ++i) {
-                const float v = warp_sum(acc[q][i]);
-                if (lane == 0 && i < nt && q < nr) y[(i64)sorted[t0 + i] * latent + r0 + q] = v;
-            }
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
-// Decode-step expert kernels (few tokens per expert; same results as the kernels above). At T = 1
+// Decode-step expert kernels (few tokens per expert). At T = 1
 // the step is one pass over 16 experts' weights (281 MB at K3 sizes), so what counts is shared /
 // L1 wavefronts and instructions per weight byte. Two lanes share a row (lane 2r + h takes the
 // 16-byte MX blocks h, h + 2, ...: each lane pair reads whole 32-byte sectors) and sum the halves
@@ -485,7 +192,7 @@ __device__ __forceinline__ void mxg_rows(const u8* const (&pk)[NM], const u8* co
 // Grid (min(E, assignments), ceil(inter / 64)), 128 threads, dynamic shared memory stage * latent
 // * 4 bytes: block x takes the x-th busy expert e (mx_active_expert), lane pair r of the block
 // computes row blockIdx.y*64 + r of W1 and W3 for every assignment of e, `stage` (1..4) tokens
-// per pass. The fast kernels' arguments + stage.
+// per pass. `experts` = E; `stage` as ops.rs mx_gemv_stage.
 extern "C" __global__ void __launch_bounds__(128)
 mxfp4_up_gemv_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
                   const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,

@@ -1,6 +1,7 @@
-// Routed experts in MXFP4 on tensor cores, for decode steps (same arguments and results as
-// mxfp4_*_gemv_f32 in mxfp4.cu). Each 16x16 weight tile is expanded to bf16 in registers (exact:
-// an E2M1 value times a power of two fits bf16) and multiplied by mma.sync m16n8k16 against the
+// Routed experts in MXFP4 on tensor cores, for decode steps of 2 tokens and more (same arguments
+// and results as mxfp4_*_gemv_f32 in mxfp4.cu, which takes 1-token steps; ops.rs
+// mx_experts_choice). Each 16x16 weight tile is expanded to bf16 in registers (exact: an E2M1
+// value times a power of two fits bf16) and multiplied by mma.sync m16n8k16 against the
 // step's tokens, each fed as two bf16 columns hi = bf16(x), lo = bf16(x - hi) (common.cuh
 // split_bf16) whose products the f32 accumulator sums: ~16 mantissa bits of x, as moe_gemm.cu.
 //

@@ -5,12 +5,11 @@
 #   2. the Rust CUDA backend vs the CPU backend: ops, k3-mini golden prompts, the engine; then
 #      `k3serve serve --device cuda` smoke requests (scripts/device-run.sh)
 #   3. end-to-end throughput (`k3serve bench`): k3-mini on CUDA (and the CPU with K3_CPU_BENCH=1),
-#      k3-slice (K3's per-layer shapes, dummy weights) on CUDA at decode batch 1/16/64 with both
-#      MXFP4 expert kernels, then one per-op profile (K3_PROFILE=1)
+#      k3-slice (K3's per-layer shapes, dummy weights) on CUDA at decode batch 16/64, then one
+#      per-op profile (K3_PROFILE=1)
 # K3_BENCH_ONLY (e.g. "mla,moe"; "none") limits stage 1's kernel benchmarks to those sections
 # (kda_decode, kda_prefill, mla, mla_prefill, attn_res, moe, gemv);
-# K3_GEMV=new|old|cublas picks the dense bf16 decode matmul kernel (backend_impl.rs gemv_choice);
-# K3_SLICE_RUNS (default "default fast profile"; also "nogemm", "nographs", "gemvold") picks stage 3's k3-slice runs.
+# K3_SLICE_RUNS (default "default profile"; also "nogemm", "nographs", "mxgemv") picks stage 3's k3-slice runs.
 # K3_SERVING=1 adds stage 4, the seeds' serving workload on k3-slice (scripts/device-serving.sh).
 # Each stage has its own time limit so one slow stage leaves the others their share of the call.
 # Results under $OUT; exit status non-zero if a check failed.
@@ -41,7 +40,7 @@ SLICE=(bench --device cuda --model models/k3-slice --load-format dummy --prefill
         echo "== k3-mini, CPU ($(nproc) threads)"
         timeout 60 "$BIN" bench --device cpu --model models/k3-mini --prefill-tokens 2048 --decode-tokens 256
     fi
-    runs=" ${K3_SLICE_RUNS:-default fast profile} "
+    runs=" ${K3_SLICE_RUNS:-default profile} "
     if [[ $runs == *" default "* ]]; then
         echo "== k3-slice (dummy weights), CUDA, default kernels"
         timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
@@ -50,13 +49,9 @@ SLICE=(bench --device cuda --model models/k3-slice --load-format dummy --prefill
         echo "== k3-slice, CUDA, decode without CUDA graphs (K3_CUDA_GRAPHS=0)"
         K3_CUDA_GRAPHS=0 timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
     fi
-    if [[ $runs == *" fast "* ]]; then
-        echo "== k3-slice, CUDA, MXFP4 experts below the GEMM threshold: fast kernels (K3_MX_EXPERTS=fast)"
-        K3_MX_EXPERTS=fast timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
-    fi
-    if [[ $runs == *" gemvold "* ]]; then
-        echo "== k3-slice, CUDA, dense bf16 decode matmuls on the old kernels (K3_GEMV=old)"
-        K3_GEMV=old timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
+    if [[ $runs == *" mxgemv "* ]]; then
+        echo "== k3-slice, CUDA, MXFP4 experts below the GEMM threshold: CUDA-core gemv pair at every size (K3_MX_EXPERTS=gemv)"
+        K3_MX_EXPERTS=gemv timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
     fi
     if [[ $runs == *" nogemm "* ]]; then
         echo "== k3-slice, CUDA, MoE without the GEMM path (K3_MOE_GEMM_MIN=huge)"

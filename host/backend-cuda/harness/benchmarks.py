@@ -10,7 +10,7 @@ import torch
 
 from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, cdiv, kda_decode_launcher,
                     kda_region_floats, log, rel_err, run_kda_prefill)
-from common import MX_GEMV_ROWS, MX_TC_ROWS, MX_TC_SHARED, mx_gemv_stage, mx_tc_stage, run_mla_prefill
+from common import mx_gemv_stage, mx_tc_stage, run_mla_prefill, run_mx_experts
 from common import gemv_tc_plan, run_gemv_tc
 
 # H200 SXM peak FP32 rate on the CUDA cores (NVIDIA data sheet: 67 TFLOP/s), where cuBLAS SGEMM in
@@ -118,9 +118,9 @@ def bench(d: Device, r: Results, quick: bool, only=None):
         o = torch.empty(N, hk, device="cuda")
         args = [d.view(t) for t in x + cw] + [d.view(dev(H)), d.view(dev(hk)), d.view(A), d.view(offs), d.view(ck),
                                               d.view(o), N, H, conv, lb]
-        # Every decode kernel on the same buffers ("kda_decode N=.." is the old 512-thread one).
+        # Both decode kernels on the same buffers ("kda_decode N=.." is the old 512-thread one).
         runs = {}
-        for variant in KDA_DECODE_VARIANTS:  # two-kernel variants: both launches in the graph
+        for variant in KDA_DECODE_VARIANTS:
             runs[variant] = d.time_graph(kda_decode_launcher(d, variant, H, N, args))
         floor = N * H * 128 * 128 * 4 * 2 / (COPY_TBPS * 1e12) * 1e3
         extra = {}
@@ -194,14 +194,6 @@ def bench(d: Device, r: Results, quick: bool, only=None):
             tol = KDA_CHUNK_TOL[chunk]
             r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: o", rel_err(o2, o1), tol)
             r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: state", rel_err(a2, a1), tol)
-        # v2 vs v1 (same record layout and tf32 rounding; only the SiLU / gate ulps differ).
-        for v2, v1 in (("scan", "scan_v1"), ("scan_fast", "scan_v1_fast")):
-            r.check(f"kda_prefill[{v2}] T={T} H={H} vs [{v1}]: o, state",
-                    max(rel_err(outs[v2][0], outs[v1][0]), rel_err(outs[v2][1], outs[v1][1])), 1e-5)
-        # v3 vs v2: same records up to layout; only the 3xTF32 split (truncated low part) differs.
-        for v3 in ("scan3", "scan3_w4", "scan3_rec1"):
-            r.check(f"kda_prefill[{v3}] T={T} H={H} vs [scan]: o, state",
-                    max(rel_err(outs[v3][0], outs["scan"][0]), rel_err(outs[v3][1], outs["scan"][1])), 2e-5)
         # The other conv + prep path with the tc chunk kernel: timing and agreement at K3 shapes.
         other = "split" if KDA_PREP == "fused" else "fused"
         A.copy_(A0)
@@ -345,56 +337,27 @@ def bench_moe(d: Device, record, quick: bool):
                                               ("w1p", w1p), ("w1s", w1s), ("w3p", w3p), ("w3s", w3s), ("w2p", w2p),
                                               ("w2s", w2s), ("act", act), ("y", y), ("wts", wts), ("res", res))}
         wbytes = touched * (2 * ie * (lt // 2 + lt // 32) + lt * (ie // 2 + ie // 32))
-        for label, up, down, rpb, ex_arg in (("old", "mxfp4_expert_up_f32", "mxfp4_expert_down_f32", 8, ()),
-                                             ("fast", "mxfp4_up_fast_f32", "mxfp4_down_fast_f32", 16, (E,))):
-            def go(up=up, down=down, rpb=rpb, ex_arg=ex_arg):
-                gx = min(E, T * k) if ex_arg else E  # fast: blocks only for (at most) the busy experts
+        up_args = (V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"], V["srt"], V["act"], k, lt, ie, 4.0, 25.0,
+                   1, E)
+        down_args = (V["act"], V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt, ie, E)
+        outs = {}
+        # The decode-step pairs (ops.rs MxExperts: `gemv` for 1-token steps, `tc` from 2), same buffers
+        # and run; floor = weight bytes read / 4.25 TB/s.
+        for kind in ("gemv", "tc"):
+            def go(kind=kind):
                 d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
-                d.launch(up, (gx, cdiv(ie, rpb)), 256, V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"],
-                         V["srt"], V["act"], k, lt, ie, 4.0, 25.0, 1, *ex_arg)
-                d.launch(down, (gx, cdiv(lt, rpb)), 256, V["act"], V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt,
-                         ie, *ex_arg)
+                run_mx_experts(d, kind, min(E, T * k), up_args, down_args, T, lt, ie)
                 d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
+            go()
+            d.sync()
+            outs[kind] = res.clone()
             ms, how = d.time_graph(go)
-            record(f"moe_routed {label} T={T} top{k} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS * 1e12) * 1e3,
-                   experts_touched=touched, timing=how)
-        # The decode-step pair (ops.rs `gemv`), same buffers and run; floor = weight bytes read / 4.25 TB/s.
-        su, sd = mx_gemv_stage(T, lt), mx_gemv_stage(T, ie)
-
-        def gemv():
-            gx = min(E, T * k)
-            d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
-            d.launch("mxfp4_up_gemv_f32", (gx, cdiv(ie, MX_GEMV_ROWS)), 128, V["z"], V["w1p"], V["w1s"], V["w3p"],
-                     V["w3s"], V["off"], V["srt"], V["act"], k, lt, ie, 4.0, 25.0, 1, E, su, shared_mem=su * lt * 4)
-            d.launch("mxfp4_down_gemv_f32", (gx, cdiv(lt, MX_GEMV_ROWS)), 128, V["act"], V["w2p"], V["w2s"], V["off"],
-                     V["srt"], V["y"], lt, ie, E, sd, shared_mem=sd * ie * 4)
-            d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
-        go()  # the fast kernels (the loop's last `go`): K3-size agreement of the two paths
-        d.sync()
-        fast_res = res.clone()
-        gemv()
-        d.sync()
-        agree = rel_err(res, fast_res)
-        ms, how = d.time_graph(gemv)
-        record(f"moe_routed gemv T={T} top{k} (sort+up+down+combine)", ms, wbytes / 4.25e12 * 1e3,
-               experts_touched=touched, stage=su, rel_vs_fast=f"{agree:.1e}", timing=how)
-        # The tensor-core pair (ops.rs `tc`, the `auto` choice), same buffers and floor.
-        st = mx_tc_stage(T)
-
-        def tc():
-            gx = min(E, T * k)
-            d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
-            d.launch("mxfp4_up_tc_f32", (gx, cdiv(ie, MX_TC_ROWS)), 256, V["z"], V["w1p"], V["w1s"], V["w3p"],
-                     V["w3s"], V["off"], V["srt"], V["act"], k, lt, ie, 4.0, 25.0, 1, E, st, shared_mem=MX_TC_SHARED)
-            d.launch("mxfp4_down_tc_f32", (gx, cdiv(lt, MX_TC_ROWS)), 256, V["act"], V["w2p"], V["w2s"], V["off"],
-                     V["srt"], V["y"], lt, ie, E, st, shared_mem=MX_TC_SHARED)
-            d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
-        tc()
-        d.sync()
-        agree = rel_err(res, fast_res)
-        ms, how = d.time_graph(tc)
-        record(f"moe_routed tc T={T} top{k} (sort+up+down+combine)", ms, wbytes / 4.25e12 * 1e3,
-               experts_touched=touched, stage=st, rel_vs_fast=f"{agree:.1e}", timing=how)
+            stage = mx_gemv_stage(T, lt) if kind == "gemv" else mx_tc_stage(T)
+            # K3-size agreement: the tc pair's activations carry ~16 bits (hi + lo bf16).
+            agree = {} if kind == "gemv" else {"rel_vs_gemv": f"{rel_err(outs['tc'], outs['gemv']):.1e}"}
+            record(f"moe_routed {kind} T={T} top{k} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS * 1e12) * 1e3,
+                   experts_touched=touched, stage=stage, default=kind == ("gemv" if T == 1 else "tc"), timing=how,
+                   **agree)
 
 
 # K3's dense decode matmuls (n x k of the bf16 weight): k3-slice K3_PROFILE shapes.
@@ -404,10 +367,11 @@ GEMV_SHAPES = [(12288, 7168), (7168, 12288), (33792, 7168), (6144, 7168), (3584,
 
 def bench_gemv(d: Device, record, quick: bool):
     """Dense bf16-weight decode products, y [M, n] = x [M, k] w^T, per shape and M: `new`
-    (gemv_bf16_tc_f32 + gemv_sum_splits_f32 when split, backend_impl.rs K3_GEMV=new), `old`
-    (gemv_bf16_f32, M <= 8 only) and `cublas` (split rows + torch bf16 matmul of the [2M, k] hi/lo
-    rows + sum of halves, the K3_GEMV=cublas path). Floor = weight bytes / 4.25 TB/s; `new` also
-    reports its error against float64 (rel). Buffers are rebound per shape (the loop frees them)."""
+    (gemv_bf16_tc_f32 + gemv_sum_splits_f32 when split; backend_impl.rs matmul_linear takes it for
+    M <= 16 up to K3_GEMV_MAX_ELEMS = 2^22 weights) and `cublas` (split rows + torch bf16 matmul of
+    the [2M, k] hi/lo rows + sum of halves, the path above that). Floor = weight bytes / 4.25 TB/s;
+    `new` also reports its error against float64 (rel) and whether matmul_linear picks it
+    (`taken`). Buffers are rebound per shape (the loop frees them)."""
     shapes = GEMV_SHAPES[:4] + GEMV_SHAPES[7:8] if quick else GEMV_SHAPES
     for n, k in shapes:
         wt = (torch.randn(n, k, device="cuda") * 0.1).to(torch.bfloat16)
@@ -436,12 +400,7 @@ def bench_gemv(d: Device, record, quick: bool):
                 # weight stream dominates, the output is 2M x n).
                 torch.matmul(xs.view(torch.bfloat16), wt.T, out=cb)
                 d.launch("sum_row_halves_f32", cdiv(M * n, 256), 256, V["c"], V["y"], M * n)
-
-            def old(M=M):
-                d.launch("gemv_bf16_f32", cdiv(n, 8), 256, V["x"], wv, V["y"], M, n, k)
-            runs = [("new", new)] if M <= 16 else []
-            runs += [("old", old)] if M <= 8 else []
-            runs += [("cublas", cublas)]
+            runs = ([("new", new)] if M <= 16 else []) + [("cublas", cublas)]
             extra = {}
             if M <= 16:
                 new()
@@ -450,7 +409,8 @@ def bench_gemv(d: Device, record, quick: bool):
             for label, fn in runs:
                 try:
                     ms, how = d.time_graph(fn)
-                    kw = {"splits": splits, "kslice": kslice, **extra} if label == "new" else {}
+                    kw = {"splits": splits, "kslice": kslice, "taken": n * k <= 1 << 22, **extra} \
+                        if label == "new" else {}
                     record(f"gemv {label} {n}x{k} M={M}", ms, floor, timing=how, **kw)
                 except Exception as e:  # noqa: BLE001
                     log(f"bench gemv {label} {n}x{k} M={M} raised {type(e).__name__}: {str(e)[:200]}")

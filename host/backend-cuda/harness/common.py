@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 COPY_TBPS = 4.25
 
 
-# The decode-step MXFP4 expert kernels (kernels/mxfp4.cu mxfp4_*_gemv_f32; ops.rs mx_gemv_stage):
+# The decode-step MXFP4 expert kernels (kernels/mxfp4.cu mxfp4_*_gemv_f32; ops.rs mx_gemv_stage; the
+# default for 1-token steps):
 # 64 rows per 128-thread block; up to 4 tokens staged per pass in dynamic shared memory, kept
 # under the 48 KB that needs no opt-in (the kernels' static shared memory is ~0.2 KB).
 MX_GEMV_ROWS = 64
@@ -36,7 +37,8 @@ def mx_gemv_stage(max_tokens_per_expert: int, cols: int) -> int:
     return max(1, min(max_tokens_per_expert, 4, MX_GEMV_STAGE_BYTES // (cols * 4)))
 
 
-# The tensor-core pair (kernels/mxfp4_tc.cu mxfp4_*_tc_f32; ops.rs mx_tc_stage / mx_tc_launch):
+# The tensor-core pair (kernels/mxfp4_tc.cu mxfp4_*_tc_f32; ops.rs mx_tc_stage / mx_tc_launch; the
+# default from 2 tokens):
 # 128 rows per 256-thread block, up to 8 tokens per pass, fixed dynamic shared memory (32 KB
 # decode table + 16 staged bf16 rows of 272).
 MX_TC_ROWS = 128
@@ -45,6 +47,20 @@ MX_TC_SHARED = 8192 * 4 + 2 * 8 * 272 * 2
 
 def mx_tc_stage(max_tokens_per_expert: int) -> int:
     return max(1, min(max_tokens_per_expert, 8))
+
+
+def run_mx_experts(d: Device, kind, gx, up_args, down_args, t, lt, ie, stage=None):
+    """The up and down launches of expert pair `kind` ("gemv" or "tc", ops.rs MxExperts) over gx busy
+    experts, as ops.rs moe_routed makes them: up_args / down_args are the kernels' arguments without
+    the trailing stage; `stage` (tokens per pass) defaults to ops.rs's choice for a step of t tokens."""
+    if kind == "gemv":
+        su, sd = (stage or mx_gemv_stage(t, lt), stage or mx_gemv_stage(t, ie))
+        d.launch("mxfp4_up_gemv_f32", (gx, cdiv(ie, MX_GEMV_ROWS)), 128, *up_args, su, shared_mem=su * lt * 4)
+        d.launch("mxfp4_down_gemv_f32", (gx, cdiv(lt, MX_GEMV_ROWS)), 128, *down_args, sd, shared_mem=sd * ie * 4)
+    else:
+        st = stage or mx_tc_stage(t)
+        d.launch("mxfp4_up_tc_f32", (gx, cdiv(ie, MX_TC_ROWS)), 256, *up_args, st, shared_mem=MX_TC_SHARED)
+        d.launch("mxfp4_down_tc_f32", (gx, cdiv(lt, MX_TC_ROWS)), 256, *down_args, st, shared_mem=MX_TC_SHARED)
 
 
 # Dense bf16-weight decode products (kernels/bf16.cu gemv_bf16_tc_f32; backend_impl.rs gemv_tc_plan):
@@ -60,7 +76,7 @@ def gemv_tc_plan(n: int, k: int, sms: int = 132) -> tuple[int, int]:
 
 
 def run_gemv_tc(d: Device, x, wbits, y, m: int, n: int, k: int, part, plan=None):
-    """backend_impl.rs matmul_linear's `new` path: the kernel, plus the ordered sum of its K-split
+    """backend_impl.rs matmul_linear's decode path: the kernel, plus the ordered sum of its K-split
     partials when there is more than one. x [m, k] f32, wbits [n, k] bf16 bits (u16 view), y [m, n],
     part: a view of >= splits * m * n floats (the caller keeps it alive until the launches finish)."""
     splits, kslice = plan or gemv_tc_plan(n, k)
@@ -131,55 +147,32 @@ def kda_reference(xq, xk, xv, f, b, convw, a_log, dt_bias, windows, S0, heads, l
     return o.reshape(t, hk), S[0], wins_end, {n: (em[n][0], emitted_w[n]) for n in emit_at}
 
 
-# Decode variants (ops.rs K3_KDA_DECODE). One-launch kernels (same arguments): variant -> (name,
-# grid for (heads, seqs), block). Two-kernel variants (the default "two"): kda_decode_prep_f32
-# (grid (H, N), 128 threads) writes a KDA_PREP_FLOATS record per (seq, head) that the state kernel
-# named here reads: variant -> (name, warps per block), grid (16 / warps * H, N).
+# Decode kernels (ops.rs K3_KDA_DECODE, same arguments): variant -> (name, grid for (heads, seqs),
+# block). "split" is the default, "old" the one-block-per-head kernel kept for A/B.
 KDA_DECODE_KERNELS = {"old": ("kda_decode_f32", lambda h, n: (h, n), 512),
                       "split": ("kda_decode_split_f32", lambda h, n: (4 * h, n), 128)}
-KDA_DECODE_TWO = {"two": ("kda_decode_state_f32", 4), "two_plain": ("kda_decode_state_plain_f32", 4),
-                  "two_w1": ("kda_decode_state_w1_f32", 1)}
-KDA_DECODE_VARIANTS = list(KDA_DECODE_KERNELS) + list(KDA_DECODE_TWO)
-KDA_PREP_FLOATS = 4 * 128 + 4  # geometry.rs KDA_PREP_FLOATS
+KDA_DECODE_VARIANTS = list(KDA_DECODE_KERNELS)
 
 
 def kda_decode_launcher(d: Device, variant, heads, n, args):
-    """A closure that runs decode `variant` with the one-launch kernels' argument list `args`
-    (views made here, up front: time_graph closures must not create cupy views)."""
-    if variant in KDA_DECODE_KERNELS:
-        name, grid, block = KDA_DECODE_KERNELS[variant]
-        return lambda: d.launch(name, grid(heads, n), block, *args)
-    state, warps = KDA_DECODE_TWO[variant]
-    prep = d.view(torch.empty(n * heads * KDA_PREP_FLOATS, device=d.tdev))
-    arena, offs, cks, o, conv = args[10], args[11], args[12], args[13], args[16]
+    """A closure that runs decode `variant` with the kernels' argument list `args`."""
+    name, grid, block = KDA_DECODE_KERNELS[variant]
+    return lambda: d.launch(name, grid(heads, n), block, *args)
 
-    def go():
-        d.launch("kda_decode_prep_f32", (heads, n), 128, *args[:13], prep, *args[14:])
-        d.launch(state, (16 // warps * heads, n), 32 * warps, prep, arena, offs, cks, o, n, heads, conv)
-    return go
 
 # Chunk kernels of the prefill (same arguments): name -> grid for `heads`.
 KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4)),
                      "tc": ("kda_chunk_tc_f32", lambda h: (4, h)),
                      "tc_fast": ("kda_chunk_tc_fast_f32", lambda h: (4, h))}
-# The two-pass path (kernels/kda_chunk_scan.cu, ops.rs default for conv <= 4): a record pass (conv +
-# prep + chunk algebra, grid (chunks, heads)) then a scan, grid (4, heads): mode -> (record, scan), as
-# ops.rs kda_scan (K3_KDA_CHUNK). "scan" / "scan_fast" are the v2 kernels, "scan_v1*" the first ones.
-KDA_SCAN_KERNELS = {"scan": ("kda_chunk_rec2_f32", "kda_chunk_scan2_f32"),
-                    "scan_fast": ("kda_chunk_rec2_f32", "kda_chunk_scan2_fast_f32"),
-                    "scan_v1": ("kda_chunk_rec_f32", "kda_chunk_scan_f32"),
-                    "scan_v1_fast": ("kda_chunk_rec_f32", "kda_chunk_scan_fast_f32"),
-                    "scan3": ("kda_chunk_rec3m_f32", "kda_chunk_scan3_f32"),
-                    "scan3_w4": ("kda_chunk_rec3m_f32", "kda_chunk_scan3_w4_f32"),
-                    "scan3_rec1": ("kda_chunk_rec3_f32", "kda_chunk_scan3_f32")}
-# Scan launch (grid x, threads), as ops.rs kda_scan_launch: v3 = one warp per 16 state columns.
-KDA_SCAN_GEOM = {"kda_chunk_scan3_f32": (4, 64), "kda_chunk_scan3_w4_f32": (2, 128)}
-# 16-token chunks per record-pass block (ops.rs KDA_REC_NCH; kernels/kda_chunk_scan.cu KDA_REC_NCH).
-KDA_REC_CHUNKS = {"kda_chunk_rec3m_f32": 8}
+# The two-pass path (kernels/kda_chunk_scan.cu, ops.rs default for conv <= 4, K3_KDA_CHUNK=scan3): the
+# record pass (conv + prep + chunk algebra, grid (ceil(chunks / KDA_REC_NCH), heads), 128 threads) then
+# the scan, grid (4, heads), 64 threads (ops.rs kda_rec_launch / kda_scan_launch).
+KDA_SCAN_KERNELS = {"scan3": ("kda_chunk_rec3m_f32", "kda_chunk_scan3_f32")}
+KDA_REC_NCH = 8  # ops.rs KDA_REC_NCH; kernels/kda_chunk_scan.cu KDA_REC_NCH
 KDA_CHUNK_KERNELS.update({k: (v[1], lambda h: (4, h)) for k, v in KDA_SCAN_KERNELS.items()})
-# Tolerance of each against the float64 reference: 3xTF32 keeps f32 accuracy, 1xTF32 ~7e-4.
-KDA_CHUNK_TOL = {"f32": 1e-4, "tc": 1e-4, "tc_fast": 2e-3, "scan": 1e-4, "scan_fast": 2e-3, "scan_v1": 1e-4,
-                 "scan_v1_fast": 2e-3, "scan3": 1e-4, "scan3_w4": 1e-4, "scan3_rec1": 1e-4}
+# Tolerance of each against the float64 reference (and against the f32 kernel at K3 shapes): 3xTF32
+# keeps f32 accuracy, 1xTF32 ~7e-4.
+KDA_CHUNK_TOL = {"f32": 1e-4, "tc": 1e-4, "tc_fast": 2e-3, "scan3": 1e-4}
 KDA_REC_FLOATS = 8576  # one (chunk, head) record; ops.rs KDA_REC_FLOATS
 KDA_SCAN_SEG = 8192  # tokens per rec + scan segment; ops.rs KDA_SCAN_SEG
 
@@ -259,13 +252,11 @@ def _run_kda_scan(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk, x
     segs = [(t0, min(t, t0 + seg)) for t0 in range(0, t, seg)]
 
     def rec_pass(t0, t1):
-        d.launch(rec_fn, (cdiv(t1 - t0, 16 * KDA_REC_CHUNKS.get(rec_fn, 1)), heads), 128, *ins, al, dtb, d.view(rec),
+        d.launch(rec_fn, (cdiv(t1 - t0, 16 * KDA_REC_NCH), heads), 128, *ins, al, dtb, d.view(rec),
                  d.view(A), off, d.view(cn), d.view(co), len(ck_n), t0, t1, heads, conv, lb)
 
-    gx, threads = KDA_SCAN_GEOM.get(scan, (4, 128))
-
     def scan_pass(t0, t1):
-        d.launch(scan, (gx, heads), threads, d.view(rec), d.view(A), off, d.view(cn), d.view(co), len(ck_n), d.view(o),
+        d.launch(scan, (4, heads), 64, d.view(rec), d.view(A), off, d.view(cn), d.view(co), len(ck_n), d.view(o),
                  ins[3], al, dtb, lb, t0, t1, heads, conv)
 
     def go():

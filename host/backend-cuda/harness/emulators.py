@@ -41,46 +41,6 @@ def _emu_kda_decode(q_in, k_in, v_in, f_in, b_in, cq, ck, cv, a_log, dt_bias, ar
         o_out.reshape(-1)[n * hk:(n + 1) * hk] = ro.float().numpy().reshape(-1)
 
 
-def _emu_kda_decode_prep(q_in, k_in, v_in, f_in, b_in, cq, ck, cv, a_log, dt_bias, arena, state_off, ckpt_off, prep,
-                         n_seqs, heads, conv, lb):
-    # Windows (into the slot and the checkpoint) and one record per (seq, head): q (normalised,
-    # times K^-1/2) | k (normalised) | exp(g) | v | beta | pad.
-    hk, heads, conv = int(heads) * 128, int(heads), int(conv)
-    A, P = _t(arena), _t(prep).view(int(n_seqs), heads, -1)
-    for n in range(int(n_seqs)):
-        w, _ = unpack_kda_region(A, int(state_off[n]), hk, conv, heads)
-        row = lambda x, w: _t(x).reshape(-1)[n * w:(n + 1) * w].view(1, w).double()  # noqa: E731
-        ys, nws = [], []
-        for x, c, win in zip((q_in, k_in, v_in), (cq, ck, cv), w):
-            y, nw = rk.short_conv(row(x, hk)[None], _t(c).view(hk, 1, conv).double(), win.double().t()[None])
-            ys.append(F.silu(y[0, 0]).view(heads, 128))
-            nws.append(nw[0].t().float())
-        for dst in [int(state_off[n])] + ([int(ckpt_off[n])] if ckpt_off[n] >= 0 else []):
-            A[dst:dst + 3 * hk * (conv - 1)] = torch.cat([x.reshape(-1) for x in nws])
-        g = rk.kda_gate(row(f_in, hk).view(heads, 128), _t(a_log).double(), _t(dt_bias).double(), float(lb))
-        P[n, :, :128] = (rk.l2norm(ys[0]) * 128 ** -0.5).float()
-        P[n, :, 128:256] = rk.l2norm(ys[1]).float()
-        P[n, :, 256:384] = torch.exp(g).float()
-        P[n, :, 384:512] = ys[2].float()
-        P[n, :, 512] = torch.sigmoid(row(b_in, heads)[0]).float()
-
-
-def _emu_kda_decode_state(prep, arena, state_off, ckpt_off, o_out, n_seqs, heads, conv):
-    # The delta rule from the records: S <- diag(alpha) S; u = beta (v - S^T k); S += k u^T; o = S^T q.
-    hk, heads, conv = int(heads) * 128, int(heads), int(conv)
-    A, P = _t(arena), _t(prep).view(int(n_seqs), heads, -1).double()
-    base = 3 * hk * (conv - 1)
-    for n in range(int(n_seqs)):
-        _, S = unpack_kda_region(A, int(state_off[n]), hk, conv, heads)
-        q, k, a, v, beta = P[n, :, :128], P[n, :, 128:256], P[n, :, 256:384], P[n, :, 384:512], P[n, :, 512]
-        S = S.double() * a[:, :, None]
-        u = beta[:, None] * (v - torch.einsum("hkv,hk->hv", S, k))
-        S = S + k[:, :, None] * u[:, None, :]
-        o_out.reshape(-1)[n * hk:(n + 1) * hk] = torch.einsum("hkv,hk->hv", S, q).float().numpy().reshape(-1)
-        for dst in [int(state_off[n])] + ([int(ckpt_off[n])] if ckpt_off[n] >= 0 else []):
-            A[dst + base:dst + base + heads * 128 * 128] = S.float().reshape(-1)
-
-
 _PREFILL = {}
 
 
@@ -141,48 +101,9 @@ _REC_PERM = []
 
 
 def _rec_perm():
-    """Record float p (kernels/kda_chunk_scan.cu layout) -> index into the concatenation
+    """Record float p (kernels/kda_chunk_scan.cu header layout) -> index into the concatenation
     [W (16x128), Qp (16x128), Kd (16x128), U (16x128), Aqk (16x16), e (128)], all row-major."""
     if not _REC_PERM:
-        perm = np.zeros(8576, np.int64)
-        for w in range(4):
-            for lane in range(32):
-                g, t = lane // 4, lane % 4
-                for s in range(4):
-                    k0 = 32 * w + 8 * s
-                    for r, (i, j) in enumerate(((g, k0 + t), (g + 8, k0 + t), (g, k0 + t + 4), (g + 8, k0 + t + 4))):
-                        p = ((w * 32 + lane) * 4 + s) * 4 + r
-                        perm[p], perm[2048 + p] = i * 128 + j, 2048 + i * 128 + j
-                    mt, ss = s // 2, s % 2
-                    d0, j = 32 * w + 16 * mt, 8 * ss + t
-                    for r, (tok, dd) in enumerate(((j, d0 + g), (j, d0 + g + 8), (j + 4, d0 + g), (j + 4, d0 + g + 8))):
-                        perm[4096 + ((w * 32 + lane) * 4 + s) * 4 + r] = 4096 + tok * 128 + dd
-        for vt in range(4):
-            for lane in range(32):
-                g, t = lane // 4, lane % 4
-                for s in range(2):
-                    for nt in range(4):
-                        for r in range(2):
-                            perm[6144 + (vt * 32 + lane) * 16 + (s * 4 + nt) * 2 + r] = \
-                                6144 + (8 * s + t + 4 * r) * 128 + 32 * vt + 8 * nt + g
-        for lane in range(32):
-            g, t = lane // 4, lane % 4
-            for s in range(2):
-                for r, (i, j) in enumerate(((g, 8 * s + t), (g + 8, 8 * s + t), (g, 8 * s + t + 4), (g + 8, 8 * s + t + 4))):
-                    perm[8192 + (lane * 2 + s) * 4 + r] = 8192 + i * 16 + j
-        perm[8448:] = 8448 + np.arange(128)
-        assert sorted(perm.tolist()) == list(range(8576))
-        _REC_PERM.append(perm)
-    return _REC_PERM[0]
-
-
-_REC_PERM3 = []
-
-
-def _rec_perm3():
-    """The v3 record layout (kernels/kda_chunk_scan3.cu header): float p -> index into the same
-    concatenation as _rec_perm."""
-    if not _REC_PERM3:
         perm = np.zeros(8576, np.int64)
         for lane in range(32):
             g, t = lane // 4, lane % 4
@@ -208,12 +129,12 @@ def _rec_perm3():
         for d in range(128):  # e[8n + 2t + r] at t*32 + 2n + r
             perm[8448 + ((d >> 1) & 3) * 32 + 2 * (d >> 3) + (d & 1)] = 8448 + d
         assert sorted(perm.tolist()) == list(range(8576))
-        _REC_PERM3.append(perm)
-    return _REC_PERM3[0]
+        _REC_PERM.append(perm)
+    return _REC_PERM[0]
 
 
 def _emu_kda_chunk_rec(qi, ki, vi, fi, bi, cq, ck, cv, a_log, dt_bias, rec, arena, off, ck_n, ck_off, n_ck, t0, t1,
-                       heads, conv, lb, perm=_rec_perm):
+                       heads, conv, lb):
     """Records of chunks [t0, t1) (float64 math), windows after t1 and window checkpoints in (t0, t1]."""
     t0, t1, heads, conv = int(t0), int(t1), int(heads), int(conv)
     if conv > 4:
@@ -257,18 +178,17 @@ def _emu_kda_chunk_rec(qi, ki, vi, fi, bi, cq, ck, cv, a_log, dt_bias, rec, aren
                      kd.permute(0, 2, 1, 3).reshape(nc, heads, -1), U.reshape(nc, heads, -1),
                      Aqk.reshape(nc, heads, -1), G[:, -1].exp()], -1)  # [nc, H, 8576]
     R = _t(rec).view(-1)
-    R[:nc * heads * 8576] = src[..., torch.from_numpy(perm())].reshape(-1).float()
+    R[:nc * heads * 8576] = src[..., torch.from_numpy(_rec_perm())].reshape(-1).float()
 
 
-def _emu_kda_chunk_scan(rec, arena, off, ck_n, ck_off, n_ck, o_out, f_in, a_log, dt_bias, lb, t0, t1, heads, conv,
-                        perm=_rec_perm):
+def _emu_kda_chunk_scan(rec, arena, off, ck_n, ck_off, n_ck, o_out, f_in, a_log, dt_bias, lb, t0, t1, heads, conv):
     """The state scan over the records of [t0, t1): X = U - W S, O = Qp S + Aqk X, S <- e S + Kd^T X
     (float64); checkpoints from the chunk-start state with G recomputed from f."""
     t0, t1, heads, conv = int(t0), int(t1), int(heads), int(conv)
     hk, A = heads * 128, _t(arena)
     nc = (t1 - t0 + 15) // 16
     src = torch.empty(nc, heads, 8576, dtype=torch.float64)
-    src[..., torch.from_numpy(perm())] = _t(rec).view(-1)[:nc * heads * 8576].view(nc, heads, 8576).double()
+    src[..., torch.from_numpy(_rec_perm())] = _t(rec).view(-1)[:nc * heads * 8576].view(nc, heads, 8576).double()
     W, Qp, Kd, U = (src[..., i * 2048:(i + 1) * 2048].reshape(nc, heads, 16, 128) for i in range(4))
     Aqk, e = src[..., 8192:8448].reshape(nc, heads, 16, 16), src[..., 8448:]
     _, S = unpack_kda_region(A, int(off), hk, conv, heads)
@@ -501,27 +421,14 @@ EMU = {
         _t(lg).view(int(rows), int(v)).double() / float(temp), -1).float().numpy()),
     "kda_decode_f32": _emu_kda_decode,
     "kda_decode_split_f32": _emu_kda_decode,  # same contract; grid (4H, N) of 128-thread clusters
-    "kda_decode_prep_f32": _emu_kda_decode_prep,
-    "kda_decode_state_f32": _emu_kda_decode_state,
-    "kda_decode_state_plain_f32": _emu_kda_decode_state,  # same contract; plain state loads / stores
-    "kda_decode_state_w1_f32": _emu_kda_decode_state,  # same contract; grid (16H, N) of one-warp blocks
     "kda_conv_silu_f32": _emu_kda_conv,
     "kda_prep_f32": _emu_kda_prep,
     "kda_conv_prep_f32": _emu_kda_conv_prep,
     "kda_chunk_fwd_f32": _emu_kda_chunk,
     "kda_chunk_tc_f32": _emu_kda_chunk,  # same contract; only the grid and the chunking differ
     "kda_chunk_tc_fast_f32": _emu_kda_chunk,
-    "kda_chunk_rec_f32": _emu_kda_chunk_rec,
-    "kda_chunk_rec2_f32": _emu_kda_chunk_rec,  # v2: same math (float64 here), cheaper instructions
-    "kda_chunk_scan_f32": _emu_kda_chunk_scan,
-    "kda_chunk_scan_fast_f32": _emu_kda_chunk_scan,
-    "kda_chunk_scan2_f32": _emu_kda_chunk_scan,
-    "kda_chunk_scan2_fast_f32": _emu_kda_chunk_scan,
-    # v3: the same math over the v3 record layout (state in registers in the kernel).
-    "kda_chunk_rec3_f32": lambda *a: _emu_kda_chunk_rec(*a, perm=_rec_perm3),
-    "kda_chunk_rec3m_f32": lambda *a: _emu_kda_chunk_rec(*a, perm=_rec_perm3),  # 8 chunks per block
-    "kda_chunk_scan3_f32": lambda *a: _emu_kda_chunk_scan(*a, perm=_rec_perm3),
-    "kda_chunk_scan3_w4_f32": lambda *a: _emu_kda_chunk_scan(*a, perm=_rec_perm3),
+    "kda_chunk_rec3m_f32": _emu_kda_chunk_rec,  # 8 chunks per block (float64 here)
+    "kda_chunk_scan3_f32": _emu_kda_chunk_scan,
     "mla_append_rows_f32": lambda kv_a, nw, arena, dst, t, lkv, rope, eps: [arena.__setitem__(
         slice(int(dst[i]), int(dst[i]) + int(lkv) + int(rope)), np.concatenate([ref_rms_norm(
             _t(kv_a).view(int(t), -1)[i, :int(lkv)].double(), _t(nw).double(), float(eps)).float().numpy(),
@@ -540,9 +447,6 @@ EMU = {
                                              for k, h in enumerate(split_bf16(x.reshape(-1)[:int(n)]))],
     "sum_row_halves_f32": lambda c, y, n: y.reshape(-1).__setitem__(
         slice(0, int(n)), c.reshape(-1)[:int(n)] + c.reshape(-1)[int(n):2 * int(n)]),
-    "gemv_bf16_f32": lambda x, w, y, m, n, k: y.reshape(-1).__setitem__(slice(0, int(m) * int(n)), (
-        _t(x).view(-1)[:int(m) * int(k)].view(int(m), int(k)).double()
-        @ _t(bf16_value(w.reshape(-1)[:int(n) * int(k)])).view(int(n), int(k)).double().T).float().reshape(-1).numpy()),
     "gemv_bf16_tc_f32": _emu_gemv_tc,
     "gemv_sum_splits_f32": _emu_sum_splits,
     "bf16_to_f32": lambda b, out, n: out.reshape(-1).__setitem__(slice(0, int(n)), bf16_value(b.reshape(-1)[:int(n)])),
@@ -550,11 +454,7 @@ EMU = {
     "mxfp4_to_bf16_experts": _emu_to_bf16,
     "moe_glu_split_bf16": _emu_glu_split,
     "moe_combine_split_f32": _emu_combine_split,
-    "mxfp4_expert_up_f32": _emu_moe_up,
-    "mxfp4_expert_down_f32": _emu_moe_down,
-    "mxfp4_up_fast_f32": lambda *a: _emu_moe_up(*a[:-1]),  # + E (the grid's busy-expert mapping)
-    "mxfp4_down_fast_f32": lambda *a: _emu_moe_down(*a[:-1]),
-    "mxfp4_up_gemv_f32": lambda *a: _emu_moe_up(*a[:-2]),  # + E, stage (tokens per pass)
+    "mxfp4_up_gemv_f32": lambda *a: _emu_moe_up(*a[:-2]),  # + E (busy-expert mapping), stage (tokens per pass)
     "mxfp4_down_gemv_f32": lambda *a: _emu_moe_down(*a[:-2]),
     "mxfp4_up_tc_f32": lambda *a: _emu_moe_up(*a[:-2]),  # + E, stage; bf16 hi/lo products ~ f32
     "mxfp4_down_tc_f32": lambda *a: _emu_moe_down(*a[:-2]),

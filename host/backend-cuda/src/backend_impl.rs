@@ -198,9 +198,9 @@ impl CudaBackend {
             .ok_or_else(|| CudaError::InvalidArg("weight f32 copy".into()))
     }
 
-    /// `y = x Wᵀ` for any weight: bf16 weights through the weight-streaming kernels for decode
-    /// sizes (`gemv_choice`) and otherwise one tensor-core GEMM over the hi and lo bf16 rows of
-    /// x (kernels/bf16.cu); f32 weights through `matmul_rt`.
+    /// `y = x Wᵀ` for any weight: bf16 weights through the weight-streaming kernel for decode
+    /// rows of small weights (`gemv_max_weight`) and otherwise one tensor-core GEMM over the hi
+    /// and lo bf16 rows of x (kernels/bf16.cu); f32 weights through `matmul_rt`.
     pub fn matmul_linear(&self, x: &DeviceMat, w: &DeviceLinear) -> Result<DeviceMat> {
         let Some(bits) = &w.bf16 else {
             return self.matmul_rt(x, self.linear_f32(w)?);
@@ -210,8 +210,7 @@ impl CudaBackend {
             return self.zeros(m, n);
         }
         let y = self.output(m, n)?; // both paths below write every element
-        let choice = gemv_choice();
-        if choice == Gemv::New && m <= GEMV_TC_MAX_ROWS && k.is_multiple_of(8) {
+        if m <= GEMV_TC_MAX_ROWS && k.is_multiple_of(8) && n * k <= gemv_max_weight() {
             let (splits, kslice) = gemv_tc_plan(n, k, self.multiprocessors);
             let (mi, ni, ki, ks) = (m as i32, n as i32, k as i32, kslice as i32);
             let l = Launch::new((n.div_ceil(GEMV_TC_BLOCK_ROWS), splits, 1), 128)?;
@@ -224,16 +223,6 @@ impl CudaBackend {
             let (si, yn) = (splits as i32, (m * n) as i64);
             launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &part, &mi, &ni, &ki, &ks)?;
             launch!(self, "gemv_sum_splits_f32", geometry::elementwise(m * n)?; &part, &y.buf, &si, &yn)?;
-            return Ok(y);
-        }
-        if choice == Gemv::Old
-            && m <= GEMV_MAX_ROWS
-            && k.is_multiple_of(8)
-            && n * k <= gemv_max_weight()
-        {
-            let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-            let l = Launch::new((n.div_ceil(8), 1, 1), 256)?;
-            launch!(self, "gemv_bf16_f32", l; &x.buf, bits, &y.buf, &mi, &ni, &ki)?;
             return Ok(y);
         }
         // Both are written in full (split, then the GEMM) before anything reads them.
@@ -554,27 +543,6 @@ fn matmul_dims(x: &DeviceMat, rows: usize, cols: usize) -> Result<(usize, usize,
     Ok((x.rows, rows, x.cols))
 }
 
-/// Which kernel takes bf16-weight products with few rows of x, by `K3_GEMV` (read once):
-/// `new` (default): `gemv_bf16_tc_f32` for M <= 16 at any size (one pass over the weight for all
-/// rows, split-K so short-N shapes fill the GPU); `old`: `gemv_bf16_f32` for M <= 8 up to
-/// `K3_GEMV_MAX_ELEMS` weights; `cublas`: the split cuBLAS GEMM always. Everything else (M > 16,
-/// K % 8 != 0) goes to the split cuBLAS GEMM, which reaches the tensor cores' rate at prefill sizes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Gemv {
-    New,
-    Old,
-    Cublas,
-}
-
-fn gemv_choice() -> Gemv {
-    static C: std::sync::OnceLock<Gemv> = std::sync::OnceLock::new();
-    *C.get_or_init(|| match std::env::var("K3_GEMV").as_deref() {
-        Ok("old") => Gemv::Old,
-        Ok("cublas") => Gemv::Cublas,
-        _ => Gemv::New,
-    })
-}
-
 /// kernels/bf16.cu `gemv_bf16_tc_f32`: most rows of x, weight rows per 128-thread block, K step.
 const GEMV_TC_MAX_ROWS: usize = 16;
 const GEMV_TC_BLOCK_ROWS: usize = 128;
@@ -597,13 +565,12 @@ fn gemv_tc_plan(n: usize, k: usize, sms: usize) -> (usize, usize) {
     (k.div_ceil(kslice), kslice)
 }
 
-/// Most activation rows for `gemv_bf16_f32` (kernels/bf16.cu GEMV_MAX_M).
-const GEMV_MAX_ROWS: usize = 8;
-
-/// Largest weight (elements) `gemv_bf16_f32` takes; bigger ones go to cuBLAS (`K3_GEMV_MAX_ELEMS`
-/// overrides). On the H200 the kernel wins where launches dominate (k3-mini decode: 501 vs 233
-/// tok/s with the split GEMM's three launches) and loses on K3's large matrices (k3-slice decode
-/// 68.9 vs 80.4 tok/s), where cuBLAS streams the weight faster than one warp per row does.
+/// Largest weight (elements) `gemv_bf16_tc_f32` takes (M <= 16, K % 8 == 0); bigger ones, more
+/// rows and other K go to the split cuBLAS GEMM. `K3_GEMV_MAX_ELEMS` overrides (0: cuBLAS always).
+/// H200: the kernel wins where launches dominate (12288x128 at M = 1: 3.8 us; 576x7168: 12.0) and
+/// loses above ~2^22 weights, where cuBLAS streams faster (12288x7168: 49.8 vs 54.5 us, 33792x7168:
+/// 115 vs 138, 1536x7168: 11.4 vs 15.5); k3-slice decode ran 113.8 tok/s with the kernel at every
+/// size vs 119.9 with cuBLAS above 2^22 (and an older CUDA-core kernel below).
 fn gemv_max_weight() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *MAX.get_or_init(|| {

@@ -85,7 +85,7 @@ pub fn check_kda(g: &KdaGeom) -> Result<()> {
     Ok(())
 }
 
-/// Decode: one 512-thread block per (head, sequence).
+/// Decode, `kda_decode_f32` (K3_KDA_DECODE=old): one 512-thread block per (head, sequence).
 pub fn kda_decode(g: &KdaGeom, seqs: usize) -> Result<Launch> {
     check_kda(g)?;
     Launch::new((g.heads, seqs, 1), 512)
@@ -94,34 +94,10 @@ pub fn kda_decode(g: &KdaGeom, seqs: usize) -> Result<Launch> {
 /// Column slices of `kda_decode_split_f32` per (head, sequence): its compile-time cluster size.
 pub const KDA_DECODE_SPLIT: usize = 4;
 
-/// Split decode: a cluster of 4 128-thread blocks per (head, sequence), grid.x = 4 * heads.
+/// Split decode (the default): a cluster of 4 128-thread blocks per (head, sequence), grid.x = 4 * heads.
 pub fn kda_decode_split(g: &KdaGeom, seqs: usize) -> Result<Launch> {
     check_kda(g)?;
     Launch::new((KDA_DECODE_SPLIT * g.heads, seqs, 1), 128)
-}
-
-/// Floats of one (sequence, head) record of `kda_decode_prep_f32` (q, k, alpha, v, beta + pad).
-pub const KDA_PREP_FLOATS: usize = 4 * KDA_HEAD_DIM + 4;
-
-/// Two-kernel decode, first launch: one 128-thread block per (head, sequence).
-pub fn kda_decode_prep(g: &KdaGeom, seqs: usize) -> Result<Launch> {
-    check_kda(g)?;
-    Launch::new((g.heads, seqs, 1), KDA_HEAD_DIM as u32)
-}
-
-/// Two-kernel decode, state pass: blocks of `warps` warps (1, 2, 4, 8 or 16), each owning
-/// 8 * warps state columns of one (head, sequence); grid.x = 16 / warps * heads.
-pub fn kda_decode_state(g: &KdaGeom, seqs: usize, warps: usize) -> Result<Launch> {
-    check_kda(g)?;
-    if !(warps.is_power_of_two() && warps <= 16) {
-        return Err(CudaError::InvalidArg(format!(
-            "KDA decode state: {warps} warps"
-        )));
-    }
-    Launch::new(
-        (KDA_HEAD_DIM / (8 * warps) * g.heads, seqs, 1),
-        32 * warps as u32,
-    )
 }
 
 /// Prefill: (conv, prep, chunk) launches for `tokens` new tokens.
@@ -228,20 +204,14 @@ pub fn warp_per_item(items: usize) -> Result<Launch> {
     Launch::new((items.div_ceil(4), 1, 1), 128)
 }
 
-/// MXFP4 expert kernels: 8 matrix rows per 256-thread block, one block column per expert.
-pub fn mx_expert(experts: usize, rows: usize, cols: usize) -> Result<Launch> {
+/// MXFP4 expert kernels read whole 32-value blocks of a row: the input width must be a multiple of 32.
+pub fn check_mx_width(cols: usize) -> Result<()> {
     if !cols.is_multiple_of(32) || cols == 0 {
         return Err(CudaError::Unsupported(format!(
             "MXFP4 input width {cols} is not a multiple of 32"
         )));
     }
-    Launch::new((experts, rows.div_ceil(8), 1), 256)
-}
-
-/// The word-per-lane MXFP4 expert kernels (`mxfp4_*_fast_f32`): 16 rows (2 per warp) per block.
-pub fn mx_expert_fast(experts: usize, rows: usize, cols: usize) -> Result<Launch> {
-    mx_expert(experts, rows, cols)?;
-    Launch::new((experts, rows.div_ceil(16), 1), 256)
+    Ok(())
 }
 
 /// Router kernel limits (shared arrays in kernels/router.cu).
@@ -283,13 +253,6 @@ mod tests {
         assert_eq!((l.grid, l.block), ((96, 64, 1), 512));
         let l = kda_decode_split(&kda(96), 64).unwrap();
         assert_eq!((l.grid, l.block), ((4 * 96, 64, 1), 128));
-        let l = kda_decode_prep(&kda(96), 64).unwrap();
-        assert_eq!((l.grid, l.block), ((96, 64, 1), 128));
-        let l = kda_decode_state(&kda(96), 64, 4).unwrap();
-        assert_eq!((l.grid, l.block), ((4 * 96, 64, 1), 128));
-        let l = kda_decode_state(&kda(96), 64, 1).unwrap();
-        assert_eq!((l.grid, l.block), ((16 * 96, 64, 1), 32));
-        assert!(kda_decode_state(&kda(96), 64, 3).is_err());
         let [conv, prep, chunk] = kda_prefill(&kda(96), 8192).unwrap();
         assert_eq!(conv.grid.0 as usize * 256, 3 * 96 * 128);
         assert_eq!(prep.grid.0 as usize * 4, 8192 * 96);
@@ -368,9 +331,8 @@ mod tests {
         assert_eq!(elementwise(1 << 30).unwrap().grid.0, 132 * 32);
         assert!(per_row(0, 256).is_err());
         assert_eq!(warp_per_item(9).unwrap().grid.0, 3);
-        assert!(mx_expert(8, 3072, 3584).is_ok() && mx_expert(8, 3072, 100).is_err());
-        assert_eq!(mx_expert_fast(8, 3072, 3584).unwrap().grid, (8, 192, 1));
-        assert!(mx_expert_fast(8, 3072, 100).is_err());
+        assert!(check_mx_width(3584).is_ok() && check_mx_width(100).is_err());
+        assert!(check_mx_width(0).is_err());
         assert!(
             router(4, 896, 16).is_ok() && router(4, 2048, 16).is_err() && router(4, 8, 9).is_err()
         );

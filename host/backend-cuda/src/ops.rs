@@ -30,13 +30,14 @@ macro_rules! launch {
     }};
 }
 
-/// Kernel choices with a fallback kept in kernels/*.cu (both are checked by the device harness),
-/// each read once per process from an environment variable so one device run can A/B them
-/// through the whole model:
-/// - `K3_MX_EXPERTS` (steps below the tensor-core path's threshold, moe_gemm.rs): `auto`
-///   (default: `gemv`), `gemv` (two lanes per row, the step's tokens staged in shared memory, a
-///   weight byte loaded once per pass of up to 4 tokens), `block` (a block per (expert, output
-///   rows)) or `fast` (a word per lane, blocks mapped onto busy experts only).
+/// Kernel choices with a second kernel kept in kernels/*.cu (both are checked by the device
+/// harness), each read once per process from an environment variable so one device run can A/B
+/// them through the whole model:
+/// - `K3_MX_EXPERTS` (routed experts of steps below the GEMM path's threshold, moe_gemm.rs):
+///   `auto` (default: `gemv` for 1 token, `tc` from 2), `gemv` or `tc` (`mx_experts_choice`).
+/// - `K3_KDA_DECODE`: `split` (default) or `old` (`kda_decode_kernel`).
+/// - `K3_KDA_CHUNK` (prefill): `scan3` (default, the two-pass kernels, conv <= 4), `tc`, `tc_fast`
+///   or `f32` (the one-pass chunk kernels, which also take conv > 4: `kda_scan`, `kda_chunk_tc`).
 fn env_choice(
     cell: &'static std::sync::OnceLock<String>,
     var: &str,
@@ -47,25 +48,21 @@ fn env_choice(
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MxExperts {
-    Block,
-    Fast,
     Gemv,
     Tc,
 }
 
-/// `auto` is `tc` (kernels/mxfp4_tc.cu) at every size that reaches these kernels, 1 token
-/// included. `gemv` (H200: 183 us at 1 token x top-16, 2.0 ms at 16 tokens, 6.2 ms at 64) is
-/// bound by shared-memory wavefronts (~11 per 4 weight bytes and warp against the ~7 SM cycles
-/// that 4.25 TB/s leaves) and, from 2 tokens per expert, by f32 FMAs; `tc` decodes a byte pair
-/// with one conflict-free table load (~4 wavefronts per 4 bytes) and covers up to 8 tokens per
-/// pass with the same decode, so it should be bandwidth-bound at every decode size (not yet
-/// measured: K3_MX_EXPERTS=gemv / fast / block select the others for A/B).
-fn mx_experts_choice() -> MxExperts {
+/// The expert pair for a step of `tokens` tokens. `auto`: `gemv` (kernels/mxfp4.cu) for one token,
+/// `tc` (kernels/mxfp4_tc.cu) from two. H200, K3 sizes, top-16: T = 1 gemv 183 us vs tc 213;
+/// T = 16 tc 1.34 ms vs gemv 2.03; T = 64 tc 2.6 ms vs gemv 6.2. At one token per expert gemv's
+/// CUDA-core decode keeps up with the weight stream; `tc`'s cost is flat up to its 8 tokens per
+/// pass while gemv's f32 FMAs grow with every token per expert (T = 2..15 not measured).
+fn mx_experts_choice(tokens: usize) -> MxExperts {
     static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     match env_choice(&C, "K3_MX_EXPERTS", "auto") {
-        "fast" => MxExperts::Fast,
-        "block" => MxExperts::Block,
         "gemv" => MxExperts::Gemv,
+        "tc" => MxExperts::Tc,
+        _ if tokens == 1 => MxExperts::Gemv,
         _ => MxExperts::Tc,
     }
 }
@@ -84,7 +81,7 @@ fn mx_tc_stage(max_per_expert: usize) -> usize {
 
 /// Grid of the tc kernels: blocks for `busy` experts x 128-row tiles.
 fn mx_tc_launch(busy: usize, rows: usize, cols: usize) -> Result<Launch> {
-    geometry::mx_expert(busy, rows, cols)?; // cols a multiple of 32
+    geometry::check_mx_width(cols)?;
     Launch::new((busy, rows.div_ceil(MX_TC_ROWS), 1), 256)?.with_shared(MX_TC_SHARED)
 }
 
@@ -108,7 +105,7 @@ fn mx_gemv_stage(max_per_expert: usize, cols: usize) -> usize {
 /// in dynamic shared memory (the staged bytes are fixed by `stage`, which is a kernel argument,
 /// so a recorded step's launch log covers them).
 fn mx_gemv_launch(busy: usize, rows: usize, cols: usize, stage: usize) -> Result<Launch> {
-    geometry::mx_expert(busy, rows, cols)?; // cols a multiple of 32
+    geometry::check_mx_width(cols)?;
     let bytes = stage * cols * 4;
     if bytes > MX_GEMV_STAGE_BYTES {
         return Err(CudaError::Unsupported(format!(
@@ -164,88 +161,46 @@ fn kda_chunk_tc() -> Option<&'static str> {
     })
 }
 
-/// The KDA decode kernels picked by `K3_KDA_DECODE` (read once per process), kept for an A/B run
-/// on the device: `two` (the default: `kda_decode_prep_f32` for the conv / gates / norms and the
-/// windows, then `kda_decode_state_f32`, a streaming pass over 32-column state slices),
-/// `two_plain` (the same without the evict-first hints), `two_w1` (8-column one-warp slices),
-/// `split` (`kda_decode_split_f32`, a cluster of 4 column-slice blocks per head) or `old`
-/// (`kda_decode_f32`, one 512-thread block per head). Returns (kernel, state kernel or None).
-fn kda_decode_kernels() -> (&'static str, Option<(&'static str, usize)>) {
+/// The KDA decode kernel, by `K3_KDA_DECODE` (read once per process): `split` (default,
+/// `kda_decode_split_f32`, a cluster of 4 column-slice blocks per head) or `old` (`kda_decode_f32`,
+/// one 512-thread block per head, kept for A/B). H200, N = 256: split 1090.7 us (69% of the DRAM
+/// floor) vs old 1186.2; a prep + streaming-state two-kernel variant (1138-1727 us) was dropped.
+fn kda_decode_kernel() -> &'static str {
     static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    match env_choice(&C, "K3_KDA_DECODE", "two") {
-        "old" => ("kda_decode_f32", None),
-        "split" => ("kda_decode_split_f32", None),
-        "two_plain" => (
-            "kda_decode_prep_f32",
-            Some(("kda_decode_state_plain_f32", 4)),
-        ),
-        "two_w1" => ("kda_decode_prep_f32", Some(("kda_decode_state_w1_f32", 1))),
-        _ => ("kda_decode_prep_f32", Some(("kda_decode_state_f32", 4))),
+    match env_choice(&C, "K3_KDA_DECODE", "split") {
+        "old" => "kda_decode_f32",
+        _ => "kda_decode_split_f32",
     }
 }
 
-/// The two-pass KDA prefill (kernels/kda_chunk_scan.cu, conv <= 4) unless `K3_KDA_CHUNK` names
-/// one of the older paths (`tc`, `tc_fast`, `f32`): `scan` (default, v2 kernels, 3xTF32 scan),
-/// `scan_fast` (v2, 1xTF32 scan, ~1e-3), `scan_v1` / `scan_v1_fast` (the first kernels, kept for
-/// an A/B run), `scan3` / `scan3_w4` (v3: the record pass over 8 chunks per block, the scan with
-/// the state in mma registers, kernels/kda_chunk_scan3.cu, 2 / 4 warps of 16 columns per block),
-/// `scan3_rec1` (v3 scan after the one-chunk-per-block v3 record pass).
-fn kda_scan() -> Option<KdaScan> {
-    static SCAN: std::sync::OnceLock<Option<KdaScan>> = std::sync::OnceLock::new();
-    let k = |rec, rec_chunks, scan, cols| {
-        Some(KdaScan {
-            rec,
-            rec_chunks,
-            scan,
-            cols,
-        })
-    };
-    *SCAN.get_or_init(|| match std::env::var("K3_KDA_CHUNK").as_deref() {
-        Ok("tc" | "tc_fast" | "f32") => None,
-        Ok("scan_fast") => k("kda_chunk_rec2_f32", 1, "kda_chunk_scan2_fast_f32", 32),
-        Ok("scan_v1") => k("kda_chunk_rec_f32", 1, "kda_chunk_scan_f32", 32),
-        Ok("scan_v1_fast") => k("kda_chunk_rec_f32", 1, "kda_chunk_scan_fast_f32", 32),
-        Ok("scan3") => k(
-            "kda_chunk_rec3m_f32",
-            KDA_REC_NCH,
-            "kda_chunk_scan3_f32",
-            32,
-        ),
-        Ok("scan3_w4") => k(
-            "kda_chunk_rec3m_f32",
-            KDA_REC_NCH,
-            "kda_chunk_scan3_w4_f32",
-            64,
-        ),
-        Ok("scan3_rec1") => k("kda_chunk_rec3_f32", 1, "kda_chunk_scan3_f32", 32),
-        _ => k("kda_chunk_rec2_f32", 1, "kda_chunk_scan2_f32", 32),
+/// The two-pass KDA prefill (kernels/kda_chunk_scan.cu, conv <= 4: `kda_chunk_rec3m_f32` then
+/// `kda_chunk_scan3_f32`) unless `K3_KDA_CHUNK` names a one-pass kernel (`tc`, `tc_fast`, `f32`).
+/// H200, K3 shapes: T = 8192 in 3.22 ms (tc 5.38, tc_fast 4.01; the earlier two-pass kernels
+/// 3.76-4.69, dropped), T = 1024 in 0.536 ms.
+fn kda_scan() -> bool {
+    static SCAN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SCAN.get_or_init(|| {
+        !matches!(
+            std::env::var("K3_KDA_CHUNK").as_deref(),
+            Ok("tc" | "tc_fast" | "f32")
+        )
     })
 }
 
-/// Kernels of the two-pass KDA prefill: record pass (16-token chunks per block) and scan
-/// (state columns per block).
-#[derive(Clone, Copy)]
-struct KdaScan {
-    rec: &'static str,
-    rec_chunks: usize,
-    scan: &'static str,
-    cols: usize,
-}
-
-/// Chunks per block of `kda_chunk_rec3m_f32` (KDA_REC_NCH in kernels/kda_chunk_scan.cu).
+/// 16-token chunks per block of `kda_chunk_rec3m_f32` (KDA_REC_NCH in kernels/kda_chunk_scan.cu).
 const KDA_REC_NCH: usize = 8;
 
-/// Scan launch: v1 / v2 use 4 warps per 32 columns, v3 one warp per 16 columns.
-fn kda_scan_launch(scan: &str, cols: usize, heads: usize) -> Result<Launch> {
-    let threads = if scan.starts_with("kda_chunk_scan3") {
-        2 * cols
-    } else {
-        128
-    };
-    Launch::new((geometry::KDA_HEAD_DIM / cols, heads, 1), threads as u32)
+/// `kda_chunk_rec3m_f32`: grid (ceil(chunks / 8), heads), 128 threads.
+fn kda_rec_launch(tokens: usize, heads: usize) -> Result<Launch> {
+    Launch::new((tokens.div_ceil(16 * KDA_REC_NCH), heads, 1), 128)
 }
 
-/// Floats of one (16-token chunk, head) record of `kda_chunk_rec_f32` (KDA_REC in the kernel).
+/// `kda_chunk_scan3_f32`: one warp per 16 state columns, 32 columns per block: grid (V / 32, heads).
+fn kda_scan_launch(heads: usize) -> Result<Launch> {
+    Launch::new((geometry::KDA_HEAD_DIM / 32, heads, 1), 64)
+}
+
+/// Floats of one (16-token chunk, head) record of `kda_chunk_rec3m_f32` (KDA_REC in the kernel).
 const KDA_REC_FLOATS: usize = 8576;
 /// Tokens per rec + scan segment (a multiple of 16): bounds the record buffer to
 /// 512 chunks x H x 34 KiB (1.7 GB at H = 96); the state and windows carry over in the arena.
@@ -440,11 +395,10 @@ impl CudaBackend {
         slots: &[KdaSlot],
     ) -> Result<DeviceMat> {
         let n = slots.len();
-        let (name, state) = kda_decode_kernels();
-        let l = match (name, state) {
-            ("kda_decode_f32", _) => geometry::kda_decode(&g, n)?,
-            (_, None) => geometry::kda_decode_split(&g, n)?,
-            (_, Some(_)) => geometry::kda_decode_prep(&g, n)?,
+        let name = kda_decode_kernel();
+        let l = match name {
+            "kda_decode_f32" => geometry::kda_decode(&g, n)?,
+            _ => geometry::kda_decode_split(&g, n)?,
         };
         for m in [x.q, x.k, x.v, x.f] {
             if (m.rows, m.cols) != (n, g.hk()) {
@@ -470,22 +424,12 @@ impl CudaBackend {
             });
         }
         let (offs, cks) = (self.upload_slice(&offs)?, self.upload_slice(&cks)?);
-        // Every kernel writes all of o (each head's 128 columns): no memset node in the step.
+        // Both kernels write all of o (each head's 128 columns): no memset node in the step.
         let o = self.output(n, g.hk())?;
         let (nn, h, conv) = (n as i32, g.heads as i32, g.conv_kernel as i32);
-        let Some((state_name, warps)) = state else {
-            launch!(self, name, l;
-                &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log,
-                w.dt_bias, arena, &offs, &cks, &o.buf, &nn, &h, &conv, &g.gate_lower_bound)?;
-            return Ok(o);
-        };
-        // Every record is written by the prep kernel before the state kernel reads it.
-        let mut prep = self.uninit::<f32>(n * g.heads * geometry::KDA_PREP_FLOATS)?;
         launch!(self, name, l;
-            &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log, w.dt_bias,
-            &mut *arena, &offs, &cks, &mut prep, &nn, &h, &conv, &g.gate_lower_bound)?;
-        launch!(self, state_name, geometry::kda_decode_state(&g, n, warps)?;
-            &prep, arena, &offs, &cks, &o.buf, &nn, &h, &conv)?;
+            &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log,
+            w.dt_bias, arena, &offs, &cks, &o.buf, &nn, &h, &conv, &g.gate_lower_bound)?;
         Ok(o)
     }
 
@@ -544,23 +488,22 @@ impl CudaBackend {
             g.conv_kernel as i32,
             g.heads as i32,
         );
-        if let (Some(ks), true) = (kda_scan(), g.conv_kernel <= KDA_FUSED_MAX_CONV) {
-            let (rec_fn, scan) = (ks.rec, ks.scan);
+        if kda_scan() && g.conv_kernel <= KDA_FUSED_MAX_CONV {
             // Record pass (conv, prep, chunk algebra; parallel) then the state scan, per segment.
             let o = self.output(t, g.hk())?;
             let mut rec =
                 self.uninit::<f32>(t.min(KDA_SCAN_SEG).div_ceil(16) * g.heads * KDA_REC_FLOATS)?;
-            let ls = kda_scan_launch(scan, ks.cols, g.heads)?;
+            let ls = kda_scan_launch(g.heads)?;
             let mut t0 = 0;
             while t0 < t {
                 let t1 = (t0 + KDA_SCAN_SEG).min(t);
-                let lr = Launch::new(((t1 - t0).div_ceil(16 * ks.rec_chunks), g.heads, 1), 128)?;
+                let lr = kda_rec_launch(t1 - t0, g.heads)?;
                 let (b, e) = (t0 as i32, t1 as i32);
-                launch!(self, rec_fn, lr;
+                launch!(self, "kda_chunk_rec3m_f32", lr;
                     &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log,
                     w.dt_bias, &mut rec, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &b, &e, &h, &conv,
                     &g.gate_lower_bound)?;
-                launch!(self, scan, ls;
+                launch!(self, "kda_chunk_scan3_f32", ls;
                     &rec, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &o.buf, &x.f.buf, w.a_log, w.dt_bias,
                     &g.gate_lower_bound, &b, &e, &h, &conv)?;
                 t0 = t1;
@@ -741,9 +684,9 @@ impl CudaBackend {
             situ.linear_beta.unwrap_or(1.0),
             i32::from(situ.linear_beta.is_some()),
         );
-        // Blocks of `fast` / `gemv` for at most min(E, T*k) experts: each maps itself to a busy one.
+        // Blocks for at most min(E, T*k) experts: each maps itself to a busy one.
         let busy = ex.experts.min(t * k).max(1);
-        match mx_experts_choice() {
+        match mx_experts_choice(t) {
             MxExperts::Tc => {
                 let st = mx_tc_stage(t) as i32;
                 launch!(self, "mxfp4_up_tc_f32", mx_tc_launch(busy, ex.inter, ex.latent)?;
@@ -760,20 +703,6 @@ impl CudaBackend {
                     &situ.beta, &lin, &has, &e, &sui)?;
                 launch!(self, "mxfp4_down_gemv_f32", mx_gemv_launch(busy, ex.latent, ex.inter, sd)?;
                     &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &sdi)?;
-            }
-            MxExperts::Fast => {
-                launch!(self, "mxfp4_up_fast_f32", geometry::mx_expert_fast(busy, ex.inter, ex.latent)?;
-                    &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
-                    &situ.beta, &lin, &has, &e)?;
-                launch!(self, "mxfp4_down_fast_f32", geometry::mx_expert_fast(busy, ex.latent, ex.inter)?;
-                    &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e)?;
-            }
-            MxExperts::Block => {
-                launch!(self, "mxfp4_expert_up_f32", geometry::mx_expert(ex.experts, ex.inter, ex.latent)?;
-                    &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
-                    &situ.beta, &lin, &has)?;
-                launch!(self, "mxfp4_expert_down_f32", geometry::mx_expert(ex.experts, ex.latent, ex.inter)?;
-                    &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie)?;
             }
         }
         let out = self.zeros(t, ex.latent)?;
@@ -824,13 +753,13 @@ mod tests {
 
     #[test]
     fn kda_scan_launch_geometry() {
-        // v1 / v2: 4 warps per 32 columns; v3: one warp per 16 columns (K3: 96 heads).
-        let l = kda_scan_launch("kda_chunk_scan2_f32", 32, 96).unwrap();
-        assert_eq!((l.grid, l.block), ((4, 96, 1), 128));
-        let l = kda_scan_launch("kda_chunk_scan3_f32", 32, 96).unwrap();
+        // K3: 96 heads; one warp per 16 state columns; 8 chunks of 16 tokens per record block.
+        let l = kda_scan_launch(96).unwrap();
         assert_eq!((l.grid, l.block), ((4, 96, 1), 64));
-        let l = kda_scan_launch("kda_chunk_scan3_w4_f32", 64, 96).unwrap();
-        assert_eq!((l.grid, l.block), ((2, 96, 1), 128));
+        let l = kda_rec_launch(8192, 96).unwrap();
+        assert_eq!((l.grid, l.block), ((64, 96, 1), 128));
+        assert_eq!(kda_rec_launch(129, 96).unwrap().grid, (2, 96, 1));
+        assert!(kda_rec_launch(0, 96).is_err());
     }
 
     #[test]

@@ -31,7 +31,6 @@ pub const FILES: &[KernelFile] = &[
             "bf16_split_rows_f32",
             "sum_row_halves_f32",
             "bf16_to_f32",
-            "gemv_bf16_f32",
             "gemv_bf16_tc_f32",
             "gemv_sum_splits_f32",
         ],
@@ -59,21 +58,7 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "kda_chunk_scan.cu",
         text: include_str!("../../../kernels/kda_chunk_scan.cu"),
-        entries: &[
-            "kda_chunk_rec_f32",
-            "kda_chunk_rec2_f32",
-            "kda_chunk_rec3_f32",
-            "kda_chunk_rec3m_f32",
-            "kda_chunk_scan_f32",
-            "kda_chunk_scan_fast_f32",
-            "kda_chunk_scan2_f32",
-            "kda_chunk_scan2_fast_f32",
-        ],
-    },
-    KernelFile {
-        name: "kda_chunk_scan3.cu",
-        text: include_str!("../../../kernels/kda_chunk_scan3.cu"),
-        entries: &["kda_chunk_scan3_f32", "kda_chunk_scan3_w4_f32"],
+        entries: &["kda_chunk_rec3m_f32", "kda_chunk_scan3_f32"],
     },
     KernelFile {
         name: "kda_chunk_tc.cu",
@@ -83,14 +68,7 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "kda_decode.cu",
         text: include_str!("../../../kernels/kda_decode.cu"),
-        entries: &[
-            "kda_decode_f32",
-            "kda_decode_split_f32",
-            "kda_decode_prep_f32",
-            "kda_decode_state_f32",
-            "kda_decode_state_plain_f32",
-            "kda_decode_state_w1_f32",
-        ],
+        entries: &["kda_decode_f32", "kda_decode_split_f32"],
     },
     KernelFile {
         name: "mla.cu",
@@ -123,10 +101,6 @@ pub const FILES: &[KernelFile] = &[
         text: include_str!("../../../kernels/mxfp4.cu"),
         entries: &[
             "moe_sort_assignments",
-            "mxfp4_expert_up_f32",
-            "mxfp4_expert_down_f32",
-            "mxfp4_up_fast_f32",
-            "mxfp4_down_fast_f32",
             "mxfp4_up_gemv_f32",
             "mxfp4_down_gemv_f32",
             "moe_combine_f32",

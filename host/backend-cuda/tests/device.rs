@@ -183,9 +183,11 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         let y = be.matmul(&mat(be, m, k, &x), &be.linear(n, k, w));
         out.push(("matmul, bf16 weights", be.to_host(&y), TOL_BF16_GEMM));
     }
-    // bf16 weights at decode sizes (<= 16 rows, K % 8 == 0): the tensor-core weight-streaming
-    // kernel (x in three bf16 pieces: f32 accuracy), split-K on short-N shapes; otherwise the
-    // split GEMM. Tails: N not a multiple of 128, K not a multiple of the 64-column step.
+    // bf16 weights at decode sizes (<= 16 rows, K % 8 == 0, <= 2^22 weights): the tensor-core
+    // weight-streaming kernel (x in three bf16 pieces: f32 accuracy), split-K on short-N shapes
+    // (1x7168x300 in 14 splits, 16x1544x2100 in 4); otherwise the split GEMM (16x7168x1536,
+    // 2x1024x4200 and 1x1536x18432 over 2^22, 3x202x50 with K % 8 != 0, 17 rows). Tails: N not a
+    // multiple of 128, K not a multiple of the 64-column step.
     for &(m, k, n) in &[
         (1usize, 7168usize, 300usize),
         (5, 520, 77),
@@ -200,15 +202,12 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         let x = r.vec(m * k, 1.0);
         let w = bf16_values(r.vec(n * k, 0.1));
         let y = be.matmul(&mat(be, m, k, &x), &be.linear(n, k, w));
-        // backend_impl.rs gemv_choice: `new` (default) M <= 16, `old` M <= 8 and <= 2^22
-        // elements, both K % 8 == 0, take f32-accurate kernels.
-        let gemv = std::env::var("K3_GEMV").unwrap_or_default();
-        let f32_exact = k % 8 == 0
-            && match gemv.as_str() {
-                "old" => m <= 8 && n * k <= 1 << 22,
-                "cublas" => false,
-                _ => m <= 16,
-            };
+        // backend_impl.rs matmul_linear / gemv_max_weight (K3_GEMV_MAX_ELEMS, default 2^22).
+        let max_elems = std::env::var("K3_GEMV_MAX_ELEMS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1usize << 22);
+        let f32_exact = k % 8 == 0 && m <= 16 && n * k <= max_elems;
         let tol = if f32_exact { TOL_GEMM } else { TOL_BF16_GEMM };
         out.push(("matmul, bf16 weights, decode rows", be.to_host(&y), tol));
     }
@@ -562,14 +561,15 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
     for tokens in [1usize, 3, 40, 1100] {
         let (mut rc, mut rg) = (Rng(seed ^ tokens as u64), Rng(seed ^ tokens as u64));
         // Assignments = tokens x top-4 over 32 experts: 4, 12 and 160 take the decode-step kernels
-        // (K3_MX_EXPERTS, default `tc` (mxfp4_tc.cu): 160 = 5 per expert on average, so experts
-        // with more than the 8 tokens of one pass take several, and T = 3 fills part of an
-        // n-tile; run again with K3_MX_EXPERTS=gemv for the CUDA-core pair), 4400 the
+        // (ops.rs mx_experts_choice, K3_MX_EXPERTS=auto: T = 1 the CUDA-core gemv pair
+        // (mxfp4.cu), T >= 2 the tensor-core pair (mxfp4_tc.cu): T = 3 fills part of an n-tile,
+        // T = 40 puts 5 tokens per expert on average, so experts with more than the 8 of one pass
+        // take several; K3_MX_EXPERTS=gemv / tc runs every size on one pair), 4400 the
         // tensor-core GEMM path (moe_gemm.rs, default K3_MOE_GEMM_MIN = 4096).
         let name = match tokens {
-            1 => "moe_routed(T=1, K3_MX_EXPERTS kernels)",
-            3 => "moe_routed(T=3, K3_MX_EXPERTS kernels)",
-            40 => "moe_routed(T=40, K3_MX_EXPERTS kernels, several passes)",
+            1 => "moe_routed(T=1, K3_MX_EXPERTS kernels: gemv)",
+            3 => "moe_routed(T=3, K3_MX_EXPERTS kernels: tc)",
+            40 => "moe_routed(T=40, K3_MX_EXPERTS kernels: tc, several passes)",
             _ => "moe_routed(T=1100, bf16 split GEMMs)",
         };
         t.check(
