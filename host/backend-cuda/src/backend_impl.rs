@@ -21,7 +21,7 @@ use k3_model::exec::ExecError;
 
 impl CudaBackend {
     /// Remember `e` unless an earlier error is already recorded.
-    fn record(&self, e: CudaError) {
+    pub(crate) fn record(&self, e: CudaError) {
         if self.step.recording() {
             // A logged pass (graph.rs) that fails is abandoned and the step rerun eagerly,
             // which reports the failure for real if it recurs.
@@ -52,7 +52,7 @@ impl CudaBackend {
     /// A stand-in result of shape `rows x cols` after a failure. Tries a real (zeroed) buffer of
     /// that size, then a 1-element one; if even that fails the context is unusable and there is
     /// nothing sensible left to return.
-    fn placeholder(&self, rows: usize, cols: usize) -> DeviceMat {
+    pub(crate) fn placeholder(&self, rows: usize, cols: usize) -> DeviceMat {
         if let Ok(m) = self.zeros(rows, cols) {
             return m;
         }

@@ -473,20 +473,27 @@ impl CudaBackend {
             return Ok(None); // a hash collision: not the same work
         }
         c.last_used = clock;
+        // An error here means nothing was queued: the caller may still run the step eagerly.
         c.graph.launch()?;
-        let out = match &c.out {
-            None => None,
-            Some((rows, cols, buf)) => {
-                let mut m = self.output(*rows, *cols)?;
+        // From here on the step has run (states advanced, rows appended): a failure must be
+        // reported, never answered by running the step a second time.
+        let shape = c.out.as_ref().map(|(r, k, _)| (*r, *k));
+        let copied = match &c.out {
+            None => Ok(None),
+            Some((rows, cols, buf)) => self.output(*rows, *cols).and_then(|mut m| {
                 self.stream.memcpy_dtod(buf, &mut m.buf)?;
-                Some(m)
-            }
+                Ok(Some(m))
+            }),
         };
-        g.launched = Some(self.stream.record_event(None)?);
+        g.launched = self.stream.record_event(None).ok();
         if count {
             g.counts.replayed += 1;
         }
-        Ok(Some(out))
+        drop(g);
+        Ok(Some(copied.unwrap_or_else(|e| {
+            self.record(e);
+            shape.map(|(r, k)| self.placeholder(r, k))
+        })))
     }
 
     /// Capture `pass` (whose dry pass logged `log`), then launch it once for this step.
