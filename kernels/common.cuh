@@ -111,3 +111,34 @@ __device__ __forceinline__ void split_bf16(float x, u16& hi, u16& lo) {
     hi = f32_to_bf16_bits(x);
     lo = f32_to_bf16_bits(x - bf16_bits_to_f32(hi));
 }
+
+// Expert id of the n-th (from 0) expert with assignments, -1 if there are fewer. The expert kernels
+// (mxfp4.cu, mxfp4_tc.cu) take grid.x = min(E, assignments) and map block x to the x-th busy
+// expert: with grid.x = E (T = 1: 16 of 128 busy) ~88% of the blocks would only read offsets and
+// exit.
+// Block-uniform (all threads reach the barriers): call before any early return.
+__device__ int mx_active_expert(const int* __restrict__ offsets, int experts, int n) {
+    __shared__ int warp_cnt[32];
+    __shared__ int result;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if (threadIdx.x == 0) result = -1;
+    __syncthreads();
+    int before = 0;  // busy experts in earlier chunks of 256
+    for (int e0 = 0; e0 < experts; e0 += blockDim.x) {
+        const int e = e0 + threadIdx.x;
+        const bool busy = e < experts && offsets[e + 1] > offsets[e];
+        const u32 bal = __ballot_sync(K3_FULL_MASK, busy);
+        if (lane == 0) warp_cnt[warp] = __popc(bal);
+        __syncthreads();
+        int rank = before + __popc(bal & ((1u << lane) - 1u)), total = 0;
+        for (int w = 0; w < nwarps; ++w) {
+            const int c = warp_cnt[w];
+            rank += w < warp ? c : 0;
+            total += c;
+        }
+        if (busy && rank == n) result = e;
+        before += total;
+        __syncthreads();  // warp_cnt is rewritten by the next chunk; result is final after the last
+    }
+    return result;
+}

@@ -23,6 +23,28 @@ __device__ __forceinline__ float kda_reduce_rows16(float v) {
     return v;
 }
 
+// One channel's short conv for one new token x: SiLU(sum_j w[j] window[j] + w[conv-1] x), and the
+// window shifted by one (also into the checkpoint copy `ckwin` when set). Unrolled to the constant
+// bound so the history stays in registers (no local-memory stack).
+__device__ __forceinline__ float kda_conv_step(const float* wconv, float* win, float* ckwin, float x, int conv) {
+    float y = wconv[conv - 1] * x;
+    float hist[KDA_MAX_CONV];
+#pragma unroll
+    for (int j = 0; j < KDA_MAX_CONV - 1; ++j) {
+        hist[j] = j < conv - 1 ? win[j] : 0.0f;
+        if (j < conv - 1) y += wconv[j] * hist[j];
+    }
+#pragma unroll
+    for (int j = 0; j < KDA_MAX_CONV - 1; ++j) {
+        if (j < conv - 1) {
+            const float nv = j + 1 < conv - 1 ? hist[j + 1] : x;
+            win[j] = nv;
+            if (ckwin) ckwin[j] = nv;
+        }
+    }
+    return k3_silu(y);
+}
+
 __device__ __forceinline__ float4 kda_ld4(const float* p, bool aligned) {
     return aligned ? *reinterpret_cast<const float4*>(p) : make_float4(p[0], p[1], p[2], p[3]);
 }
@@ -64,26 +86,8 @@ kda_decode_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, c
     if (role < 3) {
         const float* in = role == 0 ? q_in : role == 1 ? k_in : v_in;
         const float* wconv = (role == 0 ? conv_q : role == 1 ? conv_k : conv_v) + (i64)ch * conv;
-        float* win = region + role * wf + (i64)ch * (conv - 1);
-        const float x = in[(i64)n * hk + ch];
-        float y = wconv[conv - 1] * x;
-        // Unrolled to the constant bound so hist stays in registers (no local-memory stack).
-        float hist[KDA_MAX_CONV];
-#pragma unroll
-        for (int j = 0; j < KDA_MAX_CONV - 1; ++j) {
-            hist[j] = j < conv - 1 ? win[j] : 0.0f;
-            if (j < conv - 1) y += wconv[j] * hist[j];
-        }
-        // New window: drop the oldest, append x (also into the checkpoint slot).
-#pragma unroll
-        for (int j = 0; j < KDA_MAX_CONV - 1; ++j) {
-            if (j < conv - 1) {
-                const float nv = j + 1 < conv - 1 ? hist[j + 1] : x;
-                win[j] = nv;
-                if (ckpt) ckpt[role * wf + (i64)ch * (conv - 1) + j] = nv;
-            }
-        }
-        y = k3_silu(y);
+        const i64 w0 = role * wf + (i64)ch * (conv - 1);
+        const float y = kda_conv_step(wconv, region + w0, ckpt ? ckpt + w0 : nullptr, in[(i64)n * hk + ch], conv);
         (role == 0 ? qs : role == 1 ? ks : vs)[c] = y;
         if (role < 2) {  // L2 norm partial sums of q (warps 0-3) and k (warps 4-7)
             const float ss = warp_sum(y * y);
@@ -219,24 +223,8 @@ kda_decode_split_f32(const float* __restrict__ q_in, const float* __restrict__ k
     if (warp < 3) {
         const float* in = warp == 0 ? q_in : warp == 1 ? k_in : v_in;
         const float* wconv = (warp == 0 ? conv_q : warp == 1 ? conv_k : conv_v) + (i64)ch * conv;
-        float* win = region + warp * wf + (i64)ch * (conv - 1);
-        const float x = in[(i64)n * hk + ch];
-        y = wconv[conv - 1] * x;
-        float hist[KDA_MAX_CONV];
-#pragma unroll
-        for (int j = 0; j < KDA_MAX_CONV - 1; ++j) {
-            hist[j] = j < conv - 1 ? win[j] : 0.0f;
-            if (j < conv - 1) y += wconv[j] * hist[j];
-        }
-#pragma unroll
-        for (int j = 0; j < KDA_MAX_CONV - 1; ++j) {
-            if (j < conv - 1) {
-                const float nv = j + 1 < conv - 1 ? hist[j + 1] : x;
-                win[j] = nv;
-                if (ckpt) ckpt[warp * wf + (i64)ch * (conv - 1) + j] = nv;
-            }
-        }
-        y = k3_silu(y);
+        const i64 w0 = warp * wf + (i64)ch * (conv - 1);
+        y = kda_conv_step(wconv, region + w0, ckpt ? ckpt + w0 : nullptr, in[(i64)n * hk + ch], conv);
         if (warp == 2) vs[lane] = y;
         else ss = warp_sum(y * y);
     } else {

@@ -34,34 +34,6 @@
 
 extern __shared__ __align__(16) u32 mxt_smem[];
 
-// Expert id of the n-th (from 0) expert with assignments, -1 if there are fewer (mxfp4.cu's
-// mx_active_expert: grid.x = min(E, assignments)). Block-uniform; call before any early return.
-__device__ int mxt_active_expert(const int* __restrict__ offsets, int experts, int n) {
-    __shared__ int warp_cnt[32];
-    __shared__ int result;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    if (threadIdx.x == 0) result = -1;
-    __syncthreads();
-    int before = 0;
-    for (int e0 = 0; e0 < experts; e0 += blockDim.x) {
-        const int e = e0 + threadIdx.x;
-        const bool busy = e < experts && offsets[e + 1] > offsets[e];
-        const u32 bal = __ballot_sync(K3_FULL_MASK, busy);
-        if (lane == 0) warp_cnt[warp] = __popc(bal);
-        __syncthreads();
-        int rank = before + __popc(bal & ((1u << lane) - 1u)), total = 0;
-        for (int w = 0; w < nwarps; ++w) {
-            const int c = warp_cnt[w];
-            rank += w < warp ? c : 0;
-            total += c;
-        }
-        if (busy && rank == n) result = e;
-        before += total;
-        __syncthreads();
-    }
-    return result;
-}
-
 // bf16 bits of an E2M1 code (the f32 value has no bits below the top 16).
 __device__ __forceinline__ u32 mxt_bf16_of(u32 code) { return __float_as_uint(fp4_e2m1_to_f32(code)) >> 16; }
 
@@ -229,7 +201,7 @@ mxfp4_up_tc_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const u
                 const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
                 const int* __restrict__ sorted, float* __restrict__ act, int top_k, int latent, int inter, float beta,
                 float beta_lin, int has_lin, int experts, int stage) {
-    const int e = mxt_active_expert(offsets, experts, blockIdx.x);
+    const int e = mx_active_expert(offsets, experts, blockIdx.x);
     mxt_fill_table();  // the first chunk's barrier orders it before any lookup
     if (e < 0) return;  // block-uniform
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -266,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 mxfp4_down_tc_f32(const float* __restrict__ act, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
                   const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,
                   int inter, int experts, int stage) {
-    const int e = mxt_active_expert(offsets, experts, blockIdx.x);
+    const int e = mx_active_expert(offsets, experts, blockIdx.x);
     mxt_fill_table();
     if (e < 0) return;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
