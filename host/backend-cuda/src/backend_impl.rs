@@ -198,8 +198,8 @@ impl CudaBackend {
             .ok_or_else(|| CudaError::InvalidArg("weight f32 copy".into()))
     }
 
-    /// `y = x Wᵀ` for any weight: bf16 weights through the weight-streaming kernel for decode
-    /// rows of small weights (`gemv_max_weight`) and otherwise one tensor-core GEMM over the hi
+    /// `y = x Wᵀ` for any weight: bf16 weights through the tensor-core GEMV for decode rows of
+    /// small weights (`gemv_max_weight`) and otherwise one cuBLAS tensor-core GEMM over the hi
     /// and lo bf16 rows of x (kernels/bf16.cu); f32 weights through `matmul_rt`.
     pub fn matmul_linear(&self, x: &DeviceMat, w: &DeviceLinear) -> Result<DeviceMat> {
         let Some(bits) = &w.bf16 else {
@@ -291,7 +291,7 @@ impl CudaBackend {
     ) -> Result<()> {
         Self::arena_check(arena, src, len)?;
         Self::arena_check(arena, dst, len)?;
-        self.no_download_while_recording("arena copy")?; // cache moves: not part of a step
+        self.refuse_while_recording("arena copy")?; // cache moves: not part of a step
         if len == 0 {
             return Ok(());
         }
@@ -315,7 +315,7 @@ impl CudaBackend {
         len: usize,
     ) -> Result<()> {
         Self::arena_check(arena, offset, len)?;
-        self.no_download_while_recording("arena zero")?; // cache moves: not part of a step
+        self.refuse_while_recording("arena zero")?; // cache moves: not part of a step
         if len == 0 {
             return Ok(());
         }
@@ -343,7 +343,7 @@ impl CudaBackend {
         if len == 0 {
             return Ok(Vec::new());
         }
-        self.no_download_while_recording("arena read")?;
+        self.refuse_while_recording("arena read")?;
         let (f0, f1) = (offset / 4, (offset + len).div_ceil(4));
         let floats = self.stream.memcpy_dtov(&arena.slice(f0..f1))?;
         let bytes: Vec<u8> = floats.iter().flat_map(|f| f.to_ne_bytes()).collect();

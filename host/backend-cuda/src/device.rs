@@ -219,7 +219,7 @@ impl CudaBackend {
     }
 
     pub fn download(&self, m: &DeviceMat) -> Result<Vec<f32>> {
-        self.no_download_while_recording("download")?;
+        self.refuse_while_recording("download")?;
         let mut v = self.stream.memcpy_dtov(&m.buf)?;
         v.truncate(m.rows * m.cols);
         Ok(v)

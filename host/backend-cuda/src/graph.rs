@@ -369,8 +369,9 @@ impl CudaBackend {
         Ok(self.stream.memcpy_dtod(src, dst)?)
     }
 
-    /// Refuse device → host reads inside a logged pass (they would need the work to have run).
-    pub(crate) fn no_download_while_recording(&self, what: &str) -> Result<()> {
+    /// Refuse, inside a logged pass, what a graph cannot hold: device → host reads (they need the
+    /// work to have run) and the cache moves between steps.
+    pub(crate) fn refuse_while_recording(&self, what: &str) -> Result<()> {
         if self.step.recording() {
             return Err(CudaError::Unsupported(format!(
                 "{what}: a device read inside a replayable step"

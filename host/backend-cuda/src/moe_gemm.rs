@@ -92,7 +92,7 @@ impl CudaBackend {
             )));
         }
         let n = t * top_k;
-        self.no_download_while_recording("moe GEMM path")?;
+        self.refuse_while_recording("moe GEMM path")?;
         let host_offsets = self.part("offsets to host", || self.stream.memcpy_dtov(offsets))?;
         let touched = (0..e)
             .filter(|&i| host_offsets[i + 1] > host_offsets[i])
