@@ -11,8 +11,9 @@
 //! device. Otherwise the step runs eagerly, and the second time the same log is seen the pass is
 //! captured (`cuStreamBeginCapture`), which records the same work with uploads from the same
 //! staging offsets. Anything the dry pass cannot vouch for (a download, a path that is not
-//! logged, an op failure) aborts it and the step runs eagerly: a wrong replay is impossible by
-//! construction, a missed one only costs speed.
+//! logged, an op failure) aborts it and the step runs eagerly. What the log leaves out — the
+//! addresses of weights and of the step's own activations — follows from the same host code
+//! taking the same path, which the identical log attests; a missed replay only costs speed.
 //!
 //! Buffers: activations allocated inside the capture become graph allocation nodes (fixed
 //! addresses, freed inside the graph); the step's result is copied into a buffer the graph owns
