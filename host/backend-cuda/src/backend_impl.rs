@@ -343,9 +343,8 @@ impl CudaBackend {
         if len == 0 {
             return Ok(Vec::new());
         }
-        self.refuse_while_recording("arena read")?;
         let (f0, f1) = (offset / 4, (offset + len).div_ceil(4));
-        let floats = self.stream.memcpy_dtov(&arena.slice(f0..f1))?;
+        let floats = self.read_back("arena read", &arena.slice(f0..f1))?;
         let bytes: Vec<u8> = floats.iter().flat_map(|f| f.to_ne_bytes()).collect();
         let skip = offset - f0 * 4;
         Ok(bytes[skip..skip + len].to_vec())

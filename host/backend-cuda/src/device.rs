@@ -219,8 +219,7 @@ impl CudaBackend {
     }
 
     pub fn download(&self, m: &DeviceMat) -> Result<Vec<f32>> {
-        self.refuse_while_recording("download")?;
-        let mut v = self.stream.memcpy_dtov(&m.buf)?;
+        let mut v = self.read_back("download", &m.buf)?;
         v.truncate(m.rows * m.cols);
         Ok(v)
     }

@@ -370,6 +370,17 @@ impl CudaBackend {
         Ok(self.stream.memcpy_dtod(src, dst)?)
     }
 
+    /// Device → host copy (waits for the stream). Every read-back goes through here, so a logged
+    /// pass refuses it in one place: it would need the pass's work to have run.
+    pub(crate) fn read_back<T: DeviceRepr, S: DevicePtr<T>>(
+        &self,
+        what: &str,
+        src: &S,
+    ) -> Result<Vec<T>> {
+        self.refuse_while_recording(what)?;
+        Ok(self.stream.memcpy_dtov(src)?)
+    }
+
     /// Refuse, inside a logged pass, what a graph cannot hold: device → host reads (they need the
     /// work to have run) and the cache moves between steps.
     pub(crate) fn refuse_while_recording(&self, what: &str) -> Result<()> {

@@ -92,8 +92,9 @@ impl CudaBackend {
             )));
         }
         let n = t * top_k;
-        self.refuse_while_recording("moe GEMM path")?;
-        let host_offsets = self.part("offsets to host", || self.stream.memcpy_dtov(offsets))?;
+        let host_offsets = self.part("offsets to host", || {
+            self.read_back("moe GEMM path", offsets)
+        })?;
         let touched = (0..e)
             .filter(|&i| host_offsets[i + 1] > host_offsets[i])
             .collect();

@@ -348,11 +348,10 @@ impl CudaBackend {
 
     /// Greedy ids of each logits row.
     pub fn argmax_rows(&self, logits: &DeviceMat) -> Result<Vec<i32>> {
-        self.refuse_while_recording("argmax")?;
         let ids = self.stream.alloc_zeros::<i32>(logits.rows.max(1))?;
         let (r, v) = (i32_of(logits.rows, "rows")?, i32_of(logits.cols, "vocab")?);
         launch!(self, "argmax_rows_f32", geometry::per_row(logits.rows, 1024)?; &logits.buf, &ids, &r, &v)?;
-        let mut out = self.stream.memcpy_dtov(&ids)?;
+        let mut out = self.read_back("argmax", &ids)?;
         out.truncate(logits.rows);
         Ok(out)
     }
