@@ -13,11 +13,11 @@ pub mod cache;
 pub mod device;
 pub mod error;
 pub mod geometry;
-pub mod mla_prefill;
 #[macro_use]
 pub mod ops;
 pub mod backend_impl;
 mod graph;
+pub mod mla_prefill;
 mod moe_gemm;
 mod profile;
 pub mod sources;

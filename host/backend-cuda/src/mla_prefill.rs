@@ -24,9 +24,9 @@
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
-use crate::ops::float_offset;
+use crate::ops::{float_offset, i32_of};
 use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig, sys::cublasOperation_t};
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use k3_model::backend::MlaGeom;
 use std::sync::OnceLock;
 
@@ -142,22 +142,6 @@ pub struct ExpandedSeq<'a> {
     /// positions `0..start_pos + tokens`.
     pub pages: &'a [usize],
     pub page_tokens: usize,
-}
-
-/// Push every argument (references that outlive the builder), then launch on the stream.
-macro_rules! launch {
-    ($be:expr, $name:expr, $l:expr; $($arg:expr),* $(,)?) => {{
-        let f = $be.function($name)?;
-        let mut b = $be.stream.launch_builder(f);
-        $( b.arg($arg); )*
-        // SAFETY: argument count and types follow the kernel's C signature (checked against the
-        // parsed signatures by the device harness), every buffer is live for the launch.
-        unsafe { b.launch($l.config()) }.map(|_| ()).map_err(CudaError::from)
-    }};
-}
-
-fn i32_of(v: usize, what: &str) -> Result<i32> {
-    i32::try_from(v).map_err(|_| CudaError::InvalidArg(format!("{what} = {v} exceeds i32")))
 }
 
 /// A column-major strided-batched SGEMM `C_b = alpha·op(A_b)·op(B_b) + beta·C_b`, operands given
@@ -449,7 +433,7 @@ impl CudaBackend {
             let n = (r1 - r0) * m.cols;
             let src = m.buf.slice(r0 * m.cols..r0 * m.cols + n);
             let mut dst = out.buf.slice_mut(at..at + n);
-            self.stream.memcpy_dtod(&src, &mut dst)?;
+            self.copy_dtod(&src, &mut dst)?;
             at += n;
         }
         Ok(out)
@@ -467,7 +451,7 @@ impl CudaBackend {
             let n = (r1 - r0) * dst.cols;
             let s = src.buf.slice(at..at + n);
             let mut d = dst.buf.slice_mut(r0 * dst.cols..r0 * dst.cols + n);
-            self.stream.memcpy_dtod(&s, &mut d)?;
+            self.copy_dtod(&s, &mut d)?;
             at += n;
         }
         Ok(())

@@ -127,7 +127,7 @@ fn same_shape(a: &DeviceMat, b: &DeviceMat, what: &str) -> Result<()> {
     Ok(())
 }
 
-fn i32_of(v: usize, what: &str) -> Result<i32> {
+pub(crate) fn i32_of(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| CudaError::InvalidArg(format!("{what} = {v} exceeds i32")))
 }
 
