@@ -152,7 +152,7 @@ impl CudaBackend {
 
         for chunk in plan.touched.chunks(group) {
             let list: Vec<i32> = chunk.iter().map(|&x| x as i32).collect();
-            let list_dev = self.stream.memcpy_stod(&list)?;
+            let list_dev = self.upload_slice(&list)?;
             let count = i(chunk.len(), "group")?;
             // W1 -> rows [0, inter), W3 -> rows [inter, 2 inter) of each expert's [2 inter, latent].
             self.part("expand", || {

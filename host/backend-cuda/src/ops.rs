@@ -348,7 +348,7 @@ impl CudaBackend {
 
     /// Greedy ids of each logits row.
     pub fn argmax_rows(&self, logits: &DeviceMat) -> Result<Vec<i32>> {
-        let ids = self.stream.alloc_zeros::<i32>(logits.rows.max(1))?;
+        let ids = self.zeroed::<i32>(logits.rows)?;
         let (r, v) = (i32_of(logits.rows, "rows")?, i32_of(logits.cols, "vocab")?);
         launch!(self, "argmax_rows_f32", geometry::per_row(logits.rows, 1024)?; &logits.buf, &ids, &r, &v)?;
         let mut out = self.read_back("argmax", &ids)?;
