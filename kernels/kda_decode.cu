@@ -56,6 +56,43 @@ __device__ __forceinline__ void kda_st4(float* p, float4 v, bool aligned) {
     }
 }
 
+// Phase 2 of both decode kernels on one thread's KDA_DEC_ROWS float4 of the state (rows
+// i * 16 + kr, 4 columns; S and Sc point at those columns of row 0): decay by alpha, delta rule
+// with beta against v (this thread's 4 columns at vcol), store back (and into the checkpoint Sc when
+// set), then o = S^T q for the 4 columns, reduced over the warp's rows and written by lanes 0-1.
+// k and q are scaled by invk / invq on the fly (1 when the caller normalised them: exact).
+__device__ __forceinline__ void kda_decode_rows(float4 (&s)[KDA_DEC_ROWS], const float* alpha, const float* ks,
+                                                const float* qs, const float* vcol, float invk, float invq,
+                                                float beta, int kr, int lane, float* S, bool s_al, float* Sc,
+                                                bool c_al, float* out) {
+    float kv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < KDA_DEC_ROWS; ++i) {
+        const int k = i * 16 + kr;
+        const float a = alpha[k], kk = ks[k] * invk;
+        s[i].x *= a; s[i].y *= a; s[i].z *= a; s[i].w *= a;
+        kv[0] += s[i].x * kk; kv[1] += s[i].y * kk; kv[2] += s[i].z * kk; kv[3] += s[i].w * kk;
+    }
+    float u[4], o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) u[j] = beta * (vcol[j] - kda_reduce_rows16(kv[j]));
+#pragma unroll
+    for (int i = 0; i < KDA_DEC_ROWS; ++i) {
+        const int k = i * 16 + kr;
+        const float kk = ks[k] * invk, qq = qs[k] * invq;
+        s[i].x += kk * u[0]; s[i].y += kk * u[1]; s[i].z += kk * u[2]; s[i].w += kk * u[3];
+        o[0] += s[i].x * qq; o[1] += s[i].y * qq; o[2] += s[i].z * qq; o[3] += s[i].w * qq;
+        kda_st4(S + k * KDA_V, s[i], s_al);
+    }
+    if (Sc) {
+#pragma unroll
+        for (int i = 0; i < KDA_DEC_ROWS; ++i) kda_st4(Sc + (i * 16 + kr) * KDA_V, s[i], c_al);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[j] = kda_reduce_rows16(o[j]);
+    if (lane < 2) *reinterpret_cast<float4*>(out) = make_float4(o[0], o[1], o[2], o[3]);
+}
+
 extern "C" __global__ void __launch_bounds__(KDA_DECODE_THREADS)
 kda_decode_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
                const float* __restrict__ f_in, const float* __restrict__ b_in,
@@ -107,35 +144,11 @@ kda_decode_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, c
     }
     __syncthreads();
 
-    // Phase 2: the delta rule on this thread's 32 state values (columns v0..v0+3, rows i*16 + kr).
-    float kv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < KDA_DEC_ROWS; ++i) {
-        const int k = i * 16 + kr;
-        const float a = alpha[k], kk = ks[k];
-        s[i].x *= a; s[i].y *= a; s[i].z *= a; s[i].w *= a;
-        kv[0] += s[i].x * kk; kv[1] += s[i].y * kk; kv[2] += s[i].z * kk; kv[3] += s[i].w * kk;
-    }
-    float u[4], o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) u[j] = beta_s * (vs[v0 + j] - kda_reduce_rows16(kv[j]));
-#pragma unroll
-    for (int i = 0; i < KDA_DEC_ROWS; ++i) {
-        const int k = i * 16 + kr;
-        const float kk = ks[k], qq = qs[k];
-        s[i].x += kk * u[0]; s[i].y += kk * u[1]; s[i].z += kk * u[2]; s[i].w += kk * u[3];
-        o[0] += s[i].x * qq; o[1] += s[i].y * qq; o[2] += s[i].z * qq; o[3] += s[i].w * qq;
-        kda_st4(S + k * KDA_V + v0, s[i], s_al);
-    }
-    if (ckpt) {
-        float* Sc = ckpt + kda_state_base(hk, conv) + (i64)h * KDA_K * KDA_V;
-#pragma unroll
-        for (int i = 0; i < KDA_DEC_ROWS; ++i) kda_st4(Sc + (i * 16 + kr) * KDA_V + v0, s[i], c_al);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) o[j] = kda_reduce_rows16(o[j]);
-    if (lane < 2)
-        *reinterpret_cast<float4*>(o_out + (i64)n * hk + h * KDA_V + v0) = make_float4(o[0], o[1], o[2], o[3]);
+    // Phase 2: the delta rule on this thread's 32 state values (columns v0..v0+3, rows i*16 + kr);
+    // q and k are normalised already (scales 1).
+    kda_decode_rows(s, alpha, ks, qs, vs + v0, 1.0f, 1.0f, beta_s, kr, lane, S + v0, s_al,
+                    ckpt ? ckpt + kda_state_base(hk, conv) + (i64)h * KDA_K * KDA_V + v0 : nullptr, c_al,
+                    o_out + (i64)n * hk + h * KDA_V + v0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -255,32 +268,7 @@ kda_decode_split_f32(const float* __restrict__ q_in, const float* __restrict__ k
     const float invk = 1.0f / sqrtf(ssp[1] + ssp[3] + ssp[5] + ssp[7] + 1e-6f);
 
     // Phase 2: as in kda_decode_f32, on this block's 32 columns.
-    float kv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < KDA_DEC_ROWS; ++i) {
-        const int k = i * 16 + kr;
-        const float a = alpha[k], kk = ks[k] * invk;
-        s[i].x *= a; s[i].y *= a; s[i].z *= a; s[i].w *= a;
-        kv[0] += s[i].x * kk; kv[1] += s[i].y * kk; kv[2] += s[i].z * kk; kv[3] += s[i].w * kk;
-    }
-    float u[4], o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) u[j] = beta_s * (vs[vl + j] - kda_reduce_rows16(kv[j]));
-#pragma unroll
-    for (int i = 0; i < KDA_DEC_ROWS; ++i) {
-        const int k = i * 16 + kr;
-        const float kk = ks[k] * invk, qq = qs[k] * invq;
-        s[i].x += kk * u[0]; s[i].y += kk * u[1]; s[i].z += kk * u[2]; s[i].w += kk * u[3];
-        o[0] += s[i].x * qq; o[1] += s[i].y * qq; o[2] += s[i].z * qq; o[3] += s[i].w * qq;
-        kda_st4(S + k * KDA_V + v0, s[i], s_al);
-    }
-    if (ckpt) {
-        float* Sc = ckpt + kda_state_base(hk, conv) + (i64)h * KDA_K * KDA_V;
-#pragma unroll
-        for (int i = 0; i < KDA_DEC_ROWS; ++i) kda_st4(Sc + (i * 16 + kr) * KDA_V + v0, s[i], c_al);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) o[j] = kda_reduce_rows16(o[j]);
-    if (lane < 2)
-        *reinterpret_cast<float4*>(o_out + (i64)n * hk + h * KDA_V + v0) = make_float4(o[0], o[1], o[2], o[3]);
+    kda_decode_rows(s, alpha, ks, qs, vs + vl, invk, invq, beta_s, kr, lane, S + v0, s_al,
+                    ckpt ? ckpt + kda_state_base(hk, conv) + (i64)h * KDA_K * KDA_V + v0 : nullptr, c_al,
+                    o_out + (i64)n * hk + h * KDA_V + v0);
 }
