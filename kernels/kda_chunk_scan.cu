@@ -6,6 +6,7 @@
 //                        "chunk record" per (chunk, head) in the mma fragment order the scan loads.
 //   kda_chunk_scan3_f32  the only sequential part, grid (V / 32, heads), the state in mma registers:
 //                        per chunk X = U - W S,   O = Qp S + Aqk X,   S <- diag(e) S + Kd^T X (3xTF32).
+//   kda_chunk_scan4_f32  (K3_KDA_CHUNK=scan4) the same scan with each warp on half the keys (end of file).
 //
 // Why: kda_chunk_tc_f32 (kernels/kda_chunk_tc.cu, kept for conv > 4) keeps the decays, Lkk/Aqk and a
 // 16-row forward substitution inside the sequential loop; its per-chunk latency, not its math, set
@@ -548,4 +549,203 @@ kda_chunk_scan3_f32(const float* __restrict__ rec, float* __restrict__ arena, i6
                     const float* __restrict__ dt_bias, float lower_bound, int t_begin, int t_end, int heads, int conv) {
     kda_scan3_impl<2>(rec, arena, state_off, ckpt_n, ckpt_off, n_ckpt, o_out, f_in, a_log, dt_bias, lower_bound,
                       t_begin, t_end, heads, conv);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scan, key-split (K3_KDA_CHUNK=scan4): the scan above with every warp's 128 keys cut in two.
+// Why: scan3's 8 warps per head are 768 warps for 528 SM sub-partitions at H = 96, so at 3 blocks
+// per SM two of the four sub-partitions run 2 warps and time the kernel (its mma + split work
+// per chunk is fixed by the state, not by DRAM: 1.86 ms for 1.7 GB of records). Here a block is 4
+// warps: column tiles 2 bx + (w & 1), key halves kh = w >> 1, 1536 half-warps of work, 3 per
+// sub-partition at 3 blocks per SM (1.5 scan3 warps instead of 2), with half the per-warp chain
+// per chunk. The key halves meet once per chunk: each writes its partial S^T W^T (both token
+// tiles) and the other half's token tile of S^T Qp^T into shared memory at the barrier that
+// already frees W / Qp; both then form the same X^T (a + b == b + a exactly), and warp kh writes
+// the O token tile kh and updates its own 64 keys. Same record, same math as scan3.
+struct Scan4Smem {
+    __align__(16) float wq[2][2048];    // W, Qp (one buffer, as scan3)
+    __align__(16) float kd[2][2048];    // Kd, double-buffered with the rest
+    __align__(16) float u[2][512];      // U^T of the block's two column tiles
+    __align__(16) float a[2][256];      // Aqk^T
+    __align__(16) float e[2][128];
+    __align__(16) float4 xp[2][2][3][32];  // [kh][column tile][P nt 0, P nt 1, Q nt kh ^ 1][lane]
+    float gm[4][2][64];                 // checkpoint decays of the warp's keys
+};
+
+extern "C" __global__ void __launch_bounds__(128, 3)
+kda_chunk_scan4_f32(const float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
+                    const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
+                    float* __restrict__ o_out, const float* __restrict__ f_in, const float* __restrict__ a_log,
+                    const float* __restrict__ dt_bias, float lower_bound, int t_begin, int t_end, int heads, int conv) {
+    __shared__ Scan4Smem sm;
+    const int h = blockIdx.y, tid = threadIdx.x;
+    if (h >= heads || blockIdx.x * 32 >= KDA_V) return;  // block-uniform
+    const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int mcl = warp & 1, kh = warp >> 1;           // column tile in the block, key half
+    const int col0 = 16 * (blockIdx.x * 2 + mcl), k0 = 64 * kh;
+    const int hk = heads * KDA_K;
+    const i64 s_base = kda_state_base(hk, conv) + (i64)h * KDA_K * KDA_V;
+    float* S = arena + state_off + s_base;
+    const int nchunks = (t_end - t_begin + RC - 1) / RC;
+
+    auto stage = [&](int c, int b) {
+        const float* R = rec + ((i64)c * heads + h) * KDA_REC + 4 * tid;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s3_cp16(&sm.wq[0][4 * tid] + 512 * i, R + REC_W + 512 * i);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s3_cp16(&sm.kd[b][4 * tid] + 512 * i, R + REC_KD + 512 * i);
+        s3_cp16(&sm.u[b][4 * tid], R + REC_U + blockIdx.x * 512);
+        if (tid < 64) s3_cp16(&sm.a[b][4 * tid], R + REC_A);
+        if (tid < 32) s3_cp16(&sm.e[b][4 * tid], R + REC_E);
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    if (nchunks > 0) stage(0, 0);
+
+    // st[n][r]: S[k0 + 8n + 2t + (r & 1)][col0 + g + 8 (r >> 1)] (the global n-tile is 8 kh + n).
+    float st[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+            st[n][r] = S[(i64)(k0 + 8 * n + 2 * t + (r & 1)) * KDA_V + col0 + g + 8 * (r >> 1)];
+    int next_ck = 0;
+    while (next_ck < n_ckpt && ckpt_n[next_ck] <= t_begin) ++next_ck;
+
+    for (int c = 0; c < nchunks; ++c) {
+        const int c0 = t_begin + c * RC, cl = min(RC, t_end - c0), b = c & 1;
+        asm volatile("cp.async.wait_group 0;\n" ::);
+        __syncthreads();  // chunk c staged by every thread
+        // a) The warp's key half of S^T W^T and S^T Qp^T (8 key steps, two partial sets).
+        float P[2][2][4] = {}, Q[2][2][4] = {};
+        const float4* W4 = reinterpret_cast<const float4*>(sm.wq[0]);
+        const float4* Q4 = reinterpret_cast<const float4*>(sm.wq[1]);
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+            u32 ah[4], al[4];
+            s3_afrag(st[s], ah, al);
+            const int sg = 8 * kh + s;
+            const float4 w = W4[sg * 32 + lane], q = Q4[sg * 32 + lane];
+            s3_mma(P[s & 1][0], ah, al, w.x, w.y);
+            s3_mma(P[s & 1][1], ah, al, w.z, w.w);
+            s3_mma(Q[s & 1][0], ah, al, q.x, q.y);
+            s3_mma(Q[s & 1][1], ah, al, q.z, q.w);
+        }
+        float pm[2][4], qm[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                pm[nt][r] = P[0][nt][r] + P[1][nt][r];
+                qm[nt][r] = Q[0][nt][r] + Q[1][nt][r];
+            }
+        float4* xo = sm.xp[kh][mcl][0];
+        xo[lane] = make_float4(pm[0][0], pm[0][1], pm[0][2], pm[0][3]);
+        xo[32 + lane] = make_float4(pm[1][0], pm[1][1], pm[1][2], pm[1][3]);
+        float qo[4], qk[4];  // the other half's O token tile, and this half's (selects: no local memory)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            qo[r] = kh ? qm[0][r] : qm[1][r];
+            qk[r] = kh ? qm[1][r] : qm[0][r];
+        }
+        xo[64 + lane] = make_float4(qo[0], qo[1], qo[2], qo[3]);
+        __syncthreads();  // W, Qp read by all warps (the next chunk may land); partials visible
+        if (c + 1 < nchunks) stage(c + 1, b ^ 1);
+        // b) X^T = U^T - (S^T W^T over all keys), the same in both halves; then A fragments.
+        const float4* xi = sm.xp[kh ^ 1][mcl][0];
+        u32 xh[2][4], xl[2][4];
+        float xa[2][4];
+        const float4* U4 = reinterpret_cast<const float4*>(sm.u[b]);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const float4 u = U4[(mcl * 2 + nt) * 32 + lane], po = xi[nt * 32 + lane];
+            const float uv[4] = {u.x, u.y, u.z, u.w}, pv[4] = {po.x, po.y, po.z, po.w};
+#pragma unroll
+            for (int r = 0; r < 4; ++r) xa[nt][r] = uv[r] - (pm[nt][r] + pv[r]);
+            s3_afrag(xa[nt], xh[nt], xl[nt]);
+        }
+        // c) O^T token tile kh: both halves' S^T Qp^T + X^T Aqk^T.
+        {
+            const float4 qi = xi[64 + lane];
+            float oa[4] = {qk[0] + qi.x, qk[1] + qi.y, qk[2] + qi.z, qk[3] + qi.w};
+            const float4* A4 = reinterpret_cast<const float4*>(sm.a[b]);
+#pragma unroll
+            for (int s2 = 0; s2 < 2; ++s2) {
+                const float4 a = A4[s2 * 32 + lane];
+                s3_mma(oa, xh[s2], xl[s2], kh ? a.z : a.x, kh ? a.w : a.y);
+            }
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int i = 8 * kh + 2 * t + (r & 1);
+                if (i < cl) o_out[(i64)(c0 + i) * hk + h * KDA_V + col0 + g + 8 * (r >> 1)] = oa[r];
+            }
+        }
+        const float4* K4 = reinterpret_cast<const float4*>(sm.kd[b]);
+        // d) Checkpoints inside the chunk (rare), as scan3 on the warp's keys.
+        while (next_ck < n_ckpt && ckpt_n[next_ck] <= c0 + cl) {
+            const int m = ckpt_n[next_ck] - c0;
+            float* gdst = arena + ckpt_off[next_ck] + s_base;
+            const float ae = expf(a_log[h]);
+            for (int dl = lane; dl < 64; dl += 32) {
+                const int d = k0 + dl;
+                float acc = 0.0f, gmv = 0.0f;
+                for (int i = 0; i < cl; ++i) {
+                    const float z = -ae * (f_in[(i64)(c0 + i) * hk + h * KDA_K + d] + dt_bias[h * KDA_K + d]);
+                    acc += lower_bound * __fdividef(1.0f, 1.0f + __expf(z)) * RLOG2E;
+                    if (i == m - 1) gmv = acc;
+                }
+                sm.gm[warp][0][dl] = exp2f(gmv);
+                sm.gm[warp][1][dl] = exp2f(gmv - acc);
+            }
+            __syncwarp();
+            u32 mh[2][4], ml[2][4];
+#pragma unroll
+            for (int s2 = 0; s2 < 2; ++s2) {  // X^T columns (tokens) j >= m cleared
+                const int j = 8 * s2 + 2 * t;
+                const float xm[4] = {j < m ? xa[s2][0] : 0.0f, j + 1 < m ? xa[s2][1] : 0.0f,
+                                     j < m ? xa[s2][2] : 0.0f, j + 1 < m ? xa[s2][3] : 0.0f};
+                s3_afrag(xm, mh[s2], ml[s2]);
+            }
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                const int ng = 8 * kh + n;
+                float cc[4];
+#pragma unroll
+                for (int r = 0; r < 4; ++r) cc[r] = st[n][r] * sm.gm[warp][0][8 * n + 2 * t + (r & 1)];
+                const float sc = sm.gm[warp][1][8 * n + g];
+#pragma unroll
+                for (int s2 = 0; s2 < 2; ++s2) {
+                    const float4 k = K4[(s2 * 8 + (ng >> 1)) * 32 + lane];
+                    s3_mma(cc, mh[s2], ml[s2], ((n & 1) ? k.z : k.x) * sc, ((n & 1) ? k.w : k.y) * sc);
+                }
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    gdst[(i64)(k0 + 8 * n + 2 * t + (r & 1)) * KDA_V + col0 + g + 8 * (r >> 1)] = cc[r];
+            }
+            __syncwarp();
+            ++next_ck;
+        }
+        // e) The warp's keys: S^T <- S^T diag(e) + X^T Kd, 8 independent accumulators.
+        const float2* E2 = reinterpret_cast<const float2*>(sm.e[b]);
+#pragma unroll
+        for (int pl = 0; pl < 4; ++pl) {
+            const int p = 4 * kh + pl;
+            const float4 k0v = K4[p * 32 + lane], k1v = K4[(8 + p) * 32 + lane];
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int n = 2 * pl + hf;
+                const float2 e = E2[t * 16 + 2 * p + hf];
+                st[n][0] *= e.x;
+                st[n][1] *= e.y;
+                st[n][2] *= e.x;
+                st[n][3] *= e.y;
+                s3_mma(st[n], xh[0], xl[0], hf ? k0v.z : k0v.x, hf ? k0v.w : k0v.y);
+                s3_mma(st[n], xh[1], xl[1], hf ? k1v.z : k1v.x, hf ? k1v.w : k1v.y);
+            }
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+            S[(i64)(k0 + 8 * n + 2 * t + (r & 1)) * KDA_V + col0 + g + 8 * (r >> 1)] = st[n][r];
 }

@@ -45,11 +45,21 @@ __device__ __forceinline__ float kda_conv_step(const float* wconv, float* win, f
     return k3_silu(y);
 }
 
+// State accesses. CS: ld/st.global.cs (evict-first): every state value is read once and written
+// once per step, so it should not push the reused conv weights, windows and inputs out of L2.
+template <bool CS = false>
 __device__ __forceinline__ float4 kda_ld4(const float* p, bool aligned) {
+    if (CS) return aligned ? __ldcs(reinterpret_cast<const float4*>(p))
+                           : make_float4(__ldcs(p), __ldcs(p + 1), __ldcs(p + 2), __ldcs(p + 3));
     return aligned ? *reinterpret_cast<const float4*>(p) : make_float4(p[0], p[1], p[2], p[3]);
 }
+template <bool CS = false>
 __device__ __forceinline__ void kda_st4(float* p, float4 v, bool aligned) {
-    if (aligned) {
+    if (CS && aligned) {
+        __stcs(reinterpret_cast<float4*>(p), v);
+    } else if (CS) {
+        __stcs(p, v.x); __stcs(p + 1, v.y); __stcs(p + 2, v.z); __stcs(p + 3, v.w);
+    } else if (aligned) {
         *reinterpret_cast<float4*>(p) = v;
     } else {
         p[0] = v.x; p[1] = v.y; p[2] = v.z; p[3] = v.w;
@@ -61,6 +71,7 @@ __device__ __forceinline__ void kda_st4(float* p, float4 v, bool aligned) {
 // with beta against v (this thread's 4 columns at vcol), store back (and into the checkpoint Sc when
 // set), then o = S^T q for the 4 columns, reduced over the warp's rows and written by lanes 0-1.
 // k and q are scaled by invk / invq on the fly (1 when the caller normalised them: exact).
+template <bool CS = false>
 __device__ __forceinline__ void kda_decode_rows(float4 (&s)[KDA_DEC_ROWS], const float* alpha, const float* ks,
                                                 const float* qs, const float* vcol, float invk, float invq,
                                                 float beta, int kr, int lane, float* S, bool s_al, float* Sc,
@@ -82,11 +93,11 @@ __device__ __forceinline__ void kda_decode_rows(float4 (&s)[KDA_DEC_ROWS], const
         const float kk = ks[k] * invk, qq = qs[k] * invq;
         s[i].x += kk * u[0]; s[i].y += kk * u[1]; s[i].z += kk * u[2]; s[i].w += kk * u[3];
         o[0] += s[i].x * qq; o[1] += s[i].y * qq; o[2] += s[i].z * qq; o[3] += s[i].w * qq;
-        kda_st4(S + k * KDA_V, s[i], s_al);
+        kda_st4<CS>(S + k * KDA_V, s[i], s_al);
     }
     if (Sc) {
 #pragma unroll
-        for (int i = 0; i < KDA_DEC_ROWS; ++i) kda_st4(Sc + (i * 16 + kr) * KDA_V, s[i], c_al);
+        for (int i = 0; i < KDA_DEC_ROWS; ++i) kda_st4<CS>(Sc + (i * 16 + kr) * KDA_V, s[i], c_al);
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) o[j] = kda_reduce_rows16(o[j]);
@@ -191,19 +202,85 @@ __device__ __forceinline__ void kda_push(u32 addr, float v, u32 bar, u32 rank) {
                  :: "r"(ra), "r"(__float_as_uint(v)), "r"(rb) : "memory");
 }
 
-extern "C" __global__ void __cluster_dims__(KDA_SPLIT, 1, 1) __launch_bounds__(KDA_SPLIT_THREADS)
-kda_decode_split_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
-                     const float* __restrict__ f_in, const float* __restrict__ b_in,
-                     const float* __restrict__ conv_q, const float* __restrict__ conv_k,
-                     const float* __restrict__ conv_v, const float* __restrict__ a_log,
-                     const float* __restrict__ dt_bias, float* __restrict__ arena, const i64* __restrict__ state_off,
-                     const i64* __restrict__ ckpt_off, float* __restrict__ o_out, int n_seqs, int heads, int conv,
-                     float lower_bound) {
+// Phase 2 of the "lines" layout (kda_decode_lines_f32): lane l of warp w holds columns
+// 4 (l & 7) .. +3 of the block's 32 and rows i * 16 + w * 4 + (l >> 3), so one warp instruction
+// moves 4 whole 128-byte lines (4 L2 requests) where the split layout moves 16 32-byte sectors of
+// 16 lines (16 requests). The K reductions then cross warps: 2 shuffles + a [4][32] shared-memory
+// sum each (two __syncthreads), the 4 warps added in a fixed order.
+template <bool CS>
+__device__ __forceinline__ void kda_decode_lines_rows(float4 (&s)[KDA_DEC_ROWS], const float* alpha, const float* ks,
+                                                      const float* qs, const float* vcol, float invk, float invq,
+                                                      float beta, int kr, int warp, int lane, float* S, bool s_al,
+                                                      float* Sc, bool c_al, float* out, float (*red_kv)[KDA_SPLIT_COLS],
+                                                      float (*red_o)[KDA_SPLIT_COLS]) {
+    const int cq = 4 * (lane & 7);
+    float kv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < KDA_DEC_ROWS; ++i) {
+        const int k = i * 16 + kr;
+        const float a = alpha[k], kk = ks[k] * invk;
+        s[i].x *= a; s[i].y *= a; s[i].z *= a; s[i].w *= a;
+        kv[0] += s[i].x * kk; kv[1] += s[i].y * kk; kv[2] += s[i].z * kk; kv[3] += s[i].w * kk;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        kv[j] += __shfl_xor_sync(K3_FULL_MASK, kv[j], 8);
+        kv[j] += __shfl_xor_sync(K3_FULL_MASK, kv[j], 16);
+    }
+    if (lane < 8) *reinterpret_cast<float4*>(&red_kv[warp][cq]) = make_float4(kv[0], kv[1], kv[2], kv[3]);
+    __syncthreads();
+    float u[4], o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int v = cq + j;
+        u[j] = beta * (vcol[v] - (((red_kv[0][v] + red_kv[1][v]) + red_kv[2][v]) + red_kv[3][v]));
+    }
+#pragma unroll
+    for (int i = 0; i < KDA_DEC_ROWS; ++i) {
+        const int k = i * 16 + kr;
+        const float kk = ks[k] * invk, qq = qs[k] * invq;
+        s[i].x += kk * u[0]; s[i].y += kk * u[1]; s[i].z += kk * u[2]; s[i].w += kk * u[3];
+        o[0] += s[i].x * qq; o[1] += s[i].y * qq; o[2] += s[i].z * qq; o[3] += s[i].w * qq;
+        kda_st4<CS>(S + k * KDA_V + cq, s[i], s_al);
+    }
+    if (Sc) {
+#pragma unroll
+        for (int i = 0; i < KDA_DEC_ROWS; ++i) kda_st4<CS>(Sc + (i * 16 + kr) * KDA_V + cq, s[i], c_al);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        o[j] += __shfl_xor_sync(K3_FULL_MASK, o[j], 8);
+        o[j] += __shfl_xor_sync(K3_FULL_MASK, o[j], 16);
+    }
+    if (lane < 8) *reinterpret_cast<float4*>(&red_o[warp][cq]) = make_float4(o[0], o[1], o[2], o[3]);
+    __syncthreads();
+    if (warp == 0 && lane < 8) {
+        float r4[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int v = cq + j;
+            r4[j] = ((red_o[0][v] + red_o[1][v]) + red_o[2][v]) + red_o[3][v];
+        }
+        *reinterpret_cast<float4*>(out + cq) = make_float4(r4[0], r4[1], r4[2], r4[3]);
+    }
+}
+
+// The split kernels: LINES picks the state layout of phase 2 (kda_decode_rows or
+// kda_decode_lines_rows), CS the evict-first state accesses. Phase 1 is the same for all.
+template <bool LINES, bool CS>
+__device__ __forceinline__ void kda_decode_split_impl(
+    const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
+    const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
+    const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
+    const float* __restrict__ dt_bias, float* __restrict__ arena, const i64* __restrict__ state_off,
+    const i64* __restrict__ ckpt_off, float* __restrict__ o_out, int n_seqs, int heads, int conv, float lower_bound) {
     // qs/ks/alpha/ssp are filled by the cluster's pushes (q and k before normalisation; ssp[2b],
     // ssp[2b+1]: block b's sums of q^2 and k^2); vs and beta_s are this block's own.
     __shared__ float qs[KDA_K], ks[KDA_K], alpha[KDA_K], ssp[2 * KDA_SPLIT], vs[KDA_SPLIT_COLS];
     __shared__ float beta_s;
     __shared__ __align__(8) unsigned long long bar;
+    __shared__ __align__(16) float red_kv[LINES ? 4 : 1][KDA_SPLIT_COLS];  // lines only
+    __shared__ __align__(16) float red_o[LINES ? 4 : 1][KDA_SPLIT_COLS];
     const u32 r = kda_cluster_rank();
     const int h = blockIdx.x / KDA_SPLIT, n = blockIdx.y;
     // Uniform over the cluster (same h and n), so no block skips the cluster barrier alone.
@@ -222,12 +299,14 @@ kda_decode_split_f32(const float* __restrict__ q_in, const float* __restrict__ k
     float* region = arena + state_off[n];
     float* ckpt = ckpt_off[n] >= 0 ? arena + ckpt_off[n] : nullptr;
     const i64 wf = kda_window_floats(hk, conv);
-    const int vl = warp * 8 + (lane & 1) * 4, v0 = (int)r * KDA_SPLIT_COLS + vl, kr = lane >> 1;
+    // The thread's 4 columns (vl in the block's slice, v0 in the head) and its row offset kr.
+    const int vl = LINES ? 4 * (lane & 7) : warp * 8 + (lane & 1) * 4, v0 = (int)r * KDA_SPLIT_COLS + vl;
+    const int kr = LINES ? warp * 4 + (lane >> 3) : lane >> 1;
     float* S = region + kda_state_base(hk, conv) + (i64)h * KDA_K * KDA_V;
     const bool s_al = (state_off[n] & 3) == 0, c_al = (ckpt_off[n] & 3) == 0;
     float4 s[KDA_DEC_ROWS];
 #pragma unroll
-    for (int i = 0; i < KDA_DEC_ROWS; ++i) s[i] = kda_ld4(S + (i * 16 + kr) * KDA_V + v0, s_al);
+    for (int i = 0; i < KDA_DEC_ROWS; ++i) s[i] = kda_ld4<CS>(S + (i * 16 + kr) * KDA_V + v0, s_al);
 
     // Phase 1: warp 0/1/2 convolve channel r*32 + lane of q/k/v (and update its window), warp 3
     // computes the gate of key row r*32 + lane.
@@ -268,7 +347,47 @@ kda_decode_split_f32(const float* __restrict__ q_in, const float* __restrict__ k
     const float invk = 1.0f / sqrtf(ssp[1] + ssp[3] + ssp[5] + ssp[7] + 1e-6f);
 
     // Phase 2: as in kda_decode_f32, on this block's 32 columns.
-    kda_decode_rows(s, alpha, ks, qs, vs + vl, invk, invq, beta_s, kr, lane, S + v0, s_al,
-                    ckpt ? ckpt + kda_state_base(hk, conv) + (i64)h * KDA_K * KDA_V + v0 : nullptr, c_al,
-                    o_out + (i64)n * hk + h * KDA_V + v0);
+    float* Sc = ckpt ? ckpt + kda_state_base(hk, conv) + (i64)h * KDA_K * KDA_V : nullptr;
+    if (LINES) {
+        const int c0 = (int)r * KDA_SPLIT_COLS;  // the slice's first column
+        kda_decode_lines_rows<CS>(s, alpha, ks, qs, vs, invk, invq, beta_s, kr, warp, lane, S + c0, s_al,
+                                  Sc ? Sc + c0 : nullptr, c_al, o_out + (i64)n * hk + h * KDA_V + c0, red_kv, red_o);
+    } else {
+        kda_decode_rows<CS>(s, alpha, ks, qs, vs + vl, invk, invq, beta_s, kr, lane, S + v0, s_al,
+                            Sc ? Sc + v0 : nullptr, c_al, o_out + (i64)n * hk + h * KDA_V + v0);
+    }
+}
+
+// K3_KDA_DECODE=split (default).
+extern "C" __global__ void __cluster_dims__(KDA_SPLIT, 1, 1) __launch_bounds__(KDA_SPLIT_THREADS)
+kda_decode_split_f32(
+    const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
+    const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
+    const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
+    const float* __restrict__ dt_bias, float* __restrict__ arena, const i64* __restrict__ state_off,
+    const i64* __restrict__ ckpt_off, float* __restrict__ o_out, int n_seqs, int heads, int conv, float lower_bound) {
+    kda_decode_split_impl<false, false>(q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, arena,
+                                       state_off, ckpt_off, o_out, n_seqs, heads, conv, lower_bound);
+}
+// K3_KDA_DECODE=split_cs: the same with evict-first state loads and stores.
+extern "C" __global__ void __cluster_dims__(KDA_SPLIT, 1, 1) __launch_bounds__(KDA_SPLIT_THREADS)
+kda_decode_split_cs_f32(
+    const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
+    const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
+    const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
+    const float* __restrict__ dt_bias, float* __restrict__ arena, const i64* __restrict__ state_off,
+    const i64* __restrict__ ckpt_off, float* __restrict__ o_out, int n_seqs, int heads, int conv, float lower_bound) {
+    kda_decode_split_impl<false, true>(q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, arena,
+                                       state_off, ckpt_off, o_out, n_seqs, heads, conv, lower_bound);
+}
+// K3_KDA_DECODE=lines: whole 128-byte lines per warp instruction, evict-first state accesses.
+extern "C" __global__ void __cluster_dims__(KDA_SPLIT, 1, 1) __launch_bounds__(KDA_SPLIT_THREADS)
+kda_decode_lines_f32(
+    const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
+    const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
+    const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
+    const float* __restrict__ dt_bias, float* __restrict__ arena, const i64* __restrict__ state_off,
+    const i64* __restrict__ ckpt_off, float* __restrict__ o_out, int n_seqs, int heads, int conv, float lower_bound) {
+    kda_decode_split_impl<true, true>(q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, arena,
+                                       state_off, ckpt_off, o_out, n_seqs, heads, conv, lower_bound);
 }

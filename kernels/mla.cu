@@ -5,6 +5,9 @@
 //                         mma.sync), 16 heads per KV tile, split over positions
 //   mla_merge_f32         merge the splits (log-sum-exp) into the normalised latent o~_h
 //   mla_out_proj_f32      o_h = W_UV,h o~_h, each head's W_UV read once for up to 64 items
+//   mla_absorb_q_bf16,    the two kv_b products above on the stored bf16 kv_b, tensor cores, each
+//   mla_out_proj_bf16     weight byte read once for all items (what decode runs for a bf16 kv_b;
+//                         the f32 pair stays for f32 checkpoints and odd shapes)
 // Queries are independent items with their own page table and length, so a prefill chunk can
 // run as T queries with causal lengths start+1 .. start+T (exact; the expanded form is faster).
 //
@@ -381,5 +384,254 @@ mla_out_proj_f32(const float* __restrict__ lat, const float* __restrict__ kv_b, 
                 if (r0 + 1 < rows) dst[1] = s1;
             }
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The two per-head weight products of decode on bf16 kv_b (the checkpoint's own storage: half the
+// bytes of the f32 copy the kernels above read, and no f32 copy on the device for decode):
+//   mla_absorb_q_bf16     qt[n, h] = [W_UK,h^T q_nope[n, h] ; q_r[n, h]]   per head [N, nope] x [nope, L]
+//   mla_out_proj_bf16     o[n, h]  = W_UV,h lat[n, h]                       per head [N, L] x [L, v]^T
+// Both on tensor cores (mma m16n8k16 bf16, f32 accumulate) with the weight as the A operand (16
+// output rows per tile) and the items as B (n8 tiles): every weight byte is read once per call
+// for all N items. As in bf16.cu gemv_bf16_tc_f32, each activation enters as three bf16 pieces
+// (hi + mid + lo = all 24 mantissa bits) and bf16 x bf16 products are exact in f32, so the
+// results track the f32 kernels (~1e-6). A sum over k ignores the order of k: a lane's fragment
+// slots may hold any k's, as long as A and B agree, which lets the loads be wide and contiguous.
+
+__device__ __forceinline__ u32 mla_pack_bf16(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// (a, b) -> three bf16x2 words summing to (a, b) (each the rounded residual of the ones before).
+__device__ __forceinline__ void mla_split3(float a, float b, u32* p) {
+    p[0] = mla_pack_bf16(a, b);
+    a -= __uint_as_float(p[0] << 16);
+    b -= __uint_as_float(p[0] & 0xffff0000u);
+    p[1] = mla_pack_bf16(a, b);
+    a -= __uint_as_float(p[1] << 16);
+    b -= __uint_as_float(p[1] & 0xffff0000u);
+    p[2] = mla_pack_bf16(a, b);
+}
+
+__device__ __forceinline__ void mla_mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += A (two m16 tiles) x the three pieces of B, small pieces first.
+__device__ __forceinline__ void mla_mma3(float (*c)[4], const u32 (*a)[4], const u32* b0, const u32* b1) {
+#pragma unroll
+    for (int p = 2; p >= 0; --p)
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) mla_mma_bf16(c[mt], a[mt], b0[p], b1[p]);
+}
+
+// Streamed weights: read once, keep them out of L1.
+__device__ __forceinline__ uint2 mla_ld_stream2(const u16* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint4 mla_ld_stream4(const u16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// W_UK,h is stored [nope, L] (L contiguous) but the MMA wants output rows (L) by reduction (p):
+// lane (g, t) loads 4 consecutive columns l = 4g.. of rows p = 16 ks + 4t + j (j < 4), one 8-byte
+// load per row, and byte-permutes row pairs into its A fragments: m16 tile mt row g <-> column
+// l + 2 mt, row g + 8 <-> l + 2 mt + 1; k slots (2t, 2t+1) <-> rows p, p + 1 and (2t+8, 2t+9) <->
+// p + 2, p + 3. Its q fragment is then one float4 at q_nope[16 ks + 4t], and its four outputs per
+// item are the contiguous columns l..l+3 (one float4 store).
+// Grid (ceil(L / 128), heads), 128 threads: warp w owns columns [32 w, 32 w + 32) of the block's
+// 128, with all of its W_UK slice in registers (64 per lane: all loads in flight at once), then
+// loops over the items 16 at a time. nope in passes of 128 (K3: one); later passes add.
+// Needs nope % 16 == 0, (nope + rope) % 4 == 0, L % 4 == 0 (16-byte q rows, 8-byte weight loads).
+#define MLA_BQ_KSTEPS 8  // k16 steps per pass: 128 nope rows
+extern "C" __global__ void __launch_bounds__(128)
+mla_absorb_q_bf16(const float* __restrict__ q, const u16* __restrict__ kv_b, float* __restrict__ qt, int items,
+                  int heads, int nope, int rope, int v_dim, int kv_lora) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, qk = nope + rope, row = kv_lora + rope;
+    if (h >= heads) return;
+    if (blockIdx.x == 0)
+        for (int i = threadIdx.x; i < items * rope; i += blockDim.x) {
+            const i64 nh = (i64)(i / rope) * heads + h;
+            qt[nh * row + kv_lora + i % rope] = q[nh * qk + nope + i % rope];
+        }
+    const int l = blockIdx.x * 128 + warp * 32 + 4 * g;
+    const bool lok = l < kv_lora;
+    const u16* wuk = kv_b + (i64)h * (nope + v_dim) * kv_lora + (lok ? l : 0);
+    for (int p0 = 0; p0 < nope; p0 += 16 * MLA_BQ_KSTEPS) {
+        const int ks_n = min(MLA_BQ_KSTEPS, (nope - p0) / 16);
+        uint2 w[MLA_BQ_KSTEPS][4];
+#pragma unroll
+        for (int ks = 0; ks < MLA_BQ_KSTEPS; ++ks)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                w[ks][j] = (lok && ks < ks_n) ? mla_ld_stream2(wuk + (i64)(p0 + 16 * ks + 4 * t + j) * kv_lora)
+                                              : make_uint2(0, 0);
+        u32 a[MLA_BQ_KSTEPS][2][4];
+#pragma unroll
+        for (int ks = 0; ks < MLA_BQ_KSTEPS; ++ks) {
+            a[ks][0][0] = __byte_perm(w[ks][0].x, w[ks][1].x, 0x5410);
+            a[ks][0][1] = __byte_perm(w[ks][0].x, w[ks][1].x, 0x7632);
+            a[ks][0][2] = __byte_perm(w[ks][2].x, w[ks][3].x, 0x5410);
+            a[ks][0][3] = __byte_perm(w[ks][2].x, w[ks][3].x, 0x7632);
+            a[ks][1][0] = __byte_perm(w[ks][0].y, w[ks][1].y, 0x5410);
+            a[ks][1][1] = __byte_perm(w[ks][0].y, w[ks][1].y, 0x7632);
+            a[ks][1][2] = __byte_perm(w[ks][2].y, w[ks][3].y, 0x5410);
+            a[ks][1][3] = __byte_perm(w[ks][2].y, w[ks][3].y, 0x7632);
+        }
+        // Items 16 at a time (two n8 tiles: four independent accumulator chains).
+        for (int n0 = 0; n0 < items; n0 += 16) {
+            const bool two = n0 + 8 < items;  // uniform
+            const float* xr[2];
+            bool xok[2];
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const int n = n0 + 8 * nt + g;
+                xok[nt] = n < items;
+                xr[nt] = q + ((i64)min(n, items - 1) * heads + h) * qk + p0 + 4 * t;
+            }
+            float c[2][2][4];
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) c[nt][mt][0] = c[nt][mt][1] = c[nt][mt][2] = c[nt][mt][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < MLA_BQ_KSTEPS; ++ks) {
+                if (ks >= ks_n) break;  // uniform
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    if (nt == 1 && !two) break;
+                    const float4 x = xok[nt] ? __ldg(reinterpret_cast<const float4*>(xr[nt] + 16 * ks))
+                                             : make_float4(0.f, 0.f, 0.f, 0.f);
+                    u32 b0[3], b1[3];
+                    mla_split3(x.x, x.y, b0);
+                    mla_split3(x.z, x.w, b1);
+                    mla_mma3(c[nt], a[ks], b0, b1);
+                }
+            }
+            // D: c[nt][mt][i] is row g + 8 (i >> 1) of tile mt (column l + 2 mt + (i >> 1)) for
+            // item n0 + 8 nt + 2t + (i & 1).
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int n = n0 + 8 * nt + 2 * t + e;
+                    if (!lok || n >= items) continue;
+                    float4* dst = reinterpret_cast<float4*>(qt + ((i64)n * heads + h) * row + l);
+                    float4 v = make_float4(c[nt][0][e], c[nt][0][2 + e], c[nt][1][e], c[nt][1][2 + e]);
+                    if (p0 > 0) {
+                        const float4 u = *dst;
+                        v = make_float4(u.x + v.x, u.y + v.y, u.z + v.z, u.w + v.w);
+                    }
+                    *dst = v;
+                }
+        }
+    }
+}
+
+// W_UV,h is stored [v, L] (L contiguous) = the MMA's A layout: lane (g, t) loads 16 bytes (8 columns
+// 8t..8t+7 of a 32-column chunk) of rows g and g + 8 of each m16 tile; with the matching 8 lat
+// values they fill two k16 MMAs (the gemv_bf16_tc_f32 layout). Grid (ceil(v / 32), heads), 128
+// threads: the 4 warps share the block's 32 rows and split L (chunks w, w + 4, ..: at most 4 each
+// for L <= 512, all in registers: 64 per lane), then the 4 partial sums meet in shared memory and
+// are added in warp order (deterministic). Items in passes of MLA_BO_NT n8 tiles. L % 8 == 0.
+#define MLA_BO_WARPS 4
+#define MLA_BO_CHUNKS 4  // 32-column chunks per warp: L <= 512
+#define MLA_BO_NT 8      // n8 item tiles per reduction pass (64 items)
+extern "C" __global__ void __launch_bounds__(128)
+mla_out_proj_bf16(const float* __restrict__ lat, const u16* __restrict__ kv_b, float* __restrict__ o, int items,
+                  int heads, int nope, int v_dim, int kv_lora) {
+    __shared__ float red[MLA_BO_WARPS][MLA_BO_NT * 8][32];  // [warp][(nt, mt, i)][lane]: 32 KB
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, v0 = blockIdx.x * 32;
+    if (h >= heads || v0 >= v_dim || kv_lora > 32 * MLA_BO_WARPS * MLA_BO_CHUNKS) return;
+    uint4 w[MLA_BO_CHUNKS][2][2];  // [chunk][mt][row g | g + 8]
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int v = v0 + 16 * mt + 8 * r + g;
+            const u16* src = kv_b + ((i64)h * (nope + v_dim) + nope + min(v, v_dim - 1)) * kv_lora;
+#pragma unroll
+            for (int i = 0; i < MLA_BO_CHUNKS; ++i) {
+                const int col = (warp + MLA_BO_WARPS * i) * 32 + 8 * t;
+                w[i][mt][r] = (v < v_dim && col < kv_lora) ? mla_ld_stream4(src + col) : make_uint4(0, 0, 0, 0);
+            }
+        }
+    for (int n0 = 0; n0 < items; n0 += 8 * MLA_BO_NT) {
+        // Two n8 tiles at a time: four independent accumulator chains.
+        for (int nt0 = 0; nt0 < MLA_BO_NT && n0 + 8 * nt0 < items; nt0 += 2) {
+            const bool two = n0 + 8 * nt0 + 8 < items;  // uniform
+            const float* xr[2];
+            bool xok[2];
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const int n = n0 + 8 * (nt0 + k) + g;
+                xok[k] = n < items;
+                xr[k] = lat + ((i64)min(n, items - 1) * heads + h) * kv_lora;
+            }
+            float c[2][2][4];
+#pragma unroll
+            for (int k = 0; k < 2; ++k)
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) c[k][mt][0] = c[k][mt][1] = c[k][mt][2] = c[k][mt][3] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < MLA_BO_CHUNKS; ++i) {
+                const int col = (warp + MLA_BO_WARPS * i) * 32 + 8 * t;
+                if ((warp + MLA_BO_WARPS * i) * 32 >= kv_lora) break;  // uniform
+                u32 a0[2][4], a1[2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    const uint4 r = w[i][mt][0], r8 = w[i][mt][1];
+                    a0[mt][0] = r.x, a0[mt][1] = r8.x, a0[mt][2] = r.y, a0[mt][3] = r8.y;
+                    a1[mt][0] = r.z, a1[mt][1] = r8.z, a1[mt][2] = r.w, a1[mt][3] = r8.w;
+                }
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    if (k == 1 && !two) break;
+                    float4 lo4 = make_float4(0.f, 0.f, 0.f, 0.f), hi4 = lo4;
+                    if (xok[k] && col < kv_lora) {
+                        const float4* p = reinterpret_cast<const float4*>(xr[k] + col);
+                        lo4 = __ldg(p);
+                        hi4 = __ldg(p + 1);
+                    }
+                    u32 b[4][3];
+                    mla_split3(lo4.x, lo4.y, b[0]);
+                    mla_split3(lo4.z, lo4.w, b[1]);
+                    mla_split3(hi4.x, hi4.y, b[2]);
+                    mla_split3(hi4.z, hi4.w, b[3]);
+                    mla_mma3(c[k], a0, b[0], b[1]);
+                    mla_mma3(c[k], a1, b[2], b[3]);
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < 2; ++k)
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) red[warp][((nt0 + k) * 2 + mt) * 4 + i][lane] = c[k][mt][i];
+        }
+        __syncthreads();
+        // Slot ((nt, mt), i) of lane (g', t'): row v0 + 16 mt + g' + 8 (i >> 1), item n0 + 8 nt + 2t' + (i & 1).
+        for (int s = threadIdx.x; s < MLA_BO_NT * 8 * 32; s += blockDim.x) {
+            const int slot = s >> 5, ln = s & 31, i = slot & 3, mt = (slot >> 2) & 1, nt = slot >> 3;
+            const int n = n0 + 8 * nt + 2 * (ln & 3) + (i & 1), v = v0 + 16 * mt + (ln >> 2) + 8 * (i >> 1);
+            if (n < items && v < v_dim)
+                o[((i64)n * heads + h) * v_dim + v] =
+                    ((red[0][slot][ln] + red[1][slot][ln]) + red[2][slot][ln]) + red[3][slot][ln];
+        }
+        __syncthreads();
     }
 }

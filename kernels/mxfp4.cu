@@ -226,6 +226,233 @@ mxfp4_down_gemv_f32(const float* __restrict__ act, const u8* __restrict__ w2p, c
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Stream kernels: the default for 1-token steps (ops.rs mx_experts_choice). The gemv pair above
+// reads 64 bytes per row per loop trip and then decodes them with nothing else in flight, at one
+// table load per weight (the shared-memory pipe, not HBM, sets its pace). Here:
+// - Work: the (assignment, row) pairs, flattened, split evenly over every warp of a grid of two
+//   256-thread blocks per SM (ops.rs mx_stream_launch): at most one row of imbalance, no tail
+//   wave. Assignment a = (token a / top_k, expert idx[a]) straight from the router: no sort.
+// - Loads: a warp takes a batch of up to 2 * RH consecutive rows (half-warp h the rows 2 j + h);
+//   lane l of a half loads 16-byte chunk l & 15, +16, +32, ... of its rows, so each load
+//   instruction reads two whole aligned 256-byte runs. NM * RH = 8 loads per lane per step
+//   (128 B; 64 KB per SM), and each row's next chunk is requested as soon as its current one is
+//   decoded (rolling prefetch: the HBM stream never waits on the decode of a step).
+// - Decode: one shared load per byte (two weights) from a 256-entry bf16x2 table replicated per
+//   lane (entry b of lane l at word 64 b + l: the address is one PRMT of the byte and 4 l, and
+//   every lane hits its own bank), then two shifts/masks to f32 (exact: an E2M1 value fits bf16).
+//   That is half the shared wavefronts of the 16-entry table and about 3 issue slots per weight.
+// - Activations: the upper 128 bytes of each 256-byte table row hold one 32-value chunk of x
+//   (two staged rows, chunks 0..127 each, float4 j of chunk c at j ^ (c & 7): the 16 chunks of a
+//   load instruction spread over all banks). A lane keeps its chunk's 32 values in registers and
+//   applies them to all NM * RH rows of the batch.
+// Sums: per lane over its chunks (f32 FMA, block scale applied per 32-value dot as above), then
+// a 16-lane xor tree. Exact f32 products; only the summation order differs from the gemv pair.
+#define MXS_WARPS 8                    // warps per block
+#define MXS_TAB_ROW 256                // bytes per table row: 32 lanes x bf16x2, then one x chunk
+#define MXS_SHARED (256 * MXS_TAB_ROW) // dynamic shared memory: 64 KB (ops.rs MX_STREAM_SHARED)
+#define MXS_MAX_CHUNKS 128             // chunks per staged row: cols / 32 + 1 zero chunk (cols <= 4064)
+
+extern __shared__ __align__(16) u32 mxs_smem[];
+
+// 16 weight bytes, streamed past L1 (read once).
+__device__ __forceinline__ uint4 mxs_ld(const u8* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void mxs_fill_table() {
+    for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {
+        const u32 b = (u32)i >> 5;
+        const u32 lo = __float_as_uint(fp4_e2m1_to_f32(b & 15u)) >> 16, hi = __float_as_uint(fp4_e2m1_to_f32(b >> 4)) >> 16;
+        mxs_smem[(b << 6) | ((u32)i & 31u)] = lo | (hi << 16);
+    }
+}
+
+// Stage one f32 row of `cols` values as x slot `slot` (layout in the header).
+__device__ __forceinline__ void mxs_stage(const float* __restrict__ src, int cols, int slot) {
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+    float4* xs = reinterpret_cast<float4*>(mxs_smem) + 16 * MXS_MAX_CHUNKS * slot + 8;
+    for (int g = threadIdx.x; g < cols / 4 + 8; g += blockDim.x) {  // + chunk nb = 0 (mxs_batch)
+        const int c = g >> 3;
+        xs[16 * c + ((g & 7) ^ (c & 7))] = g < cols / 4 ? s4[g] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+}
+
+// First row of the flattened (assignment, row) space owned by warp `part` of `parts`.
+__device__ __forceinline__ i64 mxs_split(i64 n, i64 part, i64 parts) { return n * part / parts; }
+
+// One batch: rows r0 + 2 j + h (j < RH, 2 j + h < nr) of NM matrices (pk / ps: the expert's
+// packed bytes / scales at row 0, nb 32-value chunks per row) against x slot `slot`.
+// acc[m][j]: this lane's partial dot of its row; the caller reduces over the half-warp. Lanes
+// past the batch load its last row (sums not stored); lanes past the row (nb % 16 != 0) load its
+// last chunk against the zero chunk staged at index nb (E2M1 values are finite: the dot is 0).
+template <int NM, int RH>
+__device__ __forceinline__ void mxs_batch(const u8* const (&pk)[NM], const u8* const (&ps)[NM], int r0, int nr,
+                                          int nb, int slot, float (&acc)[NM][RH]) {
+    const int lane = threadIdx.x & 31, h = lane >> 4, cl = lane & 15;
+    const u32 lane4 = (u32)lane << 2;
+    const char* tab = reinterpret_cast<const char*>(mxs_smem);
+    const float4* xs = reinterpret_cast<const float4*>(mxs_smem) + 16 * MXS_MAX_CHUNKS * slot + 8;
+    const u32 rowb = (u32)nb * 16u;  // an expert's matrix is < 2^31 bytes (ops.rs)
+    const u8* wrow[NM];
+    const u8* srow[NM];
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+        wrow[m] = pk[m] + (i64)r0 * rowb;
+        srow[m] = ps[m] + (i64)r0 * nb;
+    }
+    uint4 raw[NM][RH];
+    u32 sc[NM][RH];
+    // Chunk min(cl + 16 i, nb - 1) of row slot j.
+    auto load = [&](int m, int j, int i) {
+        const u32 rr = (u32)min(2 * j + h, nr - 1), cc = (u32)min(cl + 16 * i, nb - 1);
+        raw[m][j] = mxs_ld(wrow[m] + (rr * rowb + cc * 16u));
+        sc[m][j] = __ldg(srow[m] + (rr * (u32)nb + cc));
+    };
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int j = 0; j < RH; ++j) {
+            acc[m][j] = 0.0f;
+            load(m, j, 0);
+        }
+    const int nsteps = (nb + 15) >> 4;
+    for (int i = 0; i < nsteps; ++i) {
+        const int c = min(cl + 16 * i, nb);  // nb: the zero chunk
+        const bool more = i + 1 < nsteps;
+        float xv[32];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            const float4 v = xs[16 * c + (q ^ (c & 7))];
+            xv[4 * q] = v.x;
+            xv[4 * q + 1] = v.y;
+            xv[4 * q + 2] = v.z;
+            xv[4 * q + 3] = v.w;
+        }
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+            for (int j = 0; j < RH; ++j) {
+                if (2 * j >= nr) continue;  // warp-uniform: no row of this slot in either half
+                const uint4 w = raw[m][j];
+                float d0 = 0.0f, d1 = 0.0f;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const u32 wd = q == 0 ? w.x : q == 1 ? w.y : q == 2 ? w.z : w.w;
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        // (byte k << 8) | 4 lane: entry (byte, lane) of the table.
+                        const u32 off = __byte_perm(wd, lane4, 0x5504u + 16u * k);
+                        const u32 p = *reinterpret_cast<const u32*>(tab + off);
+                        d0 = fmaf(__uint_as_float(p << 16), xv[8 * q + 2 * k], d0);
+                        d1 = fmaf(__uint_as_float(p & 0xffff0000u), xv[8 * q + 2 * k + 1], d1);
+                    }
+                }
+                acc[m][j] = fmaf(d0 + d1, e8m0_to_f32((u8)sc[m][j]), acc[m][j]);
+                if (more) load(m, j, i + 1);
+            }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int j = 0; j < RH; ++j)
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) acc[m][j] += __shfl_xor_sync(K3_FULL_MASK, acc[m][j], o);
+}
+
+// The block's part of the flattened (assignment, row) space, n_assign x rows: stage the x rows
+// of up to two assignments at a time, then each warp runs its own rows of them in batches.
+// x_of(j) = the f32 input row of assignment j; emit(j, e, r0, nr, acc) stores a batch (lanes
+// with lane & 15 == 0 hold the sums).
+template <int NM, int RH, typename XOf, typename Batch>
+__device__ __forceinline__ void mxs_drive(const int* __restrict__ idx, int experts, int n_assign, int rows,
+                                          int cols, XOf x_of, Batch batch) {
+    __shared__ int slot_e[2];
+    const int warp = threadIdx.x >> 5;
+    const i64 n = (i64)n_assign * rows, parts = (i64)gridDim.x * MXS_WARPS, w0 = (i64)blockIdx.x * MXS_WARPS;
+    const i64 b0 = mxs_split(n, w0, parts), b1 = mxs_split(n, w0 + MXS_WARPS, parts);
+    if (b1 <= b0) return;  // block-uniform
+    const i64 q0 = mxs_split(n, w0 + warp, parts), q1 = mxs_split(n, w0 + warp + 1, parts);
+    mxs_fill_table();
+    const int jlo = (int)(b0 / rows), jhi = (int)((b1 - 1) / rows);
+    for (int jr = jlo; jr <= jhi; jr += 2) {
+        __syncthreads();  // table written (first round); the previous round is done with the x slots
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            const int j = jr + s;
+            const int e = j <= jhi ? idx[j] : -1;
+            const bool ok = e >= 0 && e < experts;
+            if (threadIdx.x == 0) slot_e[s] = ok ? e : -1;
+            if (ok) mxs_stage(x_of(j), cols, s);
+        }
+        __syncthreads();
+        const i64 lo = max(q0, (i64)jr * rows), hi = min(q1, (i64)(jr + 2) * rows);
+        for (i64 q = lo; q < hi;) {
+            const int j = (int)(q / rows), r0 = (int)(q - (i64)j * rows);
+            const int nr = (int)min((i64)(2 * RH), min(hi - q, (i64)(rows - r0)));
+            const int e = slot_e[j - jr];
+            if (e >= 0) batch(j, e, r0, nr, j - jr);  // warp-uniform
+            q += nr;
+        }
+    }
+}
+
+// Grid (ops.rs mx_stream_launch: up to 2 per SM), 256 threads, MXS_SHARED dynamic shared memory
+// (opt-in). act[a, r] = SiTU-GLU(W1_e[r] . z_t, W3_e[r] . z_t) for every assignment a < n_assign
+// with e = idx[a] in [0, experts) and t = a / top_k (other assignments: rows left as they are).
+// latent <= 4064 (ops.rs MX_STREAM_MAX_COLS), a multiple of 32.
+extern "C" __global__ void __launch_bounds__(256, 2)
+mxfp4_up_stream_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
+                    const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ idx,
+                    float* __restrict__ act, int top_k, int latent, int inter, float beta, float beta_lin, int has_lin,
+                    int experts, int n_assign) {
+    const int nb = latent / 32;
+    auto x_of = [&](int j) { return z + (i64)(j / top_k) * latent; };
+    auto batch = [&](int j, int e, int r0, int nr, int slot) {
+        const i64 m0 = (i64)e * inter;
+        const u8* pk[2] = {w1p + m0 * (latent / 2), w3p + m0 * (latent / 2)};
+        const u8* ps[2] = {w1s + m0 * nb, w3s + m0 * nb};
+        float acc[2][4];
+        mxs_batch<2, 4>(pk, ps, r0, nr, nb, slot, acc);
+        const int h = (threadIdx.x >> 4) & 1;
+        if ((threadIdx.x & 15) == 0) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                if (2 * k + h < nr)
+                    act[(i64)j * inter + r0 + 2 * k + h] = situ_glu_one(acc[0][k], acc[1][k], beta, beta_lin, has_lin);
+        }
+    };
+    mxs_drive<2, 4>(idx, experts, n_assign, inter, latent, x_of, batch);
+}
+
+// Grid, block and shared memory as mxfp4_up_stream_f32: y[a, r] = W2_e[r] . act[a] for every
+// assignment a < n_assign with e = idx[a] in [0, experts). inter <= 4064, a multiple of 32.
+extern "C" __global__ void __launch_bounds__(256, 2)
+mxfp4_down_stream_f32(const float* __restrict__ act, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
+                      const int* __restrict__ idx, float* __restrict__ y, int latent, int inter, int experts,
+                      int n_assign) {
+    const int nb = inter / 32;
+    auto x_of = [&](int j) { return act + (i64)j * inter; };
+    auto batch = [&](int j, int e, int r0, int nr, int slot) {
+        const i64 m0 = (i64)e * latent;
+        const u8* pk[1] = {w2p + m0 * (inter / 2)};
+        const u8* ps[1] = {w2s + m0 * nb};
+        float acc[1][8];
+        mxs_batch<1, 8>(pk, ps, r0, nr, nb, slot, acc);
+        const int h = (threadIdx.x >> 4) & 1;
+        if ((threadIdx.x & 15) == 0) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k)
+                if (2 * k + h < nr) y[(i64)j * latent + r0 + 2 * k + h] = acc[0][k];
+        }
+    };
+    mxs_drive<1, 8>(idx, experts, n_assign, latent, inter, x_of, batch);
+}
+
 // out [T, latent] = sum over slots j (in order) of w[t*k+j] * y[t*k+j, :].
 extern "C" __global__ void moe_combine_f32(const float* __restrict__ y, const float* __restrict__ w,
                                            float* __restrict__ out, int tokens, int top_k, int latent) {

@@ -264,3 +264,277 @@ mxfp4_down_tc_f32(const float* __restrict__ act, const u8* __restrict__ w2p, con
                           }
                   });
 }
+
+// ---------------------------------------------------------------------------------------------
+// tc2 (ops.rs MxExperts::Tc, the default from 2 tokens; the pair above is `tc_old`): the same
+// decode (table + scale fold) and mma fragments, but
+// - every token of the expert goes through each decoded weight fragment: a pass takes up to 16
+//   tokens (4 n-tiles of 4 tokens x hi/lo), so the weights are read once per expert (experts with
+//   more than 16 tokens take another pass). The old pair re-read them every 8 tokens;
+// - weights stream through a 3-stage cp.async ring in shared memory (no registers held by loads
+//   in flight: two 17 KB stages per block, two blocks per SM), each stage one super-step (128
+//   columns = 4 MX blocks) of 256 weight rows, with an L2 256-byte prefetch hint so DRAM sees
+//   256-byte runs of each row. One barrier per stage;
+// - the activations are split into hi / lo bf16 once (mxfp4_tc2_split_f32 for z; the up kernel's
+//   epilogue for the intermediate), already in the fragment column order of the header, so a
+//   stage's B tile is a plain 512-byte copy per token.
+// Row-major staged tiles: A-row ar of a stage (64 bytes) sits at ar * 64, its 4 scale bytes at
+// MX2_W_BYTES + 4 ar; the warp's 16-byte reads (8 rows x 4 lanes) cover all 32 banks 4 times.
+// B row v = 2 i + p (token i of the pass, p = 0 hi / 1 lo) at MX2_BRS-byte stride (conflict-free
+// 8-byte fragment loads, as MXT_RS).
+// xs layout (both split forms): [row][ceil(cols / 128)][p][128] bf16, column 128 ss + c at index
+// mx2_pos(c) of its super-step (c = 32 t + 4 s + j -> 16 s + 4 t + j: lane t's k-step s reads 4
+// consecutive values), columns past `cols` zero.
+#define MX2_KC 128
+#define MX2_STAGES 3
+#define MX2_MAXNT 4
+#define MX2_AROWS 256
+#define MX2_BRS 272
+#define MX2_W_BYTES (MX2_AROWS * 64)
+#define MX2_S_BYTES (MX2_AROWS * 4)
+#define MX2_BNT_BYTES (8 * MX2_BRS)
+// Dynamic shared memory for nt n-tiles per pass (ops.rs mx_tc2_shared; 111,104 B at nt = 4: two
+// blocks per SM).
+#define MX2_STAGE_BYTES(nt) (MX2_W_BYTES + MX2_S_BYTES + (nt) * MX2_BNT_BYTES)
+
+__device__ __forceinline__ int mx2_pos(int c) { return 16 * ((c >> 2) & 7) + 4 * (c >> 5) + (c & 3); }
+
+__device__ __forceinline__ void mx2_cp16_l2(u32 dst, const void* src, u32 bytes) {  // bytes < 16: zero-filled
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mx2_cp16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void mx2_cp4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void mx2_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void mx2_wait_all_but_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// As mxt_fill_table, 16 bytes per store.
+__device__ __forceinline__ void mx2_fill_table() {
+    uint4* tab4 = reinterpret_cast<uint4*>(mxt_smem);
+    for (int i = threadIdx.x; i < MXT_TAB_WORDS / 4; i += blockDim.x) {
+        const u32 b = (u32)i >> 3;  // 8 uint4 (32 lanes) per entry
+        const u32 v = mxt_bf16_of(b & 15u) | (mxt_bf16_of(b >> 4) << 16);
+        tab4[i] = make_uint4(v, v, v, v);
+    }
+}
+
+// Grid (rows, ceil(cols / 128)), 32 threads: x [rows, cols] f32 -> xs hi / lo bf16 (layout above).
+extern "C" __global__ void mxfp4_tc2_split_f32(const float* __restrict__ x, u16* __restrict__ xs, int rows, int cols) {
+    const int row = blockIdx.x, ss = blockIdx.y, cc = 4 * threadIdx.x, col = MX2_KC * ss + cc;
+    if (row >= rows) return;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (col < cols) {  // cols % 32 == 0: the whole float4 is in the row
+        const float4 f = *reinterpret_cast<const float4*>(x + (i64)row * cols + col);
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    }
+    u16 h[4], l[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) split_bf16(v[j], h[j], l[j]);
+    u16* dst = xs + ((i64)row * gridDim.y + ss) * 256 + mx2_pos(cc);
+    *reinterpret_cast<uint2*>(dst) = make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
+    *reinterpret_cast<uint2*>(dst + 128) = make_uint2(l[0] | ((u32)l[1] << 16), l[2] | ((u32)l[3] << 16));
+}
+
+// One block's part of expert e: the n assignments sorted[a0 ..), B rows xs[sorted[.] / div]; the
+// 256 A-rows of a stage are, for UP, rows r0 + 16 w + 0..15 of W1 (ar & 16 == 0) and of W3
+// (ar = 32 w + 16 m + rr), else rows r0 + ar of W2. Warp w's tiles m = 0, 1 are its A-rows
+// 32 w + 16 m + 0..15. emit(t0, nt, out[m][q][h]) stores pass results (token t0 + 4 q + t, row g + 8 h).
+template <bool UP, typename Emit>
+__device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, const u8* const (&pk)[2],
+                                           const u8* const (&ps)[2], int rows, int cols, int r0,
+                                           const int* __restrict__ sorted, int a0, int n, int ntiles, Emit emit) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int nb = cols >> 5, nch = (cols + MX2_KC - 1) / MX2_KC, per = 4 * ntiles;
+    const int nsteps = ((n + per - 1) / per) * nch, stage_bytes = MX2_STAGE_BYTES(ntiles);
+    const u8* stages = reinterpret_cast<const u8*>(mxt_smem + MXT_TAB_WORDS);
+    const u32 stages_s = (u32)__cvta_generic_to_shared(mxt_smem + MXT_TAB_WORDS);
+    const u32* tab_lane = mxt_smem + lane;
+
+    // Copy duty: 16 bytes (tid & 3) of A-rows (tid >> 2) + 64 i, the scales of A-row tid, and
+    // piece `lane` of tokens warp and warp + 8. Tail rows are clamped (loaded, never stored).
+    auto src_row = [&](int ar, int& m) {
+        m = UP ? (ar >> 4) & 1 : 0;
+        return min(UP ? r0 + 16 * (ar >> 5) + (ar & 15) : r0 + ar, rows - 1);
+    };
+    const u8* wsrc[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int m;
+        const int r = src_row((tid >> 2) + 64 * i, m);
+        wsrc[i] = (m ? pk[1] : pk[0]) + (i64)r * (cols / 2) + 16 * (tid & 3);  // select: no local array
+    }
+    int sm;
+    const int sr = src_row(tid, sm);
+    const u8* ssrc = (sm ? ps[1] : ps[0]) + (i64)sr * nb;
+    int b_pass = -1, b_row[2] = {0, 0};
+
+    auto issue = [&](int j) {
+        const int pass = j / nch, c = j - pass * nch;
+        const u32 bs = stages_s + (j % MX2_STAGES) * stage_bytes;
+        const bool in = 4 * c + (tid & 3) < nb;  // past the row's end: zeros (table entry 0 = +0)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            mx2_cp16_l2(bs + ((tid >> 2) + 64 * i) * 64 + 16 * (tid & 3), wsrc[i] + (in ? 64 * c : 0), in ? 16u : 0u);
+        if ((nb & 3) == 0) {
+            mx2_cp4(bs + MX2_W_BYTES + 4 * tid, ssrc + 4 * c);
+        } else {  // rows of nb % 4 != 0 blocks: scale rows not 4-byte aligned (test shapes only)
+            u32 v = 0;
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                if (4 * c + k < nb) v |= (u32)ssrc[4 * c + k] << (8 * k);
+            *reinterpret_cast<u32*>(mxt_smem + MXT_TAB_WORDS + ((j % MX2_STAGES) * stage_bytes + MX2_W_BYTES) / 4 +
+                                    tid) = v;
+        }
+        const int t0 = pass * per, nt = min(per, n - t0);
+        if (pass != b_pass) {
+            b_pass = pass;
+#pragma unroll
+            for (int k = 0; k < 2; ++k)
+                if (warp + 8 * k < nt) b_row[k] = sorted[a0 + t0 + warp + 8 * k] / div;
+        }
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int i = warp + 8 * k;
+            if (i < nt)
+                mx2_cp16(bs + MX2_W_BYTES + MX2_S_BYTES + (2 * i + (lane >> 4)) * MX2_BRS + 16 * (lane & 15),
+                         xs + ((i64)b_row[k] * nch + c) * 256 + 8 * lane);
+        }
+    };
+
+    float acc[2][MX2_MAXNT][4];
+#pragma unroll
+    for (int j = 0; j < MX2_STAGES - 1; ++j) {
+        if (j < nsteps) issue(j);
+        mx2_commit();
+    }
+    for (int j = 0; j < nsteps; ++j) {
+        mx2_wait_all_but_one();  // stage j's copies (this thread's) are done: MX2_STAGES - 2 = 1 younger group
+        __syncthreads();         // everyone's are, and everyone is done with stage j - 1's buffer
+        if (j + MX2_STAGES - 1 < nsteps) issue(j + MX2_STAGES - 1);
+        mx2_commit();  // (possibly empty: keeps the group count per step fixed)
+        const int pass = j / nch, c = j - pass * nch;
+        const int t0 = pass * per, nt = min(per, n - t0), ntl = (nt + 3) >> 2;
+        if (c == 0) {
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int q = 0; q < MX2_MAXNT; ++q)
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) acc[m][q][k] = 0.0f;
+        }
+        const u8* buf = stages + (j % MX2_STAGES) * stage_bytes;
+        uint4 wv[2][2];
+        u32 sc[2][2];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int ar = 32 * warp + 16 * m + 8 * h + g;
+                wv[m][h] = *reinterpret_cast<const uint4*>(buf + ar * 64 + 16 * t);
+                sc[m][h] = mxt_scale2(buf[MX2_W_BYTES + 4 * ar + t]);
+            }
+        const u8* bb = buf + MX2_W_BYTES + MX2_S_BYTES + g * MX2_BRS + 8 * t;
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+            u32 a[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                const u32 w0 = mxt_word(wv[m][0], s >> 1), w1 = mxt_word(wv[m][1], s >> 1);
+                const int by = 2 * (s & 1);
+                a[m][0] = mxt_pair(tab_lane, w0, by, sc[m][0]);
+                a[m][1] = mxt_pair(tab_lane, w1, by, sc[m][1]);
+                a[m][2] = mxt_pair(tab_lane, w0, by + 1, sc[m][0]);
+                a[m][3] = mxt_pair(tab_lane, w1, by + 1, sc[m][1]);
+            }
+#pragma unroll
+            for (int q = 0; q < MX2_MAXNT; ++q)
+                if (q < ntl) {  // block-uniform
+                    const uint2 v = *reinterpret_cast<const uint2*>(bb + q * 8 * MX2_BRS + 32 * s);
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) mxt_mma(acc[m][q], a[m][0], a[m][1], a[m][2], a[m][3], v.x, v.y);
+                }
+        }
+        if (c == nch - 1) {
+            float out[2][MX2_MAXNT][2];
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int q = 0; q < MX2_MAXNT; ++q) {
+                    out[m][q][0] = acc[m][q][0] + acc[m][q][1];
+                    out[m][q][1] = acc[m][q][2] + acc[m][q][3];
+                }
+            emit(t0, nt, out);
+        }
+    }
+}
+
+// Grid (min(E, assignments), ceil(inter / 128)), 256 threads, MX2 shared bytes for `ntiles` (1..4)
+// n-tiles per pass: block y writes super-step y of actx = SiTU-GLU(W1 z, W3 z) for every
+// assignment of its expert, hi / lo split (xs layout, rows past inter zero): the down kernel's B.
+// zx: mxfp4_tc2_split_f32 of z. Other arguments as mxfp4_up_tc_f32.
+extern "C" __global__ void __launch_bounds__(256, 2)
+mxfp4_up_tc2_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
+                 const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
+                 const int* __restrict__ sorted, u16* __restrict__ actx, int top_k, int latent, int inter, float beta,
+                 float beta_lin, int has_lin, int experts, int ntiles) {
+    const int e = mx_active_expert(offsets, experts, blockIdx.x);
+    mx2_fill_table();  // the first stage's barrier orders it before any lookup
+    if (e < 0) return;  // block-uniform
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.y * 128, a0 = offsets[e];
+    const i64 mat = (i64)e * inter;
+    const u8* const pk[2] = {w1p + mat * (latent / 2), w3p + mat * (latent / 2)};
+    const u8* const ps[2] = {w1s + mat * (latent / 32), w3s + mat * (latent / 32)};
+    mx2_expert<true>(zx, top_k, pk, ps, inter, latent, r0, sorted, a0, offsets[e + 1] - a0, max(1, min(ntiles, MX2_MAXNT)),
+                     [&](int t0, int nt, const float(&o)[2][MX2_MAXNT][2]) {
+#pragma unroll
+                         for (int q = 0; q < MX2_MAXNT; ++q)
+#pragma unroll
+                             for (int h = 0; h < 2; ++h) {
+                                 const int i = 4 * q + t, rl = 16 * warp + 8 * h + g;
+                                 if (i < nt) {
+                                     const float v = r0 + rl < inter ? situ_glu_one(o[0][q][h], o[1][q][h], beta,
+                                                                                    beta_lin, has_lin)
+                                                                     : 0.0f;
+                                     u16 hi, lo;
+                                     split_bf16(v, hi, lo);
+                                     u16* dst = actx + ((i64)sorted[a0 + t0 + i] * gridDim.y + blockIdx.y) * 256 +
+                                                mx2_pos(rl);
+                                     dst[0] = hi;
+                                     dst[128] = lo;
+                                 }
+                             }
+                     });
+}
+
+// Grid (min(E, assignments), ceil(latent / 256)), 256 threads, MX2 shared bytes: y[a, r] =
+// W2_e[r, :] . act[a, :] with act from actx (mxfp4_up_tc2_f32). Other arguments as
+// mxfp4_down_tc_f32.
+extern "C" __global__ void __launch_bounds__(256, 2)
+mxfp4_down_tc2_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
+                   const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,
+                   int inter, int experts, int ntiles) {
+    const int e = mx_active_expert(offsets, experts, blockIdx.x);
+    mx2_fill_table();
+    if (e < 0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.y * MX2_AROWS, a0 = offsets[e];
+    const i64 mat = (i64)e * latent;
+    const u8* const pk[2] = {w2p + mat * (inter / 2), w2p + mat * (inter / 2)};
+    const u8* const ps[2] = {w2s + mat * (inter / 32), w2s + mat * (inter / 32)};
+    mx2_expert<false>(actx, 1, pk, ps, latent, inter, r0, sorted, a0, offsets[e + 1] - a0, max(1, min(ntiles, MX2_MAXNT)),
+                      [&](int t0, int nt, const float(&o)[2][MX2_MAXNT][2]) {
+#pragma unroll
+                          for (int m = 0; m < 2; ++m)
+#pragma unroll
+                              for (int q = 0; q < MX2_MAXNT; ++q)
+#pragma unroll
+                                  for (int h = 0; h < 2; ++h) {
+                                      const int i = 4 * q + t, r = r0 + 32 * warp + 16 * m + 8 * h + g;
+                                      if (i < nt && r < latent) y[(i64)sorted[a0 + t0 + i] * latent + r] = o[m][q][h];
+                                  }
+                      });
+}

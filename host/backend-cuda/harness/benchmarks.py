@@ -22,10 +22,10 @@ if TYPE_CHECKING:
     from device_check import Device, Results
 
 
-def mla_splits_tc2(blocks, max_len, sms=132):
+def mla_splits_tc2(blocks, max_len, sms=132, per_sm=2):
     """geometry::mla_splits_tc2: at least one wave of 2 * sms blocks (two resident per SM), then the
     fullest last wave in [want, 2 want], splits of at least 128 positions."""
-    wave = 2 * sms
+    wave = per_sm * sms
     want = max(1, cdiv(wave, blocks))
     cap = max(1, min(256, cdiv(max_len, 128)))
     fill = lambda s: blocks * s / (cdiv(blocks * s, wave) * wave)  # noqa: E731
@@ -82,9 +82,124 @@ def bench_mla_v2(d: Device, record, N, L, A, ps, qt, kvb, o, base, lens, floor):
     del part, lat
 
 
+def bench_mla_proj(d: Device, r: Results, record, quick: bool):
+    """MLA decode's two per-head kv_b products at K3 shapes, N items: `new` (mla_absorb_q_bf16 +
+    mla_out_proj_bf16 on the stored bf16 kv_b, what ops.rs mla_decode runs) against `old` (the f32
+    kernels on the f32 copy), each kernel alone and the pair, on the same inputs and the same kv_b
+    values. Floor = (kv_b bytes as read + q_nope/q_r, qt, lat and o bytes) / 4.25 TB/s. Also checks
+    that new and old agree."""
+    heads, nope, rope, v_dim, kv_lora = 96, 128, 64, 128, 512
+    row, qk = kv_lora + rope, nope + rope
+    wt = (torch.randn(heads * (nope + v_dim), kv_lora, device="cuda") * kv_lora ** -0.5).to(torch.bfloat16)
+    w32 = wt.float()
+    wv, w32v = d.view(wt.view(torch.int16)).view(np.uint16), d.view(w32)
+    weights = heads * (nope + v_dim) * kv_lora
+    for N in ([1, 64] if quick else [1, 16, 64]):
+        try:
+            q, lat = torch.randn(N, heads * qk, device="cuda"), torch.randn(N, heads, kv_lora, device="cuda")
+            out = {k: (torch.empty(N, heads, row, device="cuda"), torch.empty(N, heads * v_dim, device="cuda"))
+                   for k in ("new", "old")}
+            V = {k: (d.view(a), d.view(b)) for k, (a, b) in out.items()}
+            qv, latv = d.view(q), d.view(lat)
+            absorb = {
+                "new": lambda N=N: d.launch("mla_absorb_q_bf16", (cdiv(kv_lora, 128), heads), 128, qv, wv, V["new"][0],
+                                            N, heads, nope, rope, v_dim, kv_lora),
+                "old": lambda N=N: d.launch("mla_absorb_q_f32", (N, heads), 128, qv, w32v, V["old"][0], N, heads, nope,
+                                            rope, v_dim, kv_lora)}
+            proj = {
+                "new": lambda N=N: d.launch("mla_out_proj_bf16", (cdiv(v_dim, 32), heads), 128, latv, wv, V["new"][1],
+                                            N, heads, nope, v_dim, kv_lora),
+                "old": lambda N=N: d.launch("mla_out_proj_f32", (heads, cdiv(v_dim, 16), cdiv(N, 64)), 256, latv, w32v,
+                                            V["old"][1], N, heads, nope, v_dim, kv_lora)}
+            for k in ("new", "old"):
+                absorb[k]()
+                proj[k]()
+            d.sync()
+            r.check(f"mla_proj new vs old N={N} (K3 shapes): qt", rel_err(out["new"][0], out["old"][0]), 1e-5)
+            r.check(f"mla_proj new vs old N={N} (K3 shapes): o", rel_err(out["new"][1], out["old"][1]), 1e-5)
+            act_a = N * heads * (qk + row) * 4  # q read, qt written
+            act_p = N * heads * (kv_lora + v_dim) * 4  # lat read, o written
+            floor = lambda b: b / (COPY_TBPS * 1e12) * 1e3  # noqa: E731
+            ms = {}
+            for k, wbytes in (("new", 2), ("old", 4)):
+                wa, wp = heads * nope * kv_lora * wbytes, heads * v_dim * kv_lora * wbytes
+                t_a, how = d.time_graph(absorb[k])
+                t_p, _ = d.time_graph(proj[k])
+                t_b, _ = d.time_graph(lambda k=k: (absorb[k](), proj[k]()))
+                ms[k] = t_b
+                kern = ("mla_absorb_q_bf16", "mla_out_proj_bf16") if k == "new" else ("mla_absorb_q_f32",
+                                                                                      "mla_out_proj_f32")
+                record(f"mla_proj {k} {kern[0]} N={N} (K3)", t_a, floor(wa + act_a), timing=how)
+                record(f"mla_proj {k} {kern[1]} N={N} (K3)", t_p, floor(wp + act_p), timing=how)
+                record(f"mla_proj {k} absorb+out_proj N={N} (K3, kv_b {'bf16' if k == 'new' else 'f32'})", t_b,
+                       floor(weights * wbytes + act_a + act_p), timing=how)
+            log(f"bench mla_proj N={N}: new {ms['new'] * 1e3:.1f} us vs old {ms['old'] * 1e3:.1f} us "
+                f"({ms['old'] / ms['new']:.1f}x)")
+            del q, lat, out
+        except Exception as e:  # noqa: BLE001  a failure here must not cost the benchmarks after it
+            log(f"bench mla_proj N={N} raised {type(e).__name__}: {str(e)[:200]}")
+
+
+# kernels/mla_attend_bf16.cu: 48 heads per block, one block per SM (geometry.rs).
+MLA_BF16_HEADS, MLA_BF16_SHARED = 48, 128192
+
+
+def mla_splits_bf16(blocks, max_len, sms=132):
+    """geometry::mla_splits_bf16: mla_splits_tc2's rule with one resident block per SM."""
+    return mla_splits_tc2(blocks, max_len, sms=sms, per_sm=1)
+
+
+def bench_mla_bf16(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
+    """The bf16 attend (ops.rs MlaDecodeMode::Bf16) + merge on bench()'s buffers, next to the precise
+    tc2 attend + merge timed in the same run (tc2_us). Floors: the f32 cache rows plus the partials
+    (attend: written; attend+merge: written, read back, and the latent o~ written). Also checks the
+    bf16 latent against tc2's at this shape (bf16 rounding: 2e-2)."""
+    heads, rope, kv_lora, pt = 96, 64, 512, 64
+    row, scale = kv_lora + rope, 192 ** -0.5
+    hg, hg16 = cdiv(heads, MLA_BF16_HEADS), cdiv(heads, 16)
+    sb, s2 = mla_splits_bf16(N * hg, L), mla_splits_tc2(N * hg16, L)
+    kv_bytes = N * L * row * 4
+
+    def part_bytes(splits):
+        return N * heads * splits * (kv_lora + 2) * 4
+    pb, p2 = (torch.empty(N, heads, s, kv_lora + 2, device=qt.device) for s in (sb, s2))
+    lb, l2 = (torch.empty(N, heads, kv_lora, device=qt.device) for _ in range(2))
+    common_args = [d.view(qt), d.view(A), d.view(ps), d.view(base), d.view(lens)]
+    big = N * L > 16 * 8192
+
+    def attend_bf16():
+        d.launch("mla_attend_bf16_f32", (hg, N, sb), 256, *common_args, d.view(pb), N, heads, kv_lora, rope, pt, sb,
+                 0, scale, shared_mem=MLA_BF16_SHARED)
+
+    def bf16_full():
+        attend_bf16()
+        d.launch("mla_merge_f32", (N, heads), 128, d.view(pb), d.view(lb), N, heads, kv_lora, sb)
+
+    def tc2_full():
+        d.launch("mla_attend_tc2_f32", (hg16, N, s2), 256, *common_args, d.view(p2), N, heads, kv_lora, rope, pt, s2,
+                 0, scale, 1 | 4 << 2)
+        d.launch("mla_merge_f32", (N, heads), 128, d.view(p2), d.view(l2), N, heads, kv_lora, s2)
+
+    def timed(fn):
+        return d.time_graph(fn, reps=5, inner=3) if big else d.time_graph(fn)
+    tc2_ms, _ = timed(tc2_full)
+    ms, how = timed(attend_bf16)
+    record(f"mla_attend bf16 N={N} L={L} (attend only, f32 rows)", ms, (kv_bytes + part_bytes(sb)) / (COPY_TBPS * 1e12)
+           * 1e3, splits=sb, timing=how)
+    ms, how = timed(bf16_full)
+    floor = (kv_bytes + 2 * part_bytes(sb) + N * heads * kv_lora * 4) / (COPY_TBPS * 1e12) * 1e3
+    record(f"mla_attend+merge bf16 N={N} L={L} (f32 rows + partials)", ms, floor, splits=sb, timing=how,
+           tc2_us=round(tc2_ms * 1e3, 1), tc2_splits=s2, speedup_vs_tc2=round(tc2_ms / ms, 2))
+    bf16_full()
+    tc2_full()
+    d.sync()
+    r.check(f"mla bf16 vs tc2 precise latent N={N} L={L} (K3 shapes, splits {sb} / {s2})", rel_err(lb, l2), 2e-2)
+    del pb, p2, lb, l2
+
+
 def bench(d: Device, r: Results, quick: bool, only=None):
-    """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, mla_prefill,
-    attn_res, moe, gemv)."""
+    """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, mla_proj,
+    mla_prefill, attn_res, moe, gemv; mla includes mla_proj)."""
     def want(section):
         return not only or section in only
 
@@ -143,6 +258,8 @@ def bench(d: Device, r: Results, quick: bool, only=None):
                 extra["fla_error"] = repr(e)[:200]
         for variant, (ms, how) in runs.items():
             ratio = {} if variant == "old" else {"vs_old": round(runs["old"][0] / ms, 3)}
+            if variant not in ("old", "split"):  # candidates against the default
+                ratio["vs_split"] = round(runs["split"][0] / ms, 3)
             if "fla_ms" in extra:
                 ratio["vs_fla"] = round(extra["fla_ms"] / ms, 3)
             record(f"kda_decode N={N}" if variant == "old" else f"kda_decode {variant} N={N}", ms, floor,
@@ -228,7 +345,13 @@ def bench(d: Device, r: Results, quick: bool, only=None):
             bench_mla_v2(d, record, N, L, A, ps, qt, kvb, o, base, lens, floor)
         except Exception as e:  # noqa: BLE001
             log(f"bench mla v2 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
+        try:
+            bench_mla_bf16(d, r, record, N, L, A, ps, qt, base, lens)
+        except Exception as e:  # noqa: BLE001
+            log(f"bench mla bf16 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
         del A
+    if want("mla") or want("mla_proj"):
+        bench_mla_proj(d, r, record, quick)
 
     if want("mla_prefill"):
         bench_mla_prefill(d, r, record)

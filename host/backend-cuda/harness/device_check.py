@@ -140,7 +140,12 @@ class Device:
         if self.dry:
             EMU[name](*conv)
         else:
-            self.kernel(name)(grid, block, tuple(conv), shared_mem=shared_mem)  # dynamic, <= 48 KB
+            k = self.kernel(name)
+            if shared_mem > 48 * 1024 and getattr(k, "_k3_opt_in", 0) < shared_mem:
+                # Opt in once (as device.rs does for geometry.rs OPT_IN_SHARED), not inside a capture.
+                k.max_dynamic_shared_size_bytes = shared_mem
+                k._k3_opt_in = shared_mem
+            k(grid, block, tuple(conv), shared_mem=shared_mem)
 
     def sync(self):
         if not self.dry:
@@ -311,18 +316,63 @@ def check_router_sampling(d: Device, r: Results, gen):
     r.exact("router idx", bool((idx.cpu().long() == ridx).all()))
     r.check("router weights", rel_err(w, rw), 1e-5)
 
-    rows, vocab = 3, 70001
-    lg = rand(rows, vocab, scale=3, gen=gen)
-    lg[1, 12345] = 50.0
-    lgd = lg.float().contiguous().to(d.tdev)
-    ids = torch.empty(rows, dtype=torch.int32, device=d.tdev)
-    d.launch("argmax_rows_f32", rows, 1024, d.view(lgd), d.view(ids), rows, vocab)
-    d.sync()
-    r.exact("argmax_rows", bool((ids.cpu().long() == lg.float().argmax(-1)).all()))
-    probs = torch.empty(rows, vocab, device=d.tdev)
-    d.launch("softmax_temperature_f32", rows, 1024, d.view(lgd), d.view(probs), rows, vocab, 0.7)
-    d.sync()
-    r.check("softmax_temperature", rel_err(probs, torch.softmax(lg / 0.7, -1)), 1e-5)
+    check_topk_rows(d, r, gen)
+
+
+def ref_top_k_row(row, k):
+    """The k largest finite entries as (id, value), largest first, ties to the lower id; -0 ranks
+    below +0 (k3_model::top_k_of_row). Plain Python sorting, independent of the emulator."""
+    import struct
+
+    def key(v):
+        b = struct.unpack("<I", struct.pack("<f", v))[0]
+        return (0xFFFFFFFF - b) if b & 0x80000000 else (b | 0x80000000)
+    fin = [(i, float(v)) for i, v in enumerate(row.tolist()) if math.isfinite(v)]
+    fin.sort(key=lambda iv: (-key(iv[1]), iv[0]))
+    return fin[:k]
+
+
+def check_topk_rows(d: Device, r: Results, gen):
+    """Candidate selection for sampling: exact ids, values and counts against the definition, on
+    rows with heavy ties (quantised logits), -0 / +0, NaN / +-inf, fewer finite entries than k."""
+    for vocab, ks in ((70001, (1, 5, 64)), (163840, (1, 50, 1024)), (300, (1, 7, 1024))):
+        rows = 4
+        lg = (rand(rows, vocab, scale=3, gen=gen) * 4).round() / 4  # ties everywhere
+        lg = lg.float()
+        lg[0, 12345 % vocab] = 50.0
+        lg[1, :] = 0.0
+        lg[1, ::3] = -0.0
+        lg[1, 7] = float("nan")
+        lg[2, ::2] = float("nan")
+        lg[2, 1::4] = float("-inf")
+        lg[2, 3::8] = float("inf")
+        lg[3, :] = float("nan")
+        lg[3, 5:vocab:max(1, vocab // 40)] = torch.arange(len(range(5, vocab, max(1, vocab // 40)))).float()
+        lgd = lg.contiguous().to(d.tdev)
+        for k in ks:
+            ids = torch.empty(rows * k, dtype=torch.int32, device=d.tdev)
+            vals = torch.empty(rows * k, device=d.tdev)
+            count = torch.empty(rows, dtype=torch.int32, device=d.tdev)
+            d.launch("topk_rows_f32", rows, 1024, d.view(lgd), d.view(ids), d.view(vals), d.view(count),
+                     rows, vocab, k)
+            d.sync()
+            ids_h, vals_h, count_h = ids.cpu().view(rows, k), vals.cpu().view(rows, k), count.cpu()
+            ok, detail = True, ""
+            for row in range(rows):
+                want = ref_top_k_row(lg[row], k)
+                n = int(count_h[row])
+                got = [(int(ids_h[row, i]), float(vals_h[row, i])) for i in range(n)]
+                same = n == len(want) and all(
+                    gi == wi and struct_bits(gv) == struct_bits(wv) for (gi, gv), (wi, wv) in zip(got, want))
+                if not same:
+                    ok, detail = False, f"row {row}: {got[:4]}... vs {want[:4]}... ({n} vs {len(want)})"
+                    break
+            r.exact(f"topk_rows vocab={vocab} k={k}", ok, detail)
+
+
+def struct_bits(v):
+    import struct
+    return struct.unpack("<I", struct.pack("<f", v))[0]
 
 
 def kda_inputs(t, heads, conv, gen, seqs=1):
@@ -433,13 +483,15 @@ def check_kda_prefill_tc(d: Device, r: Results, gen):
     check_kda_prefill(d, r, gen, chunk="tc_fast")
     # The two-pass default (record pass + scan with the state in mma registers): tails, checkpoints,
     # chained 16-token segments, conv widths.
-    check_kda_prefill(d, r, gen, chunk="scan3")
-    check_kda_prefill(d, r, gen, chunk="scan3", seg=16)
-    for conv in (2, 3):
-        check_kda_prefill(d, r, gen, chunk="scan3", conv=conv)
-    # Several 8-chunk record blocks: conv history from the inputs at a block start, checkpoints
-    # inside a block and on a block boundary, a 12-token tail.
-    check_kda_prefill(d, r, gen, chunk="scan3", cases=((300, [100, 128, 131, 300]),))
+    # scan4: the same record pass, the key-split scan (K3_KDA_CHUNK=scan4), on the same cases.
+    for scan in ("scan3", "scan4"):
+        check_kda_prefill(d, r, gen, chunk=scan)
+        check_kda_prefill(d, r, gen, chunk=scan, seg=16)
+        for conv in (2, 3):
+            check_kda_prefill(d, r, gen, chunk=scan, conv=conv)
+        # Several 8-chunk record blocks: conv history from the inputs at a block start, checkpoints
+        # inside a block and on a block boundary, a 12-token tail.
+        check_kda_prefill(d, r, gen, chunk=scan, cases=((300, [100, 128, 131, 300]),))
 
 
 def check_kda_prefill_prep(d: Device, r: Results, gen):
@@ -531,6 +583,105 @@ def check_mla(d: Device, r: Results, gen):
                      d.view(o), n, heads, nope, v_dim, kv_lora)
             d.sync()
             r.check(f"mla decode v2 {label} (H={heads}, Lkv={kv_lora}, splits={splits})", rel_err(o, ref), tol)
+
+
+def check_mla_bf16_products(d: Device, r: Results, gen):
+    """The decode W_UK / W_UV products on bf16 kv_b (mla_absorb_q_bf16, mla_out_proj_bf16; ops.rs
+    mla_decode's path for a bf16 kv_b) against float64, f32 accuracy (x in three bf16 pieces, as in
+    gemv_bf16_tc_f32): K3 per-head dims, k3-mini's, and an odd shape (two 128-row nope passes,
+    kv_lora not a multiple of the 32-column chunk or the 128-column block, v_dim not a multiple of
+    32); N across the two n8 tiles of a pass, and past 64 (two out_proj reduction passes). Outputs
+    start as NaN: every element must be written."""
+    dev = lambda t: t.contiguous().to(d.tdev)  # noqa: E731
+    u16 = lambda t: d.view(t).view(np.uint16)  # noqa: E731
+    for heads, nope, rope, v_dim, kv_lora, ns in ((3, 128, 64, 128, 512, (1, 3, 17, 64)),
+                                                  (2, 64, 32, 64, 128, (1, 3, 17, 64)),
+                                                  (2, 256, 32, 40, 200, (1, 17, 70))):
+        w = rand(heads * (nope + v_dim), kv_lora, scale=kv_lora ** -0.5, gen=gen).float().to(torch.bfloat16)
+        wb, wd = dev(w.view(torch.int16)), w.double().view(heads, nope + v_dim, kv_lora)
+        row = kv_lora + rope
+        for n in ns:
+            q, lat = rand(n, heads, nope + rope, gen=gen), rand(n, heads, kv_lora, gen=gen)
+            qt = dev(torch.full((n, heads, row), float("nan")))
+            o = dev(torch.full((n, heads * v_dim), float("nan")))
+            d.launch("mla_absorb_q_bf16", (cdiv(kv_lora, 128), heads), 128, d.view(dev(q.float())), u16(wb),
+                     d.view(qt), n, heads, nope, rope, v_dim, kv_lora)
+            d.launch("mla_out_proj_bf16", (cdiv(v_dim, 32), heads), 128, d.view(dev(lat.float())), u16(wb),
+                     d.view(o), n, heads, nope, v_dim, kv_lora)
+            d.sync()
+            ref_qt = torch.cat([torch.einsum("nhp,hpl->nhl", q[..., :nope], wd[:, :nope]), q[..., nope:]], -1)
+            ref_o = torch.einsum("nhl,hvl->nhv", lat, wd[:, nope:]).reshape(n, heads * v_dim)
+            shape = f"H={heads} nope={nope} v={v_dim} Lkv={kv_lora} N={n}"
+            r.check(f"mla_absorb_q_bf16 {shape}", rel_err(qt, ref_qt), 1e-5)
+            r.check(f"mla_out_proj_bf16 {shape}", rel_err(o, ref_o), 1e-5)
+
+
+# kernels/mla_attend_bf16.cu: 48 heads per 256-thread block, dynamic shared memory (geometry.rs).
+MLA_BF16_HEADS, MLA_BF16_SHARED = 48, 128192
+
+
+def mla_latent_reference(qt, rows, scale, kv_lora):
+    """Latent attention of one item, float64: softmax(rows . q~_h * scale) @ rows[:, :kv_lora] -> [H, kv_lora]."""
+    a = torch.softmax(qt.double() @ rows.double().T * scale, -1)
+    return a @ rows.double()[:, :kv_lora]
+
+
+def check_mla_bf16(d: Device, r: Results, gen):
+    """mla_attend_bf16_f32 + mla_merge_f32 (the latent o~, before W_UV) against (a) the float64 latent
+    attention: bf16 rounding of q~, the rows and P allows 1e-2 (max-normalised; ~2.5e-3 seen), and
+    (b) emulators._emu_mla_attend_bf16 run on the host (the same bf16 roundings): 2e-3, what f32
+    accumulation order, __expf and the rare bf16 rounding flips of P leave. In --dry-run the kernel *is*
+    that emulator, so (b) only checks the plumbing there. Cases: several items of different lengths (not
+    multiples of the 32-position tile, one of 1), small pages (4 and 16 tokens: tiles cross pages), a
+    head count that is not a multiple of 48 (two head groups, the second partial), rows only 4-byte
+    aligned, K3 row width, and a long item with several splits (ops.rs per-item chunk 0)."""
+    from emulators import _emu_mla_attend_bf16
+    cases = (  # heads, kv_lora, rope, page_tokens, lens, splits, chunk, aligned
+        (6, 128, 32, 4, [37, 70, 1], 2, 0, False),
+        (52, 512, 64, 16, [50, 17, 33], 1, 0, True),
+        (4, 512, 64, 16, [700, 95], 5, 0, True),
+        (96, 512, 64, 64, [300], 3, 128, True),
+    )
+    for heads, kv_lora, rope, pt, lens, splits, chunk, aligned in cases:
+        row, n = kv_lora + rope, len(lens)
+        npages = [cdiv(L, pt) for L in lens]
+        perm = torch.randperm(sum(npages), generator=gen).tolist()
+        layer_off = 2 * row + (0 if aligned else 1)
+        page_floats = pt * row + 3 * row
+        arena = torch.zeros(sum(npages) * page_floats, dtype=torch.float64)
+        page_start, pt_base, rows_all, k = [], [], [], 0
+        for i, L in enumerate(lens):
+            pt_base.append(len(page_start))
+            page_start += [perm[k + p] * page_floats + layer_off for p in range(npages[i])]
+            k += npages[i]
+            rows_all.append(rand(L, row, gen=gen).float())
+            for j in range(L):
+                o = page_start[pt_base[i] + j // pt] + (j % pt) * row
+                arena[o:o + row] = rows_all[i][j].double()
+        qt = (rand(n, heads, row, gen=gen) * 0.3).float()
+        scale = 192 ** -0.5
+        dev = lambda x: x.float().contiguous().to(d.tdev)  # noqa: E731
+        ps = torch.tensor(page_start, dtype=torch.int64)
+        base, lens_t = torch.tensor(pt_base, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+        A = dev(arena)
+        part = torch.empty(n, heads, splits, kv_lora + 2, device=d.tdev)
+        d.launch("mla_attend_bf16_f32", (cdiv(heads, MLA_BF16_HEADS), n, splits), 256, d.view(dev(qt)), d.view(A),
+                 d.view(ps.to(d.tdev)), d.view(base.to(d.tdev)), d.view(lens_t.to(d.tdev)), d.view(part), n, heads,
+                 kv_lora, rope, pt, splits, chunk, scale, shared_mem=MLA_BF16_SHARED)
+        lat = torch.empty(n, heads, kv_lora, device=d.tdev)
+        d.launch("mla_merge_f32", (n, heads), 128, d.view(part), d.view(lat), n, heads, kv_lora, splits)
+        d.sync()
+        ref = torch.stack([mla_latent_reference(qt[i], rows_all[i], scale, kv_lora) for i in range(n)])
+        emu_part = np.zeros((n, heads, splits, kv_lora + 2), dtype=np.float32)
+        _emu_mla_attend_bf16(qt.numpy(), arena.float().numpy(), ps.numpy(), base.numpy(), lens_t.numpy(), emu_part,
+                             n, heads, kv_lora, rope, pt, splits, chunk, np.float32(scale))
+        P = torch.from_numpy(emu_part).double()
+        w = torch.exp(P[..., kv_lora] - P[..., kv_lora].amax(-1, keepdim=True))
+        emu = (w[..., None] * P[..., :kv_lora]).sum(2) / (w * P[..., kv_lora + 1]).sum(-1)[..., None]
+        tag = f"H={heads}, Lkv={kv_lora}, pages of {pt}, lens={lens}, splits={splits}, chunk={chunk}" + \
+            ("" if aligned else ", 4-byte rows")
+        r.check(f"mla attend bf16 vs float64 ({tag})", rel_err(lat, ref), 1e-2)
+        r.check(f"mla attend bf16 vs bf16 emulation ({tag})", rel_err(lat, emu), 2e-3)
 
 
 def mla_prefill_reference(q, rows, kv_b, heads, nope, rope, v_dim, kv_lora, start):
@@ -817,7 +968,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=os.environ.get("K3_BENCH_ONLY", ""),
-                    help="comma list of benchmark sections (kda_decode,kda_prefill,mla,mla_prefill,attn_res,moe,gemv); "
+                    help="comma list of benchmark sections (kda_decode,kda_prefill,mla,mla_proj,mla_prefill,attn_res,moe,gemv); "
                          "default all")
     args = ap.parse_args()
     d = Device(args.dry_run)
@@ -829,7 +980,8 @@ def main():
         log(f"device: {torch.cuda.get_device_name()} torch {torch.__version__} cupy {d.cp.__version__}")
     t0 = time.time()
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
-               check_kda_prefill_tc, check_mla, check_mla_prefill, check_moe, check_moe_gemv, check_moe_gemm,
+               check_kda_prefill_tc, check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill,
+               check_moe, check_moe_gemv, check_moe_gemm,
                check_bf16_matmul, check_gemv_tc, check_kda_prefill_prep):
         try:
             fn(d, r, gen)

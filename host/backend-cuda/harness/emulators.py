@@ -237,6 +237,44 @@ def _emu_mla_attend(qt, arena, page_start, pt_base, lens, part, items, heads, kv
                 P[n, h, s, int(kv_lora) + 1] = float(p.sum())
 
 
+def _bf16(x):
+    """float64 -> f32 -> bf16 (round to nearest even) -> float64, as the kernels round."""
+    return x.float().to(torch.bfloat16).double()
+
+
+def _emu_mla_attend_bf16(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens,
+                         splits, chunk, scale, tile=32):
+    """kernels/mla_attend_bf16.cu's rounding, tile by tile: bf16(q~ * scale) (f32 product) and bf16 rows,
+    exact scores, online softmax over tiles of 32 positions from each split's start, P = bf16(exp(s - m))
+    in both P V and the row sum l."""
+    row, lkv, H = int(kv_lora) + int(rope), int(kv_lora), int(heads)
+    A, P = _t(arena), _t(part).view(int(items), H, int(splits), lkv + 2)
+    Q = _t(qt).view(int(items), H, row)
+    for n in range(int(items)):
+        L = int(lens[n])
+        rows = _bf16(torch.stack([A[int(page_start[int(pt_base[n]) + j // int(page_tokens)])
+                                    + (j % int(page_tokens)) * row:][:row] for j in range(L)]).double())
+        q = _bf16((Q[n] * np.float32(scale)).double())  # [H, row]
+        ch = int(chunk) if int(chunk) > 0 else -(-L // int(splits))
+        for s in range(int(splits)):
+            j0, j1 = s * ch, min(L, (s + 1) * ch)
+            m = torch.full((H,), float("-inf"), dtype=torch.float64)
+            l = torch.zeros(H, dtype=torch.float64)
+            acc = torch.zeros(H, lkv, dtype=torch.float64)
+            for p0 in range(j0, j1, tile):
+                kt = rows[p0:min(j1, p0 + tile)]
+                sc = q @ kt.T  # [H, tile]
+                mn = torch.maximum(m, sc.max(1).values)
+                corr = torch.where(torch.isinf(m), torch.zeros_like(m), torch.exp(m - mn))
+                p = _bf16(torch.exp(sc - mn[:, None]))
+                l = l * corr + p.sum(1)
+                acc = acc * corr[:, None] + p @ kt[:, :lkv]
+                m = mn
+            P[n, :, s, :lkv] = acc.float()
+            P[n, :, s, lkv] = m.float()
+            P[n, :, s, lkv + 1] = l.float()
+
+
 def _emu_mla_merge(part, lat, items, heads, kv_lora, splits):
     P = _t(part).view(int(items), int(heads), int(splits), int(kv_lora) + 2).double()
     m = P[..., int(kv_lora)].amax(-1, keepdim=True)
@@ -296,6 +334,26 @@ def _emu_sort(idx, n, e, offsets, sorted_):
     offsets[:] = np.concatenate([[0], np.cumsum(np.bincount(idx[:int(n)], minlength=int(e)))]).astype(np.int32)
 
 
+def _emu_topk_rows(lg, ids, vals, count, rows, vocab, k):
+    """k3_model::top_k_of_row per row: the k largest finite logits, largest first, ties to the lower id
+    (-0 below +0, as Rust's total_cmp)."""
+    rows, vocab, k = int(rows), int(vocab), int(k)
+    x = lg.reshape(rows, vocab)
+    for r in range(rows):
+        row = x[r]
+        fin = np.flatnonzero(np.isfinite(row))
+        # Order-preserving integer key (total order on finite floats), then id ascending.
+        b = row[fin].view(np.uint32).astype(np.int64)
+        key = np.where(b & 0x80000000, 0xFFFFFFFF - b, b | 0x80000000)
+        order = np.lexsort((fin, -key))[:k]
+        n = len(order)
+        ids[r * k:(r + 1) * k] = -1
+        vals[r * k:(r + 1) * k] = 0.0
+        ids[r * k:r * k + n] = fin[order]
+        vals[r * k:r * k + n] = row[fin[order]]
+        count[r] = n
+
+
 def _emu_router(logits, bias, idx, w, t, e, k, renorm, scaling):
     ri, rw, _ = ref_route(_t(logits).view(int(t), int(e)).double(), torch.eye(int(e), dtype=torch.float64),
                           _t(bias).double(), int(k), bool(renorm), float(scaling))
@@ -340,6 +398,35 @@ def _emu_gemv_tc(x, w, out, m, n, k, kslice):
     for s, k0 in enumerate(range(0, k, ks)):
         part = xs[:, k0:k0 + ks] @ wv[:, k0:k0 + ks].T
         out.reshape(-1)[s * m * n:(s + 1) * m * n] = part.astype(np.float32).reshape(-1)
+
+
+def _split3(x):
+    """f32 x as the sum of its three bf16 pieces (bf16.cu / mla.cu split3), in float64."""
+    xv, acc = np.asarray(x, dtype=np.float32), 0.0
+    for _ in range(3):
+        b = bf16_bits(xv)
+        acc = acc + bf16_value(b).astype(np.float64)
+        xv = (xv - bf16_value(b)).astype(np.float32)
+    return acc
+
+
+def _emu_mla_absorb_bf16(q, kv_b, qt, items, heads, nope, rope, v_dim, kv_lora):
+    """kernels/mla.cu mla_absorb_q_bf16: q_nope in three bf16 pieces times bf16 W_UK, exact products
+    summed in f64; q_r copied."""
+    n, h, nope, rope, lkv = int(items), int(heads), int(nope), int(rope), int(kv_lora)
+    Q = q.reshape(-1)[:n * h * (nope + rope)].reshape(n, h, nope + rope)
+    W = bf16_value(kv_b.reshape(-1)[:h * (nope + int(v_dim)) * lkv]).astype(np.float64).reshape(h, -1, lkv)
+    out = qt.reshape(-1)[:n * h * (lkv + rope)].reshape(n, h, lkv + rope)
+    out[..., :lkv] = np.einsum("nhp,hpl->nhl", _split3(Q[..., :nope]), W[:, :nope]).astype(np.float32)
+    out[..., lkv:] = Q[..., nope:]
+
+
+def _emu_mla_out_proj_bf16(lat, kv_b, o, items, heads, nope, v_dim, kv_lora):
+    """kernels/mla.cu mla_out_proj_bf16: lat in three bf16 pieces times bf16 W_UV, f64 sums."""
+    n, h, nope, vd, lkv = int(items), int(heads), int(nope), int(v_dim), int(kv_lora)
+    L = _split3(lat.reshape(-1)[:n * h * lkv]).reshape(n, h, lkv)
+    W = bf16_value(kv_b.reshape(-1)[:h * (nope + vd) * lkv]).astype(np.float64).reshape(h, -1, lkv)
+    o.reshape(-1)[:n * h * vd] = np.einsum("nhl,hvl->nhv", L, W[:, nope:]).astype(np.float32).reshape(-1)
 
 
 def _emu_sum_splits(part, y, splits, n):
@@ -415,12 +502,11 @@ EMU = {
         torch.bfloat16).view(int(v), int(dm))[torch.from_numpy(ids.astype(np.int64))].float().numpy()),
     "attn_res_f32": _emu_attn_res,
     "router_topk_f32": _emu_router,
-    "argmax_rows_f32": lambda lg, ids, rows, v: ids.__setitem__(slice(None), _t(lg).view(int(rows), int(v)).argmax(-1)
-                                                               .int().numpy()),
-    "softmax_temperature_f32": lambda lg, p, rows, v, temp: p.__setitem__(slice(None), torch.softmax(
-        _t(lg).view(int(rows), int(v)).double() / float(temp), -1).float().numpy()),
+    "topk_rows_f32": _emu_topk_rows,
     "kda_decode_f32": _emu_kda_decode,
     "kda_decode_split_f32": _emu_kda_decode,  # same contract; grid (4H, N) of 128-thread clusters
+    "kda_decode_split_cs_f32": _emu_kda_decode,
+    "kda_decode_lines_f32": _emu_kda_decode,
     "kda_conv_silu_f32": _emu_kda_conv,
     "kda_prep_f32": _emu_kda_prep,
     "kda_conv_prep_f32": _emu_kda_conv_prep,
@@ -429,6 +515,7 @@ EMU = {
     "kda_chunk_tc_fast_f32": _emu_kda_chunk,
     "kda_chunk_rec3m_f32": _emu_kda_chunk_rec,  # 8 chunks per block (float64 here)
     "kda_chunk_scan3_f32": _emu_kda_chunk_scan,
+    "kda_chunk_scan4_f32": _emu_kda_chunk_scan,  # same contract; 128-thread blocks (key-split)
     "mla_append_rows_f32": lambda kv_a, nw, arena, dst, t, lkv, rope, eps: [arena.__setitem__(
         slice(int(dst[i]), int(dst[i]) + int(lkv) + int(rope)), np.concatenate([ref_rms_norm(
             _t(kv_a).view(int(t), -1)[i, :int(lkv)].double(), _t(nw).double(), float(eps)).float().numpy(),
@@ -438,8 +525,11 @@ EMU = {
                      _t(kvb).view(int(heads), int(nope) + int(vd), int(lkv))[:, :int(nope)].double()),
         _t(q).view(int(items), int(heads), -1)[..., int(nope):].double()], -1).float().numpy().reshape(qt.shape)),
     "mla_attend_tc2_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # mode: rounding / prefetch / probe only
+    "mla_attend_bf16_f32": _emu_mla_attend_bf16,
     "mla_merge_f32": _emu_mla_merge,
     "mla_out_proj_f32": _emu_mla_out_proj,
+    "mla_absorb_q_bf16": _emu_mla_absorb_bf16,
+    "mla_out_proj_bf16": _emu_mla_out_proj_bf16,
     "mla_prefill_gather_f32": _emu_mla_prefill_gather,
     "mla_prefill_softmax_f32": _emu_mla_prefill_softmax,
     "moe_sort_assignments": _emu_sort,

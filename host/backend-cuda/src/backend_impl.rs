@@ -443,7 +443,7 @@ impl CudaBackend {
         q: &DeviceMat,
         kv_a: &DeviceMat,
         kv_norm: &CudaSlice<f32>,
-        kv_b: &DeviceMat,
+        kv_b: &DeviceLinear,
         spans: &[(usize, usize)],
         locs: &[MlaCacheLoc<'_>],
     ) -> Result<DeviceMat> {
@@ -486,12 +486,12 @@ impl CudaBackend {
         if spans.iter().any(|&(r0, r1)| mode.expanded(r1 - r0)) {
             let starts: Vec<usize> = locs.iter().map(|l| l.start_pos).collect();
             return self.mla_seqs_split(
-                arena, g, q, kv_a, kv_norm, &kv_b.buf, spans, &starts, &seq_pages, pt,
+                arena, g, q, kv_a, kv_norm, kv_b, spans, &starts, &seq_pages, pt,
             );
         }
         let tables: Vec<&[usize]> = owner.iter().map(|&i| &seq_pages[i][..]).collect();
         self.mla_decode(
-            arena, g, q, kv_a, kv_norm, &kv_b.buf, &append_at, &tables, &lens, pt,
+            arena, g, q, kv_a, kv_norm, kv_b, &append_at, &tables, &lens, pt,
         )
     }
 }
@@ -705,6 +705,27 @@ impl Backend for CudaBackend {
         a.rows
     }
 
+    fn top_k_rows(&self, a: &DeviceMat, k: usize) -> Vec<Vec<(u32, f32)>> {
+        if k == 0 || k > crate::ops::TOPK_MAX {
+            // Beyond the kernel's sort: the rows themselves (the trait's host selection).
+            let host = self.to_host(a);
+            return host
+                .chunks(a.cols.max(1))
+                .map(|r| k3_model::exec::top_k_of_row(r, k))
+                .collect();
+        }
+        if !self.failed() {
+            match self
+                .bound()
+                .and_then(|()| CudaBackend::top_k_rows(self, a, k))
+            {
+                Ok(v) => return v,
+                Err(e) => self.record(e),
+            }
+        }
+        Vec::new()
+    }
+
     fn slice_rows(&self, a: &DeviceMat, start: usize, end: usize) -> DeviceMat {
         self.timed(
             || "slice_rows".into(),
@@ -827,12 +848,7 @@ impl Backend for CudaBackend {
         let spans = [(0, q.rows)];
         self.timed(
             || format!("mla (T={})", bucket(q.rows)),
-            || {
-                self.checked(|| {
-                    let kv_b = self.linear_f32(kv_b)?;
-                    self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, &spans, &[loc])
-                })
-            },
+            || self.checked(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, &spans, &[loc])),
         )
     }
 
@@ -900,12 +916,7 @@ impl Backend for CudaBackend {
                     bucket(spans.len())
                 )
             },
-            || {
-                self.checked(|| {
-                    let kv_b = self.linear_f32(kv_b)?;
-                    self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, spans, locs)
-                })
-            },
+            || self.checked(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, spans, locs)),
         )
     }
 

@@ -2,7 +2,7 @@
 
 use crate::cache::{KernelCache, cache_key};
 use crate::error::{CudaError, Result};
-use crate::geometry::nvrtc_arch;
+use crate::geometry::{OPT_IN_SHARED, nvrtc_arch};
 use crate::sources::{FILES, expand};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
@@ -57,6 +57,8 @@ pub struct CudaBackend {
     pub(crate) moe_scratch: Mutex<crate::moe_gemm::MoeScratch>,
     /// CUDA graphs of decode steps (graph.rs).
     pub(crate) step: crate::graph::StepState,
+    /// Attend kernel of the absorbed MLA decode (ops.rs).
+    pub(crate) mla_decode_mode: crate::ops::MlaDecodeMode,
 }
 
 impl Drop for CudaBackend {
@@ -144,7 +146,15 @@ impl CudaBackend {
             };
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_file(path))?;
             for &entry in file.entries {
-                functions.insert(entry, module.load_function(entry)?);
+                let f = module.load_function(entry)?;
+                // Kernels past the 48 KB default of dynamic shared memory opt in once here.
+                if let Some(&(_, bytes)) = OPT_IN_SHARED.iter().find(|(n, _)| *n == entry) {
+                    f.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        bytes as i32,
+                    )?;
+                }
+                functions.insert(entry, f);
             }
         }
         let profile = crate::profile::OpProfile::from_env();
@@ -159,6 +169,7 @@ impl CudaBackend {
             step: crate::graph::StepState::new(profile.is_some()),
             profile,
             moe_scratch: Mutex::default(),
+            mla_decode_mode: crate::ops::MlaDecodeMode::from_env(),
         })
     }
 

@@ -48,6 +48,20 @@ impl Launch {
         })
     }
 
+    /// The same launch with `bytes` of dynamic shared memory past the 48 KB default, for a kernel
+    /// listed in [`OPT_IN_SHARED`] (device.rs raises its limit once when the module loads).
+    pub fn with_opt_in_shared(self, bytes: usize) -> Result<Self> {
+        if bytes > MAX_OPT_IN_SHARED {
+            return Err(CudaError::Unsupported(format!(
+                "{bytes} B of dynamic shared memory ({MAX_OPT_IN_SHARED} at most)"
+            )));
+        }
+        Ok(Self {
+            shared: bytes as u32,
+            ..self
+        })
+    }
+
     pub fn config(&self) -> cudarc::driver::LaunchConfig {
         cudarc::driver::LaunchConfig {
             grid_dim: self.grid,
@@ -168,6 +182,46 @@ pub fn mla_splits_tc2(items: usize, heads: usize, max_len: usize, sms: usize) ->
     (splits, max_len.max(1).div_ceil(splits))
 }
 
+/// Shared memory per block on sm_90 with the opt-in attribute (227 KB).
+pub const MAX_OPT_IN_SHARED: usize = 232_448;
+
+/// `mla_attend_bf16_f32` (kernels/mla_attend_bf16.cu): 48 heads per 256-thread block, one block
+/// per SM, MLB_SHARED bytes of dynamic shared memory (Q, one K tile, score partials, P).
+pub const MLA_BF16_HEADS_PER_BLOCK: usize = 48;
+pub const MLA_BF16_SHARED: usize = 128_192;
+
+/// Kernels launched with more than 48 KB of dynamic shared memory, and how much.
+pub const OPT_IN_SHARED: &[(&str, usize)] = &[("mla_attend_bf16_f32", MLA_BF16_SHARED)];
+
+/// Grid (head groups, items, splits): the two head groups of one (item, split) run side by side,
+/// so the second one's cache reads hit L2.
+pub fn mla_attend_bf16(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
+    check_mla(g)?;
+    Launch::new(
+        (g.heads.div_ceil(MLA_BF16_HEADS_PER_BLOCK), items, splits),
+        256,
+    )?
+    .with_opt_in_shared(MLA_BF16_SHARED)
+}
+
+/// Position splits of `mla_attend_bf16_f32` (one block per SM): one wave of `sms` blocks at
+/// least, then the fullest last wave in [want, 2 want], splits of at least 128 positions (4
+/// tiles). More splits only add partials ([H, splits, kv_lora + 2] f32 written and merged).
+pub fn mla_splits_bf16(items: usize, heads: usize, max_len: usize, sms: usize) -> usize {
+    let blocks = items.max(1) * heads.div_ceil(MLA_BF16_HEADS_PER_BLOCK);
+    let slots = sms.max(1);
+    let want = slots.div_ceil(blocks).max(1);
+    let cap = max_len.div_ceil(128).clamp(1, MLA_MAX_SPLITS);
+    let fill = |s: usize| (blocks * s) as f64 / ((blocks * s).div_ceil(slots) * slots) as f64;
+    let mut splits = want.min(cap);
+    for s in want..=(2 * want).min(cap) {
+        if fill(s) > fill(splits) + 1e-9 {
+            splits = s;
+        }
+    }
+    splits
+}
+
 /// `mla_merge_f32`: one 128-thread block per (item, head).
 pub fn mla_merge(g: &MlaGeom, items: usize) -> Result<Launch> {
     Launch::new((items, g.heads, 1), 128)
@@ -187,6 +241,27 @@ pub fn mla_out_proj(g: &MlaGeom, items: usize) -> Result<Launch> {
         ),
         256,
     )
+}
+
+/// Whether the bf16 kv_b products (`mla_absorb_q_bf16`, `mla_out_proj_bf16`) take this shape: nope
+/// in k16 steps, 16-byte q rows, 16-byte W_UV rows (kv_lora <= 512 is `check_mla`'s).
+pub fn mla_bf16_products(g: &MlaGeom) -> bool {
+    g.nope.is_multiple_of(16)
+        && (g.nope + g.rope).is_multiple_of(4)
+        && g.kv_lora.is_multiple_of(8)
+        && check_mla(g).is_ok()
+}
+
+/// `mla_absorb_q_bf16`: 128 latent columns per 128-thread block, one block row per head.
+pub fn mla_absorb_bf16(g: &MlaGeom) -> Result<Launch> {
+    check_mla(g)?;
+    Launch::new((g.kv_lora.div_ceil(128), g.heads, 1), 128)
+}
+
+/// `mla_out_proj_bf16`: 32 W_UV rows per 128-thread block (the 4 warps split kv_lora), all items.
+pub fn mla_out_proj_bf16(g: &MlaGeom) -> Result<Launch> {
+    check_mla(g)?;
+    Launch::new((g.v_dim.div_ceil(32), g.heads, 1), 128)
 }
 
 /// Grid-stride elementwise kernels: enough 256-thread blocks for `n`, capped (each thread loops).
@@ -320,9 +395,37 @@ mod tests {
         assert_eq!(mla_splits_tc2(16, 96, 8192, 132).0, 5);
         assert_eq!(mla_splits_tc2(64, 96, 32768, 132).0, 2);
         assert_eq!(mla_splits_tc2(1, 96, 100, 132).0, 1);
+        // bf16 attend: 2 head groups of 48, one block per SM: 66 splits fill 132 SMs at N = 1;
+        // 256 blocks at N = 64 (two splits, two waves).
+        let l = mla_attend_bf16(&k3, 3, 5).unwrap();
+        assert_eq!((l.grid, l.block, l.shared), ((2, 3, 5), 256, 128_192));
+        assert_eq!(mla_splits_bf16(1, 96, 32768, 132), 66);
+        assert_eq!(mla_splits_bf16(64, 96, 32768, 132), 2);
+        assert_eq!(mla_splits_bf16(16, 96, 8192, 132), 8);
+        assert_eq!(mla_splits_bf16(1, 96, 100, 132), 1);
+        assert_eq!(mla_splits_bf16(1, 4, 900, 132), 8);
+        assert!(
+            Launch::new((1, 1, 1), 32)
+                .unwrap()
+                .with_opt_in_shared(MAX_OPT_IN_SHARED + 1)
+                .is_err()
+        );
         let l = mla_out_proj(&k3, 65).unwrap();
         assert_eq!((l.grid, l.block), ((96, 8, 2), 256));
         assert_eq!(mla_merge(&k3, 3).unwrap().grid, (3, 96, 1));
+        // bf16 kv_b products: 384 blocks each at K3 (one wave at 3 per SM), any item count.
+        assert!(mla_bf16_products(&k3));
+        let l = mla_absorb_bf16(&k3).unwrap();
+        assert_eq!((l.grid, l.block), ((4, 96, 1), 128));
+        let l = mla_out_proj_bf16(&k3).unwrap();
+        assert_eq!((l.grid, l.block), ((4, 96, 1), 128));
+        assert!(!mla_bf16_products(&MlaGeom { nope: 120, ..k3 }));
+        assert!(!mla_bf16_products(&MlaGeom { rope: 62, ..k3 }));
+        assert!(!mla_bf16_products(&MlaGeom {
+            kv_lora: 500,
+            rope: 64,
+            ..k3
+        }));
     }
 
     #[test]

@@ -25,6 +25,7 @@ pub mod sources;
 pub use device::{CudaBackend, DeviceLinear, DeviceMat};
 pub use error::{CudaError, Result};
 pub use graph::GraphCounts;
+pub use ops::MlaDecodeMode;
 
 #[cfg(test)]
 mod tests {

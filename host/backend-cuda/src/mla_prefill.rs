@@ -21,7 +21,7 @@
 //! `plan` bounds the scratch (`lat`, `K`, `V`, `S`) by [`MLA_PREFILL_SCRATCH_BYTES`] through the
 //! head-group size and the query chunk, so 8k–128k-token prompts fit.
 
-use crate::device::{CudaBackend, DeviceMat};
+use crate::device::{CudaBackend, DeviceLinear, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
 use crate::ops::{float_offset, i32_of};
@@ -462,7 +462,8 @@ impl CudaBackend {
     /// `mla_prefill_expanded` into its rows of `o`; the others (decode, short chunks) go through
     /// one `mla_decode` over their stacked rows, as before. `seq_pages[i]` are sequence i's page
     /// byte offsets including the layer offset; `starts[i]` its first new position; `kv_b` the
-    /// f32 `[H·(nope+v), kv_lora]` weights.
+    /// `[H·(nope+v), kv_lora]` weights (the expanded form reads their f32 storage / copy: its
+    /// cuBLAS SGEMMs need f32; `mla_decode` reads a bf16 kv_b as stored).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn mla_seqs_split(
         &self,
@@ -471,7 +472,7 @@ impl CudaBackend {
         q: &DeviceMat,
         kv_a: &DeviceMat,
         kv_norm: &CudaSlice<f32>,
-        kv_b: &CudaSlice<f32>,
+        kv_b: &DeviceLinear,
         spans: &[(usize, usize)],
         starts: &[usize],
         seq_pages: &[Vec<usize>],
@@ -506,7 +507,7 @@ impl CudaBackend {
                 pages,
                 page_tokens: pt,
             };
-            self.mla_prefill_expanded(arena, g, q, kv_b, seq, &mut o)?;
+            self.mla_prefill_expanded(arena, g, q, &self.linear_f32(kv_b)?.buf, seq, &mut o)?;
         }
         if !abs_spans.is_empty() {
             let (qa, ka) = (

@@ -1,11 +1,18 @@
 //! Launch wrappers: one method per op, shapes validated on the host before anything is launched.
 //! Arena offsets are in bytes at this API (like `k3_model::backend`) and converted to f32 offsets.
 
-use crate::device::{CudaBackend, DeviceMat};
+use crate::device::{CudaBackend, DeviceLinear, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
 use cudarc::driver::CudaSlice;
 use k3_model::backend::{KdaGeom, MlaGeom, RouterParams, SituParams};
+
+/// `mla_decode`'s kv_b for the W_UK / W_UV products: bf16 as stored, or f32.
+#[derive(Clone, Copy)]
+enum KvB<'a> {
+    Bf16(&'a CudaSlice<u16>),
+    F32(&'a CudaSlice<f32>),
+}
 
 /// Push every argument (references that outlive the builder), then launch on the stream. Inside
 /// a replayable step (graph.rs) the launch is logged first, and a dry pass stops there.
@@ -34,10 +41,11 @@ macro_rules! launch {
 /// harness), each read once per process from an environment variable so one device run can A/B
 /// them through the whole model:
 /// - `K3_MX_EXPERTS` (routed experts of steps below the GEMM path's threshold, moe_gemm.rs):
-///   `auto` (default: `gemv` for 1 token, `tc` from 2), `gemv` or `tc` (`mx_experts_choice`).
-/// - `K3_KDA_DECODE`: `split` (default) or `old` (`kda_decode_kernel`).
-/// - `K3_KDA_CHUNK` (prefill): `scan3` (default, the two-pass kernels, conv <= 4), `tc`, `tc_fast`
-///   or `f32` (the one-pass chunk kernels, which also take conv > 4: `kda_scan`, `kda_chunk_tc`).
+///   `auto` (default: `gemv` for 1 token, `tc` from 2), `gemv`, `tc` or `tc_old` (the tensor-core
+///   pair that re-reads the weights every 8 tokens, kept for A/B) (`mx_experts_choice`).
+/// - `K3_KDA_DECODE`: `split` (default), `split_cs`, `lines` or `old` (`kda_decode_kernel`).
+/// - `K3_KDA_CHUNK` (prefill): `scan3` (default, the two-pass kernels, conv <= 4), `scan4` (the same
+///   record pass, key-split scan), `tc`, `tc_fast` or `f32` (the one-pass chunk kernels, which also take conv > 4: `kda_scan`, `kda_chunk_tc`).
 fn env_choice(
     cell: &'static std::sync::OnceLock<String>,
     var: &str,
@@ -50,18 +58,20 @@ fn env_choice(
 enum MxExperts {
     Gemv,
     Tc,
+    TcOld,
 }
 
 /// The expert pair for a step of `tokens` tokens. `auto`: `gemv` (kernels/mxfp4.cu) for one token,
-/// `tc` (kernels/mxfp4_tc.cu) from two. H200, K3 sizes, top-16: T = 1 gemv 183 us vs tc 213;
-/// T = 16 tc 1.34 ms vs gemv 2.03; T = 64 tc 2.6 ms vs gemv 6.2. At one token per expert gemv's
-/// CUDA-core decode keeps up with the weight stream; `tc`'s cost is flat up to its 8 tokens per
-/// pass while gemv's f32 FMAs grow with every token per expert (T = 2..15 not measured).
+/// `tc` (kernels/mxfp4_tc.cu tc2) from two. H200, K3 sizes, top-16, with the old tc pair: T = 1
+/// gemv 183 us vs tc 213; T = 16 tc 1.34 ms vs gemv 2.03; T = 64 tc 2.6 ms vs gemv 6.2. At one
+/// token per expert gemv's CUDA-core decode keeps up with the weight stream; the tc kernels' cost
+/// is nearly flat in the tokens per expert while gemv's f32 FMAs grow with every one.
 fn mx_experts_choice(tokens: usize) -> MxExperts {
     static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     match env_choice(&C, "K3_MX_EXPERTS", "auto") {
         "gemv" => MxExperts::Gemv,
         "tc" => MxExperts::Tc,
+        "tc_old" => MxExperts::TcOld,
         _ if tokens == 1 => MxExperts::Gemv,
         _ => MxExperts::Tc,
     }
@@ -83,6 +93,41 @@ fn mx_tc_stage(max_per_expert: usize) -> usize {
 fn mx_tc_launch(busy: usize, rows: usize, cols: usize) -> Result<Launch> {
     geometry::check_mx_width(cols)?;
     Launch::new((busy, rows.div_ceil(MX_TC_ROWS), 1), 256)?.with_shared(MX_TC_SHARED)
+}
+
+/// kernels/mxfp4_tc.cu tc2 (`mxfp4_up_tc2_f32` / `mxfp4_down_tc2_f32`): weight rows per 256-thread
+/// block (up: 128 rows of W1 and of W3 = one 128-column super-step of the split intermediate;
+/// down: 256 rows of W2), n-tiles of 4 tokens per pass (at most 4), and the split activations'
+/// row length in bf16: per 128-column super-step, 128 hi then 128 lo.
+const MX_TC2_UP_ROWS: usize = 128;
+const MX_TC2_DOWN_ROWS: usize = 256;
+const MX_TC2_MAX_NTILES: usize = 4;
+fn mx_tc2_row_u16(cols: usize) -> usize {
+    cols.div_ceil(128) * 256
+}
+
+/// n-tiles per pass: tokens per expert are at most T, so T <= 12 stages fewer (less shared memory).
+fn mx_tc2_ntiles(tokens: usize) -> usize {
+    tokens.div_ceil(4).clamp(1, MX_TC2_MAX_NTILES)
+}
+
+/// kernels/mxfp4_tc.cu MX2 shared memory: decode table + 3 stages of 256 weight rows x 64 bytes,
+/// their scales and `ntiles` x 8 staged bf16 rows of 272 bytes. At most
+/// `geometry::MX_TC2_MAX_SHARED` (two blocks per SM).
+fn mx_tc2_shared(ntiles: usize) -> usize {
+    8192 * 4 + 3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
+}
+
+/// Grid of the tc2 expert kernels: `busy` experts x blocks of `rows_per_block` rows.
+fn mx_tc2_launch(busy: usize, rows: usize, cols: usize, rows_per_block: usize, ntiles: usize) -> Result<Launch> {
+    geometry::check_mx_width(cols)?;
+    Launch::new((busy, rows.div_ceil(rows_per_block), 1), 256)?.with_opt_in_shared(mx_tc2_shared(ntiles))
+}
+
+/// `mxfp4_tc2_split_f32`: one 32-thread block per (row, 128-column super-step).
+fn mx_tc2_split_launch(rows: usize, cols: usize) -> Result<Launch> {
+    geometry::check_mx_width(cols)?;
+    Launch::new((rows, cols.div_ceil(128), 1), 32)
 }
 
 /// kernels/mxfp4.cu `mxfp4_*_gemv_f32`: rows per 128-thread block, most tokens per pass.
@@ -116,6 +161,30 @@ fn mx_gemv_launch(busy: usize, rows: usize, cols: usize, stage: usize) -> Result
 }
 
 const MLA_V2_PREFETCH_TILES: i32 = 4;
+
+/// Largest k of `top_k_rows` (kernels/sampling.cu TOPK_MAX: the picks are sorted in shared memory).
+pub const TOPK_MAX: usize = 1024;
+
+/// Precision of the absorbed MLA decode attend (`mla_decode`), from `K3_MLA_DECODE` at start-up
+/// (`precise` | `bf16`, default `bf16`); tests pin it with `CudaBackend::set_mla_decode_mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlaDecodeMode {
+    /// `mla_attend_tc2_f32`: 3xTF32, ~f32 accuracy (the CPU backend's results to ~1e-5).
+    Precise,
+    /// `mla_attend_bf16_f32`: q~, cache rows and P rounded to bf16, f32 accumulation and
+    /// softmax (~1e-3 relative, like FlashMLA / vLLM), built to stream the cache at HBM speed.
+    Bf16,
+}
+
+impl MlaDecodeMode {
+    /// `K3_MLA_DECODE`: `precise` or `bf16` (anything else, or unset: `bf16`).
+    pub fn from_env() -> Self {
+        match std::env::var("K3_MLA_DECODE").as_deref() {
+            Ok("precise") => Self::Precise,
+            _ => Self::Bf16,
+        }
+    }
+}
 
 fn same_shape(a: &DeviceMat, b: &DeviceMat, what: &str) -> Result<()> {
     if (a.rows, a.cols) != (b.rows, b.cols) {
@@ -163,12 +232,17 @@ fn kda_chunk_tc() -> Option<&'static str> {
 
 /// The KDA decode kernel, by `K3_KDA_DECODE` (read once per process): `split` (default,
 /// `kda_decode_split_f32`, a cluster of 4 column-slice blocks per head) or `old` (`kda_decode_f32`,
-/// one 512-thread block per head, kept for A/B). H200, N = 256: split 1090.7 us (69% of the DRAM
-/// floor) vs old 1186.2; a prep + streaming-state two-kernel variant (1138-1727 us) was dropped.
+/// one 512-thread block per head, kept for A/B); `split_cs` (split with evict-first state loads
+/// and stores) and `lines` (split cluster, whole 128-byte state lines per warp instruction, also
+/// evict-first) are candidates with split's launch geometry. H200, N = 256: split 1090.7 us (69%
+/// of the DRAM floor) vs old 1186.2; a prep + streaming-state two-kernel variant (1138-1727 us)
+/// was dropped.
 fn kda_decode_kernel() -> &'static str {
     static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     match env_choice(&C, "K3_KDA_DECODE", "split") {
         "old" => "kda_decode_f32",
+        "split_cs" => "kda_decode_split_cs_f32",
+        "lines" => "kda_decode_lines_f32",
         _ => "kda_decode_split_f32",
     }
 }
@@ -195,9 +269,20 @@ fn kda_rec_launch(tokens: usize, heads: usize) -> Result<Launch> {
     Launch::new((tokens.div_ceil(16 * KDA_REC_NCH), heads, 1), 128)
 }
 
-/// `kda_chunk_scan3_f32`: one warp per 16 state columns, 32 columns per block: grid (V / 32, heads).
-fn kda_scan_launch(heads: usize) -> Result<Launch> {
-    Launch::new((geometry::KDA_HEAD_DIM / 32, heads, 1), 64)
+/// The state scan after the record pass, by `K3_KDA_CHUNK`: `scan4` (`kda_chunk_scan4_f32`, each
+/// warp on half the keys of 16 columns, 4 warps per block) or else `kda_chunk_scan3_f32` (one warp
+/// per 16 columns and all 128 keys, 2 warps per block). Both take the same record and arguments.
+fn kda_scan_kernel() -> (&'static str, u32) {
+    static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    match env_choice(&C, "K3_KDA_CHUNK", "scan3") {
+        "scan4" => ("kda_chunk_scan4_f32", 128),
+        _ => ("kda_chunk_scan3_f32", 64),
+    }
+}
+
+/// The scan kernels: 32 state columns per block, grid (V / 32, heads), `threads` per block.
+fn kda_scan_launch(heads: usize, threads: u32) -> Result<Launch> {
+    Launch::new((geometry::KDA_HEAD_DIM / 32, heads, 1), threads)
 }
 
 /// Floats of one (16-token chunk, head) record of `kda_chunk_rec3m_f32` (KDA_REC in the kernel).
@@ -247,6 +332,15 @@ pub struct DeviceExperts {
 }
 
 impl CudaBackend {
+    /// Choose the MLA decode attend kernel (default from `K3_MLA_DECODE`, see [`MlaDecodeMode`]).
+    pub fn set_mla_decode_mode(&mut self, mode: MlaDecodeMode) {
+        self.mla_decode_mode = mode;
+    }
+
+    pub fn mla_decode_mode(&self) -> MlaDecodeMode {
+        self.mla_decode_mode
+    }
+
     pub fn rms_norm(&self, x: &DeviceMat, w: &CudaSlice<f32>, eps: f32) -> Result<DeviceMat> {
         if w.len() != x.cols {
             return Err(CudaError::InvalidArg(format!(
@@ -346,14 +440,39 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// Greedy ids of each logits row.
-    pub fn argmax_rows(&self, logits: &DeviceMat) -> Result<Vec<i32>> {
-        let ids = self.zeroed::<i32>(logits.rows)?;
-        let (r, v) = (i32_of(logits.rows, "rows")?, i32_of(logits.cols, "vocab")?);
-        launch!(self, "argmax_rows_f32", geometry::per_row(logits.rows, 1024)?; &logits.buf, &ids, &r, &v)?;
-        let mut out = self.read_back("argmax", &ids)?;
-        out.truncate(logits.rows);
-        Ok(out)
+    /// Each row's `k` largest finite logits (1 <= k <= TOPK_MAX), as k3_model::top_k_of_row
+    /// orders them, selected on the device (kernels/sampling.cu): only k pairs per row are
+    /// copied back. Not part of a logged step (it reads back), so it runs after the step.
+    pub fn top_k_rows(&self, logits: &DeviceMat, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        if k == 0 || k > TOPK_MAX {
+            return Err(CudaError::InvalidArg(format!(
+                "top-k of {k} (1..={TOPK_MAX})"
+            )));
+        }
+        let rows = logits.rows;
+        let ids = self.uninit::<i32>(rows * k)?;
+        let vals = self.uninit::<f32>(rows * k)?;
+        let count = self.uninit::<i32>(rows)?;
+        let (r, v, kk) = (
+            i32_of(rows, "rows")?,
+            i32_of(logits.cols, "vocab")?,
+            k as i32,
+        );
+        launch!(self, "topk_rows_f32", geometry::per_row(rows, 1024)?;
+            &logits.buf, &ids, &vals, &count, &r, &v, &kk)?;
+        let (ids, vals, count) = (
+            self.read_back("top-k ids", &ids)?,
+            self.read_back("top-k values", &vals)?,
+            self.read_back("top-k counts", &count)?,
+        );
+        Ok((0..rows)
+            .map(|row| {
+                let n = (count[row].max(0) as usize).min(k);
+                (0..n)
+                    .map(|i| (ids[row * k + i] as u32, vals[row * k + i]))
+                    .collect()
+            })
+            .collect())
     }
 
     /// Router: (expert ids, weights) per token, `[T, k]` each, on the device.
@@ -492,7 +611,8 @@ impl CudaBackend {
             let o = self.output(t, g.hk())?;
             let mut rec =
                 self.uninit::<f32>(t.min(KDA_SCAN_SEG).div_ceil(16) * g.heads * KDA_REC_FLOATS)?;
-            let ls = kda_scan_launch(g.heads)?;
+            let (scan_fn, scan_threads) = kda_scan_kernel();
+            let ls = kda_scan_launch(g.heads, scan_threads)?;
             let mut t0 = 0;
             while t0 < t {
                 let t1 = (t0 + KDA_SCAN_SEG).min(t);
@@ -502,7 +622,7 @@ impl CudaBackend {
                     &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log,
                     w.dt_bias, &mut rec, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &b, &e, &h, &conv,
                     &g.gate_lower_bound)?;
-                launch!(self, "kda_chunk_scan3_f32", ls;
+                launch!(self, scan_fn, ls;
                     &rec, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &o.buf, &x.f.buf, w.a_log, w.dt_bias,
                     &g.gate_lower_bound, &b, &e, &h, &conv)?;
                 t0 = t1;
@@ -549,7 +669,9 @@ impl CudaBackend {
 
     /// Absorbed MLA for `q` `[items, H·(nope+rope)]`: appends `kv_a` rows (one per item, at
     /// `append_at` byte offsets) and attends item i over `lens[i]` rows whose page starts (byte
-    /// offsets including the layer offset) are `pages[i]`. Returns `o` `[items, H·v_dim]`.
+    /// offsets including the layer offset) are `pages[i]`. Returns `o` `[items, H·v_dim]`. A bf16
+    /// `kv_b` is read as stored (`mla_bf16_products` shapes); an f32 one (or another shape) goes
+    /// through its f32 storage / copy and the f32 kernels.
     pub fn mla_decode(
         &self,
         arena: &mut CudaSlice<f32>,
@@ -557,7 +679,7 @@ impl CudaBackend {
         q: &DeviceMat,
         kv_a: &DeviceMat,
         kv_norm: &CudaSlice<f32>,
-        kv_b: &CudaSlice<f32>,
+        kv_b: &DeviceLinear,
         append_at: &[usize],
         pages: &[&[usize]],
         lens: &[usize],
@@ -575,7 +697,8 @@ impl CudaBackend {
             ));
         }
         if q.cols != g.heads * (g.nope + g.rope)
-            || kv_b.len() != g.heads * (g.nope + g.v_dim) * g.kv_lora
+            || kv_b.rows != g.heads * (g.nope + g.v_dim)
+            || kv_b.cols != g.kv_lora
         {
             return Err(CudaError::InvalidArg("mla_decode: q or kv_b shape".into()));
         }
@@ -604,7 +727,15 @@ impl CudaBackend {
         // from each item's own length (chunk 0, mla.cu): the launch then changes only when the
         // bucket does, not every step (graph.rs replays a step only if its launches are equal).
         let max_len = lens.iter().copied().max().unwrap_or(1).next_power_of_two();
-        let (splits, _) = geometry::mla_splits_tc2(items, g.heads, max_len, self.multiprocessors);
+        let mode = self.mla_decode_mode;
+        let splits = match mode {
+            MlaDecodeMode::Precise => {
+                geometry::mla_splits_tc2(items, g.heads, max_len, self.multiprocessors).0
+            }
+            MlaDecodeMode::Bf16 => {
+                geometry::mla_splits_bf16(items, g.heads, max_len, self.multiprocessors)
+            }
+        };
         let chunk: i32 = 0;
         // Padded to a power of two for the same reason (entries past an item's pages are unread).
         starts.resize(starts.len().next_power_of_two(), 0);
@@ -630,25 +761,51 @@ impl CudaBackend {
             launch!(self, "mla_append_rows_f32", geometry::per_row(kv_a.rows, 128)?;
                 &kv_a.buf, kv_norm, &mut *arena, &dst, &t, &lkv, &rope, &g.eps)?;
         }
-        let qt = self.zeros(items * g.heads, row)?;
+        // W_UK / W_UV products: on bf16 kv_b as stored (tensor cores, each weight byte read once
+        // for all items: mla.cu), else the f32 kernels. Both write every element of qt and o.
+        let kv_w = match &kv_b.bf16 {
+            Some(b) if geometry::mla_bf16_products(&g) => KvB::Bf16(b),
+            _ => KvB::F32(&self.linear_f32(kv_b)?.buf),
+        };
+        let qt = self.output(items * g.heads, row)?;
         let it = i32_of(items, "items")?;
-        launch!(self, "mla_absorb_q_f32", Launch::new((items, g.heads, 1), 128)?;
-            &q.buf, kv_b, &qt.buf, &it, &h, &nope, &rope, &vd, &lkv)?;
+        match kv_w {
+            KvB::Bf16(w) => launch!(self, "mla_absorb_q_bf16", geometry::mla_absorb_bf16(&g)?;
+                &q.buf, w, &qt.buf, &it, &h, &nope, &rope, &vd, &lkv)?,
+            KvB::F32(w) => {
+                launch!(self, "mla_absorb_q_f32", Launch::new((items, g.heads, 1), 128)?;
+                &q.buf, w, &qt.buf, &it, &h, &nope, &rope, &vd, &lkv)?
+            }
+        }
         let part = self.zeros(items * g.heads * splits, g.kv_lora + 2)?;
         let (pt, sp, ch) = (page_tokens as i32, splits as i32, chunk);
         let scale = 1.0 / ((g.nope + g.rope) as f32).sqrt();
-        // Attend on tensor cores (3xTF32: f32-level accuracy, two blocks per SM, L2 prefetch of
-        // MLA_V2_PREFETCH_TILES tiles ahead), merge the splits, then W_UV once per call.
-        let mode = 1 | (MLA_V2_PREFETCH_TILES << 2);
-        launch!(self, "mla_attend_tc2_f32", geometry::mla_attend_tc(&g, items, splits)?;
-            &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch, &scale,
-            &mode)?;
+        // Attend on tensor cores, merge the splits, then W_UV once per call. Precise: 3xTF32
+        // (f32-level accuracy, two blocks per SM, L2 prefetch of MLA_V2_PREFETCH_TILES tiles
+        // ahead); Bf16: one bf16 MMA per product (kernels/mla_attend_bf16.cu), same partials.
+        match mode {
+            MlaDecodeMode::Precise => {
+                let tc_mode = 1 | (MLA_V2_PREFETCH_TILES << 2);
+                launch!(self, "mla_attend_tc2_f32", geometry::mla_attend_tc(&g, items, splits)?;
+                    &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
+                    &scale, &tc_mode)?;
+            }
+            MlaDecodeMode::Bf16 => {
+                launch!(self, "mla_attend_bf16_f32", geometry::mla_attend_bf16(&g, items, splits)?;
+                    &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
+                    &scale)?;
+            }
+        }
         let lat = self.zeros(items * g.heads, g.kv_lora)?;
         launch!(self, "mla_merge_f32", geometry::mla_merge(&g, items)?;
             &part.buf, &lat.buf, &it, &h, &lkv, &sp)?;
-        let o = self.zeros(items, g.heads * g.v_dim)?;
-        launch!(self, "mla_out_proj_f32", geometry::mla_out_proj(&g, items)?;
-            &lat.buf, kv_b, &o.buf, &it, &h, &nope, &vd, &lkv)?;
+        let o = self.output(items, g.heads * g.v_dim)?;
+        match kv_w {
+            KvB::Bf16(w) => launch!(self, "mla_out_proj_bf16", geometry::mla_out_proj_bf16(&g)?;
+                &lat.buf, w, &o.buf, &it, &h, &nope, &vd, &lkv)?,
+            KvB::F32(w) => launch!(self, "mla_out_proj_f32", geometry::mla_out_proj(&g, items)?;
+                &lat.buf, w, &o.buf, &it, &h, &nope, &vd, &lkv)?,
+        }
         Ok(o)
     }
 
@@ -676,7 +833,6 @@ impl CudaBackend {
         if t * k >= crate::moe_gemm::min_assignments() {
             return self.moe_experts_gemm(z, &w, ex, k, &offsets, &sorted, situ);
         }
-        let act = self.zeros(t * k, ex.inter)?;
         let y = self.zeros(t * k, ex.latent)?;
         let (kk, lt, ie) = (k as i32, ex.latent as i32, ex.inter as i32);
         let (lin, has) = (
@@ -687,6 +843,21 @@ impl CudaBackend {
         let busy = ex.experts.min(t * k).max(1);
         match mx_experts_choice(t) {
             MxExperts::Tc => {
+                // z and the intermediate as hi / lo bf16 in fragment order (every element written:
+                // the split pads z, each up block writes its whole 128-column super-step).
+                let nt = mx_tc2_ntiles(t);
+                let (nti, ti) = (nt as i32, i32_of(t, "tokens")?);
+                let zx = self.uninit::<u16>(t * mx_tc2_row_u16(ex.latent))?;
+                let actx = self.uninit::<u16>(t * k * mx_tc2_row_u16(ex.inter))?;
+                launch!(self, "mxfp4_tc2_split_f32", mx_tc2_split_launch(t, ex.latent)?; &z.buf, &zx, &ti, &lt)?;
+                launch!(self, "mxfp4_up_tc2_f32", mx_tc2_launch(busy, ex.inter, ex.latent, MX_TC2_UP_ROWS, nt)?;
+                    &zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &actx, &kk, &lt, &ie,
+                    &situ.beta, &lin, &has, &e, &nti)?;
+                launch!(self, "mxfp4_down_tc2_f32", mx_tc2_launch(busy, ex.latent, ex.inter, MX_TC2_DOWN_ROWS, nt)?;
+                    &actx, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &nti)?;
+            }
+            MxExperts::TcOld => {
+                let act = self.zeros(t * k, ex.inter)?;
                 let st = mx_tc_stage(t) as i32;
                 launch!(self, "mxfp4_up_tc_f32", mx_tc_launch(busy, ex.inter, ex.latent)?;
                     &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
@@ -695,6 +866,7 @@ impl CudaBackend {
                     &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &st)?;
             }
             MxExperts::Gemv => {
+                let act = self.zeros(t * k, ex.inter)?;
                 let (su, sd) = (mx_gemv_stage(t, ex.latent), mx_gemv_stage(t, ex.inter));
                 let (sui, sdi) = (su as i32, sd as i32);
                 launch!(self, "mxfp4_up_gemv_f32", mx_gemv_launch(busy, ex.inter, ex.latent, su)?;
@@ -753,8 +925,10 @@ mod tests {
     #[test]
     fn kda_scan_launch_geometry() {
         // K3: 96 heads; one warp per 16 state columns; 8 chunks of 16 tokens per record block.
-        let l = kda_scan_launch(96).unwrap();
+        let l = kda_scan_launch(96, 64).unwrap();
         assert_eq!((l.grid, l.block), ((4, 96, 1), 64));
+        let l = kda_scan_launch(96, 128).unwrap();
+        assert_eq!((l.grid, l.block), ((4, 96, 1), 128));
         let l = kda_rec_launch(8192, 96).unwrap();
         assert_eq!((l.grid, l.block), ((64, 96, 1), 128));
         assert_eq!(kda_rec_launch(129, 96).unwrap().grid, (2, 96, 1));

@@ -58,7 +58,11 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "kda_chunk_scan.cu",
         text: include_str!("../../../kernels/kda_chunk_scan.cu"),
-        entries: &["kda_chunk_rec3m_f32", "kda_chunk_scan3_f32"],
+        entries: &[
+            "kda_chunk_rec3m_f32",
+            "kda_chunk_scan3_f32",
+            "kda_chunk_scan4_f32",
+        ],
     },
     KernelFile {
         name: "kda_chunk_tc.cu",
@@ -68,7 +72,12 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "kda_decode.cu",
         text: include_str!("../../../kernels/kda_decode.cu"),
-        entries: &["kda_decode_f32", "kda_decode_split_f32"],
+        entries: &[
+            "kda_decode_f32",
+            "kda_decode_split_f32",
+            "kda_decode_split_cs_f32",
+            "kda_decode_lines_f32",
+        ],
     },
     KernelFile {
         name: "mla.cu",
@@ -79,7 +88,14 @@ pub const FILES: &[KernelFile] = &[
             "mla_attend_tc2_f32",
             "mla_merge_f32",
             "mla_out_proj_f32",
+            "mla_absorb_q_bf16",
+            "mla_out_proj_bf16",
         ],
+    },
+    KernelFile {
+        name: "mla_attend_bf16.cu",
+        text: include_str!("../../../kernels/mla_attend_bf16.cu"),
+        entries: &["mla_attend_bf16_f32"],
     },
     KernelFile {
         name: "mla_prefill.cu",
@@ -124,7 +140,7 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "sampling.cu",
         text: include_str!("../../../kernels/sampling.cu"),
-        entries: &["argmax_rows_f32", "softmax_temperature_f32"],
+        entries: &["topk_rows_f32"],
     },
     KernelFile {
         name: "situ.cu",

@@ -9,7 +9,7 @@
 //! models/, else the crate's source location).
 
 use k3_backend_cpu::CpuBackend;
-use k3_backend_cuda::CudaBackend;
+use k3_backend_cuda::{CudaBackend, MlaDecodeMode};
 use k3_model::backend::{
     Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
     MxMatrixHost, RouterParams, SituParams,
@@ -147,6 +147,9 @@ const MLA_K3_DIMS: MlaGeom = MlaGeom {
 const TOL_POINTWISE: f64 = 1e-5;
 const TOL_GEMM: f64 = 1e-5;
 const TOL_FUSED: f64 = 1e-4;
+/// MLA decode in `MlaDecodeMode::Bf16`: q~, the cache rows and P rounded to bf16 (8 significant
+/// bits, 2^-9 relative each); ~2e-3 expected at these shapes, one decade of margin.
+const TOL_MLA_BF16: f64 = 2e-2;
 /// bf16 weights: the activation enters the tensor-core GEMM as two bf16 halves (~16 of its 24
 /// mantissa bits), so one more digit than f32 SGEMM is given up.
 const TOL_BF16_GEMM: f64 = 5e-5;
@@ -376,7 +379,15 @@ fn kda<B: Backend>(be: &B, r: &mut Rng) -> (Vec<Vec<f32>>, Vec<f32>) {
 }
 
 /// MLA over scattered pages: prefill, decode, a chunk, then a long decode (several splits).
-fn mla<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom, long: usize) -> (Vec<Vec<f32>>, Vec<f32>) {
+/// `bf16`: kv_b of bf16 values (stored as bf16 by the CUDA backend: its absorbed path runs the
+/// bf16 W_UK / W_UV kernels on 21, 1 and 9 items), else f32 values (the f32 kernels).
+fn mla<B: Backend>(
+    be: &B,
+    r: &mut Rng,
+    g: MlaGeom,
+    long: usize,
+    bf16: bool,
+) -> (Vec<Vec<f32>>, Vec<f32>) {
     let (pt, row) = (8usize, g.row());
     let layer_off = 4 * row * pt; // two "layers" per page: test the second
     let page_bytes = 2 * layer_off;
@@ -386,12 +397,9 @@ fn mla<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom, long: usize) -> (Vec<Vec<f32
     let pages: Vec<usize> = (0..npages).map(|i| (npages - i) * page_bytes).collect();
     let mut arena = be.arena((npages + 1) * page_bytes);
     let kv_norm = be.vector(r.vec(g.kv_lora, 1.0));
-    // bf16 values: the CUDA backend keeps kv_b as bf16 and widens it for the MLA kernels.
-    let kv_b = be.linear(
-        g.heads * (g.nope + g.v_dim),
-        g.kv_lora,
-        bf16_values(r.vec(g.heads * (g.nope + g.v_dim) * g.kv_lora, 0.1)),
-    );
+    let kvb = r.vec(g.heads * (g.nope + g.v_dim) * g.kv_lora, 0.1);
+    let kvb = if bf16 { bf16_values(kvb) } else { kvb };
+    let kv_b = be.linear(g.heads * (g.nope + g.v_dim), g.kv_lora, kvb);
     let mut outs = Vec::new();
     let mut pos = 0;
     for t in [21usize, 1, 9, long] {
@@ -425,11 +433,12 @@ fn mla<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom, long: usize) -> (Vec<Vec<f32
 }
 
 /// The steps of [`mla_both_paths`], in order.
-const MLA_PATH_STEPS: [&str; 4] = [
+const MLA_PATH_STEPS: [&str; 5] = [
     "prompt(T=64, no prefix: expanded)",
     "chunk(T=63 after 64: absorbed)",
     "chunk(T=600 after 127: expanded, 512 + 88 queries)",
     "batch(decode after 727: absorbed + T=70 prompt: expanded)",
+    "batch(decode of both: 2 items after 728 and 70, absorbed)",
 ];
 
 /// `q` `[t, H·(nope+rope)]` and `kv_a` `[t, row]` as activations.
@@ -444,7 +453,9 @@ fn mla_inputs<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom, t: usize) -> (B::Act,
 /// MLA steps around the expanded-prefill threshold ([`MLA_PATH_STEPS`]): sequence 0 gets a
 /// 64-token prompt, a 63-token chunk and a 600-token chunk; then one `mla_batch` step decodes
 /// sequence 0 (row 0) together with sequence 1's 70-token prompt (rows 1..71), so the expanded
-/// sequence's rows start at row 1 of the shared output. Returns the outputs and the arena.
+/// sequence's rows start at row 1 of the shared output; a last step decodes both. kv_b holds bf16
+/// values (the CUDA backend's bf16 W_UK / W_UV kernels on the absorbed steps, the f32 copy on the
+/// expanded ones). Returns the outputs and the arena.
 fn mla_both_paths<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom) -> (Vec<Vec<f32>>, Vec<f32>) {
     let pt = 16usize; // as in `loc` below
     let page_bytes = pt * g.row() * 4;
@@ -455,7 +466,8 @@ fn mla_both_paths<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom) -> (Vec<Vec<f32>>
     let mut arena = be.arena((n0 + n1) * page_bytes);
     let kv_norm = be.vector(r.vec(g.kv_lora, 1.0));
     let kvb_rows = g.heads * (g.nope + g.v_dim);
-    let kv_b = be.linear(kvb_rows, g.kv_lora, r.vec(kvb_rows * g.kv_lora, 0.1));
+    let kvb = bf16_values(r.vec(kvb_rows * g.kv_lora, 0.1));
+    let kv_b = be.linear(kvb_rows, g.kv_lora, kvb);
     fn loc(pages: &[usize], start_pos: usize) -> MlaCacheLoc<'_> {
         MlaCacheLoc {
             pages,
@@ -488,6 +500,21 @@ fn mla_both_paths<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom) -> (Vec<Vec<f32>>
             &locs,
         )
         .expect("mla_batch");
+    outs.push(be.to_host(&o));
+    let (q, kv_a) = mla_inputs(be, r, g, 2);
+    let locs = [loc(&pages0, pos + 1), loc(&pages1, 70)];
+    let o = be
+        .mla_batch(
+            &mut arena,
+            g,
+            &q,
+            &kv_a,
+            &kv_norm,
+            &kv_b,
+            &[(0, 1), (1, 2)],
+            &locs,
+        )
+        .expect("mla_batch decode");
     outs.push(be.to_host(&o));
     let len = be.arena_len(&arena);
     (outs, bytes_to_f32(&be.arena_read(&arena, 0, len)))
@@ -532,8 +559,65 @@ fn arena_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<f32> {
 
 #[test]
 fn ops_match_cpu() {
-    let Some(gpu) = cuda() else { return };
+    let Some(mut gpu) = cuda() else { return };
+    // The f32-level decode attend: the MLA tolerances below (TOL_FUSED) hold only for it;
+    // `mla_bf16_matches_cpu` covers the bf16 one.
+    gpu.set_mla_decode_mode(MlaDecodeMode::Precise);
     compare_ops(&gpu, "ops_match_cpu", "");
+}
+
+/// The MLA comparisons of `ops_match_cpu` with the bf16 decode attend (kernels/mla_attend_bf16.cu,
+/// `K3_MLA_DECODE=bf16`, the default): the absorbed steps (T < 64 new tokens) take it, so decode,
+/// chunks and batched decode differ from the CPU by bf16 rounding (TOL_MLA_BF16).
+#[test]
+fn mla_bf16_matches_cpu() {
+    let Some(mut gpu) = cuda() else { return };
+    gpu.set_mla_decode_mode(MlaDecodeMode::Bf16);
+    let cpu = CpuBackend::new();
+    let seed = Rng::new("mla_bf16_matches_cpu").0;
+    let mut t = Table {
+        tag: "",
+        failed: Vec::new(),
+    };
+    let names = [
+        "prefill(T=21)",
+        "decode(T=1)",
+        "chunk(T=9, from 22)",
+        "long prefill",
+    ];
+    // The long prefills take the expanded path (mode-independent); "paths" ends with a decode
+    // over 728 positions (8 position splits on the GPU).
+    for (label, g, long) in [("k3-mini", MLA_MINI, 900), ("K3", MLA_K3_DIMS, 700)] {
+        let (mut rc, mut rg) = (Rng(seed ^ 11), Rng(seed ^ 11));
+        let ((oc, _), (og, _)) = (
+            mla(&cpu, &mut rc, g, long, true),
+            mla(&gpu, &mut rg, g, long, true),
+        );
+        for (i, name) in names.iter().enumerate().take(oc.len()) {
+            t.check(
+                &format!("mla bf16 {label} {name}"),
+                &og[i],
+                &oc[i],
+                TOL_MLA_BF16,
+            );
+        }
+    }
+    let (mut rc, mut rg) = (Rng(seed ^ 19), Rng(seed ^ 19));
+    let ((oc, _), (og, _)) = (
+        mla_both_paths(&cpu, &mut rc, MLA_K3_DIMS),
+        mla_both_paths(&gpu, &mut rg, MLA_K3_DIMS),
+    );
+    for (i, name) in MLA_PATH_STEPS.iter().enumerate() {
+        t.check(
+            &format!("mla bf16 paths {name}"),
+            &og[i],
+            &oc[i],
+            TOL_MLA_BF16,
+        );
+    }
+    let recorded = gpu.take_error();
+    assert!(recorded.is_none(), "backend recorded: {recorded:?}");
+    t.finish();
 }
 
 /// The harness itself on the CPU against the CPU (runs everywhere): shapes and plumbing of every
@@ -594,7 +678,10 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
     t.check("kda state+checkpoints", &ag, &ac, TOL_FUSED);
     for (label, g, long) in [("k3-mini", MLA_MINI, 0), ("K3", MLA_K3_DIMS, 700)] {
         let (mut rc, mut rg) = (Rng(seed ^ 11), Rng(seed ^ 11));
-        let ((oc, ac), (og, ag)) = (mla(&cpu, &mut rc, g, long), mla(gpu, &mut rg, g, long));
+        let ((oc, ac), (og, ag)) = (
+            mla(&cpu, &mut rc, g, long, true),
+            mla(gpu, &mut rg, g, long, true),
+        );
         let names = [
             "prefill(T=21)",
             "decode(T=1)",
@@ -612,16 +699,28 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
         t.check(&format!("mla {label} cache rows"), &ag, &ac, TOL_POINTWISE);
     }
     {
-        // A 1-token decode over a long cache (several position splits on the GPU).
+        // A long prefill after 31 cached rows (several position splits on the GPU), with f32 kv_b
+        // values: the f32 W_UK / W_UV kernels on the absorbed steps (21, 1 and 9 items).
         let g = MLA_MINI;
         let (mut rc, mut rg) = (Rng(seed ^ 13), Rng(seed ^ 13));
-        let ((oc, _), (og, _)) = (mla(&cpu, &mut rc, g, 900), mla(gpu, &mut rg, g, 900));
-        t.check(
-            "mla k3-mini prefill(T=900 after 31)",
-            &og[3],
-            &oc[3],
-            TOL_FUSED,
+        let ((oc, _), (og, _)) = (
+            mla(&cpu, &mut rc, g, 900, false),
+            mla(gpu, &mut rg, g, 900, false),
         );
+        let names = [
+            "prefill(T=21)",
+            "decode(T=1)",
+            "chunk(T=9, from 22)",
+            "prefill(T=900 after 31)",
+        ];
+        for (i, name) in names.iter().enumerate() {
+            t.check(
+                &format!("mla k3-mini f32 kv_b {name}"),
+                &og[i],
+                &oc[i],
+                TOL_FUSED,
+            );
+        }
     }
     {
         // Both sides of the CUDA backend's expanded-prefill threshold (mla_prefill.rs,
@@ -645,9 +744,56 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
         &arena_ops(&cpu, &mut rc),
         TOL_POINTWISE,
     );
+    let (mut rc, mut rg) = (Rng(seed ^ 23), Rng(seed ^ 23));
+    t.check(
+        "top_k_rows (sampling candidates; exact)",
+        &top_k_cases(gpu, &mut rg),
+        &top_k_cases(&cpu, &mut rc),
+        0.0,
+    );
     let recorded = gpu.take_error();
     assert!(recorded.is_none(), "backend recorded: {recorded:?}");
     t.finish();
+}
+
+/// `Backend::top_k_rows` on logits rows with heavy ties (quarter steps), -0 / +0, NaN / ±inf and
+/// fully masked rows, at greedy, top-k and beyond-the-kernel k (host fallback); flattened as
+/// `[count, id, value, id, value, …]` per row so the comparison is exact (tolerance 0).
+fn top_k_cases<B: Backend>(be: &B, r: &mut Rng) -> Vec<f32> {
+    let mut out = Vec::new();
+    for (rows, vocab, k) in [
+        (3usize, 163_840usize, 1usize),
+        (3, 163_840, 50),
+        (2, 70_001, 1024),
+        (2, 300, 1024),
+        (2, 500, 2000),
+    ] {
+        let mut v: Vec<f32> = (0..rows * vocab)
+            .map(|_| (r.f(12.0) * 4.0).round() / 4.0)
+            .collect();
+        for (i, x) in v[vocab..2 * vocab].iter_mut().enumerate() {
+            *x = match i % 7 {
+                0 => -0.0,
+                1 => 0.0,
+                2 => f32::NAN,
+                3 => f32::INFINITY,
+                4 => f32::NEG_INFINITY,
+                _ => *x - 20.0, // below every ±0
+            };
+        }
+        if rows > 2 {
+            v[2 * vocab..].fill(f32::NAN); // nothing finite: an empty selection
+        }
+        let ids: Vec<u32> = (0..rows as u32).collect();
+        let logits = be.embed(&be.linear(rows, vocab, v), &ids);
+        for row in be.top_k_rows(&logits, k) {
+            out.push(row.len() as f32);
+            for (id, val) in row {
+                out.extend([id as f32, val]);
+            }
+        }
+    }
+    out
 }
 
 /// Index and value of the two largest logits.
@@ -702,7 +848,9 @@ const LOGITS_TOL: f64 = 1e-3;
 
 #[test]
 fn k3_mini_matches_cpu() {
-    let Some(gpu) = cuda() else { return };
+    let Some(mut gpu) = cuda() else { return };
+    // Greedy tokens and LOGITS_TOL against the CPU need the f32-level MLA decode attend.
+    gpu.set_mla_decode_mode(MlaDecodeMode::Precise);
     let exec = compare_model(gpu, usize::MAX, "");
     // The decode steps above went through CUDA graphs (captured, then replayed).
     let c = exec.model().backend.graph_counts();
@@ -866,10 +1014,20 @@ fn engine_tokens(exec: Box<dyn Executor>, prompts: &[Vec<u32>], n: usize) -> Vec
         ignore_eos: true,
         ..SamplingParams::default()
     };
+    // Every other request samples (seeded top-k / top-p): its candidates are selected by the
+    // backend (`LogitsWant::LastTopK`), like greedy's, and the draws must agree with the CPU's.
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        top_k: 20,
+        top_p: 0.95,
+        seed: Some(7),
+        ..params.clone()
+    };
     let mut streams: Vec<_> = prompts
         .iter()
         .enumerate()
         .map(|(i, p)| {
+            let params = if i % 2 == 1 { &sampled } else { &params };
             engine
                 .submit(Request::new(i as u64 + 1, p.clone(), params.clone()))
                 .expect("submit")
@@ -895,7 +1053,8 @@ fn engine_tokens(exec: Box<dyn Executor>, prompts: &[Vec<u32>], n: usize) -> Vec
 
 #[test]
 fn engine_matches_cpu() {
-    let Some(gpu) = cuda() else { return };
+    let Some(mut gpu) = cuda() else { return };
+    gpu.set_mla_decode_mode(MlaDecodeMode::Precise); // token-level agreement with the CPU
     compare_engine(gpu, 10, "");
 }
 

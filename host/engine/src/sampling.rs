@@ -8,6 +8,20 @@ use k3_sampling::{SampledToken, Sampler, SamplingParams, SeqHistory};
 /// token, in order, so an implementation may keep per-request state (history, random stream).
 pub trait TokenSampler: Send {
     fn sample(&mut self, logits: &[f32]) -> Result<SampledToken, String>;
+
+    /// `Some(k)`: the next token follows from the row's `k` largest logits alone
+    /// ([`TokenSampler::sample_top`]), so the executor may select them where the logits are
+    /// instead of returning the whole row. Default: whole rows.
+    fn top_k_need(&self) -> Option<usize> {
+        None
+    }
+
+    /// The same choice as [`TokenSampler::sample`] from the row's `top_k_need()` largest finite
+    /// logits (`(id, logit)`, largest first, ties to the lower id).
+    fn sample_top(&mut self, top: &[(u32, f32)]) -> Result<SampledToken, String> {
+        let _ = top;
+        Err("this sampler needs whole logits rows".into())
+    }
 }
 
 /// `k3_sampling::Sampler` plus the request's token history (for penalties).
@@ -32,6 +46,16 @@ impl TokenSampler for RequestSampler {
             .sampler
             .sample(logits, &self.history)
             .map_err(|e| e.to_string())?;
+        self.history.push(s.token);
+        Ok(s)
+    }
+
+    fn top_k_need(&self) -> Option<usize> {
+        self.sampler.top_k_need()
+    }
+
+    fn sample_top(&mut self, top: &[(u32, f32)]) -> Result<SampledToken, String> {
+        let s = self.sampler.sample_top(top).map_err(|e| e.to_string())?;
         self.history.push(s.token);
         Ok(s)
     }

@@ -180,7 +180,8 @@ impl ToyExecutor {
                 }
             }
             let last = i + 1 == s.tokens.len();
-            if s.logits == LogitsWant::All || (s.logits == LogitsWant::Last && last) {
+            let last_wanted = matches!(s.logits, LogitsWant::Last | LogitsWant::LastTopK(_));
+            if s.logits == LogitsWant::All || (last_wanted && last) {
                 self.logits_row(h, logits);
                 rows += 1;
             }
@@ -235,16 +236,27 @@ impl Executor for ToyExecutor {
         }
         let mut logits = Vec::new();
         let mut row_ranges = Vec::with_capacity(batch.seqs.len());
+        let mut top = Vec::with_capacity(batch.seqs.len());
         let mut row = 0;
+        let vocab = self.cfg.vocab;
         for s in &batch.seqs {
             let n = self.run_seq(s, &mut logits);
-            row_ranges.push(row..row + n);
-            row += n;
+            if let LogitsWant::LastTopK(k) = s.logits {
+                // Candidates instead of the row, as a device backend returns them.
+                let last = logits.split_off(row * vocab);
+                top.push(k3_model::top_k_of_row(&last, k));
+                row_ranges.push(row..row);
+            } else {
+                top.push(Vec::new());
+                row_ranges.push(row..row + n);
+                row += n;
+            }
         }
         Ok(ForwardOutput {
-            vocab: self.cfg.vocab,
+            vocab,
             logits,
             row_ranges,
+            top,
         })
     }
 }

@@ -144,6 +144,18 @@ pub trait Backend: Send + Sync + 'static {
     // ---- activations ----
     fn to_host(&self, a: &Self::Act) -> Vec<f32>;
     fn rows(&self, a: &Self::Act) -> usize;
+    /// Each row's `k` largest finite entries, exactly as [`crate::exec::top_k_of_row`] orders
+    /// them. The default copies the rows to the host; a device backend selects on the device.
+    fn top_k_rows(&self, a: &Self::Act, k: usize) -> Vec<Vec<(u32, f32)>> {
+        let rows = self.rows(a);
+        let host = self.to_host(a);
+        if rows == 0 || host.len() % rows != 0 {
+            return Vec::new();
+        }
+        host.chunks(host.len() / rows)
+            .map(|r| crate::exec::top_k_of_row(r, k))
+            .collect()
+    }
     /// Rows `[start, end)` of `a` as a new activation.
     fn slice_rows(&self, a: &Self::Act, start: usize, end: usize) -> Self::Act;
     /// The rows of `parts` one after another (all of the same width; at least one part).

@@ -26,6 +26,10 @@ pub enum LogitsWant {
     Last,
     /// Every new position (echo / prompt logprobs / speculative verify).
     All,
+    /// The last new position's `k` largest finite logits only, in [`ForwardOutput::top`]: what a
+    /// greedy or top-k sampler needs. A device backend selects them on the device, so a decode
+    /// step moves k pairs per sequence to the host instead of a whole vocabulary row.
+    LastTopK(usize),
 }
 
 /// One sequence's share of a step.
@@ -58,8 +62,11 @@ pub struct ForwardOutput {
     pub vocab: usize,
     /// `rows.len() == Σ rows per sequence`, each row `vocab` long, row-major.
     pub logits: Vec<f32>,
-    /// Row range per sequence into `logits` (in rows).
+    /// Row range per sequence into `logits` (in rows); empty for [`LogitsWant::LastTopK`].
     pub row_ranges: Vec<std::ops::Range<usize>>,
+    /// Per sequence: for [`LogitsWant::LastTopK`], its candidates as [`top_k_of_row`] orders them;
+    /// empty otherwise.
+    pub top: Vec<Vec<(u32, f32)>>,
 }
 
 impl ForwardOutput {
@@ -67,6 +74,26 @@ impl ForwardOutput {
     pub fn row(&self, r: usize) -> &[f32] {
         &self.logits[r * self.vocab..(r + 1) * self.vocab]
     }
+}
+
+/// The `k` largest finite entries of `row` as `(index, value)`, largest first, ties to the lower
+/// index; fewer when the row has fewer finite entries. Non-finite logits count as masked, as in
+/// the samplers. The one definition every backend's selection must reproduce exactly.
+pub fn top_k_of_row(row: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let rank = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let mut c: Vec<(u32, f32)> = (0u32..)
+        .zip(row.iter().copied())
+        .filter(|(_, v)| v.is_finite())
+        .collect();
+    if k == 0 {
+        return Vec::new();
+    }
+    if c.len() > k {
+        c.select_nth_unstable_by(k - 1, rank);
+        c.truncate(k);
+    }
+    c.sort_unstable_by(rank);
+    c
 }
 
 #[derive(Debug, thiserror::Error)]

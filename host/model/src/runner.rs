@@ -4,6 +4,7 @@
 use crate::backend::Backend;
 use crate::exec::{
     CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput,
+    top_k_of_row,
 };
 use crate::model::{CacheOffsets, Model, SeqCache, SeqPass};
 
@@ -116,14 +117,21 @@ impl<B: Backend> ModelExecutor<B> {
         let out = self.run_one(s, Some(&mut trace))?;
         let vocab = self.model.config.vocab_size;
         let rows = out.len() / vocab;
-        Ok((
-            ForwardOutput {
+        let output = match s.logits {
+            LogitsWant::LastTopK(k) => ForwardOutput {
+                vocab,
+                logits: Vec::new(),
+                row_ranges: std::iter::once(0..0).collect(),
+                top: vec![top_k_of_row(&out, k)],
+            },
+            _ => ForwardOutput {
                 vocab,
                 logits: out,
                 row_ranges: std::iter::once(0..rows).collect(),
+                top: vec![Vec::new()],
             },
-            trace,
-        ))
+        };
+        Ok((output, trace))
     }
 
     fn run_one(
@@ -225,6 +233,7 @@ impl<B: Backend> Executor for ModelExecutor<B> {
             vocab,
             logits: Vec::new(),
             row_ranges: Vec::with_capacity(batch.seqs.len()),
+            top: vec![Vec::new(); batch.seqs.len()],
         };
         if batch.seqs.is_empty() {
             return Ok(out);
@@ -235,17 +244,56 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         let logits = model.backend.run_step(replayable, &mut || {
             model.forward_batch(arena, offsets, &passes, None)
         });
-        let logits = logits.map(|l| l.map(|l| self.model.backend.to_host(&l)));
+        // Only candidates wanted (decode steps of greedy / top-k requests): select them where
+        // the logits are, so whole vocabulary rows never cross to the host.
+        let top_k = batch.seqs.iter().try_fold(0, |m, s| match s.logits {
+            LogitsWant::LastTopK(k) => Some(m.max(k)),
+            LogitsWant::None => Some(m),
+            LogitsWant::Last | LogitsWant::All => None,
+        });
+        let backend = &self.model.backend;
+        let (host, mut tops) = match (logits, top_k) {
+            (Ok(Some(l)), Some(k)) => (Ok(Vec::new()), backend.top_k_rows(&l, k)),
+            (l, _) => (
+                l.map(|l| l.map(|l| backend.to_host(&l)).unwrap_or_default()),
+                Vec::new(),
+            ),
+        };
         // A backend failure recorded during the pass wins over whatever the pass returned.
         self.backend_error()?;
-        out.logits = logits?.unwrap_or_default();
+        let host = host?;
+        let any_top = batch
+            .seqs
+            .iter()
+            .any(|s| matches!(s.logits, LogitsWant::LastTopK(_)));
         let mut row = 0;
-        for (s, p) in batch.seqs.iter().zip(&passes) {
+        let mut kept_rows = 0;
+        let mut kept = Vec::new();
+        for (i, (s, p)) in batch.seqs.iter().zip(&passes).enumerate() {
             let rows = p.logits_from.map_or(0, |f| s.tokens.len() - f);
-            out.row_ranges.push(row..row + rows);
+            if let LogitsWant::LastTopK(k) = s.logits {
+                out.top[i] = if top_k.is_some() {
+                    let mut t = tops.get_mut(row).map(std::mem::take).ok_or_else(|| {
+                        ExecError::Backend("top-k selection returned too few rows".into())
+                    })?;
+                    t.truncate(k);
+                    t
+                } else {
+                    // A mixed step downloaded every row: select on the host.
+                    top_k_of_row(&host[row * vocab..(row + 1) * vocab], k)
+                };
+                out.row_ranges.push(kept_rows..kept_rows);
+            } else {
+                if any_top && rows > 0 {
+                    kept.extend_from_slice(&host[row * vocab..(row + rows) * vocab]);
+                }
+                out.row_ranges.push(kept_rows..kept_rows + rows);
+                kept_rows += rows;
+            }
             row += rows;
         }
-        debug_assert_eq!(row * vocab, out.logits.len());
+        // Without candidate rows the download is already the output (no copy of prefill rows).
+        out.logits = if any_top { kept } else { host };
         Ok(out)
     }
 }
@@ -254,7 +302,7 @@ impl<B: Backend> Executor for ModelExecutor<B> {
 fn logits_from(s: &SeqInput<'_>) -> Option<usize> {
     match s.logits {
         LogitsWant::None => None,
-        LogitsWant::Last => Some(s.tokens.len() - 1),
+        LogitsWant::Last | LogitsWant::LastTopK(_) => Some(s.tokens.len() - 1),
         LogitsWant::All => Some(0),
     }
 }
@@ -320,6 +368,19 @@ impl<E: Executor> Session<E> {
 
     /// Process `tokens` and return the requested logits rows (row-major, `vocab` wide).
     pub fn feed(&mut self, tokens: &[u32], want: LogitsWant) -> Result<Vec<f32>, ExecError> {
+        Ok(self.step(tokens, want)?.logits)
+    }
+
+    /// Process `tokens` and return the last position's `k` largest logits
+    /// ([`LogitsWant::LastTopK`]: selected by the backend, no vocabulary row copied out).
+    pub fn feed_top(&mut self, tokens: &[u32], k: usize) -> Result<Vec<(u32, f32)>, ExecError> {
+        let mut out = self.step(tokens, LogitsWant::LastTopK(k))?;
+        out.top
+            .pop()
+            .ok_or_else(|| ExecError::Backend("the executor returned no top-k candidates".into()))
+    }
+
+    fn step(&mut self, tokens: &[u32], want: LogitsWant) -> Result<ForwardOutput, ExecError> {
         if self.pos + tokens.len() > self.capacity() {
             return Err(ExecError::InvalidBatch(format!(
                 "sequence of {} tokens exceeds the session capacity {}",
@@ -337,23 +398,26 @@ impl<E: Executor> Session<E> {
         };
         let out = self.exec.forward(&ForwardBatch { seqs: vec![seq] })?;
         self.pos += tokens.len();
-        Ok(out.logits)
+        Ok(out)
     }
 
-    /// Greedy continuation: `n` new tokens after `prompt` (no stopping), lowest index on ties.
+    /// Greedy continuation: `n` new tokens after `prompt` (no stopping): the largest finite
+    /// logit, lowest index on ties, selected by the backend ([`Session::feed_top`]).
     pub fn generate_greedy(&mut self, prompt: &[u32], n: usize) -> Result<Vec<u32>, ExecError> {
         let mut out = Vec::with_capacity(n);
         if n == 0 {
             return Ok(out);
         }
-        let mut logits = self.feed(prompt, LogitsWant::Last)?;
+        let mut top = self.feed_top(prompt, 1)?;
         loop {
-            let next = argmax(&logits);
+            let next = top.first().map(|&(t, _)| t).ok_or_else(|| {
+                ExecError::Backend("no finite logit to continue greedily from".into())
+            })?;
             out.push(next);
             if out.len() == n {
                 return Ok(out);
             }
-            logits = self.feed(&[next], LogitsWant::Last)?;
+            top = self.feed_top(&[next], 1)?;
         }
     }
 }

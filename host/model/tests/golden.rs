@@ -213,6 +213,7 @@ fn chunked_prefill_with_checkpoint_and_batching_are_consistent() -> Result<()> {
     // Batch invariance: decode A's next token alone and batched with B's prefill: identical bits.
     let next = [7u32];
     exec.arena_copy(0, 4 * sb, sb)?;
+    exec.arena_copy(0, 3 * sb, sb)?; // A before `next`, for the candidate checks below
     let alone = run(
         &mut exec,
         vec![SeqInput {
@@ -251,6 +252,48 @@ fn chunked_prefill_with_checkpoint_and_batching_are_consistent() -> Result<()> {
         alone.row(0) == batched.row(1),
         "decode logits depend on the batch"
     );
+
+    // Candidates (`LogitsWant::LastTopK`): selected by the backend when only candidates are
+    // wanted, on the host from the downloaded rows in a mixed step; both equal selecting from
+    // the full row, and the candidate sequence gets no row.
+    let want_top = k3_model::top_k_of_row(alone.row(0), 5);
+    ensure!(want_top.len() == 5 && want_top[0].1 >= want_top[4].1);
+    for mixed in [false, true] {
+        exec.arena_copy(3 * sb, 4 * sb, sb)?;
+        exec.arena_zero(2 * sb, sb)?;
+        let mut seqs = vec![SeqInput {
+            tokens: &next,
+            start_pos: ids_a.len(),
+            kv_pages: &pages_a,
+            state_block: 4 * sb,
+            checkpoints: &[],
+            logits: LogitsWant::LastTopK(5),
+        }];
+        if mixed {
+            seqs.insert(
+                0,
+                SeqInput {
+                    tokens: &ids_b,
+                    start_pos: 0,
+                    kv_pages: &pages_b,
+                    state_block: 2 * sb,
+                    checkpoints: &[],
+                    logits: LogitsWant::Last,
+                },
+            );
+        }
+        let out = run(&mut exec, seqs)?;
+        let a = usize::from(mixed);
+        ensure!(out.top[a] == want_top, "mixed={mixed}: {:?}", out.top[a]);
+        ensure!(out.row_ranges[a].is_empty());
+        if mixed {
+            ensure!(out.row_ranges[0] == (0..1) && out.logits.len() == vocab);
+            ensure!(
+                out.row(0) == batched.row(0),
+                "B's row next to a candidate sequence"
+            );
+        }
+    }
     Ok(())
 }
 

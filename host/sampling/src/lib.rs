@@ -24,5 +24,5 @@ pub use history::SeqHistory;
 pub use params::{
     MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingError, SamplingParams,
 };
-pub use sampler::{SampledToken, Sampler};
+pub use sampler::{MAX_SELECTED_TOP_K, SampledToken, Sampler};
 pub use stop::{FinishReason, StopChecker, StopReason, TextStep, TokenVerdict};

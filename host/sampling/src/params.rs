@@ -84,6 +84,10 @@ pub enum SamplingError {
     /// Every logit is NaN or -inf (e.g. everything was masked), so nothing can be sampled.
     #[error("no token has a finite logit; nothing can be sampled")]
     NoFiniteLogits,
+    /// Selected candidates were passed to a request that needs the whole row, or they are not a
+    /// valid selection (too many, an id outside the vocabulary, a non-finite logit).
+    #[error("the selected top-k candidates cannot be sampled from for this request")]
+    CandidatesUnusable,
 }
 
 fn invalid(field: &'static str, value: impl ToString, expected: &'static str) -> SamplingError {

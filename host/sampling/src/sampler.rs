@@ -16,6 +16,10 @@ use crate::params::{SamplingError, SamplingParams};
 /// vocabulary; grows ×8 until the nucleus fits.
 const NUCLEUS_FIRST_GUESS: usize = 64;
 
+/// Largest `k` a sampler asks the executor to select for it ([`Sampler::top_k_need`]); larger
+/// top-k requests take whole rows.
+pub const MAX_SELECTED_TOP_K: usize = 1024;
+
 /// One sampled token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SampledToken {
@@ -138,6 +142,52 @@ impl Sampler {
         })
     }
 
+    /// How many of a row's largest logits this request needs to pick its next token exactly
+    /// as [`Sampler::sample`] would from the whole row: 1 for greedy, `k` for top-k. `None` when
+    /// it needs the whole row: penalties change logits anywhere in the row, logprobs need the
+    /// row's normaliser, and plain temperature / top-p / min-p sampling may pick any token.
+    pub fn top_k_need(&self) -> Option<usize> {
+        let penalised = self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0;
+        if penalised || self.logprobs.is_some() {
+            return None;
+        }
+        if self.greedy {
+            return Some(1);
+        }
+        self.top_k.filter(|&k| k <= MAX_SELECTED_TOP_K)
+    }
+
+    /// [`Sampler::sample`] from a row's `top_k_need()` largest finite logits, as `(id, logit)`
+    /// largest first with ties to the lower id (`k3_model::top_k_of_row`'s order). Picks the same
+    /// token as `sample` on the whole row and consumes the random stream the same way.
+    pub fn sample_top(&mut self, top: &[(u32, f32)]) -> Result<SampledToken, SamplingError> {
+        let Some(k) = self.top_k_need() else {
+            return Err(SamplingError::CandidatesUnusable);
+        };
+        if top.len() > k
+            || top
+                .iter()
+                .any(|&(t, l)| t as usize >= self.vocab_size || !l.is_finite())
+        {
+            return Err(SamplingError::CandidatesUnusable);
+        }
+        let token = if self.greedy {
+            top.first().map(|&(t, _)| t)
+        } else {
+            self.candidates.clear();
+            self.candidates
+                .extend(top.iter().map(|&(id, weight)| Candidate { weight, id }));
+            self.sample_candidates()
+        };
+        Ok(SampledToken {
+            token: token.ok_or(SamplingError::NoFiniteLogits)?,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        })
+    }
+
     fn apply_penalties(&mut self, history: &SeqHistory) {
         let vocab = self.work.len();
         let rep = self.repetition_penalty;
@@ -173,20 +223,18 @@ impl Sampler {
         let inv_t = 1.0 / self.temperature;
         let weight = |l: f32| ((l - max) * inv_t).exp();
 
-        // `narrowed` = the candidate list holds the allowed set; otherwise every token is allowed.
-        let mut narrowed = false;
         if let Some(k) = self.top_k {
             // Select on logits (same order as weights), so only k exps are needed.
             self.select_top_k_logits(k);
-            for c in &mut self.candidates {
-                c.weight = weight(c.weight);
-            }
-            narrowed = true;
-        } else {
-            for w in &mut self.work {
-                *w = weight(*w);
-            }
+            return self
+                .sample_candidates()
+                .ok_or(SamplingError::NoFiniteLogits);
         }
+        for w in &mut self.work {
+            *w = weight(*w);
+        }
+        // `narrowed` = the candidate list holds the allowed set; otherwise every token is allowed.
+        let mut narrowed = false;
         if self.top_p < 1.0 {
             if !narrowed {
                 self.collect_positive();
@@ -219,8 +267,29 @@ impl Sampler {
         pick.ok_or(SamplingError::NoFiniteLogits)
     }
 
+    /// The top-k path after selection: `candidates` hold the k largest logits in rank order
+    /// (whether selected here or by the executor). Temperature → top-p → min-p → draw.
+    fn sample_candidates(&mut self) -> Option<u32> {
+        let max = self.candidates.first()?.weight;
+        let inv_t = 1.0 / self.temperature;
+        for c in &mut self.candidates {
+            c.weight = ((c.weight - max) * inv_t).exp();
+        }
+        if self.top_p < 1.0 {
+            self.keep_nucleus();
+        }
+        if self.min_p > 0.0 {
+            let top = self.candidates.iter().map(|c| c.weight).fold(0.0, f32::max);
+            let threshold = self.min_p * top;
+            self.candidates.retain(|c| c.weight >= threshold);
+        }
+        let u: f64 = self.rng.random();
+        draw(self.candidates.iter().map(|c| (c.id, c.weight)), u)
+    }
+
     /// Candidates := the `k` largest finite entries of `work` as (logit, id), ties to the lower
-    /// id. One scan against a running threshold; the buffer is pruned back to `k` when it fills,
+    /// id, in that rank order (so the draw sees the same sequence as from executor-selected
+    /// candidates). One scan against a running threshold; the buffer is pruned back to `k` when it fills,
     /// so a small k costs little more than reading the logits once.
     fn select_top_k_logits(&mut self, k: usize) {
         let cands = &mut self.candidates;
@@ -243,6 +312,7 @@ impl Sampler {
             cands.select_nth_unstable_by(k - 1, Candidate::rank);
             cands.truncate(k);
         }
+        cands.sort_unstable_by(Candidate::rank);
     }
 
     /// Candidates := every token with non-zero weight.
@@ -333,7 +403,8 @@ fn draw(weights: impl Iterator<Item = (u32, f32)> + Clone, u: f64) -> Option<u32
 fn argmax(values: &[f32]) -> Option<u32> {
     let mut best: Option<(u32, f32)> = None;
     for (i, &v) in values.iter().enumerate() {
-        if v.is_finite() && best.is_none_or(|(_, b)| v > b) {
+        // total_cmp: +0 ranks above -0, as in every top-k selection (`Candidate::rank`).
+        if v.is_finite() && best.is_none_or(|(_, b)| v.total_cmp(&b).is_gt()) {
             best = Some((i as u32, v));
         }
     }

@@ -248,7 +248,12 @@ impl EngineCore {
         let s = &mut self.running[i];
         s.fed = end;
         let logits = if end >= s.tokens.len() {
-            LogitsWant::Last
+            // Greedy and top-k requests need only the row's largest logits, which the executor
+            // can select next to the logits (a decode step then moves no vocabulary rows).
+            match s.sampler.top_k_need() {
+                Some(k) => LogitsWant::LastTopK(k),
+                None => LogitsWant::Last,
+            }
         } else {
             LogitsWant::None
         };
@@ -397,6 +402,53 @@ mod tests {
     }
 
     #[test]
+    fn rows_or_candidates_follow_what_each_sampler_needs() {
+        let exec = ToyExecutor::new(ToyConfig {
+            arena_bytes: 1 << 16,
+            ..Default::default()
+        })
+        .unwrap();
+        let mut core = core(&exec);
+        let with = |id: u64, s: SamplingParams| Request::new(id, vec![1, 2, 3], s);
+        let base = SamplingParams {
+            max_tokens: Some(4),
+            ..Default::default()
+        };
+        let requests = [
+            SamplingParams {
+                top_k: 40,
+                ..base.clone()
+            },
+            SamplingParams {
+                temperature: 0.0,
+                logprobs: Some(1),
+                ..base.clone()
+            },
+            SamplingParams {
+                temperature: 0.0,
+                frequency_penalty: 0.5,
+                ..base.clone()
+            },
+            base.clone(),
+        ];
+        let _rx: Vec<_> = (0u64..)
+            .zip(requests)
+            .map(|(id, s)| core.submit(with(id, s)).unwrap())
+            .collect();
+        let plan = core.schedule().unwrap();
+        let wants: Vec<_> = plan.seqs.iter().map(|s| s.logits).collect();
+        assert_eq!(
+            wants,
+            vec![
+                LogitsWant::LastTopK(40),
+                LogitsWant::Last, // logprobs need the row's normaliser
+                LogitsWant::Last, // penalties change logits anywhere
+                LogitsWant::Last, // plain temperature sampling may pick any token
+            ]
+        );
+    }
+
+    #[test]
     fn budget_grows_when_few_run_and_decode_goes_first() {
         let mut exec = ToyExecutor::new(ToyConfig {
             arena_bytes: 1 << 16,
@@ -411,7 +463,8 @@ mod tests {
             plan.seqs.iter().map(|s| s.len).collect::<Vec<_>>(),
             vec![60]
         );
-        assert_eq!(plan.seqs[0].logits, LogitsWant::Last);
+        // Greedy: the executor selects the top logit instead of returning the row.
+        assert_eq!(plan.seqs[0].logits, LogitsWant::LastTopK(1));
         let (job, l) = core.launch(plan).unwrap();
         core.complete(l, job.run(&mut exec));
         // Two more long prompts: few running → budget 64 = 1 decode + 63 of prefill, chunked.
@@ -422,8 +475,8 @@ mod tests {
         assert_eq!(
             shape,
             vec![
-                (0, 1, LogitsWant::Last),
-                (1, 50, LogitsWant::Last),
+                (0, 1, LogitsWant::LastTopK(1)),
+                (1, 50, LogitsWant::LastTopK(1)),
                 (2, 13, LogitsWant::None)
             ]
         );

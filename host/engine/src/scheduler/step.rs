@@ -205,15 +205,22 @@ impl EngineCore {
                 continue;
             }
             seq.awaiting_token = false;
-            let range = out.row_ranges[k].clone();
-            if range.is_empty() || range.end * out.vocab > out.logits.len() {
-                self.running.insert(i, seq);
-                let mut dead = Plan::default();
-                self.fail_running(ls.id, "executor returned no logits row", &mut dead);
-                continue;
-            }
-            let row = out.row(range.end - 1);
-            let sampled = match seq.sampler.sample(row) {
+            let sampled = if let LogitsWant::LastTopK(_) = ls.logits {
+                match out.top.get(k) {
+                    Some(top) => seq.sampler.sample_top(top),
+                    None => Err("executor returned no top-k candidates".into()),
+                }
+            } else {
+                let range = out.row_ranges.get(k).cloned().unwrap_or_default();
+                if range.is_empty() || range.end * out.vocab > out.logits.len() {
+                    self.running.insert(i, seq);
+                    let mut dead = Plan::default();
+                    self.fail_running(ls.id, "executor returned no logits row", &mut dead);
+                    continue;
+                }
+                seq.sampler.sample(out.row(range.end - 1))
+            };
+            let sampled = match sampled {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = seq.events.send(Err(RequestError::Sampling(e)));

@@ -5,7 +5,7 @@
 
 use super::model_loading::{Device, LoadFormat, init_threads, load_for};
 use k3_model::exec::{ForwardBatch, SeqInput};
-use k3_model::{Executor, LogitsWant, Session, argmax};
+use k3_model::{Executor, LogitsWant, Session};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -143,10 +143,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     for _ in 0..a.repeats.max(1) {
         session.reset()?;
-        let mut logits = session.feed(&short, LogitsWant::Last)?;
+        // Greedy through the same path as served greedy requests: the backend selects the
+        // top logit, no vocabulary row leaves it.
+        let mut top = session.feed_top(&short, 1)?;
         let r = measure(a.decode_tokens, || {
             for _ in 0..a.decode_tokens {
-                logits = session.feed(&[argmax(&logits)], LogitsWant::Last)?;
+                top = session.feed_top(&[first_id(&top)?], 1)?;
             }
             Ok(())
         })?;
@@ -233,11 +235,14 @@ fn batch_decode<E: Executor>(
                     kv_pages: &pages[i],
                     state_block: i * block,
                     checkpoints: &[],
-                    logits: LogitsWant::Last,
+                    logits: LogitsWant::LastTopK(1),
                 })
                 .collect();
             let out = exec.forward(&ForwardBatch { seqs })?;
-            anyhow::Ok((0..n).map(|i| vec![argmax(out.row(i))]).collect::<Vec<_>>())
+            out.top
+                .iter()
+                .map(|t| Ok(vec![first_id(t)?]))
+                .collect::<anyhow::Result<Vec<_>>>()
         };
         let mut next = step(exec, &prompts, 0)?;
         let t = Instant::now();
@@ -247,6 +252,13 @@ fn batch_decode<E: Executor>(
         best = best.min(t.elapsed().as_secs_f64() / steps.max(1) as f64);
     }
     Ok(best)
+}
+
+/// The selected token of a greedy step's candidates.
+fn first_id(top: &[(u32, f32)]) -> anyhow::Result<u32> {
+    top.first()
+        .map(|&(t, _)| t)
+        .ok_or_else(|| anyhow::anyhow!("no finite logit to continue from"))
 }
 
 #[cfg(test)]

@@ -398,3 +398,150 @@ proptest! {
         prop_assert_eq!(k1.sample(&logits, &h).unwrap().token, g.sample(&logits, &h).unwrap().token);
     }
 }
+
+/// The executor's candidate selection (`k3_model::top_k_of_row`): the k largest finite logits,
+/// largest first, ties to the lower id. Restated here (this crate does not depend on the model).
+fn top_candidates(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut c: Vec<(u32, f32)> = (0u32..)
+        .zip(logits.iter().copied())
+        .filter(|(_, l)| l.is_finite())
+        .collect();
+    c.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    c.truncate(k);
+    c
+}
+
+#[test]
+fn top_k_need_only_when_candidates_decide_the_token() {
+    let need = |p: SamplingParams| sampler(p, 2000).top_k_need();
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    };
+    assert_eq!(need(greedy.clone()), Some(1));
+    assert_eq!(
+        need(SamplingParams {
+            top_k: 40,
+            top_p: 0.9,
+            ..Default::default()
+        }),
+        Some(40)
+    );
+    // Whole rows: plain temperature / top-p, penalties, logprobs, a top-k beyond the limit.
+    assert_eq!(need(SamplingParams::default()), None);
+    assert_eq!(
+        need(SamplingParams {
+            top_p: 0.5,
+            ..Default::default()
+        }),
+        None
+    );
+    assert_eq!(
+        need(SamplingParams {
+            presence_penalty: 0.5,
+            ..greedy.clone()
+        }),
+        None
+    );
+    assert_eq!(
+        need(SamplingParams {
+            repetition_penalty: 1.1,
+            top_k: 5,
+            ..Default::default()
+        }),
+        None
+    );
+    assert_eq!(
+        need(SamplingParams {
+            logprobs: Some(2),
+            ..greedy
+        }),
+        None
+    );
+    assert_eq!(
+        need(SamplingParams {
+            top_k: 1500,
+            ..Default::default()
+        }),
+        None
+    );
+}
+
+#[test]
+fn sample_top_rejects_what_it_cannot_use() {
+    let h = SeqHistory::default();
+    let mut plain = sampler(SamplingParams::default(), 8);
+    assert_eq!(
+        plain.sample_top(&[(1, 0.5)]),
+        Err(SamplingError::CandidatesUnusable)
+    );
+    let mut k2 = sampler(
+        SamplingParams {
+            top_k: 2,
+            ..Default::default()
+        },
+        8,
+    );
+    let three = [(1, 3.0), (2, 2.0), (3, 1.0)];
+    assert_eq!(
+        k2.sample_top(&three),
+        Err(SamplingError::CandidatesUnusable)
+    );
+    assert_eq!(
+        k2.sample_top(&[(9, 1.0)]),
+        Err(SamplingError::CandidatesUnusable)
+    );
+    assert_eq!(
+        k2.sample_top(&[(1, f32::NAN)]),
+        Err(SamplingError::CandidatesUnusable)
+    );
+    assert_eq!(k2.sample_top(&[]), Err(SamplingError::NoFiniteLogits));
+    // A masked row selects nothing; the whole-row path agrees.
+    let masked = [f32::NEG_INFINITY; 8];
+    assert_eq!(k2.sample(&masked, &h), Err(SamplingError::NoFiniteLogits));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Selected candidates give the same tokens as the whole row, draw for draw (same seed), for
+    /// greedy and top-k requests with any temperature / top-p / min-p; rows include ties, -0/+0
+    /// and masked (non-finite) entries.
+    #[test]
+    fn sampling_from_selected_candidates_equals_the_whole_row(
+        logits in prop::collection::vec(
+            prop_oneof![
+                8 => (-40i32..40).prop_map(|q| q as f32 * 0.25),
+                1 => Just(-0.0f32),
+                1 => prop_oneof![Just(f32::NAN), Just(f32::NEG_INFINITY), Just(f32::INFINITY)],
+            ],
+            1..300,
+        ),
+        greedy in any::<bool>(),
+        temperature in 0.05f32..3.0,
+        top_k in 1usize..60,
+        // top-p 1 often: the nucleus sorts its candidates, so only without it does the draw
+        // see the selection's own order.
+        top_p in prop_oneof![Just(1.0f32), 0.01f32..=1.0],
+        min_p in prop_oneof![Just(0.0f32), 0.0f32..0.9],
+        seed in any::<u64>(),
+    ) {
+        let params = SamplingParams {
+            temperature: if greedy { 0.0 } else { temperature },
+            top_k: top_k as i32, top_p, min_p, seed: Some(seed), ..Default::default()
+        };
+        let (mut whole, mut selected) = (sampler(params.clone(), logits.len()), sampler(params, logits.len()));
+        let h = SeqHistory::default();
+        for _ in 0..6 {
+            let a = whole.sample(&logits, &h);
+            match selected.top_k_need() {
+                Some(k) => {
+                    let b = selected.sample_top(&top_candidates(&logits, k));
+                    prop_assert_eq!(a.map(|t| t.token), b.map(|t| t.token));
+                }
+                // top_k at or above the vocabulary means no top-k at all: whole rows.
+                None => prop_assert!(!greedy && top_k >= logits.len()),
+            }
+        }
+    }
+}
