@@ -2,11 +2,14 @@
 //   moe_sort_assignments   group the T*k (token, slot) assignments by expert (counting sort)
 //   mxfp4_up_gemv_f32      act[a] = SiTU-GLU(W1_e z_t, W3_e z_t) for each assignment a of e
 //   mxfp4_down_gemv_f32    y[a] = W2_e act[a]
+//   mxfp4_up_stream_f32    the same two products for 1-token steps (the default there), one
+//   mxfp4_down_stream_f32  assignment at a time straight from the router's ids (no sort)
 //   moe_combine_f32        out[t] = sum_j w[t,j] y[t*k + j]   (fixed slot order: deterministic)
 // Experts of a layer are stored back to back: packed [E, rows, cols/2], scales [E, rows, cols/32].
-// Large steps expand the experts to bf16 for tensor-core GEMMs instead (moe_gemm.cu); the gemv pair
-// here takes 1-token steps (H200, K3 sizes, top-16: 183 us vs 213 for the tensor-core pair in
-// mxfp4_tc.cu, which takes 2 tokens and more: ops.rs mx_experts_choice).
+// Large steps expand the experts to bf16 for tensor-core GEMMs instead (moe_gemm.cu); steps of 2
+// tokens and more take the tensor-core pair in mxfp4_tc.cu, 1-token steps the stream pair here
+// (ops.rs mx_experts_choice). The gemv pair (H200, K3 sizes, top-16, T = 1: 183 us with sort and
+// combine, 36% of the weight-traffic floor) stays for A/B and forced multi-token runs.
 #include "common.cuh"
 
 

@@ -310,6 +310,7 @@ __device__ __forceinline__ void mx2_cp4(u32 dst, const void* src) {
 }
 __device__ __forceinline__ void mx2_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void mx2_wait_all_but_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+static_assert(MX2_STAGES == 3, "mx2_wait_all_but_one waits for all but MX2_STAGES - 2 groups");
 
 // As mxt_fill_table, 16 bytes per store.
 __device__ __forceinline__ void mx2_fill_table() {

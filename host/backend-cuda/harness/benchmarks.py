@@ -11,6 +11,8 @@ import torch
 from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, cdiv, kda_decode_launcher,
                     kda_region_floats, log, rel_err, run_kda_prefill)
 from common import mx_gemv_stage, mx_tc_stage, run_mla_prefill, run_mx_experts
+from common import MX_TC2_DOWN_ROWS, MX_TC2_UP_ROWS, mx_tc2_ntiles, mx_tc2_scratch, mx_tc2_shared
+from common import MX_STREAM_SHARED, mx_stream_grid, run_mx_stream
 from common import gemv_tc_plan, run_gemv_tc
 
 # H200 SXM peak FP32 rate on the CUDA cores (NVIDIA data sheet: 67 TFLOP/s), where cuBLAS SGEMM in
@@ -358,6 +360,7 @@ def bench(d: Device, r: Results, quick: bool, only=None):
     if want("attn_res"):
         bench_attn_res(d, record)
     if want("moe"):
+        bench_moe_stream(d, record)
         bench_moe(d, record, quick)
     if want("gemv"):
         bench_gemv(d, record, quick)
@@ -446,7 +449,7 @@ def bench_moe(d: Device, record, quick: bool):
     w2p = torch.randint(0, 256, (E, lt, ie // 2), dtype=torch.uint8, device="cuda")
     w1s, w3s = (torch.randint(118, 124, (E, ie, lt // 32), dtype=torch.uint8, device="cuda") for _ in range(2))
     w2s = torch.randint(118, 124, (E, lt, ie // 32), dtype=torch.uint8, device="cuda")
-    for T in ([1, 16] if quick else [1, 16, 64]):
+    for T in ([1, 16] if quick else [1, 4, 16, 64]):
         idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)]).int()
         touched = int(idx.unique().numel())
         wts = torch.rand(T, k, device="cuda")
@@ -463,24 +466,105 @@ def bench_moe(d: Device, record, quick: bool):
         up_args = (V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"], V["srt"], V["act"], k, lt, ie, 4.0, 25.0,
                    1, E)
         down_args = (V["act"], V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt, ie, E)
-        outs = {}
-        # The decode-step pairs (ops.rs MxExperts: `gemv` for 1-token steps, `tc` from 2), same buffers
-        # and run; floor = weight bytes read / 4.25 TB/s.
-        for kind in ("gemv", "tc"):
+        outs, times = {}, {}
+        scratch = mx_tc2_scratch(d, T, k, lt, ie)  # tc2's split z / intermediate (views made outside graphs)
+        # The decode-step pairs (ops.rs MxExperts: `gemv` / stream for 1-token steps, `tc` = tc2 from 2,
+        # `tc_old` the pair it replaces), same buffers and run; floor = weight bytes read / 4.25 TB/s.
+        for kind in ("gemv", "tc") if T == 1 else ("gemv", "tc_old", "tc") if T <= 16 else ("tc_old", "tc"):
             def go(kind=kind):
                 d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
-                run_mx_experts(d, kind, min(E, T * k), up_args, down_args, T, lt, ie)
+                run_mx_experts(d, kind, min(E, T * k), up_args, down_args, T, lt, ie, scratch=scratch)
                 d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
             go()
             d.sync()
             outs[kind] = res.clone()
             ms, how = d.time_graph(go)
-            stage = mx_gemv_stage(T, lt) if kind == "gemv" else mx_tc_stage(T)
-            # K3-size agreement: the tc pair's activations carry ~16 bits (hi + lo bf16).
-            agree = {} if kind == "gemv" else {"rel_vs_gemv": f"{rel_err(outs['tc'], outs['gemv']):.1e}"}
+            times[kind] = ms
+            stage = mx_gemv_stage(T, lt) if kind == "gemv" else mx_tc_stage(T) if kind == "tc_old" else \
+                f"{4 * mx_tc2_ntiles(T)} (tc2)"
+            # K3-size agreement: the tc pairs' activations carry ~16 bits (hi + lo bf16).
+            base = "gemv" if "gemv" in outs and kind != "gemv" else "tc_old" if kind == "tc" else None
+            agree = {f"rel_vs_{base}": f"{rel_err(outs[kind], outs[base]):.1e}"} if base else {}
+            if kind == "tc" and "tc_old" in times:
+                agree["speedup_vs_tc_old"] = f"{times['tc_old'] / ms:.2f}x"
             record(f"moe_routed {kind} T={T} top{k} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS * 1e12) * 1e3,
                    experts_touched=touched, stage=stage, default=kind == ("gemv" if T == 1 else "tc"), timing=how,
                    **agree)
+        if T > 1:  # tc2's kernels alone (inputs left by the last run), each against its own weight bytes
+            nt, gx, (_, zx, actx) = mx_tc2_ntiles(T), min(E, T * k), scratch
+            up_b, down_b = touched * 2 * ie * (lt // 2 + lt // 32), touched * lt * (ie // 2 + ie // 32)
+            for name, fn, b in (
+                    ("split z", lambda: d.launch("mxfp4_tc2_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx, T, lt),
+                     None),
+                    ("up", lambda: d.launch("mxfp4_up_tc2_f32", (gx, cdiv(ie, MX_TC2_UP_ROWS)), 256, zx,
+                                            *up_args[1:7], actx, *up_args[8:], nt, shared_mem=mx_tc2_shared(nt)), up_b),
+                    ("down", lambda: d.launch("mxfp4_down_tc2_f32", (gx, cdiv(lt, MX_TC2_DOWN_ROWS)), 256, actx,
+                                              *down_args[1:], nt, shared_mem=mx_tc2_shared(nt)), down_b)):
+                ms, how = d.time_graph(fn)
+                record(f"moe_routed tc2 {name} alone T={T}", ms, b and b / (COPY_TBPS * 1e12) * 1e3, timing=how)
+
+
+def bench_moe_stream(d: Device, record):
+    """Routed MoE at T = 1 (top-16 of 128, K3 expert sizes): the stream pair (ops.rs default for
+    1-token steps: up + down + combine, no sort) against the previous default, the staged gemv pair
+    (sort + up + down + combine), in the same run on the same buffers; then each stream kernel
+    alone against its own weight bytes. Floor = weight bytes read / 4.25 TB/s."""
+    E, k, lt, ie, T = 128, 16, 3584, 3072, 1
+    u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device="cuda")  # noqa: E731
+    sc = lambda *s: torch.randint(118, 124, s, dtype=torch.uint8, device="cuda")  # noqa: E731
+    w1p, w3p, w2p = u8(E, ie, lt // 2), u8(E, ie, lt // 2), u8(E, lt, ie // 2)
+    w1s, w3s, w2s = sc(E, ie, lt // 32), sc(E, ie, lt // 32), sc(E, lt, ie // 32)
+    idx = torch.randperm(E, device="cuda")[:k].int()
+    wts = torch.rand(T, k, device="cuda")
+    z = torch.randn(T, lt, device="cuda")
+    offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
+    srt = torch.empty(T * k, dtype=torch.int32, device="cuda")
+    act = torch.empty(T * k, ie, device="cuda")
+    y = torch.zeros(T * k, lt, device="cuda")
+    res = torch.empty(T, lt, device="cuda")
+    V = {n: d.view(x) for n, x in (("idx", idx), ("off", offsets), ("srt", srt), ("z", z), ("w1p", w1p), ("w1s", w1s),
+                                    ("w3p", w3p), ("w3s", w3s), ("w2p", w2p), ("w2s", w2s), ("act", act), ("y", y),
+                                    ("wts", wts), ("res", res))}
+    up_b, down_b = k * 2 * ie * (lt // 2 + lt // 32), k * lt * (ie // 2 + ie // 32)
+    floor = lambda b: b / (COPY_TBPS * 1e12) * 1e3  # noqa: E731
+    s_up = (V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["idx"], V["act"], k, lt, ie, 4.0, 25.0, 1, E)
+    s_down = (V["act"], V["w2p"], V["w2s"], V["idx"], V["y"], lt, ie, E)
+    g_up = (V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"], V["srt"], V["act"], k, lt, ie, 4.0, 25.0, 1, E)
+    g_down = (V["act"], V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt, ie, E)
+
+    def combine():
+        d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
+
+    def old():
+        d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
+        run_mx_experts(d, "gemv", min(E, T * k), g_up, g_down, T, lt, ie)
+        combine()
+
+    def new():
+        run_mx_stream(d, s_up, s_down, T * k, lt, ie)
+        combine()
+    try:
+        old()
+        d.sync()
+        ref = res.clone()
+        old_ms, _ = d.time_graph(old)
+        new()
+        d.sync()
+        rel = rel_err(res, ref)
+        ms, how = d.time_graph(new)
+        record(f"moe_routed stream T={T} top{k} (up+down+combine, no sort)", ms, floor(up_b + down_b),
+               old_gemv_us=f"{old_ms * 1e3:.1f}", old_pct_of_floor=f"{100 * floor(up_b + down_b) / old_ms:.0f}",
+               speedup=f"{old_ms / ms:.2f}x", rel_vs_gemv=f"{rel:.1e}", timing=how,
+               grid=f"{mx_stream_grid(T * k, ie)}/{mx_stream_grid(T * k, lt)}")
+        for name, fn, b in (("up", lambda: d.launch("mxfp4_up_stream_f32", mx_stream_grid(T * k, ie), 256, *s_up,
+                                                    T * k, shared_mem=MX_STREAM_SHARED), up_b),
+                            ("down", lambda: d.launch("mxfp4_down_stream_f32", mx_stream_grid(T * k, lt), 256,
+                                                      *s_down, T * k, shared_mem=MX_STREAM_SHARED), down_b)):
+            ms, how = d.time_graph(fn)
+            record(f"moe stream {name} kernel alone T={T} top{k}", ms, floor(b), timing=how)
+    except Exception as e:  # noqa: BLE001  a failure here must not cost the benchmarks after it
+        log(f"bench moe stream raised {type(e).__name__}: {str(e)[:200]}")
+    del w1p, w3p, w2p, w1s, w3s, w2s
 
 
 # K3's dense decode matmuls (n x k of the bf16 weight): k3-slice K3_PROFILE shapes.

@@ -37,8 +37,8 @@ def mx_gemv_stage(max_tokens_per_expert: int, cols: int) -> int:
     return max(1, min(max_tokens_per_expert, 4, MX_GEMV_STAGE_BYTES // (cols * 4)))
 
 
-# The tensor-core pair (kernels/mxfp4_tc.cu mxfp4_*_tc_f32; ops.rs mx_tc_stage / mx_tc_launch; the
-# default from 2 tokens):
+# The old tensor-core pair (kernels/mxfp4_tc.cu mxfp4_*_tc_f32; ops.rs mx_tc_stage / mx_tc_launch;
+# K3_MX_EXPERTS=tc_old, kept for A/B against tc2 below):
 # 128 rows per 256-thread block, up to 8 tokens per pass, fixed dynamic shared memory (32 KB
 # decode table + 16 staged bf16 rows of 272).
 MX_TC_ROWS = 128
@@ -49,18 +49,82 @@ def mx_tc_stage(max_tokens_per_expert: int) -> int:
     return max(1, min(max_tokens_per_expert, 8))
 
 
-def run_mx_experts(d: Device, kind, gx, up_args, down_args, t, lt, ie, stage=None):
-    """The up and down launches of expert pair `kind` ("gemv" or "tc", ops.rs MxExperts) over gx busy
-    experts, as ops.rs moe_routed makes them: up_args / down_args are the kernels' arguments without
-    the trailing stage; `stage` (tokens per pass) defaults to ops.rs's choice for a step of t tokens."""
+# tc2, the default from 2 tokens (kernels/mxfp4_tc.cu mxfp4_*_tc2_f32; ops.rs MxExperts::Tc,
+# mx_tc2_*): z split into hi / lo bf16 rows (mxfp4_tc2_split_f32, grid (T, super-steps), 32
+# threads), up blocks of 128 rows (one super-step of the split intermediate actx), down blocks of
+# 256 rows, up to 4 n-tiles of 4 tokens per pass, 3 cp.async stages in opt-in shared memory.
+# `tc_old` is the pair above (ops.rs MxExperts::TcOld).
+MX_TC2_UP_ROWS, MX_TC2_DOWN_ROWS = 128, 256
+
+
+def mx_tc2_ntiles(max_tokens_per_expert: int) -> int:
+    return max(1, min(cdiv(max_tokens_per_expert, 4), 4))
+
+
+def mx_tc2_shared(ntiles: int) -> int:
+    return 8192 * 4 + 3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
+
+
+def mx_tc2_row_u16(cols: int) -> int:
+    return cdiv(cols, 128) * 256
+
+
+def mx_tc2_scratch(d: Device, t: int, k: int, lt: int, ie: int):
+    """Split z and split intermediate buffers of the tc2 pair: (tensors to keep alive, zx view, actx
+    view); made outside any graph capture (views sync)."""
+    zx = torch.zeros(t * mx_tc2_row_u16(lt), dtype=torch.int16, device=d.tdev)
+    actx = torch.zeros(t * k * mx_tc2_row_u16(ie), dtype=torch.int16, device=d.tdev)
+    return (zx, actx), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16)
+
+
+def run_mx_experts(d: Device, kind, gx, up_args, down_args, t, lt, ie, stage=None, scratch=None):
+    """The up and down launches of expert pair `kind` ("gemv", "tc" or "tc_old", ops.rs MxExperts)
+    over gx busy experts, as ops.rs moe_routed makes them: up_args / down_args are the old kernels'
+    arguments without the trailing stage (tc swaps z / act for its split buffers from `scratch`, an
+    mx_tc2_scratch, made here if None); `stage` (tokens per pass; tc: rounded up to n-tiles of 4)
+    defaults to ops.rs's choice for a step of t tokens."""
     if kind == "gemv":
         su, sd = (stage or mx_gemv_stage(t, lt), stage or mx_gemv_stage(t, ie))
         d.launch("mxfp4_up_gemv_f32", (gx, cdiv(ie, MX_GEMV_ROWS)), 128, *up_args, su, shared_mem=su * lt * 4)
         d.launch("mxfp4_down_gemv_f32", (gx, cdiv(lt, MX_GEMV_ROWS)), 128, *down_args, sd, shared_mem=sd * ie * 4)
+    elif kind == "tc":
+        nt = mx_tc2_ntiles(stage or t)
+        if scratch is None:
+            scratch = mx_tc2_scratch(d, t, up_args[8], lt, ie)
+        _, zx, actx = scratch
+        d.launch("mxfp4_tc2_split_f32", (t, cdiv(lt, 128)), 32, up_args[0], zx, t, lt)
+        d.launch("mxfp4_up_tc2_f32", (gx, cdiv(ie, MX_TC2_UP_ROWS)), 256, zx, *up_args[1:7], actx, *up_args[8:], nt,
+                 shared_mem=mx_tc2_shared(nt))
+        d.launch("mxfp4_down_tc2_f32", (gx, cdiv(lt, MX_TC2_DOWN_ROWS)), 256, actx, *down_args[1:], nt,
+                 shared_mem=mx_tc2_shared(nt))
     else:
+        assert kind == "tc_old", kind
         st = stage or mx_tc_stage(t)
         d.launch("mxfp4_up_tc_f32", (gx, cdiv(ie, MX_TC_ROWS)), 256, *up_args, st, shared_mem=MX_TC_SHARED)
         d.launch("mxfp4_down_tc_f32", (gx, cdiv(lt, MX_TC_ROWS)), 256, *down_args, st, shared_mem=MX_TC_SHARED)
+
+
+# The stream pair (kernels/mxfp4.cu mxfp4_*_stream_f32; moe_stream.rs mx_stream_launch; the
+# default for 1-token steps): 256-thread blocks, two per SM (fewer for small problems: at least 8
+# rows per warp), 64 KB of dynamic shared memory (opt-in), assignments straight from the router's
+# ids (no sort). Input width <= 127 * 32.
+MX_STREAM_SHARED = 65536
+MX_STREAM_MAX_COLS = 127 * 32
+
+
+def mx_stream_grid(n_assign: int, rows: int, sms: int = 132) -> int:
+    return max(1, min(2 * sms, cdiv(n_assign * rows, 8 * 8)))
+
+
+def run_mx_stream(d: Device, up_args, down_args, n_assign, lt, ie, grid=None):
+    """The stream pair's two launches as moe_stream.rs makes them. up_args = (z, w1p, w1s, w3p, w3s,
+    idx, act, top_k, lt, ie, beta, beta_lin, has_lin, E), down_args = (act, w2p, w2s, idx, y, lt, ie,
+    E): the kernels' arguments without the trailing n_assign. `grid` overrides the block count (any
+    count is valid: the checks use odd ones to move the warps' row boundaries)."""
+    d.launch("mxfp4_up_stream_f32", grid or mx_stream_grid(n_assign, ie), 256, *up_args, n_assign,
+             shared_mem=MX_STREAM_SHARED)
+    d.launch("mxfp4_down_stream_f32", grid or mx_stream_grid(n_assign, lt), 256, *down_args, n_assign,
+             shared_mem=MX_STREAM_SHARED)
 
 
 # Dense bf16-weight decode products (kernels/bf16.cu gemv_bf16_tc_f32; backend_impl.rs gemv_tc_plan):

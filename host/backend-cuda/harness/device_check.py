@@ -34,6 +34,7 @@ from benchmarks import bench  # noqa: E402
 from common import (KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, LOG, ROOT, cdiv, kda_decode_launcher,  # noqa: E402
                     kda_reference, kda_region_floats, log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
 from common import mla_prefill_plan, run_mla_prefill, run_mx_experts  # noqa: E402
+from common import mx_stream_grid, run_mx_stream  # noqa: E402
 from common import gemv_tc_plan, run_gemv_tc  # noqa: E402
 from emulators import EMU  # noqa: E402
 from k3ref import mxfp4 as rmx  # noqa: E402
@@ -141,10 +142,12 @@ class Device:
             EMU[name](*conv)
         else:
             k = self.kernel(name)
-            if shared_mem > 48 * 1024 and getattr(k, "_k3_opt_in", 0) < shared_mem:
+            # cupy's RawKernel takes no new attributes: the opted-in sizes live here, per kernel.
+            opted = self.__dict__.setdefault("_opt_in", {})
+            if shared_mem > 48 * 1024 and opted.get(name, 0) < shared_mem:
                 # Opt in once (as device.rs does for geometry.rs OPT_IN_SHARED), not inside a capture.
                 k.max_dynamic_shared_size_bytes = shared_mem
-                k._k3_opt_in = shared_mem
+                opted[name] = shared_mem
             k(grid, block, tuple(conv), shared_mem=shared_mem)
 
     def sync(self):
@@ -788,7 +791,7 @@ def check_moe(d: Device, r: Results, gen):
         sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
         d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx[:tn].int().reshape(-1))), na, e, d.view(offsets),
                  d.view(sorted_))
-        for kind in ("gemv", "tc"):
+        for kind in ("gemv", "tc", "tc_old"):
             act = torch.empty(na, ie, device=d.tdev)
             y = torch.empty(na, lt, device=d.tdev)
             run_mx_experts(d, kind, min(e, na),
@@ -813,7 +816,7 @@ def check_moe_gemv(d: Device, r: Results, gen):
     shape wider than one 256-column staging chunk (416 = 13 blocks: a partial second chunk)."""
     e, k = 6, 3
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
-    for lt, ie, kinds in ((160, 96, ("gemv", "tc")), (416, 288, ("tc",))):
+    for lt, ie, kinds in ((160, 96, ("gemv", "tc", "tc_old")), (416, 288, ("tc", "tc_old"))):
         w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
         w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
         w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
@@ -851,6 +854,122 @@ def check_moe_gemv(d: Device, r: Results, gen):
                 # split-bf16 GEMM path (check_moe_gemm's 2e-5).
                 r.check(f"moe routed {kind} {tag} (sort+up+down+combine)", rel_err(res, ref),
                         1e-5 if kind == "gemv" else 2e-5)
+
+
+def check_moe_stream(d: Device, r: Results, gen):
+    """The stream pair (mxfp4_*_stream_f32, the 1-token default; no sort: ids straight from the
+    router) + combine, against float64: rows split over the warps of several grid sizes (1 block:
+    many staging rounds per block; odd counts: batches cut at assignment boundaries and short
+    last batches), widths whose 32-value chunks are not a multiple of 16 (lanes past the row on
+    the zero chunk: 160 = 5 chunks, 544 = 17: a second, partial step), T > 1 (weights re-read per
+    assignment) and an out-of-range id (slot skipped: its y row stays zero)."""
+    # The kernels' split of the (assignment, row) pairs (mxs_drive: rounds of two staged
+    # assignments per block, each warp's own range in batches of up to 2 RH rows that never cross an
+    # assignment), replayed here: every pair exactly once; at K3 sizes at most 1 row over the mean.
+    for na, rows, grid, rh in ((16, 3072, 264, 4), (16, 3584, 264, 8), (9, 40, 7, 4), (5, 19, 3, 8), (4, 37, 1, 8)):
+        n, parts, seen, per_warp = na * rows, grid * 8, [], []
+        for b in range(grid):
+            b0, b1 = n * 8 * b // parts, n * 8 * (b + 1) // parts
+            if b1 <= b0:
+                continue
+            for w in range(8):
+                q0, q1 = n * (8 * b + w) // parts, n * (8 * b + w + 1) // parts
+                for jr in range(b0 // rows, (b1 - 1) // rows + 1, 2):
+                    q = max(q0, jr * rows)
+                    while q < min(q1, (jr + 2) * rows):
+                        j, r0 = divmod(q, rows)
+                        nr = min(2 * rh, min(q1, (jr + 2) * rows) - q, rows - r0)
+                        seen += [(j, r0 + i) for i in range(nr)]
+                        q += nr
+                per_warp.append(q1 - q0)
+        ok = sorted(seen) == [(j, r) for j in range(na) for r in range(rows)]
+        r.exact(f"moe stream row split {na}x{rows} grid={grid}: every row once, rows per warp "
+                f"{min(per_warp)}..{max(per_warp)}", ok and max(per_warp) - min(per_warp) <= 1)
+    e, k = 6, 3
+    dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
+    for lt, ie in ((160, 96), (544, 288)):
+        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
+        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
+        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+        wv = [dev(x) for x in (w1p, w1s, w3p, w3s, w2p, w2s)]
+        for t in (1, 3):
+            z = rand(t, lt, gen=gen)
+            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
+                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
+            idx = idx.clone()
+            if t == 3:
+                idx[1, 2] = -1  # skipped slot
+            ref = torch.zeros(t, lt, dtype=torch.float64)
+            for tt in range(t):
+                for j in range(k):
+                    ex = int(idx[tt, j])
+                    if ex >= 0:
+                        ref[tt] += wts[tt, j] * (w2[ex] @ ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0))
+            na = t * k
+            ids = dev(idx.int().reshape(-1))
+            for grid in (None, 1, 3, 7):
+                act = torch.empty(na, ie, device=d.tdev)
+                y = torch.zeros(na, lt, device=d.tdev)
+                run_mx_stream(d, (d.view(dev(z.float())), *(d.view(x) for x in wv[:4]), d.view(ids), d.view(act),
+                                  k, lt, ie, 4.0, 25.0, 1, e),
+                              (d.view(act), d.view(wv[4]), d.view(wv[5]), d.view(ids), d.view(y), lt, ie, e),
+                              na, lt, ie, grid)
+                res = torch.empty(t, lt, device=d.tdev)
+                d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
+                         d.view(res), t, k, lt)
+                d.sync()
+                g = grid or f"{mx_stream_grid(na, ie)}/{mx_stream_grid(na, lt)}"
+                r.check(f"moe routed stream T={t} {lt}x{ie} grid={g} (up+down+combine)", rel_err(res, ref), 1e-5)
+
+
+def check_moe_tc2(d: Device, r: Results, gen):
+    """The tc2 pair (default from 2 tokens) against float64 and the old tc pair: random top-4 routings
+    over 16 experts at T = 2, 3, 16, 64, and a made one at T = 70, top-2 over 8 experts, whose
+    experts take 70, 35, 17, 9, 8 and 1 tokens (two idle): one n-tile, n-tiles of 4 tokens and a
+    partial one, several 16-token passes. 384 x 256: 4-byte-aligned scale rows (K3's case; the
+    odd widths are in check_moe_gemv), a partial down row block, 3 / 2 super-steps."""
+    lt, ie = 384, 256
+    dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
+    second = torch.tensor([1] * 1 + [2] * 8 + [3] * 9 + [4] * 17 + [5] * 35)
+    made = torch.stack([torch.zeros(70, dtype=torch.long), second[torch.randperm(70, generator=gen)]], 1)
+    for t, e, k in ((2, 16, 4), (3, 16, 4), (16, 16, 4), (64, 16, 4), (70, 8, 2)):
+        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
+        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
+        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+        z = rand(t, lt, gen=gen)
+        if t == 70:
+            idx, wts = made, torch.rand(t, k, generator=gen, dtype=torch.float64)
+        else:
+            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
+                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
+        ref = torch.zeros(t, lt, dtype=torch.float64)
+        for j in range(k):
+            ex = idx[:, j]
+            h = ref_situ_glu(torch.einsum("tij,tj->ti", w1[ex], z), torch.einsum("tij,tj->ti", w3[ex], z), 4.0, 25.0)
+            ref += wts[:, j:j + 1] * torch.einsum("tij,tj->ti", w2[ex], h)
+        na = t * k
+        offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
+        sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
+        d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx.int().reshape(-1))), na, e, d.view(offsets),
+                 d.view(sorted_))
+        counts = sorted(torch.bincount(idx.reshape(-1), minlength=e).tolist(), reverse=True)
+        outs = {}
+        for kind in ("tc", "tc_old"):
+            act = torch.empty(na, ie, device=d.tdev)
+            y = torch.empty(na, lt, device=d.tdev)
+            wargs = (d.view(dev(z.float())), d.view(dev(w1p)), d.view(dev(w1s)), d.view(dev(w3p)), d.view(dev(w3s)),
+                     d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1, e)
+            dargs = (d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets), d.view(sorted_), d.view(y), lt,
+                     ie, e)
+            run_mx_experts(d, kind, min(e, na), wargs, dargs, t, lt, ie)
+            res = torch.empty(t, lt, device=d.tdev)
+            d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
+                     d.view(res), t, k, lt)
+            d.sync()
+            outs[kind] = res.cpu().double()
+            r.check(f"moe routed {kind} T={t} top{k} of {e}, tokens per expert {counts[:6]} (sort+up+down+combine)",
+                    rel_err(res, ref), 2e-5)
+        r.check(f"moe routed tc vs tc_old T={t}", rel_err(outs["tc"], outs["tc_old"]), 2e-5)
 
 
 def check_bf16_matmul(d: Device, r: Results, gen):
@@ -981,7 +1100,7 @@ def main():
     t0 = time.time()
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
                check_kda_prefill_tc, check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill,
-               check_moe, check_moe_gemv, check_moe_gemm,
+               check_moe, check_moe_gemv, check_moe_stream, check_moe_tc2, check_moe_gemm,
                check_bf16_matmul, check_gemv_tc, check_kda_prefill_prep):
         try:
             fn(d, r, gen)

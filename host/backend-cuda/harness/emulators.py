@@ -328,6 +328,28 @@ def _emu_moe_down(act, w2p, w2s, offsets, sorted_, y, lt, ie):
             _t(y).view(-1, lt)[int(a)] = (w2 @ _t(act).view(-1, ie)[int(a)].double()).float()
 
 
+def _emu_moe_up_stream(z, w1p, w1s, w3p, w3s, idx, act, top_k, lt, ie, beta, beta_lin, has_lin, e, n):
+    """mxfp4_up_stream_f32: assignment a of expert idx[a] (skipped when out of range), token a // top_k."""
+    lt, ie, e = int(lt), int(ie), int(e)
+    for a in range(int(n)):
+        ex = int(idx[a])
+        if not 0 <= ex < e:
+            continue
+        x = _t(z).view(-1, lt)[a // int(top_k)].double()
+        w1 = rmx.dequantize(_t(w1p).view(e, ie, lt // 2)[ex], _t(w1s).view(e, ie, lt // 32)[ex], torch.float64)
+        w3 = rmx.dequantize(_t(w3p).view(e, ie, lt // 2)[ex], _t(w3s).view(e, ie, lt // 32)[ex], torch.float64)
+        _t(act).view(-1, ie)[a] = ref_situ_glu(w1 @ x, w3 @ x, float(beta), float(beta_lin) if has_lin else None).float()
+
+
+def _emu_moe_down_stream(act, w2p, w2s, idx, y, lt, ie, e, n):
+    lt, ie, e = int(lt), int(ie), int(e)
+    for a in range(int(n)):
+        ex = int(idx[a])
+        if 0 <= ex < e:
+            w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
+            _t(y).view(-1, lt)[a] = (w2 @ _t(act).view(-1, ie)[a].double()).float()
+
+
 def _emu_sort(idx, n, e, offsets, sorted_):
     order = np.argsort(idx[:int(n)], kind="stable")
     sorted_[:] = order.astype(np.int32)
@@ -381,6 +403,62 @@ def bf16_value(b):
 def split_bf16(x):
     hi = bf16_bits(x)
     return hi, bf16_bits(np.asarray(x, dtype=np.float32) - bf16_value(hi))
+
+
+def _mx2_perm():
+    """kernels/mxfp4_tc.cu mx2_pos: column c of a 128-column super-step -> its index in the row."""
+    c = np.arange(128)
+    return 16 * ((c >> 2) & 7) + 4 * (c >> 5) + (c & 3)
+
+
+def _mx2_pack(x, out):
+    """f32 rows [n, cols] -> tc2 split layout [n][ceil(cols / 128)][hi / lo][128] bf16 bits."""
+    n, cols = x.shape
+    nss = -(-cols // 128)
+    xp = np.zeros((n, nss * 128), np.float32)
+    xp[:, :cols] = x
+    hi, lo = split_bf16(xp.reshape(-1))
+    o = out.reshape(-1)[:n * nss * 256].reshape(n, nss, 2, 128)
+    perm = _mx2_perm()
+    o[:, :, 0, perm] = hi.reshape(n, nss, 128)
+    o[:, :, 1, perm] = lo.reshape(n, nss, 128)
+
+
+def _mx2_unpack(xs, n, cols):
+    """tc2 split layout -> float64 rows hi + lo [n, cols] (what the kernels multiply)."""
+    nss = -(-cols // 128)
+    o = xs.reshape(-1)[:n * nss * 256].reshape(n, nss, 2, 128)[:, :, :, _mx2_perm()]
+    v = bf16_value(o[:, :, 0]).astype(np.float64) + bf16_value(o[:, :, 1]).astype(np.float64)
+    return torch.from_numpy(v.reshape(n, nss * 128)[:, :cols])
+
+
+def _emu_moe_up_tc2(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e, nt):
+    lt, ie, k, e = int(lt), int(ie), int(top_k), len(offsets) - 1
+    na = actx.size // (-(-ie // 128) * 256)
+    z = _mx2_unpack(zx, zx.size // (-(-lt // 128) * 256), lt)
+    act = np.zeros((na, ie), np.float32)
+    for ex in range(e):
+        a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
+        if len(a):
+            w1 = rmx.dequantize(_t(w1p).view(e, ie, lt // 2)[ex], _t(w1s).view(e, ie, lt // 32)[ex], torch.float64)
+            w3 = rmx.dequantize(_t(w3p).view(e, ie, lt // 2)[ex], _t(w3s).view(e, ie, lt // 32)[ex], torch.float64)
+            x = z[torch.from_numpy(a // k)]
+            act[a] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta), float(beta_lin) if has_lin else None).float().numpy()
+    rows = np.unique(sorted_[offsets[0]:offsets[-1]]).astype(np.int64)  # rows of other assignments untouched
+    packed = np.zeros((na, -(-ie // 128) * 256), np.uint16)
+    _mx2_pack(act, packed)
+    actx.reshape(na, -1)[rows] = packed[rows]
+
+
+def _emu_moe_down_tc2(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, nt):
+    lt, ie, e = int(lt), int(ie), len(offsets) - 1
+    na = actx.size // (-(-ie // 128) * 256)
+    act = _mx2_unpack(actx, na, ie)
+    for ex in range(e):
+        a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
+        if len(a):
+            w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
+            _t(y).view(-1, lt)[torch.from_numpy(a)] = (act[torch.from_numpy(a)] @ w2.T).float()
 
 
 def _emu_gemv_tc(x, w, out, m, n, k, kslice):
@@ -546,8 +624,14 @@ EMU = {
     "moe_combine_split_f32": _emu_combine_split,
     "mxfp4_up_gemv_f32": lambda *a: _emu_moe_up(*a[:-2]),  # + E (busy-expert mapping), stage (tokens per pass)
     "mxfp4_down_gemv_f32": lambda *a: _emu_moe_down(*a[:-2]),
+    "mxfp4_up_stream_f32": _emu_moe_up_stream,
+    "mxfp4_down_stream_f32": _emu_moe_down_stream,
     "mxfp4_up_tc_f32": lambda *a: _emu_moe_up(*a[:-2]),  # + E, stage; bf16 hi/lo products ~ f32
     "mxfp4_down_tc_f32": lambda *a: _emu_moe_down(*a[:-2]),
+    "mxfp4_tc2_split_f32": lambda x, xs, rows, cols: _mx2_pack(x.reshape(-1)[:int(rows) * int(cols)].reshape(
+        int(rows), int(cols)), xs),
+    "mxfp4_up_tc2_f32": _emu_moe_up_tc2,  # hi + lo in, act split out (the tc2 layout end to end)
+    "mxfp4_down_tc2_f32": _emu_moe_down_tc2,
     "moe_combine_f32": lambda y, w, out, t, k, lt: out.__setitem__(slice(None), torch.einsum(
         "tk,tkl->tl", _t(w).view(int(t), int(k)), _t(y).view(int(t), int(k), int(lt))).numpy().reshape(out.shape)),
 }

@@ -190,8 +190,22 @@ pub const MAX_OPT_IN_SHARED: usize = 232_448;
 pub const MLA_BF16_HEADS_PER_BLOCK: usize = 48;
 pub const MLA_BF16_SHARED: usize = 128_192;
 
+/// The tc2 expert kernels (kernels/mxfp4_tc.cu, ops.rs mx_tc2_shared) at 4 n-tiles per pass: two
+/// 256-thread blocks per SM.
+pub const MX_TC2_MAX_SHARED: usize = 111_104;
+
+/// The stream expert kernels (kernels/mxfp4.cu MXS_SHARED, moe_stream.rs): the 64 KB decode
+/// table with the staged activations in its upper halves.
+pub const MX_STREAM_SHARED: usize = 65_536;
+
 /// Kernels launched with more than 48 KB of dynamic shared memory, and how much.
-pub const OPT_IN_SHARED: &[(&str, usize)] = &[("mla_attend_bf16_f32", MLA_BF16_SHARED)];
+pub const OPT_IN_SHARED: &[(&str, usize)] = &[
+    ("mla_attend_bf16_f32", MLA_BF16_SHARED),
+    ("mxfp4_up_tc2_f32", MX_TC2_MAX_SHARED),
+    ("mxfp4_down_tc2_f32", MX_TC2_MAX_SHARED),
+    ("mxfp4_up_stream_f32", MX_STREAM_SHARED),
+    ("mxfp4_down_stream_f32", MX_STREAM_SHARED),
+];
 
 /// Grid (head groups, items, splits): the two head groups of one (item, split) run side by side,
 /// so the second one's cache reads hit L2.

@@ -19,6 +19,7 @@ pub mod backend_impl;
 mod graph;
 pub mod mla_prefill;
 mod moe_gemm;
+mod moe_stream;
 mod profile;
 pub mod sources;
 

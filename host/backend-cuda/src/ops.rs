@@ -41,8 +41,9 @@ macro_rules! launch {
 /// harness), each read once per process from an environment variable so one device run can A/B
 /// them through the whole model:
 /// - `K3_MX_EXPERTS` (routed experts of steps below the GEMM path's threshold, moe_gemm.rs):
-///   `auto` (default: `gemv` for 1 token, `tc` from 2), `gemv`, `tc` or `tc_old` (the tensor-core
-///   pair that re-reads the weights every 8 tokens, kept for A/B) (`mx_experts_choice`).
+///   `auto` (default: `stream` for 1 token, `tc` from 2), `stream`, `gemv`, `tc` or `tc_old`
+///   (the tensor-core pair that re-reads the weights every 8 tokens, kept for A/B)
+///   (`mx_experts_choice`).
 /// - `K3_KDA_DECODE`: `split` (default), `split_cs`, `lines` or `old` (`kda_decode_kernel`).
 /// - `K3_KDA_CHUNK` (prefill): `scan3` (default, the two-pass kernels, conv <= 4), `scan4` (the same
 ///   record pass, key-split scan), `tc`, `tc_fast` or `f32` (the one-pass chunk kernels, which also take conv > 4: `kda_scan`, `kda_chunk_tc`).
@@ -56,12 +57,15 @@ fn env_choice(
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MxExperts {
+    Stream,
     Gemv,
     Tc,
     TcOld,
 }
 
-/// The expert pair for a step of `tokens` tokens. `auto`: `gemv` (kernels/mxfp4.cu) for one token,
+/// The expert pair for a step of `tokens` tokens. `auto`: `stream` (kernels/mxfp4.cu stream pair,
+/// moe_stream.rs: no sort, every warp streaming whole 256-byte row runs) for one token; `gemv`
+/// (kernels/mxfp4.cu, the staged pair: T = 1 183 us) stays for A/B and forced multi-token runs;
 /// `tc` (kernels/mxfp4_tc.cu tc2) from two. H200, K3 sizes, top-16, with the old tc pair: T = 1
 /// gemv 183 us vs tc 213; T = 16 tc 1.34 ms vs gemv 2.03; T = 64 tc 2.6 ms vs gemv 6.2. At one
 /// token per expert gemv's CUDA-core decode keeps up with the weight stream; the tc kernels' cost
@@ -69,10 +73,11 @@ enum MxExperts {
 fn mx_experts_choice(tokens: usize) -> MxExperts {
     static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     match env_choice(&C, "K3_MX_EXPERTS", "auto") {
+        "stream" => MxExperts::Stream,
         "gemv" => MxExperts::Gemv,
         "tc" => MxExperts::Tc,
         "tc_old" => MxExperts::TcOld,
-        _ if tokens == 1 => MxExperts::Gemv,
+        _ if tokens == 1 => MxExperts::Stream,
         _ => MxExperts::Tc,
     }
 }
@@ -119,9 +124,16 @@ fn mx_tc2_shared(ntiles: usize) -> usize {
 }
 
 /// Grid of the tc2 expert kernels: `busy` experts x blocks of `rows_per_block` rows.
-fn mx_tc2_launch(busy: usize, rows: usize, cols: usize, rows_per_block: usize, ntiles: usize) -> Result<Launch> {
+fn mx_tc2_launch(
+    busy: usize,
+    rows: usize,
+    cols: usize,
+    rows_per_block: usize,
+    ntiles: usize,
+) -> Result<Launch> {
     geometry::check_mx_width(cols)?;
-    Launch::new((busy, rows.div_ceil(rows_per_block), 1), 256)?.with_opt_in_shared(mx_tc2_shared(ntiles))
+    Launch::new((busy, rows.div_ceil(rows_per_block), 1), 256)?
+        .with_opt_in_shared(mx_tc2_shared(ntiles))
 }
 
 /// `mxfp4_tc2_split_f32`: one 32-thread block per (row, 128-column super-step).
@@ -826,6 +838,10 @@ impl CudaBackend {
         }
         let (idx, w) = self.route(router_logits, bias, r)?;
         let (t, k) = (z.rows, r.top_k);
+        // The stream pair (1-token steps) takes the router's ids as they are: no sort, no offsets.
+        if t * k < crate::moe_gemm::min_assignments() && mx_experts_choice(t) == MxExperts::Stream {
+            return self.moe_experts_stream(z, &idx, &w, ex, k, situ);
+        }
         let offsets = self.zeroed::<i32>(ex.experts + 1)?;
         let sorted = self.zeroed::<i32>((t * k).max(1))?;
         let (na, e) = (i32_of(t * k, "assignments")?, ex.experts as i32);
@@ -865,7 +881,8 @@ impl CudaBackend {
                 launch!(self, "mxfp4_down_tc_f32", mx_tc_launch(busy, ex.latent, ex.inter)?;
                     &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &st)?;
             }
-            MxExperts::Gemv => {
+            // Stream returned above; a forced `stream` at the GEMM path's sizes never gets here.
+            MxExperts::Gemv | MxExperts::Stream => {
                 let act = self.zeros(t * k, ex.inter)?;
                 let (su, sd) = (mx_gemv_stage(t, ex.latent), mx_gemv_stage(t, ex.inter));
                 let (sui, sdi) = (su as i32, sd as i32);
@@ -947,5 +964,34 @@ mod tests {
             mx_tc_launch(16, 3072, 100).is_err(),
             "width not a multiple of 32"
         );
+    }
+
+    #[test]
+    fn tc2_launch_geometry() {
+        // kernels/mxfp4_tc.cu MX2_STAGE_BYTES: two blocks per SM at the largest pass.
+        assert_eq!(
+            mx_tc2_shared(MX_TC2_MAX_NTILES),
+            geometry::MX_TC2_MAX_SHARED
+        );
+        // Two blocks (plus 1 KB reserved and the static shared memory each) in an SM's 228 KB.
+        const { assert!(2 * (geometry::MX_TC2_MAX_SHARED + 1024 + 256) <= 233_472) };
+        assert_eq!(
+            (
+                mx_tc2_ntiles(2),
+                mx_tc2_ntiles(5),
+                mx_tc2_ntiles(16),
+                mx_tc2_ntiles(64)
+            ),
+            (1, 2, 4, 4)
+        );
+        // K3: up blocks are one 128-column super-step of the intermediate each; down 256 rows.
+        let up = mx_tc2_launch(128, 3072, 3584, MX_TC2_UP_ROWS, 4).unwrap();
+        assert_eq!((up.grid, up.block, up.shared), ((128, 24, 1), 256, 111_104));
+        let down = mx_tc2_launch(128, 3584, 3072, MX_TC2_DOWN_ROWS, 1).unwrap();
+        assert_eq!((down.grid, down.shared), ((128, 14, 1), 91_520));
+        assert_eq!(mx_tc2_row_u16(3584), 28 * 256);
+        assert_eq!(mx_tc2_row_u16(160), 2 * 256);
+        assert_eq!(mx_tc2_split_launch(64, 3584).unwrap().grid, (64, 28, 1));
+        assert!(mx_tc2_launch(16, 3072, 100, MX_TC2_UP_ROWS, 1).is_err());
     }
 }

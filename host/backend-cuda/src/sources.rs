@@ -119,13 +119,21 @@ pub const FILES: &[KernelFile] = &[
             "moe_sort_assignments",
             "mxfp4_up_gemv_f32",
             "mxfp4_down_gemv_f32",
+            "mxfp4_up_stream_f32",
+            "mxfp4_down_stream_f32",
             "moe_combine_f32",
         ],
     },
     KernelFile {
         name: "mxfp4_tc.cu",
         text: include_str!("../../../kernels/mxfp4_tc.cu"),
-        entries: &["mxfp4_up_tc_f32", "mxfp4_down_tc_f32"],
+        entries: &[
+            "mxfp4_up_tc_f32",
+            "mxfp4_down_tc_f32",
+            "mxfp4_tc2_split_f32",
+            "mxfp4_up_tc2_f32",
+            "mxfp4_down_tc2_f32",
+        ],
     },
     KernelFile {
         name: "norm.cu",

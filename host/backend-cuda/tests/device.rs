@@ -645,15 +645,16 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
     for tokens in [1usize, 3, 40, 1100] {
         let (mut rc, mut rg) = (Rng(seed ^ tokens as u64), Rng(seed ^ tokens as u64));
         // Assignments = tokens x top-4 over 32 experts: 4, 12 and 160 take the decode-step kernels
-        // (ops.rs mx_experts_choice, K3_MX_EXPERTS=auto: T = 1 the CUDA-core gemv pair
-        // (mxfp4.cu), T >= 2 the tensor-core pair (mxfp4_tc.cu): T = 3 fills part of an n-tile,
-        // T = 40 puts 5 tokens per expert on average, so experts with more than the 8 of one pass
-        // take several; K3_MX_EXPERTS=gemv / tc runs every size on one pair), 4400 the
+        // (ops.rs mx_experts_choice, K3_MX_EXPERTS=auto: T = 1 the stream pair
+        // (mxfp4.cu, moe_stream.rs), T >= 2 the tensor-core tc2 pair (mxfp4_tc.cu): T = 3 fills part of an
+        // n-tile, T = 40 puts 5 tokens per expert on average, so most experts take two or three
+        // n-tiles of 4 tokens in their one pass of up to 16; K3_MX_EXPERTS=stream / gemv / tc / tc_old runs
+        // every size on one pair), 4400 the
         // tensor-core GEMM path (moe_gemm.rs, default K3_MOE_GEMM_MIN = 4096).
         let name = match tokens {
-            1 => "moe_routed(T=1, K3_MX_EXPERTS kernels: gemv)",
+            1 => "moe_routed(T=1, K3_MX_EXPERTS kernels: stream)",
             3 => "moe_routed(T=3, K3_MX_EXPERTS kernels: tc)",
-            40 => "moe_routed(T=40, K3_MX_EXPERTS kernels: tc, several passes)",
+            40 => "moe_routed(T=40, K3_MX_EXPERTS kernels: tc, several n-tiles)",
             _ => "moe_routed(T=1100, bf16 split GEMMs)",
         };
         t.check(
