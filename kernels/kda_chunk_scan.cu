@@ -1,20 +1,21 @@
-// KDA chunked prefill in two passes (k3-architecture.md §1.5): the default path for conv <= 4.
+// KDA chunked prefill in two passes (k3-architecture.md §1.5): the default path for conv <= 4
+// (conv > 4 takes the one-pass kernels of kda_chunk.cu).
 //
 //   kda_chunk_rec3m_f32  fully parallel, one 128-thread block per (8 x 16-token chunks, head): conv +
 //                        SiLU, L2 norms, gate, beta, and every state-independent piece of the chunk
 //                        algebra in plain f32 (decays, Lkk, Aqk, the (I + Lkk) solve), written as one
 //                        "chunk record" per (chunk, head) in the mma fragment order the scan loads.
-//   kda_chunk_scan3_f32  the only sequential part, grid (V / 32, heads), the state in mma registers:
+//   kda_chunk_scan4_f32  the only sequential part, grid (V / 32, heads), the state in mma registers:
 //                        per chunk X = U - W S,   O = Qp S + Aqk X,   S <- diag(e) S + Kd^T X (3xTF32).
-//   kda_chunk_scan4_f32  (K3_KDA_CHUNK=scan4) the same scan with each warp on half the keys (end of file).
 //
-// Why: kda_chunk_tc_f32 (kernels/kda_chunk_tc.cu, kept for conv > 4) keeps the decays, Lkk/Aqk and a
-// 16-row forward substitution inside the sequential loop; its per-chunk latency, not its math, set
-// the time. Here the loop is three small mma products per chunk, and the record pass replaces conv
-// + prep at the same DRAM bytes (reads raw q, k, v, f; writes 4 tiles per chunk instead of q, k, v,
-// g). H200, K3 shapes (96 heads): T = 8192 in 3.22 ms (tc 5.38, the earlier two-pass kernels with
-// the state in shared memory 3.98; 4-warp scan blocks 3.28, one chunk per record block 3.40, all
-// dropped), T = 1024 in 0.536 ms.
+// Why: a one-pass tensor-core kernel (deleted) kept the decays, Lkk/Aqk and a 16-row forward
+// substitution inside the sequential loop; its per-chunk latency, not its math, set the time. Here
+// the loop is three small mma products per chunk, and the record pass replaces conv + prep at the
+// same DRAM bytes (reads raw q, k, v, f; writes 4 tiles per chunk instead of q, k, v, g). H200, K3
+// shapes (96 heads): T = 8192 in 3.109 ms (record 1.543 + scan 1.703; fla chunk_kda 3.089; the
+// one-warp-per-16-columns scan 3.221, the one-pass tensor-core kernel 5.36, the earlier two-pass
+// kernels with the state in shared memory 3.98, one chunk per record block 3.40, all dropped),
+// T = 1024 in 0.509 ms (fla 1.567).
 //
 // With Tm = (I + Lkk)^-1 diag(beta): W = Tm Kp, U = Tm V, so the delta-rule corrections are
 // Vt = Tm (V - Kp S) = U - W S (linear in S). Kp = k 2^G, Qp = q 2^G, Kd = k 2^(G_C - G), e = 2^G_C
@@ -96,10 +97,15 @@ __device__ __forceinline__ void kda_rec_store(RecSmem& sm, float* __restrict__ R
     }
 }
 
-// A block runs KDA_REC_NCH consecutive chunks of one head, the conv history carried in registers
-// and the next chunk's raw loads issued into the input registers as soon as step 3 has staged the
-// current one (Kd then comes from the staged k 2^-G), so DRAM overlaps steps 4-6.
-template <int C>
+// A block runs KDA_REC_NCH consecutive chunks of one head, the conv history carried in registers.
+// PF (kda_chunk_rec3m_f32): the next chunk's raw loads are issued into the input registers as soon
+// as step 3 has staged the current one (Kd then comes from the staged k 2^-G), so DRAM overlaps
+// steps 4-6 of the block itself, at 64 more live registers (168, 3 blocks per SM). !PF
+// (kda_chunk_rec4_f32): each chunk loads at its start and the overlap comes from more resident
+// blocks instead (4 per SM, 128 registers: ~0.8 KB of spills; at 5 per SM it spilled 2.2 KB),
+// since at 3 the pass looks latency-bound (~2.1 TB/s, the SM issuing about a third of the
+// time), not DRAM-bound. Candidate until timed against rec3m.
+template <int C, bool PF>
 __device__ __forceinline__ void kda_rec_impl(
     RecSmem& sm, const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
     const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
@@ -166,6 +172,7 @@ __device__ __forceinline__ void kda_rec_impl(
         const int c0 = cb + jc * RC;
         if (c0 >= t_end) break;  // block-uniform
         const int cl = min(RC, t_end - c0);
+        if (!PF && jc > 0) load_chunk(c0);  // bs (from bv) is first written after barrier 1 below
 
         // 1. Causal conv + SiLU along the thread's rows; window checkpoints after token n - 1.
 #pragma unroll
@@ -239,7 +246,7 @@ __device__ __forceinline__ void kda_rec_impl(
             qp[i][tid] = x[0][i] * nrm[i] * ep;
             vv[i][tid] = x[2][i];
         }
-        if (jc + 1 < KDA_REC_NCH && c0 + RC < t_end) load_chunk(c0 + RC);  // x, fv, bv dead from here
+        if (PF && jc + 1 < KDA_REC_NCH && c0 + RC < t_end) load_chunk(c0 + RC);  // x, fv, bv dead from here
         const i64 rbase = ((i64)((c0 - t_begin) / RC) * heads + h) * KDA_REC;
         float* R = rec + rbase;
         // e for key d = 8n + 2t + r at (t * 32 + 2n + r), the lane order of the scan's accumulators.
@@ -296,8 +303,18 @@ __device__ __forceinline__ void kda_rec_impl(
     sm, q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, rec, arena, state_off, ckpt_n, ckpt_off, \
         n_ckpt, t_begin, t_end, heads, lower_bound
 
-// Grid (ceil(chunks / KDA_REC_NCH), heads), 128 threads: 3 blocks / SM leave room for the loop's
-// registers while the next chunk's loads are in flight.
+// Grid (ceil(chunks / KDA_REC_NCH), heads), 128 threads, the same for both: 3 blocks / SM leave
+// room for the prefetch registers; 4 for the one without (K3_KDA_CHUNK=rec4). conv > 4: the
+// launchers take the kda_chunk.cu path.
+#define KDA_REC_SWITCH(PF)                                      \
+    switch (conv) {                                             \
+        case 1: kda_rec_impl<1, PF>(KDA_REC_ARGS); break;       \
+        case 2: kda_rec_impl<2, PF>(KDA_REC_ARGS); break;       \
+        case 3: kda_rec_impl<3, PF>(KDA_REC_ARGS); break;       \
+        case 4: kda_rec_impl<4, PF>(KDA_REC_ARGS); break;       \
+        default: break;                                         \
+    }
+// (Parameter lists written out: the harness parses the entries' signatures without a preprocessor.)
 extern "C" __global__ void __launch_bounds__(128, 3)
 kda_chunk_rec3m_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
                     const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
@@ -306,27 +323,31 @@ kda_chunk_rec3m_f32(const float* __restrict__ q_in, const float* __restrict__ k_
                     i64 state_off, const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
                     int t_begin, int t_end, int heads, int conv, float lower_bound) {
     __shared__ RecSmem sm;
-    switch (conv) {
-        case 1: kda_rec_impl<1>(KDA_REC_ARGS); break;
-        case 2: kda_rec_impl<2>(KDA_REC_ARGS); break;
-        case 3: kda_rec_impl<3>(KDA_REC_ARGS); break;
-        case 4: kda_rec_impl<4>(KDA_REC_ARGS); break;
-        default: break;  // conv > 4: the launchers take the kda_chunk_tc.cu path
-    }
+    KDA_REC_SWITCH(true)
 }
+extern "C" __global__ void __launch_bounds__(128, 4)
+kda_chunk_rec4_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
+                   const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
+                   const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
+                   const float* __restrict__ dt_bias, float* __restrict__ rec, float* __restrict__ arena,
+                   i64 state_off, const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
+                   int t_begin, int t_end, int heads, int conv, float lower_bound) {
+    __shared__ RecSmem sm;
+    KDA_REC_SWITCH(false)
+}
+#undef KDA_REC_SWITCH
 #undef KDA_REC_ARGS
 
 // ---------------------------------------------------------------------------------------------
 // Scan: the state in registers. Per chunk, transposed so the state never leaves the mma accumulators:
 //     X^T = U^T - S^T W^T,   O^T = S^T Qp^T + X^T Aqk^T,   S^T <- S^T diag(e) + X^T Kd
-// Warp = 16 state columns x all 128 keys: S^T [16 cols x 128 keys] is 16 m16n8 accumulators (64
-// registers). An accumulator holds (col g, key 2t | 2t + 1) and the A operand of the next product wants
-// (col g, k = t | t + 4): the same registers once k = t <-> key 2t, k = t + 4 <-> key 2t + 1 inside each
-// 8-key step, so the record stores W^T / Qp^T with that key order (and Kd / Aqk^T with the same order
-// over tokens, which X^T's accumulators hand over the same way). No shared-memory state, no
-// cross-warp reduction (a warp has every key), no state address math.
-// Block = NW warps (16 NW columns): the chunk record (W, Qp, Kd, Aqk, e and the block's U^T) is
-// staged in shared memory by cp.async, once per block, while the previous chunk's S update runs.
+// S^T [16 cols x 64 keys] of one warp is 8 m16n8 accumulators (32 registers). An accumulator holds
+// (col g, key 2t | 2t + 1) and the A operand of the next product wants (col g, k = t | t + 4): the
+// same registers once k = t <-> key 2t, k = t + 4 <-> key 2t + 1 inside each 8-key step, so the
+// record stores W^T / Qp^T with that key order (and Kd / Aqk^T with the same order over tokens,
+// which X^T's accumulators hand over the same way). No shared-memory state, no state address math.
+// The chunk record (W, Qp, Kd, Aqk, e and the block's U^T) is staged in shared memory by cp.async,
+// once per block, while the previous chunk's S update runs.
 //
 // 3xTF32 with a 3-instruction split (hi = x truncated to tf32, lo = x - hi exactly, then truncated):
 // per product error < 2^-19 relative (lo's truncation and the dropped lo*lo, each < 2^-20), i.e.
@@ -370,200 +391,18 @@ __device__ __forceinline__ void s3_cp16(float* dst, const float* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
 }
 
-template <int NW>
-struct Scan3Smem {
-    __align__(16) float wq[2][2048];     // W, Qp (read by the first products only: one buffer)
-    __align__(16) float kd[2][2048];     // Kd, double-buffered with the rest
-    __align__(16) float u[2][NW * 256];  // U^T of the block's column tiles
-    __align__(16) float a[2][256];       // Aqk^T
-    __align__(16) float e[2][128];
-    float gm[NW][2][KDA_K];              // checkpoint decays, per warp
-};
-
-template <int NW>
-__device__ __forceinline__ void kda_scan3_impl(const float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
-                                               const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off,
-                                               int n_ckpt, float* __restrict__ o_out, const float* __restrict__ f_in,
-                                               const float* __restrict__ a_log, const float* __restrict__ dt_bias,
-                                               float lower_bound, int t_begin, int t_end, int heads, int conv) {
-    __shared__ Scan3Smem<NW> sm;
-    const int h = blockIdx.y, tid = threadIdx.x;
-    if (h >= heads || blockIdx.x * NW * 16 >= KDA_V) return;  // block-uniform
-    const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int mc = blockIdx.x * NW + warp, col0 = 16 * mc;  // the warp's 16 columns
-    const int hk = heads * KDA_K;
-    const i64 s_base = kda_state_base(hk, conv) + (i64)h * KDA_K * KDA_V;
-    float* S = arena + state_off + s_base;
-    const int nchunks = (t_end - t_begin + RC - 1) / RC;
-
-    // One chunk's record into the stage buffers: W, Qp to the single buffer, the rest to buffer b.
-    // Unrolled with one base per region: the copies' addresses are immediate offsets.
-    constexpr int NT = NW * 32;
-    auto stage = [&](int c, int b) {
-        const float* R = rec + ((i64)c * heads + h) * KDA_REC + 4 * tid;
-#pragma unroll
-        for (int i = 0; i < 1024 / NT; ++i) s3_cp16(&sm.wq[0][4 * tid] + 4 * NT * i, R + REC_W + 4 * NT * i);
-#pragma unroll
-        for (int i = 0; i < 512 / NT; ++i) s3_cp16(&sm.kd[b][4 * tid] + 4 * NT * i, R + REC_KD + 4 * NT * i);
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-            s3_cp16(&sm.u[b][4 * tid] + 4 * NT * i, R + REC_U + blockIdx.x * NW * 256 + 4 * NT * i);
-        if (tid < 64) s3_cp16(&sm.a[b][4 * tid], R + REC_A);
-        if (tid < 32) s3_cp16(&sm.e[b][4 * tid], R + REC_E);
-        asm volatile("cp.async.commit_group;\n" ::);
-    };
-    if (nchunks > 0) stage(0, 0);
-
-    // st[n][r]: S[8n + 2t + (r & 1)][col0 + g + 8 (r >> 1)] (S^T accumulator n-tile n).
-    float st[16][4];
-#pragma unroll
-    for (int n = 0; n < 16; ++n)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) st[n][r] = S[(i64)(8 * n + 2 * t + (r & 1)) * KDA_V + col0 + g + 8 * (r >> 1)];
-    int next_ck = 0;
-    while (next_ck < n_ckpt && ckpt_n[next_ck] <= t_begin) ++next_ck;
-
-    for (int c = 0; c < nchunks; ++c) {
-        const int c0 = t_begin + c * RC, cl = min(RC, t_end - c0), b = c & 1;
-        asm volatile("cp.async.wait_group 0;\n" ::);
-        __syncthreads();  // chunk c staged by every thread
-        // a) S^T W^T and S^T Qp^T over the 16 key steps; two partial sets halve the mma chains.
-        float P[2][2][4] = {}, Q[2][2][4] = {};
-        const float4* W4 = reinterpret_cast<const float4*>(sm.wq[0]);
-        const float4* Q4 = reinterpret_cast<const float4*>(sm.wq[1]);
-#pragma unroll
-        for (int s = 0; s < 16; ++s) {
-            u32 ah[4], al[4];
-            s3_afrag(st[s], ah, al);
-            const float4 w = W4[s * 32 + lane], q = Q4[s * 32 + lane];
-            s3_mma(P[s & 1][0], ah, al, w.x, w.y);
-            s3_mma(P[s & 1][1], ah, al, w.z, w.w);
-            s3_mma(Q[s & 1][0], ah, al, q.x, q.y);
-            s3_mma(Q[s & 1][1], ah, al, q.z, q.w);
-        }
-        __syncthreads();  // W, Qp read by all warps: the next chunk may land
-        if (c + 1 < nchunks) stage(c + 1, b ^ 1);
-        // b) X^T = U^T - S^T W^T (accumulator n-tile = tokens 8nt..), then A fragments (k = tokens).
-        u32 xh[2][4], xl[2][4];
-        float xa[2][4], oa[2][4];
-        const float4* U4 = reinterpret_cast<const float4*>(sm.u[b]);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            const float4 u = U4[(warp * 2 + nt) * 32 + lane];
-            const float uv[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                xa[nt][r] = uv[r] - (P[0][nt][r] + P[1][nt][r]);
-                oa[nt][r] = Q[0][nt][r] + Q[1][nt][r];
-            }
-            s3_afrag(xa[nt], xh[nt], xl[nt]);
-        }
-        // c) O^T += X^T Aqk^T; O[token][col] stores (8 lanes of a token row: one 32 B sector).
-        const float4* A4 = reinterpret_cast<const float4*>(sm.a[b]);
-#pragma unroll
-        for (int s2 = 0; s2 < 2; ++s2) {
-            const float4 a = A4[s2 * 32 + lane];
-            s3_mma(oa[0], xh[s2], xl[s2], a.x, a.y);
-            s3_mma(oa[1], xh[s2], xl[s2], a.z, a.w);
-        }
-#pragma unroll
-        for (int ni = 0; ni < 2; ++ni)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int i = 8 * ni + 2 * t + (r & 1);
-                if (i < cl) o_out[(i64)(c0 + i) * hk + h * KDA_V + col0 + g + 8 * (r >> 1)] = oa[ni][r];
-            }
-        const float4* K4 = reinterpret_cast<const float4*>(sm.kd[b]);
-        // d) Checkpoints inside the chunk (rare): S_m^T = S^T diag(2^G_{m-1}) + X^T[:, j < m] (Kd 2^(G_{m-1} - G_C)),
-        //    G recomputed from f as the record pass summed it (rec_gate).
-        while (next_ck < n_ckpt && ckpt_n[next_ck] <= c0 + cl) {
-            const int m = ckpt_n[next_ck] - c0;
-            float* gdst = arena + ckpt_off[next_ck] + s_base;
-            const float ae = expf(a_log[h]);
-            for (int d = lane; d < KDA_K; d += 32) {
-                float acc = 0.0f, gmv = 0.0f;
-                for (int i = 0; i < cl; ++i) {
-                    const float z = -ae * (f_in[(i64)(c0 + i) * hk + h * KDA_K + d] + dt_bias[h * KDA_K + d]);
-                    acc += lower_bound * __fdividef(1.0f, 1.0f + __expf(z)) * RLOG2E;
-                    if (i == m - 1) gmv = acc;
-                }
-                sm.gm[warp][0][d] = exp2f(gmv);
-                sm.gm[warp][1][d] = exp2f(gmv - acc);
-            }
-            __syncwarp();
-            u32 mh[2][4], ml[2][4];
-#pragma unroll
-            for (int s2 = 0; s2 < 2; ++s2) {  // X^T columns (tokens) j >= m cleared
-                const int j = 8 * s2 + 2 * t;
-                const float xm[4] = {j < m ? xa[s2][0] : 0.0f, j + 1 < m ? xa[s2][1] : 0.0f,
-                                     j < m ? xa[s2][2] : 0.0f, j + 1 < m ? xa[s2][3] : 0.0f};
-                s3_afrag(xm, mh[s2], ml[s2]);
-            }
-#pragma unroll
-            for (int n = 0; n < 16; ++n) {
-                float cc[4];
-#pragma unroll
-                for (int r = 0; r < 4; ++r) cc[r] = st[n][r] * sm.gm[warp][0][8 * n + 2 * t + (r & 1)];
-                const float sc = sm.gm[warp][1][8 * n + g];
-#pragma unroll
-                for (int s2 = 0; s2 < 2; ++s2) {
-                    const float4 k = K4[(s2 * 8 + (n >> 1)) * 32 + lane];
-                    s3_mma(cc, mh[s2], ml[s2], ((n & 1) ? k.z : k.x) * sc, ((n & 1) ? k.w : k.y) * sc);
-                }
-#pragma unroll
-                for (int r = 0; r < 4; ++r)
-                    gdst[(i64)(8 * n + 2 * t + (r & 1)) * KDA_V + col0 + g + 8 * (r >> 1)] = cc[r];
-            }
-            __syncwarp();
-            ++next_ck;
-        }
-        // e) S^T <- S^T diag(e) + X^T Kd: 16 independent accumulators.
-        const float2* E2 = reinterpret_cast<const float2*>(sm.e[b]);
-#pragma unroll
-        for (int p = 0; p < 8; ++p) {
-            const float4 k0 = K4[p * 32 + lane], k1 = K4[(8 + p) * 32 + lane];
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int n = 2 * p + hf;
-                const float2 e = E2[t * 16 + n];
-                st[n][0] *= e.x;
-                st[n][1] *= e.y;
-                st[n][2] *= e.x;
-                st[n][3] *= e.y;
-                s3_mma(st[n], xh[0], xl[0], hf ? k0.z : k0.x, hf ? k0.w : k0.y);
-                s3_mma(st[n], xh[1], xl[1], hf ? k1.z : k1.x, hf ? k1.w : k1.y);
-            }
-        }
-    }
-#pragma unroll
-    for (int n = 0; n < 16; ++n)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) S[(i64)(8 * n + 2 * t + (r & 1)) * KDA_V + col0 + g + 8 * (r >> 1)] = st[n][r];
-}
-
-// Grid (V / 32, heads), 64 threads: 384 blocks at H = 96, ~3 per SM in one wave.
-extern "C" __global__ void __launch_bounds__(64)
-kda_chunk_scan3_f32(const float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
-                    const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
-                    float* __restrict__ o_out, const float* __restrict__ f_in, const float* __restrict__ a_log,
-                    const float* __restrict__ dt_bias, float lower_bound, int t_begin, int t_end, int heads, int conv) {
-    kda_scan3_impl<2>(rec, arena, state_off, ckpt_n, ckpt_off, n_ckpt, o_out, f_in, a_log, dt_bias, lower_bound,
-                      t_begin, t_end, heads, conv);
-}
-
 // ---------------------------------------------------------------------------------------------
-// Scan, key-split (K3_KDA_CHUNK=scan4): the scan above with every warp's 128 keys cut in two.
-// Why: scan3's 8 warps per head are 768 warps for 528 SM sub-partitions at H = 96, so at 3 blocks
-// per SM two of the four sub-partitions run 2 warps and time the kernel (its mma + split work
-// per chunk is fixed by the state, not by DRAM: 1.86 ms for 1.7 GB of records). Here a block is 4
-// warps: column tiles 2 bx + (w & 1), key halves kh = w >> 1, 1536 half-warps of work, 3 per
-// sub-partition at 3 blocks per SM (1.5 scan3 warps instead of 2), with half the per-warp chain
-// per chunk. The key halves meet once per chunk: each writes its partial S^T W^T (both token
+// The scan, key-split: a block is 4 warps, column tiles 2 bx + (w & 1) of 16 columns, key halves
+// kh = w >> 1. Why: one warp per 16 columns and all 128 keys (the deleted scan3, 1.87 ms vs
+// 1.70) is 768 warps for 528 SM sub-partitions at H = 96, so at 3 blocks per SM two of the four
+// sub-partitions run 2 warps and time the kernel (its mma + split work per chunk is fixed by the
+// state, not by DRAM). Here 1536 half-warps of work, 3 per sub-partition, with half the per-warp
+// chain per chunk. The key halves meet once per chunk: each writes its partial S^T W^T (both token
 // tiles) and the other half's token tile of S^T Qp^T into shared memory at the barrier that
 // already frees W / Qp; both then form the same X^T (a + b == b + a exactly), and warp kh writes
-// the O token tile kh and updates its own 64 keys. Same record, same math as scan3.
+// the O token tile kh and updates its own 64 keys.
 struct Scan4Smem {
-    __align__(16) float wq[2][2048];    // W, Qp (one buffer, as scan3)
+    __align__(16) float wq[2][2048];    // W, Qp (read by the first products only: one buffer)
     __align__(16) float kd[2][2048];    // Kd, double-buffered with the rest
     __align__(16) float u[2][512];      // U^T of the block's two column tiles
     __align__(16) float a[2][256];      // Aqk^T
@@ -680,7 +519,8 @@ kda_chunk_scan4_f32(const float* __restrict__ rec, float* __restrict__ arena, i6
             }
         }
         const float4* K4 = reinterpret_cast<const float4*>(sm.kd[b]);
-        // d) Checkpoints inside the chunk (rare), as scan3 on the warp's keys.
+        // d) Checkpoints inside the chunk (rare): S_m^T = S^T diag(2^G_{m-1}) + X^T[:, j < m] (Kd 2^(G_{m-1} - G_C))
+        //    on the warp's keys, G recomputed from f as the record pass summed it (rec_gate).
         while (next_ck < n_ckpt && ckpt_n[next_ck] <= c0 + cl) {
             const int m = ckpt_n[next_ck] - c0;
             float* gdst = arena + ckpt_off[next_ck] + s_base;

@@ -32,10 +32,21 @@ for _ in $(seq 1 240); do
     kill -0 $server 2>/dev/null || { echo "serving: server exited"; tail -20 "$OUT/serving-server.log"; exit 1; }
     sleep 0.5
 done
+# Peak device memory while serving (nvidia-smi every 0.5 s): the KV/state arena is sized to the
+# --gpu-memory-utilization budget minus a 6 GiB work reserve, and this shows whether the work buffers
+# (KDA prefill records, MoE scratch, CUDA graphs) stayed inside it.
+( peak=0; while kill -0 $server 2>/dev/null; do
+      m=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1)
+      [ -n "$m" ] && [ "$m" -gt "$peak" ] && peak=$m && echo "$peak" >"$OUT/serving-peak-mib.txt"
+      sleep 0.5
+  done ) &
 # Each level runs as many requests as it has slots (the 8k x 1k requests take minutes each).
 rc=0
 for c in ${levels//,/ }; do
     python3 scripts/bench_serving.py --base-url "$BASE" --prompt-tokens "$prompt" --output-tokens "$output" \
         --concurrency "$c" --requests "$c" --out "$OUT/serving-c$c.json" 2>&1 | tee -a "$OUT/serving.log" || rc=1
 done
+total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+echo "serving: peak device memory used $(cat "$OUT/serving-peak-mib.txt" 2>/dev/null || echo '?') MiB of ${total:-?} MiB" \
+    "(cache arena: $(sed 's/\x1b\[[0-9;]*m//g' "$OUT/serving-server.log" | grep -oE 'arena_mb=[0-9.]+' | head -1) MB)" | tee -a "$OUT/serving.log"
 exit $rc

@@ -8,7 +8,7 @@
 #      k3-slice (K3's per-layer shapes, dummy weights) on CUDA at decode batch 16/64, then one
 #      per-op profile (K3_PROFILE=1)
 # K3_BENCH_ONLY (e.g. "mla,moe"; "none") limits stage 1's kernel benchmarks to those sections
-# (kda_decode, kda_prefill, mla, mla_prefill, attn_res, moe, gemv);
+# (kda_decode, kda_prefill, mla, mla_prefill, attn_res, moe, gemv, sampling);
 # K3_SLICE_RUNS (default "default profile"; also "nogemm", "nographs", "mxgemv") picks stage 3's k3-slice runs.
 # K3_SERVING=1 adds stage 4, the seeds' serving workload on k3-slice (scripts/device-serving.sh).
 # Each stage has its own time limit so one slow stage leaves the others their share of the call.

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import time
+
 import numpy as np
 import torch
 
-from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, cdiv, kda_decode_launcher,
-                    kda_region_floats, log, rel_err, run_kda_prefill)
+from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, KDA_SCAN_KERNELS, cdiv,
+                    kda_decode_launcher, kda_region_floats, log, rel_err, run_kda_prefill)
 from common import mx_gemv_stage, mx_tc_stage, run_mla_prefill, run_mx_experts
 from common import MX_TC2_DOWN_ROWS, MX_TC2_UP_ROWS, mx_tc2_ntiles, mx_tc2_scratch, mx_tc2_shared
 from common import MX_STREAM_SHARED, mx_stream_grid, run_mx_stream
@@ -201,7 +203,7 @@ def bench_mla_bf16(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
 
 def bench(d: Device, r: Results, quick: bool, only=None):
     """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, mla_proj,
-    mla_prefill, attn_res, moe, gemv; mla includes mla_proj)."""
+    mla_prefill, attn_res, moe, gemv, sampling; mla includes mla_proj)."""
     def want(section):
         return not only or section in only
 
@@ -235,7 +237,7 @@ def bench(d: Device, r: Results, quick: bool, only=None):
         o = torch.empty(N, hk, device="cuda")
         args = [d.view(t) for t in x + cw] + [d.view(dev(H)), d.view(dev(hk)), d.view(A), d.view(offs), d.view(ck),
                                               d.view(o), N, H, conv, lb]
-        # Both decode kernels on the same buffers ("kda_decode N=.." is the old 512-thread one).
+        # Every decode kernel on the same buffers ("kda_decode N=.." is the default).
         runs = {}
         for variant in KDA_DECODE_VARIANTS:
             runs[variant] = d.time_graph(kda_decode_launcher(d, variant, H, N, args))
@@ -258,13 +260,12 @@ def bench(d: Device, r: Results, quick: bool, only=None):
                     extra["fla_ms"], extra["fla_timing"] = d.time_ms(fla_step), "eager"
             except Exception as e:  # noqa: BLE001
                 extra["fla_error"] = repr(e)[:200]
+        default = KDA_DECODE_VARIANTS[0]
         for variant, (ms, how) in runs.items():
-            ratio = {} if variant == "old" else {"vs_old": round(runs["old"][0] / ms, 3)}
-            if variant not in ("old", "split"):  # candidates against the default
-                ratio["vs_split"] = round(runs["split"][0] / ms, 3)
+            ratio = {} if variant == default else {f"vs_{default}": round(runs[default][0] / ms, 3)}
             if "fla_ms" in extra:
                 ratio["vs_fla"] = round(extra["fla_ms"] / ms, 3)
-            record(f"kda_decode N={N}" if variant == "old" else f"kda_decode {variant} N={N}", ms, floor,
+            record(f"kda_decode N={N}" if variant == default else f"kda_decode {variant} N={N}", ms, floor,
                    timing=how, **ratio, **extra)
         del A
 
@@ -303,9 +304,11 @@ def bench(d: Device, r: Results, quick: bool, only=None):
                 tag = f"[{chunk}]"
                 err = {"o_err_vs_f32": rel_err(outs[chunk][0], outs["f32"][0]),
                        "S_err_vs_f32": rel_err(outs[chunk][1], outs["f32"][1])}
+            if "fla_ms" in extra:
+                err["vs_fla"] = round(extra["fla_ms"] / ms, 3)
             # Floor: the DRAM bytes of the record pass (raw q, k, v, f in, records out) + the scan's
             # record reads and o write: about 4 + 4.3 + 4.3 + 1 tensors of T*H*128 f32.
-            floor = (4 + 4.3 + 4.3 + 1) * T * hk * 4 / (COPY_TBPS * 1e12) * 1e3 if chunk.startswith("scan") else None
+            floor = (4 + 4.3 + 4.3 + 1) * T * hk * 4 / (COPY_TBPS * 1e12) * 1e3 if chunk in KDA_SCAN_KERNELS else None
             record(f"kda_prefill{tag} T={T} (conv+prep+chunk)", ms, floor, Mtok_s=T / ms / 1e3, chunk_ms=chunk_ms,
                    prep_ms=prep_ms, **err, **extra)
         for chunk in [c for c in KDA_CHUNK_KERNELS if c != "f32"]:
@@ -313,18 +316,19 @@ def bench(d: Device, r: Results, quick: bool, only=None):
             tol = KDA_CHUNK_TOL[chunk]
             r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: o", rel_err(o2, o1), tol)
             r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: state", rel_err(a2, a1), tol)
-        # The other conv + prep path with the tc chunk kernel: timing and agreement at K3 shapes.
+        # The other conv + prep path with the f32 chunk kernel (conv > 4 takes the split one): timing
+        # and agreement at K3 shapes.
         other = "split" if KDA_PREP == "fused" else "fused"
         A.copy_(A0)
-        o, go = run_kda_prefill(d, T, H, conv, lb, A, 0, [], [], *xs, *ws, chunk="tc", prep=other)
+        o, go = run_kda_prefill(d, T, H, conv, lb, A, 0, [], [], *xs, *ws, chunk="f32", prep=other)
         go()
         d.sync()
-        eo, ea = rel_err(o, outs["tc"][0]), rel_err(A, outs["tc"][1])
+        eo, ea = rel_err(o, outs["f32"][0]), rel_err(A, outs["f32"][1])
         ms = d.time_ms(go, reps=5, warmup=1)
-        record(f"kda_prefill[tc,prep={other}] T={T} (conv+prep+chunk)", ms, None, Mtok_s=T / ms / 1e3)
+        record(f"kda_prefill[f32,prep={other}] T={T} (conv+prep+chunk)", ms, None, Mtok_s=T / ms / 1e3)
         # Only the norms' summation order differs between the two: f32 rounding, not 1e-4.
-        r.check(f"kda_prefill[tc] T={T} H={H} prep {KDA_PREP} vs {other}: o", eo, 1e-4)
-        r.check(f"kda_prefill[tc] T={T} H={H} prep {KDA_PREP} vs {other}: state+windows", ea, 1e-4)
+        r.check(f"kda_prefill[f32] T={T} H={H} prep {KDA_PREP} vs {other}: o", eo, 1e-4)
+        r.check(f"kda_prefill[f32] T={T} H={H} prep {KDA_PREP} vs {other}: state+windows", ea, 1e-4)
         del A, A0, xs, outs
 
     # MLA decode: N queries, L cached positions each, K3 heads and row. The CUDA-core attend (old)
@@ -362,6 +366,8 @@ def bench(d: Device, r: Results, quick: bool, only=None):
     if want("moe"):
         bench_moe_stream(d, record)
         bench_moe(d, record, quick)
+    if want("sampling"):
+        bench_topk(d, record)
     if want("gemv"):
         bench_gemv(d, record, quick)
 
@@ -425,6 +431,37 @@ def bench_mla_prefill(d: Device, r: Results, record):
             del A, q, kvb, o_e, o_a, bufs, v, go_e
         except Exception as e:  # noqa: BLE001  a failure here must not cost the benchmarks after it
             log(f"bench mla_prefill T={T} raised {type(e).__name__}: {str(e)[:200]}")
+
+
+def bench_topk(d: Device, record):
+    """Sampling candidates (what a greedy / top-k decode step hands the host): topk_rows_f32 plus
+    copying its k pairs back, against copying the whole logits rows back (what the engine did
+    before), both to pageable host memory and both timed end to end on the host (they sync).
+    Floor of the kernel: reading the rows once / 4.25 TB/s."""
+    vocab = 163840
+    for rows in (1, 16, 64):
+        lg = torch.randn(rows, vocab, device="cuda") * 3
+        for k in (1, 50):
+            ids = torch.empty(rows * k, dtype=torch.int32, device="cuda")
+            vals = torch.empty(rows * k, device="cuda")
+            count = torch.empty(rows, dtype=torch.int32, device="cuda")
+            run = lambda: d.launch("topk_rows_f32", rows, 1024, d.view(lg), d.view(ids), d.view(vals),  # noqa: E731
+                                   d.view(count), rows, vocab, k)
+            ms, how = d.time_graph(run)
+
+            def wall(fn, reps=20):
+                fn()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                return (time.perf_counter() - t0) / reps * 1e3
+            sel = wall(lambda: (run(), ids.cpu(), vals.cpu(), count.cpu()))
+            full = wall(lambda: lg.cpu())
+            record(f"topk_rows k={k} rows={rows} vocab={vocab} (kernel)", ms, rows * vocab * 4 / (COPY_TBPS * 1e12) * 1e3,
+                   timing=how)
+            log(f"bench sampling rows={rows} k={k}: select + copy {sel * 1e3:.0f} us vs whole rows to host "
+                f"{full * 1e3:.0f} us ({full / sel:.1f}x)")
 
 
 def bench_attn_res(d: Device, record):

@@ -211,13 +211,9 @@ def kda_reference(xq, xk, xv, f, b, convw, a_log, dt_bias, windows, S0, heads, l
     return o.reshape(t, hk), S[0], wins_end, {n: (em[n][0], emitted_w[n]) for n in emit_at}
 
 
-# Decode kernels (ops.rs K3_KDA_DECODE, same arguments): variant -> (name, grid for (heads, seqs),
-# block). "split" is the default, "old" the one-block-per-head kernel kept for A/B.
-KDA_DECODE_KERNELS = {"old": ("kda_decode_f32", lambda h, n: (h, n), 512),
-                      "split": ("kda_decode_split_f32", lambda h, n: (4 * h, n), 128),
-                      # Candidates with split's geometry: evict-first state accesses; whole-line layout.
-                      "split_cs": ("kda_decode_split_cs_f32", lambda h, n: (4 * h, n), 128),
-                      "lines": ("kda_decode_lines_f32", lambda h, n: (4 * h, n), 128)}
+# Decode kernels (same arguments): variant -> (name, grid for (heads, seqs), block). One left
+# (ops.rs KDA_DECODE_KERNEL: a cluster of 4 column-slice blocks per head); the first is the default.
+KDA_DECODE_KERNELS = {"lines": ("kda_decode_lines_f32", lambda h, n: (4 * h, n), 128)}
 KDA_DECODE_VARIANTS = list(KDA_DECODE_KERNELS)
 
 
@@ -227,22 +223,21 @@ def kda_decode_launcher(d: Device, variant, heads, n, args):
     return lambda: d.launch(name, grid(heads, n), block, *args)
 
 
-# Chunk kernels of the prefill (same arguments): name -> grid for `heads`.
-KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4)),
-                     "tc": ("kda_chunk_tc_f32", lambda h: (4, h)),
-                     "tc_fast": ("kda_chunk_tc_fast_f32", lambda h: (4, h))}
-# The two-pass path (kernels/kda_chunk_scan.cu, ops.rs default for conv <= 4, K3_KDA_CHUNK=scan3): the
+# Chunk kernels of the prefill (same arguments): name -> grid for `heads`. "f32" is the one-pass path
+# (kernels/kda_chunk.cu; ops.rs K3_KDA_CHUNK=f32 and every conv > 4).
+KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4))}
+# The two-pass path (kernels/kda_chunk_scan.cu, ops.rs default for conv <= 4, K3_KDA_CHUNK=scan4): the
 # record pass (conv + prep + chunk algebra, grid (ceil(chunks / KDA_REC_NCH), heads), 128 threads) then
-# the scan, grid (4, heads), KDA_SCAN_THREADS (ops.rs kda_rec_launch / kda_scan_kernel / kda_scan_launch).
-# scan4 (K3_KDA_CHUNK=scan4): the same record pass, the key-split scan.
-KDA_SCAN_KERNELS = {"scan3": ("kda_chunk_rec3m_f32", "kda_chunk_scan3_f32"),
-                    "scan4": ("kda_chunk_rec3m_f32", "kda_chunk_scan4_f32")}
-KDA_SCAN_THREADS = {"kda_chunk_scan3_f32": 64, "kda_chunk_scan4_f32": 128}
+# the key-split scan, grid (4, heads), 128 threads (ops.rs kda_rec_launch / kda_rec_kernel /
+# kda_scan_launch). rec4 (K3_KDA_CHUNK=rec4): the record pass without register prefetch, same scan.
+KDA_SCAN_KERNELS = {"scan4": ("kda_chunk_rec3m_f32", "kda_chunk_scan4_f32"),
+                    "rec4": ("kda_chunk_rec4_f32", "kda_chunk_scan4_f32")}
+KDA_SCAN_THREADS = {"kda_chunk_scan4_f32": 128}
 KDA_REC_NCH = 8  # ops.rs KDA_REC_NCH; kernels/kda_chunk_scan.cu KDA_REC_NCH
 KDA_CHUNK_KERNELS.update({k: (v[1], lambda h: (4, h)) for k, v in KDA_SCAN_KERNELS.items()})
-# Tolerance of each against the float64 reference (and against the f32 kernel at K3 shapes): 3xTF32
-# keeps f32 accuracy, 1xTF32 ~7e-4.
-KDA_CHUNK_TOL = {"f32": 1e-4, "tc": 1e-4, "tc_fast": 2e-3, "scan3": 1e-4, "scan4": 1e-4}
+# Tolerance of each against the float64 reference (and against the f32 kernel at K3 shapes): the
+# scans' 3xTF32 keeps f32 accuracy.
+KDA_CHUNK_TOL = {"f32": 1e-4, "scan4": 1e-4, "rec4": 1e-4}
 KDA_REC_FLOATS = 8576  # one (chunk, head) record; ops.rs KDA_REC_FLOATS
 KDA_SCAN_SEG = 8192  # tokens per rec + scan segment; ops.rs KDA_SCAN_SEG
 

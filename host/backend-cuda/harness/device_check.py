@@ -31,8 +31,8 @@ import torch
 # puts reference/ on sys.path for k3ref.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks import bench  # noqa: E402
-from common import (KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, LOG, ROOT, cdiv, kda_decode_launcher,  # noqa: E402
-                    kda_reference, kda_region_floats, log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
+from common import (KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, KDA_SCAN_KERNELS, LOG, ROOT, cdiv,  # noqa: E402
+                    kda_decode_launcher, kda_reference, kda_region_floats, log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
 from common import mla_prefill_plan, run_mla_prefill, run_mx_experts  # noqa: E402
 from common import mx_stream_grid, run_mx_stream  # noqa: E402
 from common import gemv_tc_plan, run_gemv_tc  # noqa: E402
@@ -431,16 +431,10 @@ def check_kda_decode(d: Device, r: Results, gen):
                 cw, cS = unpack_kda_region(A, ck[i], hk, conv, heads)
                 es = max(es, rel_err(cS, rS))
                 ew = max(ew, max(rel_err(a, b) for a, b in zip(cw, rw)))
-        tag = "kda_decode" if variant == "old" else f"kda_decode {variant}"
+        tag = "kda_decode" if variant == KDA_DECODE_VARIANTS[0] else f"kda_decode {variant}"
         r.check(f"{tag} o", eo, 2e-5)
         r.check(f"{tag} state (+checkpoint)", es, 2e-5)
         r.check(f"{tag} windows (+checkpoint)", ew, 1e-6)
-    # split sums the same partials in the same order and scales by the same factors: it should match
-    # the old kernel exactly.
-    A0, o0 = outs["old"]
-    for variant, (A1, o1) in outs.items():
-        if variant != "old":
-            r.check(f"kda_decode {variant} vs old (arena, o)", max(rel_err(A1, A0), rel_err(o1, o0)), 1e-6)
 
 
 def check_kda_prefill(d: Device, r: Results, gen, chunk="f32", prep=KDA_PREP, conv=4, seg=None, cases=None):
@@ -480,14 +474,12 @@ def check_kda_prefill(d: Device, r: Results, gen, chunk="f32", prep=KDA_PREP, co
                     max(rel_err(a, b) for a, b in zip(cw, eW))), tol)
 
 
-def check_kda_prefill_tc(d: Device, r: Results, gen):
-    """The tensor-core chunk kernels on the same cases (3xTF32: the f32 tolerances hold; 1xTF32 ~7e-4)."""
-    check_kda_prefill(d, r, gen, chunk="tc")
-    check_kda_prefill(d, r, gen, chunk="tc_fast")
-    # The two-pass default (record pass + scan with the state in mma registers): tails, checkpoints,
-    # chained 16-token segments, conv widths.
-    # scan4: the same record pass, the key-split scan (K3_KDA_CHUNK=scan4), on the same cases.
-    for scan in ("scan3", "scan4"):
+def check_kda_prefill_scan(d: Device, r: Results, gen):
+    """The two-pass path (record pass + scan with the state in mma registers; 3xTF32: the f32
+    tolerances hold), each record-pass variant: tails, checkpoints, chained 16-token segments, conv
+    widths; and the one-pass f32 path at conv > 4 (where ops.rs always takes it)."""
+    check_kda_prefill(d, r, gen, prep="split", conv=6)
+    for scan in KDA_SCAN_KERNELS:
         check_kda_prefill(d, r, gen, chunk=scan)
         check_kda_prefill(d, r, gen, chunk=scan, seg=16)
         for conv in (2, 3):
@@ -1099,7 +1091,7 @@ def main():
         log(f"device: {torch.cuda.get_device_name()} torch {torch.__version__} cupy {d.cp.__version__}")
     t0 = time.time()
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
-               check_kda_prefill_tc, check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill,
+               check_kda_prefill_scan, check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill,
                check_moe, check_moe_gemv, check_moe_stream, check_moe_tc2, check_moe_gemm,
                check_bf16_matmul, check_gemv_tc, check_kda_prefill_prep):
         try:

@@ -581,19 +581,14 @@ EMU = {
     "attn_res_f32": _emu_attn_res,
     "router_topk_f32": _emu_router,
     "topk_rows_f32": _emu_topk_rows,
-    "kda_decode_f32": _emu_kda_decode,
-    "kda_decode_split_f32": _emu_kda_decode,  # same contract; grid (4H, N) of 128-thread clusters
-    "kda_decode_split_cs_f32": _emu_kda_decode,
-    "kda_decode_lines_f32": _emu_kda_decode,
+    "kda_decode_lines_f32": _emu_kda_decode,  # grid (4H, N) of 128-thread clusters
     "kda_conv_silu_f32": _emu_kda_conv,
     "kda_prep_f32": _emu_kda_prep,
     "kda_conv_prep_f32": _emu_kda_conv_prep,
     "kda_chunk_fwd_f32": _emu_kda_chunk,
-    "kda_chunk_tc_f32": _emu_kda_chunk,  # same contract; only the grid and the chunking differ
-    "kda_chunk_tc_fast_f32": _emu_kda_chunk,
     "kda_chunk_rec3m_f32": _emu_kda_chunk_rec,  # 8 chunks per block (float64 here)
-    "kda_chunk_scan3_f32": _emu_kda_chunk_scan,
-    "kda_chunk_scan4_f32": _emu_kda_chunk_scan,  # same contract; 128-thread blocks (key-split)
+    "kda_chunk_rec4_f32": _emu_kda_chunk_rec,  # same contract and record; no register prefetch
+    "kda_chunk_scan4_f32": _emu_kda_chunk_scan,  # 128-thread blocks (key-split)
     "mla_append_rows_f32": lambda kv_a, nw, arena, dst, t, lkv, rope, eps: [arena.__setitem__(
         slice(int(dst[i]), int(dst[i]) + int(lkv) + int(rope)), np.concatenate([ref_rms_norm(
             _t(kv_a).view(int(t), -1)[i, :int(lkv)].double(), _t(nw).double(), float(eps)).float().numpy(),

@@ -99,17 +99,12 @@ pub fn check_kda(g: &KdaGeom) -> Result<()> {
     Ok(())
 }
 
-/// Decode, `kda_decode_f32` (K3_KDA_DECODE=old): one 512-thread block per (head, sequence).
-pub fn kda_decode(g: &KdaGeom, seqs: usize) -> Result<Launch> {
-    check_kda(g)?;
-    Launch::new((g.heads, seqs, 1), 512)
-}
-
-/// Column slices of `kda_decode_split_f32` per (head, sequence): its compile-time cluster size.
+/// Column slices of `kda_decode_lines_f32` per (head, sequence): its compile-time cluster size.
 pub const KDA_DECODE_SPLIT: usize = 4;
 
-/// Split decode (the default): a cluster of 4 128-thread blocks per (head, sequence), grid.x = 4 * heads.
-pub fn kda_decode_split(g: &KdaGeom, seqs: usize) -> Result<Launch> {
+/// Decode (`kda_decode_lines_f32`): a cluster of 4 128-thread blocks per (head, sequence),
+/// grid.x = 4 * heads.
+pub fn kda_decode(g: &KdaGeom, seqs: usize) -> Result<Launch> {
     check_kda(g)?;
     Launch::new((KDA_DECODE_SPLIT * g.heads, seqs, 1), 128)
 }
@@ -339,8 +334,6 @@ mod tests {
     #[test]
     fn kda_geometry_matches_the_kernels() {
         let l = kda_decode(&kda(96), 64).unwrap();
-        assert_eq!((l.grid, l.block), ((96, 64, 1), 512));
-        let l = kda_decode_split(&kda(96), 64).unwrap();
         assert_eq!((l.grid, l.block), ((4 * 96, 64, 1), 128));
         let [conv, prep, chunk] = kda_prefill(&kda(96), 8192).unwrap();
         assert_eq!(conv.grid.0 as usize * 256, 3 * 96 * 128);
@@ -384,7 +377,6 @@ mod tests {
             kda_decode(&kda(2), 70_000).is_err(),
             "grid y is limited to 65535 sequences"
         );
-        assert!(kda_decode_split(&kda(2), 70_000).is_err());
     }
 
     #[test]

@@ -44,9 +44,10 @@ macro_rules! launch {
 ///   `auto` (default: `stream` for 1 token, `tc` from 2), `stream`, `gemv`, `tc` or `tc_old`
 ///   (the tensor-core pair that re-reads the weights every 8 tokens, kept for A/B)
 ///   (`mx_experts_choice`).
-/// - `K3_KDA_DECODE`: `split` (default), `split_cs`, `lines` or `old` (`kda_decode_kernel`).
-/// - `K3_KDA_CHUNK` (prefill): `scan3` (default, the two-pass kernels, conv <= 4), `scan4` (the same
-///   record pass, key-split scan), `tc`, `tc_fast` or `f32` (the one-pass chunk kernels, which also take conv > 4: `kda_scan`, `kda_chunk_tc`).
+/// - `K3_KDA_CHUNK` (prefill): `scan4` (default: the record pass `kda_chunk_rec3m_f32` + the
+///   key-split scan, conv <= 4), `rec4` (the same with the record pass `kda_chunk_rec4_f32`, a
+///   candidate) or `f32` (the one-pass f32 kernels of kda_chunk.cu, which also take conv > 4):
+///   `kda_scan`, `kda_rec_kernel`. Unknown values take the default.
 fn env_choice(
     cell: &'static std::sync::OnceLock<String>,
     var: &str,
@@ -231,73 +232,52 @@ pub fn float_offset(byte_offset: usize, len_floats: usize, arena_floats: usize) 
     Ok(f as i64)
 }
 
-/// The one-pass KDA chunk kernel when `kda_scan` is off or conv > 4, by `K3_KDA_CHUNK`: `tc`
-/// (3xTF32 tensor cores, f32 accuracy), `tc_fast` (1xTF32, ~1e-3) or `f32` (CUDA cores, `None`).
-fn kda_chunk_tc() -> Option<&'static str> {
-    static TC: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
-    *TC.get_or_init(|| match std::env::var("K3_KDA_CHUNK").as_deref() {
-        Ok("f32") => None,
-        Ok("tc_fast") => Some("kda_chunk_tc_fast_f32"),
-        _ => Some("kda_chunk_tc_f32"),
-    })
-}
+/// The KDA decode kernel (kernels/kda_decode.cu): a cluster of 4 column-slice blocks per head,
+/// whole 128-byte state lines per warp instruction, evict-first state accesses. H200, K3, N =
+/// 1/16/64/256: 5.6/59.3/237.6/933.8 us (53-81% of the DRAM floor, 0.97-1.15x fla); the one
+/// 512-thread block per head kernel and the cluster with a 16-row x 32-byte layout (plain or
+/// evict-first) lost at every N and were deleted.
+const KDA_DECODE_KERNEL: &str = "kda_decode_lines_f32";
 
-/// The KDA decode kernel, by `K3_KDA_DECODE` (read once per process): `split` (default,
-/// `kda_decode_split_f32`, a cluster of 4 column-slice blocks per head) or `old` (`kda_decode_f32`,
-/// one 512-thread block per head, kept for A/B); `split_cs` (split with evict-first state loads
-/// and stores) and `lines` (split cluster, whole 128-byte state lines per warp instruction, also
-/// evict-first) are candidates with split's launch geometry. H200, N = 256: split 1090.7 us (69%
-/// of the DRAM floor) vs old 1186.2; a prep + streaming-state two-kernel variant (1138-1727 us)
-/// was dropped.
-fn kda_decode_kernel() -> &'static str {
-    static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    match env_choice(&C, "K3_KDA_DECODE", "split") {
-        "old" => "kda_decode_f32",
-        "split_cs" => "kda_decode_split_cs_f32",
-        "lines" => "kda_decode_lines_f32",
-        _ => "kda_decode_split_f32",
-    }
-}
-
-/// The two-pass KDA prefill (kernels/kda_chunk_scan.cu, conv <= 4: `kda_chunk_rec3m_f32` then
-/// `kda_chunk_scan3_f32`) unless `K3_KDA_CHUNK` names a one-pass kernel (`tc`, `tc_fast`, `f32`).
-/// H200, K3 shapes: T = 8192 in 3.22 ms (tc 5.38, tc_fast 4.01; the earlier two-pass kernels
-/// 3.76-4.69, dropped), T = 1024 in 0.536 ms.
+/// The two-pass KDA prefill (kernels/kda_chunk_scan.cu, conv <= 4: the record pass then
+/// `kda_chunk_scan4_f32`) unless `K3_KDA_CHUNK=f32` (the one-pass f32 kernels of kda_chunk.cu,
+/// which conv > 4 always takes). H200, K3 shapes: T = 8192 in 3.109 ms (fla chunk_kda 3.089; the
+/// one-warp-per-16-columns scan 3.221, one-pass tensor-core kernels 5.36 / 3.99 at 1e-3, deleted),
+/// T = 1024 in 0.509 ms (fla 1.567).
 fn kda_scan() -> bool {
     static SCAN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SCAN.get_or_init(|| {
-        !matches!(
-            std::env::var("K3_KDA_CHUNK").as_deref(),
-            Ok("tc" | "tc_fast" | "f32")
-        )
-    })
+    *SCAN.get_or_init(|| std::env::var("K3_KDA_CHUNK").as_deref() != Ok("f32"))
 }
 
-/// 16-token chunks per block of `kda_chunk_rec3m_f32` (KDA_REC_NCH in kernels/kda_chunk_scan.cu).
+/// 16-token chunks per record-pass block (KDA_REC_NCH in kernels/kda_chunk_scan.cu).
 const KDA_REC_NCH: usize = 8;
 
-/// `kda_chunk_rec3m_f32`: grid (ceil(chunks / 8), heads), 128 threads.
+/// The record pass (either kernel): grid (ceil(chunks / 8), heads), 128 threads.
 fn kda_rec_launch(tokens: usize, heads: usize) -> Result<Launch> {
     Launch::new((tokens.div_ceil(16 * KDA_REC_NCH), heads, 1), 128)
 }
 
-/// The state scan after the record pass, by `K3_KDA_CHUNK`: `scan4` (`kda_chunk_scan4_f32`, each
-/// warp on half the keys of 16 columns, 4 warps per block) or else `kda_chunk_scan3_f32` (one warp
-/// per 16 columns and all 128 keys, 2 warps per block). Both take the same record and arguments.
-fn kda_scan_kernel() -> (&'static str, u32) {
+/// The record pass, by `K3_KDA_CHUNK`: `rec4` (`kda_chunk_rec4_f32`, no register prefetch, 4
+/// blocks per SM) or else `kda_chunk_rec3m_f32` (the next chunk's inputs prefetched into
+/// registers, 3 per SM). Same grid, arguments and record.
+fn kda_rec_kernel() -> &'static str {
     static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    match env_choice(&C, "K3_KDA_CHUNK", "scan3") {
-        "scan4" => ("kda_chunk_scan4_f32", 128),
-        _ => ("kda_chunk_scan3_f32", 64),
+    match env_choice(&C, "K3_KDA_CHUNK", "scan4") {
+        "rec4" => "kda_chunk_rec4_f32",
+        _ => "kda_chunk_rec3m_f32",
     }
 }
 
-/// The scan kernels: 32 state columns per block, grid (V / 32, heads), `threads` per block.
-fn kda_scan_launch(heads: usize, threads: u32) -> Result<Launch> {
-    Launch::new((geometry::KDA_HEAD_DIM / 32, heads, 1), threads)
+/// The state scan after the record pass (`kda_chunk_scan4_f32`).
+const KDA_SCAN_KERNEL: &str = "kda_chunk_scan4_f32";
+
+/// `kda_chunk_scan4_f32`: 32 state columns per 128-thread block (4 warps: 2 column tiles x 2 key
+/// halves), grid (V / 32, heads).
+fn kda_scan_launch(heads: usize) -> Result<Launch> {
+    Launch::new((geometry::KDA_HEAD_DIM / 32, heads, 1), 128)
 }
 
-/// Floats of one (16-token chunk, head) record of `kda_chunk_rec3m_f32` (KDA_REC in the kernel).
+/// Floats of one (16-token chunk, head) record of the record pass (KDA_REC in the kernel).
 const KDA_REC_FLOATS: usize = 8576;
 /// Tokens per rec + scan segment (a multiple of 16): bounds the record buffer to
 /// 512 chunks x H x 34 KiB (1.7 GB at H = 96); the state and windows carry over in the arena.
@@ -525,11 +505,7 @@ impl CudaBackend {
         slots: &[KdaSlot],
     ) -> Result<DeviceMat> {
         let n = slots.len();
-        let name = kda_decode_kernel();
-        let l = match name {
-            "kda_decode_f32" => geometry::kda_decode(&g, n)?,
-            _ => geometry::kda_decode_split(&g, n)?,
-        };
+        let l = geometry::kda_decode(&g, n)?;
         for m in [x.q, x.k, x.v, x.f] {
             if (m.rows, m.cols) != (n, g.hk()) {
                 return Err(CudaError::InvalidArg(format!(
@@ -554,10 +530,10 @@ impl CudaBackend {
             });
         }
         let (offs, cks) = (self.upload_slice(&offs)?, self.upload_slice(&cks)?);
-        // Both kernels write all of o (each head's 128 columns): no memset node in the step.
+        // The kernel writes all of o (each head's 128 columns): no memset node in the step.
         let o = self.output(n, g.hk())?;
         let (nn, h, conv) = (n as i32, g.heads as i32, g.conv_kernel as i32);
-        launch!(self, name, l;
+        launch!(self, KDA_DECODE_KERNEL, l;
             &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log,
             w.dt_bias, arena, &offs, &cks, &o.buf, &nn, &h, &conv, &g.gate_lower_bound)?;
         Ok(o)
@@ -623,18 +599,18 @@ impl CudaBackend {
             let o = self.output(t, g.hk())?;
             let mut rec =
                 self.uninit::<f32>(t.min(KDA_SCAN_SEG).div_ceil(16) * g.heads * KDA_REC_FLOATS)?;
-            let (scan_fn, scan_threads) = kda_scan_kernel();
-            let ls = kda_scan_launch(g.heads, scan_threads)?;
+            let rec_fn = kda_rec_kernel();
+            let ls = kda_scan_launch(g.heads)?;
             let mut t0 = 0;
             while t0 < t {
                 let t1 = (t0 + KDA_SCAN_SEG).min(t);
                 let lr = kda_rec_launch(t1 - t0, g.heads)?;
                 let (b, e) = (t0 as i32, t1 as i32);
-                launch!(self, "kda_chunk_rec3m_f32", lr;
+                launch!(self, rec_fn, lr;
                     &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log,
                     w.dt_bias, &mut rec, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &b, &e, &h, &conv,
                     &g.gate_lower_bound)?;
-                launch!(self, scan_fn, ls;
+                launch!(self, KDA_SCAN_KERNEL, ls;
                     &rec, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &o.buf, &x.f.buf, w.a_log, w.dt_bias,
                     &g.gate_lower_bound, &b, &e, &h, &conv)?;
                 t0 = t1;
@@ -665,16 +641,7 @@ impl CudaBackend {
             launch!(self, "kda_prep_f32", lp;
                 &q.buf, &k.buf, &gate.buf, &x.b.buf, &beta.buf, w.a_log, w.dt_bias, &tt, &h, &g.gate_lower_bound)?;
         }
-        // Chunk kernel: a tensor-core one unless K3_KDA_CHUNK=f32 (kernels/kda_chunk_tc.cu, same
-        // arguments, grid (V/32, heads)).
-        let (chunk_fn, lk) = match kda_chunk_tc() {
-            Some(name) => {
-                let grid = (geometry::KDA_HEAD_DIM / 32, g.heads, 1);
-                (name, Launch::new(grid, 128)?)
-            }
-            None => ("kda_chunk_fwd_f32", lk),
-        };
-        launch!(self, chunk_fn, lk;
+        launch!(self, "kda_chunk_fwd_f32", lk;
             &q.buf, &k.buf, &v.buf, &gate.buf, &beta.buf, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &o.buf, &tt, &h, &conv)?;
         Ok(o)
     }
@@ -941,10 +908,8 @@ mod tests {
 
     #[test]
     fn kda_scan_launch_geometry() {
-        // K3: 96 heads; one warp per 16 state columns; 8 chunks of 16 tokens per record block.
-        let l = kda_scan_launch(96, 64).unwrap();
-        assert_eq!((l.grid, l.block), ((4, 96, 1), 64));
-        let l = kda_scan_launch(96, 128).unwrap();
+        // K3: 96 heads; 32 state columns per scan block; 8 chunks of 16 tokens per record block.
+        let l = kda_scan_launch(96).unwrap();
         assert_eq!((l.grid, l.block), ((4, 96, 1), 128));
         let l = kda_rec_launch(8192, 96).unwrap();
         assert_eq!((l.grid, l.block), ((64, 96, 1), 128));

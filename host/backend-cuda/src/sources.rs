@@ -60,24 +60,14 @@ pub const FILES: &[KernelFile] = &[
         text: include_str!("../../../kernels/kda_chunk_scan.cu"),
         entries: &[
             "kda_chunk_rec3m_f32",
-            "kda_chunk_scan3_f32",
+            "kda_chunk_rec4_f32",
             "kda_chunk_scan4_f32",
         ],
     },
     KernelFile {
-        name: "kda_chunk_tc.cu",
-        text: include_str!("../../../kernels/kda_chunk_tc.cu"),
-        entries: &["kda_chunk_tc_f32", "kda_chunk_tc_fast_f32"],
-    },
-    KernelFile {
         name: "kda_decode.cu",
         text: include_str!("../../../kernels/kda_decode.cu"),
-        entries: &[
-            "kda_decode_f32",
-            "kda_decode_split_f32",
-            "kda_decode_split_cs_f32",
-            "kda_decode_lines_f32",
-        ],
+        entries: &["kda_decode_lines_f32"],
     },
     KernelFile {
         name: "mla.cu",
