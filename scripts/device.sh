@@ -9,7 +9,8 @@
 #      per-op profile (K3_PROFILE=1)
 # K3_BENCH_ONLY (e.g. "mla,moe"; "none") limits stage 1's kernel benchmarks to those sections
 # (kda_decode, kda_prefill, mla, mla_prefill, attn_res, moe, gemv, sampling);
-# K3_SLICE_RUNS (default "default profile"; also "nogemm", "nographs", "mxgemv") picks stage 3's k3-slice runs.
+# K3_SLICE_RUNS (default "default profile"; also "nogemm", "nographs", "mxgemv", "candidates" = the
+# variables in K3_SLICE_CANDIDATES, e.g. "K3_MOE_PREFILL=grouped K3_MLA_DECODE=bf16v2") picks stage 3's k3-slice runs.
 # K3_SERVING=1 adds stage 4, the seeds' serving workload on k3-slice (scripts/device-serving.sh).
 # Each stage has its own time limit so one slow stage leaves the others their share of the call.
 # Results under $OUT; exit status non-zero if a check failed.
@@ -56,6 +57,11 @@ SLICE=(bench --device cuda --model models/k3-slice --load-format dummy --prefill
     if [[ $runs == *" nogemm "* ]]; then
         echo "== k3-slice, CUDA, MoE without the GEMM path (K3_MOE_GEMM_MIN=huge)"
         K3_MOE_GEMM_MIN=1000000000 timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
+    fi
+    if [[ $runs == *" candidates "* ]]; then
+        # Kernel variants not yet default, all at once (K3_SLICE_CANDIDATES: VAR=value ...).
+        echo "== k3-slice, CUDA, candidate kernels: ${K3_SLICE_CANDIDATES:-none}"
+        env ${K3_SLICE_CANDIDATES:-} timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
     fi
     if [[ $runs == *" profile "* ]]; then
         echo "== k3-slice, CUDA, per-op profile (K3_PROFILE=1: synchronised, for shares only)"

@@ -15,6 +15,8 @@ from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARI
 from common import mx_gemv_stage, mx_tc_stage, run_mla_prefill, run_mx_experts
 from common import MX_TC2_DOWN_ROWS, MX_TC2_UP_ROWS, mx_tc2_ntiles, mx_tc2_scratch, mx_tc2_shared
 from common import MX_STREAM_SHARED, mx_stream_grid, run_mx_stream
+from common import mx_stream2_plan, mx_stream2_scratch, run_mx_stream2
+from common import mx_grouped_scratch, run_mx_grouped
 from common import gemv_tc_plan, run_gemv_tc
 
 # H200 SXM peak FP32 rate on the CUDA cores (NVIDIA data sheet: 67 TFLOP/s), where cuBLAS SGEMM in
@@ -144,8 +146,10 @@ def bench_mla_proj(d: Device, r: Results, record, quick: bool):
             log(f"bench mla_proj N={N} raised {type(e).__name__}: {str(e)[:200]}")
 
 
-# kernels/mla_attend_bf16.cu: 48 heads per block, one block per SM (geometry.rs).
-MLA_BF16_HEADS, MLA_BF16_SHARED = 48, 128192
+# kernels/mla_attend_bf16.cu: 48 heads per block, one block per SM (geometry.rs); bf16v2
+# (kernels/mla_attend_bf16v2.cu): the same blocks with a double-buffered K tile, L2 prefetch
+# MLA_BF16V2_PREFETCH tiles ahead (geometry.rs MLA_BF16V2_PREFETCH_TILES), and mla_merge_v2_f32.
+MLA_BF16_HEADS, MLA_BF16_SHARED, MLA_BF16V2_SHARED, MLA_BF16V2_PREFETCH = 48, 128192, 165568, 2
 
 
 def mla_splits_bf16(blocks, max_len, sms=132):
@@ -179,6 +183,14 @@ def bench_mla_bf16(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
         attend_bf16()
         d.launch("mla_merge_f32", (N, heads), 128, d.view(pb), d.view(lb), N, heads, kv_lora, sb)
 
+    def attend_v2(pf=MLA_BF16V2_PREFETCH):
+        d.launch("mla_attend_bf16v2_f32", (hg, N, sb), 256, *common_args, d.view(pb), N, heads, kv_lora, rope, pt, sb,
+                 0, scale, pf, shared_mem=MLA_BF16V2_SHARED)
+
+    def merge_v2():
+        d.launch("mla_merge_v2_f32", (N, heads, cdiv(kv_lora, 128)), 128, d.view(pb), d.view(lb), N, heads, kv_lora,
+                 sb)
+
     def tc2_full():
         d.launch("mla_attend_tc2_f32", (hg16, N, s2), 256, *common_args, d.view(p2), N, heads, kv_lora, rope, pt, s2,
                  0, scale, 1 | 4 << 2)
@@ -194,10 +206,29 @@ def bench_mla_bf16(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     floor = (kv_bytes + 2 * part_bytes(sb) + N * heads * kv_lora * 4) / (COPY_TBPS * 1e12) * 1e3
     record(f"mla_attend+merge bf16 N={N} L={L} (f32 rows + partials)", ms, floor, splits=sb, timing=how,
            tc2_us=round(tc2_ms * 1e3, 1), tc2_splits=s2, speedup_vs_tc2=round(tc2_ms / ms, 2))
+    # bf16v2 (what K3_MLA_DECODE=bf16v2 runs), its parts, and the prefetch distance.
+    for pf in (0, 1, 2, 4):
+        ms, how = timed(lambda pf=pf: attend_v2(pf))
+        record(f"mla_attend bf16v2 N={N} L={L} (attend only, f32 rows, prefetch {pf})", ms,
+               (kv_bytes + part_bytes(sb)) / (COPY_TBPS * 1e12) * 1e3, splits=sb, timing=how)
+    ms, how = timed(merge_v2)
+    record(f"mla_merge v2 N={N} L={L} (partials read + latent written)", ms,
+           (part_bytes(sb) + N * heads * kv_lora * 4) / (COPY_TBPS * 1e12) * 1e3, splits=sb, timing=how)
+    ms, how = timed(lambda: (attend_bf16(), merge_v2()))
+    record(f"mla_attend+merge bf16 + merge v2 N={N} L={L}", ms, floor, splits=sb, timing=how)
+    ms, how = timed(lambda: (attend_v2(), merge_v2()))
+    record(f"mla_attend+merge bf16v2 N={N} L={L} (f32 rows + partials)", ms, floor, splits=sb, timing=how,
+           tc2_us=round(tc2_ms * 1e3, 1), speedup_vs_tc2=round(tc2_ms / ms, 2))
     bf16_full()
     tc2_full()
     d.sync()
     r.check(f"mla bf16 vs tc2 precise latent N={N} L={L} (K3 shapes, splits {sb} / {s2})", rel_err(lb, l2), 2e-2)
+    lb1 = lb.clone()
+    attend_v2()
+    merge_v2()
+    d.sync()
+    r.check(f"mla bf16v2 vs tc2 precise latent N={N} L={L} (K3 shapes, splits {sb} / {s2})", rel_err(lb, l2), 2e-2)
+    r.check(f"mla bf16v2 vs bf16 latent N={N} L={L} (same roundings)", rel_err(lb, lb1), 2e-3)
     del pb, p2, lb, l2
 
 
@@ -366,6 +397,7 @@ def bench(d: Device, r: Results, quick: bool, only=None):
     if want("moe"):
         bench_moe_stream(d, record)
         bench_moe(d, record, quick)
+        bench_moe_prefill(d, record, quick)
     if want("sampling"):
         bench_topk(d, record)
     if want("gemv"):
@@ -541,6 +573,119 @@ def bench_moe(d: Device, record, quick: bool):
                 record(f"moe_routed tc2 {name} alone T={T}", ms, b and b / (COPY_TBPS * 1e12) * 1e3, timing=how)
 
 
+def bench_moe_prefill(d: Device, record, quick: bool):
+    """Routed MoE of many-assignment steps (prefill chunks) at K3 shapes, top-16 of 128, random
+    routing: the grouped MXFP4 GEMMs (moe_grouped.rs, K3_MOE_PREFILL=grouped) against the cuBLAS
+    path (moe_gemm.rs, K3_MOE_PREFILL=gemm: offsets read back, gather, experts expanded to bf16 in
+    groups of 32, one cuBLAS GEMM per expert and projection, GLU, combine). Floor: the larger of
+    the hi / lo products' FLOPs at this run's cuBLAS bf16 rate (an 8192^3 GEMM) and the weight +
+    z + out bytes at 4.25 TB/s."""
+    E, k, lt, ie = 128, 16, 3584, 3072
+    u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device="cuda")  # noqa: E731
+    sc = lambda *s: torch.randint(118, 124, s, dtype=torch.uint8, device="cuda")  # noqa: E731
+    wt = (u8(E, ie, lt // 2), sc(E, ie, lt // 32), u8(E, ie, lt // 2), sc(E, ie, lt // 32), u8(E, lt, ie // 2),
+          sc(E, lt, ie // 32))
+    w = tuple(d.view(x) for x in wt)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = d.time_ms(lambda a=a: torch.mm(a, a), reps=10)
+    rate = 2 * 8192 ** 3 / (ms * 1e-3)
+    record("bf16 GEMM 8192^3 (torch, cuBLAS): the rate of the moe prefill floors", ms, tflops=round(rate / 1e12))
+    del a
+    for T in ([2048] if quick else [512, 2048]):
+        n = T * k
+        idx = torch.rand(T, E, device="cuda").argsort(dim=1)[:, :k].int().contiguous()
+        wts = torch.rand(T, k, device="cuda")
+        z = torch.randn(T, lt, device="cuda")
+        offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
+        srt = torch.empty(n, dtype=torch.int32, device="cuda")
+        out_g, out_c = torch.empty(T, lt, device="cuda"), torch.empty(T, lt, device="cuda")
+        V = {name: d.view(x) for name, x in (("idx", idx.reshape(-1)), ("off", offsets), ("srt", srt), ("z", z),
+                                              ("wts", wts), ("out_g", out_g), ("out_c", out_c))}
+        scratch = mx_grouped_scratch(d, T, k, lt, ie)
+        touched = int(idx.unique().numel())
+        flops = 2 * 2 * n * 3 * ie * lt  # hi and lo columns
+        wbytes = touched * (2 * ie * (lt // 2 + lt // 32) + lt * (ie // 2 + ie // 32))
+        floor = max(flops / rate * 1e3, (wbytes + 2 * T * lt * 4) / (COPY_TBPS * 1e12) * 1e3)
+
+        def sort():
+            d.launch("moe_sort_assignments", 1, 1024, V["idx"], n, E, V["off"], V["srt"])
+
+        def grouped(parts=("split", "up", "down", "combine")):
+            run_mx_grouped(d, V["z"], w, V["idx"], V["wts"], V["off"], V["srt"], V["out_g"], scratch, T, k, lt, ie,
+                           E, parts=parts)
+
+        sort()
+        ms_g, how = d.time_graph(lambda: (sort(), grouped()), reps=5, inner=2)
+        record(f"moe_routed grouped T={T} top{k} (sort+split+up+down+combine)", ms_g, floor, timing=how,
+               tflops=round(flops / ms_g / 1e9))
+        for name, parts, share in (("up", ("up",), 2 / 3), ("down", ("down",), 1 / 3)):
+            ms, how = d.time_graph(lambda parts=parts: grouped(parts), reps=5, inner=2)
+            record(f"moe_routed grouped {name} alone T={T}", ms, share * flops / rate * 1e3, timing=how,
+                   tflops=round(share * flops / ms / 1e9))
+        try:
+            ms_c = bench_moe_cublas_path(d, V, w, T, k, lt, ie, E)
+            record(f"moe_routed cuBLAS GEMM path T={T} top{k} (sort+readback+gather+expand+GEMMs+glu+combine)",
+                   ms_c, floor, grouped_speedup=round(ms_c / ms_g, 2),
+                   grouped_vs_gemm_rel=float(rel_err(out_g, out_c)))
+        except Exception as e:  # noqa: BLE001
+            log(f"bench moe cuBLAS path T={T} raised {type(e).__name__}: {str(e)[:200]}")
+
+
+def bench_moe_cublas_path(d: Device, V, w, T, k, lt, ie, E):
+    """moe_gemm.rs's launches and cuBLAS calls (cublasGemmEx bf16 x bf16 -> f32, as gemm_bf16) on
+    V's z / idx / wts, result in V["out_c"]; returns ms per call (eager: the path syncs anyway)."""
+    try:
+        from cupy_backends.cuda.libs import cublas
+    except ImportError:
+        from cupy.cuda import cublas
+    n = T * k
+    xs = torch.empty(2 * n, lt, dtype=torch.int16, device="cuda")
+    inv = torch.empty(n, dtype=torch.int32, device="cuda")
+    group = min(E, (2 << 30) // (2 * (2 * ie * lt + lt * ie)))
+    w13 = torch.empty(group, 2 * ie, lt, dtype=torch.int16, device="cuda")
+    w2b = torch.empty(group, lt, ie, dtype=torch.int16, device="cuda")
+    h = torch.empty(2 * n, 2 * ie, device="cuda")
+    act = torch.empty(2 * n, ie, dtype=torch.int16, device="cuda")
+    y = torch.empty(2 * n, lt, device="cuda")
+    u16 = lambda x: d.view(x).view(np.uint16)  # noqa: E731
+    Vx = {"xs": u16(xs), "inv": d.view(inv), "w13": u16(w13), "w2b": u16(w2b), "h": d.view(h), "act": u16(act),
+          "y": d.view(y)}
+    handle = d.cp.cuda.device.get_cublas_handle()
+    one, zero = np.array([1.0], np.float32), np.array([0.0], np.float32)
+
+    def gemm(wb, w_off, x, x_off, c, c_off, nn, rows, kk):  # c[rows, nn] = x[rows, kk] . w[nn, kk]^T
+        cublas.gemmEx(handle, 1, 0, nn, rows, kk, one.ctypes.data, wb.data_ptr() + 2 * w_off, 14, kk,
+                      x.data_ptr() + 2 * x_off, 14, kk, zero.ctypes.data, c.data_ptr() + 4 * c_off, 0, nn, 68, -1)
+
+    def expand(pk, scl, lst, count, rows, cols, out, stride, row0):
+        x = max(1, min(cdiv(rows * cols // 32, 256), cdiv(2 * 132 * 8, count)))
+        d.launch("mxfp4_to_bf16_experts", (x, count), 256, pk, scl, lst, count, rows, cols, out, stride, row0)
+
+    def path():
+        d.launch("moe_sort_assignments", 1, 1024, V["idx"], n, E, V["off"], V["srt"])
+        off = d.cp.asnumpy(V["off"]).tolist()  # the path's one sync
+        touched = [e for e in range(E) if off[e + 1] > off[e]]
+        d.launch("moe_gather_split_bf16", n, 256, V["z"], V["srt"], V["off"], E, k, lt, Vx["xs"], Vx["inv"])
+        for g0 in range(0, len(touched), group):
+            chunk = touched[g0:g0 + group]
+            lst = d.cp.asarray(np.array(chunk, np.int32))
+            expand(w[0], w[1], lst, len(chunk), ie, lt, Vx["w13"], 2 * ie * lt, 0)
+            expand(w[2], w[3], lst, len(chunk), ie, lt, Vx["w13"], 2 * ie * lt, ie)
+            expand(w[4], w[5], lst, len(chunk), lt, ie, Vx["w2b"], lt * ie, 0)
+            for gi, ex in enumerate(chunk):
+                gemm(w13, gi * 2 * ie * lt, xs, 2 * off[ex] * lt, h, 2 * off[ex] * 2 * ie, 2 * ie,
+                     2 * (off[ex + 1] - off[ex]), lt)
+            p0, p1 = off[chunk[0]], off[chunk[-1] + 1]
+            d.launch("moe_glu_split_bf16", (p1 - p0, cdiv(ie, 256)), 256, Vx["h"], V["off"], E, p0, p1, ie, 4.0,
+                     25.0, 1, Vx["act"])
+            for gi, ex in enumerate(chunk):
+                gemm(w2b, gi * lt * ie, act, 2 * off[ex] * ie, y, 2 * off[ex] * lt, lt, 2 * (off[ex + 1] - off[ex]),
+                     ie)
+        d.launch("moe_combine_split_f32", T, 256, Vx["y"], Vx["inv"], V["off"], E, V["wts"], V["out_c"], k, lt)
+
+    return d.time_ms(path, reps=5, warmup=1)
+
+
 def bench_moe_stream(d: Device, record):
     """Routed MoE at T = 1 (top-16 of 128, K3 expert sizes): the stream pair (ops.rs default for
     1-token steps: up + down + combine, no sort) against the previous default, the staged gemv pair
@@ -588,10 +733,10 @@ def bench_moe_stream(d: Device, record):
         new()
         d.sync()
         rel = rel_err(res, ref)
-        ms, how = d.time_graph(new)
-        record(f"moe_routed stream T={T} top{k} (up+down+combine, no sort)", ms, floor(up_b + down_b),
+        ms_s, how = d.time_graph(new)
+        record(f"moe_routed stream T={T} top{k} (up+down+combine, no sort)", ms_s, floor(up_b + down_b),
                old_gemv_us=f"{old_ms * 1e3:.1f}", old_pct_of_floor=f"{100 * floor(up_b + down_b) / old_ms:.0f}",
-               speedup=f"{old_ms / ms:.2f}x", rel_vs_gemv=f"{rel:.1e}", timing=how,
+               speedup=f"{old_ms / ms_s:.2f}x", rel_vs_gemv=f"{rel:.1e}", timing=how,
                grid=f"{mx_stream_grid(T * k, ie)}/{mx_stream_grid(T * k, lt)}")
         for name, fn, b in (("up", lambda: d.launch("mxfp4_up_stream_f32", mx_stream_grid(T * k, ie), 256, *s_up,
                                                     T * k, shared_mem=MX_STREAM_SHARED), up_b),
@@ -601,6 +746,31 @@ def bench_moe_stream(d: Device, record):
             record(f"moe stream {name} kernel alone T={T} top{k}", ms, floor(b), timing=how)
     except Exception as e:  # noqa: BLE001  a failure here must not cost the benchmarks after it
         log(f"bench moe stream raised {type(e).__name__}: {str(e)[:200]}")
+    # stream2 (K3_MX_EXPERTS=stream2: the same split with the products on tensor cores) on the same
+    # weights and ids, against the gemv result (ref) and the stream pair's time (ms_s).
+    try:
+        na = T * k
+        (gup, pup), (gdn, pdn) = mx_stream2_plan(na, ie, lt), mx_stream2_plan(na, lt, ie)
+        ngu, nyp = mx_stream2_scratch(na, lt, ie)
+        gu, yp = torch.empty(ngu, device="cuda"), torch.empty(nyp, device="cuda")
+        w6 = tuple(V[n] for n in ("w1p", "w1s", "w3p", "w3s", "w2p", "w2s"))
+
+        def s2(what=("up", "down", "combine")):
+            run_mx_stream2(d, V["z"], w6, V["idx"], d.view(gu), d.view(yp), V["wts"], V["res"], T, k, lt, ie, E,
+                           what=what)
+        s2()
+        d.sync()
+        rel2 = rel_err(res, ref)
+        ms2, how = d.time_graph(s2)
+        record(f"moe_routed stream2 T={T} top{k} (up+down+combine, tensor cores)", ms2, floor(up_b + down_b),
+               stream_us=f"{ms_s * 1e3:.1f}", speedup_vs_stream=f"{ms_s / ms2:.2f}x",
+               old_gemv_us=f"{old_ms * 1e3:.1f}", rel_vs_gemv=f"{rel2:.1e}", timing=how,
+               grid=f"{gup}/{gdn}", parts=f"{pup}/{pdn}")
+        for name, b in (("up", up_b), ("down", down_b), ("combine", None)):
+            ms, how = d.time_graph(lambda name=name: s2((name,)))
+            record(f"moe stream2 {name} kernel alone T={T} top{k}", ms, b and floor(b), timing=how)
+    except Exception as e:  # noqa: BLE001
+        log(f"bench moe stream2 raised {type(e).__name__}: {str(e)[:200]}")
     del w1p, w3p, w2p, w1s, w3s, w2s
 
 

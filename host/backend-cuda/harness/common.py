@@ -104,6 +104,45 @@ def run_mx_experts(d: Device, kind, gx, up_args, down_args, t, lt, ie, stage=Non
         d.launch("mxfp4_down_tc_f32", (gx, cdiv(lt, MX_TC_ROWS)), 256, *down_args, st, shared_mem=MX_TC_SHARED)
 
 
+# The grouped expert GEMMs (kernels/mxfp4_grouped.cu; moe_grouped.rs, K3_MOE_PREFILL=grouped, for
+# steps of >= K3_MOE_GEMM_MIN assignments): tiles of 64 sorted assignments of one expert, 512-thread
+# blocks of 128 intermediate rows (up) / 256 latent rows (down), grid.y an upper bound on the tiles,
+# one block per SM (opt-in shared memory: decode table + 3 stages).
+MX_GROUPED_TOK, MX_GROUPED_UP_ROWS, MX_GROUPED_DOWN_ROWS = 64, 128, 256
+MX_GROUPED_SHARED = 8192 * 4 + 3 * (256 * 64 + 256 * 4 + 128 * 288)
+
+
+def mx_grouped_tiles(n_assign: int, experts: int) -> int:
+    return cdiv(n_assign, MX_GROUPED_TOK) + min(experts, n_assign)
+
+
+def mx_grouped_scratch(d: Device, t: int, k: int, lt: int, ie: int):
+    """Split z, split intermediate and y of the grouped path: (tensors to keep alive, zx, actx, y
+    views); made outside any graph capture (views sync)."""
+    zx = torch.zeros(t * mx_tc2_row_u16(lt), dtype=torch.int16, device=d.tdev)
+    actx = torch.zeros(t * k * mx_tc2_row_u16(ie), dtype=torch.int16, device=d.tdev)
+    y = torch.zeros(t * k, lt, device=d.tdev)
+    return (zx, actx, y), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16), d.view(y)
+
+
+def run_mx_grouped(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t, k, lt, ie, e, situ=(4.0, 25.0, 1),
+                   parts=("split", "up", "down", "combine")):
+    """moe_grouped.rs after the sort: split z, up, down, combine (views; w = (w1p, w1s, w3p, w3s,
+    w2p, w2s); scratch from mx_grouped_scratch). `parts` picks launches (benchmarks time them alone)."""
+    _, zx, actx, y = scratch
+    tiles = mx_grouped_tiles(t * k, e)
+    if "split" in parts:
+        d.launch("mxfp4_tc2_split_f32", (t, cdiv(lt, 128)), 32, z, zx, t, lt)
+    if "up" in parts:
+        d.launch("mxfp4_up_grouped_f32", (cdiv(ie, MX_GROUPED_UP_ROWS), tiles), 512, zx, *w[:4], offsets, sorted_,
+                 actx, k, lt, ie, *situ, e, shared_mem=MX_GROUPED_SHARED)
+    if "down" in parts:
+        d.launch("mxfp4_down_grouped_f32", (cdiv(lt, MX_GROUPED_DOWN_ROWS), tiles), 512, actx, *w[4:], offsets,
+                 sorted_, y, lt, ie, e, shared_mem=MX_GROUPED_SHARED)
+    if "combine" in parts:
+        d.launch("moe_combine_ids_f32", min(cdiv(t * lt, 256), 132 * 32), 256, y, idx, wts, out, t, k, lt, e)
+
+
 # The stream pair (kernels/mxfp4.cu mxfp4_*_stream_f32; moe_stream.rs mx_stream_launch; the
 # default for 1-token steps): 256-thread blocks, two per SM (fewer for small problems: at least 8
 # rows per warp), 64 KB of dynamic shared memory (opt-in), assignments straight from the router's
@@ -125,6 +164,48 @@ def run_mx_stream(d: Device, up_args, down_args, n_assign, lt, ie, grid=None):
              shared_mem=MX_STREAM_SHARED)
     d.launch("mxfp4_down_stream_f32", grid or mx_stream_grid(n_assign, lt), 256, *down_args, n_assign,
              shared_mem=MX_STREAM_SHARED)
+
+
+# The stream2 pair (kernels/mxfp4.cu mxfp4_*_stream2_f32 + moe_combine_parts_f32; moe_stream.rs
+# mx_stream2_plan; K3_MX_EXPERTS=stream2): the stream pair's blocks and shared memory, units of
+# (assignment, 16-row tile, part of the row's 128-column steps) split evenly over the warps; each
+# unit writes its part's partial sums (gu [n_assign, parts_up, 2, ie], yp [n_assign, parts_down,
+# lt]), summed in part order by the next kernel. Input width <= 124 * 32.
+MX_STREAM2_MAX_COLS = 124 * 32
+
+
+def mx_stream2_plan(n_assign: int, rows: int, cols: int, sms: int = 132) -> tuple[int, int]:
+    """(blocks, parts) as moe_stream.rs mx_stream2_plan: two blocks per SM (fewer: >= 8 steps per
+    warp), parts (<= 8, <= steps per row) minimising the busiest warp's steps (+ half a step per
+    unit for its flush)."""
+    ns, tiles = cdiv(cols // 32, 4), cdiv(rows, 16)
+    grid = max(1, min(2 * sms, cdiv(n_assign * tiles * ns, 8 * 8)))
+    costs = [(cdiv(n_assign * tiles * p, 8 * grid) * (2 * cdiv(ns, p) + 1), p) for p in range(1, min(ns, 8) + 1)]
+    return grid, min(costs)[1]
+
+
+def run_mx_stream2(d: Device, z, w, idx, gu, yp, wts, out, t, k, lt, ie, e, situ=(4.0, 25.0, 1), grid=None,
+                   parts=None, what=("up", "down", "combine")):
+    """moe_stream.rs moe_experts_stream2's launches (views; w = (w1p, w1s, w3p, w3s, w2p, w2s)).
+    `grid` / `parts` = (up, down) overrides (any values are valid: the checks move unit bounds)."""
+    na = t * k
+    (gup, pup), (gdn, pdn) = mx_stream2_plan(na, ie, lt), mx_stream2_plan(na, lt, ie)
+    gup, gdn = grid or (gup, gdn)
+    pup, pdn = parts or (pup, pdn)
+    if "up" in what:
+        d.launch("mxfp4_up_stream2_f32", gup, 256, z, *w[:4], idx, gu, k, lt, ie, e, na, pup,
+                 shared_mem=MX_STREAM_SHARED)
+    if "down" in what:
+        d.launch("mxfp4_down_stream2_f32", gdn, 256, gu, *w[4:], idx, yp, lt, ie, *situ, e, na, pup, pdn,
+                 shared_mem=MX_STREAM_SHARED)
+    if "combine" in what:
+        d.launch("moe_combine_parts_f32", min(cdiv(t * lt, 256), 132 * 32), 256, yp, idx, wts, out, t, k, lt, e, pdn)
+
+
+def mx_stream2_scratch(na: int, lt: int, ie: int, parts=None) -> tuple[int, int]:
+    """Floats of gu and yp for run_mx_stream2."""
+    pup, pdn = parts or (mx_stream2_plan(na, ie, lt)[1], mx_stream2_plan(na, lt, ie)[1])
+    return na * pup * 2 * ie, na * pdn * lt
 
 
 # Dense bf16-weight decode products (kernels/bf16.cu gemv_bf16_tc_f32; backend_impl.rs gemv_tc_plan):
@@ -229,15 +310,17 @@ KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4))}
 # The two-pass path (kernels/kda_chunk_scan.cu, ops.rs default for conv <= 4, K3_KDA_CHUNK=scan4): the
 # record pass (conv + prep + chunk algebra, grid (ceil(chunks / KDA_REC_NCH), heads), 128 threads) then
 # the key-split scan, grid (4, heads), 128 threads (ops.rs kda_rec_launch / kda_rec_kernel /
-# kda_scan_launch). rec4 (K3_KDA_CHUNK=rec4): the record pass without register prefetch, same scan.
+# kda_scan_launch). rec4 (K3_KDA_CHUNK=rec4): the record pass without register prefetch, same scan;
+# rec5 (K3_KDA_CHUNK=rec5): rec3m at ~1/3 fewer instructions (in-place conv, Lkk / Aqk on tensor cores).
 KDA_SCAN_KERNELS = {"scan4": ("kda_chunk_rec3m_f32", "kda_chunk_scan4_f32"),
-                    "rec4": ("kda_chunk_rec4_f32", "kda_chunk_scan4_f32")}
+                    "rec4": ("kda_chunk_rec4_f32", "kda_chunk_scan4_f32"),
+                    "rec5": ("kda_chunk_rec5_f32", "kda_chunk_scan4_f32")}
 KDA_SCAN_THREADS = {"kda_chunk_scan4_f32": 128}
 KDA_REC_NCH = 8  # ops.rs KDA_REC_NCH; kernels/kda_chunk_scan.cu KDA_REC_NCH
 KDA_CHUNK_KERNELS.update({k: (v[1], lambda h: (4, h)) for k, v in KDA_SCAN_KERNELS.items()})
 # Tolerance of each against the float64 reference (and against the f32 kernel at K3 shapes): the
 # scans' 3xTF32 keeps f32 accuracy.
-KDA_CHUNK_TOL = {"f32": 1e-4, "scan4": 1e-4, "rec4": 1e-4}
+KDA_CHUNK_TOL = {"f32": 1e-4, "scan4": 1e-4, "rec4": 1e-4, "rec5": 1e-4}
 KDA_REC_FLOATS = 8576  # one (chunk, head) record; ops.rs KDA_REC_FLOATS
 KDA_SCAN_SEG = 8192  # tokens per rec + scan segment; ops.rs KDA_SCAN_SEG
 

@@ -35,6 +35,8 @@ from common import (KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, KDA_SCAN_KERNE
                     kda_decode_launcher, kda_reference, kda_region_floats, log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
 from common import mla_prefill_plan, run_mla_prefill, run_mx_experts  # noqa: E402
 from common import mx_stream_grid, run_mx_stream  # noqa: E402
+from common import mx_stream2_plan, mx_stream2_scratch, run_mx_stream2  # noqa: E402
+from common import mx_grouped_scratch, run_mx_grouped  # noqa: E402
 from common import gemv_tc_plan, run_gemv_tc  # noqa: E402
 from emulators import EMU  # noqa: E402
 from k3ref import mxfp4 as rmx  # noqa: E402
@@ -611,8 +613,9 @@ def check_mla_bf16_products(d: Device, r: Results, gen):
             r.check(f"mla_out_proj_bf16 {shape}", rel_err(o, ref_o), 1e-5)
 
 
-# kernels/mla_attend_bf16.cu: 48 heads per 256-thread block, dynamic shared memory (geometry.rs).
-MLA_BF16_HEADS, MLA_BF16_SHARED = 48, 128192
+# kernels/mla_attend_bf16.cu: 48 heads per 256-thread block, dynamic shared memory (geometry.rs);
+# kernels/mla_attend_bf16v2.cu: the same blocks, double-buffered K (MLA_BF16V2_SHARED), + L2 prefetch.
+MLA_BF16_HEADS, MLA_BF16_SHARED, MLA_BF16V2_SHARED = 48, 128192, 165568
 
 
 def mla_latent_reference(qt, rows, scale, kv_lora):
@@ -659,13 +662,6 @@ def check_mla_bf16(d: Device, r: Results, gen):
         ps = torch.tensor(page_start, dtype=torch.int64)
         base, lens_t = torch.tensor(pt_base, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
         A = dev(arena)
-        part = torch.empty(n, heads, splits, kv_lora + 2, device=d.tdev)
-        d.launch("mla_attend_bf16_f32", (cdiv(heads, MLA_BF16_HEADS), n, splits), 256, d.view(dev(qt)), d.view(A),
-                 d.view(ps.to(d.tdev)), d.view(base.to(d.tdev)), d.view(lens_t.to(d.tdev)), d.view(part), n, heads,
-                 kv_lora, rope, pt, splits, chunk, scale, shared_mem=MLA_BF16_SHARED)
-        lat = torch.empty(n, heads, kv_lora, device=d.tdev)
-        d.launch("mla_merge_f32", (n, heads), 128, d.view(part), d.view(lat), n, heads, kv_lora, splits)
-        d.sync()
         ref = torch.stack([mla_latent_reference(qt[i], rows_all[i], scale, kv_lora) for i in range(n)])
         emu_part = np.zeros((n, heads, splits, kv_lora + 2), dtype=np.float32)
         _emu_mla_attend_bf16(qt.numpy(), arena.float().numpy(), ps.numpy(), base.numpy(), lens_t.numpy(), emu_part,
@@ -675,8 +671,20 @@ def check_mla_bf16(d: Device, r: Results, gen):
         emu = (w[..., None] * P[..., :kv_lora]).sum(2) / (w * P[..., kv_lora + 1]).sum(-1)[..., None]
         tag = f"H={heads}, Lkv={kv_lora}, pages of {pt}, lens={lens}, splits={splits}, chunk={chunk}" + \
             ("" if aligned else ", 4-byte rows")
-        r.check(f"mla attend bf16 vs float64 ({tag})", rel_err(lat, ref), 1e-2)
-        r.check(f"mla attend bf16 vs bf16 emulation ({tag})", rel_err(lat, emu), 2e-3)
+        # v1 (+ mla_merge_f32) and v2 (+ mla_merge_v2_f32; prefetch 0, 1 and 2 tiles ahead over the cases).
+        for kern, extra, shared, merge, mgrid, label in (
+                ("mla_attend_bf16_f32", (), MLA_BF16_SHARED, "mla_merge_f32", (n, heads), "bf16"),
+                ("mla_attend_bf16v2_f32", (len(lens) % 3,), MLA_BF16V2_SHARED, "mla_merge_v2_f32",
+                 (n, heads, cdiv(kv_lora, 128)), "bf16v2")):
+            part = torch.full((n, heads, splits, kv_lora + 2), float("nan"), device=d.tdev)
+            d.launch(kern, (cdiv(heads, MLA_BF16_HEADS), n, splits), 256, d.view(dev(qt)), d.view(A),
+                     d.view(ps.to(d.tdev)), d.view(base.to(d.tdev)), d.view(lens_t.to(d.tdev)), d.view(part), n,
+                     heads, kv_lora, rope, pt, splits, chunk, scale, *extra, shared_mem=shared)
+            lat = torch.full((n, heads, kv_lora), float("nan"), device=d.tdev)
+            d.launch(merge, mgrid, 128, d.view(part), d.view(lat), n, heads, kv_lora, splits)
+            d.sync()
+            r.check(f"mla attend {label} vs float64 ({tag})", rel_err(lat, ref), 1e-2)
+            r.check(f"mla attend {label} vs bf16 emulation ({tag})", rel_err(lat, emu), 2e-3)
 
 
 def mla_prefill_reference(q, rows, kv_b, heads, nope, rope, v_dim, kv_lora, start):
@@ -914,6 +922,66 @@ def check_moe_stream(d: Device, r: Results, gen):
                 r.check(f"moe routed stream T={t} {lt}x{ie} grid={g} (up+down+combine)", rel_err(res, ref), 1e-5)
 
 
+def check_moe_stream2(d: Device, r: Results, gen):
+    """The stream2 pair (mxfp4_*_stream2_f32 + moe_combine_parts_f32, K3_MX_EXPERTS=stream2) against
+    float64: the unit split replayed (every (assignment, tile, part) once; K3 sizes: the busiest
+    warp within 5% of the mean steps), then widths whose 32-value blocks are not a multiple of 4
+    (160 = 5, 96 = 3, 544 = 17, 288 = 9: zero-padded blocks, lanes on the last block), T = 1 and 3
+    (an out-of-range id), the planned grid and odd grids / part counts (1 block: many staging
+    rounds; 7 blocks x 3 parts: units cut mid-assignment, the prefetch ring across units)."""
+    for na, rows, cols in ((16, 3072, 3584), (16, 3584, 3072), (9, 40, 160), (5, 96, 544)):
+        grid, parts = mx_stream2_plan(na, rows, cols)
+        ns, tiles = cdiv(cols // 32, 4), cdiv(rows, 16)
+        n, nw = na * tiles * parts, 8 * grid
+        seen, steps = [], []
+        for w in range(nw):
+            units = range(n * w // nw, n * (w + 1) // nw)
+            seen += list(units)
+            steps.append(sum((u % parts + 1) * ns // parts - (u % parts) * ns // parts for u in units))
+        mean = na * tiles * ns / nw
+        ok = seen == list(range(n)) and (rows < 1000 or max(steps) <= 1.05 * mean)
+        r.exact(f"moe stream2 unit split {na}x{rows}x{cols} grid={grid} parts={parts}: every unit once, steps "
+                f"per warp {min(steps)}..{max(steps)} (mean {mean:.1f})", ok)
+    e, k = 6, 3
+    dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
+    for lt, ie in ((160, 96), (544, 288)):
+        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
+        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
+        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+        wv = [d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s)]
+        for t in (1, 3):
+            z = rand(t, lt, gen=gen)
+            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
+                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
+            idx = idx.clone()
+            if t == 3:
+                idx[1, 2] = -1  # skipped slot
+            ref = torch.zeros(t, lt, dtype=torch.float64)
+            for tt in range(t):
+                for j in range(k):
+                    ex = int(idx[tt, j])
+                    if ex >= 0:
+                        ref[tt] += wts[tt, j] * (w2[ex] @ ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0))
+            na = t * k
+            ids = dev(idx.int().reshape(-1))
+            nsu, nsd = cdiv(lt, 128), cdiv(ie, 128)  # steps per row: the most parts
+            for grid, parts in ((None, None), ((1, 1), (nsu, 1)), ((7, 3), (1, nsd)),
+                                ((3, 2), (min(2, nsu), min(2, nsd)))):
+                ngu, nyp = mx_stream2_scratch(na, lt, ie, parts)
+                gu = torch.full((ngu,), float("nan"), device=d.tdev)  # unwritten parts would show
+                yp = torch.full((nyp,), float("nan"), device=d.tdev)
+                res = torch.empty(t, lt, device=d.tdev)
+                run_mx_stream2(d, d.view(dev(z.float())), wv, d.view(ids), d.view(gu), d.view(yp),
+                               d.view(dev(wts.float().reshape(-1))), d.view(res), t, k, lt, ie, e, grid=grid,
+                               parts=parts)
+                d.sync()
+                g = grid or (mx_stream2_plan(na, ie, lt)[0], mx_stream2_plan(na, lt, ie)[0])
+                p = parts or (mx_stream2_plan(na, ie, lt)[1], mx_stream2_plan(na, lt, ie)[1])
+                # hi + lo bf16 activations (~16 bits) as the tc pairs (check_moe_gemv's 2e-5).
+                r.check(f"moe routed stream2 T={t} {lt}x{ie} grid={g[0]}/{g[1]} parts={p[0]}/{p[1]} "
+                        "(up+down+combine)", rel_err(res, ref), 2e-5)
+
+
 def check_moe_tc2(d: Device, r: Results, gen):
     """The tc2 pair (default from 2 tokens) against float64 and the old tc pair: random top-4 routings
     over 16 experts at T = 2, 3, 16, 64, and a made one at T = 70, top-2 over 8 experts, whose
@@ -962,6 +1030,52 @@ def check_moe_tc2(d: Device, r: Results, gen):
             r.check(f"moe routed {kind} T={t} top{k} of {e}, tokens per expert {counts[:6]} (sort+up+down+combine)",
                     rel_err(res, ref), 2e-5)
         r.check(f"moe routed tc vs tc_old T={t}", rel_err(outs["tc"], outs["tc_old"]), 2e-5)
+
+
+def check_moe_grouped(d: Device, r: Results, gen):
+    """The grouped path (mxfp4_tc2_split_f32 + mxfp4_up/down_grouped_f32 + moe_combine_ids_f32,
+    moe_grouped.rs) against float64: a made top-2 routing whose experts take 1, 63, 64, 65, 300 and
+    106 tokens (one expert idle, one slot dropped with id -1: its y row stays NaN, the combine must
+    skip it) at 640 x 320 (5 up stages: the 3-deep ring wraps; partial up and down row blocks; 10 MX
+    blocks per down row: the unaligned-scale path), and T = 2048, random top-4 of 16 at 256 x 384
+    (~8 tiles of 64 per expert, partial last tiles)."""
+    dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
+    second = torch.tensor([0] * 1 + [1] * 63 + [2] * 64 + [3] * 65 + [5] * 107)
+    second = second[torch.randperm(300, generator=gen)]
+    made = torch.stack([torch.full((300,), 4, dtype=torch.long), second], 1)
+    made[int((second == 5).nonzero()[0]), 1] = -1
+    for t, e, k, lt, ie in ((300, 7, 2, 640, 320), (2048, 16, 4, 256, 384)):
+        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
+        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
+        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+        z = rand(t, lt, gen=gen)
+        if t == 300:
+            idx, wts = made, torch.rand(t, k, generator=gen, dtype=torch.float64)
+        else:
+            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
+                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
+        ref = torch.zeros(t, lt, dtype=torch.float64)
+        for ex in range(e):
+            for j in range(k):
+                rows = (idx[:, j] == ex).nonzero().flatten()
+                if len(rows):
+                    h = ref_situ_glu(z[rows] @ w1[ex].T, z[rows] @ w3[ex].T, 4.0, 25.0)
+                    ref[rows] += wts[rows, j:j + 1] * (h @ w2[ex].T)
+        na = t * k
+        ids = dev(idx.int().reshape(-1))
+        offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
+        sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
+        d.launch("moe_sort_assignments", 1, 1024, d.view(ids), na, e, d.view(offsets), d.view(sorted_))
+        scratch = mx_grouped_scratch(d, t, k, lt, ie)
+        scratch[0][2].fill_(float("nan"))
+        out = torch.full((t, lt), float("nan"), device=d.tdev)
+        w = tuple(d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s))
+        run_mx_grouped(d, d.view(dev(z.float())), w, d.view(ids), d.view(dev(wts.float().reshape(-1))),
+                       d.view(offsets), d.view(sorted_), d.view(out), scratch, t, k, lt, ie, e)
+        d.sync()
+        counts = sorted(torch.bincount(idx[idx >= 0].reshape(-1), minlength=e).tolist(), reverse=True)
+        r.check(f"moe routed grouped T={t} top{k} of {e} {lt}x{ie}, tokens per expert {counts[:7]} "
+                f"(sort+split+up+down+combine)", rel_err(out, ref), 2e-5)
 
 
 def check_bf16_matmul(d: Device, r: Results, gen):
@@ -1092,8 +1206,8 @@ def main():
     t0 = time.time()
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
                check_kda_prefill_scan, check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill,
-               check_moe, check_moe_gemv, check_moe_stream, check_moe_tc2, check_moe_gemm,
-               check_bf16_matmul, check_gemv_tc, check_kda_prefill_prep):
+               check_moe, check_moe_gemv, check_moe_stream, check_moe_stream2, check_moe_tc2, check_moe_gemm,
+               check_moe_grouped, check_bf16_matmul, check_gemv_tc, check_kda_prefill_prep):
         try:
             fn(d, r, gen)
         except Exception as e:  # noqa: BLE001  a crash in one check must not hide the others

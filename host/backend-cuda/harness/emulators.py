@@ -350,10 +350,66 @@ def _emu_moe_down_stream(act, w2p, w2s, idx, y, lt, ie, e, n):
             _t(y).view(-1, lt)[a] = (w2 @ _t(act).view(-1, ie)[a].double()).float()
 
 
+def _stream2_parts(cols, parts):
+    """Column ranges of the stream2 kernels' parts: steps of 128 columns, part p = steps
+    [p ns / parts, (p + 1) ns / parts)."""
+    ns = -(-(cols // 32) // 4)
+    return [(128 * (p * ns // parts), min(cols, 128 * ((p + 1) * ns // parts))) for p in range(parts)]
+
+
+def _split_f64(x):
+    """hi + lo bf16 of f32 values (what the stream2 kernels multiply), as float64."""
+    hi, lo = split_bf16(np.asarray(x, dtype=np.float32))
+    return torch.from_numpy(bf16_value(hi).astype(np.float64) + bf16_value(lo).astype(np.float64))
+
+
+def _emu_moe_up_stream2(z, w1p, w1s, w3p, w3s, idx, gu, top_k, lt, ie, e, n, parts):
+    """mxfp4_up_stream2_f32: gu[a, p, m] = part p's columns of W{1,3}_e . (hi + lo of z_t), valid ids only."""
+    lt, ie, e, n, parts = int(lt), int(ie), int(e), int(n), int(parts)
+    out = _t(gu)[:n * parts * 2 * ie].view(n, parts, 2, ie)
+    for a in range(n):
+        ex = int(idx[a])
+        if not 0 <= ex < e:
+            continue
+        x = _split_f64(z.reshape(-1, lt)[a // int(top_k)])
+        for m, (wp, ws) in enumerate(((w1p, w1s), (w3p, w3s))):
+            w = rmx.dequantize(_t(wp).view(e, ie, lt // 2)[ex], _t(ws).view(e, ie, lt // 32)[ex], torch.float64)
+            for p, (c0, c1) in enumerate(_stream2_parts(lt, parts)):
+                out[a, p, m] = (w[:, c0:c1] @ x[c0:c1]).float()
+
+
+def _emu_moe_down_stream2(gu, w2p, w2s, idx, yp, lt, ie, beta, beta_lin, has_lin, e, n, parts_up, parts):
+    """mxfp4_down_stream2_f32: act = SiTU-GLU(sum of gu's parts), yp[a, p] = part p of W2_e . (hi + lo of act)."""
+    lt, ie, e, n, parts_up, parts = int(lt), int(ie), int(e), int(n), int(parts_up), int(parts)
+    g = _t(gu)[:n * parts_up * 2 * ie].view(n, parts_up, 2, ie)
+    out = _t(yp)[:n * parts * lt].view(n, parts, lt)
+    for a in range(n):
+        ex = int(idx[a])
+        if not 0 <= ex < e:
+            continue
+        s = g[a].sum(0)  # f32, part order
+        act = ref_situ_glu(s[0].double(), s[1].double(), float(beta), float(beta_lin) if has_lin else None)
+        x = _split_f64(act.float().numpy())
+        w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
+        for p, (c0, c1) in enumerate(_stream2_parts(ie, parts)):
+            out[a, p] = (w2[:, c0:c1] @ x[c0:c1]).float()
+
+
+def _emu_combine_parts(yp, idx, w, out, t, k, lt, e, parts):
+    t, k, lt, e, parts = int(t), int(k), int(lt), int(e), int(parts)
+    y = _t(yp)[:t * k * parts * lt].view(t, k, parts, lt).double().sum(2)
+    ok = torch.from_numpy((idx[:t * k] >= 0) & (idx[:t * k] < e)).view(t, k)
+    wv = torch.where(ok, _t(w)[:t * k].view(t, k).double(), 0.0)  # skipped slots: yp rows never written
+    y = torch.where(ok[..., None], y, 0.0)
+    out.reshape(-1)[:t * lt] = torch.einsum("tk,tkl->tl", wv, y).float().numpy().reshape(-1)
+
+
 def _emu_sort(idx, n, e, offsets, sorted_):
-    order = np.argsort(idx[:int(n)], kind="stable")
-    sorted_[:] = order.astype(np.int32)
-    offsets[:] = np.concatenate([[0], np.cumsum(np.bincount(idx[:int(n)], minlength=int(e)))]).astype(np.int32)
+    ids = idx[:int(n)]
+    valid = (ids >= 0) & (ids < int(e))  # out-of-range ids are dropped (sorted_ past them untouched)
+    order = np.argsort(np.where(valid, ids, int(e)), kind="stable")[:int(valid.sum())]
+    sorted_[:len(order)] = order.astype(np.int32)
+    offsets[:] = np.concatenate([[0], np.cumsum(np.bincount(ids[valid], minlength=int(e)))]).astype(np.int32)
 
 
 def _emu_topk_rows(lg, ids, vals, count, rows, vocab, k):
@@ -459,6 +515,43 @@ def _emu_moe_down_tc2(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, nt):
         if len(a):
             w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
             _t(y).view(-1, lt)[torch.from_numpy(a)] = (act[torch.from_numpy(a)] @ w2.T).float()
+
+
+def _emu_moe_up_grouped(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e):
+    """mxfp4_up_grouped_f32: as the tc2 up kernel, but actx row p = sorted position p."""
+    lt, ie, k, e = int(lt), int(ie), int(top_k), int(e)
+    z = _mx2_unpack(zx, zx.size // (-(-lt // 128) * 256), lt)
+    npos = int(offsets[e])
+    act = np.zeros((npos, ie), np.float32)
+    for ex in range(e):
+        p0, p1 = int(offsets[ex]), int(offsets[ex + 1])
+        if p1 > p0:
+            w1 = rmx.dequantize(_t(w1p).view(e, ie, lt // 2)[ex], _t(w1s).view(e, ie, lt // 32)[ex], torch.float64)
+            w3 = rmx.dequantize(_t(w3p).view(e, ie, lt // 2)[ex], _t(w3s).view(e, ie, lt // 32)[ex], torch.float64)
+            x = z[torch.from_numpy(sorted_[p0:p1].astype(np.int64) // k)]
+            act[p0:p1] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta),
+                                      float(beta_lin) if has_lin else None).float().numpy()
+    _mx2_pack(act, actx)  # rows [0, npos); rows past them untouched
+
+
+def _emu_moe_down_grouped(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e):
+    """mxfp4_down_grouped_f32: y[sorted[p]] = W2_e act[p] (rows of dropped slots untouched)."""
+    lt, ie, e = int(lt), int(ie), int(e)
+    act = _mx2_unpack(actx, int(offsets[e]), ie)
+    for ex in range(e):
+        p0, p1 = int(offsets[ex]), int(offsets[ex + 1])
+        if p1 > p0:
+            w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
+            _t(y).view(-1, lt)[torch.from_numpy(sorted_[p0:p1].astype(np.int64))] = (act[p0:p1] @ w2.T).float()
+
+
+def _emu_combine_ids(y, idx, w, out, t, k, lt, e):
+    """moe_combine_ids_f32: moe_combine_f32 over the slots with an expert id in [0, e) only."""
+    t, k, lt = int(t), int(k), int(lt)
+    ids = idx.reshape(-1)[:t * k]
+    ok = torch.from_numpy((ids >= 0) & (ids < int(e))).view(t, k, 1)
+    Y = torch.where(ok, _t(y).reshape(-1)[:t * k * lt].view(t, k, lt), torch.zeros((), dtype=torch.float32))
+    out.reshape(-1)[:t * lt] = torch.einsum("tk,tkl->tl", _t(w).reshape(-1)[:t * k].view(t, k), Y).numpy().reshape(-1)
 
 
 def _emu_gemv_tc(x, w, out, m, n, k, kslice):
@@ -588,6 +681,7 @@ EMU = {
     "kda_chunk_fwd_f32": _emu_kda_chunk,
     "kda_chunk_rec3m_f32": _emu_kda_chunk_rec,  # 8 chunks per block (float64 here)
     "kda_chunk_rec4_f32": _emu_kda_chunk_rec,  # same contract and record; no register prefetch
+    "kda_chunk_rec5_f32": _emu_kda_chunk_rec,  # same contract and record (Lkk / Aqk in 3xTF32)
     "kda_chunk_scan4_f32": _emu_kda_chunk_scan,  # 128-thread blocks (key-split)
     "mla_append_rows_f32": lambda kv_a, nw, arena, dst, t, lkv, rope, eps: [arena.__setitem__(
         slice(int(dst[i]), int(dst[i]) + int(lkv) + int(rope)), np.concatenate([ref_rms_norm(
@@ -599,6 +693,9 @@ EMU = {
         _t(q).view(int(items), int(heads), -1)[..., int(nope):].double()], -1).float().numpy().reshape(qt.shape)),
     "mla_attend_tc2_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # mode: rounding / prefetch / probe only
     "mla_attend_bf16_f32": _emu_mla_attend_bf16,
+    # v2: the same roundings (l summed per lane, then over lanes); last argument: L2 prefetch tiles.
+    "mla_attend_bf16v2_f32": lambda *a: _emu_mla_attend_bf16(*a[:-1]),
+    "mla_merge_v2_f32": _emu_mla_merge,  # grid (items, heads, kv_lora / 128): the same result
     "mla_merge_f32": _emu_mla_merge,
     "mla_out_proj_f32": _emu_mla_out_proj,
     "mla_absorb_q_bf16": _emu_mla_absorb_bf16,
@@ -621,12 +718,18 @@ EMU = {
     "mxfp4_down_gemv_f32": lambda *a: _emu_moe_down(*a[:-2]),
     "mxfp4_up_stream_f32": _emu_moe_up_stream,
     "mxfp4_down_stream_f32": _emu_moe_down_stream,
+    "mxfp4_up_stream2_f32": _emu_moe_up_stream2,  # partial sums per part (hi + lo bf16 of x)
+    "mxfp4_down_stream2_f32": _emu_moe_down_stream2,
+    "moe_combine_parts_f32": _emu_combine_parts,
     "mxfp4_up_tc_f32": lambda *a: _emu_moe_up(*a[:-2]),  # + E, stage; bf16 hi/lo products ~ f32
     "mxfp4_down_tc_f32": lambda *a: _emu_moe_down(*a[:-2]),
     "mxfp4_tc2_split_f32": lambda x, xs, rows, cols: _mx2_pack(x.reshape(-1)[:int(rows) * int(cols)].reshape(
         int(rows), int(cols)), xs),
     "mxfp4_up_tc2_f32": _emu_moe_up_tc2,  # hi + lo in, act split out (the tc2 layout end to end)
     "mxfp4_down_tc2_f32": _emu_moe_down_tc2,
+    "mxfp4_up_grouped_f32": _emu_moe_up_grouped,  # tc2 layout in and out, actx rows by sorted position
+    "mxfp4_down_grouped_f32": _emu_moe_down_grouped,
+    "moe_combine_ids_f32": _emu_combine_ids,
     "moe_combine_f32": lambda y, w, out, t, k, lt: out.__setitem__(slice(None), torch.einsum(
         "tk,tkl->tl", _t(w).view(int(t), int(k)), _t(y).view(int(t), int(k), int(lt))).numpy().reshape(out.shape)),
 }

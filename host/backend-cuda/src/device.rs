@@ -55,6 +55,9 @@ pub struct CudaBackend {
     pub(crate) profile: Option<crate::profile::OpProfile>,
     /// The tensor-core MoE path's work buffers (moe_gemm.rs), kept between calls.
     pub(crate) moe_scratch: Mutex<crate::moe_gemm::MoeScratch>,
+    /// The grouped MoE path's work buffers (moe_grouped.rs), and whether it replaces the above.
+    pub(crate) moe_grouped_scratch: Mutex<crate::moe_grouped::GroupedScratch>,
+    pub(crate) moe_prefill: crate::moe_grouped::MoePrefill,
     /// CUDA graphs of decode steps (graph.rs).
     pub(crate) step: crate::graph::StepState,
     /// Attend kernel of the absorbed MLA decode (ops.rs).
@@ -169,6 +172,8 @@ impl CudaBackend {
             step: crate::graph::StepState::new(profile.is_some()),
             profile,
             moe_scratch: Mutex::default(),
+            moe_grouped_scratch: Mutex::default(),
+            moe_prefill: crate::moe_grouped::MoePrefill::from_env(),
             mla_decode_mode: crate::ops::MlaDecodeMode::from_env(),
         })
     }

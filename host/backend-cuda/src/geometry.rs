@@ -189,6 +189,10 @@ pub const MLA_BF16_SHARED: usize = 128_192;
 /// 256-thread blocks per SM.
 pub const MX_TC2_MAX_SHARED: usize = 111_104;
 
+/// The grouped expert GEMMs (kernels/mxfp4_grouped.cu MXG_SHARED_BYTES, moe_grouped.rs): decode
+/// table + 3 stages of 256 weight rows (64 + 4 bytes) and 128 hi / lo token rows of 288 bytes.
+pub const MX_GROUPED_SHARED: usize = 195_584;
+
 /// The stream expert kernels (kernels/mxfp4.cu MXS_SHARED, moe_stream.rs): the 64 KB decode
 /// table with the staged activations in its upper halves.
 pub const MX_STREAM_SHARED: usize = 65_536;
@@ -196,10 +200,15 @@ pub const MX_STREAM_SHARED: usize = 65_536;
 /// Kernels launched with more than 48 KB of dynamic shared memory, and how much.
 pub const OPT_IN_SHARED: &[(&str, usize)] = &[
     ("mla_attend_bf16_f32", MLA_BF16_SHARED),
+    ("mla_attend_bf16v2_f32", MLA_BF16V2_SHARED),
     ("mxfp4_up_tc2_f32", MX_TC2_MAX_SHARED),
     ("mxfp4_down_tc2_f32", MX_TC2_MAX_SHARED),
+    ("mxfp4_up_grouped_f32", MX_GROUPED_SHARED),
+    ("mxfp4_down_grouped_f32", MX_GROUPED_SHARED),
     ("mxfp4_up_stream_f32", MX_STREAM_SHARED),
     ("mxfp4_down_stream_f32", MX_STREAM_SHARED),
+    ("mxfp4_up_stream2_f32", MX_STREAM_SHARED),
+    ("mxfp4_down_stream2_f32", MX_STREAM_SHARED),
 ];
 
 /// Grid (head groups, items, splits): the two head groups of one (item, split) run side by side,
@@ -211,6 +220,27 @@ pub fn mla_attend_bf16(g: &MlaGeom, items: usize, splits: usize) -> Result<Launc
         256,
     )?
     .with_opt_in_shared(MLA_BF16_SHARED)
+}
+
+/// `mla_attend_bf16v2_f32` (kernels/mla_attend_bf16v2.cu): v1's block shape with a double-buffered
+/// bf16 K tile (MLC_SHARED bytes); same splits (`mla_splits_bf16`) and partials.
+pub const MLA_BF16V2_SHARED: usize = 165_568;
+
+/// L2 prefetch distance (tiles of 32 positions) of `mla_attend_bf16v2_f32`.
+pub const MLA_BF16V2_PREFETCH_TILES: i32 = 2;
+
+pub fn mla_attend_bf16v2(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
+    check_mla(g)?;
+    Launch::new(
+        (g.heads.div_ceil(MLA_BF16_HEADS_PER_BLOCK), items, splits),
+        256,
+    )?
+    .with_opt_in_shared(MLA_BF16V2_SHARED)
+}
+
+/// `mla_merge_v2_f32`: one 128-thread block per (item, head, 128 latent columns).
+pub fn mla_merge_v2(g: &MlaGeom, items: usize) -> Result<Launch> {
+    Launch::new((items, g.heads, g.kv_lora.div_ceil(128)), 128)
 }
 
 /// Position splits of `mla_attend_bf16_f32` (one block per SM): one wave of `sms` blocks at
@@ -410,6 +440,9 @@ mod tests {
         assert_eq!(mla_splits_bf16(16, 96, 8192, 132), 8);
         assert_eq!(mla_splits_bf16(1, 96, 100, 132), 1);
         assert_eq!(mla_splits_bf16(1, 4, 900, 132), 8);
+        let l = mla_attend_bf16v2(&k3, 3, 5).unwrap();
+        assert_eq!((l.grid, l.block, l.shared), ((2, 3, 5), 256, 165_568));
+        assert_eq!(mla_merge_v2(&k3, 3).unwrap().grid, (3, 96, 4));
         assert!(
             Launch::new((1, 1, 1), 32)
                 .unwrap()

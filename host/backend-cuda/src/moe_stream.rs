@@ -2,7 +2,8 @@
 //! (`mxfp4_up_stream_f32`, `mxfp4_down_stream_f32`; ops.rs `mx_experts_choice`). Each assignment
 //! (token, slot) is taken straight from the router's ids, so the step needs no sort by expert;
 //! every (assignment, weight row) pair is split evenly over all warps of two blocks per SM, which
-//! stream whole 256-byte runs of their rows (the kernel header has the layout).
+//! stream whole 256-byte runs of their rows (the kernel header has the layout). The stream2 pair
+//! (`K3_MX_EXPERTS=stream2`) splits the same way with the products on tensor cores.
 
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
@@ -37,6 +38,59 @@ pub fn mx_stream_launch(
     let want = (assignments * rows).div_ceil(warps * MX_STREAM_MIN_ROWS_PER_WARP);
     let blocks = want.clamp(1, MX_STREAM_BLOCKS_PER_SM * sms.max(1));
     Launch::new((blocks, 1, 1), MX_STREAM_THREADS)?.with_opt_in_shared(MX_STREAM_SHARED)
+}
+
+/// Widest input row of the stream2 kernels: 124 blocks of 32 (padded to a multiple of 4 below the
+/// zero block at staged row 127).
+pub const MX_STREAM2_MAX_COLS: usize = 124 * 32;
+/// Most parts a row's steps are cut into.
+const MX_STREAM2_MAX_PARTS: usize = 8;
+/// Steps per warp below which a smaller grid is taken.
+const MX_STREAM2_MIN_STEPS_PER_WARP: usize = 8;
+
+/// Launch of one stream2 kernel: the grid and `parts`, the number of step ranges (of 128 columns)
+/// each row is cut into; every unit (assignment, 16-row tile, part) writes its own partial sums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stream2Plan {
+    pub launch: Launch,
+    pub parts: usize,
+}
+
+/// Grid and parts of the stream2 kernels for `assignments` x `rows` output rows of input width
+/// `cols` (harness common.py mx_stream2_plan): two blocks per SM (fewer: >= 8 steps per warp);
+/// parts minimising the busiest warp's steps plus half a step per unit (its flush). K3, T = 1,
+/// 132 SMs: up 2 parts (busiest warp 42 steps, mean 40.7), down 4 (42 vs 40.7).
+pub fn mx_stream2_plan(
+    assignments: usize,
+    rows: usize,
+    cols: usize,
+    sms: usize,
+) -> Result<Stream2Plan> {
+    geometry::check_mx_width(cols)?;
+    if cols > MX_STREAM2_MAX_COLS || rows * cols / 2 >= 1 << 31 {
+        return Err(CudaError::Unsupported(format!(
+            "MXFP4 stream2 kernels: expert matrix {rows} x {cols} (input width <= {MX_STREAM2_MAX_COLS}, < 2 GB)"
+        )));
+    }
+    let (steps, tiles) = ((cols / 32).div_ceil(4), rows.div_ceil(16));
+    let warps_per_block = (MX_STREAM_THREADS / 32) as usize;
+    let want =
+        (assignments * tiles * steps).div_ceil(warps_per_block * MX_STREAM2_MIN_STEPS_PER_WARP);
+    let blocks = want.clamp(1, MX_STREAM_BLOCKS_PER_SM * sms.max(1));
+    let warps = blocks * warps_per_block;
+    let parts = (1..=steps.min(MX_STREAM2_MAX_PARTS))
+        .min_by_key(|&p| {
+            (
+                (assignments * tiles * p).div_ceil(warps) * (2 * steps.div_ceil(p) + 1),
+                p,
+            )
+        })
+        .unwrap_or(1);
+    Ok(Stream2Plan {
+        launch: Launch::new((blocks, 1, 1), MX_STREAM_THREADS)?
+            .with_opt_in_shared(MX_STREAM_SHARED)?,
+        parts,
+    })
 }
 
 impl CudaBackend {
@@ -81,6 +135,48 @@ impl CudaBackend {
         launch!(self, "moe_combine_f32", geometry::elementwise(t * ex.latent)?; &y.buf, w, &out.buf, &tt, &kk, &lt)?;
         Ok(out)
     }
+
+    /// As `moe_experts_stream` with the stream2 pair (`K3_MX_EXPERTS=stream2`): the up kernel
+    /// writes partial W1 / W3 sums per part, the down kernel's staging adds them and applies
+    /// SiTU-GLU, and `moe_combine_parts_f32` adds the down kernel's parts and skips slots whose id
+    /// is out of range (their partial rows are never written: no zeroing pass).
+    pub(crate) fn moe_experts_stream2(
+        &self,
+        z: &DeviceMat,
+        idx: &CudaSlice<i32>,
+        w: &CudaSlice<f32>,
+        ex: &DeviceExperts,
+        k: usize,
+        situ: SituParams,
+    ) -> Result<DeviceMat> {
+        let t = z.rows;
+        let na = t * k;
+        let up = mx_stream2_plan(na, ex.inter, ex.latent, self.multiprocessors)?;
+        let down = mx_stream2_plan(na, ex.latent, ex.inter, self.multiprocessors)?;
+        let gu = self.uninit::<f32>(na * up.parts * 2 * ex.inter)?;
+        let yp = self.uninit::<f32>(na * down.parts * ex.latent)?;
+        let (kk, lt, ie, e, n) = (
+            k as i32,
+            ex.latent as i32,
+            ex.inter as i32,
+            ex.experts as i32,
+            crate::ops::i32_of(na, "assignments")?,
+        );
+        let (pu, pd) = (up.parts as i32, down.parts as i32);
+        let (lin, has) = (
+            situ.linear_beta.unwrap_or(1.0),
+            i32::from(situ.linear_beta.is_some()),
+        );
+        launch!(self, "mxfp4_up_stream2_f32", up.launch;
+            &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, idx, &gu, &kk, &lt, &ie, &e, &n, &pu)?;
+        launch!(self, "mxfp4_down_stream2_f32", down.launch;
+            &gu, &ex.w2.0, &ex.w2.1, idx, &yp, &lt, &ie, &situ.beta, &lin, &has, &e, &n, &pu, &pd)?;
+        let out = self.output(t, ex.latent)?;
+        let tt = t as i32;
+        launch!(self, "moe_combine_parts_f32", geometry::elementwise(t * ex.latent)?;
+            &yp, idx, w, &out.buf, &tt, &kk, &lt, &e, &pd)?;
+        Ok(out)
+    }
 }
 
 #[cfg(test)]
@@ -113,6 +209,39 @@ mod tests {
             assert!(
                 geometry::OPT_IN_SHARED.contains(&(name, MX_STREAM_SHARED)),
                 "{name} opts in to its shared memory"
+            );
+        }
+    }
+
+    #[test]
+    fn stream2_plan() {
+        // K3, T = 1, top-16 on 132 SMs (harness check_moe_stream2 replays the split).
+        let up = mx_stream2_plan(16, 3072, 3584, 132).unwrap();
+        assert_eq!(
+            (up.launch.grid, up.launch.shared, up.parts),
+            ((264, 1, 1), 65_536, 2)
+        );
+        let down = mx_stream2_plan(16, 3584, 3072, 132).unwrap();
+        assert_eq!((down.launch.grid, down.parts), ((264, 1, 1), 4));
+        // Small: fewer blocks; parts never above the steps per row (an empty part would spin).
+        let small = mx_stream2_plan(9, 40, 160, 132).unwrap();
+        assert_eq!((small.launch.grid, small.parts), ((1, 1, 1), 1));
+        for (na, rows, cols) in [(3, 96, 96), (5, 96, 544), (48, 3072, 3584), (1, 16, 32)] {
+            let p = mx_stream2_plan(na, rows, cols, 132).unwrap();
+            assert!(
+                p.parts >= 1 && p.parts <= (cols / 32).div_ceil(4),
+                "{na} {rows} {cols}"
+            );
+        }
+        assert!(mx_stream2_plan(16, 3072, 3968, 132).is_ok());
+        assert!(
+            mx_stream2_plan(16, 3072, 4000, 132).is_err(),
+            "no room for the padding"
+        );
+        for name in ["mxfp4_up_stream2_f32", "mxfp4_down_stream2_f32"] {
+            assert!(
+                geometry::OPT_IN_SHARED.contains(&(name, MX_STREAM_SHARED)),
+                "{name}"
             );
         }
     }

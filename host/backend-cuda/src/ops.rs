@@ -41,13 +41,18 @@ macro_rules! launch {
 /// harness), each read once per process from an environment variable so one device run can A/B
 /// them through the whole model:
 /// - `K3_MX_EXPERTS` (routed experts of steps below the GEMM path's threshold, moe_gemm.rs):
-///   `auto` (default: `stream` for 1 token, `tc` from 2), `stream`, `gemv`, `tc` or `tc_old`
+///   `auto` (default: `stream` for 1 token, `tc` from 2), `stream`, `stream2` (the stream split
+///   with tensor-core products, moe_stream.rs; 1-token steps, others as `auto`), `gemv`, `tc` or `tc_old`
 ///   (the tensor-core pair that re-reads the weights every 8 tokens, kept for A/B)
 ///   (`mx_experts_choice`).
+/// - `K3_MOE_PREFILL` (routed experts of steps with >= `K3_MOE_GEMM_MIN` assignments): `gemm`
+///   (default: cuBLAS over expanded bf16 experts, moe_gemm.rs) or `grouped` (MXFP4 decoded inside
+///   the GEMM, moe_grouped.rs); read once into `CudaBackend::moe_prefill`.
 /// - `K3_KDA_CHUNK` (prefill): `scan4` (default: the record pass `kda_chunk_rec3m_f32` + the
-///   key-split scan, conv <= 4), `rec4` (the same with the record pass `kda_chunk_rec4_f32`, a
-///   candidate) or `f32` (the one-pass f32 kernels of kda_chunk.cu, which also take conv > 4):
-///   `kda_scan`, `kda_rec_kernel`. Unknown values take the default.
+///   key-split scan, conv <= 4), `rec4` / `rec5` (the same with the record pass
+///   `kda_chunk_rec4_f32` / `kda_chunk_rec5_f32`, candidates) or `f32` (the one-pass f32
+///   kernels of kda_chunk.cu, which also take conv > 4): `kda_scan`, `kda_rec_kernel`. Unknown
+///   values take the default.
 fn env_choice(
     cell: &'static std::sync::OnceLock<String>,
     var: &str,
@@ -59,6 +64,7 @@ fn env_choice(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MxExperts {
     Stream,
+    Stream2,
     Gemv,
     Tc,
     TcOld,
@@ -75,6 +81,7 @@ fn mx_experts_choice(tokens: usize) -> MxExperts {
     static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     match env_choice(&C, "K3_MX_EXPERTS", "auto") {
         "stream" => MxExperts::Stream,
+        "stream2" if tokens == 1 => MxExperts::Stream2,
         "gemv" => MxExperts::Gemv,
         "tc" => MxExperts::Tc,
         "tc_old" => MxExperts::TcOld,
@@ -179,7 +186,7 @@ const MLA_V2_PREFETCH_TILES: i32 = 4;
 pub const TOPK_MAX: usize = 1024;
 
 /// Precision of the absorbed MLA decode attend (`mla_decode`), from `K3_MLA_DECODE` at start-up
-/// (`precise` | `bf16`, default `bf16`); tests pin it with `CudaBackend::set_mla_decode_mode`.
+/// (`precise` | `bf16` | `bf16v2`, default `bf16`); tests pin it with `CudaBackend::set_mla_decode_mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MlaDecodeMode {
     /// `mla_attend_tc2_f32`: 3xTF32, ~f32 accuracy (the CPU backend's results to ~1e-5).
@@ -187,13 +194,18 @@ pub enum MlaDecodeMode {
     /// `mla_attend_bf16_f32`: q~, cache rows and P rounded to bf16, f32 accumulation and
     /// softmax (~1e-3 relative, like FlashMLA / vLLM), built to stream the cache at HBM speed.
     Bf16,
+    /// `mla_attend_bf16v2_f32` + `mla_merge_v2_f32` (kernels/mla_attend_bf16v2.cu): Bf16's math
+    /// and roundings, less latency-bound (interleaved softmax, branch-free k-loops, double-buffered
+    /// K, L2 prefetch) and a column-parallel merge.
+    Bf16v2,
 }
 
 impl MlaDecodeMode {
-    /// `K3_MLA_DECODE`: `precise` or `bf16` (anything else, or unset: `bf16`).
+    /// `K3_MLA_DECODE`: `precise`, `bf16v2` or `bf16` (anything else, or unset: `bf16`).
     pub fn from_env() -> Self {
         match std::env::var("K3_MLA_DECODE").as_deref() {
             Ok("precise") => Self::Precise,
+            Ok("bf16v2") => Self::Bf16v2,
             _ => Self::Bf16,
         }
     }
@@ -258,12 +270,14 @@ fn kda_rec_launch(tokens: usize, heads: usize) -> Result<Launch> {
 }
 
 /// The record pass, by `K3_KDA_CHUNK`: `rec4` (`kda_chunk_rec4_f32`, no register prefetch, 4
-/// blocks per SM) or else `kda_chunk_rec3m_f32` (the next chunk's inputs prefetched into
+/// blocks per SM), `rec5` (`kda_chunk_rec5_f32`: rec3m at ~1/3 fewer instructions, Lkk / Aqk on
+/// tensor cores) or else `kda_chunk_rec3m_f32` (the next chunk's inputs prefetched into
 /// registers, 3 per SM). Same grid, arguments and record.
 fn kda_rec_kernel() -> &'static str {
     static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     match env_choice(&C, "K3_KDA_CHUNK", "scan4") {
         "rec4" => "kda_chunk_rec4_f32",
+        "rec5" => "kda_chunk_rec5_f32",
         _ => "kda_chunk_rec3m_f32",
     }
 }
@@ -711,7 +725,7 @@ impl CudaBackend {
             MlaDecodeMode::Precise => {
                 geometry::mla_splits_tc2(items, g.heads, max_len, self.multiprocessors).0
             }
-            MlaDecodeMode::Bf16 => {
+            MlaDecodeMode::Bf16 | MlaDecodeMode::Bf16v2 => {
                 geometry::mla_splits_bf16(items, g.heads, max_len, self.multiprocessors)
             }
         };
@@ -774,10 +788,21 @@ impl CudaBackend {
                     &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale)?;
             }
+            MlaDecodeMode::Bf16v2 => {
+                let pf = geometry::MLA_BF16V2_PREFETCH_TILES;
+                launch!(self, "mla_attend_bf16v2_f32", geometry::mla_attend_bf16v2(&g, items, splits)?;
+                    &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
+                    &scale, &pf)?;
+            }
         }
         let lat = self.zeros(items * g.heads, g.kv_lora)?;
-        launch!(self, "mla_merge_f32", geometry::mla_merge(&g, items)?;
-            &part.buf, &lat.buf, &it, &h, &lkv, &sp)?;
+        if mode == MlaDecodeMode::Bf16v2 {
+            launch!(self, "mla_merge_v2_f32", geometry::mla_merge_v2(&g, items)?;
+                &part.buf, &lat.buf, &it, &h, &lkv, &sp)?;
+        } else {
+            launch!(self, "mla_merge_f32", geometry::mla_merge(&g, items)?;
+                &part.buf, &lat.buf, &it, &h, &lkv, &sp)?;
+        }
         let o = self.output(items, g.heads * g.v_dim)?;
         match kv_w {
             KvB::Bf16(w) => launch!(self, "mla_out_proj_bf16", geometry::mla_out_proj_bf16(&g)?;
@@ -809,12 +834,23 @@ impl CudaBackend {
         if t * k < crate::moe_gemm::min_assignments() && mx_experts_choice(t) == MxExperts::Stream {
             return self.moe_experts_stream(z, &idx, &w, ex, k, situ);
         }
+        if t * k < crate::moe_gemm::min_assignments() && mx_experts_choice(t) == MxExperts::Stream2
+        {
+            return self.moe_experts_stream2(z, &idx, &w, ex, k, situ);
+        }
         let offsets = self.zeroed::<i32>(ex.experts + 1)?;
         let sorted = self.zeroed::<i32>((t * k).max(1))?;
         let (na, e) = (i32_of(t * k, "assignments")?, ex.experts as i32);
         launch!(self, "moe_sort_assignments", Launch::new((1, 1, 1), 1024)?; &idx, &na, &e, &offsets, &sorted)?;
         if t * k >= crate::moe_gemm::min_assignments() {
-            return self.moe_experts_gemm(z, &w, ex, k, &offsets, &sorted, situ);
+            return match self.moe_prefill {
+                crate::moe_grouped::MoePrefill::Grouped => {
+                    self.moe_experts_grouped(z, &idx, &w, ex, k, &offsets, &sorted, situ)
+                }
+                crate::moe_grouped::MoePrefill::Gemm => {
+                    self.moe_experts_gemm(z, &w, ex, k, &offsets, &sorted, situ)
+                }
+            };
         }
         let y = self.zeros(t * k, ex.latent)?;
         let (kk, lt, ie) = (k as i32, ex.latent as i32, ex.inter as i32);
@@ -849,7 +885,7 @@ impl CudaBackend {
                     &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &st)?;
             }
             // Stream returned above; a forced `stream` at the GEMM path's sizes never gets here.
-            MxExperts::Gemv | MxExperts::Stream => {
+            MxExperts::Gemv | MxExperts::Stream | MxExperts::Stream2 => {
                 let act = self.zeros(t * k, ex.inter)?;
                 let (su, sd) = (mx_gemv_stage(t, ex.latent), mx_gemv_stage(t, ex.inter));
                 let (sui, sdi) = (su as i32, sd as i32);

@@ -61,6 +61,7 @@ pub const FILES: &[KernelFile] = &[
         entries: &[
             "kda_chunk_rec3m_f32",
             "kda_chunk_rec4_f32",
+            "kda_chunk_rec5_f32",
             "kda_chunk_scan4_f32",
         ],
     },
@@ -88,6 +89,11 @@ pub const FILES: &[KernelFile] = &[
         entries: &["mla_attend_bf16_f32"],
     },
     KernelFile {
+        name: "mla_attend_bf16v2.cu",
+        text: include_str!("../../../kernels/mla_attend_bf16v2.cu"),
+        entries: &["mla_attend_bf16v2_f32", "mla_merge_v2_f32"],
+    },
+    KernelFile {
         name: "mla_prefill.cu",
         text: include_str!("../../../kernels/mla_prefill.cu"),
         entries: &["mla_prefill_gather_f32", "mla_prefill_softmax_f32"],
@@ -111,7 +117,19 @@ pub const FILES: &[KernelFile] = &[
             "mxfp4_down_gemv_f32",
             "mxfp4_up_stream_f32",
             "mxfp4_down_stream_f32",
+            "mxfp4_up_stream2_f32",
+            "mxfp4_down_stream2_f32",
+            "moe_combine_parts_f32",
             "moe_combine_f32",
+        ],
+    },
+    KernelFile {
+        name: "mxfp4_grouped.cu",
+        text: include_str!("../../../kernels/mxfp4_grouped.cu"),
+        entries: &[
+            "mxfp4_up_grouped_f32",
+            "mxfp4_down_grouped_f32",
+            "moe_combine_ids_f32",
         ],
     },
     KernelFile {

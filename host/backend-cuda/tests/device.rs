@@ -9,7 +9,7 @@
 //! models/, else the crate's source location).
 
 use k3_backend_cpu::CpuBackend;
-use k3_backend_cuda::{CudaBackend, MlaDecodeMode};
+use k3_backend_cuda::{CudaBackend, MlaDecodeMode, MoePrefill};
 use k3_model::backend::{
     Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
     MxMatrixHost, RouterParams, SituParams,
@@ -563,7 +563,48 @@ fn ops_match_cpu() {
     // The f32-level decode attend: the MLA tolerances below (TOL_FUSED) hold only for it;
     // `mla_bf16_matches_cpu` covers the bf16 one.
     gpu.set_mla_decode_mode(MlaDecodeMode::Precise);
+    // moe_routed(T=1100) through the grouped MXFP4 GEMMs; `moe_gemm_path_matches_cpu` keeps the
+    // cuBLAS path covered.
+    gpu.set_moe_prefill(MoePrefill::Grouped);
     compare_ops(&gpu, "ops_match_cpu", "");
+}
+
+/// moe_routed's cuBLAS path (moe_gemm.rs, `K3_MOE_PREFILL=gemm`) at the sizes of `ops_match_cpu`'s
+/// T = 1100 case (4400 assignments >= K3_MOE_GEMM_MIN), and the grouped one at T = 2048 (tiles of
+/// up to 64 tokens: full, partial, one per expert and several).
+#[test]
+fn moe_gemm_path_matches_cpu() {
+    let Some(mut gpu) = cuda() else { return };
+    let cpu = CpuBackend::new();
+    let seed = Rng::new("moe_gemm_path_matches_cpu").0;
+    let mut t = Table {
+        tag: "",
+        failed: Vec::new(),
+    };
+    for (choice, tokens, name) in [
+        (
+            MoePrefill::Gemm,
+            1100,
+            "moe_routed(T=1100, cuBLAS bf16 split GEMMs)",
+        ),
+        (
+            MoePrefill::Grouped,
+            2048,
+            "moe_routed(T=2048, grouped MXFP4 GEMMs)",
+        ),
+    ] {
+        gpu.set_moe_prefill(choice);
+        let (mut rc, mut rg) = (Rng(seed ^ tokens as u64), Rng(seed ^ tokens as u64));
+        t.check(
+            name,
+            &moe(&gpu, &mut rg, tokens),
+            &moe(&cpu, &mut rc, tokens),
+            TOL_FUSED,
+        );
+    }
+    let recorded = gpu.take_error();
+    assert!(recorded.is_none(), "backend recorded: {recorded:?}");
+    t.finish();
 }
 
 /// The MLA comparisons of `ops_match_cpu` with the bf16 decode attend (kernels/mla_attend_bf16.cu,
@@ -571,10 +612,20 @@ fn ops_match_cpu() {
 /// chunks and batched decode differ from the CPU by bf16 rounding (TOL_MLA_BF16).
 #[test]
 fn mla_bf16_matches_cpu() {
+    mla_bf16_mode_matches_cpu(MlaDecodeMode::Bf16, "mla_bf16_matches_cpu");
+}
+
+/// The same with `K3_MLA_DECODE=bf16v2` (kernels/mla_attend_bf16v2.cu: same roundings).
+#[test]
+fn mla_bf16v2_matches_cpu() {
+    mla_bf16_mode_matches_cpu(MlaDecodeMode::Bf16v2, "mla_bf16v2_matches_cpu");
+}
+
+fn mla_bf16_mode_matches_cpu(mode: MlaDecodeMode, name: &str) {
     let Some(mut gpu) = cuda() else { return };
-    gpu.set_mla_decode_mode(MlaDecodeMode::Bf16);
+    gpu.set_mla_decode_mode(mode);
     let cpu = CpuBackend::new();
-    let seed = Rng::new("mla_bf16_matches_cpu").0;
+    let seed = Rng::new(name).0;
     let mut t = Table {
         tag: "",
         failed: Vec::new(),
@@ -650,12 +701,13 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
         // n-tile, T = 40 puts 5 tokens per expert on average, so most experts take two or three
         // n-tiles of 4 tokens in their one pass of up to 16; K3_MX_EXPERTS=stream / gemv / tc / tc_old runs
         // every size on one pair), 4400 the
-        // tensor-core GEMM path (moe_gemm.rs, default K3_MOE_GEMM_MIN = 4096).
+        // many-assignment path (default K3_MOE_GEMM_MIN = 4096): `ops_match_cpu` pins the grouped
+        // MXFP4 GEMMs (moe_grouped.rs), `moe_gemm_path_matches_cpu` runs the cuBLAS one.
         let name = match tokens {
             1 => "moe_routed(T=1, K3_MX_EXPERTS kernels: stream)",
             3 => "moe_routed(T=3, K3_MX_EXPERTS kernels: tc)",
             40 => "moe_routed(T=40, K3_MX_EXPERTS kernels: tc, several n-tiles)",
-            _ => "moe_routed(T=1100, bf16 split GEMMs)",
+            _ => "moe_routed(T=1100, many-assignment path: grouped unless pinned)",
         };
         t.check(
             name,

@@ -1,0 +1,220 @@
+//! Routed experts as a grouped MXFP4 GEMM (kernels/mxfp4_grouped.cu) for steps with many
+//! (token, expert) assignments: the alternative to the cuBLAS path of moe_gemm.rs, picked by
+//! [`MoePrefill`] for the steps that `K3_MOE_GEMM_MIN` sends to "many assignments".
+//!
+//! The cuBLAS path expands every touched expert to bf16 before its GEMMs (~8.7 ms per K3 layer of
+//! memory traffic at T = 2048) and reads the expert counts back to the host. Here the MXFP4
+//! decode sits in the GEMM's main loop (weights are read as packed bytes, ~0.53 B per weight), the
+//! up kernel's epilogue applies SiTU-GLU and writes the hi / lo intermediate the down kernel
+//! reads, and the tile list is derived on the device from the sort's offsets: no host sync, so
+//! the path can also sit inside a captured decode graph.
+//!
+//! Per step: `mxfp4_tc2_split_f32` (z as hi / lo bf16 rows), `mxfp4_up_grouped_f32`,
+//! `mxfp4_down_grouped_f32`, `moe_combine_ids_f32`.
+
+use crate::device::{CudaBackend, DeviceMat};
+use crate::error::{CudaError, Result};
+use crate::geometry::{self, Launch};
+use crate::ops::DeviceExperts;
+use cudarc::driver::CudaSlice;
+use k3_model::backend::SituParams;
+
+/// Routed experts of the steps with at least `K3_MOE_GEMM_MIN` assignments, from
+/// `K3_MOE_PREFILL` at start-up (`grouped` | `gemm`, default `gemm` until the H200 A/B in
+/// docs/performance.md settles it); tests pin it with `CudaBackend::set_moe_prefill`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoePrefill {
+    /// kernels/mxfp4_grouped.cu: MXFP4 decoded inside the GEMM, no expanded weights.
+    Grouped,
+    /// moe_gemm.rs: experts expanded to bf16, one cuBLAS GEMM per expert and projection.
+    Gemm,
+}
+
+impl MoePrefill {
+    /// `K3_MOE_PREFILL`: `grouped` or `gemm` (anything else, or unset: `gemm`).
+    pub fn from_env() -> Self {
+        match std::env::var("K3_MOE_PREFILL").as_deref() {
+            Ok("grouped") => Self::Grouped,
+            _ => Self::Gemm,
+        }
+    }
+}
+
+/// Tokens per tile, threads per block, weight rows per up block (intermediate rows: W1 and W3
+/// each) and per down block (kernels/mxfp4_grouped.cu MXG_TOK, MXG_UP_ROWS, MXG_AROWS).
+const GROUPED_TOKENS: usize = 64;
+const GROUPED_THREADS: u32 = 512;
+const GROUPED_UP_ROWS: usize = 128;
+const GROUPED_DOWN_ROWS: usize = 256;
+
+/// Split activation row length in bf16 (mxfp4_tc.cu tc2 layout: per 128-column super-step, 128
+/// hi then 128 lo values).
+fn split_row_u16(cols: usize) -> usize {
+    cols.div_ceil(128) * 256
+}
+
+/// Upper bound on the tiles of `assignments` sorted assignments over `experts` experts: each busy
+/// expert (at most min(E, n)) leaves at most one partial tile.
+pub(crate) fn grouped_tiles(assignments: usize, experts: usize) -> usize {
+    assignments.div_ceil(GROUPED_TOKENS) + experts.min(assignments)
+}
+
+/// Grid of the grouped kernels: row blocks of `rows_per_block` over `rows` x the tile bound.
+pub(crate) fn grouped_launch(
+    rows: usize,
+    rows_per_block: usize,
+    cols: usize,
+    assignments: usize,
+    experts: usize,
+) -> Result<Launch> {
+    geometry::check_mx_width(cols)?;
+    Launch::new(
+        (
+            rows.div_ceil(rows_per_block),
+            grouped_tiles(assignments, experts),
+            1,
+        ),
+        GROUPED_THREADS,
+    )?
+    .with_opt_in_shared(geometry::MX_GROUPED_SHARED)
+}
+
+/// Work buffers kept between eager calls (grown, never shrunk; at T = 2048 K3 ~0.9 GB), as
+/// moe_gemm.rs does: per-layer allocations of this size cost more than they should.
+#[derive(Default)]
+pub(crate) struct GroupedScratch {
+    zx: Option<CudaSlice<u16>>,
+    actx: Option<CudaSlice<u16>>,
+    y: Option<CudaSlice<f32>>,
+}
+
+impl CudaBackend {
+    /// Choose the routed-expert path of many-assignment steps (default from `K3_MOE_PREFILL`,
+    /// see [`MoePrefill`]).
+    pub fn set_moe_prefill(&mut self, choice: MoePrefill) {
+        self.moe_prefill = choice;
+    }
+
+    pub fn moe_prefill(&self) -> MoePrefill {
+        self.moe_prefill
+    }
+
+    /// `out [T, latent] = Σ_j w[t,j] · expert_{idx[t,j]}(z_t)` given the assignments sorted by
+    /// expert (`offsets [E+1]`, `sorted [T·k]` from `moe_sort_assignments`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn moe_experts_grouped(
+        &self,
+        z: &DeviceMat,
+        idx: &CudaSlice<i32>,
+        w: &CudaSlice<f32>,
+        ex: &DeviceExperts,
+        top_k: usize,
+        offsets: &CudaSlice<i32>,
+        sorted: &CudaSlice<i32>,
+        situ: SituParams,
+    ) -> Result<DeviceMat> {
+        let (t, lt, ie, e) = (z.rows, ex.latent, ex.inter, ex.experts);
+        let n = t * top_k;
+        let i = crate::ops::i32_of;
+        let (ti, kk, lti, iei, ei) = (
+            i(t, "tokens")?,
+            i(top_k, "top_k")?,
+            i(lt, "latent")?,
+            i(ie, "inter")?,
+            i(e, "experts")?,
+        );
+        // Element offsets inside the kernels are i64; row indices (positions, tokens) are i32.
+        i(n, "assignments")?;
+        let up = grouped_launch(ie, GROUPED_UP_ROWS, lt, n, e)?;
+        let down = grouped_launch(lt, GROUPED_DOWN_ROWS, ie, n, e)?;
+        let (lin, has) = (
+            situ.linear_beta.unwrap_or(1.0),
+            i32::from(situ.linear_beta.is_some()),
+        );
+        let (zx_len, actx_len, y_len) = (t * split_row_u16(lt), n * split_row_u16(ie), n * lt);
+        // Every element read is written first: the split pads z's rows, each up block writes its
+        // whole super-step of its tokens' rows, the down blocks every row of a sorted assignment
+        // and the combine reads only those.
+        let run = |zx: &CudaSlice<u16>, actx: &CudaSlice<u16>, y: &CudaSlice<f32>| {
+            launch!(self, "mxfp4_tc2_split_f32", Launch::new((t, lt.div_ceil(128), 1), 32)?;
+                &z.buf, zx, &ti, &lti)?;
+            launch!(self, "mxfp4_up_grouped_f32", up;
+                zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, offsets, sorted, actx, &kk, &lti, &iei,
+                &situ.beta, &lin, &has, &ei)?;
+            launch!(self, "mxfp4_down_grouped_f32", down;
+                actx, &ex.w2.0, &ex.w2.1, offsets, sorted, y, &lti, &iei, &ei)?;
+            let out = self.output(t, lt)?;
+            launch!(self, "moe_combine_ids_f32", geometry::elementwise(t * lt)?;
+                y, idx, w, &out.buf, &ti, &kk, &lti, &ei)?;
+            Ok(out)
+        };
+        if self.step.recording() {
+            // A captured graph keeps the addresses it saw: buffers of its own, never the scratch
+            // that a later, larger step may reallocate.
+            return run(
+                &self.uninit(zx_len)?,
+                &self.uninit(actx_len)?,
+                &self.uninit(y_len)?,
+            );
+        }
+        let mut guard = self
+            .moe_grouped_scratch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let GroupedScratch { zx, actx, y } = &mut *guard;
+        let zx = self.grow(zx, zx_len)?;
+        let actx = self.grow(actx, actx_len)?;
+        let y = self.grow(y, y_len)?;
+        run(zx, actx, y)
+    }
+
+    /// `slot`, reallocated (uninitialised, 25% headroom) when shorter than `len`.
+    fn grow<'a, T: cudarc::driver::DeviceRepr>(
+        &self,
+        slot: &'a mut Option<CudaSlice<T>>,
+        len: usize,
+    ) -> Result<&'a CudaSlice<T>> {
+        if slot.as_ref().is_none_or(|b| b.len() < len.max(1)) {
+            *slot = None; // free first: the old and new buffers need not coexist
+            *slot = Some(self.uninit::<T>(len + len / 4)?);
+        }
+        slot.as_ref()
+            .ok_or_else(|| CudaError::InvalidArg("moe grouped scratch".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grouped_launch_geometry() {
+        // K3 at T = 2048, top-16 of 128: 512 full tiles + at most one partial tile per expert.
+        let n = 2048 * 16;
+        assert_eq!(grouped_tiles(n, 128), 512 + 128);
+        let up = grouped_launch(3072, GROUPED_UP_ROWS, 3584, n, 128).unwrap();
+        assert_eq!(
+            (up.grid, up.block, up.shared),
+            ((24, 640, 1), 512, geometry::MX_GROUPED_SHARED as u32)
+        );
+        let down = grouped_launch(3584, GROUPED_DOWN_ROWS, 3072, n, 128).unwrap();
+        assert_eq!(down.grid, (14, 640, 1));
+        // Few assignments: no more partial tiles than assignments.
+        assert_eq!(grouped_tiles(3, 128), 1 + 3);
+        assert_eq!(split_row_u16(3584), 28 * 256);
+        assert_eq!(split_row_u16(160), 2 * 256);
+        assert!(grouped_launch(3072, GROUPED_UP_ROWS, 100, n, 128).is_err());
+        // 64 tokens x hi / lo B rows of 288 bytes, 256 A rows of 64 packed + 4 scale bytes, three
+        // stages, the 32 KB decode table: one block per SM.
+        assert_eq!(
+            geometry::MX_GROUPED_SHARED,
+            8192 * 4 + 3 * (256 * 64 + 256 * 4 + 128 * 288)
+        );
+        for name in ["mxfp4_up_grouped_f32", "mxfp4_down_grouped_f32"] {
+            assert!(
+                geometry::OPT_IN_SHARED.contains(&(name, geometry::MX_GROUPED_SHARED)),
+                "{name} opts in to its shared memory"
+            );
+        }
+    }
+}

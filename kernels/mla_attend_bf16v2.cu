@@ -1,0 +1,370 @@
+// Absorbed MLA decode attend, bf16 v2 (ops.rs MlaDecodeMode::Bf16v2): mla_attend_bf16_f32
+// (kernels/mla_attend_bf16.cu) with the same contract, fragments and roundings, re-timed where the
+// SASS of v1 showed the block waiting on latency rather than on HBM or the tensor cores:
+// - v1's softmax ran its 6 heads one after another, each a chain of 4 LDS, two 5-step shuffle
+//   reductions and two MUFU: ~6 x 400 clocks per tile with 8 warps doing nothing else. Here the 6
+//   heads go through each step together (6 independent chains), and the row sum l is kept per lane
+//   (lane = position, rescaled by the head's uniform corr) and reduced once at the end, so only
+//   the max needs a shuffle reduction per tile.
+// - v1's k-loops had a branch per k-step (k0 < row, c0 < kv_lora), so ptxas issued each
+//   k-step's ldmatrix only after the previous k-step's MMAs. Q and K are zero past the row in shared
+//   memory (and V columns past kv_lora are computed but never stored), so the loops are branch-free
+//   and ldmatrix of k-step k + 1 overlaps the MMAs of k-step k.
+// - The bf16 K tile is double-buffered (one barrier per tile fewer: the next tile's rows go into the
+//   other buffer right after P V, with no wait for the other warps' P V).
+// - Tiles `prefetch` ahead are prefetched into L2 (prefetch.global.L2, no registers held), so the
+//   register-staged loads of the next tile mostly wait on L2, not on HBM.
+// mla_merge_v2_f32 replaces mla_merge_f32 for this path: v1's merge ran one 128-thread block per
+// (item, head) with each thread walking all splits in a dependent chain, ~33 us at N = 1 (96 blocks,
+// 66 splits); here a block per (item, head, 128 columns) and 4 independent sums per thread.
+#include "common.cuh"
+
+#define MLC_HEADS 48   // heads per block: 3 m-tiles of 16
+#define MLC_MT 3
+#define MLC_POS 32     // positions per tile (= lanes: the softmax maps lane to position)
+#define MLC_ROW 576    // largest latent row (kv_lora + rope); Q / K are zero-padded to it
+#define MLC_STR 584    // bf16 per Q / K row in shared memory (ldmatrix conflict-free, as v1)
+#define MLC_SSTR 40    // f32 per score-partial row
+#define MLC_PSTR 40    // bf16 per P row
+#define MLC_THREADS 256
+#define MLC_WARPS 8
+#define MLC_KQ 4       // feature quarters of the score MMAs
+#define MLC_KSTEPS 9   // k-steps of 16 per quarter
+#define MLC_CHUNKS 18  // float4 of a row per thread per tile
+#define MLC_HPW 6      // softmax heads per warp
+
+// Dynamic shared memory layout (bytes); geometry.rs MLA_BF16V2_SHARED must match.
+#define MLC_KBUF (MLC_POS * MLC_STR * 2)                           // one bf16 K tile: 37376 B
+#define MLC_OFF_K (MLC_HEADS * MLC_STR * 2)                        // Q  [48][584] bf16
+#define MLC_OFF_S (MLC_OFF_K + 2 * MLC_KBUF)                       // K  [2][32][584] bf16
+#define MLC_OFF_P (MLC_OFF_S + MLC_KQ * MLC_HEADS * MLC_SSTR * 4)  // S  [4][48][40] f32
+#define MLC_OFF_C (MLC_OFF_P + MLC_HEADS * MLC_PSTR * 2)           // P  [48][40] bf16
+#define MLC_SHARED (MLC_OFF_C + MLC_HEADS * 4)                     // corr [48] f32: 165568 B
+
+static_assert(MLC_POS == 32, "the softmax maps lane to position");
+static_assert(MLC_WARPS * MLC_HPW == MLC_HEADS, "softmax heads per warp");
+static_assert(MLC_KQ * MLC_KSTEPS * 16 == MLC_ROW, "score k-steps cover the padded row");
+static_assert(MLC_WARPS == 2 * MLC_KQ, "warp = (feature quarter, position half)");
+static_assert(4 * 8 * MLC_CHUNKS == MLC_ROW, "staging covers the padded row");
+static_assert(MLC_SHARED == 165568, "keep geometry.rs MLA_BF16V2_SHARED in step");
+
+__device__ __forceinline__ u32 mlc_pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// volatile: the addresses repeat every tile while the contents change (barriers in between).
+__device__ __forceinline__ void mlc_ldsm4(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void mlc_ldsm4_t(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void mlc_mma(float* d, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float4 mlc_ldg4(const float* p) {
+    float4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0,%1,%2,%3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float mlc_ldg1(const float* p) {
+    float v;
+    asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void mlc_prefetch_l2(const float* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Grid (ceil(H / 48), items, splits), 256 threads, MLC_SHARED bytes of dynamic shared memory.
+// Arguments as mla_attend_bf16_f32, plus `prefetch`: tiles ahead to prefetch into L2 (0: none).
+extern "C" __global__ void __launch_bounds__(MLC_THREADS, 1)
+mla_attend_bf16v2_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
+                      const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part,
+                      int items, int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale,
+                      int prefetch) {
+    extern __shared__ __align__(16) unsigned char mlc_smem[];
+    u16* qs = reinterpret_cast<u16*>(mlc_smem);
+    u16* ks = reinterpret_cast<u16*>(mlc_smem + MLC_OFF_K);
+    float* sp = reinterpret_cast<float*>(mlc_smem + MLC_OFF_S);
+    u16* ps = reinterpret_cast<u16*>(mlc_smem + MLC_OFF_P);
+    float* cs = reinterpret_cast<float*>(mlc_smem + MLC_OFF_C);
+    const int h0 = blockIdx.x * MLC_HEADS, n = blockIdx.y, spl = blockIdx.z;
+    const int row = kv_lora + rope;
+    if (n >= items || row > MLC_ROW || kv_lora > 512 || page_tokens <= 0) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int len = lens[n], base = pt_base[n];
+    const int ch = chunk > 0 ? chunk : (len + splits - 1) / splits;  // chunk <= 0: per item
+    const int j0 = spl * ch, j1 = min(len, j0 + ch);
+
+    // Q: bf16(q~ * scale), zeros past the row (the branch-free k-loops rely on it) and past the
+    // last head.
+    for (int i = tid; i < MLC_HEADS * (MLC_ROW / 2); i += MLC_THREADS) {
+        const int hl = i / (MLC_ROW / 2), c = 2 * (i % (MLC_ROW / 2)), h = h0 + hl;
+        const float* src = qt + ((i64)n * heads + min(h, heads - 1)) * row;
+        const float a = (h < heads && c < row) ? src[c] * scale : 0.0f;
+        const float b = (h < heads && c + 1 < row) ? src[c + 1] * scale : 0.0f;
+        *reinterpret_cast<u32*>(qs + hl * MLC_STR + c) = mlc_pack(a, b);
+    }
+
+    // Staging as v1: thread -> tile position pm, float4 chunks c8 + 8k (zeros past the row).
+    const int pm = (warp & 3) + 4 * (lane >> 3) + 16 * (warp >> 2), c8 = lane & 7;
+    float4 st[MLC_CHUNKS];
+    auto row_src = [&](int j) {
+        return arena + page_start[base + j / page_tokens] + (i64)(j % page_tokens) * row;
+    };
+    auto load_tile = [&](int p0) {
+        const int j = p0 + pm;
+        const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (j < j1) {
+            const float* src = row_src(j);
+            if (((reinterpret_cast<size_t>(src) | ((size_t)row * 4)) & 15) == 0) {
+#pragma unroll
+                for (int k = 0; k < MLC_CHUNKS; ++k) {
+                    const int c = 4 * (c8 + 8 * k);
+                    st[k] = c < row ? mlc_ldg4(src + c) : z;
+                }
+            } else {  // rows only 4-byte aligned (or a row width not a multiple of 4)
+#pragma unroll
+                for (int k = 0; k < MLC_CHUNKS; ++k) {
+                    const int c = 4 * (c8 + 8 * k);
+                    st[k].x = c < row ? mlc_ldg1(src + c) : 0.0f;
+                    st[k].y = c + 1 < row ? mlc_ldg1(src + c + 1) : 0.0f;
+                    st[k].z = c + 2 < row ? mlc_ldg1(src + c + 2) : 0.0f;
+                    st[k].w = c + 3 < row ? mlc_ldg1(src + c + 3) : 0.0f;
+                }
+            }
+        } else {  // past the split: zero rows (K scores masked, V must not be garbage: 0 * NaN)
+#pragma unroll
+            for (int k = 0; k < MLC_CHUNKS; ++k) st[k] = z;
+        }
+    };
+    auto store_tile = [&](int buf) {
+        u16* dst = ks + buf * (MLC_KBUF / 2) + pm * MLC_STR;
+#pragma unroll
+        for (int k = 0; k < MLC_CHUNKS; ++k) {
+            const uint2 v = make_uint2(mlc_pack(st[k].x, st[k].y), mlc_pack(st[k].z, st[k].w));
+            *reinterpret_cast<uint2*>(dst + 4 * (c8 + 8 * k)) = v;
+        }
+    };
+    // L2 prefetch of the tile at p0: the 8 lanes of a position touch its row's 128-byte lines
+    // (a row of 4 * row bytes spans at most 4 * row / 128 + 1 of them).
+    auto prefetch_tile = [&](int p0) {
+        const int j = p0 + pm;
+        if (j < j1) {
+            const float* src = row_src(j);
+            for (int l = c8; l * 32 < row + 32; l += 8) mlc_prefetch_l2(src + min(l * 32, row - 1));
+        }
+    };
+
+    const int tiles = j1 > j0 ? (j1 - j0 + MLC_POS - 1) / MLC_POS : 0;
+    for (int d = 1; d <= prefetch && d < tiles; ++d) prefetch_tile(j0 + d * MLC_POS);
+    if (tiles > 0) {
+        load_tile(j0);
+        store_tile(0);
+    }
+    __syncthreads();
+
+    // Per-lane ldmatrix offsets (bytes), as v1.
+    const u32 qs_a = (u32)__cvta_generic_to_shared(qs), ks_a = (u32)__cvta_generic_to_shared(ks);
+    const u32 ps_a = (u32)__cvta_generic_to_shared(ps);
+    const u32 a_q = qs_a + 2u * ((lane & 15) * MLC_STR + 8 * (lane >> 4));
+    const u32 a_p = ps_a + 2u * ((lane & 15) * MLC_PSTR + 8 * (lane >> 4));
+    const u32 b_k = ks_a + 2u * (((lane & 7) + 8 * (lane >> 4)) * MLC_STR + 8 * ((lane >> 3) & 1));
+    const u32 b_v = ks_a + 2u * (((lane & 7) + 8 * ((lane >> 3) & 1)) * MLC_STR + 8 * (lane >> 4));
+    const int kq = warp >> 1, np = warp & 1;
+
+    float acc[MLC_MT][8][4];
+#pragma unroll
+    for (int m = 0; m < MLC_MT; ++m)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[m][i][0] = acc[m][i][1] = acc[m][i][2] = acc[m][i][3] = 0.0f;
+    // m_run: the head's running max (uniform over the warp); l_lane: this lane's (position's) share
+    // of the running row sum, in the same scale as m_run (summed over lanes at the end).
+    float m_run[MLC_HPW], l_lane[MLC_HPW];
+#pragma unroll
+    for (int i = 0; i < MLC_HPW; ++i) {
+        m_run[i] = K3_NEG_INF;
+        l_lane[i] = 0.0f;
+    }
+
+    for (int it = 0; it < tiles; ++it) {
+        const int p0 = j0 + it * MLC_POS;
+        const bool more = it + 1 < tiles;
+        const u32 kb = (u32)((it & 1) * MLC_KBUF);  // this tile's K buffer (bytes)
+        if (more) load_tile(p0 + MLC_POS);          // stored into the other buffer after P V
+        if (prefetch > 0 && it + 1 + prefetch < tiles) prefetch_tile(p0 + (1 + prefetch) * MLC_POS);
+
+        // Score partials of feature quarter kq, positions [16np, 16np + 16), all 48 heads. Branch-free:
+        // Q and K are zero past the row.
+        {
+            float s[MLC_MT][2][4];
+#pragma unroll
+            for (int m = 0; m < MLC_MT; ++m)
+#pragma unroll
+                for (int i = 0; i < 2; ++i) s[m][i][0] = s[m][i][1] = s[m][i][2] = s[m][i][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < MLC_KSTEPS; ++kk) {
+                const int k0 = (kq * MLC_KSTEPS + kk) * 16;
+                u32 b[4];
+                mlc_ldsm4(b, b_k + kb + 2u * (16 * np * MLC_STR + k0));
+#pragma unroll
+                for (int m = 0; m < MLC_MT; ++m) {
+                    u32 a[4];
+                    mlc_ldsm4(a, a_q + 2u * (16 * m * MLC_STR + k0));
+                    mlc_mma(s[m][0], a, b[0], b[1]);
+                    mlc_mma(s[m][1], a, b[2], b[3]);
+                }
+            }
+            float* dst = sp + kq * MLC_HEADS * MLC_SSTR;
+#pragma unroll
+            for (int m = 0; m < MLC_MT; ++m)
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const int c = 16 * np + 8 * i + 2 * t;
+                    *reinterpret_cast<float2*>(dst + (16 * m + g) * MLC_SSTR + c) = make_float2(s[m][i][0], s[m][i][1]);
+                    *reinterpret_cast<float2*>(dst + (16 * m + g + 8) * MLC_SSTR + c) =
+                        make_float2(s[m][i][2], s[m][i][3]);
+                }
+        }
+        __syncthreads();
+
+        // Online softmax: warp w, heads 6w..6w+5 in lockstep, lane = position p0 + lane.
+        {
+            const bool valid = p0 + lane < j1;
+            float s[MLC_HPW], mx[MLC_HPW];
+#pragma unroll
+            for (int i = 0; i < MLC_HPW; ++i) {
+                const int hl = MLC_HPW * warp + i;
+                float v = 0.0f;
+#pragma unroll
+                for (int q = 0; q < MLC_KQ; ++q) v += sp[(q * MLC_HEADS + hl) * MLC_SSTR + lane];
+                s[i] = valid ? v : K3_NEG_INF;
+                mx[i] = s[i];
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+                for (int i = 0; i < MLC_HPW; ++i) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], off));
+#pragma unroll
+            for (int i = 0; i < MLC_HPW; ++i) {
+                const int hl = MLC_HPW * warp + i;
+                const float mn = fmaxf(m_run[i], mx[i]);  // finite: every tile has a valid position
+                const float corr = m_run[i] == K3_NEG_INF ? 0.0f : __expf(m_run[i] - mn);
+                const u16 pb = f32_to_bf16_bits(valid ? __expf(s[i] - mn) : 0.0f);
+                ps[hl * MLC_PSTR + lane] = pb;
+                l_lane[i] = l_lane[i] * corr + bf16_bits_to_f32(pb);
+                m_run[i] = mn;
+                if (lane == 0) cs[hl] = corr;
+            }
+        }
+        __syncthreads();
+
+        // o~ = corr o~ + P V for columns [64w, 64w + 64) (columns past kv_lora are rope values:
+        // computed, never stored).
+        {
+#pragma unroll
+            for (int m = 0; m < MLC_MT; ++m) {
+                const float ca = cs[16 * m + g], cb = cs[16 * m + g + 8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    acc[m][i][0] *= ca;
+                    acc[m][i][1] *= ca;
+                    acc[m][i][2] *= cb;
+                    acc[m][i][3] *= cb;
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < MLC_POS / 16; ++kk) {
+                u32 a[MLC_MT][4];
+#pragma unroll
+                for (int m = 0; m < MLC_MT; ++m) mlc_ldsm4(a[m], a_p + 2u * (16 * m * MLC_PSTR + 16 * kk));
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    u32 b[4];
+                    mlc_ldsm4_t(b, b_v + kb + 2u * (16 * kk * MLC_STR + 64 * warp + 16 * j));
+#pragma unroll
+                    for (int m = 0; m < MLC_MT; ++m) {
+                        mlc_mma(acc[m][2 * j], a[m], b[0], b[1]);
+                        mlc_mma(acc[m][2 * j + 1], a[m], b[2], b[3]);
+                    }
+                }
+            }
+        }
+        // The other K buffer was last read in tile it - 1, which every warp finished before this
+        // tile's first barrier; P / corr / S are next written after this barrier.
+        if (more) store_tile((it + 1) & 1);
+        __syncthreads();
+    }
+
+    float* out = part + ((i64)n * heads * splits + spl) * (kv_lora + 2);
+    const i64 hstride = (i64)splits * (kv_lora + 2);
+#pragma unroll
+    for (int m = 0; m < MLC_MT; ++m)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int c = 64 * warp + 8 * i + 2 * t;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int hh = h0 + 16 * m + g + 8 * (r >> 1), cc = c + (r & 1);
+                if (hh < heads && cc < kv_lora) out[hh * hstride + cc] = acc[m][i][r];
+            }
+        }
+#pragma unroll
+    for (int i = 0; i < MLC_HPW; ++i) {
+        const float l = warp_sum(l_lane[i]);
+        const int hh = h0 + MLC_HPW * warp + i;
+        if (lane == 0 && hh < heads) {
+            out[hh * hstride + kv_lora] = m_run[i];
+            out[hh * hstride + kv_lora + 1] = l;
+        }
+    }
+}
+
+// Merge of the splits (the same result as mla_merge_f32): grid (items, heads, ceil(kv_lora / 128)),
+// 128 threads, thread = one latent column. Each block recomputes the split weights (<= 256
+// values), then sums its column over the splits with 4 independent accumulators so that several
+// L2 loads are in flight per thread.
+#define MLC_MERGE_COLS 128
+extern "C" __global__ void __launch_bounds__(MLC_MERGE_COLS)
+mla_merge_v2_f32(const float* __restrict__ part, float* __restrict__ lat, int items, int heads, int kv_lora,
+                 int splits) {
+    __shared__ float wsplit[256];
+    __shared__ float scratch[32];
+    const int n = blockIdx.x, h = blockIdx.y, c = blockIdx.z * MLC_MERGE_COLS + threadIdx.x;
+    if (n >= items || h >= heads || splits > 256) return;
+    const int w = kv_lora + 2;
+    const float* p = part + ((i64)n * heads + h) * splits * w;
+    float mloc = K3_NEG_INF;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) mloc = fmaxf(mloc, p[s * w + kv_lora]);
+    const float mm = block_max(mloc, scratch);
+    float lloc = 0.0f;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        const float ms = p[s * w + kv_lora];
+        wsplit[s] = ms == K3_NEG_INF ? 0.0f : expf(ms - mm);
+        lloc += wsplit[s] * p[s * w + kv_lora + 1];
+    }
+    const float ll = block_sum(lloc, scratch);  // its barriers also publish wsplit
+    const float inv_l = ll > 0.0f ? 1.0f / ll : 0.0f;
+    if (c >= kv_lora) return;
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    int s = 0;
+    for (; s + 4 <= splits; s += 4) {
+        a0 += wsplit[s] * p[s * w + c];
+        a1 += wsplit[s + 1] * p[(s + 1) * w + c];
+        a2 += wsplit[s + 2] * p[(s + 2) * w + c];
+        a3 += wsplit[s + 3] * p[(s + 3) * w + c];
+    }
+    for (; s < splits; ++s) a0 += wsplit[s] * p[s * w + c];
+    lat[((i64)n * heads + h) * kv_lora + c] = ((a0 + a1) + (a2 + a3)) * inv_l;
+}
