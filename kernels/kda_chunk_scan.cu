@@ -5,8 +5,6 @@
 //                        SiLU, L2 norms, gate, beta, and every state-independent piece of the chunk
 //                        algebra in plain f32 (decays, Lkk, Aqk, the (I + Lkk) solve), written as one
 //                        "chunk record" per (chunk, head) in the mma fragment order the scan loads.
-//   kda_chunk_rec5_f32   candidate (K3_KDA_CHUNK=rec5): the same record at ~1/3 fewer instructions
-//                        (in-place conv, Lkk / Aqk on tensor cores in 3xTF32; see its comment).
 //   kda_chunk_scan4_f32  the only sequential part, grid (V / 32, heads), the state in mma registers:
 //                        per chunk X = U - W S,   O = Qp S + Aqk X,   S <- diag(e) S + Kd^T X (3xTF32).
 //
@@ -14,10 +12,10 @@
 // substitution inside the sequential loop; its per-chunk latency, not its math, set the time. Here
 // the loop is three small mma products per chunk, and the record pass replaces conv + prep at the
 // same DRAM bytes (reads raw q, k, v, f; writes 4 tiles per chunk instead of q, k, v, g). H200, K3
-// shapes (96 heads): T = 8192 in 3.109 ms (record 1.543 + scan 1.703; fla chunk_kda 3.089; the
-// one-warp-per-16-columns scan 3.221, the one-pass tensor-core kernel 5.36, the earlier two-pass
-// kernels with the state in shared memory 3.98, one chunk per record block 3.40, all dropped),
-// T = 1024 in 0.509 ms (fla 1.567).
+// shapes (96 heads): T = 8192 in 3.04 ms (fla chunk_kda 3.14 in the same run; record ~1.5 + scan
+// ~1.7; the one-warp-per-16-columns scan 3.221, the one-pass tensor-core kernel 5.36, the earlier
+// two-pass kernels with the state in shared memory 3.98, one chunk per record block 3.40, all
+// dropped), T = 1024 in 0.605 ms (fla 1.66).
 //
 // With Tm = (I + Lkk)^-1 diag(beta): W = Tm Kp, U = Tm V, so the delta-rule corrections are
 // Vt = Tm (V - Kp S) = U - W S (linear in S). Kp = k 2^G, Qp = q 2^G, Kd = k 2^(G_C - G), e = 2^G_C
@@ -80,9 +78,7 @@ __device__ __forceinline__ float rec_gate(float f, float dt_bias, float a_exp, f
 }
 
 // Step 6: the record in the scan's B-operand / accumulator order (layout in the file header).
-// (Templated on the smem struct: rec5's has other row strides, the same fields.)
-template <class Sm>
-__device__ __forceinline__ void kda_rec_store(Sm& sm, float* __restrict__ R, int tid) {
+__device__ __forceinline__ void kda_rec_store(RecSmem& sm, float* __restrict__ R, int tid) {
     float4* R4 = reinterpret_cast<float4*>(R);
     const int ln = tid & 31, g = ln >> 2, t = ln & 3;
 #pragma unroll
@@ -101,15 +97,14 @@ __device__ __forceinline__ void kda_rec_store(Sm& sm, float* __restrict__ R, int
     }
 }
 
-// A block runs KDA_REC_NCH consecutive chunks of one head, the conv history carried in registers.
-// PF (kda_chunk_rec3m_f32): the next chunk's raw loads are issued into the input registers as soon
-// as step 3 has staged the current one (Kd then comes from the staged k 2^-G), so DRAM overlaps
-// steps 4-6 of the block itself, at 64 more live registers (168, 3 blocks per SM). !PF
-// (kda_chunk_rec4_f32): each chunk loads at its start and the overlap comes from more resident
-// blocks instead (4 per SM, 128 registers: ~0.8 KB of spills; at 5 per SM it spilled 2.2 KB),
-// since at 3 the pass looks latency-bound (~2.1 TB/s, the SM issuing about a third of the
-// time), not DRAM-bound. Candidate until timed against rec3m.
-template <int C, bool PF>
+// A block runs KDA_REC_NCH consecutive chunks of one head, the conv history carried in registers
+// and the next chunk's raw loads issued into the input registers as soon as step 3 has staged the
+// current one (Kd then comes from the staged k 2^-G), so DRAM overlaps steps 4-6 (168 registers,
+// 3 blocks per SM). Loading each chunk at its start with 4 blocks per SM instead (rec4, H200 K3 T =
+// 8192: 3.84 ms vs 3.04 for the whole prefill) lost, and a variant at ~1/3 fewer instructions
+// (in-place conv, Lkk / Aqk in 3xTF32 on tensor cores: rec5, 2.95 ms) missed the 1e-4 budget
+// (o 1.07e-4 vs the f32 path, this one 1.4e-6); both were deleted.
+template <int C>
 __device__ __forceinline__ void kda_rec_impl(
     RecSmem& sm, const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
     const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
@@ -176,7 +171,6 @@ __device__ __forceinline__ void kda_rec_impl(
         const int c0 = cb + jc * RC;
         if (c0 >= t_end) break;  // block-uniform
         const int cl = min(RC, t_end - c0);
-        if (!PF && jc > 0) load_chunk(c0);  // bs (from bv) is first written after barrier 1 below
 
         // 1. Causal conv + SiLU along the thread's rows; window checkpoints after token n - 1.
 #pragma unroll
@@ -250,7 +244,7 @@ __device__ __forceinline__ void kda_rec_impl(
             qp[i][tid] = x[0][i] * nrm[i] * ep;
             vv[i][tid] = x[2][i];
         }
-        if (PF && jc + 1 < KDA_REC_NCH && c0 + RC < t_end) load_chunk(c0 + RC);  // x, fv, bv dead from here
+        if (jc + 1 < KDA_REC_NCH && c0 + RC < t_end) load_chunk(c0 + RC);  // x, fv, bv dead from here
         const i64 rbase = ((i64)((c0 - t_begin) / RC) * heads + h) * KDA_REC;
         float* R = rec + rbase;
         // e for key d = 8n + 2t + r at (t * 32 + 2n + r), the lane order of the scan's accumulators.
@@ -307,18 +301,10 @@ __device__ __forceinline__ void kda_rec_impl(
     sm, q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, rec, arena, state_off, ckpt_n, ckpt_off, \
         n_ckpt, t_begin, t_end, heads, lower_bound
 
-// Grid (ceil(chunks / KDA_REC_NCH), heads), 128 threads, the same for both: 3 blocks / SM leave
-// room for the prefetch registers; 4 for the one without (K3_KDA_CHUNK=rec4). conv > 4: the
-// launchers take the kda_chunk.cu path.
-#define KDA_REC_SWITCH(PF)                                      \
-    switch (conv) {                                             \
-        case 1: kda_rec_impl<1, PF>(KDA_REC_ARGS); break;       \
-        case 2: kda_rec_impl<2, PF>(KDA_REC_ARGS); break;       \
-        case 3: kda_rec_impl<3, PF>(KDA_REC_ARGS); break;       \
-        case 4: kda_rec_impl<4, PF>(KDA_REC_ARGS); break;       \
-        default: break;                                         \
-    }
-// (Parameter lists written out: the harness parses the entries' signatures without a preprocessor.)
+// Grid (ceil(chunks / KDA_REC_NCH), heads), 128 threads: 3 blocks / SM leave room for the loop's
+// registers while the next chunk's loads are in flight. conv > 4: the launchers take the
+// kda_chunk.cu path.
+// (Parameter list written out: the harness parses the entries' signatures without a preprocessor.)
 extern "C" __global__ void __launch_bounds__(128, 3)
 kda_chunk_rec3m_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
                     const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
@@ -327,19 +313,14 @@ kda_chunk_rec3m_f32(const float* __restrict__ q_in, const float* __restrict__ k_
                     i64 state_off, const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
                     int t_begin, int t_end, int heads, int conv, float lower_bound) {
     __shared__ RecSmem sm;
-    KDA_REC_SWITCH(true)
+    switch (conv) {
+        case 1: kda_rec_impl<1>(KDA_REC_ARGS); break;
+        case 2: kda_rec_impl<2>(KDA_REC_ARGS); break;
+        case 3: kda_rec_impl<3>(KDA_REC_ARGS); break;
+        case 4: kda_rec_impl<4>(KDA_REC_ARGS); break;
+        default: break;
+    }
 }
-extern "C" __global__ void __launch_bounds__(128, 4)
-kda_chunk_rec4_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
-                   const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
-                   const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
-                   const float* __restrict__ dt_bias, float* __restrict__ rec, float* __restrict__ arena,
-                   i64 state_off, const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
-                   int t_begin, int t_end, int heads, int conv, float lower_bound) {
-    __shared__ RecSmem sm;
-    KDA_REC_SWITCH(false)
-}
-#undef KDA_REC_SWITCH
 #undef KDA_REC_ARGS
 
 // ---------------------------------------------------------------------------------------------
@@ -593,275 +574,3 @@ kda_chunk_scan4_f32(const float* __restrict__ rec, float* __restrict__ arena, i6
         for (int r = 0; r < 4; ++r)
             S[(i64)(k0 + 8 * n + 2 * t + (r & 1)) * KDA_V + col0 + g + 8 * (r >> 1)] = st[n][r];
 }
-
-// ---------------------------------------------------------------------------------------------
-// Record pass rec5 (K3_KDA_CHUNK=rec5): rec3m's record, grid and register prefetch at fewer
-// instructions per chunk. rec3m issues ~4,200 per warp and chunk at about 1/3 issue utilisation
-// (3 blocks per SM), so the count, not DRAM, sets its time. Where they go and what rec5 does:
-//  - conv (~1,300): rec3m's per-row checkpoint `while` and `if (i < cl)` split the unrolled rows
-//    into blocks whose joins reshuffle the rotating history (~30 moves per row, ~3x the math).
-//    rec5 convolves in place from the last row up (output i reads rows below i, still raw), no
-//    branch per row; checkpoint windows are pre-conv inputs, stored per chunk from global memory.
-//  - Lkk / Aqk (~870 in f32 dot products over all 16 x 16 pairs): tensor cores, 3xTF32 (the
-//    scan's split, f32-grade): warp w does the 16 x 8 tile (product w >> 1, tokens 8 (w & 1) ..)
-//    over the 128 keys, 8 float4 load triples and 12 mma, ~360 instructions.
-//  - SiLU, gate and decays: ex2 / rcp.approx.ftz directly (exp2f and __fdividef wrap the same
-//    MUFU ops in range fix-ups; only results below 2^-126 differ, 0 instead of a denormal).
-//  - the solve reads Lkk rows as broadcast float4 (row stride 20): 36 loads instead of 120.
-#define R5P (KDA_K + 16)  // kp / qp row stride: a float4 A-fragment load (rows g, g + 1 per 8-lane
-                          // phase) hits all 32 banks once
-#define R5L 20            // Lkk / Aqk row stride: float4 rows
-struct Rec5Smem {
-    __align__(16) float kp[RC][R5P];  // k 2^G, then W
-    __align__(16) float qp[RC][R5P];  // q 2^G
-    __align__(16) float kn[RC][RKP];  // k 2^-G, then Kd (RKP: the record's Kd gather is conflict-free)
-    __align__(16) float vv[RC][RKP];  // v, then U
-    __align__(16) float lm[RC][R5L];
-    __align__(16) float am[RC][R5L];
-    float red[4][32], nrm[32], bs[RC];
-};
-
-__device__ __forceinline__ float r5_ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-__device__ __forceinline__ float r5_rcp(float x) {
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-// x / (1 + e^-x); x -> -inf: rcp(inf) = 0.
-__device__ __forceinline__ float r5_silu(float x) { return x * r5_rcp(1.0f + r5_ex2(x * -RLOG2E)); }
-
-template <int C>
-__device__ __forceinline__ void kda_rec5_impl(
-    Rec5Smem& sm, const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
-    const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
-    const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
-    const float* __restrict__ dt_bias, float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
-    const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt, int t_begin, int t_end,
-    int heads, float lower_bound) {
-    float(*kp)[R5P] = sm.kp;
-    float(*qp)[R5P] = sm.qp;
-    float(*kn)[RKP] = sm.kn;
-    float(*vv)[RKP] = sm.vv;
-    float(*lm)[R5L] = sm.lm;
-    float(*am)[R5L] = sm.am;
-    constexpr int H1 = C > 1 ? C - 1 : 1;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, h = blockIdx.y;
-    const int cb = t_begin + blockIdx.x * (KDA_REC_NCH * RC);
-    if (h >= heads || cb >= t_end) return;  // block-uniform, before any barrier
-    const int hk = heads * KDA_K, ch = h * KDA_K + tid;
-    const i64 wf = kda_window_floats(hk, C);
-    auto ins = [&](int r) { return r == 0 ? q_in : r == 1 ? k_in : v_in; };
-    auto cws = [&](int r) { return r == 0 ? conv_q : r == 1 ? conv_k : conv_v; };
-
-    float x[3][RC], fv[RC], bv = 0.0f;
-    auto load_chunk = [&](int c0) {
-        const int cl = min(RC, t_end - c0);
-#pragma unroll
-        for (int i = 0; i < RC; ++i) {
-            const i64 o = (i64)(c0 + i) * hk + ch;
-            const bool in = i < cl;
-#pragma unroll
-            for (int r = 0; r < 3; ++r) x[r][i] = in ? ins(r)[o] : 0.0f;
-            fv[i] = in ? f_in[o] : 0.0f;
-        }
-        if (tid < RC) bv = tid < cl ? k3_sigmoid(b_in[(i64)(c0 + tid) * heads + h]) : 0.0f;
-    };
-    load_chunk(cb);
-    float w[3][C], hist[3][H1];
-#pragma unroll
-    for (int r = 0; r < 3; ++r) {
-#pragma unroll
-        for (int j = 0; j < C; ++j) w[r][j] = cws(r)[(i64)ch * C + j];
-#pragma unroll
-        for (int j = 0; j < C - 1; ++j) {  // input at token cb - (C-1) + j; before token 0: old slot j
-            const int p = cb - (C - 1) + j;
-            hist[r][j] = p >= 0 ? ins(r)[(i64)p * hk + ch] : arena[state_off + r * wf + (i64)ch * (C - 1) + cb + j];
-        }
-    }
-    // The window after token n - 1 (pre-conv inputs, oldest first) from global memory; tokens
-    // before 0 (segment 0, n < C - 1) are the old window's slots p + C - 1, still in the arena: the
-    // working window overwrites it only after the chunk loop, by this (the only reading) block.
-    auto window = [&](int n, i64 dst) {
-#pragma unroll
-        for (int r = 0; r < 3; ++r)
-#pragma unroll
-            for (int j = 0; j < C - 1; ++j) {
-                const int p = n - (C - 1) + j;
-                const i64 slot = state_off + r * wf + (i64)ch * (C - 1);
-                arena[dst + r * wf + (i64)ch * (C - 1) + j] = p >= 0 ? ins(r)[(i64)p * hk + ch] : arena[slot + p + C - 1];
-            }
-    };
-    const float dtb = dt_bias[ch], na = -expf(a_log[h]) * RLOG2E, nad = na * dtb, lbl = lower_bound * RLOG2E;
-    int next_ck = 0;
-    {
-        int lo = 0, hi = n_ckpt;  // first checkpoint n >= cb + 1 (ckpt_n ascending)
-        while (lo < hi) {
-            const int mid = (lo + hi) >> 1;
-            if (ckpt_n[mid] < cb + 1) lo = mid + 1; else hi = mid;
-        }
-        next_ck = lo;
-    }
-    for (int jc = 0; jc < KDA_REC_NCH; ++jc) {
-        const int c0 = cb + jc * RC;
-        if (c0 >= t_end) break;  // block-uniform
-        const int cl = min(RC, t_end - c0);
-        for (; next_ck < n_ckpt && ckpt_n[next_ck] <= c0 + cl; ++next_ck) window(ckpt_n[next_ck], ckpt_off[next_ck]);
-
-        // 1. Causal conv + SiLU in place, last row first; padded rows stay 0.
-        float nh[3][H1];
-#pragma unroll
-        for (int r = 0; r < 3; ++r) {
-#pragma unroll
-            for (int j = 0; j < C - 1; ++j) nh[r][j] = x[r][RC - (C - 1) + j];
-#pragma unroll
-            for (int i = RC - 1; i >= 0; --i) {
-                float acc = w[r][C - 1] * x[r][i];
-#pragma unroll
-                for (int j = 0; j < C - 1; ++j) {
-                    const int s = i - (C - 1) + j;
-                    acc += w[r][j] * (s >= 0 ? x[r][max(s, 0)] : hist[r][max(C - 1 + s, 0)]);
-                }
-                x[r][i] = i < cl ? r5_silu(acc) : 0.0f;
-            }
-#pragma unroll
-            for (int j = 0; j < C - 1; ++j) hist[r][j] = nh[r][j];  // (a short chunk is the block's last)
-        }
-
-        // 2. Row norms of q and k (as rec3m).
-        {
-            float v[32];
-#pragma unroll
-            for (int i = 0; i < RC; ++i) {
-                v[i] = x[0][i] * x[0][i];
-                v[RC + i] = x[1][i] * x[1][i];
-            }
-            rec_fold<16>(v, lane);
-            rec_fold<8>(v, lane);
-            rec_fold<4>(v, lane);
-            rec_fold<2>(v, lane);
-            rec_fold<1>(v, lane);
-            sm.red[warp][lane] = v[0];
-        }
-        __syncthreads();
-        if (tid < 32) {
-            const float s = sm.red[0][tid] + sm.red[1][tid] + sm.red[2][tid] + sm.red[3][tid];
-            sm.nrm[tid] = (tid < RC ? rsqrtf((float)KDA_K) : 1.0f) / sqrtf(s + 1e-6f);
-            if (tid < RC) sm.bs[tid] = bv;
-        }
-        __syncthreads();
-
-        // 3. Gate (log2 units), in-chunk decays, staged for the products.
-        float acc = 0.0f, ep = 1.0f;
-#pragma unroll
-        for (int i = 0; i < RC; ++i) {
-            acc += i < cl ? lbl * r5_rcp(1.0f + r5_ex2(fmaf(na, fv[i], nad))) : 0.0f;
-            ep = r5_ex2(acc);
-            const float en = r5_ex2(-acc), kk = x[1][i] * sm.nrm[RC + i];
-            kp[i][tid] = kk * ep;
-            kn[i][tid] = kk * en;
-            qp[i][tid] = x[0][i] * sm.nrm[i] * ep;
-            vv[i][tid] = x[2][i];
-        }
-        if (jc + 1 < KDA_REC_NCH && c0 + RC < t_end) load_chunk(c0 + RC);  // x, fv, bv dead from here
-        const i64 rbase = ((i64)((c0 - t_begin) / RC) * heads + h) * KDA_REC;
-        float* R = rec + rbase;
-        R[REC_E + ((tid >> 1) & 3) * 32 + 2 * (tid >> 3) + (tid & 1)] = ep;  // ep = 2^G_C
-        __syncthreads();
-
-        // 4. Lkk = beta_i <kp_i, kn_j> (j < i), Aqk = <qp_i, kn_j> (j <= i), 3xTF32 m16n8k8. Keys
-        //    k0 + 4t + {0, 1} are k-step 0's k = t, t + 4 and k0 + 4t + {2, 3} k-step 1's: one
-        //    float4 per operand row and two k-steps (any key order, A and B agreeing).
-        {
-            const int g = lane >> 2, t = lane & 3, nt = warp & 1;
-            const float(*P)[R5P] = (warp >> 1) ? qp : kp;
-            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 4
-            for (int k0 = 0; k0 < KDA_K; k0 += 16) {
-                const float4 a0 = *reinterpret_cast<const float4*>(&P[g][k0 + 4 * t]);
-                const float4 a1 = *reinterpret_cast<const float4*>(&P[g + 8][k0 + 4 * t]);
-                const float4 b = *reinterpret_cast<const float4*>(&kn[8 * nt + g][k0 + 4 * t]);
-                u32 ah[4], al[4];
-                s3_split(a0.x, ah[0], al[0]);
-                s3_split(a1.x, ah[1], al[1]);
-                s3_split(a0.y, ah[2], al[2]);
-                s3_split(a1.y, ah[3], al[3]);
-                s3_mma(c, ah, al, b.x, b.y);
-                s3_split(a0.z, ah[0], al[0]);
-                s3_split(a1.z, ah[1], al[1]);
-                s3_split(a0.w, ah[2], al[2]);
-                s3_split(a1.w, ah[3], al[3]);
-                s3_mma(c, ah, al, b.z, b.w);
-            }
-            // c: rows g, g + 8, tokens j, j + 1.
-            const int j = 8 * nt + 2 * t;
-            if (warp >> 1) {  // warp-uniform
-                am[g][j] = j <= g ? c[0] : 0.0f;
-                am[g][j + 1] = j + 1 <= g ? c[1] : 0.0f;
-                am[g + 8][j] = j <= g + 8 ? c[2] : 0.0f;
-                am[g + 8][j + 1] = j + 1 <= g + 8 ? c[3] : 0.0f;
-            } else {
-                lm[g][j] = j < g ? sm.bs[g] * c[0] : 0.0f;
-                lm[g][j + 1] = j + 1 < g ? sm.bs[g] * c[1] : 0.0f;
-                lm[g + 8][j] = j < g + 8 ? sm.bs[g + 8] * c[2] : 0.0f;
-                lm[g + 8][j + 1] = j + 1 < g + 8 ? sm.bs[g + 8] * c[3] : 0.0f;
-            }
-        }
-        __syncthreads();
-
-        // 5. (I + Lkk)[W | U] = diag(beta)[Kp | V], own column; Kd = k 2^(G_C - G) over kn.
-        {
-            float wv[RC], uv[RC];
-#pragma unroll
-            for (int i = 0; i < RC; ++i) {
-                float sw = sm.bs[i] * kp[i][tid], su = sm.bs[i] * vv[i][tid];
-#pragma unroll
-                for (int j4 = 0; j4 < i; j4 += 4) {
-                    const float4 l4 = *reinterpret_cast<const float4*>(&lm[i][j4]);
-                    const float l[4] = {l4.x, l4.y, l4.z, l4.w};
-#pragma unroll
-                    for (int u = 0; u < 4; ++u)
-                        if (j4 + u < i) {
-                            sw -= l[u] * wv[j4 + u];
-                            su -= l[u] * uv[j4 + u];
-                        }
-                }
-                wv[i] = sw;
-                uv[i] = su;
-                kp[i][tid] = sw;
-                vv[i][tid] = su;
-                kn[i][tid] *= ep;
-            }
-        }
-        __syncthreads();
-
-        // 6. The record (as rec3m).
-        kda_rec_store(sm, R, tid);
-    }  // chunk loop
-    if (blockIdx.x == 0) window(t_end, state_off);  // the working window after t_end
-}
-
-#define KDA_REC5_ARGS                                                                                         \
-    sm, q_in, k_in, v_in, f_in, b_in, conv_q, conv_k, conv_v, a_log, dt_bias, rec, arena, state_off, ckpt_n, ckpt_off, \
-        n_ckpt, t_begin, t_end, heads, lower_bound
-// Grid and block as rec3m (ops.rs kda_rec_launch).
-extern "C" __global__ void __launch_bounds__(128, 3)
-kda_chunk_rec5_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
-                   const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
-                   const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
-                   const float* __restrict__ dt_bias, float* __restrict__ rec, float* __restrict__ arena,
-                   i64 state_off, const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
-                   int t_begin, int t_end, int heads, int conv, float lower_bound) {
-    __shared__ Rec5Smem sm;
-    switch (conv) {
-        case 1: kda_rec5_impl<1>(KDA_REC5_ARGS); break;
-        case 2: kda_rec5_impl<2>(KDA_REC5_ARGS); break;
-        case 3: kda_rec5_impl<3>(KDA_REC5_ARGS); break;
-        case 4: kda_rec5_impl<4>(KDA_REC5_ARGS); break;
-        default: break;
-    }
-}
-#undef KDA_REC5_ARGS

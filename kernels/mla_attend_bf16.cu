@@ -1,5 +1,5 @@
-// Absorbed MLA decode attend in bf16 precision (ops.rs MlaDecodeMode::Bf16): the same contract as
-// mla_attend_tc2_f32 (kernels/mla.cu) — qt [items, H, row] from mla_absorb_q_f32, the paged f32
+// Absorbed MLA decode attend in bf16 precision (ops.rs MlaDecodeMode::Bf16, the default): the
+// same contract as mla_attend_tc2_f32 (kernels/mla.cu) — qt [items, H, row] from mla_absorb_q_f32, the paged f32
 // latent cache, per-item splits (chunk <= 0), partials [items, H, splits, kv_lora + 2] for
 // mla_merge_f32 — with single bf16 mma.sync m16n8k16 (f32 accumulate) in place of 3xTF32.
 // Rounding: q~ * scale and the cache rows are rounded to bf16 (RNE) when staged in shared memory,
@@ -13,8 +13,8 @@
 // - 48 heads (3 m-tiles) per block, the two head groups of one (item, split) adjacent in the grid
 //   so the second block's row reads hit L2. 96 heads in one block would need all of o~ (96 x 512
 //   f32 = 192 KB) in registers, leaving nothing for the loads in flight.
-// - 256 threads, one block per SM (~128 KB shared, ~230 registers): warp w owns o~ columns
-//   [64w, 64w + 64) of all 48 heads (96 f32 per lane).
+// - 256 threads, one block per SM (~230 registers): warp w owns o~ columns [64w, 64w + 64) of
+//   all 48 heads (96 f32 per lane).
 // - Tiles of 32 positions. The next tile's f32 rows are loaded into registers (18 float4 per
 //   thread, 74 KB per SM in flight) at the start of a tile and converted to bf16 at its end:
 //   the HBM latency hides behind a whole tile of math with no f32 staging in shared memory.
@@ -24,244 +24,262 @@
 //   with lane = position.
 // - Shared rows are 584 bf16 (1168 B = 73 x 16 B): the 8 row addresses of an ldmatrix fall in
 //   distinct banks.
+// Latency, not HBM or the tensor cores, limited a first version of this shape (deleted; H200, K3,
+// L = 32k: N = 1 120.4 us vs 84.0 here, N = 64 3.86 ms vs 3.16; 3xTF32 tc2: 479 us / 28.4 ms):
+// - its softmax ran a warp's 6 heads one after another, each a chain of 4 LDS, two 5-step shuffle
+//   reductions and two MUFU: ~6 x 400 clocks per tile with 8 warps doing nothing else. Here the 6
+//   heads go through each step together (6 independent chains), and the row sum l is kept per lane
+//   (lane = position, rescaled by the head's uniform corr) and reduced once at the end, so only
+//   the max needs a shuffle reduction per tile;
+// - its k-loops had a branch per k-step (k0 < row, c0 < kv_lora), so ptxas issued each k-step's
+//   ldmatrix only after the previous k-step's MMAs. Q and K are zero past the row in shared memory
+//   (and V columns past kv_lora are computed but never stored), so the loops are branch-free and
+//   ldmatrix of k-step k + 1 overlaps the MMAs of k-step k;
+// - the bf16 K tile is double-buffered (~162 KB shared): one barrier per tile fewer, the next
+//   tile's rows go into the other buffer right after P V, with no wait for the other warps' P V.
+// An L2 prefetch of the tiles 1-4 ahead (prefetch.global.L2) was slower than none (71.9 us attend
+// alone at N = 1, L = 32k vs 77-79) and was dropped.
 #include "common.cuh"
 
-#define MLB_HEADS 48   // heads per block: 3 m-tiles of 16
-#define MLB_MT 3
-#define MLB_POS 32     // positions per tile (= lanes: the softmax maps lane to position)
-#define MLB_ROW 576    // largest latent row (kv_lora + rope)
-#define MLB_STR 584    // bf16 per Q / K row in shared memory
-#define MLB_SSTR 40    // f32 per score-partial row: conflict-free float2 stores of the C tiles
-#define MLB_PSTR 40    // bf16 per P row (80 B): conflict-free ldmatrix
-#define MLB_THREADS 256
-#define MLB_WARPS 8
-#define MLB_KQ 4       // feature quarters of the score MMAs
-#define MLB_KSTEPS 9   // k-steps of 16 per quarter: 4 x 9 x 16 = 576
-#define MLB_CHUNKS 18  // float4 of a row per thread per tile: 144 float4 over 8 lanes
-#define MLB_HPW 6      // softmax heads per warp
+#define MLC_HEADS 48   // heads per block: 3 m-tiles of 16
+#define MLC_MT 3
+#define MLC_POS 32     // positions per tile (= lanes: the softmax maps lane to position)
+#define MLC_ROW 576    // largest latent row (kv_lora + rope); Q / K are zero-padded to it
+#define MLC_STR 584    // bf16 per Q / K row in shared memory (ldmatrix conflict-free)
+#define MLC_SSTR 40    // f32 per score-partial row
+#define MLC_PSTR 40    // bf16 per P row
+#define MLC_THREADS 256
+#define MLC_WARPS 8
+#define MLC_KQ 4       // feature quarters of the score MMAs
+#define MLC_KSTEPS 9   // k-steps of 16 per quarter
+#define MLC_CHUNKS 18  // float4 of a row per thread per tile
+#define MLC_HPW 6      // softmax heads per warp
 
-// Dynamic shared memory layout (bytes); ops.rs / geometry.rs MLA_BF16_SHARED must match.
-#define MLB_OFF_K (MLB_HEADS * MLB_STR * 2)                        // Q  [48][584] bf16
-#define MLB_OFF_S (MLB_OFF_K + MLB_POS * MLB_STR * 2)              // K  [32][584] bf16
-#define MLB_OFF_P (MLB_OFF_S + MLB_KQ * MLB_HEADS * MLB_SSTR * 4)  // S  [4][48][40] f32
-#define MLB_OFF_C (MLB_OFF_P + MLB_HEADS * MLB_PSTR * 2)           // P  [48][40] bf16
-#define MLB_SHARED (MLB_OFF_C + MLB_HEADS * 4)                     // corr [48] f32: 128192 B
+// Dynamic shared memory layout (bytes); geometry.rs MLA_BF16_SHARED must match.
+#define MLC_KBUF (MLC_POS * MLC_STR * 2)                           // one bf16 K tile: 37376 B
+#define MLC_OFF_K (MLC_HEADS * MLC_STR * 2)                        // Q  [48][584] bf16
+#define MLC_OFF_S (MLC_OFF_K + 2 * MLC_KBUF)                       // K  [2][32][584] bf16
+#define MLC_OFF_P (MLC_OFF_S + MLC_KQ * MLC_HEADS * MLC_SSTR * 4)  // S  [4][48][40] f32
+#define MLC_OFF_C (MLC_OFF_P + MLC_HEADS * MLC_PSTR * 2)           // P  [48][40] bf16
+#define MLC_SHARED (MLC_OFF_C + MLC_HEADS * 4)                     // corr [48] f32: 165568 B
 
-static_assert(MLB_POS == 32, "the softmax maps lane to position");
-static_assert(MLB_WARPS * MLB_HPW == MLB_HEADS, "softmax heads per warp");
-static_assert(MLB_KQ * MLB_KSTEPS * 16 == MLB_ROW, "score k-steps cover the row");
-static_assert(MLB_WARPS == 2 * MLB_KQ, "warp = (feature quarter, position half)");
-static_assert(MLB_SHARED == 128192, "keep geometry.rs MLA_BF16_SHARED in step");
+static_assert(MLC_POS == 32, "the softmax maps lane to position");
+static_assert(MLC_WARPS * MLC_HPW == MLC_HEADS, "softmax heads per warp");
+static_assert(MLC_KQ * MLC_KSTEPS * 16 == MLC_ROW, "score k-steps cover the padded row");
+static_assert(MLC_WARPS == 2 * MLC_KQ, "warp = (feature quarter, position half)");
+static_assert(4 * 8 * MLC_CHUNKS == MLC_ROW, "staging covers the padded row");
+static_assert(MLC_SHARED == 165568, "keep geometry.rs MLA_BF16_SHARED in step");
 
-// Two f32 -> packed bf16x2, round to nearest even (lo in the low half: the lower address).
-__device__ __forceinline__ u32 mlb_pack(float lo, float hi) {
+__device__ __forceinline__ u32 mlc_pack(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
-
-// volatile: the addresses repeat every tile while the contents change (barriers in between), so
-// the compiler must not merge or hoist them.
-__device__ __forceinline__ void mlb_ldsm4(u32* r, u32 addr) {
+// volatile: the addresses repeat every tile while the contents change (barriers in between).
+__device__ __forceinline__ void mlc_ldsm4(u32* r, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
-__device__ __forceinline__ void mlb_ldsm4_t(u32* r, u32 addr) {
+__device__ __forceinline__ void mlc_ldsm4_t(u32* r, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
-
-__device__ __forceinline__ void mlb_mma(float* d, const u32* a, u32 b0, u32 b1) {
+__device__ __forceinline__ void mlc_mma(float* d, const u32* a, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-
-// Streaming loads of cache rows (read once per block: no L1 allocation). volatile keeps them at
-// the top of the tile, ahead of the math they hide behind.
-__device__ __forceinline__ float4 mlb_ldg4(const float* p) {
+__device__ __forceinline__ float4 mlc_ldg4(const float* p) {
     float4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0,%1,%2,%3}, [%4];"
                  : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
                  : "l"(p));
     return v;
 }
-__device__ __forceinline__ float mlb_ldg1(const float* p) {
+__device__ __forceinline__ float mlc_ldg1(const float* p) {
     float v;
     asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
 
-// Grid (ceil(H / 48), items, splits), 256 threads, MLB_SHARED bytes of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(MLB_THREADS, 1)
+// Grid (ceil(H / 48), items, splits), 256 threads, MLC_SHARED bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(MLC_THREADS, 1)
 mla_attend_bf16_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
                     const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
                     int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale) {
-    extern __shared__ __align__(16) unsigned char mlb_smem[];
-    u16* qs = reinterpret_cast<u16*>(mlb_smem);
-    u16* ks = reinterpret_cast<u16*>(mlb_smem + MLB_OFF_K);
-    float* sp = reinterpret_cast<float*>(mlb_smem + MLB_OFF_S);
-    u16* ps = reinterpret_cast<u16*>(mlb_smem + MLB_OFF_P);
-    float* cs = reinterpret_cast<float*>(mlb_smem + MLB_OFF_C);
-    const int h0 = blockIdx.x * MLB_HEADS, n = blockIdx.y, spl = blockIdx.z;
+    extern __shared__ __align__(16) unsigned char mlc_smem[];
+    u16* qs = reinterpret_cast<u16*>(mlc_smem);
+    u16* ks = reinterpret_cast<u16*>(mlc_smem + MLC_OFF_K);
+    float* sp = reinterpret_cast<float*>(mlc_smem + MLC_OFF_S);
+    u16* ps = reinterpret_cast<u16*>(mlc_smem + MLC_OFF_P);
+    float* cs = reinterpret_cast<float*>(mlc_smem + MLC_OFF_C);
+    const int h0 = blockIdx.x * MLC_HEADS, n = blockIdx.y, spl = blockIdx.z;
     const int row = kv_lora + rope;
-    if (n >= items || row > MLB_ROW || kv_lora > 512 || page_tokens <= 0) return;
+    if (n >= items || row > MLC_ROW || kv_lora > 512 || page_tokens <= 0) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int len = lens[n], base = pt_base[n];
-    // chunk <= 0: each item splits its own length evenly (as mla_attend_tc2_f32).
-    const int ch = chunk > 0 ? chunk : (len + splits - 1) / splits;
+    const int ch = chunk > 0 ? chunk : (len + splits - 1) / splits;  // chunk <= 0: per item
     const int j0 = spl * ch, j1 = min(len, j0 + ch);
 
-    // Q: bf16(q~ * scale), zeros past the row and past the last head (those rows score 0 and are
-    // never written out).
-    for (int i = tid; i < MLB_HEADS * (MLB_ROW / 2); i += MLB_THREADS) {
-        const int hl = i / (MLB_ROW / 2), c = 2 * (i % (MLB_ROW / 2)), h = h0 + hl;
+    // Q: bf16(q~ * scale), zeros past the row (the branch-free k-loops rely on it) and past the
+    // last head.
+    for (int i = tid; i < MLC_HEADS * (MLC_ROW / 2); i += MLC_THREADS) {
+        const int hl = i / (MLC_ROW / 2), c = 2 * (i % (MLC_ROW / 2)), h = h0 + hl;
         const float* src = qt + ((i64)n * heads + min(h, heads - 1)) * row;
         const float a = (h < heads && c < row) ? src[c] * scale : 0.0f;
         const float b = (h < heads && c + 1 < row) ? src[c + 1] * scale : 0.0f;
-        *reinterpret_cast<u32*>(qs + hl * MLB_STR + c) = mlb_pack(a, b);
+        *reinterpret_cast<u32*>(qs + hl * MLC_STR + c) = mlc_pack(a, b);
     }
 
-    // Staging: thread -> tile position pm, float4 chunks c8 + 8k of its row. A half-warp covers
-    // rows 4 apart (offset 16 banks), so the 8-byte bf16 stores are conflict-free; a warp reads 4
-    // rows x 128 contiguous bytes per load.
+    // Staging: thread -> tile position pm, float4 chunks c8 + 8k (zeros past the row).
     const int pm = (warp & 3) + 4 * (lane >> 3) + 16 * (warp >> 2), c8 = lane & 7;
-    float4 st[MLB_CHUNKS];
+    float4 st[MLC_CHUNKS];
+    auto row_src = [&](int j) {
+        return arena + page_start[base + j / page_tokens] + (i64)(j % page_tokens) * row;
+    };
     auto load_tile = [&](int p0) {
         const int j = p0 + pm;
         const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (j < j1) {
-            const i64 off = page_start[base + j / page_tokens] + (i64)(j % page_tokens) * row;
-            const float* src = arena + off;
-            if (((off | (i64)row) & 3) == 0) {
+            const float* src = row_src(j);
+            if (((reinterpret_cast<size_t>(src) | ((size_t)row * 4)) & 15) == 0) {
 #pragma unroll
-                for (int k = 0; k < MLB_CHUNKS; ++k) {
+                for (int k = 0; k < MLC_CHUNKS; ++k) {
                     const int c = 4 * (c8 + 8 * k);
-                    st[k] = c < row ? mlb_ldg4(src + c) : z;
+                    st[k] = c < row ? mlc_ldg4(src + c) : z;
                 }
             } else {  // rows only 4-byte aligned (or a row width not a multiple of 4)
 #pragma unroll
-                for (int k = 0; k < MLB_CHUNKS; ++k) {
+                for (int k = 0; k < MLC_CHUNKS; ++k) {
                     const int c = 4 * (c8 + 8 * k);
-                    st[k].x = c < row ? mlb_ldg1(src + c) : 0.0f;
-                    st[k].y = c + 1 < row ? mlb_ldg1(src + c + 1) : 0.0f;
-                    st[k].z = c + 2 < row ? mlb_ldg1(src + c + 2) : 0.0f;
-                    st[k].w = c + 3 < row ? mlb_ldg1(src + c + 3) : 0.0f;
+                    st[k].x = c < row ? mlc_ldg1(src + c) : 0.0f;
+                    st[k].y = c + 1 < row ? mlc_ldg1(src + c + 1) : 0.0f;
+                    st[k].z = c + 2 < row ? mlc_ldg1(src + c + 2) : 0.0f;
+                    st[k].w = c + 3 < row ? mlc_ldg1(src + c + 3) : 0.0f;
                 }
             }
         } else {  // past the split: zero rows (K scores masked, V must not be garbage: 0 * NaN)
 #pragma unroll
-            for (int k = 0; k < MLB_CHUNKS; ++k) st[k] = z;
+            for (int k = 0; k < MLC_CHUNKS; ++k) st[k] = z;
         }
     };
-    auto store_tile = [&]() {
-        u16* dst = ks + pm * MLB_STR;
+    auto store_tile = [&](int buf) {
+        u16* dst = ks + buf * (MLC_KBUF / 2) + pm * MLC_STR;
 #pragma unroll
-        for (int k = 0; k < MLB_CHUNKS; ++k) {
-            const uint2 v = make_uint2(mlb_pack(st[k].x, st[k].y), mlb_pack(st[k].z, st[k].w));
+        for (int k = 0; k < MLC_CHUNKS; ++k) {
+            const uint2 v = make_uint2(mlc_pack(st[k].x, st[k].y), mlc_pack(st[k].z, st[k].w));
             *reinterpret_cast<uint2*>(dst + 4 * (c8 + 8 * k)) = v;
         }
     };
-
-    const int tiles = j1 > j0 ? (j1 - j0 + MLB_POS - 1) / MLB_POS : 0;
+    const int tiles = j1 > j0 ? (j1 - j0 + MLC_POS - 1) / MLC_POS : 0;
     if (tiles > 0) {
         load_tile(j0);
-        store_tile();
+        store_tile(0);
     }
     __syncthreads();
 
-    // Per-lane ldmatrix offsets (bytes). A (Q or P, x4 = m16 x k16): row lane & 15, column
-    // 8 (lane >> 4). B of the scores (K rows, x4 = 2 n-tiles x k16): row (lane & 7) + 8 (lane >> 4),
-    // column 8 ((lane >> 3) & 1). B of P V (V rows, x4.trans = k16 x 2 n-tiles): row (lane & 7) +
-    // 8 ((lane >> 3) & 1), column 8 (lane >> 4).
+    // Per-lane ldmatrix offsets (bytes).
     const u32 qs_a = (u32)__cvta_generic_to_shared(qs), ks_a = (u32)__cvta_generic_to_shared(ks);
     const u32 ps_a = (u32)__cvta_generic_to_shared(ps);
-    const u32 a_q = qs_a + 2u * ((lane & 15) * MLB_STR + 8 * (lane >> 4));
-    const u32 a_p = ps_a + 2u * ((lane & 15) * MLB_PSTR + 8 * (lane >> 4));
-    const u32 b_k = ks_a + 2u * (((lane & 7) + 8 * (lane >> 4)) * MLB_STR + 8 * ((lane >> 3) & 1));
-    const u32 b_v = ks_a + 2u * (((lane & 7) + 8 * ((lane >> 3) & 1)) * MLB_STR + 8 * (lane >> 4));
+    const u32 a_q = qs_a + 2u * ((lane & 15) * MLC_STR + 8 * (lane >> 4));
+    const u32 a_p = ps_a + 2u * ((lane & 15) * MLC_PSTR + 8 * (lane >> 4));
+    const u32 b_k = ks_a + 2u * (((lane & 7) + 8 * (lane >> 4)) * MLC_STR + 8 * ((lane >> 3) & 1));
+    const u32 b_v = ks_a + 2u * (((lane & 7) + 8 * ((lane >> 3) & 1)) * MLC_STR + 8 * (lane >> 4));
     const int kq = warp >> 1, np = warp & 1;
 
-    float acc[MLB_MT][8][4];
+    float acc[MLC_MT][8][4];
 #pragma unroll
-    for (int m = 0; m < MLB_MT; ++m)
+    for (int m = 0; m < MLC_MT; ++m)
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[m][i][0] = acc[m][i][1] = acc[m][i][2] = acc[m][i][3] = 0.0f;
-    float m_run[MLB_HPW], l_run[MLB_HPW];
+    // m_run: the head's running max (uniform over the warp); l_lane: this lane's (position's) share
+    // of the running row sum, in the same scale as m_run (summed over lanes at the end).
+    float m_run[MLC_HPW], l_lane[MLC_HPW];
 #pragma unroll
-    for (int i = 0; i < MLB_HPW; ++i) {
+    for (int i = 0; i < MLC_HPW; ++i) {
         m_run[i] = K3_NEG_INF;
-        l_run[i] = 0.0f;
+        l_lane[i] = 0.0f;
     }
 
     for (int it = 0; it < tiles; ++it) {
-        const int p0 = j0 + it * MLB_POS;
+        const int p0 = j0 + it * MLC_POS;
         const bool more = it + 1 < tiles;
-        if (more) load_tile(p0 + MLB_POS);  // consumed at the end of this tile
+        const u32 kb = (u32)((it & 1) * MLC_KBUF);  // this tile's K buffer (bytes)
+        if (more) load_tile(p0 + MLC_POS);          // stored into the other buffer after P V
 
-        // Score partials of feature quarter kq, positions [16np, 16np + 16), all 48 heads.
+        // Score partials of feature quarter kq, positions [16np, 16np + 16), all 48 heads. Branch-free:
+        // Q and K are zero past the row.
         {
-            float s[MLB_MT][2][4];
+            float s[MLC_MT][2][4];
 #pragma unroll
-            for (int m = 0; m < MLB_MT; ++m)
+            for (int m = 0; m < MLC_MT; ++m)
 #pragma unroll
                 for (int i = 0; i < 2; ++i) s[m][i][0] = s[m][i][1] = s[m][i][2] = s[m][i][3] = 0.0f;
 #pragma unroll
-            for (int kk = 0; kk < MLB_KSTEPS; ++kk) {
-                const int k0 = (kq * MLB_KSTEPS + kk) * 16;
-                if (k0 < row) {
-                    u32 b[4];
-                    mlb_ldsm4(b, b_k + 2u * (16 * np * MLB_STR + k0));
+            for (int kk = 0; kk < MLC_KSTEPS; ++kk) {
+                const int k0 = (kq * MLC_KSTEPS + kk) * 16;
+                u32 b[4];
+                mlc_ldsm4(b, b_k + kb + 2u * (16 * np * MLC_STR + k0));
 #pragma unroll
-                    for (int m = 0; m < MLB_MT; ++m) {
-                        u32 a[4];
-                        mlb_ldsm4(a, a_q + 2u * (16 * m * MLB_STR + k0));
-                        mlb_mma(s[m][0], a, b[0], b[1]);
-                        mlb_mma(s[m][1], a, b[2], b[3]);
-                    }
+                for (int m = 0; m < MLC_MT; ++m) {
+                    u32 a[4];
+                    mlc_ldsm4(a, a_q + 2u * (16 * m * MLC_STR + k0));
+                    mlc_mma(s[m][0], a, b[0], b[1]);
+                    mlc_mma(s[m][1], a, b[2], b[3]);
                 }
             }
-            float* dst = sp + kq * MLB_HEADS * MLB_SSTR;
+            float* dst = sp + kq * MLC_HEADS * MLC_SSTR;
 #pragma unroll
-            for (int m = 0; m < MLB_MT; ++m)
+            for (int m = 0; m < MLC_MT; ++m)
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
                     const int c = 16 * np + 8 * i + 2 * t;
-                    *reinterpret_cast<float2*>(dst + (16 * m + g) * MLB_SSTR + c) = make_float2(s[m][i][0], s[m][i][1]);
-                    *reinterpret_cast<float2*>(dst + (16 * m + g + 8) * MLB_SSTR + c) =
+                    *reinterpret_cast<float2*>(dst + (16 * m + g) * MLC_SSTR + c) = make_float2(s[m][i][0], s[m][i][1]);
+                    *reinterpret_cast<float2*>(dst + (16 * m + g + 8) * MLC_SSTR + c) =
                         make_float2(s[m][i][2], s[m][i][3]);
                 }
         }
         __syncthreads();
 
-        // Online softmax: warp w, heads 6w..6w+5, lane = position p0 + lane.
+        // Online softmax: warp w, heads 6w..6w+5 in lockstep, lane = position p0 + lane.
         {
             const bool valid = p0 + lane < j1;
+            float s[MLC_HPW], mx[MLC_HPW];
 #pragma unroll
-            for (int i = 0; i < MLB_HPW; ++i) {
-                const int hl = MLB_HPW * warp + i;
-                float s = 0.0f;
+            for (int i = 0; i < MLC_HPW; ++i) {
+                const int hl = MLC_HPW * warp + i;
+                float v = 0.0f;
 #pragma unroll
-                for (int q = 0; q < MLB_KQ; ++q) s += sp[(q * MLB_HEADS + hl) * MLB_SSTR + lane];
-                s = valid ? s : K3_NEG_INF;
-                const float mn = fmaxf(m_run[i], warp_max(s));
+                for (int q = 0; q < MLC_KQ; ++q) v += sp[(q * MLC_HEADS + hl) * MLC_SSTR + lane];
+                s[i] = valid ? v : K3_NEG_INF;
+                mx[i] = s[i];
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+                for (int i = 0; i < MLC_HPW; ++i) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], off));
+#pragma unroll
+            for (int i = 0; i < MLC_HPW; ++i) {
+                const int hl = MLC_HPW * warp + i;
+                const float mn = fmaxf(m_run[i], mx[i]);  // finite: every tile has a valid position
                 const float corr = m_run[i] == K3_NEG_INF ? 0.0f : __expf(m_run[i] - mn);
-                const u16 pb = f32_to_bf16_bits(valid ? __expf(s - mn) : 0.0f);
-                ps[hl * MLB_PSTR + lane] = pb;
-                l_run[i] = l_run[i] * corr + warp_sum(bf16_bits_to_f32(pb));
+                const u16 pb = f32_to_bf16_bits(valid ? __expf(s[i] - mn) : 0.0f);
+                ps[hl * MLC_PSTR + lane] = pb;
+                l_lane[i] = l_lane[i] * corr + bf16_bits_to_f32(pb);
                 m_run[i] = mn;
                 if (lane == 0) cs[hl] = corr;
             }
         }
         __syncthreads();
 
-        // o~ = corr o~ + P V for columns [64w, 64w + 64): 2 k-steps of 16 positions.
+        // o~ = corr o~ + P V for columns [64w, 64w + 64) (columns past kv_lora are rope values:
+        // computed, never stored).
         {
 #pragma unroll
-            for (int m = 0; m < MLB_MT; ++m) {
+            for (int m = 0; m < MLC_MT; ++m) {
                 const float ca = cs[16 * m + g], cb = cs[16 * m + g + 8];
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
@@ -272,34 +290,32 @@ mla_attend_bf16_f32(const float* __restrict__ qt, const float* __restrict__ aren
                 }
             }
 #pragma unroll
-            for (int kk = 0; kk < MLB_POS / 16; ++kk) {
-                u32 a[MLB_MT][4];
+            for (int kk = 0; kk < MLC_POS / 16; ++kk) {
+                u32 a[MLC_MT][4];
 #pragma unroll
-                for (int m = 0; m < MLB_MT; ++m) mlb_ldsm4(a[m], a_p + 2u * (16 * m * MLB_PSTR + 16 * kk));
+                for (int m = 0; m < MLC_MT; ++m) mlc_ldsm4(a[m], a_p + 2u * (16 * m * MLC_PSTR + 16 * kk));
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const int c0 = 64 * warp + 16 * j;
-                    if (c0 < kv_lora) {
-                        u32 b[4];
-                        mlb_ldsm4_t(b, b_v + 2u * (16 * kk * MLB_STR + c0));
+                    u32 b[4];
+                    mlc_ldsm4_t(b, b_v + kb + 2u * (16 * kk * MLC_STR + 64 * warp + 16 * j));
 #pragma unroll
-                        for (int m = 0; m < MLB_MT; ++m) {
-                            mlb_mma(acc[m][2 * j], a[m], b[0], b[1]);
-                            mlb_mma(acc[m][2 * j + 1], a[m], b[2], b[3]);
-                        }
+                    for (int m = 0; m < MLC_MT; ++m) {
+                        mlc_mma(acc[m][2 * j], a[m], b[0], b[1]);
+                        mlc_mma(acc[m][2 * j + 1], a[m], b[2], b[3]);
                     }
                 }
             }
         }
-        __syncthreads();  // K / P / corr are free
-        if (more) store_tile();
+        // The other K buffer was last read in tile it - 1, which every warp finished before this
+        // tile's first barrier; P / corr / S are next written after this barrier.
+        if (more) store_tile((it + 1) & 1);
         __syncthreads();
     }
 
     float* out = part + ((i64)n * heads * splits + spl) * (kv_lora + 2);
     const i64 hstride = (i64)splits * (kv_lora + 2);
 #pragma unroll
-    for (int m = 0; m < MLB_MT; ++m)
+    for (int m = 0; m < MLC_MT; ++m)
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const int c = 64 * warp + 8 * i + 2 * t;
@@ -309,14 +325,13 @@ mla_attend_bf16_f32(const float* __restrict__ qt, const float* __restrict__ aren
                 if (hh < heads && cc < kv_lora) out[hh * hstride + cc] = acc[m][i][r];
             }
         }
-    if (lane == 0) {
 #pragma unroll
-        for (int i = 0; i < MLB_HPW; ++i) {
-            const int hh = h0 + MLB_HPW * warp + i;
-            if (hh < heads) {
-                out[hh * hstride + kv_lora] = m_run[i];
-                out[hh * hstride + kv_lora + 1] = l_run[i];
-            }
+    for (int i = 0; i < MLC_HPW; ++i) {
+        const float l = warp_sum(l_lane[i]);
+        const int hh = h0 + MLC_HPW * warp + i;
+        if (lane == 0 && hh < heads) {
+            out[hh * hstride + kv_lora] = m_run[i];
+            out[hh * hstride + kv_lora + 1] = l;
         }
     }
 }

@@ -1,18 +1,16 @@
-// Routed experts in MXFP4 (docs/model-format.md) for decode steps: weight-only W4A32 on CUDA cores.
-//   moe_sort_assignments   group the T*k (token, slot) assignments by expert (counting sort)
-//   mxfp4_up_gemv_f32      act[a] = SiTU-GLU(W1_e z_t, W3_e z_t) for each assignment a of e
-//   mxfp4_down_gemv_f32    y[a] = W2_e act[a]
-//   mxfp4_up_stream_f32    the same two products for 1-token steps (the default there), one
-//   mxfp4_down_stream_f32  assignment at a time straight from the router's ids (no sort)
-//   mxfp4_up_stream2_f32   the stream split with the products on tensor cores (candidate,
-//   mxfp4_down_stream2_f32 K3_MX_EXPERTS=stream2): partial sums per part of the row,
-//   moe_combine_parts_f32  summed by the down kernel's staging / this combine
+// Routed experts in MXFP4 (docs/model-format.md) for 1-token decode steps.
+//   moe_sort_assignments   group the T*k (token, slot) assignments by expert (counting sort; the
+//                          tc2 pair of mxfp4_tc.cu and the many-assignment paths use it)
+//   mxfp4_up_stream2_f32   act = SiTU-GLU(W1_e z_t, W3_e z_t) and y = W2_e act for each assignment,
+//   mxfp4_down_stream2_f32 straight from the router's ids (no sort), on tensor cores: partial sums
+//   moe_combine_parts_f32  per part of the row, summed by the down kernel's staging / this combine
 //   moe_combine_f32        out[t] = sum_j w[t,j] y[t*k + j]   (fixed slot order: deterministic)
 // Experts of a layer are stored back to back: packed [E, rows, cols/2], scales [E, rows, cols/32].
-// Large steps expand the experts to bf16 for tensor-core GEMMs instead (moe_gemm.cu); steps of 2
-// tokens and more take the tensor-core pair in mxfp4_tc.cu, 1-token steps the stream pair here
-// (ops.rs mx_experts_choice). The gemv pair (H200, K3 sizes, top-16, T = 1: 183 us with sort and
-// combine, 36% of the weight-traffic floor) stays for A/B and forced multi-token runs.
+// Steps of 2 tokens and more take the tc2 pair in mxfp4_tc.cu, steps with many assignments the
+// grouped GEMMs (mxfp4_grouped.cu) or the bf16 expansion for cuBLAS (moe_gemm.cu); ops.rs
+// mx_experts_choice picks. H200, K3 sizes, top-16, T = 1 (with combine): stream2 141.1 us (47% of
+// the weight-traffic floor); the CUDA-core pairs it replaced, a no-sort stream pair (163.7 us) and
+// a staged gemv pair (182.1 us), and tc2 at one token (200.4 us) all lost; the two were deleted.
 #include "common.cuh"
 
 
@@ -47,217 +45,16 @@ extern "C" __global__ void moe_sort_assignments(const int* __restrict__ idx, int
     }
 }
 
-// mx_active_expert (common.cuh) maps block x of the expert kernels to the x-th busy expert.
-
 // ---------------------------------------------------------------------------------------------
-// Decode-step expert kernels (few tokens per expert). At T = 1
-// the step is one pass over 16 experts' weights (281 MB at K3 sizes), so what counts is shared /
-// L1 wavefronts and instructions per weight byte. Two lanes share a row (lane 2r + h takes the
-// 16-byte MX blocks h, h + 2, ...: each lane pair reads whole 32-byte sectors) and sum the halves
-// with one shuffle at the end: no block reduction. The step's tokens for expert e are staged in
-// shared memory (up to `stage` per pass), so all 16 rows of a warp read the same activations
-// (broadcast) and each weight byte is loaded once per pass and applied to every staged token.
-// A nibble decodes through a 16-entry shared table (index = code * 4 built with one AND per 4
-// codes, one byte extract, one LDS): 16 distinct words in 16 banks, so never a conflict, and the
-// values are exact (no subnormal tricks that -ftz could flush). The block's scale is applied once
-// per 32-value dot. Extra tokens beyond `stage` take further passes (weights re-read).
-#define MXG_ROWS 64 // rows per 128-thread block: 16 per warp, two lanes per row
-#define MXG_T 4     // accumulators per lane and matrix: the most tokens one pass applies
+// Shared pieces of the stream2 kernels below: a 64 KB table in dynamic shared memory (opt-in),
+// 256 entries of bf16x2 (the E2M1 values of a byte's two nibbles) replicated per lane (entry b of
+// lane l at word 64 b + l: the address is one PRMT of the byte and 4 l, and every lane hits its own
+// bank; exact: an E2M1 value fits bf16), the upper 128 bytes of each 256-byte row free for staged
+// inputs; weights streamed past L1 in 16-byte loads; the work split evenly over all warps.
 
-__shared__ float mxg_tab[16];  // E2M1 code -> value
-// Staged activations, [stage][cols / 4] float4; float4 g of a row sits at g ^ ((g >> 1) & 4): the
-// odd 32-value chunks (the h = 1 lanes') have their halves swapped, so a warp's two distinct
-// addresses per load land in different banks.
-extern __shared__ float4 mxg_xs[];
-
-__device__ __forceinline__ void mxg_stage(const float* __restrict__ src, int cols4, float4* dst) {
-    const float4* s4 = reinterpret_cast<const float4*>(src);
-    for (int g = threadIdx.x; g < cols4; g += blockDim.x) dst[g ^ ((g >> 1) & 4)] = s4[g];
-}
-
-// One packed word (elements 8 wi .. 8 wi + 7: byte k = element 2k low nibble, 2k + 1 high).
-__device__ __forceinline__ void mxg_decode_word(u32 w, float* v) {
-    const u32 lo = (w << 2) & 0x3c3c3c3cu, hi = (w >> 2) & 0x3c3c3c3cu;  // code * 4 in each byte
-    const char* t = reinterpret_cast<const char*>(mxg_tab);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        v[2 * k] = *reinterpret_cast<const float*>(t + __byte_perm(lo, 0, 0x4440 + k));
-        v[2 * k + 1] = *reinterpret_cast<const float*>(t + __byte_perm(hi, 0, 0x4440 + k));
-    }
-}
-
-// acc[m][i] = this lane's half of row m (NM matrices) . staged token i, for i < nt. U chunk steps
-// of loads are issued before any is decoded (bytes in flight); DC independent FMA chains per dot.
-template <int NM, int U>
-__device__ __forceinline__ void mxg_rows(const u8* const (&pk)[NM], const u8* const (&ps)[NM], int nchunks, int h,
-                                         int nt, int cols4, float (&acc)[NM][MXG_T]) {
-    constexpr int DC = NM == 1 ? 2 : 1;
-#pragma unroll
-    for (int m = 0; m < NM; ++m)
-#pragma unroll
-        for (int i = 0; i < MXG_T; ++i) acc[m][i] = 0.0f;
-    for (int j0 = 0; j0 < nchunks; j0 += 2 * U) {
-        uint4 raw[NM][U];
-        u32 sb[NM][U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = min(j0 + 2 * u + h, nchunks - 1);  // past the end: loaded, not used
-#pragma unroll
-            for (int m = 0; m < NM; ++m) {
-                raw[m][u] = __ldg(reinterpret_cast<const uint4*>(pk[m] + c * 16));
-                sb[m][u] = ps[m][c];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = j0 + 2 * u + h;
-            if (c < nchunks) {
-                const float4* xlo = mxg_xs + c * 8 + 4 * h;  // logical float4s 0..3 of chunk c
-                const float4* xhi = mxg_xs + c * 8 - 4 * h;  // 4..7
-                float d[NM][MXG_T][DC];
-#pragma unroll
-                for (int m = 0; m < NM; ++m)
-#pragma unroll
-                    for (int i = 0; i < MXG_T; ++i)
-#pragma unroll
-                        for (int q = 0; q < DC; ++q) d[m][i][q] = 0.0f;
-#pragma unroll
-                for (int wi = 0; wi < 4; ++wi) {
-                    float v[NM][8];
-#pragma unroll
-                    for (int m = 0; m < NM; ++m) {
-                        const uint4 r4 = raw[m][u];
-                        mxg_decode_word(wi == 0 ? r4.x : wi == 1 ? r4.y : wi == 2 ? r4.z : r4.w, v[m]);
-                    }
-                    const float4* xp = wi < 2 ? xlo : xhi;
-#pragma unroll
-                    for (int i = 0; i < MXG_T; ++i) {
-                        if (i < nt) {
-                            const float4 a = xp[i * cols4 + 2 * wi], b = xp[i * cols4 + 2 * wi + 1];
-#pragma unroll
-                            for (int m = 0; m < NM; ++m) {
-                                float s = d[m][i][wi % DC];
-                                s = fmaf(v[m][0], a.x, s);
-                                s = fmaf(v[m][1], a.y, s);
-                                s = fmaf(v[m][2], a.z, s);
-                                s = fmaf(v[m][3], a.w, s);
-                                s = fmaf(v[m][4], b.x, s);
-                                s = fmaf(v[m][5], b.y, s);
-                                s = fmaf(v[m][6], b.z, s);
-                                s = fmaf(v[m][7], b.w, s);
-                                d[m][i][wi % DC] = s;
-                            }
-                        }
-                    }
-                }
-#pragma unroll
-                for (int m = 0; m < NM; ++m) {
-                    const float sc = e8m0_to_f32((u8)sb[m][u]);
-#pragma unroll
-                    for (int i = 0; i < MXG_T; ++i) {
-                        float s = d[m][i][0];
-#pragma unroll
-                        for (int q = 1; q < DC; ++q) s += d[m][i][q];
-                        acc[m][i] = fmaf(s, sc, acc[m][i]);
-                    }
-                }
-            }
-        }
-    }
-}
-
-// Grid (min(E, assignments), ceil(inter / 64)), 128 threads, dynamic shared memory stage * latent
-// * 4 bytes: block x takes the x-th busy expert e (mx_active_expert), lane pair r of the block
-// computes row blockIdx.y*64 + r of W1 and W3 for every assignment of e, `stage` (1..4) tokens
-// per pass. `experts` = E; `stage` as ops.rs mx_gemv_stage.
-extern "C" __global__ void __launch_bounds__(128)
-mxfp4_up_gemv_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
-                  const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
-                  const int* __restrict__ sorted, float* __restrict__ act, int top_k, int latent, int inter,
-                  float beta, float beta_lin, int has_lin, int experts, int stage) {
-    const int e = mx_active_expert(offsets, experts, blockIdx.x);
-    if (threadIdx.x < 16) mxg_tab[threadIdx.x] = fp4_e2m1_to_f32(threadIdx.x);
-    if (e < 0) return;  // block-uniform
-    const int h = threadIdx.x & 1, r = blockIdx.y * MXG_ROWS + (threadIdx.x >> 1);
-    const int nb = latent / 32, cols4 = latent / 4;
-    const i64 mrow = (i64)e * inter + min(r, inter - 1);  // tail lanes load a valid row, store nothing
-    const u8* pk[2] = {w1p + mrow * (latent / 2), w3p + mrow * (latent / 2)};
-    const u8* ps[2] = {w1s + mrow * nb, w3s + mrow * nb};
-    const int a0 = offsets[e], a1 = offsets[e + 1], per = max(1, min(stage, MXG_T));
-    for (int t0 = a0; t0 < a1; t0 += per) {
-        const int nt = min(per, a1 - t0);
-        __syncthreads();  // the previous pass is done with the stage (first pass: mxg_tab written)
-        for (int i = 0; i < nt; ++i)
-            mxg_stage(z + (i64)(sorted[t0 + i] / top_k) * latent, cols4, mxg_xs + i * cols4);
-        __syncthreads();
-        float acc[2][MXG_T];
-        mxg_rows<2, 2>(pk, ps, nb, h, nt, cols4, acc);
-#pragma unroll
-        for (int i = 0; i < MXG_T; ++i) {
-            const float g = acc[0][i] + __shfl_xor_sync(K3_FULL_MASK, acc[0][i], 1);
-            const float u = acc[1][i] + __shfl_xor_sync(K3_FULL_MASK, acc[1][i], 1);
-            if (h == 0 && i < nt && r < inter)
-                act[(i64)sorted[t0 + i] * inter + r] = situ_glu_one(g, u, beta, beta_lin, has_lin);
-        }
-    }
-}
-
-// Grid (min(E, assignments), ceil(latent / 64)), 128 threads, dynamic shared memory stage * inter
-// * 4 bytes: y[a, r] = W2_e[r, :] . act[a, :], experts, rows and passes as above.
-extern "C" __global__ void __launch_bounds__(128)
-mxfp4_down_gemv_f32(const float* __restrict__ act, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
-                    const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y,
-                    int latent, int inter, int experts, int stage) {
-    const int e = mx_active_expert(offsets, experts, blockIdx.x);
-    if (threadIdx.x < 16) mxg_tab[threadIdx.x] = fp4_e2m1_to_f32(threadIdx.x);
-    if (e < 0) return;
-    const int h = threadIdx.x & 1, r = blockIdx.y * MXG_ROWS + (threadIdx.x >> 1);
-    const int nb = inter / 32, cols4 = inter / 4;
-    const i64 mrow = (i64)e * latent + min(r, latent - 1);
-    const u8* pk[1] = {w2p + mrow * (inter / 2)};
-    const u8* ps[1] = {w2s + mrow * nb};
-    const int a0 = offsets[e], a1 = offsets[e + 1], per = max(1, min(stage, MXG_T));
-    for (int t0 = a0; t0 < a1; t0 += per) {
-        const int nt = min(per, a1 - t0);
-        __syncthreads();
-        for (int i = 0; i < nt; ++i) mxg_stage(act + (i64)sorted[t0 + i] * inter, cols4, mxg_xs + i * cols4);
-        __syncthreads();
-        float acc[1][MXG_T];
-        mxg_rows<1, 4>(pk, ps, nb, h, nt, cols4, acc);
-#pragma unroll
-        for (int i = 0; i < MXG_T; ++i) {
-            const float v = acc[0][i] + __shfl_xor_sync(K3_FULL_MASK, acc[0][i], 1);
-            if (h == 0 && i < nt && r < latent) y[(i64)sorted[t0 + i] * latent + r] = v;
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Stream kernels: the default for 1-token steps (ops.rs mx_experts_choice). The gemv pair above
-// reads 64 bytes per row per loop trip and then decodes them with nothing else in flight, at one
-// table load per weight (the shared-memory pipe, not HBM, sets its pace). Here:
-// - Work: the (assignment, row) pairs, flattened, split evenly over every warp of a grid of two
-//   256-thread blocks per SM (ops.rs mx_stream_launch): at most one row of imbalance, no tail
-//   wave. Assignment a = (token a / top_k, expert idx[a]) straight from the router: no sort.
-// - Loads: a warp takes a batch of up to 2 * RH consecutive rows (half-warp h the rows 2 j + h);
-//   lane l of a half loads 16-byte chunk l & 15, +16, +32, ... of its rows, so each load
-//   instruction reads two whole aligned 256-byte runs. NM * RH = 8 loads per lane per step
-//   (128 B; 64 KB per SM), and each row's next chunk is requested as soon as its current one is
-//   decoded (rolling prefetch: the HBM stream never waits on the decode of a step).
-// - Decode: one shared load per byte (two weights) from a 256-entry bf16x2 table replicated per
-//   lane (entry b of lane l at word 64 b + l: the address is one PRMT of the byte and 4 l, and
-//   every lane hits its own bank), then two shifts/masks to f32 (exact: an E2M1 value fits bf16).
-//   That is half the shared wavefronts of the 16-entry table and about 3 issue slots per weight.
-// - Activations: the upper 128 bytes of each 256-byte table row hold one 32-value chunk of x
-//   (two staged rows, chunks 0..127 each, float4 j of chunk c at j ^ (c & 7): the 16 chunks of a
-//   load instruction spread over all banks). A lane keeps its chunk's 32 values in registers and
-//   applies them to all NM * RH rows of the batch.
-// Sums: per lane over its chunks (f32 FMA, block scale applied per 32-value dot as above), then
-// a 16-lane xor tree. Exact f32 products; only the summation order differs from the gemv pair.
 #define MXS_WARPS 8                    // warps per block
-#define MXS_TAB_ROW 256                // bytes per table row: 32 lanes x bf16x2, then one x chunk
+#define MXS_TAB_ROW 256                // bytes per table row: 32 lanes x bf16x2, then staged inputs
 #define MXS_SHARED (256 * MXS_TAB_ROW) // dynamic shared memory: 64 KB (ops.rs MX_STREAM_SHARED)
-#define MXS_MAX_CHUNKS 128             // chunks per staged row: cols / 32 + 1 zero chunk (cols <= 4064)
 
 extern __shared__ __align__(16) u32 mxs_smem[];
 
@@ -278,191 +75,13 @@ __device__ __forceinline__ void mxs_fill_table() {
     }
 }
 
-// Stage one f32 row of `cols` values as x slot `slot` (layout in the header).
-__device__ __forceinline__ void mxs_stage(const float* __restrict__ src, int cols, int slot) {
-    const float4* s4 = reinterpret_cast<const float4*>(src);
-    float4* xs = reinterpret_cast<float4*>(mxs_smem) + 16 * MXS_MAX_CHUNKS * slot + 8;
-    for (int g = threadIdx.x; g < cols / 4 + 8; g += blockDim.x) {  // + chunk nb = 0 (mxs_batch)
-        const int c = g >> 3;
-        xs[16 * c + ((g & 7) ^ (c & 7))] = g < cols / 4 ? s4[g] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-}
-
-// First row of the flattened (assignment, row) space owned by warp `part` of `parts`.
+// First unit of the flattened work space of n units owned by warp `part` of `parts`.
 __device__ __forceinline__ i64 mxs_split(i64 n, i64 part, i64 parts) { return n * part / parts; }
 
-// One batch: rows r0 + 2 j + h (j < RH, 2 j + h < nr) of NM matrices (pk / ps: the expert's
-// packed bytes / scales at row 0, nb 32-value chunks per row) against x slot `slot`.
-// acc[m][j]: this lane's partial dot of its row; the caller reduces over the half-warp. Lanes
-// past the batch load its last row (sums not stored); lanes past the row (nb % 16 != 0) load its
-// last chunk against the zero chunk staged at index nb (E2M1 values are finite: the dot is 0).
-template <int NM, int RH>
-__device__ __forceinline__ void mxs_batch(const u8* const (&pk)[NM], const u8* const (&ps)[NM], int r0, int nr,
-                                          int nb, int slot, float (&acc)[NM][RH]) {
-    const int lane = threadIdx.x & 31, h = lane >> 4, cl = lane & 15;
-    const u32 lane4 = (u32)lane << 2;
-    const char* tab = reinterpret_cast<const char*>(mxs_smem);
-    const float4* xs = reinterpret_cast<const float4*>(mxs_smem) + 16 * MXS_MAX_CHUNKS * slot + 8;
-    const u32 rowb = (u32)nb * 16u;  // an expert's matrix is < 2^31 bytes (ops.rs)
-    const u8* wrow[NM];
-    const u8* srow[NM];
-#pragma unroll
-    for (int m = 0; m < NM; ++m) {
-        wrow[m] = pk[m] + (i64)r0 * rowb;
-        srow[m] = ps[m] + (i64)r0 * nb;
-    }
-    uint4 raw[NM][RH];
-    u32 sc[NM][RH];
-    // Chunk min(cl + 16 i, nb - 1) of row slot j.
-    auto load = [&](int m, int j, int i) {
-        const u32 rr = (u32)min(2 * j + h, nr - 1), cc = (u32)min(cl + 16 * i, nb - 1);
-        raw[m][j] = mxs_ld(wrow[m] + (rr * rowb + cc * 16u));
-        sc[m][j] = __ldg(srow[m] + (rr * (u32)nb + cc));
-    };
-#pragma unroll
-    for (int m = 0; m < NM; ++m)
-#pragma unroll
-        for (int j = 0; j < RH; ++j) {
-            acc[m][j] = 0.0f;
-            load(m, j, 0);
-        }
-    const int nsteps = (nb + 15) >> 4;
-    for (int i = 0; i < nsteps; ++i) {
-        const int c = min(cl + 16 * i, nb);  // nb: the zero chunk
-        const bool more = i + 1 < nsteps;
-        float xv[32];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-            const float4 v = xs[16 * c + (q ^ (c & 7))];
-            xv[4 * q] = v.x;
-            xv[4 * q + 1] = v.y;
-            xv[4 * q + 2] = v.z;
-            xv[4 * q + 3] = v.w;
-        }
-#pragma unroll
-        for (int m = 0; m < NM; ++m)
-#pragma unroll
-            for (int j = 0; j < RH; ++j) {
-                if (2 * j >= nr) continue;  // warp-uniform: no row of this slot in either half
-                const uint4 w = raw[m][j];
-                float d0 = 0.0f, d1 = 0.0f;
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const u32 wd = q == 0 ? w.x : q == 1 ? w.y : q == 2 ? w.z : w.w;
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        // (byte k << 8) | 4 lane: entry (byte, lane) of the table.
-                        const u32 off = __byte_perm(wd, lane4, 0x5504u + 16u * k);
-                        const u32 p = *reinterpret_cast<const u32*>(tab + off);
-                        d0 = fmaf(__uint_as_float(p << 16), xv[8 * q + 2 * k], d0);
-                        d1 = fmaf(__uint_as_float(p & 0xffff0000u), xv[8 * q + 2 * k + 1], d1);
-                    }
-                }
-                acc[m][j] = fmaf(d0 + d1, e8m0_to_f32((u8)sc[m][j]), acc[m][j]);
-                if (more) load(m, j, i + 1);
-            }
-    }
-#pragma unroll
-    for (int m = 0; m < NM; ++m)
-#pragma unroll
-        for (int j = 0; j < RH; ++j)
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1) acc[m][j] += __shfl_xor_sync(K3_FULL_MASK, acc[m][j], o);
-}
-
-// The block's part of the flattened (assignment, row) space, n_assign x rows: stage the x rows
-// of up to two assignments at a time, then each warp runs its own rows of them in batches.
-// x_of(j) = the f32 input row of assignment j; emit(j, e, r0, nr, acc) stores a batch (lanes
-// with lane & 15 == 0 hold the sums).
-template <int NM, int RH, typename XOf, typename Batch>
-__device__ __forceinline__ void mxs_drive(const int* __restrict__ idx, int experts, int n_assign, int rows,
-                                          int cols, XOf x_of, Batch batch) {
-    __shared__ int slot_e[2];
-    const int warp = threadIdx.x >> 5;
-    const i64 n = (i64)n_assign * rows, parts = (i64)gridDim.x * MXS_WARPS, w0 = (i64)blockIdx.x * MXS_WARPS;
-    const i64 b0 = mxs_split(n, w0, parts), b1 = mxs_split(n, w0 + MXS_WARPS, parts);
-    if (b1 <= b0) return;  // block-uniform
-    const i64 q0 = mxs_split(n, w0 + warp, parts), q1 = mxs_split(n, w0 + warp + 1, parts);
-    mxs_fill_table();
-    const int jlo = (int)(b0 / rows), jhi = (int)((b1 - 1) / rows);
-    for (int jr = jlo; jr <= jhi; jr += 2) {
-        __syncthreads();  // table written (first round); the previous round is done with the x slots
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            const int j = jr + s;
-            const int e = j <= jhi ? idx[j] : -1;
-            const bool ok = e >= 0 && e < experts;
-            if (threadIdx.x == 0) slot_e[s] = ok ? e : -1;
-            if (ok) mxs_stage(x_of(j), cols, s);
-        }
-        __syncthreads();
-        const i64 lo = max(q0, (i64)jr * rows), hi = min(q1, (i64)(jr + 2) * rows);
-        for (i64 q = lo; q < hi;) {
-            const int j = (int)(q / rows), r0 = (int)(q - (i64)j * rows);
-            const int nr = (int)min((i64)(2 * RH), min(hi - q, (i64)(rows - r0)));
-            const int e = slot_e[j - jr];
-            if (e >= 0) batch(j, e, r0, nr, j - jr);  // warp-uniform
-            q += nr;
-        }
-    }
-}
-
-// Grid (ops.rs mx_stream_launch: up to 2 per SM), 256 threads, MXS_SHARED dynamic shared memory
-// (opt-in). act[a, r] = SiTU-GLU(W1_e[r] . z_t, W3_e[r] . z_t) for every assignment a < n_assign
-// with e = idx[a] in [0, experts) and t = a / top_k (other assignments: rows left as they are).
-// latent <= 4064 (ops.rs MX_STREAM_MAX_COLS), a multiple of 32.
-extern "C" __global__ void __launch_bounds__(256, 2)
-mxfp4_up_stream_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
-                    const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ idx,
-                    float* __restrict__ act, int top_k, int latent, int inter, float beta, float beta_lin, int has_lin,
-                    int experts, int n_assign) {
-    const int nb = latent / 32;
-    auto x_of = [&](int j) { return z + (i64)(j / top_k) * latent; };
-    auto batch = [&](int j, int e, int r0, int nr, int slot) {
-        const i64 m0 = (i64)e * inter;
-        const u8* pk[2] = {w1p + m0 * (latent / 2), w3p + m0 * (latent / 2)};
-        const u8* ps[2] = {w1s + m0 * nb, w3s + m0 * nb};
-        float acc[2][4];
-        mxs_batch<2, 4>(pk, ps, r0, nr, nb, slot, acc);
-        const int h = (threadIdx.x >> 4) & 1;
-        if ((threadIdx.x & 15) == 0) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k)
-                if (2 * k + h < nr)
-                    act[(i64)j * inter + r0 + 2 * k + h] = situ_glu_one(acc[0][k], acc[1][k], beta, beta_lin, has_lin);
-        }
-    };
-    mxs_drive<2, 4>(idx, experts, n_assign, inter, latent, x_of, batch);
-}
-
-// Grid, block and shared memory as mxfp4_up_stream_f32: y[a, r] = W2_e[r] . act[a] for every
-// assignment a < n_assign with e = idx[a] in [0, experts). inter <= 4064, a multiple of 32.
-extern "C" __global__ void __launch_bounds__(256, 2)
-mxfp4_down_stream_f32(const float* __restrict__ act, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
-                      const int* __restrict__ idx, float* __restrict__ y, int latent, int inter, int experts,
-                      int n_assign) {
-    const int nb = inter / 32;
-    auto x_of = [&](int j) { return act + (i64)j * inter; };
-    auto batch = [&](int j, int e, int r0, int nr, int slot) {
-        const i64 m0 = (i64)e * latent;
-        const u8* pk[1] = {w2p + m0 * (inter / 2)};
-        const u8* ps[1] = {w2s + m0 * nb};
-        float acc[1][8];
-        mxs_batch<1, 8>(pk, ps, r0, nr, nb, slot, acc);
-        const int h = (threadIdx.x >> 4) & 1;
-        if ((threadIdx.x & 15) == 0) {
-#pragma unroll
-            for (int k = 0; k < 8; ++k)
-                if (2 * k + h < nr) y[(i64)j * latent + r0 + 2 * k + h] = acc[0][k];
-        }
-    };
-    mxs_drive<1, 8>(idx, experts, n_assign, latent, inter, x_of, batch);
-}
-
 // ---------------------------------------------------------------------------------------------
-// Stream2 kernels (K3_MX_EXPERTS=stream2, 1-token steps; moe_stream.rs mx_stream2_plan): the stream
-// pair's no-sort work split and 64 KB table, with the multiply-adds on tensor cores. Why: the
-// stream pair spends ~3.6 issue slots per weight (per byte: PRMT + table LDS + 2 unpacks + 2
+// Stream2 kernels (1-token steps; moe_stream.rs mx_stream2_plan): a no-sort work split and the
+// 64 KB table above, with the multiply-adds on tensor cores. Why: a CUDA-core version (the deleted
+// stream pair) spent ~3.6 issue slots per weight (per byte: PRMT + table LDS + 2 unpacks + 2
 // FFMA, plus per-row overheads); here a byte is one PRMT + one conflict-free LDS of a bf16x2 pair
 // that goes straight into mma.sync m16n8k16 (the table entry is the A register): SASS per step of
 // the up kernel (32 weights of each of 4 rows per lane) is ~265 instructions (64 PRMT, 64 IADD,

@@ -1,17 +1,17 @@
-// Routed experts in MXFP4 on tensor cores, for decode steps of 2 tokens and more (same arguments
-// and results as mxfp4_*_gemv_f32 in mxfp4.cu, which takes 1-token steps; ops.rs
-// mx_experts_choice). Each 16x16 weight tile is expanded to bf16 in registers (exact: an E2M1
-// value times a power of two fits bf16) and multiplied by mma.sync m16n8k16 against the
-// step's tokens, each fed as two bf16 columns hi = bf16(x), lo = bf16(x - hi) (common.cuh
-// split_bf16) whose products the f32 accumulator sums: ~16 mantissa bits of x, as moe_gemm.cu.
+// Routed experts in MXFP4 on tensor cores, for decode steps of 2 tokens and more (1-token steps
+// take the stream2 pair of mxfp4.cu; ops.rs mx_experts_choice). Each 16x16 weight tile is
+// expanded to bf16 in registers (exact: an E2M1 value times a power of two fits bf16) and
+// multiplied by mma.sync m16n8k16 against the step's tokens, each fed as two bf16 columns
+// hi = bf16(x), lo = bf16(x - hi) (common.cuh split_bf16) whose products the f32 accumulator
+// sums: ~16 mantissa bits of x, as moe_gemm.cu.
 //
-// Why: the CUDA-core kernels spend ~11 shared / L1 wavefronts per 4 weight bytes per warp (8
-// nibble-table loads, 2 activation loads, the weight load) against ~7 SM cycles that 4.25 TB/s
-// allows, and every extra token costs 8 more FMAs per word. Here a byte (two nibbles) decodes
-// with one conflict-free LDS from a 256-entry bf16x2 table replicated per lane (entry b of lane l
-// at word 32 b + l: each lane its own bank), one bf16x2 FMA applies the block scale, and one mma
-// covers up to 4 tokens (8 hi/lo columns) for 16 rows x 16 columns: ~4 wavefronts per 4 bytes,
-// and tokens up to 8 per pass are nearly free.
+// Why: CUDA-core kernels (a deleted gemv pair) spent ~11 shared / L1 wavefronts per 4 weight
+// bytes per warp (8 nibble-table loads, 2 activation loads, the weight load) against ~7 SM cycles
+// that 4.25 TB/s allows, and every extra token cost 8 more FMAs per word. Here a byte (two
+// nibbles) decodes with one conflict-free LDS from a 256-entry bf16x2 table replicated per lane
+// (entry b of lane l at word 32 b + l: each lane its own bank), one bf16x2 FMA applies the block
+// scale, and one mma covers up to 4 tokens (8 hi/lo columns) for 16 rows x 16 columns: ~4
+// wavefronts per 4 bytes, and more tokens per pass are nearly free.
 //
 // Fragment mapping (PTX m16n8k16 .row.col): lane = 4 g + t holds A rows g and g + 8 at k = 2t,
 // 2t + 1 (+8), B column g at the same k. The dot over k does not care which physical column a
@@ -24,13 +24,7 @@
 // accumulators c0 + c1 (row g) and c2 + c3 (row g + 8) are token 4 q + t's whole result.
 #include "common.cuh"
 
-#define MXT_ROWS 128       // weight rows per 256-thread block: one 16-row tile per warp
-#define MXT_MAX_STAGE 8    // tokens per pass (two n-tiles of 4 tokens x hi/lo)
-#define MXT_CW 256         // activation columns staged per chunk (two super-steps)
-#define MXT_RS (MXT_CW + 16)  // bf16 per staged row: the 32-byte pad makes the B loads conflict-free
 #define MXT_TAB_WORDS 8192    // 256 entries x 32 lanes
-// Dynamic shared memory of both kernels: table + 16 staged rows (41,472 B, under the 48 KB limit).
-#define MXT_SHARED_BYTES (MXT_TAB_WORDS * 4 + 2 * MXT_MAX_STAGE * MXT_RS * 2)
 
 extern __shared__ __align__(16) u32 mxt_smem[];
 
@@ -62,215 +56,13 @@ __device__ __forceinline__ void mxt_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u
 // Word j (0..3) of a uint4.
 __device__ __forceinline__ u32 mxt_word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 
-// Stage columns [col0, col0 + MXT_CW) of the pass's nt tokens as hi/lo bf16 rows (row 2i + p:
-// token i, p = 0 hi / 1 lo; rows up to 8 ntl zero), in the fragment order of the header.
-// Token i's f32 row: src + (sorted[t0 + i] / src_div) * cols.
-__device__ __forceinline__ void mxt_stage(const float* __restrict__ src, int src_div, const int* __restrict__ sorted,
-                                          int t0, int nt, int ntl, int cols, int col0, u16* xs) {
-    for (int q = threadIdx.x; q < 8 * ntl * (MXT_CW / 4); q += blockDim.x) {
-        const int v = q / (MXT_CW / 4), cc = 4 * (q % (MXT_CW / 4));
-        const int col = col0 + cc;
-        u32 lo2 = 0u, hi2 = 0u;
-        if (v < 2 * nt && col < cols) {  // cols % 32 == 0: the whole float4 is in the row
-            const float* row = src + (i64)(sorted[t0 + (v >> 1)] / src_div) * cols;
-            const float4 x = *reinterpret_cast<const float4*>(row + col);
-            const float xv[4] = {x.x, x.y, x.z, x.w};
-            u32 b[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                u16 h, l;
-                split_bf16(xv[j], h, l);
-                b[j] = (v & 1) ? l : h;
-            }
-            lo2 = b[0] | (b[1] << 16);
-            hi2 = b[2] | (b[3] << 16);
-        }
-        // cc = 128 ssl + 32 t + 4 s  ->  128 ssl + 4 (4 s + t)
-        const int pos = (cc & 128) + 4 * (4 * ((cc >> 2) & 7) + ((cc >> 5) & 3));
-        *reinterpret_cast<uint2*>(xs + v * MXT_RS + pos) = make_uint2(lo2, hi2);
-    }
-}
-
-// The block's part of one expert: NM matrices of [rows, cols] (this warp's 16-row tile at row
-// r0), every assignment [a0, a1) of the expert in passes of up to `per` tokens. acc layout per
-// pass: out[m][q][h] = row g + 8h, token 4q + t. `emit` stores a pass's results.
-template <int NM, typename Emit>
-__device__ __forceinline__ void mxt_expert(const u8* const (&pk)[NM][2], const u8* const (&ps)[NM][2], int cols,
-                                           const float* src, int src_div, const int* __restrict__ sorted, int a0,
-                                           int a1, int per, Emit emit) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const u32* tab_lane = mxt_smem + lane;
-    u16* xs = reinterpret_cast<u16*>(mxt_smem + MXT_TAB_WORDS);
-    const int nb = cols / 32, nss = (nb + 3) / 4, nchunks = (cols + MXT_CW - 1) / MXT_CW;
-    for (int t0 = a0; t0 < a1; t0 += per) {
-        const int nt = min(per, a1 - t0), ntl = (nt + 3) / 4;
-        float acc[NM][2][4];
-#pragma unroll
-        for (int m = 0; m < NM; ++m)
-#pragma unroll
-            for (int q = 0; q < 2; ++q)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) acc[m][q][j] = 0.0f;
-        // Weights of super-step ss for this lane (block 4 ss + t of rows g, g + 8); past the row's
-        // end: zero bytes (table entry 0 = +0) with scale 1.
-        uint4 cur[NM][2];
-        u32 csc[NM][2];
-        auto load = [&](int ss, uint4 (&raw)[NM][2], u32 (&sc)[NM][2]) {
-            const int b = 4 * ss + t;
-#pragma unroll
-            for (int m = 0; m < NM; ++m)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    raw[m][h] = b < nb ? __ldg(reinterpret_cast<const uint4*>(pk[m][h] + b * 16)) : make_uint4(0, 0, 0, 0);
-                    sc[m][h] = mxt_scale2(b < nb ? (u32)__ldg(ps[m][h] + b) : 127u);
-                }
-        };
-        load(0, cur, csc);
-        for (int c = 0; c < nchunks; ++c) {
-            __syncthreads();  // the previous chunk's (or pass's) B loads are done
-            mxt_stage(src, src_div, sorted, t0, nt, ntl, cols, c * MXT_CW, xs);
-            __syncthreads();
-#pragma unroll
-            for (int ssl = 0; ssl < 2; ++ssl) {
-                const int ss = 2 * c + ssl;
-                if (ss >= nss) break;  // block-uniform
-                uint4 nxt[NM][2];
-                u32 nsc[NM][2];
-                load(ss + 1, nxt, nsc);  // in flight while this super-step computes
-#pragma unroll
-                for (int s = 0; s < 8; ++s) {
-                    u32 b[2][2];
-#pragma unroll
-                    for (int q = 0; q < 2; ++q) {
-                        if (q < ntl) {
-                            const uint2 v = *reinterpret_cast<const uint2*>(xs + (8 * q + g) * MXT_RS + ssl * 128 +
-                                                                            4 * (4 * s + t));
-                            b[q][0] = v.x;
-                            b[q][1] = v.y;
-                        } else {
-                            b[q][0] = b[q][1] = 0u;
-                        }
-                    }
-#pragma unroll
-                    for (int m = 0; m < NM; ++m) {
-                        const u32 w0 = mxt_word(cur[m][0], s >> 1), w1 = mxt_word(cur[m][1], s >> 1);
-                        const int by = 2 * (s & 1);
-                        const u32 a0 = mxt_pair(tab_lane, w0, by, csc[m][0]);
-                        const u32 a1 = mxt_pair(tab_lane, w1, by, csc[m][1]);
-                        const u32 a2 = mxt_pair(tab_lane, w0, by + 1, csc[m][0]);
-                        const u32 a3 = mxt_pair(tab_lane, w1, by + 1, csc[m][1]);
-#pragma unroll
-                        for (int q = 0; q < 2; ++q)
-                            if (q < ntl) mxt_mma(acc[m][q], a0, a1, a2, a3, b[q][0], b[q][1]);
-                    }
-                }
-#pragma unroll
-                for (int m = 0; m < NM; ++m)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        cur[m][h] = nxt[m][h];
-                        csc[m][h] = nsc[m][h];
-                    }
-            }
-        }
-        float out[NM][2][2];
-#pragma unroll
-        for (int m = 0; m < NM; ++m)
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                out[m][q][0] = acc[m][q][0] + acc[m][q][1];
-                out[m][q][1] = acc[m][q][2] + acc[m][q][3];
-            }
-        emit(t0, nt, out);
-    }
-}
-
-// Fill the replicated table: word 32 b + l = bf16x2 (E2M1(b & 15), E2M1(b >> 4)) for every lane l.
-__device__ __forceinline__ void mxt_fill_table() {
-    for (int i = threadIdx.x; i < MXT_TAB_WORDS; i += blockDim.x) {
-        const u32 b = (u32)i >> 5;
-        mxt_smem[i] = mxt_bf16_of(b & 15u) | (mxt_bf16_of(b >> 4) << 16);
-    }
-}
-
-// Grid (min(E, assignments), ceil(inter / 128)), 256 threads, MXT_SHARED_BYTES dynamic shared
-// memory: block x takes the x-th busy expert e, warp w rows blockIdx.y * 128 + 16 w .. + 15 of W1
-// and W3, `stage` (1..8) tokens per pass. Arguments as mxfp4_up_gemv_f32.
-extern "C" __global__ void __launch_bounds__(256, 3)
-mxfp4_up_tc_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
-                const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
-                const int* __restrict__ sorted, float* __restrict__ act, int top_k, int latent, int inter, float beta,
-                float beta_lin, int has_lin, int experts, int stage) {
-    const int e = mx_active_expert(offsets, experts, blockIdx.x);
-    mxt_fill_table();  // the first chunk's barrier orders it before any lookup
-    if (e < 0) return;  // block-uniform
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int r0 = blockIdx.y * MXT_ROWS + 16 * (threadIdx.x >> 5);
-    const int nb = latent / 32;
-    const u8* pk[2][2];
-    const u8* ps[2][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const i64 mrow = (i64)e * inter + min(r0 + g + 8 * h, inter - 1);  // tail rows: loaded, not stored
-        pk[0][h] = w1p + mrow * (latent / 2);
-        pk[1][h] = w3p + mrow * (latent / 2);
-        ps[0][h] = w1s + mrow * nb;
-        ps[1][h] = w3s + mrow * nb;
-    }
-    const int per = max(1, min(stage, MXT_MAX_STAGE));
-    mxt_expert<2>(pk, ps, latent, z, top_k, sorted, offsets[e], offsets[e + 1], per,
-                  [&](int t0, int nt, const float(&o)[2][2][2]) {
-#pragma unroll
-                      for (int q = 0; q < 2; ++q)
-#pragma unroll
-                          for (int h = 0; h < 2; ++h) {
-                              const int i = 4 * q + t, r = r0 + g + 8 * h;
-                              if (i < nt && r < inter)
-                                  act[(i64)sorted[t0 + i] * inter + r] =
-                                      situ_glu_one(o[0][q][h], o[1][q][h], beta, beta_lin, has_lin);
-                          }
-                  });
-}
-
-// Grid (min(E, assignments), ceil(latent / 128)), 256 threads, MXT_SHARED_BYTES: y[a, r] =
-// W2_e[r, :] . act[a, :], experts, rows and passes as above. Arguments as mxfp4_down_gemv_f32.
-extern "C" __global__ void __launch_bounds__(256, 4)
-mxfp4_down_tc_f32(const float* __restrict__ act, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
-                  const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,
-                  int inter, int experts, int stage) {
-    const int e = mx_active_expert(offsets, experts, blockIdx.x);
-    mxt_fill_table();
-    if (e < 0) return;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int r0 = blockIdx.y * MXT_ROWS + 16 * (threadIdx.x >> 5);
-    const int nb = inter / 32;
-    const u8* pk[1][2];
-    const u8* ps[1][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const i64 mrow = (i64)e * latent + min(r0 + g + 8 * h, latent - 1);
-        pk[0][h] = w2p + mrow * (inter / 2);
-        ps[0][h] = w2s + mrow * nb;
-    }
-    const int per = max(1, min(stage, MXT_MAX_STAGE));
-    mxt_expert<1>(pk, ps, inter, act, 1, sorted, offsets[e], offsets[e + 1], per,
-                  [&](int t0, int nt, const float(&o)[1][2][2]) {
-#pragma unroll
-                      for (int q = 0; q < 2; ++q)
-#pragma unroll
-                          for (int h = 0; h < 2; ++h) {
-                              const int i = 4 * q + t, r = r0 + g + 8 * h;
-                              if (i < nt && r < latent) y[(i64)sorted[t0 + i] * latent + r] = o[0][q][h];
-                          }
-                  });
-}
-
 // ---------------------------------------------------------------------------------------------
-// tc2 (ops.rs MxExperts::Tc, the default from 2 tokens; the pair above is `tc_old`): the same
-// decode (table + scale fold) and mma fragments, but
+// tc2 (ops.rs MxExperts::Tc, the default from 2 tokens): the decode (table + scale fold) and mma
+// fragments above, and
 // - every token of the expert goes through each decoded weight fragment: a pass takes up to 16
 //   tokens (4 n-tiles of 4 tokens x hi/lo), so the weights are read once per expert (experts with
-//   more than 16 tokens take another pass). The old pair re-read them every 8 tokens;
+//   more than 16 tokens take another pass). A first tensor-core pair (deleted) staged 8 tokens
+//   per pass from f32 rows and re-read the weights every 8 tokens;
 // - weights stream through a 3-stage cp.async ring in shared memory (no registers held by loads
 //   in flight: two 17 KB stages per block, two blocks per SM), each stage one super-step (128
 //   columns = 4 MX blocks) of 256 weight rows, with an L2 256-byte prefetch hint so DRAM sees
@@ -281,7 +73,7 @@ mxfp4_down_tc_f32(const float* __restrict__ act, const u8* __restrict__ w2p, con
 // Row-major staged tiles: A-row ar of a stage (64 bytes) sits at ar * 64, its 4 scale bytes at
 // MX2_W_BYTES + 4 ar; the warp's 16-byte reads (8 rows x 4 lanes) cover all 32 banks 4 times.
 // B row v = 2 i + p (token i of the pass, p = 0 hi / 1 lo) at MX2_BRS-byte stride (conflict-free
-// 8-byte fragment loads, as MXT_RS).
+// 8-byte fragment loads: the 32-byte pad spreads the 8 rows of a phase over all banks).
 // xs layout (both split forms): [row][ceil(cols / 128)][p][128] bf16, column 128 ss + c at index
 // mx2_pos(c) of its super-step (c = 32 t + 4 s + j -> 16 s + 4 t + j: lane t's k-step s reads 4
 // consecutive values), columns past `cols` zero.
@@ -312,7 +104,8 @@ __device__ __forceinline__ void mx2_commit() { asm volatile("cp.async.commit_gro
 __device__ __forceinline__ void mx2_wait_all_but_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 static_assert(MX2_STAGES == 3, "mx2_wait_all_but_one waits for all but MX2_STAGES - 2 groups");
 
-// As mxt_fill_table, 16 bytes per store.
+// Fill the replicated table: word 32 b + l = bf16x2 (E2M1(b & 15), E2M1(b >> 4)) for every lane
+// l, 16 bytes per store.
 __device__ __forceinline__ void mx2_fill_table() {
     uint4* tab4 = reinterpret_cast<uint4*>(mxt_smem);
     for (int i = threadIdx.x; i < MXT_TAB_WORDS / 4; i += blockDim.x) {
@@ -475,7 +268,8 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
 // Grid (min(E, assignments), ceil(inter / 128)), 256 threads, MX2 shared bytes for `ntiles` (1..4)
 // n-tiles per pass: block y writes super-step y of actx = SiTU-GLU(W1 z, W3 z) for every
 // assignment of its expert, hi / lo split (xs layout, rows past inter zero): the down kernel's B.
-// zx: mxfp4_tc2_split_f32 of z. Other arguments as mxfp4_up_tc_f32.
+// zx: mxfp4_tc2_split_f32 of z; z's token of assignment a is a / top_k; `experts` = E (block x
+// takes the x-th busy expert: mx_active_expert); SiTU-GLU parameters beta, beta_lin, has_lin.
 extern "C" __global__ void __launch_bounds__(256, 2)
 mxfp4_up_tc2_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
                  const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
@@ -512,8 +306,8 @@ mxfp4_up_tc2_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u
 }
 
 // Grid (min(E, assignments), ceil(latent / 256)), 256 threads, MX2 shared bytes: y[a, r] =
-// W2_e[r, :] . act[a, :] with act from actx (mxfp4_up_tc2_f32). Other arguments as
-// mxfp4_down_tc_f32.
+// W2_e[r, :] . act[a, :] with act from actx (mxfp4_up_tc2_f32), for every sorted assignment a
+// of the block's expert.
 extern "C" __global__ void __launch_bounds__(256, 2)
 mxfp4_down_tc2_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
                    const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,

@@ -9,8 +9,8 @@
 #      per-op profile (K3_PROFILE=1)
 # K3_BENCH_ONLY (e.g. "mla,moe"; "none") limits stage 1's kernel benchmarks to those sections
 # (kda_decode, kda_prefill, mla, mla_prefill, attn_res, moe, gemv, sampling);
-# K3_SLICE_RUNS (default "default profile"; also "nogemm", "nographs", "mxgemv", "candidates" = the
-# variables in K3_SLICE_CANDIDATES, e.g. "K3_MOE_PREFILL=grouped K3_MLA_DECODE=bf16v2") picks stage 3's k3-slice runs.
+# K3_SLICE_RUNS (default "default profile"; also "nogemm", "nographs", "mxtc", "candidates" = the
+# variables in K3_SLICE_CANDIDATES, e.g. "K3_MOE_PREFILL=gemm K3_MLA_DECODE=precise") picks stage 3's k3-slice runs.
 # K3_SERVING=1 adds stage 4, the seeds' serving workload on k3-slice (scripts/device-serving.sh).
 # Each stage has its own time limit so one slow stage leaves the others their share of the call.
 # Results under $OUT; exit status non-zero if a check failed.
@@ -50,9 +50,9 @@ SLICE=(bench --device cuda --model models/k3-slice --load-format dummy --prefill
         echo "== k3-slice, CUDA, decode without CUDA graphs (K3_CUDA_GRAPHS=0)"
         K3_CUDA_GRAPHS=0 timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
     fi
-    if [[ $runs == *" mxgemv "* ]]; then
-        echo "== k3-slice, CUDA, MXFP4 experts below the GEMM threshold: CUDA-core gemv pair at every size (K3_MX_EXPERTS=gemv)"
-        K3_MX_EXPERTS=gemv timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
+    if [[ $runs == *" mxtc "* ]]; then
+        echo "== k3-slice, CUDA, MXFP4 experts below the GEMM threshold: tc2 pair at every size (K3_MX_EXPERTS=tc)"
+        K3_MX_EXPERTS=tc timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
     fi
     if [[ $runs == *" nogemm "* ]]; then
         echo "== k3-slice, CUDA, MoE without the GEMM path (K3_MOE_GEMM_MIN=huge)"

@@ -12,9 +12,8 @@ import torch
 
 from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, KDA_SCAN_KERNELS, cdiv,
                     kda_decode_launcher, kda_region_floats, log, rel_err, run_kda_prefill)
-from common import mx_gemv_stage, mx_tc_stage, run_mla_prefill, run_mx_experts
+from common import run_mla_prefill, run_mx_tc2
 from common import MX_TC2_DOWN_ROWS, MX_TC2_UP_ROWS, mx_tc2_ntiles, mx_tc2_scratch, mx_tc2_shared
-from common import MX_STREAM_SHARED, mx_stream_grid, run_mx_stream
 from common import mx_stream2_plan, mx_stream2_scratch, run_mx_stream2
 from common import mx_grouped_scratch, run_mx_grouped
 from common import gemv_tc_plan, run_gemv_tc
@@ -58,7 +57,7 @@ def bench_mla_v2(d: Device, record, N, L, A, ps, qt, kvb, o, base, lens, floor):
     pargs = [d.view(lat), d.view(kvb), d.view(o), N, heads, nope, v_dim, kv_lora]
 
     def tail():
-        d.launch("mla_merge_f32", (N, heads), 128, *margs)
+        d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, *margs)
         d.launch("mla_out_proj_f32", (heads, cdiv(v_dim, 16), cdiv(N, 64)), 256, *pargs)
     big = N * L > 16 * 8192
     variants = [("v2 precise", 1 | 4 << 2, True), ("v2 mixed", 3 | 4 << 2, True), ("v2 fast", 0 | 4 << 2, True),
@@ -146,10 +145,9 @@ def bench_mla_proj(d: Device, r: Results, record, quick: bool):
             log(f"bench mla_proj N={N} raised {type(e).__name__}: {str(e)[:200]}")
 
 
-# kernels/mla_attend_bf16.cu: 48 heads per block, one block per SM (geometry.rs); bf16v2
-# (kernels/mla_attend_bf16v2.cu): the same blocks with a double-buffered K tile, L2 prefetch
-# MLA_BF16V2_PREFETCH tiles ahead (geometry.rs MLA_BF16V2_PREFETCH_TILES), and mla_merge_v2_f32.
-MLA_BF16_HEADS, MLA_BF16_SHARED, MLA_BF16V2_SHARED, MLA_BF16V2_PREFETCH = 48, 128192, 165568, 2
+# kernels/mla_attend_bf16.cu: 48 heads per block, one block per SM, a double-buffered K tile
+# (geometry.rs MLA_BF16_SHARED).
+MLA_BF16_HEADS, MLA_BF16_SHARED = 48, 165568
 
 
 def mla_splits_bf16(blocks, max_len, sms=132):
@@ -179,22 +177,17 @@ def bench_mla_bf16(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
         d.launch("mla_attend_bf16_f32", (hg, N, sb), 256, *common_args, d.view(pb), N, heads, kv_lora, rope, pt, sb,
                  0, scale, shared_mem=MLA_BF16_SHARED)
 
+    def merge_bf16():
+        d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, d.view(pb), d.view(lb), N, heads, kv_lora, sb)
+
     def bf16_full():
         attend_bf16()
-        d.launch("mla_merge_f32", (N, heads), 128, d.view(pb), d.view(lb), N, heads, kv_lora, sb)
-
-    def attend_v2(pf=MLA_BF16V2_PREFETCH):
-        d.launch("mla_attend_bf16v2_f32", (hg, N, sb), 256, *common_args, d.view(pb), N, heads, kv_lora, rope, pt, sb,
-                 0, scale, pf, shared_mem=MLA_BF16V2_SHARED)
-
-    def merge_v2():
-        d.launch("mla_merge_v2_f32", (N, heads, cdiv(kv_lora, 128)), 128, d.view(pb), d.view(lb), N, heads, kv_lora,
-                 sb)
+        merge_bf16()
 
     def tc2_full():
         d.launch("mla_attend_tc2_f32", (hg16, N, s2), 256, *common_args, d.view(p2), N, heads, kv_lora, rope, pt, s2,
                  0, scale, 1 | 4 << 2)
-        d.launch("mla_merge_f32", (N, heads), 128, d.view(p2), d.view(l2), N, heads, kv_lora, s2)
+        d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, d.view(p2), d.view(l2), N, heads, kv_lora, s2)
 
     def timed(fn):
         return d.time_graph(fn, reps=5, inner=3) if big else d.time_graph(fn)
@@ -206,29 +199,13 @@ def bench_mla_bf16(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     floor = (kv_bytes + 2 * part_bytes(sb) + N * heads * kv_lora * 4) / (COPY_TBPS * 1e12) * 1e3
     record(f"mla_attend+merge bf16 N={N} L={L} (f32 rows + partials)", ms, floor, splits=sb, timing=how,
            tc2_us=round(tc2_ms * 1e3, 1), tc2_splits=s2, speedup_vs_tc2=round(tc2_ms / ms, 2))
-    # bf16v2 (what K3_MLA_DECODE=bf16v2 runs), its parts, and the prefetch distance.
-    for pf in (0, 1, 2, 4):
-        ms, how = timed(lambda pf=pf: attend_v2(pf))
-        record(f"mla_attend bf16v2 N={N} L={L} (attend only, f32 rows, prefetch {pf})", ms,
-               (kv_bytes + part_bytes(sb)) / (COPY_TBPS * 1e12) * 1e3, splits=sb, timing=how)
-    ms, how = timed(merge_v2)
-    record(f"mla_merge v2 N={N} L={L} (partials read + latent written)", ms,
+    ms, how = timed(merge_bf16)
+    record(f"mla_merge N={N} L={L} (bf16 partials read + latent written)", ms,
            (part_bytes(sb) + N * heads * kv_lora * 4) / (COPY_TBPS * 1e12) * 1e3, splits=sb, timing=how)
-    ms, how = timed(lambda: (attend_bf16(), merge_v2()))
-    record(f"mla_attend+merge bf16 + merge v2 N={N} L={L}", ms, floor, splits=sb, timing=how)
-    ms, how = timed(lambda: (attend_v2(), merge_v2()))
-    record(f"mla_attend+merge bf16v2 N={N} L={L} (f32 rows + partials)", ms, floor, splits=sb, timing=how,
-           tc2_us=round(tc2_ms * 1e3, 1), speedup_vs_tc2=round(tc2_ms / ms, 2))
     bf16_full()
     tc2_full()
     d.sync()
     r.check(f"mla bf16 vs tc2 precise latent N={N} L={L} (K3 shapes, splits {sb} / {s2})", rel_err(lb, l2), 2e-2)
-    lb1 = lb.clone()
-    attend_v2()
-    merge_v2()
-    d.sync()
-    r.check(f"mla bf16v2 vs tc2 precise latent N={N} L={L} (K3 shapes, splits {sb} / {s2})", rel_err(lb, l2), 2e-2)
-    r.check(f"mla bf16v2 vs bf16 latent N={N} L={L} (same roundings)", rel_err(lb, lb1), 2e-3)
     del pb, p2, lb, l2
 
 
@@ -241,9 +218,10 @@ def bench(d: Device, r: Results, quick: bool, only=None):
     H, hk, conv, lb = 96, 96 * 128, 4, -5.0
     reg = kda_region_floats(hk, conv, H)
     fla = None
-    try:
-        from fla.ops.kda import chunk_kda, fused_recurrent_kda
-        fla = (chunk_kda, fused_recurrent_kda)
+    try:  # only the KDA sections compare with fla (importing it compiles for ~90 s)
+        if want("kda_decode") or want("kda_prefill"):
+            from fla.ops.kda import chunk_kda, fused_recurrent_kda
+            fla = (chunk_kda, fused_recurrent_kda)
     except Exception as e:  # noqa: BLE001
         log(f"fla not importable ({type(e).__name__}: {str(e)[:120]}); no fla comparison")
 
@@ -395,7 +373,7 @@ def bench(d: Device, r: Results, quick: bool, only=None):
     if want("attn_res"):
         bench_attn_res(d, record)
     if want("moe"):
-        bench_moe_stream(d, record)
+        bench_moe_stream2(d, record)
         bench_moe(d, record, quick)
         bench_moe_prefill(d, record, quick)
     if want("sampling"):
@@ -445,7 +423,8 @@ def bench_mla_prefill(d: Device, r: Results, record):
                          v_dim, kv_lora)
                 d.launch("mla_attend_tc2_f32", (hg16, T, splits), 256, v["qt"], v["A"], v["ps"], v["base"],
                          v["lens"], v["part"], T, heads, kv_lora, rope, pt, splits, chunk, qk ** -0.5, 1 | 4 << 2)
-                d.launch("mla_merge_f32", (T, heads), 128, v["part"], v["lat"], T, heads, kv_lora, splits)
+                d.launch("mla_merge_f32", (T, heads, cdiv(kv_lora, 128)), 128, v["part"], v["lat"], T, heads, kv_lora,
+                         splits)
                 d.launch("mla_out_proj_f32", (heads, cdiv(v_dim, 16), cdiv(T, 64)), 256, v["lat"], v["kvb"], v["o"],
                          T, heads, nope, v_dim, kv_lora)
             go_e()
@@ -465,6 +444,9 @@ def bench_mla_prefill(d: Device, r: Results, record):
             log(f"bench mla_prefill T={T} raised {type(e).__name__}: {str(e)[:200]}")
 
 
+TOPK_SEGMENT = 4096  # ops.rs TOPK_SEGMENT
+
+
 def bench_topk(d: Device, record):
     """Sampling candidates (what a greedy / top-k decode step hands the host): topk_rows_f32 plus
     copying its k pairs back, against copying the whole logits rows back (what the engine did
@@ -474,11 +456,20 @@ def bench_topk(d: Device, record):
     for rows in (1, 16, 64):
         lg = torch.randn(rows, vocab, device="cuda") * 3
         for k in (1, 50):
+            segs = cdiv(vocab, TOPK_SEGMENT)
+            seg_ids = torch.empty(rows * segs * k, dtype=torch.int32, device="cuda")
+            seg_vals = torch.empty(rows * segs * k, device="cuda")
+            seg_count = torch.empty(rows * segs, dtype=torch.int32, device="cuda")
             ids = torch.empty(rows * k, dtype=torch.int32, device="cuda")
             vals = torch.empty(rows * k, device="cuda")
             count = torch.empty(rows, dtype=torch.int32, device="cuda")
-            run = lambda: d.launch("topk_rows_f32", rows, 1024, d.view(lg), d.view(ids), d.view(vals),  # noqa: E731
-                                   d.view(count), rows, vocab, k)
+
+            def run(rows=rows, k=k, segs=segs, seg_ids=seg_ids, seg_vals=seg_vals, seg_count=seg_count, ids=ids,
+                    vals=vals, count=count, lg=lg):
+                d.launch("topk_segments_f32", (segs, rows), 512, d.view(lg), d.view(seg_ids), d.view(seg_vals),
+                         d.view(seg_count), rows, vocab, k, TOPK_SEGMENT)
+                d.launch("topk_merge_f32", rows, 1024, d.view(lg), d.view(seg_ids), d.view(seg_vals),
+                         d.view(seg_count), d.view(ids), d.view(vals), d.view(count), rows, vocab, k, segs)
             ms, how = d.time_graph(run)
 
             def wall(fn, reps=20):
@@ -490,7 +481,7 @@ def bench_topk(d: Device, record):
                 return (time.perf_counter() - t0) / reps * 1e3
             sel = wall(lambda: (run(), ids.cpu(), vals.cpu(), count.cpu()))
             full = wall(lambda: lg.cpu())
-            record(f"topk_rows k={k} rows={rows} vocab={vocab} (kernel)", ms, rows * vocab * 4 / (COPY_TBPS * 1e12) * 1e3,
+            record(f"topk_rows k={k} rows={rows} vocab={vocab} (segments + merge)", ms, rows * vocab * 4 / (COPY_TBPS * 1e12) * 1e3,
                    timing=how)
             log(f"bench sampling rows={rows} k={k}: select + copy {sel * 1e3:.0f} us vs whole rows to host "
                 f"{full * 1e3:.0f} us ({full / sel:.1f}x)")
@@ -535,30 +526,19 @@ def bench_moe(d: Device, record, quick: bool):
         up_args = (V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"], V["srt"], V["act"], k, lt, ie, 4.0, 25.0,
                    1, E)
         down_args = (V["act"], V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt, ie, E)
-        outs, times = {}, {}
         scratch = mx_tc2_scratch(d, T, k, lt, ie)  # tc2's split z / intermediate (views made outside graphs)
-        # The decode-step pairs (ops.rs MxExperts: `gemv` / stream for 1-token steps, `tc` = tc2 from 2,
-        # `tc_old` the pair it replaces), same buffers and run; floor = weight bytes read / 4.25 TB/s.
-        for kind in ("gemv", "tc") if T == 1 else ("gemv", "tc_old", "tc") if T <= 16 else ("tc_old", "tc"):
-            def go(kind=kind):
-                d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
-                run_mx_experts(d, kind, min(E, T * k), up_args, down_args, T, lt, ie, scratch=scratch)
-                d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
-            go()
-            d.sync()
-            outs[kind] = res.clone()
-            ms, how = d.time_graph(go)
-            times[kind] = ms
-            stage = mx_gemv_stage(T, lt) if kind == "gemv" else mx_tc_stage(T) if kind == "tc_old" else \
-                f"{4 * mx_tc2_ntiles(T)} (tc2)"
-            # K3-size agreement: the tc pairs' activations carry ~16 bits (hi + lo bf16).
-            base = "gemv" if "gemv" in outs and kind != "gemv" else "tc_old" if kind == "tc" else None
-            agree = {f"rel_vs_{base}": f"{rel_err(outs[kind], outs[base]):.1e}"} if base else {}
-            if kind == "tc" and "tc_old" in times:
-                agree["speedup_vs_tc_old"] = f"{times['tc_old'] / ms:.2f}x"
-            record(f"moe_routed {kind} T={T} top{k} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS * 1e12) * 1e3,
-                   experts_touched=touched, stage=stage, default=kind == ("gemv" if T == 1 else "tc"), timing=how,
-                   **agree)
+
+        # The tc2 pair (ops.rs MxExperts::Tc: the default from 2 tokens; at T = 1 the fallback for
+        # experts too wide for stream2, which bench_moe_stream2 times); floor = weight bytes / 4.25 TB/s.
+        def go():
+            d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
+            run_mx_tc2(d, min(E, T * k), up_args, down_args, T, lt, ie, scratch=scratch)
+            d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
+        go()
+        d.sync()
+        ms, how = d.time_graph(go)
+        record(f"moe_routed tc T={T} top{k} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS * 1e12) * 1e3,
+               experts_touched=touched, stage=f"{4 * mx_tc2_ntiles(T)} (tc2)", default=T > 1, timing=how)
         if T > 1:  # tc2's kernels alone (inputs left by the last run), each against its own weight bytes
             nt, gx, (_, zx, actx) = mx_tc2_ntiles(T), min(E, T * k), scratch
             up_b, down_b = touched * 2 * ie * (lt // 2 + lt // 32), touched * lt * (ie // 2 + ie // 32)
@@ -686,11 +666,12 @@ def bench_moe_cublas_path(d: Device, V, w, T, k, lt, ie, E):
     return d.time_ms(path, reps=5, warmup=1)
 
 
-def bench_moe_stream(d: Device, record):
-    """Routed MoE at T = 1 (top-16 of 128, K3 expert sizes): the stream pair (ops.rs default for
-    1-token steps: up + down + combine, no sort) against the previous default, the staged gemv pair
-    (sort + up + down + combine), in the same run on the same buffers; then each stream kernel
-    alone against its own weight bytes. Floor = weight bytes read / 4.25 TB/s."""
+def bench_moe_stream2(d: Device, record):
+    """Routed MoE at T = 1 (top-16 of 128, K3 expert sizes): the stream2 pair (ops.rs default for
+    1-token steps: up + down + combine, no sort) against the tc2 pair (sort + split + up + down +
+    combine: the fallback for experts too wide for stream2) in the same run on the same buffers,
+    with the two results compared (both carry ~16 bits of the activations); then each stream2
+    kernel alone against its own weight bytes. Floor = weight bytes read / 4.25 TB/s."""
     E, k, lt, ie, T = 128, 16, 3584, 3072, 1
     u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device="cuda")  # noqa: E731
     sc = lambda *s: torch.randint(118, 124, s, dtype=torch.uint8, device="cuda")  # noqa: E731
@@ -709,46 +690,19 @@ def bench_moe_stream(d: Device, record):
                                     ("wts", wts), ("res", res))}
     up_b, down_b = k * 2 * ie * (lt // 2 + lt // 32), k * lt * (ie // 2 + ie // 32)
     floor = lambda b: b / (COPY_TBPS * 1e12) * 1e3  # noqa: E731
-    s_up = (V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["idx"], V["act"], k, lt, ie, 4.0, 25.0, 1, E)
-    s_down = (V["act"], V["w2p"], V["w2s"], V["idx"], V["y"], lt, ie, E)
     g_up = (V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"], V["srt"], V["act"], k, lt, ie, 4.0, 25.0, 1, E)
     g_down = (V["act"], V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt, ie, E)
-
-    def combine():
-        d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
-
-    def old():
-        d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
-        run_mx_experts(d, "gemv", min(E, T * k), g_up, g_down, T, lt, ie)
-        combine()
-
-    def new():
-        run_mx_stream(d, s_up, s_down, T * k, lt, ie)
-        combine()
     try:
-        old()
+        scratch = mx_tc2_scratch(d, T, k, lt, ie)
+
+        def tc2():
+            d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
+            run_mx_tc2(d, min(E, T * k), g_up, g_down, T, lt, ie, scratch=scratch)
+            d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
+        tc2()
         d.sync()
         ref = res.clone()
-        old_ms, _ = d.time_graph(old)
-        new()
-        d.sync()
-        rel = rel_err(res, ref)
-        ms_s, how = d.time_graph(new)
-        record(f"moe_routed stream T={T} top{k} (up+down+combine, no sort)", ms_s, floor(up_b + down_b),
-               old_gemv_us=f"{old_ms * 1e3:.1f}", old_pct_of_floor=f"{100 * floor(up_b + down_b) / old_ms:.0f}",
-               speedup=f"{old_ms / ms_s:.2f}x", rel_vs_gemv=f"{rel:.1e}", timing=how,
-               grid=f"{mx_stream_grid(T * k, ie)}/{mx_stream_grid(T * k, lt)}")
-        for name, fn, b in (("up", lambda: d.launch("mxfp4_up_stream_f32", mx_stream_grid(T * k, ie), 256, *s_up,
-                                                    T * k, shared_mem=MX_STREAM_SHARED), up_b),
-                            ("down", lambda: d.launch("mxfp4_down_stream_f32", mx_stream_grid(T * k, lt), 256,
-                                                      *s_down, T * k, shared_mem=MX_STREAM_SHARED), down_b)):
-            ms, how = d.time_graph(fn)
-            record(f"moe stream {name} kernel alone T={T} top{k}", ms, floor(b), timing=how)
-    except Exception as e:  # noqa: BLE001  a failure here must not cost the benchmarks after it
-        log(f"bench moe stream raised {type(e).__name__}: {str(e)[:200]}")
-    # stream2 (K3_MX_EXPERTS=stream2: the same split with the products on tensor cores) on the same
-    # weights and ids, against the gemv result (ref) and the stream pair's time (ms_s).
-    try:
+        tc2_ms, _ = d.time_graph(tc2)
         na = T * k
         (gup, pup), (gdn, pdn) = mx_stream2_plan(na, ie, lt), mx_stream2_plan(na, lt, ie)
         ngu, nyp = mx_stream2_scratch(na, lt, ie)
@@ -763,13 +717,12 @@ def bench_moe_stream(d: Device, record):
         rel2 = rel_err(res, ref)
         ms2, how = d.time_graph(s2)
         record(f"moe_routed stream2 T={T} top{k} (up+down+combine, tensor cores)", ms2, floor(up_b + down_b),
-               stream_us=f"{ms_s * 1e3:.1f}", speedup_vs_stream=f"{ms_s / ms2:.2f}x",
-               old_gemv_us=f"{old_ms * 1e3:.1f}", rel_vs_gemv=f"{rel2:.1e}", timing=how,
-               grid=f"{gup}/{gdn}", parts=f"{pup}/{pdn}")
+               tc2_us=f"{tc2_ms * 1e3:.1f}", speedup_vs_tc2=f"{tc2_ms / ms2:.2f}x", rel_vs_tc2=f"{rel2:.1e}",
+               timing=how, grid=f"{gup}/{gdn}", parts=f"{pup}/{pdn}")
         for name, b in (("up", up_b), ("down", down_b), ("combine", None)):
             ms, how = d.time_graph(lambda name=name: s2((name,)))
             record(f"moe stream2 {name} kernel alone T={T} top{k}", ms, b and floor(b), timing=how)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001  a failure here must not cost the benchmarks after it
         log(f"bench moe stream2 raised {type(e).__name__}: {str(e)[:200]}")
     del w1p, w3p, w2p, w1s, w3s, w2s
 

@@ -25,35 +25,10 @@ if TYPE_CHECKING:
 COPY_TBPS = 4.25
 
 
-# The decode-step MXFP4 expert kernels (kernels/mxfp4.cu mxfp4_*_gemv_f32; ops.rs mx_gemv_stage; the
-# default for 1-token steps):
-# 64 rows per 128-thread block; up to 4 tokens staged per pass in dynamic shared memory, kept
-# under the 48 KB that needs no opt-in (the kernels' static shared memory is ~0.2 KB).
-MX_GEMV_ROWS = 64
-MX_GEMV_STAGE_BYTES = 48 * 1024 - 512
-
-
-def mx_gemv_stage(max_tokens_per_expert: int, cols: int) -> int:
-    return max(1, min(max_tokens_per_expert, 4, MX_GEMV_STAGE_BYTES // (cols * 4)))
-
-
-# The old tensor-core pair (kernels/mxfp4_tc.cu mxfp4_*_tc_f32; ops.rs mx_tc_stage / mx_tc_launch;
-# K3_MX_EXPERTS=tc_old, kept for A/B against tc2 below):
-# 128 rows per 256-thread block, up to 8 tokens per pass, fixed dynamic shared memory (32 KB
-# decode table + 16 staged bf16 rows of 272).
-MX_TC_ROWS = 128
-MX_TC_SHARED = 8192 * 4 + 2 * 8 * 272 * 2
-
-
-def mx_tc_stage(max_tokens_per_expert: int) -> int:
-    return max(1, min(max_tokens_per_expert, 8))
-
-
 # tc2, the default from 2 tokens (kernels/mxfp4_tc.cu mxfp4_*_tc2_f32; ops.rs MxExperts::Tc,
 # mx_tc2_*): z split into hi / lo bf16 rows (mxfp4_tc2_split_f32, grid (T, super-steps), 32
 # threads), up blocks of 128 rows (one super-step of the split intermediate actx), down blocks of
 # 256 rows, up to 4 n-tiles of 4 tokens per pass, 3 cp.async stages in opt-in shared memory.
-# `tc_old` is the pair above (ops.rs MxExperts::TcOld).
 MX_TC2_UP_ROWS, MX_TC2_DOWN_ROWS = 128, 256
 
 
@@ -77,35 +52,25 @@ def mx_tc2_scratch(d: Device, t: int, k: int, lt: int, ie: int):
     return (zx, actx), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16)
 
 
-def run_mx_experts(d: Device, kind, gx, up_args, down_args, t, lt, ie, stage=None, scratch=None):
-    """The up and down launches of expert pair `kind` ("gemv", "tc" or "tc_old", ops.rs MxExperts)
-    over gx busy experts, as ops.rs moe_routed makes them: up_args / down_args are the old kernels'
-    arguments without the trailing stage (tc swaps z / act for its split buffers from `scratch`, an
-    mx_tc2_scratch, made here if None); `stage` (tokens per pass; tc: rounded up to n-tiles of 4)
-    defaults to ops.rs's choice for a step of t tokens."""
-    if kind == "gemv":
-        su, sd = (stage or mx_gemv_stage(t, lt), stage or mx_gemv_stage(t, ie))
-        d.launch("mxfp4_up_gemv_f32", (gx, cdiv(ie, MX_GEMV_ROWS)), 128, *up_args, su, shared_mem=su * lt * 4)
-        d.launch("mxfp4_down_gemv_f32", (gx, cdiv(lt, MX_GEMV_ROWS)), 128, *down_args, sd, shared_mem=sd * ie * 4)
-    elif kind == "tc":
-        nt = mx_tc2_ntiles(stage or t)
-        if scratch is None:
-            scratch = mx_tc2_scratch(d, t, up_args[8], lt, ie)
-        _, zx, actx = scratch
-        d.launch("mxfp4_tc2_split_f32", (t, cdiv(lt, 128)), 32, up_args[0], zx, t, lt)
-        d.launch("mxfp4_up_tc2_f32", (gx, cdiv(ie, MX_TC2_UP_ROWS)), 256, zx, *up_args[1:7], actx, *up_args[8:], nt,
-                 shared_mem=mx_tc2_shared(nt))
-        d.launch("mxfp4_down_tc2_f32", (gx, cdiv(lt, MX_TC2_DOWN_ROWS)), 256, actx, *down_args[1:], nt,
-                 shared_mem=mx_tc2_shared(nt))
-    else:
-        assert kind == "tc_old", kind
-        st = stage or mx_tc_stage(t)
-        d.launch("mxfp4_up_tc_f32", (gx, cdiv(ie, MX_TC_ROWS)), 256, *up_args, st, shared_mem=MX_TC_SHARED)
-        d.launch("mxfp4_down_tc_f32", (gx, cdiv(lt, MX_TC_ROWS)), 256, *down_args, st, shared_mem=MX_TC_SHARED)
+def run_mx_tc2(d: Device, gx, up_args, down_args, t, lt, ie, stage=None, scratch=None):
+    """The tc2 pair's launches (split z, up, down) over gx busy experts, as ops.rs moe_routed makes
+    them. up_args = (z, w1p, w1s, w3p, w3s, offsets, sorted, act, top_k, lt, ie, beta, beta_lin,
+    has_lin, E), down_args = (act, w2p, w2s, offsets, sorted, y, lt, ie, E): z / act stand for the
+    split buffers from `scratch` (an mx_tc2_scratch, made here if None); `stage` (tokens per pass,
+    rounded up to n-tiles of 4) defaults to ops.rs's choice for a step of t tokens."""
+    nt = mx_tc2_ntiles(stage or t)
+    if scratch is None:
+        scratch = mx_tc2_scratch(d, t, up_args[8], lt, ie)
+    _, zx, actx = scratch
+    d.launch("mxfp4_tc2_split_f32", (t, cdiv(lt, 128)), 32, up_args[0], zx, t, lt)
+    d.launch("mxfp4_up_tc2_f32", (gx, cdiv(ie, MX_TC2_UP_ROWS)), 256, zx, *up_args[1:7], actx, *up_args[8:], nt,
+             shared_mem=mx_tc2_shared(nt))
+    d.launch("mxfp4_down_tc2_f32", (gx, cdiv(lt, MX_TC2_DOWN_ROWS)), 256, actx, *down_args[1:], nt,
+             shared_mem=mx_tc2_shared(nt))
 
 
-# The grouped expert GEMMs (kernels/mxfp4_grouped.cu; moe_grouped.rs, K3_MOE_PREFILL=grouped, for
-# steps of >= K3_MOE_GEMM_MIN assignments): tiles of 64 sorted assignments of one expert, 512-thread
+# The grouped expert GEMMs (kernels/mxfp4_grouped.cu; moe_grouped.rs, K3_MOE_PREFILL=auto below
+# K3_MOE_GROUPED_MAX assignments or =grouped, for steps of >= K3_MOE_GEMM_MIN assignments): tiles of 64 sorted assignments of one expert, 512-thread
 # blocks of 128 intermediate rows (up) / 256 latent rows (down), grid.y an upper bound on the tiles,
 # one block per SM (opt-in shared memory: decode table + 3 stages).
 MX_GROUPED_TOK, MX_GROUPED_UP_ROWS, MX_GROUPED_DOWN_ROWS = 64, 128, 256
@@ -143,31 +108,13 @@ def run_mx_grouped(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t,
         d.launch("moe_combine_ids_f32", min(cdiv(t * lt, 256), 132 * 32), 256, y, idx, wts, out, t, k, lt, e)
 
 
-# The stream pair (kernels/mxfp4.cu mxfp4_*_stream_f32; moe_stream.rs mx_stream_launch; the
-# default for 1-token steps): 256-thread blocks, two per SM (fewer for small problems: at least 8
-# rows per warp), 64 KB of dynamic shared memory (opt-in), assignments straight from the router's
-# ids (no sort). Input width <= 127 * 32.
+# The stream2 pair's dynamic shared memory (kernels/mxfp4.cu MXS_SHARED, opt-in): the 64 KB
+# decode table with the staged inputs in its upper halves.
 MX_STREAM_SHARED = 65536
-MX_STREAM_MAX_COLS = 127 * 32
-
-
-def mx_stream_grid(n_assign: int, rows: int, sms: int = 132) -> int:
-    return max(1, min(2 * sms, cdiv(n_assign * rows, 8 * 8)))
-
-
-def run_mx_stream(d: Device, up_args, down_args, n_assign, lt, ie, grid=None):
-    """The stream pair's two launches as moe_stream.rs makes them. up_args = (z, w1p, w1s, w3p, w3s,
-    idx, act, top_k, lt, ie, beta, beta_lin, has_lin, E), down_args = (act, w2p, w2s, idx, y, lt, ie,
-    E): the kernels' arguments without the trailing n_assign. `grid` overrides the block count (any
-    count is valid: the checks use odd ones to move the warps' row boundaries)."""
-    d.launch("mxfp4_up_stream_f32", grid or mx_stream_grid(n_assign, ie), 256, *up_args, n_assign,
-             shared_mem=MX_STREAM_SHARED)
-    d.launch("mxfp4_down_stream_f32", grid or mx_stream_grid(n_assign, lt), 256, *down_args, n_assign,
-             shared_mem=MX_STREAM_SHARED)
 
 
 # The stream2 pair (kernels/mxfp4.cu mxfp4_*_stream2_f32 + moe_combine_parts_f32; moe_stream.rs
-# mx_stream2_plan; K3_MX_EXPERTS=stream2): the stream pair's blocks and shared memory, units of
+# mx_stream2_plan; the 1-token default): two 256-thread blocks per SM, units of
 # (assignment, 16-row tile, part of the row's 128-column steps) split evenly over the warps; each
 # unit writes its part's partial sums (gu [n_assign, parts_up, 2, ie], yp [n_assign, parts_down,
 # lt]), summed in part order by the next kernel. Input width <= 124 * 32.
@@ -309,18 +256,15 @@ def kda_decode_launcher(d: Device, variant, heads, n, args):
 KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4))}
 # The two-pass path (kernels/kda_chunk_scan.cu, ops.rs default for conv <= 4, K3_KDA_CHUNK=scan4): the
 # record pass (conv + prep + chunk algebra, grid (ceil(chunks / KDA_REC_NCH), heads), 128 threads) then
-# the key-split scan, grid (4, heads), 128 threads (ops.rs kda_rec_launch / kda_rec_kernel /
-# kda_scan_launch). rec4 (K3_KDA_CHUNK=rec4): the record pass without register prefetch, same scan;
-# rec5 (K3_KDA_CHUNK=rec5): rec3m at ~1/3 fewer instructions (in-place conv, Lkk / Aqk on tensor cores).
-KDA_SCAN_KERNELS = {"scan4": ("kda_chunk_rec3m_f32", "kda_chunk_scan4_f32"),
-                    "rec4": ("kda_chunk_rec4_f32", "kda_chunk_scan4_f32"),
-                    "rec5": ("kda_chunk_rec5_f32", "kda_chunk_scan4_f32")}
+# the key-split scan, grid (4, heads), 128 threads (ops.rs kda_rec_launch / KDA_REC_KERNEL /
+# kda_scan_launch).
+KDA_SCAN_KERNELS = {"scan4": ("kda_chunk_rec3m_f32", "kda_chunk_scan4_f32")}
 KDA_SCAN_THREADS = {"kda_chunk_scan4_f32": 128}
 KDA_REC_NCH = 8  # ops.rs KDA_REC_NCH; kernels/kda_chunk_scan.cu KDA_REC_NCH
 KDA_CHUNK_KERNELS.update({k: (v[1], lambda h: (4, h)) for k, v in KDA_SCAN_KERNELS.items()})
 # Tolerance of each against the float64 reference (and against the f32 kernel at K3 shapes): the
 # scans' 3xTF32 keeps f32 accuracy.
-KDA_CHUNK_TOL = {"f32": 1e-4, "scan4": 1e-4, "rec4": 1e-4, "rec5": 1e-4}
+KDA_CHUNK_TOL = {"f32": 1e-4, "scan4": 1e-4}
 KDA_REC_FLOATS = 8576  # one (chunk, head) record; ops.rs KDA_REC_FLOATS
 KDA_SCAN_SEG = 8192  # tokens per rec + scan segment; ops.rs KDA_SCAN_SEG
 

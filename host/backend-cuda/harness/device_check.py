@@ -33,8 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks import bench  # noqa: E402
 from common import (KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, KDA_SCAN_KERNELS, LOG, ROOT, cdiv,  # noqa: E402
                     kda_decode_launcher, kda_reference, kda_region_floats, log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
-from common import mla_prefill_plan, run_mla_prefill, run_mx_experts  # noqa: E402
-from common import mx_stream_grid, run_mx_stream  # noqa: E402
+from common import mla_prefill_plan, run_mla_prefill, run_mx_tc2  # noqa: E402
 from common import mx_stream2_plan, mx_stream2_scratch, run_mx_stream2  # noqa: E402
 from common import mx_grouped_scratch, run_mx_grouped  # noqa: E402
 from common import gemv_tc_plan, run_gemv_tc  # noqa: E402
@@ -340,6 +339,8 @@ def ref_top_k_row(row, k):
 def check_topk_rows(d: Device, r: Results, gen):
     """Candidate selection for sampling: exact ids, values and counts against the definition, on
     rows with heavy ties (quantised logits), -0 / +0, NaN / +-inf, fewer finite entries than k."""
+    # 70001 / 163840: rows over 18 / 40 segments (equal logits across segment borders); 300: one
+    # segment with fewer finite entries than k.
     for vocab, ks in ((70001, (1, 5, 64)), (163840, (1, 50, 1024)), (300, (1, 7, 1024))):
         rows = 4
         lg = (rand(rows, vocab, scale=3, gen=gen) * 4).round() / 4  # ties everywhere
@@ -355,12 +356,7 @@ def check_topk_rows(d: Device, r: Results, gen):
         lg[3, 5:vocab:max(1, vocab // 40)] = torch.arange(len(range(5, vocab, max(1, vocab // 40)))).float()
         lgd = lg.contiguous().to(d.tdev)
         for k in ks:
-            ids = torch.empty(rows * k, dtype=torch.int32, device=d.tdev)
-            vals = torch.empty(rows * k, device=d.tdev)
-            count = torch.empty(rows, dtype=torch.int32, device=d.tdev)
-            d.launch("topk_rows_f32", rows, 1024, d.view(lgd), d.view(ids), d.view(vals), d.view(count),
-                     rows, vocab, k)
-            d.sync()
+            ids, vals, count = run_topk(d, lgd, rows, vocab, k)
             ids_h, vals_h, count_h = ids.cpu().view(rows, k), vals.cpu().view(rows, k), count.cpu()
             ok, detail = True, ""
             for row in range(rows):
@@ -373,6 +369,26 @@ def check_topk_rows(d: Device, r: Results, gen):
                     ok, detail = False, f"row {row}: {got[:4]}... vs {want[:4]}... ({n} vs {len(want)})"
                     break
             r.exact(f"topk_rows vocab={vocab} k={k}", ok, detail)
+
+
+TOPK_SEGMENT = 4096  # ops.rs TOPK_SEGMENT
+
+
+def run_topk(d: Device, lgd, rows, vocab, k, seg_len=TOPK_SEGMENT):
+    """ops.rs top_k_rows: per-segment picks, then the merge. Returns device (ids, vals, count)."""
+    segs = cdiv(vocab, seg_len)
+    seg_ids = torch.empty(rows * segs * k, dtype=torch.int32, device=d.tdev)
+    seg_vals = torch.empty(rows * segs * k, device=d.tdev)
+    seg_count = torch.empty(rows * segs, dtype=torch.int32, device=d.tdev)
+    ids = torch.empty(rows * k, dtype=torch.int32, device=d.tdev)
+    vals = torch.empty(rows * k, device=d.tdev)
+    count = torch.empty(rows, dtype=torch.int32, device=d.tdev)
+    d.launch("topk_segments_f32", (segs, rows), 512, d.view(lgd), d.view(seg_ids), d.view(seg_vals),
+             d.view(seg_count), rows, vocab, k, seg_len)
+    d.launch("topk_merge_f32", rows, 1024, d.view(lgd), d.view(seg_ids), d.view(seg_vals), d.view(seg_count),
+             d.view(ids), d.view(vals), d.view(count), rows, vocab, k, segs)
+    d.sync()
+    return ids, vals, count
 
 
 def struct_bits(v):
@@ -574,7 +590,8 @@ def check_mla(d: Device, r: Results, gen):
                      d.view(i64(page_start)), d.view(i32(pt_base)), d.view(i32(lens)), d.view(part), n, heads, kv_lora,
                      rope, pt, splits, chunk, (nope + rope) ** -0.5, mode)
             lat = torch.empty(n, heads, kv_lora, device=d.tdev)
-            d.launch("mla_merge_f32", (n, heads), 128, d.view(part), d.view(lat), n, heads, kv_lora, splits)
+            d.launch("mla_merge_f32", (n, heads, cdiv(kv_lora, 128)), 128, d.view(part), d.view(lat), n, heads,
+                     kv_lora, splits)
             o = torch.empty(n, heads * v_dim, device=d.tdev)
             d.launch("mla_out_proj_f32", (heads, cdiv(v_dim, 16), cdiv(n, 64)), 256, d.view(lat), d.view(kvb),
                      d.view(o), n, heads, nope, v_dim, kv_lora)
@@ -613,9 +630,9 @@ def check_mla_bf16_products(d: Device, r: Results, gen):
             r.check(f"mla_out_proj_bf16 {shape}", rel_err(o, ref_o), 1e-5)
 
 
-# kernels/mla_attend_bf16.cu: 48 heads per 256-thread block, dynamic shared memory (geometry.rs);
-# kernels/mla_attend_bf16v2.cu: the same blocks, double-buffered K (MLA_BF16V2_SHARED), + L2 prefetch.
-MLA_BF16_HEADS, MLA_BF16_SHARED, MLA_BF16V2_SHARED = 48, 128192, 165568
+# kernels/mla_attend_bf16.cu: 48 heads per 256-thread block, dynamic shared memory (geometry.rs
+# MLA_BF16_SHARED: Q, two K tiles, score partials, P).
+MLA_BF16_HEADS, MLA_BF16_SHARED = 48, 165568
 
 
 def mla_latent_reference(qt, rows, scale, kv_lora):
@@ -671,20 +688,16 @@ def check_mla_bf16(d: Device, r: Results, gen):
         emu = (w[..., None] * P[..., :kv_lora]).sum(2) / (w * P[..., kv_lora + 1]).sum(-1)[..., None]
         tag = f"H={heads}, Lkv={kv_lora}, pages of {pt}, lens={lens}, splits={splits}, chunk={chunk}" + \
             ("" if aligned else ", 4-byte rows")
-        # v1 (+ mla_merge_f32) and v2 (+ mla_merge_v2_f32; prefetch 0, 1 and 2 tiles ahead over the cases).
-        for kern, extra, shared, merge, mgrid, label in (
-                ("mla_attend_bf16_f32", (), MLA_BF16_SHARED, "mla_merge_f32", (n, heads), "bf16"),
-                ("mla_attend_bf16v2_f32", (len(lens) % 3,), MLA_BF16V2_SHARED, "mla_merge_v2_f32",
-                 (n, heads, cdiv(kv_lora, 128)), "bf16v2")):
-            part = torch.full((n, heads, splits, kv_lora + 2), float("nan"), device=d.tdev)
-            d.launch(kern, (cdiv(heads, MLA_BF16_HEADS), n, splits), 256, d.view(dev(qt)), d.view(A),
-                     d.view(ps.to(d.tdev)), d.view(base.to(d.tdev)), d.view(lens_t.to(d.tdev)), d.view(part), n,
-                     heads, kv_lora, rope, pt, splits, chunk, scale, *extra, shared_mem=shared)
-            lat = torch.full((n, heads, kv_lora), float("nan"), device=d.tdev)
-            d.launch(merge, mgrid, 128, d.view(part), d.view(lat), n, heads, kv_lora, splits)
-            d.sync()
-            r.check(f"mla attend {label} vs float64 ({tag})", rel_err(lat, ref), 1e-2)
-            r.check(f"mla attend {label} vs bf16 emulation ({tag})", rel_err(lat, emu), 2e-3)
+        part = torch.full((n, heads, splits, kv_lora + 2), float("nan"), device=d.tdev)
+        d.launch("mla_attend_bf16_f32", (cdiv(heads, MLA_BF16_HEADS), n, splits), 256, d.view(dev(qt)), d.view(A),
+                 d.view(ps.to(d.tdev)), d.view(base.to(d.tdev)), d.view(lens_t.to(d.tdev)), d.view(part), n,
+                 heads, kv_lora, rope, pt, splits, chunk, scale, shared_mem=MLA_BF16_SHARED)
+        lat = torch.full((n, heads, kv_lora), float("nan"), device=d.tdev)
+        d.launch("mla_merge_f32", (n, heads, cdiv(kv_lora, 128)), 128, d.view(part), d.view(lat), n, heads, kv_lora,
+                 splits)
+        d.sync()
+        r.check(f"mla attend bf16 vs float64 ({tag})", rel_err(lat, ref), 1e-2)
+        r.check(f"mla attend bf16 vs bf16 emulation ({tag})", rel_err(lat, emu), 2e-3)
 
 
 def mla_prefill_reference(q, rows, kv_b, heads, nope, rope, v_dim, kv_lora, start):
@@ -784,39 +797,37 @@ def check_moe(d: Device, r: Results, gen):
             h = ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0)
             ref[tt] += wts[tt, j] * (w2[ex] @ h)
     # All t tokens, then the first alone (4 busy experts of 16: grid.x = min(E, assignments) = 4 < E,
-    # blocks mapped to busy experts), through both decode-step expert pairs.
+    # blocks mapped to busy experts; tc2 is also ops.rs's 1-token pair for experts too wide for
+    # stream2), through the tc2 pair; the stream2 pair's checks are check_moe_stream2.
     for tn in (t, 1):
         na = tn * k
         offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
         sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
         d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx[:tn].int().reshape(-1))), na, e, d.view(offsets),
                  d.view(sorted_))
-        for kind in ("gemv", "tc", "tc_old"):
-            act = torch.empty(na, ie, device=d.tdev)
-            y = torch.empty(na, lt, device=d.tdev)
-            run_mx_experts(d, kind, min(e, na),
-                           (d.view(zf), d.view(dev(w1p)), d.view(dev(w1s)), d.view(dev(w3p)), d.view(dev(w3s)),
-                            d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1, e),
-                           (d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets), d.view(sorted_),
-                            d.view(y), lt, ie, e), tn, lt, ie)
-            res = torch.empty(tn, lt, device=d.tdev)
-            wv = d.view(dev(wts[:tn].float().reshape(-1)))
-            d.launch("moe_combine_f32", cdiv(tn * lt, 256), 256, d.view(y), wv, d.view(res), tn, k, lt)
-            d.sync()
-            # tc: bf16 weights (exact) times hi + lo bf16 activations (~16 bits), as check_moe_gemv.
-            r.check(f"moe routed {kind} T={tn} E={e} (sort+up+down+combine)", rel_err(res, ref[:tn]),
-                    1e-5 if kind == "gemv" else 2e-5)
+        act = torch.empty(na, ie, device=d.tdev)
+        y = torch.empty(na, lt, device=d.tdev)
+        run_mx_tc2(d, min(e, na),
+                   (d.view(zf), d.view(dev(w1p)), d.view(dev(w1s)), d.view(dev(w3p)), d.view(dev(w3s)),
+                    d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1, e),
+                   (d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets), d.view(sorted_),
+                    d.view(y), lt, ie, e), tn, lt, ie)
+        res = torch.empty(tn, lt, device=d.tdev)
+        wv = d.view(dev(wts[:tn].float().reshape(-1)))
+        d.launch("moe_combine_f32", cdiv(tn * lt, 256), 256, d.view(y), wv, d.view(res), tn, k, lt)
+        d.sync()
+        # bf16 weights (exact) times hi + lo bf16 activations (~16 bits), as check_moe_tc_shapes.
+        r.check(f"moe routed tc T={tn} E={e} (sort+up+down+combine)", rel_err(res, ref[:tn]), 2e-5)
 
 
-def check_moe_gemv(d: Device, r: Results, gen):
-    """The decode-step expert pairs (mxfp4_*_gemv_f32, mxfp4_*_tc_f32) on shapes with an odd number
-    of 32-value blocks per row (a lane pair's / super-step's tail) and rows that leave a partial
-    row tile, at T = 1, at several tokens per expert (tc: more than 8 on some experts, so two
-    passes), and with small stages (one or three tokens per pass: weights re-read). tc also on a
-    shape wider than one 256-column staging chunk (416 = 13 blocks: a partial second chunk)."""
+def check_moe_tc_shapes(d: Device, r: Results, gen):
+    """The tc2 pair on shapes with an odd number of 32-value blocks per row (a super-step's tail)
+    and rows that leave a partial row tile, at T = 1, at several tokens per expert (more than 16 on
+    some experts at T = 17, so two passes), and with small stages (one or three tokens per pass:
+    weights re-read), also on a shape of 13 x 9 blocks (partial super-steps both ways)."""
     e, k = 6, 3
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
-    for lt, ie, kinds in ((160, 96, ("gemv", "tc", "tc_old")), (416, 288, ("tc", "tc_old"))):
+    for lt, ie in ((160, 96), (416, 288)):
         w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
         w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
         w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
@@ -834,97 +845,26 @@ def check_moe_gemv(d: Device, r: Results, gen):
             sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
             d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx.int().reshape(-1))), na, e, d.view(offsets),
                      d.view(sorted_))
-            gx = min(e, na)
-            for kind in kinds:
-                if kind == "gemv" and t == 17:
-                    continue
-                act = torch.empty(na, ie, device=d.tdev)
-                y = torch.empty(na, lt, device=d.tdev)
-                wargs = (d.view(dev(z.float())), d.view(dev(w1p)), d.view(dev(w1s)), d.view(dev(w3p)),
-                         d.view(dev(w3s)), d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1, e)
-                dargs = (d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets), d.view(sorted_), d.view(y),
-                         lt, ie, e)
-                run_mx_experts(d, kind, gx, wargs, dargs, t, lt, ie, stage)
-                res = torch.empty(t, lt, device=d.tdev)
-                d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
-                         d.view(res), t, k, lt)
-                d.sync()
-                tag = f"T={t}" + (f" stage={stage}" if stage else "") + ("" if lt == 160 else f" {lt}x{ie}")
-                # tc: bf16 weights (exact) times hi + lo bf16 activations (~16 bits) in f32, as the
-                # split-bf16 GEMM path (check_moe_gemm's 2e-5).
-                r.check(f"moe routed {kind} {tag} (sort+up+down+combine)", rel_err(res, ref),
-                        1e-5 if kind == "gemv" else 2e-5)
-
-
-def check_moe_stream(d: Device, r: Results, gen):
-    """The stream pair (mxfp4_*_stream_f32, the 1-token default; no sort: ids straight from the
-    router) + combine, against float64: rows split over the warps of several grid sizes (1 block:
-    many staging rounds per block; odd counts: batches cut at assignment boundaries and short
-    last batches), widths whose 32-value chunks are not a multiple of 16 (lanes past the row on
-    the zero chunk: 160 = 5 chunks, 544 = 17: a second, partial step), T > 1 (weights re-read per
-    assignment) and an out-of-range id (slot skipped: its y row stays zero)."""
-    # The kernels' split of the (assignment, row) pairs (mxs_drive: rounds of two staged
-    # assignments per block, each warp's own range in batches of up to 2 RH rows that never cross an
-    # assignment), replayed here: every pair exactly once; at K3 sizes at most 1 row over the mean.
-    for na, rows, grid, rh in ((16, 3072, 264, 4), (16, 3584, 264, 8), (9, 40, 7, 4), (5, 19, 3, 8), (4, 37, 1, 8)):
-        n, parts, seen, per_warp = na * rows, grid * 8, [], []
-        for b in range(grid):
-            b0, b1 = n * 8 * b // parts, n * 8 * (b + 1) // parts
-            if b1 <= b0:
-                continue
-            for w in range(8):
-                q0, q1 = n * (8 * b + w) // parts, n * (8 * b + w + 1) // parts
-                for jr in range(b0 // rows, (b1 - 1) // rows + 1, 2):
-                    q = max(q0, jr * rows)
-                    while q < min(q1, (jr + 2) * rows):
-                        j, r0 = divmod(q, rows)
-                        nr = min(2 * rh, min(q1, (jr + 2) * rows) - q, rows - r0)
-                        seen += [(j, r0 + i) for i in range(nr)]
-                        q += nr
-                per_warp.append(q1 - q0)
-        ok = sorted(seen) == [(j, r) for j in range(na) for r in range(rows)]
-        r.exact(f"moe stream row split {na}x{rows} grid={grid}: every row once, rows per warp "
-                f"{min(per_warp)}..{max(per_warp)}", ok and max(per_warp) - min(per_warp) <= 1)
-    e, k = 6, 3
-    dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
-    for lt, ie in ((160, 96), (544, 288)):
-        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
-        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
-        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
-        wv = [dev(x) for x in (w1p, w1s, w3p, w3s, w2p, w2s)]
-        for t in (1, 3):
-            z = rand(t, lt, gen=gen)
-            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
-                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
-            idx = idx.clone()
-            if t == 3:
-                idx[1, 2] = -1  # skipped slot
-            ref = torch.zeros(t, lt, dtype=torch.float64)
-            for tt in range(t):
-                for j in range(k):
-                    ex = int(idx[tt, j])
-                    if ex >= 0:
-                        ref[tt] += wts[tt, j] * (w2[ex] @ ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0))
-            na = t * k
-            ids = dev(idx.int().reshape(-1))
-            for grid in (None, 1, 3, 7):
-                act = torch.empty(na, ie, device=d.tdev)
-                y = torch.zeros(na, lt, device=d.tdev)
-                run_mx_stream(d, (d.view(dev(z.float())), *(d.view(x) for x in wv[:4]), d.view(ids), d.view(act),
-                                  k, lt, ie, 4.0, 25.0, 1, e),
-                              (d.view(act), d.view(wv[4]), d.view(wv[5]), d.view(ids), d.view(y), lt, ie, e),
-                              na, lt, ie, grid)
-                res = torch.empty(t, lt, device=d.tdev)
-                d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
-                         d.view(res), t, k, lt)
-                d.sync()
-                g = grid or f"{mx_stream_grid(na, ie)}/{mx_stream_grid(na, lt)}"
-                r.check(f"moe routed stream T={t} {lt}x{ie} grid={g} (up+down+combine)", rel_err(res, ref), 1e-5)
+            act = torch.empty(na, ie, device=d.tdev)
+            y = torch.empty(na, lt, device=d.tdev)
+            wargs = (d.view(dev(z.float())), d.view(dev(w1p)), d.view(dev(w1s)), d.view(dev(w3p)),
+                     d.view(dev(w3s)), d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1, e)
+            dargs = (d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets), d.view(sorted_), d.view(y),
+                     lt, ie, e)
+            run_mx_tc2(d, min(e, na), wargs, dargs, t, lt, ie, stage)
+            res = torch.empty(t, lt, device=d.tdev)
+            d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
+                     d.view(res), t, k, lt)
+            d.sync()
+            tag = f"T={t}" + (f" stage={stage}" if stage else "") + ("" if lt == 160 else f" {lt}x{ie}")
+            # bf16 weights (exact) times hi + lo bf16 activations (~16 bits) in f32, as the
+            # split-bf16 GEMM path (check_moe_gemm's 2e-5).
+            r.check(f"moe routed tc {tag} (sort+up+down+combine)", rel_err(res, ref), 2e-5)
 
 
 def check_moe_stream2(d: Device, r: Results, gen):
-    """The stream2 pair (mxfp4_*_stream2_f32 + moe_combine_parts_f32, K3_MX_EXPERTS=stream2) against
-    float64: the unit split replayed (every (assignment, tile, part) once; K3 sizes: the busiest
+    """The stream2 pair (mxfp4_*_stream2_f32 + moe_combine_parts_f32, the 1-token default; no sort:
+    ids straight from the router) against float64: the unit split replayed (every (assignment, tile, part) once; K3 sizes: the busiest
     warp within 5% of the mean steps), then widths whose 32-value blocks are not a multiple of 4
     (160 = 5, 96 = 3, 544 = 17, 288 = 9: zero-padded blocks, lanes on the last block), T = 1 and 3
     (an out-of-range id), the planned grid and odd grids / part counts (1 block: many staging
@@ -977,17 +917,17 @@ def check_moe_stream2(d: Device, r: Results, gen):
                 d.sync()
                 g = grid or (mx_stream2_plan(na, ie, lt)[0], mx_stream2_plan(na, lt, ie)[0])
                 p = parts or (mx_stream2_plan(na, ie, lt)[1], mx_stream2_plan(na, lt, ie)[1])
-                # hi + lo bf16 activations (~16 bits) as the tc pairs (check_moe_gemv's 2e-5).
+                # hi + lo bf16 activations (~16 bits) as the tc2 pair (check_moe_tc_shapes's 2e-5).
                 r.check(f"moe routed stream2 T={t} {lt}x{ie} grid={g[0]}/{g[1]} parts={p[0]}/{p[1]} "
                         "(up+down+combine)", rel_err(res, ref), 2e-5)
 
 
 def check_moe_tc2(d: Device, r: Results, gen):
-    """The tc2 pair (default from 2 tokens) against float64 and the old tc pair: random top-4 routings
+    """The tc2 pair (default from 2 tokens) against float64: random top-4 routings
     over 16 experts at T = 2, 3, 16, 64, and a made one at T = 70, top-2 over 8 experts, whose
     experts take 70, 35, 17, 9, 8 and 1 tokens (two idle): one n-tile, n-tiles of 4 tokens and a
     partial one, several 16-token passes. 384 x 256: 4-byte-aligned scale rows (K3's case; the
-    odd widths are in check_moe_gemv), a partial down row block, 3 / 2 super-steps."""
+    odd widths are in check_moe_tc_shapes), a partial down row block, 3 / 2 super-steps."""
     lt, ie = 384, 256
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
     second = torch.tensor([1] * 1 + [2] * 8 + [3] * 9 + [4] * 17 + [5] * 35)
@@ -1013,23 +953,19 @@ def check_moe_tc2(d: Device, r: Results, gen):
         d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx.int().reshape(-1))), na, e, d.view(offsets),
                  d.view(sorted_))
         counts = sorted(torch.bincount(idx.reshape(-1), minlength=e).tolist(), reverse=True)
-        outs = {}
-        for kind in ("tc", "tc_old"):
-            act = torch.empty(na, ie, device=d.tdev)
-            y = torch.empty(na, lt, device=d.tdev)
-            wargs = (d.view(dev(z.float())), d.view(dev(w1p)), d.view(dev(w1s)), d.view(dev(w3p)), d.view(dev(w3s)),
-                     d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1, e)
-            dargs = (d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets), d.view(sorted_), d.view(y), lt,
-                     ie, e)
-            run_mx_experts(d, kind, min(e, na), wargs, dargs, t, lt, ie)
-            res = torch.empty(t, lt, device=d.tdev)
-            d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
-                     d.view(res), t, k, lt)
-            d.sync()
-            outs[kind] = res.cpu().double()
-            r.check(f"moe routed {kind} T={t} top{k} of {e}, tokens per expert {counts[:6]} (sort+up+down+combine)",
-                    rel_err(res, ref), 2e-5)
-        r.check(f"moe routed tc vs tc_old T={t}", rel_err(outs["tc"], outs["tc_old"]), 2e-5)
+        act = torch.empty(na, ie, device=d.tdev)
+        y = torch.empty(na, lt, device=d.tdev)
+        wargs = (d.view(dev(z.float())), d.view(dev(w1p)), d.view(dev(w1s)), d.view(dev(w3p)), d.view(dev(w3s)),
+                 d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1, e)
+        dargs = (d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets), d.view(sorted_), d.view(y), lt,
+                 ie, e)
+        run_mx_tc2(d, min(e, na), wargs, dargs, t, lt, ie)
+        res = torch.empty(t, lt, device=d.tdev)
+        d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
+                 d.view(res), t, k, lt)
+        d.sync()
+        r.check(f"moe routed tc T={t} top{k} of {e}, tokens per expert {counts[:6]} (sort+up+down+combine)",
+                rel_err(res, ref), 2e-5)
 
 
 def check_moe_grouped(d: Device, r: Results, gen):
@@ -1206,7 +1142,7 @@ def main():
     t0 = time.time()
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
                check_kda_prefill_scan, check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill,
-               check_moe, check_moe_gemv, check_moe_stream, check_moe_stream2, check_moe_tc2, check_moe_gemm,
+               check_moe, check_moe_tc_shapes, check_moe_stream2, check_moe_tc2, check_moe_gemm,
                check_moe_grouped, check_bf16_matmul, check_gemv_tc, check_kda_prefill_prep):
         try:
             fn(d, r, gen)

@@ -307,49 +307,6 @@ def _emu_mla_prefill_softmax(s, rows, tq, lk, q0):
     S[:] = torch.softmax(S.double().masked_fill(hidden, float("-inf")), -1).masked_fill(hidden, 0.0).float()
 
 
-def _emu_moe_up(z, w1p, w1s, w3p, w3s, offsets, sorted_, act, top_k, lt, ie, beta, beta_lin, has_lin):
-    lt, ie = int(lt), int(ie)
-    e = len(offsets) - 1
-    for ex in range(e):
-        for a in sorted_[offsets[ex]:offsets[ex + 1]]:
-            x = _t(z).view(-1, lt)[int(a) // int(top_k)].double()
-            w1 = rmx.dequantize(_t(w1p).view(e, ie, lt // 2)[ex], _t(w1s).view(e, ie, lt // 32)[ex], torch.float64)
-            w3 = rmx.dequantize(_t(w3p).view(e, ie, lt // 2)[ex], _t(w3s).view(e, ie, lt // 32)[ex], torch.float64)
-            _t(act).view(-1, ie)[int(a)] = ref_situ_glu(w1 @ x, w3 @ x, float(beta),
-                                                        float(beta_lin) if has_lin else None).float()
-
-
-def _emu_moe_down(act, w2p, w2s, offsets, sorted_, y, lt, ie):
-    lt, ie = int(lt), int(ie)
-    e = len(offsets) - 1
-    for ex in range(e):
-        w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
-        for a in sorted_[offsets[ex]:offsets[ex + 1]]:
-            _t(y).view(-1, lt)[int(a)] = (w2 @ _t(act).view(-1, ie)[int(a)].double()).float()
-
-
-def _emu_moe_up_stream(z, w1p, w1s, w3p, w3s, idx, act, top_k, lt, ie, beta, beta_lin, has_lin, e, n):
-    """mxfp4_up_stream_f32: assignment a of expert idx[a] (skipped when out of range), token a // top_k."""
-    lt, ie, e = int(lt), int(ie), int(e)
-    for a in range(int(n)):
-        ex = int(idx[a])
-        if not 0 <= ex < e:
-            continue
-        x = _t(z).view(-1, lt)[a // int(top_k)].double()
-        w1 = rmx.dequantize(_t(w1p).view(e, ie, lt // 2)[ex], _t(w1s).view(e, ie, lt // 32)[ex], torch.float64)
-        w3 = rmx.dequantize(_t(w3p).view(e, ie, lt // 2)[ex], _t(w3s).view(e, ie, lt // 32)[ex], torch.float64)
-        _t(act).view(-1, ie)[a] = ref_situ_glu(w1 @ x, w3 @ x, float(beta), float(beta_lin) if has_lin else None).float()
-
-
-def _emu_moe_down_stream(act, w2p, w2s, idx, y, lt, ie, e, n):
-    lt, ie, e = int(lt), int(ie), int(e)
-    for a in range(int(n)):
-        ex = int(idx[a])
-        if 0 <= ex < e:
-            w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
-            _t(y).view(-1, lt)[a] = (w2 @ _t(act).view(-1, ie)[a].double()).float()
-
-
 def _stream2_parts(cols, parts):
     """Column ranges of the stream2 kernels' parts: steps of 128 columns, part p = steps
     [p ns / parts, (p + 1) ns / parts)."""
@@ -412,24 +369,48 @@ def _emu_sort(idx, n, e, offsets, sorted_):
     offsets[:] = np.concatenate([[0], np.cumsum(np.bincount(ids[valid], minlength=int(e)))]).astype(np.int32)
 
 
-def _emu_topk_rows(lg, ids, vals, count, rows, vocab, k):
-    """k3_model::top_k_of_row per row: the k largest finite logits, largest first, ties to the lower id
-    (-0 below +0, as Rust's total_cmp)."""
-    rows, vocab, k = int(rows), int(vocab), int(k)
+def _topk_select(vals, ids, k):
+    """k3_model::top_k_of_row over (value, id) candidates: the k largest finite values, largest first,
+    ties to the lower id (-0 below +0, as Rust's total_cmp)."""
+    fin = np.isfinite(vals)
+    vals, ids = vals[fin], ids[fin]
+    b = vals.view(np.uint32).astype(np.int64)
+    key = np.where(b & 0x80000000, 0xFFFFFFFF - b, b | 0x80000000)
+    order = np.lexsort((ids, -key))[:k]
+    return ids[order], vals[order]
+
+
+def _emu_topk_segments(lg, seg_ids, seg_vals, seg_count, rows, vocab, k, seg_len):
+    rows, vocab, k, seg_len = int(rows), int(vocab), int(k), int(seg_len)
+    segs = len(seg_count) // rows
     x = lg.reshape(rows, vocab)
     for r in range(rows):
-        row = x[r]
-        fin = np.flatnonzero(np.isfinite(row))
-        # Order-preserving integer key (total order on finite floats), then id ascending.
-        b = row[fin].view(np.uint32).astype(np.int64)
-        key = np.where(b & 0x80000000, 0xFFFFFFFF - b, b | 0x80000000)
-        order = np.lexsort((fin, -key))[:k]
-        n = len(order)
+        for s in range(segs):
+            lo, hi = s * seg_len, min(vocab, (s + 1) * seg_len)
+            ids, vals = _topk_select(x[r, lo:hi].copy(), np.arange(lo, max(lo, hi)), k)
+            at = (r * segs + s) * k
+            seg_ids[at:at + k] = -1
+            seg_vals[at:at + k] = 0.0
+            seg_ids[at:at + len(ids)] = ids
+            seg_vals[at:at + len(ids)] = vals
+            seg_count[r * segs + s] = len(ids)
+
+
+def _emu_topk_merge(lg, seg_ids, seg_vals, seg_count, ids, vals, count, rows, vocab, k, segments):
+    rows, k, segments = int(rows), int(k), int(segments)
+    for r in range(rows):
+        pick_ids, pick_vals = [], []
+        for s in range(segments):
+            at, n = (r * segments + s) * k, int(seg_count[r * segments + s])
+            pick_ids.append(seg_ids[at:at + n])
+            pick_vals.append(seg_vals[at:at + n])
+        got_ids, got_vals = _topk_select(np.concatenate(pick_vals).astype(np.float32),
+                                         np.concatenate(pick_ids).astype(np.int64), k)
         ids[r * k:(r + 1) * k] = -1
         vals[r * k:(r + 1) * k] = 0.0
-        ids[r * k:r * k + n] = fin[order]
-        vals[r * k:r * k + n] = row[fin[order]]
-        count[r] = n
+        ids[r * k:r * k + len(got_ids)] = got_ids
+        vals[r * k:r * k + len(got_ids)] = got_vals
+        count[r] = len(got_ids)
 
 
 def _emu_router(logits, bias, idx, w, t, e, k, renorm, scaling):
@@ -673,15 +654,14 @@ EMU = {
         torch.bfloat16).view(int(v), int(dm))[torch.from_numpy(ids.astype(np.int64))].float().numpy()),
     "attn_res_f32": _emu_attn_res,
     "router_topk_f32": _emu_router,
-    "topk_rows_f32": _emu_topk_rows,
+    "topk_segments_f32": _emu_topk_segments,
+    "topk_merge_f32": _emu_topk_merge,
     "kda_decode_lines_f32": _emu_kda_decode,  # grid (4H, N) of 128-thread clusters
     "kda_conv_silu_f32": _emu_kda_conv,
     "kda_prep_f32": _emu_kda_prep,
     "kda_conv_prep_f32": _emu_kda_conv_prep,
     "kda_chunk_fwd_f32": _emu_kda_chunk,
     "kda_chunk_rec3m_f32": _emu_kda_chunk_rec,  # 8 chunks per block (float64 here)
-    "kda_chunk_rec4_f32": _emu_kda_chunk_rec,  # same contract and record; no register prefetch
-    "kda_chunk_rec5_f32": _emu_kda_chunk_rec,  # same contract and record (Lkk / Aqk in 3xTF32)
     "kda_chunk_scan4_f32": _emu_kda_chunk_scan,  # 128-thread blocks (key-split)
     "mla_append_rows_f32": lambda kv_a, nw, arena, dst, t, lkv, rope, eps: [arena.__setitem__(
         slice(int(dst[i]), int(dst[i]) + int(lkv) + int(rope)), np.concatenate([ref_rms_norm(
@@ -693,10 +673,7 @@ EMU = {
         _t(q).view(int(items), int(heads), -1)[..., int(nope):].double()], -1).float().numpy().reshape(qt.shape)),
     "mla_attend_tc2_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # mode: rounding / prefetch / probe only
     "mla_attend_bf16_f32": _emu_mla_attend_bf16,
-    # v2: the same roundings (l summed per lane, then over lanes); last argument: L2 prefetch tiles.
-    "mla_attend_bf16v2_f32": lambda *a: _emu_mla_attend_bf16(*a[:-1]),
-    "mla_merge_v2_f32": _emu_mla_merge,  # grid (items, heads, kv_lora / 128): the same result
-    "mla_merge_f32": _emu_mla_merge,
+    "mla_merge_f32": _emu_mla_merge,  # grid (items, heads, kv_lora / 128)
     "mla_out_proj_f32": _emu_mla_out_proj,
     "mla_absorb_q_bf16": _emu_mla_absorb_bf16,
     "mla_out_proj_bf16": _emu_mla_out_proj_bf16,
@@ -714,15 +691,9 @@ EMU = {
     "mxfp4_to_bf16_experts": _emu_to_bf16,
     "moe_glu_split_bf16": _emu_glu_split,
     "moe_combine_split_f32": _emu_combine_split,
-    "mxfp4_up_gemv_f32": lambda *a: _emu_moe_up(*a[:-2]),  # + E (busy-expert mapping), stage (tokens per pass)
-    "mxfp4_down_gemv_f32": lambda *a: _emu_moe_down(*a[:-2]),
-    "mxfp4_up_stream_f32": _emu_moe_up_stream,
-    "mxfp4_down_stream_f32": _emu_moe_down_stream,
     "mxfp4_up_stream2_f32": _emu_moe_up_stream2,  # partial sums per part (hi + lo bf16 of x)
     "mxfp4_down_stream2_f32": _emu_moe_down_stream2,
     "moe_combine_parts_f32": _emu_combine_parts,
-    "mxfp4_up_tc_f32": lambda *a: _emu_moe_up(*a[:-2]),  # + E, stage; bf16 hi/lo products ~ f32
-    "mxfp4_down_tc_f32": lambda *a: _emu_moe_down(*a[:-2]),
     "mxfp4_tc2_split_f32": lambda x, xs, rows, cols: _mx2_pack(x.reshape(-1)[:int(rows) * int(cols)].reshape(
         int(rows), int(cols)), xs),
     "mxfp4_up_tc2_f32": _emu_moe_up_tc2,  # hi + lo in, act split out (the tc2 layout end to end)

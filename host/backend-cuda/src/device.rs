@@ -55,7 +55,8 @@ pub struct CudaBackend {
     pub(crate) profile: Option<crate::profile::OpProfile>,
     /// The tensor-core MoE path's work buffers (moe_gemm.rs), kept between calls.
     pub(crate) moe_scratch: Mutex<crate::moe_gemm::MoeScratch>,
-    /// The grouped MoE path's work buffers (moe_grouped.rs), and whether it replaces the above.
+    /// The grouped MoE path's work buffers (moe_grouped.rs), and which of the two a
+    /// many-assignment step takes.
     pub(crate) moe_grouped_scratch: Mutex<crate::moe_grouped::GroupedScratch>,
     pub(crate) moe_prefill: crate::moe_grouped::MoePrefill,
     /// CUDA graphs of decode steps (graph.rs).

@@ -181,9 +181,9 @@ pub fn mla_splits_tc2(items: usize, heads: usize, max_len: usize, sms: usize) ->
 pub const MAX_OPT_IN_SHARED: usize = 232_448;
 
 /// `mla_attend_bf16_f32` (kernels/mla_attend_bf16.cu): 48 heads per 256-thread block, one block
-/// per SM, MLB_SHARED bytes of dynamic shared memory (Q, one K tile, score partials, P).
+/// per SM, MLC_SHARED bytes of dynamic shared memory (Q, two K tiles, score partials, P).
 pub const MLA_BF16_HEADS_PER_BLOCK: usize = 48;
-pub const MLA_BF16_SHARED: usize = 128_192;
+pub const MLA_BF16_SHARED: usize = 165_568;
 
 /// The tc2 expert kernels (kernels/mxfp4_tc.cu, ops.rs mx_tc2_shared) at 4 n-tiles per pass: two
 /// 256-thread blocks per SM.
@@ -193,20 +193,17 @@ pub const MX_TC2_MAX_SHARED: usize = 111_104;
 /// table + 3 stages of 256 weight rows (64 + 4 bytes) and 128 hi / lo token rows of 288 bytes.
 pub const MX_GROUPED_SHARED: usize = 195_584;
 
-/// The stream expert kernels (kernels/mxfp4.cu MXS_SHARED, moe_stream.rs): the 64 KB decode
+/// The stream2 expert kernels (kernels/mxfp4.cu MXS_SHARED, moe_stream.rs): the 64 KB decode
 /// table with the staged activations in its upper halves.
 pub const MX_STREAM_SHARED: usize = 65_536;
 
 /// Kernels launched with more than 48 KB of dynamic shared memory, and how much.
 pub const OPT_IN_SHARED: &[(&str, usize)] = &[
     ("mla_attend_bf16_f32", MLA_BF16_SHARED),
-    ("mla_attend_bf16v2_f32", MLA_BF16V2_SHARED),
     ("mxfp4_up_tc2_f32", MX_TC2_MAX_SHARED),
     ("mxfp4_down_tc2_f32", MX_TC2_MAX_SHARED),
     ("mxfp4_up_grouped_f32", MX_GROUPED_SHARED),
     ("mxfp4_down_grouped_f32", MX_GROUPED_SHARED),
-    ("mxfp4_up_stream_f32", MX_STREAM_SHARED),
-    ("mxfp4_down_stream_f32", MX_STREAM_SHARED),
     ("mxfp4_up_stream2_f32", MX_STREAM_SHARED),
     ("mxfp4_down_stream2_f32", MX_STREAM_SHARED),
 ];
@@ -220,27 +217,6 @@ pub fn mla_attend_bf16(g: &MlaGeom, items: usize, splits: usize) -> Result<Launc
         256,
     )?
     .with_opt_in_shared(MLA_BF16_SHARED)
-}
-
-/// `mla_attend_bf16v2_f32` (kernels/mla_attend_bf16v2.cu): v1's block shape with a double-buffered
-/// bf16 K tile (MLC_SHARED bytes); same splits (`mla_splits_bf16`) and partials.
-pub const MLA_BF16V2_SHARED: usize = 165_568;
-
-/// L2 prefetch distance (tiles of 32 positions) of `mla_attend_bf16v2_f32`.
-pub const MLA_BF16V2_PREFETCH_TILES: i32 = 2;
-
-pub fn mla_attend_bf16v2(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
-    check_mla(g)?;
-    Launch::new(
-        (g.heads.div_ceil(MLA_BF16_HEADS_PER_BLOCK), items, splits),
-        256,
-    )?
-    .with_opt_in_shared(MLA_BF16V2_SHARED)
-}
-
-/// `mla_merge_v2_f32`: one 128-thread block per (item, head, 128 latent columns).
-pub fn mla_merge_v2(g: &MlaGeom, items: usize) -> Result<Launch> {
-    Launch::new((items, g.heads, g.kv_lora.div_ceil(128)), 128)
 }
 
 /// Position splits of `mla_attend_bf16_f32` (one block per SM): one wave of `sms` blocks at
@@ -261,9 +237,10 @@ pub fn mla_splits_bf16(items: usize, heads: usize, max_len: usize, sms: usize) -
     splits
 }
 
-/// `mla_merge_f32`: one 128-thread block per (item, head).
+/// `mla_merge_f32` (both attends' partials): one 128-thread block per (item, head, 128 latent
+/// columns).
 pub fn mla_merge(g: &MlaGeom, items: usize) -> Result<Launch> {
-    Launch::new((items, g.heads, 1), 128)
+    Launch::new((items, g.heads, g.kv_lora.div_ceil(128)), 128)
 }
 
 /// `mla_out_proj_f32`: W_UV rows in tiles of 16 per block, up to 64 items per block.
@@ -434,15 +411,12 @@ mod tests {
         // bf16 attend: 2 head groups of 48, one block per SM: 66 splits fill 132 SMs at N = 1;
         // 256 blocks at N = 64 (two splits, two waves).
         let l = mla_attend_bf16(&k3, 3, 5).unwrap();
-        assert_eq!((l.grid, l.block, l.shared), ((2, 3, 5), 256, 128_192));
+        assert_eq!((l.grid, l.block, l.shared), ((2, 3, 5), 256, 165_568));
         assert_eq!(mla_splits_bf16(1, 96, 32768, 132), 66);
         assert_eq!(mla_splits_bf16(64, 96, 32768, 132), 2);
         assert_eq!(mla_splits_bf16(16, 96, 8192, 132), 8);
         assert_eq!(mla_splits_bf16(1, 96, 100, 132), 1);
         assert_eq!(mla_splits_bf16(1, 4, 900, 132), 8);
-        let l = mla_attend_bf16v2(&k3, 3, 5).unwrap();
-        assert_eq!((l.grid, l.block, l.shared), ((2, 3, 5), 256, 165_568));
-        assert_eq!(mla_merge_v2(&k3, 3).unwrap().grid, (3, 96, 4));
         assert!(
             Launch::new((1, 1, 1), 32)
                 .unwrap()
@@ -451,7 +425,11 @@ mod tests {
         );
         let l = mla_out_proj(&k3, 65).unwrap();
         assert_eq!((l.grid, l.block), ((96, 8, 2), 256));
-        assert_eq!(mla_merge(&k3, 3).unwrap().grid, (3, 96, 1));
+        assert_eq!(mla_merge(&k3, 3).unwrap().grid, (3, 96, 4));
+        assert_eq!(
+            mla_merge(&MlaGeom { kv_lora: 96, ..k3 }, 3).unwrap().grid,
+            (3, 96, 1)
+        );
         // bf16 kv_b products: 384 blocks each at K3 (one wave at 3 per SM), any item count.
         assert!(mla_bf16_products(&k3));
         let l = mla_absorb_bf16(&k3).unwrap();

@@ -1,7 +1,8 @@
 //! Routed experts through cuBLAS tensor-core GEMMs (kernels/moe_gemm.cu) for steps with many
-//! (token, expert) assignments: prefill chunks and large decode batches. The CUDA-core kernels of
-//! kernels/mxfp4.cu read each expert's weights once per 8 assignments, which is right for a few
-//! tokens but is compute-bound far below the tensor cores once experts see hundreds of rows.
+//! (token, expert) assignments: prefill chunks and large decode batches, from `K3_MOE_GROUPED_MAX`
+//! assignments (moe_grouped.rs `MoePrefill`; the grouped MXFP4 GEMMs below that). The decode-step
+//! kernels (kernels/mxfp4.cu, mxfp4_tc.cu) read each expert's weights once per 16 tokens at most,
+//! right for a few tokens but far below the tensor cores once experts see hundreds of rows.
 //!
 //! Per step: the assignments sorted by expert are gathered into stacked hi/lo bf16 rows; the
 //! touched experts are expanded from MXFP4 to bf16 in groups that fit a fixed scratch budget;

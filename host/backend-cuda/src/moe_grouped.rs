@@ -1,6 +1,7 @@
 //! Routed experts as a grouped MXFP4 GEMM (kernels/mxfp4_grouped.cu) for steps with many
-//! (token, expert) assignments: the alternative to the cuBLAS path of moe_gemm.rs, picked by
-//! [`MoePrefill`] for the steps that `K3_MOE_GEMM_MIN` sends to "many assignments".
+//! (token, expert) assignments: with the cuBLAS path of moe_gemm.rs, picked by [`MoePrefill`]
+//! (default: grouped below `K3_MOE_GROUPED_MAX` assignments) for the steps that
+//! `K3_MOE_GEMM_MIN` sends to "many assignments".
 //!
 //! The cuBLAS path expands every touched expert to bf16 before its GEMMs (~8.7 ms per K3 layer of
 //! memory traffic at T = 2048) and reads the expert counts back to the host. Here the MXFP4
@@ -20,10 +21,15 @@ use cudarc::driver::CudaSlice;
 use k3_model::backend::SituParams;
 
 /// Routed experts of the steps with at least `K3_MOE_GEMM_MIN` assignments, from
-/// `K3_MOE_PREFILL` at start-up (`grouped` | `gemm`, default `gemm` until the H200 A/B in
-/// docs/performance.md settles it); tests pin it with `CudaBackend::set_moe_prefill`.
+/// `K3_MOE_PREFILL` at start-up (`auto` | `grouped` | `gemm`, default `auto`); tests pin it with
+/// `CudaBackend::set_moe_prefill`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoePrefill {
+    /// The grouped GEMMs below [`grouped_max`] assignments, cuBLAS from there. H200, K3, top-16:
+    /// T = 512 (8,192 assignments) grouped 5.17 ms vs cuBLAS 9.90; T = 2048 (32,768) grouped 16.85
+    /// vs cuBLAS 14.37: the bf16 expansion's fixed cost per touched expert is amortised over
+    /// enough tokens there for cuBLAS's faster GEMM main loop to win.
+    Auto,
     /// kernels/mxfp4_grouped.cu: MXFP4 decoded inside the GEMM, no expanded weights.
     Grouped,
     /// moe_gemm.rs: experts expanded to bf16, one cuBLAS GEMM per expert and projection.
@@ -31,13 +37,38 @@ pub enum MoePrefill {
 }
 
 impl MoePrefill {
-    /// `K3_MOE_PREFILL`: `grouped` or `gemm` (anything else, or unset: `gemm`).
+    /// `K3_MOE_PREFILL`: `grouped`, `gemm` or `auto` (anything else, or unset: `auto`).
     pub fn from_env() -> Self {
         match std::env::var("K3_MOE_PREFILL").as_deref() {
             Ok("grouped") => Self::Grouped,
-            _ => Self::Gemm,
+            Ok("gemm") => Self::Gemm,
+            _ => Self::Auto,
         }
     }
+
+    /// Whether a many-assignment step of `assignments` (tokens x top-k) takes the grouped path.
+    pub fn grouped(self, assignments: usize) -> bool {
+        match self {
+            Self::Auto => assignments < grouped_max(),
+            Self::Grouped => true,
+            Self::Gemm => false,
+        }
+    }
+}
+
+/// Assignments from which `MoePrefill::Auto` takes the cuBLAS path, unless `K3_MOE_GROUPED_MAX`
+/// says otherwise (between the measured 8,192, where grouped wins 1.9x, and 32,768, where it
+/// loses 0.85x).
+const DEFAULT_GROUPED_MAX: usize = 16384;
+
+pub(crate) fn grouped_max() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("K3_MOE_GROUPED_MAX")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(DEFAULT_GROUPED_MAX)
+    })
 }
 
 /// Tokens per tile, threads per block, weight rows per up block (intermediate rows: W1 and W3
@@ -186,6 +217,15 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefill_policy() {
+        // Auto: grouped from K3_MOE_GEMM_MIN (the caller's bound) up to K3_MOE_GROUPED_MAX.
+        let max = grouped_max();
+        assert!(MoePrefill::Auto.grouped(4096) && MoePrefill::Auto.grouped(max - 1));
+        assert!(!MoePrefill::Auto.grouped(max));
+        assert!(MoePrefill::Grouped.grouped(1 << 20) && !MoePrefill::Gemm.grouped(4096));
+    }
 
     #[test]
     fn grouped_launch_geometry() {

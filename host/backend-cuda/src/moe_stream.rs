@@ -1,9 +1,9 @@
-//! Routed experts of 1-token decode steps: the stream pair of kernels/mxfp4.cu
-//! (`mxfp4_up_stream_f32`, `mxfp4_down_stream_f32`; ops.rs `mx_experts_choice`). Each assignment
-//! (token, slot) is taken straight from the router's ids, so the step needs no sort by expert;
-//! every (assignment, weight row) pair is split evenly over all warps of two blocks per SM, which
-//! stream whole 256-byte runs of their rows (the kernel header has the layout). The stream2 pair
-//! (`K3_MX_EXPERTS=stream2`) splits the same way with the products on tensor cores.
+//! Routed experts of 1-token decode steps: the stream2 pair of kernels/mxfp4.cu
+//! (`mxfp4_up_stream2_f32`, `mxfp4_down_stream2_f32`, `moe_combine_parts_f32`; ops.rs
+//! `mx_experts_choice`). Each assignment (token, slot) is taken straight from the router's ids,
+//! so the step needs no sort by expert; the units (assignment, 16-row tile, part of the row) are
+//! split evenly over all warps of two blocks per SM, with the products on tensor cores (the
+//! kernel header has the layout).
 
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
@@ -15,31 +15,6 @@ use k3_model::backend::SituParams;
 /// Threads per block and blocks per SM (kernels/mxfp4.cu `__launch_bounds__(256, 2)`).
 const MX_STREAM_THREADS: u32 = 256;
 const MX_STREAM_BLOCKS_PER_SM: usize = 2;
-/// Widest input row: 127 chunks of 32 values and the zero chunk in 128 staged slots.
-pub const MX_STREAM_MAX_COLS: usize = 127 * 32;
-/// Rows per warp below which a smaller grid is taken (tiny shapes: fewer, fuller warps).
-const MX_STREAM_MIN_ROWS_PER_WARP: usize = 8;
-
-/// Grid of the stream kernels for `assignments` x `rows` output rows of input width `cols`: two
-/// blocks per SM (every row split evenly over their warps), fewer for small problems.
-pub fn mx_stream_launch(
-    assignments: usize,
-    rows: usize,
-    cols: usize,
-    sms: usize,
-) -> Result<Launch> {
-    geometry::check_mx_width(cols)?;
-    if cols > MX_STREAM_MAX_COLS || rows * cols / 2 >= 1 << 31 {
-        return Err(CudaError::Unsupported(format!(
-            "MXFP4 stream kernels: expert matrix {rows} x {cols} (input width <= {MX_STREAM_MAX_COLS}, < 2 GB)"
-        )));
-    }
-    let warps = (MX_STREAM_THREADS / 32) as usize;
-    let want = (assignments * rows).div_ceil(warps * MX_STREAM_MIN_ROWS_PER_WARP);
-    let blocks = want.clamp(1, MX_STREAM_BLOCKS_PER_SM * sms.max(1));
-    Launch::new((blocks, 1, 1), MX_STREAM_THREADS)?.with_opt_in_shared(MX_STREAM_SHARED)
-}
-
 /// Widest input row of the stream2 kernels: 124 blocks of 32 (padded to a multiple of 4 below the
 /// zero block at staged row 127).
 pub const MX_STREAM2_MAX_COLS: usize = 124 * 32;
@@ -56,6 +31,20 @@ pub struct Stream2Plan {
     pub parts: usize,
 }
 
+/// Whether the stream2 kernels take a matrix of `rows` x `cols` (an expert's bytes index as u32).
+fn fits(rows: usize, cols: usize) -> bool {
+    cols <= MX_STREAM2_MAX_COLS && rows * cols / 2 < 1 << 31
+}
+
+/// Whether the stream2 pair takes experts of these widths (up: inter x latent, down: latent x
+/// inter); ops.rs runs the tc2 pair for the others.
+pub(crate) fn stream2_fits(latent: usize, inter: usize) -> bool {
+    fits(inter, latent)
+        && fits(latent, inter)
+        && geometry::check_mx_width(latent).is_ok()
+        && geometry::check_mx_width(inter).is_ok()
+}
+
 /// Grid and parts of the stream2 kernels for `assignments` x `rows` output rows of input width
 /// `cols` (harness common.py mx_stream2_plan): two blocks per SM (fewer: >= 8 steps per warp);
 /// parts minimising the busiest warp's steps plus half a step per unit (its flush). K3, T = 1,
@@ -67,7 +56,7 @@ pub fn mx_stream2_plan(
     sms: usize,
 ) -> Result<Stream2Plan> {
     geometry::check_mx_width(cols)?;
-    if cols > MX_STREAM2_MAX_COLS || rows * cols / 2 >= 1 << 31 {
+    if !fits(rows, cols) {
         return Err(CudaError::Unsupported(format!(
             "MXFP4 stream2 kernels: expert matrix {rows} x {cols} (input width <= {MX_STREAM2_MAX_COLS}, < 2 GB)"
         )));
@@ -96,50 +85,10 @@ pub fn mx_stream2_plan(
 impl CudaBackend {
     /// `act` = SiTU-GLU(W1 z, W3 z) and `y` = W2 act for every assignment (ids `idx` `[T·k]`),
     /// then the fixed-order combine with weights `w`. Assignments whose id is out of range are
-    /// skipped (their `y` rows stay zero), as the sort-based pairs do.
-    pub(crate) fn moe_experts_stream(
-        &self,
-        z: &DeviceMat,
-        idx: &CudaSlice<i32>,
-        w: &CudaSlice<f32>,
-        ex: &DeviceExperts,
-        k: usize,
-        situ: SituParams,
-    ) -> Result<DeviceMat> {
-        let t = z.rows;
-        let na = t * k;
-        let up = mx_stream_launch(na, ex.inter, ex.latent, self.multiprocessors)?;
-        let down = mx_stream_launch(na, ex.latent, ex.inter, self.multiprocessors)?;
-        // act: every row of an assignment with a valid id is written by the up kernel, and only
-        // those are read; y is read for every slot by the combine, so it starts zeroed.
-        let act = self.output(na, ex.inter)?;
-        let y = self.zeros(na, ex.latent)?;
-        let (kk, lt, ie, e, n) = (
-            k as i32,
-            ex.latent as i32,
-            ex.inter as i32,
-            ex.experts as i32,
-            crate::ops::i32_of(na, "assignments")?,
-        );
-        let (lin, has) = (
-            situ.linear_beta.unwrap_or(1.0),
-            i32::from(situ.linear_beta.is_some()),
-        );
-        launch!(self, "mxfp4_up_stream_f32", up;
-            &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, idx, &act.buf, &kk, &lt, &ie, &situ.beta, &lin, &has,
-            &e, &n)?;
-        launch!(self, "mxfp4_down_stream_f32", down;
-            &act.buf, &ex.w2.0, &ex.w2.1, idx, &y.buf, &lt, &ie, &e, &n)?;
-        let out = self.output(t, ex.latent)?;
-        let tt = t as i32;
-        launch!(self, "moe_combine_f32", geometry::elementwise(t * ex.latent)?; &y.buf, w, &out.buf, &tt, &kk, &lt)?;
-        Ok(out)
-    }
-
-    /// As `moe_experts_stream` with the stream2 pair (`K3_MX_EXPERTS=stream2`): the up kernel
-    /// writes partial W1 / W3 sums per part, the down kernel's staging adds them and applies
-    /// SiTU-GLU, and `moe_combine_parts_f32` adds the down kernel's parts and skips slots whose id
-    /// is out of range (their partial rows are never written: no zeroing pass).
+    /// skipped, as the sort-based pairs do.
+    /// The up kernel writes partial W1 / W3 sums per part, the down kernel's staging adds them and
+    /// applies SiTU-GLU, and `moe_combine_parts_f32` adds the down kernel's parts and skips slots
+    /// whose id is out of range (their partial rows are never written: no zeroing pass).
     pub(crate) fn moe_experts_stream2(
         &self,
         z: &DeviceMat,
@@ -184,36 +133,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stream_launch_geometry() {
-        // K3, T = 1, top-16 on 132 SMs: two blocks per SM for both kernels, 64 KB opted in.
-        let up = mx_stream_launch(16, 3072, 3584, 132).unwrap();
-        assert_eq!((up.grid, up.block, up.shared), ((264, 1, 1), 256, 65_536));
-        assert_eq!(
-            mx_stream_launch(16, 3584, 3072, 132).unwrap().grid,
-            (264, 1, 1)
-        );
-        // Small problems: at least 8 rows per warp (5 x 40 rows: 200 / 64 -> 4 blocks).
-        assert_eq!(mx_stream_launch(5, 40, 160, 132).unwrap().grid, (4, 1, 1));
-        assert_eq!(mx_stream_launch(1, 1, 32, 132).unwrap().grid, (1, 1, 1));
-        assert!(mx_stream_launch(16, 3072, 4064, 132).is_ok());
-        assert!(
-            mx_stream_launch(16, 3072, 4096, 132).is_err(),
-            "no room for the zero chunk"
-        );
-        assert!(
-            mx_stream_launch(16, 3072, 100, 132).is_err(),
-            "not a multiple of 32"
-        );
-        const { assert!(MX_STREAM_SHARED <= geometry::MAX_OPT_IN_SHARED) };
-        for name in ["mxfp4_up_stream_f32", "mxfp4_down_stream_f32"] {
-            assert!(
-                geometry::OPT_IN_SHARED.contains(&(name, MX_STREAM_SHARED)),
-                "{name} opts in to its shared memory"
-            );
-        }
-    }
-
-    #[test]
     fn stream2_plan() {
         // K3, T = 1, top-16 on 132 SMs (harness check_moe_stream2 replays the split).
         let up = mx_stream2_plan(16, 3072, 3584, 132).unwrap();
@@ -238,6 +157,11 @@ mod tests {
             mx_stream2_plan(16, 3072, 4000, 132).is_err(),
             "no room for the padding"
         );
+        // ops.rs falls back to tc2 for what the plan refuses.
+        assert!(stream2_fits(3584, 3072) && stream2_fits(3968, 3968));
+        assert!(!stream2_fits(4096, 3072) && !stream2_fits(3584, 4000));
+        assert!(!stream2_fits(3584, 100), "width not a multiple of 32");
+        const { assert!(MX_STREAM_SHARED <= geometry::MAX_OPT_IN_SHARED) };
         for name in ["mxfp4_up_stream2_f32", "mxfp4_down_stream2_f32"] {
             assert!(
                 geometry::OPT_IN_SHARED.contains(&(name, MX_STREAM_SHARED)),

@@ -37,22 +37,21 @@ macro_rules! launch {
     }};
 }
 
-/// Kernel choices with a second kernel kept in kernels/*.cu (both are checked by the device
+/// Kernel choices with a second path kept in kernels/*.cu (both are checked by the device
 /// harness), each read once per process from an environment variable so one device run can A/B
-/// them through the whole model:
-/// - `K3_MX_EXPERTS` (routed experts of steps below the GEMM path's threshold, moe_gemm.rs):
-///   `auto` (default: `stream` for 1 token, `tc` from 2), `stream`, `stream2` (the stream split
-///   with tensor-core products, moe_stream.rs; 1-token steps, others as `auto`), `gemv`, `tc` or `tc_old`
-///   (the tensor-core pair that re-reads the weights every 8 tokens, kept for A/B)
+/// them through the whole model (unknown values take the default):
+/// - `K3_MX_EXPERTS` (routed experts of steps below the many-assignment threshold): `auto`
+///   (default: the stream2 pair for 1 token, moe_stream.rs; the tc2 pair from 2, and for experts
+///   wider than stream2 takes), `stream2` (at every step size it takes) or `tc`
 ///   (`mx_experts_choice`).
-/// - `K3_MOE_PREFILL` (routed experts of steps with >= `K3_MOE_GEMM_MIN` assignments): `gemm`
-///   (default: cuBLAS over expanded bf16 experts, moe_gemm.rs) or `grouped` (MXFP4 decoded inside
-///   the GEMM, moe_grouped.rs); read once into `CudaBackend::moe_prefill`.
+/// - `K3_MOE_PREFILL` (routed experts of steps with >= `K3_MOE_GEMM_MIN` assignments): `auto`
+///   (default: the grouped MXFP4 GEMMs, moe_grouped.rs, below `K3_MOE_GROUPED_MAX` assignments,
+///   cuBLAS over expanded bf16 experts, moe_gemm.rs, from there), `grouped` or `gemm`; read once
+///   into `CudaBackend::moe_prefill`.
+/// - `K3_MLA_DECODE` (absorbed MLA attend): `bf16` (default) or `precise` ([`MlaDecodeMode`]).
 /// - `K3_KDA_CHUNK` (prefill): `scan4` (default: the record pass `kda_chunk_rec3m_f32` + the
-///   key-split scan, conv <= 4), `rec4` / `rec5` (the same with the record pass
-///   `kda_chunk_rec4_f32` / `kda_chunk_rec5_f32`, candidates) or `f32` (the one-pass f32
-///   kernels of kda_chunk.cu, which also take conv > 4): `kda_scan`, `kda_rec_kernel`. Unknown
-///   values take the default.
+///   key-split scan, conv <= 4) or `f32` (the one-pass f32 kernels of kda_chunk.cu, which also
+///   take conv > 4): `kda_scan`.
 fn env_choice(
     cell: &'static std::sync::OnceLock<String>,
     var: &str,
@@ -63,49 +62,26 @@ fn env_choice(
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MxExperts {
-    Stream,
     Stream2,
-    Gemv,
     Tc,
-    TcOld,
 }
 
-/// The expert pair for a step of `tokens` tokens. `auto`: `stream` (kernels/mxfp4.cu stream pair,
-/// moe_stream.rs: no sort, every warp streaming whole 256-byte row runs) for one token; `gemv`
-/// (kernels/mxfp4.cu, the staged pair: T = 1 183 us) stays for A/B and forced multi-token runs;
-/// `tc` (kernels/mxfp4_tc.cu tc2) from two. H200, K3 sizes, top-16, with the old tc pair: T = 1
-/// gemv 183 us vs tc 213; T = 16 tc 1.34 ms vs gemv 2.03; T = 64 tc 2.6 ms vs gemv 6.2. At one
-/// token per expert gemv's CUDA-core decode keeps up with the weight stream; the tc kernels' cost
-/// is nearly flat in the tokens per expert while gemv's f32 FMAs grow with every one.
+/// The expert pair for a step of `tokens` tokens below the many-assignment threshold. `auto`: the
+/// stream2 pair (kernels/mxfp4.cu, moe_stream.rs: no sort, products on tensor cores) for one
+/// token, the tc2 pair (kernels/mxfp4_tc.cu: weights read once per expert for up to 16 tokens)
+/// from two; experts wider than stream2 takes (`moe_stream::stream2_fits`) fall back to tc2,
+/// which is right at T = 1 too. H200, K3 sizes, top-16, T = 1: stream2 141.1 us (47% of the
+/// weight-traffic floor), a CUDA-core stream pair 163.7, a staged CUDA-core gemv pair 182.1, tc2
+/// 200.4 (the two CUDA-core pairs deleted); T = 16: tensor cores 1.34 ms vs gemv 2.03, T = 64 2.6
+/// vs 6.2 (tc cost is nearly flat in the tokens per expert, the f32 FMAs of gemv grew with each).
 fn mx_experts_choice(tokens: usize) -> MxExperts {
     static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     match env_choice(&C, "K3_MX_EXPERTS", "auto") {
-        "stream" => MxExperts::Stream,
-        "stream2" if tokens == 1 => MxExperts::Stream2,
-        "gemv" => MxExperts::Gemv,
+        "stream2" => MxExperts::Stream2,
         "tc" => MxExperts::Tc,
-        "tc_old" => MxExperts::TcOld,
-        _ if tokens == 1 => MxExperts::Stream,
+        _ if tokens == 1 => MxExperts::Stream2,
         _ => MxExperts::Tc,
     }
-}
-
-/// kernels/mxfp4_tc.cu: rows per 256-thread block, most tokens per pass (two n-tiles), and the
-/// fixed dynamic shared memory (replicated decode table 32 KB + 16 staged bf16 rows of 272).
-const MX_TC_ROWS: usize = 128;
-const MX_TC_MAX_STAGE: usize = 8;
-const MX_TC_SHARED: usize = 8192 * 4 + 2 * MX_TC_MAX_STAGE * 272 * 2;
-
-/// Tokens per pass of the tc kernels: no expert gets more than T, and a pass's cost hardly
-/// depends on its tokens (one decode, 1-2 mma per 16x16 tile), so take as many as fit.
-fn mx_tc_stage(max_per_expert: usize) -> usize {
-    max_per_expert.clamp(1, MX_TC_MAX_STAGE)
-}
-
-/// Grid of the tc kernels: blocks for `busy` experts x 128-row tiles.
-fn mx_tc_launch(busy: usize, rows: usize, cols: usize) -> Result<Launch> {
-    geometry::check_mx_width(cols)?;
-    Launch::new((busy, rows.div_ceil(MX_TC_ROWS), 1), 256)?.with_shared(MX_TC_SHARED)
 }
 
 /// kernels/mxfp4_tc.cu tc2 (`mxfp4_up_tc2_f32` / `mxfp4_down_tc2_f32`): weight rows per 256-thread
@@ -150,62 +126,32 @@ fn mx_tc2_split_launch(rows: usize, cols: usize) -> Result<Launch> {
     Launch::new((rows, cols.div_ceil(128), 1), 32)
 }
 
-/// kernels/mxfp4.cu `mxfp4_*_gemv_f32`: rows per 128-thread block, most tokens per pass.
-const MX_GEMV_ROWS: usize = 64;
-const MX_GEMV_MAX_STAGE: usize = 4;
-/// Dynamic shared memory for the staged tokens: under the 48 KB a launch gets without an opt-in
-/// attribute, less the kernels' ~0.2 KB of static shared memory.
-const MX_GEMV_STAGE_BYTES: usize = 48 * 1024 - 512;
-
-/// Tokens the gemv kernels stage per pass for input width `cols`: no expert gets more than
-/// `max_per_expert` (= T: a token's top-k experts are distinct), so T = 1 reserves one row.
-fn mx_gemv_stage(max_per_expert: usize, cols: usize) -> usize {
-    max_per_expert
-        .min(MX_GEMV_MAX_STAGE)
-        .min(MX_GEMV_STAGE_BYTES / (cols * 4))
-        .max(1)
-}
-
-/// Grid of the gemv kernels: blocks for `busy` experts x 64-row tiles, `stage` tokens of `cols`
-/// in dynamic shared memory (the staged bytes are fixed by `stage`, which is a kernel argument,
-/// so a recorded step's launch log covers them).
-fn mx_gemv_launch(busy: usize, rows: usize, cols: usize, stage: usize) -> Result<Launch> {
-    geometry::check_mx_width(cols)?;
-    let bytes = stage * cols * 4;
-    if bytes > MX_GEMV_STAGE_BYTES {
-        return Err(CudaError::Unsupported(format!(
-            "MXFP4 gemv: input width {cols} does not fit the shared-memory stage"
-        )));
-    }
-    Launch::new((busy, rows.div_ceil(MX_GEMV_ROWS), 1), 128)?.with_shared(bytes)
-}
-
 const MLA_V2_PREFETCH_TILES: i32 = 4;
 
 /// Largest k of `top_k_rows` (kernels/sampling.cu TOPK_MAX: the picks are sorted in shared memory).
 pub const TOPK_MAX: usize = 1024;
+/// Columns per block in the first top-k pass: a 163,840-wide row spreads over 40 SMs.
+const TOPK_SEGMENT: usize = 4096;
 
 /// Precision of the absorbed MLA decode attend (`mla_decode`), from `K3_MLA_DECODE` at start-up
-/// (`precise` | `bf16` | `bf16v2`, default `bf16`); tests pin it with `CudaBackend::set_mla_decode_mode`.
+/// (`precise` | `bf16`, default `bf16`); tests pin it with `CudaBackend::set_mla_decode_mode`.
+/// Both write the same partials, merged by `mla_merge_f32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MlaDecodeMode {
     /// `mla_attend_tc2_f32`: 3xTF32, ~f32 accuracy (the CPU backend's results to ~1e-5).
     Precise,
-    /// `mla_attend_bf16_f32`: q~, cache rows and P rounded to bf16, f32 accumulation and
-    /// softmax (~1e-3 relative, like FlashMLA / vLLM), built to stream the cache at HBM speed.
+    /// `mla_attend_bf16_f32` (kernels/mla_attend_bf16.cu): q~, cache rows and P rounded to bf16,
+    /// f32 accumulation and softmax (~1e-3 relative, like FlashMLA / vLLM), built to stream the
+    /// cache at HBM speed. H200, K3, L = 32k: N = 1 84.0 us, N = 64 3.16 ms (precise: 479 us /
+    /// 28.4 ms).
     Bf16,
-    /// `mla_attend_bf16v2_f32` + `mla_merge_v2_f32` (kernels/mla_attend_bf16v2.cu): Bf16's math
-    /// and roundings, less latency-bound (interleaved softmax, branch-free k-loops, double-buffered
-    /// K, L2 prefetch) and a column-parallel merge.
-    Bf16v2,
 }
 
 impl MlaDecodeMode {
-    /// `K3_MLA_DECODE`: `precise`, `bf16v2` or `bf16` (anything else, or unset: `bf16`).
+    /// `K3_MLA_DECODE`: `precise` or `bf16` (anything else, or unset: `bf16`).
     pub fn from_env() -> Self {
         match std::env::var("K3_MLA_DECODE").as_deref() {
             Ok("precise") => Self::Precise,
-            Ok("bf16v2") => Self::Bf16v2,
             _ => Self::Bf16,
         }
     }
@@ -251,11 +197,12 @@ pub fn float_offset(byte_offset: usize, len_floats: usize, arena_floats: usize) 
 /// evict-first) lost at every N and were deleted.
 const KDA_DECODE_KERNEL: &str = "kda_decode_lines_f32";
 
-/// The two-pass KDA prefill (kernels/kda_chunk_scan.cu, conv <= 4: the record pass then
+/// The two-pass KDA prefill (kernels/kda_chunk_scan.cu, conv <= 4: `kda_chunk_rec3m_f32` then
 /// `kda_chunk_scan4_f32`) unless `K3_KDA_CHUNK=f32` (the one-pass f32 kernels of kda_chunk.cu,
-/// which conv > 4 always takes). H200, K3 shapes: T = 8192 in 3.109 ms (fla chunk_kda 3.089; the
-/// one-warp-per-16-columns scan 3.221, one-pass tensor-core kernels 5.36 / 3.99 at 1e-3, deleted),
-/// T = 1024 in 0.509 ms (fla 1.567).
+/// which conv > 4 always takes). H200, K3 shapes: T = 8192 in 3.04 ms (fla chunk_kda 3.14; record
+/// passes without register prefetch 3.84 and on tensor cores 2.95 but over the 1e-4 budget, the
+/// one-warp-per-16-columns scan 3.221, one-pass tensor-core kernels 5.36 / 3.99 at 1e-3, all
+/// deleted), T = 1024 in 0.605 ms (fla 1.66).
 fn kda_scan() -> bool {
     static SCAN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *SCAN.get_or_init(|| std::env::var("K3_KDA_CHUNK").as_deref() != Ok("f32"))
@@ -264,23 +211,13 @@ fn kda_scan() -> bool {
 /// 16-token chunks per record-pass block (KDA_REC_NCH in kernels/kda_chunk_scan.cu).
 const KDA_REC_NCH: usize = 8;
 
-/// The record pass (either kernel): grid (ceil(chunks / 8), heads), 128 threads.
+/// The record pass: grid (ceil(chunks / 8), heads), 128 threads.
 fn kda_rec_launch(tokens: usize, heads: usize) -> Result<Launch> {
     Launch::new((tokens.div_ceil(16 * KDA_REC_NCH), heads, 1), 128)
 }
 
-/// The record pass, by `K3_KDA_CHUNK`: `rec4` (`kda_chunk_rec4_f32`, no register prefetch, 4
-/// blocks per SM), `rec5` (`kda_chunk_rec5_f32`: rec3m at ~1/3 fewer instructions, Lkk / Aqk on
-/// tensor cores) or else `kda_chunk_rec3m_f32` (the next chunk's inputs prefetched into
-/// registers, 3 per SM). Same grid, arguments and record.
-fn kda_rec_kernel() -> &'static str {
-    static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    match env_choice(&C, "K3_KDA_CHUNK", "scan4") {
-        "rec4" => "kda_chunk_rec4_f32",
-        "rec5" => "kda_chunk_rec5_f32",
-        _ => "kda_chunk_rec3m_f32",
-    }
-}
+/// The record pass (conv, prep and the state-independent chunk algebra).
+const KDA_REC_KERNEL: &str = "kda_chunk_rec3m_f32";
 
 /// The state scan after the record pass (`kda_chunk_scan4_f32`).
 const KDA_SCAN_KERNEL: &str = "kda_chunk_scan4_f32";
@@ -456,16 +393,25 @@ impl CudaBackend {
             )));
         }
         let rows = logits.rows;
+        // Each row is cut into segments selected in parallel, then merged (kernels/sampling.cu).
+        let segments = logits.cols.div_ceil(TOPK_SEGMENT).max(1);
+        let seg_ids = self.uninit::<i32>(rows * segments * k)?;
+        let seg_vals = self.uninit::<f32>(rows * segments * k)?;
+        let seg_count = self.uninit::<i32>(rows * segments)?;
         let ids = self.uninit::<i32>(rows * k)?;
         let vals = self.uninit::<f32>(rows * k)?;
         let count = self.uninit::<i32>(rows)?;
-        let (r, v, kk) = (
+        let (r, v, kk, sl, sg) = (
             i32_of(rows, "rows")?,
             i32_of(logits.cols, "vocab")?,
             k as i32,
+            TOPK_SEGMENT as i32,
+            i32_of(segments, "segments")?,
         );
-        launch!(self, "topk_rows_f32", geometry::per_row(rows, 1024)?;
-            &logits.buf, &ids, &vals, &count, &r, &v, &kk)?;
+        launch!(self, "topk_segments_f32", Launch::new((segments, rows, 1), 512)?;
+            &logits.buf, &seg_ids, &seg_vals, &seg_count, &r, &v, &kk, &sl)?;
+        launch!(self, "topk_merge_f32", geometry::per_row(rows, 1024)?;
+            &logits.buf, &seg_ids, &seg_vals, &seg_count, &ids, &vals, &count, &r, &v, &kk, &sg)?;
         let (ids, vals, count) = (
             self.read_back("top-k ids", &ids)?,
             self.read_back("top-k values", &vals)?,
@@ -613,14 +559,13 @@ impl CudaBackend {
             let o = self.output(t, g.hk())?;
             let mut rec =
                 self.uninit::<f32>(t.min(KDA_SCAN_SEG).div_ceil(16) * g.heads * KDA_REC_FLOATS)?;
-            let rec_fn = kda_rec_kernel();
             let ls = kda_scan_launch(g.heads)?;
             let mut t0 = 0;
             while t0 < t {
                 let t1 = (t0 + KDA_SCAN_SEG).min(t);
                 let lr = kda_rec_launch(t1 - t0, g.heads)?;
                 let (b, e) = (t0 as i32, t1 as i32);
-                launch!(self, rec_fn, lr;
+                launch!(self, KDA_REC_KERNEL, lr;
                     &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log,
                     w.dt_bias, &mut rec, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &b, &e, &h, &conv,
                     &g.gate_lower_bound)?;
@@ -725,7 +670,7 @@ impl CudaBackend {
             MlaDecodeMode::Precise => {
                 geometry::mla_splits_tc2(items, g.heads, max_len, self.multiprocessors).0
             }
-            MlaDecodeMode::Bf16 | MlaDecodeMode::Bf16v2 => {
+            MlaDecodeMode::Bf16 => {
                 geometry::mla_splits_bf16(items, g.heads, max_len, self.multiprocessors)
             }
         };
@@ -788,21 +733,10 @@ impl CudaBackend {
                     &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale)?;
             }
-            MlaDecodeMode::Bf16v2 => {
-                let pf = geometry::MLA_BF16V2_PREFETCH_TILES;
-                launch!(self, "mla_attend_bf16v2_f32", geometry::mla_attend_bf16v2(&g, items, splits)?;
-                    &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
-                    &scale, &pf)?;
-            }
         }
         let lat = self.zeros(items * g.heads, g.kv_lora)?;
-        if mode == MlaDecodeMode::Bf16v2 {
-            launch!(self, "mla_merge_v2_f32", geometry::mla_merge_v2(&g, items)?;
-                &part.buf, &lat.buf, &it, &h, &lkv, &sp)?;
-        } else {
-            launch!(self, "mla_merge_f32", geometry::mla_merge(&g, items)?;
-                &part.buf, &lat.buf, &it, &h, &lkv, &sp)?;
-        }
+        launch!(self, "mla_merge_f32", geometry::mla_merge(&g, items)?;
+            &part.buf, &lat.buf, &it, &h, &lkv, &sp)?;
         let o = self.output(items, g.heads * g.v_dim)?;
         match kv_w {
             KvB::Bf16(w) => launch!(self, "mla_out_proj_bf16", geometry::mla_out_proj_bf16(&g)?;
@@ -830,11 +764,11 @@ impl CudaBackend {
         }
         let (idx, w) = self.route(router_logits, bias, r)?;
         let (t, k) = (z.rows, r.top_k);
-        // The stream pair (1-token steps) takes the router's ids as they are: no sort, no offsets.
-        if t * k < crate::moe_gemm::min_assignments() && mx_experts_choice(t) == MxExperts::Stream {
-            return self.moe_experts_stream(z, &idx, &w, ex, k, situ);
-        }
-        if t * k < crate::moe_gemm::min_assignments() && mx_experts_choice(t) == MxExperts::Stream2
+        let many = t * k >= crate::moe_gemm::min_assignments();
+        // The stream2 pair (1-token steps) takes the router's ids as they are: no sort, no offsets.
+        if !many
+            && mx_experts_choice(t) == MxExperts::Stream2
+            && crate::moe_stream::stream2_fits(ex.latent, ex.inter)
         {
             return self.moe_experts_stream2(z, &idx, &w, ex, k, situ);
         }
@@ -842,14 +776,11 @@ impl CudaBackend {
         let sorted = self.zeroed::<i32>((t * k).max(1))?;
         let (na, e) = (i32_of(t * k, "assignments")?, ex.experts as i32);
         launch!(self, "moe_sort_assignments", Launch::new((1, 1, 1), 1024)?; &idx, &na, &e, &offsets, &sorted)?;
-        if t * k >= crate::moe_gemm::min_assignments() {
-            return match self.moe_prefill {
-                crate::moe_grouped::MoePrefill::Grouped => {
-                    self.moe_experts_grouped(z, &idx, &w, ex, k, &offsets, &sorted, situ)
-                }
-                crate::moe_grouped::MoePrefill::Gemm => {
-                    self.moe_experts_gemm(z, &w, ex, k, &offsets, &sorted, situ)
-                }
+        if many {
+            return if self.moe_prefill.grouped(t * k) {
+                self.moe_experts_grouped(z, &idx, &w, ex, k, &offsets, &sorted, situ)
+            } else {
+                self.moe_experts_gemm(z, &w, ex, k, &offsets, &sorted, situ)
             };
         }
         let y = self.zeros(t * k, ex.latent)?;
@@ -860,42 +791,18 @@ impl CudaBackend {
         );
         // Blocks for at most min(E, T*k) experts: each maps itself to a busy one.
         let busy = ex.experts.min(t * k).max(1);
-        match mx_experts_choice(t) {
-            MxExperts::Tc => {
-                // z and the intermediate as hi / lo bf16 in fragment order (every element written:
-                // the split pads z, each up block writes its whole 128-column super-step).
-                let nt = mx_tc2_ntiles(t);
-                let (nti, ti) = (nt as i32, i32_of(t, "tokens")?);
-                let zx = self.uninit::<u16>(t * mx_tc2_row_u16(ex.latent))?;
-                let actx = self.uninit::<u16>(t * k * mx_tc2_row_u16(ex.inter))?;
-                launch!(self, "mxfp4_tc2_split_f32", mx_tc2_split_launch(t, ex.latent)?; &z.buf, &zx, &ti, &lt)?;
-                launch!(self, "mxfp4_up_tc2_f32", mx_tc2_launch(busy, ex.inter, ex.latent, MX_TC2_UP_ROWS, nt)?;
-                    &zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &actx, &kk, &lt, &ie,
-                    &situ.beta, &lin, &has, &e, &nti)?;
-                launch!(self, "mxfp4_down_tc2_f32", mx_tc2_launch(busy, ex.latent, ex.inter, MX_TC2_DOWN_ROWS, nt)?;
-                    &actx, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &nti)?;
-            }
-            MxExperts::TcOld => {
-                let act = self.zeros(t * k, ex.inter)?;
-                let st = mx_tc_stage(t) as i32;
-                launch!(self, "mxfp4_up_tc_f32", mx_tc_launch(busy, ex.inter, ex.latent)?;
-                    &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
-                    &situ.beta, &lin, &has, &e, &st)?;
-                launch!(self, "mxfp4_down_tc_f32", mx_tc_launch(busy, ex.latent, ex.inter)?;
-                    &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &st)?;
-            }
-            // Stream returned above; a forced `stream` at the GEMM path's sizes never gets here.
-            MxExperts::Gemv | MxExperts::Stream | MxExperts::Stream2 => {
-                let act = self.zeros(t * k, ex.inter)?;
-                let (su, sd) = (mx_gemv_stage(t, ex.latent), mx_gemv_stage(t, ex.inter));
-                let (sui, sdi) = (su as i32, sd as i32);
-                launch!(self, "mxfp4_up_gemv_f32", mx_gemv_launch(busy, ex.inter, ex.latent, su)?;
-                    &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &act.buf, &kk, &lt, &ie,
-                    &situ.beta, &lin, &has, &e, &sui)?;
-                launch!(self, "mxfp4_down_gemv_f32", mx_gemv_launch(busy, ex.latent, ex.inter, sd)?;
-                    &act.buf, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &sdi)?;
-            }
-        }
+        // The tc2 pair: z and the intermediate as hi / lo bf16 in fragment order (every element
+        // written: the split pads z, each up block writes its whole 128-column super-step).
+        let nt = mx_tc2_ntiles(t);
+        let (nti, ti) = (nt as i32, i32_of(t, "tokens")?);
+        let zx = self.uninit::<u16>(t * mx_tc2_row_u16(ex.latent))?;
+        let actx = self.uninit::<u16>(t * k * mx_tc2_row_u16(ex.inter))?;
+        launch!(self, "mxfp4_tc2_split_f32", mx_tc2_split_launch(t, ex.latent)?; &z.buf, &zx, &ti, &lt)?;
+        launch!(self, "mxfp4_up_tc2_f32", mx_tc2_launch(busy, ex.inter, ex.latent, MX_TC2_UP_ROWS, nt)?;
+            &zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &actx, &kk, &lt, &ie,
+            &situ.beta, &lin, &has, &e, &nti)?;
+        launch!(self, "mxfp4_down_tc2_f32", mx_tc2_launch(busy, ex.latent, ex.inter, MX_TC2_DOWN_ROWS, nt)?;
+            &actx, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &nti)?;
         let out = self.zeros(t, ex.latent)?;
         let tt = t as i32;
         launch!(self, "moe_combine_f32", geometry::elementwise(t * ex.latent)?; &y.buf, &w, &out.buf, &tt, &kk, &lt)?;
@@ -916,33 +823,6 @@ mod tests {
     }
 
     #[test]
-    fn gemv_stage_fits_the_shared_budget() {
-        // K3: latent 3584 / inter 3072 take 3 tokens per pass; T = 1 stages one row.
-        assert_eq!(mx_gemv_stage(1, 3584), 1);
-        assert_eq!(mx_gemv_stage(64, 3584), 3);
-        assert_eq!(mx_gemv_stage(64, 3072), 3);
-        assert_eq!(mx_gemv_stage(64, 128), MX_GEMV_MAX_STAGE);
-        assert_eq!(
-            mx_gemv_stage(64, 16384),
-            1,
-            "over the budget: the launch refuses it"
-        );
-        let l = mx_gemv_launch(16, 3072, 3584, 3).unwrap();
-        assert_eq!(
-            (l.grid, l.block, l.shared),
-            ((16, 48, 1), 128, 3 * 3584 * 4)
-        );
-        assert!(
-            mx_gemv_launch(16, 3072, 16384, 1).is_err(),
-            "one row over the budget"
-        );
-        assert!(
-            mx_gemv_launch(16, 3072, 100, 1).is_err(),
-            "width not a multiple of 32"
-        );
-    }
-
-    #[test]
     fn kda_scan_launch_geometry() {
         // K3: 96 heads; 32 state columns per scan block; 8 chunks of 16 tokens per record block.
         let l = kda_scan_launch(96).unwrap();
@@ -951,20 +831,6 @@ mod tests {
         assert_eq!((l.grid, l.block), ((64, 96, 1), 128));
         assert_eq!(kda_rec_launch(129, 96).unwrap().grid, (2, 96, 1));
         assert!(kda_rec_launch(0, 96).is_err());
-    }
-
-    #[test]
-    fn tc_launch_fits_the_shared_budget() {
-        assert_eq!(MX_TC_SHARED, 41_472, "kernels/mxfp4_tc.cu MXT_SHARED_BYTES");
-        assert_eq!((mx_tc_stage(1), mx_tc_stage(5), mx_tc_stage(64)), (1, 5, 8));
-        // K3 at 1 token x top-16: 16 x 24 up blocks and 16 x 28 down blocks, one wave on 132 SMs.
-        let up = mx_tc_launch(16, 3072, 3584).unwrap();
-        assert_eq!((up.grid, up.block, up.shared), ((16, 24, 1), 256, 41_472));
-        assert_eq!(mx_tc_launch(16, 3584, 3072).unwrap().grid, (16, 28, 1));
-        assert!(
-            mx_tc_launch(16, 3072, 100).is_err(),
-            "width not a multiple of 32"
-        );
     }
 
     #[test]

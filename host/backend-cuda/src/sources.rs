@@ -58,12 +58,7 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "kda_chunk_scan.cu",
         text: include_str!("../../../kernels/kda_chunk_scan.cu"),
-        entries: &[
-            "kda_chunk_rec3m_f32",
-            "kda_chunk_rec4_f32",
-            "kda_chunk_rec5_f32",
-            "kda_chunk_scan4_f32",
-        ],
+        entries: &["kda_chunk_rec3m_f32", "kda_chunk_scan4_f32"],
     },
     KernelFile {
         name: "kda_decode.cu",
@@ -89,11 +84,6 @@ pub const FILES: &[KernelFile] = &[
         entries: &["mla_attend_bf16_f32"],
     },
     KernelFile {
-        name: "mla_attend_bf16v2.cu",
-        text: include_str!("../../../kernels/mla_attend_bf16v2.cu"),
-        entries: &["mla_attend_bf16v2_f32", "mla_merge_v2_f32"],
-    },
-    KernelFile {
         name: "mla_prefill.cu",
         text: include_str!("../../../kernels/mla_prefill.cu"),
         entries: &["mla_prefill_gather_f32", "mla_prefill_softmax_f32"],
@@ -113,10 +103,6 @@ pub const FILES: &[KernelFile] = &[
         text: include_str!("../../../kernels/mxfp4.cu"),
         entries: &[
             "moe_sort_assignments",
-            "mxfp4_up_gemv_f32",
-            "mxfp4_down_gemv_f32",
-            "mxfp4_up_stream_f32",
-            "mxfp4_down_stream_f32",
             "mxfp4_up_stream2_f32",
             "mxfp4_down_stream2_f32",
             "moe_combine_parts_f32",
@@ -136,8 +122,6 @@ pub const FILES: &[KernelFile] = &[
         name: "mxfp4_tc.cu",
         text: include_str!("../../../kernels/mxfp4_tc.cu"),
         entries: &[
-            "mxfp4_up_tc_f32",
-            "mxfp4_down_tc_f32",
             "mxfp4_tc2_split_f32",
             "mxfp4_up_tc2_f32",
             "mxfp4_down_tc2_f32",
@@ -156,7 +140,7 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "sampling.cu",
         text: include_str!("../../../kernels/sampling.cu"),
-        entries: &["topk_rows_f32"],
+        entries: &["topk_segments_f32", "topk_merge_f32"],
     },
     KernelFile {
         name: "situ.cu",

@@ -563,15 +563,16 @@ fn ops_match_cpu() {
     // The f32-level decode attend: the MLA tolerances below (TOL_FUSED) hold only for it;
     // `mla_bf16_matches_cpu` covers the bf16 one.
     gpu.set_mla_decode_mode(MlaDecodeMode::Precise);
-    // moe_routed(T=1100) through the grouped MXFP4 GEMMs; `moe_gemm_path_matches_cpu` keeps the
-    // cuBLAS path covered.
+    // moe_routed(T=1100) through the grouped MXFP4 GEMMs (what `auto` picks there too);
+    // `moe_gemm_path_matches_cpu` keeps the cuBLAS path covered.
     gpu.set_moe_prefill(MoePrefill::Grouped);
     compare_ops(&gpu, "ops_match_cpu", "");
 }
 
-/// moe_routed's cuBLAS path (moe_gemm.rs, `K3_MOE_PREFILL=gemm`) at the sizes of `ops_match_cpu`'s
-/// T = 1100 case (4400 assignments >= K3_MOE_GEMM_MIN), and the grouped one at T = 2048 (tiles of
-/// up to 64 tokens: full, partial, one per expert and several).
+/// moe_routed's cuBLAS path (moe_gemm.rs, `K3_MOE_PREFILL=gemm`; `auto` from K3_MOE_GROUPED_MAX
+/// assignments) at the sizes of `ops_match_cpu`'s T = 1100 case (4400 assignments >=
+/// K3_MOE_GEMM_MIN), and the grouped one at T = 2048 (tiles of up to 64 tokens: full, partial, one
+/// per expert and several).
 #[test]
 fn moe_gemm_path_matches_cpu() {
     let Some(mut gpu) = cuda() else { return };
@@ -612,20 +613,10 @@ fn moe_gemm_path_matches_cpu() {
 /// chunks and batched decode differ from the CPU by bf16 rounding (TOL_MLA_BF16).
 #[test]
 fn mla_bf16_matches_cpu() {
-    mla_bf16_mode_matches_cpu(MlaDecodeMode::Bf16, "mla_bf16_matches_cpu");
-}
-
-/// The same with `K3_MLA_DECODE=bf16v2` (kernels/mla_attend_bf16v2.cu: same roundings).
-#[test]
-fn mla_bf16v2_matches_cpu() {
-    mla_bf16_mode_matches_cpu(MlaDecodeMode::Bf16v2, "mla_bf16v2_matches_cpu");
-}
-
-fn mla_bf16_mode_matches_cpu(mode: MlaDecodeMode, name: &str) {
     let Some(mut gpu) = cuda() else { return };
-    gpu.set_mla_decode_mode(mode);
+    gpu.set_mla_decode_mode(MlaDecodeMode::Bf16);
     let cpu = CpuBackend::new();
-    let seed = Rng::new(name).0;
+    let seed = Rng::new("mla_bf16_matches_cpu").0;
     let mut t = Table {
         tag: "",
         failed: Vec::new(),
@@ -696,15 +687,15 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
     for tokens in [1usize, 3, 40, 1100] {
         let (mut rc, mut rg) = (Rng(seed ^ tokens as u64), Rng(seed ^ tokens as u64));
         // Assignments = tokens x top-4 over 32 experts: 4, 12 and 160 take the decode-step kernels
-        // (ops.rs mx_experts_choice, K3_MX_EXPERTS=auto: T = 1 the stream pair
-        // (mxfp4.cu, moe_stream.rs), T >= 2 the tensor-core tc2 pair (mxfp4_tc.cu): T = 3 fills part of an
-        // n-tile, T = 40 puts 5 tokens per expert on average, so most experts take two or three
-        // n-tiles of 4 tokens in their one pass of up to 16; K3_MX_EXPERTS=stream / gemv / tc / tc_old runs
-        // every size on one pair), 4400 the
-        // many-assignment path (default K3_MOE_GEMM_MIN = 4096): `ops_match_cpu` pins the grouped
-        // MXFP4 GEMMs (moe_grouped.rs), `moe_gemm_path_matches_cpu` runs the cuBLAS one.
+        // (ops.rs mx_experts_choice, K3_MX_EXPERTS=auto: T = 1 the stream2 pair (mxfp4.cu,
+        // moe_stream.rs), T >= 2 the tc2 pair (mxfp4_tc.cu): T = 3 fills part of an n-tile, T = 40
+        // puts 5 tokens per expert on average, so most experts take two or three n-tiles of 4
+        // tokens in their one pass of up to 16; K3_MX_EXPERTS=stream2 / tc runs every size on one
+        // pair), 4400 the many-assignment path (default K3_MOE_GEMM_MIN = 4096): `ops_match_cpu`
+        // pins the grouped MXFP4 GEMMs (moe_grouped.rs), `moe_gemm_path_matches_cpu` runs the
+        // cuBLAS one.
         let name = match tokens {
-            1 => "moe_routed(T=1, K3_MX_EXPERTS kernels: stream)",
+            1 => "moe_routed(T=1, K3_MX_EXPERTS kernels: stream2)",
             3 => "moe_routed(T=3, K3_MX_EXPERTS kernels: tc)",
             40 => "moe_routed(T=40, K3_MX_EXPERTS kernels: tc, several n-tiles)",
             _ => "moe_routed(T=1100, many-assignment path: grouped unless pinned)",
