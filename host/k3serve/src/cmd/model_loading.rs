@@ -4,7 +4,9 @@
 use anyhow::{Context, bail};
 use k3_backend_cpu::CpuBackend;
 use k3_backend_cuda::CudaBackend;
-use k3_model::exec::{CacheLayout, ExecError, ForwardBatch, ForwardOutput};
+use k3_model::exec::{
+    CacheLayout, ExecError, ForwardBatch, ForwardOutput, LogitsWant, top_k_of_row,
+};
 use k3_model::{Backend, Config, Executor, Model, ModelExecutor};
 use std::path::Path;
 
@@ -140,7 +142,15 @@ impl Executor for VocabLimited {
         self.inner.arena_read(offset, len)
     }
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, ExecError> {
-        let mut out = self.inner.forward(batch)?;
+        // Candidates must come from the tokenizer's ids only, so the inner executor returns
+        // whole rows and the selection runs here on the cut rows.
+        let mut inner_batch = batch.clone();
+        for s in &mut inner_batch.seqs {
+            if let LogitsWant::LastTopK(_) = s.logits {
+                s.logits = LogitsWant::Last;
+            }
+        }
+        let mut out = self.inner.forward(&inner_batch)?;
         // Compact the rows in place: row r's first `vocab` values move to r * vocab.
         let (wide, narrow) = (out.vocab, self.vocab);
         let rows = out.logits.len() / wide.max(1);
@@ -150,6 +160,29 @@ impl Executor for VocabLimited {
         }
         out.logits.truncate(rows * narrow);
         out.vocab = narrow;
+        if batch
+            .seqs
+            .iter()
+            .any(|s| matches!(s.logits, LogitsWant::LastTopK(_)))
+        {
+            let (mut kept, mut ranges) = (Vec::new(), Vec::new());
+            out.top = vec![Vec::new(); batch.seqs.len()];
+            for (i, s) in batch.seqs.iter().enumerate() {
+                let range = out.row_ranges.get(i).cloned().unwrap_or_default();
+                let start = kept.len() / narrow.max(1);
+                if let LogitsWant::LastTopK(k) = s.logits {
+                    if let Some(last) = range.end.checked_sub(1).filter(|_| !range.is_empty()) {
+                        out.top[i] = top_k_of_row(out.row(last), k);
+                    }
+                    ranges.push(start..start);
+                } else {
+                    kept.extend_from_slice(&out.logits[range.start * narrow..range.end * narrow]);
+                    ranges.push(start..start + range.len());
+                }
+            }
+            out.logits = kept;
+            out.row_ranges = ranges;
+        }
         Ok(out)
     }
 }
@@ -334,6 +367,36 @@ mod tests {
         for r in 0..3 {
             assert_eq!(cut.row(r), &whole.row(r)[..100]);
         }
+    }
+
+    /// Greedy / top-k requests through the cut: candidates only among the tokenizer's ids (the
+    /// model's wider ids would fail the sampler), equal to selecting from the cut row.
+    #[test]
+    fn vocab_limit_selects_candidates_among_the_kept_ids() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-mini");
+        let fmt = LoadFormat::parse("safetensors", 0).unwrap();
+        let run = |want: LogitsWant| {
+            let (exec, _, _) = load_single(&dir, 64, Some(Device::Cpu), fmt).unwrap();
+            let mut exec = limit_vocab(exec.0, 100);
+            let lay = exec.layout();
+            let pages: Vec<usize> = (0..2)
+                .map(|i| lay.state_block_bytes.div_ceil(4) * 4 + i * lay.kv_page_bytes)
+                .collect();
+            let seq = k3_model::exec::SeqInput {
+                tokens: &[5, 6, 7],
+                start_pos: 0,
+                kv_pages: &pages,
+                state_block: 0,
+                checkpoints: &[],
+                logits: want,
+            };
+            exec.forward(&ForwardBatch { seqs: vec![seq] }).unwrap()
+        };
+        let (row, top) = (run(LogitsWant::Last), run(LogitsWant::LastTopK(5)));
+        assert_eq!((top.vocab, top.row_ranges.clone()), (100, vec![0..0]));
+        assert!(top.logits.is_empty());
+        assert_eq!(top.top[0], top_k_of_row(row.row(0), 5));
+        assert!(top.top[0].len() == 5 && top.top[0].iter().all(|&(t, _)| t < 100));
     }
 
     #[test]
