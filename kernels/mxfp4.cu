@@ -11,7 +11,7 @@
 // mx_experts_choice picks. H200, K3 sizes, top-16, T = 1 (with combine): stream2 141.1 us (47% of
 // the weight-traffic floor); the CUDA-core pairs it replaced, a no-sort stream pair (163.7 us) and
 // a staged gemv pair (182.1 us), and tc2 at one token (200.4 us) all lost; the two were deleted.
-#include "common.cuh"
+#include "mxfp4_mma.cuh"
 
 
 // Single block (1024 threads). idx [n_assign] expert ids; offsets [E+1] (out), sorted [n_assign]
@@ -111,13 +111,6 @@ __device__ __forceinline__ i64 mxs_split(i64 n, i64 part, i64 parts) { return n 
 #define MXQ_MAX_CHUNKS 124  // 32-value blocks per staged row (cols <= 3968), padded to 4 below row 127
 #define MXQ_ZERO_ROW 127
 
-__device__ __forceinline__ void mxq_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // bf16x2 (E2M1 of the low, high nibble) of byte `by` of `word`: entry (byte, lane) of the table.
 // (On sm_90 the shared window base carries the CTA id, so each lookup is PRMT + IADD + LDS.)
 __device__ __forceinline__ u32 mxq_pair(u32 word, u32 lane4, int by) {
@@ -125,7 +118,6 @@ __device__ __forceinline__ u32 mxq_pair(u32 word, u32 lane4, int by) {
     return *reinterpret_cast<const u32*>(reinterpret_cast<const char*>(mxs_smem) + off);
 }
 
-__device__ __forceinline__ u32 mxq_word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 
 // Stage one input row (cols values; val8(col, v) gives columns col .. col + 7 in f32) as hi / lo
 // bf16 into x slot `slot` (layout in the header).
@@ -258,9 +250,9 @@ __device__ __forceinline__ void mxq_drive(const u8* const (&wp)[NM], const u8* c
             float c4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                const u32 x0 = mxq_word(rw[k][m][0], j >> 1), x1 = mxq_word(rw[k][m][1], j >> 1);
+                const u32 x0 = mx_word(rw[k][m][0], j >> 1), x1 = mx_word(rw[k][m][1], j >> 1);
                 const int by = 2 * (j & 1);
-                mxq_mma(c4, mxq_pair(x0, lane4, by), mxq_pair(x1, lane4, by), mxq_pair(x0, lane4, by + 1),
+                mx_mma(c4, mxq_pair(x0, lane4, by), mxq_pair(x1, lane4, by), mxq_pair(x0, lane4, by + 1),
                         mxq_pair(x1, lane4, by + 1), b[2 * j], b[2 * j + 1]);
             }
             acc[m][0] = fmaf(c4[0] + c4[1], e8m0_to_f32((u8)rs[k][m][0]), acc[m][0]);

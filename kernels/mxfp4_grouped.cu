@@ -17,13 +17,13 @@
 // tokens (32 tokens = 8 n-tiles of 4 tokens x hi / lo each). Per stage (128 columns = 4 MX blocks
 // of every row) a 3-deep cp.async ring brings 256 rows x 64 packed bytes, their 4 scale bytes, and
 // the 128 B rows x 256 bytes of the tile's activations. Fragment mapping, decode table and the
-// activation layout ([row][ceil(cols / 128)][hi / lo][128] bf16, columns in mx2_pos order) are
+// activation layout ([row][ceil(cols / 128)][hi / lo][128] bf16, columns in mx_pos order) are
 // tc2's (mxfp4_tc.cu header): the up kernel takes z from mxfp4_tc2_split_f32 and writes its
 // SiTU-GLU output in that layout, indexed by sorted position, for the down kernel.
 //   mxfp4_up_grouped_f32     actx[p] = split(SiTU-GLU(W1_e z, W3_e z)) for each sorted position p
 //   mxfp4_down_grouped_f32   y[sorted[p]] = W2_e act[p]
 //   moe_combine_ids_f32      out[t] = sum over valid slots j of w[t,j] y[t*k + j] (fixed order)
-#include "common.cuh"
+#include "mxfp4_mma.cuh"
 
 #define MXG_TOK 64        // tokens per tile (128 hi / lo B columns)
 #define MXG_AROWS 256     // weight rows per CTA: up 128 of W1 + the same 128 of W3, down 256 of W2
@@ -42,55 +42,7 @@
 
 extern __shared__ __align__(16) u32 mxg_smem[];
 
-// The decode helpers of mxfp4_tc.cu (each .cu compiles alone under NVRTC).
-__device__ __forceinline__ u32 mxg_bf16_of(u32 code) { return __float_as_uint(fp4_e2m1_to_f32(code)) >> 16; }
-
-__device__ __forceinline__ u32 mxg_scale2(u32 s) {  // E8M0 -> bf16x2 2^(s-127) (s = 0: subnormal)
-    const u32 b = s ? (s << 7) : 0x40u;
-    return b | (b << 16);
-}
-
-// Byte `byte` of `word` (two E2M1 codes, low nibble = lower column) as scaled bf16x2: one
-// conflict-free LDS from the per-lane table, one exact bf16x2 product (-0 addend keeps -0).
-__device__ __forceinline__ u32 mxg_pair(const u32* tab_lane, u32 word, int byte, u32 sc2) {
-    const u32 raw = tab_lane[__byte_perm(word, 0, 0x4440 + byte) * 32];
-    u32 out;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(raw), "r"(sc2), "r"(0x80008000u));
-    return out;
-}
-
-__device__ __forceinline__ void mxg_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 mxg_word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
-
-// 16-byte async copy, zero-filled past `bytes` (0: nothing read, 16 zero bytes written).
-__device__ __forceinline__ void mxg_cp16(u32 dst, const void* src, u32 bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mxg_cp4(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void mxg_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void mxg_wait_all_but_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-static_assert(MXG_STAGES == 3, "mxg_wait_all_but_one waits for all but MXG_STAGES - 2 groups");
-
-// mxfp4_tc.cu mx2_pos: column c of a 128-column super-step -> its index in the staged row.
-__device__ __forceinline__ int mxg_pos(int c) { return 16 * ((c >> 2) & 7) + 4 * (c >> 5) + (c & 3); }
-
-// Word 32 b + l = bf16x2 (E2M1(b & 15), E2M1(b >> 4)) for every lane l (16 bytes per store).
-__device__ __forceinline__ void mxg_fill_table() {
-    uint4* tab4 = reinterpret_cast<uint4*>(mxg_smem);
-    for (int i = threadIdx.x; i < MXG_TAB_WORDS / 4; i += blockDim.x) {
-        const u32 b = (u32)i >> 3;
-        const u32 v = mxg_bf16_of(b & 15u) | (mxg_bf16_of(b >> 4) << 16);
-        tab4[i] = make_uint4(v, v, v, v);
-    }
-}
+static_assert(MXG_STAGES == 3, "mx_wait_all_but_one waits for all but MXG_STAGES - 2 groups");
 
 // Tile `tile` (header): its expert and first token within the expert's sorted range, or false
 // past the last tile. Warp 0 scans ceil(count / MXG_TOK) over the experts 32 at a time.
@@ -174,10 +126,10 @@ __device__ __forceinline__ void mxg_tile(const u16* __restrict__ xs, int div, co
         const bool in = 4 * c + (tid & 3) < nb;  // past the row's end: zeros (table entry 0 = +0)
 #pragma unroll
         for (int i = 0; i < 2; ++i)
-            mxg_cp16(bs + ((tid >> 2) + 128 * i) * 64 + 16 * (tid & 3), wsrc[i] + (in ? 64 * c : 0), in ? 16u : 0u);
+            mx_cp16_fill(bs + ((tid >> 2) + 128 * i) * 64 + 16 * (tid & 3), wsrc[i] + (in ? 64 * c : 0), in ? 16u : 0u);
         if (tid < MXG_AROWS) {
             if ((nb & 3) == 0) {
-                mxg_cp4(bs + MXG_A_BYTES + 4 * tid, ssrc + 4 * c);
+                mx_cp4(bs + MXG_A_BYTES + 4 * tid, ssrc + 4 * c);
             } else {  // scale rows not 4-byte aligned (test shapes only): a plain load and store
                 u32 v = 0;
 #pragma unroll
@@ -190,7 +142,7 @@ __device__ __forceinline__ void mxg_tile(const u16* __restrict__ xs, int div, co
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const int i = warp + 16 * k;
-            mxg_cp16(bs + MXG_A_BYTES + MXG_S_BYTES + (2 * i + (lane >> 4)) * MXG_BRS + 16 * (lane & 15),
+            mx_cp16_fill(bs + MXG_A_BYTES + MXG_S_BYTES + (2 * i + (lane >> 4)) * MXG_BRS + 16 * (lane & 15),
                      i < nt ? (const void*)(bsrc[k] + (i64)c * 256) : (const void*)xs, i < nt ? 16u : 0u);
         }
     };
@@ -206,13 +158,13 @@ __device__ __forceinline__ void mxg_tile(const u16* __restrict__ xs, int div, co
 #pragma unroll
     for (int j = 0; j < MXG_STAGES - 1; ++j) {
         if (j < nch) issue(j);
-        mxg_commit();
+        mx_commit();
     }
     for (int c = 0; c < nch; ++c) {
-        mxg_wait_all_but_one();  // stage c's copies (this thread's) are done
+        mx_wait_all_but_one();  // stage c's copies (this thread's) are done
         __syncthreads();         // everyone's are, and everyone is done with stage c - 1's buffer
         if (c + MXG_STAGES - 1 < nch) issue(c + MXG_STAGES - 1);
-        mxg_commit();  // (possibly empty: keeps the group count per step fixed)
+        mx_commit();  // (possibly empty: keeps the group count per step fixed)
         if (ntl == 0) continue;
         const u8* buf = stages + (c % MXG_STAGES) * MXG_STAGE_BYTES;
         uint4 wv[2][2];
@@ -223,7 +175,7 @@ __device__ __forceinline__ void mxg_tile(const u16* __restrict__ xs, int div, co
             for (int h = 0; h < 2; ++h) {
                 const int ar = 32 * wm + 16 * m + 8 * h + g;
                 wv[m][h] = *reinterpret_cast<const uint4*>(buf + ar * 64 + 16 * t);
-                sc[m][h] = mxg_scale2(buf[MXG_A_BYTES + 4 * ar + t]);
+                sc[m][h] = mx_scale2(buf[MXG_A_BYTES + 4 * ar + t]);
             }
         const u8* bb = buf + MXG_A_BYTES + MXG_S_BYTES + (64 * wn + g) * MXG_BRS + 8 * t;
 #pragma unroll
@@ -231,19 +183,19 @@ __device__ __forceinline__ void mxg_tile(const u16* __restrict__ xs, int div, co
             u32 a[2][4];
 #pragma unroll
             for (int m = 0; m < 2; ++m) {
-                const u32 w0 = mxg_word(wv[m][0], s >> 1), w1 = mxg_word(wv[m][1], s >> 1);
+                const u32 w0 = mx_word(wv[m][0], s >> 1), w1 = mx_word(wv[m][1], s >> 1);
                 const int by = 2 * (s & 1);
-                a[m][0] = mxg_pair(tab_lane, w0, by, sc[m][0]);
-                a[m][1] = mxg_pair(tab_lane, w1, by, sc[m][1]);
-                a[m][2] = mxg_pair(tab_lane, w0, by + 1, sc[m][0]);
-                a[m][3] = mxg_pair(tab_lane, w1, by + 1, sc[m][1]);
+                a[m][0] = mx_pair(tab_lane, w0, by, sc[m][0]);
+                a[m][1] = mx_pair(tab_lane, w1, by, sc[m][1]);
+                a[m][2] = mx_pair(tab_lane, w0, by + 1, sc[m][0]);
+                a[m][3] = mx_pair(tab_lane, w1, by + 1, sc[m][1]);
             }
 #pragma unroll
             for (int q = 0; q < 8; ++q)
                 if (q < ntl) {  // warp-uniform
                     const uint2 v = *reinterpret_cast<const uint2*>(bb + q * 8 * MXG_BRS + 32 * s);
-                    mxg_mma(acc[0][q], a[0], v.x, v.y);
-                    mxg_mma(acc[1][q], a[1], v.x, v.y);
+                    mx_mma(acc[0][q], a[0], v.x, v.y);
+                    mx_mma(acc[1][q], a[1], v.x, v.y);
                 }
         }
     }
@@ -261,7 +213,7 @@ mxfp4_up_grouped_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, con
                      float beta, float beta_lin, int has_lin, int experts) {
     int e, t0;
     if (!mxg_find_tile(offsets, experts, blockIdx.y, e, t0)) return;  // block-uniform
-    mxg_fill_table();  // the first stage's barrier orders it before any lookup
+    mx_fill_table(mxg_smem, MXG_TAB_WORDS);  // the first stage's barrier orders it before any lookup
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int wm = warp & 7, wn = warp >> 3;
     const int r0 = blockIdx.x * MXG_UP_ROWS, p0 = offsets[e] + t0, nt = min(MXG_TOK, offsets[e + 1] - p0);
@@ -281,7 +233,7 @@ mxfp4_up_grouped_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, con
                 const float v = r0 + rl < inter ? situ_glu_one(gate, up, beta, beta_lin, has_lin) : 0.0f;
                 u16 hi, lo;
                 split_bf16(v, hi, lo);
-                u16* dst = actx + ((i64)(p0 + i) * gridDim.x + blockIdx.x) * 256 + mxg_pos(rl);
+                u16* dst = actx + ((i64)(p0 + i) * gridDim.x + blockIdx.x) * 256 + mx_pos(rl);
                 dst[0] = hi;
                 dst[128] = lo;
             }
@@ -297,7 +249,7 @@ mxfp4_down_grouped_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p,
                        int latent, int inter, int experts) {
     int e, t0;
     if (!mxg_find_tile(offsets, experts, blockIdx.y, e, t0)) return;
-    mxg_fill_table();
+    mx_fill_table(mxg_smem, MXG_TAB_WORDS);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int wm = warp & 7, wn = warp >> 3;
     const int r0 = blockIdx.x * MXG_AROWS, p0 = offsets[e] + t0, nt = min(MXG_TOK, offsets[e + 1] - p0);

@@ -22,39 +22,11 @@
 // 8-byte LDS per k-step and column. The scale is folded into the bf16 weights, so blocks can mix
 // within an mma. Column n of an n-tile q is token 4 q + n / 2, hi (n even) or lo (n odd): lane t's
 // accumulators c0 + c1 (row g) and c2 + c3 (row g + 8) are token 4 q + t's whole result.
-#include "common.cuh"
+#include "mxfp4_mma.cuh"
 
 #define MXT_TAB_WORDS 8192    // 256 entries x 32 lanes
 
 extern __shared__ __align__(16) u32 mxt_smem[];
-
-// bf16 bits of an E2M1 code (the f32 value has no bits below the top 16).
-__device__ __forceinline__ u32 mxt_bf16_of(u32 code) { return __float_as_uint(fp4_e2m1_to_f32(code)) >> 16; }
-
-// E8M0 byte -> bf16x2 (2^(s-127) twice; s = 0 is the bf16 subnormal 2^-127).
-__device__ __forceinline__ u32 mxt_scale2(u32 s) {
-    const u32 b = s ? (s << 7) : 0x40u;
-    return b | (b << 16);
-}
-
-// Pair of weights (byte: low nibble = lower column) as scaled bf16x2: table entry times the
-// block scale. fma with -0 addend = exact product (keeps -0); bf16 fma keeps subnormals.
-__device__ __forceinline__ u32 mxt_pair(const u32* tab_lane, u32 word, int byte, u32 sc2) {
-    const u32 raw = tab_lane[__byte_perm(word, 0, 0x4440 + byte) * 32];
-    u32 out;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(raw), "r"(sc2), "r"(0x80008000u));
-    return out;
-}
-
-__device__ __forceinline__ void mxt_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Word j (0..3) of a uint4.
-__device__ __forceinline__ u32 mxt_word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 
 // ---------------------------------------------------------------------------------------------
 // tc2 (ops.rs MxExperts::Tc, the default from 2 tokens): the decode (table + scale fold) and mma
@@ -75,7 +47,7 @@ __device__ __forceinline__ u32 mxt_word(const uint4& v, int j) { return j == 0 ?
 // B row v = 2 i + p (token i of the pass, p = 0 hi / 1 lo) at MX2_BRS-byte stride (conflict-free
 // 8-byte fragment loads: the 32-byte pad spreads the 8 rows of a phase over all banks).
 // xs layout (both split forms): [row][ceil(cols / 128)][p][128] bf16, column 128 ss + c at index
-// mx2_pos(c) of its super-step (c = 32 t + 4 s + j -> 16 s + 4 t + j: lane t's k-step s reads 4
+// mx_pos(c) of its super-step (c = 32 t + 4 s + j -> 16 s + 4 t + j: lane t's k-step s reads 4
 // consecutive values), columns past `cols` zero.
 #define MX2_KC 128
 #define MX2_STAGES 3
@@ -89,31 +61,7 @@ __device__ __forceinline__ u32 mxt_word(const uint4& v, int j) { return j == 0 ?
 // blocks per SM).
 #define MX2_STAGE_BYTES(nt) (MX2_W_BYTES + MX2_S_BYTES + (nt) * MX2_BNT_BYTES)
 
-__device__ __forceinline__ int mx2_pos(int c) { return 16 * ((c >> 2) & 7) + 4 * (c >> 5) + (c & 3); }
-
-__device__ __forceinline__ void mx2_cp16_l2(u32 dst, const void* src, u32 bytes) {  // bytes < 16: zero-filled
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mx2_cp16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void mx2_cp4(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void mx2_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void mx2_wait_all_but_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-static_assert(MX2_STAGES == 3, "mx2_wait_all_but_one waits for all but MX2_STAGES - 2 groups");
-
-// Fill the replicated table: word 32 b + l = bf16x2 (E2M1(b & 15), E2M1(b >> 4)) for every lane
-// l, 16 bytes per store.
-__device__ __forceinline__ void mx2_fill_table() {
-    uint4* tab4 = reinterpret_cast<uint4*>(mxt_smem);
-    for (int i = threadIdx.x; i < MXT_TAB_WORDS / 4; i += blockDim.x) {
-        const u32 b = (u32)i >> 3;  // 8 uint4 (32 lanes) per entry
-        const u32 v = mxt_bf16_of(b & 15u) | (mxt_bf16_of(b >> 4) << 16);
-        tab4[i] = make_uint4(v, v, v, v);
-    }
-}
+static_assert(MX2_STAGES == 3, "mx_wait_all_but_one waits for all but MX2_STAGES - 2 groups");
 
 // Grid (rows, ceil(cols / 128)), 32 threads: x [rows, cols] f32 -> xs hi / lo bf16 (layout above).
 extern "C" __global__ void mxfp4_tc2_split_f32(const float* __restrict__ x, u16* __restrict__ xs, int rows, int cols) {
@@ -127,7 +75,7 @@ extern "C" __global__ void mxfp4_tc2_split_f32(const float* __restrict__ x, u16*
     u16 h[4], l[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) split_bf16(v[j], h[j], l[j]);
-    u16* dst = xs + ((i64)row * gridDim.y + ss) * 256 + mx2_pos(cc);
+    u16* dst = xs + ((i64)row * gridDim.y + ss) * 256 + mx_pos(cc);
     *reinterpret_cast<uint2*>(dst) = make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
     *reinterpret_cast<uint2*>(dst + 128) = make_uint2(l[0] | ((u32)l[1] << 16), l[2] | ((u32)l[3] << 16));
 }
@@ -171,9 +119,9 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
         const bool in = 4 * c + (tid & 3) < nb;  // past the row's end: zeros (table entry 0 = +0)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            mx2_cp16_l2(bs + ((tid >> 2) + 64 * i) * 64 + 16 * (tid & 3), wsrc[i] + (in ? 64 * c : 0), in ? 16u : 0u);
+            mx_cp16_l2(bs + ((tid >> 2) + 64 * i) * 64 + 16 * (tid & 3), wsrc[i] + (in ? 64 * c : 0), in ? 16u : 0u);
         if ((nb & 3) == 0) {
-            mx2_cp4(bs + MX2_W_BYTES + 4 * tid, ssrc + 4 * c);
+            mx_cp4(bs + MX2_W_BYTES + 4 * tid, ssrc + 4 * c);
         } else {  // rows of nb % 4 != 0 blocks: scale rows not 4-byte aligned (test shapes only)
             u32 v = 0;
 #pragma unroll
@@ -193,7 +141,7 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
         for (int k = 0; k < 2; ++k) {
             const int i = warp + 8 * k;
             if (i < nt)
-                mx2_cp16(bs + MX2_W_BYTES + MX2_S_BYTES + (2 * i + (lane >> 4)) * MX2_BRS + 16 * (lane & 15),
+                mx_cp16(bs + MX2_W_BYTES + MX2_S_BYTES + (2 * i + (lane >> 4)) * MX2_BRS + 16 * (lane & 15),
                          xs + ((i64)b_row[k] * nch + c) * 256 + 8 * lane);
         }
     };
@@ -202,13 +150,13 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
 #pragma unroll
     for (int j = 0; j < MX2_STAGES - 1; ++j) {
         if (j < nsteps) issue(j);
-        mx2_commit();
+        mx_commit();
     }
     for (int j = 0; j < nsteps; ++j) {
-        mx2_wait_all_but_one();  // stage j's copies (this thread's) are done: MX2_STAGES - 2 = 1 younger group
+        mx_wait_all_but_one();  // stage j's copies (this thread's) are done: MX2_STAGES - 2 = 1 younger group
         __syncthreads();         // everyone's are, and everyone is done with stage j - 1's buffer
         if (j + MX2_STAGES - 1 < nsteps) issue(j + MX2_STAGES - 1);
-        mx2_commit();  // (possibly empty: keeps the group count per step fixed)
+        mx_commit();  // (possibly empty: keeps the group count per step fixed)
         const int pass = j / nch, c = j - pass * nch;
         const int t0 = pass * per, nt = min(per, n - t0), ntl = (nt + 3) >> 2;
         if (c == 0) {
@@ -228,7 +176,7 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
             for (int h = 0; h < 2; ++h) {
                 const int ar = 32 * warp + 16 * m + 8 * h + g;
                 wv[m][h] = *reinterpret_cast<const uint4*>(buf + ar * 64 + 16 * t);
-                sc[m][h] = mxt_scale2(buf[MX2_W_BYTES + 4 * ar + t]);
+                sc[m][h] = mx_scale2(buf[MX2_W_BYTES + 4 * ar + t]);
             }
         const u8* bb = buf + MX2_W_BYTES + MX2_S_BYTES + g * MX2_BRS + 8 * t;
 #pragma unroll
@@ -236,19 +184,19 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
             u32 a[2][4];
 #pragma unroll
             for (int m = 0; m < 2; ++m) {
-                const u32 w0 = mxt_word(wv[m][0], s >> 1), w1 = mxt_word(wv[m][1], s >> 1);
+                const u32 w0 = mx_word(wv[m][0], s >> 1), w1 = mx_word(wv[m][1], s >> 1);
                 const int by = 2 * (s & 1);
-                a[m][0] = mxt_pair(tab_lane, w0, by, sc[m][0]);
-                a[m][1] = mxt_pair(tab_lane, w1, by, sc[m][1]);
-                a[m][2] = mxt_pair(tab_lane, w0, by + 1, sc[m][0]);
-                a[m][3] = mxt_pair(tab_lane, w1, by + 1, sc[m][1]);
+                a[m][0] = mx_pair(tab_lane, w0, by, sc[m][0]);
+                a[m][1] = mx_pair(tab_lane, w1, by, sc[m][1]);
+                a[m][2] = mx_pair(tab_lane, w0, by + 1, sc[m][0]);
+                a[m][3] = mx_pair(tab_lane, w1, by + 1, sc[m][1]);
             }
 #pragma unroll
             for (int q = 0; q < MX2_MAXNT; ++q)
                 if (q < ntl) {  // block-uniform
                     const uint2 v = *reinterpret_cast<const uint2*>(bb + q * 8 * MX2_BRS + 32 * s);
 #pragma unroll
-                    for (int m = 0; m < 2; ++m) mxt_mma(acc[m][q], a[m][0], a[m][1], a[m][2], a[m][3], v.x, v.y);
+                    for (int m = 0; m < 2; ++m) mx_mma(acc[m][q], a[m][0], a[m][1], a[m][2], a[m][3], v.x, v.y);
                 }
         }
         if (c == nch - 1) {
@@ -276,7 +224,7 @@ mxfp4_up_tc2_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u
                  const int* __restrict__ sorted, u16* __restrict__ actx, int top_k, int latent, int inter, float beta,
                  float beta_lin, int has_lin, int experts, int ntiles) {
     const int e = mx_active_expert(offsets, experts, blockIdx.x);
-    mx2_fill_table();  // the first stage's barrier orders it before any lookup
+    mx_fill_table(mxt_smem, MXT_TAB_WORDS);  // the first stage's barrier orders it before any lookup
     if (e < 0) return;  // block-uniform
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.y * 128, a0 = offsets[e];
@@ -297,7 +245,7 @@ mxfp4_up_tc2_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u
                                      u16 hi, lo;
                                      split_bf16(v, hi, lo);
                                      u16* dst = actx + ((i64)sorted[a0 + t0 + i] * gridDim.y + blockIdx.y) * 256 +
-                                                mx2_pos(rl);
+                                                mx_pos(rl);
                                      dst[0] = hi;
                                      dst[128] = lo;
                                  }
@@ -313,7 +261,7 @@ mxfp4_down_tc2_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, con
                    const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,
                    int inter, int experts, int ntiles) {
     const int e = mx_active_expert(offsets, experts, blockIdx.x);
-    mx2_fill_table();
+    mx_fill_table(mxt_smem, MXT_TAB_WORDS);
     if (e < 0) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.y * MX2_AROWS, a0 = offsets[e];

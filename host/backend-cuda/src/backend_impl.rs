@@ -572,12 +572,7 @@ fn gemv_tc_plan(n: usize, k: usize, sms: usize) -> (usize, usize) {
 /// size vs 119.9 with cuBLAS above 2^22 (and an older CUDA-core kernel below).
 fn gemv_max_weight() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| {
-        std::env::var("K3_GEMV_MAX_ELEMS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1 << 22)
-    })
+    crate::ops::env_usize(&MAX, "K3_GEMV_MAX_ELEMS", 1 << 22)
 }
 
 /// Row counts in the profile's keys, rounded up to a power of two so prompts of similar length

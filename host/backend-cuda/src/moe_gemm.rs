@@ -34,12 +34,7 @@ const DEFAULT_MIN_ASSIGNMENTS: usize = 4096;
 
 pub(crate) fn min_assignments() -> usize {
     static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| {
-        std::env::var("K3_MOE_GEMM_MIN")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(DEFAULT_MIN_ASSIGNMENTS)
-    })
+    crate::ops::env_usize(&MIN, "K3_MOE_GEMM_MIN", DEFAULT_MIN_ASSIGNMENTS)
 }
 
 /// Work buffers kept between calls (grown, never shrunk): at prefill sizes they are gigabytes,

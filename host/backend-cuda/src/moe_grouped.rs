@@ -63,12 +63,7 @@ const DEFAULT_GROUPED_MAX: usize = 16384;
 
 pub(crate) fn grouped_max() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| {
-        std::env::var("K3_MOE_GROUPED_MAX")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(DEFAULT_GROUPED_MAX)
-    })
+    crate::ops::env_usize(&MAX, "K3_MOE_GROUPED_MAX", DEFAULT_GROUPED_MAX)
 }
 
 /// Tokens per tile, threads per block, weight rows per up block (intermediate rows: W1 and W3

@@ -60,6 +60,20 @@ fn env_choice(
     cell.get_or_init(|| std::env::var(var).unwrap_or_else(|_| default.to_string()))
 }
 
+/// A size switch read once per process: `var` parsed as a number, else `default`.
+pub(crate) fn env_usize(
+    cell: &'static std::sync::OnceLock<usize>,
+    var: &str,
+    default: usize,
+) -> usize {
+    *cell.get_or_init(|| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    })
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MxExperts {
     Stream2,

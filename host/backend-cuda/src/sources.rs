@@ -16,6 +16,10 @@ pub struct KernelFile {
 pub const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("kda.cuh", include_str!("../../../kernels/kda.cuh")),
+    (
+        "mxfp4_mma.cuh",
+        include_str!("../../../kernels/mxfp4_mma.cuh"),
+    ),
 ];
 
 pub const FILES: &[KernelFile] = &[

@@ -1,0 +1,70 @@
+// Helpers shared by the tensor-core MXFP4 expert kernels (mxfp4.cu stream2, mxfp4_tc.cu tc2,
+// mxfp4_grouped.cu): E2M1 -> bf16 decode through a per-lane shared table, E8M0 block scales as
+// bf16x2, the bf16 m16n8k16 mma and the cp.async wrappers.
+#pragma once
+#include "common.cuh"
+
+// bf16 bits of an E2M1 code (the f32 value has no bits below the top 16).
+__device__ __forceinline__ u32 mx_bf16_of(u32 code) { return __float_as_uint(fp4_e2m1_to_f32(code)) >> 16; }
+
+// E8M0 byte -> bf16x2 (2^(s-127) twice; s = 0 is the bf16 subnormal 2^-127).
+__device__ __forceinline__ u32 mx_scale2(u32 s) {
+    const u32 b = s ? (s << 7) : 0x40u;
+    return b | (b << 16);
+}
+
+// Pair of weights (byte `byte` of `word`: low nibble = lower column) as scaled bf16x2: one
+// conflict-free LDS from the per-lane table times the block scale. fma with a -0 addend is the
+// exact product (keeps -0); bf16 fma keeps subnormals.
+__device__ __forceinline__ u32 mx_pair(const u32* tab_lane, u32 word, int byte, u32 sc2) {
+    const u32 raw = tab_lane[__byte_perm(word, 0, 0x4440 + byte) * 32];
+    u32 out;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(raw), "r"(sc2), "r"(0x80008000u));
+    return out;
+}
+
+__device__ __forceinline__ void mx_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mx_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    mx_mma(c, a[0], a[1], a[2], a[3], b0, b1);
+}
+
+// Word j (0..3) of a uint4.
+__device__ __forceinline__ u32 mx_word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+
+// Column c of a 128-column super-step -> its index in a staged hi / lo row (c = 32 t + 4 s + j ->
+// 16 s + 4 t + j: lane t's k-step s reads 4 consecutive values).
+__device__ __forceinline__ int mx_pos(int c) { return 16 * ((c >> 2) & 7) + 4 * (c >> 5) + (c & 3); }
+
+// 16-byte async copies; with `bytes` < 16 the rest is zero-filled (0: nothing read).
+__device__ __forceinline__ void mx_cp16_l2(u32 dst, const void* src, u32 bytes) {  // + L2 256-byte prefetch
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mx_cp16_fill(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mx_cp16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void mx_cp4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void mx_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// For 3-stage rings: wait until at most one group is still in flight.
+__device__ __forceinline__ void mx_wait_all_but_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// The replicated decode table in `tab` (`words` u32): word 32 b + l = bf16x2 (E2M1(b & 15),
+// E2M1(b >> 4)) for every lane l, 16 bytes per store.
+__device__ __forceinline__ void mx_fill_table(u32* tab, int words) {
+    uint4* tab4 = reinterpret_cast<uint4*>(tab);
+    for (int i = threadIdx.x; i < words / 4; i += blockDim.x) {
+        const u32 b = (u32)i >> 3;  // 8 uint4 (32 lanes) per entry
+        const u32 v = mx_bf16_of(b & 15u) | (mx_bf16_of(b >> 4) << 16);
+        tab4[i] = make_uint4(v, v, v, v);
+    }
+}
