@@ -330,36 +330,39 @@ pub const PAGE_TOKENS: usize = 64;
 mod tests {
     use super::*;
 
-    #[test]
-    fn vocab_limit_cuts_every_logits_row_and_only_when_needed() {
+    /// k3-mini on the CPU behind `limit_vocab(limit)`, one forward of 3 tokens asking `want`:
+    /// (the model's vocabulary, the executor's, the output).
+    fn forward_cut(limit: usize, want: LogitsWant) -> (usize, usize, ForwardOutput) {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-mini");
         let fmt = LoadFormat::parse("safetensors", 0).unwrap();
-        let run = |limit: usize| {
-            let (exec, _, _) = load_single(&dir, 64, Some(Device::Cpu), fmt).unwrap();
-            let full = exec.vocab_size();
-            let mut exec = limit_vocab(exec.0, limit);
-            let lay = exec.layout();
-            let pages: Vec<usize> = (0..2)
-                .map(|i| lay.state_block_bytes.div_ceil(4) * 4 + i * lay.kv_page_bytes)
-                .collect();
-            let seq = k3_model::exec::SeqInput {
-                tokens: &[5, 6, 7],
-                start_pos: 0,
-                kv_pages: &pages,
-                state_block: 0,
-                checkpoints: &[],
-                logits: k3_model::LogitsWant::All,
-            };
-            let out = exec.forward(&ForwardBatch { seqs: vec![seq] }).unwrap();
-            (full, exec.vocab_size(), out)
+        let (exec, _, _) = load_single(&dir, 64, Some(Device::Cpu), fmt).unwrap();
+        let full = exec.vocab_size();
+        let mut exec = limit_vocab(exec.0, limit);
+        let lay = exec.layout();
+        let pages: Vec<usize> = (0..2)
+            .map(|i| lay.state_block_bytes.div_ceil(4) * 4 + i * lay.kv_page_bytes)
+            .collect();
+        let seq = k3_model::exec::SeqInput {
+            tokens: &[5, 6, 7],
+            start_pos: 0,
+            kv_pages: &pages,
+            state_block: 0,
+            checkpoints: &[],
+            logits: want,
         };
-        let (full, v, whole) = run(usize::MAX);
+        let out = exec.forward(&ForwardBatch { seqs: vec![seq] }).unwrap();
+        (full, exec.vocab_size(), out)
+    }
+
+    #[test]
+    fn vocab_limit_cuts_every_logits_row_and_only_when_needed() {
+        let (full, v, whole) = forward_cut(usize::MAX, LogitsWant::All);
         assert_eq!(
             (v, whole.vocab),
             (full, full),
             "no cut when the tokenizer is wider"
         );
-        let (_, v, cut) = run(100);
+        let (_, v, cut) = forward_cut(100, LogitsWant::All);
         assert_eq!(
             (v, cut.vocab, cut.row_ranges.clone()),
             (100, 100, whole.row_ranges.clone())
@@ -373,26 +376,8 @@ mod tests {
     /// model's wider ids would fail the sampler), equal to selecting from the cut row.
     #[test]
     fn vocab_limit_selects_candidates_among_the_kept_ids() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-mini");
-        let fmt = LoadFormat::parse("safetensors", 0).unwrap();
-        let run = |want: LogitsWant| {
-            let (exec, _, _) = load_single(&dir, 64, Some(Device::Cpu), fmt).unwrap();
-            let mut exec = limit_vocab(exec.0, 100);
-            let lay = exec.layout();
-            let pages: Vec<usize> = (0..2)
-                .map(|i| lay.state_block_bytes.div_ceil(4) * 4 + i * lay.kv_page_bytes)
-                .collect();
-            let seq = k3_model::exec::SeqInput {
-                tokens: &[5, 6, 7],
-                start_pos: 0,
-                kv_pages: &pages,
-                state_block: 0,
-                checkpoints: &[],
-                logits: want,
-            };
-            exec.forward(&ForwardBatch { seqs: vec![seq] }).unwrap()
-        };
-        let (row, top) = (run(LogitsWant::Last), run(LogitsWant::LastTopK(5)));
+        let (_, _, row) = forward_cut(100, LogitsWant::Last);
+        let (_, _, top) = forward_cut(100, LogitsWant::LastTopK(5));
         assert_eq!(top.vocab, 100);
         assert!(top.row_ranges.len() == 1 && top.row_ranges[0].is_empty());
         assert!(top.logits.is_empty());
