@@ -1,5 +1,5 @@
 // Absorbed MLA decode attend in bf16 precision (ops.rs MlaDecodeMode::Bf16, the default): the
-// same contract as mla_attend_tc2_f32 (kernels/mla.cu) — qt [items, H, row] from mla_absorb_q_f32, the paged f32
+// same contract as mla_attend_tc2_f32 (kernels/mla.cu) — qt [items, H, row] from the absorb kernel, the paged f32
 // latent cache, per-item splits (chunk <= 0), partials [items, H, splits, kv_lora + 2] for
 // mla_merge_f32 — with single bf16 mma.sync m16n8k16 (f32 accumulate) in place of 3xTF32.
 // Rounding: q~ * scale and the cache rows are rounded to bf16 (RNE) when staged in shared memory,
