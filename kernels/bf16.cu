@@ -7,7 +7,7 @@
 //   gemv_bf16_tc_f32      y = x w^T for M <= 16 rows (decode): tensor cores, x in three bf16 pieces;
 //                         backend_impl.rs takes it up to 2^22 weights, cuBLAS streams bigger ones faster
 //   gemv_sum_splits_f32   y = the sum of gemv_bf16_tc_f32's split-K partials
-#include "common.cuh"
+#include "tensor_core.cuh"
 
 extern "C" __global__ void bf16_split_rows_f32(const float* __restrict__ x, u16* __restrict__ xs, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
@@ -44,40 +44,6 @@ extern "C" __global__ void bf16_to_f32(const u16* __restrict__ b, float* __restr
 #define GEMV_TC_MT 2      // m16 tiles per warp
 #define GEMV_TC_UNROLL 2  // 32-column chunks per step (a step's loads are issued together)
 #define GEMV_TC_KSTEP (32 * GEMV_TC_UNROLL)
-
-__device__ __forceinline__ uint4 gemv_ld_stream(const u16* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
-// Two f32 -> bf16x2 (lo in the low half), round to nearest even.
-__device__ __forceinline__ u32 gemv_pack_bf16(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-
-// (a, b) -> three bf16x2 words whose sum is (a, b): each piece is the residual of the previous
-// ones rounded to bf16, and every residual is exact in f32.
-__device__ __forceinline__ void gemv_split3(float a, float b, u32& p0, u32& p1, u32& p2) {
-    p0 = gemv_pack_bf16(a, b);
-    a -= __uint_as_float(p0 << 16);
-    b -= __uint_as_float(p0 & 0xffff0000u);
-    p1 = gemv_pack_bf16(a, b);
-    a -= __uint_as_float(p1 << 16);
-    b -= __uint_as_float(p1 & 0xffff0000u);
-    p2 = gemv_pack_bf16(a, b);
-}
-
-__device__ __forceinline__ void gemv_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 extern "C" __global__ void __launch_bounds__(128, 4)
     gemv_bf16_tc_f32(const float* __restrict__ x, const u16* __restrict__ w, float* __restrict__ out, int M, int N,
@@ -118,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(128, 4)
             for (int mt = 0; mt < GEMV_TC_MT; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    wv[u][mt][h] = (col < k1 && wok[mt][h]) ? gemv_ld_stream(wr[mt][h] + col) : make_uint4(0, 0, 0, 0);
+                    wv[u][mt][h] = (col < k1 && wok[mt][h]) ? ld_stream_u4(wr[mt][h] + col) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < GEMV_TC_UNROLL; ++u) {
@@ -134,21 +100,21 @@ extern "C" __global__ void __launch_bounds__(128, 4)
                     lo4 = __ldg(p);
                     hi4 = __ldg(p + 1);
                 }
-                gemv_split3(lo4.x, lo4.y, b[0][nt][0][0], b[1][nt][0][0], b[2][nt][0][0]);
-                gemv_split3(lo4.z, lo4.w, b[0][nt][0][1], b[1][nt][0][1], b[2][nt][0][1]);
-                gemv_split3(hi4.x, hi4.y, b[0][nt][1][0], b[1][nt][1][0], b[2][nt][1][0]);
-                gemv_split3(hi4.z, hi4.w, b[0][nt][1][1], b[1][nt][1][1], b[2][nt][1][1]);
+                tc_split3(lo4.x, lo4.y, b[0][nt][0][0], b[1][nt][0][0], b[2][nt][0][0]);
+                tc_split3(lo4.z, lo4.w, b[0][nt][0][1], b[1][nt][0][1], b[2][nt][0][1]);
+                tc_split3(hi4.x, hi4.y, b[0][nt][1][0], b[1][nt][1][0], b[2][nt][1][0]);
+                tc_split3(hi4.z, hi4.w, b[0][nt][1][1], b[1][nt][1][1], b[2][nt][1][1]);
             }
 #pragma unroll
             for (int mt = 0; mt < GEMV_TC_MT; ++mt) {
                 const uint4 r = wv[u][mt][0], r8 = wv[u][mt][1];
 #pragma unroll
                 for (int p = 2; p >= 0; --p) {  // small pieces first
-                    gemv_mma(acc[mt][0], r.x, r8.x, r.y, r8.y, b[p][0][0][0], b[p][0][0][1]);
-                    gemv_mma(acc[mt][0], r.z, r8.z, r.w, r8.w, b[p][0][1][0], b[p][0][1][1]);
+                    tc_mma_bf16(acc[mt][0], r.x, r8.x, r.y, r8.y, b[p][0][0][0], b[p][0][0][1]);
+                    tc_mma_bf16(acc[mt][0], r.z, r8.z, r.w, r8.w, b[p][0][1][0], b[p][0][1][1]);
                     if (two) {
-                        gemv_mma(acc[mt][1], r.x, r8.x, r.y, r8.y, b[p][1][0][0], b[p][1][0][1]);
-                        gemv_mma(acc[mt][1], r.z, r8.z, r.w, r8.w, b[p][1][1][0], b[p][1][1][1]);
+                        tc_mma_bf16(acc[mt][1], r.x, r8.x, r.y, r8.y, b[p][1][0][0], b[p][1][0][1]);
+                        tc_mma_bf16(acc[mt][1], r.z, r8.z, r.w, r8.w, b[p][1][1][0], b[p][1][1][1]);
                     }
                 }
             }

@@ -81,6 +81,15 @@ __device__ __forceinline__ void kda_push(u32 addr, float v, u32 bar, u32 rank) {
                  :: "r"(ra), "r"(__float_as_uint(v)), "r"(rb) : "memory");
 }
 
+// Lanes l, l ^ 8, l ^ 16, l ^ 24 hold the same 4 columns for different state rows: sum them.
+__device__ __forceinline__ void kda_sum_row_groups(float (&v)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        v[j] += __shfl_xor_sync(K3_FULL_MASK, v[j], 8);
+        v[j] += __shfl_xor_sync(K3_FULL_MASK, v[j], 16);
+    }
+}
+
 // Phase 2 on one thread's KDA_DEC_ROWS float4 of the state: decay by alpha, delta rule with beta
 // against v, store back (and into the checkpoint Sc when set), then o = S^T q, k and q scaled by
 // invk / invq on the fly. Lane l of warp w holds columns 4 (l & 7) .. +3 of the block's 32 and
@@ -102,11 +111,7 @@ __device__ __forceinline__ void kda_decode_lines_rows(float4 (&s)[KDA_DEC_ROWS],
         s[i].x *= a; s[i].y *= a; s[i].z *= a; s[i].w *= a;
         kv[0] += s[i].x * kk; kv[1] += s[i].y * kk; kv[2] += s[i].z * kk; kv[3] += s[i].w * kk;
     }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        kv[j] += __shfl_xor_sync(K3_FULL_MASK, kv[j], 8);
-        kv[j] += __shfl_xor_sync(K3_FULL_MASK, kv[j], 16);
-    }
+    kda_sum_row_groups(kv);
     if (lane < 8) *reinterpret_cast<float4*>(&red_kv[warp][cq]) = make_float4(kv[0], kv[1], kv[2], kv[3]);
     __syncthreads();
     float u[4], o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -127,11 +132,7 @@ __device__ __forceinline__ void kda_decode_lines_rows(float4 (&s)[KDA_DEC_ROWS],
 #pragma unroll
         for (int i = 0; i < KDA_DEC_ROWS; ++i) kda_st4(Sc + (i * 16 + kr) * KDA_V + cq, s[i], c_al);
     }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        o[j] += __shfl_xor_sync(K3_FULL_MASK, o[j], 8);
-        o[j] += __shfl_xor_sync(K3_FULL_MASK, o[j], 16);
-    }
+    kda_sum_row_groups(o);
     if (lane < 8) *reinterpret_cast<float4*>(&red_o[warp][cq]) = make_float4(o[0], o[1], o[2], o[3]);
     __syncthreads();
     if (warp == 0 && lane < 8) {

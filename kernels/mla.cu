@@ -13,7 +13,7 @@
 //
 // Page addressing: row j of query item n is at float offset page_start[pt_base[n] + j / page_tokens]
 // + (j % page_tokens) * row, where page_start already includes the layer's offset in the page.
-#include "common.cuh"
+#include "tensor_core.cuh"
 
 #define MLA_MAX_ROW 576
 
@@ -410,50 +410,12 @@ mla_out_proj_f32(const float* __restrict__ lat, const float* __restrict__ kv_b, 
 // results track the f32 kernels (~1e-6). A sum over k ignores the order of k: a lane's fragment
 // slots may hold any k's, as long as A and B agree, which lets the loads be wide and contiguous.
 
-__device__ __forceinline__ u32 mla_pack_bf16(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-
-// (a, b) -> three bf16x2 words summing to (a, b) (each the rounded residual of the ones before).
-__device__ __forceinline__ void mla_split3(float a, float b, u32* p) {
-    p[0] = mla_pack_bf16(a, b);
-    a -= __uint_as_float(p[0] << 16);
-    b -= __uint_as_float(p[0] & 0xffff0000u);
-    p[1] = mla_pack_bf16(a, b);
-    a -= __uint_as_float(p[1] << 16);
-    b -= __uint_as_float(p[1] & 0xffff0000u);
-    p[2] = mla_pack_bf16(a, b);
-}
-
-__device__ __forceinline__ void mla_mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // c += A (two m16 tiles) x the three pieces of B, small pieces first.
 __device__ __forceinline__ void mla_mma3(float (*c)[4], const u32 (*a)[4], const u32* b0, const u32* b1) {
 #pragma unroll
     for (int p = 2; p >= 0; --p)
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) mla_mma_bf16(c[mt], a[mt], b0[p], b1[p]);
-}
-
-// Streamed weights: read once, keep them out of L1.
-__device__ __forceinline__ uint2 mla_ld_stream2(const u16* p) {
-    uint2 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ uint4 mla_ld_stream4(const u16* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
+        for (int mt = 0; mt < 2; ++mt) tc_mma_bf16(c[mt], a[mt], b0[p], b1[p]);
 }
 
 // W_UK,h is stored [nope, L] (L contiguous) but the MMA wants output rows (L) by reduction (p):
@@ -488,7 +450,7 @@ mla_absorb_q_bf16(const float* __restrict__ q, const u16* __restrict__ kv_b, flo
         for (int ks = 0; ks < MLA_BQ_KSTEPS; ++ks)
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-                w[ks][j] = (lok && ks < ks_n) ? mla_ld_stream2(wuk + (i64)(p0 + 16 * ks + 4 * t + j) * kv_lora)
+                w[ks][j] = (lok && ks < ks_n) ? ld_stream_u2(wuk + (i64)(p0 + 16 * ks + 4 * t + j) * kv_lora)
                                               : make_uint2(0, 0);
         u32 a[MLA_BQ_KSTEPS][2][4];
 #pragma unroll
@@ -527,8 +489,8 @@ mla_absorb_q_bf16(const float* __restrict__ q, const u16* __restrict__ kv_b, flo
                     const float4 x = xok[nt] ? __ldg(reinterpret_cast<const float4*>(xr[nt] + 16 * ks))
                                              : make_float4(0.f, 0.f, 0.f, 0.f);
                     u32 b0[3], b1[3];
-                    mla_split3(x.x, x.y, b0);
-                    mla_split3(x.z, x.w, b1);
+                    tc_split3(x.x, x.y, b0);
+                    tc_split3(x.z, x.w, b1);
                     mla_mma3(c[nt], a[ks], b0, b1);
                 }
             }
@@ -578,7 +540,7 @@ mla_out_proj_bf16(const float* __restrict__ lat, const u16* __restrict__ kv_b, f
 #pragma unroll
             for (int i = 0; i < MLA_BO_CHUNKS; ++i) {
                 const int col = (warp + MLA_BO_WARPS * i) * 32 + 8 * t;
-                w[i][mt][r] = (v < v_dim && col < kv_lora) ? mla_ld_stream4(src + col) : make_uint4(0, 0, 0, 0);
+                w[i][mt][r] = (v < v_dim && col < kv_lora) ? ld_stream_u4(src + col) : make_uint4(0, 0, 0, 0);
             }
         }
     for (int n0 = 0; n0 < items; n0 += 8 * MLA_BO_NT) {
@@ -619,10 +581,10 @@ mla_out_proj_bf16(const float* __restrict__ lat, const u16* __restrict__ kv_b, f
                         hi4 = __ldg(p + 1);
                     }
                     u32 b[4][3];
-                    mla_split3(lo4.x, lo4.y, b[0]);
-                    mla_split3(lo4.z, lo4.w, b[1]);
-                    mla_split3(hi4.x, hi4.y, b[2]);
-                    mla_split3(hi4.z, hi4.w, b[3]);
+                    tc_split3(lo4.x, lo4.y, b[0]);
+                    tc_split3(lo4.z, lo4.w, b[1]);
+                    tc_split3(hi4.x, hi4.y, b[2]);
+                    tc_split3(hi4.z, hi4.w, b[3]);
                     mla_mma3(c[k], a0, b[0], b[1]);
                     mla_mma3(c[k], a1, b[2], b[3]);
                 }

@@ -39,7 +39,7 @@
 //   tile's rows go into the other buffer right after P V, with no wait for the other warps' P V.
 // An L2 prefetch of the tiles 1-4 ahead (prefetch.global.L2) was slower than none (71.9 us attend
 // alone at N = 1, L = 32k vs 77-79) and was dropped.
-#include "common.cuh"
+#include "tensor_core.cuh"
 
 #define MLC_HEADS 48   // heads per block: 3 m-tiles of 16
 #define MLC_MT 3
@@ -70,11 +70,6 @@ static_assert(MLC_WARPS == 2 * MLC_KQ, "warp = (feature quarter, position half)"
 static_assert(4 * 8 * MLC_CHUNKS == MLC_ROW, "staging covers the padded row");
 static_assert(MLC_SHARED == 165568, "keep geometry.rs MLA_BF16_SHARED in step");
 
-__device__ __forceinline__ u32 mlc_pack(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
 // volatile: the addresses repeat every tile while the contents change (barriers in between).
 __device__ __forceinline__ void mlc_ldsm4(u32* r, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -86,25 +81,6 @@ __device__ __forceinline__ void mlc_ldsm4_t(u32* r, u32 addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
-__device__ __forceinline__ void mlc_mma(float* d, const u32* a, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ float4 mlc_ldg4(const float* p) {
-    float4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0,%1,%2,%3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "l"(p));
-    return v;
-}
-__device__ __forceinline__ float mlc_ldg1(const float* p) {
-    float v;
-    asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-
 // Grid (ceil(H / 48), items, splits), 256 threads, MLC_SHARED bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(MLC_THREADS, 1)
 mla_attend_bf16_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
@@ -131,7 +107,7 @@ mla_attend_bf16_f32(const float* __restrict__ qt, const float* __restrict__ aren
         const float* src = qt + ((i64)n * heads + min(h, heads - 1)) * row;
         const float a = (h < heads && c < row) ? src[c] * scale : 0.0f;
         const float b = (h < heads && c + 1 < row) ? src[c + 1] * scale : 0.0f;
-        *reinterpret_cast<u32*>(qs + hl * MLC_STR + c) = mlc_pack(a, b);
+        *reinterpret_cast<u32*>(qs + hl * MLC_STR + c) = tc_pack_bf16(a, b);
     }
 
     // Staging: thread -> tile position pm, float4 chunks c8 + 8k (zeros past the row).
@@ -149,16 +125,16 @@ mla_attend_bf16_f32(const float* __restrict__ qt, const float* __restrict__ aren
 #pragma unroll
                 for (int k = 0; k < MLC_CHUNKS; ++k) {
                     const int c = 4 * (c8 + 8 * k);
-                    st[k] = c < row ? mlc_ldg4(src + c) : z;
+                    st[k] = c < row ? ld_stream_f4(src + c) : z;
                 }
             } else {  // rows only 4-byte aligned (or a row width not a multiple of 4)
 #pragma unroll
                 for (int k = 0; k < MLC_CHUNKS; ++k) {
                     const int c = 4 * (c8 + 8 * k);
-                    st[k].x = c < row ? mlc_ldg1(src + c) : 0.0f;
-                    st[k].y = c + 1 < row ? mlc_ldg1(src + c + 1) : 0.0f;
-                    st[k].z = c + 2 < row ? mlc_ldg1(src + c + 2) : 0.0f;
-                    st[k].w = c + 3 < row ? mlc_ldg1(src + c + 3) : 0.0f;
+                    st[k].x = c < row ? ld_stream_f1(src + c) : 0.0f;
+                    st[k].y = c + 1 < row ? ld_stream_f1(src + c + 1) : 0.0f;
+                    st[k].z = c + 2 < row ? ld_stream_f1(src + c + 2) : 0.0f;
+                    st[k].w = c + 3 < row ? ld_stream_f1(src + c + 3) : 0.0f;
                 }
             }
         } else {  // past the split: zero rows (K scores masked, V must not be garbage: 0 * NaN)
@@ -170,7 +146,7 @@ mla_attend_bf16_f32(const float* __restrict__ qt, const float* __restrict__ aren
         u16* dst = ks + buf * (MLC_KBUF / 2) + pm * MLC_STR;
 #pragma unroll
         for (int k = 0; k < MLC_CHUNKS; ++k) {
-            const uint2 v = make_uint2(mlc_pack(st[k].x, st[k].y), mlc_pack(st[k].z, st[k].w));
+            const uint2 v = make_uint2(tc_pack_bf16(st[k].x, st[k].y), tc_pack_bf16(st[k].z, st[k].w));
             *reinterpret_cast<uint2*>(dst + 4 * (c8 + 8 * k)) = v;
         }
     };
@@ -227,8 +203,8 @@ mla_attend_bf16_f32(const float* __restrict__ qt, const float* __restrict__ aren
                 for (int m = 0; m < MLC_MT; ++m) {
                     u32 a[4];
                     mlc_ldsm4(a, a_q + 2u * (16 * m * MLC_STR + k0));
-                    mlc_mma(s[m][0], a, b[0], b[1]);
-                    mlc_mma(s[m][1], a, b[2], b[3]);
+                    tc_mma_bf16(s[m][0], a, b[0], b[1]);
+                    tc_mma_bf16(s[m][1], a, b[2], b[3]);
                 }
             }
             float* dst = sp + kq * MLC_HEADS * MLC_SSTR;
@@ -300,8 +276,8 @@ mla_attend_bf16_f32(const float* __restrict__ qt, const float* __restrict__ aren
                     mlc_ldsm4_t(b, b_v + kb + 2u * (16 * kk * MLC_STR + 64 * warp + 16 * j));
 #pragma unroll
                     for (int m = 0; m < MLC_MT; ++m) {
-                        mlc_mma(acc[m][2 * j], a[m], b[0], b[1]);
-                        mlc_mma(acc[m][2 * j + 1], a[m], b[2], b[3]);
+                        tc_mma_bf16(acc[m][2 * j], a[m], b[0], b[1]);
+                        tc_mma_bf16(acc[m][2 * j + 1], a[m], b[2], b[3]);
                     }
                 }
             }

@@ -58,15 +58,6 @@ extern "C" __global__ void moe_sort_assignments(const int* __restrict__ idx, int
 
 extern __shared__ __align__(16) u32 mxs_smem[];
 
-// 16 weight bytes, streamed past L1 (read once).
-__device__ __forceinline__ uint4 mxs_ld(const u8* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-
 __device__ __forceinline__ void mxs_fill_table() {
     for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {
         const u32 b = (u32)i >> 5;
@@ -200,7 +191,7 @@ __device__ __forceinline__ void mxq_drive(const u8* const (&wp)[NM], const u8* c
         for (int m = 0; m < NM; ++m)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                rw[k][m][h] = mxs_ld(lw[m][h] + c * 16u);
+                rw[k][m][h] = ld_stream_u4(lw[m][h] + c * 16u);
                 rs[k][m][h] = __ldg(lsc[m][h] + c);
             }
         if (++ls == lse && ++lu < lend) l_enter();
@@ -252,7 +243,7 @@ __device__ __forceinline__ void mxq_drive(const u8* const (&wp)[NM], const u8* c
             for (int j = 0; j < 8; ++j) {
                 const u32 x0 = mx_word(rw[k][m][0], j >> 1), x1 = mx_word(rw[k][m][1], j >> 1);
                 const int by = 2 * (j & 1);
-                mx_mma(c4, mxq_pair(x0, lane4, by), mxq_pair(x1, lane4, by), mxq_pair(x0, lane4, by + 1),
+                tc_mma_bf16(c4, mxq_pair(x0, lane4, by), mxq_pair(x1, lane4, by), mxq_pair(x0, lane4, by + 1),
                         mxq_pair(x1, lane4, by + 1), b[2 * j], b[2 * j + 1]);
             }
             acc[m][0] = fmaf(c4[0] + c4[1], e8m0_to_f32((u8)rs[k][m][0]), acc[m][0]);

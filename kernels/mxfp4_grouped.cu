@@ -194,8 +194,8 @@ __device__ __forceinline__ void mxg_tile(const u16* __restrict__ xs, int div, co
             for (int q = 0; q < 8; ++q)
                 if (q < ntl) {  // warp-uniform
                     const uint2 v = *reinterpret_cast<const uint2*>(bb + q * 8 * MXG_BRS + 32 * s);
-                    mx_mma(acc[0][q], a[0], v.x, v.y);
-                    mx_mma(acc[1][q], a[1], v.x, v.y);
+                    tc_mma_bf16(acc[0][q], a[0], v.x, v.y);
+                    tc_mma_bf16(acc[1][q], a[1], v.x, v.y);
                 }
         }
     }

@@ -1,8 +1,8 @@
 // Helpers shared by the tensor-core MXFP4 expert kernels (mxfp4.cu stream2, mxfp4_tc.cu tc2,
 // mxfp4_grouped.cu): E2M1 -> bf16 decode through a per-lane shared table, E8M0 block scales as
-// bf16x2, the bf16 m16n8k16 mma and the cp.async wrappers.
+// bf16x2 and the cp.async wrappers (the mma itself: tensor_core.cuh tc_mma_bf16).
 #pragma once
-#include "common.cuh"
+#include "tensor_core.cuh"
 
 // bf16 bits of an E2M1 code (the f32 value has no bits below the top 16).
 __device__ __forceinline__ u32 mx_bf16_of(u32 code) { return __float_as_uint(fp4_e2m1_to_f32(code)) >> 16; }
@@ -21,17 +21,6 @@ __device__ __forceinline__ u32 mx_pair(const u32* tab_lane, u32 word, int byte, 
     u32 out;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(raw), "r"(sc2), "r"(0x80008000u));
     return out;
-}
-
-__device__ __forceinline__ void mx_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mx_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    mx_mma(c, a[0], a[1], a[2], a[3], b0, b1);
 }
 
 // Word j (0..3) of a uint4.

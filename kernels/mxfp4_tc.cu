@@ -196,7 +196,7 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
                 if (q < ntl) {  // block-uniform
                     const uint2 v = *reinterpret_cast<const uint2*>(bb + q * 8 * MX2_BRS + 32 * s);
 #pragma unroll
-                    for (int m = 0; m < 2; ++m) mx_mma(acc[m][q], a[m][0], a[m][1], a[m][2], a[m][3], v.x, v.y);
+                    for (int m = 0; m < 2; ++m) tc_mma_bf16(acc[m][q], a[m][0], a[m][1], a[m][2], a[m][3], v.x, v.y);
                 }
         }
         if (c == nch - 1) {

@@ -20,6 +20,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         "mxfp4_mma.cuh",
         include_str!("../../../kernels/mxfp4_mma.cuh"),
     ),
+    (
+        "tensor_core.cuh",
+        include_str!("../../../kernels/tensor_core.cuh"),
+    ),
 ];
 
 pub const FILES: &[KernelFile] = &[
