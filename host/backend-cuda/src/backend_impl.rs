@@ -703,11 +703,7 @@ impl Backend for CudaBackend {
     fn top_k_rows(&self, a: &DeviceMat, k: usize) -> Vec<Vec<(u32, f32)>> {
         if k == 0 || k > crate::ops::TOPK_MAX {
             // Beyond the kernel's sort: the rows themselves (the trait's host selection).
-            let host = self.to_host(a);
-            return host
-                .chunks(a.cols.max(1))
-                .map(|r| k3_model::exec::top_k_of_row(r, k))
-                .collect();
+            return k3_model::exec::top_k_of_rows(&self.to_host(a), a.rows, k);
         }
         if !self.failed() {
             match self

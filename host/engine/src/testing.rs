@@ -236,28 +236,22 @@ impl Executor for ToyExecutor {
         }
         let mut logits = Vec::new();
         let mut row_ranges = Vec::with_capacity(batch.seqs.len());
-        let mut top = Vec::with_capacity(batch.seqs.len());
         let mut row = 0;
-        let vocab = self.cfg.vocab;
         for s in &batch.seqs {
             let n = self.run_seq(s, &mut logits);
-            if let LogitsWant::LastTopK(k) = s.logits {
-                // Candidates instead of the row, as a device backend returns them.
-                let last = logits.split_off(row * vocab);
-                top.push(k3_model::top_k_of_row(&last, k));
-                row_ranges.push(row..row);
-            } else {
-                top.push(Vec::new());
-                row_ranges.push(row..row + n);
-                row += n;
-            }
+            row_ranges.push(row..row + n);
+            row += n;
         }
-        Ok(ForwardOutput {
-            vocab,
+        let mut out = ForwardOutput {
+            vocab: self.cfg.vocab,
             logits,
             row_ranges,
-            top,
-        })
+            top: Vec::new(),
+        };
+        // Candidates instead of rows where asked, as a device backend returns them.
+        let wants: Vec<LogitsWant> = batch.seqs.iter().map(|s| s.logits).collect();
+        out.select_candidates(&wants);
+        Ok(out)
     }
 }
 

@@ -147,14 +147,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Each row's `k` largest finite entries, exactly as [`crate::exec::top_k_of_row`] orders
     /// them. The default copies the rows to the host; a device backend selects on the device.
     fn top_k_rows(&self, a: &Self::Act, k: usize) -> Vec<Vec<(u32, f32)>> {
-        let rows = self.rows(a);
-        let host = self.to_host(a);
-        if rows == 0 || host.len() % rows != 0 {
-            return Vec::new();
-        }
-        host.chunks(host.len() / rows)
-            .map(|r| crate::exec::top_k_of_row(r, k))
-            .collect()
+        crate::exec::top_k_of_rows(&self.to_host(a), self.rows(a), k)
     }
     /// Rows `[start, end)` of `a` as a new activation.
     fn slice_rows(&self, a: &Self::Act, start: usize, end: usize) -> Self::Act;

@@ -74,6 +74,34 @@ impl ForwardOutput {
     pub fn row(&self, r: usize) -> &[f32] {
         &self.logits[r * self.vocab..(r + 1) * self.vocab]
     }
+
+    /// For an output computed with whole rows for every sequence, `wants[i]` the form sequence i
+    /// asked for: each [`LogitsWant::LastTopK`] sequence's last row becomes its candidates in
+    /// [`ForwardOutput::top`] (and leaves `logits`); the other rows stay, in order. The host
+    /// path of every executor that cannot select where its logits are.
+    pub fn select_candidates(&mut self, wants: &[LogitsWant]) {
+        self.top.resize(wants.len(), Vec::new());
+        if !wants.iter().any(|w| matches!(w, LogitsWant::LastTopK(_))) {
+            return;
+        }
+        let vocab = self.vocab;
+        let (mut kept, mut ranges) = (Vec::new(), Vec::with_capacity(wants.len()));
+        for (i, want) in wants.iter().enumerate() {
+            let range = self.row_ranges.get(i).cloned().unwrap_or_default();
+            let start = kept.len() / vocab.max(1);
+            if let LogitsWant::LastTopK(k) = *want {
+                if !range.is_empty() {
+                    self.top[i] = top_k_of_row(self.row(range.end - 1), k);
+                }
+                ranges.push(start..start);
+            } else {
+                kept.extend_from_slice(&self.logits[range.start * vocab..range.end * vocab]);
+                ranges.push(start..start + range.len());
+            }
+        }
+        self.logits = kept;
+        self.row_ranges = ranges;
+    }
 }
 
 /// The `k` largest finite entries of `row` as `(index, value)`, largest first, ties to the lower
@@ -94,6 +122,17 @@ pub fn top_k_of_row(row: &[f32], k: usize) -> Vec<(u32, f32)> {
     }
     c.sort_unstable_by(rank);
     c
+}
+
+/// [`top_k_of_row`] of each of the `rows` rows of `host` (row-major); empty when `host` does not
+/// split into `rows` rows. What a backend does that selects on the host.
+pub fn top_k_of_rows(host: &[f32], rows: usize, k: usize) -> Vec<Vec<(u32, f32)>> {
+    if rows == 0 || !host.len().is_multiple_of(rows) {
+        return Vec::new();
+    }
+    host.chunks(host.len() / rows)
+        .map(|r| top_k_of_row(r, k))
+        .collect()
 }
 
 #[derive(Debug, thiserror::Error)]

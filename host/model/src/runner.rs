@@ -4,7 +4,6 @@
 use crate::backend::Backend;
 use crate::exec::{
     CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput,
-    top_k_of_row,
 };
 use crate::model::{CacheOffsets, Model, SeqCache, SeqPass};
 
@@ -117,20 +116,13 @@ impl<B: Backend> ModelExecutor<B> {
         let out = self.run_one(s, Some(&mut trace))?;
         let vocab = self.model.config.vocab_size;
         let rows = out.len() / vocab;
-        let output = match s.logits {
-            LogitsWant::LastTopK(k) => ForwardOutput {
-                vocab,
-                logits: Vec::new(),
-                row_ranges: std::iter::once(0..0).collect(),
-                top: vec![top_k_of_row(&out, k)],
-            },
-            _ => ForwardOutput {
-                vocab,
-                logits: out,
-                row_ranges: std::iter::once(0..rows).collect(),
-                top: vec![Vec::new()],
-            },
+        let mut output = ForwardOutput {
+            vocab,
+            logits: out,
+            row_ranges: std::iter::once(0..rows).collect(),
+            top: Vec::new(),
         };
+        output.select_candidates(&[s.logits]);
         Ok((output, trace))
     }
 
@@ -252,7 +244,7 @@ impl<B: Backend> Executor for ModelExecutor<B> {
             LogitsWant::Last | LogitsWant::All => None,
         });
         let backend = &self.model.backend;
-        let (host, mut tops) = match (logits, top_k) {
+        let (host, tops) = match (logits, top_k) {
             (Ok(Some(l)), Some(k)) => (Ok(Vec::new()), backend.top_k_rows(&l, k)),
             (l, _) => (
                 l.map(|l| l.map(|l| backend.to_host(&l)).unwrap_or_default()),
@@ -262,38 +254,32 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         // A backend failure recorded during the pass wins over whatever the pass returned.
         self.backend_error()?;
         let host = host?;
-        let any_top = batch
-            .seqs
-            .iter()
-            .any(|s| matches!(s.logits, LogitsWant::LastTopK(_)));
-        let mut row = 0;
-        let mut kept_rows = 0;
-        let mut kept = Vec::new();
-        for (i, (s, p)) in batch.seqs.iter().zip(&passes).enumerate() {
-            let rows = p.logits_from.map_or(0, |f| s.tokens.len() - f);
-            if let LogitsWant::LastTopK(k) = s.logits {
-                out.top[i] = if top_k.is_some() {
-                    let mut t = tops.get_mut(row).map(std::mem::take).ok_or_else(|| {
+        if top_k.is_some() {
+            // Selected by the backend: one candidate list per wanted (last) row, in batch order.
+            let mut tops = tops.into_iter();
+            for (i, s) in batch.seqs.iter().enumerate() {
+                out.row_ranges.push(0..0);
+                if let LogitsWant::LastTopK(k) = s.logits {
+                    let mut t = tops.next().ok_or_else(|| {
                         ExecError::Backend("top-k selection returned too few rows".into())
                     })?;
                     t.truncate(k);
-                    t
-                } else {
-                    // A mixed step downloaded every row: select on the host.
-                    top_k_of_row(&host[row * vocab..(row + 1) * vocab], k)
-                };
-                out.row_ranges.push(kept_rows..kept_rows);
-            } else {
-                if any_top && rows > 0 {
-                    kept.extend_from_slice(&host[row * vocab..(row + rows) * vocab]);
+                    out.top[i] = t;
                 }
-                out.row_ranges.push(kept_rows..kept_rows + rows);
-                kept_rows += rows;
             }
+            return Ok(out);
+        }
+        let mut row = 0;
+        for (s, p) in batch.seqs.iter().zip(&passes) {
+            let rows = p.logits_from.map_or(0, |f| s.tokens.len() - f);
+            out.row_ranges.push(row..row + rows);
             row += rows;
         }
-        // Without candidate rows the download is already the output (no copy of prefill rows).
-        out.logits = if any_top { kept } else { host };
+        debug_assert_eq!(row * vocab, host.len());
+        out.logits = host;
+        // A mixed step downloaded every row: candidates, if any, are selected on the host.
+        let wants: Vec<LogitsWant> = batch.seqs.iter().map(|s| s.logits).collect();
+        out.select_candidates(&wants);
         Ok(out)
     }
 }

@@ -4,9 +4,7 @@
 use anyhow::{Context, bail};
 use k3_backend_cpu::CpuBackend;
 use k3_backend_cuda::CudaBackend;
-use k3_model::exec::{
-    CacheLayout, ExecError, ForwardBatch, ForwardOutput, LogitsWant, top_k_of_row,
-};
+use k3_model::exec::{CacheLayout, ExecError, ForwardBatch, ForwardOutput, LogitsWant};
 use k3_model::{Backend, Config, Executor, Model, ModelExecutor};
 use std::path::Path;
 
@@ -160,29 +158,8 @@ impl Executor for VocabLimited {
         }
         out.logits.truncate(rows * narrow);
         out.vocab = narrow;
-        if batch
-            .seqs
-            .iter()
-            .any(|s| matches!(s.logits, LogitsWant::LastTopK(_)))
-        {
-            let (mut kept, mut ranges) = (Vec::new(), Vec::new());
-            out.top = vec![Vec::new(); batch.seqs.len()];
-            for (i, s) in batch.seqs.iter().enumerate() {
-                let range = out.row_ranges.get(i).cloned().unwrap_or_default();
-                let start = kept.len() / narrow.max(1);
-                if let LogitsWant::LastTopK(k) = s.logits {
-                    if let Some(last) = range.end.checked_sub(1).filter(|_| !range.is_empty()) {
-                        out.top[i] = top_k_of_row(out.row(last), k);
-                    }
-                    ranges.push(start..start);
-                } else {
-                    kept.extend_from_slice(&out.logits[range.start * narrow..range.end * narrow]);
-                    ranges.push(start..start + range.len());
-                }
-            }
-            out.logits = kept;
-            out.row_ranges = ranges;
-        }
+        let wants: Vec<LogitsWant> = batch.seqs.iter().map(|s| s.logits).collect();
+        out.select_candidates(&wants);
         Ok(out)
     }
 }
@@ -329,6 +306,7 @@ pub const PAGE_TOKENS: usize = 64;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k3_model::exec::top_k_of_row;
 
     /// k3-mini on the CPU behind `limit_vocab(limit)`, one forward of 3 tokens asking `want`:
     /// (the model's vocabulary, the executor's, the output).
