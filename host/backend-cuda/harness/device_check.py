@@ -780,6 +780,19 @@ def mx_experts(e, rows, cols, gen):
     return torch.stack(ps), torch.stack(ss), torch.stack(deq)
 
 
+def ref_routed(z, idx, wts, w1, w3, w2):
+    """float64 routed experts: row t = sum over slots j of wts[t, j] * w2 SiTU-GLU(w1 z_t, w3 z_t) of
+    expert idx[t, j] (beta 4, linear beta 25); slots with an id outside the experts are skipped."""
+    ref = torch.zeros(z.shape[0], w2.shape[1], dtype=torch.float64)
+    for ex in range(w1.shape[0]):
+        for j in range(idx.shape[1]):
+            rows = (idx[:, j] == ex).nonzero().flatten()
+            if len(rows):
+                h = ref_situ_glu(z[rows] @ w1[ex].T, z[rows] @ w3[ex].T, 4.0, 25.0)
+                ref[rows] += wts[rows, j:j + 1] * (h @ w2[ex].T)
+    return ref
+
+
 def check_moe(d: Device, r: Results, gen):
     t, e, k, lt, ie = 5, 16, 4, 128, 64
     w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
@@ -790,12 +803,7 @@ def check_moe(d: Device, r: Results, gen):
     idx, wts, _ = ref_route(logits, torch.eye(e, dtype=torch.float64), bias, k, True, 1.0)
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
     zf = dev(z.float())
-    ref = torch.zeros(t, lt, dtype=torch.float64)
-    for tt in range(t):
-        for j in range(k):
-            ex = int(idx[tt, j])
-            h = ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0)
-            ref[tt] += wts[tt, j] * (w2[ex] @ h)
+    ref = ref_routed(z, idx, wts, w1, w3, w2)
     # All t tokens, then the first alone (4 busy experts of 16: grid.x = min(E, assignments) = 4 < E,
     # blocks mapped to busy experts; tc2 is also ops.rs's 1-token pair for experts too wide for
     # stream2), through the tc2 pair; the stream2 pair's checks are check_moe_stream2.
@@ -835,11 +843,7 @@ def check_moe_tc_shapes(d: Device, r: Results, gen):
             z = rand(t, lt, gen=gen)
             idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
                                     rand(e, scale=0.1, gen=gen), k, True, 1.0)
-            ref = torch.zeros(t, lt, dtype=torch.float64)
-            for tt in range(t):
-                for j in range(k):
-                    ex = int(idx[tt, j])
-                    ref[tt] += wts[tt, j] * (w2[ex] @ ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0))
+            ref = ref_routed(z, idx, wts, w1, w3, w2)
             na = t * k
             offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
             sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
@@ -896,12 +900,7 @@ def check_moe_stream2(d: Device, r: Results, gen):
             idx = idx.clone()
             if t == 3:
                 idx[1, 2] = -1  # skipped slot
-            ref = torch.zeros(t, lt, dtype=torch.float64)
-            for tt in range(t):
-                for j in range(k):
-                    ex = int(idx[tt, j])
-                    if ex >= 0:
-                        ref[tt] += wts[tt, j] * (w2[ex] @ ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0))
+            ref = ref_routed(z, idx, wts, w1, w3, w2)
             na = t * k
             ids = dev(idx.int().reshape(-1))
             nsu, nsd = cdiv(lt, 128), cdiv(ie, 128)  # steps per row: the most parts
@@ -942,11 +941,7 @@ def check_moe_tc2(d: Device, r: Results, gen):
         else:
             idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
                                     rand(e, scale=0.1, gen=gen), k, True, 1.0)
-        ref = torch.zeros(t, lt, dtype=torch.float64)
-        for j in range(k):
-            ex = idx[:, j]
-            h = ref_situ_glu(torch.einsum("tij,tj->ti", w1[ex], z), torch.einsum("tij,tj->ti", w3[ex], z), 4.0, 25.0)
-            ref += wts[:, j:j + 1] * torch.einsum("tij,tj->ti", w2[ex], h)
+        ref = ref_routed(z, idx, wts, w1, w3, w2)
         na = t * k
         offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
         sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
@@ -990,13 +985,7 @@ def check_moe_grouped(d: Device, r: Results, gen):
         else:
             idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
                                     rand(e, scale=0.1, gen=gen), k, True, 1.0)
-        ref = torch.zeros(t, lt, dtype=torch.float64)
-        for ex in range(e):
-            for j in range(k):
-                rows = (idx[:, j] == ex).nonzero().flatten()
-                if len(rows):
-                    h = ref_situ_glu(z[rows] @ w1[ex].T, z[rows] @ w3[ex].T, 4.0, 25.0)
-                    ref[rows] += wts[rows, j:j + 1] * (h @ w2[ex].T)
+        ref = ref_routed(z, idx, wts, w1, w3, w2)
         na = t * k
         ids = dev(idx.int().reshape(-1))
         offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
@@ -1069,11 +1058,7 @@ def check_moe_gemm(d: Device, r: Results, gen):
     z = rand(t, lt, gen=gen)
     logits, bias = rand(t, e, gen=gen), rand(e, scale=0.1, gen=gen)
     idx, wts, _ = ref_route(logits, torch.eye(e, dtype=torch.float64), bias, k, True, 1.0)
-    ref = torch.zeros(t, lt, dtype=torch.float64)
-    for tt in range(t):
-        for j in range(k):
-            ex = int(idx[tt, j])
-            ref[tt] += wts[tt, j] * (w2[ex] @ ref_situ_glu(w1[ex] @ z[tt], w3[ex] @ z[tt], 4.0, 25.0))
+    ref = ref_routed(z, idx, wts, w1, w3, w2)
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
     u16 = lambda x: d.view(x).view(np.uint16)  # noqa: E731  int16 storage, u16 kernel view
     bits_f32 = lambda x: ((x.to(torch.int32) & 0xFFFF) << 16).view(torch.float32)  # noqa: E731
