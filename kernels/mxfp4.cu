@@ -11,6 +11,8 @@
 // mx_experts_choice picks. H200, K3 sizes, top-16, T = 1 (with combine): stream2 141.1 us (47% of
 // the weight-traffic floor); the CUDA-core pairs it replaced, a no-sort stream pair (163.7 us) and
 // a staged gemv pair (182.1 us), and tc2 at one token (200.4 us) all lost; the two were deleted.
+// Candidate (K3_MX_STREAM2=v2, kernels/mxfp4_stream.cu): the same products with the weights
+// streamed through per-warp cp.async rings and the combine folded into the down kernel.
 #include "mxfp4_mma.cuh"
 
 

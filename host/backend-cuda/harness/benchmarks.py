@@ -15,7 +15,9 @@ from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARI
 from common import run_mla_prefill, run_mx_tc2
 from common import MX_TC2_DOWN_ROWS, MX_TC2_UP_ROWS, mx_tc2_ntiles, mx_tc2_scratch, mx_tc2_shared
 from common import mx_stream2_plan, mx_stream2_scratch, run_mx_stream2
+from common import mx_stream2v2_plan, mx_stream2v2_scratch, run_mx_stream2v2
 from common import mx_grouped_scratch, run_mx_grouped
+from common import MX_WG_NO_PROXY_FENCE, run_mx_wg
 from common import gemv_tc_plan, run_gemv_tc
 
 # H200 SXM peak FP32 rate on the CUDA cores (NVIDIA data sheet: 67 TFLOP/s), where cuBLAS SGEMM in
@@ -209,6 +211,62 @@ def bench_mla_bf16(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     del pb, p2, lb, l2
 
 
+# kernels/mla_attend_wg.cu (wgmma, sm_90a): 48 heads per 384-thread block, one block per SM
+# (geometry.rs MLA_WG_SHARED; splits: mla_splits_bf16's rule).
+MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED = 48, 384, 223168
+
+
+def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
+    """The wgmma attend (ops.rs MlaDecodeMode::Wg) + merge on bench()'s buffers, next to the bf16 attend
+    + merge timed in the same run (bf16_us), with bench_mla_bf16's floors; also the variant without the
+    L2 bulk prefetch (-DMLW_PREFETCH=0) and a check of the wg latent against the bf16 one (same
+    rounding, different tiles: 2e-2 as bf16 vs tc2)."""
+    heads, rope, kv_lora, pt = 96, 64, 512, 64
+    scale = 192 ** -0.5
+    hg = cdiv(heads, MLA_WG_HEADS)
+    sw = mla_splits_bf16(N * hg, L)
+    kv_bytes = N * L * (kv_lora + rope) * 4
+    part_bytes = N * heads * sw * (kv_lora + 2) * 4
+    pw, pb = (torch.empty(N, heads, sw, kv_lora + 2, device=qt.device) for _ in range(2))
+    lw, lb = (torch.empty(N, heads, kv_lora, device=qt.device) for _ in range(2))
+    common_args = [d.view(qt), d.view(A), d.view(ps), d.view(base), d.view(lens)]
+    vpw, vpb, vlw, vlb = (d.view(t) for t in (pw, pb, lw, lb))  # views made outside the graph captures
+    big = N * L > 16 * 8192
+
+    def attend(part, defines=()):
+        d.launch("mla_attend_wg_f32", (hg, N, sw), MLA_WG_THREADS, *common_args, part, N, heads, kv_lora,
+                 rope, pt, sw, 0, scale, shared_mem=MLA_WG_SHARED, defines=defines)
+
+    def merge(part, lat):
+        d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, part, lat, N, heads, kv_lora, sw)
+
+    def bf16_full():
+        d.launch("mla_attend_bf16_f32", (cdiv(heads, MLA_BF16_HEADS), N, sw), 256, *common_args, vpb, N,
+                 heads, kv_lora, rope, pt, sw, 0, scale, shared_mem=MLA_BF16_SHARED)
+        merge(vpb, vlb)
+
+    def timed(fn):
+        return d.time_graph(fn, reps=5, inner=3) if big else d.time_graph(fn)
+    attend(vpw)  # compile and opt in outside the graph captures
+    attend(vpw, ("-DMLW_PREFETCH=0",))
+    bf16_ms, _ = timed(bf16_full)
+    floor_a = (kv_bytes + part_bytes) / (COPY_TBPS * 1e12) * 1e3
+    floor_m = (kv_bytes + 2 * part_bytes + N * heads * kv_lora * 4) / (COPY_TBPS * 1e12) * 1e3
+    for tag, defines in (("", ()), (" pf0", ("-DMLW_PREFETCH=0",))):
+        ms, how = timed(lambda defines=defines: attend(vpw, defines))
+        record(f"mla_attend wg{tag} N={N} L={L} (attend only, f32 rows)", ms, floor_a, splits=sw, timing=how)
+        ms, how = timed(lambda defines=defines: (attend(vpw, defines), merge(vpw, vlw)))
+        record(f"mla_attend+merge wg{tag} N={N} L={L} (f32 rows + partials)", ms, floor_m, splits=sw, timing=how,
+               bf16_us=round(bf16_ms * 1e3, 1), speedup_vs_bf16=round(bf16_ms / ms, 2),
+               rows_only_floor_us=round(kv_bytes / (COPY_TBPS * 1e12) * 1e6, 1))
+    attend(vpw)
+    merge(vpw, vlw)
+    bf16_full()
+    d.sync()
+    r.check(f"mla wg vs bf16 latent N={N} L={L} (K3 shapes, splits {sw})", rel_err(lw, lb), 2e-2)
+    del pw, pb, lw, lb
+
+
 def bench(d: Device, r: Results, quick: bool, only=None):
     """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, mla_proj,
     mla_prefill, attn_res, moe, gemv, sampling; mla includes mla_proj)."""
@@ -364,6 +422,10 @@ def bench(d: Device, r: Results, quick: bool, only=None):
             bench_mla_bf16(d, r, record, N, L, A, ps, qt, base, lens)
         except Exception as e:  # noqa: BLE001
             log(f"bench mla bf16 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
+        try:
+            bench_mla_wg(d, r, record, N, L, A, ps, qt, base, lens)
+        except Exception as e:  # noqa: BLE001
+            log(f"bench mla wg N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
         del A
     if want("mla") or want("mla_proj"):
         bench_mla_proj(d, r, record, quick)
@@ -555,8 +617,8 @@ def bench_moe(d: Device, record, quick: bool):
 
 def bench_moe_prefill(d: Device, record, quick: bool):
     """Routed MoE of many-assignment steps (prefill chunks) at K3 shapes, top-16 of 128, random
-    routing: the grouped MXFP4 GEMMs (moe_grouped.rs, K3_MOE_PREFILL=grouped) against the cuBLAS
-    path (moe_gemm.rs, K3_MOE_PREFILL=gemm: offsets read back, gather, experts expanded to bf16 in
+    routing: the grouped MXFP4 GEMMs (moe_grouped.rs, K3_MOE_PREFILL=grouped) and the wgmma ones
+    (moe_wg.rs, K3_MOE_PREFILL=wg, hi / lo and bf16 activations) against the cuBLAS path (moe_gemm.rs, K3_MOE_PREFILL=gemm: offsets read back, gather, experts expanded to bf16 in
     groups of 32, one cuBLAS GEMM per expert and projection, GLU, combine). Floor: the larger of
     the hi / lo products' FLOPs at this run's cuBLAS bf16 rate (an 8192^3 GEMM) and the weight +
     z + out bytes at 4.25 TB/s."""
@@ -602,11 +664,42 @@ def bench_moe_prefill(d: Device, record, quick: bool):
             ms, how = d.time_graph(lambda parts=parts: grouped(parts), reps=5, inner=2)
             record(f"moe_routed grouped {name} alone T={T}", ms, share * flops / rate * 1e3, timing=how,
                    tflops=round(share * flops / ms / 1e9))
+        # The wgmma pair (moe_wg.rs, K3_MOE_PREFILL=wg): planes 2 = hi / lo (K3_MOE_ACT=split), 1 = bf16;
+        # each floor is its own MMA work (planes x the bf16 products) or the bytes, whichever is larger.
+        # The grouped scratch is large enough for either layout.
+        ms_w = {}
+        try:
+            out_w = torch.empty(T, lt, device="cuda")
+            v_out_w = d.view(out_w)
+            for planes, bits in ((2, 0), (2, MX_WG_NO_PROXY_FENCE), (1, 0), (1, MX_WG_NO_PROXY_FENCE)):
+                fw = flops // 2 * planes
+                floor_w = max(fw / rate * 1e3, (wbytes + 2 * T * lt * 4) / (COPY_TBPS * 1e12) * 1e3)
+                tag = f"planes={planes}{' nofence' if bits else ''}"
+
+                def wgr(parts=("split", "up", "down", "combine"), planes=planes, bits=bits):
+                    run_mx_wg(d, V["z"], w, V["idx"], V["wts"], V["off"], V["srt"], v_out_w, scratch, T, k, lt, ie, E,
+                              planes, parts=parts, mode_bits=bits)
+
+                ms, how = d.time_graph(lambda: (sort(), wgr()), reps=5, inner=2)
+                ms_w[tag] = ms
+                record(f"moe_routed wg {tag} T={T} top{k} (sort+split+up+down+combine)", ms, floor_w, timing=how,
+                       tflops=round(fw / ms / 1e9), vs_grouped=round(ms_g / ms, 2),
+                       wg_vs_grouped_rel=float(rel_err(out_w, out_g)))
+                if bits:
+                    continue
+                for name, parts, share in (("up", ("up",), 2 / 3), ("down", ("down",), 1 / 3)):
+                    ms, how = d.time_graph(lambda parts=parts: wgr(parts), reps=5, inner=2)
+                    record(f"moe_routed wg {tag} {name} alone T={T}", ms, share * fw / rate * 1e3,
+                           timing=how, tflops=round(share * fw / ms / 1e9))
+        except Exception as e:  # noqa: BLE001
+            log(f"bench moe wg T={T} raised {type(e).__name__}: {str(e)[:200]}")
         try:
             ms_c = bench_moe_cublas_path(d, V, w, T, k, lt, ie, E)
+            wg_speedups = {f"wg {tag} speedup".replace(" ", "_").replace("=", ""): round(ms_c / ms, 2)
+                           for tag, ms in ms_w.items()}
             record(f"moe_routed cuBLAS GEMM path T={T} top{k} (sort+readback+gather+expand+GEMMs+glu+combine)",
                    ms_c, floor, grouped_speedup=round(ms_c / ms_g, 2),
-                   grouped_vs_gemm_rel=float(rel_err(out_g, out_c)))
+                   grouped_vs_gemm_rel=float(rel_err(out_g, out_c)), **wg_speedups)
         except Exception as e:  # noqa: BLE001
             log(f"bench moe cuBLAS path T={T} raised {type(e).__name__}: {str(e)[:200]}")
 
@@ -715,6 +808,7 @@ def bench_moe_stream2(d: Device, record):
         s2()
         d.sync()
         rel2 = rel_err(res, ref)
+        ref_v1 = res.clone()
         ms2, how = d.time_graph(s2)
         record(f"moe_routed stream2 T={T} top{k} (up+down+combine, tensor cores)", ms2, floor(up_b + down_b),
                tc2_us=f"{tc2_ms * 1e3:.1f}", speedup_vs_tc2=f"{tc2_ms / ms2:.2f}x", rel_vs_tc2=f"{rel2:.1e}",
@@ -722,9 +816,45 @@ def bench_moe_stream2(d: Device, record):
         for name, b in (("up", up_b), ("down", down_b), ("combine", None)):
             ms, how = d.time_graph(lambda name=name: s2((name,)))
             record(f"moe stream2 {name} kernel alone T={T} top{k}", ms, b and floor(b), timing=how)
+        bench_moe_stream2v2(d, record, V, w6, ref_v1, ms2, floor(up_b), floor(down_b), E, k, lt, ie, T)
     except Exception as e:  # noqa: BLE001  a failure here must not cost the benchmarks after it
         log(f"bench moe stream2 raised {type(e).__name__}: {str(e)[:200]}")
     del w1p, w3p, w2p, w1s, w3s, w2s
+
+
+def bench_moe_stream2v2(d: Device, record, V, w6, ref_v1, v1_ms, up_floor, down_floor, E, k, lt, ie, T):
+    """The stream2 v2 pair (K3_MX_STREAM2=v2 | v2-nopf: cp.async rings, the combine folded into
+    the down kernel) on bench_moe_stream2's buffers, with and without the L2 prefetch hint, each
+    result compared with v1's (both hi + lo bf16: they differ by summation order only); then each
+    kernel alone. "down alone" zeroes the 2 KB of counters first (the up kernel does it in the
+    pair), so it includes one small memset."""
+    na = T * k
+    (gup, pup), (gdn, pdn) = mx_stream2v2_plan(na, ie, lt, False), mx_stream2v2_plan(na, lt, ie, True)
+    ngu, nyp, nsy = mx_stream2v2_scratch(T, k, lt, ie)
+    gu, yp = torch.empty(ngu, device="cuda"), torch.empty(nyp, device="cuda")
+    sync = torch.empty(nsy, dtype=torch.int32, device="cuda")
+    res = torch.empty(T, lt, device="cuda")
+    W = {n: d.view(x) for n, x in (("gu", gu), ("yp", yp), ("sync", sync), ("res", res))}
+    for pf in (True, False):
+        tag = "stream2v2" + ("" if pf else " no-prefetch")
+
+        def s3(what=("up", "down"), pf=pf):
+            run_mx_stream2v2(d, V["z"], w6, V["idx"], W["gu"], W["yp"], W["sync"], V["wts"], W["res"], T, k, lt,
+                             ie, E, prefetch=pf, what=what)
+        try:
+            s3()
+            d.sync()
+            rel = rel_err(res, ref_v1)
+            ms, how = d.time_graph(s3)
+            record(f"moe_routed {tag} T={T} top{k} (up+down, combine folded)", ms, up_floor + down_floor,
+                   v1_us=f"{v1_ms * 1e3:.1f}", speedup_vs_v1=f"{v1_ms / ms:.2f}x", rel_vs_v1=f"{rel:.1e}",
+                   timing=how, grid=f"{gup}/{gdn}", parts=f"{pup}/{pdn}")
+            ms, how = d.time_graph(lambda: s3(("up",)))
+            record(f"moe {tag} up kernel alone T={T} top{k}", ms, up_floor, timing=how)
+            ms, how = d.time_graph(lambda: (sync.zero_(), s3(("down",))))
+            record(f"moe {tag} down kernel alone (+ counter memset) T={T} top{k}", ms, down_floor, timing=how)
+        except Exception as e:  # noqa: BLE001  a failure here must not cost the benchmarks after it
+            log(f"bench moe {tag} raised {type(e).__name__}: {str(e)[:200]}")
 
 
 # K3's dense decode matmuls (n x k of the bf16 weight): k3-slice K3_PROFILE shapes.

@@ -108,6 +108,50 @@ def run_mx_grouped(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t,
         d.launch("moe_combine_ids_f32", min(cdiv(t * lt, 256), 132 * 32), 256, y, idx, wts, out, t, k, lt, e)
 
 
+# The wgmma expert GEMMs (kernels/mxfp4_wg.cu, sm_90a; moe_wg.rs, K3_MOE_PREFILL=wg, K3_MOE_ACT):
+# tiles of up to 128 sorted assignments of one expert, 256-thread blocks of 128 intermediate rows
+# (up) / 256 latent rows (down), grid.y an upper bound on the tiles, one block per SM; activations
+# in 64-column groups of `planes` bf16 pieces (2 = hi / lo, 1 = bf16).
+MX_WG_TOK, MX_WG_UP_ROWS, MX_WG_DOWN_ROWS, MX_WG_SHARED = 128, 128, 256, 209920
+MX_WG_SWAP_LBO_SBO = 16  # mode bit of the GEMMs: the B descriptor's LBO / SBO swapped (a diagnostic)
+MX_WG_NO_PROXY_FENCE = 32  # mode bit: no fence.proxy.async per stage (moe_wg.rs K3_MOE_WG_FENCE=0)
+
+
+def mx_wg_tiles(n_assign: int, experts: int) -> int:
+    return cdiv(n_assign, MX_WG_TOK) + min(experts, n_assign)
+
+
+def mx_wg_row_u16(cols: int, planes: int) -> int:
+    return cdiv(cols, 64) * 64 * planes
+
+
+def mx_wg_scratch(d: Device, t: int, k: int, lt: int, ie: int, planes: int = 2):
+    """Split z, split intermediate and y of the wgmma path (as mx_grouped_scratch)."""
+    zx = torch.zeros(t * mx_wg_row_u16(lt, planes), dtype=torch.int16, device=d.tdev)
+    actx = torch.zeros(t * k * mx_wg_row_u16(ie, planes), dtype=torch.int16, device=d.tdev)
+    y = torch.zeros(t * k, lt, device=d.tdev)
+    return (zx, actx, y), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16), d.view(y)
+
+
+def run_mx_wg(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t, k, lt, ie, e, planes=2,
+              situ=(4.0, 25.0, 1), parts=("split", "up", "down", "combine"), mode_bits=0):
+    """moe_wg.rs after the sort: split z, up, down, combine (views; w = (w1p, w1s, w3p, w3s, w2p,
+    w2s); scratch from mx_wg_scratch or mx_grouped_scratch (large enough for planes <= 2)).
+    mode_bits: further bits of the GEMMs' mode (MX_WG_NO_PROXY_FENCE, MX_WG_SWAP_LBO_SBO)."""
+    _, zx, actx, y = scratch
+    tiles = mx_wg_tiles(t * k, e)
+    if "split" in parts:
+        d.launch("mxfp4_wg_split_f32", (t, cdiv(lt, 256)), 128, z, zx, t, lt, planes)
+    if "up" in parts:
+        d.launch("mxfp4_up_wg_f32", (cdiv(ie, MX_WG_UP_ROWS), tiles), 256, zx, *w[:4], offsets, sorted_, actx, k, lt,
+                 ie, *situ, e, planes | mode_bits, shared_mem=MX_WG_SHARED)
+    if "down" in parts:
+        d.launch("mxfp4_down_wg_f32", (cdiv(lt, MX_WG_DOWN_ROWS), tiles), 256, actx, *w[4:], offsets, sorted_, y,
+                 lt, ie, e, planes | mode_bits, shared_mem=MX_WG_SHARED)
+    if "combine" in parts:
+        d.launch("moe_combine_ids_f32", min(cdiv(t * lt, 256), 132 * 32), 256, y, idx, wts, out, t, k, lt, e)
+
+
 # The stream2 pair's dynamic shared memory (kernels/mxfp4.cu MXS_SHARED, opt-in): the 64 KB
 # decode table with the staged inputs in its upper halves.
 MX_STREAM_SHARED = 65536
@@ -153,6 +197,49 @@ def mx_stream2_scratch(na: int, lt: int, ie: int, parts=None) -> tuple[int, int]
     """Floats of gu and yp for run_mx_stream2."""
     pup, pdn = parts or (mx_stream2_plan(na, ie, lt)[1], mx_stream2_plan(na, lt, ie)[1])
     return na * pup * 2 * ie, na * pdn * lt
+
+
+# The stream2 v2 pair (kernels/mxfp4_stream.cu; moe_stream.rs mx_stream2v2_plan, K3_MX_STREAM2=v2):
+# one 512-thread block per SM, a cp.async ring per warp, two 16-row sets per step (up: W1 and W3
+# of a tile; down: two tiles, so 32-row groups whose consecutive parts on a warp merge into one
+# run) and the combine folded into the down kernel. Widths: multiples of 128.
+MX_STREAM2V2_SHARED = 65536 + 17 * 4 * 2176
+
+
+def mx_stream2v2_plan(n_assign: int, rows: int, cols: int, down: bool, sms: int = 132) -> tuple[int, int]:
+    """(blocks, parts) as moe_stream.rs mx_stream2v2_plan: one block of 16 warps per SM (fewer: >= 8
+    steps per warp), parts (<= 8, <= steps per row) minimising the busiest warp's units times their
+    cost (up: 2 per step + 1, down: 4 per step + 1: its runs merge)."""
+    steps, groups = cols // 128, rows // (32 if down else 16)
+    grid = max(1, min(sms, cdiv(n_assign * groups * steps, 16 * 8)))
+    per = 4 if down else 2
+    costs = [(cdiv(n_assign * groups * p, 16 * grid) * (per * cdiv(steps, p) + 1), p)
+             for p in range(1, min(steps, 8) + 1)]
+    return grid, min(costs)[1]
+
+
+def mx_stream2v2_scratch(t: int, k: int, lt: int, ie: int, parts=None) -> tuple[int, int, int]:
+    """Floats of gu and yp, ints of the down kernel's counters and part masks (sync)."""
+    na = t * k
+    pup, pdn = parts or (mx_stream2v2_plan(na, ie, lt, False)[1], mx_stream2v2_plan(na, lt, ie, True)[1])
+    return na * pup * 2 * ie, na * pdn * lt, (t + na) * (lt // 32)
+
+
+def run_mx_stream2v2(d: Device, z, w, idx, gu, yp, sync, wts, out, t, k, lt, ie, e, situ=(4.0, 25.0, 1),
+                     grid=None, parts=None, prefetch=True, what=("up", "down")):
+    """moe_stream.rs moe_experts_stream2v2's launches (views; w = (w1p, w1s, w3p, w3s, w2p, w2s)).
+    `grid` / `parts` = (up, down) overrides (any values are valid: the checks move unit bounds).
+    The up kernel zeroes `sync`; "down" alone needs it zeroed by the caller."""
+    na = t * k
+    (gup, pup), (gdn, pdn) = mx_stream2v2_plan(na, ie, lt, False), mx_stream2v2_plan(na, lt, ie, True)
+    gup, gdn = grid or (gup, gdn)
+    pup, pdn = parts or (pup, pdn)
+    if "up" in what:
+        d.launch("mxfp4_up_stream2v2_f32", gup, 512, z, *w[:4], idx, gu, sync, (t + na) * (lt // 32), k, lt, ie,
+                 e, na, pup, int(prefetch), shared_mem=MX_STREAM2V2_SHARED)
+    if "down" in what:
+        d.launch("mxfp4_down_stream2v2_f32", gdn, 512, gu, *w[4:], idx, wts, yp, sync, out, k, lt, ie, *situ, e,
+                 na, pup, pdn, int(prefetch), shared_mem=MX_STREAM2V2_SHARED)
 
 
 # Dense bf16-weight decode products (kernels/bf16.cu gemv_bf16_tc_f32; backend_impl.rs gemv_tc_plan):

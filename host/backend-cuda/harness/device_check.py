@@ -35,7 +35,9 @@ from common import (KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, KDA_SCAN_KERNE
                     kda_decode_launcher, kda_reference, kda_region_floats, log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
 from common import mla_prefill_plan, run_mla_prefill, run_mx_tc2  # noqa: E402
 from common import mx_stream2_plan, mx_stream2_scratch, run_mx_stream2  # noqa: E402
+from common import mx_stream2v2_plan, mx_stream2v2_scratch, run_mx_stream2v2  # noqa: E402
 from common import mx_grouped_scratch, run_mx_grouped  # noqa: E402
+from common import MX_WG_NO_PROXY_FENCE, MX_WG_SWAP_LBO_SBO, mx_wg_scratch, run_mx_wg  # noqa: E402
 from common import gemv_tc_plan, run_gemv_tc  # noqa: E402
 from emulators import EMU  # noqa: E402
 from k3ref import mxfp4 as rmx  # noqa: E402
@@ -45,6 +47,14 @@ from k3ref.norm import rms_norm as ref_rms_norm  # noqa: E402
 from k3ref.situ import situ_glu as ref_situ_glu  # noqa: E402
 
 KERNELS = ROOT / "kernels"
+
+
+def needs_arch_specific(f: Path) -> bool:
+    """wgmma / setmaxnreg exist only on the arch-specific target (sm_90a), which CuPy never passes:
+    such files go through Device._arch_module."""
+    text = f.read_text()
+    return "wgmma." in text or "setmaxnreg" in text
+
 
 # ---------------------------------------------------------------------------------------------
 # Kernel sources: inline includes (as the Rust loader does) and parse the entry points' signatures.
@@ -113,16 +123,44 @@ class Device:
         assert t.is_contiguous()
         return t.numpy() if self.dry else self.cp.from_dlpack(t)
 
-    def kernel(self, name):
+    def kernel(self, name, defines=()):
         f, _ = self.sigs[name]
-        if f not in self.modules:
+        key = (f, tuple(defines))
+        if key not in self.modules:
             t0 = time.time()
-            self.modules[f] = self.cp.RawModule(code=inline_includes(f), options=("--std=c++17",))
-            self.modules[f].compile()
-            log(f"compiled {f.name} in {time.time() - t0:.1f}s")
-        return self.modules[f].get_function(name)
+            if defines or needs_arch_specific(f):
+                self.modules[key] = self._arch_module(f, defines)
+            else:
+                self.modules[key] = self.cp.RawModule(code=inline_includes(f), options=("--std=c++17",))
+                self.modules[key].compile()
+            log(f"compiled {f.name}{' ' + ' '.join(defines) if defines else ''} in {time.time() - t0:.1f}s")
+        return self.modules[key].get_function(name)
 
-    def launch(self, name, grid, block, *args, shared_mem=0):
+    def _arch_module(self, f: Path, defines=()):
+        """NVRTC straight to a cubin for the arch-specific target (sm_90a on the H200, as
+        geometry.rs nvrtc_arch): CuPy adds its own -arch=sm_90, and wgmma does not exist there."""
+        try:
+            from cupy_backends.cuda.libs import nvrtc
+        except ImportError:  # CuPy < 10
+            from cupy.cuda import nvrtc
+        cc = str(self.cp.cuda.Device().compute_capability)
+        arch = f"sm_{cc}a" if cc == "90" else f"sm_{cc}"
+        opts = ("--std=c++17", f"--gpu-architecture={arch}", *defines)
+        prog = nvrtc.createProgram(inline_includes(f), f.name, (), ())
+        try:
+            try:
+                nvrtc.compileProgram(prog, opts)
+            except nvrtc.NVRTCError as e:
+                raise RuntimeError(f"{f.name} ({' '.join(opts)}): {e}\n{nvrtc.getProgramLog(prog)}") from None
+            cubin = nvrtc.getCUBIN(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+        tag = "_".join(d.lstrip("-D").replace("=", "") for d in defines)
+        path = Path(os.environ.get("TMPDIR", "/tmp")) / f"k3_{f.stem}_{arch}{'_' + tag if tag else ''}_{os.getpid()}.cubin"
+        path.write_bytes(cubin)
+        return self.cp.RawModule(path=str(path))
+
+    def launch(self, name, grid, block, *args, shared_mem=0, defines=()):
         _, params = self.sigs[name]
         if len(args) != len(params):
             raise TypeError(f"{name}: {len(args)} arguments for {len(params)} parameters")
@@ -142,13 +180,13 @@ class Device:
         if self.dry:
             EMU[name](*conv)
         else:
-            k = self.kernel(name)
+            k = self.kernel(name, defines)
             # cupy's RawKernel takes no new attributes: the opted-in sizes live here, per kernel.
             opted = self.__dict__.setdefault("_opt_in", {})
-            if shared_mem > 48 * 1024 and opted.get(name, 0) < shared_mem:
+            if shared_mem > 48 * 1024 and opted.get((name, defines), 0) < shared_mem:
                 # Opt in once (as device.rs does for geometry.rs OPT_IN_SHARED), not inside a capture.
                 k.max_dynamic_shared_size_bytes = shared_mem
-                opted[name] = shared_mem
+                opted[(name, defines)] = shared_mem
             k(grid, block, tuple(conv), shared_mem=shared_mem)
 
     def sync(self):
@@ -633,6 +671,9 @@ def check_mla_bf16_products(d: Device, r: Results, gen):
 # kernels/mla_attend_bf16.cu: 48 heads per 256-thread block, dynamic shared memory (geometry.rs
 # MLA_BF16_SHARED: Q, two K tiles, score partials, P).
 MLA_BF16_HEADS, MLA_BF16_SHARED = 48, 165568
+# kernels/mla_attend_wg.cu (wgmma, sm_90a): 48 heads per 384-thread block (geometry.rs MLA_WG_SHARED:
+# Q^T, two 64-position bf16 tiles, P^T, scores, + 1 KB to align the base).
+MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED = 48, 384, 223168
 
 
 def mla_latent_reference(qt, rows, scale, kv_lora):
@@ -642,21 +683,28 @@ def mla_latent_reference(qt, rows, scale, kv_lora):
 
 
 def check_mla_bf16(d: Device, r: Results, gen):
-    """mla_attend_bf16_f32 + mla_merge_f32 (the latent o~, before W_UV) against (a) the float64 latent
-    attention: bf16 rounding of q~, the rows and P allows 1e-2 (max-normalised; ~2.5e-3 seen), and
-    (b) emulators._emu_mla_attend_bf16 run on the host (the same bf16 roundings): 2e-3, what f32
-    accumulation order, __expf and the rare bf16 rounding flips of P leave. In --dry-run the kernel *is*
-    that emulator, so (b) only checks the plumbing there. Cases: several items of different lengths (not
-    multiples of the 32-position tile, one of 1), small pages (4 and 16 tokens: tiles cross pages), a
-    head count that is not a multiple of 48 (two head groups, the second partial), rows only 4-byte
-    aligned, K3 row width, and a long item with several splits (ops.rs per-item chunk 0)."""
+    """mla_attend_bf16_f32 and mla_attend_wg_f32 (wgmma, 64-position tiles), each + mla_merge_f32 (the
+    latent o~, before W_UV), against (a) the float64 latent attention: bf16 rounding of q~, the rows and
+    P allows 1e-2 (max-normalised; ~2.5e-3 seen), and (b) emulators._emu_mla_attend_bf16 run on the host
+    at the kernel's tile (the same bf16 roundings): 2e-3, what f32 accumulation order, __expf and the
+    rare bf16 rounding flips of P leave. In --dry-run the kernel *is* that emulator, so (b) only checks
+    the plumbing there. Cases: several items of different lengths (not multiples of the tile, one of 1,
+    one split with 1 position in its last tile), small pages (4 and 16 tokens: tiles cross pages), head
+    counts that are not a multiple of 48 (the second head group partial; 4 and 6: one group mostly
+    zero), rows only 4-byte aligned, K3 row width, long items with several splits (ops.rs per-item
+    chunk 0) so the wg kernel's two-tile ring wraps (8 tiles in one split), and an item shorter than
+    its split count (an empty split: o~ 0, m -inf, l 0)."""
     from emulators import _emu_mla_attend_bf16
     cases = (  # heads, kv_lora, rope, page_tokens, lens, splits, chunk, aligned
         (6, 128, 32, 4, [37, 70, 1], 2, 0, False),
         (52, 512, 64, 16, [50, 17, 33], 1, 0, True),
         (4, 512, 64, 16, [700, 95], 5, 0, True),
         (96, 512, 64, 64, [300], 3, 128, True),
+        (52, 512, 64, 16, [1000, 130], 2, 0, True),
+        (96, 512, 64, 16, [200, 3], 4, 0, True),
     )
+    kernels = (("bf16", "mla_attend_bf16_f32", 32, MLA_BF16_HEADS, 256, MLA_BF16_SHARED),
+               ("wg", "mla_attend_wg_f32", 64, MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED))
     for heads, kv_lora, rope, pt, lens, splits, chunk, aligned in cases:
         row, n = kv_lora + rope, len(lens)
         npages = [cdiv(L, pt) for L in lens]
@@ -680,24 +728,33 @@ def check_mla_bf16(d: Device, r: Results, gen):
         base, lens_t = torch.tensor(pt_base, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
         A = dev(arena)
         ref = torch.stack([mla_latent_reference(qt[i], rows_all[i], scale, kv_lora) for i in range(n)])
-        emu_part = np.zeros((n, heads, splits, kv_lora + 2), dtype=np.float32)
-        _emu_mla_attend_bf16(qt.numpy(), arena.float().numpy(), ps.numpy(), base.numpy(), lens_t.numpy(), emu_part,
-                             n, heads, kv_lora, rope, pt, splits, chunk, np.float32(scale))
-        P = torch.from_numpy(emu_part).double()
-        w = torch.exp(P[..., kv_lora] - P[..., kv_lora].amax(-1, keepdim=True))
-        emu = (w[..., None] * P[..., :kv_lora]).sum(2) / (w * P[..., kv_lora + 1]).sum(-1)[..., None]
         tag = f"H={heads}, Lkv={kv_lora}, pages of {pt}, lens={lens}, splits={splits}, chunk={chunk}" + \
             ("" if aligned else ", 4-byte rows")
-        part = torch.full((n, heads, splits, kv_lora + 2), float("nan"), device=d.tdev)
-        d.launch("mla_attend_bf16_f32", (cdiv(heads, MLA_BF16_HEADS), n, splits), 256, d.view(dev(qt)), d.view(A),
-                 d.view(ps.to(d.tdev)), d.view(base.to(d.tdev)), d.view(lens_t.to(d.tdev)), d.view(part), n,
-                 heads, kv_lora, rope, pt, splits, chunk, scale, shared_mem=MLA_BF16_SHARED)
-        lat = torch.full((n, heads, kv_lora), float("nan"), device=d.tdev)
-        d.launch("mla_merge_f32", (n, heads, cdiv(kv_lora, 128)), 128, d.view(part), d.view(lat), n, heads, kv_lora,
-                 splits)
-        d.sync()
-        r.check(f"mla attend bf16 vs float64 ({tag})", rel_err(lat, ref), 1e-2)
-        r.check(f"mla attend bf16 vs bf16 emulation ({tag})", rel_err(lat, emu), 2e-3)
+        for label, kname, tile, hpb, threads, smem in kernels:
+            emu_part = np.zeros((n, heads, splits, kv_lora + 2), dtype=np.float32)
+            _emu_mla_attend_bf16(qt.numpy(), arena.float().numpy(), ps.numpy(), base.numpy(), lens_t.numpy(),
+                                 emu_part, n, heads, kv_lora, rope, pt, splits, chunk, np.float32(scale), tile=tile)
+            P = torch.from_numpy(emu_part).double()
+            w = torch.exp(P[..., kv_lora] - P[..., kv_lora].amax(-1, keepdim=True))
+            emu = (w[..., None] * P[..., :kv_lora]).sum(2) / (w * P[..., kv_lora + 1]).sum(-1)[..., None]
+            part = torch.full((n, heads, splits, kv_lora + 2), float("nan"), device=d.tdev)
+            d.launch(kname, (cdiv(heads, hpb), n, splits), threads, d.view(dev(qt)), d.view(A),
+                     d.view(ps.to(d.tdev)), d.view(base.to(d.tdev)), d.view(lens_t.to(d.tdev)), d.view(part), n,
+                     heads, kv_lora, rope, pt, splits, chunk, scale, shared_mem=smem)
+            lat = torch.full((n, heads, kv_lora), float("nan"), device=d.tdev)
+            d.launch("mla_merge_f32", (n, heads, cdiv(kv_lora, 128)), 128, d.view(part), d.view(lat), n, heads,
+                     kv_lora, splits)
+            d.sync()
+            r.check(f"mla attend {label} vs float64 ({tag})", rel_err(lat, ref), 1e-2)
+            r.check(f"mla attend {label} vs bf16 emulation ({tag})", rel_err(lat, emu), 2e-3)
+            if min(lens) < splits:  # some split is empty: the exact partials the merge expects
+                ph = part.cpu()
+                ch = [chunk if chunk > 0 else cdiv(L, splits) for L in lens]
+                empty = [(i, s) for i, L in enumerate(lens) for s in range(splits) if s * ch[i] >= L]
+                ok = all(bool((ph[i, :, s, :kv_lora] == 0).all()) and bool((ph[i, :, s, kv_lora] == float("-inf")).all())
+                         and bool((ph[i, :, s, kv_lora + 1] == 0).all()) for i, s in empty)
+                r.exact(f"mla attend {label} empty splits write (0, -inf, 0) ({tag})", ok and bool(empty),
+                        f"{len(empty)} empty")
 
 
 def mla_prefill_reference(q, rows, kv_b, heads, nope, rope, v_dim, kv_lora, start):
@@ -921,6 +978,67 @@ def check_moe_stream2(d: Device, r: Results, gen):
                         "(up+down+combine)", rel_err(res, ref), 2e-5)
 
 
+def check_moe_stream2v2(d: Device, r: Results, gen):
+    """The stream2 v2 pair (mxfp4_*_stream2v2_f32, K3_MX_STREAM2=v2: cp.async rings, the combine
+    folded into the down kernel) against float64: the unit split replayed at K3 sizes (every unit
+    once, the busiest warp within 5% of the mean steps), then widths that are multiples of 128
+    (256 x 384, 384 x 128, 128 x 256 as tests/device.rs), T = 1 and 3 (an out-of-range id), the
+    planned grid and odd grids / part counts (1 block: several staging rounds; 7 and 3 blocks:
+    warps that start mid-row, so runs of parts cut at warp bounds and several partials per row),
+    with and without the L2 prefetch hint; every case twice, bitwise equal (fixed combine order)."""
+    for na, rows, cols, down in ((16, 3072, 3584, False), (16, 3584, 3072, True)):
+        grid, parts = mx_stream2v2_plan(na, rows, cols, down)
+        ns, groups = cols // 128, rows // (32 if down else 16)
+        n, nw = na * groups * parts, 16 * grid
+        seen, steps = [], []
+        for w in range(nw):
+            units = range(n * w // nw, n * (w + 1) // nw)
+            seen += list(units)
+            steps.append(sum((u % parts + 1) * ns // parts - (u % parts) * ns // parts for u in units))
+        mean = na * groups * ns / nw
+        ok = seen == list(range(n)) and max(steps) <= 1.05 * mean
+        r.exact(f"moe stream2v2 unit split {na}x{rows}x{cols} grid={grid} parts={parts}: every unit once, steps "
+                f"per warp {min(steps)}..{max(steps)} (mean {mean:.1f})", ok)
+    e, k = 6, 3
+    dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
+    for lt, ie in ((256, 384), (384, 128), (128, 256)):
+        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
+        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
+        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+        wv = [d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s)]
+        for t in (1, 3):
+            z = rand(t, lt, gen=gen)
+            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
+                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
+            idx = idx.clone()
+            if t == 3:
+                idx[1, 2] = -1  # skipped slot
+            ref = ref_routed(z, idx, wts, w1, w3, w2)
+            na = t * k
+            ids = dev(idx.int().reshape(-1))
+            nsu, nsd = lt // 128, ie // 128  # steps per row: the most parts
+            for grid, parts, pf in ((None, None, True), (None, None, False), ((1, 1), (nsu, 1), True),
+                                    ((7, 7), (1, nsd), True), ((3, 2), (min(2, nsu), min(2, nsd)), False)):
+                ngu, nyp, nsy = mx_stream2v2_scratch(t, k, lt, ie, parts)
+                gu = torch.full((ngu,), float("nan"), device=d.tdev)  # unwritten parts would show
+                yp = torch.full((nyp,), float("nan"), device=d.tdev)
+                sync = torch.full((nsy,), -7, dtype=torch.int32, device=d.tdev)  # the up kernel zeroes it
+                outs = []
+                for _ in range(2):
+                    res = torch.full((t, lt), float("nan"), device=d.tdev)  # every element is written
+                    run_mx_stream2v2(d, d.view(dev(z.float())), wv, d.view(ids), d.view(gu), d.view(yp),
+                                     d.view(sync), d.view(dev(wts.float().reshape(-1))), d.view(res), t, k, lt, ie,
+                                     e, grid=grid, parts=parts, prefetch=pf)
+                    d.sync()
+                    outs.append(res.cpu())
+                g = grid or (mx_stream2v2_plan(na, ie, lt, False)[0], mx_stream2v2_plan(na, lt, ie, True)[0])
+                p = parts or (mx_stream2v2_plan(na, ie, lt, False)[1], mx_stream2v2_plan(na, lt, ie, True)[1])
+                tag = f"T={t} {lt}x{ie} grid={g[0]}/{g[1]} parts={p[0]}/{p[1]}{'' if pf else ' no-prefetch'}"
+                # hi + lo bf16 activations (~16 bits) as v1 (check_moe_stream2's 2e-5).
+                r.check(f"moe routed stream2v2 {tag} (up+down, combine folded)", rel_err(outs[0], ref), 2e-5)
+                r.exact(f"moe routed stream2v2 {tag}: rerun bitwise equal", torch.equal(outs[0], outs[1]))
+
+
 def check_moe_tc2(d: Device, r: Results, gen):
     """The tc2 pair (default from 2 tokens) against float64: random top-4 routings
     over 16 experts at T = 2, 3, 16, 64, and a made one at T = 70, top-2 over 8 experts, whose
@@ -1001,6 +1119,112 @@ def check_moe_grouped(d: Device, r: Results, gen):
         counts = sorted(torch.bincount(idx[idx >= 0].reshape(-1), minlength=e).tolist(), reverse=True)
         r.check(f"moe routed grouped T={t} top{k} of {e} {lt}x{ie}, tokens per expert {counts[:7]} "
                 f"(sort+split+up+down+combine)", rel_err(out, ref), 2e-5)
+
+
+def check_moe_wg(d: Device, r: Results, gen):
+    """The wgmma path (mxfp4_wg_split_f32 + mxfp4_up/down_wg_f32 + moe_combine_ids_f32, moe_wg.rs,
+    sm_90a) against float64, with hi / lo activations (planes 2, tol 2e-5 as the grouped pair) and
+    bf16 ones (planes 1, K3_MOE_ACT=bf16: z and the intermediate rounded to bf16 once, a few 1e-3
+    from that rounding, tol 1e-2). Cases: check_moe_grouped's made top-2 routing (experts of 1, 63,
+    64, 65, 300 and 106 tokens: tiles of 128 + 128 + 44, the N = 32 / 64 / 96 / 128 variants, one
+    expert idle, one slot dropped) at 640 x 320 (10 / 5 stages: both rings wrap; 5 groups of 64
+    intermediate columns: the last up CTA's second group does not exist; 10 MX blocks per down row:
+    the unaligned-scale path); the same with odd scales: ~1% of the W1 / W2 E8M0 bytes 0
+    (subnormal weights) and every scale of the two busiest experts raised by 9 (around 129: lanes
+    with and without the decode's second bf16 factor in one stage; z / 2^9 keeps their gates where
+    the other experts' were, else SiTU's conditioning, not the kernel, sets the error); and
+    T = 2048, random top-4 of 16 at 256 x 384 (~4 tiles of 128 per expert, partial last tiles).
+    Each case once more at planes 2 without the per-stage proxy fence (K3_MOE_WG_FENCE=0)."""
+    dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
+    second = torch.tensor([0] * 1 + [1] * 63 + [2] * 64 + [3] * 65 + [5] * 107)
+    second = second[torch.randperm(300, generator=gen)]
+    made = torch.stack([torch.full((300,), 4, dtype=torch.long), second], 1)
+    made[int((second == 5).nonzero()[0]), 1] = -1
+
+    def odd_scales(pk, sc, zeros):  # the weights dequantized again with the changed scales
+        sc = sc.clone()
+        sc[4:6] = (sc[4:6].int() + 9).clamp(max=254).to(torch.uint8)
+        if zeros:
+            sc[torch.rand(sc.shape, generator=gen) > 0.99] = 0
+        return sc, torch.stack([rmx.dequantize(pk[i], sc[i], torch.float64) for i in range(pk.shape[0])])
+
+    for t, e, k, lt, ie, odd in ((300, 7, 2, 640, 320, False), (300, 7, 2, 640, 320, True),
+                                 (2048, 16, 4, 256, 384, False)):
+        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
+        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
+        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+        z = rand(t, lt, gen=gen)
+        if t == 300:
+            idx, wts = made, torch.rand(t, k, generator=gen, dtype=torch.float64)
+        else:
+            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
+                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
+        if odd:
+            z = z / 512
+            (w1s, w1), (w3s, w3), (w2s, w2) = (odd_scales(w1p, w1s, True), odd_scales(w3p, w3s, False),
+                                               odd_scales(w2p, w2s, True))
+        ref = ref_routed(z, idx, wts, w1, w3, w2)
+        na = t * k
+        ids = dev(idx.int().reshape(-1))
+        offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
+        sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
+        d.launch("moe_sort_assignments", 1, 1024, d.view(ids), na, e, d.view(offsets), d.view(sorted_))
+        w = tuple(d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s))
+        counts = sorted(torch.bincount(idx[idx >= 0].reshape(-1), minlength=e).tolist(), reverse=True)
+        for planes, tol, bits in ((2, 2e-5, 0), (1, 1e-2, 0), (2, 2e-5, MX_WG_NO_PROXY_FENCE)):
+            scratch = mx_wg_scratch(d, t, k, lt, ie, planes)
+            scratch[0][2].fill_(float("nan"))  # y rows of dropped slots stay NaN: the combine skips them
+            out = torch.full((t, lt), float("nan"), device=d.tdev)
+            run_mx_wg(d, d.view(dev(z.float())), w, d.view(ids), d.view(dev(wts.float().reshape(-1))),
+                      d.view(offsets), d.view(sorted_), d.view(out), scratch, t, k, lt, ie, e, planes, mode_bits=bits)
+            d.sync()
+            err = rel_err(out, ref)
+            r.check(f"moe routed wg planes={planes}{' no proxy fence' if bits else ''} T={t} top{k} of {e} {lt}x{ie}, "
+                    f"tokens per expert {counts[:7]}{', odd scales' if odd else ''} (sort+split+up+down+combine)",
+                    err, tol)
+            if bits:
+                continue
+            if not odd:
+                check_moe_wg_stages(r, scratch, z, (w1p, w1s, w3p, w3s, w2p, w2s), offsets, sorted_, t, k, lt, ie, e,
+                                    planes)
+            if not err <= tol and not d.dry:  # tell a misread B descriptor from other faults (log only)
+                run_mx_wg(d, d.view(dev(z.float())), w, d.view(ids), d.view(dev(wts.float().reshape(-1))),
+                          d.view(offsets), d.view(sorted_), d.view(out), scratch, t, k, lt, ie, e, planes,
+                          mode_bits=MX_WG_SWAP_LBO_SBO)
+                d.sync()
+                log(f"diagnostic: moe routed wg planes={planes} T={t} with the B descriptor's LBO / SBO swapped: "
+                    f"rel err {rel_err(out, ref):.2e}")
+
+
+def check_moe_wg_stages(r: Results, scratch, z, wts6, offsets, sorted_, t, k, lt, ie, e, planes):
+    """Each kernel of the wgmma path alone, on what the previous one left in `scratch`: the split
+    bit for bit against emulators._wg_pack; the up kernel's intermediate against
+    _emu_moe_up_wg run on the device's split z (f32 accumulation vs float64, then the same rounding
+    to `planes` bf16: 1e-5, or 1e-2 at planes = 1, where a nudged value can round to the next
+    bf16); the down kernel's y rows against _emu_moe_down_wg on the device's intermediate (1e-5).
+    So a failure names its kernel. In --dry-run these compare the emulators with themselves."""
+    from emulators import _emu_moe_down_wg, _emu_moe_up_wg, _wg_pack, _wg_unpack
+    zx = scratch[0][0].cpu().numpy().view(np.uint16)
+    actx = scratch[0][1].cpu().numpy().view(np.uint16)
+    y = scratch[0][2].cpu().numpy()
+    off, srt = offsets.cpu().numpy(), sorted_.cpu().numpy()
+    host = [x.contiguous().cpu().numpy() for x in wts6]
+    npos = int(off[e])
+    want = np.zeros_like(zx)
+    _wg_pack(z.float().numpy(), want, planes)
+    used = t * cdiv(lt, 64) * 64 * planes
+    tag = f"planes={planes} T={t} {lt}x{ie}"
+    r.exact(f"moe wg split z bitwise ({tag})", bool(np.array_equal(zx[:used], want[:used])))
+    act_emu = np.zeros_like(actx)
+    _emu_moe_up_wg(zx, *host[:4], off, srt, act_emu, k, lt, ie, 4.0, 25.0, 1, e, planes)
+    r.check(f"moe wg up kernel vs emulation on its split z ({tag})",
+            rel_err(_wg_unpack(actx, npos, ie, planes), _wg_unpack(act_emu, npos, ie, planes)),
+            1e-5 if planes == 2 else 1e-2)
+    y_emu = np.zeros_like(y)
+    _emu_moe_down_wg(actx, *host[4:], off, srt, y_emu, lt, ie, e, planes)
+    rows = srt[:npos].astype(np.int64)
+    r.check(f"moe wg down kernel vs emulation on its intermediate ({tag})",
+            rel_err(torch.from_numpy(y.reshape(-1, lt)[rows]), torch.from_numpy(y_emu.reshape(-1, lt)[rows])), 1e-5)
 
 
 def check_bf16_matmul(d: Device, r: Results, gen):
@@ -1127,8 +1351,8 @@ def main():
     t0 = time.time()
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
                check_kda_prefill_scan, check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill,
-               check_moe, check_moe_tc_shapes, check_moe_stream2, check_moe_tc2, check_moe_gemm,
-               check_moe_grouped, check_bf16_matmul, check_gemv_tc, check_kda_prefill_prep):
+               check_moe, check_moe_tc_shapes, check_moe_stream2, check_moe_stream2v2, check_moe_tc2, check_moe_gemm,
+               check_moe_grouped, check_moe_wg, check_bf16_matmul, check_gemv_tc, check_kda_prefill_prep):
         try:
             fn(d, r, gen)
         except Exception as e:  # noqa: BLE001  a crash in one check must not hide the others

@@ -361,6 +361,22 @@ def _emu_combine_parts(yp, idx, w, out, t, k, lt, e, parts):
     out.reshape(-1)[:t * lt] = torch.einsum("tk,tkl->tl", wv, y).float().numpy().reshape(-1)
 
 
+def _emu_moe_up_stream2v2(z, w1p, w1s, w3p, w3s, idx, gu, sync, n_sync, top_k, lt, ie, e, n, parts, flags):
+    """mxfp4_up_stream2v2_f32: v1's gu (same parts), and the down kernel's counters / masks zeroed."""
+    sync.reshape(-1)[:int(n_sync)] = 0
+    _emu_moe_up_stream2(z, w1p, w1s, w3p, w3s, idx, gu, top_k, lt, ie, e, n, parts)
+
+
+def _emu_moe_down_stream2v2(gu, w2p, w2s, idx, w, yp, sync, out, top_k, lt, ie, beta, beta_lin, has_lin, e, n,
+                            parts_up, parts, flags):
+    """mxfp4_down_stream2v2_f32: out[t] = sum over valid slots j of w * W2_e (hi + lo of act); the run
+    partials in yp and the counters are the kernel's business (only out is read back)."""
+    t, k, lt = int(n) // int(top_k), int(top_k), int(lt)
+    y = np.zeros(int(n) * lt, dtype=np.float32)
+    _emu_moe_down_stream2(gu, w2p, w2s, idx, y, lt, ie, beta, beta_lin, has_lin, e, n, parts_up, 1)
+    _emu_combine_parts(y, idx, w, out, t, k, lt, e, 1)
+
+
 def _emu_sort(idx, n, e, offsets, sorted_):
     ids = idx[:int(n)]
     valid = (ids >= 0) & (ids < int(e))  # out-of-range ids are dropped (sorted_ past them untouched)
@@ -526,6 +542,68 @@ def _emu_moe_down_grouped(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e):
             _t(y).view(-1, lt)[torch.from_numpy(sorted_[p0:p1].astype(np.int64))] = (act[p0:p1] @ w2.T).float()
 
 
+def _wg_perm():
+    """kernels/mxfp4_wg.cu mxw_pos: column c of a 64-column group -> its position in the group."""
+    c = np.arange(64)
+    return 16 * ((c >> 2) & 3) + 8 * ((c >> 1) & 1) + 2 * (c >> 4) + (c & 1)
+
+
+def _wg_pack(x, out, planes):
+    """f32 rows [n, cols] -> the wgmma layout [n][ceil(cols / 64)][planes][64] bf16 bits: hi / lo
+    (planes 2) or bf16 rounded once (planes 1), columns past cols zero."""
+    n, cols = x.shape
+    ng, planes = -(-cols // 64), int(planes)
+    xp = np.zeros((n, ng * 64), np.float32)
+    xp[:, :cols] = x
+    o = out.reshape(-1)[:n * ng * planes * 64].reshape(n, ng, planes, 64)
+    perm = _wg_perm()
+    if planes == 2:
+        hi, lo = split_bf16(xp.reshape(-1))
+        o[:, :, 0, perm] = hi.reshape(n, ng, 64)
+        o[:, :, 1, perm] = lo.reshape(n, ng, 64)
+    else:
+        o[:, :, 0, perm] = bf16_bits(xp.reshape(-1)).reshape(n, ng, 64)
+
+
+def _wg_unpack(xs, n, cols, planes):
+    """The wgmma layout -> float64 rows [n, cols], the planes summed (what the kernels multiply)."""
+    ng, planes = -(-cols // 64), int(planes)
+    o = xs.reshape(-1)[:n * ng * planes * 64].reshape(n, ng, planes, 64)[:, :, :, _wg_perm()]
+    v = bf16_value(o).astype(np.float64).sum(axis=2)
+    return torch.from_numpy(v.reshape(n, ng * 64)[:, :cols])
+
+
+def _emu_moe_up_wg(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e,
+                   mode):
+    """mxfp4_up_wg_f32: the grouped up kernel in the wgmma layout with mode & 3 planes (actx row p =
+    sorted position p; rows past the assignments untouched; the diagnostic mode bits change nothing
+    here)."""
+    lt, ie, k, e, planes = int(lt), int(ie), int(top_k), int(e), int(mode) & 3
+    z = _wg_unpack(zx, zx.size // (-(-lt // 64) * 64 * planes), lt, planes)
+    npos = int(offsets[e])
+    act = np.zeros((npos, ie), np.float32)
+    for ex in range(e):
+        p0, p1 = int(offsets[ex]), int(offsets[ex + 1])
+        if p1 > p0:
+            w1 = rmx.dequantize(_t(w1p).view(e, ie, lt // 2)[ex], _t(w1s).view(e, ie, lt // 32)[ex], torch.float64)
+            w3 = rmx.dequantize(_t(w3p).view(e, ie, lt // 2)[ex], _t(w3s).view(e, ie, lt // 32)[ex], torch.float64)
+            x = z[torch.from_numpy(sorted_[p0:p1].astype(np.int64) // k)]
+            act[p0:p1] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta),
+                                      float(beta_lin) if has_lin else None).float().numpy()
+    _wg_pack(act, actx, planes)
+
+
+def _emu_moe_down_wg(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, mode):
+    """mxfp4_down_wg_f32: y[sorted[p]] = W2_e act[p] (rows of dropped slots untouched)."""
+    lt, ie, e = int(lt), int(ie), int(e)
+    act = _wg_unpack(actx, int(offsets[e]), ie, int(mode) & 3)
+    for ex in range(e):
+        p0, p1 = int(offsets[ex]), int(offsets[ex + 1])
+        if p1 > p0:
+            w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
+            _t(y).view(-1, lt)[torch.from_numpy(sorted_[p0:p1].astype(np.int64))] = (act[p0:p1] @ w2.T).float()
+
+
 def _emu_combine_ids(y, idx, w, out, t, k, lt, e):
     """moe_combine_ids_f32: moe_combine_f32 over the slots with an expert id in [0, e) only."""
     t, k, lt = int(t), int(k), int(lt)
@@ -673,6 +751,7 @@ EMU = {
         _t(q).view(int(items), int(heads), -1)[..., int(nope):].double()], -1).float().numpy().reshape(qt.shape)),
     "mla_attend_tc2_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # mode: rounding / prefetch / probe only
     "mla_attend_bf16_f32": _emu_mla_attend_bf16,
+    "mla_attend_wg_f32": lambda *a: _emu_mla_attend_bf16(*a, tile=64),  # same rounding, 64-position tiles
     "mla_merge_f32": _emu_mla_merge,  # grid (items, heads, kv_lora / 128)
     "mla_out_proj_f32": _emu_mla_out_proj,
     "mla_absorb_q_bf16": _emu_mla_absorb_bf16,
@@ -694,6 +773,8 @@ EMU = {
     "mxfp4_up_stream2_f32": _emu_moe_up_stream2,  # partial sums per part (hi + lo bf16 of x)
     "mxfp4_down_stream2_f32": _emu_moe_down_stream2,
     "moe_combine_parts_f32": _emu_combine_parts,
+    "mxfp4_up_stream2v2_f32": _emu_moe_up_stream2v2,  # v1's parts, counters zeroed
+    "mxfp4_down_stream2v2_f32": _emu_moe_down_stream2v2,  # down + the folded combine
     "mxfp4_tc2_split_f32": lambda x, xs, rows, cols: _mx2_pack(x.reshape(-1)[:int(rows) * int(cols)].reshape(
         int(rows), int(cols)), xs),
     "mxfp4_up_tc2_f32": _emu_moe_up_tc2,  # hi + lo in, act split out (the tc2 layout end to end)
@@ -701,6 +782,10 @@ EMU = {
     "mxfp4_up_grouped_f32": _emu_moe_up_grouped,  # tc2 layout in and out, actx rows by sorted position
     "mxfp4_down_grouped_f32": _emu_moe_down_grouped,
     "moe_combine_ids_f32": _emu_combine_ids,
+    "mxfp4_wg_split_f32": lambda x, xs, rows, cols, planes: _wg_pack(
+        x.reshape(-1)[:int(rows) * int(cols)].reshape(int(rows), int(cols)), xs, planes),
+    "mxfp4_up_wg_f32": _emu_moe_up_wg,  # wgmma layout in and out, `planes` bf16 pieces per value
+    "mxfp4_down_wg_f32": _emu_moe_down_wg,
     "moe_combine_f32": lambda y, w, out, t, k, lt: out.__setitem__(slice(None), torch.einsum(
         "tk,tkl->tl", _t(w).view(int(t), int(k)), _t(y).view(int(t), int(k), int(lt))).numpy().reshape(out.shape)),
 }

@@ -59,6 +59,8 @@ pub struct CudaBackend {
     /// many-assignment step takes.
     pub(crate) moe_grouped_scratch: Mutex<crate::moe_grouped::GroupedScratch>,
     pub(crate) moe_prefill: crate::moe_grouped::MoePrefill,
+    /// The 1-token routed-expert kernels (moe_stream.rs, `K3_MX_STREAM2`).
+    pub(crate) moe_stream2: crate::moe_stream::Stream2Variant,
     /// CUDA graphs of decode steps (graph.rs).
     pub(crate) step: crate::graph::StepState,
     /// Attend kernel of the absorbed MLA decode (ops.rs).
@@ -175,6 +177,7 @@ impl CudaBackend {
             moe_scratch: Mutex::default(),
             moe_grouped_scratch: Mutex::default(),
             moe_prefill: crate::moe_grouped::MoePrefill::from_env(),
+            moe_stream2: crate::moe_stream::Stream2Variant::from_env(),
             mla_decode_mode: crate::ops::MlaDecodeMode::from_env(),
         })
     }

@@ -185,6 +185,13 @@ pub const MAX_OPT_IN_SHARED: usize = 232_448;
 pub const MLA_BF16_HEADS_PER_BLOCK: usize = 48;
 pub const MLA_BF16_SHARED: usize = 165_568;
 
+/// `mla_attend_wg_f32` (kernels/mla_attend_wg.cu, wgmma: sm_90a only): 48 heads per 384-thread
+/// block (a producer and two consumer warpgroups), one block per SM, MLW_SHARED bytes of dynamic
+/// shared memory (Q^T, two 64-position bf16 tiles, P^T, scores, + 1 KB to align the base).
+pub const MLA_WG_HEADS_PER_BLOCK: usize = 48;
+pub const MLA_WG_THREADS: u32 = 384;
+pub const MLA_WG_SHARED: usize = 223_168;
+
 /// The tc2 expert kernels (kernels/mxfp4_tc.cu, ops.rs mx_tc2_shared) at 4 n-tiles per pass: two
 /// 256-thread blocks per SM.
 pub const MX_TC2_MAX_SHARED: usize = 111_104;
@@ -200,12 +207,23 @@ pub const MX_STREAM_SHARED: usize = 65_536;
 /// Kernels launched with more than 48 KB of dynamic shared memory, and how much.
 pub const OPT_IN_SHARED: &[(&str, usize)] = &[
     ("mla_attend_bf16_f32", MLA_BF16_SHARED),
+    ("mla_attend_wg_f32", MLA_WG_SHARED),
     ("mxfp4_up_tc2_f32", MX_TC2_MAX_SHARED),
     ("mxfp4_down_tc2_f32", MX_TC2_MAX_SHARED),
     ("mxfp4_up_grouped_f32", MX_GROUPED_SHARED),
     ("mxfp4_down_grouped_f32", MX_GROUPED_SHARED),
+    ("mxfp4_up_wg_f32", crate::moe_wg::MX_WG_SHARED),
+    ("mxfp4_down_wg_f32", crate::moe_wg::MX_WG_SHARED),
     ("mxfp4_up_stream2_f32", MX_STREAM_SHARED),
     ("mxfp4_down_stream2_f32", MX_STREAM_SHARED),
+    (
+        "mxfp4_up_stream2v2_f32",
+        crate::moe_stream::MX_STREAM2V2_SHARED,
+    ),
+    (
+        "mxfp4_down_stream2v2_f32",
+        crate::moe_stream::MX_STREAM2V2_SHARED,
+    ),
 ];
 
 /// Grid (head groups, items, splits): the two head groups of one (item, split) run side by side,
@@ -235,6 +253,29 @@ pub fn mla_splits_bf16(items: usize, heads: usize, max_len: usize, sms: usize) -
         }
     }
     splits
+}
+
+/// Grid (head groups, items, splits) of `mla_attend_wg_f32`, as `mla_attend_bf16`'s: the two head
+/// groups of one (item, split) side by side, the second reading the rows from L2.
+pub fn mla_attend_wg(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
+    check_mla(g)?;
+    Launch::new(
+        (g.heads.div_ceil(MLA_WG_HEADS_PER_BLOCK), items, splits),
+        MLA_WG_THREADS,
+    )?
+    .with_opt_in_shared(MLA_WG_SHARED)
+}
+
+/// Position splits of `mla_attend_wg_f32`: 48 heads and one block per SM as the bf16 attend, so
+/// the same rule (`mla_splits_bf16`).
+pub fn mla_splits_wg(items: usize, heads: usize, max_len: usize, sms: usize) -> usize {
+    mla_splits_bf16(items, heads, max_len, sms)
+}
+
+/// Whether `mla_attend_wg_f32` runs on a device compiled for `arch` (wgmma exists only on the
+/// arch-specific Hopper target; elsewhere the kernel is a trapping stub).
+pub fn mla_wg_supported(arch: &str) -> bool {
+    arch == "sm_90a"
 }
 
 /// `mla_merge_f32` (both attends' partials): one 128-thread block per (item, head, 128 latent
@@ -417,6 +458,21 @@ mod tests {
         assert_eq!(mla_splits_bf16(16, 96, 8192, 132), 8);
         assert_eq!(mla_splits_bf16(1, 96, 100, 132), 1);
         assert_eq!(mla_splits_bf16(1, 4, 900, 132), 8);
+        // wgmma attend: same head groups and splits, 384 threads, 223,168 B (under the 227 KB cap).
+        let l = mla_attend_wg(&k3, 3, 5).unwrap();
+        assert_eq!((l.grid, l.block, l.shared), ((2, 3, 5), 384, 223_168));
+        assert_eq!(
+            mla_attend_wg(&MlaGeom { heads: 4, ..k3 }, 1, 1)
+                .unwrap()
+                .grid,
+            (1, 1, 1)
+        );
+        assert_eq!(mla_splits_wg(1, 96, 32768, 132), 66);
+        assert_eq!(mla_splits_wg(64, 96, 32768, 132), 2);
+        assert!(
+            mla_wg_supported("sm_90a") && !mla_wg_supported("sm_90") && !mla_wg_supported("sm_89")
+        );
+        assert!(OPT_IN_SHARED.contains(&("mla_attend_wg_f32", MLA_WG_SHARED)));
         assert!(
             Launch::new((1, 1, 1), 32)
                 .unwrap()

@@ -21,6 +21,7 @@ pub mod mla_prefill;
 mod moe_gemm;
 mod moe_grouped;
 mod moe_stream;
+mod moe_wg;
 mod profile;
 pub mod sources;
 
@@ -28,6 +29,8 @@ pub use device::{CudaBackend, DeviceLinear, DeviceMat};
 pub use error::{CudaError, Result};
 pub use graph::GraphCounts;
 pub use moe_grouped::MoePrefill;
+pub use moe_stream::Stream2Variant;
+pub use moe_wg::MoeAct;
 pub use ops::MlaDecodeMode;
 
 #[cfg(test)]

@@ -21,8 +21,8 @@ use cudarc::driver::CudaSlice;
 use k3_model::backend::SituParams;
 
 /// Routed experts of the steps with at least `K3_MOE_GEMM_MIN` assignments, from
-/// `K3_MOE_PREFILL` at start-up (`auto` | `grouped` | `gemm`, default `auto`); tests pin it with
-/// `CudaBackend::set_moe_prefill`.
+/// `K3_MOE_PREFILL` at start-up (`auto` | `grouped` | `gemm` | `wg`, default `auto`); tests pin it
+/// with `CudaBackend::set_moe_prefill`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoePrefill {
     /// The grouped GEMMs below [`grouped_max`] assignments, cuBLAS from there. H200, K3, top-16:
@@ -34,22 +34,28 @@ pub enum MoePrefill {
     Grouped,
     /// moe_gemm.rs: experts expanded to bf16, one cuBLAS GEMM per expert and projection.
     Gemm,
+    /// moe_wg.rs: MXFP4 decoded into wgmma A fragments (sm_90a; elsewhere as `Auto`), the
+    /// activations as `MoeAct` says (`K3_MOE_ACT`).
+    Wg(crate::moe_wg::MoeAct),
 }
 
 impl MoePrefill {
-    /// `K3_MOE_PREFILL`: `grouped`, `gemm` or `auto` (anything else, or unset: `auto`).
+    /// `K3_MOE_PREFILL`: `grouped`, `gemm`, `wg` (with `K3_MOE_ACT`) or `auto` (anything else,
+    /// or unset: `auto`).
     pub fn from_env() -> Self {
         match std::env::var("K3_MOE_PREFILL").as_deref() {
             Ok("grouped") => Self::Grouped,
             Ok("gemm") => Self::Gemm,
+            Ok("wg") => Self::Wg(crate::moe_wg::MoeAct::from_env()),
             _ => Self::Auto,
         }
     }
 
-    /// Whether a many-assignment step of `assignments` (tokens x top-k) takes the grouped path.
+    /// Whether a many-assignment step of `assignments` (tokens x top-k) takes the grouped path
+    /// (`Wg` asks here only where the wgmma kernels do not exist: then as `Auto`).
     pub fn grouped(self, assignments: usize) -> bool {
         match self {
-            Self::Auto => assignments < grouped_max(),
+            Self::Auto | Self::Wg(_) => assignments < grouped_max(),
             Self::Grouped => true,
             Self::Gemm => false,
         }
@@ -109,9 +115,9 @@ pub(crate) fn grouped_launch(
 /// moe_gemm.rs does: per-layer allocations of this size cost more than they should.
 #[derive(Default)]
 pub(crate) struct GroupedScratch {
-    zx: Option<CudaSlice<u16>>,
-    actx: Option<CudaSlice<u16>>,
-    y: Option<CudaSlice<f32>>,
+    pub(crate) zx: Option<CudaSlice<u16>>,
+    pub(crate) actx: Option<CudaSlice<u16>>,
+    pub(crate) y: Option<CudaSlice<f32>>,
 }
 
 impl CudaBackend {
@@ -195,7 +201,7 @@ impl CudaBackend {
     }
 
     /// `slot`, reallocated (uninitialised, 25% headroom) when shorter than `len`.
-    fn grow<'a, T: cudarc::driver::DeviceRepr>(
+    pub(crate) fn grow<'a, T: cudarc::driver::DeviceRepr>(
         &self,
         slot: &'a mut Option<CudaSlice<T>>,
         len: usize,

@@ -4,6 +4,12 @@
 //! so the step needs no sort by expert; the units (assignment, 16-row tile, part of the row) are
 //! split evenly over all warps of two blocks per SM, with the products on tensor cores (the
 //! kernel header has the layout).
+//!
+//! [`Stream2Variant::V2`] (kernels/mxfp4_stream.cu, `K3_MX_STREAM2=v2`): the same products with
+//! the weights streamed through a cp.async ring per warp (v1's register ring drains at every
+//! loop trip), one 512-thread block per SM, two 16-row sets per step (down: 32 rows per unit) and
+//! the combine folded into the down kernel (two launches instead of three). Widths must be
+//! multiples of 128 (K3's are); v1 runs the others.
 
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
@@ -22,6 +28,36 @@ pub const MX_STREAM2_MAX_COLS: usize = 124 * 32;
 const MX_STREAM2_MAX_PARTS: usize = 8;
 /// Steps per warp below which a smaller grid is taken.
 const MX_STREAM2_MIN_STEPS_PER_WARP: usize = 8;
+
+/// The v2 kernels (kernels/mxfp4_stream.cu): 16 warps per block, one block per SM; dynamic shared
+/// memory MXV_SHARED = the 64 KB table + 17 rings of 4 steps x 2,176 bytes (16 warps and the most
+/// that packing them around the 64 KB-aligned table can waste).
+const MX_STREAM2V2_THREADS: u32 = 512;
+const MX_STREAM2V2_WARPS: usize = 16;
+pub const MX_STREAM2V2_SHARED: usize = 65_536 + 17 * 4 * 2_176;
+
+/// The 1-token routed-expert kernels, from `K3_MX_STREAM2` at start-up (`v1` | `v2` | `v2-nopf`,
+/// default `v1` until timed on the H200); tests pin it with `CudaBackend::set_moe_stream2`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream2Variant {
+    /// kernels/mxfp4.cu: up, down, combine (register ring of weight loads).
+    V1,
+    /// kernels/mxfp4_stream.cu: up, down with the combine folded in (cp.async ring per warp);
+    /// `prefetch`: the weight copies ask L2 for the whole 256-byte block (one DRAM burst per 4
+    /// steps of a row instead of 64-byte pieces).
+    V2 { prefetch: bool },
+}
+
+impl Stream2Variant {
+    /// `K3_MX_STREAM2`: `v2`, `v2-nopf` or `v1` (anything else, or unset: `v1`).
+    pub fn from_env() -> Self {
+        match std::env::var("K3_MX_STREAM2").as_deref() {
+            Ok("v2") => Self::V2 { prefetch: true },
+            Ok("v2-nopf") => Self::V2 { prefetch: false },
+            _ => Self::V1,
+        }
+    }
+}
 
 /// Launch of one stream2 kernel: the grid and `parts`, the number of step ranges (of 128 columns)
 /// each row is cut into; every unit (assignment, 16-row tile, part) writes its own partial sums.
@@ -43,6 +79,12 @@ pub(crate) fn stream2_fits(latent: usize, inter: usize) -> bool {
         && fits(latent, inter)
         && geometry::check_mx_width(latent).is_ok()
         && geometry::check_mx_width(inter).is_ok()
+}
+
+/// Whether the v2 kernels take these widths: whole 128-column steps both ways (no padded blocks,
+/// 4-byte-aligned scale words) within v1's limits.
+pub(crate) fn stream2v2_fits(latent: usize, inter: usize) -> bool {
+    latent.is_multiple_of(128) && inter.is_multiple_of(128) && stream2_fits(latent, inter)
 }
 
 /// Grid and parts of the stream2 kernels for `assignments` x `rows` output rows of input width
@@ -82,7 +124,62 @@ pub fn mx_stream2_plan(
     })
 }
 
+/// Grid and parts of a v2 kernel (harness common.py mx_stream2v2_plan) for `assignments` x `rows`
+/// output rows of input width `cols`: `down` (32-row groups, runs of parts merged) or up (16-row
+/// tiles of W1 and W3). One block per SM (fewer: >= 8 steps per warp); parts minimising the
+/// busiest warp's units times their cost (up: 2 per step + 1 for the flush, as v1; down: 4 per
+/// step + 1, as consecutive parts of a warp merge into one run). K3, T = 1, 132 SMs: up 2 parts
+/// (busiest warp 42 steps, mean 40.7), down 8 (21 vs 20.4).
+pub fn mx_stream2v2_plan(
+    assignments: usize,
+    rows: usize,
+    cols: usize,
+    sms: usize,
+    down: bool,
+) -> Result<Stream2Plan> {
+    let group = if down { 32 } else { 16 };
+    if !cols.is_multiple_of(128) || !rows.is_multiple_of(group) || !fits(rows, cols) {
+        return Err(CudaError::Unsupported(format!(
+            "MXFP4 stream2 v2 kernels: expert matrix {rows} x {cols} (width a multiple of 128, <= {MX_STREAM2_MAX_COLS})"
+        )));
+    }
+    let (steps, groups) = (cols / 128, rows / group);
+    let want =
+        (assignments * groups * steps).div_ceil(MX_STREAM2V2_WARPS * MX_STREAM2_MIN_STEPS_PER_WARP);
+    let blocks = want.clamp(1, sms.max(1));
+    let warps = blocks * MX_STREAM2V2_WARPS;
+    let per_step = if down { 4 } else { 2 };
+    let parts = (1..=steps.min(MX_STREAM2_MAX_PARTS))
+        .min_by_key(|&p| {
+            (
+                (assignments * groups * p).div_ceil(warps) * (per_step * steps.div_ceil(p) + 1),
+                p,
+            )
+        })
+        .unwrap_or(1);
+    if assignments * groups * parts >= 1 << 31 {
+        return Err(CudaError::Unsupported(format!(
+            "MXFP4 stream2 v2 kernels: {assignments} assignments of {rows} rows (unit count past i32)"
+        )));
+    }
+    Ok(Stream2Plan {
+        launch: Launch::new((blocks, 1, 1), MX_STREAM2V2_THREADS)?
+            .with_opt_in_shared(MX_STREAM2V2_SHARED)?,
+        parts,
+    })
+}
+
 impl CudaBackend {
+    /// Choose the 1-token routed-expert kernels (default from `K3_MX_STREAM2`, see
+    /// [`Stream2Variant`]).
+    pub fn set_moe_stream2(&mut self, variant: Stream2Variant) {
+        self.moe_stream2 = variant;
+    }
+
+    pub fn moe_stream2(&self) -> Stream2Variant {
+        self.moe_stream2
+    }
+
     /// `act` = SiTU-GLU(W1 z, W3 z) and `y` = W2 act for every assignment (ids `idx` `[T·k]`),
     /// then the fixed-order combine with weights `w`. Assignments whose id is out of range are
     /// skipped, as the sort-based pairs do.
@@ -98,6 +195,11 @@ impl CudaBackend {
         k: usize,
         situ: SituParams,
     ) -> Result<DeviceMat> {
+        if let Stream2Variant::V2 { prefetch } = self.moe_stream2
+            && stream2v2_fits(ex.latent, ex.inter)
+        {
+            return self.moe_experts_stream2v2(z, idx, w, ex, k, situ, prefetch);
+        }
         let t = z.rows;
         let na = t * k;
         let up = mx_stream2_plan(na, ex.inter, ex.latent, self.multiprocessors)?;
@@ -124,6 +226,57 @@ impl CudaBackend {
         let tt = t as i32;
         launch!(self, "moe_combine_parts_f32", geometry::elementwise(t * ex.latent)?;
             &yp, idx, w, &out.buf, &tt, &kk, &lt, &e, &pd)?;
+        Ok(out)
+    }
+
+    /// The v2 pair: the up kernel writes gu's parts (as v1) and zeroes the down kernel's counters
+    /// and part masks (`sync`: [T, latent / 32] then [T·k, latent / 32]); the down kernel writes
+    /// run partials to `yp` and the warp that completes a (token, 32-row group) writes its `out`
+    /// rows (every element: no zeroing pass).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts_stream2v2(
+        &self,
+        z: &DeviceMat,
+        idx: &CudaSlice<i32>,
+        w: &CudaSlice<f32>,
+        ex: &DeviceExperts,
+        k: usize,
+        situ: SituParams,
+        prefetch: bool,
+    ) -> Result<DeviceMat> {
+        let t = z.rows;
+        let na = t * k;
+        let sms = self.multiprocessors;
+        let up = mx_stream2v2_plan(na, ex.inter, ex.latent, sms, false)?;
+        let down = mx_stream2v2_plan(na, ex.latent, ex.inter, sms, true)?;
+        let gu = self.uninit::<f32>(na * up.parts * 2 * ex.inter)?;
+        let yp = self.uninit::<f32>(na * down.parts * ex.latent)?;
+        let n_sync = (t + na) * (ex.latent / 32);
+        let sync = self.uninit::<i32>(n_sync)?;
+        let (kk, lt, ie, e, n) = (
+            k as i32,
+            ex.latent as i32,
+            ex.inter as i32,
+            ex.experts as i32,
+            crate::ops::i32_of(na, "assignments")?,
+        );
+        let (pu, pd, ns) = (
+            up.parts as i32,
+            down.parts as i32,
+            crate::ops::i32_of(n_sync, "stream2 v2 counters")?,
+        );
+        let flags = i32::from(prefetch);
+        let (lin, has) = (
+            situ.linear_beta.unwrap_or(1.0),
+            i32::from(situ.linear_beta.is_some()),
+        );
+        let out = self.output(t, ex.latent)?;
+        launch!(self, "mxfp4_up_stream2v2_f32", up.launch;
+            &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, idx, &gu, &sync, &ns, &kk, &lt, &ie, &e, &n,
+            &pu, &flags)?;
+        launch!(self, "mxfp4_down_stream2v2_f32", down.launch;
+            &gu, &ex.w2.0, &ex.w2.1, idx, w, &yp, &sync, &out.buf, &kk, &lt, &ie, &situ.beta, &lin, &has,
+            &e, &n, &pu, &pd, &flags)?;
         Ok(out)
     }
 }
@@ -165,6 +318,38 @@ mod tests {
         for name in ["mxfp4_up_stream2_f32", "mxfp4_down_stream2_f32"] {
             assert!(
                 geometry::OPT_IN_SHARED.contains(&(name, MX_STREAM_SHARED)),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn stream2v2_plan() {
+        // K3, T = 1, top-16 on 132 SMs (harness check_moe_stream2 replays the split): one
+        // 512-thread block per SM; up 2 parts of 14 steps, down 8 parts of 3 steps (runs merge).
+        let up = mx_stream2v2_plan(16, 3072, 3584, 132, false).unwrap();
+        assert_eq!(
+            (up.launch.grid, up.launch.block, up.launch.shared, up.parts),
+            ((132, 1, 1), 512, 213_504, 2)
+        );
+        let down = mx_stream2v2_plan(16, 3584, 3072, 132, true).unwrap();
+        assert_eq!((down.launch.grid, down.parts), ((132, 1, 1), 8));
+        // Small: one block; parts never above the steps per row.
+        let small = mx_stream2v2_plan(3, 256, 384, 132, true).unwrap();
+        assert_eq!(small.launch.grid, (1, 1, 1));
+        assert!(small.parts <= 3);
+        // Widths must be whole 128-column steps; rows whole groups.
+        assert!(mx_stream2v2_plan(16, 3072, 3968, 132, false).is_ok());
+        assert!(mx_stream2v2_plan(16, 96, 160, 132, false).is_err());
+        assert!(mx_stream2v2_plan(16, 48, 128, 132, true).is_err());
+        assert!(stream2v2_fits(3584, 3072) && stream2v2_fits(128, 256));
+        assert!(
+            !stream2v2_fits(160, 96) && !stream2v2_fits(544, 288) && !stream2v2_fits(4096, 3072)
+        );
+        const { assert!(MX_STREAM2V2_SHARED <= geometry::MAX_OPT_IN_SHARED) };
+        for name in ["mxfp4_up_stream2v2_f32", "mxfp4_down_stream2v2_f32"] {
+            assert!(
+                geometry::OPT_IN_SHARED.contains(&(name, MX_STREAM2V2_SHARED)),
                 "{name}"
             );
         }

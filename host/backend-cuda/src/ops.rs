@@ -44,11 +44,17 @@ macro_rules! launch {
 ///   (default: the stream2 pair for 1 token, moe_stream.rs; the tc2 pair from 2, and for experts
 ///   wider than stream2 takes), `stream2` (at every step size it takes) or `tc`
 ///   (`mx_experts_choice`).
+/// - `K3_MX_STREAM2` (which stream2 kernels): `v1` (default: kernels/mxfp4.cu), `v2`
+///   (kernels/mxfp4_stream.cu: cp.async rings, combine folded into the down kernel; widths that
+///   are multiples of 128, else v1) or `v2-nopf` (v2 without the L2 prefetch hint); read once
+///   into `CudaBackend::moe_stream2` (moe_stream.rs `Stream2Variant`).
 /// - `K3_MOE_PREFILL` (routed experts of steps with >= `K3_MOE_GEMM_MIN` assignments): `auto`
 ///   (default: the grouped MXFP4 GEMMs, moe_grouped.rs, below `K3_MOE_GROUPED_MAX` assignments,
-///   cuBLAS over expanded bf16 experts, moe_gemm.rs, from there), `grouped` or `gemm`; read once
-///   into `CudaBackend::moe_prefill`.
-/// - `K3_MLA_DECODE` (absorbed MLA attend): `bf16` (default) or `precise` ([`MlaDecodeMode`]).
+///   cuBLAS over expanded bf16 experts, moe_gemm.rs, from there), `grouped`, `gemm` or `wg` (the
+///   wgmma kernels of moe_wg.rs on sm_90a, elsewhere `auto`; activations per `K3_MOE_ACT`:
+///   `split` hi / lo bf16, the default, or `bf16`); read once into `CudaBackend::moe_prefill`.
+/// - `K3_MLA_DECODE` (absorbed MLA attend): `bf16` (default), `wg` (wgmma, sm_90a) or `precise`
+///   ([`MlaDecodeMode`]).
 /// - `K3_KDA_CHUNK` (prefill): `scan4` (default: the record pass `kda_chunk_rec3m_f32` + the
 ///   key-split scan, conv <= 4) or `f32` (the one-pass f32 kernels of kda_chunk.cu, which also
 ///   take conv > 4): `kda_scan`.
@@ -147,9 +153,9 @@ pub const TOPK_MAX: usize = 1024;
 /// Columns per block in the first top-k pass: a 163,840-wide row spreads over 40 SMs.
 const TOPK_SEGMENT: usize = 4096;
 
-/// Precision of the absorbed MLA decode attend (`mla_decode`), from `K3_MLA_DECODE` at start-up
-/// (`precise` | `bf16`, default `bf16`); tests pin it with `CudaBackend::set_mla_decode_mode`.
-/// Both write the same partials, merged by `mla_merge_f32`.
+/// Precision / kernel of the absorbed MLA decode attend (`mla_decode`), from `K3_MLA_DECODE` at
+/// start-up (`precise` | `bf16` | `wg`, default `bf16`); tests pin it with
+/// `CudaBackend::set_mla_decode_mode`. All write the same partials, merged by `mla_merge_f32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MlaDecodeMode {
     /// `mla_attend_tc2_f32`: 3xTF32, ~f32 accuracy (the CPU backend's results to ~1e-5).
@@ -159,13 +165,21 @@ pub enum MlaDecodeMode {
     /// cache at HBM speed. H200, K3, L = 32k: N = 1 84.0 us, N = 64 3.16 ms (precise: 479 us /
     /// 28.4 ms).
     Bf16,
+    /// `mla_attend_wg_f32` (kernels/mla_attend_wg.cu): the Bf16 rounding on Hopper wgmma (64-position
+    /// tiles, a producer warpgroup streaming the rows). sm_90a only: elsewhere `mla_decode` runs Bf16.
+    Wg,
 }
 
 impl MlaDecodeMode {
-    /// `K3_MLA_DECODE`: `precise` or `bf16` (anything else, or unset: `bf16`).
+    /// `K3_MLA_DECODE`: `precise`, `bf16` or `wg` (anything else, or unset: `bf16`).
     pub fn from_env() -> Self {
-        match std::env::var("K3_MLA_DECODE").as_deref() {
-            Ok("precise") => Self::Precise,
+        Self::parse(std::env::var("K3_MLA_DECODE").ok().as_deref())
+    }
+
+    fn parse(v: Option<&str>) -> Self {
+        match v {
+            Some("precise") => Self::Precise,
+            Some("wg") => Self::Wg,
             _ => Self::Bf16,
         }
     }
@@ -412,9 +426,12 @@ impl CudaBackend {
         let seg_ids = self.uninit::<i32>(rows * segments * k)?;
         let seg_vals = self.uninit::<f32>(rows * segments * k)?;
         let seg_count = self.uninit::<i32>(rows * segments)?;
-        let ids = self.uninit::<i32>(rows * k)?;
-        let vals = self.uninit::<f32>(rows * k)?;
-        let count = self.uninit::<i32>(rows)?;
+        // The merge writes ids, values (as f32 bits) and counts into one buffer, so the step
+        // reads back once: each read-back is a stream wait plus a copy.
+        let out = self.uninit::<i32>(rows * (2 * k + 1))?;
+        let ids = out.slice(0..rows * k);
+        let vals = out.slice(rows * k..2 * rows * k);
+        let count = out.slice(2 * rows * k..);
         let (r, v, kk, sl, sg) = (
             i32_of(rows, "rows")?,
             i32_of(logits.cols, "vocab")?,
@@ -426,16 +443,17 @@ impl CudaBackend {
             &logits.buf, &seg_ids, &seg_vals, &seg_count, &r, &v, &kk, &sl)?;
         launch!(self, "topk_merge_f32", geometry::per_row(rows, 1024)?;
             &logits.buf, &seg_ids, &seg_vals, &seg_count, &ids, &vals, &count, &r, &v, &kk, &sg)?;
-        let (ids, vals, count) = (
-            self.read_back("top-k ids", &ids)?,
-            self.read_back("top-k values", &vals)?,
-            self.read_back("top-k counts", &count)?,
-        );
+        let all = self.read_back("top-k candidates", &out)?;
+        let (ids, rest) = all.split_at(rows * k);
+        let (vals, count) = rest.split_at(rows * k);
         Ok((0..rows)
             .map(|row| {
                 let n = (count[row].max(0) as usize).min(k);
                 (0..n)
-                    .map(|i| (ids[row * k + i] as u32, vals[row * k + i]))
+                    .map(|i| {
+                        let at = row * k + i;
+                        (ids[at] as u32, f32::from_bits(vals[at] as u32))
+                    })
                     .collect()
             })
             .collect())
@@ -679,13 +697,19 @@ impl CudaBackend {
         // from each item's own length (chunk 0, mla.cu): the launch then changes only when the
         // bucket does, not every step (graph.rs replays a step only if its launches are equal).
         let max_len = lens.iter().copied().max().unwrap_or(1).next_power_of_two();
-        let mode = self.mla_decode_mode;
+        let mode = match self.mla_decode_mode {
+            MlaDecodeMode::Wg if !geometry::mla_wg_supported(&self.arch) => MlaDecodeMode::Bf16,
+            m => m,
+        };
         let splits = match mode {
             MlaDecodeMode::Precise => {
                 geometry::mla_splits_tc2(items, g.heads, max_len, self.multiprocessors).0
             }
             MlaDecodeMode::Bf16 => {
                 geometry::mla_splits_bf16(items, g.heads, max_len, self.multiprocessors)
+            }
+            MlaDecodeMode::Wg => {
+                geometry::mla_splits_wg(items, g.heads, max_len, self.multiprocessors)
             }
         };
         let chunk: i32 = 0;
@@ -747,6 +771,11 @@ impl CudaBackend {
                     &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale)?;
             }
+            MlaDecodeMode::Wg => {
+                launch!(self, "mla_attend_wg_f32", geometry::mla_attend_wg(&g, items, splits)?;
+                    &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
+                    &scale)?;
+            }
         }
         let lat = self.zeros(items * g.heads, g.kv_lora)?;
         launch!(self, "mla_merge_f32", geometry::mla_merge(&g, items)?;
@@ -791,6 +820,11 @@ impl CudaBackend {
         let (na, e) = (i32_of(t * k, "assignments")?, ex.experts as i32);
         launch!(self, "moe_sort_assignments", Launch::new((1, 1, 1), 1024)?; &idx, &na, &e, &offsets, &sorted)?;
         if many {
+            if let crate::moe_grouped::MoePrefill::Wg(act) = self.moe_prefill
+                && crate::moe_wg::wg_supported(&self.arch)
+            {
+                return self.moe_experts_wg(z, &idx, &w, ex, k, &offsets, &sorted, situ, act);
+            }
             return if self.moe_prefill.grouped(t * k) {
                 self.moe_experts_grouped(z, &idx, &w, ex, k, &offsets, &sorted, situ)
             } else {
@@ -834,6 +868,18 @@ mod tests {
         assert!(float_offset(18, 1, 100).is_err(), "unaligned");
         assert!(float_offset(16, 5, 8).is_err(), "past the end");
         assert!(float_offset(0, 8, 8).is_ok());
+    }
+
+    #[test]
+    fn mla_decode_mode_parse() {
+        assert_eq!(MlaDecodeMode::parse(Some("wg")), MlaDecodeMode::Wg);
+        assert_eq!(
+            MlaDecodeMode::parse(Some("precise")),
+            MlaDecodeMode::Precise
+        );
+        assert_eq!(MlaDecodeMode::parse(Some("bf16")), MlaDecodeMode::Bf16);
+        assert_eq!(MlaDecodeMode::parse(Some("WG")), MlaDecodeMode::Bf16);
+        assert_eq!(MlaDecodeMode::parse(None), MlaDecodeMode::Bf16);
     }
 
     #[test]

@@ -92,6 +92,11 @@ pub const FILES: &[KernelFile] = &[
         entries: &["mla_attend_bf16_f32"],
     },
     KernelFile {
+        name: "mla_attend_wg.cu",
+        text: include_str!("../../../kernels/mla_attend_wg.cu"),
+        entries: &["mla_attend_wg_f32"],
+    },
+    KernelFile {
         name: "mla_prefill.cu",
         text: include_str!("../../../kernels/mla_prefill.cu"),
         entries: &["mla_prefill_gather_f32", "mla_prefill_softmax_f32"],
@@ -127,6 +132,11 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "mxfp4_stream.cu",
+        text: include_str!("../../../kernels/mxfp4_stream.cu"),
+        entries: &["mxfp4_up_stream2v2_f32", "mxfp4_down_stream2v2_f32"],
+    },
+    KernelFile {
         name: "mxfp4_tc.cu",
         text: include_str!("../../../kernels/mxfp4_tc.cu"),
         entries: &[
@@ -134,6 +144,11 @@ pub const FILES: &[KernelFile] = &[
             "mxfp4_up_tc2_f32",
             "mxfp4_down_tc2_f32",
         ],
+    },
+    KernelFile {
+        name: "mxfp4_wg.cu",
+        text: include_str!("../../../kernels/mxfp4_wg.cu"),
+        entries: &["mxfp4_wg_split_f32", "mxfp4_up_wg_f32", "mxfp4_down_wg_f32"],
     },
     KernelFile {
         name: "norm.cu",

@@ -9,7 +9,7 @@
 //! models/, else the crate's source location).
 
 use k3_backend_cpu::CpuBackend;
-use k3_backend_cuda::{CudaBackend, MlaDecodeMode, MoePrefill};
+use k3_backend_cuda::{CudaBackend, MlaDecodeMode, MoeAct, MoePrefill, Stream2Variant};
 use k3_model::backend::{
     Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
     MxMatrixHost, RouterParams, SituParams,
@@ -153,6 +153,9 @@ const TOL_MLA_BF16: f64 = 2e-2;
 /// bf16 weights: the activation enters the tensor-core GEMM as two bf16 halves (~16 of its 24
 /// mantissa bits), so one more digit than f32 SGEMM is given up.
 const TOL_BF16_GEMM: f64 = 5e-5;
+/// Routed experts with bf16 activations (`K3_MOE_ACT=bf16`: z and the SiTU-GLU intermediate
+/// rounded to bf16 once, 2^-9 relative each): ~3e-3 expected, as TOL_MLA_BF16.
+const TOL_MOE_BF16: f64 = 2e-2;
 
 /// `x` rounded to the nearest bf16 value (ties to even): weights of a bf16 checkpoint, which the
 /// CUDA backend stores as bf16.
@@ -571,8 +574,12 @@ fn ops_match_cpu() {
 
 /// moe_routed's cuBLAS path (moe_gemm.rs, `K3_MOE_PREFILL=gemm`; `auto` from K3_MOE_GROUPED_MAX
 /// assignments) at the sizes of `ops_match_cpu`'s T = 1100 case (4400 assignments >=
-/// K3_MOE_GEMM_MIN), and the grouped one at T = 2048 (tiles of up to 64 tokens: full, partial, one
-/// per expert and several).
+/// K3_MOE_GEMM_MIN), the grouped one at T = 2048 (tiles of up to 64 tokens: full, partial, one
+/// per expert and several), and the wgmma one (moe_wg.rs, `K3_MOE_PREFILL=wg`; sm_90a, elsewhere
+/// it falls back to `auto`) at T = 1100 (~137 assignments per expert: a tile of 128 and one of
+/// N = 32) and 2048 with hi / lo activations, at 2048 with bf16 ones (`K3_MOE_ACT=bf16`,
+/// TOL_MOE_BF16), and at 2048 once more for bitwise run-to-run equality. The weights' E8M0 scales
+/// (123..129) include 129, past the one-factor decode.
 #[test]
 fn moe_gemm_path_matches_cpu() {
     let Some(mut gpu) = cuda() else { return };
@@ -582,16 +589,37 @@ fn moe_gemm_path_matches_cpu() {
         tag: "",
         failed: Vec::new(),
     };
-    for (choice, tokens, name) in [
+    let wg = MoePrefill::Wg(MoeAct::Split);
+    for (choice, tokens, name, tol) in [
         (
             MoePrefill::Gemm,
             1100,
             "moe_routed(T=1100, cuBLAS bf16 split GEMMs)",
+            TOL_FUSED,
         ),
         (
             MoePrefill::Grouped,
             2048,
             "moe_routed(T=2048, grouped MXFP4 GEMMs)",
+            TOL_FUSED,
+        ),
+        (
+            wg,
+            1100,
+            "moe_routed(T=1100, wgmma MXFP4 GEMMs, hi/lo activations)",
+            TOL_FUSED,
+        ),
+        (
+            wg,
+            2048,
+            "moe_routed(T=2048, wgmma MXFP4 GEMMs, hi/lo activations)",
+            TOL_FUSED,
+        ),
+        (
+            MoePrefill::Wg(MoeAct::Bf16),
+            2048,
+            "moe_routed(T=2048, wgmma MXFP4 GEMMs, bf16 activations)",
+            TOL_MOE_BF16,
         ),
     ] {
         gpu.set_moe_prefill(choice);
@@ -600,8 +628,64 @@ fn moe_gemm_path_matches_cpu() {
             name,
             &moe(&gpu, &mut rg, tokens),
             &moe(&cpu, &mut rc, tokens),
+            tol,
+        );
+    }
+    gpu.set_moe_prefill(wg);
+    let (mut r1, mut r2) = (Rng(seed ^ 3), Rng(seed ^ 3));
+    let (a, b) = (moe(&gpu, &mut r1, 2048), moe(&gpu, &mut r2, 2048));
+    let same = a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+    t.check(
+        "moe_routed(T=2048, wgmma, run twice: bitwise equal)",
+        &[if same { 0.0 } else { 1.0 }],
+        &[1.0],
+        0.0,
+    );
+    let recorded = gpu.take_error();
+    assert!(recorded.is_none(), "backend recorded: {recorded:?}");
+    t.finish();
+}
+
+/// moe_routed at T = 1 through each 1-token kernel set (moe_stream.rs, `K3_MX_STREAM2`): v1
+/// (kernels/mxfp4.cu: up, down, combine) and v2 (kernels/mxfp4_stream.cu: cp.async rings, the
+/// combine folded into the down kernel; with and without the L2 prefetch hint), each against the
+/// CPU; v2 twice more, for bitwise run-to-run equality (its combine sums in a fixed order).
+#[test]
+fn moe_stream2_variants_match_cpu() {
+    let Some(mut gpu) = cuda() else { return };
+    let cpu = CpuBackend::new();
+    let seed = Rng::new("moe_stream2_variants_match_cpu").0;
+    let mut t = Table {
+        tag: "",
+        failed: Vec::new(),
+    };
+    let want = moe(&cpu, &mut Rng(seed), 1);
+    for (variant, name) in [
+        (Stream2Variant::V1, "v1"),
+        (Stream2Variant::V2 { prefetch: true }, "v2"),
+        (Stream2Variant::V2 { prefetch: false }, "v2-nopf"),
+    ] {
+        gpu.set_moe_stream2(variant);
+        let got = moe(&gpu, &mut Rng(seed), 1);
+        t.check(
+            &format!("moe_routed(T=1, stream2 {name})"),
+            &got,
+            &want,
             TOL_FUSED,
         );
+        if variant != Stream2Variant::V1 {
+            for _ in 0..2 {
+                let again = moe(&gpu, &mut Rng(seed), 1);
+                let same = again
+                    .iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                println!("op=moe_routed(T=1, stream2 {name}) rerun bitwise-equal={same}");
+                if !same {
+                    t.failed.push(format!("stream2 {name}: rerun differs"));
+                }
+            }
+        }
     }
     let recorded = gpu.take_error();
     assert!(recorded.is_none(), "backend recorded: {recorded:?}");
@@ -613,10 +697,21 @@ fn moe_gemm_path_matches_cpu() {
 /// chunks and batched decode differ from the CPU by bf16 rounding (TOL_MLA_BF16).
 #[test]
 fn mla_bf16_matches_cpu() {
+    mla_mode_matches_cpu(MlaDecodeMode::Bf16, "mla_bf16_matches_cpu", "bf16");
+}
+
+/// The same with the wgmma attend (kernels/mla_attend_wg.cu, `K3_MLA_DECODE=wg`): the bf16
+/// rounding on 64-position tiles, so the same tolerance (off sm_90a `mla_decode` runs Bf16).
+#[test]
+fn mla_wg_matches_cpu() {
+    mla_mode_matches_cpu(MlaDecodeMode::Wg, "mla_wg_matches_cpu", "wg");
+}
+
+fn mla_mode_matches_cpu(mode: MlaDecodeMode, test: &str, tag: &str) {
     let Some(mut gpu) = cuda() else { return };
-    gpu.set_mla_decode_mode(MlaDecodeMode::Bf16);
+    gpu.set_mla_decode_mode(mode);
     let cpu = CpuBackend::new();
-    let seed = Rng::new("mla_bf16_matches_cpu").0;
+    let seed = Rng::new(test).0;
     let mut t = Table {
         tag: "",
         failed: Vec::new(),
@@ -637,7 +732,7 @@ fn mla_bf16_matches_cpu() {
         );
         for (i, name) in names.iter().enumerate().take(oc.len()) {
             t.check(
-                &format!("mla bf16 {label} {name}"),
+                &format!("mla {tag} {label} {name}"),
                 &og[i],
                 &oc[i],
                 TOL_MLA_BF16,
@@ -651,7 +746,7 @@ fn mla_bf16_matches_cpu() {
     );
     for (i, name) in MLA_PATH_STEPS.iter().enumerate() {
         t.check(
-            &format!("mla bf16 paths {name}"),
+            &format!("mla {tag} paths {name}"),
             &og[i],
             &oc[i],
             TOL_MLA_BF16,
