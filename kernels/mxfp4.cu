@@ -11,8 +11,9 @@
 // mx_experts_choice picks. H200, K3 sizes, top-16, T = 1 (with combine): stream2 141.1 us (47% of
 // the weight-traffic floor); the CUDA-core pairs it replaced, a no-sort stream pair (163.7 us) and
 // a staged gemv pair (182.1 us), and tc2 at one token (200.4 us) all lost; the two were deleted.
-// Candidate (K3_MX_STREAM2=v2, kernels/mxfp4_stream.cu): the same products with the weights
-// streamed through per-warp cp.async rings and the combine folded into the down kernel.
+// The default one-token path is now stream2 v2 (kernels/mxfp4_stream.cu: per-warp cp.async rings,
+// combine folded into the down kernel; 121.4 us, 54 %); this v1 pair runs widths that are not
+// multiples of 128 and `K3_MX_STREAM2=v1`.
 #include "mxfp4_mma.cuh"
 
 

@@ -10,7 +10,8 @@
 // up 2, down 4) starts by waiting for *all* loads in flight, including those issued just before:
 // the ring drains once per trip, and a warp has about one step of loads in flight. Here:
 // - Weights go through a per-warp ring of MXV_STAGES steps in shared memory, filled by cp.async
-//   (16-byte copies, optional L2::256B prefetch: one DRAM burst per 4 steps of a row) and waited
+//   (16-byte copies with the L2::256B prefetch hint: one DRAM burst per 4 steps of a row; without
+//   it the pair took 152 us instead of 121 on the H200) and waited
 //   by group count (cp.async.wait_group: only the oldest step), so 3 steps (6 KB per warp, 96 KB
 //   per SM) stay in flight across unit boundaries. A lane copies exactly the 16 bytes it later
 //   reads (its MX block of rows g and g + 8), so the weights need no barrier; the step's scales
@@ -61,11 +62,8 @@ __device__ __forceinline__ u32 mxv_lds8(u32 a) {
 __device__ __forceinline__ void mxv_sts128(u32 a, uint4 v) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
-__device__ __forceinline__ void mxv_cp16(u32 dst, const void* src, bool prefetch) {
-    if (prefetch)
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-    else
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+__device__ __forceinline__ void mxv_cp16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void mxv_cp4(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
@@ -143,13 +141,12 @@ __device__ __forceinline__ void mxv_stage(u32 tab, int cols, int slot, Val8 val8
 template <int NM, bool MERGE, typename Stage, typename Emit>
 __device__ __forceinline__ void mxv_drive(const u8* const (&wp)[NM], const u8* const (&ws)[NM],
                                           const int* __restrict__ idx, int experts, int n_assign, int rows, int cols,
-                                          int parts, int flags, Stage stage, Emit emit) {
+                                          int parts, Stage stage, Emit emit) {
     constexpr int RT = 2 / NM;  // 16-row tiles per group
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int nb = cols / 32, ns = nb / 4, groups = rows / (16 * RT);
     // Host-checked (moe_stream.rs stream2v2_fits / plan); an empty part would never end.
     if (cols % 128 != 0 || nb > MXV_MAX_BLOCKS || rows % (16 * RT) != 0 || parts < 1 || parts > ns) return;
-    const bool prefetch = flags & 1;
     const int per_a = groups * parts;
     const i64 n = (i64)n_assign * per_a;  // < 2^31 (host-checked)
     const i64 nw = (i64)gridDim.x * MXV_WARPS, w0 = (i64)blockIdx.x * MXV_WARPS;
@@ -188,7 +185,7 @@ __device__ __forceinline__ void mxv_drive(const u8* const (&wp)[NM], const u8* c
             for (int r = 0; r < 2; ++r)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    mxv_cp16(st + (u32)(r * MXV_SET + h * 512) + own, lsrc[r][h], prefetch);
+                    mxv_cp16(st + (u32)(r * MXV_SET + h * 512) + own, lsrc[r][h]);
                     lsrc[r][h] += 64;
                 }
             mxv_cp4(st + sword, lscale);
@@ -356,12 +353,12 @@ __device__ __forceinline__ void mxv_drive(const u8* const (&wp)[NM], const u8* c
 // gu[a, p, 0 | 1, r] = part p of W1_e[r] . z_t | W3_e[r] . z_t for every assignment a < n_assign
 // with e = idx[a] in [0, experts), t = a / top_k (others: rows left as they are), as v1. Also
 // zeroes sync[0 .. n_sync) (the down kernel's counters and masks). latent, inter: multiples of 128,
-// latent <= 3968. flags bit 0: L2::256B prefetch on the weight copies.
+// latent <= 3968.
 extern "C" __global__ void __launch_bounds__(512, 1)
 mxfp4_up_stream2v2_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
                        const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ idx,
                        float* __restrict__ gu, int* __restrict__ sync, int n_sync, int top_k, int latent, int inter,
-                       int experts, int n_assign, int parts, int flags) {
+                       int experts, int n_assign, int parts) {
     if (blockIdx.x == 0)
         for (int i = threadIdx.x; i < n_sync; i += blockDim.x) sync[i] = 0;
     const u8* wp[2] = {w1p, w3p};
@@ -376,7 +373,7 @@ mxfp4_up_stream2v2_f32(const float* __restrict__ z, const u8* __restrict__ w1p, 
     auto emit = [&](int a, int, int p, int, int m, int r, float v, bool ok) {
         if (ok) gu[(((i64)a * parts + p) * 2 + m) * inter + r] = v;
     };
-    mxv_drive<2, false>(wp, ws, idx, experts, n_assign, inter, latent, parts, flags, stage, emit);
+    mxv_drive<2, false>(wp, ws, idx, experts, n_assign, inter, latent, parts, stage, emit);
 }
 
 // Grid from mx_stream2v2_plan, 512 threads, MXV_SHARED: out [n_assign / top_k, latent] = sum over
@@ -388,8 +385,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
 mxfp4_down_stream2v2_f32(const float* __restrict__ gu, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
                          const int* __restrict__ idx, const float* __restrict__ w, float* __restrict__ yp,
                          int* __restrict__ sync, float* __restrict__ out, int top_k, int latent, int inter,
-                         float beta, float beta_lin, int has_lin, int experts, int n_assign, int parts_up, int parts,
-                         int flags) {
+                         float beta, float beta_lin, int has_lin, int experts, int n_assign, int parts_up, int parts) {
     const u8* wp[1] = {w2p};
     const u8* ws[1] = {w2s};
     const int groups = latent / 32, lane = threadIdx.x & 31;
@@ -465,5 +461,5 @@ mxfp4_down_stream2v2_f32(const float* __restrict__ gu, const u8* __restrict__ w2
         }
         out[(i64)tok * latent + row] = o;
     };
-    mxv_drive<1, true>(wp, ws, idx, experts, n_assign, latent, inter, parts, flags, stage, emit);
+    mxv_drive<1, true>(wp, ws, idx, experts, n_assign, latent, inter, parts, stage, emit);
 }

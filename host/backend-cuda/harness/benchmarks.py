@@ -823,9 +823,8 @@ def bench_moe_stream2(d: Device, record):
 
 
 def bench_moe_stream2v2(d: Device, record, V, w6, ref_v1, v1_ms, up_floor, down_floor, E, k, lt, ie, T):
-    """The stream2 v2 pair (K3_MX_STREAM2=v2 | v2-nopf: cp.async rings, the combine folded into
-    the down kernel) on bench_moe_stream2's buffers, with and without the L2 prefetch hint, each
-    result compared with v1's (both hi + lo bf16: they differ by summation order only); then each
+    """The stream2 v2 pair (the default: cp.async rings, the combine folded into the down kernel)
+    on bench_moe_stream2's buffers, compared with v1's (both hi + lo bf16: they differ by summation order only); then each
     kernel alone. "down alone" zeroes the 2 KB of counters first (the up kernel does it in the
     pair), so it includes one small memset."""
     na = T * k
@@ -835,12 +834,11 @@ def bench_moe_stream2v2(d: Device, record, V, w6, ref_v1, v1_ms, up_floor, down_
     sync = torch.empty(nsy, dtype=torch.int32, device="cuda")
     res = torch.empty(T, lt, device="cuda")
     W = {n: d.view(x) for n, x in (("gu", gu), ("yp", yp), ("sync", sync), ("res", res))}
-    for pf in (True, False):
-        tag = "stream2v2" + ("" if pf else " no-prefetch")
+    for tag in ("stream2v2",):
 
-        def s3(what=("up", "down"), pf=pf):
+        def s3(what=("up", "down")):
             run_mx_stream2v2(d, V["z"], w6, V["idx"], W["gu"], W["yp"], W["sync"], V["wts"], W["res"], T, k, lt,
-                             ie, E, prefetch=pf, what=what)
+                             ie, E, what=what)
         try:
             s3()
             d.sync()

@@ -226,7 +226,7 @@ def mx_stream2v2_scratch(t: int, k: int, lt: int, ie: int, parts=None) -> tuple[
 
 
 def run_mx_stream2v2(d: Device, z, w, idx, gu, yp, sync, wts, out, t, k, lt, ie, e, situ=(4.0, 25.0, 1),
-                     grid=None, parts=None, prefetch=True, what=("up", "down")):
+                     grid=None, parts=None, what=("up", "down")):
     """moe_stream.rs moe_experts_stream2v2's launches (views; w = (w1p, w1s, w3p, w3s, w2p, w2s)).
     `grid` / `parts` = (up, down) overrides (any values are valid: the checks move unit bounds).
     The up kernel zeroes `sync`; "down" alone needs it zeroed by the caller."""
@@ -236,10 +236,10 @@ def run_mx_stream2v2(d: Device, z, w, idx, gu, yp, sync, wts, out, t, k, lt, ie,
     pup, pdn = parts or (pup, pdn)
     if "up" in what:
         d.launch("mxfp4_up_stream2v2_f32", gup, 512, z, *w[:4], idx, gu, sync, (t + na) * (lt // 32), k, lt, ie,
-                 e, na, pup, int(prefetch), shared_mem=MX_STREAM2V2_SHARED)
+                 e, na, pup, shared_mem=MX_STREAM2V2_SHARED)
     if "down" in what:
         d.launch("mxfp4_down_stream2v2_f32", gdn, 512, gu, *w[4:], idx, wts, yp, sync, out, k, lt, ie, *situ, e,
-                 na, pup, pdn, int(prefetch), shared_mem=MX_STREAM2V2_SHARED)
+                 na, pup, pdn, shared_mem=MX_STREAM2V2_SHARED)
 
 
 # Dense bf16-weight decode products (kernels/bf16.cu gemv_bf16_tc_f32; backend_impl.rs gemv_tc_plan):

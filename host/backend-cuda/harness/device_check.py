@@ -985,7 +985,7 @@ def check_moe_stream2v2(d: Device, r: Results, gen):
     (256 x 384, 384 x 128, 128 x 256 as tests/device.rs), T = 1 and 3 (an out-of-range id), the
     planned grid and odd grids / part counts (1 block: several staging rounds; 7 and 3 blocks:
     warps that start mid-row, so runs of parts cut at warp bounds and several partials per row),
-    with and without the L2 prefetch hint; every case twice, bitwise equal (fixed combine order)."""
+    every case twice, bitwise equal (fixed combine order)."""
     for na, rows, cols, down in ((16, 3072, 3584, False), (16, 3584, 3072, True)):
         grid, parts = mx_stream2v2_plan(na, rows, cols, down)
         ns, groups = cols // 128, rows // (32 if down else 16)
@@ -1017,8 +1017,8 @@ def check_moe_stream2v2(d: Device, r: Results, gen):
             na = t * k
             ids = dev(idx.int().reshape(-1))
             nsu, nsd = lt // 128, ie // 128  # steps per row: the most parts
-            for grid, parts, pf in ((None, None, True), (None, None, False), ((1, 1), (nsu, 1), True),
-                                    ((7, 7), (1, nsd), True), ((3, 2), (min(2, nsu), min(2, nsd)), False)):
+            for grid, parts in ((None, None), ((1, 1), (nsu, 1)), ((7, 7), (1, nsd)),
+                                ((3, 2), (min(2, nsu), min(2, nsd)))):
                 ngu, nyp, nsy = mx_stream2v2_scratch(t, k, lt, ie, parts)
                 gu = torch.full((ngu,), float("nan"), device=d.tdev)  # unwritten parts would show
                 yp = torch.full((nyp,), float("nan"), device=d.tdev)
@@ -1028,12 +1028,12 @@ def check_moe_stream2v2(d: Device, r: Results, gen):
                     res = torch.full((t, lt), float("nan"), device=d.tdev)  # every element is written
                     run_mx_stream2v2(d, d.view(dev(z.float())), wv, d.view(ids), d.view(gu), d.view(yp),
                                      d.view(sync), d.view(dev(wts.float().reshape(-1))), d.view(res), t, k, lt, ie,
-                                     e, grid=grid, parts=parts, prefetch=pf)
+                                     e, grid=grid, parts=parts)
                     d.sync()
                     outs.append(res.cpu())
                 g = grid or (mx_stream2v2_plan(na, ie, lt, False)[0], mx_stream2v2_plan(na, lt, ie, True)[0])
                 p = parts or (mx_stream2v2_plan(na, ie, lt, False)[1], mx_stream2v2_plan(na, lt, ie, True)[1])
-                tag = f"T={t} {lt}x{ie} grid={g[0]}/{g[1]} parts={p[0]}/{p[1]}{'' if pf else ' no-prefetch'}"
+                tag = f"T={t} {lt}x{ie} grid={g[0]}/{g[1]} parts={p[0]}/{p[1]}"
                 # hi + lo bf16 activations (~16 bits) as v1 (check_moe_stream2's 2e-5).
                 r.check(f"moe routed stream2v2 {tag} (up+down, combine folded)", rel_err(outs[0], ref), 2e-5)
                 r.exact(f"moe routed stream2v2 {tag}: rerun bitwise equal", torch.equal(outs[0], outs[1]))

@@ -361,14 +361,14 @@ def _emu_combine_parts(yp, idx, w, out, t, k, lt, e, parts):
     out.reshape(-1)[:t * lt] = torch.einsum("tk,tkl->tl", wv, y).float().numpy().reshape(-1)
 
 
-def _emu_moe_up_stream2v2(z, w1p, w1s, w3p, w3s, idx, gu, sync, n_sync, top_k, lt, ie, e, n, parts, flags):
+def _emu_moe_up_stream2v2(z, w1p, w1s, w3p, w3s, idx, gu, sync, n_sync, top_k, lt, ie, e, n, parts):
     """mxfp4_up_stream2v2_f32: v1's gu (same parts), and the down kernel's counters / masks zeroed."""
     sync.reshape(-1)[:int(n_sync)] = 0
     _emu_moe_up_stream2(z, w1p, w1s, w3p, w3s, idx, gu, top_k, lt, ie, e, n, parts)
 
 
 def _emu_moe_down_stream2v2(gu, w2p, w2s, idx, w, yp, sync, out, top_k, lt, ie, beta, beta_lin, has_lin, e, n,
-                            parts_up, parts, flags):
+                            parts_up, parts):
     """mxfp4_down_stream2v2_f32: out[t] = sum over valid slots j of w * W2_e (hi + lo of act); the run
     partials in yp and the counters are the kernel's business (only out is read back)."""
     t, k, lt = int(n) // int(top_k), int(top_k), int(lt)

@@ -1,15 +1,15 @@
-//! Routed experts of 1-token decode steps: the stream2 pair of kernels/mxfp4.cu
-//! (`mxfp4_up_stream2_f32`, `mxfp4_down_stream2_f32`, `moe_combine_parts_f32`; ops.rs
-//! `mx_experts_choice`). Each assignment (token, slot) is taken straight from the router's ids,
-//! so the step needs no sort by expert; the units (assignment, 16-row tile, part of the row) are
-//! split evenly over all warps of two blocks per SM, with the products on tensor cores (the
-//! kernel header has the layout).
+//! Routed experts of 1-token decode steps (ops.rs `mx_experts_choice`). Each assignment (token,
+//! slot) is taken straight from the router's ids, so the step needs no sort by expert; the units
+//! (assignment, row tile, part of the row) are split evenly over all warps, with the products on
+//! tensor cores (the kernel headers have the layout).
 //!
-//! [`Stream2Variant::V2`] (kernels/mxfp4_stream.cu, `K3_MX_STREAM2=v2`): the same products with
-//! the weights streamed through a cp.async ring per warp (v1's register ring drains at every
-//! loop trip), one 512-thread block per SM, two 16-row sets per step (down: 32 rows per unit) and
-//! the combine folded into the down kernel (two launches instead of three). Widths must be
-//! multiples of 128 (K3's are); v1 runs the others.
+//! [`Stream2Variant::V2`] (the default; kernels/mxfp4_stream.cu): the weights streamed through a
+//! cp.async ring per warp, one 512-thread block per SM, two 16-row sets per step (down: 32 rows
+//! per unit) and the combine folded into the down kernel (two launches). Widths must be multiples
+//! of 128 (K3's are). [`Stream2Variant::V1`] (kernels/mxfp4.cu: `mxfp4_up_stream2_f32`,
+//! `mxfp4_down_stream2_f32`, `moe_combine_parts_f32`) runs the other widths: a register ring of
+//! loads, two 256-thread blocks per SM and a separate combine. H200, K3, top-16, T = 1: v2
+//! 121.4 us (54 % of the weight-traffic floor), v1 140.8 us (47 %).
 
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
@@ -36,25 +36,23 @@ const MX_STREAM2V2_THREADS: u32 = 512;
 const MX_STREAM2V2_WARPS: usize = 16;
 pub const MX_STREAM2V2_SHARED: usize = 65_536 + 17 * 4 * 2_176;
 
-/// The 1-token routed-expert kernels, from `K3_MX_STREAM2` at start-up (`v1` | `v2` | `v2-nopf`,
-/// default `v1` until timed on the H200); tests pin it with `CudaBackend::set_moe_stream2`.
+/// The 1-token routed-expert kernels, from `K3_MX_STREAM2` at start-up (`v2`, the default, or
+/// `v1`); tests pin it with `CudaBackend::set_moe_stream2`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stream2Variant {
     /// kernels/mxfp4.cu: up, down, combine (register ring of weight loads).
     V1,
     /// kernels/mxfp4_stream.cu: up, down with the combine folded in (cp.async ring per warp);
-    /// `prefetch`: the weight copies ask L2 for the whole 256-byte block (one DRAM burst per 4
-    /// steps of a row instead of 64-byte pieces).
-    V2 { prefetch: bool },
+    /// widths that are not multiples of 128 fall back to V1.
+    V2,
 }
 
 impl Stream2Variant {
-    /// `K3_MX_STREAM2`: `v2`, `v2-nopf` or `v1` (anything else, or unset: `v1`).
+    /// `K3_MX_STREAM2`: `v1` (anything else, or unset: `v2`).
     pub fn from_env() -> Self {
         match std::env::var("K3_MX_STREAM2").as_deref() {
-            Ok("v2") => Self::V2 { prefetch: true },
-            Ok("v2-nopf") => Self::V2 { prefetch: false },
-            _ => Self::V1,
+            Ok("v1") => Self::V1,
+            _ => Self::V2,
         }
     }
 }
@@ -195,10 +193,8 @@ impl CudaBackend {
         k: usize,
         situ: SituParams,
     ) -> Result<DeviceMat> {
-        if let Stream2Variant::V2 { prefetch } = self.moe_stream2
-            && stream2v2_fits(ex.latent, ex.inter)
-        {
-            return self.moe_experts_stream2v2(z, idx, w, ex, k, situ, prefetch);
+        if self.moe_stream2 == Stream2Variant::V2 && stream2v2_fits(ex.latent, ex.inter) {
+            return self.moe_experts_stream2v2(z, idx, w, ex, k, situ);
         }
         let t = z.rows;
         let na = t * k;
@@ -242,7 +238,6 @@ impl CudaBackend {
         ex: &DeviceExperts,
         k: usize,
         situ: SituParams,
-        prefetch: bool,
     ) -> Result<DeviceMat> {
         let t = z.rows;
         let na = t * k;
@@ -265,7 +260,6 @@ impl CudaBackend {
             down.parts as i32,
             crate::ops::i32_of(n_sync, "stream2 v2 counters")?,
         );
-        let flags = i32::from(prefetch);
         let (lin, has) = (
             situ.linear_beta.unwrap_or(1.0),
             i32::from(situ.linear_beta.is_some()),
@@ -273,10 +267,10 @@ impl CudaBackend {
         let out = self.output(t, ex.latent)?;
         launch!(self, "mxfp4_up_stream2v2_f32", up.launch;
             &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, idx, &gu, &sync, &ns, &kk, &lt, &ie, &e, &n,
-            &pu, &flags)?;
+            &pu)?;
         launch!(self, "mxfp4_down_stream2v2_f32", down.launch;
             &gu, &ex.w2.0, &ex.w2.1, idx, w, &yp, &sync, &out.buf, &kk, &lt, &ie, &situ.beta, &lin, &has,
-            &e, &n, &pu, &pd, &flags)?;
+            &e, &n, &pu, &pd)?;
         Ok(out)
     }
 }

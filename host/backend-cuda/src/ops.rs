@@ -44,10 +44,10 @@ macro_rules! launch {
 ///   (default: the stream2 pair for 1 token, moe_stream.rs; the tc2 pair from 2, and for experts
 ///   wider than stream2 takes), `stream2` (at every step size it takes) or `tc`
 ///   (`mx_experts_choice`).
-/// - `K3_MX_STREAM2` (which stream2 kernels): `v1` (default: kernels/mxfp4.cu), `v2`
-///   (kernels/mxfp4_stream.cu: cp.async rings, combine folded into the down kernel; widths that
-///   are multiples of 128, else v1) or `v2-nopf` (v2 without the L2 prefetch hint); read once
-///   into `CudaBackend::moe_stream2` (moe_stream.rs `Stream2Variant`).
+/// - `K3_MX_STREAM2` (which stream2 kernels): `v2` (default: kernels/mxfp4_stream.cu, cp.async
+///   rings, combine folded into the down kernel; widths that are multiples of 128, else v1) or
+///   `v1` (kernels/mxfp4.cu); read once into `CudaBackend::moe_stream2` (moe_stream.rs
+///   `Stream2Variant`).
 /// - `K3_MOE_PREFILL` (routed experts of steps with >= `K3_MOE_GEMM_MIN` assignments): `auto`
 ///   (default: the grouped MXFP4 GEMMs, moe_grouped.rs, below `K3_MOE_GROUPED_MAX` assignments,
 ///   cuBLAS over expanded bf16 experts, moe_gemm.rs, from there), `grouped`, `gemm` or `wg` (the
