@@ -30,13 +30,34 @@
 //   tile and float4 columns c16 + 16 k (k = 0..8 = the 9 slabs of 64 features): per position 16
 //   lanes read 256 contiguous bytes (full sectors) and store one whole 128-byte slab row (no bank
 //   conflicts). Batches of MLW_NB = 3 positions: 27 float4 = 55 KB per SM in registers in flight;
-//   page starts of the next batch are loaded one batch ahead. With MLW_PREFETCH, each row of the
-//   next tile is also prefetched into L2 by one cp.async.bulk.prefetch (2304 B, no registers), so
-//   ~147 KB of HBM reads are in flight per SM and the register loads see L2 latency.
+//   page starts of the next batch are loaded one batch ahead.
+// - No L2 prefetch. A first version also prefetched each row of the next tile into L2
+//   (cp.async.bulk.prefetch.L2, one lane per row): slower everywhere on the H200 (K3, 96 heads,
+//   attend + merge: N = 1 L = 32k 75.2 us vs 58.6 without; N = 16 1030 vs 720; N = 64 4142 vs
+//   2801; N = 1 L = 8k 28.5 vs 24.0; N = 64 L = 4k 548 vs 399; bf16 kernel: 77.7, 785, 2986,
+//   44.2, 450), likely because the prefetch needs the page start, a dependent global load that
+//   stalled the whole producer warp once per batch.
 // - The consumers stage Q^T (7 chunks per thread per round, loads first) while the producer fetches
 //   tile 0; at the end o~^T goes through the idle ring to whole-row float2 stores of the partials.
-// - No setmaxnreg: 384 x 168 registers fit all roles (ptxas: 166, no spills), and the producer's
-//   27 float4 + the L2 prefetch already keep the SM's share of HBM in flight.
+// - No setmaxnreg: 384 x 168 registers fit all roles (ptxas: 168, no spills).
+// What bounds it (H200, no prefetch): ~5.5 us per 64-position tile and block at every N (N = 64,
+// L = 32k: 256 tiles per block, two waves, 2.80 ms = 41 % of the rows-only HBM floor), against
+// ~3000 clocks (~1.6 us) of consumer work per tile: the producer, 147 KB of f32 rows per tile
+// through 55 KB of registers per SM, i.e. ~2.7 round trips per tile, and both blocks of a head
+// pair load every row (the second mostly from L2: 2x the L2 -> SM traffic).
+// mla_attend_wg2_f32 (ops.rs MlaDecodeMode::WgPair, K3_MLA_DECODE=wg2; experimental) halves the
+// producer's share: the two head-group blocks of an (item, split) form a cluster; block r loads
+// positions 32 r .. 32 r + 31 of every tile (4 per producer thread, same batches of 3) and stores
+// each bf16 chunk into its own ring and, by st.async, into the partner's (same offsets). Each row
+// is read once per pair, the loads per block and tile halve (~1.3 round trips). The ring barriers
+// become mbarriers: full[slot] = 128 local producer arrivals, one carrying expect_tx of the
+// partner's 36,864 bytes (the st.async complete_tx releases them, no cluster fence per store);
+// empty[slot] = lane 0 of all 16 consumer warps of the pair (local + remote arrive), since each
+// producer writes both rings. Consumers fence.proxy.async after the full wait (the partner's
+// half was written by st.async, not by a local writer that fenced). Grid x is rounded up to
+// pairs (a block past the last head still loads for its partner and writes nothing). Expected:
+// producer ~2.7 us per tile if the round trip stays, so ~1.6-1.8x at N >= 16 unless the
+// consumers (~1.6 us) or the st.async traffic (36 KB per block and tile) bound it first.
 // Expected: the tensor work per tile and CTA is ~36 + 32 wgmma m64n48k16 (~2000 clocks, shared
 // memory bound at ~28 clocks each) + ~600 clocks of softmax and barriers, against ~4000 clocks of
 // HBM time per tile at 4.25 TB/s for the pair of CTAs: HBM bound if the producer keeps up.
@@ -68,9 +89,6 @@
 #define MLW_NB 3       // positions per producer batch (9 float4 each)
 #define MLW_SSTR 68    // f32 per score row: the fragment stores hit 32 distinct banks
 #define MLW_OSTR 516   // f32 per staged o~ row in the epilogue (same reason)
-#ifndef MLW_PREFETCH
-#define MLW_PREFETCH 1  // L2 bulk prefetch of the next tile's rows (-DMLW_PREFETCH=0: none)
-#endif
 
 // Dynamic shared memory (bytes from the 1024-aligned base); geometry.rs MLA_WG_SHARED must match.
 #define MLW_QSLAB (MLW_HEADS * 128)                         // 6144
@@ -82,6 +100,10 @@
 #define MLW_OFF_C (MLW_OFF_S + MLW_HEADS * MLW_SSTR * 4)    // scores [48][68] f32
 #define MLW_END (MLW_OFF_C + MLW_HEADS * 4)                 // corr [48] f32
 #define MLW_SHARED (MLW_END + 1024)                         // + slack to align the base: 223168 B
+// mla_attend_wg2_f32 only: mbarriers full[2], empty[2] after corr; geometry.rs MLA_WG2_SHARED.
+#define MLW_OFF_BAR MLW_END
+#define MLW_SHARED2 (MLW_END + 32 + 1024)                  // 223200 B
+#define MLW_PAIR_TX (32 * MLW_SLABS * 128)                  // bytes the partner stores per tile
 
 // Named barriers (0 is __syncthreads, unused here).
 #define MLW_BAR_A 1      // consumers: Q staged / scores stored / epilogue staging
@@ -94,6 +116,7 @@ static_assert(MLW_SLABS * 64 == MLW_ROW, "slabs cover the padded row");
 static_assert(MLW_OFF_P % 1024 == 0 && MLW_OFF_K % 1024 == 0 && MLW_QSLAB % 1024 == 0, "SW128 atoms");
 static_assert(MLW_HEADS * MLW_OSTR * 4 <= 2 * MLW_KTILE, "o~ staging fits in the ring");
 static_assert(MLW_SHARED == 223168, "keep geometry.rs MLA_WG_SHARED in step");
+static_assert(MLW_SHARED2 == 223200 && MLW_OFF_BAR % 8 == 0, "keep geometry.rs MLA_WG2_SHARED in step");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 typedef unsigned long long u64;
@@ -121,6 +144,45 @@ __device__ __forceinline__ u64 mlw_desc(u32 addr, u32 lbo, u32 sbo) {
 }
 
 // d[0..23] += A B, m64n48k16, bf16 in, f32 accumulate; TA = imm-trans-a (1: A is M-major).
+// Cluster pieces of mla_attend_wg2_f32 (clusters of 2 blocks: the two head groups).
+__device__ __forceinline__ u32 mlw_cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ u32 mlw_mapa(u32 addr, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void mlw_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void mlw_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ void mlw_mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mlw_mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mlw_mbar_arrive_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Arrive on the partner's mbarrier (a shared::cluster address from mlw_mapa).
+__device__ __forceinline__ void mlw_mbar_arrive_remote(u32 rbar) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(rbar) : "memory");
+}
+__device__ __forceinline__ void mlw_mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n\t.reg .pred done;\n"
+                 "MLW_WAIT_%=:\n\t"
+                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
+                 "@!done bra MLW_WAIT_%=;\n\t}" ::"r"(bar), "r"(parity) : "memory");
+}
+// 8 bytes into the partner's shared memory, counted by its mbarrier's transaction bytes (no
+// cluster-scope release fence per store: the complete_tx releases them).
+__device__ __forceinline__ void mlw_st_async8(u32 raddr, u32 x, u32 y, u32 rbar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
+                 ::"r"(raddr), "r"(x), "r"(y), "r"(rbar) : "memory");
+}
+
 #define MLW_WGMMA_N48(NAME, TA)                                                                                 \
     __device__ __forceinline__ void NAME(float* d, u64 da, u64 db) {                                             \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"                                               \
@@ -136,17 +198,15 @@ __device__ __forceinline__ u64 mlw_desc(u32 addr, u32 lbo, u32 sbo) {
 MLW_WGMMA_N48(mlw_mma_kmajor, 0)
 MLW_WGMMA_N48(mlw_mma_amajor_m, 1)
 
-__device__ __forceinline__ void mlw_prefetch_l2(const float* p, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
-}
-#endif
-
-// Grid (ceil(H / 48), items, splits), 384 threads, MLW_SHARED bytes of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(MLW_THREADS, 1)
-mla_attend_wg_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
-                  const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
-                  int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// PAIR = false: mla_attend_wg_f32, one block per head group. PAIR = true: mla_attend_wg2_f32, the
+// block pair of a cluster splits every tile's loads (rank r: positions 32 r .. 32 r + 31) and
+// each stores its bf16 half into both blocks' rings; mbarriers replace the named FULL / EMPTY.
+template <bool PAIR>
+__device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const float* __restrict__ arena,
+                                           const i64* __restrict__ page_start, const int* __restrict__ pt_base,
+                                           const int* __restrict__ lens, float* __restrict__ part, int items,
+                                           int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk,
+                                           float scale) {
     extern __shared__ __align__(1024) unsigned char mlw_raw[];
     const u32 raw_a = (u32)__cvta_generic_to_shared(mlw_raw);
     const u32 sm_a = (raw_a + 1023u) & ~1023u;  // the SW128 atoms need 1024-aligned bases
@@ -159,40 +219,45 @@ mla_attend_wg_f32(const float* __restrict__ qt, const float* __restrict__ arena,
     const int ch = chunk > 0 ? chunk : (len + splits - 1) / splits;  // chunk <= 0: per item
     const int j0 = spl * ch, j1 = min(len, j0 + ch);
     const int tiles = j1 > j0 ? (j1 - j0 + MLW_POS - 1) / MLW_POS : 0;
+    // PAIR: full[slot] = 128 local producer arrivals (one with the partner's MLW_PAIR_TX bytes);
+    // empty[slot] = lane 0 of the 8 consumer warps of both blocks. Uniform early return above, so
+    // both blocks of a cluster reach the cluster barriers.
+    const u32 bar_a = sm_a + MLW_OFF_BAR;  // full[0], full[1], empty[0], empty[1]
+    const u32 peer = PAIR ? mlw_cluster_rank() ^ 1u : 0u;
+    if (PAIR) {
+        if (tid == 0) {
+            mlw_mbar_init(bar_a, 128);
+            mlw_mbar_init(bar_a + 8, 128);
+            mlw_mbar_init(bar_a + 16, 16);
+            mlw_mbar_init(bar_a + 24, 16);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        mlw_cluster_arrive();  // waited on just before each role's first use of the partner
+    }
 
     if (tid < 128) {
         // ---------------- producer warpgroup ----------------
         const int c16 = tid & 15, rs = tid >> 4;
         // Byte offset of this thread's 8 bytes inside a slab row of position rs + 8 a (p % 8 = rs).
         const u32 swz = ((((u32)c16 >> 1) ^ (u32)rs) << 4) | (((u32)c16 & 1u) << 3);
-        const int total = tiles * 8;  // positions this thread stores: 8 per tile
-        auto pos_of = [&](int u) { return j0 + MLW_POS * (u >> 3) + rs + 8 * (u & 7); };
+        constexpr int PP = PAIR ? 4 : 8;  // positions this thread stores per tile
+        const int aoff = PAIR ? 4 * (int)(peer ^ 1u) : 0;
+        const int total = tiles * PP;
+        auto pos_of = [&](int u) { return j0 + MLW_POS * (u / PP) + rs + 8 * (aoff + u % PP); };
         auto live = [&](int u) { return u < total && pos_of(u) < j1; };
         auto page_of = [&](int u) -> i64 { return page_start[base + pos_of(u) / page_tokens]; };
         auto row_ptr = [&](int u, i64 pg) { return arena + pg + (i64)(pos_of(u) % page_tokens) * row; };
         auto aligned = [&](const float* src) {
             return ((reinterpret_cast<size_t>(src) | ((size_t)row * 4)) & 15) == 0;
         };
-#if MLW_PREFETCH
-        // Tile 0 into L2 before its register loads: they then wait for one HBM latency, not three.
-        if (c16 == 0) {
-            i64 pf[8];  // all page loads first, then the prefetches: one latency, not eight
-#pragma unroll
-            for (int u = 0; u < 8; ++u) pf[u] = live(u) ? page_of(u) : 0;
-#pragma unroll
-            for (int u = 0; u < 8; ++u)
-                if (live(u)) {
-                    const float* src = row_ptr(u, pf[u]);
-                    if (aligned(src)) mlw_prefetch_l2(src, (u32)row * 4u);
-                }
-        }
-#endif
         i64 pg[MLW_NB], pgn[MLW_NB];  // page starts of this batch and of the next
 #pragma unroll
         for (int b = 0; b < MLW_NB; ++b) {
             pg[b] = live(b) ? page_of(b) : 0;
             pgn[b] = live(MLW_NB + b) ? page_of(MLW_NB + b) : 0;
         }
+        const u32 peer_sm = PAIR ? mlw_mapa(sm_a, peer) : 0u, peer_bar = PAIR ? mlw_mapa(bar_a, peer) : 0u;
+        if (PAIR) mlw_cluster_wait();
 #pragma unroll 1
         for (int u0 = 0; u0 < total; u0 += MLW_NB) {
             float4 v[MLW_NB][MLW_SLABS];
@@ -228,37 +293,33 @@ mla_attend_wg_f32(const float* __restrict__ qt, const float* __restrict__ arena,
                 pg[b] = pgn[b];
                 pgn[b] = live(u0 + 2 * MLW_NB + b) ? page_of(u0 + 2 * MLW_NB + b) : 0;
             }
-#if MLW_PREFETCH
-            // The same positions one tile ahead (8 positions of this thread later): the page load
-            // stalls only this lane, while the batch above is in flight.
-            if (c16 == 0) {
-                i64 pf[MLW_NB];
-#pragma unroll
-                for (int b = 0; b < MLW_NB; ++b) pf[b] = live(u0 + b + 8) ? page_of(u0 + b + 8) : 0;
-#pragma unroll
-                for (int b = 0; b < MLW_NB; ++b)
-                    if (live(u0 + b + 8)) {
-                        const float* src = row_ptr(u0 + b + 8, pf[b]);
-                        if (aligned(src)) mlw_prefetch_l2(src, (u32)row * 4u);
-                    }
-            }
-#endif
 #pragma unroll
             for (int b = 0; b < MLW_NB; ++b) {
                 const int u = u0 + b;
                 if (u >= total) break;  // uniform over the warpgroup
-                const int t = u >> 3, a = u & 7, slot = t & 1;
-                if (a == 0 && t >= 2) mlw_bar_sync(MLW_BAR_EMPTY + slot, MLW_THREADS);
-                unsigned char* dst = sm + MLW_OFF_K + slot * MLW_KTILE + (rs + 8 * a) * 128 + swz;
+                const int t = u / PP, a = u % PP, slot = t & 1;
+                if (a == 0 && t >= 2) {  // tile t - 2 released by every consumer (of both blocks)
+                    if (PAIR) mlw_mbar_wait(bar_a + 16 + 8 * slot, (u32)((t >> 1) + 1) & 1u);
+                    else mlw_bar_sync(MLW_BAR_EMPTY + slot, MLW_THREADS);
+                }
+                const u32 off = MLW_OFF_K + slot * MLW_KTILE + (rs + 8 * (aoff + a)) * 128 + swz;
 #pragma unroll
-                for (int k = 0; k < MLW_SLABS; ++k)
-                    *reinterpret_cast<uint2*>(dst + k * MLW_KSLAB) =
-                        make_uint2(tc_pack_bf16(v[b][k].x, v[b][k].y), tc_pack_bf16(v[b][k].z, v[b][k].w));
-                if (a == 7) {
+                for (int k = 0; k < MLW_SLABS; ++k) {
+                    const u32 x = tc_pack_bf16(v[b][k].x, v[b][k].y), y = tc_pack_bf16(v[b][k].z, v[b][k].w);
+                    *reinterpret_cast<uint2*>(sm + off + k * MLW_KSLAB) = make_uint2(x, y);
+                    if (PAIR) mlw_st_async8(peer_sm + off + k * MLW_KSLAB, x, y, peer_bar + 8 * slot);
+                }
+                if (a == PP - 1) {
                     mlw_fence_async();
-                    mlw_bar_arrive(MLW_BAR_FULL + slot, MLW_THREADS);
+                    if (!PAIR) mlw_bar_arrive(MLW_BAR_FULL + slot, MLW_THREADS);
+                    else if (tid == 0) mlw_mbar_arrive_tx(bar_a + 8 * slot, MLW_PAIR_TX);
+                    else mlw_mbar_arrive(bar_a + 8 * slot);
                 }
             }
+        }
+        if (PAIR) {  // neither block leaves while the other may still signal it
+            mlw_cluster_arrive();
+            mlw_cluster_wait();
         }
         return;
     }
@@ -310,6 +371,8 @@ mla_attend_wg_f32(const float* __restrict__ qt, const float* __restrict__ arena,
     }
     mlw_fence_async();
     mlw_bar_sync(MLW_BAR_A, MLW_CONSUMERS);
+    const u32 peer_bar = PAIR ? mlw_mapa(bar_a, peer) : 0u;
+    if (PAIR) mlw_cluster_wait();
 
     float acc[4][24];  // o~^T, value columns 256 cwg + 64 mt + (fragment row), heads = fragment columns
 #pragma unroll
@@ -332,7 +395,12 @@ mla_attend_wg_f32(const float* __restrict__ qt, const float* __restrict__ arena,
     for (int t = 0; t < tiles; ++t) {
         const int slot = t & 1;
         const u32 k_a = sm_a + MLW_OFF_K + slot * MLW_KTILE;
-        mlw_bar_sync(MLW_BAR_FULL + slot, MLW_THREADS);
+        if (PAIR) {
+            mlw_mbar_wait(bar_a + 8 * slot, (u32)(t >> 1) & 1u);
+            mlw_fence_async();  // the partner's half came through st.async: order it before wgmma
+        } else {
+            mlw_bar_sync(MLW_BAR_FULL + slot, MLW_THREADS);
+        }
         if (cwg == 0) {
             // S^T = K Q^T over the 576 features (zeros past the row on both sides).
             float s[24];
@@ -417,7 +485,17 @@ mla_attend_wg_f32(const float* __restrict__ qt, const float* __restrict__ arena,
 #pragma unroll
         for (int m = 0; m < 4; ++m) mlw_pin(acc[m]);
         // The producer refills this slot with tile t + 2 only if there is one (it waits then).
-        if (t + 2 < tiles) mlw_bar_arrive(MLW_BAR_EMPTY + slot, MLW_THREADS);
+        if (t + 2 < tiles) {
+            if (PAIR) {
+                __syncwarp();
+                if (lane == 0) {
+                    mlw_mbar_arrive(bar_a + 16 + 8 * slot);
+                    mlw_mbar_arrive_remote(peer_bar + 16 + 8 * slot);
+                }
+            } else {
+                mlw_bar_arrive(MLW_BAR_EMPTY + slot, MLW_THREADS);
+            }
+        }
     }
 
     // Epilogue: o~^T -> [48][516] f32 in the (now idle) ring, then whole rows to the partials.
@@ -456,7 +534,36 @@ mla_attend_wg_f32(const float* __restrict__ qt, const float* __restrict__ arena,
             out[hh * hstride + kv_lora + 1] = l;
         }
     }
+    if (PAIR) {
+        __syncwarp();
+        mlw_cluster_arrive();
+        mlw_cluster_wait();
+    }
+}
+#endif
+
+// Grid (ceil(H / 48), items, splits), 384 threads, MLW_SHARED bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(MLW_THREADS, 1)
+mla_attend_wg_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
+                  const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
+                  int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    mlw_attend<false>(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens, splits,
+                      chunk, scale);
 #else
     __trap();  // wgmma needs sm_90a: ops.rs only dispatches here on it
+#endif
+}
+
+// Grid (2 * ceil(H / 96), items, splits) in clusters of 2, 384 threads, MLW_SHARED2 bytes.
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MLW_THREADS, 1)
+mla_attend_wg2_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
+                   const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
+                   int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    mlw_attend<true>(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens, splits,
+                     chunk, scale);
+#else
+    __trap();
 #endif
 }

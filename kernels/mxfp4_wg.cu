@@ -40,6 +40,15 @@
 // group is done: its A registers may be reused, and the current group runs under the next
 // decode). ptxas (-v) reports no wgmma serialisation, 0 spills, ~210 registers.
 //
+// Determinism (device_check.py check_moe_wg_repeat). Every output element - an intermediate value
+// (row, sorted position) or a y value (row, assignment) - is one accumulator lane of one thread,
+// written once by that thread (no atomics, no split K), and summed in a fixed order: stages
+// c = 0.., k-steps 0..3, plane 0 then 1, each one k16 dot product of the weight row with that
+// token's column. wgmma computes each column's dot product alone, so which tile / column the sort
+// (atomic cursor: any order within an expert) gives a token, and that tile's N, change no bit;
+// tokens past nt are zero-filled, never read from scratch. Checked on the device by runs on
+// reordered sorts and NaN-prefilled scratch.
+//
 // Shared memory of a stage (bytes from the stage base; SB = 9,216 + 16,384 planes):
 //   [0, 8192)      packed weights: staged row ar (0..255) at 32 ar: its 64 columns of the stage.
 //   [8192, 9216)   scales: staged row ar's 4 E8M0 bytes of the 128-column super-step holding the

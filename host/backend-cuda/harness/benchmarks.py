@@ -212,15 +212,16 @@ def bench_mla_bf16(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
 
 
 # kernels/mla_attend_wg.cu (wgmma, sm_90a): 48 heads per 384-thread block, one block per SM
-# (geometry.rs MLA_WG_SHARED; splits: mla_splits_bf16's rule).
-MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED = 48, 384, 223168
+# (geometry.rs MLA_WG_SHARED; splits: mla_splits_bf16's rule); mla_attend_wg2_f32: the same on
+# 2-block clusters (grid x rounded up to pairs, MLA_WG2_SHARED).
+MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED, MLA_WG2_SHARED = 48, 384, 223168, 223200
 
 
 def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
-    """The wgmma attend (ops.rs MlaDecodeMode::Wg) + merge on bench()'s buffers, next to the bf16 attend
-    + merge timed in the same run (bf16_us), with bench_mla_bf16's floors; also the variant without the
-    L2 bulk prefetch (-DMLW_PREFETCH=0) and a check of the wg latent against the bf16 one (same
-    rounding, different tiles: 2e-2 as bf16 vs tc2)."""
+    """The wgmma attends (ops.rs MlaDecodeMode::Wg, the default, and WgPair, K3_MLA_DECODE=wg2) + merge on
+    bench()'s buffers, next to the bf16 attend + merge timed in the same run (bf16_us), with
+    bench_mla_bf16's floors, and a check of each wg latent against the bf16 one (same rounding, different
+    tiles: 2e-2 as bf16 vs tc2)."""
     heads, rope, kv_lora, pt = 96, 64, 512, 64
     scale = 192 ** -0.5
     hg = cdiv(heads, MLA_WG_HEADS)
@@ -232,10 +233,13 @@ def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     common_args = [d.view(qt), d.view(A), d.view(ps), d.view(base), d.view(lens)]
     vpw, vpb, vlw, vlb = (d.view(t) for t in (pw, pb, lw, lb))  # views made outside the graph captures
     big = N * L > 16 * 8192
+    variants = (("wg", "mla_attend_wg_f32", hg, MLA_WG_SHARED),
+                ("wg2", "mla_attend_wg2_f32", 2 * cdiv(hg, 2), MLA_WG2_SHARED))
 
-    def attend(part, defines=()):
-        d.launch("mla_attend_wg_f32", (hg, N, sw), MLA_WG_THREADS, *common_args, part, N, heads, kv_lora,
-                 rope, pt, sw, 0, scale, shared_mem=MLA_WG_SHARED, defines=defines)
+    def attend(part, v):
+        _, kname, gx, smem = v
+        d.launch(kname, (gx, N, sw), MLA_WG_THREADS, *common_args, part, N, heads, kv_lora, rope, pt, sw, 0,
+                 scale, shared_mem=smem)
 
     def merge(part, lat):
         d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, part, lat, N, heads, kv_lora, sw)
@@ -247,23 +251,25 @@ def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
 
     def timed(fn):
         return d.time_graph(fn, reps=5, inner=3) if big else d.time_graph(fn)
-    attend(vpw)  # compile and opt in outside the graph captures
-    attend(vpw, ("-DMLW_PREFETCH=0",))
+    for v in variants:
+        attend(vpw, v)  # compile and opt in outside the graph captures
     bf16_ms, _ = timed(bf16_full)
     floor_a = (kv_bytes + part_bytes) / (COPY_TBPS * 1e12) * 1e3
     floor_m = (kv_bytes + 2 * part_bytes + N * heads * kv_lora * 4) / (COPY_TBPS * 1e12) * 1e3
-    for tag, defines in (("", ()), (" pf0", ("-DMLW_PREFETCH=0",))):
-        ms, how = timed(lambda defines=defines: attend(vpw, defines))
-        record(f"mla_attend wg{tag} N={N} L={L} (attend only, f32 rows)", ms, floor_a, splits=sw, timing=how)
-        ms, how = timed(lambda defines=defines: (attend(vpw, defines), merge(vpw, vlw)))
-        record(f"mla_attend+merge wg{tag} N={N} L={L} (f32 rows + partials)", ms, floor_m, splits=sw, timing=how,
-               bf16_us=round(bf16_ms * 1e3, 1), speedup_vs_bf16=round(bf16_ms / ms, 2),
-               rows_only_floor_us=round(kv_bytes / (COPY_TBPS * 1e12) * 1e6, 1))
-    attend(vpw)
-    merge(vpw, vlw)
     bf16_full()
-    d.sync()
-    r.check(f"mla wg vs bf16 latent N={N} L={L} (K3 shapes, splits {sw})", rel_err(lw, lb), 2e-2)
+    for v in variants:
+        tag = v[0]
+        ms, how = timed(lambda v=v: attend(vpw, v))
+        record(f"mla_attend {tag} N={N} L={L} (attend only, f32 rows)", ms, floor_a, splits=sw, timing=how)
+        ms, how = timed(lambda v=v: (attend(vpw, v), merge(vpw, vlw)))
+        record(f"mla_attend+merge {tag} N={N} L={L} (f32 rows + partials)", ms, floor_m, splits=sw, timing=how,
+               bf16_us=round(bf16_ms * 1e3, 1), speedup_vs_bf16=round(bf16_ms / ms, 2),
+               rows_only_floor_us=round(kv_bytes / (COPY_TBPS * 1e12) * 1e6, 1),
+               pct_of_rows_floor=round(100 * kv_bytes / (COPY_TBPS * 1e12) * 1e3 / ms, 1))
+        attend(vpw, v)
+        merge(vpw, vlw)
+        d.sync()
+        r.check(f"mla {tag} vs bf16 latent N={N} L={L} (K3 shapes, splits {sw})", rel_err(lw, lb), 2e-2)
     del pw, pb, lw, lb
 
 

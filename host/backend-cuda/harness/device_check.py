@@ -37,7 +37,7 @@ from common import mla_prefill_plan, run_mla_prefill, run_mx_tc2  # noqa: E402
 from common import mx_stream2_plan, mx_stream2_scratch, run_mx_stream2  # noqa: E402
 from common import mx_stream2v2_plan, mx_stream2v2_scratch, run_mx_stream2v2  # noqa: E402
 from common import mx_grouped_scratch, run_mx_grouped  # noqa: E402
-from common import MX_WG_NO_PROXY_FENCE, MX_WG_SWAP_LBO_SBO, mx_wg_scratch, run_mx_wg  # noqa: E402
+from common import MX_WG_NO_PROXY_FENCE, MX_WG_SWAP_LBO_SBO, mx_wg_row_u16, mx_wg_scratch, run_mx_wg  # noqa: E402
 from common import gemv_tc_plan, run_gemv_tc  # noqa: E402
 from emulators import EMU  # noqa: E402
 from k3ref import mxfp4 as rmx  # noqa: E402
@@ -674,6 +674,9 @@ MLA_BF16_HEADS, MLA_BF16_SHARED = 48, 165568
 # kernels/mla_attend_wg.cu (wgmma, sm_90a): 48 heads per 384-thread block (geometry.rs MLA_WG_SHARED:
 # Q^T, two 64-position bf16 tiles, P^T, scores, + 1 KB to align the base).
 MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED = 48, 384, 223168
+# mla_attend_wg2_f32 (same file): clusters of 2 blocks, grid x rounded up to pairs (geometry.rs
+# mla_attend_wg2, MLA_WG2_SHARED: + 4 mbarriers).
+MLA_WG2_SHARED = 223200
 
 
 def mla_latent_reference(qt, rows, scale, kv_lora):
@@ -683,7 +686,9 @@ def mla_latent_reference(qt, rows, scale, kv_lora):
 
 
 def check_mla_bf16(d: Device, r: Results, gen):
-    """mla_attend_bf16_f32 and mla_attend_wg_f32 (wgmma, 64-position tiles), each + mla_merge_f32 (the
+    """mla_attend_bf16_f32, mla_attend_wg_f32 (wgmma, 64-position tiles) and mla_attend_wg2_f32 (the same on
+    2-block clusters, each block loading half of every tile; heads 4 / 6 leave the second block of the
+    pair without heads), each + mla_merge_f32 (the
     latent o~, before W_UV), against (a) the float64 latent attention: bf16 rounding of q~, the rows and
     P allows 1e-2 (max-normalised; ~2.5e-3 seen), and (b) emulators._emu_mla_attend_bf16 run on the host
     at the kernel's tile (the same bf16 roundings): 2e-3, what f32 accumulation order, __expf and the
@@ -704,7 +709,8 @@ def check_mla_bf16(d: Device, r: Results, gen):
         (96, 512, 64, 16, [200, 3], 4, 0, True),
     )
     kernels = (("bf16", "mla_attend_bf16_f32", 32, MLA_BF16_HEADS, 256, MLA_BF16_SHARED),
-               ("wg", "mla_attend_wg_f32", 64, MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED))
+               ("wg", "mla_attend_wg_f32", 64, MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED),
+               ("wg2", "mla_attend_wg2_f32", 64, 2 * MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG2_SHARED))
     for heads, kv_lora, rope, pt, lens, splits, chunk, aligned in cases:
         row, n = kv_lora + rope, len(lens)
         npages = [cdiv(L, pt) for L in lens]
@@ -738,7 +744,8 @@ def check_mla_bf16(d: Device, r: Results, gen):
             w = torch.exp(P[..., kv_lora] - P[..., kv_lora].amax(-1, keepdim=True))
             emu = (w[..., None] * P[..., :kv_lora]).sum(2) / (w * P[..., kv_lora + 1]).sum(-1)[..., None]
             part = torch.full((n, heads, splits, kv_lora + 2), float("nan"), device=d.tdev)
-            d.launch(kname, (cdiv(heads, hpb), n, splits), threads, d.view(dev(qt)), d.view(A),
+            gx = cdiv(heads, hpb) * (2 if kname == "mla_attend_wg2_f32" else 1)  # wg2: pairs of 48
+            d.launch(kname, (gx, n, splits), threads, d.view(dev(qt)), d.view(A),
                      d.view(ps.to(d.tdev)), d.view(base.to(d.tdev)), d.view(lens_t.to(d.tdev)), d.view(part), n,
                      heads, kv_lora, rope, pt, splits, chunk, scale, shared_mem=smem)
             lat = torch.full((n, heads, kv_lora), float("nan"), device=d.tdev)
@@ -1227,6 +1234,105 @@ def check_moe_wg_stages(r: Results, scratch, z, wts6, offsets, sorted_, t, k, lt
             rel_err(torch.from_numpy(y.reshape(-1, lt)[rows]), torch.from_numpy(y_emu.reshape(-1, lt)[rows])), 1e-5)
 
 
+def check_moe_wg_repeat(d: Device, r: Results, gen):
+    """Bitwise determinism of the wgmma path, per kernel. moe_sort_assignments' atomic cursor leaves
+    the order within an expert arbitrary, so a token may land in any tile / column of its expert, in
+    a full N = 128 tile or the partial last one (smaller N); no result may depend on that. Per case
+    and mode (planes 2, 1, 2 without the proxy fence), every buffer prefilled with NaN bits (a read
+    of anything not written first shows): run A on the device's sort; the up kernel alone again on
+    A's split z (intermediate bitwise), the down kernel alone again on A's intermediate (y rows
+    bitwise); the whole path on a fresh device sort (output bitwise; the log says whether that sort's
+    order differed); the whole path on a host-made sort, each expert's range reversed and rotated
+    (every token in another tile / column): each assignment's intermediate row, y row, and the
+    output bitwise. Cases: check_moe_wg's made top-2 routing (tiles 128 + 128 + 44, N = 32..128, a
+    dropped slot) at 640 x 320, random top-4 of 16 at 256 x 384, and on the device only (the
+    emulators would take minutes) K3's 3584 x 3072 with top-4 of 8 at T = 512 (56 / 48 stages: the
+    rings wrap ~10 times). Weights are random bytes (no reference needed)."""
+    dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
+    bits = lambda x: x.view(torch.int32) if x.dtype == torch.float32 else x  # noqa: E731
+    beq = lambda a, b: bool(torch.equal(bits(a.contiguous()).cpu(), bits(b.contiguous()).cpu()))  # noqa: E731
+    second = torch.tensor([0] * 1 + [1] * 63 + [2] * 64 + [3] * 65 + [5] * 107)
+    second = second[torch.randperm(300, generator=gen)]
+    made = torch.stack([torch.full((300,), 4, dtype=torch.long), second], 1)
+    made[int((second == 5).nonzero()[0]), 1] = -1
+    cases = [(300, 7, 2, 640, 320), (2048, 16, 4, 256, 384)] + ([] if d.dry else [(512, 8, 4, 3584, 3072)])
+    for t, e, k, lt, ie in cases:
+        idx = made if t == 300 else torch.rand(t, e, generator=gen).argsort(dim=1)[:, :k]
+        na = t * k
+        mx = lambda rows, cols: (torch.randint(0, 256, (e, rows, cols // 2), generator=gen, dtype=torch.uint8),  # noqa: E731
+                                 torch.randint(120, 124, (e, rows, cols // 32), generator=gen, dtype=torch.uint8))
+        w = tuple(d.view(dev(x)) for x in (*mx(ie, lt), *mx(ie, lt), *mx(lt, ie)))
+        z, wts = dev(rand(t, lt, gen=gen).float()), dev(torch.rand(na, generator=gen))
+        ids = dev(idx.int().reshape(-1))
+        offsets = dev(torch.zeros(e + 1, dtype=torch.int32))
+
+        def device_sort():
+            s_ = dev(torch.zeros(na, dtype=torch.int32))
+            d.launch("moe_sort_assignments", 1, 1024, d.view(ids), na, e, d.view(offsets), d.view(s_))
+            d.sync()
+            return s_
+
+        sort_a, sort_b = device_sort(), device_sort()
+        off = offsets.cpu().tolist()
+        npos = off[e]
+        sa = sort_a.cpu()
+        sp = sa.clone()
+        for ex in range(e):  # reversed and rotated: the first token of a range lands in its last tile
+            p0, p1 = off[ex], off[ex + 1]
+            if p1 > p0:
+                sp[p0:p1] = sa[p0:p1].flip(0).roll(37 % (p1 - p0))
+        sort_p = dev(sp)
+        resorted = "differs" if not beq(sort_b[:npos], sort_a[:npos]) else "same order"
+        sizes = f"T={t} top{k} of {e} {lt}x{ie}"
+
+        def by_assignment(actx, srt):  # each assigned id's intermediate row, in id order
+            rows = torch.empty(na, dtype=torch.long)
+            rows[srt[:npos].cpu().long()] = torch.arange(npos)
+            assigned = sa[:npos].long().sort().values
+            return actx.cpu().reshape(na, -1)[rows[assigned]]
+
+        for planes, mbits in ((2, 0), (1, 0), (2, MX_WG_NO_PROXY_FENCE)):
+            tag = f"planes={planes}{' no proxy fence' if mbits else ''} {sizes}"
+
+            def fresh():
+                s_ = mx_wg_scratch(d, t, k, lt, ie, planes)
+                s_[0][0].fill_(-1)  # 0xFFFF: a bf16 NaN
+                s_[0][1].fill_(-1)
+                s_[0][2].fill_(float("nan"))
+                return s_
+
+            def go(srt, scratch, parts=("split", "up", "down", "combine")):
+                out = dev(torch.full((t, lt), float("nan")))
+                run_mx_wg(d, d.view(z), w, d.view(ids), d.view(wts), d.view(offsets), d.view(srt), d.view(out),
+                          scratch, t, k, lt, ie, e, planes, parts=parts, mode_bits=mbits)
+                d.sync()
+                return out
+
+            sc_a = fresh()
+            out_a = go(sort_a, sc_a)
+            written = npos * mx_wg_row_u16(ie, planes)  # the intermediate's rows p < npos
+            assigned = sa[:npos].long().to(d.tdev)
+            sc = fresh()
+            sc[0][0].copy_(sc_a[0][0])
+            go(sort_a, sc, ("up",))
+            r.exact(f"moe wg determinism: up kernel alone, rerun bitwise ({tag})",
+                    beq(sc[0][1][:written], sc_a[0][1][:written]))
+            sc = fresh()
+            sc[0][1].copy_(sc_a[0][1])
+            go(sort_a, sc, ("down",))
+            r.exact(f"moe wg determinism: down kernel alone, rerun bitwise ({tag})",
+                    beq(sc[0][2][assigned], sc_a[0][2][assigned]))
+            r.exact(f"moe wg determinism: whole path on a fresh device sort, bitwise ({tag})",
+                    beq(go(sort_b, fresh()), out_a), f"(device sort order {resorted})")
+            sc = fresh()
+            out_p = go(sort_p, sc)
+            r.exact(f"moe wg determinism: reordered sort, up rows by assignment bitwise ({tag})",
+                    beq(by_assignment(sc[0][1], sort_p), by_assignment(sc_a[0][1], sort_a)))
+            r.exact(f"moe wg determinism: reordered sort, down y rows bitwise ({tag})",
+                    beq(sc[0][2][assigned], sc_a[0][2][assigned]))
+            r.exact(f"moe wg determinism: reordered sort, output bitwise ({tag})", beq(out_p, out_a))
+
+
 def check_bf16_matmul(d: Device, r: Results, gen):
     """Dense matmul with bf16 weights (kernels/bf16.cu around the cuBLAS bf16 GEMM of
     backend_impl.rs matmul_linear; the GEMM played by an f32 matmul of the same bf16 values)."""
@@ -1352,7 +1458,7 @@ def main():
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
                check_kda_prefill_scan, check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill,
                check_moe, check_moe_tc_shapes, check_moe_stream2, check_moe_stream2v2, check_moe_tc2, check_moe_gemm,
-               check_moe_grouped, check_moe_wg, check_bf16_matmul, check_gemv_tc, check_kda_prefill_prep):
+               check_moe_grouped, check_moe_wg, check_moe_wg_repeat, check_bf16_matmul, check_gemv_tc, check_kda_prefill_prep):
         try:
             fn(d, r, gen)
         except Exception as e:  # noqa: BLE001  a crash in one check must not hide the others

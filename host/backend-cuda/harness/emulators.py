@@ -573,6 +573,15 @@ def _wg_unpack(xs, n, cols, planes):
     return torch.from_numpy(v.reshape(n, ng * 64)[:, :cols])
 
 
+def _wg_canonical(sorted_, p0, p1):
+    """Positions p0..p1-1 of one expert ordered by assignment id. The kernels' results do not depend
+    on where the sort (atomic cursor: any order within an expert) puts a token - each output is one
+    accumulator lane, summed in a fixed k order whatever its tile, column or the tile's N - so the
+    emulators compute in this canonical order: a BLAS's row blocking cannot make them depend on it
+    either (check_moe_wg_repeat compares runs on differently ordered sorts bit for bit)."""
+    return p0 + np.argsort(sorted_[p0:p1], kind="stable")
+
+
 def _emu_moe_up_wg(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e,
                    mode):
     """mxfp4_up_wg_f32: the grouped up kernel in the wgmma layout with mode & 3 planes (actx row p =
@@ -587,9 +596,10 @@ def _emu_moe_up_wg(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie
         if p1 > p0:
             w1 = rmx.dequantize(_t(w1p).view(e, ie, lt // 2)[ex], _t(w1s).view(e, ie, lt // 32)[ex], torch.float64)
             w3 = rmx.dequantize(_t(w3p).view(e, ie, lt // 2)[ex], _t(w3s).view(e, ie, lt // 32)[ex], torch.float64)
-            x = z[torch.from_numpy(sorted_[p0:p1].astype(np.int64) // k)]
-            act[p0:p1] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta),
-                                      float(beta_lin) if has_lin else None).float().numpy()
+            rows = _wg_canonical(sorted_, p0, p1)
+            x = z[torch.from_numpy(sorted_[rows].astype(np.int64) // k)]
+            act[rows] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta),
+                                     float(beta_lin) if has_lin else None).float().numpy()
     _wg_pack(act, actx, planes)
 
 
@@ -601,7 +611,8 @@ def _emu_moe_down_wg(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, mode):
         p0, p1 = int(offsets[ex]), int(offsets[ex + 1])
         if p1 > p0:
             w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
-            _t(y).view(-1, lt)[torch.from_numpy(sorted_[p0:p1].astype(np.int64))] = (act[p0:p1] @ w2.T).float()
+            rows = _wg_canonical(sorted_, p0, p1)
+            _t(y).view(-1, lt)[torch.from_numpy(sorted_[rows].astype(np.int64))] = (act[rows] @ w2.T).float()
 
 
 def _emu_combine_ids(y, idx, w, out, t, k, lt, e):
@@ -752,6 +763,7 @@ EMU = {
     "mla_attend_tc2_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # mode: rounding / prefetch / probe only
     "mla_attend_bf16_f32": _emu_mla_attend_bf16,
     "mla_attend_wg_f32": lambda *a: _emu_mla_attend_bf16(*a, tile=64),  # same rounding, 64-position tiles
+    "mla_attend_wg2_f32": lambda *a: _emu_mla_attend_bf16(*a, tile=64),  # block pairs: the same partials
     "mla_merge_f32": _emu_mla_merge,  # grid (items, heads, kv_lora / 128)
     "mla_out_proj_f32": _emu_mla_out_proj,
     "mla_absorb_q_bf16": _emu_mla_absorb_bf16,

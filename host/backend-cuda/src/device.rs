@@ -133,6 +133,9 @@ impl CudaBackend {
         let sms = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )?;
+        let opt_in_max = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )?;
         // Not the legacy default stream: stream capture (CUDA graphs) needs a created one.
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
@@ -153,8 +156,14 @@ impl CudaBackend {
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_file(path))?;
             for &entry in file.entries {
                 let f = module.load_function(entry)?;
-                // Kernels past the 48 KB default of dynamic shared memory opt in once here.
-                if let Some(&(_, bytes)) = OPT_IN_SHARED.iter().find(|(n, _)| *n == entry) {
+                // Kernels past the 48 KB default of dynamic shared memory opt in once here; one
+                // past this device's limit is never dispatched on it (geometry.rs OPT_IN_SHARED),
+                // so it is left at the default rather than failing start-up.
+                if let Some(&(_, bytes)) = OPT_IN_SHARED
+                    .iter()
+                    .find(|(n, _)| *n == entry)
+                    .filter(|(_, b)| *b <= opt_in_max.max(0) as usize)
+                {
                     f.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         bytes as i32,

@@ -191,6 +191,9 @@ pub const MLA_BF16_SHARED: usize = 165_568;
 pub const MLA_WG_HEADS_PER_BLOCK: usize = 48;
 pub const MLA_WG_THREADS: u32 = 384;
 pub const MLA_WG_SHARED: usize = 223_168;
+/// `mla_attend_wg2_f32` (the same file, clusters of 2 blocks): MLW_SHARED2 = MLW_SHARED + the four
+/// ring mbarriers.
+pub const MLA_WG2_SHARED: usize = 223_200;
 
 /// The tc2 expert kernels (kernels/mxfp4_tc.cu, ops.rs mx_tc2_shared) at 4 n-tiles per pass: two
 /// 256-thread blocks per SM.
@@ -204,10 +207,13 @@ pub const MX_GROUPED_SHARED: usize = 195_584;
 /// table with the staged activations in its upper halves.
 pub const MX_STREAM_SHARED: usize = 65_536;
 
-/// Kernels launched with more than 48 KB of dynamic shared memory, and how much.
+/// Kernels launched with more than 48 KB of dynamic shared memory, and how much. device.rs skips
+/// an entry past the device's opt-in limit (the wgmma ones, 223 KB, on an A100's 163 KB): the
+/// dispatch never launches those kernels there (`mla_wg_supported`, `moe_wg::wg_supported`).
 pub const OPT_IN_SHARED: &[(&str, usize)] = &[
     ("mla_attend_bf16_f32", MLA_BF16_SHARED),
     ("mla_attend_wg_f32", MLA_WG_SHARED),
+    ("mla_attend_wg2_f32", MLA_WG2_SHARED),
     ("mxfp4_up_tc2_f32", MX_TC2_MAX_SHARED),
     ("mxfp4_down_tc2_f32", MX_TC2_MAX_SHARED),
     ("mxfp4_up_grouped_f32", MX_GROUPED_SHARED),
@@ -264,6 +270,21 @@ pub fn mla_attend_wg(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch>
         MLA_WG_THREADS,
     )?
     .with_opt_in_shared(MLA_WG_SHARED)
+}
+
+/// Grid of `mla_attend_wg2_f32` (`__cluster_dims__(2, 1, 1)`): head groups rounded up to pairs, a
+/// block past the last head still loads its half of the rows for its partner (and writes nothing).
+pub fn mla_attend_wg2(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
+    check_mla(g)?;
+    Launch::new(
+        (
+            2 * g.heads.div_ceil(2 * MLA_WG_HEADS_PER_BLOCK),
+            items,
+            splits,
+        ),
+        MLA_WG_THREADS,
+    )?
+    .with_opt_in_shared(MLA_WG2_SHARED)
 }
 
 /// Position splits of `mla_attend_wg_f32`: 48 heads and one block per SM as the bf16 attend, so
@@ -473,6 +494,22 @@ mod tests {
             mla_wg_supported("sm_90a") && !mla_wg_supported("sm_90") && !mla_wg_supported("sm_89")
         );
         assert!(OPT_IN_SHARED.contains(&("mla_attend_wg_f32", MLA_WG_SHARED)));
+        assert!(OPT_IN_SHARED.contains(&("mla_attend_wg2_f32", MLA_WG2_SHARED)));
+        // Pair variant: clusters of two blocks, so the head groups round up to an even count.
+        let l = mla_attend_wg2(&k3, 3, 5).unwrap();
+        assert_eq!((l.grid, l.block, l.shared), ((2, 3, 5), 384, 223_200));
+        assert_eq!(
+            mla_attend_wg2(&MlaGeom { heads: 4, ..k3 }, 1, 1)
+                .unwrap()
+                .grid,
+            (2, 1, 1)
+        );
+        assert_eq!(
+            mla_attend_wg2(&MlaGeom { heads: 100, ..k3 }, 1, 1)
+                .unwrap()
+                .grid,
+            (4, 1, 1)
+        );
         assert!(
             Launch::new((1, 1, 1), 32)
                 .unwrap()

@@ -25,44 +25,42 @@ use k3_model::backend::SituParams;
 /// with `CudaBackend::set_moe_prefill`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoePrefill {
-    /// The grouped GEMMs below [`grouped_max`] assignments, cuBLAS from there. H200, K3, top-16:
-    /// T = 512 (8,192 assignments) grouped 5.17 ms vs cuBLAS 9.90; T = 2048 (32,768) grouped 16.85
-    /// vs cuBLAS 14.37: the bf16 expansion's fixed cost per touched expert is amortised over
-    /// enough tokens there for cuBLAS's faster GEMM main loop to win.
-    Auto,
     /// kernels/mxfp4_grouped.cu: MXFP4 decoded inside the GEMM, no expanded weights.
     Grouped,
     /// moe_gemm.rs: experts expanded to bf16, one cuBLAS GEMM per expert and projection.
     Gemm,
-    /// moe_wg.rs: MXFP4 decoded into wgmma A fragments (sm_90a; elsewhere as `Auto`), the
-    /// activations as `MoeAct` says (`K3_MOE_ACT`).
+    /// The default. moe_wg.rs on sm_90a: MXFP4 decoded into wgmma A fragments, the activations
+    /// as `MoeAct` says (`K3_MOE_ACT`); H200, K3, top-16, split activations (call U): T = 512
+    /// 4.27 ms vs grouped 5.02 and cuBLAS 9.77; T = 2048 14.5 ms vs cuBLAS 14.2 and grouped 16.9
+    /// (a tie with cuBLAS, without its 2 GiB of expanded bf16 experts). Elsewhere: the grouped
+    /// GEMMs below [`grouped_max`] assignments, cuBLAS from there (the bf16 expansion's fixed
+    /// cost per touched expert is amortised over enough tokens there for cuBLAS's faster main
+    /// loop to win).
     Wg(crate::moe_wg::MoeAct),
 }
 
 impl MoePrefill {
-    /// `K3_MOE_PREFILL`: `grouped`, `gemm`, `wg` (with `K3_MOE_ACT`) or `auto` (anything else,
-    /// or unset: `auto`).
+    /// `K3_MOE_PREFILL`: `grouped`, `gemm`, or `wg` / `auto` / unset: `Wg` (with `K3_MOE_ACT`).
     pub fn from_env() -> Self {
         match std::env::var("K3_MOE_PREFILL").as_deref() {
             Ok("grouped") => Self::Grouped,
             Ok("gemm") => Self::Gemm,
-            Ok("wg") => Self::Wg(crate::moe_wg::MoeAct::from_env()),
-            _ => Self::Auto,
+            _ => Self::Wg(crate::moe_wg::MoeAct::from_env()),
         }
     }
 
     /// Whether a many-assignment step of `assignments` (tokens x top-k) takes the grouped path
-    /// (`Wg` asks here only where the wgmma kernels do not exist: then as `Auto`).
+    /// (`Wg` asks here only where the wgmma kernels do not exist).
     pub fn grouped(self, assignments: usize) -> bool {
         match self {
-            Self::Auto | Self::Wg(_) => assignments < grouped_max(),
+            Self::Wg(_) => assignments < grouped_max(),
             Self::Grouped => true,
             Self::Gemm => false,
         }
     }
 }
 
-/// Assignments from which `MoePrefill::Auto` takes the cuBLAS path, unless `K3_MOE_GROUPED_MAX`
+/// Assignments from which `MoePrefill::Wg` off sm_90a takes the cuBLAS path, unless `K3_MOE_GROUPED_MAX`
 /// says otherwise (between the measured 8,192, where grouped wins 1.9x, and 32,768, where it
 /// loses 0.85x).
 const DEFAULT_GROUPED_MAX: usize = 16384;
@@ -221,10 +219,11 @@ mod tests {
 
     #[test]
     fn prefill_policy() {
-        // Auto: grouped from K3_MOE_GEMM_MIN (the caller's bound) up to K3_MOE_GROUPED_MAX.
+        // Wg off sm_90a: grouped from K3_MOE_GEMM_MIN (the caller's bound) up to K3_MOE_GROUPED_MAX.
         let max = grouped_max();
-        assert!(MoePrefill::Auto.grouped(4096) && MoePrefill::Auto.grouped(max - 1));
-        assert!(!MoePrefill::Auto.grouped(max));
+        let off_hopper = MoePrefill::Wg(crate::moe_wg::MoeAct::Split);
+        assert!(off_hopper.grouped(4096) && off_hopper.grouped(max - 1));
+        assert!(!off_hopper.grouped(max));
         assert!(MoePrefill::Grouped.grouped(1 << 20) && !MoePrefill::Gemm.grouped(4096));
     }
 

@@ -48,13 +48,15 @@ macro_rules! launch {
 ///   rings, combine folded into the down kernel; widths that are multiples of 128, else v1) or
 ///   `v1` (kernels/mxfp4.cu); read once into `CudaBackend::moe_stream2` (moe_stream.rs
 ///   `Stream2Variant`).
-/// - `K3_MOE_PREFILL` (routed experts of steps with >= `K3_MOE_GEMM_MIN` assignments): `auto`
-///   (default: the grouped MXFP4 GEMMs, moe_grouped.rs, below `K3_MOE_GROUPED_MAX` assignments,
-///   cuBLAS over expanded bf16 experts, moe_gemm.rs, from there), `grouped`, `gemm` or `wg` (the
-///   wgmma kernels of moe_wg.rs on sm_90a, elsewhere `auto`; activations per `K3_MOE_ACT`:
-///   `split` hi / lo bf16, the default, or `bf16`); read once into `CudaBackend::moe_prefill`.
-/// - `K3_MLA_DECODE` (absorbed MLA attend): `bf16` (default), `wg` (wgmma, sm_90a) or `precise`
-///   ([`MlaDecodeMode`]).
+/// - `K3_MOE_PREFILL` (routed experts of steps with >= `K3_MOE_GEMM_MIN` assignments): `wg`
+///   (default, also `auto`: the wgmma kernels of moe_wg.rs on sm_90a, with activations per
+///   `K3_MOE_ACT`: `split` hi / lo bf16, the default, or `bf16`; elsewhere the grouped MXFP4
+///   GEMMs, moe_grouped.rs, below `K3_MOE_GROUPED_MAX` assignments and cuBLAS over expanded bf16
+///   experts, moe_gemm.rs, from there), `grouped` or `gemm`; read once into
+///   `CudaBackend::moe_prefill`.
+/// - `K3_MLA_DECODE` (absorbed MLA attend): `wg` (default: wgmma on sm_90a, elsewhere `bf16`),
+///   `wg2` (the wgmma attend on 2-block clusters, experimental), `bf16` (mma.sync, any arch) or
+///   `precise` ([`MlaDecodeMode`]).
 /// - `K3_KDA_CHUNK` (prefill): `scan4` (default: the record pass `kda_chunk_rec3m_f32` + the
 ///   key-split scan, conv <= 4) or `f32` (the one-pass f32 kernels of kda_chunk.cu, which also
 ///   take conv > 4): `kda_scan`.
@@ -154,24 +156,30 @@ pub const TOPK_MAX: usize = 1024;
 const TOPK_SEGMENT: usize = 4096;
 
 /// Precision / kernel of the absorbed MLA decode attend (`mla_decode`), from `K3_MLA_DECODE` at
-/// start-up (`precise` | `bf16` | `wg`, default `bf16`); tests pin it with
-/// `CudaBackend::set_mla_decode_mode`. All write the same partials, merged by `mla_merge_f32`.
+/// start-up (`precise` | `bf16` | `wg` | `wg2`, default `wg`, which runs `bf16` off sm_90a); tests
+/// pin it with `CudaBackend::set_mla_decode_mode`. All write the same partials, merged by
+/// `mla_merge_f32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MlaDecodeMode {
     /// `mla_attend_tc2_f32`: 3xTF32, ~f32 accuracy (the CPU backend's results to ~1e-5).
     Precise,
     /// `mla_attend_bf16_f32` (kernels/mla_attend_bf16.cu): q~, cache rows and P rounded to bf16,
-    /// f32 accumulation and softmax (~1e-3 relative, like FlashMLA / vLLM), built to stream the
-    /// cache at HBM speed. H200, K3, L = 32k: N = 1 84.0 us, N = 64 3.16 ms (precise: 479 us /
+    /// f32 accumulation and softmax (~1e-3 relative, like FlashMLA / vLLM). The fallback off
+    /// sm_90a. H200, K3, L = 32k, attend + merge: N = 1 77.7 us, N = 64 2.99 ms (precise: 479 us /
     /// 28.4 ms).
     Bf16,
     /// `mla_attend_wg_f32` (kernels/mla_attend_wg.cu): the Bf16 rounding on Hopper wgmma (64-position
-    /// tiles, a producer warpgroup streaming the rows). sm_90a only: elsewhere `mla_decode` runs Bf16.
+    /// tiles, a producer warpgroup streaming the rows); the default. H200, K3, L = 32k: N = 1
+    /// 58.6 us, N = 64 2.80 ms. sm_90a only: elsewhere `mla_decode` runs Bf16.
     Wg,
+    /// `mla_attend_wg2_f32`: the same math on clusters of two blocks (the two head groups), each
+    /// loading half of every tile's rows and storing the bf16 tile into both blocks' shared memory,
+    /// so each row is read once per pair. Experimental (`K3_MLA_DECODE=wg2`); sm_90a only, else Bf16.
+    WgPair,
 }
 
 impl MlaDecodeMode {
-    /// `K3_MLA_DECODE`: `precise`, `bf16` or `wg` (anything else, or unset: `bf16`).
+    /// `K3_MLA_DECODE`: `precise`, `bf16`, `wg2` or `wg` (anything else, or unset: `wg`).
     pub fn from_env() -> Self {
         Self::parse(std::env::var("K3_MLA_DECODE").ok().as_deref())
     }
@@ -179,8 +187,9 @@ impl MlaDecodeMode {
     fn parse(v: Option<&str>) -> Self {
         match v {
             Some("precise") => Self::Precise,
-            Some("wg") => Self::Wg,
-            _ => Self::Bf16,
+            Some("bf16") => Self::Bf16,
+            Some("wg2") => Self::WgPair,
+            _ => Self::Wg,
         }
     }
 }
@@ -698,7 +707,11 @@ impl CudaBackend {
         // bucket does, not every step (graph.rs replays a step only if its launches are equal).
         let max_len = lens.iter().copied().max().unwrap_or(1).next_power_of_two();
         let mode = match self.mla_decode_mode {
-            MlaDecodeMode::Wg if !geometry::mla_wg_supported(&self.arch) => MlaDecodeMode::Bf16,
+            MlaDecodeMode::Wg | MlaDecodeMode::WgPair
+                if !geometry::mla_wg_supported(&self.arch) =>
+            {
+                MlaDecodeMode::Bf16
+            }
             m => m,
         };
         let splits = match mode {
@@ -708,7 +721,7 @@ impl CudaBackend {
             MlaDecodeMode::Bf16 => {
                 geometry::mla_splits_bf16(items, g.heads, max_len, self.multiprocessors)
             }
-            MlaDecodeMode::Wg => {
+            MlaDecodeMode::Wg | MlaDecodeMode::WgPair => {
                 geometry::mla_splits_wg(items, g.heads, max_len, self.multiprocessors)
             }
         };
@@ -758,7 +771,8 @@ impl CudaBackend {
         let scale = 1.0 / ((g.nope + g.rope) as f32).sqrt();
         // Attend on tensor cores, merge the splits, then W_UV once per call. Precise: 3xTF32
         // (f32-level accuracy, two blocks per SM, L2 prefetch of MLA_V2_PREFETCH_TILES tiles
-        // ahead); Bf16: one bf16 MMA per product (kernels/mla_attend_bf16.cu), same partials.
+        // ahead); Bf16: one bf16 MMA per product (kernels/mla_attend_bf16.cu); Wg / WgPair: the
+        // same rounding on wgmma (kernels/mla_attend_wg.cu). All write the same partials.
         match mode {
             MlaDecodeMode::Precise => {
                 let tc_mode = 1 | (MLA_V2_PREFETCH_TILES << 2);
@@ -773,6 +787,11 @@ impl CudaBackend {
             }
             MlaDecodeMode::Wg => {
                 launch!(self, "mla_attend_wg_f32", geometry::mla_attend_wg(&g, items, splits)?;
+                    &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
+                    &scale)?;
+            }
+            MlaDecodeMode::WgPair => {
+                launch!(self, "mla_attend_wg2_f32", geometry::mla_attend_wg2(&g, items, splits)?;
                     &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale)?;
             }
@@ -873,13 +892,14 @@ mod tests {
     #[test]
     fn mla_decode_mode_parse() {
         assert_eq!(MlaDecodeMode::parse(Some("wg")), MlaDecodeMode::Wg);
+        assert_eq!(MlaDecodeMode::parse(Some("wg2")), MlaDecodeMode::WgPair);
         assert_eq!(
             MlaDecodeMode::parse(Some("precise")),
             MlaDecodeMode::Precise
         );
         assert_eq!(MlaDecodeMode::parse(Some("bf16")), MlaDecodeMode::Bf16);
-        assert_eq!(MlaDecodeMode::parse(Some("WG")), MlaDecodeMode::Bf16);
-        assert_eq!(MlaDecodeMode::parse(None), MlaDecodeMode::Bf16);
+        assert_eq!(MlaDecodeMode::parse(Some("BF16")), MlaDecodeMode::Wg);
+        assert_eq!(MlaDecodeMode::parse(None), MlaDecodeMode::Wg);
     }
 
     #[test]

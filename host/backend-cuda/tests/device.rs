@@ -147,7 +147,7 @@ const MLA_K3_DIMS: MlaGeom = MlaGeom {
 const TOL_POINTWISE: f64 = 1e-5;
 const TOL_GEMM: f64 = 1e-5;
 const TOL_FUSED: f64 = 1e-4;
-/// MLA decode in `MlaDecodeMode::Bf16`: q~, the cache rows and P rounded to bf16 (8 significant
+/// MLA decode in `MlaDecodeMode::Bf16` / `Wg` / `WgPair`: q~, the cache rows and P rounded to bf16 (8 significant
 /// bits, 2^-9 relative each); ~2e-3 expected at these shapes, one decade of margin.
 const TOL_MLA_BF16: f64 = 2e-2;
 /// bf16 weights: the activation enters the tensor-core GEMM as two bf16 halves (~16 of its 24
@@ -572,11 +572,11 @@ fn ops_match_cpu() {
     compare_ops(&gpu, "ops_match_cpu", "");
 }
 
-/// moe_routed's cuBLAS path (moe_gemm.rs, `K3_MOE_PREFILL=gemm`; `auto` from K3_MOE_GROUPED_MAX
-/// assignments) at the sizes of `ops_match_cpu`'s T = 1100 case (4400 assignments >=
+/// moe_routed's cuBLAS path (moe_gemm.rs, `K3_MOE_PREFILL=gemm`; the default off sm_90a from
+/// K3_MOE_GROUPED_MAX assignments) at the sizes of `ops_match_cpu`'s T = 1100 case (4400 assignments >=
 /// K3_MOE_GEMM_MIN), the grouped one at T = 2048 (tiles of up to 64 tokens: full, partial, one
-/// per expert and several), and the wgmma one (moe_wg.rs, `K3_MOE_PREFILL=wg`; sm_90a, elsewhere
-/// it falls back to `auto`) at T = 1100 (~137 assignments per expert: a tile of 128 and one of
+/// per expert and several), and the wgmma one (moe_wg.rs, the default; sm_90a, elsewhere
+/// grouped / cuBLAS by size) at T = 1100 (~137 assignments per expert: a tile of 128 and one of
 /// N = 32) and 2048 with hi / lo activations, at 2048 with bf16 ones (`K3_MOE_ACT=bf16`,
 /// TOL_MOE_BF16), and at 2048 twice more (hi / lo, bf16) for bitwise run-to-run equality. The
 /// weights' E8M0 scales (123..129) include 129, past the one-factor decode.
@@ -631,7 +631,7 @@ fn moe_gemm_path_matches_cpu() {
             tol,
         );
     }
-    // Run-to-run bitwise equality. The sort's order within an expert differs between runs (atomic
+    // Run-to-run bitwise equality. The sort's order within an expert may differ between runs (atomic
     // cursor), so this also checks that no result depends on a token's tile / column. (An earlier
     // form passed `same` to `t.check` as [0] against [1]: it failed exactly when equal.)
     for act in [MoeAct::Split, MoeAct::Bf16] {
@@ -641,7 +641,8 @@ fn moe_gemm_path_matches_cpu() {
         let same = a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
         println!("op=moe_routed(T=2048, wgmma {act:?}, run twice) bitwise-equal={same}");
         if !same {
-            t.failed.push(format!("moe_routed(T=2048, wgmma {act:?}): rerun differs"));
+            t.failed
+                .push(format!("moe_routed(T=2048, wgmma {act:?}): rerun differs"));
         }
     }
     let recorded = gpu.take_error();
@@ -663,10 +664,7 @@ fn moe_stream2_variants_match_cpu() {
         failed: Vec::new(),
     };
     let want = moe(&cpu, &mut Rng(seed), 1);
-    for (variant, name) in [
-        (Stream2Variant::V1, "v1"),
-        (Stream2Variant::V2, "v2"),
-    ] {
+    for (variant, name) in [(Stream2Variant::V1, "v1"), (Stream2Variant::V2, "v2")] {
         gpu.set_moe_stream2(variant);
         let got = moe(&gpu, &mut Rng(seed), 1);
         t.check(
@@ -695,18 +693,25 @@ fn moe_stream2_variants_match_cpu() {
 }
 
 /// The MLA comparisons of `ops_match_cpu` with the bf16 decode attend (kernels/mla_attend_bf16.cu,
-/// `K3_MLA_DECODE=bf16`, the default): the absorbed steps (T < 64 new tokens) take it, so decode,
-/// chunks and batched decode differ from the CPU by bf16 rounding (TOL_MLA_BF16).
+/// `K3_MLA_DECODE=bf16`, the fallback off sm_90a): the absorbed steps (T < 64 new tokens) take it,
+/// so decode, chunks and batched decode differ from the CPU by bf16 rounding (TOL_MLA_BF16).
 #[test]
 fn mla_bf16_matches_cpu() {
     mla_mode_matches_cpu(MlaDecodeMode::Bf16, "mla_bf16_matches_cpu", "bf16");
 }
 
-/// The same with the wgmma attend (kernels/mla_attend_wg.cu, `K3_MLA_DECODE=wg`): the bf16
-/// rounding on 64-position tiles, so the same tolerance (off sm_90a `mla_decode` runs Bf16).
+/// The same with the wgmma attend (kernels/mla_attend_wg.cu, the default on sm_90a, `K3_MLA_DECODE`
+/// unset or `wg`): the bf16 rounding on 64-position tiles, so the same tolerance (off sm_90a
+/// `mla_decode` runs Bf16).
 #[test]
 fn mla_wg_matches_cpu() {
     mla_mode_matches_cpu(MlaDecodeMode::Wg, "mla_wg_matches_cpu", "wg");
+}
+
+/// The same with the cluster-pair wgmma attend (`mla_attend_wg2_f32`, `K3_MLA_DECODE=wg2`).
+#[test]
+fn mla_wg2_matches_cpu() {
+    mla_mode_matches_cpu(MlaDecodeMode::WgPair, "mla_wg2_matches_cpu", "wg2");
 }
 
 fn mla_mode_matches_cpu(mode: MlaDecodeMode, test: &str, tag: &str) {
