@@ -333,20 +333,7 @@ mxfp4_down_stream2_f32(const float* __restrict__ gu, const u8* __restrict__ w2p,
     auto stage = [&](int j, int slot) {
         const float* base = gu + (i64)j * parts_up * 2 * inter;
         mxq_stage(inter, slot, [&](int col, float* v) {
-            float gs[8], us[8];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) gs[k] = us[k] = 0.0f;
-            for (int p = 0; p < parts_up; ++p) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float4 a = *reinterpret_cast<const float4*>(base + (2 * p) * (i64)inter + col + 4 * h);
-                    const float4 b = *reinterpret_cast<const float4*>(base + (2 * p + 1) * (i64)inter + col + 4 * h);
-                    gs[4 * h] += a.x, gs[4 * h + 1] += a.y, gs[4 * h + 2] += a.z, gs[4 * h + 3] += a.w;
-                    us[4 * h] += b.x, us[4 * h + 1] += b.y, us[4 * h + 2] += b.z, us[4 * h + 3] += b.w;
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = situ_glu_one(gs[k], us[k], beta, beta_lin, has_lin);
+            mx_glu_parts8(base, parts_up, inter, col, beta, beta_lin, has_lin, v);
         });
     };
     auto emit = [&](int a, int p, int, int r, float v) { yp[((i64)a * parts + p) * latent + r] = v; };

@@ -57,3 +57,24 @@ __device__ __forceinline__ void mx_fill_table(u32* tab, int words) {
         tab4[i] = make_uint4(v, v, v, v);
     }
 }
+
+// act = SiTU-GLU of the up kernel's gate / up partial sums, columns col .. col + 7 of one
+// assignment: `gu` = its [parts][2][inter] rows, parts added in order (deterministic). Used by
+// both stream2 down kernels' staging.
+__device__ __forceinline__ void mx_glu_parts8(const float* gu, int parts, int inter, int col, float beta,
+                                              float beta_lin, int has_lin, float* v) {
+    float gs[8], us[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) gs[k] = us[k] = 0.0f;
+    for (int p = 0; p < parts; ++p) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float4 a = *reinterpret_cast<const float4*>(gu + (2 * p) * (i64)inter + col + 4 * h);
+            const float4 b = *reinterpret_cast<const float4*>(gu + (2 * p + 1) * (i64)inter + col + 4 * h);
+            gs[4 * h] += a.x, gs[4 * h + 1] += a.y, gs[4 * h + 2] += a.z, gs[4 * h + 3] += a.w;
+            us[4 * h] += b.x, us[4 * h + 1] += b.y, us[4 * h + 2] += b.z, us[4 * h + 3] += b.w;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = situ_glu_one(gs[k], us[k], beta, beta_lin, has_lin);
+}
