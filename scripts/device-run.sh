@@ -82,7 +82,9 @@ done
 
 # --- 1. device tests.
 summary "== device tests"
-K3_ROOT="$PWD" timeout 420 "$BIN/device-test" --nocapture --test-threads=1 >"$OUT/device-test.log" 2>&1
+# K3_DEVICE_TEST_SKIP: a test-name filter to leave out (a kernel a first probe found hanging).
+K3_ROOT="$PWD" timeout 420 "$BIN/device-test" --nocapture --test-threads=1 \
+    ${K3_DEVICE_TEST_SKIP:+--skip "$K3_DEVICE_TEST_SKIP"} >"$OUT/device-test.log" 2>&1
 rc=$?
 grep -E '^(op=|e2e |engine |test |graph_decode )|skipped|seed|FAIL|panicked|near tie' "$OUT/device-test.log" | tee -a "$OUT/summary.txt"
 [ $rc -eq 0 ] || fail "device tests (exit $rc; see device-test.log)"
