@@ -305,57 +305,6 @@ struct MxwTile {
     bool nofence;  // mode & MXW_NO_PROXY_FENCE
 };
 
-// The tile's outputs from the accumulators (layout: header), one thread's lanes each.
-template <int P, bool UP, int N>
-__device__ __forceinline__ void mxw_store(const MxwTile& a, const float (&acc)[2][N / 2]) {
-    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wq = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
-    if constexpr (UP) {
-        // actx row p0 + i, group 2 blockIdx.x + wg (= (r0 + 64 wg) / 64), position of local row rl.
-        const int ng = (a.rows + MXW_KC - 1) / MXW_KC, grp = 2 * blockIdx.x + wg;
-        if (grp >= ng) return;  // warpgroup-uniform: past the row's last group
-        u16* base = a.actx + (i64)a.p0 * ng * (P * 64) + grp * (P * 64);
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int i = 8 * j + 2 * t + e;
-                if (i >= a.nt) continue;
-                u16* dst = base + (i64)i * ng * (P * 64);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int rl = 16 * wq + 8 * h + g;
-                    const float gate = acc[0][4 * j + 2 * h + e], up = acc[1][4 * j + 2 * h + e];
-                    const float v =
-                        a.r0 + 64 * wg + rl < a.rows ? situ_glu_one(gate, up, a.beta, a.beta_lin, a.has_lin) : 0.0f;
-                    if (P == 2) {
-                        u16 hi, lo;
-                        split_bf16(v, hi, lo);
-                        dst[mxw_pos(rl)] = hi;
-                        dst[64 + mxw_pos(rl)] = lo;
-                    } else {
-                        dst[mxw_pos(rl)] = f32_to_bf16_bits(v);
-                    }
-                }
-            }
-    } else {
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int i = 8 * j + 2 * t + e;
-                if (i >= a.nt) continue;
-                float* row = a.y + (i64)a.sorted[a.p0 + i] * a.rows;
-#pragma unroll
-                for (int m = 0; m < 2; ++m)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int r = a.r0 + 128 * wg + 64 * m + 16 * wq + 8 * h + g;
-                        if (r < a.rows) row[r] = acc[m][4 * j + 2 * h + e];
-                    }
-            }
-    }
-}
-
 template <int P, bool UP, int N>
 __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
     constexpr int S = MXW_STAGES(P), SB = MXW_STAGE_BYTES(P), L = N / 2;
@@ -485,7 +434,51 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
     mxw_pin(acc[0]);
     mxw_pin(acc[1]);
 
-    mxw_store<P, UP, N>(a, acc);
+    if constexpr (UP) {
+        // actx row p0 + i, group 2 blockIdx.x + wg (= (r0 + 64 wg) / 64), position of local row rl.
+        const int ng = (a.rows + MXW_KC - 1) / MXW_KC, grp = 2 * blockIdx.x + wg;
+        if (grp >= ng) return;  // warpgroup-uniform: past the row's last group
+        u16* base = a.actx + (i64)a.p0 * ng * (P * 64) + grp * (P * 64);
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = 8 * j + 2 * t + e;
+                if (i >= a.nt) continue;
+                u16* dst = base + (i64)i * ng * (P * 64);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int rl = 16 * wq + 8 * h + g;
+                    const float gate = acc[0][4 * j + 2 * h + e], up = acc[1][4 * j + 2 * h + e];
+                    const float v =
+                        a.r0 + 64 * wg + rl < a.rows ? situ_glu_one(gate, up, a.beta, a.beta_lin, a.has_lin) : 0.0f;
+                    if (P == 2) {
+                        u16 hi, lo;
+                        split_bf16(v, hi, lo);
+                        dst[mxw_pos(rl)] = hi;
+                        dst[64 + mxw_pos(rl)] = lo;
+                    } else {
+                        dst[mxw_pos(rl)] = f32_to_bf16_bits(v);
+                    }
+                }
+            }
+    } else {
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = 8 * j + 2 * t + e;
+                if (i >= a.nt) continue;
+                float* row = a.y + (i64)a.sorted[a.p0 + i] * a.rows;
+#pragma unroll
+                for (int m = 0; m < 2; ++m)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = a.r0 + 128 * wg + 64 * m + 16 * wq + 8 * h + g;
+                        if (r < a.rows) row[r] = acc[m][4 * j + 2 * h + e];
+                    }
+            }
+    }
 }
 
 // The tile's N: its tokens rounded up to 32.
@@ -498,15 +491,24 @@ __device__ __forceinline__ void mxw_dispatch(const MxwTile& a) {
         default: mxw_tile<P, UP, 128>(a); break;
     }
 }
+#endif
 
-// The up / down kernels' tile (both versions): false past the last tile (block-uniform).
-__device__ __forceinline__ bool mxw_up_args(MxwTile& a, const u16* zx, const u8* w1p, const u8* w1s, const u8* w3p,
-                                            const u8* w3s, const int* offsets, const int* sorted, u16* actx,
-                                            int top_k, int latent, int inter, float beta, float beta_lin, int has_lin,
-                                            int experts, int mode) {
+// Grid (ceil(inter / 128), assignments / 128 + min(E, assignments) (a bound on the tiles)), 256
+// threads, MXW_SHARED_BYTES (opt-in). mode = planes (1 or 2) | MXW_NO_PROXY_FENCE |
+// MXW_SWAP_LBO_SBO (a diagnostic). zx: mxfp4_wg_split_f32 of z [T, latent] with those planes; actx
+// [n_assign] rows of ceil(inter / 64) groups (layout above), row p = sorted position p: the up CTA
+// (x, tile) writes groups 2x, 2x + 1 of its tokens' rows (rows past inter as zeros). Other
+// arguments as mxfp4_up_grouped_f32.
+extern "C" __global__ void __launch_bounds__(MXW_THREADS, 1)
+mxfp4_up_wg_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
+                const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
+                const int* __restrict__ sorted, u16* __restrict__ actx, int top_k, int latent, int inter, float beta,
+                float beta_lin, int has_lin, int experts, int mode) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, t0;
-    if (!mxw_find_tile(offsets, experts, blockIdx.y, e, t0)) return false;
+    if (!mxw_find_tile(offsets, experts, blockIdx.y, e, t0)) return;  // block-uniform
     const i64 mat = (i64)e * inter;
+    MxwTile a;
     a.xs = zx;
     a.div = top_k;
     a.sorted = sorted;
@@ -526,246 +528,6 @@ __device__ __forceinline__ bool mxw_up_args(MxwTile& a, const u16* zx, const u8*
     a.has_lin = has_lin;
     a.swap = (mode & MXW_SWAP_LBO_SBO) != 0;
     a.nofence = (mode & MXW_NO_PROXY_FENCE) != 0;
-    return true;
-}
-__device__ __forceinline__ bool mxw_down_args(MxwTile& a, const u16* actx, const u8* w2p, const u8* w2s,
-                                              const int* offsets, const int* sorted, float* y, int latent, int inter,
-                                              int experts, int mode) {
-    int e, t0;
-    if (!mxw_find_tile(offsets, experts, blockIdx.y, e, t0)) return false;
-    const i64 mat = (i64)e * latent;
-    a.xs = actx;
-    a.div = 1;
-    a.sorted = sorted;
-    a.p0 = offsets[e] + t0;
-    a.nt = min(MXW_TOK, offsets[e + 1] - a.p0);
-    a.pk[0] = a.pk[1] = w2p + mat * (inter / 2);
-    a.ps[0] = a.ps[1] = w2s + mat * (inter / 32);
-    a.rows = latent;
-    a.cols = inter;
-    a.r0 = blockIdx.x * MXW_AROWS;
-    a.actx = nullptr;
-    a.y = y;
-    a.beta = a.beta_lin = 0.0f;
-    a.has_lin = 0;
-    a.swap = (mode & MXW_SWAP_LBO_SBO) != 0;
-    a.nofence = (mode & MXW_NO_PROXY_FENCE) != 0;
-    return true;
-}
-
-// ---- v2 (K3_MOE_WG=v2): the same tiles, layouts, fragments and per-element summation order as
-// above (so bit-identical outputs), with the copies moved to a producer warpgroup. 384 threads:
-// warps 0-7 the two consumer warpgroups of v1 (decode + wgmma only: no cp.async issue, no
-// per-stage __syncthreads or proxy fence in them), warps 8-11 the producer. ptxas sizes a
-// 384-thread kernel at 168 registers; setmaxnreg gives the consumers 224 (v1 needs ~207) and the
-// producer 64 (128 x 64 + 256 x 224 = 64 K). mbarriers after the ring (MXW2_SHARED_BYTES):
-// full[i] (128 producer threads arrive) and empty[i] (8 consumer warps).
-// Producer, stage c into slot c % S: wait empty (consumers done with stage c - S), issue and
-// commit c's copies; then stage c - D (D = S - 3) has landed (cp.async.wait_group D): proxy
-// fence (the writer's side, as the PTX memory model asks), arrive full[c - D]. Consumers, stage
-// c: wait full[c % S]; the four k-steps as v1; after k-step 0's wait_group 1 every group of
-// stage c - 1 is done: lane 0 of each warp arrives empty[(c - 1) % S]. No deadlock: full[c] needs
-// the producer at c + D, which needs stage c + D - S = c - 3 released (during consumer stage
-// c - 2). Copies run S - 1 stages ahead of use at best; a stage is signalled D stages after its
-// issue, so a fence that also waited for younger copies still leaves ~2 stages of slack.
-#define MXW2_THREADS 384
-#define MXW2_BAR_BYTES 128  // full[8], empty[8]
-#define MXW2_SHARED_BYTES (MXW_SHARED_BYTES + MXW2_BAR_BYTES)
-static_assert(MXW2_SHARED_BYTES == 210048, "keep moe_wg.rs MX_WG2_SHARED in step");
-static_assert(MXW_STAGES(1) <= 8 && MXW_STAGES(2) <= 8, "mbarrier slots");
-
-__device__ __forceinline__ void mxw_mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mxw_mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mxw_mbar_wait(u32 bar, u32 parity) {
-    asm volatile("{\n\t.reg .pred done;\n"
-                 "MXW_WAIT_%=:\n\t"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-                 "@!done bra MXW_WAIT_%=;\n\t}" ::"r"(bar), "r"(parity) : "memory");
-}
-
-// Warps 8-11: every copy of every stage. Thread u (0..127), warp w = u / 32: weight rows
-// (u >> 1) + 64 i, 16-byte half u & 1; scale rows u + 128 i; tokens 8 w + (u & 7) + 32 q, chunks
-// 4 j + ((u & 31) >> 3) (v1's pattern, one warpgroup wide).
-template <int P, bool UP, int N>
-__device__ __forceinline__ void mxw2_produce(const MxwTile& a, u32 sbase, u32 full, u32 empty, int nch) {
-    constexpr int S = MXW_STAGES(P), SB = MXW_STAGE_BYTES(P), D = S - 3, NQ = N / 32;
-    const int u = threadIdx.x - 256, lane = u & 31, cols = a.cols, nb = cols >> 5;
-    auto src_row = [&](int ar, int& m) {
-        m = UP ? (ar >> 6) & 1 : 0;
-        return min(UP ? a.r0 + 64 * (ar >> 7) + (ar & 63) : a.r0 + ar, a.rows - 1);
-    };
-    const u8* wsrc[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        int m;
-        const int r = src_row((u >> 1) + 64 * i, m);
-        wsrc[i] = (m ? a.pk[1] : a.pk[0]) + (i64)r * (cols / 2) + 16 * (u & 1);
-    }
-    const u8* ssrc[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        int m;
-        const int r = src_row(u + 128 * i, m);
-        ssrc[i] = (m ? a.ps[1] : a.ps[0]) + (i64)r * nb;
-    }
-    const u16* bsrc[NQ];
-    u32 bsz[NQ];
-#pragma unroll
-    for (int q = 0; q < NQ; ++q) {
-        const int n = 8 * (u >> 5) + (lane & 7) + 32 * q;
-        const bool on = n < a.nt;
-        const i64 row = on ? (UP ? a.sorted[a.p0 + n] / a.div : a.p0 + n) : 0;
-        bsrc[q] = a.xs + row * nch * (P * 64) + 8 * (lane >> 3);
-        bsz[q] = on ? 16u : 0u;
-    }
-    const u32 bdst = MXW_A_BYTES + MXW_S_BYTES + (lane >> 3) * MXW_CHUNK_BYTES + 16 * (8 * (u >> 5) + (lane & 7));
-
-    for (int c = 0; c < nch; ++c) {
-        if (c >= S) mxw_mbar_wait(empty + 8 * (c % S), ((c / S) - 1) & 1);
-        const u32 bs = sbase + (c % S) * SB;
-        const bool in = 64 * c + 32 * (u & 1) < cols;  // past the row's end: zeros
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            mx_cp16_l2(bs + ((u >> 1) + 64 * i) * 32 + 16 * (u & 1), wsrc[i] + (in ? 32 * c : 0), in ? 16u : 0u);
-        if ((nb & 3) == 0) {
-#pragma unroll
-            for (int i = 0; i < 2; ++i) mx_cp4(bs + MXW_A_BYTES + 4 * (u + 128 * i), ssrc[i] + 4 * (c >> 1));
-        } else {  // test shapes only: plain loads and stores (released by the full arrive below)
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                u32 v = 0;
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-                    if (4 * (c >> 1) + k < nb) v |= (u32)ssrc[i][4 * (c >> 1) + k] << (8 * k);
-                *reinterpret_cast<u32*>(mxw_smem + (c % S) * SB + MXW_A_BYTES + 4 * (u + 128 * i)) = v;
-            }
-        }
-        const i64 boff = (i64)c * (P * 64);
-#pragma unroll
-        for (int j = 0; j < 2 * P; ++j)
-#pragma unroll
-            for (int q = 0; q < NQ; ++q)
-                mx_cp16_fill(bs + bdst + 4 * j * MXW_CHUNK_BYTES + 512 * q, bsrc[q] + boff + 32 * j, bsz[q]);
-        mx_commit();
-        if (c >= D) {
-            mxw_cp_wait<D>();  // stage c - D's copies (this lane's) landed
-            if (!a.nofence) mxw_fence_async();
-            mxw_mbar_arrive(full + 8 * ((c - D) % S));
-        }
-    }
-    mxw_cp_wait<0>();
-    if (!a.nofence) mxw_fence_async();
-    for (int c = max(nch - D, 0); c < nch; ++c) mxw_mbar_arrive(full + 8 * (c % S));
-}
-
-template <int P, bool UP, int N>
-__device__ __forceinline__ void mxw2_tile(const MxwTile& a) {
-    constexpr int S = MXW_STAGES(P), SB = MXW_STAGE_BYTES(P), L = N / 2;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7, wq = warp & 3, g = lane >> 2,
-              t = lane & 3;
-    const int nch = (a.cols + MXW_KC - 1) / MXW_KC;
-    const u32 sbase = (u32)__cvta_generic_to_shared(mxw_smem), full = sbase + MXW_SHARED_BYTES, empty = full + 64;
-    if (tid == 0) {
-#pragma unroll
-        for (int i = 0; i < S; ++i) {
-            mxw_mbar_init(full + 8 * i, 128);
-            mxw_mbar_init(empty + 8 * i, 8);
-        }
-    }
-    __syncthreads();
-    if (wg == 2) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
-        mxw2_produce<P, UP, N>(a, sbase, full, empty, nch);
-        return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-
-    float acc[2][L];
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int i = 0; i < L; ++i) acc[m][i] = 0.0f;
-    mxw_pin(acc[0]);
-    mxw_pin(acc[1]);
-    for (int c = 0; c < nch; ++c) {
-        mxw_mbar_wait(full + 8 * (c % S), (c / S) & 1);
-        const u8* buf = mxw_smem + (c % S) * SB;
-        uint2 wv[2][2];
-        u32 sc[2][2], sc2[2][2];
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int ar = 128 * wg + 64 * m + 16 * wq + 8 * h + g;
-                wv[m][h] = *reinterpret_cast<const uint2*>(buf + ar * 32 + 8 * t);
-                const u32 s = buf[MXW_A_BYTES + 4 * ar + 2 * (c & 1) + (t >> 1)];
-                const u32 b1 = (min(s, 128u) + 126u) << 7, b2 = (max(s, 128u) - 1u) << 7;
-                sc[m][h] = b1 | (b1 << 16);
-                sc2[m][h] = b2 | (b2 << 16);
-            }
-        const u64 db = mxw_desc(sbase + (c % S) * SB + MXW_A_BYTES + MXW_S_BYTES, a.swap);
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            u32 af[2][4];
-#pragma unroll
-            for (int m = 0; m < 2; ++m) {
-                const u32 w0 = (s >> 1) ? wv[m][0].y : wv[m][0].x, w1 = (s >> 1) ? wv[m][1].y : wv[m][1].x;
-                const u32 l0 = w0 & 0x0F0F0F0Fu, h0 = (w0 >> 4) & 0x0F0F0F0Fu;
-                const u32 l1 = w1 & 0x0F0F0F0Fu, h1 = (w1 >> 4) & 0x0F0F0F0Fu;
-                const int by = 2 * (s & 1);
-                af[m][0] = mxw_dec(l0, h0, by, sc[m][0], sc2[m][0]);
-                af[m][1] = mxw_dec(l1, h1, by, sc[m][1], sc2[m][1]);
-                af[m][2] = mxw_dec(l0, h0, by + 1, sc[m][0], sc2[m][0]);
-                af[m][3] = mxw_dec(l1, h1, by + 1, sc[m][1], sc2[m][1]);
-            }
-            mxw_wg_fence();
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-#pragma unroll
-                for (int p = 0; p < P; ++p) mxw_mma(acc[m], af[m], db + (u64)((8 * p + 2 * s) * (MXW_CHUNK_BYTES >> 4)));
-            mxw_wg_commit();
-            mxw_wg_wait<1>();
-            // After k-step 0: stage c - 1's last group is done, so its slot may be refilled.
-            if (s == 0 && c > 0 && lane == 0) mxw_mbar_arrive(empty + 8 * ((c - 1) % S));
-        }
-    }
-    mxw_wg_wait<0>();
-    mxw_pin(acc[0]);
-    mxw_pin(acc[1]);
-    mxw_store<P, UP, N>(a, acc);
-}
-
-template <int P, bool UP>
-__device__ __forceinline__ void mxw2_dispatch(const MxwTile& a) {
-    switch ((a.nt + 31) >> 5) {
-        case 1: mxw2_tile<P, UP, 32>(a); break;
-        case 2: mxw2_tile<P, UP, 64>(a); break;
-        case 3: mxw2_tile<P, UP, 96>(a); break;
-        default: mxw2_tile<P, UP, 128>(a); break;
-    }
-}
-#endif
-
-// Grid (ceil(inter / 128), assignments / 128 + min(E, assignments) (a bound on the tiles)), 256
-// threads, MXW_SHARED_BYTES (opt-in). mode = planes (1 or 2) | MXW_NO_PROXY_FENCE |
-// MXW_SWAP_LBO_SBO (a diagnostic). zx: mxfp4_wg_split_f32 of z [T, latent] with those planes; actx
-// [n_assign] rows of ceil(inter / 64) groups (layout above), row p = sorted position p: the up CTA
-// (x, tile) writes groups 2x, 2x + 1 of its tokens' rows (rows past inter as zeros). Other
-// arguments as mxfp4_up_grouped_f32.
-extern "C" __global__ void __launch_bounds__(MXW_THREADS, 1)
-mxfp4_up_wg_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
-                const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
-                const int* __restrict__ sorted, u16* __restrict__ actx, int top_k, int latent, int inter, float beta,
-                float beta_lin, int has_lin, int experts, int mode) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    MxwTile a;
-    if (!mxw_up_args(a, zx, w1p, w1s, w3p, w3s, offsets, sorted, actx, top_k, latent, inter, beta, beta_lin, has_lin,
-                     experts, mode))
-        return;  // block-uniform: past the last tile
     if ((mode & 3) == 2)
         mxw_dispatch<2, true>(a);
     else
@@ -783,49 +545,30 @@ mxfp4_down_wg_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, cons
                   const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,
                   int inter, int experts, int mode) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    int e, t0;
+    if (!mxw_find_tile(offsets, experts, blockIdx.y, e, t0)) return;
+    const i64 mat = (i64)e * latent;
     MxwTile a;
-    if (!mxw_down_args(a, actx, w2p, w2s, offsets, sorted, y, latent, inter, experts, mode)) return;
+    a.xs = actx;
+    a.div = 1;
+    a.sorted = sorted;
+    a.p0 = offsets[e] + t0;
+    a.nt = min(MXW_TOK, offsets[e + 1] - a.p0);
+    a.pk[0] = a.pk[1] = w2p + mat * (inter / 2);
+    a.ps[0] = a.ps[1] = w2s + mat * (inter / 32);
+    a.rows = latent;
+    a.cols = inter;
+    a.r0 = blockIdx.x * MXW_AROWS;
+    a.actx = nullptr;
+    a.y = y;
+    a.beta = a.beta_lin = 0.0f;
+    a.has_lin = 0;
+    a.swap = (mode & MXW_SWAP_LBO_SBO) != 0;
+    a.nofence = (mode & MXW_NO_PROXY_FENCE) != 0;
     if ((mode & 3) == 2)
         mxw_dispatch<2, false>(a);
     else
         mxw_dispatch<1, false>(a);
-#else
-    __trap();
-#endif
-}
-
-// v2 of the two GEMM kernels (above): arguments, grids and outputs as mxfp4_up_wg_f32 /
-// mxfp4_down_wg_f32; MXW2_THREADS threads, MXW2_SHARED_BYTES (opt-in; moe_wg.rs MX_WG2_SHARED).
-extern "C" __global__ void __launch_bounds__(MXW2_THREADS, 1)
-mxfp4_up_wg2_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
-                 const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
-                 const int* __restrict__ sorted, u16* __restrict__ actx, int top_k, int latent, int inter, float beta,
-                 float beta_lin, int has_lin, int experts, int mode) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    MxwTile a;
-    if (!mxw_up_args(a, zx, w1p, w1s, w3p, w3s, offsets, sorted, actx, top_k, latent, inter, beta, beta_lin, has_lin,
-                     experts, mode))
-        return;
-    if ((mode & 3) == 2)
-        mxw2_dispatch<2, true>(a);
-    else
-        mxw2_dispatch<1, true>(a);
-#else
-    __trap();
-#endif
-}
-
-extern "C" __global__ void __launch_bounds__(MXW2_THREADS, 1)
-mxfp4_down_wg2_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
-                   const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,
-                   int inter, int experts, int mode) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    MxwTile a;
-    if (!mxw_down_args(a, actx, w2p, w2s, offsets, sorted, y, latent, inter, experts, mode)) return;
-    if ((mode & 3) == 2)
-        mxw2_dispatch<2, false>(a);
-    else
-        mxw2_dispatch<1, false>(a);
 #else
     __trap();
 #endif

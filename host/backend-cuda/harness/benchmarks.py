@@ -677,16 +677,14 @@ def bench_moe_prefill(d: Device, record, quick: bool):
         try:
             out_w = torch.empty(T, lt, device="cuda")
             v_out_w = d.view(out_w)
-            # v2 (K3_MOE_WG=v2, mxfp4_*_wg2_f32: producer warpgroup + mbarriers) side by side with v1.
-            for planes, bits, ver in ((2, 0, 1), (2, MX_WG_NO_PROXY_FENCE, 1), (1, 0, 1), (1, MX_WG_NO_PROXY_FENCE, 1),
-                                      (2, 0, 2), (2, MX_WG_NO_PROXY_FENCE, 2), (1, 0, 2)):
+            for planes, bits in ((2, 0), (2, MX_WG_NO_PROXY_FENCE), (1, 0), (1, MX_WG_NO_PROXY_FENCE)):
                 fw = flops // 2 * planes
                 floor_w = max(fw / rate * 1e3, (wbytes + 2 * T * lt * 4) / (COPY_TBPS * 1e12) * 1e3)
-                tag = f"{'v2 ' if ver == 2 else ''}planes={planes}{' nofence' if bits else ''}"
+                tag = f"planes={planes}{' nofence' if bits else ''}"
 
-                def wgr(parts=("split", "up", "down", "combine"), planes=planes, bits=bits, ver=ver):
+                def wgr(parts=("split", "up", "down", "combine"), planes=planes, bits=bits):
                     run_mx_wg(d, V["z"], w, V["idx"], V["wts"], V["off"], V["srt"], v_out_w, scratch, T, k, lt, ie, E,
-                              planes, parts=parts, mode_bits=bits, version=ver)
+                              planes, parts=parts, mode_bits=bits)
 
                 ms, how = d.time_graph(lambda: (sort(), wgr()), reps=5, inner=2)
                 ms_w[tag] = ms

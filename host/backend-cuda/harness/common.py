@@ -115,9 +115,6 @@ def run_mx_grouped(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t,
 MX_WG_TOK, MX_WG_UP_ROWS, MX_WG_DOWN_ROWS, MX_WG_SHARED = 128, 128, 256, 209920
 MX_WG_SWAP_LBO_SBO = 16  # mode bit of the GEMMs: the B descriptor's LBO / SBO swapped (a diagnostic)
 MX_WG_NO_PROXY_FENCE = 32  # mode bit: no fence.proxy.async per stage (moe_wg.rs K3_MOE_WG_FENCE=0)
-# v2 of the GEMMs (moe_wg.rs WgKernels::V2, K3_MOE_WG=v2): same arguments and grid, a producer
-# warpgroup (384 threads) and the ring + 16 mbarriers (MXW2_SHARED_BYTES).
-MX_WG2_THREADS, MX_WG2_SHARED = 384, 209920 + 128
 
 
 def mx_wg_tiles(n_assign: int, experts: int) -> int:
@@ -137,22 +134,20 @@ def mx_wg_scratch(d: Device, t: int, k: int, lt: int, ie: int, planes: int = 2):
 
 
 def run_mx_wg(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t, k, lt, ie, e, planes=2,
-              situ=(4.0, 25.0, 1), parts=("split", "up", "down", "combine"), mode_bits=0, version=1):
+              situ=(4.0, 25.0, 1), parts=("split", "up", "down", "combine"), mode_bits=0):
     """moe_wg.rs after the sort: split z, up, down, combine (views; w = (w1p, w1s, w3p, w3s, w2p,
     w2s); scratch from mx_wg_scratch or mx_grouped_scratch (large enough for planes <= 2)).
-    mode_bits: further bits of the GEMMs' mode (MX_WG_NO_PROXY_FENCE, MX_WG_SWAP_LBO_SBO); version:
-    1 = mxfp4_*_wg_f32, 2 = mxfp4_*_wg2_f32."""
+    mode_bits: further bits of the GEMMs' mode (MX_WG_NO_PROXY_FENCE, MX_WG_SWAP_LBO_SBO)."""
     _, zx, actx, y = scratch
     tiles = mx_wg_tiles(t * k, e)
-    sfx, threads, shared = ("2", MX_WG2_THREADS, MX_WG2_SHARED) if version == 2 else ("", 256, MX_WG_SHARED)
     if "split" in parts:
         d.launch("mxfp4_wg_split_f32", (t, cdiv(lt, 256)), 128, z, zx, t, lt, planes)
     if "up" in parts:
-        d.launch(f"mxfp4_up_wg{sfx}_f32", (cdiv(ie, MX_WG_UP_ROWS), tiles), threads, zx, *w[:4], offsets, sorted_,
-                 actx, k, lt, ie, *situ, e, planes | mode_bits, shared_mem=shared)
+        d.launch("mxfp4_up_wg_f32", (cdiv(ie, MX_WG_UP_ROWS), tiles), 256, zx, *w[:4], offsets, sorted_, actx, k, lt,
+                 ie, *situ, e, planes | mode_bits, shared_mem=MX_WG_SHARED)
     if "down" in parts:
-        d.launch(f"mxfp4_down_wg{sfx}_f32", (cdiv(lt, MX_WG_DOWN_ROWS), tiles), threads, actx, *w[4:], offsets,
-                 sorted_, y, lt, ie, e, planes | mode_bits, shared_mem=shared)
+        d.launch("mxfp4_down_wg_f32", (cdiv(lt, MX_WG_DOWN_ROWS), tiles), 256, actx, *w[4:], offsets, sorted_, y,
+                 lt, ie, e, planes | mode_bits, shared_mem=MX_WG_SHARED)
     if "combine" in parts:
         d.launch("moe_combine_ids_f32", min(cdiv(t * lt, 256), 132 * 32), 256, y, idx, wts, out, t, k, lt, e)
 

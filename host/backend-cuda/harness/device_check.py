@@ -1145,8 +1145,7 @@ def check_moe_wg(d: Device, r: Results, gen):
     with and without the decode's second bf16 factor in one stage; z / 2^9 keeps their gates where
     the other experts' were, else SiTU's conditioning, not the kernel, sets the error); and
     T = 2048, random top-4 of 16 at 256 x 384 (~4 tiles of 128 per expert, partial last tiles).
-    Each case once more at planes 2 without the per-stage proxy fence (K3_MOE_WG_FENCE=0), and with
-    the v2 kernels (mxfp4_*_wg2_f32, K3_MOE_WG=v2) at planes 2 and 1, per-kernel checks included."""
+    Each case once more at planes 2 without the per-stage proxy fence (K3_MOE_WG_FENCE=0)."""
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
     second = torch.tensor([0] * 1 + [1] * 63 + [2] * 64 + [3] * 65 + [5] * 107)
     second = second[torch.randperm(300, generator=gen)]
@@ -1183,34 +1182,32 @@ def check_moe_wg(d: Device, r: Results, gen):
         d.launch("moe_sort_assignments", 1, 1024, d.view(ids), na, e, d.view(offsets), d.view(sorted_))
         w = tuple(d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s))
         counts = sorted(torch.bincount(idx[idx >= 0].reshape(-1), minlength=e).tolist(), reverse=True)
-        for planes, tol, bits, ver in ((2, 2e-5, 0, 1), (1, 1e-2, 0, 1), (2, 2e-5, MX_WG_NO_PROXY_FENCE, 1),
-                                       (2, 2e-5, 0, 2), (1, 1e-2, 0, 2)):
+        for planes, tol, bits in ((2, 2e-5, 0), (1, 1e-2, 0), (2, 2e-5, MX_WG_NO_PROXY_FENCE)):
             scratch = mx_wg_scratch(d, t, k, lt, ie, planes)
             scratch[0][2].fill_(float("nan"))  # y rows of dropped slots stay NaN: the combine skips them
             out = torch.full((t, lt), float("nan"), device=d.tdev)
             run_mx_wg(d, d.view(dev(z.float())), w, d.view(ids), d.view(dev(wts.float().reshape(-1))),
-                      d.view(offsets), d.view(sorted_), d.view(out), scratch, t, k, lt, ie, e, planes, mode_bits=bits,
-                      version=ver)
+                      d.view(offsets), d.view(sorted_), d.view(out), scratch, t, k, lt, ie, e, planes, mode_bits=bits)
             d.sync()
             err = rel_err(out, ref)
-            r.check(f"moe routed wg{'2' if ver == 2 else ''} planes={planes}{' no proxy fence' if bits else ''} T={t} top{k} of {e} {lt}x{ie}, "
+            r.check(f"moe routed wg planes={planes}{' no proxy fence' if bits else ''} T={t} top{k} of {e} {lt}x{ie}, "
                     f"tokens per expert {counts[:7]}{', odd scales' if odd else ''} (sort+split+up+down+combine)",
                     err, tol)
             if bits:
                 continue
             if not odd:
                 check_moe_wg_stages(r, scratch, z, (w1p, w1s, w3p, w3s, w2p, w2s), offsets, sorted_, t, k, lt, ie, e,
-                                    planes, ver)
+                                    planes)
             if not err <= tol and not d.dry:  # tell a misread B descriptor from other faults (log only)
                 run_mx_wg(d, d.view(dev(z.float())), w, d.view(ids), d.view(dev(wts.float().reshape(-1))),
                           d.view(offsets), d.view(sorted_), d.view(out), scratch, t, k, lt, ie, e, planes,
-                          mode_bits=MX_WG_SWAP_LBO_SBO, version=ver)
+                          mode_bits=MX_WG_SWAP_LBO_SBO)
                 d.sync()
                 log(f"diagnostic: moe routed wg planes={planes} T={t} with the B descriptor's LBO / SBO swapped: "
                     f"rel err {rel_err(out, ref):.2e}")
 
 
-def check_moe_wg_stages(r: Results, scratch, z, wts6, offsets, sorted_, t, k, lt, ie, e, planes, ver=1):
+def check_moe_wg_stages(r: Results, scratch, z, wts6, offsets, sorted_, t, k, lt, ie, e, planes):
     """Each kernel of the wgmma path alone, on what the previous one left in `scratch`: the split
     bit for bit against emulators._wg_pack; the up kernel's intermediate against
     _emu_moe_up_wg run on the device's split z (f32 accumulation vs float64, then the same rounding
@@ -1227,7 +1224,7 @@ def check_moe_wg_stages(r: Results, scratch, z, wts6, offsets, sorted_, t, k, lt
     want = np.zeros_like(zx)
     _wg_pack(z.float().numpy(), want, planes)
     used = t * cdiv(lt, 64) * 64 * planes
-    tag = f"{'v2 ' if ver == 2 else ''}planes={planes} T={t} {lt}x{ie}"
+    tag = f"planes={planes} T={t} {lt}x{ie}"
     r.exact(f"moe wg split z bitwise ({tag})", bool(np.array_equal(zx[:used], want[:used])))
     act_emu = np.zeros_like(actx)
     _emu_moe_up_wg(zx, *host[:4], off, srt, act_emu, k, lt, ie, 4.0, 25.0, 1, e, planes)
@@ -1251,8 +1248,7 @@ def check_moe_wg_repeat(d: Device, r: Results, gen):
     bitwise); the whole path on a fresh device sort (output bitwise; the log says whether that sort's
     order differed); the whole path on a host-made sort, each expert's range reversed and rotated
     (every token in another tile / column): each assignment's intermediate row, y row, and the
-    output bitwise; v2 (mxfp4_*_wg2_f32) at planes 2 and 1 the same, and its output bitwise equal
-    to v1's (same instructions per element, same order). Cases: check_moe_wg's made top-2 routing (tiles 128 + 128 + 44, N = 32..128, a
+    output bitwise. Cases: check_moe_wg's made top-2 routing (tiles 128 + 128 + 44, N = 32..128, a
     dropped slot) at 640 x 320, random top-4 of 16 at 256 x 384, and on the device only (the
     emulators would take minutes) K3's 3584 x 3072 with top-4 of 8 at T = 512 (56 / 48 stages: the
     rings wrap ~10 times). Weights are random bytes (no reference needed)."""
@@ -1299,9 +1295,8 @@ def check_moe_wg_repeat(d: Device, r: Results, gen):
             assigned = sa[:npos].long().sort().values
             return actx.cpu().reshape(na, -1)[rows[assigned]]
 
-        out_v1 = {}
-        for planes, mbits, ver in ((2, 0, 1), (1, 0, 1), (2, MX_WG_NO_PROXY_FENCE, 1), (2, 0, 2), (1, 0, 2)):
-            tag = f"{'v2 ' if ver == 2 else ''}planes={planes}{' no proxy fence' if mbits else ''} {sizes}"
+        for planes, mbits in ((2, 0), (1, 0), (2, MX_WG_NO_PROXY_FENCE)):
+            tag = f"planes={planes}{' no proxy fence' if mbits else ''} {sizes}"
 
             def fresh():
                 s_ = mx_wg_scratch(d, t, k, lt, ie, planes)
@@ -1313,16 +1308,12 @@ def check_moe_wg_repeat(d: Device, r: Results, gen):
             def go(srt, scratch, parts=("split", "up", "down", "combine")):
                 out = dev(torch.full((t, lt), float("nan")))
                 run_mx_wg(d, d.view(z), w, d.view(ids), d.view(wts), d.view(offsets), d.view(srt), d.view(out),
-                          scratch, t, k, lt, ie, e, planes, parts=parts, mode_bits=mbits, version=ver)
+                          scratch, t, k, lt, ie, e, planes, parts=parts, mode_bits=mbits)
                 d.sync()
                 return out
 
             sc_a = fresh()
             out_a = go(sort_a, sc_a)
-            if ver == 1 and not mbits:
-                out_v1[planes] = out_a
-            elif ver == 2:
-                r.exact(f"moe wg determinism: v2 output bitwise equal to v1's ({tag})", beq(out_a, out_v1[planes]))
             written = npos * mx_wg_row_u16(ie, planes)  # the intermediate's rows p < npos
             assigned = sa[:npos].long().to(d.tdev)
             sc = fresh()

@@ -798,8 +798,6 @@ EMU = {
         x.reshape(-1)[:int(rows) * int(cols)].reshape(int(rows), int(cols)), xs, planes),
     "mxfp4_up_wg_f32": _emu_moe_up_wg,  # wgmma layout in and out, `planes` bf16 pieces per value
     "mxfp4_down_wg_f32": _emu_moe_down_wg,
-    "mxfp4_up_wg2_f32": _emu_moe_up_wg,  # v2: same arguments and results (bitwise), other schedule
-    "mxfp4_down_wg2_f32": _emu_moe_down_wg,
     "moe_combine_f32": lambda y, w, out, t, k, lt: out.__setitem__(slice(None), torch.einsum(
         "tk,tkl->tl", _t(w).view(int(t), int(k)), _t(y).view(int(t), int(k), int(lt))).numpy().reshape(out.shape)),
 }

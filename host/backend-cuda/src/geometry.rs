@@ -220,8 +220,6 @@ pub const OPT_IN_SHARED: &[(&str, usize)] = &[
     ("mxfp4_down_grouped_f32", MX_GROUPED_SHARED),
     ("mxfp4_up_wg_f32", crate::moe_wg::MX_WG_SHARED),
     ("mxfp4_down_wg_f32", crate::moe_wg::MX_WG_SHARED),
-    ("mxfp4_up_wg2_f32", crate::moe_wg::MX_WG2_SHARED),
-    ("mxfp4_down_wg2_f32", crate::moe_wg::MX_WG2_SHARED),
     ("mxfp4_up_stream2_f32", MX_STREAM_SHARED),
     ("mxfp4_down_stream2_f32", MX_STREAM_SHARED),
     (

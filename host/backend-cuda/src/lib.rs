@@ -30,7 +30,7 @@ pub use error::{CudaError, Result};
 pub use graph::GraphCounts;
 pub use moe_grouped::MoePrefill;
 pub use moe_stream::Stream2Variant;
-pub use moe_wg::{MoeAct, WgKernels, set_wg_kernels};
+pub use moe_wg::MoeAct;
 pub use ops::MlaDecodeMode;
 
 #[cfg(test)]

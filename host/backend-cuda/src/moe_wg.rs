@@ -50,76 +50,6 @@ impl MoeAct {
 /// lo; the planes = 1 ring of eight 25,600-byte stages fits in it too).
 pub(crate) const MX_WG_SHARED: usize = 209_920;
 
-/// Dynamic shared memory of the v2 GEMM kernels (kernels/mxfp4_wg.cu MXW2_SHARED_BYTES): v1's
-/// ring + 128 bytes of mbarriers (full / empty per slot).
-pub(crate) const MX_WG2_SHARED: usize = MX_WG_SHARED + 128;
-
-/// Which pair of wgmma GEMM kernels runs (`K3_MOE_WG`, read once; [`set_wg_kernels`] overrides it
-/// process-wide). Both compute every output element with the same instructions in the same order:
-/// their results are bitwise equal.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WgKernels {
-    /// `mxfp4_{up,down}_wg_f32` (the default): 256 threads, every thread copies and computes,
-    /// one `__syncthreads` + proxy fence per 64-column stage.
-    V1,
-    /// `mxfp4_{up,down}_wg2_f32` (`K3_MOE_WG=v2`): the same consumers plus a producer warpgroup
-    /// (384 threads, setmaxnreg) that issues every copy and signals stages through mbarriers.
-    V2,
-}
-
-impl WgKernels {
-    /// `K3_MOE_WG`: `v2`, or anything else / unset: `v1`.
-    pub fn from_env() -> Self {
-        match std::env::var("K3_MOE_WG").as_deref() {
-            Ok("v2") => Self::V2,
-            _ => Self::V1,
-        }
-    }
-
-    /// (up kernel, down kernel, threads per block, dynamic shared memory).
-    fn kernels(self) -> (&'static str, &'static str, u32, usize) {
-        match self {
-            Self::V1 => (
-                "mxfp4_up_wg_f32",
-                "mxfp4_down_wg_f32",
-                WG_THREADS,
-                MX_WG_SHARED,
-            ),
-            Self::V2 => (
-                "mxfp4_up_wg2_f32",
-                "mxfp4_down_wg2_f32",
-                WG2_THREADS,
-                MX_WG2_SHARED,
-            ),
-        }
-    }
-}
-
-/// 0: not yet read from the environment, 1: V1, 2: V2.
-static WG_KERNELS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// Pins the wgmma kernel pair for the whole process (tests; both give bitwise-equal results, so
-/// other tests running meanwhile are unaffected).
-pub fn set_wg_kernels(k: WgKernels) {
-    let v = match k {
-        WgKernels::V1 => 1,
-        WgKernels::V2 => 2,
-    };
-    WG_KERNELS.store(v, std::sync::atomic::Ordering::Relaxed);
-}
-
-fn wg_kernels() -> WgKernels {
-    match WG_KERNELS.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => WgKernels::V1,
-        2 => WgKernels::V2,
-        _ => {
-            let k = WgKernels::from_env();
-            set_wg_kernels(k);
-            k
-        }
-    }
-}
-
 /// `mxfp4_*_wg_f32` mode bit (kernels/mxfp4_wg.cu MXW_NO_PROXY_FENCE): no fence.proxy.async per
 /// stage between the cp.async copies and the wgmma reads of the tokens.
 const WG_NO_PROXY_FENCE: usize = 32;
@@ -137,9 +67,6 @@ fn wg_mode(act: MoeAct) -> usize {
 /// rows per down block (kernels/mxfp4_wg.cu MXW_TOK, MXW_THREADS, MXW_UP_ROWS, MXW_AROWS).
 const WG_TOKENS: usize = 128;
 const WG_THREADS: u32 = 256;
-/// Threads of the v2 kernels (kernels/mxfp4_wg.cu MXW2_THREADS): two consumer warpgroups + a
-/// producer one.
-const WG2_THREADS: u32 = 384;
 const WG_UP_ROWS: usize = 128;
 const WG_DOWN_ROWS: usize = 256;
 
@@ -161,10 +88,8 @@ pub(crate) fn wg_tiles(assignments: usize, experts: usize) -> usize {
     assignments.div_ceil(WG_TOKENS) + experts.min(assignments)
 }
 
-/// Grid of the wgmma GEMMs of `kernels`: row blocks of `rows_per_block` over `rows` x the tile
-/// bound.
+/// Grid of the wgmma GEMMs: row blocks of `rows_per_block` over `rows` x the tile bound.
 pub(crate) fn wg_launch(
-    kernels: WgKernels,
     rows: usize,
     rows_per_block: usize,
     cols: usize,
@@ -172,16 +97,15 @@ pub(crate) fn wg_launch(
     experts: usize,
 ) -> Result<Launch> {
     geometry::check_mx_width(cols)?;
-    let (_, _, threads, shared) = kernels.kernels();
     Launch::new(
         (
             rows.div_ceil(rows_per_block),
             wg_tiles(assignments, experts),
             1,
         ),
-        threads,
+        WG_THREADS,
     )?
-    .with_opt_in_shared(shared)
+    .with_opt_in_shared(MX_WG_SHARED)
 }
 
 /// `mxfp4_wg_split_f32`: one 128-thread block per row and 256 columns.
@@ -220,10 +144,8 @@ impl CudaBackend {
         );
         // Element offsets inside the kernels are i64; row indices (positions, tokens) are i32.
         i(n, "assignments")?;
-        let kernels = wg_kernels();
-        let (up_name, down_name, _, _) = kernels.kernels();
-        let up = wg_launch(kernels, ie, WG_UP_ROWS, lt, n, e)?;
-        let down = wg_launch(kernels, lt, WG_DOWN_ROWS, ie, n, e)?;
+        let up = wg_launch(ie, WG_UP_ROWS, lt, n, e)?;
+        let down = wg_launch(lt, WG_DOWN_ROWS, ie, n, e)?;
         let (lin, has) = (
             situ.linear_beta.unwrap_or(1.0),
             i32::from(situ.linear_beta.is_some()),
@@ -239,10 +161,10 @@ impl CudaBackend {
         let run = |zx: &CudaSlice<u16>, actx: &CudaSlice<u16>, y: &CudaSlice<f32>| {
             launch!(self, "mxfp4_wg_split_f32", wg_split_launch(t, lt)?;
                 &z.buf, zx, &ti, &lti, &pi)?;
-            launch!(self, up_name, up;
+            launch!(self, "mxfp4_up_wg_f32", up;
                 zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, offsets, sorted, actx, &kk, &lti, &iei,
                 &situ.beta, &lin, &has, &ei, &mi)?;
-            launch!(self, down_name, down;
+            launch!(self, "mxfp4_down_wg_f32", down;
                 actx, &ex.w2.0, &ex.w2.1, offsets, sorted, y, &lti, &iei, &ei, &mi)?;
             let out = self.output(t, lt)?;
             launch!(self, "moe_combine_ids_f32", geometry::elementwise(t * lt)?;
@@ -288,21 +210,13 @@ mod tests {
         // K3 at T = 2048, top-16 of 128: 256 full tiles of 128 + at most one partial per expert.
         let n = 2048 * 16;
         assert_eq!(wg_tiles(n, 128), 256 + 128);
-        let up = wg_launch(WgKernels::V1, 3072, WG_UP_ROWS, 3584, n, 128).unwrap();
+        let up = wg_launch(3072, WG_UP_ROWS, 3584, n, 128).unwrap();
         assert_eq!(
             (up.grid, up.block, up.shared),
             ((24, 384, 1), 256, MX_WG_SHARED as u32)
         );
-        let down = wg_launch(WgKernels::V1, 3584, WG_DOWN_ROWS, 3072, n, 128).unwrap();
+        let down = wg_launch(3584, WG_DOWN_ROWS, 3072, n, 128).unwrap();
         assert_eq!(down.grid, (14, 384, 1));
-        // v2: the same grid, a producer warpgroup more, the ring + 16 mbarriers.
-        let up2 = wg_launch(WgKernels::V2, 3072, WG_UP_ROWS, 3584, n, 128).unwrap();
-        assert_eq!(
-            (up2.grid, up2.block, up2.shared),
-            ((24, 384, 1), 384, MX_WG2_SHARED as u32)
-        );
-        assert_eq!(MX_WG2_SHARED, 210_048);
-        const { assert!(MX_WG2_SHARED + 1024 + 128 <= geometry::MAX_OPT_IN_SHARED) };
         assert_eq!(wg_tiles(3, 128), 1 + 3);
         // 64-column groups of hi / lo (or one bf16 plane); partial groups padded.
         assert_eq!(wg_row_u16(3584, 2), 56 * 128);
@@ -311,19 +225,16 @@ mod tests {
         // Never larger than the grouped layout whose scratch it shares.
         assert!(wg_row_u16(160, 2) <= 2 * 256 && wg_row_u16(3584, 2) <= 28 * 256);
         assert_eq!(wg_split_launch(2048, 3584).unwrap().grid, (2048, 14, 1));
-        assert!(wg_launch(WgKernels::V1, 3072, WG_UP_ROWS, 100, n, 128).is_err());
+        assert!(wg_launch(3072, WG_UP_ROWS, 100, n, 128).is_err());
         // Five stages of 256 rows x (32 packed + 4 scale bytes) + 16 chunks x 128 tokens x 16 B
         // (kernels/mxfp4_wg.cu MXW_SHARED_BYTES); within the opt-in limit; opted in by name.
         assert_eq!(MX_WG_SHARED, 5 * (256 * 32 + 256 * 4 + 16 * 128 * 16));
         const { assert!(MX_WG_SHARED + 1024 + 128 <= geometry::MAX_OPT_IN_SHARED) };
-        for k in [WgKernels::V1, WgKernels::V2] {
-            let (up, down, _, shared) = k.kernels();
-            for name in [up, down] {
-                assert!(
-                    geometry::OPT_IN_SHARED.contains(&(name, shared)),
-                    "{name} opts in to its shared memory"
-                );
-            }
+        for name in ["mxfp4_up_wg_f32", "mxfp4_down_wg_f32"] {
+            assert!(
+                geometry::OPT_IN_SHARED.contains(&(name, MX_WG_SHARED)),
+                "{name} opts in to its shared memory"
+            );
         }
     }
 }

@@ -148,13 +148,7 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "mxfp4_wg.cu",
         text: include_str!("../../../kernels/mxfp4_wg.cu"),
-        entries: &[
-            "mxfp4_wg_split_f32",
-            "mxfp4_up_wg_f32",
-            "mxfp4_down_wg_f32",
-            "mxfp4_up_wg2_f32",
-            "mxfp4_down_wg2_f32",
-        ],
+        entries: &["mxfp4_wg_split_f32", "mxfp4_up_wg_f32", "mxfp4_down_wg_f32"],
     },
     KernelFile {
         name: "norm.cu",
