@@ -1,4 +1,4 @@
-// Absorbed MLA decode attend on Hopper wgmma (ops.rs MlaDecodeMode::Wg, K3_MLA_DECODE=wg): the
+// Absorbed MLA decode attend on Hopper wgmma (ops.rs MlaDecodeMode::Wg, K3_MLA_DECODE=wg1): the
 // contract of mla_attend_bf16_f32 (kernels/mla_attend_bf16.cu) unchanged - qt [items, H, row], the
 // paged f32 latent cache, per-item splits (chunk <= 0), partials [items, H, splits, kv_lora + 2]
 // (o~ unnormalised, m, l; empty splits: 0, -inf, 0) for mla_merge_f32 - and its rounding: q~ * scale
@@ -45,7 +45,7 @@
 // ~3000 clocks (~1.6 us) of consumer work per tile: the producer, 147 KB of f32 rows per tile
 // through 55 KB of registers per SM, i.e. ~2.7 round trips per tile, and both blocks of a head
 // pair load every row (the second mostly from L2: 2x the L2 -> SM traffic).
-// mla_attend_wg2_f32 (ops.rs MlaDecodeMode::WgPair, K3_MLA_DECODE=wg2; experimental) halves the
+// mla_attend_wg2_f32 (ops.rs MlaDecodeMode::WgPair, the default K3_MLA_DECODE=wg) halves the
 // producer's share: the two head-group blocks of an (item, split) form a cluster; block r loads
 // positions 32 r .. 32 r + 31 of every tile (4 per producer thread, same batches of 3) and stores
 // each bf16 chunk into its own ring and, by st.async, into the partner's (same offsets). Each row
@@ -55,9 +55,11 @@
 // empty[slot] = lane 0 of all 16 consumer warps of the pair (local + remote arrive), since each
 // producer writes both rings. Consumers fence.proxy.async after the full wait (the partner's
 // half was written by st.async, not by a local writer that fenced). Grid x is rounded up to
-// pairs (a block past the last head still loads for its partner and writes nothing). Expected:
-// producer ~2.7 us per tile if the round trip stays, so ~1.6-1.8x at N >= 16 unless the
-// consumers (~1.6 us) or the st.async traffic (36 KB per block and tile) bound it first.
+// pairs (a block past the last head still loads for its partner and writes nothing). Measured
+// (H200, K3, attend + merge, call V): L = 32k N = 1 / 16 / 64 48.2 us / 529 us / 2.02 ms against
+// the single-block kernel's 58.6 / 720 / 2843 (1.2-1.4x) and the bf16 kernel's 78.6 / 795 / 2995;
+// 56 % of the rows' HBM floor at N = 64. Next: the consumers (~1.6 us per tile) and the 8-byte
+// st.async traffic (36 KB per block and tile; 16-byte stores would halve the instructions).
 // Expected: the tensor work per tile and CTA is ~36 + 32 wgmma m64n48k16 (~2000 clocks, shared
 // memory bound at ~28 clocks each) + ~600 clocks of softmax and barriers, against ~4000 clocks of
 // HBM time per tile at 4.25 TB/s for the pair of CTAs: HBM bound if the producer keeps up.

@@ -83,7 +83,7 @@ done
 # --- 1. device tests.
 summary "== device tests"
 # K3_DEVICE_TEST_SKIP: a test-name filter to leave out (a kernel a first probe found hanging).
-K3_ROOT="$PWD" timeout 420 "$BIN/device-test" --nocapture --test-threads=1 \
+K3_ROOT="$PWD" timeout --foreground 420 "$BIN/device-test" --nocapture --test-threads=1 \
     ${K3_DEVICE_TEST_SKIP:+--skip "$K3_DEVICE_TEST_SKIP"} >"$OUT/device-test.log" 2>&1
 rc=$?
 grep -E '^(op=|e2e |engine |test |graph_decode )|skipped|seed|FAIL|panicked|near tie' "$OUT/device-test.log" | tee -a "$OUT/summary.txt"
@@ -154,7 +154,7 @@ else
     [ $conc_ok -eq 1 ] && summary "smoke concurrent x6: ok" || fail "smoke: concurrent chat requests"
     if [ -f examples/clients/curl.sh ]; then
         echo "== examples/clients/curl.sh" >>"$S"
-        if timeout 180 bash examples/clients/curl.sh "$BASE" >>"$S" 2>&1; then
+        if timeout --foreground 180 bash examples/clients/curl.sh "$BASE" >>"$S" 2>&1; then
             summary "examples/clients/curl.sh: ok"
         else
             fail "examples/clients/curl.sh"
@@ -173,7 +173,7 @@ G="$OUT/generate.log"
 prompt='<|open|>message role="user"<|sep|>What is 47 + 85?<|close|>message<|sep|><|end_of_msg|><|open|>message role="assistant"<|sep|>'
 for dev in cuda cpu; do
     echo "== generate --device $dev" >>"$G"
-    if ! timeout 120 "$BIN/k3serve" generate --device $dev --model models/k3-mini --prompt "$prompt" \
+    if ! timeout --foreground 120 "$BIN/k3serve" generate --device $dev --model models/k3-mini --prompt "$prompt" \
         --max-tokens 48 --ignore-eos >"$BIN/gen-$dev" 2>>"$G"; then
         fail "generate --device $dev"
     fi

@@ -20,9 +20,15 @@ OUT="${OUT:-/tmp/k3-device}"
 mkdir -p "$OUT"
 export OUT
 rc=0
+# A stage past its limit must not leave a process (and a spinning kernel) behind to share the GPU
+# with the next stage: inner timeouts use --foreground (they stay in the stage's process group,
+# which the stage's timeout signals), and this reaps whatever still runs.
+reap() { pkill -9 -f "harness/device_check.py|/tmp/k3bin/device-test|/tmp/k3bin/k3serve" 2>/dev/null; sleep 1; }
 timeout "${K3_CHECK_S:-200}" bash scripts/device-check.sh >"$OUT/check_stdout.txt" 2>&1 || rc=1
+reap
 grep -E "^(FAIL|checks:|bench )" "$OUT/check_stdout.txt"
 timeout "${K3_RUN_S:-150}" bash scripts/device-run.sh >/dev/null 2>&1 || rc=1
+reap
 grep -vE "^op=.* ok$" "$OUT/summary.txt" | grep -vE "^(LD_LIBRARY_PATH|library )"
 # device-run.sh unpacked the binaries and set up nothing global: find the libraries the same way.
 BIN=/tmp/k3bin/k3serve

@@ -218,7 +218,7 @@ MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED, MLA_WG2_SHARED = 48, 384, 223168, 2
 
 
 def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
-    """The wgmma attends (ops.rs MlaDecodeMode::Wg, the default, and WgPair, K3_MLA_DECODE=wg2) + merge on
+    """The wgmma attends (ops.rs MlaDecodeMode::Wg, K3_MLA_DECODE=wg1, and WgPair, the default) + merge on
     bench()'s buffers, next to the bf16 attend + merge timed in the same run (bf16_us), with
     bench_mla_bf16's floors, and a check of each wg latent against the bf16 one (same rounding, different
     tiles: 2e-2 as bf16 vs tc2)."""

@@ -54,9 +54,9 @@ macro_rules! launch {
 ///   GEMMs, moe_grouped.rs, below `K3_MOE_GROUPED_MAX` assignments and cuBLAS over expanded bf16
 ///   experts, moe_gemm.rs, from there), `grouped` or `gemm`; read once into
 ///   `CudaBackend::moe_prefill`.
-/// - `K3_MLA_DECODE` (absorbed MLA attend): `wg` (default: wgmma on sm_90a, elsewhere `bf16`),
-///   `wg2` (the wgmma attend on 2-block clusters, experimental), `bf16` (mma.sync, any arch) or
-///   `precise` ([`MlaDecodeMode`]).
+/// - `K3_MLA_DECODE` (absorbed MLA attend): `wg` (default: wgmma on 2-block clusters on sm_90a,
+///   elsewhere `bf16`), `wg1` (the wgmma attend one block per head group), `bf16` (mma.sync, any
+///   arch) or `precise` ([`MlaDecodeMode`]).
 /// - `K3_KDA_CHUNK` (prefill): `scan4` (default: the record pass `kda_chunk_rec3m_f32` + the
 ///   key-split scan, conv <= 4) or `f32` (the one-pass f32 kernels of kda_chunk.cu, which also
 ///   take conv > 4): `kda_scan`.
@@ -156,7 +156,7 @@ pub const TOPK_MAX: usize = 1024;
 const TOPK_SEGMENT: usize = 4096;
 
 /// Precision / kernel of the absorbed MLA decode attend (`mla_decode`), from `K3_MLA_DECODE` at
-/// start-up (`precise` | `bf16` | `wg` | `wg2`, default `wg`, which runs `bf16` off sm_90a); tests
+/// start-up (`precise` | `bf16` | `wg1` | `wg`, default `wg`, which runs `bf16` off sm_90a); tests
 /// pin it with `CudaBackend::set_mla_decode_mode`. All write the same partials, merged by
 /// `mla_merge_f32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,18 +168,21 @@ pub enum MlaDecodeMode {
     /// sm_90a. H200, K3, L = 32k, attend + merge: N = 1 77.7 us, N = 64 2.99 ms (precise: 479 us /
     /// 28.4 ms).
     Bf16,
-    /// `mla_attend_wg_f32` (kernels/mla_attend_wg.cu): the Bf16 rounding on Hopper wgmma (64-position
-    /// tiles, a producer warpgroup streaming the rows); the default. H200, K3, L = 32k: N = 1
-    /// 58.6 us, N = 64 2.80 ms. sm_90a only: elsewhere `mla_decode` runs Bf16.
+    /// `mla_attend_wg_f32` (kernels/mla_attend_wg.cu, `K3_MLA_DECODE=wg1`): the Bf16 rounding on
+    /// Hopper wgmma (64-position tiles, a producer warpgroup streaming the rows), one block per
+    /// head group, so both groups load every row. H200, K3, L = 32k: N = 1 58.6 us, N = 64
+    /// 2.80 ms. sm_90a only: elsewhere `mla_decode` runs Bf16.
     Wg,
-    /// `mla_attend_wg2_f32`: the same math on clusters of two blocks (the two head groups), each
-    /// loading half of every tile's rows and storing the bf16 tile into both blocks' shared memory,
-    /// so each row is read once per pair. Experimental (`K3_MLA_DECODE=wg2`); sm_90a only, else Bf16.
+    /// `mla_attend_wg2_f32`, the default (`wg`): the same math on clusters of two blocks (the two
+    /// head groups), each loading half of every tile's rows and storing the bf16 tile into both
+    /// blocks' shared memory, so each row is read once per pair. H200, K3, L = 32k (call V):
+    /// N = 1 48.2 us, N = 16 529 us, N = 64 2.02 ms (56 % of the rows' HBM floor; Wg 2.84 ms,
+    /// Bf16 3.00). sm_90a only, else Bf16.
     WgPair,
 }
 
 impl MlaDecodeMode {
-    /// `K3_MLA_DECODE`: `precise`, `bf16`, `wg2` or `wg` (anything else, or unset: `wg`).
+    /// `K3_MLA_DECODE`: `precise`, `bf16`, `wg1` or `wg` (anything else, or unset: `wg`).
     pub fn from_env() -> Self {
         Self::parse(std::env::var("K3_MLA_DECODE").ok().as_deref())
     }
@@ -188,8 +191,8 @@ impl MlaDecodeMode {
         match v {
             Some("precise") => Self::Precise,
             Some("bf16") => Self::Bf16,
-            Some("wg2") => Self::WgPair,
-            _ => Self::Wg,
+            Some("wg1") => Self::Wg,
+            _ => Self::WgPair,
         }
     }
 }
@@ -891,15 +894,15 @@ mod tests {
 
     #[test]
     fn mla_decode_mode_parse() {
-        assert_eq!(MlaDecodeMode::parse(Some("wg")), MlaDecodeMode::Wg);
-        assert_eq!(MlaDecodeMode::parse(Some("wg2")), MlaDecodeMode::WgPair);
+        assert_eq!(MlaDecodeMode::parse(Some("wg")), MlaDecodeMode::WgPair);
+        assert_eq!(MlaDecodeMode::parse(Some("wg1")), MlaDecodeMode::Wg);
         assert_eq!(
             MlaDecodeMode::parse(Some("precise")),
             MlaDecodeMode::Precise
         );
         assert_eq!(MlaDecodeMode::parse(Some("bf16")), MlaDecodeMode::Bf16);
-        assert_eq!(MlaDecodeMode::parse(Some("BF16")), MlaDecodeMode::Wg);
-        assert_eq!(MlaDecodeMode::parse(None), MlaDecodeMode::Wg);
+        assert_eq!(MlaDecodeMode::parse(Some("BF16")), MlaDecodeMode::WgPair);
+        assert_eq!(MlaDecodeMode::parse(None), MlaDecodeMode::WgPair);
     }
 
     #[test]

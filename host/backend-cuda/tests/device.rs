@@ -708,7 +708,7 @@ fn mla_wg_matches_cpu() {
     mla_mode_matches_cpu(MlaDecodeMode::Wg, "mla_wg_matches_cpu", "wg");
 }
 
-/// The same with the cluster-pair wgmma attend (`mla_attend_wg2_f32`, `K3_MLA_DECODE=wg2`).
+/// The same with the cluster-pair wgmma attend (`mla_attend_wg2_f32`, the default `K3_MLA_DECODE=wg`).
 #[test]
 fn mla_wg2_matches_cpu() {
     mla_mode_matches_cpu(MlaDecodeMode::WgPair, "mla_wg2_matches_cpu", "wg2");
