@@ -800,7 +800,7 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
             1 => "moe_routed(T=1, K3_MX_EXPERTS kernels: stream2)",
             3 => "moe_routed(T=3, K3_MX_EXPERTS kernels: tc)",
             40 => "moe_routed(T=40, K3_MX_EXPERTS kernels: tc, several n-tiles)",
-            _ => "moe_routed(T=1100, many-assignment path: grouped unless pinned)",
+            _ => "moe_routed(T=1100, many-assignment path: the default (wgmma on sm_90a))",
         };
         t.check(
             name,
