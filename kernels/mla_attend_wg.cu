@@ -60,17 +60,6 @@
 // the single-block kernel's 58.6 / 720 / 2843 (1.2-1.4x) and the bf16 kernel's 78.6 / 795 / 2995;
 // 56 % of the rows' HBM floor at N = 64. Next: the consumers (~1.6 us per tile) and the 8-byte
 // st.async traffic (36 KB per block and tile; 16-byte stores would halve the instructions).
-// mla_attend_wg3_f32 (MlaDecodeMode::WgPairWide, K3_MLA_DECODE=wg3; experimental until timed) is
-// wg2 with 16-byte producer stores: lanes 2 m and 2 m + 1 (halves of chunk m of every slab) swap
-// one half per slab pair by two shuffles, then each stores one whole chunk locally and by
-// st.async.v4 (slab 8 stays 8-byte). Per thread and tile: 20 st.async + 20 st.shared instead of
-// 36 + 36, + 32 shuffles; the loads, the swizzled destinations and the bytes are wg2's. Barrier
-// invariant unchanged: per tile and block, full[slot] completes its phase when its 128 local
-// producer arrivals (one with expect_tx 36,864) have arrived and the partner's stores have
-// completed 32 positions x (8 slabs x 8 chunks x 16 B + 16 lanes x 8 B) = 36,864 bytes; empty and
-// the parities are wg2's code. Why: if the st.async path is per-request bound (DSMEM is a network;
-// NVIDIA advises >= 32-byte coalesced accesses) the 36 KB per block and tile costs ~half the
-// producer time it costs now; if it is byte bound this changes nothing and wg2 stays.
 // Expected: the tensor work per tile and CTA is ~36 + 32 wgmma m64n48k16 (~2000 clocks, shared
 // memory bound at ~28 clocks each) + ~600 clocks of softmax and barriers, against ~4000 clocks of
 // HBM time per tile at 4.25 TB/s for the pair of CTAs: HBM bound if the producer keeps up.
@@ -196,12 +185,6 @@ __device__ __forceinline__ void mlw_st_async8(u32 raddr, u32 x, u32 y, u32 rbar)
                  ::"r"(raddr), "r"(x), "r"(y), "r"(rbar) : "memory");
 }
 
-// The same with 16 bytes (a whole swizzle chunk; raddr 16-aligned).
-__device__ __forceinline__ void mlw_st_async16(u32 raddr, uint4 c, u32 rbar) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
-                 ::"r"(raddr), "r"(c.x), "r"(c.y), "r"(c.z), "r"(c.w), "r"(rbar) : "memory");
-}
-
 #define MLW_WGMMA_N48(NAME, TA)                                                                                 \
     __device__ __forceinline__ void NAME(float* d, u64 da, u64 db) {                                             \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"                                               \
@@ -220,9 +203,7 @@ MLW_WGMMA_N48(mlw_mma_amajor_m, 1)
 // PAIR = false: mla_attend_wg_f32, one block per head group. PAIR = true: mla_attend_wg2_f32, the
 // block pair of a cluster splits every tile's loads (rank r: positions 32 r .. 32 r + 31) and
 // each stores its bf16 half into both blocks' rings; mbarriers replace the named FULL / EMPTY.
-// WIDE (mla_attend_wg3_f32, PAIR only): the producer's stores are 16 bytes (see the store loop);
-// everything else, the mbarrier protocol included, is wg2's.
-template <bool PAIR, bool WIDE>
+template <bool PAIR>
 __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const float* __restrict__ arena,
                                            const i64* __restrict__ page_start, const int* __restrict__ pt_base,
                                            const int* __restrict__ lens, float* __restrict__ part, int items,
@@ -324,37 +305,11 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
                     else mlw_bar_sync(MLW_BAR_EMPTY + slot, MLW_THREADS);
                 }
                 const u32 off = MLW_OFF_K + slot * MLW_KTILE + (rs + 8 * (aoff + a)) * 128 + swz;
-                if (WIDE) {
-                    // Lanes c16 = 2 m, 2 m + 1 hold halves 0 / 1 of chunk m of every slab: per slab
-                    // pair (2 i, 2 i + 1) they swap one half (two shuffles), then the even lane
-                    // stores slab 2 i's whole chunk m and the odd lane slab 2 i + 1's, 16 bytes each.
-                    // Same bytes to the same places as the 8-byte path (the partner's expect_tx is
-                    // unchanged); slab 8 keeps the 8-byte stores.
-                    const bool odd = (c16 & 1) != 0;
-                    const u32 off16 = off & ~15u;  // the chunk's start (drop the half offset)
 #pragma unroll
-                    for (int i = 0; i < MLW_SLABS / 2; ++i) {
-                        const float4 e = v[b][2 * i], o = v[b][2 * i + 1];
-                        const u32 ex = tc_pack_bf16(e.x, e.y), ey = tc_pack_bf16(e.z, e.w);
-                        const u32 ox = tc_pack_bf16(o.x, o.y), oy = tc_pack_bf16(o.z, o.w);
-                        const u32 rx = __shfl_xor_sync(0xffffffffu, odd ? ex : ox, 1);
-                        const u32 ry = __shfl_xor_sync(0xffffffffu, odd ? ey : oy, 1);
-                        const uint4 c = odd ? make_uint4(rx, ry, ox, oy) : make_uint4(ex, ey, rx, ry);
-                        const u32 so = off16 + (u32)(2 * i + (odd ? 1 : 0)) * MLW_KSLAB;
-                        *reinterpret_cast<uint4*>(sm + so) = c;
-                        if (PAIR) mlw_st_async16(peer_sm + so, c, peer_bar + 8 * slot);
-                    }
-                    const int k = MLW_SLABS - 1;
+                for (int k = 0; k < MLW_SLABS; ++k) {
                     const u32 x = tc_pack_bf16(v[b][k].x, v[b][k].y), y = tc_pack_bf16(v[b][k].z, v[b][k].w);
                     *reinterpret_cast<uint2*>(sm + off + k * MLW_KSLAB) = make_uint2(x, y);
                     if (PAIR) mlw_st_async8(peer_sm + off + k * MLW_KSLAB, x, y, peer_bar + 8 * slot);
-                } else {
-#pragma unroll
-                    for (int k = 0; k < MLW_SLABS; ++k) {
-                        const u32 x = tc_pack_bf16(v[b][k].x, v[b][k].y), y = tc_pack_bf16(v[b][k].z, v[b][k].w);
-                        *reinterpret_cast<uint2*>(sm + off + k * MLW_KSLAB) = make_uint2(x, y);
-                        if (PAIR) mlw_st_async8(peer_sm + off + k * MLW_KSLAB, x, y, peer_bar + 8 * slot);
-                    }
                 }
                 if (a == PP - 1) {
                     mlw_fence_async();
@@ -595,8 +550,8 @@ mla_attend_wg_f32(const float* __restrict__ qt, const float* __restrict__ arena,
                   const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
                   int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    mlw_attend<false, false>(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens,
-                             splits, chunk, scale);
+    mlw_attend<false>(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens, splits,
+                      chunk, scale);
 #else
     __trap();  // wgmma needs sm_90a: ops.rs only dispatches here on it
 #endif
@@ -608,22 +563,8 @@ mla_attend_wg2_f32(const float* __restrict__ qt, const float* __restrict__ arena
                    const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
                    int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    mlw_attend<true, false>(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens,
-                            splits, chunk, scale);
-#else
-    __trap();
-#endif
-}
-
-// mla_attend_wg2_f32 with 16-byte producer stores (ops.rs MlaDecodeMode::WgPairWide,
-// K3_MLA_DECODE=wg3): same grid, clusters, shared memory (MLW_SHARED2) and partials.
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MLW_THREADS, 1)
-mla_attend_wg3_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
-                   const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
-                   int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    mlw_attend<true, true>(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens,
-                           splits, chunk, scale);
+    mlw_attend<true>(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens, splits,
+                     chunk, scale);
 #else
     __trap();
 #endif

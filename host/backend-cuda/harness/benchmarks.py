@@ -234,8 +234,7 @@ def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     vpw, vpb, vlw, vlb = (d.view(t) for t in (pw, pb, lw, lb))  # views made outside the graph captures
     big = N * L > 16 * 8192
     variants = (("wg", "mla_attend_wg_f32", hg, MLA_WG_SHARED),
-                ("wg2", "mla_attend_wg2_f32", 2 * cdiv(hg, 2), MLA_WG2_SHARED),
-                ("wg3", "mla_attend_wg3_f32", 2 * cdiv(hg, 2), MLA_WG2_SHARED))
+                ("wg2", "mla_attend_wg2_f32", 2 * cdiv(hg, 2), MLA_WG2_SHARED))
 
     def attend(part, v):
         _, kname, gx, smem = v

@@ -690,8 +690,7 @@ def mla_latent_reference(qt, rows, scale, kv_lora):
 
 
 def check_mla_bf16(d: Device, r: Results, gen):
-    """mla_attend_bf16_f32, mla_attend_wg_f32 (wgmma, 64-position tiles), mla_attend_wg3_f32 (wg2 with 16-byte
-    producer stores) and mla_attend_wg2_f32 (the same on
+    """mla_attend_bf16_f32, mla_attend_wg_f32 (wgmma, 64-position tiles) and mla_attend_wg2_f32 (the same on
     2-block clusters, each block loading half of every tile; heads 4 / 6 leave the second block of the
     pair without heads), each + mla_merge_f32 (the
     latent o~, before W_UV), against (a) the float64 latent attention: bf16 rounding of q~, the rows and
@@ -715,8 +714,7 @@ def check_mla_bf16(d: Device, r: Results, gen):
     )
     kernels = (("bf16", "mla_attend_bf16_f32", 32, MLA_BF16_HEADS, 256, MLA_BF16_SHARED),
                ("wg", "mla_attend_wg_f32", 64, MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED),
-               ("wg2", "mla_attend_wg2_f32", 64, 2 * MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG2_SHARED),
-               ("wg3", "mla_attend_wg3_f32", 64, 2 * MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG2_SHARED))
+               ("wg2", "mla_attend_wg2_f32", 64, 2 * MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG2_SHARED))
     for heads, kv_lora, rope, pt, lens, splits, chunk, aligned in cases:
         row, n = kv_lora + rope, len(lens)
         npages = [cdiv(L, pt) for L in lens]
@@ -750,7 +748,7 @@ def check_mla_bf16(d: Device, r: Results, gen):
             w = torch.exp(P[..., kv_lora] - P[..., kv_lora].amax(-1, keepdim=True))
             emu = (w[..., None] * P[..., :kv_lora]).sum(2) / (w * P[..., kv_lora + 1]).sum(-1)[..., None]
             part = torch.full((n, heads, splits, kv_lora + 2), float("nan"), device=d.tdev)
-            gx = cdiv(heads, hpb) * (2 if label in ("wg2", "wg3") else 1)  # wg2 / wg3: pairs of 48
+            gx = cdiv(heads, hpb) * (2 if kname == "mla_attend_wg2_f32" else 1)  # wg2: pairs of 48
             d.launch(kname, (gx, n, splits), threads, d.view(dev(qt)), d.view(A),
                      d.view(ps.to(d.tdev)), d.view(base.to(d.tdev)), d.view(lens_t.to(d.tdev)), d.view(part), n,
                      heads, kv_lora, rope, pt, splits, chunk, scale, shared_mem=smem)

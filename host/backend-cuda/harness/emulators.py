@@ -764,7 +764,6 @@ EMU = {
     "mla_attend_bf16_f32": _emu_mla_attend_bf16,
     "mla_attend_wg_f32": lambda *a: _emu_mla_attend_bf16(*a, tile=64),  # same rounding, 64-position tiles
     "mla_attend_wg2_f32": lambda *a: _emu_mla_attend_bf16(*a, tile=64),  # block pairs: the same partials
-    "mla_attend_wg3_f32": lambda *a: _emu_mla_attend_bf16(*a, tile=64),  # wg2 with 16-byte producer stores
     "mla_merge_f32": _emu_mla_merge,  # grid (items, heads, kv_lora / 128)
     "mla_out_proj_f32": _emu_mla_out_proj,
     "mla_absorb_q_bf16": _emu_mla_absorb_bf16,

@@ -214,7 +214,6 @@ pub const OPT_IN_SHARED: &[(&str, usize)] = &[
     ("mla_attend_bf16_f32", MLA_BF16_SHARED),
     ("mla_attend_wg_f32", MLA_WG_SHARED),
     ("mla_attend_wg2_f32", MLA_WG2_SHARED),
-    ("mla_attend_wg3_f32", MLA_WG2_SHARED),
     ("mxfp4_up_tc2_f32", MX_TC2_MAX_SHARED),
     ("mxfp4_down_tc2_f32", MX_TC2_MAX_SHARED),
     ("mxfp4_up_grouped_f32", MX_GROUPED_SHARED),
@@ -273,9 +272,8 @@ pub fn mla_attend_wg(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch>
     .with_opt_in_shared(MLA_WG_SHARED)
 }
 
-/// Grid of `mla_attend_wg2_f32` and `mla_attend_wg3_f32` (`__cluster_dims__(2, 1, 1)`): head groups
-/// rounded up to pairs, a block past the last head still loads its half of the rows for its partner
-/// (and writes nothing).
+/// Grid of `mla_attend_wg2_f32` (`__cluster_dims__(2, 1, 1)`): head groups rounded up to pairs, a
+/// block past the last head still loads its half of the rows for its partner (and writes nothing).
 pub fn mla_attend_wg2(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
     check_mla(g)?;
     Launch::new(
@@ -497,7 +495,6 @@ mod tests {
         );
         assert!(OPT_IN_SHARED.contains(&("mla_attend_wg_f32", MLA_WG_SHARED)));
         assert!(OPT_IN_SHARED.contains(&("mla_attend_wg2_f32", MLA_WG2_SHARED)));
-        assert!(OPT_IN_SHARED.contains(&("mla_attend_wg3_f32", MLA_WG2_SHARED)));
         // Pair variant: clusters of two blocks, so the head groups round up to an even count.
         let l = mla_attend_wg2(&k3, 3, 5).unwrap();
         assert_eq!((l.grid, l.block, l.shared), ((2, 3, 5), 384, 223_200));

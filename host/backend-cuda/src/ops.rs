@@ -156,7 +156,7 @@ pub const TOPK_MAX: usize = 1024;
 const TOPK_SEGMENT: usize = 4096;
 
 /// Precision / kernel of the absorbed MLA decode attend (`mla_decode`), from `K3_MLA_DECODE` at
-/// start-up (`precise` | `bf16` | `wg1` | `wg` | `wg3`, default `wg`, which runs `bf16` off sm_90a); tests
+/// start-up (`precise` | `bf16` | `wg1` | `wg`, default `wg`, which runs `bf16` off sm_90a); tests
 /// pin it with `CudaBackend::set_mla_decode_mode`. All write the same partials, merged by
 /// `mla_merge_f32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,14 +179,10 @@ pub enum MlaDecodeMode {
     /// N = 1 48.2 us, N = 16 529 us, N = 64 2.02 ms (56 % of the rows' HBM floor; Wg 2.84 ms,
     /// Bf16 3.00). sm_90a only, else Bf16.
     WgPair,
-    /// `mla_attend_wg3_f32` (`K3_MLA_DECODE=wg3`, experimental until timed): WgPair with 16-byte
-    /// producer stores (lane pairs swap halves of each swizzle chunk), so ~half the st.async /
-    /// st.shared instructions per tile. Same grid, shared memory, partials. sm_90a only, else Bf16.
-    WgPairWide,
 }
 
 impl MlaDecodeMode {
-    /// `K3_MLA_DECODE`: `precise`, `bf16`, `wg1`, `wg` or `wg3` (anything else, or unset: `wg`).
+    /// `K3_MLA_DECODE`: `precise`, `bf16`, `wg1` or `wg` (anything else, or unset: `wg`).
     pub fn from_env() -> Self {
         Self::parse(std::env::var("K3_MLA_DECODE").ok().as_deref())
     }
@@ -196,7 +192,6 @@ impl MlaDecodeMode {
             Some("precise") => Self::Precise,
             Some("bf16") => Self::Bf16,
             Some("wg1") => Self::Wg,
-            Some("wg3") => Self::WgPairWide,
             _ => Self::WgPair,
         }
     }
@@ -715,7 +710,7 @@ impl CudaBackend {
         // bucket does, not every step (graph.rs replays a step only if its launches are equal).
         let max_len = lens.iter().copied().max().unwrap_or(1).next_power_of_two();
         let mode = match self.mla_decode_mode {
-            MlaDecodeMode::Wg | MlaDecodeMode::WgPair | MlaDecodeMode::WgPairWide
+            MlaDecodeMode::Wg | MlaDecodeMode::WgPair
                 if !geometry::mla_wg_supported(&self.arch) =>
             {
                 MlaDecodeMode::Bf16
@@ -729,7 +724,7 @@ impl CudaBackend {
             MlaDecodeMode::Bf16 => {
                 geometry::mla_splits_bf16(items, g.heads, max_len, self.multiprocessors)
             }
-            MlaDecodeMode::Wg | MlaDecodeMode::WgPair | MlaDecodeMode::WgPairWide => {
+            MlaDecodeMode::Wg | MlaDecodeMode::WgPair => {
                 geometry::mla_splits_wg(items, g.heads, max_len, self.multiprocessors)
             }
         };
@@ -800,11 +795,6 @@ impl CudaBackend {
             }
             MlaDecodeMode::WgPair => {
                 launch!(self, "mla_attend_wg2_f32", geometry::mla_attend_wg2(&g, items, splits)?;
-                    &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
-                    &scale)?;
-            }
-            MlaDecodeMode::WgPairWide => {
-                launch!(self, "mla_attend_wg3_f32", geometry::mla_attend_wg2(&g, items, splits)?;
                     &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale)?;
             }
@@ -906,7 +896,6 @@ mod tests {
     fn mla_decode_mode_parse() {
         assert_eq!(MlaDecodeMode::parse(Some("wg")), MlaDecodeMode::WgPair);
         assert_eq!(MlaDecodeMode::parse(Some("wg1")), MlaDecodeMode::Wg);
-        assert_eq!(MlaDecodeMode::parse(Some("wg3")), MlaDecodeMode::WgPairWide);
         assert_eq!(
             MlaDecodeMode::parse(Some("precise")),
             MlaDecodeMode::Precise

@@ -94,11 +94,7 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "mla_attend_wg.cu",
         text: include_str!("../../../kernels/mla_attend_wg.cu"),
-        entries: &[
-            "mla_attend_wg_f32",
-            "mla_attend_wg2_f32",
-            "mla_attend_wg3_f32",
-        ],
+        entries: &["mla_attend_wg_f32", "mla_attend_wg2_f32"],
     },
     KernelFile {
         name: "mla_prefill.cu",

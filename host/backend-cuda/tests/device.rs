@@ -714,12 +714,6 @@ fn mla_wg2_matches_cpu() {
     mla_mode_matches_cpu(MlaDecodeMode::WgPair, "mla_wg2_matches_cpu", "wg2");
 }
 
-/// The same with wg2's 16-byte-store variant (`mla_attend_wg3_f32`, `K3_MLA_DECODE=wg3`).
-#[test]
-fn mla_wg3_matches_cpu() {
-    mla_mode_matches_cpu(MlaDecodeMode::WgPairWide, "mla_wg3_matches_cpu", "wg3");
-}
-
 fn mla_mode_matches_cpu(mode: MlaDecodeMode, test: &str, tag: &str) {
     let Some(mut gpu) = cuda() else { return };
     gpu.set_mla_decode_mode(mode);
