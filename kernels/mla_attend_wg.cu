@@ -58,8 +58,11 @@
 // pairs (a block past the last head still loads for its partner and writes nothing). Measured
 // (H200, K3, attend + merge, call V): L = 32k N = 1 / 16 / 64 48.2 us / 529 us / 2.02 ms against
 // the single-block kernel's 58.6 / 720 / 2843 (1.2-1.4x) and the bf16 kernel's 78.6 / 795 / 2995;
-// 56 % of the rows' HBM floor at N = 64. Next: the consumers (~1.6 us per tile) and the 8-byte
-// st.async traffic (36 KB per block and tile; 16-byte stores would halve the instructions).
+// 56 % of the rows' HBM floor at N = 64. Pairing lanes to send 16-byte st.async chunks (half the
+// store instructions, two shuffles per pair) was 3-5 % slower everywhere (call X: N = 64 L = 32k
+// 2115 vs 2014 us), so the partner traffic is not bound by its request count. Next: the
+// consumers' per-tile chain (~1.6 us: 36 score k-steps, softmax through shared memory, 32 P V
+// wgmma, two consumer barriers) - e.g. the next tile's scores overlapping this tile's P V.
 // Expected: the tensor work per tile and CTA is ~36 + 32 wgmma m64n48k16 (~2000 clocks, shared
 // memory bound at ~28 clocks each) + ~600 clocks of softmax and barriers, against ~4000 clocks of
 // HBM time per tile at 4.25 TB/s for the pair of CTAs: HBM bound if the producer keeps up.
