@@ -113,9 +113,9 @@ pub(crate) fn grouped_launch(
 /// moe_gemm.rs does: per-layer allocations of this size cost more than they should.
 #[derive(Default)]
 pub(crate) struct GroupedScratch {
-    pub(crate) zx: Option<CudaSlice<u16>>,
-    pub(crate) actx: Option<CudaSlice<u16>>,
-    pub(crate) y: Option<CudaSlice<f32>>,
+    zx: Option<CudaSlice<u16>>,
+    actx: Option<CudaSlice<u16>>,
+    y: Option<CudaSlice<f32>>,
 }
 
 impl CudaBackend {
@@ -178,9 +178,22 @@ impl CudaBackend {
                 y, idx, w, &out.buf, &ti, &kk, &lti, &ei)?;
             Ok(out)
         };
+        self.with_grouped_scratch(zx_len, actx_len, y_len, run)
+    }
+
+    /// Runs `run` on work buffers of these lengths (split activations, intermediate, per-assignment
+    /// outputs): the shared grouped scratch (one many-assignment path runs per process, and the
+    /// grouped and wgmma kernels use the same layouts), or, inside a logged step, buffers of its
+    /// own — a captured graph keeps the addresses it saw, never the scratch that a later, larger
+    /// step may reallocate.
+    pub(crate) fn with_grouped_scratch<R>(
+        &self,
+        zx_len: usize,
+        actx_len: usize,
+        y_len: usize,
+        run: impl FnOnce(&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<f32>) -> Result<R>,
+    ) -> Result<R> {
         if self.step.recording() {
-            // A captured graph keeps the addresses it saw: buffers of its own, never the scratch
-            // that a later, larger step may reallocate.
             return run(
                 &self.uninit(zx_len)?,
                 &self.uninit(actx_len)?,
@@ -199,7 +212,7 @@ impl CudaBackend {
     }
 
     /// `slot`, reallocated (uninitialised, 25% headroom) when shorter than `len`.
-    pub(crate) fn grow<'a, T: cudarc::driver::DeviceRepr>(
+    fn grow<'a, T: cudarc::driver::DeviceRepr>(
         &self,
         slot: &'a mut Option<CudaSlice<T>>,
         len: usize,

@@ -10,7 +10,6 @@
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
-use crate::moe_grouped::GroupedScratch;
 use crate::ops::DeviceExperts;
 use cudarc::driver::CudaSlice;
 use k3_model::backend::SituParams;
@@ -171,24 +170,7 @@ impl CudaBackend {
                 y, idx, w, &out.buf, &ti, &kk, &lti, &ei)?;
             Ok(out)
         };
-        if self.step.recording() {
-            // A captured graph keeps the addresses it saw: buffers of its own (moe_grouped.rs).
-            return run(
-                &self.uninit(zx_len)?,
-                &self.uninit(actx_len)?,
-                &self.uninit(y_len)?,
-            );
-        }
-        // The grouped path's work buffers (one many-assignment path runs per process).
-        let mut guard = self
-            .moe_grouped_scratch
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let GroupedScratch { zx, actx, y } = &mut *guard;
-        let zx = self.grow(zx, zx_len)?;
-        let actx = self.grow(actx, actx_len)?;
-        let y = self.grow(y, y_len)?;
-        run(zx, actx, y)
+        self.with_grouped_scratch(zx_len, actx_len, y_len, run)
     }
 }
 
