@@ -934,6 +934,29 @@ def check_moe_tc_shapes(d: Device, r: Results, gen):
             r.check(f"moe routed tc {tag} (sort+up+down+combine)", rel_err(res, ref), 2e-5)
 
 
+def _stream2_cases(d: Device, gen, shapes):
+    """The one-token experts' check cases (stream2 v1 and v2): for each (latent, inter) shape,
+    6 experts with random MXFP4 weights, top-3 routings at T = 1 and 3 (one slot's id out of
+    range at T = 3), and the float64 routed output. Yields (lt, ie, t, k, e, wv, z, idx, wts, ref,
+    ids) with wv / ids on the device."""
+    e, k = 6, 3
+    dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
+    for lt, ie in shapes:
+        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
+        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
+        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+        wv = [d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s)]
+        for t in (1, 3):
+            z = rand(t, lt, gen=gen)
+            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
+                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
+            idx = idx.clone()
+            if t == 3:
+                idx[1, 2] = -1  # skipped slot
+            ref = ref_routed(z, idx, wts, w1, w3, w2)
+            yield lt, ie, t, k, e, wv, z, idx, wts, ref, dev(idx.int().reshape(-1))
+
+
 def check_moe_stream2(d: Device, r: Results, gen):
     """The stream2 pair (mxfp4_*_stream2_f32 + moe_combine_parts_f32, the 1-token default; no sort:
     ids straight from the router) against float64: the unit split replayed (every (assignment, tile, part) once; K3 sizes: the busiest
@@ -954,39 +977,25 @@ def check_moe_stream2(d: Device, r: Results, gen):
         ok = seen == list(range(n)) and (rows < 1000 or max(steps) <= 1.05 * mean)
         r.exact(f"moe stream2 unit split {na}x{rows}x{cols} grid={grid} parts={parts}: every unit once, steps "
                 f"per warp {min(steps)}..{max(steps)} (mean {mean:.1f})", ok)
-    e, k = 6, 3
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
-    for lt, ie in ((160, 96), (544, 288)):
-        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
-        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
-        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
-        wv = [d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s)]
-        for t in (1, 3):
-            z = rand(t, lt, gen=gen)
-            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
-                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
-            idx = idx.clone()
-            if t == 3:
-                idx[1, 2] = -1  # skipped slot
-            ref = ref_routed(z, idx, wts, w1, w3, w2)
-            na = t * k
-            ids = dev(idx.int().reshape(-1))
-            nsu, nsd = cdiv(lt, 128), cdiv(ie, 128)  # steps per row: the most parts
-            for grid, parts in ((None, None), ((1, 1), (nsu, 1)), ((7, 3), (1, nsd)),
-                                ((3, 2), (min(2, nsu), min(2, nsd)))):
-                ngu, nyp = mx_stream2_scratch(na, lt, ie, parts)
-                gu = torch.full((ngu,), float("nan"), device=d.tdev)  # unwritten parts would show
-                yp = torch.full((nyp,), float("nan"), device=d.tdev)
-                res = torch.empty(t, lt, device=d.tdev)
-                run_mx_stream2(d, d.view(dev(z.float())), wv, d.view(ids), d.view(gu), d.view(yp),
-                               d.view(dev(wts.float().reshape(-1))), d.view(res), t, k, lt, ie, e, grid=grid,
-                               parts=parts)
-                d.sync()
-                g = grid or (mx_stream2_plan(na, ie, lt)[0], mx_stream2_plan(na, lt, ie)[0])
-                p = parts or (mx_stream2_plan(na, ie, lt)[1], mx_stream2_plan(na, lt, ie)[1])
-                # hi + lo bf16 activations (~16 bits) as the tc2 pair (check_moe_tc_shapes's 2e-5).
-                r.check(f"moe routed stream2 T={t} {lt}x{ie} grid={g[0]}/{g[1]} parts={p[0]}/{p[1]} "
-                        "(up+down+combine)", rel_err(res, ref), 2e-5)
+    for lt, ie, t, k, e, wv, z, idx, wts, ref, ids in _stream2_cases(d, gen, ((160, 96), (544, 288))):
+        na = t * k
+        nsu, nsd = cdiv(lt, 128), cdiv(ie, 128)  # steps per row: the most parts
+        for grid, parts in ((None, None), ((1, 1), (nsu, 1)), ((7, 3), (1, nsd)),
+                            ((3, 2), (min(2, nsu), min(2, nsd)))):
+            ngu, nyp = mx_stream2_scratch(na, lt, ie, parts)
+            gu = torch.full((ngu,), float("nan"), device=d.tdev)  # unwritten parts would show
+            yp = torch.full((nyp,), float("nan"), device=d.tdev)
+            res = torch.empty(t, lt, device=d.tdev)
+            run_mx_stream2(d, d.view(dev(z.float())), wv, d.view(ids), d.view(gu), d.view(yp),
+                           d.view(dev(wts.float().reshape(-1))), d.view(res), t, k, lt, ie, e, grid=grid,
+                           parts=parts)
+            d.sync()
+            g = grid or (mx_stream2_plan(na, ie, lt)[0], mx_stream2_plan(na, lt, ie)[0])
+            p = parts or (mx_stream2_plan(na, ie, lt)[1], mx_stream2_plan(na, lt, ie)[1])
+            # hi + lo bf16 activations (~16 bits) as the tc2 pair (check_moe_tc_shapes's 2e-5).
+            r.check(f"moe routed stream2 T={t} {lt}x{ie} grid={g[0]}/{g[1]} parts={p[0]}/{p[1]} "
+                    "(up+down+combine)", rel_err(res, ref), 2e-5)
 
 
 def check_moe_stream2v2(d: Device, r: Results, gen):
@@ -1010,44 +1019,30 @@ def check_moe_stream2v2(d: Device, r: Results, gen):
         ok = seen == list(range(n)) and max(steps) <= 1.05 * mean
         r.exact(f"moe stream2v2 unit split {na}x{rows}x{cols} grid={grid} parts={parts}: every unit once, steps "
                 f"per warp {min(steps)}..{max(steps)} (mean {mean:.1f})", ok)
-    e, k = 6, 3
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
-    for lt, ie in ((256, 384), (384, 128), (128, 256)):
-        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
-        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
-        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
-        wv = [d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s)]
-        for t in (1, 3):
-            z = rand(t, lt, gen=gen)
-            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
-                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
-            idx = idx.clone()
-            if t == 3:
-                idx[1, 2] = -1  # skipped slot
-            ref = ref_routed(z, idx, wts, w1, w3, w2)
-            na = t * k
-            ids = dev(idx.int().reshape(-1))
-            nsu, nsd = lt // 128, ie // 128  # steps per row: the most parts
-            for grid, parts in ((None, None), ((1, 1), (nsu, 1)), ((7, 7), (1, nsd)),
-                                ((3, 2), (min(2, nsu), min(2, nsd)))):
-                ngu, nyp, nsy = mx_stream2v2_scratch(t, k, lt, ie, parts)
-                gu = torch.full((ngu,), float("nan"), device=d.tdev)  # unwritten parts would show
-                yp = torch.full((nyp,), float("nan"), device=d.tdev)
-                sync = torch.full((nsy,), -7, dtype=torch.int32, device=d.tdev)  # the up kernel zeroes it
-                outs = []
-                for _ in range(2):
-                    res = torch.full((t, lt), float("nan"), device=d.tdev)  # every element is written
-                    run_mx_stream2v2(d, d.view(dev(z.float())), wv, d.view(ids), d.view(gu), d.view(yp),
-                                     d.view(sync), d.view(dev(wts.float().reshape(-1))), d.view(res), t, k, lt, ie,
-                                     e, grid=grid, parts=parts)
-                    d.sync()
-                    outs.append(res.cpu())
-                g = grid or (mx_stream2v2_plan(na, ie, lt, False)[0], mx_stream2v2_plan(na, lt, ie, True)[0])
-                p = parts or (mx_stream2v2_plan(na, ie, lt, False)[1], mx_stream2v2_plan(na, lt, ie, True)[1])
-                tag = f"T={t} {lt}x{ie} grid={g[0]}/{g[1]} parts={p[0]}/{p[1]}"
-                # hi + lo bf16 activations (~16 bits) as v1 (check_moe_stream2's 2e-5).
-                r.check(f"moe routed stream2v2 {tag} (up+down, combine folded)", rel_err(outs[0], ref), 2e-5)
-                r.exact(f"moe routed stream2v2 {tag}: rerun bitwise equal", torch.equal(outs[0], outs[1]))
+    for lt, ie, t, k, e, wv, z, idx, wts, ref, ids in _stream2_cases(d, gen, ((256, 384), (384, 128), (128, 256))):
+        na = t * k
+        nsu, nsd = lt // 128, ie // 128  # steps per row: the most parts
+        for grid, parts in ((None, None), ((1, 1), (nsu, 1)), ((7, 7), (1, nsd)),
+                            ((3, 2), (min(2, nsu), min(2, nsd)))):
+            ngu, nyp, nsy = mx_stream2v2_scratch(t, k, lt, ie, parts)
+            gu = torch.full((ngu,), float("nan"), device=d.tdev)  # unwritten parts would show
+            yp = torch.full((nyp,), float("nan"), device=d.tdev)
+            sync = torch.full((nsy,), -7, dtype=torch.int32, device=d.tdev)  # the up kernel zeroes it
+            outs = []
+            for _ in range(2):
+                res = torch.full((t, lt), float("nan"), device=d.tdev)  # every element is written
+                run_mx_stream2v2(d, d.view(dev(z.float())), wv, d.view(ids), d.view(gu), d.view(yp),
+                                 d.view(sync), d.view(dev(wts.float().reshape(-1))), d.view(res), t, k, lt, ie,
+                                 e, grid=grid, parts=parts)
+                d.sync()
+                outs.append(res.cpu())
+            g = grid or (mx_stream2v2_plan(na, ie, lt, False)[0], mx_stream2v2_plan(na, lt, ie, True)[0])
+            p = parts or (mx_stream2v2_plan(na, ie, lt, False)[1], mx_stream2v2_plan(na, lt, ie, True)[1])
+            tag = f"T={t} {lt}x{ie} grid={g[0]}/{g[1]} parts={p[0]}/{p[1]}"
+            # hi + lo bf16 activations (~16 bits) as v1 (check_moe_stream2's 2e-5).
+            r.check(f"moe routed stream2v2 {tag} (up+down, combine folded)", rel_err(outs[0], ref), 2e-5)
+            r.exact(f"moe routed stream2v2 {tag}: rerun bitwise equal", torch.equal(outs[0], outs[1]))
 
 
 def check_moe_tc2(d: Device, r: Results, gen):
