@@ -44,43 +44,6 @@ extern __shared__ __align__(16) u32 mxg_smem[];
 
 static_assert(MXG_STAGES == 3, "mx_wait_all_but_one waits for all but MXG_STAGES - 2 groups");
 
-// Tile `tile` (header): its expert and first token within the expert's sorted range, or false
-// past the last tile. Warp 0 scans ceil(count / MXG_TOK) over the experts 32 at a time.
-// Block-uniform: every thread reaches the barrier.
-__device__ bool mxg_find_tile(const int* __restrict__ offsets, int experts, int tile, int& e_out, int& t0_out) {
-    __shared__ int s_e, s_t0;
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        int base = 0, fe = -1, ft = 0;
-        for (int e0 = 0; e0 < experts; e0 += 32) {
-            const int e = e0 + lane;
-            const int n = e < experts ? (offsets[e + 1] - offsets[e] + MXG_TOK - 1) / MXG_TOK : 0;
-            int incl = n;
-#pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                const int v = __shfl_up_sync(K3_FULL_MASK, incl, d);
-                if (lane >= d) incl += v;
-            }
-            const int rel = tile - base;
-            const u32 hit = __ballot_sync(K3_FULL_MASK, rel >= incl - n && rel < incl);
-            if (hit) {  // warp-uniform
-                const int src = __ffs(hit) - 1;
-                fe = e0 + src;
-                ft = (rel - __shfl_sync(K3_FULL_MASK, incl - n, src)) * MXG_TOK;
-                break;
-            }
-            base += __shfl_sync(K3_FULL_MASK, incl, 31);
-        }
-        if (lane == 0) {
-            s_e = fe;
-            s_t0 = ft;
-        }
-    }
-    __syncthreads();
-    e_out = s_e;
-    t0_out = s_t0;
-    return e_out >= 0;
-}
 
 // acc[m][q][k] of this warp for one tile: nt (1..64) tokens whose B rows are xs rows brow(i)
 // (UP: sorted[p0 + i] / div, else p0 + i), A rows of the CTA (UP: A-row ar = 32 w + 16 m + rr is
@@ -212,7 +175,7 @@ mxfp4_up_grouped_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, con
                      const int* __restrict__ sorted, u16* __restrict__ actx, int top_k, int latent, int inter,
                      float beta, float beta_lin, int has_lin, int experts) {
     int e, t0;
-    if (!mxg_find_tile(offsets, experts, blockIdx.y, e, t0)) return;  // block-uniform
+    if (!mx_find_tile<MXG_TOK>(offsets, experts, blockIdx.y, e, t0)) return;  // block-uniform
     mx_fill_table(mxg_smem, MXG_TAB_WORDS);  // the first stage's barrier orders it before any lookup
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int wm = warp & 7, wn = warp >> 3;
@@ -248,7 +211,7 @@ mxfp4_down_grouped_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p,
                        const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y,
                        int latent, int inter, int experts) {
     int e, t0;
-    if (!mxg_find_tile(offsets, experts, blockIdx.y, e, t0)) return;
+    if (!mx_find_tile<MXG_TOK>(offsets, experts, blockIdx.y, e, t0)) return;
     mx_fill_table(mxg_smem, MXG_TAB_WORDS);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int wm = warp & 7, wn = warp >> 3;

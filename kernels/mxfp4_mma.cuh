@@ -78,3 +78,43 @@ __device__ __forceinline__ void mx_glu_parts8(const float* gu, int parts, int in
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[k] = situ_glu_one(gs[k], us[k], beta, beta_lin, has_lin);
 }
+
+// Tile `tile` of the grouped GEMMs (mxfp4_grouped.cu, mxfp4_wg.cu: each expert's sorted
+// assignments cut into pieces of TOK tokens, expert by expert): its expert and first token within
+// the expert's sorted range, or false past the last tile. Warp 0 scans ceil(count / TOK) over the
+// experts 32 at a time. Block-uniform: every thread reaches the barrier.
+template <int TOK>
+__device__ bool mx_find_tile(const int* __restrict__ offsets, int experts, int tile, int& e_out, int& t0_out) {
+    __shared__ int s_e, s_t0;
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        int base = 0, fe = -1, ft = 0;
+        for (int e0 = 0; e0 < experts; e0 += 32) {
+            const int e = e0 + lane;
+            const int n = e < experts ? (offsets[e + 1] - offsets[e] + TOK - 1) / TOK : 0;
+            int incl = n;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int v = __shfl_up_sync(K3_FULL_MASK, incl, d);
+                if (lane >= d) incl += v;
+            }
+            const int rel = tile - base;
+            const u32 hit = __ballot_sync(K3_FULL_MASK, rel >= incl - n && rel < incl);
+            if (hit) {  // warp-uniform
+                const int src = __ffs(hit) - 1;
+                fe = e0 + src;
+                ft = (rel - __shfl_sync(K3_FULL_MASK, incl - n, src)) * TOK;
+                break;
+            }
+            base += __shfl_sync(K3_FULL_MASK, incl, 31);
+        }
+        if (lane == 0) {
+            s_e = fe;
+            s_t0 = ft;
+        }
+    }
+    __syncthreads();
+    e_out = s_e;
+    t0_out = s_t0;
+    return e_out >= 0;
+}

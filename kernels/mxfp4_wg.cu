@@ -248,43 +248,6 @@ __device__ __forceinline__ u32 mxw_dec(u32 lo, u32 hi, int b, u32 sc, u32 sc2) {
     return out;
 }
 
-// Tile `tile`: its expert and first token within the expert's sorted range, or false past the
-// last tile (tiles = each expert's assignments cut into pieces of MXW_TOK, expert by expert).
-// Warp 0 scans ceil(count / MXW_TOK) over the experts 32 at a time. Block-uniform.
-__device__ bool mxw_find_tile(const int* __restrict__ offsets, int experts, int tile, int& e_out, int& t0_out) {
-    __shared__ int s_e, s_t0;
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        int base = 0, fe = -1, ft = 0;
-        for (int e0 = 0; e0 < experts; e0 += 32) {
-            const int e = e0 + lane;
-            const int n = e < experts ? (offsets[e + 1] - offsets[e] + MXW_TOK - 1) / MXW_TOK : 0;
-            int incl = n;
-#pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                const int v = __shfl_up_sync(K3_FULL_MASK, incl, d);
-                if (lane >= d) incl += v;
-            }
-            const int rel = tile - base;
-            const u32 hit = __ballot_sync(K3_FULL_MASK, rel >= incl - n && rel < incl);
-            if (hit) {  // warp-uniform
-                const int src = __ffs(hit) - 1;
-                fe = e0 + src;
-                ft = (rel - __shfl_sync(K3_FULL_MASK, incl - n, src)) * MXW_TOK;
-                break;
-            }
-            base += __shfl_sync(K3_FULL_MASK, incl, 31);
-        }
-        if (lane == 0) {
-            s_e = fe;
-            s_t0 = ft;
-        }
-    }
-    __syncthreads();
-    e_out = s_e;
-    t0_out = s_t0;
-    return e_out >= 0;
-}
 
 // One CTA's tile: nt (1..128) tokens whose B rows are xs rows (UP: sorted[p0 + i] / div, else
 // p0 + i); staged A-row ar is, for UP, row r0 + 64 (ar >> 7) + (ar & 63) of W1 ((ar >> 6) & 1 == 0)
@@ -506,7 +469,7 @@ mxfp4_up_wg_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u8
                 float beta_lin, int has_lin, int experts, int mode) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, t0;
-    if (!mxw_find_tile(offsets, experts, blockIdx.y, e, t0)) return;  // block-uniform
+    if (!mx_find_tile<MXW_TOK>(offsets, experts, blockIdx.y, e, t0)) return;  // block-uniform
     const i64 mat = (i64)e * inter;
     MxwTile a;
     a.xs = zx;
@@ -546,7 +509,7 @@ mxfp4_down_wg_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, cons
                   int inter, int experts, int mode) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, t0;
-    if (!mxw_find_tile(offsets, experts, blockIdx.y, e, t0)) return;
+    if (!mx_find_tile<MXW_TOK>(offsets, experts, blockIdx.y, e, t0)) return;
     const i64 mat = (i64)e * latent;
     MxwTile a;
     a.xs = actx;
