@@ -83,14 +83,25 @@ fn split_row_u16(cols: usize) -> usize {
     cols.div_ceil(128) * 256
 }
 
-/// Upper bound on the tiles of `assignments` sorted assignments over `experts` experts: each busy
+/// Upper bound on the tiles of `assignments` sorted assignments over `experts` experts, cut into
+/// tiles of `tokens` (the grouped and the wgmma kernels, mxfp4_mma.cuh `mx_find_tile`): each busy
 /// expert (at most min(E, n)) leaves at most one partial tile.
-pub(crate) fn grouped_tiles(assignments: usize, experts: usize) -> usize {
-    assignments.div_ceil(GROUPED_TOKENS) + experts.min(assignments)
+pub(crate) fn tile_bound(assignments: usize, experts: usize, tokens: usize) -> usize {
+    assignments.div_ceil(tokens) + experts.min(assignments)
 }
 
-/// Grid of the grouped kernels: row blocks of `rows_per_block` over `rows` x the tile bound.
-pub(crate) fn grouped_launch(
+/// Shape of a tiled expert GEMM's launch: tokens per tile, threads per block, dynamic shared
+/// memory.
+pub(crate) struct TiledGemm {
+    pub tokens: usize,
+    pub threads: u32,
+    pub shared: usize,
+}
+
+/// Grid of a tiled expert GEMM: row blocks of `rows_per_block` over `rows` x the tile bound
+/// (blocks past the last tile exit).
+pub(crate) fn tiled_launch(
+    gemm: TiledGemm,
     rows: usize,
     rows_per_block: usize,
     cols: usize,
@@ -101,12 +112,28 @@ pub(crate) fn grouped_launch(
     Launch::new(
         (
             rows.div_ceil(rows_per_block),
-            grouped_tiles(assignments, experts),
+            tile_bound(assignments, experts, gemm.tokens),
             1,
         ),
-        GROUPED_THREADS,
+        gemm.threads,
     )?
-    .with_opt_in_shared(geometry::MX_GROUPED_SHARED)
+    .with_opt_in_shared(gemm.shared)
+}
+
+/// Grid of the grouped kernels.
+pub(crate) fn grouped_launch(
+    rows: usize,
+    rows_per_block: usize,
+    cols: usize,
+    assignments: usize,
+    experts: usize,
+) -> Result<Launch> {
+    let gemm = TiledGemm {
+        tokens: GROUPED_TOKENS,
+        threads: GROUPED_THREADS,
+        shared: geometry::MX_GROUPED_SHARED,
+    };
+    tiled_launch(gemm, rows, rows_per_block, cols, assignments, experts)
 }
 
 /// Work buffers kept between eager calls (grown, never shrunk; at T = 2048 K3 ~0.9 GB), as
@@ -244,7 +271,7 @@ mod tests {
     fn grouped_launch_geometry() {
         // K3 at T = 2048, top-16 of 128: 512 full tiles + at most one partial tile per expert.
         let n = 2048 * 16;
-        assert_eq!(grouped_tiles(n, 128), 512 + 128);
+        assert_eq!(tile_bound(n, 128, GROUPED_TOKENS), 512 + 128);
         let up = grouped_launch(3072, GROUPED_UP_ROWS, 3584, n, 128).unwrap();
         assert_eq!(
             (up.grid, up.block, up.shared),
@@ -253,7 +280,7 @@ mod tests {
         let down = grouped_launch(3584, GROUPED_DOWN_ROWS, 3072, n, 128).unwrap();
         assert_eq!(down.grid, (14, 640, 1));
         // Few assignments: no more partial tiles than assignments.
-        assert_eq!(grouped_tiles(3, 128), 1 + 3);
+        assert_eq!(tile_bound(3, 128, GROUPED_TOKENS), 1 + 3);
         assert_eq!(split_row_u16(3584), 28 * 256);
         assert_eq!(split_row_u16(160), 2 * 256);
         assert!(grouped_launch(3072, GROUPED_UP_ROWS, 100, n, 128).is_err());

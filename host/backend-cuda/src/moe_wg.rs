@@ -81,13 +81,7 @@ pub(crate) fn wg_row_u16(cols: usize, planes: usize) -> usize {
     cols.div_ceil(64) * 64 * planes
 }
 
-/// Upper bound on the tiles of `assignments` sorted assignments over `experts` experts: each busy
-/// expert leaves at most one partial tile.
-pub(crate) fn wg_tiles(assignments: usize, experts: usize) -> usize {
-    assignments.div_ceil(WG_TOKENS) + experts.min(assignments)
-}
-
-/// Grid of the wgmma GEMMs: row blocks of `rows_per_block` over `rows` x the tile bound.
+/// Grid of the wgmma GEMMs (moe_grouped.rs `tiled_launch`).
 pub(crate) fn wg_launch(
     rows: usize,
     rows_per_block: usize,
@@ -95,16 +89,12 @@ pub(crate) fn wg_launch(
     assignments: usize,
     experts: usize,
 ) -> Result<Launch> {
-    geometry::check_mx_width(cols)?;
-    Launch::new(
-        (
-            rows.div_ceil(rows_per_block),
-            wg_tiles(assignments, experts),
-            1,
-        ),
-        WG_THREADS,
-    )?
-    .with_opt_in_shared(MX_WG_SHARED)
+    let gemm = crate::moe_grouped::TiledGemm {
+        tokens: WG_TOKENS,
+        threads: WG_THREADS,
+        shared: MX_WG_SHARED,
+    };
+    crate::moe_grouped::tiled_launch(gemm, rows, rows_per_block, cols, assignments, experts)
 }
 
 /// `mxfp4_wg_split_f32`: one 128-thread block per row and 256 columns.
@@ -191,7 +181,7 @@ mod tests {
     fn wg_launch_geometry() {
         // K3 at T = 2048, top-16 of 128: 256 full tiles of 128 + at most one partial per expert.
         let n = 2048 * 16;
-        assert_eq!(wg_tiles(n, 128), 256 + 128);
+        assert_eq!(crate::moe_grouped::tile_bound(n, 128, WG_TOKENS), 256 + 128);
         let up = wg_launch(3072, WG_UP_ROWS, 3584, n, 128).unwrap();
         assert_eq!(
             (up.grid, up.block, up.shared),
@@ -199,7 +189,7 @@ mod tests {
         );
         let down = wg_launch(3584, WG_DOWN_ROWS, 3072, n, 128).unwrap();
         assert_eq!(down.grid, (14, 384, 1));
-        assert_eq!(wg_tiles(3, 128), 1 + 3);
+        assert_eq!(crate::moe_grouped::tile_bound(3, 128, WG_TOKENS), 1 + 3);
         // 64-column groups of hi / lo (or one bf16 plane); partial groups padded.
         assert_eq!(wg_row_u16(3584, 2), 56 * 128);
         assert_eq!(wg_row_u16(3584, 1), 56 * 64);
