@@ -77,17 +77,23 @@ MX_GROUPED_TOK, MX_GROUPED_UP_ROWS, MX_GROUPED_DOWN_ROWS = 64, 128, 256
 MX_GROUPED_SHARED = 8192 * 4 + 3 * (256 * 64 + 256 * 4 + 128 * 288)
 
 
-def mx_grouped_tiles(n_assign: int, experts: int) -> int:
-    return cdiv(n_assign, MX_GROUPED_TOK) + min(experts, n_assign)
+def mx_tile_bound(n_assign: int, experts: int, tok: int) -> int:
+    """moe_grouped.rs tile_bound: grid.y of the grouped and wgmma GEMMs."""
+    return cdiv(n_assign, tok) + min(experts, n_assign)
+
+
+def _expert_scratch(d: Device, t: int, k: int, lt: int, zx_row: int, actx_row: int):
+    """Split z ([t, zx_row] u16), split intermediate ([t k, actx_row] u16) and y ([t k, lt] f32):
+    (tensors to keep alive, zx, actx, y views); made outside any graph capture (views sync)."""
+    zx = torch.zeros(t * zx_row, dtype=torch.int16, device=d.tdev)
+    actx = torch.zeros(t * k * actx_row, dtype=torch.int16, device=d.tdev)
+    y = torch.zeros(t * k, lt, device=d.tdev)
+    return (zx, actx, y), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16), d.view(y)
 
 
 def mx_grouped_scratch(d: Device, t: int, k: int, lt: int, ie: int):
-    """Split z, split intermediate and y of the grouped path: (tensors to keep alive, zx, actx, y
-    views); made outside any graph capture (views sync)."""
-    zx = torch.zeros(t * mx_tc2_row_u16(lt), dtype=torch.int16, device=d.tdev)
-    actx = torch.zeros(t * k * mx_tc2_row_u16(ie), dtype=torch.int16, device=d.tdev)
-    y = torch.zeros(t * k, lt, device=d.tdev)
-    return (zx, actx, y), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16), d.view(y)
+    """The grouped path's work buffers (_expert_scratch)."""
+    return _expert_scratch(d, t, k, lt, mx_tc2_row_u16(lt), mx_tc2_row_u16(ie))
 
 
 def run_mx_grouped(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t, k, lt, ie, e, situ=(4.0, 25.0, 1),
@@ -95,7 +101,7 @@ def run_mx_grouped(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t,
     """moe_grouped.rs after the sort: split z, up, down, combine (views; w = (w1p, w1s, w3p, w3s,
     w2p, w2s); scratch from mx_grouped_scratch). `parts` picks launches (benchmarks time them alone)."""
     _, zx, actx, y = scratch
-    tiles = mx_grouped_tiles(t * k, e)
+    tiles = mx_tile_bound(t * k, e, MX_GROUPED_TOK)
     if "split" in parts:
         d.launch("mxfp4_tc2_split_f32", (t, cdiv(lt, 128)), 32, z, zx, t, lt)
     if "up" in parts:
@@ -117,20 +123,13 @@ MX_WG_SWAP_LBO_SBO = 16  # mode bit of the GEMMs: the B descriptor's LBO / SBO s
 MX_WG_NO_PROXY_FENCE = 32  # mode bit: no fence.proxy.async per stage (moe_wg.rs K3_MOE_WG_FENCE=0)
 
 
-def mx_wg_tiles(n_assign: int, experts: int) -> int:
-    return cdiv(n_assign, MX_WG_TOK) + min(experts, n_assign)
-
-
 def mx_wg_row_u16(cols: int, planes: int) -> int:
     return cdiv(cols, 64) * 64 * planes
 
 
 def mx_wg_scratch(d: Device, t: int, k: int, lt: int, ie: int, planes: int = 2):
-    """Split z, split intermediate and y of the wgmma path (as mx_grouped_scratch)."""
-    zx = torch.zeros(t * mx_wg_row_u16(lt, planes), dtype=torch.int16, device=d.tdev)
-    actx = torch.zeros(t * k * mx_wg_row_u16(ie, planes), dtype=torch.int16, device=d.tdev)
-    y = torch.zeros(t * k, lt, device=d.tdev)
-    return (zx, actx, y), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16), d.view(y)
+    """The wgmma path's work buffers (_expert_scratch)."""
+    return _expert_scratch(d, t, k, lt, mx_wg_row_u16(lt, planes), mx_wg_row_u16(ie, planes))
 
 
 def run_mx_wg(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t, k, lt, ie, e, planes=2,
@@ -139,7 +138,7 @@ def run_mx_wg(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t, k, l
     w2s); scratch from mx_wg_scratch or mx_grouped_scratch (large enough for planes <= 2)).
     mode_bits: further bits of the GEMMs' mode (MX_WG_NO_PROXY_FENCE, MX_WG_SWAP_LBO_SBO)."""
     _, zx, actx, y = scratch
-    tiles = mx_wg_tiles(t * k, e)
+    tiles = mx_tile_bound(t * k, e, MX_WG_TOK)
     if "split" in parts:
         d.launch("mxfp4_wg_split_f32", (t, cdiv(lt, 256)), 128, z, zx, t, lt, planes)
     if "up" in parts:
