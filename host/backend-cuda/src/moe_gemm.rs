@@ -141,10 +141,7 @@ impl CudaBackend {
             launch!(self, "moe_gather_split_bf16", Launch::new((n, 1, 1), 256)?; &z.buf, sorted, offsets, &ei, &kk, &lti, xs, inv)
         })?;
 
-        let (lin, has) = (
-            situ.linear_beta.unwrap_or(1.0),
-            i32::from(situ.linear_beta.is_some()),
-        );
+        let (lin, has) = crate::ops::situ_linear_args(situ);
 
         for chunk in plan.touched.chunks(group) {
             let list: Vec<i32> = chunk.iter().map(|&x| x as i32).collect();

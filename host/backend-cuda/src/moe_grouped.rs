@@ -184,10 +184,7 @@ impl CudaBackend {
         i(n, "assignments")?;
         let up = grouped_launch(ie, GROUPED_UP_ROWS, lt, n, e)?;
         let down = grouped_launch(lt, GROUPED_DOWN_ROWS, ie, n, e)?;
-        let (lin, has) = (
-            situ.linear_beta.unwrap_or(1.0),
-            i32::from(situ.linear_beta.is_some()),
-        );
+        let (lin, has) = crate::ops::situ_linear_args(situ);
         let (zx_len, actx_len, y_len) = (t * split_row_u16(lt), n * split_row_u16(ie), n * lt);
         // Every element read is written first: the split pads z's rows, each up block writes its
         // whole super-step of its tokens' rows, the down blocks every row of a sorted assignment

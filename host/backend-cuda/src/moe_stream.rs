@@ -210,10 +210,7 @@ impl CudaBackend {
             crate::ops::i32_of(na, "assignments")?,
         );
         let (pu, pd) = (up.parts as i32, down.parts as i32);
-        let (lin, has) = (
-            situ.linear_beta.unwrap_or(1.0),
-            i32::from(situ.linear_beta.is_some()),
-        );
+        let (lin, has) = crate::ops::situ_linear_args(situ);
         launch!(self, "mxfp4_up_stream2_f32", up.launch;
             &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, idx, &gu, &kk, &lt, &ie, &e, &n, &pu)?;
         launch!(self, "mxfp4_down_stream2_f32", down.launch;
@@ -229,7 +226,6 @@ impl CudaBackend {
     /// and part masks (`sync`: [T, latent / 32] then [T·k, latent / 32]); the down kernel writes
     /// run partials to `yp` and the warp that completes a (token, 32-row group) writes its `out`
     /// rows (every element: no zeroing pass).
-    #[allow(clippy::too_many_arguments)]
     fn moe_experts_stream2v2(
         &self,
         z: &DeviceMat,
@@ -260,10 +256,7 @@ impl CudaBackend {
             down.parts as i32,
             crate::ops::i32_of(n_sync, "stream2 v2 counters")?,
         );
-        let (lin, has) = (
-            situ.linear_beta.unwrap_or(1.0),
-            i32::from(situ.linear_beta.is_some()),
-        );
+        let (lin, has) = crate::ops::situ_linear_args(situ);
         let out = self.output(t, ex.latent)?;
         launch!(self, "mxfp4_up_stream2v2_f32", up.launch;
             &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, idx, &gu, &sync, &ns, &kk, &lt, &ie, &e, &n,

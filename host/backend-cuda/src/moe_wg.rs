@@ -135,10 +135,7 @@ impl CudaBackend {
         i(n, "assignments")?;
         let up = wg_launch(ie, WG_UP_ROWS, lt, n, e)?;
         let down = wg_launch(lt, WG_DOWN_ROWS, ie, n, e)?;
-        let (lin, has) = (
-            situ.linear_beta.unwrap_or(1.0),
-            i32::from(situ.linear_beta.is_some()),
-        );
+        let (lin, has) = crate::ops::situ_linear_args(situ);
         let (zx_len, actx_len, y_len) = (
             t * wg_row_u16(lt, planes),
             n * wg_row_u16(ie, planes),

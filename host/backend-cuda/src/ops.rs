@@ -207,6 +207,14 @@ fn same_shape(a: &DeviceMat, b: &DeviceMat, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// SiTU's optional linear branch as kernel arguments: (beta_lin, has_lin), 1.0 / 0 when absent.
+pub(crate) fn situ_linear_args(situ: SituParams) -> (f32, i32) {
+    (
+        situ.linear_beta.unwrap_or(1.0),
+        i32::from(situ.linear_beta.is_some()),
+    )
+}
+
 pub(crate) fn i32_of(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| CudaError::InvalidArg(format!("{what} = {v} exceeds i32")))
 }
@@ -369,10 +377,7 @@ impl CudaBackend {
         same_shape(gate, up, "situ_glu")?;
         let out = self.zeros(gate.rows, gate.cols)?;
         let n = (gate.rows * gate.cols) as i64;
-        let (lin, has) = (
-            p.linear_beta.unwrap_or(1.0),
-            i32::from(p.linear_beta.is_some()),
-        );
+        let (lin, has) = crate::ops::situ_linear_args(p);
         launch!(self, "situ_glu_f32", geometry::elementwise(n as usize)?;
             &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has)?;
         Ok(out)
@@ -855,10 +860,7 @@ impl CudaBackend {
         }
         let y = self.zeros(t * k, ex.latent)?;
         let (kk, lt, ie) = (k as i32, ex.latent as i32, ex.inter as i32);
-        let (lin, has) = (
-            situ.linear_beta.unwrap_or(1.0),
-            i32::from(situ.linear_beta.is_some()),
-        );
+        let (lin, has) = crate::ops::situ_linear_args(situ);
         // Blocks for at most min(E, T*k) experts: each maps itself to a busy one.
         let busy = ex.experts.min(t * k).max(1);
         // The tc2 pair: z and the intermediate as hi / lo bf16 in fragment order (every element
