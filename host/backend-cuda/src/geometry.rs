@@ -164,7 +164,14 @@ pub const MLA_TC2_BLOCKS_PER_SM: usize = 2;
 
 pub fn mla_splits_tc2(items: usize, heads: usize, max_len: usize, sms: usize) -> (usize, usize) {
     let blocks = items.max(1) * heads.div_ceil(MLA_TC_HEADS_PER_BLOCK);
-    let slots = sms.max(1) * MLA_TC2_BLOCKS_PER_SM;
+    let splits = fullest_wave_splits(blocks, sms.max(1) * MLA_TC2_BLOCKS_PER_SM, max_len);
+    (splits, max_len.max(1).div_ceil(splits))
+}
+
+/// Position splits for `blocks` blocks per split over `slots` resident blocks: at least one wave
+/// (`want`), then the count in [want, 2 want] whose last wave is fullest, splits of at least 128
+/// positions (the MLA decode attends).
+fn fullest_wave_splits(blocks: usize, slots: usize, max_len: usize) -> usize {
     let want = slots.div_ceil(blocks).max(1);
     let cap = max_len.div_ceil(128).clamp(1, MLA_MAX_SPLITS);
     let fill = |s: usize| (blocks * s) as f64 / ((blocks * s).div_ceil(slots) * slots) as f64;
@@ -174,7 +181,7 @@ pub fn mla_splits_tc2(items: usize, heads: usize, max_len: usize, sms: usize) ->
             splits = s;
         }
     }
-    (splits, max_len.max(1).div_ceil(splits))
+    splits
 }
 
 /// Shared memory per block on sm_90 with the opt-in attribute (227 KB).
@@ -248,17 +255,7 @@ pub fn mla_attend_bf16(g: &MlaGeom, items: usize, splits: usize) -> Result<Launc
 /// tiles). More splits only add partials ([H, splits, kv_lora + 2] f32 written and merged).
 pub fn mla_splits_bf16(items: usize, heads: usize, max_len: usize, sms: usize) -> usize {
     let blocks = items.max(1) * heads.div_ceil(MLA_BF16_HEADS_PER_BLOCK);
-    let slots = sms.max(1);
-    let want = slots.div_ceil(blocks).max(1);
-    let cap = max_len.div_ceil(128).clamp(1, MLA_MAX_SPLITS);
-    let fill = |s: usize| (blocks * s) as f64 / ((blocks * s).div_ceil(slots) * slots) as f64;
-    let mut splits = want.min(cap);
-    for s in want..=(2 * want).min(cap) {
-        if fill(s) > fill(splits) + 1e-9 {
-            splits = s;
-        }
-    }
-    splits
+    fullest_wave_splits(blocks, sms.max(1), max_len)
 }
 
 /// Grid (head groups, items, splits) of `mla_attend_wg_f32`, as `mla_attend_bf16`'s: the two head
