@@ -861,6 +861,23 @@ def ref_routed(z, idx, wts, w1, w3, w2):
     return ref
 
 
+def random_routing(t: int, e: int, k: int, gen):
+    """A random top-k routing of t tokens over e experts (the router's reference: identity gate,
+    small bias): (idx [t, k], wts [t, k] float64)."""
+    idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64), rand(e, scale=0.1, gen=gen), k,
+                            True, 1.0)
+    return idx, wts
+
+
+def sort_assignments(d: Device, ids, na: int, e: int):
+    """moe_sort_assignments on `ids` ([na] expert ids, a device tensor): (offsets [e + 1], sorted_
+    [na]) as device tensors."""
+    offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
+    sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
+    d.launch("moe_sort_assignments", 1, 1024, d.view(ids), na, e, d.view(offsets), d.view(sorted_))
+    return offsets, sorted_
+
+
 def check_moe(d: Device, r: Results, gen):
     t, e, k, lt, ie = 5, 16, 4, 128, 64
     w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
@@ -877,10 +894,7 @@ def check_moe(d: Device, r: Results, gen):
     # stream2), through the tc2 pair; the stream2 pair's checks are check_moe_stream2.
     for tn in (t, 1):
         na = tn * k
-        offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
-        sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
-        d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx[:tn].int().reshape(-1))), na, e, d.view(offsets),
-                 d.view(sorted_))
+        offsets, sorted_ = sort_assignments(d, dev(idx[:tn].int().reshape(-1)), na, e)
         act = torch.empty(na, ie, device=d.tdev)
         y = torch.empty(na, lt, device=d.tdev)
         run_mx_tc2(d, min(e, na),
@@ -909,14 +923,10 @@ def check_moe_tc_shapes(d: Device, r: Results, gen):
         w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
         for t, stage in ((1, None), (9, None), (17, None), (9, 1), (9, 3)):
             z = rand(t, lt, gen=gen)
-            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
-                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
+            idx, wts = random_routing(t, e, k, gen)
             ref = ref_routed(z, idx, wts, w1, w3, w2)
             na = t * k
-            offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
-            sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
-            d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx.int().reshape(-1))), na, e, d.view(offsets),
-                     d.view(sorted_))
+            offsets, sorted_ = sort_assignments(d, dev(idx.int().reshape(-1)), na, e)
             act = torch.empty(na, ie, device=d.tdev)
             y = torch.empty(na, lt, device=d.tdev)
             wargs = (d.view(dev(z.float())), d.view(dev(w1p)), d.view(dev(w1s)), d.view(dev(w3p)),
@@ -948,8 +958,7 @@ def _stream2_cases(d: Device, gen, shapes):
         wv = [d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s)]
         for t in (1, 3):
             z = rand(t, lt, gen=gen)
-            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
-                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
+            idx, wts = random_routing(t, e, k, gen)
             idx = idx.clone()
             if t == 3:
                 idx[1, 2] = -1  # skipped slot
@@ -1063,14 +1072,10 @@ def check_moe_tc2(d: Device, r: Results, gen):
         if t == 70:
             idx, wts = made, torch.rand(t, k, generator=gen, dtype=torch.float64)
         else:
-            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
-                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
+            idx, wts = random_routing(t, e, k, gen)
         ref = ref_routed(z, idx, wts, w1, w3, w2)
         na = t * k
-        offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
-        sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
-        d.launch("moe_sort_assignments", 1, 1024, d.view(dev(idx.int().reshape(-1))), na, e, d.view(offsets),
-                 d.view(sorted_))
+        offsets, sorted_ = sort_assignments(d, dev(idx.int().reshape(-1)), na, e)
         counts = sorted(torch.bincount(idx.reshape(-1), minlength=e).tolist(), reverse=True)
         act = torch.empty(na, ie, device=d.tdev)
         y = torch.empty(na, lt, device=d.tdev)
@@ -1107,14 +1112,11 @@ def check_moe_grouped(d: Device, r: Results, gen):
         if t == 300:
             idx, wts = made, torch.rand(t, k, generator=gen, dtype=torch.float64)
         else:
-            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
-                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
+            idx, wts = random_routing(t, e, k, gen)
         ref = ref_routed(z, idx, wts, w1, w3, w2)
         na = t * k
         ids = dev(idx.int().reshape(-1))
-        offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
-        sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
-        d.launch("moe_sort_assignments", 1, 1024, d.view(ids), na, e, d.view(offsets), d.view(sorted_))
+        offsets, sorted_ = sort_assignments(d, ids, na, e)
         scratch = mx_grouped_scratch(d, t, k, lt, ie)
         scratch[0][2].fill_(float("nan"))
         out = torch.full((t, lt), float("nan"), device=d.tdev)
@@ -1163,8 +1165,7 @@ def check_moe_wg(d: Device, r: Results, gen):
         if t == 300:
             idx, wts = made, torch.rand(t, k, generator=gen, dtype=torch.float64)
         else:
-            idx, wts, _ = ref_route(rand(t, e, gen=gen), torch.eye(e, dtype=torch.float64),
-                                    rand(e, scale=0.1, gen=gen), k, True, 1.0)
+            idx, wts = random_routing(t, e, k, gen)
         if odd:
             z = z / 512
             (w1s, w1), (w3s, w3), (w2s, w2) = (odd_scales(w1p, w1s, True), odd_scales(w3p, w3s, False),
@@ -1172,9 +1173,7 @@ def check_moe_wg(d: Device, r: Results, gen):
         ref = ref_routed(z, idx, wts, w1, w3, w2)
         na = t * k
         ids = dev(idx.int().reshape(-1))
-        offsets = torch.empty(e + 1, dtype=torch.int32, device=d.tdev)
-        sorted_ = torch.empty(na, dtype=torch.int32, device=d.tdev)
-        d.launch("moe_sort_assignments", 1, 1024, d.view(ids), na, e, d.view(offsets), d.view(sorted_))
+        offsets, sorted_ = sort_assignments(d, ids, na, e)
         w = tuple(d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s))
         counts = sorted(torch.bincount(idx[idx >= 0].reshape(-1), minlength=e).tolist(), reverse=True)
         for planes, tol, bits in ((2, 2e-5, 0), (1, 1e-2, 0), (2, 2e-5, MX_WG_NO_PROXY_FENCE)):
