@@ -788,18 +788,23 @@ impl CudaBackend {
                     &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale, &tc_mode)?;
             }
-            MlaDecodeMode::Bf16 => {
-                launch!(self, "mla_attend_bf16_f32", geometry::mla_attend_bf16(&g, items, splits)?;
-                    &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
-                    &scale)?;
-            }
-            MlaDecodeMode::Wg => {
-                launch!(self, "mla_attend_wg_f32", geometry::mla_attend_wg(&g, items, splits)?;
-                    &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
-                    &scale)?;
-            }
-            MlaDecodeMode::WgPair => {
-                launch!(self, "mla_attend_wg2_f32", geometry::mla_attend_wg2(&g, items, splits)?;
+            bf16_class => {
+                // Same parameters; the kernels differ in tile, product instructions and launch.
+                let (kernel, l) = match bf16_class {
+                    MlaDecodeMode::Wg => (
+                        "mla_attend_wg_f32",
+                        geometry::mla_attend_wg(&g, items, splits)?,
+                    ),
+                    MlaDecodeMode::WgPair => (
+                        "mla_attend_wg2_f32",
+                        geometry::mla_attend_wg2(&g, items, splits)?,
+                    ),
+                    _ => (
+                        "mla_attend_bf16_f32",
+                        geometry::mla_attend_bf16(&g, items, splits)?,
+                    ),
+                };
+                launch!(self, kernel, l;
                     &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale)?;
             }
