@@ -29,8 +29,8 @@
 // - Producer: thread (c16 = tid & 15, rs = tid >> 4) owns positions rs + 8 a (a = 0..7) of each
 //   tile and float4 columns c16 + 16 k (k = 0..8 = the 9 slabs of 64 features): per position 16
 //   lanes read 256 contiguous bytes (full sectors) and store one whole 128-byte slab row (no bank
-//   conflicts). Batches of MLW_NB = 3 positions: 27 float4 = 55 KB per SM in registers in flight;
-//   page starts of the next batch are loaded one batch ahead.
+//   conflicts). Batches of MLW_NB positions (9 float4 each in registers; 2 since session 7, see
+//   below); page starts of the next batch are loaded one batch ahead.
 // - No L2 prefetch. A first version also prefetched each row of the next tile into L2
 //   (cp.async.bulk.prefetch.L2, one lane per row): slower everywhere on the H200 (K3, 96 heads,
 //   attend + merge: N = 1 L = 32k 75.2 us vs 58.6 without; N = 16 1030 vs 720; N = 64 4142 vs
@@ -47,7 +47,7 @@
 // pair load every row (the second mostly from L2: 2x the L2 -> SM traffic).
 // mla_attend_wg2_f32 (ops.rs MlaDecodeMode::WgPair, the default K3_MLA_DECODE=wg) halves the
 // producer's share: the two head-group blocks of an (item, split) form a cluster; block r loads
-// positions 32 r .. 32 r + 31 of every tile (4 per producer thread, same batches of 3) and stores
+// positions 32 r .. 32 r + 31 of every tile (4 per producer thread, in MLW_NB batches) and stores
 // each bf16 chunk into its own ring and, by st.async, into the partner's (same offsets). Each row
 // is read once per pair, the loads per block and tile halve (~1.3 round trips). The ring barriers
 // become mbarriers: full[slot] = 128 local producer arrivals, one carrying expect_tx of the
@@ -60,12 +60,22 @@
 // the single-block kernel's 58.6 / 720 / 2843 (1.2-1.4x) and the bf16 kernel's 78.6 / 795 / 2995;
 // 56 % of the rows' HBM floor at N = 64. Pairing lanes to send 16-byte st.async chunks (half the
 // store instructions, two shuffles per pair) was 3-5 % slower everywhere (call X: N = 64 L = 32k
-// 2115 vs 2014 us), so the partner traffic is not bound by its request count. Next: the
-// consumers' per-tile chain (~1.6 us: 36 score k-steps, softmax through shared memory, 32 P V
-// wgmma, two consumer barriers) - e.g. the next tile's scores overlapping this tile's P V.
-// Expected: the tensor work per tile and CTA is ~36 + 32 wgmma m64n48k16 (~2000 clocks, shared
-// memory bound at ~28 clocks each) + ~600 clocks of softmax and barriers, against ~4000 clocks of
-// HBM time per tile at 4.25 TB/s for the pair of CTAs: HBM bound if the producer keeps up.
+// 2115 vs 2014 us), so the partner traffic is not bound by its request count.
+// What bounds wg2 (session 7, harness probes `K3_BENCH_ONLY=mla_diag`, attend only, N = 64, L = 32k,
+// MLW_DIAG below): whole kernel ~1.90 ms (batches of 2; 3 took 1.98); producer alone (consumers skip
+// their math) 1.39 ms = 82 % of the floor; consumers' math alone (no loads, no stores) 1.15-1.22 ms;
+// math + stores, no loads 1.58 ms; stores + barriers only 0.63 ms; barriers only 0.21 ms. Removing
+// one consumer part at a time: S^T -0.06, P V -0.17, softmax -0.08 ms. Neither side is at its own
+// limit: the time is in their coupling through the 2-slot ring shared by both blocks of the pair
+// (either side's stall stalls all four roles). Tried there and dropped (all slower or equal): the
+// half tile sent by 9 bulk shared::cta -> shared::cluster copies instead of st.async (2.11 ms: a
+// producer barrier per tile), batches of 4 with setmaxnreg 200 / 152 (no better at N = 16; 208
+// hangs: the pool is the launch's 168 x 384), a rotating register ring in the producer (2.02),
+// the next tile's S^T issued during this tile's softmax (3.2 ms: it waits for the next tile in
+// mid-iteration, which serialises producer and consumers), the o~ rescale skipped when no maximum
+// moved, the consumers' remote empty arrive at .cta scope (no MEMBAR.GPU: math alone -6 %, whole
+// kernel unchanged), dropping any of the three proxy fences. A third ring slot (72 KB) would
+// decouple the sides but does not fit next to Q^T (54 KB).
 //
 // Shared-memory layouts (128-byte swizzle, every slab base 1024-aligned; "chunk" = 16 bytes):
 //   tile: element (pos p, feature f) at slab(f / 64) * 8192 + p * 128 + ((f / 8 % 8) ^ (p % 8)) * 16 + (f % 8) * 2
@@ -91,7 +101,18 @@
 #define MLW_ROW 576    // largest latent row; Q and the tile are zero past the row
 #define MLW_SLABS 9    // 64-feature slabs of a row
 #define MLW_THREADS 384
-#define MLW_NB 3       // positions per producer batch (9 float4 each)
+#ifndef MLW_NB
+#define MLW_NB 2       // positions per producer batch (9 float4 each); the harness times others
+#endif
+// Harness-only timing probes (benchmarks.py bench_mla_diag, never built by the host): 1 = the
+// consumers skip their math (producer-bound time), 2 = the producer skips its global loads
+// (consumer- and store-bound time), 3 = both; + 4 = no transfer to the partner block (wg2), + 8 = no
+// local stores of the bf16 rows, + 16 / 32 / 64 = no S^T wgmma / no P V wgmma / no softmax, + 128 /
+// 256 / 512 = no proxy fence after the producer's stores / after the full wait / after the softmax
+// (racy: for timing only). 0 in every real build.
+#ifndef MLW_DIAG
+#define MLW_DIAG 0
+#endif
 #define MLW_SSTR 68    // f32 per score row: the fragment stores hit 32 distinct banks
 #define MLW_OSTR 516   // f32 per staged o~ row in the epilogue (same reason)
 
@@ -250,7 +271,9 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         const int total = tiles * PP;
         auto pos_of = [&](int u) { return j0 + MLW_POS * (u / PP) + rs + 8 * (aoff + u % PP); };
         auto live = [&](int u) { return u < total && pos_of(u) < j1; };
-        auto page_of = [&](int u) -> i64 { return page_start[base + pos_of(u) / page_tokens]; };
+        auto page_of = [&](int u) -> i64 {
+            return (MLW_DIAG & 2) != 0 ? 0 : page_start[base + pos_of(u) / page_tokens];  // DIAG 2: no loads at all
+        };
         auto row_ptr = [&](int u, i64 pg) { return arena + pg + (i64)(pos_of(u) % page_tokens) * row; };
         auto aligned = [&](const float* src) {
             return ((reinterpret_cast<size_t>(src) | ((size_t)row * 4)) & 15) == 0;
@@ -276,7 +299,9 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
 #pragma unroll
                         for (int k = 0; k < MLW_SLABS; ++k) {
                             const int f = 4 * (c16 + 16 * k);
-                            v[b][k] = f < row ? ld_stream_f4(src + f) : z;
+                            v[b][k] = f >= row                ? z
+                                      : (MLW_DIAG & 2) != 0 ? make_float4(__int_as_float(f + u), 1.0f, 2.0f, 3.0f)
+                                                            : ld_stream_f4(src + f);
                         }
                     } else {  // rows only 4-byte aligned (or a row width not a multiple of 4)
 #pragma unroll
@@ -311,13 +336,13 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
 #pragma unroll
                 for (int k = 0; k < MLW_SLABS; ++k) {
                     const u32 x = tc_pack_bf16(v[b][k].x, v[b][k].y), y = tc_pack_bf16(v[b][k].z, v[b][k].w);
-                    *reinterpret_cast<uint2*>(sm + off + k * MLW_KSLAB) = make_uint2(x, y);
-                    if (PAIR) mlw_st_async8(peer_sm + off + k * MLW_KSLAB, x, y, peer_bar + 8 * slot);
+                    if ((MLW_DIAG & 8) == 0) *reinterpret_cast<uint2*>(sm + off + k * MLW_KSLAB) = make_uint2(x, y);
+                    if (PAIR && (MLW_DIAG & 4) == 0) mlw_st_async8(peer_sm + off + k * MLW_KSLAB, x, y, peer_bar + 8 * slot);
                 }
                 if (a == PP - 1) {
-                    mlw_fence_async();
+                    if ((MLW_DIAG & 128) == 0) mlw_fence_async();
                     if (!PAIR) mlw_bar_arrive(MLW_BAR_FULL + slot, MLW_THREADS);
-                    else if (tid == 0) mlw_mbar_arrive_tx(bar_a + 8 * slot, MLW_PAIR_TX);
+                    else if (tid == 0 && (MLW_DIAG & 4) == 0) mlw_mbar_arrive_tx(bar_a + 8 * slot, MLW_PAIR_TX);
                     else mlw_mbar_arrive(bar_a + 8 * slot);
                 }
             }
@@ -402,10 +427,11 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         const u32 k_a = sm_a + MLW_OFF_K + slot * MLW_KTILE;
         if (PAIR) {
             mlw_mbar_wait(bar_a + 8 * slot, (u32)(t >> 1) & 1u);
-            mlw_fence_async();  // the partner's half came through st.async: order it before wgmma
+            if ((MLW_DIAG & 256) == 0) mlw_fence_async();  // the partner's half came by st.async: before wgmma
         } else {
             mlw_bar_sync(MLW_BAR_FULL + slot, MLW_THREADS);
         }
+        if ((MLW_DIAG & 1) == 0) {
         if (cwg == 0) {
             // S^T = K Q^T over the 576 features (zeros past the row on both sides).
             float s[24];
@@ -414,7 +440,7 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
             mlw_pin(s);
             mlw_wg_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4 * MLW_SLABS; ++kk) {
+            for (int kk = 0; kk < ((MLW_DIAG & 16) ? 0 : 4 * MLW_SLABS); ++kk) {
                 const u32 off = (u32)(kk & 3) * 32u;  // k16 step inside the 128-byte row
                 mlw_mma_kmajor(s, d_k + ((k_a + (u32)(kk >> 2) * MLW_KSLAB + off) >> 4),
                                d_k + ((q_a + (u32)(kk >> 2) * MLW_QSLAB + off) >> 4));
@@ -431,7 +457,7 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         mlw_bar_sync(MLW_BAR_A, MLW_CONSUMERS);
 
         // Online softmax: warp cw, heads 6 cw .. 6 cw + 5 in lockstep, lane = positions lane, lane + 32.
-        {
+        if ((MLW_DIAG & 64) == 0) {
             const int p0 = j0 + t * MLW_POS;
             const bool va = p0 + lane < j1, vb = p0 + lane + 32 < j1;
             float sa[6], sb[6], mx[6];
@@ -460,7 +486,7 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
                 m_run[i] = mn;
                 if (lane == 0) cs[hl] = corr;
             }
-            mlw_fence_async();
+            if ((MLW_DIAG & 512) == 0) mlw_fence_async();
         }
         mlw_bar_sync(MLW_BAR_B, MLW_CONSUMERS);
 
@@ -480,7 +506,7 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         for (int m = 0; m < 4; ++m) mlw_pin(acc[m]);
         mlw_wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < MLW_POS / 16; ++ks)
+        for (int ks = 0; ks < ((MLW_DIAG & 32) ? 0 : MLW_POS / 16); ++ks)
 #pragma unroll
             for (int m = 0; m < 4; ++m)
                 mlw_mma_amajor_m(acc[m], d_vt + ((k_a + (u32)(4 * cwg + m) * MLW_KSLAB + (u32)ks * 2048u) >> 4),
@@ -489,6 +515,7 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         mlw_wg_wait0();
 #pragma unroll
         for (int m = 0; m < 4; ++m) mlw_pin(acc[m]);
+        }  // MLW_DIAG & 1
         // The producer refills this slot with tile t + 2 only if there is one (it waits then).
         if (t + 2 < tiles) {
             if (PAIR) {

@@ -24,7 +24,8 @@ rc=0
 # with the next stage: inner timeouts use --foreground (they stay in the stage's process group,
 # which the stage's timeout signals), and this reaps whatever still runs.
 reap() { pkill -9 -f "harness/device_check.py|/tmp/k3bin/device-test|/tmp/k3bin/k3serve" 2>/dev/null; sleep 1; }
-timeout "${K3_CHECK_S:-200}" bash scripts/device-check.sh >"$OUT/check_stdout.txt" 2>&1 || rc=1
+# K3_CHECK_ARGS: extra device-check.sh arguments, e.g. "--checks check_mla_bf16" for a short call.
+timeout "${K3_CHECK_S:-200}" bash scripts/device-check.sh ${K3_CHECK_ARGS:-} >"$OUT/check_stdout.txt" 2>&1 || rc=1
 reap
 grep -E "^(FAIL|checks:|bench )" "$OUT/check_stdout.txt"
 timeout "${K3_RUN_S:-150}" bash scripts/device-run.sh >/dev/null 2>&1 || rc=1
@@ -37,12 +38,14 @@ export K3_KERNEL_CACHE=/tmp/k3-kernel-cache
 B="$OUT/bench.txt"
 SLICE=(bench --device cuda --model models/k3-slice --load-format dummy --prefill-tokens 2048 --repeats 2)
 {
-    echo "== k3-mini, CUDA"
-    timeout 60 "$BIN" bench --device cuda --model models/k3-mini --prefill-tokens 2048 --decode-tokens 256 \
-        --repeats 2 --batch-sizes 16,64
-    echo "== k3-mini, CUDA, decode without CUDA graphs (K3_CUDA_GRAPHS=0)"
-    K3_CUDA_GRAPHS=0 timeout 60 "$BIN" bench --device cuda --model models/k3-mini --prefill-tokens 2048 \
-        --decode-tokens 256 --repeats 2 --batch-sizes 16,64
+    if [ "${K3_MINI_BENCH:-1}" = 1 ]; then  # K3_MINI_BENCH=0 skips the k3-mini throughput runs
+        echo "== k3-mini, CUDA"
+        timeout 60 "$BIN" bench --device cuda --model models/k3-mini --prefill-tokens 2048 --decode-tokens 256 \
+            --repeats 2 --batch-sizes 16,64
+        echo "== k3-mini, CUDA, decode without CUDA graphs (K3_CUDA_GRAPHS=0)"
+        K3_CUDA_GRAPHS=0 timeout 60 "$BIN" bench --device cuda --model models/k3-mini --prefill-tokens 2048 \
+            --decode-tokens 256 --repeats 2 --batch-sizes 16,64
+    fi
     if [ -n "${K3_CPU_BENCH:-}" ]; then
         echo "== k3-mini, CPU ($(nproc) threads)"
         timeout 60 "$BIN" bench --device cpu --model models/k3-mini --prefill-tokens 2048 --decode-tokens 256

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import os
 import time
 
 import numpy as np
@@ -273,6 +274,74 @@ def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     del pw, pb, lw, lb
 
 
+# Harness-only compile-time variants of mla_attend_wg2_f32 (kernels/mla_attend_wg.cu MLW_DIAG, MLW_NB),
+# to find what bounds the kernel; K3_MLA_DIAG replaces the list (`K3_BENCH_ONLY=mla_diag`).
+MLA_DIAG_VARIANTS = ((), ("-DMLW_NB=3",), ("-DMLW_DIAG=1",), ("-DMLW_DIAG=2",), ("-DMLW_DIAG=14",),
+                     ("-DMLW_DIAG=3",))
+
+
+def bench_mla_diag(d: Device, record):
+    """Attend-only times of the wg2 kernel's variants at L = 32k (N = 16, 64): DIAG 1 = producer
+    alone, 2 = consumers + stores alone, 3 = neither's main work; no correctness check (the probes
+    compute garbage on purpose)."""
+    heads, rope, kv_lora, pt = 96, 64, 512, 64
+    row = kv_lora + rope
+    # K3_MLA_DIAG replaces the list (after the base variant): define sets separated by ";".
+    extra = [tuple(x.split()) for x in os.environ.get("K3_MLA_DIAG", "").split(";") if x.strip()]
+    variants = ((), *extra) if extra else MLA_DIAG_VARIANTS
+    for N, L in ((16, 32768), (64, 32768)):
+        pages = cdiv(L, pt)
+        A = torch.randn(N * pages * pt * row, device="cuda")
+        ps = torch.randperm(N * pages, device="cuda").to(torch.int64) * pt * row
+        qt = torch.randn(N, heads, row, device="cuda")
+        base = torch.arange(N, dtype=torch.int32, device="cuda") * pages
+        lens = torch.full((N,), L, dtype=torch.int32, device="cuda")
+        hg = cdiv(heads, MLA_WG_HEADS)
+        sw = mla_splits_bf16(N * hg, L)
+        part = torch.empty(N, heads, sw, kv_lora + 2, device="cuda")
+        args = [d.view(t) for t in (qt, A, ps, base, lens, part)]
+        rows_floor = N * L * row * 4 / (COPY_TBPS * 1e12) * 1e3
+        ref = None  # the first (base) variant's partials: the others without MLW_DIAG must equal them bitwise
+        for defs in variants:
+            def go(defs=defs):
+                d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora,
+                         rope, pt, sw, 0, 192 ** -0.5, shared_mem=MLA_WG2_SHARED, defines=defs)
+            try:
+                part.fill_(float("nan"))
+                go()
+                d.sync()
+                same = ""
+                if not any("MLW_DIAG" in x for x in defs):
+                    if ref is None:
+                        ref = part.clone()
+                    same = bool(torch.equal(part, ref))
+                ms, how = d.time_graph(go, reps=5, inner=3)
+                record(f"mla_diag wg2 [{' '.join(defs) or 'base'}] N={N} L={L} (attend only)", ms, rows_floor,
+                       splits=sw, timing=how, bitwise_equal_base=same)
+            except Exception as e:  # noqa: BLE001
+                log(f"bench mla_diag {defs} N={N} raised {type(e).__name__}: {str(e)[:200]}")
+        # The merge on the base attend's partials, and kernels/mla.cu's few-splits candidate.
+        lat = [torch.empty(N, heads, kv_lora, device="cuda") for _ in range(2)]
+        try:
+            d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora, rope,
+                     pt, sw, 0, 192 ** -0.5, shared_mem=MLA_WG2_SHARED)
+            merge_floor = (part.numel() + lat[0].numel()) * 4 / (COPY_TBPS * 1e12) * 1e3
+            for i, defs in enumerate(((), ("-DMLA_MERGE_FEW=8",))):
+                vl = d.view(lat[i])
+
+                def merge(defs=defs, vl=vl):
+                    d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, args[5], vl, N, heads, kv_lora,
+                             sw, defines=defs)
+                merge()
+                ms, how = d.time_graph(merge)
+                d.sync()
+                record(f"mla_diag merge [{' '.join(defs) or 'base'}] N={N} L={L}", ms, merge_floor, splits=sw,
+                       timing=how, rel_err_vs_base=float(rel_err(lat[i], lat[0])))
+        except Exception as e:  # noqa: BLE001
+            log(f"bench mla_diag merge N={N} raised {type(e).__name__}: {str(e)[:200]}")
+        del A, part, lat
+
+
 def bench(d: Device, r: Results, quick: bool, only=None):
     """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, mla_proj,
     mla_prefill, attn_res, moe, gemv, sampling; mla includes mla_proj)."""
@@ -438,6 +507,8 @@ def bench(d: Device, r: Results, quick: bool, only=None):
 
     if want("mla_prefill"):
         bench_mla_prefill(d, r, record)
+    if only and "mla_diag" in only:  # probes, only when named
+        bench_mla_diag(d, record)
     if want("attn_res"):
         bench_attn_res(d, record)
     if want("moe"):
