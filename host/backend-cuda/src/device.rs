@@ -2,7 +2,7 @@
 
 use crate::cache::{KernelCache, cache_key};
 use crate::error::{CudaError, Result};
-use crate::geometry::{OPT_IN_SHARED, nvrtc_arch};
+use crate::geometry::nvrtc_arch;
 use crate::sources::{FILES, expand};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
@@ -46,6 +46,8 @@ pub struct CudaBackend {
     pub stream: Arc<CudaStream>,
     pub arch: String,
     pub multiprocessors: usize,
+    /// The architecture and opt-in shared-memory limit that decide which kernels run (dispatch.rs).
+    pub limits: crate::dispatch::DeviceLimits,
     pub(crate) functions: HashMap<&'static str, CudaFunction>,
     /// cuBLAS on `stream` (dense matmuls), default math mode: plain f32, no TF32.
     pub(crate) blas: CudaBlas,
@@ -129,6 +131,7 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         keep_freed_memory_pooled(&ctx);
         let (major, minor) = ctx.compute_capability()?;
+        crate::geometry::check_compute_capability(major, minor)?;
         let arch = nvrtc_arch(major, minor);
         let sms = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -136,6 +139,10 @@ impl CudaBackend {
         let opt_in_max = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
         )?;
+        let limits = crate::dispatch::DeviceLimits {
+            arch: arch.clone(),
+            opt_in_shared: opt_in_max.max(0) as usize,
+        };
         // Not the legacy default stream: stream capture (CUDA graphs) needs a created one.
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
@@ -157,13 +164,9 @@ impl CudaBackend {
             for &entry in file.entries {
                 let f = module.load_function(entry)?;
                 // Kernels past the 48 KB default of dynamic shared memory opt in once here; one
-                // past this device's limit is never dispatched on it (geometry.rs OPT_IN_SHARED),
-                // so it is left at the default rather than failing start-up.
-                if let Some(&(_, bytes)) = OPT_IN_SHARED
-                    .iter()
-                    .find(|(n, _)| *n == entry)
-                    .filter(|(_, b)| *b <= opt_in_max.max(0) as usize)
-                {
+                // past this device's limit is never dispatched on it (dispatch.rs), so it is left
+                // at the default rather than failing start-up.
+                if let Some(bytes) = limits.opt_in(entry) {
                     f.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         bytes as i32,
@@ -178,6 +181,7 @@ impl CudaBackend {
             stream,
             arch,
             multiprocessors: sms.max(1) as usize,
+            limits,
             functions,
             blas,
             error: Mutex::new(None),

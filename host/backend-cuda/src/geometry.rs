@@ -215,8 +215,8 @@ pub const MX_GROUPED_SHARED: usize = 195_584;
 pub const MX_STREAM_SHARED: usize = 65_536;
 
 /// Kernels launched with more than 48 KB of dynamic shared memory, and how much. device.rs skips
-/// an entry past the device's opt-in limit (the wgmma ones, 223 KB, on an A100's 163 KB): the
-/// dispatch never launches those kernels there (`mla_wg_supported`, `moe_wg::wg_supported`).
+/// an entry past the device's opt-in limit (the wgmma ones, 223 KB, on an A100's 163 KB), and
+/// dispatch.rs never launches such a kernel there.
 pub const OPT_IN_SHARED: &[(&str, usize)] = &[
     ("mla_attend_bf16_f32", MLA_BF16_SHARED),
     ("mla_attend_wg_f32", MLA_WG_SHARED),
@@ -238,6 +238,14 @@ pub const OPT_IN_SHARED: &[(&str, usize)] = &[
         crate::moe_stream::MX_STREAM2V2_SHARED,
     ),
 ];
+
+/// The [`OPT_IN_SHARED`] bytes of `kernel`, if it is listed.
+pub fn opt_in_shared(kernel: &str) -> Option<usize> {
+    OPT_IN_SHARED
+        .iter()
+        .find(|(n, _)| *n == kernel)
+        .map(|&(_, b)| b)
+}
 
 /// Grid (head groups, items, splits): the two head groups of one (item, split) run side by side,
 /// so the second one's cache reads hit L2.
@@ -376,6 +384,19 @@ pub fn router(tokens: usize, experts: usize, k: usize) -> Result<Launch> {
 
 /// NVRTC target for a device's compute capability: the arch-specific `a` variant on Hopper
 /// (wgmma/setmaxnreg need it), the plain one elsewhere.
+/// The oldest GPUs the backend runs on: compute capability 9.0. The KDA decode and the MLA pair
+/// attend are thread-block clusters, which sm_8x does not have (`scripts/nvrtc-check sm_80`
+/// fails on them); every kernel compiles for sm_90a, sm_100 and sm_120.
+pub fn check_compute_capability(major: i32, minor: i32) -> Result<()> {
+    if major < 9 {
+        return Err(CudaError::Unsupported(format!(
+            "GPU of compute capability {major}.{minor} (sm_{major}{minor}): the CUDA backend needs \
+             9.0 or newer (Hopper, Blackwell) for thread-block clusters"
+        )));
+    }
+    Ok(())
+}
+
 pub fn nvrtc_arch(major: i32, minor: i32) -> String {
     if (major, minor) == (9, 0) {
         "sm_90a".to_string()
@@ -387,6 +408,18 @@ pub fn nvrtc_arch(major: i32, minor: i32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compute_capability_below_9_is_a_clear_error() {
+        for (major, minor) in [(7, 5), (8, 0), (8, 6), (8, 9)] {
+            let e = check_compute_capability(major, minor).unwrap_err();
+            assert!(matches!(e, CudaError::Unsupported(_)));
+            assert!(e.to_string().contains(&format!("sm_{major}{minor}")), "{e}");
+        }
+        for (major, minor) in [(9, 0), (10, 0), (12, 0)] {
+            assert!(check_compute_capability(major, minor).is_ok());
+        }
+    }
 
     fn kda(heads: usize) -> KdaGeom {
         KdaGeom {

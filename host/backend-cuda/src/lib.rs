@@ -11,6 +11,7 @@
 
 pub mod cache;
 pub mod device;
+pub mod dispatch;
 pub mod error;
 pub mod geometry;
 #[macro_use]

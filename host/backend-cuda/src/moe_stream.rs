@@ -193,9 +193,6 @@ impl CudaBackend {
         k: usize,
         situ: SituParams,
     ) -> Result<DeviceMat> {
-        if self.moe_stream2 == Stream2Variant::V2 && stream2v2_fits(ex.latent, ex.inter) {
-            return self.moe_experts_stream2v2(z, idx, w, ex, k, situ);
-        }
         let t = z.rows;
         let na = t * k;
         let up = mx_stream2_plan(na, ex.inter, ex.latent, self.multiprocessors)?;
@@ -226,7 +223,7 @@ impl CudaBackend {
     /// and part masks (`sync`: [T, latent / 32] then [T·k, latent / 32]); the down kernel writes
     /// run partials to `yp` and the warp that completes a (token, 32-row group) writes its `out`
     /// rows (every element: no zeroing pass).
-    fn moe_experts_stream2v2(
+    pub(crate) fn moe_experts_stream2v2(
         &self,
         z: &DeviceMat,
         idx: &CudaSlice<i32>,

@@ -2,6 +2,7 @@
 //! Arena offsets are in bytes at this API (like `k3_model::backend`) and converted to f32 offsets.
 
 use crate::device::{CudaBackend, DeviceLinear, DeviceMat};
+use crate::dispatch::{ExpertPath, ExpertStep, expert_path};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
 use cudarc::driver::CudaSlice;
@@ -171,13 +172,13 @@ pub enum MlaDecodeMode {
     /// `mla_attend_wg_f32` (kernels/mla_attend_wg.cu, `K3_MLA_DECODE=wg1`): the Bf16 rounding on
     /// Hopper wgmma (64-position tiles, a producer warpgroup streaming the rows), one block per
     /// head group, so both groups load every row. H200, K3, L = 32k: N = 1 58.6 us, N = 64
-    /// 2.80 ms. sm_90a only: elsewhere `mla_decode` runs Bf16.
+    /// 2.80 ms. sm_90a only: elsewhere dispatch.rs runs Bf16 (Precise below 166 KB of shared memory).
     Wg,
     /// `mla_attend_wg2_f32`, the default (`wg`): the same math on clusters of two blocks (the two
     /// head groups), each loading half of every tile's rows and storing the bf16 tile into both
     /// blocks' shared memory, so each row is read once per pair. H200, K3, L = 32k (call V):
-    /// N = 1 48.2 us, N = 16 529 us, N = 64 2.02 ms (56 % of the rows' HBM floor; Wg 2.84 ms,
-    /// Bf16 3.00). sm_90a only, else Bf16.
+    /// N = 1 45.7 us, N = 16 499 us, N = 64 1.92 ms (call AA: 60 % of the floor with the partials;
+    /// Wg 3.03 ms, Bf16 2.99). sm_90a only, else as Wg.
     WgPair,
 }
 
@@ -714,14 +715,7 @@ impl CudaBackend {
         // from each item's own length (chunk 0, mla.cu): the launch then changes only when the
         // bucket does, not every step (graph.rs replays a step only if its launches are equal).
         let max_len = lens.iter().copied().max().unwrap_or(1).next_power_of_two();
-        let mode = match self.mla_decode_mode {
-            MlaDecodeMode::Wg | MlaDecodeMode::WgPair
-                if !geometry::mla_wg_supported(&self.arch) =>
-            {
-                MlaDecodeMode::Bf16
-            }
-            m => m,
-        };
+        let mode = crate::dispatch::mla_decode_mode(self.mla_decode_mode, &self.limits);
         let splits = match mode {
             MlaDecodeMode::Precise => {
                 geometry::mla_splits_tc2(items, g.heads, max_len, self.multiprocessors).0
@@ -839,29 +833,35 @@ impl CudaBackend {
         }
         let (idx, w) = self.route(router_logits, bias, r)?;
         let (t, k) = (z.rows, r.top_k);
-        let many = t * k >= crate::moe_gemm::min_assignments();
+        let step = ExpertStep {
+            assignments: t * k,
+            many: t * k >= crate::moe_gemm::min_assignments(),
+            stream2: mx_experts_choice(t) == MxExperts::Stream2,
+            latent: ex.latent,
+            inter: ex.inter,
+        };
+        let path = expert_path(step, self.moe_prefill, self.moe_stream2, &self.limits);
         // The stream2 pair (1-token steps) takes the router's ids as they are: no sort, no offsets.
-        if !many
-            && mx_experts_choice(t) == MxExperts::Stream2
-            && crate::moe_stream::stream2_fits(ex.latent, ex.inter)
-        {
-            return self.moe_experts_stream2(z, &idx, &w, ex, k, situ);
+        match path {
+            ExpertPath::Stream2V2 => return self.moe_experts_stream2v2(z, &idx, &w, ex, k, situ),
+            ExpertPath::Stream2V1 => return self.moe_experts_stream2(z, &idx, &w, ex, k, situ),
+            _ => {}
         }
         let offsets = self.zeroed::<i32>(ex.experts + 1)?;
         let sorted = self.zeroed::<i32>((t * k).max(1))?;
         let (na, e) = (i32_of(t * k, "assignments")?, ex.experts as i32);
         launch!(self, "moe_sort_assignments", Launch::new((1, 1, 1), 1024)?; &idx, &na, &e, &offsets, &sorted)?;
-        if many {
-            if let crate::moe_grouped::MoePrefill::Wg(act) = self.moe_prefill
-                && crate::moe_wg::wg_supported(&self.arch)
-            {
+        match path {
+            ExpertPath::Wg(act) => {
                 return self.moe_experts_wg(z, &idx, &w, ex, k, &offsets, &sorted, situ, act);
             }
-            return if self.moe_prefill.grouped(t * k) {
-                self.moe_experts_grouped(z, &idx, &w, ex, k, &offsets, &sorted, situ)
-            } else {
-                self.moe_experts_gemm(z, &w, ex, k, &offsets, &sorted, situ)
-            };
+            ExpertPath::Grouped => {
+                return self.moe_experts_grouped(z, &idx, &w, ex, k, &offsets, &sorted, situ);
+            }
+            ExpertPath::Gemm => {
+                return self.moe_experts_gemm(z, &w, ex, k, &offsets, &sorted, situ);
+            }
+            ExpertPath::Tc2 | ExpertPath::Stream2V1 | ExpertPath::Stream2V2 => {}
         }
         let y = self.zeros(t * k, ex.latent)?;
         let (kk, lt, ie) = (k as i32, ex.latent as i32, ex.inter as i32);
