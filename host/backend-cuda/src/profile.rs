@@ -1,7 +1,10 @@
 //! Optional per-op timing (`K3_PROFILE=1`): each `Backend` op waits for the stream before and
 //! after itself and adds its wall time to a per-op (and, for matmuls, per-shape) total. This
 //! serialises host and device, so it is for finding where a step's time goes, never for
-//! throughput figures; the report is printed to stderr when the backend is dropped.
+//! throughput figures; the report is printed to stderr when the backend is dropped. Each key's
+//! first call is also shown apart from the mean of the others: a process's first prefill pays
+//! one-time costs (cuBLAS loading its kernels for new shapes, the memory pool growing) that a
+//! mean over a few calls would otherwise blame on the op.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -9,7 +12,14 @@ use std::time::{Duration, Instant};
 
 #[derive(Default)]
 pub(crate) struct OpProfile {
-    totals: Mutex<BTreeMap<String, (Duration, u64)>>,
+    totals: Mutex<BTreeMap<String, OpTime>>,
+}
+
+#[derive(Default, Clone, Copy)]
+struct OpTime {
+    total: Duration,
+    calls: u64,
+    first: Duration,
 }
 
 impl OpProfile {
@@ -27,28 +37,40 @@ impl OpProfile {
         let dt = t0.elapsed();
         let mut totals = self.totals.lock().unwrap_or_else(|p| p.into_inner());
         let e = totals.entry(key).or_default();
-        e.0 += dt;
-        e.1 += 1;
+        if e.calls == 0 {
+            e.first = dt;
+        }
+        e.total += dt;
+        e.calls += 1;
         out
     }
 
     /// One line per key, largest total first, with its share of the timed total.
     pub(crate) fn report(&self) -> String {
         let totals = self.totals.lock().unwrap_or_else(|p| p.into_inner());
-        let all: Duration = totals.values().map(|v| v.0).sum();
+        let all: Duration = totals.values().map(|v| v.total).sum();
         let mut rows: Vec<_> = totals.iter().collect();
-        rows.sort_by_key(|b| std::cmp::Reverse(b.1.0));
+        rows.sort_by_key(|b| std::cmp::Reverse(b.1.total));
         let mut s = format!("op profile (K3_PROFILE): {:.1} ms timed\n", ms(all));
-        for (k, (d, n)) in rows {
+        for (k, t) in rows {
             let share = if all.is_zero() {
                 0.0
             } else {
-                100.0 * d.as_secs_f64() / all.as_secs_f64()
+                100.0 * t.total.as_secs_f64() / all.as_secs_f64()
+            };
+            let rest = match t.calls {
+                0 | 1 => String::new(),
+                n => format!(
+                    "  first {:.1} us, then {:.1} us/call",
+                    1e3 * ms(t.first),
+                    1e3 * ms(t.total - t.first) / (n - 1) as f64
+                ),
             };
             s += &format!(
-                "  {k:<40} {:>10.2} ms {share:>5.1}%  {n:>7} calls  {:>9.1} us/call\n",
-                ms(*d),
-                1e3 * ms(*d) / (*n).max(1) as f64
+                "  {k:<40} {:>10.2} ms {share:>5.1}%  {:>7} calls  {:>9.1} us/call{rest}\n",
+                ms(t.total),
+                t.calls,
+                1e3 * ms(t.total) / t.calls.max(1) as f64
             );
         }
         s
@@ -80,5 +102,33 @@ mod tests {
         let (long, short) = (r.find("long").unwrap(), r.find("short").unwrap());
         assert!(long < short, "largest total first:\n{r}");
         assert!(r.contains("2 calls") && r.contains("1 calls"), "{r}");
+    }
+
+    #[test]
+    fn first_call_is_reported_apart_from_the_rest() {
+        let p = OpProfile::default();
+        for i in 0..3 {
+            p.time(
+                "the_op".into(),
+                || {},
+                || std::thread::sleep(Duration::from_millis(if i == 0 { 30 } else { 2 })),
+            );
+        }
+        let r = p.report();
+        let line = r.lines().find(|l| l.contains("the_op")).unwrap();
+        let num = |tag: &str| -> f64 {
+            let rest = &line[line.find(tag).unwrap() + tag.len()..];
+            rest.trim_start()
+                .split(' ')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        let (first, then) = (num("first"), num("then"));
+        assert!(
+            first >= 30_000.0 && then >= 2_000.0 && then < first / 2.0,
+            "{line}"
+        );
     }
 }
