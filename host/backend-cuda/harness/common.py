@@ -546,3 +546,7 @@ def run_mla_prefill(d: Device, A, page_start, q, kvb, o, row0, t, start, heads, 
                 sgemm_sb(d, 0, 0, v_dim, tq, lk, 1.0, (vb, 0), (sb, 0), (o, (row0 + i0) * heads * v_dim + h0 * v_dim),
                          v_dim, lk, heads * v_dim, length * v_dim, tq * lk, v_dim, hn)
     return go, (hg, qc)
+
+
+def rand(*shape, scale=1.0, gen=None):
+    return torch.randn(*shape, dtype=torch.float64, generator=gen) * scale
