@@ -61,11 +61,26 @@ def sort_assignments(d: Device, ids, na: int, e: int):
     return offsets, sorted_
 
 
+def expert_weights(e: int, lt: int, ie: int, gen):
+    """W1, W3 (ie x lt) and W2 (lt x ie) of e MXFP4 experts, as (packed, scales, float64) each."""
+    return mx_experts(e, ie, lt, gen), mx_experts(e, ie, lt, gen), mx_experts(e, lt, ie, gen)
+
+
+def routed_case(t: int, e: int, k: int, lt: int, ie: int, gen, made=None):
+    """One routed-expert case: expert_weights, float64 activations z [t, lt], and a routing: `made`
+    ids with random weights, or random_routing's top-k of e."""
+    w1, w3, w2 = expert_weights(e, lt, ie, gen)
+    z = rand(t, lt, gen=gen)
+    if made is not None:
+        idx, wts = made, torch.rand(t, k, generator=gen, dtype=torch.float64)
+    else:
+        idx, wts = random_routing(t, e, k, gen)
+    return w1, w3, w2, z, idx, wts
+
+
 def check_moe(d: Device, r: Results, gen):
     t, e, k, lt, ie = 5, 16, 4, 128, 64
-    w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
-    w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
-    w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+    (w1p, w1s, w1), (w3p, w3s, w3), (w2p, w2s, w2) = expert_weights(e, lt, ie, gen)
     z = rand(t, lt, gen=gen)
     logits, bias = rand(t, e, gen=gen), rand(e, scale=0.1, gen=gen)
     idx, wts, _ = ref_route(logits, torch.eye(e, dtype=torch.float64), bias, k, True, 1.0)
@@ -101,9 +116,7 @@ def check_moe_tc_shapes(d: Device, r: Results, gen):
     e, k = 6, 3
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
     for lt, ie in ((160, 96), (416, 288)):
-        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
-        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
-        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+        (w1p, w1s, w1), (w3p, w3s, w3), (w2p, w2s, w2) = expert_weights(e, lt, ie, gen)
         for t, stage in ((1, None), (9, None), (17, None), (9, 1), (9, 3)):
             z = rand(t, lt, gen=gen)
             idx, wts = random_routing(t, e, k, gen)
@@ -127,6 +140,17 @@ def check_moe_tc_shapes(d: Device, r: Results, gen):
             r.check(f"moe routed tc {tag} (sort+up+down+combine)", rel_err(res, ref), 2e-5)
 
 
+def replay_unit_split(n: int, nw: int, parts: int, ns: int):
+    """The stream2 kernels' split of n units over nw warps (unit u: part u % parts of a row's ns
+    steps): the units in the order the warps visit them, and each warp's step count."""
+    seen, steps = [], []
+    for w in range(nw):
+        units = range(n * w // nw, n * (w + 1) // nw)
+        seen += list(units)
+        steps.append(sum((u % parts + 1) * ns // parts - (u % parts) * ns // parts for u in units))
+    return seen, steps
+
+
 def _stream2_cases(d: Device, gen, shapes):
     """The one-token experts' check cases (stream2 v1 and v2): for each (latent, inter) shape,
     6 experts with random MXFP4 weights, top-3 routings at T = 1 and 3 (one slot's id out of
@@ -135,9 +159,7 @@ def _stream2_cases(d: Device, gen, shapes):
     e, k = 6, 3
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
     for lt, ie in shapes:
-        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
-        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
-        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+        (w1p, w1s, w1), (w3p, w3s, w3), (w2p, w2s, w2) = expert_weights(e, lt, ie, gen)
         wv = [d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s)]
         for t in (1, 3):
             z = rand(t, lt, gen=gen)
@@ -160,11 +182,7 @@ def check_moe_stream2(d: Device, r: Results, gen):
         grid, parts = mx_stream2_plan(na, rows, cols)
         ns, tiles = cdiv(cols // 32, 4), cdiv(rows, 16)
         n, nw = na * tiles * parts, 8 * grid
-        seen, steps = [], []
-        for w in range(nw):
-            units = range(n * w // nw, n * (w + 1) // nw)
-            seen += list(units)
-            steps.append(sum((u % parts + 1) * ns // parts - (u % parts) * ns // parts for u in units))
+        seen, steps = replay_unit_split(n, nw, parts, ns)
         mean = na * tiles * ns / nw
         ok = seen == list(range(n)) and (rows < 1000 or max(steps) <= 1.05 * mean)
         r.exact(f"moe stream2 unit split {na}x{rows}x{cols} grid={grid} parts={parts}: every unit once, steps "
@@ -202,11 +220,7 @@ def check_moe_stream2v2(d: Device, r: Results, gen):
         grid, parts = mx_stream2v2_plan(na, rows, cols, down)
         ns, groups = cols // 128, rows // (32 if down else 16)
         n, nw = na * groups * parts, 16 * grid
-        seen, steps = [], []
-        for w in range(nw):
-            units = range(n * w // nw, n * (w + 1) // nw)
-            seen += list(units)
-            steps.append(sum((u % parts + 1) * ns // parts - (u % parts) * ns // parts for u in units))
+        seen, steps = replay_unit_split(n, nw, parts, ns)
         mean = na * groups * ns / nw
         ok = seen == list(range(n)) and max(steps) <= 1.05 * mean
         r.exact(f"moe stream2v2 unit split {na}x{rows}x{cols} grid={grid} parts={parts}: every unit once, steps "
@@ -248,14 +262,8 @@ def check_moe_tc2(d: Device, r: Results, gen):
     second = torch.tensor([1] * 1 + [2] * 8 + [3] * 9 + [4] * 17 + [5] * 35)
     made = torch.stack([torch.zeros(70, dtype=torch.long), second[torch.randperm(70, generator=gen)]], 1)
     for t, e, k in ((2, 16, 4), (3, 16, 4), (16, 16, 4), (64, 16, 4), (70, 8, 2)):
-        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
-        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
-        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
-        z = rand(t, lt, gen=gen)
-        if t == 70:
-            idx, wts = made, torch.rand(t, k, generator=gen, dtype=torch.float64)
-        else:
-            idx, wts = random_routing(t, e, k, gen)
+        (w1p, w1s, w1), (w3p, w3s, w3), (w2p, w2s, w2), z, idx, wts = routed_case(
+            t, e, k, lt, ie, gen, made if t == 70 else None)
         ref = ref_routed(z, idx, wts, w1, w3, w2)
         na = t * k
         offsets, sorted_ = sort_assignments(d, dev(idx.int().reshape(-1)), na, e)
@@ -288,14 +296,8 @@ def check_moe_grouped(d: Device, r: Results, gen):
     made = torch.stack([torch.full((300,), 4, dtype=torch.long), second], 1)
     made[int((second == 5).nonzero()[0]), 1] = -1
     for t, e, k, lt, ie in ((300, 7, 2, 640, 320), (2048, 16, 4, 256, 384)):
-        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
-        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
-        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
-        z = rand(t, lt, gen=gen)
-        if t == 300:
-            idx, wts = made, torch.rand(t, k, generator=gen, dtype=torch.float64)
-        else:
-            idx, wts = random_routing(t, e, k, gen)
+        (w1p, w1s, w1), (w3p, w3s, w3), (w2p, w2s, w2), z, idx, wts = routed_case(
+            t, e, k, lt, ie, gen, made if t == 300 else None)
         ref = ref_routed(z, idx, wts, w1, w3, w2)
         na = t * k
         ids = dev(idx.int().reshape(-1))
@@ -341,14 +343,8 @@ def check_moe_wg(d: Device, r: Results, gen):
 
     for t, e, k, lt, ie, odd in ((300, 7, 2, 640, 320, False), (300, 7, 2, 640, 320, True),
                                  (2048, 16, 4, 256, 384, False)):
-        w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
-        w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
-        w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
-        z = rand(t, lt, gen=gen)
-        if t == 300:
-            idx, wts = made, torch.rand(t, k, generator=gen, dtype=torch.float64)
-        else:
-            idx, wts = random_routing(t, e, k, gen)
+        (w1p, w1s, w1), (w3p, w3s, w3), (w2p, w2s, w2), z, idx, wts = routed_case(
+            t, e, k, lt, ie, gen, made if t == 300 else None)
         if odd:
             z = z / 512
             (w1s, w1), (w3s, w3), (w2s, w2) = (odd_scales(w1p, w1s, True), odd_scales(w3p, w3s, False),
@@ -520,9 +516,7 @@ def check_moe_gemm(d: Device, r: Results, gen):
     f32 sums, as cuBLAS computes them), against the float64 reference. Two expert groups, so the
     per-group GLU position ranges are exercised."""
     t, e, k, lt, ie = 6, 8, 3, 64, 32
-    w1p, w1s, w1 = mx_experts(e, ie, lt, gen)
-    w3p, w3s, w3 = mx_experts(e, ie, lt, gen)
-    w2p, w2s, w2 = mx_experts(e, lt, ie, gen)
+    (w1p, w1s, w1), (w3p, w3s, w3), (w2p, w2s, w2) = expert_weights(e, lt, ie, gen)
     z = rand(t, lt, gen=gen)
     logits, bias = rand(t, e, gen=gen), rand(e, scale=0.1, gen=gen)
     idx, wts, _ = ref_route(logits, torch.eye(e, dtype=torch.float64), bias, k, True, 1.0)
