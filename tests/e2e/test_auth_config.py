@@ -69,3 +69,23 @@ def test_bad_config_is_refused_at_start():
     config.unlink()
     assert out.returncode != 0
     assert "max-modle-len" in out.stderr
+
+
+def test_warmup_request_leaves_nothing_behind():
+    """`--warmup-tokens N` (the CUDA default; on the CPU only when asked) runs one throwaway
+    request through the engine before the server takes traffic: it is announced in the log, it
+    is not counted as a request, the prefix cache gives its pages back (the pools are empty), and
+    the server then serves normally."""
+    srv = start_server(["--warmup-tokens", "200", "--max-num-seqs", "2"])
+    try:
+        assert "warm-up: one 200-token request" in srv.log_path.read_text(errors="replace"), srv.log_tail()
+        m = srv.metrics()
+        assert m["k3serve_prompt_tokens_total"] == 0, m
+        used = {k: v for k, v in m.items() if k.startswith("k3serve_pool_used_bytes")}
+        assert used and all(v == 0 for v in used.values()), used
+        r = httpx.post(f"{srv.base_url}/v1/completions", timeout=60,
+                       json={"model": "k3-mini", "prompt": [3, 5, 2], "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert srv.metrics()["k3serve_prompt_tokens_total"] == 3
+    finally:
+        stop_server(srv)

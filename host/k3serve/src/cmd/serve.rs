@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use k3_api::engine_backend::{EngineBackend, EngineBackendParts, SamplingDefaults};
 use k3_api::{ApiConfig, AppState};
-use k3_engine::{Engine, EngineConfig};
+use k3_engine::{Engine, EngineConfig, EngineHandle, Request, SamplingParams};
 use k3_frontend::Tokenizer;
 use k3_model::model::CacheOffsets;
 use k3_plugin_host::{PluginHost, PluginHostConfig, Stage, default_plugin_dir};
@@ -175,6 +175,7 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         || super::model_loading::load_model(&model_dir, cfg.device, cfg.load_format),
     )?;
     tracing::info!(device = model.device().name(), "model loaded");
+    let device = model.device();
     let config = model.config().clone();
     let max_model_len = cfg.max_model_len.unwrap_or(config.max_position_embeddings);
 
@@ -229,6 +230,21 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         let engine = Engine::start(exec, engine_cfg).context("starting the engine")?;
         Ok((engine, layout, vocab))
     })?;
+
+    let warmup = cfg.warmup_tokens.unwrap_or(match device {
+        super::model_loading::Device::Cuda => cfg.max_num_batched_tokens,
+        super::model_loading::Device::Cpu => 0,
+    });
+    if warmup > 0 {
+        let t = Instant::now();
+        let n = warm_up(&engine, warmup, vocab_size, max_model_len)
+            .await
+            .context("the start-up warm-up request")?;
+        eprintln!(
+            "warm-up: one {n}-token request in {:.2} s (--warmup-tokens 0 skips it)",
+            t.elapsed().as_secs_f64()
+        );
+    }
 
     let defaults = match std::fs::read_to_string(model_dir.join("generation_config.json")) {
         Ok(text) => SamplingDefaults::from_generation_config(
@@ -297,6 +313,38 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         .context("serving HTTP")?;
     eprintln!("k3serve: stopped");
     Ok(())
+}
+
+/// Run one throwaway request (a `tokens`-token prompt, clamped to the context, and two greedy
+/// tokens) straight through the engine, then drop what the prefix cache kept of it, so the pools
+/// are empty again. Its id is outside the API's range (those count up from 1); the request and
+/// token counters of /metrics never see it, the prefix-cache lookup counter does. Returns the
+/// prompt length used.
+async fn warm_up(
+    engine: &EngineHandle,
+    tokens: usize,
+    vocab: usize,
+    max_model_len: usize,
+) -> anyhow::Result<usize> {
+    let n = tokens.min(max_model_len.saturating_sub(2)).max(1);
+    // Distinct ids, none of them 0 (often a special token).
+    let prompt: Vec<u32> = (0..n)
+        .map(|i| 1 + (i % vocab.saturating_sub(1).max(1)) as u32)
+        .collect();
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(2),
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let mut stream = engine.submit(Request::new(u64::MAX, prompt, params))?;
+    while let Some(event) = stream.next().await {
+        if event?.finish.is_some() {
+            break;
+        }
+    }
+    engine.flush_prefix_cache();
+    Ok(n)
 }
 
 async fn shutdown_signal() {

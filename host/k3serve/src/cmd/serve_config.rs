@@ -57,6 +57,12 @@ pub struct Args {
     /// Most requests waiting for the batch before new ones get 429 [default: 1024].
     #[arg(long)]
     pub max_waiting_requests: Option<usize>,
+    /// Prompt tokens of one throwaway request run before the server takes traffic, so that the
+    /// first client does not pay the process's one-time GPU costs (cuBLAS loading kernels for new
+    /// shapes, the memory pool growing, the first decode graphs); 0 turns it off [default:
+    /// max-num-batched-tokens on CUDA, 0 on the CPU].
+    #[arg(long)]
+    pub warmup_tokens: Option<usize>,
     /// Bytes of the KV/state cache arena [default: enough for max-num-seqs full-length requests
     /// plus prefix-cache checkpoints, within --gpu-memory-utilization on a GPU].
     #[arg(long)]
@@ -117,6 +123,7 @@ struct FileConfig {
     max_num_seqs: Option<usize>,
     max_num_batched_tokens: Option<usize>,
     max_waiting_requests: Option<usize>,
+    warmup_tokens: Option<usize>,
     kv_cache_memory_bytes: Option<usize>,
     gpu_memory_utilization: Option<f64>,
     enable_prefix_caching: Option<bool>,
@@ -150,6 +157,8 @@ pub struct ServeConfig {
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub max_waiting_requests: usize,
+    /// `None`: by device (see `Args::warmup_tokens`).
+    pub warmup_tokens: Option<usize>,
     pub kv_cache_memory_bytes: Option<usize>,
     pub gpu_memory_utilization: f64,
     pub enable_prefix_caching: bool,
@@ -220,6 +229,7 @@ impl ServeConfig {
                 .max_waiting_requests
                 .or(file.max_waiting_requests)
                 .unwrap_or(1024),
+            warmup_tokens: args.warmup_tokens.or(file.warmup_tokens),
             kv_cache_memory_bytes: args.kv_cache_memory_bytes.or(file.kv_cache_memory_bytes),
             gpu_memory_utilization: args
                 .gpu_memory_utilization
