@@ -61,6 +61,8 @@
 // 56 % of the rows' HBM floor at N = 64. Pairing lanes to send 16-byte st.async chunks (half the
 // store instructions, two shuffles per pair) was 3-5 % slower everywhere (call X: N = 64 L = 32k
 // 2115 vs 2014 us), so the partner traffic is not bound by its request count.
+// With batches of 2 (session 7, call AA, attend + merge, L = 32k): N = 1 / 16 / 64 45.7 us / 498.5 us
+// / 1.921 ms, 59.97 % of the floor with the partials at N = 64.
 // What bounds wg2 (session 7, harness probes `K3_BENCH_ONLY=mla_diag`, attend only, N = 64, L = 32k,
 // MLW_DIAG below): whole kernel ~1.90 ms (batches of 2; 3 took 1.98); producer alone (consumers skip
 // their math) 1.39 ms = 82 % of the floor; consumers' math alone (no loads, no stores) 1.15-1.22 ms;
