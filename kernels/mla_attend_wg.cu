@@ -115,6 +115,12 @@
 #ifndef MLW_DIAG
 #define MLW_DIAG 0
 #endif
+// Harness-only candidate (benchmarks.py bench_mla_diag, not yet measured): with one split per item
+// the partial is already final, so the attend writes o~ / l itself and the merge could be skipped
+// (28 us at N = 64, L = 32k, where one split fills the GPU as well as two). 0 in every real build.
+#ifndef MLW_FINAL
+#define MLW_FINAL 0
+#endif
 #define MLW_SSTR 68    // f32 per score row: the fragment stores hit 32 distinct banks
 #define MLW_OSTR 516   // f32 per staged o~ row in the epilogue (same reason)
 
@@ -543,6 +549,14 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
             for (int v = 0; v < 4; ++v)
                 os[(8 * j + 2 * t4 + (v & 1)) * MLW_OSTR + 256 * cwg + 64 * m + 16 * wl + g + 8 * (v >> 1)] =
                     acc[m][4 * j + v];
+    const bool final_rows = MLW_FINAL != 0 && splits == 1;
+    if (final_rows) {  // 1 / l per head for the row writes below (corr is free again)
+#pragma unroll
+        for (int i = 0; i < 6; ++i) {
+            const float l = warp_sum(l_lane[i]);
+            if (lane == 0) cs[6 * cw + i] = l > 0.0f ? 1.0f / l : 0.0f;
+        }
+    }
     mlw_bar_sync(MLW_BAR_B, MLW_CONSUMERS);
     float* out = part + ((i64)n * heads * splits + spl) * (kv_lora + 2);
     const i64 hstride = (i64)splits * (kv_lora + 2);
@@ -552,7 +566,10 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
     for (int hl = cw; hl < hn; hl += 8) {
         float* dst = out + (h0 + hl) * hstride;
         const float* srow = os + hl * MLW_OSTR;
-        if ((kv_lora & 1) == 0) {
+        if (final_rows) {  // mla_merge_f32's arithmetic for one split: o~ * (1 / l)
+            const float inv_l = cs[hl];
+            for (int c = lane; c < kv_lora; c += 32) dst[c] = srow[c] * inv_l;
+        } else if ((kv_lora & 1) == 0) {
             for (int c = 2 * lane; c < kv_lora; c += 64)
                 *reinterpret_cast<float2*>(dst + c) = *reinterpret_cast<const float2*>(srow + c);
         } else {

@@ -339,6 +339,36 @@ def bench_mla_diag(d: Device, record):
                        timing=how, rel_err_vs_base=float(rel_err(lat[i], lat[0])))
         except Exception as e:  # noqa: BLE001
             log(f"bench mla_diag merge N={N} raised {type(e).__name__}: {str(e)[:200]}")
+        # One split with the rows finished inside the attend (-DMLW_FINAL=1: no merge) against the
+        # default (sw splits + merge). Its rows must equal 1 split + the merge, bitwise.
+        try:
+            p1 = torch.full((N, heads, 1, kv_lora + 2), float("nan"), device="cuda")
+            l1 = torch.empty(N, heads, kv_lora, device="cuda")
+            vp1, vl1, vl0 = d.view(p1), d.view(l1), d.view(lat[0])
+
+            def one_split(defs=()):
+                d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, 1), MLA_WG_THREADS, *args[:5], vp1, N, heads,
+                         kv_lora, rope, pt, 1, 0, 192 ** -0.5, shared_mem=MLA_WG2_SHARED, defines=defs)
+
+            def default_full():
+                d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora,
+                         rope, pt, sw, 0, 192 ** -0.5, shared_mem=MLA_WG2_SHARED)
+                d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, args[5], vl0, N, heads, kv_lora, sw)
+            one_split()
+            d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, vp1, vl1, N, heads, kv_lora, 1)
+            d.sync()
+            one_split(("-DMLW_FINAL=1",))
+            d.sync()
+            same = bool(torch.equal(p1[:, :, 0, :kv_lora], l1))
+            ms_def, _ = d.time_graph(default_full, reps=5, inner=3)
+            ms, how = d.time_graph(lambda: one_split(("-DMLW_FINAL=1",)), reps=5, inner=3)
+            floor_m = (N * L * row * 4 + N * heads * kv_lora * 4) / (COPY_TBPS * 1e12) * 1e3
+            record(f"mla_diag wg2 one split, rows final in the attend [-DMLW_FINAL=1] N={N} L={L} (no merge)", ms,
+                   floor_m, timing=how, default_attend_merge_us=round(ms_def * 1e3, 1), default_splits=sw,
+                   bitwise_equal_one_split_plus_merge=same)
+            del p1, l1
+        except Exception as e:  # noqa: BLE001
+            log(f"bench mla_diag final N={N} raised {type(e).__name__}: {str(e)[:200]}")
         del A, part, lat
 
 
