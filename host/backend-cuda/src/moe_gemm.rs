@@ -13,10 +13,9 @@
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::geometry::Launch;
-use crate::ops::DeviceExperts;
+use crate::moe_grouped::SortedStep;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use k3_model::backend::SituParams;
 
 /// Slots per token `moe_combine_split_f32` holds (kernels/moe_gemm.cu MOE_MAX_TOP_K).
 const MAX_TOP_K: usize = 64;
@@ -68,19 +67,19 @@ impl Plan {
 }
 
 impl CudaBackend {
-    /// `out [T, latent] = Σ_j w[t,j] · expert_{idx[t,j]}(z_t)` given the assignments already
-    /// sorted by expert (`offsets [E+1]`, `sorted [T·k]` from `moe_sort_assignments`).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn moe_experts_gemm(
-        &self,
-        z: &DeviceMat,
-        w: &CudaSlice<f32>,
-        ex: &DeviceExperts,
-        top_k: usize,
-        offsets: &CudaSlice<i32>,
-        sorted: &CudaSlice<i32>,
-        situ: SituParams,
-    ) -> Result<DeviceMat> {
+    /// `out [T, latent] = Σ_j w[t,j] · expert_{idx[t,j]}(z_t)` for a step sorted by expert (the
+    /// router's ids are not read: the sort has them).
+    pub(crate) fn moe_experts_gemm(&self, step: SortedStep<'_>) -> Result<DeviceMat> {
+        let SortedStep {
+            z,
+            w,
+            ex,
+            top_k,
+            offsets,
+            sorted,
+            situ,
+            ..
+        } = step;
         let (t, lt, ie, e) = (z.rows, ex.latent, ex.inter, ex.experts);
         if top_k > MAX_TOP_K {
             return Err(CudaError::Unsupported(format!(

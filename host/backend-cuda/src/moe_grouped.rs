@@ -98,6 +98,22 @@ pub(crate) struct TiledGemm {
     pub shared: usize,
 }
 
+/// One many-assignment step of routed experts with its assignments sorted by expert: what the
+/// sort-based paths (grouped, wgmma, cuBLAS) take.
+#[derive(Clone, Copy)]
+pub(crate) struct SortedStep<'a> {
+    pub z: &'a DeviceMat,
+    /// The router's expert ids and combine weights, `[T·k]` each.
+    pub idx: &'a CudaSlice<i32>,
+    pub w: &'a CudaSlice<f32>,
+    pub ex: &'a DeviceExperts,
+    pub top_k: usize,
+    /// From `moe_sort_assignments`: `offsets [E+1]`, `sorted [T·k]`.
+    pub offsets: &'a CudaSlice<i32>,
+    pub sorted: &'a CudaSlice<i32>,
+    pub situ: SituParams,
+}
+
 /// Grid of a tiled expert GEMM: row blocks of `rows_per_block` over `rows` x the tile bound
 /// (blocks past the last tile exit).
 pub(crate) fn tiled_launch(
@@ -156,20 +172,18 @@ impl CudaBackend {
         self.moe_prefill
     }
 
-    /// `out [T, latent] = Σ_j w[t,j] · expert_{idx[t,j]}(z_t)` given the assignments sorted by
-    /// expert (`offsets [E+1]`, `sorted [T·k]` from `moe_sort_assignments`).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn moe_experts_grouped(
-        &self,
-        z: &DeviceMat,
-        idx: &CudaSlice<i32>,
-        w: &CudaSlice<f32>,
-        ex: &DeviceExperts,
-        top_k: usize,
-        offsets: &CudaSlice<i32>,
-        sorted: &CudaSlice<i32>,
-        situ: SituParams,
-    ) -> Result<DeviceMat> {
+    /// `out [T, latent] = Σ_j w[t,j] · expert_{idx[t,j]}(z_t)` for a step sorted by expert.
+    pub(crate) fn moe_experts_grouped(&self, step: SortedStep<'_>) -> Result<DeviceMat> {
+        let SortedStep {
+            z,
+            idx,
+            w,
+            ex,
+            top_k,
+            offsets,
+            sorted,
+            situ,
+        } = step;
         let (t, lt, ie, e) = (z.rows, ex.latent, ex.inter, ex.experts);
         let n = t * top_k;
         let i = crate::ops::i32_of;

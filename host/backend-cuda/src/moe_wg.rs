@@ -10,9 +10,8 @@
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
-use crate::ops::DeviceExperts;
+use crate::moe_grouped::SortedStep;
 use cudarc::driver::CudaSlice;
-use k3_model::backend::SituParams;
 
 /// How the wgmma path feeds activations (z and the SiTU-GLU intermediate) to the tensor cores,
 /// from `K3_MOE_ACT` with `K3_MOE_PREFILL=wg`.
@@ -103,22 +102,19 @@ pub(crate) fn wg_split_launch(rows: usize, cols: usize) -> Result<Launch> {
 }
 
 impl CudaBackend {
-    /// `out [T, latent] = Σ_j w[t,j] · expert_{idx[t,j]}(z_t)` given the assignments sorted by
-    /// expert (`offsets [E+1]`, `sorted [T·k]` from `moe_sort_assignments`), on the wgmma kernels
-    /// with activations as `act` says. Callers check [`wg_supported`] first.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn moe_experts_wg(
-        &self,
-        z: &DeviceMat,
-        idx: &CudaSlice<i32>,
-        w: &CudaSlice<f32>,
-        ex: &DeviceExperts,
-        top_k: usize,
-        offsets: &CudaSlice<i32>,
-        sorted: &CudaSlice<i32>,
-        situ: SituParams,
-        act: MoeAct,
-    ) -> Result<DeviceMat> {
+    /// `out [T, latent] = Σ_j w[t,j] · expert_{idx[t,j]}(z_t)` for a step sorted by expert, on the
+    /// wgmma kernels with activations as `act` says. Callers check [`wg_supported`] first.
+    pub(crate) fn moe_experts_wg(&self, step: SortedStep<'_>, act: MoeAct) -> Result<DeviceMat> {
+        let SortedStep {
+            z,
+            idx,
+            w,
+            ex,
+            top_k,
+            offsets,
+            sorted,
+            situ,
+        } = step;
         let (t, lt, ie, e) = (z.rows, ex.latent, ex.inter, ex.experts);
         let (n, planes) = (t * top_k, act.planes());
         let i = crate::ops::i32_of;

@@ -851,16 +851,20 @@ impl CudaBackend {
         let sorted = self.zeroed::<i32>((t * k).max(1))?;
         let (na, e) = (i32_of(t * k, "assignments")?, ex.experts as i32);
         launch!(self, "moe_sort_assignments", Launch::new((1, 1, 1), 1024)?; &idx, &na, &e, &offsets, &sorted)?;
+        let sorted_step = crate::moe_grouped::SortedStep {
+            z,
+            idx: &idx,
+            w: &w,
+            ex,
+            top_k: k,
+            offsets: &offsets,
+            sorted: &sorted,
+            situ,
+        };
         match path {
-            ExpertPath::Wg(act) => {
-                return self.moe_experts_wg(z, &idx, &w, ex, k, &offsets, &sorted, situ, act);
-            }
-            ExpertPath::Grouped => {
-                return self.moe_experts_grouped(z, &idx, &w, ex, k, &offsets, &sorted, situ);
-            }
-            ExpertPath::Gemm => {
-                return self.moe_experts_gemm(z, &w, ex, k, &offsets, &sorted, situ);
-            }
+            ExpertPath::Wg(act) => return self.moe_experts_wg(sorted_step, act),
+            ExpertPath::Grouped => return self.moe_experts_grouped(sorted_step),
+            ExpertPath::Gemm => return self.moe_experts_gemm(sorted_step),
             ExpertPath::Tc2 | ExpertPath::Stream2V1 | ExpertPath::Stream2V2 => {}
         }
         let y = self.zeros(t * k, ex.latent)?;
