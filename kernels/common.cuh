@@ -112,6 +112,19 @@ __device__ __forceinline__ void split_bf16(float x, u16& hi, u16& lo) {
     lo = f32_to_bf16_bits(x - bf16_bits_to_f32(hi));
 }
 
+// Eight values as hi / lo bf16 pairs packed two per word (element 2k in the low half of word k):
+// the staged-activation layout of the MXFP4 stream kernels.
+__device__ __forceinline__ void split8_bf16(const float (&v)[8], u32 (&hi)[4], u32 (&lo)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u16 h0, l0, h1, l1;
+        split_bf16(v[2 * k], h0, l0);
+        split_bf16(v[2 * k + 1], h1, l1);
+        hi[k] = h0 | ((u32)h1 << 16);
+        lo[k] = l0 | ((u32)l1 << 16);
+    }
+}
+
 // Expert id of the n-th (from 0) expert with assignments, -1 if there are fewer. The expert kernels
 // (mxfp4.cu, mxfp4_tc.cu) take grid.x = min(E, assignments) and map block x to the x-th busy
 // expert: with grid.x = E (T = 1: 16 of 128 busy) ~88% of the blocks would only read offsets and

@@ -129,14 +129,7 @@ __device__ __forceinline__ void mxq_stage(int cols, int slot, Val8 val8) {
             for (int k = 0; k < 8; ++k) v[k] = 0.0f;
         }
         u32 hi[4], lo[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            u16 h0, l0, h1, l1;
-            split_bf16(v[2 * k], h0, l0);
-            split_bf16(v[2 * k + 1], h1, l1);
-            hi[k] = h0 | ((u32)h1 << 16);
-            lo[k] = l0 | ((u32)l1 << 16);
-        }
+        split8_bf16(v, hi, lo);
         char* p = base + ((128 * slot + c) << 8) + 128 + 16 * (q ^ (c & 3));
         *reinterpret_cast<uint4*>(p) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
         *reinterpret_cast<uint4*>(p + 64) = make_uint4(lo[0], lo[1], lo[2], lo[3]);

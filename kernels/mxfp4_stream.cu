@@ -118,14 +118,7 @@ __device__ __forceinline__ void mxv_stage(u32 tab, int cols, int slot, Val8 val8
         float v[8];
         val8(8 * i, v);
         u32 hi[4], lo[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            u16 h0, l0, h1, l1;
-            split_bf16(v[2 * k], h0, l0);
-            split_bf16(v[2 * k + 1], h1, l1);
-            hi[k] = h0 | ((u32)h1 << 16);
-            lo[k] = l0 | ((u32)l1 << 16);
-        }
+        split8_bf16(v, hi, lo);
         const u32 p = tab + ((u32)(128 * slot + c) << 8) + 128u + 16u * (u32)(q ^ (c & 3));
         mxv_sts128(p, make_uint4(hi[0], hi[1], hi[2], hi[3]));
         mxv_sts128(p + 64u, make_uint4(lo[0], lo[1], lo[2], lo[3]));
