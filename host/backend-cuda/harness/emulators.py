@@ -330,7 +330,7 @@ def _emu_moe_up_stream2(z, w1p, w1s, w3p, w3s, idx, gu, top_k, lt, ie, e, n, par
             continue
         x = _split_f64(z.reshape(-1, lt)[a // int(top_k)])
         for m, (wp, ws) in enumerate(((w1p, w1s), (w3p, w3s))):
-            w = rmx.dequantize(_t(wp).view(e, ie, lt // 2)[ex], _t(ws).view(e, ie, lt // 32)[ex], torch.float64)
+            w = _mx_expert(wp, ws, e, ie, lt, ex)
             for p, (c0, c1) in enumerate(_stream2_parts(lt, parts)):
                 out[a, p, m] = (w[:, c0:c1] @ x[c0:c1]).float()
 
@@ -347,7 +347,7 @@ def _emu_moe_down_stream2(gu, w2p, w2s, idx, yp, lt, ie, beta, beta_lin, has_lin
         s = g[a].sum(0)  # f32, part order
         act = ref_situ_glu(s[0].double(), s[1].double(), float(beta), float(beta_lin) if has_lin else None)
         x = _split_f64(act.float().numpy())
-        w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
+        w2 = _mx_expert(w2p, w2s, e, lt, ie, ex)
         for p, (c0, c1) in enumerate(_stream2_parts(ie, parts)):
             out[a, p] = (w2[:, c0:c1] @ x[c0:c1]).float()
 
@@ -493,8 +493,8 @@ def _emu_moe_up_tc2(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, i
     for ex in range(e):
         a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
         if len(a):
-            w1 = rmx.dequantize(_t(w1p).view(e, ie, lt // 2)[ex], _t(w1s).view(e, ie, lt // 32)[ex], torch.float64)
-            w3 = rmx.dequantize(_t(w3p).view(e, ie, lt // 2)[ex], _t(w3s).view(e, ie, lt // 32)[ex], torch.float64)
+            w1 = _mx_expert(w1p, w1s, e, ie, lt, ex)
+            w3 = _mx_expert(w3p, w3s, e, ie, lt, ex)
             x = z[torch.from_numpy(a // k)]
             act[a] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta), float(beta_lin) if has_lin else None).float().numpy()
     rows = np.unique(sorted_[offsets[0]:offsets[-1]]).astype(np.int64)  # rows of other assignments untouched
@@ -510,36 +510,57 @@ def _emu_moe_down_tc2(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, nt):
     for ex in range(e):
         a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
         if len(a):
-            w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
+            w2 = _mx_expert(w2p, w2s, e, lt, ie, ex)
             _t(y).view(-1, lt)[torch.from_numpy(a)] = (act[torch.from_numpy(a)] @ w2.T).float()
+
+
+def _mx_expert(wp, ws, e, rows, cols, ex):
+    """Expert ex of e packed MXFP4 matrices [rows, cols], dequantised to float64."""
+    return rmx.dequantize(_t(wp).view(e, rows, cols // 2)[ex], _t(ws).view(e, rows, cols // 32)[ex], torch.float64)
+
+
+def _in_order(sorted_, p0, p1):
+    """Positions p0..p1-1 of one expert as the sort left them."""
+    return np.arange(p0, p1)
+
+
+def _sorted_up(z, w1p, w1s, w3p, w3s, offsets, sorted_, k, lt, ie, beta, beta_lin, has_lin, e, order):
+    """The sort-based up kernels: act row p = SiTU-GLU of the token of sorted position p through
+    its expert, each expert's positions taken in `order(sorted_, p0, p1)`."""
+    act = np.zeros((int(offsets[e]), ie), np.float32)
+    for ex in range(e):
+        p0, p1 = int(offsets[ex]), int(offsets[ex + 1])
+        if p1 > p0:
+            w1, w3 = _mx_expert(w1p, w1s, e, ie, lt, ex), _mx_expert(w3p, w3s, e, ie, lt, ex)
+            rows = order(sorted_, p0, p1)
+            x = z[torch.from_numpy(sorted_[rows].astype(np.int64) // k)]
+            act[rows] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta),
+                                     float(beta_lin) if has_lin else None).float().numpy()
+    return act
+
+
+def _sorted_down(act, w2p, w2s, offsets, sorted_, y, lt, ie, e, order):
+    """The sort-based down kernels: y[sorted[p]] = W2_e act[p] (rows of dropped slots untouched)."""
+    for ex in range(e):
+        p0, p1 = int(offsets[ex]), int(offsets[ex + 1])
+        if p1 > p0:
+            w2 = _mx_expert(w2p, w2s, e, lt, ie, ex)
+            rows = order(sorted_, p0, p1)
+            _t(y).view(-1, lt)[torch.from_numpy(sorted_[rows].astype(np.int64))] = (act[rows] @ w2.T).float()
 
 
 def _emu_moe_up_grouped(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e):
     """mxfp4_up_grouped_f32: as the tc2 up kernel, but actx row p = sorted position p."""
     lt, ie, k, e = int(lt), int(ie), int(top_k), int(e)
     z = _mx2_unpack(zx, zx.size // (-(-lt // 128) * 256), lt)
-    npos = int(offsets[e])
-    act = np.zeros((npos, ie), np.float32)
-    for ex in range(e):
-        p0, p1 = int(offsets[ex]), int(offsets[ex + 1])
-        if p1 > p0:
-            w1 = rmx.dequantize(_t(w1p).view(e, ie, lt // 2)[ex], _t(w1s).view(e, ie, lt // 32)[ex], torch.float64)
-            w3 = rmx.dequantize(_t(w3p).view(e, ie, lt // 2)[ex], _t(w3s).view(e, ie, lt // 32)[ex], torch.float64)
-            x = z[torch.from_numpy(sorted_[p0:p1].astype(np.int64) // k)]
-            act[p0:p1] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta),
-                                      float(beta_lin) if has_lin else None).float().numpy()
+    act = _sorted_up(z, w1p, w1s, w3p, w3s, offsets, sorted_, k, lt, ie, beta, beta_lin, has_lin, e, _in_order)
     _mx2_pack(act, actx)  # rows [0, npos); rows past them untouched
 
 
 def _emu_moe_down_grouped(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e):
     """mxfp4_down_grouped_f32: y[sorted[p]] = W2_e act[p] (rows of dropped slots untouched)."""
     lt, ie, e = int(lt), int(ie), int(e)
-    act = _mx2_unpack(actx, int(offsets[e]), ie)
-    for ex in range(e):
-        p0, p1 = int(offsets[ex]), int(offsets[ex + 1])
-        if p1 > p0:
-            w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
-            _t(y).view(-1, lt)[torch.from_numpy(sorted_[p0:p1].astype(np.int64))] = (act[p0:p1] @ w2.T).float()
+    _sorted_down(_mx2_unpack(actx, int(offsets[e]), ie), w2p, w2s, offsets, sorted_, y, lt, ie, e, _in_order)
 
 
 def _wg_perm():
@@ -589,17 +610,8 @@ def _emu_moe_up_wg(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie
     here)."""
     lt, ie, k, e, planes = int(lt), int(ie), int(top_k), int(e), int(mode) & 3
     z = _wg_unpack(zx, zx.size // (-(-lt // 64) * 64 * planes), lt, planes)
-    npos = int(offsets[e])
-    act = np.zeros((npos, ie), np.float32)
-    for ex in range(e):
-        p0, p1 = int(offsets[ex]), int(offsets[ex + 1])
-        if p1 > p0:
-            w1 = rmx.dequantize(_t(w1p).view(e, ie, lt // 2)[ex], _t(w1s).view(e, ie, lt // 32)[ex], torch.float64)
-            w3 = rmx.dequantize(_t(w3p).view(e, ie, lt // 2)[ex], _t(w3s).view(e, ie, lt // 32)[ex], torch.float64)
-            rows = _wg_canonical(sorted_, p0, p1)
-            x = z[torch.from_numpy(sorted_[rows].astype(np.int64) // k)]
-            act[rows] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta),
-                                     float(beta_lin) if has_lin else None).float().numpy()
+    act = _sorted_up(z, w1p, w1s, w3p, w3s, offsets, sorted_, k, lt, ie, beta, beta_lin, has_lin, e,
+                     _wg_canonical)
     _wg_pack(act, actx, planes)
 
 
@@ -607,12 +619,7 @@ def _emu_moe_down_wg(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, mode):
     """mxfp4_down_wg_f32: y[sorted[p]] = W2_e act[p] (rows of dropped slots untouched)."""
     lt, ie, e = int(lt), int(ie), int(e)
     act = _wg_unpack(actx, int(offsets[e]), ie, int(mode) & 3)
-    for ex in range(e):
-        p0, p1 = int(offsets[ex]), int(offsets[ex + 1])
-        if p1 > p0:
-            w2 = rmx.dequantize(_t(w2p).view(e, lt, ie // 2)[ex], _t(w2s).view(e, lt, ie // 32)[ex], torch.float64)
-            rows = _wg_canonical(sorted_, p0, p1)
-            _t(y).view(-1, lt)[torch.from_numpy(sorted_[rows].astype(np.int64))] = (act[rows] @ w2.T).float()
+    _sorted_down(act, w2p, w2s, offsets, sorted_, y, lt, ie, e, _wg_canonical)
 
 
 def _emu_combine_ids(y, idx, w, out, t, k, lt, e):
