@@ -65,7 +65,7 @@
 // / 1.921 ms, 59.97 % of the floor with the partials at N = 64.
 // What bounds wg2 (session 7, harness probes `K3_BENCH_ONLY=mla_diag`, attend only, N = 64, L = 32k,
 // MLW_DIAG below): whole kernel ~1.90 ms (batches of 2; 3 took 1.98); producer alone (consumers skip
-// their math) 1.39 ms = 82 % of the floor; consumers' math alone (no loads, no stores) 1.15-1.22 ms;
+// their math) 1.39 ms = 82 % of the floor; consumers' math alone (no loads, no stores) 1.22 ms;
 // math + stores, no loads 1.58 ms; stores + barriers only 0.63 ms; barriers only 0.21 ms. Removing
 // one consumer part at a time: S^T -0.06, P V -0.17, softmax -0.08 ms. Neither side is at its own
 // limit: the time is in their coupling through the 2-slot ring shared by both blocks of the pair
