@@ -310,13 +310,9 @@ mla_attend_tc2_f32(const float* __restrict__ qt, const float* __restrict__ arena
 // the splits with 4 independent accumulators so that several L2 loads are in flight per thread
 // (one block per (item, head) walking all splits in one dependent chain took ~33 us at N = 1).
 #define MLA_MERGE_COLS 128
-// Harness-only candidate (benchmarks.py bench_mla_diag times -DMLA_MERGE_FEW=8 against this build,
-// not yet measured): up to MLA_MERGE_FEW splits on a barrier-free path that issues all its loads
-// at once. A per-warp shuffle version of the weights was slower (N = 64: 42 vs 28 us), so the
-// barriers are not the cost; the dependent round trips may be. 0 = off in every real build.
-#ifndef MLA_MERGE_FEW
-#define MLA_MERGE_FEW 0
-#endif
+// Tried and dropped (H200, session 8, N = 64, L = 32k, 2 splits): a barrier-free few-splits path
+// issuing every load at once, 44 vs 27 us; a per-warp shuffle version of the weights, 42 vs 28 us.
+// With one split the wg attends write the final rows themselves (final_rows) and skip this kernel.
 extern "C" __global__ void __launch_bounds__(MLA_MERGE_COLS)
 mla_merge_f32(const float* __restrict__ part, float* __restrict__ lat, int items, int heads, int kv_lora,
               int splits) {
@@ -326,35 +322,6 @@ mla_merge_f32(const float* __restrict__ part, float* __restrict__ lat, int items
     if (n >= items || h >= heads || splits > 256) return;
     const int w = kv_lora + 2;
     const float* p = part + ((i64)n * heads + h) * splits * w;
-    if constexpr (MLA_MERGE_FEW > 0) {
-        if (splits <= MLA_MERGE_FEW) {
-            // Few splits: every load (m, l and the column of each split) issued at once, one L2
-            // round trip instead of three dependent ones (m, then l, then the column), no barrier.
-            constexpr int F = MLA_MERGE_FEW > 0 ? MLA_MERGE_FEW : 1;  // the arrays exist when off too
-            float mv[F], lv[F], xv[F];
-            const bool col = c < kv_lora;
-#pragma unroll
-            for (int s = 0; s < F; ++s) {
-                mv[s] = s < splits ? p[s * w + kv_lora] : K3_NEG_INF;
-                lv[s] = s < splits ? p[s * w + kv_lora + 1] : 0.0f;
-                xv[s] = s < splits && col ? p[s * w + c] : 0.0f;
-            }
-            float mm = K3_NEG_INF;
-#pragma unroll
-            for (int s = 0; s < F; ++s) mm = fmaxf(mm, mv[s]);
-            float ll = 0.0f, a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int s = 0; s < F; ++s) {
-                const float ws = mv[s] == K3_NEG_INF ? 0.0f : expf(mv[s] - mm);
-                ll += ws * lv[s];
-                // The general path's order: groups of 4 splits over 4 accumulators, the rest in a[0].
-                a[s < (splits & ~3) ? (s & 3) : 0] += ws * xv[s];
-            }
-            const float inv_l = ll > 0.0f ? 1.0f / ll : 0.0f;
-            if (col) lat[((i64)n * heads + h) * kv_lora + c] = ((a[0] + a[1]) + (a[2] + a[3])) * inv_l;
-            return;
-        }
-    }
     float mloc = K3_NEG_INF;
     for (int s = threadIdx.x; s < splits; s += blockDim.x) mloc = fmaxf(mloc, p[s * w + kv_lora]);
     const float mm = block_max(mloc, scratch);

@@ -5,6 +5,11 @@
 // and the rows rounded to bf16 (RNE), f32 scores and online softmax, P rounded to bf16 for P V and
 // the row sums. Only the tile differs (64 positions here, 32 there): emulators.py runs
 // _emu_mla_attend_bf16 with tile=64 for it.
+// final_rows = 1 (one split only; ops.rs when geometry::mla_splits_wg picks 1): the partial is
+// already the answer, so the epilogue writes o~ * (1 / l) - mla_merge_f32's arithmetic, bitwise -
+// as the latent [items, H, kv_lora] into `part` and the merge launch is skipped. Measured (H200,
+// session 8, N = 64, L = 32k, where 1 split fills the GPU as well as 2): 1870 / 1878 us against
+// 1923 / 1930 us for 2 splits + merge in the same runs (one earlier run: equal).
 //
 // Why this shape. The bf16 kernel is capped near 45 % of HBM by ldmatrix traffic and its per-tile
 // latency chain; here the tensor cores read the staged tile straight from shared memory.
@@ -114,12 +119,6 @@
 // (racy: for timing only). 0 in every real build.
 #ifndef MLW_DIAG
 #define MLW_DIAG 0
-#endif
-// Harness-only candidate (benchmarks.py bench_mla_diag, not yet measured): with one split per item
-// the partial is already final, so the attend writes o~ / l itself and the merge could be skipped
-// (28 us at N = 64, L = 32k, where one split fills the GPU as well as two). 0 in every real build.
-#ifndef MLW_FINAL
-#define MLW_FINAL 0
 #endif
 #define MLW_SSTR 68    // f32 per score row: the fragment stores hit 32 distinct banks
 #define MLW_OSTR 516   // f32 per staged o~ row in the epilogue (same reason)
@@ -240,14 +239,15 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
                                            const i64* __restrict__ page_start, const int* __restrict__ pt_base,
                                            const int* __restrict__ lens, float* __restrict__ part, int items,
                                            int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk,
-                                           float scale) {
+                                           float scale, int final_rows) {
     extern __shared__ __align__(1024) unsigned char mlw_raw[];
     const u32 raw_a = (u32)__cvta_generic_to_shared(mlw_raw);
     const u32 sm_a = (raw_a + 1023u) & ~1023u;  // the SW128 atoms need 1024-aligned bases
     unsigned char* sm = mlw_raw + (sm_a - raw_a);
     const int h0 = blockIdx.x * MLW_HEADS, n = blockIdx.y, spl = blockIdx.z;
     const int row = kv_lora + rope;
-    if (n >= items || row > MLW_ROW || kv_lora > 512 || page_tokens <= 0) return;
+    // final_rows needs one split (the host's contract): otherwise nothing is written.
+    if (n >= items || row > MLW_ROW || kv_lora > 512 || page_tokens <= 0 || (final_rows && splits != 1)) return;
     const int tid = threadIdx.x;
     const int len = lens[n], base = pt_base[n];
     const int ch = chunk > 0 ? chunk : (len + splits - 1) / splits;  // chunk <= 0: per item
@@ -549,7 +549,6 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
             for (int v = 0; v < 4; ++v)
                 os[(8 * j + 2 * t4 + (v & 1)) * MLW_OSTR + 256 * cwg + 64 * m + 16 * wl + g + 8 * (v >> 1)] =
                     acc[m][4 * j + v];
-    const bool final_rows = MLW_FINAL != 0 && splits == 1;
     if (final_rows) {  // 1 / l per head for the row writes below (corr is free again)
 #pragma unroll
         for (int i = 0; i < 6; ++i) {
@@ -558,11 +557,13 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         }
     }
     mlw_bar_sync(MLW_BAR_B, MLW_CONSUMERS);
-    float* out = part + ((i64)n * heads * splits + spl) * (kv_lora + 2);
-    const i64 hstride = (i64)splits * (kv_lora + 2);
+    // Partials [items, H, splits, kv_lora + 2], or with final_rows the latent [items, H, kv_lora].
+    const int prow = final_rows ? kv_lora : kv_lora + 2;
+    float* out = part + ((i64)n * heads * splits + spl) * prow;
+    const i64 hstride = (i64)splits * prow;
     const int hn = min(MLW_HEADS, heads - h0);
-    // Warp cw writes head rows cw, cw + 8, ..: rows of the partials start at even float offsets
-    // (kv_lora + 2 per row), so float2 stores when kv_lora is even.
+    // Warp cw writes head rows cw, cw + 8, ..: rows start at even float offsets (kv_lora (+ 2) per
+    // row), so float2 stores when kv_lora is even.
     for (int hl = cw; hl < hn; hl += 8) {
         float* dst = out + (h0 + hl) * hstride;
         const float* srow = os + hl * MLW_OSTR;
@@ -580,7 +581,7 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
     for (int i = 0; i < 6; ++i) {
         const float l = warp_sum(l_lane[i]);
         const int hh = h0 + 6 * cw + i;
-        if (lane == 0 && hh < heads) {
+        if (lane == 0 && hh < heads && !final_rows) {
             out[hh * hstride + kv_lora] = m_run[i];
             out[hh * hstride + kv_lora + 1] = l;
         }
@@ -597,10 +598,11 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
 extern "C" __global__ void __launch_bounds__(MLW_THREADS, 1)
 mla_attend_wg_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
                   const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
-                  int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale) {
+                  int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale,
+                  int final_rows) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     mlw_attend<false>(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens, splits,
-                      chunk, scale);
+                      chunk, scale, final_rows);
 #else
     __trap();  // wgmma needs sm_90a: ops.rs only dispatches here on it
 #endif
@@ -610,10 +612,11 @@ mla_attend_wg_f32(const float* __restrict__ qt, const float* __restrict__ arena,
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MLW_THREADS, 1)
 mla_attend_wg2_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
                    const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
-                   int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale) {
+                   int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale,
+                   int final_rows) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     mlw_attend<true>(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens, splits,
-                     chunk, scale);
+                     chunk, scale, final_rows);
 #else
     __trap();
 #endif

@@ -158,6 +158,14 @@ def mla_splits_bf16(blocks, max_len, sms=132):
     return mla_splits_tc2(blocks, max_len, sms=sms, per_sm=1)
 
 
+def mla_splits_wg(blocks, max_len, sms=132):
+    """geometry::mla_splits_wg: 1 split (final rows, no merge) when it fills the SMs as well as
+    mla_splits_bf16's choice, else that choice."""
+    fill = lambda s: blocks * s / (cdiv(blocks * s, sms) * sms)  # noqa: E731
+    s = mla_splits_bf16(blocks, max_len, sms)
+    return 1 if fill(1) + 1e-9 >= fill(s) else s
+
+
 def bench_mla_bf16(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     """The bf16 attend (ops.rs MlaDecodeMode::Bf16) + merge on bench()'s buffers, next to the precise
     tc2 attend + merge timed in the same run (tc2_us). Floors: the f32 cache rows plus the partials
@@ -219,17 +227,20 @@ MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED, MLA_WG2_SHARED = 48, 384, 223168, 2
 
 
 def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
-    """The wgmma attends (ops.rs MlaDecodeMode::Wg, K3_MLA_DECODE=wg1, and WgPair, the default) + merge on
-    bench()'s buffers, next to the bf16 attend + merge timed in the same run (bf16_us), with
-    bench_mla_bf16's floors, and a check of each wg latent against the bf16 one (same rounding, different
-    tiles: 2e-2 as bf16 vs tc2)."""
+    """The wgmma attends (ops.rs MlaDecodeMode::Wg, K3_MLA_DECODE=wg1, and WgPair, the default) as ops.rs
+    runs them - geometry::mla_splits_wg's splits, the merge only past 1 split (else final_rows) - next to
+    the bf16 attend + merge (bf16_us) and, where the wg rule picks 1 split, the bf16 rule's splits +
+    merge (splits_merge_us), timed in the same run; floors count what each moves (rows, partials,
+    latent). Each wg latent is checked against the bf16 one (same rounding, different tiles: 2e-2)."""
     heads, rope, kv_lora, pt = 96, 64, 512, 64
     scale = 192 ** -0.5
     hg = cdiv(heads, MLA_WG_HEADS)
-    sw = mla_splits_bf16(N * hg, L)
+    sb = mla_splits_bf16(N * hg, L)
+    sw = mla_splits_wg(N * hg, L)
     kv_bytes = N * L * (kv_lora + rope) * 4
-    part_bytes = N * heads * sw * (kv_lora + 2) * 4
-    pw, pb = (torch.empty(N, heads, sw, kv_lora + 2, device=qt.device) for _ in range(2))
+    lat_bytes = N * heads * kv_lora * 4
+    part_bytes = lambda s: N * heads * s * (kv_lora + 2) * 4  # noqa: E731
+    pw, pb = (torch.empty(N, heads, sb, kv_lora + 2, device=qt.device) for _ in range(2))
     lw, lb = (torch.empty(N, heads, kv_lora, device=qt.device) for _ in range(2))
     common_args = [d.view(qt), d.view(A), d.view(ps), d.view(base), d.view(lens)]
     vpw, vpb, vlw, vlb = (d.view(t) for t in (pw, pb, lw, lb))  # views made outside the graph captures
@@ -237,38 +248,48 @@ def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     variants = (("wg", "mla_attend_wg_f32", hg, MLA_WG_SHARED),
                 ("wg2", "mla_attend_wg2_f32", 2 * cdiv(hg, 2), MLA_WG2_SHARED))
 
-    def attend(part, v):
+    def attend(part, v, s, final=0):
         _, kname, gx, smem = v
-        d.launch(kname, (gx, N, sw), MLA_WG_THREADS, *common_args, part, N, heads, kv_lora, rope, pt, sw, 0,
-                 scale, shared_mem=smem)
+        d.launch(kname, (gx, N, s), MLA_WG_THREADS, *common_args, part, N, heads, kv_lora, rope, pt, s, 0,
+                 scale, final, shared_mem=smem)
 
-    def merge(part, lat):
-        d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, part, lat, N, heads, kv_lora, sw)
+    def merge(part, lat, s):
+        d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, part, lat, N, heads, kv_lora, s)
+
+    def production(v):  # ops.rs mla_decode's attend (+ merge)
+        if sw == 1:
+            attend(vlw, v, 1, final=1)
+        else:
+            attend(vpw, v, sw)
+            merge(vpw, vlw, sw)
 
     def bf16_full():
-        d.launch("mla_attend_bf16_f32", (cdiv(heads, MLA_BF16_HEADS), N, sw), 256, *common_args, vpb, N,
-                 heads, kv_lora, rope, pt, sw, 0, scale, shared_mem=MLA_BF16_SHARED)
-        merge(vpb, vlb)
+        d.launch("mla_attend_bf16_f32", (cdiv(heads, MLA_BF16_HEADS), N, sb), 256, *common_args, vpb, N,
+                 heads, kv_lora, rope, pt, sb, 0, scale, shared_mem=MLA_BF16_SHARED)
+        merge(vpb, vlb, sb)
 
     def timed(fn):
         return d.time_graph(fn, reps=5, inner=3) if big else d.time_graph(fn)
     for v in variants:
-        attend(vpw, v)  # compile and opt in outside the graph captures
+        attend(vpw, v, sw)  # compile and opt in outside the graph captures
     bf16_ms, _ = timed(bf16_full)
-    floor_a = (kv_bytes + part_bytes) / (COPY_TBPS * 1e12) * 1e3
-    floor_m = (kv_bytes + 2 * part_bytes + N * heads * kv_lora * 4) / (COPY_TBPS * 1e12) * 1e3
+    floor_a = (kv_bytes + part_bytes(sw)) / (COPY_TBPS * 1e12) * 1e3
+    floor_m = (kv_bytes + (0 if sw == 1 else 2 * part_bytes(sw)) + lat_bytes) / (COPY_TBPS * 1e12) * 1e3
     bf16_full()
     for v in variants:
         tag = v[0]
-        ms, how = timed(lambda v=v: attend(vpw, v))
+        ms, how = timed(lambda v=v: attend(vpw, v, sw))
         record(f"mla_attend {tag} N={N} L={L} (attend only, f32 rows)", ms, floor_a, splits=sw, timing=how)
-        ms, how = timed(lambda v=v: (attend(vpw, v), merge(vpw, vlw)))
+        extra = {}
+        if sw != sb:  # the bf16 rule's splits + the merge, as before final_rows
+            ms_old, _ = timed(lambda v=v: (attend(vpw, v, sb), merge(vpw, vlw, sb)))
+            extra = dict(splits_merge_us=round(ms_old * 1e3, 1), splits_merge_splits=sb)
+        ms, how = timed(lambda v=v: production(v))
         record(f"mla_attend+merge {tag} N={N} L={L} (f32 rows + partials)", ms, floor_m, splits=sw, timing=how,
-               bf16_us=round(bf16_ms * 1e3, 1), speedup_vs_bf16=round(bf16_ms / ms, 2),
+               final_rows=sw == 1, bf16_us=round(bf16_ms * 1e3, 1), speedup_vs_bf16=round(bf16_ms / ms, 2),
                rows_only_floor_us=round(kv_bytes / (COPY_TBPS * 1e12) * 1e6, 1),
-               pct_of_rows_floor=round(100 * kv_bytes / (COPY_TBPS * 1e12) * 1e3 / ms, 1))
-        attend(vpw, v)
-        merge(vpw, vlw)
+               pct_of_rows_floor=round(100 * kv_bytes / (COPY_TBPS * 1e12) * 1e3 / ms, 1), **extra)
+        production(v)
         d.sync()
         r.check(f"mla {tag} vs bf16 latent N={N} L={L} (K3 shapes, splits {sw})", rel_err(lw, lb), 2e-2)
     del pw, pb, lw, lb
@@ -305,7 +326,7 @@ def bench_mla_diag(d: Device, record):
         for defs in variants:
             def go(defs=defs):
                 d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora,
-                         rope, pt, sw, 0, 192 ** -0.5, shared_mem=MLA_WG2_SHARED, defines=defs)
+                         rope, pt, sw, 0, 192 ** -0.5, 0, shared_mem=MLA_WG2_SHARED, defines=defs)
             try:
                 part.fill_(float("nan"))
                 go()
@@ -320,56 +341,7 @@ def bench_mla_diag(d: Device, record):
                        splits=sw, timing=how, bitwise_equal_base=same)
             except Exception as e:  # noqa: BLE001
                 log(f"bench mla_diag {defs} N={N} raised {type(e).__name__}: {str(e)[:200]}")
-        # The merge on the base attend's partials, and kernels/mla.cu's few-splits candidate.
-        lat = [torch.empty(N, heads, kv_lora, device="cuda") for _ in range(2)]
-        try:
-            d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora, rope,
-                     pt, sw, 0, 192 ** -0.5, shared_mem=MLA_WG2_SHARED)
-            merge_floor = (part.numel() + lat[0].numel()) * 4 / (COPY_TBPS * 1e12) * 1e3
-            for i, defs in enumerate(((), ("-DMLA_MERGE_FEW=8",))):
-                vl = d.view(lat[i])
-
-                def merge(defs=defs, vl=vl):
-                    d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, args[5], vl, N, heads, kv_lora,
-                             sw, defines=defs)
-                merge()
-                ms, how = d.time_graph(merge)
-                d.sync()
-                record(f"mla_diag merge [{' '.join(defs) or 'base'}] N={N} L={L}", ms, merge_floor, splits=sw,
-                       timing=how, rel_err_vs_base=float(rel_err(lat[i], lat[0])))
-        except Exception as e:  # noqa: BLE001
-            log(f"bench mla_diag merge N={N} raised {type(e).__name__}: {str(e)[:200]}")
-        # One split with the rows finished inside the attend (-DMLW_FINAL=1: no merge) against the
-        # default (sw splits + merge). Its rows must equal 1 split + the merge, bitwise.
-        try:
-            p1 = torch.full((N, heads, 1, kv_lora + 2), float("nan"), device="cuda")
-            l1 = torch.empty(N, heads, kv_lora, device="cuda")
-            vp1, vl1, vl0 = d.view(p1), d.view(l1), d.view(lat[0])
-
-            def one_split(defs=()):
-                d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, 1), MLA_WG_THREADS, *args[:5], vp1, N, heads,
-                         kv_lora, rope, pt, 1, 0, 192 ** -0.5, shared_mem=MLA_WG2_SHARED, defines=defs)
-
-            def default_full():
-                d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora,
-                         rope, pt, sw, 0, 192 ** -0.5, shared_mem=MLA_WG2_SHARED)
-                d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, args[5], vl0, N, heads, kv_lora, sw)
-            one_split()
-            d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, vp1, vl1, N, heads, kv_lora, 1)
-            d.sync()
-            one_split(("-DMLW_FINAL=1",))
-            d.sync()
-            same = bool(torch.equal(p1[:, :, 0, :kv_lora], l1))
-            ms_def, _ = d.time_graph(default_full, reps=5, inner=3)
-            ms, how = d.time_graph(lambda: one_split(("-DMLW_FINAL=1",)), reps=5, inner=3)
-            floor_m = (N * L * row * 4 + N * heads * kv_lora * 4) / (COPY_TBPS * 1e12) * 1e3
-            record(f"mla_diag wg2 one split, rows final in the attend [-DMLW_FINAL=1] N={N} L={L} (no merge)", ms,
-                   floor_m, timing=how, default_attend_merge_us=round(ms_def * 1e3, 1), default_splits=sw,
-                   bitwise_equal_one_split_plus_merge=same)
-            del p1, l1
-        except Exception as e:  # noqa: BLE001
-            log(f"bench mla_diag final N={N} raised {type(e).__name__}: {str(e)[:200]}")
-        del A, part, lat
+        del A, part
 
 
 def bench(d: Device, r: Results, quick: bool, only=None):

@@ -744,9 +744,14 @@ def check_mla_bf16(d: Device, r: Results, gen):
             emu = (w[..., None] * P[..., :kv_lora]).sum(2) / (w * P[..., kv_lora + 1]).sum(-1)[..., None]
             part = torch.full((n, heads, splits, kv_lora + 2), float("nan"), device=d.tdev)
             gx = cdiv(heads, hpb) * (2 if kname == "mla_attend_wg2_f32" else 1)  # wg2: pairs of 48
-            d.launch(kname, (gx, n, splits), threads, d.view(dev(qt)), d.view(A),
-                     d.view(ps.to(d.tdev)), d.view(base.to(d.tdev)), d.view(lens_t.to(d.tdev)), d.view(part), n,
-                     heads, kv_lora, rope, pt, splits, chunk, scale, shared_mem=smem)
+            ins = (d.view(dev(qt)), d.view(A), d.view(ps.to(d.tdev)), d.view(base.to(d.tdev)),
+                   d.view(lens_t.to(d.tdev)))
+            fin = (0,) if label != "bf16" else ()  # the wg kernels' final_rows flag
+
+            def attend(out, sp, fin=fin):
+                d.launch(kname, (gx, n, sp), threads, *ins, d.view(out), n, heads, kv_lora, rope, pt, sp, chunk,
+                         scale, *fin, shared_mem=smem)
+            attend(part, splits)
             lat = torch.full((n, heads, kv_lora), float("nan"), device=d.tdev)
             d.launch("mla_merge_f32", (n, heads, cdiv(kv_lora, 128)), 128, d.view(part), d.view(lat), n, heads,
                      kv_lora, splits)
@@ -761,6 +766,31 @@ def check_mla_bf16(d: Device, r: Results, gen):
                          and bool((ph[i, :, s, kv_lora + 1] == 0).all()) for i, s in empty)
                 r.exact(f"mla attend {label} empty splits write (0, -inf, 0) ({tag})", ok and bool(empty),
                         f"{len(empty)} empty")
+            if fin and chunk == 0:
+                check_mla_final_rows(d, r, tag, label, attend, part, lat, ref, n, heads, kv_lora)
+
+
+def check_mla_final_rows(d: Device, r: Results, tag, label, attend, part, lat, ref, n, heads, kv_lora):
+    """The wg kernels' final_rows = 1 (ops.rs when one split fills the GPU): the latent straight from
+    the attend must be mla_merge_f32's answer for 1 split bitwise on the GPU (the same o~ * (1 / l)),
+    and with more than one split the kernel writes nothing (its contract). In --dry-run the merge
+    emulator divides in float64, hence 1e-6 there."""
+    p1 = torch.full((n, heads, 1, kv_lora + 2), float("nan"), device=d.tdev)
+    attend(p1, 1)
+    d.launch("mla_merge_f32", (n, heads, cdiv(kv_lora, 128)), 128, d.view(p1), d.view(lat), n, heads, kv_lora, 1)
+    rows = torch.full((n, heads, kv_lora), float("nan"), device=d.tdev)
+    attend(rows, 1, fin=(1,))
+    untouched = torch.full((n, heads, kv_lora), float("nan"), device=d.tdev)
+    attend(untouched, 2, fin=(1,))
+    d.sync()
+    r.check(f"mla attend {label} final rows vs float64 ({tag})", rel_err(rows, ref), 1e-2)
+    if d.dry:
+        r.check(f"mla attend {label} final rows vs 1 split + merge ({tag})", rel_err(rows, lat), 1e-6)
+    else:
+        r.exact(f"mla attend {label} final rows == 1 split + merge, bitwise ({tag})", bool(torch.equal(rows, lat)),
+                f"max |diff| {float((rows - lat).abs().max()):.3g}")
+    r.exact(f"mla attend {label} final rows with 2 splits writes nothing ({tag})",
+            bool(torch.isnan(untouched).all()), "written")
 
 
 def mla_prefill_reference(q, rows, kv_b, heads, nope, rope, v_dim, kv_lora, start):

@@ -275,6 +275,24 @@ def _emu_mla_attend_bf16(qt, arena, page_start, pt_base, lens, part, items, head
             P[n, :, s, lkv + 1] = l.float()
 
 
+def _emu_mla_attend_wg(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens,
+                       splits, chunk, scale, final_rows):
+    """kernels/mla_attend_wg.cu (both kernels): the bf16 attend's rounding on 64-position tiles; with
+    final_rows (one split only) the latent o~ * (1 / l) [items, H, kv_lora] in `part` instead."""
+    args = (qt, arena, page_start, pt_base, lens)
+    geo = (items, heads, kv_lora, rope, page_tokens, splits, chunk, scale)
+    if not int(final_rows):
+        return _emu_mla_attend_bf16(*args, part, *geo, tile=64)
+    if int(splits) != 1:
+        return None  # the kernel's contract: nothing written
+    tmp = np.zeros(int(items) * int(heads) * (int(kv_lora) + 2), np.float32)
+    _emu_mla_attend_bf16(*args, tmp, *geo, tile=64)
+    P = _t(tmp).view(int(items), int(heads), int(kv_lora) + 2)
+    l = P[..., int(kv_lora) + 1:]
+    inv = torch.where(l > 0, 1.0 / l, torch.zeros_like(l))  # f32, as the kernel: o~ * (1 / l)
+    _t(part).view(-1)[:int(items) * int(heads) * int(kv_lora)] = (P[..., :int(kv_lora)] * inv).reshape(-1)
+
+
 def _emu_mla_merge(part, lat, items, heads, kv_lora, splits):
     P = _t(part).view(int(items), int(heads), int(splits), int(kv_lora) + 2).double()
     m = P[..., int(kv_lora)].amax(-1, keepdim=True)
@@ -769,8 +787,8 @@ EMU = {
         _t(q).view(int(items), int(heads), -1)[..., int(nope):].double()], -1).float().numpy().reshape(qt.shape)),
     "mla_attend_tc2_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # mode: rounding / prefetch / probe only
     "mla_attend_bf16_f32": _emu_mla_attend_bf16,
-    "mla_attend_wg_f32": lambda *a: _emu_mla_attend_bf16(*a, tile=64),  # same rounding, 64-position tiles
-    "mla_attend_wg2_f32": lambda *a: _emu_mla_attend_bf16(*a, tile=64),  # block pairs: the same partials
+    "mla_attend_wg_f32": _emu_mla_attend_wg,  # same rounding, 64-position tiles
+    "mla_attend_wg2_f32": _emu_mla_attend_wg,  # block pairs: the same partials
     "mla_merge_f32": _emu_mla_merge,  # grid (items, heads, kv_lora / 128)
     "mla_out_proj_f32": _emu_mla_out_proj,
     "mla_absorb_q_bf16": _emu_mla_absorb_bf16,

@@ -174,7 +174,7 @@ pub fn mla_splits_tc2(items: usize, heads: usize, max_len: usize, sms: usize) ->
 fn fullest_wave_splits(blocks: usize, slots: usize, max_len: usize) -> usize {
     let want = slots.div_ceil(blocks).max(1);
     let cap = max_len.div_ceil(128).clamp(1, MLA_MAX_SPLITS);
-    let fill = |s: usize| (blocks * s) as f64 / ((blocks * s).div_ceil(slots) * slots) as f64;
+    let fill = |s: usize| wave_fill(blocks * s, slots);
     let mut splits = want.min(cap);
     for s in want..=(2 * want).min(cap) {
         if fill(s) > fill(splits) + 1e-9 {
@@ -182,6 +182,11 @@ fn fullest_wave_splits(blocks: usize, slots: usize, max_len: usize) -> usize {
         }
     }
     splits
+}
+
+/// Share of the launched waves' block slots that `blocks` blocks occupy (1.0 = no idle slot).
+fn wave_fill(blocks: usize, slots: usize) -> f64 {
+    blocks as f64 / (blocks.div_ceil(slots) * slots) as f64
 }
 
 /// Shared memory per block on sm_90 with the opt-in attribute (227 KB).
@@ -292,10 +297,19 @@ pub fn mla_attend_wg2(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch
     .with_opt_in_shared(MLA_WG2_SHARED)
 }
 
-/// Position splits of `mla_attend_wg_f32`: 48 heads and one block per SM as the bf16 attend, so
-/// the same rule (`mla_splits_bf16`).
+/// Position splits of the wg attends (48 heads and one block per SM, as the bf16 attend): one
+/// split whenever it fills the SMs as well as `mla_splits_bf16`'s choice - the attend then writes
+/// the final rows itself (`final_rows`) and the merge launch and the partials' round trip go (at
+/// K3's N = 64, L = 32k: 128 blocks on 132 SMs, as full as 2 splits' 256) - else that choice.
 pub fn mla_splits_wg(items: usize, heads: usize, max_len: usize, sms: usize) -> usize {
-    mla_splits_bf16(items, heads, max_len, sms)
+    let blocks = items.max(1) * heads.div_ceil(MLA_WG_HEADS_PER_BLOCK);
+    let sms = sms.max(1);
+    let splits = mla_splits_bf16(items, heads, max_len, sms);
+    if wave_fill(blocks, sms) + 1e-9 >= wave_fill(blocks * splits, sms) {
+        1
+    } else {
+        splits
+    }
 }
 
 /// Whether `mla_attend_wg_f32` runs on a device compiled for `arch` (wgmma exists only on the
@@ -519,7 +533,16 @@ mod tests {
             (1, 1, 1)
         );
         assert_eq!(mla_splits_wg(1, 96, 32768, 132), 66);
-        assert_eq!(mla_splits_wg(64, 96, 32768, 132), 2);
+        assert_eq!(mla_splits_wg(16, 96, 32768, 132), 8);
+        // 128 blocks fill 132 SMs as well as 2 splits' 256: one split, final rows, no merge.
+        assert_eq!(mla_splits_wg(64, 96, 32768, 132), 1);
+        assert_eq!(mla_splits_wg(66, 96, 4096, 132), 1);
+        // 40 blocks: one split would leave 70 % of the SMs idle.
+        assert_eq!(
+            mla_splits_wg(20, 96, 32768, 132),
+            mla_splits_bf16(20, 96, 32768, 132)
+        );
+        assert!(mla_splits_wg(20, 96, 32768, 132) > 1);
         assert!(
             mla_wg_supported("sm_90a") && !mla_wg_supported("sm_90") && !mla_wg_supported("sm_89")
         );

@@ -159,7 +159,8 @@ const TOPK_SEGMENT: usize = 4096;
 /// Precision / kernel of the absorbed MLA decode attend (`mla_decode`), from `K3_MLA_DECODE` at
 /// start-up (`precise` | `bf16` | `wg1` | `wg`, default `wg`, which runs `bf16` off sm_90a); tests
 /// pin it with `CudaBackend::set_mla_decode_mode`. All write the same partials, merged by
-/// `mla_merge_f32`.
+/// `mla_merge_f32`; with one split (`geometry::mla_splits_wg`) the Wg kernels write the final
+/// latent rows themselves and the merge is skipped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MlaDecodeMode {
     /// `mla_attend_tc2_f32`: 3xTF32, ~f32 accuracy (the CPU backend's results to ~1e-5).
@@ -768,7 +769,15 @@ impl CudaBackend {
                 &q.buf, w, &qt.buf, &it, &h, &nope, &rope, &vd, &lkv)?
             }
         }
-        let part = self.zeros(items * g.heads * splits, g.kv_lora + 2)?;
+        // One split on the wg kernels: the attend writes the final latent rows itself (no merge).
+        let final_rows = splits == 1 && matches!(mode, MlaDecodeMode::Wg | MlaDecodeMode::WgPair);
+        let lat = self.zeros(items * g.heads, g.kv_lora)?;
+        let part = if final_rows {
+            None
+        } else {
+            Some(self.zeros(items * g.heads * splits, g.kv_lora + 2)?)
+        };
+        let out = part.as_ref().unwrap_or(&lat);
         let (pt, sp, ch) = (page_tokens as i32, splits as i32, chunk);
         let scale = 1.0 / ((g.nope + g.rope) as f32).sqrt();
         // Attend on tensor cores, merge the splits, then W_UV once per call. Precise: 3xTF32
@@ -779,33 +788,37 @@ impl CudaBackend {
             MlaDecodeMode::Precise => {
                 let tc_mode = 1 | (MLA_V2_PREFETCH_TILES << 2);
                 launch!(self, "mla_attend_tc2_f32", geometry::mla_attend_tc(&g, items, splits)?;
-                    &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
+                    &qt.buf, &*arena, &starts, &base, &lens_d, &out.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale, &tc_mode)?;
             }
-            bf16_class => {
-                // Same parameters; the kernels differ in tile, product instructions and launch.
-                let (kernel, l) = match bf16_class {
-                    MlaDecodeMode::Wg => (
-                        "mla_attend_wg_f32",
-                        geometry::mla_attend_wg(&g, items, splits)?,
-                    ),
-                    MlaDecodeMode::WgPair => (
-                        "mla_attend_wg2_f32",
-                        geometry::mla_attend_wg2(&g, items, splits)?,
-                    ),
-                    _ => (
-                        "mla_attend_bf16_f32",
-                        geometry::mla_attend_bf16(&g, items, splits)?,
-                    ),
-                };
-                launch!(self, kernel, l;
-                    &qt.buf, &*arena, &starts, &base, &lens_d, &part.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
+            MlaDecodeMode::Bf16 => {
+                launch!(self, "mla_attend_bf16_f32", geometry::mla_attend_bf16(&g, items, splits)?;
+                    &qt.buf, &*arena, &starts, &base, &lens_d, &out.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale)?;
             }
+            wg_class => {
+                // Same parameters (+ final_rows); the two differ in launch (clusters of 2 or not).
+                let (kernel, l) = if wg_class == MlaDecodeMode::WgPair {
+                    (
+                        "mla_attend_wg2_f32",
+                        geometry::mla_attend_wg2(&g, items, splits)?,
+                    )
+                } else {
+                    (
+                        "mla_attend_wg_f32",
+                        geometry::mla_attend_wg(&g, items, splits)?,
+                    )
+                };
+                let fin = i32::from(final_rows);
+                launch!(self, kernel, l;
+                    &qt.buf, &*arena, &starts, &base, &lens_d, &out.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
+                    &scale, &fin)?;
+            }
         }
-        let lat = self.zeros(items * g.heads, g.kv_lora)?;
-        launch!(self, "mla_merge_f32", geometry::mla_merge(&g, items)?;
-            &part.buf, &lat.buf, &it, &h, &lkv, &sp)?;
+        if let Some(part) = &part {
+            launch!(self, "mla_merge_f32", geometry::mla_merge(&g, items)?;
+                &part.buf, &lat.buf, &it, &h, &lkv, &sp)?;
+        }
         let o = self.output(items, g.heads * g.v_dim)?;
         match kv_w {
             KvB::Bf16(w) => launch!(self, "mla_out_proj_bf16", geometry::mla_out_proj_bf16(&g)?;
