@@ -83,6 +83,19 @@
 // moved, the consumers' remote empty arrive at .cta scope (no MEMBAR.GPU: math alone -6 %, whole
 // kernel unchanged), dropping any of the three proxy fences. A third ring slot (72 KB) would
 // decouple the sides but does not fit next to Q^T (54 KB).
+// Session 8 (same probes, N = 64, L = 32k, attend only; base 1.87-1.91 ms across calls): the
+// consumers' chain with no loads and no stores (DIAG 14, 1.25 ms) splits into S^T 0.30, P V 0.27,
+// softmax 0.38 and barriers / handshakes alone 0.29 ms (DIAG 30 / 46 / 78 / 126). Adding the
+// partner transfer costs 0.26 ms, the local stores 0.17 (DIAG 10 / 6), both 0.30 (DIAG 2), then
+// the loads 0.34 more. (DIAG 12 is no probe: with nothing storing the rows ptxas drops the loads.)
+// Tried and dropped: the next tile's S^T issued early when that tile is already full (a
+// non-blocking mbarrier test made uniform by bar.red.and): 2.08 ms before P V, 2.61 queued behind
+// it - anything that delays this tile's P V delays its release and the producer behind it; an L2
+// prefetch of the next batch's rows (prefetch.global.L2 per line 2.19, one or two batches ahead
+// 2.30; cp.async.bulk.prefetch.L2 per row 2.07 / 2.12); batches of 1 position (2.86); each
+// consumer warpgroup owning 24 heads with its own S^T / softmax / P V on m64n24 (bitwise equal,
+// 2.14 ms; math alone 1.54 vs 1.25: both warpgroups read every tile as the A operand, so the
+// shared-memory traffic of the products grows by half).
 //
 // Shared-memory layouts (128-byte swizzle, every slab base 1024-aligned; "chunk" = 16 bytes):
 //   tile: element (pos p, feature f) at slab(f / 64) * 8192 + p * 128 + ((f / 8 % 8) ^ (p % 8)) * 16 + (f % 8) * 2
@@ -569,7 +582,14 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         const float* srow = os + hl * MLW_OSTR;
         if (final_rows) {  // mla_merge_f32's arithmetic for one split: o~ * (1 / l)
             const float inv_l = cs[hl];
-            for (int c = lane; c < kv_lora; c += 32) dst[c] = srow[c] * inv_l;
+            if ((kv_lora & 1) == 0) {
+                for (int c = 2 * lane; c < kv_lora; c += 64) {
+                    const float2 x = *reinterpret_cast<const float2*>(srow + c);
+                    *reinterpret_cast<float2*>(dst + c) = make_float2(x.x * inv_l, x.y * inv_l);
+                }
+            } else {
+                for (int c = lane; c < kv_lora; c += 32) dst[c] = srow[c] * inv_l;
+            }
         } else if ((kv_lora & 1) == 0) {
             for (int c = 2 * lane; c < kv_lora; c += 64)
                 *reinterpret_cast<float2*>(dst + c) = *reinterpret_cast<const float2*>(srow + c);

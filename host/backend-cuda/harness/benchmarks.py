@@ -331,17 +331,61 @@ def bench_mla_diag(d: Device, record):
                 part.fill_(float("nan"))
                 go()
                 d.sync()
-                same = ""
+                same, err = "", ""
                 if not any("MLW_DIAG" in x for x in defs):
                     if ref is None:
                         ref = part.clone()
                     same = bool(torch.equal(part, ref))
+                    err = float(rel_err(part, ref))
                 ms, how = d.time_graph(go, reps=5, inner=3)
                 record(f"mla_diag wg2 [{' '.join(defs) or 'base'}] N={N} L={L} (attend only)", ms, rows_floor,
-                       splits=sw, timing=how, bitwise_equal_base=same)
+                       splits=sw, timing=how, bitwise_equal_base=same, rel_err_vs_base=err)
             except Exception as e:  # noqa: BLE001
                 log(f"bench mla_diag {defs} N={N} raised {type(e).__name__}: {str(e)[:200]}")
         del A, part
+
+
+def bench_mla_steady(d: Device, record, rounds=6):
+    """The MLA decode at N = 64, L = 32k as ops.rs runs it (1 split, final rows), in `rounds` rounds
+    interleaved with a 1 GiB read (torch.sum) and an SM copy (torch.mul, read + write), so each
+    round's share is against the bandwidth this GPU gave in that same round: the kernel's time
+    drifts by a few percent over a call (clocks under sustained HBM load), and a share against the
+    fixed COPY_TBPS mixes that drift in. (dst.copy_ in a graph runs on a copy engine at ~2.7 TB/s:
+    no reference for SM kernels.)"""
+    heads, rope, kv_lora, pt, N, L = 96, 64, 512, 64, 64, 32768
+    row = kv_lora + rope
+    pages = cdiv(L, pt)
+    A = torch.randn(N * pages * pt * row, device="cuda")
+    ps = torch.randperm(N * pages, device="cuda").to(torch.int64) * pt * row
+    qt = torch.randn(N, heads, row, device="cuda")
+    base = torch.arange(N, dtype=torch.int32, device="cuda") * pages
+    lens = torch.full((N,), L, dtype=torch.int32, device="cuda")
+    lat = torch.empty(N, heads, kv_lora, device="cuda")
+    hg = cdiv(heads, MLA_WG_HEADS)
+    sw = mla_splits_wg(N * hg, L)
+    args = [d.view(t) for t in (qt, A, ps, base, lens, lat)]
+    src = torch.empty(1 << 28, device="cuda")
+    dst, one = torch.empty_like(src), torch.empty((), device="cuda")
+
+    def attend():
+        d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora, rope, pt,
+                 sw, 0, 192 ** -0.5, int(sw == 1), shared_mem=MLA_WG2_SHARED)
+    attend()
+    rows_bytes = N * L * row * 4 + lat.numel() * 4
+    shares = []
+    for i in range(rounds):
+        read_ms, _ = d.time_graph(lambda: torch.sum(src, dim=0, out=one), reps=5, inner=3)
+        copy_ms, _ = d.time_graph(lambda: torch.mul(src, 1.0, out=dst), reps=5, inner=3)
+        ms, how = d.time_graph(attend, reps=5, inner=3)
+        read_tbps, copy_tbps = src.numel() * 4 / read_ms / 1e9, 2 * src.numel() * 4 / copy_ms / 1e9
+        shares.append(rows_bytes / (copy_tbps * 1e12) * 1e3 / ms)
+        record(f"mla_steady round {i} wg2 N={N} L={L} (splits {sw}, final rows)", ms,
+               rows_bytes / (COPY_TBPS * 1e12) * 1e3, timing=how, read_tbps=round(read_tbps, 3),
+               copy_tbps=round(copy_tbps, 3), pct_of_same_round_copy=round(100 * shares[-1], 1),
+               pct_of_same_round_read=round(100 * rows_bytes / (read_tbps * 1e12) * 1e3 / ms, 1))
+    shares.sort()
+    log(f"bench mla_steady N={N} L={L}: share of the same-round copy rate, median {100 * shares[len(shares) // 2]:.1f} %"
+        f" (min {100 * shares[0]:.1f}, max {100 * shares[-1]:.1f}) over {rounds} rounds")
 
 
 def bench(d: Device, r: Results, quick: bool, only=None):
@@ -481,6 +525,8 @@ def bench(d: Device, r: Results, quick: bool, only=None):
     row = kv_lora + rope
     mla_shapes = [] if not want("mla") else [(16, 8192), (1, 32768), (64, 32768)] if quick else \
         [(1, 8192), (16, 8192), (64, 4096), (1, 32768), (16, 32768), (64, 32768)]
+    if want("mla") and os.environ.get("K3_MLA_SHAPES"):  # e.g. "64x32768,16x32768": repeat a figure cheaply
+        mla_shapes = [tuple(int(v) for v in x.split("x")) for x in os.environ["K3_MLA_SHAPES"].split(",")]
     for N, L in mla_shapes:
         pages = cdiv(L, pt)
         A = torch.randn(N * pages * pt * row, device="cuda")
@@ -511,6 +557,8 @@ def bench(d: Device, r: Results, quick: bool, only=None):
         bench_mla_prefill(d, r, record)
     if only and "mla_diag" in only:  # probes, only when named
         bench_mla_diag(d, record)
+    if only and "mla_steady" in only:
+        bench_mla_steady(d, record)
     if want("attn_res"):
         bench_attn_res(d, record)
     if want("moe"):
