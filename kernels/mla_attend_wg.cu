@@ -95,7 +95,10 @@
 // 2.30; cp.async.bulk.prefetch.L2 per row 2.07 / 2.12); batches of 1 position (2.86); each
 // consumer warpgroup owning 24 heads with its own S^T / softmax / P V on m64n24 (bitwise equal,
 // 2.14 ms; math alone 1.54 vs 1.25: both warpgroups read every tile as the A operand, so the
-// shared-memory traffic of the products grows by half).
+// shared-memory traffic of the products grows by half); batches of 4 (2.55 ms, producer alone
+// 2.18: with ~36 KB of loads in flight per SM the memory pipe is full, NB = 2 is the optimum); an
+// .L2::128B / .L2::256B size hint on the row loads (equal). Run-to-run: the same binary drifts
+// 1.86 -> 1.96 ms over a call as the GPU stays under HBM load, so single figures carry +-3 %.
 //
 // Shared-memory layouts (128-byte swizzle, every slab base 1024-aligned; "chunk" = 16 bytes):
 //   tile: element (pos p, feature f) at slab(f / 64) * 8192 + p * 128 + ((f / 8 % 8) ^ (p % 8)) * 16 + (f % 8) * 2

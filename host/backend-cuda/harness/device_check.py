@@ -697,7 +697,8 @@ def check_mla_bf16(d: Device, r: Results, gen):
     counts that are not a multiple of 48 (the second head group partial; 4 and 6: one group mostly
     zero), rows only 4-byte aligned, K3 row width, long items with several splits (ops.rs per-item
     chunk 0) so the wg kernel's two-tile ring wraps (8 tiles in one split), and an item shorter than
-    its split count (an empty split: o~ 0, m -inf, l 0)."""
+    its split count (an empty split: o~ 0, m -inf, l 0). The wg kernels' final_rows path runs on every
+    per-item case (check_mla_final_rows)."""
     from emulators import _emu_mla_attend_bf16
     cases = (  # heads, kv_lora, rope, page_tokens, lens, splits, chunk, aligned
         (6, 128, 32, 4, [37, 70, 1], 2, 0, False),
