@@ -136,6 +136,16 @@
 #ifndef MLW_DIAG
 #define MLW_DIAG 0
 #endif
+// Harness-only candidate (bench_mla_diag, not yet timed): the softmax with half a warp per 3 heads
+// and 4 consecutive positions per lane (one 16-byte score load and one 8-byte P^T store per head
+// instead of 2 + 2 scalars, 4 shuffle rounds over 16 lanes for 3 heads instead of 5 over 32 for
+// 6): the consumers' chain from "tile full" to "slot released" is what the producer waits on, and
+// the softmax is its longest part (0.38 of 1.25 ms, session 8). l sums its terms in another order,
+// so the partials are not bitwise equal to the default's (within the emulator's 2e-3).
+// 0 in every real build.
+#ifndef MLW_SMX
+#define MLW_SMX 0
+#endif
 #define MLW_SSTR 68    // f32 per score row: the fragment stores hit 32 distinct banks
 #define MLW_OSTR 516   // f32 per staged o~ row in the epilogue (same reason)
 
@@ -435,9 +445,22 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         for (int i = 0; i < 24; ++i) acc[m][i] = 0.0f;
     // Softmax state of heads 6 cw .. 6 cw + 5: m_run uniform over the warp, l_lane this lane's share
     // (positions lane and lane + 32), summed over the warp at the end.
-    float m_run[6], l_lane[6];
+#if MLW_SMX
+    // MLW_SMX: half-warp hw owns heads 6 cw + 3 hw .. + 2, lane q = lane % 16 positions 4 q .. + 3.
+    constexpr int NH = 3;
+    const int hl0 = 6 * cw + 3 * (lane >> 4), q16 = lane & 15;
+    auto heads_sum = [&](float x) {  // over the 16 lanes that share this lane's heads
 #pragma unroll
-    for (int i = 0; i < 6; ++i) {
+        for (int off = 8; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+        return x;
+    };
+    const bool head_writer = q16 == 0;
+#else
+    constexpr int NH = 6;
+#endif
+    float m_run[NH], l_lane[NH];
+#pragma unroll
+    for (int i = 0; i < NH; ++i) {
         m_run[i] = K3_NEG_INF;
         l_lane[i] = 0.0f;
     }
@@ -481,6 +504,42 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         mlw_bar_sync(MLW_BAR_A, MLW_CONSUMERS);
 
         // Online softmax: warp cw, heads 6 cw .. 6 cw + 5 in lockstep, lane = positions lane, lane + 32.
+#if MLW_SMX
+        if ((MLW_DIAG & 64) == 0) {
+            const int p0 = j0 + t * MLW_POS + 4 * q16;
+            float sc[NH][4], mx[NH];
+#pragma unroll
+            for (int i = 0; i < NH; ++i) {
+                const float4 v = *reinterpret_cast<const float4*>(sp + (hl0 + i) * MLW_SSTR + 4 * q16);
+                sc[i][0] = p0 < j1 ? v.x : K3_NEG_INF;
+                sc[i][1] = p0 + 1 < j1 ? v.y : K3_NEG_INF;
+                sc[i][2] = p0 + 2 < j1 ? v.z : K3_NEG_INF;
+                sc[i][3] = p0 + 3 < j1 ? v.w : K3_NEG_INF;
+                mx[i] = fmaxf(fmaxf(sc[i][0], sc[i][1]), fmaxf(sc[i][2], sc[i][3]));
+            }
+#pragma unroll
+            for (int off = 8; off > 0; off >>= 1)
+#pragma unroll
+                for (int i = 0; i < NH; ++i) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], off));
+#pragma unroll
+            for (int i = 0; i < NH; ++i) {
+                const int hl = hl0 + i;
+                const float mn = fmaxf(m_run[i], mx[i]);  // finite: every tile has a valid position
+                const float corr = m_run[i] == K3_NEG_INF ? 0.0f : __expf(m_run[i] - mn);
+                u16 pb[4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) pb[k] = f32_to_bf16_bits(p0 + k < j1 ? __expf(sc[i][k] - mn) : 0.0f);
+                // 4 positions = half of a 16-byte chunk of the swizzled P^T row (8-byte aligned).
+                *reinterpret_cast<uint2*>(ps + hl * 64 + ((((q16 >> 1) ^ (hl & 7))) << 3) + 4 * (q16 & 1)) =
+                    make_uint2((u32)pb[0] | ((u32)pb[1] << 16), (u32)pb[2] | ((u32)pb[3] << 16));
+                l_lane[i] = l_lane[i] * corr + ((bf16_bits_to_f32(pb[0]) + bf16_bits_to_f32(pb[1])) +
+                                                (bf16_bits_to_f32(pb[2]) + bf16_bits_to_f32(pb[3])));
+                m_run[i] = mn;
+                if (q16 == 0) cs[hl] = corr;
+            }
+            if ((MLW_DIAG & 512) == 0) mlw_fence_async();
+        }
+#else
         if ((MLW_DIAG & 64) == 0) {
             const int p0 = j0 + t * MLW_POS;
             const bool va = p0 + lane < j1, vb = p0 + lane + 32 < j1;
@@ -512,6 +571,7 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
             }
             if ((MLW_DIAG & 512) == 0) mlw_fence_async();
         }
+#endif
         mlw_bar_sync(MLW_BAR_B, MLW_CONSUMERS);
 
         // o~^T = corr o~^T + V^T P^T for value columns [256 cwg, 256 cwg + 256): 4 m-tiles x 4 k-steps.
@@ -567,9 +627,14 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
                     acc[m][4 * j + v];
     if (final_rows) {  // 1 / l per head for the row writes below (corr is free again)
 #pragma unroll
-        for (int i = 0; i < 6; ++i) {
+        for (int i = 0; i < NH; ++i) {
+#if MLW_SMX
+            const float l = heads_sum(l_lane[i]);
+            if (head_writer) cs[hl0 + i] = l > 0.0f ? 1.0f / l : 0.0f;
+#else
             const float l = warp_sum(l_lane[i]);
             if (lane == 0) cs[6 * cw + i] = l > 0.0f ? 1.0f / l : 0.0f;
+#endif
         }
     }
     mlw_bar_sync(MLW_BAR_B, MLW_CONSUMERS);
@@ -601,10 +666,16 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         }
     }
 #pragma unroll
-    for (int i = 0; i < 6; ++i) {
+    for (int i = 0; i < NH; ++i) {
+#if MLW_SMX
+        const float l = heads_sum(l_lane[i]);
+        const int hh = h0 + hl0 + i;
+        if (head_writer && hh < heads && !final_rows) {
+#else
         const float l = warp_sum(l_lane[i]);
         const int hh = h0 + 6 * cw + i;
         if (lane == 0 && hh < heads && !final_rows) {
+#endif
             out[hh * hstride + kv_lora] = m_run[i];
             out[hh * hstride + kv_lora + 1] = l;
         }
