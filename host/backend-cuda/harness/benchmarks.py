@@ -301,22 +301,29 @@ MLA_DIAG_VARIANTS = ((), ("-DMLW_SMX=1",), ("-DMLW_DIAG=1",), ("-DMLW_DIAG=2",),
                      ("-DMLW_SMX=1", "-DMLW_DIAG=14"), ("-DMLW_DIAG=78",))
 
 
+def mla_decode_case(N, L, heads, row, pt):
+    """N items of L cached f32 rows each on shuffled pages of pt positions: (arena, page starts, qt,
+    page-table bases, lengths), as the MLA decode benchmarks launch them."""
+    pages = cdiv(L, pt)
+    A = torch.randn(N * pages * pt * row, device="cuda")
+    ps = torch.randperm(N * pages, device="cuda").to(torch.int64) * pt * row
+    qt = torch.randn(N, heads, row, device="cuda")
+    base = torch.arange(N, dtype=torch.int32, device="cuda") * pages
+    lens = torch.full((N,), L, dtype=torch.int32, device="cuda")
+    return A, ps, qt, base, lens
+
+
 def bench_mla_diag(d: Device, record):
     """Attend-only times of the wg2 kernel's variants at L = 32k (N = 16, 64): DIAG 1 = producer
-    alone, 2 = consumers + stores alone, 3 = neither's main work; no correctness check (the probes
-    compute garbage on purpose)."""
+    alone, 2 = consumers + stores alone, 3 = neither's main work (these compute garbage on purpose);
+    variants without MLW_DIAG are compared with the base variant's partials (bitwise, rel_err)."""
     heads, rope, kv_lora, pt = 96, 64, 512, 64
     row = kv_lora + rope
     # K3_MLA_DIAG replaces the list (after the base variant): define sets separated by ";".
     extra = [tuple(x.split()) for x in os.environ.get("K3_MLA_DIAG", "").split(";") if x.strip()]
     variants = ((), *extra) if extra else MLA_DIAG_VARIANTS
     for N, L in ((16, 32768), (64, 32768)):
-        pages = cdiv(L, pt)
-        A = torch.randn(N * pages * pt * row, device="cuda")
-        ps = torch.randperm(N * pages, device="cuda").to(torch.int64) * pt * row
-        qt = torch.randn(N, heads, row, device="cuda")
-        base = torch.arange(N, dtype=torch.int32, device="cuda") * pages
-        lens = torch.full((N,), L, dtype=torch.int32, device="cuda")
+        A, ps, qt, base, lens = mla_decode_case(N, L, heads, row, pt)
         hg = cdiv(heads, MLA_WG_HEADS)
         sw = mla_splits_bf16(N * hg, L)
         part = torch.empty(N, heads, sw, kv_lora + 2, device="cuda")
@@ -354,12 +361,7 @@ def bench_mla_steady(d: Device, record, rounds=6):
     no reference for SM kernels.)"""
     heads, rope, kv_lora, pt, N, L = 96, 64, 512, 64, 64, 32768
     row = kv_lora + rope
-    pages = cdiv(L, pt)
-    A = torch.randn(N * pages * pt * row, device="cuda")
-    ps = torch.randperm(N * pages, device="cuda").to(torch.int64) * pt * row
-    qt = torch.randn(N, heads, row, device="cuda")
-    base = torch.arange(N, dtype=torch.int32, device="cuda") * pages
-    lens = torch.full((N,), L, dtype=torch.int32, device="cuda")
+    A, ps, qt, base, lens = mla_decode_case(N, L, heads, row, pt)
     lat = torch.empty(N, heads, kv_lora, device="cuda")
     hg = cdiv(heads, MLA_WG_HEADS)
     sw = mla_splits_wg(N * hg, L)
