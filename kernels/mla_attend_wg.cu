@@ -8,8 +8,9 @@
 // final_rows = 1 (one split only; ops.rs when geometry::mla_splits_wg picks 1): the partial is
 // already the answer, so the epilogue writes o~ * (1 / l) - mla_merge_f32's arithmetic, bitwise -
 // as the latent [items, H, kv_lora] into `part` and the merge launch is skipped. Measured (H200,
-// session 8, N = 64, L = 32k, where 1 split fills the GPU as well as 2): 1870 / 1878 us against
-// 1923 / 1930 us for 2 splits + merge in the same runs (one earlier run: equal).
+// session 8, calls AE-AG, N = 64 where 1 split fills the GPU as well as 2): L = 32k 1.894 / 1.900 /
+// 1.956 / 1.923 / 1.996 ms against 1.932 / 1.941 / 1.998 / 1.938 / 1.983 for 2 splits + merge in
+// the same runs; L = 4k 247.8 against 290.0 us.
 //
 // Why this shape. The bf16 kernel is capped near 45 % of HBM by ldmatrix traffic and its per-tile
 // latency chain; here the tensor cores read the staged tile straight from shared memory.
