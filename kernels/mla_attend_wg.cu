@@ -147,6 +147,17 @@
 #ifndef MLW_SMX
 #define MLW_SMX 0
 #endif
+// Harness-only candidates (bench_mla_diag, not yet timed), both aimed at the handshake latency of
+// the ring (0.29 ms of the consumers' 1.25 at N = 64, session 8): MLW_SPIN = 1 polls the mbarriers
+// with test_wait (no suspend hint, the fastest wake-up) instead of try_wait; MLW_RFIRST = 1 issues
+// a position's 9 st.async to the partner before its 9 local stores, so the slower path starts
+// first. Neither changes a result bit. 0 in every real build.
+#ifndef MLW_SPIN
+#define MLW_SPIN 0
+#endif
+#ifndef MLW_RFIRST
+#define MLW_RFIRST 0
+#endif
 #define MLW_SSTR 68    // f32 per score row: the fragment stores hit 32 distinct banks
 #define MLW_OSTR 516   // f32 per staged o~ row in the epilogue (same reason)
 
@@ -231,10 +242,17 @@ __device__ __forceinline__ void mlw_mbar_arrive_remote(u32 rbar) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(rbar) : "memory");
 }
 __device__ __forceinline__ void mlw_mbar_wait(u32 bar, u32 parity) {
+#if MLW_SPIN
+    asm volatile("{\n\t.reg .pred done;\n"
+                 "MLW_WAIT_%=:\n\t"
+                 "mbarrier.test_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
+                 "@!done bra MLW_WAIT_%=;\n\t}" ::"r"(bar), "r"(parity) : "memory");
+#else
     asm volatile("{\n\t.reg .pred done;\n"
                  "MLW_WAIT_%=:\n\t"
                  "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
                  "@!done bra MLW_WAIT_%=;\n\t}" ::"r"(bar), "r"(parity) : "memory");
+#endif
 }
 // 8 bytes into the partner's shared memory, counted by its mbarrier's transaction bytes (no
 // cluster-scope release fence per store: the complete_tx releases them).
@@ -368,12 +386,26 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
                     else mlw_bar_sync(MLW_BAR_EMPTY + slot, MLW_THREADS);
                 }
                 const u32 off = MLW_OFF_K + slot * MLW_KTILE + (rs + 8 * (aoff + a)) * 128 + swz;
+#if MLW_RFIRST
+                u32 px[MLW_SLABS], py[MLW_SLABS];
+#pragma unroll
+                for (int k = 0; k < MLW_SLABS; ++k) {
+                    px[k] = tc_pack_bf16(v[b][k].x, v[b][k].y);
+                    py[k] = tc_pack_bf16(v[b][k].z, v[b][k].w);
+                    if (PAIR && (MLW_DIAG & 4) == 0)
+                        mlw_st_async8(peer_sm + off + k * MLW_KSLAB, px[k], py[k], peer_bar + 8 * slot);
+                }
+#pragma unroll
+                for (int k = 0; k < MLW_SLABS; ++k)
+                    if ((MLW_DIAG & 8) == 0) *reinterpret_cast<uint2*>(sm + off + k * MLW_KSLAB) = make_uint2(px[k], py[k]);
+#else
 #pragma unroll
                 for (int k = 0; k < MLW_SLABS; ++k) {
                     const u32 x = tc_pack_bf16(v[b][k].x, v[b][k].y), y = tc_pack_bf16(v[b][k].z, v[b][k].w);
                     if ((MLW_DIAG & 8) == 0) *reinterpret_cast<uint2*>(sm + off + k * MLW_KSLAB) = make_uint2(x, y);
                     if (PAIR && (MLW_DIAG & 4) == 0) mlw_st_async8(peer_sm + off + k * MLW_KSLAB, x, y, peer_bar + 8 * slot);
                 }
+#endif
                 if (a == PP - 1) {
                     if ((MLW_DIAG & 128) == 0) mlw_fence_async();
                     if (!PAIR) mlw_bar_arrive(MLW_BAR_FULL + slot, MLW_THREADS);

@@ -295,10 +295,13 @@ def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     del pw, pb, lw, lb
 
 
-# Harness-only compile-time variants of mla_attend_wg2_f32 (kernels/mla_attend_wg.cu MLW_DIAG, MLW_NB, MLW_SMX),
+# Harness-only compile-time variants of mla_attend_wg2_f32 (kernels/mla_attend_wg.cu MLW_DIAG, MLW_NB, MLW_SMX,
+# MLW_SPIN, MLW_RFIRST; the base twice, to show the drift within the call),
 # to find what bounds the kernel; K3_MLA_DIAG replaces the list (`K3_BENCH_ONLY=mla_diag`).
-MLA_DIAG_VARIANTS = ((), ("-DMLW_SMX=1",), ("-DMLW_DIAG=1",), ("-DMLW_DIAG=2",), ("-DMLW_DIAG=14",),
-                     ("-DMLW_SMX=1", "-DMLW_DIAG=14"), ("-DMLW_DIAG=78",))
+MLA_DIAG_VARIANTS = ((), ("-DMLW_SMX=1",), ("-DMLW_SPIN=1",), ("-DMLW_RFIRST=1",),
+                     ("-DMLW_SMX=1", "-DMLW_SPIN=1", "-DMLW_RFIRST=1"), (), ("-DMLW_DIAG=1",), ("-DMLW_DIAG=14",),
+                     ("-DMLW_SMX=1", "-DMLW_DIAG=14"), ("-DMLW_DIAG=78",), ("-DMLW_DIAG=126",),
+                     ("-DMLW_SPIN=1", "-DMLW_DIAG=126"))
 
 
 def mla_decode_case(N, L, heads, row, pt):
