@@ -44,7 +44,6 @@ extern __shared__ __align__(16) u32 mxg_smem[];
 
 static_assert(MXG_STAGES == 3, "mx_wait_all_but_one waits for all but MXG_STAGES - 2 groups");
 
-
 // acc[m][q][k] of this warp for one tile: nt (1..64) tokens whose B rows are xs rows brow(i)
 // (UP: sorted[p0 + i] / div, else p0 + i), A rows of the CTA (UP: A-row ar = 32 w + 16 m + rr is
 // row r0 + 16 w + rr of W1 (m = 0) or W3 (m = 1); else row r0 + ar of W2), cols of K.

@@ -248,7 +248,6 @@ __device__ __forceinline__ u32 mxw_dec(u32 lo, u32 hi, int b, u32 sc, u32 sc2) {
     return out;
 }
 
-
 // One CTA's tile: nt (1..128) tokens whose B rows are xs rows (UP: sorted[p0 + i] / div, else
 // p0 + i); staged A-row ar is, for UP, row r0 + 64 (ar >> 7) + (ar & 63) of W1 ((ar >> 6) & 1 == 0)
 // or W3, else row r0 + ar of W2; `rows` x `cols` per matrix.

@@ -396,8 +396,6 @@ pub fn router(tokens: usize, experts: usize, k: usize) -> Result<Launch> {
     Launch::new((tokens, 1, 1), 256)
 }
 
-/// NVRTC target for a device's compute capability: the arch-specific `a` variant on Hopper
-/// (wgmma/setmaxnreg need it), the plain one elsewhere.
 /// The oldest GPUs the backend runs on: compute capability 9.0. The KDA decode and the MLA pair
 /// attend are thread-block clusters, which sm_8x does not have (`scripts/nvrtc-check sm_80`
 /// fails on them); every kernel compiles for sm_90a, sm_100 and sm_120.
@@ -411,6 +409,8 @@ pub fn check_compute_capability(major: i32, minor: i32) -> Result<()> {
     Ok(())
 }
 
+/// NVRTC target for a device's compute capability: the arch-specific `a` variant on Hopper
+/// (wgmma/setmaxnreg need it), the plain one elsewhere.
 pub fn nvrtc_arch(major: i32, minor: i32) -> String {
     if (major, minor) == (9, 0) {
         "sm_90a".to_string()

@@ -379,7 +379,7 @@ impl CudaBackend {
         same_shape(gate, up, "situ_glu")?;
         let out = self.zeros(gate.rows, gate.cols)?;
         let n = (gate.rows * gate.cols) as i64;
-        let (lin, has) = crate::ops::situ_linear_args(p);
+        let (lin, has) = situ_linear_args(p);
         launch!(self, "situ_glu_f32", geometry::elementwise(n as usize)?;
             &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has)?;
         Ok(out)
