@@ -44,9 +44,9 @@ pub fn exact_bf16(data: &[f32]) -> Option<Vec<u16>> {
 pub struct CudaBackend {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    pub arch: String,
     pub multiprocessors: usize,
-    /// The architecture and opt-in shared-memory limit that decide which kernels run (dispatch.rs).
+    /// The NVRTC target (`limits.arch`, e.g. `sm_90a`) and opt-in shared-memory limit that decide
+    /// which kernels run (dispatch.rs).
     pub limits: crate::dispatch::DeviceLimits,
     pub(crate) functions: HashMap<&'static str, CudaFunction>,
     /// cuBLAS on `stream` (dense matmuls), default math mode: plain f32, no TF32.
@@ -80,7 +80,7 @@ impl Drop for CudaBackend {
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBackend")
-            .field("arch", &self.arch)
+            .field("arch", &self.limits.arch)
             .field("kernels", &self.functions.len())
             .finish()
     }
@@ -179,7 +179,6 @@ impl CudaBackend {
         Ok(Self {
             ctx,
             stream,
-            arch,
             multiprocessors: sms.max(1) as usize,
             limits,
             functions,

@@ -43,7 +43,7 @@ mod tests {
         // On CI (no NVIDIA driver) this is the NoDriver path; on a GPU machine it must succeed
         // or fail with a typed error, never panic.
         match CudaBackend::try_new(0) {
-            Ok(b) => assert!(b.arch.starts_with("sm_")),
+            Ok(b) => assert!(b.limits.arch.starts_with("sm_")),
             Err(e) => {
                 if !device::driver_present() {
                     assert!(matches!(e, CudaError::NoDriver(_)), "{e}");

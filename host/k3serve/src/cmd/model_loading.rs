@@ -61,8 +61,8 @@ pub fn open_backend(wanted: Option<Device>) -> anyhow::Result<Option<CudaBackend
             }
             match CudaBackend::try_new(0) {
                 Ok(b) => {
-                    tracing::info!(arch = %b.arch, "running on CUDA device 0");
-                    eprintln!("device: cuda (GPU 0, {})", b.arch);
+                    tracing::info!(arch = %b.limits.arch, "running on CUDA device 0");
+                    eprintln!("device: cuda (GPU 0, {})", b.limits.arch);
                     Ok(Some(b))
                 }
                 Err(e) => {
