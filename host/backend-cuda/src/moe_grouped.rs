@@ -114,6 +114,38 @@ pub(crate) struct SortedStep<'a> {
     pub situ: SituParams,
 }
 
+impl SortedStep<'_> {
+    /// The step's sizes as the sorted-step kernels take them, checked to fit in i32 (element
+    /// offsets inside the kernels are i64; row indices, positions and tokens, i32).
+    pub(crate) fn dims(&self) -> Result<StepDims> {
+        let i = crate::ops::i32_of;
+        let (t, ex) = (self.z.rows, self.ex);
+        let n = t * self.top_k;
+        i(n, "assignments")?;
+        Ok(StepDims {
+            t,
+            n,
+            ti: i(t, "tokens")?,
+            kk: i(self.top_k, "top_k")?,
+            lti: i(ex.latent, "latent")?,
+            iei: i(ex.inter, "inter")?,
+            ei: i(ex.experts, "experts")?,
+        })
+    }
+}
+
+/// [`SortedStep::dims`]: tokens, assignments, and the i32 kernel arguments (tokens, top-k,
+/// latent, intermediate, experts).
+pub(crate) struct StepDims {
+    pub t: usize,
+    pub n: usize,
+    pub ti: i32,
+    pub kk: i32,
+    pub lti: i32,
+    pub iei: i32,
+    pub ei: i32,
+}
+
 /// Grid of a tiled expert GEMM: row blocks of `rows_per_block` over `rows` x the tile bound
 /// (blocks past the last tile exit).
 pub(crate) fn tiled_launch(
@@ -176,26 +208,15 @@ impl CudaBackend {
     pub(crate) fn moe_experts_grouped(&self, step: SortedStep<'_>) -> Result<DeviceMat> {
         let SortedStep {
             z,
-            idx,
-            w,
             ex,
-            top_k,
             offsets,
             sorted,
             situ,
+            ..
         } = step;
-        let (t, lt, ie, e) = (z.rows, ex.latent, ex.inter, ex.experts);
-        let n = t * top_k;
-        let i = crate::ops::i32_of;
-        let (ti, kk, lti, iei, ei) = (
-            i(t, "tokens")?,
-            i(top_k, "top_k")?,
-            i(lt, "latent")?,
-            i(ie, "inter")?,
-            i(e, "experts")?,
-        );
-        // Element offsets inside the kernels are i64; row indices (positions, tokens) are i32.
-        i(n, "assignments")?;
+        let (lt, ie, e) = (ex.latent, ex.inter, ex.experts);
+        let d = step.dims()?;
+        let (t, n, ti, kk, lti, iei, ei) = (d.t, d.n, d.ti, d.kk, d.lti, d.iei, d.ei);
         let up = grouped_launch(ie, GROUPED_UP_ROWS, lt, n, e)?;
         let down = grouped_launch(lt, GROUPED_DOWN_ROWS, ie, n, e)?;
         let (lin, has) = crate::ops::situ_linear_args(situ);
@@ -211,12 +232,23 @@ impl CudaBackend {
                 &situ.beta, &lin, &has, &ei)?;
             launch!(self, "mxfp4_down_grouped_f32", down;
                 actx, &ex.w2.0, &ex.w2.1, offsets, sorted, y, &lti, &iei, &ei)?;
-            let out = self.output(t, lt)?;
-            launch!(self, "moe_combine_ids_f32", geometry::elementwise(t * lt)?;
-                y, idx, w, &out.buf, &ti, &kk, &lti, &ei)?;
-            Ok(out)
+            self.combine_sorted(y, &step, &d)
         };
         self.with_grouped_scratch(zx_len, actx_len, y_len, run)
+    }
+
+    /// `out [T, latent] = Σ_j w[t,j] · y[(t, j)]` over the per-assignment rows `y` that a sorted
+    /// path's down GEMM wrote (`moe_combine_ids_f32`: a fixed order per token).
+    pub(crate) fn combine_sorted(
+        &self,
+        y: &CudaSlice<f32>,
+        step: &SortedStep<'_>,
+        d: &StepDims,
+    ) -> Result<DeviceMat> {
+        let out = self.output(d.t, step.ex.latent)?;
+        launch!(self, "moe_combine_ids_f32", geometry::elementwise(d.t * step.ex.latent)?;
+            y, step.idx, step.w, &out.buf, &d.ti, &d.kk, &d.lti, &d.ei)?;
+        Ok(out)
     }
 
     /// Runs `run` on work buffers of these lengths (split activations, intermediate, per-assignment

@@ -9,7 +9,7 @@
 
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
-use crate::geometry::{self, Launch};
+use crate::geometry::Launch;
 use crate::moe_grouped::SortedStep;
 use cudarc::driver::CudaSlice;
 
@@ -107,28 +107,18 @@ impl CudaBackend {
     pub(crate) fn moe_experts_wg(&self, step: SortedStep<'_>, act: MoeAct) -> Result<DeviceMat> {
         let SortedStep {
             z,
-            idx,
-            w,
             ex,
-            top_k,
             offsets,
             sorted,
             situ,
+            ..
         } = step;
-        let (t, lt, ie, e) = (z.rows, ex.latent, ex.inter, ex.experts);
-        let (n, planes) = (t * top_k, act.planes());
+        let (lt, ie, e) = (ex.latent, ex.inter, ex.experts);
+        let d = step.dims()?;
+        let (t, n, ti, kk, lti, iei, ei) = (d.t, d.n, d.ti, d.kk, d.lti, d.iei, d.ei);
+        let planes = act.planes();
         let i = crate::ops::i32_of;
-        let (ti, kk, lti, iei, ei, pi, mi) = (
-            i(t, "tokens")?,
-            i(top_k, "top_k")?,
-            i(lt, "latent")?,
-            i(ie, "inter")?,
-            i(e, "experts")?,
-            i(planes, "planes")?,
-            i(wg_mode(act), "mode")?,
-        );
-        // Element offsets inside the kernels are i64; row indices (positions, tokens) are i32.
-        i(n, "assignments")?;
+        let (pi, mi) = (i(planes, "planes")?, i(wg_mode(act), "mode")?);
         let up = wg_launch(ie, WG_UP_ROWS, lt, n, e)?;
         let down = wg_launch(lt, WG_DOWN_ROWS, ie, n, e)?;
         let (lin, has) = crate::ops::situ_linear_args(situ);
@@ -148,10 +138,7 @@ impl CudaBackend {
                 &situ.beta, &lin, &has, &ei, &mi)?;
             launch!(self, "mxfp4_down_wg_f32", down;
                 actx, &ex.w2.0, &ex.w2.1, offsets, sorted, y, &lti, &iei, &ei, &mi)?;
-            let out = self.output(t, lt)?;
-            launch!(self, "moe_combine_ids_f32", geometry::elementwise(t * lt)?;
-                y, idx, w, &out.buf, &ti, &kk, &lti, &ei)?;
-            Ok(out)
+            self.combine_sorted(y, &step, &d)
         };
         self.with_grouped_scratch(zx_len, actx_len, y_len, run)
     }
@@ -160,6 +147,7 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::geometry;
 
     #[test]
     fn act_planes() {
