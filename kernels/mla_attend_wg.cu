@@ -100,6 +100,13 @@
 // 2.18: with ~36 KB of loads in flight per SM the memory pipe is full, NB = 2 is the optimum); an
 // .L2::128B / .L2::256B size hint on the row loads (equal). Run-to-run: the same binary drifts
 // 1.86 -> 1.96 ms over a call as the GPU stays under HBM load, so single figures carry +-3 %.
+// Session 9 (call AI, same probes): the softmax now maps half a warp to 3 heads and 4 positions
+// to a lane (it was a warp per 6 heads, positions lane and lane + 32: 2 scalar loads and stores
+// per head, 5 shuffle rounds). N = 64 1852.6 us against 1879.8 / 1893.4 for the old mapping in
+// the same call, N = 16 484.7 against 488.7 / 485.7; l sums in another order (1.1e-7 relative
+// to the old partials). Dropped in that call: the mbarrier waits polling with test_wait instead
+// of try_wait (1902.9 us, slower) and a position's partner stores issued before its local ones
+// (1895.4, equal).
 //
 // Shared-memory layouts (128-byte swizzle, every slab base 1024-aligned; "chunk" = 16 bytes):
 //   tile: element (pos p, feature f) at slab(f / 64) * 8192 + p * 128 + ((f / 8 % 8) ^ (p % 8)) * 16 + (f % 8) * 2
@@ -136,27 +143,6 @@
 // (racy: for timing only). 0 in every real build.
 #ifndef MLW_DIAG
 #define MLW_DIAG 0
-#endif
-// Harness-only candidate (bench_mla_diag, not yet timed): the softmax with half a warp per 3 heads
-// and 4 consecutive positions per lane (one 16-byte score load and one 8-byte P^T store per head
-// instead of 2 + 2 scalars, 4 shuffle rounds over 16 lanes for 3 heads instead of 5 over 32 for
-// 6): the consumers' chain from "tile full" to "slot released" is what the producer waits on, and
-// the softmax is its longest part (0.38 of 1.25 ms, session 8). l sums its terms in another order,
-// so the partials are not bitwise equal to the default's (within the emulator's 2e-3).
-// 0 in every real build.
-#ifndef MLW_SMX
-#define MLW_SMX 0
-#endif
-// Harness-only candidates (bench_mla_diag, not yet timed), both aimed at the handshake latency of
-// the ring (0.29 ms of the consumers' 1.25 at N = 64, session 8): MLW_SPIN = 1 polls the mbarriers
-// with test_wait (no suspend hint, the fastest wake-up) instead of try_wait; MLW_RFIRST = 1 issues
-// a position's 9 st.async to the partner before its 9 local stores, so the slower path starts
-// first. Neither changes a result bit. 0 in every real build.
-#ifndef MLW_SPIN
-#define MLW_SPIN 0
-#endif
-#ifndef MLW_RFIRST
-#define MLW_RFIRST 0
 #endif
 #define MLW_SSTR 68    // f32 per score row: the fragment stores hit 32 distinct banks
 #define MLW_OSTR 516   // f32 per staged o~ row in the epilogue (same reason)
@@ -242,17 +228,10 @@ __device__ __forceinline__ void mlw_mbar_arrive_remote(u32 rbar) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(rbar) : "memory");
 }
 __device__ __forceinline__ void mlw_mbar_wait(u32 bar, u32 parity) {
-#if MLW_SPIN
-    asm volatile("{\n\t.reg .pred done;\n"
-                 "MLW_WAIT_%=:\n\t"
-                 "mbarrier.test_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
-                 "@!done bra MLW_WAIT_%=;\n\t}" ::"r"(bar), "r"(parity) : "memory");
-#else
     asm volatile("{\n\t.reg .pred done;\n"
                  "MLW_WAIT_%=:\n\t"
                  "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
                  "@!done bra MLW_WAIT_%=;\n\t}" ::"r"(bar), "r"(parity) : "memory");
-#endif
 }
 // 8 bytes into the partner's shared memory, counted by its mbarrier's transaction bytes (no
 // cluster-scope release fence per store: the complete_tx releases them).
@@ -386,26 +365,12 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
                     else mlw_bar_sync(MLW_BAR_EMPTY + slot, MLW_THREADS);
                 }
                 const u32 off = MLW_OFF_K + slot * MLW_KTILE + (rs + 8 * (aoff + a)) * 128 + swz;
-#if MLW_RFIRST
-                u32 px[MLW_SLABS], py[MLW_SLABS];
-#pragma unroll
-                for (int k = 0; k < MLW_SLABS; ++k) {
-                    px[k] = tc_pack_bf16(v[b][k].x, v[b][k].y);
-                    py[k] = tc_pack_bf16(v[b][k].z, v[b][k].w);
-                    if (PAIR && (MLW_DIAG & 4) == 0)
-                        mlw_st_async8(peer_sm + off + k * MLW_KSLAB, px[k], py[k], peer_bar + 8 * slot);
-                }
-#pragma unroll
-                for (int k = 0; k < MLW_SLABS; ++k)
-                    if ((MLW_DIAG & 8) == 0) *reinterpret_cast<uint2*>(sm + off + k * MLW_KSLAB) = make_uint2(px[k], py[k]);
-#else
 #pragma unroll
                 for (int k = 0; k < MLW_SLABS; ++k) {
                     const u32 x = tc_pack_bf16(v[b][k].x, v[b][k].y), y = tc_pack_bf16(v[b][k].z, v[b][k].w);
                     if ((MLW_DIAG & 8) == 0) *reinterpret_cast<uint2*>(sm + off + k * MLW_KSLAB) = make_uint2(x, y);
                     if (PAIR && (MLW_DIAG & 4) == 0) mlw_st_async8(peer_sm + off + k * MLW_KSLAB, x, y, peer_bar + 8 * slot);
                 }
-#endif
                 if (a == PP - 1) {
                     if ((MLW_DIAG & 128) == 0) mlw_fence_async();
                     if (!PAIR) mlw_bar_arrive(MLW_BAR_FULL + slot, MLW_THREADS);
@@ -476,10 +441,10 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
     for (int m = 0; m < 4; ++m)
 #pragma unroll
         for (int i = 0; i < 24; ++i) acc[m][i] = 0.0f;
-    // Softmax state of heads 6 cw .. 6 cw + 5: m_run uniform over the warp, l_lane this lane's share
-    // (positions lane and lane + 32), summed over the warp at the end.
-#if MLW_SMX
-    // MLW_SMX: half-warp hw owns heads 6 cw + 3 hw .. + 2, lane q = lane % 16 positions 4 q .. + 3.
+    // Softmax: warp cw owns heads 6 cw .. 6 cw + 5, its half-warp hw the three heads 6 cw + 3 hw ..,
+    // lane q = lane % 16 the positions 4 q .. 4 q + 3 of every tile (one 16-byte score load and one
+    // 8-byte P^T store per head). m_run is uniform over the half-warp; l_lane is this lane's share,
+    // summed over the 16 lanes at the end.
     constexpr int NH = 3;
     const int hl0 = 6 * cw + 3 * (lane >> 4), q16 = lane & 15;
     auto heads_sum = [&](float x) {  // over the 16 lanes that share this lane's heads
@@ -488,9 +453,6 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         return x;
     };
     const bool head_writer = q16 == 0;
-#else
-    constexpr int NH = 6;
-#endif
     float m_run[NH], l_lane[NH];
 #pragma unroll
     for (int i = 0; i < NH; ++i) {
@@ -536,8 +498,7 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         }
         mlw_bar_sync(MLW_BAR_A, MLW_CONSUMERS);
 
-        // Online softmax: warp cw, heads 6 cw .. 6 cw + 5 in lockstep, lane = positions lane, lane + 32.
-#if MLW_SMX
+        // Online softmax of this tile (the mapping above), then corr and P^T for the P V below.
         if ((MLW_DIAG & 64) == 0) {
             const int p0 = j0 + t * MLW_POS + 4 * q16;
             float sc[NH][4], mx[NH];
@@ -572,39 +533,6 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
             }
             if ((MLW_DIAG & 512) == 0) mlw_fence_async();
         }
-#else
-        if ((MLW_DIAG & 64) == 0) {
-            const int p0 = j0 + t * MLW_POS;
-            const bool va = p0 + lane < j1, vb = p0 + lane + 32 < j1;
-            float sa[6], sb[6], mx[6];
-#pragma unroll
-            for (int i = 0; i < 6; ++i) {
-                const float* r = sp + (6 * cw + i) * MLW_SSTR;
-                sa[i] = va ? r[lane] : K3_NEG_INF;
-                sb[i] = vb ? r[lane + 32] : K3_NEG_INF;
-                mx[i] = fmaxf(sa[i], sb[i]);
-            }
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-                for (int i = 0; i < 6; ++i) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], off));
-#pragma unroll
-            for (int i = 0; i < 6; ++i) {
-                const int hl = 6 * cw + i;
-                const float mn = fmaxf(m_run[i], mx[i]);  // finite: every tile has a valid position
-                const float corr = m_run[i] == K3_NEG_INF ? 0.0f : __expf(m_run[i] - mn);
-                const u16 pa = f32_to_bf16_bits(va ? __expf(sa[i] - mn) : 0.0f);
-                const u16 pb = f32_to_bf16_bits(vb ? __expf(sb[i] - mn) : 0.0f);
-                u16* prow = ps + hl * 64;
-                prow[((((lane >> 3) ^ (hl & 7)) << 3)) + (lane & 7)] = pa;
-                prow[(((((lane + 32) >> 3) ^ (hl & 7)) << 3)) + (lane & 7)] = pb;
-                l_lane[i] = l_lane[i] * corr + bf16_bits_to_f32(pa) + bf16_bits_to_f32(pb);
-                m_run[i] = mn;
-                if (lane == 0) cs[hl] = corr;
-            }
-            if ((MLW_DIAG & 512) == 0) mlw_fence_async();
-        }
-#endif
         mlw_bar_sync(MLW_BAR_B, MLW_CONSUMERS);
 
         // o~^T = corr o~^T + V^T P^T for value columns [256 cwg, 256 cwg + 256): 4 m-tiles x 4 k-steps.
@@ -661,13 +589,8 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
     if (final_rows) {  // 1 / l per head for the row writes below (corr is free again)
 #pragma unroll
         for (int i = 0; i < NH; ++i) {
-#if MLW_SMX
             const float l = heads_sum(l_lane[i]);
             if (head_writer) cs[hl0 + i] = l > 0.0f ? 1.0f / l : 0.0f;
-#else
-            const float l = warp_sum(l_lane[i]);
-            if (lane == 0) cs[6 * cw + i] = l > 0.0f ? 1.0f / l : 0.0f;
-#endif
         }
     }
     mlw_bar_sync(MLW_BAR_B, MLW_CONSUMERS);
@@ -700,15 +623,9 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
     }
 #pragma unroll
     for (int i = 0; i < NH; ++i) {
-#if MLW_SMX
         const float l = heads_sum(l_lane[i]);
         const int hh = h0 + hl0 + i;
         if (head_writer && hh < heads && !final_rows) {
-#else
-        const float l = warp_sum(l_lane[i]);
-        const int hh = h0 + 6 * cw + i;
-        if (lane == 0 && hh < heads && !final_rows) {
-#endif
             out[hh * hstride + kv_lora] = m_run[i];
             out[hh * hstride + kv_lora + 1] = l;
         }
