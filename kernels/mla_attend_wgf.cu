@@ -46,8 +46,18 @@
 #define MLF_RING 3
 #define MLF_THREADS 384
 #define MLF_CONSUMERS 256
+#ifndef MLF_P16
+#define MLF_P16 0        // harness-only: 16 lanes per position in the producer (see there)
+#endif
 #ifndef MLF_NB
-#define MLF_NB 2         // positions per producer batch (9 float4 each)
+#define MLF_NB (MLF_P16 ? 4 : 2)  // positions per producer batch
+#endif
+// Harness-only timing probes (benchmarks.py bench_mla_diag, never built by the host): 1 = the
+// consumers skip their math and exchanges (producer-bound time), 2 = the producer skips its global
+// loads, + 4 = no partial scores cross the pair, + 8 = no P^T rows or factors cross it (4 and 8
+// compute garbage on purpose). 0 in every real build.
+#ifndef MLF_DIAG
+#define MLF_DIAG 0
 #endif
 #define MLF_SSTR 68      // f32 per score row
 #define MLF_OSTR 260     // f32 per staged o~ row in the epilogue
@@ -110,20 +120,35 @@ __device__ __forceinline__ void mlf_attend(const float* __restrict__ qt, const f
 
     if (tid < 128) {
         // ---------------- producer warpgroup: this block's part of every row ----------------
-        const int c8 = tid & 7, rs = tid >> 3;
-        constexpr int PP = 4;  // positions this thread stores per tile: rs + 16 a
-        const int total = tiles * PP;
-        auto pos_of = [&](int u) { return j0 + MLF_POS * (u / PP) + rs + 16 * (u % PP); };
-        auto live = [&](int u) { return u < total && pos_of(u) < j1; };
-        auto page_of = [&](int u) -> i64 { return page_start[base + pos_of(u) / page_tokens]; };
-        auto row_ptr = [&](int u, i64 pg) { return arena + pg + (i64)(pos_of(u) % page_tokens) * row; };
-        // Feature of float4 k's first element, and its byte offset inside the tile row (p % 8 = rs % 8).
-        auto feat = [&](int k) { return k < 8 ? MLF_VCOLS * (int)rank + 32 * k + 4 * c8 : 512 + 32 * (int)rank + 4 * c8; };
+#if MLF_P16
+        // 16 lanes per position (a warp instruction reads 2 x 256 contiguous bytes): positions rs + 8 a,
+        // float4 k < 4 at value features 64 k + 4 c of the part, k = 4 the rope (lanes c < 8 only).
+        const int c = tid & 15, rs = tid >> 4;
+        constexpr int PP = 8, NK = 5, RSTEP = 8;
+        auto has = [&](int k) { return k < 4 || c < 8; };
+        auto feat = [&](int k) { return k < 4 ? MLF_VCOLS * (int)rank + 64 * k + 4 * c : 512 + 32 * (int)rank + 4 * c; };
         auto soff = [&](int k) -> u32 {
-            const u32 chunk16 = k < 8 ? 4u * (u32)(k & 1) + (u32)(c8 >> 1) : (u32)(c8 >> 1);
-            const u32 slab = k < 8 ? (u32)(k >> 1) : 4u;
-            return slab * MLF_KSLAB + ((chunk16 ^ (u32)(rs & 7)) << 4) + ((u32)(c8 & 1) << 3);
+            return (u32)k * MLF_KSLAB + ((((u32)c >> 1) ^ (u32)(rs & 7)) << 4) + (((u32)c & 1u) << 3);
         };
+#else
+        // 8 lanes per position: positions rs + 16 a, float4 k < 8 at value features 32 k + 4 c, k = 8 the rope.
+        const int c = tid & 7, rs = tid >> 3;
+        constexpr int PP = 4, NK = 9, RSTEP = 16;
+        auto has = [&](int) { return true; };
+        auto feat = [&](int k) { return k < 8 ? MLF_VCOLS * (int)rank + 32 * k + 4 * c : 512 + 32 * (int)rank + 4 * c; };
+        auto soff = [&](int k) -> u32 {
+            const u32 chunk16 = k < 8 ? 4u * (u32)(k & 1) + (u32)(c >> 1) : (u32)(c >> 1);
+            const u32 slab = k < 8 ? (u32)(k >> 1) : 4u;
+            return slab * MLF_KSLAB + ((chunk16 ^ (u32)(rs & 7)) << 4) + ((u32)(c & 1) << 3);
+        };
+#endif
+        const int total = tiles * PP;
+        auto pos_of = [&](int u) { return j0 + MLF_POS * (u / PP) + rs + RSTEP * (u % PP); };
+        auto live = [&](int u) { return u < total && pos_of(u) < j1; };
+        auto page_of = [&](int u) -> i64 {
+            return (MLF_DIAG & 2) != 0 ? 0 : page_start[base + pos_of(u) / page_tokens];
+        };
+        auto row_ptr = [&](int u, i64 pg) { return arena + pg + (i64)(pos_of(u) % page_tokens) * row; };
         i64 pg[MLF_NB], pgn[MLF_NB];  // page starts of this batch and of the next
 #pragma unroll
         for (int b = 0; b < MLF_NB; ++b) {
@@ -133,7 +158,7 @@ __device__ __forceinline__ void mlf_attend(const float* __restrict__ qt, const f
         mlw_cluster_wait();  // pairs the arrive above; the producer never touches the partner
 #pragma unroll 1
         for (int u0 = 0; u0 < total; u0 += MLF_NB) {
-            float4 v[MLF_NB][9];
+            float4 v[MLF_NB][NK];
 #pragma unroll
             for (int b = 0; b < MLF_NB; ++b) {
                 const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -142,9 +167,13 @@ __device__ __forceinline__ void mlf_attend(const float* __restrict__ qt, const f
                     const float* src = row_ptr(u, pg[b]);
                     const bool aligned = ((reinterpret_cast<size_t>(src) | ((size_t)row * 4)) & 15) == 0;
 #pragma unroll
-                    for (int k = 0; k < 9; ++k) {
+                    for (int k = 0; k < NK; ++k) {
                         const int f = feat(k);
-                        if (aligned) {  // row % 4 == 0: a float4 is all in or all out
+                        if (!has(k)) {
+                            v[b][k] = z;
+                        } else if ((MLF_DIAG & 2) != 0) {
+                            v[b][k] = make_float4(__int_as_float(f + u), 1.0f, 2.0f, 3.0f);
+                        } else if (aligned) {  // row % 4 == 0: a float4 is all in or all out
                             v[b][k] = f >= row ? z : ld_stream_f4(src + f);
                         } else {
                             v[b][k].x = f < row ? ld_stream_f1(src + f) : 0.0f;
@@ -155,7 +184,7 @@ __device__ __forceinline__ void mlf_attend(const float* __restrict__ qt, const f
                     }
                 } else {  // past the split: zero rows (scores are masked, but V must not be garbage)
 #pragma unroll
-                    for (int k = 0; k < 9; ++k) v[b][k] = z;
+                    for (int k = 0; k < NK; ++k) v[b][k] = z;
                 }
             }
 #pragma unroll
@@ -169,11 +198,12 @@ __device__ __forceinline__ void mlf_attend(const float* __restrict__ qt, const f
                 if (u >= total) break;  // uniform over the warpgroup
                 const int t = u / PP, a = u % PP, slot = t % MLF_RING;
                 if (a == 0 && t >= MLF_RING) mlw_bar_sync(MLF_BAR_EMPTY + slot, MLF_THREADS);  // tile t - 3 done
-                unsigned char* dst = sm + MLF_OFF_K + slot * MLF_KTILE + (rs + 16 * a) * 128;
+                unsigned char* dst = sm + MLF_OFF_K + slot * MLF_KTILE + (rs + RSTEP * a) * 128;
 #pragma unroll
-                for (int k = 0; k < 9; ++k)
-                    *reinterpret_cast<uint2*>(dst + soff(k)) =
-                        make_uint2(tc_pack_bf16(v[b][k].x, v[b][k].y), tc_pack_bf16(v[b][k].z, v[b][k].w));
+                for (int k = 0; k < NK; ++k)
+                    if (has(k))
+                        *reinterpret_cast<uint2*>(dst + soff(k)) =
+                            make_uint2(tc_pack_bf16(v[b][k].x, v[b][k].y), tc_pack_bf16(v[b][k].z, v[b][k].w));
                 if (a == PP - 1) {
                     mlw_fence_async();
                     mlw_bar_arrive(MLF_BAR_FULL + slot, MLF_THREADS);
@@ -270,10 +300,11 @@ __device__ __forceinline__ void mlf_attend(const float* __restrict__ qt, const f
         const int slot = t % MLF_RING;
         const u32 k_a = sm_a + MLF_OFF_K + slot * MLF_KTILE;
         if (ct == 0) {  // this tile's phases: the partner's partial scores, then its P^T rows
-            mlw_mbar_arrive_tx(bar_sc, MLF_SC_TX);
-            mlw_mbar_arrive_tx(bar_p, MLF_P_TX);
+            if ((MLF_DIAG & 5) == 0) mlw_mbar_arrive_tx(bar_sc, MLF_SC_TX);
+            if ((MLF_DIAG & 9) == 0) mlw_mbar_arrive_tx(bar_p, MLF_P_TX);
         }
         mlw_bar_sync(MLF_BAR_FULL + slot, MLF_THREADS);
+        if ((MLF_DIAG & 1) == 0) {
         {
             // Partial S^T of heads [48 cwg, 48 cwg + 48) over this block's features.
             float s[24];
@@ -296,7 +327,7 @@ __device__ __forceinline__ void mlf_attend(const float* __restrict__ qt, const f
 #pragma unroll
                     for (int v = 0; v < 4; ++v)
                         sc_own[(8 * j + 2 * t4 + (v & 1)) * MLF_SSTR + 16 * wl + g + 8 * (v >> 1)] = s[4 * j + v];
-            } else {
+            } else if ((MLF_DIAG & 4) == 0) {
                 // The other warpgroup's P V of tile t - 1 is done: the partner's answer may overwrite P^T.
                 if (t > 0) mlw_bar_sync(MLF_BAR_PFREE, MLF_CONSUMERS);
 #pragma unroll
@@ -309,7 +340,7 @@ __device__ __forceinline__ void mlf_attend(const float* __restrict__ qt, const f
             }
         }
         mlw_bar_sync(MLF_BAR_A, MLF_CONSUMERS);  // own partial stored
-        mlw_mbar_wait(bar_sc, (u32)t & 1u);      // the partner's partial arrived
+        if ((MLF_DIAG & 4) == 0) mlw_mbar_wait(bar_sc, (u32)t & 1u);  // the partner's partial arrived
 
         // Online softmax of this block's 48 heads over the summed partials; P^T rows and the
         // rescale factors to both blocks.
@@ -341,19 +372,19 @@ __device__ __forceinline__ void mlf_attend(const float* __restrict__ qt, const f
                 const u32 px = (u32)pb[0] | ((u32)pb[1] << 16), py = (u32)pb[2] | ((u32)pb[3] << 16);
                 const u32 poff = (u32)hg * 128u + ((((u32)q16 >> 1) ^ (u32)(hg & 7)) << 4) + 8u * (u32)(q16 & 1);
                 *reinterpret_cast<uint2*>(reinterpret_cast<unsigned char*>(ps) + poff) = make_uint2(px, py);
-                mlw_st_async8(peer_sm + MLF_OFF_P + poff, px, py, peer_bar + 8);
+                if ((MLF_DIAG & 8) == 0) mlw_st_async8(peer_sm + MLF_OFF_P + poff, px, py, peer_bar + 8);
                 l_lane[i] = l_lane[i] * corr + ((bf16_bits_to_f32(pb[0]) + bf16_bits_to_f32(pb[1])) +
                                                 (bf16_bits_to_f32(pb[2]) + bf16_bits_to_f32(pb[3])));
                 m_run[i] = mn;
                 if (q16 == 0) {
                     cs[hg] = corr;
-                    mlw_st_async4(peer_sm + MLF_OFF_C + 4u * (u32)hg, corr, peer_bar + 8);
+                    if ((MLF_DIAG & 8) == 0) mlw_st_async4(peer_sm + MLF_OFF_C + 4u * (u32)hg, corr, peer_bar + 8);
                 }
             }
             mlw_fence_async();
         }
         mlw_bar_sync(MLF_BAR_B, MLF_CONSUMERS);  // own P^T rows and factors stored
-        mlw_mbar_wait(bar_p, (u32)t & 1u);       // the partner's arrived
+        if ((MLF_DIAG & 8) == 0) mlw_mbar_wait(bar_p, (u32)t & 1u);  // the partner's arrived
         mlw_fence_async();                        // they came by st.async: before wgmma reads them
 
         // o~^T = corr o~^T + V^T P^T for value columns 64 (2 cwg + m) ..: 2 m-tiles x 4 k-steps, n96.
@@ -381,8 +412,9 @@ __device__ __forceinline__ void mlf_attend(const float* __restrict__ qt, const f
         mlw_wg_wait0();
 #pragma unroll
         for (int m = 0; m < 2; ++m) mlw_pin<48>(acc[m]);
+        if (own_heads && t + 1 < tiles && (MLF_DIAG & 4) == 0) mlw_bar_arrive(MLF_BAR_PFREE, MLF_CONSUMERS);
+        }  // MLF_DIAG & 1
         if (t + MLF_RING < tiles) mlw_bar_arrive(MLF_BAR_EMPTY + slot, MLF_THREADS);
-        if (own_heads && t + 1 < tiles) mlw_bar_arrive(MLF_BAR_PFREE, MLF_CONSUMERS);
     }
 
     // Epilogue. l of this block's heads: 1 / l to both blocks (final rows), m and l to the partials.

@@ -298,13 +298,10 @@ def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     del pw, pb, lw, lb
 
 
-# Harness-only compile-time variants of mla_attend_wg2_f32 (kernels/mla_attend_wg.cu MLW_DIAG, MLW_NB, MLW_SMX,
-# MLW_SPIN, MLW_RFIRST; the base twice, to show the drift within the call),
-# to find what bounds the kernel; K3_MLA_DIAG replaces the list (`K3_BENCH_ONLY=mla_diag`).
-MLA_DIAG_VARIANTS = ((), ("-DMLW_SMX=1",), ("-DMLW_SPIN=1",), ("-DMLW_RFIRST=1",),
-                     ("-DMLW_SMX=1", "-DMLW_SPIN=1", "-DMLW_RFIRST=1"), (), ("-DMLW_DIAG=1",), ("-DMLW_DIAG=14",),
-                     ("-DMLW_SMX=1", "-DMLW_DIAG=14"), ("-DMLW_DIAG=78",), ("-DMLW_DIAG=126",),
-                     ("-DMLW_SPIN=1", "-DMLW_DIAG=126"))
+# Harness-only compile-time variants of mla_attend_wg2_f32 (kernels/mla_attend_wg.cu MLW_DIAG, MLW_NB; the
+# base twice, to show the drift within the call), to find what bounds the kernel; K3_MLA_DIAG replaces
+# the list (`K3_BENCH_ONLY=mla_diag`).
+MLA_DIAG_VARIANTS = ((), ("-DMLW_DIAG=1",), ("-DMLW_DIAG=14",), ("-DMLW_DIAG=78",), ("-DMLW_DIAG=126",), ())
 
 
 def mla_decode_case(N, L, heads, row, pt):
@@ -328,6 +325,9 @@ def bench_mla_diag(d: Device, record):
     # K3_MLA_DIAG replaces the list (after the base variant): define sets separated by ";".
     extra = [tuple(x.split()) for x in os.environ.get("K3_MLA_DIAG", "").split(";") if x.strip()]
     variants = ((), *extra) if extra else MLA_DIAG_VARIANTS
+    # K3_MLA_DIAG_KERNEL=wgf: the same probes of mla_attend_wgf_f32 (its MLF_DIAG).
+    tag, kname, smem = ("wgf", "mla_attend_wgf_f32", MLA_WGF_SHARED) \
+        if os.environ.get("K3_MLA_DIAG_KERNEL") == "wgf" else ("wg2", "mla_attend_wg2_f32", MLA_WG2_SHARED)
     for N, L in ((16, 32768), (64, 32768)):
         A, ps, qt, base, lens = mla_decode_case(N, L, heads, row, pt)
         hg = cdiv(heads, MLA_WG_HEADS)
@@ -338,20 +338,20 @@ def bench_mla_diag(d: Device, record):
         ref = None  # the first (base) variant's partials: the others without MLW_DIAG must equal them bitwise
         for defs in variants:
             def go(defs=defs):
-                d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora,
-                         rope, pt, sw, 0, 192 ** -0.5, 0, shared_mem=MLA_WG2_SHARED, defines=defs)
+                d.launch(kname, (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora,
+                         rope, pt, sw, 0, 192 ** -0.5, 0, shared_mem=smem, defines=defs)
             try:
                 part.fill_(float("nan"))
                 go()
                 d.sync()
                 same, err = "", ""
-                if not any("MLW_DIAG" in x for x in defs):
+                if not any("_DIAG" in x for x in defs):
                     if ref is None:
                         ref = part.clone()
                     same = bool(torch.equal(part, ref))
                     err = float(rel_err(part, ref))
                 ms, how = d.time_graph(go, reps=5, inner=3)
-                record(f"mla_diag wg2 [{' '.join(defs) or 'base'}] N={N} L={L} (attend only)", ms, rows_floor,
+                record(f"mla_diag {tag} [{' '.join(defs) or 'base'}] N={N} L={L} (attend only)", ms, rows_floor,
                        splits=sw, timing=how, bitwise_equal_base=same, rel_err_vs_base=err)
             except Exception as e:  # noqa: BLE001
                 log(f"bench mla_diag {defs} N={N} raised {type(e).__name__}: {str(e)[:200]}")
