@@ -106,7 +106,13 @@
 // the same call, N = 16 484.7 against 488.7 / 485.7; l sums in another order (1.1e-7 relative
 // to the old partials). Dropped in that call: the mbarrier waits polling with test_wait instead
 // of try_wait (1902.9 us, slower) and a position's partner stores issued before its local ones
-// (1895.4, equal).
+// (1895.4, equal). Also tried in session 9 (calls AJ-AM, kernel in git history, commit 139baad):
+// the pair split by features instead of heads (block r: value columns [256 r, + 256) and a rope
+// quarter of every row for all 96 heads; partial scores and P^T rows cross the pair per tile, no
+// tile does; 40 KB tiles, three in the ring, m64n96 P V). Correct on the device (102 / 102
+// checks), but 2.34 ms at N = 64 against this kernel's 1.84: its producer alone took 1.87 ms
+// (1.40 here) reading half rows (1152 B: 1024 + 128) of twice the positions, 2.13 with 16 lanes
+// per position; without loads the consumers took 1.72 ms, 1.27 of them without the two exchanges.
 //
 // Shared-memory layouts (128-byte swizzle, every slab base 1024-aligned; "chunk" = 16 bytes):
 //   tile: element (pos p, feature f) at slab(f / 64) * 8192 + p * 128 + ((f / 8 % 8) ^ (p % 8)) * 16 + (f % 8) * 2
@@ -126,7 +132,6 @@
 // Accumulator fragment (m64nN f32): d[4j + v] of lane (g = lane / 4, t = lane % 4) in warp w of the
 // warpgroup is row 16 w + g + 8 (v >> 1), column 8 j + 2 t + (v & 1).
 #include "tensor_core.cuh"
-#include "wgmma_sm90.cuh"
 
 #define MLW_HEADS 48   // heads per CTA = the n of every wgmma
 #define MLW_POS 64     // positions per tile: m of S^T, k of P V
@@ -177,6 +182,84 @@ static_assert(MLW_SHARED == 223168, "keep geometry.rs MLA_WG_SHARED in step");
 static_assert(MLW_SHARED2 == 223200 && MLW_OFF_BAR % 8 == 0, "keep geometry.rs MLA_WG2_SHARED in step");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+typedef unsigned long long u64;
+
+__device__ __forceinline__ void mlw_bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mlw_bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+// Generic-proxy st.shared -> wgmma (async proxy) reads: each writer fences before the barrier.
+__device__ __forceinline__ void mlw_fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void mlw_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void mlw_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void mlw_wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Keeps the compiler from moving accumulator reads / writes across the async window.
+__device__ __forceinline__ void mlw_pin(float* d) {
+#pragma unroll
+    for (int i = 0; i < 24; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// 128-byte-swizzle matrix descriptor (base offset 0: every atom is 1024-aligned).
+__device__ __forceinline__ u64 mlw_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)((lbo & 0x3FFFFu) >> 4) << 16) |
+           ((u64)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
+}
+
+// d[0..23] += A B, m64n48k16, bf16 in, f32 accumulate; TA = imm-trans-a (1: A is M-major).
+// Cluster pieces of mla_attend_wg2_f32 (clusters of 2 blocks: the two head groups).
+__device__ __forceinline__ u32 mlw_cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ u32 mlw_mapa(u32 addr, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void mlw_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void mlw_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ void mlw_mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mlw_mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mlw_mbar_arrive_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Arrive on the partner's mbarrier (a shared::cluster address from mlw_mapa).
+__device__ __forceinline__ void mlw_mbar_arrive_remote(u32 rbar) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(rbar) : "memory");
+}
+__device__ __forceinline__ void mlw_mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n\t.reg .pred done;\n"
+                 "MLW_WAIT_%=:\n\t"
+                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
+                 "@!done bra MLW_WAIT_%=;\n\t}" ::"r"(bar), "r"(parity) : "memory");
+}
+// 8 bytes into the partner's shared memory, counted by its mbarrier's transaction bytes (no
+// cluster-scope release fence per store: the complete_tx releases them).
+__device__ __forceinline__ void mlw_st_async8(u32 raddr, u32 x, u32 y, u32 rbar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
+                 ::"r"(raddr), "r"(x), "r"(y), "r"(rbar) : "memory");
+}
+
+#define MLW_WGMMA_N48(NAME, TA)                                                                                 \
+    __device__ __forceinline__ void NAME(float* d, u64 da, u64 db) {                                             \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"                                               \
+                     "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 "                                     \
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+                     "%20, %21, %22, %23}, %24, %25, p, 1, 1, " #TA ", 0;\n}\n"                                  \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
+                       "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),   \
+                       "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),             \
+                       "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])                                        \
+                     : "l"(da), "l"(db), "r"(1));                                                                \
+    }
+MLW_WGMMA_N48(mlw_mma_kmajor, 0)
+MLW_WGMMA_N48(mlw_mma_amajor_m, 1)
 
 // PAIR = false: mla_attend_wg_f32, one block per head group. PAIR = true: mla_attend_wg2_f32, the
 // block pair of a cluster splits every tile's loads (rank r: positions 32 r .. 32 r + 31) and

@@ -224,8 +224,6 @@ def bench_mla_bf16(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
 # (geometry.rs MLA_WG_SHARED; splits: mla_splits_bf16's rule); mla_attend_wg2_f32: the same on
 # 2-block clusters (grid x rounded up to pairs, MLA_WG2_SHARED).
 MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED, MLA_WG2_SHARED = 48, 384, 223168, 223200
-# kernels/mla_attend_wgf.cu: the same clusters of 2, split by features (geometry.rs MLA_WGF_SHARED).
-MLA_WGF_SHARED = 224536
 
 
 def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
@@ -248,8 +246,7 @@ def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     vpw, vpb, vlw, vlb = (d.view(t) for t in (pw, pb, lw, lb))  # views made outside the graph captures
     big = N * L > 16 * 8192
     variants = (("wg", "mla_attend_wg_f32", hg, MLA_WG_SHARED),
-                ("wg2", "mla_attend_wg2_f32", 2 * cdiv(hg, 2), MLA_WG2_SHARED),
-                ("wgf", "mla_attend_wgf_f32", 2 * cdiv(hg, 2), MLA_WGF_SHARED))
+                ("wg2", "mla_attend_wg2_f32", 2 * cdiv(hg, 2), MLA_WG2_SHARED))
 
     def attend(part, v, s, final=0):
         _, kname, gx, smem = v
@@ -325,9 +322,6 @@ def bench_mla_diag(d: Device, record):
     # K3_MLA_DIAG replaces the list (after the base variant): define sets separated by ";".
     extra = [tuple(x.split()) for x in os.environ.get("K3_MLA_DIAG", "").split(";") if x.strip()]
     variants = ((), *extra) if extra else MLA_DIAG_VARIANTS
-    # K3_MLA_DIAG_KERNEL=wgf: the same probes of mla_attend_wgf_f32 (its MLF_DIAG).
-    tag, kname, smem = ("wgf", "mla_attend_wgf_f32", MLA_WGF_SHARED) \
-        if os.environ.get("K3_MLA_DIAG_KERNEL") == "wgf" else ("wg2", "mla_attend_wg2_f32", MLA_WG2_SHARED)
     for N, L in ((16, 32768), (64, 32768)):
         A, ps, qt, base, lens = mla_decode_case(N, L, heads, row, pt)
         hg = cdiv(heads, MLA_WG_HEADS)
@@ -338,20 +332,20 @@ def bench_mla_diag(d: Device, record):
         ref = None  # the first (base) variant's partials: the others without MLW_DIAG must equal them bitwise
         for defs in variants:
             def go(defs=defs):
-                d.launch(kname, (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora,
-                         rope, pt, sw, 0, 192 ** -0.5, 0, shared_mem=smem, defines=defs)
+                d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora,
+                         rope, pt, sw, 0, 192 ** -0.5, 0, shared_mem=MLA_WG2_SHARED, defines=defs)
             try:
                 part.fill_(float("nan"))
                 go()
                 d.sync()
                 same, err = "", ""
-                if not any("_DIAG" in x for x in defs):
+                if not any("MLW_DIAG" in x for x in defs):
                     if ref is None:
                         ref = part.clone()
                     same = bool(torch.equal(part, ref))
                     err = float(rel_err(part, ref))
                 ms, how = d.time_graph(go, reps=5, inner=3)
-                record(f"mla_diag {tag} [{' '.join(defs) or 'base'}] N={N} L={L} (attend only)", ms, rows_floor,
+                record(f"mla_diag wg2 [{' '.join(defs) or 'base'}] N={N} L={L} (attend only)", ms, rows_floor,
                        splits=sw, timing=how, bitwise_equal_base=same, rel_err_vs_base=err)
             except Exception as e:  # noqa: BLE001
                 log(f"bench mla_diag {defs} N={N} raised {type(e).__name__}: {str(e)[:200]}")
@@ -359,7 +353,7 @@ def bench_mla_diag(d: Device, record):
 
 
 def bench_mla_steady(d: Device, record, rounds=6):
-    """The MLA decode at N = 64, L = 32k as ops.rs runs it (1 split, final rows; wg2 and wgf), in `rounds` rounds
+    """The MLA decode at N = 64, L = 32k as ops.rs runs it (1 split, final rows), in `rounds` rounds
     interleaved with a 1 GiB read (torch.sum) and an SM copy (torch.mul, read + write), so each
     round's share is against the bandwidth this GPU gave in that same round: the kernel's time
     drifts by a few percent over a call (clocks under sustained HBM load), and a share against the
@@ -375,30 +369,25 @@ def bench_mla_steady(d: Device, record, rounds=6):
     src = torch.empty(1 << 28, device="cuda")
     dst, one = torch.empty_like(src), torch.empty((), device="cuda")
 
-    kernels = (("wg2", "mla_attend_wg2_f32", MLA_WG2_SHARED), ("wgf", "mla_attend_wgf_f32", MLA_WGF_SHARED))
-
-    def attend(kname, smem):
-        d.launch(kname, (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora, rope, pt,
-                 sw, 0, 192 ** -0.5, int(sw == 1), shared_mem=smem)
-    for _, kname, smem in kernels:
-        attend(kname, smem)
+    def attend():
+        d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora, rope, pt,
+                 sw, 0, 192 ** -0.5, int(sw == 1), shared_mem=MLA_WG2_SHARED)
+    attend()
     rows_bytes = N * L * row * 4 + lat.numel() * 4
-    shares = {tag: [] for tag, _, _ in kernels}
+    shares = []
     for i in range(rounds):
         read_ms, _ = d.time_graph(lambda: torch.sum(src, dim=0, out=one), reps=5, inner=3)
         copy_ms, _ = d.time_graph(lambda: torch.mul(src, 1.0, out=dst), reps=5, inner=3)
+        ms, how = d.time_graph(attend, reps=5, inner=3)
         read_tbps, copy_tbps = src.numel() * 4 / read_ms / 1e9, 2 * src.numel() * 4 / copy_ms / 1e9
-        for tag, kname, smem in kernels:
-            ms, how = d.time_graph(lambda kname=kname, smem=smem: attend(kname, smem), reps=5, inner=3)
-            shares[tag].append(rows_bytes / (copy_tbps * 1e12) * 1e3 / ms)
-            record(f"mla_steady round {i} {tag} N={N} L={L} (splits {sw}, final rows)", ms,
-                   rows_bytes / (COPY_TBPS * 1e12) * 1e3, timing=how, read_tbps=round(read_tbps, 3),
-                   copy_tbps=round(copy_tbps, 3), pct_of_same_round_copy=round(100 * shares[tag][-1], 1),
-                   pct_of_same_round_read=round(100 * rows_bytes / (read_tbps * 1e12) * 1e3 / ms, 1))
-    for tag, sh in shares.items():
-        sh.sort()
-        log(f"bench mla_steady {tag} N={N} L={L}: share of the same-round copy rate, median "
-            f"{100 * sh[len(sh) // 2]:.1f} % (min {100 * sh[0]:.1f}, max {100 * sh[-1]:.1f}) over {rounds} rounds")
+        shares.append(rows_bytes / (copy_tbps * 1e12) * 1e3 / ms)
+        record(f"mla_steady round {i} wg2 N={N} L={L} (splits {sw}, final rows)", ms,
+               rows_bytes / (COPY_TBPS * 1e12) * 1e3, timing=how, read_tbps=round(read_tbps, 3),
+               copy_tbps=round(copy_tbps, 3), pct_of_same_round_copy=round(100 * shares[-1], 1),
+               pct_of_same_round_read=round(100 * rows_bytes / (read_tbps * 1e12) * 1e3 / ms, 1))
+    shares.sort()
+    log(f"bench mla_steady N={N} L={L}: share of the same-round copy rate, median {100 * shares[len(shares) // 2]:.1f} %"
+        f" (min {100 * shares[0]:.1f}, max {100 * shares[-1]:.1f}) over {rounds} rounds")
 
 
 def bench(d: Device, r: Results, quick: bool, only=None):

@@ -50,7 +50,7 @@ KERNELS = ROOT / "kernels"
 
 def needs_arch_specific(f: Path) -> bool:
     """wgmma / setmaxnreg exist only on the arch-specific target (sm_90a), which CuPy never passes:
-    such files go through Device._arch_module (the text with its headers: wgmma may live in one)."""
+    such files go through Device._arch_module (the text with its headers: wgmma may sit in one)."""
     text = inline_includes(f)
     return "wgmma." in text or "setmaxnreg" in text
 
@@ -676,9 +676,6 @@ MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED = 48, 384, 223168
 # mla_attend_wg2_f32 (same file): clusters of 2 blocks, grid x rounded up to pairs (geometry.rs
 # mla_attend_wg2, MLA_WG2_SHARED: + 4 mbarriers).
 MLA_WG2_SHARED = 223200
-# kernels/mla_attend_wgf.cu: the pair split by features, 96 heads per cluster of 2 blocks (geometry.rs
-# MLA_WGF_SHARED: Q^T, three 40 KB tiles, P^T, two score buffers, factors, 3 mbarriers).
-MLA_WGF_SHARED = 224536
 
 
 def mla_latent_reference(qt, rows, scale, kv_lora):
@@ -688,10 +685,9 @@ def mla_latent_reference(qt, rows, scale, kv_lora):
 
 
 def check_mla_bf16(d: Device, r: Results, gen):
-    """mla_attend_bf16_f32, mla_attend_wg_f32 (wgmma, 64-position tiles), mla_attend_wg2_f32 (the same on
+    """mla_attend_bf16_f32, mla_attend_wg_f32 (wgmma, 64-position tiles) and mla_attend_wg2_f32 (the same on
     2-block clusters, each block loading half of every tile; heads 4 / 6 leave the second block of the
-    pair without heads) and mla_attend_wgf_f32 (2-block clusters split by features: block 1 holds
-    nothing of a row narrower than 256), each + mla_merge_f32 (the
+    pair without heads), each + mla_merge_f32 (the
     latent o~, before W_UV), against (a) the float64 latent attention: bf16 rounding of q~, the rows and
     P allows 1e-2 (max-normalised; ~2.5e-3 seen), and (b) emulators._emu_mla_attend_bf16 run on the host
     at the kernel's tile (the same bf16 roundings): 2e-3, what f32 accumulation order, __expf and the
@@ -714,8 +710,7 @@ def check_mla_bf16(d: Device, r: Results, gen):
     )
     kernels = (("bf16", "mla_attend_bf16_f32", 32, MLA_BF16_HEADS, 256, MLA_BF16_SHARED),
                ("wg", "mla_attend_wg_f32", 64, MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED),
-               ("wg2", "mla_attend_wg2_f32", 64, 2 * MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG2_SHARED),
-               ("wgf", "mla_attend_wgf_f32", 64, 2 * MLA_WG_HEADS, MLA_WG_THREADS, MLA_WGF_SHARED))
+               ("wg2", "mla_attend_wg2_f32", 64, 2 * MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG2_SHARED))
     for heads, kv_lora, rope, pt, lens, splits, chunk, aligned in cases:
         row, n = kv_lora + rope, len(lens)
         npages = [cdiv(L, pt) for L in lens]
@@ -749,7 +744,7 @@ def check_mla_bf16(d: Device, r: Results, gen):
             w = torch.exp(P[..., kv_lora] - P[..., kv_lora].amax(-1, keepdim=True))
             emu = (w[..., None] * P[..., :kv_lora]).sum(2) / (w * P[..., kv_lora + 1]).sum(-1)[..., None]
             part = torch.full((n, heads, splits, kv_lora + 2), float("nan"), device=d.tdev)
-            gx = cdiv(heads, hpb) * (2 if hpb == 2 * MLA_WG_HEADS else 1)  # wg2, wgf: block pairs
+            gx = cdiv(heads, hpb) * (2 if kname == "mla_attend_wg2_f32" else 1)  # wg2: pairs of 48
             ins = (d.view(dev(qt)), d.view(A), d.view(ps.to(d.tdev)), d.view(base.to(d.tdev)),
                    d.view(lens_t.to(d.tdev)))
             fin = (0,) if label != "bf16" else ()  # the wg kernels' final_rows flag

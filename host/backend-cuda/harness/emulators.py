@@ -789,7 +789,6 @@ EMU = {
     "mla_attend_bf16_f32": _emu_mla_attend_bf16,
     "mla_attend_wg_f32": _emu_mla_attend_wg,  # same rounding, 64-position tiles
     "mla_attend_wg2_f32": _emu_mla_attend_wg,  # block pairs: the same partials
-    "mla_attend_wgf_f32": _emu_mla_attend_wg,  # pairs split by features: the same partials
     "mla_merge_f32": _emu_mla_merge,  # grid (items, heads, kv_lora / 128)
     "mla_out_proj_f32": _emu_mla_out_proj,
     "mla_absorb_q_bf16": _emu_mla_absorb_bf16,
