@@ -447,18 +447,19 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
     for (int m = 0; m < 4; ++m)
 #pragma unroll
         for (int i = 0; i < 24; ++i) acc[m][i] = 0.0f;
-    // Softmax: warp cw owns heads 6 cw .. 6 cw + 5, its half-warp hw the three heads 6 cw + 3 hw ..,
-    // lane q = lane % 16 the positions 4 q .. 4 q + 3 of every tile (one 16-byte score load and one
-    // 8-byte P^T store per head). m_run is uniform over the half-warp; l_lane is this lane's share,
-    // summed over the 16 lanes at the end.
-    constexpr int NH = 3;
-    const int hl0 = 6 * cw + 3 * (lane >> 4), q16 = lane & 15;
-    auto heads_sum = [&](float x) {  // over the 16 lanes that share this lane's heads
+    // Softmax: warp cw owns heads 6 cw .. 6 cw + 5. PAIR: its half-warp hw the three heads 6 cw +
+    // 3 hw .., lane q = lane % 16 the positions 4 q .. 4 q + 3 of every tile (one 16-byte score load
+    // and one 8-byte P^T store per head). !PAIR: the whole warp the six heads, positions lane and
+    // lane + 32 (that kernel spills with the other mapping and ran 1.5x slower, session 9 call AN).
+    // m_run is uniform over the lanes of a head; l_lane is this lane's share, summed at the end.
+    constexpr int NH = PAIR ? 3 : 6, HLANES = PAIR ? 16 : 32;
+    const int hl0 = 6 * cw + (PAIR ? 3 * (lane >> 4) : 0), q16 = lane & 15;
+    auto heads_sum = [&](float x) {  // over the lanes that share this lane's heads
 #pragma unroll
-        for (int off = 8; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+        for (int off = HLANES / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
         return x;
     };
-    const bool head_writer = q16 == 0;
+    const bool head_writer = (lane & (HLANES - 1)) == 0;
     float m_run[NH], l_lane[NH];
 #pragma unroll
     for (int i = 0; i < NH; ++i) {
@@ -505,7 +506,39 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         mlw_bar_sync(MLW_BAR_A, MLW_CONSUMERS);
 
         // Online softmax of this tile (the mapping above), then corr and P^T for the P V below.
-        if ((MLW_DIAG & 64) == 0) {
+        if constexpr (!PAIR) {
+            if ((MLW_DIAG & 64) == 0) {
+                const int p0 = j0 + t * MLW_POS;
+                const bool va = p0 + lane < j1, vb = p0 + lane + 32 < j1;
+                float sa[NH], sb[NH], mx[NH];
+#pragma unroll
+                for (int i = 0; i < NH; ++i) {
+                    const float* r = sp + (hl0 + i) * MLW_SSTR;
+                    sa[i] = va ? r[lane] : K3_NEG_INF;
+                    sb[i] = vb ? r[lane + 32] : K3_NEG_INF;
+                    mx[i] = fmaxf(sa[i], sb[i]);
+                }
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+                    for (int i = 0; i < NH; ++i) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], off));
+#pragma unroll
+                for (int i = 0; i < NH; ++i) {
+                    const int hl = hl0 + i;
+                    const float mn = fmaxf(m_run[i], mx[i]);  // finite: every tile has a valid position
+                    const float corr = m_run[i] == K3_NEG_INF ? 0.0f : __expf(m_run[i] - mn);
+                    const u16 pa = f32_to_bf16_bits(va ? __expf(sa[i] - mn) : 0.0f);
+                    const u16 pb = f32_to_bf16_bits(vb ? __expf(sb[i] - mn) : 0.0f);
+                    u16* prow = ps + hl * 64;
+                    prow[((((lane >> 3) ^ (hl & 7)) << 3)) + (lane & 7)] = pa;
+                    prow[(((((lane + 32) >> 3) ^ (hl & 7)) << 3)) + (lane & 7)] = pb;
+                    l_lane[i] = l_lane[i] * corr + bf16_bits_to_f32(pa) + bf16_bits_to_f32(pb);
+                    m_run[i] = mn;
+                    if (lane == 0) cs[hl] = corr;
+                }
+                if ((MLW_DIAG & 512) == 0) mlw_fence_async();
+            }
+        } else if ((MLW_DIAG & 64) == 0) {
             const int p0 = j0 + t * MLW_POS + 4 * q16;
             float sc[NH][4], mx[NH];
 #pragma unroll
