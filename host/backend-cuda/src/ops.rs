@@ -172,14 +172,15 @@ pub enum MlaDecodeMode {
     Bf16,
     /// `mla_attend_wg_f32` (kernels/mla_attend_wg.cu, `K3_MLA_DECODE=wg1`): the Bf16 rounding on
     /// Hopper wgmma (64-position tiles, a producer warpgroup streaming the rows), one block per
-    /// head group, so both groups load every row. H200, K3, L = 32k: N = 1 58.6 us, N = 64
-    /// 2.80 ms. sm_90a only: elsewhere dispatch.rs runs Bf16 (Precise below 166 KB of shared memory).
+    /// head group, so both groups load every row. H200, K3, L = 32k (call AO): N = 1 60.8 us,
+    /// N = 64 3.01 ms. sm_90a only: elsewhere dispatch.rs runs Bf16 (Precise below 166 KB of
+    /// shared memory).
     Wg,
     /// `mla_attend_wg2_f32`, the default (`wg`): the same math on clusters of two blocks (the two
     /// head groups), each loading half of every tile's rows and storing the bf16 tile into both
-    /// blocks' shared memory, so each row is read once per pair. H200, K3, L = 32k (call V):
-    /// N = 1 45.7 us, N = 16 499 us, N = 64 1.92 ms (call AA: 60 % of the floor with the partials;
-    /// Wg 3.03 ms, Bf16 2.99). sm_90a only, else as Wg.
+    /// blocks' shared memory, so each row is read once per pair. H200, K3, L = 32k (call AN):
+    /// N = 1 44.7 us, N = 16 493 us, N = 64 1.84 ms (62 % of the copy rate measured in the same
+    /// rounds; Bf16 2.99 ms). sm_90a only, else as Wg.
     WgPair,
 }
 
