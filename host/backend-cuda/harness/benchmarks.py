@@ -292,7 +292,54 @@ def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
         production(v)
         d.sync()
         r.check(f"mla {tag} vs bf16 latent N={N} L={L} (K3 shapes, splits {sw})", rel_err(lw, lb), 2e-2)
-    del pw, pb, lw, lb
+    del pw, pb, lb
+    try:  # after the wg2 production run: lw holds its latent, ms its time
+        bench_mla_sdpa(d, r, record, N, L, A, ps, qt, lw, ms, pt, kv_lora, scale)
+    except Exception as e:  # noqa: BLE001
+        log(f"bench mla sdpa N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
+    del lw
+
+
+def bench_mla_sdpa(d: Device, r: Results, record, N, L, A, ps, qt, lat, ours_ms, pt, kv_lora, scale):
+    """torch SDPA on the same decode attention, the public implementation that runs on the device
+    (FlashInfer's wheel, 101 MB, is over the device tool's 64 MiB carry): the 96 heads as 96 query
+    rows over one K/V head (MQA as MHA, nothing broadcast), q~ and the rows as ours get them, the
+    cached rows gathered from the pages into a contiguous [N, L, row] tensor outside the timing (the
+    contiguous layout is free for SDPA). In bf16 (half the bytes of our f32 rows) and f32, under the
+    default choice and each backend that accepts the shapes (qk dim 576, v dim 512); each output is
+    checked against our latent (2e-2), each time recorded with ours from the same run."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    row = qt.shape[-1]
+    pages = cdiv(L, pt)
+    rows = A.view(-1, pt * row)[ps // (pt * row)].view(N, pages * pt, row)[:, :L]
+    ref = lat.view(N, 1, -1, kv_lora)
+    backends = (("default", None), ("math", SDPBackend.MATH), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                ("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))
+    for dt, tag in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+        k = rows.to(dt).unsqueeze(1).contiguous()  # [N, 1, L, row]
+        v = k[..., :kv_lora]  # a view: the values are the rows' first kv_lora columns, as in ours
+        q = qt.to(dt).unsqueeze(1).contiguous()  # [N, 1, 96, row]: heads as query rows
+        out = torch.empty(N, 1, q.shape[2], kv_lora, device=q.device, dtype=dt)
+        floor = (k.numel() * k.element_size() + q.numel() * q.element_size()) / (COPY_TBPS * 1e12) * 1e3
+        for name, be in backends:
+            def go(be=be):
+                if be is None:
+                    out.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale))
+                else:
+                    with sdpa_kernel(be):
+                        out.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale))
+            try:
+                go()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                log(f"bench mla sdpa {tag} {name} N={N} L={L}: not run ({type(e).__name__}: {str(e)[:120]})")
+                continue
+            err = rel_err(out.float(), ref)
+            ms, how = d.time_graph(go, reps=5, inner=3)
+            record(f"mla sdpa {tag} {name} N={N} L={L} (heads as query rows, contiguous rows)", ms, floor,
+                   timing=how, ours_us=round(ours_ms * 1e3, 1), ours_speedup=round(ms / ours_ms, 2),
+                   rel_err_vs_ours=float(f"{float(err):.3g}"))
+            r.check(f"mla sdpa {tag} {name} vs our latent N={N} L={L}", err, 2e-2)
 
 
 # Harness-only compile-time variants of mla_attend_wg2_f32 (kernels/mla_attend_wg.cu MLW_DIAG, MLW_NB; the
