@@ -287,24 +287,28 @@ pub fn mla_attend_wg(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch>
 pub fn mla_attend_wg2(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
     check_mla(g)?;
     Launch::new(
-        (
-            2 * g.heads.div_ceil(2 * MLA_WG_HEADS_PER_BLOCK),
-            items,
-            splits,
-        ),
+        (mla_wg_blocks(g.heads, true), items, splits),
         MLA_WG_THREADS,
     )?
     .with_opt_in_shared(MLA_WG2_SHARED)
 }
 
-/// Position splits of the wg attends (48 heads and one block per SM, as the bf16 attend): one
-/// split whenever it fills the SMs as well as `mla_splits_bf16`'s choice - the attend then writes
-/// the final rows itself (`final_rows`) and the merge launch and the partials' round trip go (at
-/// K3's N = 64, L = 32k: 128 blocks on 132 SMs, as full as 2 splits' 256) - else that choice.
-pub fn mla_splits_wg(items: usize, heads: usize, max_len: usize, sms: usize) -> usize {
-    let blocks = items.max(1) * heads.div_ceil(MLA_WG_HEADS_PER_BLOCK);
+/// Blocks per (item, split) of a wg attend: head groups of 48, rounded up to pairs for the
+/// cluster kernel (`pair`), whose second block loads rows for its partner even without heads.
+pub fn mla_wg_blocks(heads: usize, pair: bool) -> usize {
+    let groups = heads.div_ceil(MLA_WG_HEADS_PER_BLOCK);
+    if pair { 2 * groups.div_ceil(2) } else { groups }
+}
+
+/// Position splits of the wg attends (one block per SM, as the bf16 attend; `pair`: the cluster
+/// kernel's block count): one split whenever it fills the SMs as well as the fullest-wave choice -
+/// the attend then writes the final rows itself (`final_rows`) and the merge launch and the
+/// partials' round trip go (at K3's N = 64, L = 32k: 128 blocks on 132 SMs, as full as 2 splits'
+/// 256) - else that choice.
+pub fn mla_splits_wg(items: usize, heads: usize, pair: bool, max_len: usize, sms: usize) -> usize {
+    let blocks = items.max(1) * mla_wg_blocks(heads, pair);
     let sms = sms.max(1);
-    let splits = mla_splits_bf16(items, heads, max_len, sms);
+    let splits = fullest_wave_splits(blocks, sms, max_len);
     if wave_fill(blocks, sms) + 1e-9 >= wave_fill(blocks * splits, sms) {
         1
     } else {
@@ -532,17 +536,29 @@ mod tests {
                 .grid,
             (1, 1, 1)
         );
-        assert_eq!(mla_splits_wg(1, 96, 32768, 132), 66);
-        assert_eq!(mla_splits_wg(16, 96, 32768, 132), 8);
-        // 128 blocks fill 132 SMs as well as 2 splits' 256: one split, final rows, no merge.
-        assert_eq!(mla_splits_wg(64, 96, 32768, 132), 1);
-        assert_eq!(mla_splits_wg(66, 96, 4096, 132), 1);
-        // 40 blocks: one split would leave 70 % of the SMs idle.
+        for pair in [false, true] {
+            assert_eq!(mla_splits_wg(1, 96, pair, 32768, 132), 66);
+            assert_eq!(mla_splits_wg(16, 96, pair, 32768, 132), 8);
+            // 128 blocks fill 132 SMs as well as 2 splits' 256: one split, final rows, no merge.
+            assert_eq!(mla_splits_wg(64, 96, pair, 32768, 132), 1);
+            assert_eq!(mla_splits_wg(66, 96, pair, 4096, 132), 1);
+            // 40 blocks: one split would leave 70 % of the SMs idle.
+            assert_eq!(
+                mla_splits_wg(20, 96, pair, 32768, 132),
+                mla_splits_bf16(20, 96, 32768, 132)
+            );
+            assert!(mla_splits_wg(20, 96, pair, 32768, 132) > 1);
+        }
+        // Fewer than 48 heads: the cluster kernel still launches a pair per (item, split), so it
+        // needs half the splits of the single-block kernel to fill the SMs.
+        assert_eq!((mla_wg_blocks(4, false), mla_wg_blocks(4, true)), (1, 2));
+        assert_eq!((mla_wg_blocks(52, false), mla_wg_blocks(52, true)), (2, 2));
         assert_eq!(
-            mla_splits_wg(20, 96, 32768, 132),
-            mla_splits_bf16(20, 96, 32768, 132)
+            (mla_wg_blocks(144, false), mla_wg_blocks(144, true)),
+            (3, 4)
         );
-        assert!(mla_splits_wg(20, 96, 32768, 132) > 1);
+        assert_eq!(mla_splits_wg(1, 4, false, 32768, 132), 132);
+        assert_eq!(mla_splits_wg(1, 4, true, 32768, 132), 66);
         assert!(
             mla_wg_supported("sm_90a") && !mla_wg_supported("sm_90") && !mla_wg_supported("sm_89")
         );

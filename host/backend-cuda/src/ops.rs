@@ -725,9 +725,13 @@ impl CudaBackend {
             MlaDecodeMode::Bf16 => {
                 geometry::mla_splits_bf16(items, g.heads, max_len, self.multiprocessors)
             }
-            MlaDecodeMode::Wg | MlaDecodeMode::WgPair => {
-                geometry::mla_splits_wg(items, g.heads, max_len, self.multiprocessors)
-            }
+            MlaDecodeMode::Wg | MlaDecodeMode::WgPair => geometry::mla_splits_wg(
+                items,
+                g.heads,
+                mode == MlaDecodeMode::WgPair,
+                max_len,
+                self.multiprocessors,
+            ),
         };
         let chunk: i32 = 0;
         // Padded to a power of two for the same reason (entries past an item's pages are unread).
