@@ -506,52 +506,30 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         mlw_bar_sync(MLW_BAR_A, MLW_CONSUMERS);
 
         // Online softmax of this tile (the mapping above), then corr and P^T for the P V below.
-        if constexpr (!PAIR) {
-            if ((MLW_DIAG & 64) == 0) {
-                const int p0 = j0 + t * MLW_POS;
-                const bool va = p0 + lane < j1, vb = p0 + lane + 32 < j1;
-                float sa[NH], sb[NH], mx[NH];
-#pragma unroll
-                for (int i = 0; i < NH; ++i) {
-                    const float* r = sp + (hl0 + i) * MLW_SSTR;
-                    sa[i] = va ? r[lane] : K3_NEG_INF;
-                    sb[i] = vb ? r[lane + 32] : K3_NEG_INF;
-                    mx[i] = fmaxf(sa[i], sb[i]);
-                }
-#pragma unroll
-                for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-                    for (int i = 0; i < NH; ++i) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], off));
-#pragma unroll
-                for (int i = 0; i < NH; ++i) {
-                    const int hl = hl0 + i;
-                    const float mn = fmaxf(m_run[i], mx[i]);  // finite: every tile has a valid position
-                    const float corr = m_run[i] == K3_NEG_INF ? 0.0f : __expf(m_run[i] - mn);
-                    const u16 pa = f32_to_bf16_bits(va ? __expf(sa[i] - mn) : 0.0f);
-                    const u16 pb = f32_to_bf16_bits(vb ? __expf(sb[i] - mn) : 0.0f);
-                    u16* prow = ps + hl * 64;
-                    prow[((((lane >> 3) ^ (hl & 7)) << 3)) + (lane & 7)] = pa;
-                    prow[(((((lane + 32) >> 3) ^ (hl & 7)) << 3)) + (lane & 7)] = pb;
-                    l_lane[i] = l_lane[i] * corr + bf16_bits_to_f32(pa) + bf16_bits_to_f32(pb);
-                    m_run[i] = mn;
-                    if (lane == 0) cs[hl] = corr;
-                }
-                if ((MLW_DIAG & 512) == 0) mlw_fence_async();
-            }
-        } else if ((MLW_DIAG & 64) == 0) {
-            const int p0 = j0 + t * MLW_POS + 4 * q16;
-            float sc[NH][4], mx[NH];
+        if ((MLW_DIAG & 64) == 0) {
+            constexpr int PL = PAIR ? 4 : 2;  // positions per lane and head
+            // PAIR: positions p0 .. p0 + 3; else p0 and p0 + 32 (p0 = this lane's first).
+            const int p0 = j0 + t * MLW_POS + (PAIR ? 4 * q16 : lane);
+            auto valid = [&](int k) { return (PAIR ? p0 + k : p0 + 32 * k) < j1; };
+            float sc[NH][PL], mx[NH];
 #pragma unroll
             for (int i = 0; i < NH; ++i) {
-                const float4 v = *reinterpret_cast<const float4*>(sp + (hl0 + i) * MLW_SSTR + 4 * q16);
-                sc[i][0] = p0 < j1 ? v.x : K3_NEG_INF;
-                sc[i][1] = p0 + 1 < j1 ? v.y : K3_NEG_INF;
-                sc[i][2] = p0 + 2 < j1 ? v.z : K3_NEG_INF;
-                sc[i][3] = p0 + 3 < j1 ? v.w : K3_NEG_INF;
-                mx[i] = fmaxf(fmaxf(sc[i][0], sc[i][1]), fmaxf(sc[i][2], sc[i][3]));
+                const float* r = sp + (hl0 + i) * MLW_SSTR;
+                if constexpr (PAIR) {
+                    const float4 v = *reinterpret_cast<const float4*>(r + 4 * q16);
+                    sc[i][0] = valid(0) ? v.x : K3_NEG_INF;
+                    sc[i][1] = valid(1) ? v.y : K3_NEG_INF;
+                    sc[i][2] = valid(2) ? v.z : K3_NEG_INF;
+                    sc[i][3] = valid(3) ? v.w : K3_NEG_INF;
+                    mx[i] = fmaxf(fmaxf(sc[i][0], sc[i][1]), fmaxf(sc[i][2], sc[i][3]));
+                } else {
+                    sc[i][0] = valid(0) ? r[lane] : K3_NEG_INF;
+                    sc[i][1] = valid(1) ? r[lane + 32] : K3_NEG_INF;
+                    mx[i] = fmaxf(sc[i][0], sc[i][1]);
+                }
             }
 #pragma unroll
-            for (int off = 8; off > 0; off >>= 1)
+            for (int off = HLANES / 2; off > 0; off >>= 1)
 #pragma unroll
                 for (int i = 0; i < NH; ++i) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], off));
 #pragma unroll
@@ -559,16 +537,23 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
                 const int hl = hl0 + i;
                 const float mn = fmaxf(m_run[i], mx[i]);  // finite: every tile has a valid position
                 const float corr = m_run[i] == K3_NEG_INF ? 0.0f : __expf(m_run[i] - mn);
-                u16 pb[4];
+                u16 pb[PL];
 #pragma unroll
-                for (int k = 0; k < 4; ++k) pb[k] = f32_to_bf16_bits(p0 + k < j1 ? __expf(sc[i][k] - mn) : 0.0f);
-                // 4 positions = half of a 16-byte chunk of the swizzled P^T row (8-byte aligned).
-                *reinterpret_cast<uint2*>(ps + hl * 64 + ((((q16 >> 1) ^ (hl & 7))) << 3) + 4 * (q16 & 1)) =
-                    make_uint2((u32)pb[0] | ((u32)pb[1] << 16), (u32)pb[2] | ((u32)pb[3] << 16));
-                l_lane[i] = l_lane[i] * corr + ((bf16_bits_to_f32(pb[0]) + bf16_bits_to_f32(pb[1])) +
-                                                (bf16_bits_to_f32(pb[2]) + bf16_bits_to_f32(pb[3])));
+                for (int k = 0; k < PL; ++k) pb[k] = f32_to_bf16_bits(valid(k) ? __expf(sc[i][k] - mn) : 0.0f);
+                if constexpr (PAIR) {
+                    // 4 positions = half of a 16-byte chunk of the swizzled P^T row (8-byte aligned).
+                    *reinterpret_cast<uint2*>(ps + hl * 64 + ((((q16 >> 1) ^ (hl & 7))) << 3) + 4 * (q16 & 1)) =
+                        make_uint2((u32)pb[0] | ((u32)pb[1] << 16), (u32)pb[2] | ((u32)pb[3] << 16));
+                    l_lane[i] = l_lane[i] * corr + ((bf16_bits_to_f32(pb[0]) + bf16_bits_to_f32(pb[1])) +
+                                                    (bf16_bits_to_f32(pb[2]) + bf16_bits_to_f32(pb[3])));
+                } else {
+                    u16* prow = ps + hl * 64;
+                    prow[((((lane >> 3) ^ (hl & 7)) << 3)) + (lane & 7)] = pb[0];
+                    prow[(((((lane + 32) >> 3) ^ (hl & 7)) << 3)) + (lane & 7)] = pb[1];
+                    l_lane[i] = l_lane[i] * corr + bf16_bits_to_f32(pb[0]) + bf16_bits_to_f32(pb[1]);
+                }
                 m_run[i] = mn;
-                if (q16 == 0) cs[hl] = corr;
+                if (head_writer) cs[hl] = corr;
             }
             if ((MLW_DIAG & 512) == 0) mlw_fence_async();
         }
