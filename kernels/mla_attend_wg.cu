@@ -25,8 +25,9 @@
 //   warpgroups 1 and 2 consume. Warpgroup 1 computes S^T for the whole tile: the tensor core is
 //   shared by the SM, so splitting the 36 k-steps over both warpgroups would not make them finish
 //   sooner, and it would need a second 12 KB score buffer that does not fit.
-// - Scores go through shared memory (sp [48][68] f32) to the bf16 kernel's softmax mapping (warp =
-//   6 heads, lane = positions lane and lane + 32): one shuffle reduction per head and tile, l kept
+// - Scores go through shared memory (sp [48][68] f32) to the softmax: in wg2 half a warp per 3
+//   heads, 4 consecutive positions per lane (session 9); in wg the bf16 kernel's mapping (warp = 6
+//   heads, lane = positions lane and lane + 32). One shuffle reduction per head and tile, l kept
 //   per lane. P^T (bf16, swizzled [48][64]) and the per-head rescale go back through shared memory.
 // - Ring of two 64-position bf16 tiles (2 x 72 KB) + Q^T (54 KB) + P^T + scores: 223 KB, one CTA per
 //   SM. Named barriers: FULL[slot] (producer bar.arrive, consumers bar.sync, 384 threads) and
