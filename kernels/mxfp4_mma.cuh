@@ -23,6 +23,20 @@ __device__ __forceinline__ u32 mx_pair(const u32* tab_lane, u32 word, int byte, 
     return out;
 }
 
+// mx_pair without the table (the tc2 kernels, mxfp4_tc.cu): the two nibbles of the byte placed
+// as bf16 bits s.000000ee.m000000 (E2M1 x 2^-126: e = 0 lands on the bf16 subnormal 0.m x
+// 2^-126, which bf16 fma keeps), then x 2^126 and x the block scale: both products exact, so the
+// result is bitwise mx_pair's (the tc2 outputs of both decodes were equal bit for bit in session 9's
+// call AS).
+__device__ __forceinline__ u32 mx_pair_alu(u32 word, int byte, u32 sc2) {
+    const u32 t = __byte_perm(word, 0, 0x4440 + byte) * 0x1001u;  // low nibble at bit 0, high at bit 16
+    const u32 raw = ((t << 6) & 0x01C001C0u) | ((t << 12) & 0x80008000u);
+    u32 up, out;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(up) : "r"(raw), "r"(0x7E807E80u), "r"(0x80008000u));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(up), "r"(sc2), "r"(0x80008000u));
+    return out;
+}
+
 // Word j (0..3) of a uint4.
 __device__ __forceinline__ u32 mx_word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 

@@ -8,10 +8,15 @@
 // Why: CUDA-core kernels (a deleted gemv pair) spent ~11 shared / L1 wavefronts per 4 weight
 // bytes per warp (8 nibble-table loads, 2 activation loads, the weight load) against ~7 SM cycles
 // that 4.25 TB/s allows, and every extra token cost 8 more FMAs per word. Here a byte (two
-// nibbles) decodes with one conflict-free LDS from a 256-entry bf16x2 table replicated per lane
-// (entry b of lane l at word 32 b + l: each lane its own bank), one bf16x2 FMA applies the block
-// scale, and one mma covers up to 4 tokens (8 hi/lo columns) for 16 rows x 16 columns: ~4
-// wavefronts per 4 bytes, and more tokens per pass are nearly free.
+// nibbles) decodes in registers (mxfp4_mma.cuh mx_pair_alu: the nibbles placed as bf16 bits,
+// E2M1 x 2^-126, then two exact bf16x2 fmas: x 2^126 and x the block scale), and one mma covers
+// up to 4 tokens (8 hi/lo columns) for 16 rows x 16 columns, so more tokens per pass are nearly
+// free. Until session 9 the byte went through a 256-entry bf16x2 table replicated per lane in
+// shared memory (32 KB, one LDS per byte, mx_pair); the register decode gives the same bits and
+// was faster in the same call (AS, K3 experts, kernels alone): up / down at T = 16 771.8 / 384.7
+// against 842.0 / 403.5 us, T = 64 945.6 / 479.5 against 1018.4 / 498.1, T = 4 410.2 / 198.1
+// against 415.9 / 198.7. A 4- or 5-stage ring was slower in that call with either decode
+// (T = 16 up 811.9 / 945.1 us with the register decode).
 //
 // Fragment mapping (PTX m16n8k16 .row.col): lane = 4 g + t holds A rows g and g + 8 at k = 2t,
 // 2t + 1 (+8), B column g at the same k. The dot over k does not care which physical column a
@@ -24,12 +29,10 @@
 // accumulators c0 + c1 (row g) and c2 + c3 (row g + 8) are token 4 q + t's whole result.
 #include "mxfp4_mma.cuh"
 
-#define MXT_TAB_WORDS 8192    // 256 entries x 32 lanes
-
 extern __shared__ __align__(16) u32 mxt_smem[];
 
 // ---------------------------------------------------------------------------------------------
-// tc2 (ops.rs MxExperts::Tc, the default from 2 tokens): the decode (table + scale fold) and mma
+// tc2 (ops.rs MxExperts::Tc, the default from 2 tokens): the decode (scale folded in) and mma
 // fragments above, and
 // - every token of the expert goes through each decoded weight fragment: a pass takes up to 16
 //   tokens (4 n-tiles of 4 tokens x hi/lo), so the weights are read once per expert (experts with
@@ -57,8 +60,8 @@ extern __shared__ __align__(16) u32 mxt_smem[];
 #define MX2_W_BYTES (MX2_AROWS * 64)
 #define MX2_S_BYTES (MX2_AROWS * 4)
 #define MX2_BNT_BYTES (8 * MX2_BRS)
-// Dynamic shared memory for nt n-tiles per pass (ops.rs mx_tc2_shared; 111,104 B at nt = 4: two
-// blocks per SM).
+// Dynamic shared memory for nt n-tiles per pass: 3 stages (ops.rs mx_tc2_shared; 78,336 B at
+// nt = 4: two blocks per SM).
 #define MX2_STAGE_BYTES(nt) (MX2_W_BYTES + MX2_S_BYTES + (nt) * MX2_BNT_BYTES)
 
 static_assert(MX2_STAGES == 3, "mx_wait_all_but_one waits for all but MX2_STAGES - 2 groups");
@@ -91,9 +94,8 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int nb = cols >> 5, nch = (cols + MX2_KC - 1) / MX2_KC, per = 4 * ntiles;
     const int nsteps = ((n + per - 1) / per) * nch, stage_bytes = MX2_STAGE_BYTES(ntiles);
-    const u8* stages = reinterpret_cast<const u8*>(mxt_smem + MXT_TAB_WORDS);
-    const u32 stages_s = (u32)__cvta_generic_to_shared(mxt_smem + MXT_TAB_WORDS);
-    const u32* tab_lane = mxt_smem + lane;
+    const u8* stages = reinterpret_cast<const u8*>(mxt_smem);
+    const u32 stages_s = (u32)__cvta_generic_to_shared(mxt_smem);
 
     // Copy duty: 16 bytes (tid & 3) of A-rows (tid >> 2) + 64 i, the scales of A-row tid, and
     // piece `lane` of tokens warp and warp + 8. Tail rows are clamped (loaded, never stored).
@@ -116,7 +118,7 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
     auto issue = [&](int j) {
         const int pass = j / nch, c = j - pass * nch;
         const u32 bs = stages_s + (j % MX2_STAGES) * stage_bytes;
-        const bool in = 4 * c + (tid & 3) < nb;  // past the row's end: zeros (table entry 0 = +0)
+        const bool in = 4 * c + (tid & 3) < nb;  // past the row's end: zeros (byte 0 decodes to +0)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
             mx_cp16_l2(bs + ((tid >> 2) + 64 * i) * 64 + 16 * (tid & 3), wsrc[i] + (in ? 64 * c : 0), in ? 16u : 0u);
@@ -127,7 +129,7 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
 #pragma unroll
             for (int k = 0; k < 4; ++k)
                 if (4 * c + k < nb) v |= (u32)ssrc[4 * c + k] << (8 * k);
-            *reinterpret_cast<u32*>(mxt_smem + MXT_TAB_WORDS + ((j % MX2_STAGES) * stage_bytes + MX2_W_BYTES) / 4 +
+            *reinterpret_cast<u32*>(mxt_smem + ((j % MX2_STAGES) * stage_bytes + MX2_W_BYTES) / 4 +
                                     tid) = v;
         }
         const int t0 = pass * per, nt = min(per, n - t0);
@@ -186,10 +188,10 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
             for (int m = 0; m < 2; ++m) {
                 const u32 w0 = mx_word(wv[m][0], s >> 1), w1 = mx_word(wv[m][1], s >> 1);
                 const int by = 2 * (s & 1);
-                a[m][0] = mx_pair(tab_lane, w0, by, sc[m][0]);
-                a[m][1] = mx_pair(tab_lane, w1, by, sc[m][1]);
-                a[m][2] = mx_pair(tab_lane, w0, by + 1, sc[m][0]);
-                a[m][3] = mx_pair(tab_lane, w1, by + 1, sc[m][1]);
+                a[m][0] = mx_pair_alu(w0, by, sc[m][0]);
+                a[m][1] = mx_pair_alu(w1, by, sc[m][1]);
+                a[m][2] = mx_pair_alu(w0, by + 1, sc[m][0]);
+                a[m][3] = mx_pair_alu(w1, by + 1, sc[m][1]);
             }
 #pragma unroll
             for (int q = 0; q < MX2_MAXNT; ++q)
@@ -224,7 +226,6 @@ mxfp4_up_tc2_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u
                  const int* __restrict__ sorted, u16* __restrict__ actx, int top_k, int latent, int inter, float beta,
                  float beta_lin, int has_lin, int experts, int ntiles) {
     const int e = mx_active_expert(offsets, experts, blockIdx.x);
-    mx_fill_table(mxt_smem, MXT_TAB_WORDS);  // the first stage's barrier orders it before any lookup
     if (e < 0) return;  // block-uniform
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.y * 128, a0 = offsets[e];
@@ -261,7 +262,6 @@ mxfp4_down_tc2_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, con
                    const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,
                    int inter, int experts, int ntiles) {
     const int e = mx_active_expert(offsets, experts, blockIdx.x);
-    mx_fill_table(mxt_smem, MXT_TAB_WORDS);
     if (e < 0) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.y * MX2_AROWS, a0 = offsets[e];

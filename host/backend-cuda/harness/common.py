@@ -37,7 +37,7 @@ def mx_tc2_ntiles(max_tokens_per_expert: int) -> int:
 
 
 def mx_tc2_shared(ntiles: int) -> int:
-    return 8192 * 4 + 3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
+    return 3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
 
 
 def mx_tc2_row_u16(cols: int) -> int:

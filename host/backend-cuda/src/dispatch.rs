@@ -48,7 +48,7 @@ pub(crate) enum ExpertPath {
     Stream2V2,
     /// moe_stream.rs v1: one token, 64 KB.
     Stream2V1,
-    /// ops.rs tc2 pair: a few tokens per expert on tensor cores (111 KB).
+    /// ops.rs tc2 pair: a few tokens per expert on tensor cores (78 KB).
     Tc2,
     /// moe_wg.rs: many assignments, wgmma (sm_90a, 210 KB).
     Wg(MoeAct),
@@ -216,7 +216,7 @@ mod tests {
 
     #[test]
     fn experts_fall_back_where_the_shared_memory_does_not_fit() {
-        // 163 KB: stream2 v2 (213 KB) and the grouped GEMMs (196 KB) do not fit; tc2 (111 KB) does.
+        // 163 KB: stream2 v2 (213 KB) and the grouped GEMMs (196 KB) do not fit; tc2 (78 KB) does.
         let d = kb163();
         assert_eq!(
             expert_path(step(1, false), WG, V2, &d),
@@ -228,13 +228,14 @@ mod tests {
             expert_path(step(512, true), MoePrefill::Grouped, V2, &d),
             ExpertPath::Gemm
         );
-        // 99 KB: only stream2 v1 (64 KB) of the MXFP4 kernels; cuBLAS for everything else.
+        // 99 KB: stream2 v1 (64 KB) and tc2 (78 KB) of the MXFP4 kernels; cuBLAS for the
+        // many-assignment steps.
         let d = sm120();
         assert_eq!(
             expert_path(step(1, false), WG, V2, &d),
             ExpertPath::Stream2V1
         );
-        assert_eq!(expert_path(step(4, false), WG, V2, &d), ExpertPath::Gemm);
+        assert_eq!(expert_path(step(4, false), WG, V2, &d), ExpertPath::Tc2);
         assert_eq!(expert_path(step(2048, true), WG, V2, &d), ExpertPath::Gemm);
         // Experts wider than stream2 takes go to tc2, or to cuBLAS where tc2 does not fit.
         let wide = ExpertStep {
@@ -242,7 +243,11 @@ mod tests {
             ..step(1, false)
         };
         assert_eq!(expert_path(wide, WG, V2, &h200()), ExpertPath::Tc2);
-        assert_eq!(expert_path(wide, WG, V2, &d), ExpertPath::Gemm);
+        assert_eq!(expert_path(wide, WG, V2, &d), ExpertPath::Tc2);
+        assert_eq!(
+            expert_path(wide, WG, V2, &limits("sm_90", 65_536)),
+            ExpertPath::Gemm
+        );
     }
 
     #[test]

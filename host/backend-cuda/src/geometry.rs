@@ -209,7 +209,7 @@ pub const MLA_WG2_SHARED: usize = 223_200;
 
 /// The tc2 expert kernels (kernels/mxfp4_tc.cu, ops.rs mx_tc2_shared) at 4 n-tiles per pass: two
 /// 256-thread blocks per SM.
-pub const MX_TC2_MAX_SHARED: usize = 111_104;
+pub const MX_TC2_MAX_SHARED: usize = 78_336;
 
 /// The grouped expert GEMMs (kernels/mxfp4_grouped.cu MXG_SHARED_BYTES, moe_grouped.rs): decode
 /// table + 3 stages of 256 weight rows (64 + 4 bytes) and 128 hi / lo token rows of 288 bytes.

@@ -123,11 +123,11 @@ fn mx_tc2_ntiles(tokens: usize) -> usize {
     tokens.div_ceil(4).clamp(1, MX_TC2_MAX_NTILES)
 }
 
-/// kernels/mxfp4_tc.cu MX2 shared memory: decode table + 3 stages of 256 weight rows x 64 bytes,
-/// their scales and `ntiles` x 8 staged bf16 rows of 272 bytes. At most
-/// `geometry::MX_TC2_MAX_SHARED` (two blocks per SM).
+/// kernels/mxfp4_tc.cu MX2 shared memory: 3 stages of 256 weight rows x 64 bytes, their scales
+/// and `ntiles` x 8 staged bf16 rows of 272 bytes. At most `geometry::MX_TC2_MAX_SHARED` (two
+/// blocks per SM).
 fn mx_tc2_shared(ntiles: usize) -> usize {
-    8192 * 4 + 3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
+    3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
 }
 
 /// Grid of the tc2 expert kernels: `busy` experts x blocks of `rows_per_block` rows.
@@ -965,9 +965,9 @@ mod tests {
         );
         // K3: up blocks are one 128-column super-step of the intermediate each; down 256 rows.
         let up = mx_tc2_launch(128, 3072, 3584, MX_TC2_UP_ROWS, 4).unwrap();
-        assert_eq!((up.grid, up.block, up.shared), ((128, 24, 1), 256, 111_104));
+        assert_eq!((up.grid, up.block, up.shared), ((128, 24, 1), 256, 78_336));
         let down = mx_tc2_launch(128, 3584, 3072, MX_TC2_DOWN_ROWS, 1).unwrap();
-        assert_eq!((down.grid, down.shared), ((128, 14, 1), 91_520));
+        assert_eq!((down.grid, down.shared), ((128, 14, 1), 58_752));
         assert_eq!(mx_tc2_row_u16(3584), 28 * 256);
         assert_eq!(mx_tc2_row_u16(160), 2 * 256);
         assert_eq!(mx_tc2_split_launch(64, 3584).unwrap().grid, (64, 28, 1));
