@@ -17,6 +17,13 @@
 // against 842.0 / 403.5 us, T = 64 945.6 / 479.5 against 1018.4 / 498.1, T = 4 410.2 / 198.1
 // against 415.9 / 198.7. A 4- or 5-stage ring was slower in that call with either decode
 // (T = 16 up 811.9 / 945.1 us with the register decode).
+// What bounds tc2 (call AU, MX2_DIAG probes below, up kernel alone, T = 16 / 64): whole 762 / 941 us
+// (40 / 37 % of the weight floor); no decode 542 / 795; no mma 724 / 972; neither, i.e. the weight
+// copies and the loop alone, 473 / 709 (65 / 50 %); no weight copies 631 / 803; nothing but the
+// skeleton (block start, token copies, one barrier per stage, the epilogue) 300 / 477 us, already
+// the floor's time at T = 16. So the decode is the largest single part (~220 us at T = 16), and the
+// per-block fixed costs of ~2,700 short blocks (28 stages each) are the next: fewer, longer-lived
+// blocks (several row blocks or experts per block) would amortise them.
 //
 // Fragment mapping (PTX m16n8k16 .row.col): lane = 4 g + t holds A rows g and g + 8 at k = 2t,
 // 2t + 1 (+8), B column g at the same k. The dot over k does not care which physical column a
@@ -54,6 +61,13 @@ extern __shared__ __align__(16) u32 mxt_smem[];
 // consecutive values), columns past `cols` zero.
 #define MX2_KC 128
 #define MX2_STAGES 3
+// Harness-only timing probes (benchmarks.py bench_moe_tc2_diag, never built by the host): 1 = no
+// weight decode (the raw words go to the mma), 2 = no mma (the decoded words are folded into the
+// accumulators with one xor), 4 = no weight or scale copies from global memory (the stages keep
+// stale bytes). Results are garbage on purpose. 0 in every real build.
+#ifndef MX2_DIAG
+#define MX2_DIAG 0
+#endif
 #define MX2_MAXNT 4
 #define MX2_AROWS 256
 #define MX2_BRS 272
@@ -121,8 +135,10 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
         const bool in = 4 * c + (tid & 3) < nb;  // past the row's end: zeros (byte 0 decodes to +0)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            mx_cp16_l2(bs + ((tid >> 2) + 64 * i) * 64 + 16 * (tid & 3), wsrc[i] + (in ? 64 * c : 0), in ? 16u : 0u);
-        if ((nb & 3) == 0) {
+            if ((MX2_DIAG & 4) == 0)
+                mx_cp16_l2(bs + ((tid >> 2) + 64 * i) * 64 + 16 * (tid & 3), wsrc[i] + (in ? 64 * c : 0), in ? 16u : 0u);
+        if ((MX2_DIAG & 4) != 0) {
+        } else if ((nb & 3) == 0) {
             mx_cp4(bs + MX2_W_BYTES + 4 * tid, ssrc + 4 * c);
         } else {  // rows of nb % 4 != 0 blocks: scale rows not 4-byte aligned (test shapes only)
             u32 v = 0;
@@ -188,6 +204,10 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
             for (int m = 0; m < 2; ++m) {
                 const u32 w0 = mx_word(wv[m][0], s >> 1), w1 = mx_word(wv[m][1], s >> 1);
                 const int by = 2 * (s & 1);
+                if ((MX2_DIAG & 1) != 0) {
+                    a[m][0] = w0, a[m][1] = w1, a[m][2] = w0 >> 8, a[m][3] = w1 >> 8;
+                    continue;
+                }
                 a[m][0] = mx_pair_alu(w0, by, sc[m][0]);
                 a[m][1] = mx_pair_alu(w1, by, sc[m][1]);
                 a[m][2] = mx_pair_alu(w0, by + 1, sc[m][0]);
@@ -198,7 +218,12 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
                 if (q < ntl) {  // block-uniform
                     const uint2 v = *reinterpret_cast<const uint2*>(bb + q * 8 * MX2_BRS + 32 * s);
 #pragma unroll
-                    for (int m = 0; m < 2; ++m) tc_mma_bf16(acc[m][q], a[m][0], a[m][1], a[m][2], a[m][3], v.x, v.y);
+                    for (int m = 0; m < 2; ++m) {
+                        if ((MX2_DIAG & 2) != 0)
+                            acc[m][q][0] += __uint_as_float(a[m][0] ^ a[m][1] ^ a[m][2] ^ a[m][3] ^ v.x ^ v.y);
+                        else
+                            tc_mma_bf16(acc[m][q], a[m][0], a[m][1], a[m][2], a[m][3], v.x, v.y);
+                    }
                 }
         }
         if (c == nch - 1) {

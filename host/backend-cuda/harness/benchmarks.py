@@ -608,6 +608,8 @@ def bench(d: Device, r: Results, quick: bool, only=None):
         bench_mla_diag(d, record)
     if only and "mla_steady" in only:
         bench_mla_steady(d, record)
+    if only and "moe_tc2_diag" in only:  # probes, only when named
+        bench_moe_tc2_diag(d, record)
     if want("attn_res"):
         bench_attn_res(d, record)
     if want("moe"):
@@ -789,6 +791,69 @@ def bench_moe(d: Device, record, quick: bool):
                                               *down_args[1:], nt, shared_mem=mx_tc2_shared(nt)), down_b)):
                 ms, how = d.time_graph(fn)
                 record(f"moe_routed tc2 {name} alone T={T}", ms, b and b / (COPY_TBPS * 1e12) * 1e3, timing=how)
+
+
+# Harness-only compile-time probes of the tc2 expert kernels (kernels/mxfp4_tc.cu MX2_DIAG; the base
+# twice, to show the drift within the call); K3_MX_DIAG replaces the list (define sets separated by
+# ";"), `K3_BENCH_ONLY=moe_tc2_diag`.
+MX_TC2_DIAG_VARIANTS = ((), ("-DMX2_DIAG=1",), ("-DMX2_DIAG=2",), ("-DMX2_DIAG=3",), ("-DMX2_DIAG=4",),
+                        ("-DMX2_DIAG=7",), ())
+
+
+def bench_moe_tc2_diag(d: Device, record):
+    """The tc2 up and down kernels alone at T = 4 / 16 / 64 (K3 expert sizes, top-16 of 128) under
+    each probe, against their weight bytes: what the decode, the mma and the weight copies each
+    cost. Variants without MX2_DIAG must equal the base's outputs bitwise."""
+    E, k, lt, ie = 128, 16, 3584, 3072
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device="cuda", generator=gen)  # noqa: E731
+    sc = lambda *s: torch.randint(118, 124, s, dtype=torch.uint8, device="cuda", generator=gen)  # noqa: E731
+    w = {"w1p": u8(E, ie, lt // 2), "w3p": u8(E, ie, lt // 2), "w2p": u8(E, lt, ie // 2),
+         "w1s": sc(E, ie, lt // 32), "w3s": sc(E, ie, lt // 32), "w2s": sc(E, lt, ie // 32)}
+    extra = [tuple(x.split()) for x in os.environ.get("K3_MX_DIAG", "").split(";") if x.strip()]
+    variants = ((), *extra) if extra else MX_TC2_DIAG_VARIANTS
+    for T in (4, 16, 64):
+        idx = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)]).int()
+        touched = int(idx.unique().numel())
+        z = torch.randn(T, lt, device="cuda", generator=gen)
+        offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
+        srt = torch.empty(T * k, dtype=torch.int32, device="cuda")
+        y = torch.empty(T * k, lt, device="cuda")
+        keep, zx, actx = mx_tc2_scratch(d, T, k, lt, ie)
+        V = {name: d.view(x) for name, x in (("idx", idx.reshape(-1)), ("off", offsets), ("srt", srt), ("z", z),
+                                              ("y", y), *w.items())}
+        d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
+        d.launch("mxfp4_tc2_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx, T, lt)
+        nt, gx = mx_tc2_ntiles(T), min(E, T * k)
+        up_b, down_b = touched * 2 * ie * (lt // 2 + lt // 32), touched * lt * (ie // 2 + ie // 32)
+        ref = None
+        for defs in variants:
+            def up(defs=defs):
+                d.launch("mxfp4_up_tc2_f32", (gx, cdiv(ie, MX_TC2_UP_ROWS)), 256, zx, V["w1p"], V["w1s"], V["w3p"],
+                         V["w3s"], V["off"], V["srt"], actx, k, lt, ie, 4.0, 25.0, 1, E, nt,
+                         shared_mem=mx_tc2_shared(nt), defines=defs)
+
+            def down(defs=defs):
+                d.launch("mxfp4_down_tc2_f32", (gx, cdiv(lt, MX_TC2_DOWN_ROWS)), 256, actx, V["w2p"], V["w2s"],
+                         V["off"], V["srt"], V["y"], lt, ie, E, nt, shared_mem=mx_tc2_shared(nt), defines=defs)
+            try:
+                same = ""
+                if not any("MX2_DIAG" in x for x in defs):
+                    keep[1].zero_()
+                    y.fill_(float("nan"))
+                    up()
+                    down()
+                    d.sync()
+                    out = (keep[1].clone(), y.clone())
+                    ref = out if ref is None else ref
+                    same = bool(torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]))
+                tag = " ".join(defs) or "base"
+                for name, fn, b in (("up", up, up_b), ("down", down, down_b)):
+                    ms, how = d.time_graph(fn)
+                    record(f"moe_tc2_diag [{tag}] {name} T={T}", ms, b / (COPY_TBPS * 1e12) * 1e3, timing=how,
+                           bitwise_equal_base=same)
+            except Exception as e:  # noqa: BLE001
+                log(f"bench moe_tc2_diag {defs} T={T} raised {type(e).__name__}: {str(e)[:200]}")
 
 
 def bench_moe_prefill(d: Device, record, quick: bool):
