@@ -8,7 +8,8 @@
 #      k3-slice (K3's per-layer shapes, dummy weights) on CUDA at decode batch 16/64, then one
 #      per-op profile (K3_PROFILE=1)
 # K3_BENCH_ONLY (e.g. "mla,moe"; "none") limits stage 1's kernel benchmarks to those sections
-# (kda_decode, kda_prefill, mla, mla_prefill, attn_res, moe, gemv, sampling);
+# (kda_decode, kda_prefill, mla, mla_prefill, attn_res, moe, gemv, sampling; the probes mla_diag,
+# mla_steady and moe_tc2_diag run only when named);
 # K3_SLICE_RUNS (default "default profile"; also "nogemm", "nographs", "mxtc", "candidates" = the
 # variables in K3_SLICE_CANDIDATES, e.g. "K3_MOE_PREFILL=gemm K3_MLA_DECODE=precise") picks stage 3's k3-slice runs.
 # K3_SERVING=1 adds stage 4, the seeds' serving workload on k3-slice (scripts/device-serving.sh).

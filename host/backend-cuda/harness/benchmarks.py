@@ -439,7 +439,8 @@ def bench_mla_steady(d: Device, record, rounds=6):
 
 def bench(d: Device, r: Results, quick: bool, only=None):
     """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, mla_proj,
-    mla_prefill, attn_res, moe, gemv, sampling; mla includes mla_proj)."""
+    mla_prefill, attn_res, moe, gemv, sampling; mla includes mla_proj and the torch SDPA comparison).
+    The probes run only when named: mla_diag, mla_steady, moe_tc2_diag."""
     def want(section):
         return not only or section in only
 
