@@ -125,6 +125,9 @@ impl SortedStep<'_> {
         Ok(StepDims {
             t,
             n,
+            lt: ex.latent,
+            ie: ex.inter,
+            e: ex.experts,
             ti: i(t, "tokens")?,
             kk: i(self.top_k, "top_k")?,
             lti: i(ex.latent, "latent")?,
@@ -134,11 +137,14 @@ impl SortedStep<'_> {
     }
 }
 
-/// [`SortedStep::dims`]: tokens, assignments, and the i32 kernel arguments (tokens, top-k,
-/// latent, intermediate, experts).
+/// [`SortedStep::dims`]: tokens, assignments, the experts' latent / intermediate widths and count,
+/// and the i32 kernel arguments (tokens, top-k, latent, intermediate, experts).
 pub(crate) struct StepDims {
     pub t: usize,
     pub n: usize,
+    pub lt: usize,
+    pub ie: usize,
+    pub e: usize,
     pub ti: i32,
     pub kk: i32,
     pub lti: i32,
@@ -206,32 +212,27 @@ impl CudaBackend {
 
     /// `out [T, latent] = Σ_j w[t,j] · expert_{idx[t,j]}(z_t)` for a step sorted by expert.
     pub(crate) fn moe_experts_grouped(&self, step: SortedStep<'_>) -> Result<DeviceMat> {
-        let SortedStep {
-            z,
-            ex,
-            offsets,
-            sorted,
-            situ,
-            ..
-        } = step;
-        let (lt, ie, e) = (ex.latent, ex.inter, ex.experts);
-        let d = step.dims()?;
-        let (t, n, ti, kk, lti, iei, ei) = (d.t, d.n, d.ti, d.kk, d.lti, d.iei, d.ei);
-        let up = grouped_launch(ie, GROUPED_UP_ROWS, lt, n, e)?;
-        let down = grouped_launch(lt, GROUPED_DOWN_ROWS, ie, n, e)?;
+        let (d, ex, situ) = (step.dims()?, step.ex, step.situ);
+        let (offsets, sorted) = (step.offsets, step.sorted);
+        let up = grouped_launch(d.ie, GROUPED_UP_ROWS, d.lt, d.n, d.e)?;
+        let down = grouped_launch(d.lt, GROUPED_DOWN_ROWS, d.ie, d.n, d.e)?;
         let (lin, has) = crate::ops::situ_linear_args(situ);
-        let (zx_len, actx_len, y_len) = (t * split_row_u16(lt), n * split_row_u16(ie), n * lt);
+        let (zx_len, actx_len, y_len) = (
+            d.t * split_row_u16(d.lt),
+            d.n * split_row_u16(d.ie),
+            d.n * d.lt,
+        );
         // Every element read is written first: the split pads z's rows, each up block writes its
         // whole super-step of its tokens' rows, the down blocks every row of a sorted assignment
         // and the combine reads only those.
         let run = |zx: &CudaSlice<u16>, actx: &CudaSlice<u16>, y: &CudaSlice<f32>| {
-            launch!(self, "mxfp4_tc2_split_f32", Launch::new((t, lt.div_ceil(128), 1), 32)?;
-                &z.buf, zx, &ti, &lti)?;
+            launch!(self, "mxfp4_tc2_split_f32", Launch::new((d.t, d.lt.div_ceil(128), 1), 32)?;
+                &step.z.buf, zx, &d.ti, &d.lti)?;
             launch!(self, "mxfp4_up_grouped_f32", up;
-                zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, offsets, sorted, actx, &kk, &lti, &iei,
-                &situ.beta, &lin, &has, &ei)?;
+                zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, offsets, sorted, actx, &d.kk, &d.lti,
+                &d.iei, &situ.beta, &lin, &has, &d.ei)?;
             launch!(self, "mxfp4_down_grouped_f32", down;
-                actx, &ex.w2.0, &ex.w2.1, offsets, sorted, y, &lti, &iei, &ei)?;
+                actx, &ex.w2.0, &ex.w2.1, offsets, sorted, y, &d.lti, &d.iei, &d.ei)?;
             self.combine_sorted(y, &step, &d)
         };
         self.with_grouped_scratch(zx_len, actx_len, y_len, run)
@@ -245,8 +246,8 @@ impl CudaBackend {
         step: &SortedStep<'_>,
         d: &StepDims,
     ) -> Result<DeviceMat> {
-        let out = self.output(d.t, step.ex.latent)?;
-        launch!(self, "moe_combine_ids_f32", geometry::elementwise(d.t * step.ex.latent)?;
+        let out = self.output(d.t, d.lt)?;
+        launch!(self, "moe_combine_ids_f32", geometry::elementwise(d.t * d.lt)?;
             y, step.idx, step.w, &out.buf, &d.ti, &d.kk, &d.lti, &d.ei)?;
         Ok(out)
     }

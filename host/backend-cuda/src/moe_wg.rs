@@ -105,39 +105,30 @@ impl CudaBackend {
     /// `out [T, latent] = Σ_j w[t,j] · expert_{idx[t,j]}(z_t)` for a step sorted by expert, on the
     /// wgmma kernels with activations as `act` says. Callers check [`wg_supported`] first.
     pub(crate) fn moe_experts_wg(&self, step: SortedStep<'_>, act: MoeAct) -> Result<DeviceMat> {
-        let SortedStep {
-            z,
-            ex,
-            offsets,
-            sorted,
-            situ,
-            ..
-        } = step;
-        let (lt, ie, e) = (ex.latent, ex.inter, ex.experts);
-        let d = step.dims()?;
-        let (t, n, ti, kk, lti, iei, ei) = (d.t, d.n, d.ti, d.kk, d.lti, d.iei, d.ei);
+        let (d, ex, situ) = (step.dims()?, step.ex, step.situ);
+        let (offsets, sorted) = (step.offsets, step.sorted);
         let planes = act.planes();
         let i = crate::ops::i32_of;
         let (pi, mi) = (i(planes, "planes")?, i(wg_mode(act), "mode")?);
-        let up = wg_launch(ie, WG_UP_ROWS, lt, n, e)?;
-        let down = wg_launch(lt, WG_DOWN_ROWS, ie, n, e)?;
+        let up = wg_launch(d.ie, WG_UP_ROWS, d.lt, d.n, d.e)?;
+        let down = wg_launch(d.lt, WG_DOWN_ROWS, d.ie, d.n, d.e)?;
         let (lin, has) = crate::ops::situ_linear_args(situ);
         let (zx_len, actx_len, y_len) = (
-            t * wg_row_u16(lt, planes),
-            n * wg_row_u16(ie, planes),
-            n * lt,
+            d.t * wg_row_u16(d.lt, planes),
+            d.n * wg_row_u16(d.ie, planes),
+            d.n * d.lt,
         );
         // Every element read is written first: the split pads z's rows, each up block writes its
         // groups of its tokens' rows, the down blocks every row of a sorted assignment and the
         // combine reads only those.
         let run = |zx: &CudaSlice<u16>, actx: &CudaSlice<u16>, y: &CudaSlice<f32>| {
-            launch!(self, "mxfp4_wg_split_f32", wg_split_launch(t, lt)?;
-                &z.buf, zx, &ti, &lti, &pi)?;
+            launch!(self, "mxfp4_wg_split_f32", wg_split_launch(d.t, d.lt)?;
+                &step.z.buf, zx, &d.ti, &d.lti, &pi)?;
             launch!(self, "mxfp4_up_wg_f32", up;
-                zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, offsets, sorted, actx, &kk, &lti, &iei,
-                &situ.beta, &lin, &has, &ei, &mi)?;
+                zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, offsets, sorted, actx, &d.kk, &d.lti,
+                &d.iei, &situ.beta, &lin, &has, &d.ei, &mi)?;
             launch!(self, "mxfp4_down_wg_f32", down;
-                actx, &ex.w2.0, &ex.w2.1, offsets, sorted, y, &lti, &iei, &ei, &mi)?;
+                actx, &ex.w2.0, &ex.w2.1, offsets, sorted, y, &d.lti, &d.iei, &d.ei, &mi)?;
             self.combine_sorted(y, &step, &d)
         };
         self.with_grouped_scratch(zx_len, actx_len, y_len, run)
