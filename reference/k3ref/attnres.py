@@ -1,4 +1,4 @@
-"""Block Attention Residuals (k3-architecture.md §3.2)."""
+"""Block Attention Residuals (docs/k3-model.md §5)."""
 import torch
 import torch.nn as nn
 

@@ -163,7 +163,7 @@ class K3Config:
 
 
 def k3_mini() -> K3Config:
-    """The embedded default (ARCHITECTURE.md §8)."""
+    """The embedded default (docs/k3-model.md §1, k3-mini)."""
     return K3Config()
 
 
@@ -180,7 +180,7 @@ def k3_slice() -> K3Config:
 
 
 def kimi_k3() -> K3Config:
-    """The published Kimi K3 text decoder shapes (k3-architecture.md §0.1)."""
+    """The published Kimi K3 text decoder shapes (docs/k3-model.md §1)."""
     full = [4 * i for i in range(1, 24)] + [93]
     return k3_slice().replace(
         num_hidden_layers=93, attn_res_block_size=12, num_experts=896,

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention: gate, short conv, token-recurrent and chunked (WY/UT) forms (k3-architecture.md §1).
+"""Kimi Delta Attention: gate, short conv, token-recurrent and chunked (WY/UT) forms (docs/k3-model.md §3).
 
 Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g (log decay, <= 0) [B, T, H, K]; beta [B, T, H];
 state S [B, H, K, V] (S[k][v]). `emit_at` lists token counts n (1..T) after which the state is also returned:

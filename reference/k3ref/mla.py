@@ -1,4 +1,4 @@
-"""Gated NoPE MLA: naive (expanded) and absorbed (latent-only) forms (k3-architecture.md §2)."""
+"""Gated NoPE MLA: naive (expanded) and absorbed (latent-only) forms (docs/k3-model.md §4)."""
 from __future__ import annotations
 
 import torch

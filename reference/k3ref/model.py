@@ -1,4 +1,4 @@
-"""The K3 decoder (k3-architecture.md §0.2) with module names matching K3's tensor names (docs/model-format.md)."""
+"""The K3 decoder (docs/k3-model.md §2) with module names matching K3's tensor names (docs/model-format.md)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Router (sigmoid + selection bias, top-k) and K3's Stable LatentMoE with MXFP4 experts (k3-architecture.md §4)."""
+"""Router (sigmoid + selection bias, top-k) and K3's Stable LatentMoE with MXFP4 experts (docs/k3-model.md §6)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""SiTU activation and the SiTU-GLU MLP (k3-architecture.md §4.4)."""
+"""SiTU activation and the SiTU-GLU MLP (docs/k3-model.md §6)."""
 import torch
 import torch.nn as nn
 

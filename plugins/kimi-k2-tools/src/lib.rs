@@ -1,4 +1,4 @@
-//! The legacy Kimi K2 tool-call grammar (kimi-k3-format.md §4):
+//! The legacy Kimi K2 tool-call grammar (docs/k3-format.md §7):
 //! `<|tool_calls_section_begin|>` ( `<|tool_call_begin|>` ID `<|tool_call_argument_begin|>` JSON
 //! `<|tool_call_end|>` )+ `<|tool_calls_section_end|>`, ID = `functions.NAME:IDX`.
 //!

@@ -1,4 +1,4 @@
-//! Kimi K3 output parsers as a plain Rust library (kimi-k3-format.md §3). The
+//! Kimi K3 output parsers as a plain Rust library (docs/k3-format.md §5). The
 //! `kimi-k3-reasoning` and `kimi-k3-tools` plugins wrap these types; natively they are tested
 //! with `cargo test`, and the host's benchmark compares them with their wasm builds.
 //!

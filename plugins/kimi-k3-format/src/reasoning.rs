@@ -1,6 +1,6 @@
 //! The K3 reasoning parser: think channel → reasoning, everything else → content.
 //!
-//! Rules (kimi-k3-format.md §3):
+//! Rules (docs/k3-format.md §5, reasoning parser):
 //! - starts inside reasoning when thinking is on and the prompt opened the think channel;
 //! - `<|close|>think<|sep|>` ends reasoning, a later `<|open|>think<|sep|>` re-opens it, so the
 //!   end of reasoning is the last close after the last open; a close outside reasoning (stale,

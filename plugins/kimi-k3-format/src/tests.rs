@@ -1,4 +1,4 @@
-//! Conformance tests (kimi-k3-format.md §3) and the chunking property test.
+//! Conformance tests (docs/k3-format.md §5) and the chunking property test.
 
 use k3_plugin_sdk::testing::{assert_chunking_invariant, parse_split_at};
 use k3_plugin_sdk::{
@@ -352,7 +352,7 @@ fn json_type(v: &Value) -> &'static str {
     }
 }
 
-/// Write the sample as the model would (kimi-k3-format.md §2-3).
+/// Write the sample as the model would (docs/k3-format.md §2, §4).
 fn render(s: &Sample) -> String {
     let mut out = String::new();
     if s.think {

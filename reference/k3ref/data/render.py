@@ -1,7 +1,7 @@
 """Canonical renderer of the Kimi K3 chat format ("XTML") for k3-mini.
 
 This is the reference the Jinja chat template (``chat_template.jinja``) must match byte for byte.
-Format: /work/shared/design/kimi-k3-format.md sections 1-3.  Choices this file fixes (documented
+Format: docs/k3-format.md §1-4.  Choices this file fixes (documented
 because the format leaves them open):
 
 * JSON (tool declarations, response-format schemas, non-string tool-call argument values) is
