@@ -2,7 +2,8 @@
 //! wraps, after checking both give the same ids. Driven by `scripts/bench-tokenizer.py`, which
 //! adds the Python `tokenizers` and `fastokens` to the same run.
 //!
-//! Usage: `bench_tokenizer MODEL_DIR REPEATS FILE...`; prints one JSON object per file.
+//! Usage: `bench_tokenizer [--ours-only] MODEL_DIR REPEATS FILE...`; prints one JSON object per
+//! file. `--ours-only` skips timing `tokenizers` (for profiling).
 
 use std::time::Instant;
 
@@ -22,7 +23,11 @@ fn median_ms(repeats: usize, mut f: impl FnMut() -> usize) -> f64 {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let ours_only = args.first().is_some_and(|a| a == "--ours-only");
+    if ours_only {
+        args.remove(0);
+    }
     let [model_dir, repeats, files @ ..] = args.as_slice() else {
         return Err("usage: bench_tokenizer MODEL_DIR REPEATS FILE...".into());
     };
@@ -40,10 +45,14 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             return Err(format!("{file}: ids differ from tokenizers").into());
         }
         let ours_ms = median_ms(repeats, || tok.encode(&text).map_or(0, |ids| ids.len()));
-        let hf_ms = median_ms(repeats, || {
-            hf.encode(text.as_str(), false)
-                .map_or(0, |e| e.get_ids().len())
-        });
+        let hf_ms = if ours_only {
+            f64::NAN
+        } else {
+            median_ms(repeats, || {
+                hf.encode(text.as_str(), false)
+                    .map_or(0, |e| e.get_ids().len())
+            })
+        };
         println!(
             "{}",
             serde_json::json!({

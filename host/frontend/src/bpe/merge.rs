@@ -105,7 +105,11 @@ impl Bpe {
         symbols.extend(word.iter().enumerate().map(|(i, &b)| Symbol {
             id: self.byte_ids[b as usize],
             prev: if i == 0 { NONE } else { i as u32 - 1 },
-            next: if i as u32 + 1 == n { NONE } else { i as u32 + 1 },
+            next: if i as u32 + 1 == n {
+                NONE
+            } else {
+                i as u32 + 1
+            },
             alive: true,
         }));
         for i in 0..symbols.len().saturating_sub(1) {
@@ -173,6 +177,7 @@ impl<'t> WordCache<'t> {
         let start = self.ids.len();
         bpe.merge(word, &mut self.scratch, &mut self.ids);
         out.extend_from_slice(&self.ids[start..]);
-        self.spans.insert(word, (start as u32, self.ids.len() as u32));
+        self.spans
+            .insert(word, (start as u32, self.ids.len() as u32));
     }
 }

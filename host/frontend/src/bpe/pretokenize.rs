@@ -231,7 +231,9 @@ mod tests {
         let d = DigitSplit::Individual;
         assert_eq!(
             words("Hello  world's 123!\n\n  x", d),
-            ["Hello", " ", " world", "'s", " ", "1", "2", "3", "!", "\n\n ", " x"]
+            [
+                "Hello", " ", " world", "'s", " ", "1", "2", "3", "!", "\n\n ", " x"
+            ]
         );
         assert_eq!(words("a  b", d), ["a", " ", " b"]);
         assert_eq!(words("a\n\n  b", d), ["a", "\n\n ", " b"]);
@@ -241,8 +243,14 @@ mod tests {
         assert_eq!(words("a 12", DigitSplit::None), ["a", " 12"]);
         assert_eq!(words("a  12", DigitSplit::None), ["a", " ", " 12"]);
         assert_eq!(words("a  12", d), ["a", "  ", "1", "2"]);
-        assert_eq!(words("a 12b", DigitSplit::Contiguous), ["a", " ", "12", "b"]);
-        assert_eq!(words("don't 'll ''s", d), ["don", "'t", " '", "ll", " ''", "s"]);
+        assert_eq!(
+            words("a 12b", DigitSplit::Contiguous),
+            ["a", " ", "12", "b"]
+        );
+        assert_eq!(
+            words("don't 'll ''s", d),
+            ["don", "'t", " '", "ll", " ''", "s"]
+        );
         assert_eq!(words("x.'s", d), ["x", ".'", "s"]);
         assert_eq!(words("日本語 ok", d), ["日本語", " ok"]);
     }
