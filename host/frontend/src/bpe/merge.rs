@@ -14,6 +14,8 @@ pub(crate) struct Bpe {
     byte_ids: [u32; 256],
     /// `(left id, right id)` packed in a `u64` → `(rank, merged id)`.
     merges: FxHashMap<u64, (u32, u32)>,
+    /// Merged id of each rank in `merges` (ranks not in it: unused).
+    rank_ids: Vec<u32>,
     /// Pre-tokens that are one token: vocabulary entries that BPE of their own bytes reaches in
     /// one piece (or every entry, when the model ignores merges for whole-vocabulary words).
     whole: FxHashMap<Box<[u8]>, u32>,
@@ -29,11 +31,54 @@ struct Symbol {
 
 const NONE: u32 = u32::MAX;
 
+/// Words up to this many bytes queue their merges in a plain list scanned for its minimum,
+/// cheaper than a heap at that size; the order popped is the same.
+const LIST_QUEUE_MAX: usize = 16;
+
+/// Pending merges keyed `rank << 32 | position`, popped smallest first: lowest rank, then
+/// leftmost, the order of `tokenizers`' heap. Equal keys are the same merge, so ties do not
+/// matter.
+#[derive(Default)]
+struct Queue {
+    list: Vec<u64>,
+    heap: BinaryHeap<Reverse<u64>>,
+    use_list: bool,
+}
+
+impl Queue {
+    fn reset(&mut self, word_len: usize) {
+        self.list.clear();
+        self.heap.clear();
+        self.use_list = word_len <= LIST_QUEUE_MAX;
+    }
+
+    #[inline]
+    fn push(&mut self, rank: u32, pos: usize) {
+        let key = ((rank as u64) << 32) | pos as u64;
+        if self.use_list {
+            self.list.push(key);
+        } else {
+            self.heap.push(Reverse(key));
+        }
+    }
+
+    #[inline]
+    fn pop(&mut self) -> Option<(u32, usize)> {
+        let key = if self.use_list {
+            let (i, _) = self.list.iter().enumerate().min_by_key(|&(_, k)| *k)?;
+            self.list.swap_remove(i)
+        } else {
+            self.heap.pop()?.0
+        };
+        Some(((key >> 32) as u32, key as u32 as usize))
+    }
+}
+
 /// Buffers reused across words.
 #[derive(Default)]
 pub(crate) struct Scratch {
     symbols: Vec<Symbol>,
-    heap: BinaryHeap<Reverse<(u32, u32, u32)>>,
+    queue: Queue,
 }
 
 #[inline]
@@ -55,6 +100,7 @@ impl Bpe {
             *id = *vocab.get(&[b as u8][..])?;
         }
         let mut merge_map = FxHashMap::default();
+        let mut rank_ids = vec![0; merges.len()];
         for (rank, (a, b)) in merges.iter().enumerate() {
             let joined: Vec<u8> = a.iter().chain(b).copied().collect();
             let (a, b, m) = (
@@ -64,10 +110,12 @@ impl Bpe {
             );
             // As `tokenizers`: a repeated pair keeps its last rank.
             merge_map.insert(pair(*a, *b), (rank as u32, *m));
+            rank_ids[rank] = *m;
         }
         let mut bpe = Bpe {
             byte_ids,
             merges: merge_map,
+            rank_ids,
             whole: FxHashMap::default(),
         };
         let mut whole = FxHashMap::default();
@@ -98,9 +146,9 @@ impl Bpe {
 
     /// Appends the ids of `word` (non-empty) to `out`.
     pub(crate) fn merge(&self, word: &[u8], scratch: &mut Scratch, out: &mut Vec<u32>) {
-        let Scratch { symbols, heap } = scratch;
+        let Scratch { symbols, queue } = scratch;
         symbols.clear();
-        heap.clear();
+        queue.reset(word.len());
         let n = word.len() as u32;
         symbols.extend(word.iter().enumerate().map(|(i, &b)| Symbol {
             id: self.byte_ids[b as usize],
@@ -113,13 +161,12 @@ impl Bpe {
             alive: true,
         }));
         for i in 0..symbols.len().saturating_sub(1) {
-            if let Some(&(rank, new_id)) = self.merges.get(&pair(symbols[i].id, symbols[i + 1].id))
-            {
-                heap.push(Reverse((rank, i as u32, new_id)));
+            if let Some(&(rank, _)) = self.merges.get(&pair(symbols[i].id, symbols[i + 1].id)) {
+                queue.push(rank, i);
             }
         }
-        while let Some(Reverse((_, pos, new_id))) = heap.pop() {
-            let pos = pos as usize;
+        while let Some((rank, pos)) = queue.pop() {
+            let new_id = self.rank_ids[rank as usize];
             let cur = symbols[pos];
             if !cur.alive || cur.next == NONE {
                 continue;
@@ -138,14 +185,14 @@ impl Bpe {
             }
             if cur.prev != NONE {
                 let prev = cur.prev as usize;
-                if let Some(&(rank, id)) = self.merges.get(&pair(symbols[prev].id, new_id)) {
-                    heap.push(Reverse((rank, prev as u32, id)));
+                if let Some(&(rank, _)) = self.merges.get(&pair(symbols[prev].id, new_id)) {
+                    queue.push(rank, prev);
                 }
             }
             if right.next != NONE {
                 let next = symbols[right.next as usize].id;
-                if let Some(&(rank, id)) = self.merges.get(&pair(new_id, next)) {
-                    heap.push(Reverse((rank, pos as u32, id)));
+                if let Some(&(rank, _)) = self.merges.get(&pair(new_id, next)) {
+                    queue.push(rank, pos);
                 }
             }
         }
