@@ -23,12 +23,12 @@ use serde_json::Value;
 use merge::{Bpe, WordCache};
 use pretokenize::{CharClasses, DigitSplit};
 
-/// Inputs shorter than this are encoded on the calling thread: below it, splitting costs more
-/// (each piece rebuilds its word cache; the pool's threads compete with the server's) than the
-/// second core gives back.
-const PARALLEL_MIN_BYTES: usize = 256 * 1024;
+/// Inputs shorter than this are encoded on the calling thread: each piece rebuilds its word
+/// cache and the pool's threads compete with the server's, so on a two-core host splitting did
+/// not pay even at half a megabyte.
+const PARALLEL_MIN_BYTES: usize = 1024 * 1024;
 /// Smallest piece of work handed to another thread.
-const CHUNK_MIN_BYTES: usize = 64 * 1024;
+const CHUNK_MIN_BYTES: usize = 256 * 1024;
 
 /// Added tokens matched by one automaton, as `tokenizers` does: leftmost-longest.
 struct AddedSet {
