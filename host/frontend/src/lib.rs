@@ -1,6 +1,7 @@
 //! One request's path through the frontend. For now: the tokenizer (prompt text → ids) and the
 //! incremental detokenizer (generated ids → text deltas, special tokens kept for the parsers).
 
+mod bpe;
 mod detokenizer;
 mod tokenizer;
 

@@ -1,10 +1,18 @@
 //! The model's tokenizer: `tokenizer.json` (through the `tokenizers` crate) plus the bits of
 //! `tokenizer_config.json` the server needs (chat template, bos/eos/pad).
+//!
+//! Encoding takes one of two paths, chosen at load time: byte-level BPE tokenizers of the GPT-2
+//! family (k3-mini's kind) go through [`crate::bpe`], which gives the same ids several times
+//! faster; any other `tokenizer.json` is encoded by the `tokenizers` crate. Decoding always goes
+//! through the byte table or `tokenizers`, both exact.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::Value;
+
+use crate::bpe::FastEncoder;
 
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
@@ -46,6 +54,19 @@ pub enum TokenizerError {
     Decode(String),
 }
 
+/// How text becomes ids.
+#[derive(Debug, Clone)]
+enum Encoder {
+    /// The hand-written byte-level BPE path.
+    Fast(Arc<FastEncoder>),
+    /// `tokenizers` for everything else; `text` is a copy that reads special tokens as text.
+    General {
+        text: Box<tokenizers::Tokenizer>,
+        /// Why the fast path does not apply.
+        reason: String,
+    },
+}
+
 /// A special token named in `tokenizer_config.json` (e.g. `eos_token`), with its id.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NamedToken {
@@ -57,6 +78,8 @@ pub struct NamedToken {
 #[derive(Debug, Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The encoding path, decided at load time.
+    encoder: Encoder,
     chat_template: Option<String>,
     bos: Option<NamedToken>,
     eos: Option<NamedToken>,
@@ -150,8 +173,20 @@ impl Tokenizer {
             Some(tokenizers::DecoderWrapper::ByteLevel(_)) => Some(byte_level_token_table(&inner)),
             _ => None,
         };
+        let encoder = match FastEncoder::from_hf(&inner) {
+            Ok(fast) => Encoder::Fast(Arc::new(fast)),
+            Err(reason) => {
+                let mut text = inner.clone();
+                text.set_encode_special_tokens(true);
+                Encoder::General {
+                    text: Box::new(text),
+                    reason,
+                }
+            }
+        };
         Ok(Self {
             inner,
+            encoder,
             chat_template,
             bos,
             eos,
@@ -167,6 +202,17 @@ impl Tokenizer {
         self.encode_with(text, false)
     }
 
+    /// Token ids of client-supplied `text`: special-token spellings in it are read as ordinary
+    /// text (`<|open|>` becomes the BPE tokens of those characters), exactly as `tokenizers` with
+    /// `encode_special_tokens` does, so message content cannot forge markers. Non-special added
+    /// tokens still match. Nothing is added around the text.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        match &self.encoder {
+            Encoder::Fast(fast) => Ok(fast.encode(text, false)),
+            Encoder::General { text: general, .. } => hf_ids(general, text, false),
+        }
+    }
+
     /// As [`Tokenizer::encode`]; `add_special_tokens` runs the tokenizer's post-processor (bos/eos
     /// templates), if it has one.
     pub fn encode_with(
@@ -174,10 +220,27 @@ impl Tokenizer {
         text: &str,
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, TokenizerError> {
-        self.inner
-            .encode(text, add_special_tokens)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TokenizerError::Encode(e.to_string()))
+        match &self.encoder {
+            Encoder::Fast(fast)
+                if !add_special_tokens || self.inner.get_post_processor().is_none() =>
+            {
+                Ok(fast.encode(text, true))
+            }
+            _ => hf_ids(&self.inner, text, add_special_tokens),
+        }
+    }
+
+    /// Whether encoding takes the fast byte-level BPE path (else `tokenizers`).
+    pub fn uses_fast_encoder(&self) -> bool {
+        matches!(self.encoder, Encoder::Fast(_))
+    }
+
+    /// Why encoding falls back to `tokenizers`; `None` on the fast path.
+    pub fn fast_encoder_unavailable(&self) -> Option<&str> {
+        match &self.encoder {
+            Encoder::Fast(_) => None,
+            Encoder::General { reason, .. } => Some(reason),
+        }
     }
 
     /// Text of `ids` with special tokens kept verbatim (no spaces inserted between them).
@@ -269,6 +332,18 @@ impl Tokenizer {
     }
 }
 
+/// Ids of `text` through `tokenizers`.
+fn hf_ids(
+    tokenizer: &tokenizers::Tokenizer,
+    text: &str,
+    add_special_tokens: bool,
+) -> Result<Vec<u32>, TokenizerError> {
+    tokenizer
+        .encode(text, add_special_tokens)
+        .map(|e| e.get_ids().to_vec())
+        .map_err(|e| TokenizerError::Encode(e.to_string()))
+}
+
 /// A special-token field: absent/null, a string, or an AddedToken object `{"content": …}`.
 fn special_token_text(
     config: &Value,
@@ -345,7 +420,7 @@ fn byte_level_token_table(inner: &tokenizers::Tokenizer) -> Vec<Option<Box<[u8]>
 
 /// Inverse of GPT-2's byte → printable-character table: printable Latin-1 bytes stand for
 /// themselves, the other 68 bytes are shifted, in order, to U+0100.. U+0143.
-fn byte_level_char_to_byte() -> Vec<Option<u8>> {
+pub(crate) fn byte_level_char_to_byte() -> Vec<Option<u8>> {
     let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
     let mut table = vec![None; 256 + 68];
     let mut shifted = 0;

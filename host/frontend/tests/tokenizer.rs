@@ -157,6 +157,12 @@ fn loads_config_fields() {
     assert_eq!(tok.special_token_ids().len(), SPECIALS.len());
     assert!(!tok.is_special(tok.encode("a").unwrap()[0]));
     assert!(tok.vocab_size() > 256);
+    // The training script's shape is the one the fast encoder reproduces.
+    assert!(
+        tok.uses_fast_encoder(),
+        "{:?}",
+        tok.fast_encoder_unavailable()
+    );
 }
 
 #[test]
