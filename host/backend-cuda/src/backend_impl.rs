@@ -3,9 +3,7 @@
 //! backend to ~1e-5), everything else through the NVRTC kernels of `ops.rs`.
 //!
 //! All work is queued on the backend's one stream; only `to_host` and `arena_read` wait for it.
-//! The trait's ops are mostly infallible, so a failure is recorded (the first one wins), every
-//! later op is skipped (returning correctly shaped placeholders), and the executor turns the
-//! recorded error into `ExecError::Backend` at the end of the step (`Backend::take_error`).
+//! Every op returns its error ([`CudaError`] as a `BackendError`), so a failed step stops there.
 
 use crate::device::{CudaBackend, DeviceLinear, DeviceMat, exact_bf16};
 use crate::error::{CudaError, Result};
@@ -14,85 +12,21 @@ use crate::ops::{DeviceExperts, KdaIn, KdaSlot, KdaWeights};
 use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use k3_model::backend::{
-    Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
-    MxMatrixHost, RouterParams, SituParams,
+    Backend, BackendError, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom,
+    MxExpertsHost, MxMatrixHost, OpResult, RouterParams, SituParams,
 };
 use k3_model::exec::ExecError;
 
 impl CudaBackend {
-    /// Remember `e` unless an earlier error is already recorded.
-    pub(crate) fn record(&self, e: CudaError) {
-        if self.step.recording() {
-            // A logged pass (graph.rs) that fails is abandoned and the step rerun eagerly,
-            // which reports the failure for real if it recurs.
-            self.step.abort(|| e.to_string());
-            return;
-        }
-        let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_none() {
-            *slot = Some(e.to_string());
-        }
-    }
-
-    /// The recorded error, if any (without clearing it).
-    pub fn error(&self) -> Option<String> {
-        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
-    fn failed(&self) -> bool {
-        if self.step.recording() && self.step.aborted() {
-            return true;
-        }
-        self.error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some()
-    }
-
-    /// A stand-in result of shape `rows x cols` after a failure. Tries a real (zeroed) buffer of
-    /// that size, then a 1-element one; if even that fails the context is unusable and there is
-    /// nothing sensible left to return.
-    pub(crate) fn placeholder(&self, rows: usize, cols: usize) -> DeviceMat {
-        if let Ok(m) = self.zeros(rows, cols) {
-            return m;
-        }
-        match self.stream.alloc_zeros::<f32>(1) {
-            Ok(buf) => DeviceMat { rows, cols, buf },
-            Err(e) => panic!(
-                "CUDA context unusable ({e}) after: {}",
-                self.error().unwrap_or_default()
-            ),
-        }
-    }
-
-    /// Run a fallible op producing a matrix of shape `rows x cols`; on failure record it and
-    /// return a placeholder. Skipped entirely once an error is recorded.
-    fn mat_or(&self, rows: usize, cols: usize, f: impl FnOnce() -> Result<DeviceMat>) -> DeviceMat {
-        if self.failed() {
-            return self.placeholder(rows, cols);
-        }
-        match self.bound().and_then(|()| f()) {
-            Ok(m) => m,
-            Err(e) => {
-                self.record(e);
-                self.placeholder(rows, cols)
-            }
-        }
-    }
-
     /// Make our context current on the calling thread: the engine runs the executor on its own
     /// thread, and raw driver / cuBLAS calls use the thread's current context.
     fn bound(&self) -> Result<()> {
         Ok(self.ctx.bind_to_thread()?)
     }
 
-    fn unit_or(&self, f: impl FnOnce() -> Result<()>) {
-        if self.failed() {
-            return;
-        }
-        if let Err(e) = self.bound().and_then(|()| f()) {
-            self.record(e);
-        }
+    /// Run one op of the `Backend` trait with the context bound, its error as the trait's.
+    fn op<T>(&self, f: impl FnOnce() -> Result<T>) -> OpResult<T> {
+        self.bound().and_then(|()| f()).map_err(BackendError::from)
     }
 
     /// `y = x Wᵀ` for row-major `x [M, K]` and `w [N, K]`. Column-major cuBLAS sees `x` as
@@ -423,18 +357,6 @@ impl CudaBackend {
     }
 
     /// Run a fallible mixer op: refused once an earlier failure is recorded, on our context.
-    fn checked<T>(&self, f: impl FnOnce() -> Result<T>) -> std::result::Result<T, ExecError> {
-        if let Some(e) = self.error() {
-            return Err(ExecError::Backend(e));
-        }
-        self.bound().and_then(|()| f()).map_err(backend_err)
-    }
-
-    /// MLA for the new tokens of several sequences (rows `spans[i]` of `q` / `kv_a` belong to
-    /// the sequence cached at `locs[i]`), in one launch sequence: every token is an item
-    /// attending over its causal prefix of `start_pos + j + 1` rows (all rows are appended
-    /// first, on the same stream). Spans of `MLA_EXPANDED_MIN_TOKENS` or more new tokens take
-    /// the expanded form instead (`mla_seqs_split`).
     #[allow(clippy::too_many_arguments)]
     fn mla_seqs(
         &self,
@@ -581,10 +503,6 @@ fn bucket(n: usize) -> usize {
     n.next_power_of_two()
 }
 
-fn backend_err(e: CudaError) -> ExecError {
-    ExecError::Backend(e.to_string())
-}
-
 impl Backend for CudaBackend {
     type Act = DeviceMat;
     type Linear = DeviceLinear;
@@ -592,206 +510,136 @@ impl Backend for CudaBackend {
     type Experts = DeviceExperts;
     type Arena = CudaSlice<f32>;
 
-    fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> DeviceLinear {
-        let placeholder = |be: &Self| DeviceLinear {
-            rows,
-            cols,
-            bf16: None,
-            f32: be.placeholder(rows, cols).into(),
-        };
-        if self.failed() {
-            return placeholder(self);
-        }
-        match self
-            .bound()
-            .and_then(|()| self.upload_linear(rows, cols, &data))
-        {
-            Ok(w) => w,
-            Err(e) => {
-                self.record(e);
-                placeholder(self)
-            }
-        }
+    fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> OpResult<DeviceLinear> {
+        self.op(|| self.upload_linear(rows, cols, &data))
     }
 
-    fn vector(&self, data: Vec<f32>) -> CudaSlice<f32> {
-        let n = data.len();
-        let up = || -> Result<CudaSlice<f32>> {
-            if n == 0 {
+    fn vector(&self, data: Vec<f32>) -> OpResult<CudaSlice<f32>> {
+        self.op(|| {
+            if data.is_empty() {
                 return Ok(self.stream.alloc_zeros::<f32>(1)?);
             }
             self.upload_slice(&data)
-        };
-        if !self.failed() {
-            match up() {
-                Ok(v) => return v,
-                Err(e) => self.record(e),
-            }
-        }
-        self.placeholder(1, n.max(1)).buf
+        })
     }
 
-    fn experts(&self, host: MxExpertsHost) -> DeviceExperts {
-        if !self.failed() {
-            match self.upload_experts(&host) {
-                Ok(e) => return e,
-                Err(e) => self.record(e),
-            }
-        }
-        // Never launched: every later op is skipped once an error is recorded.
-        let b = || -> CudaSlice<u8> {
-            self.stream
-                .alloc_zeros::<u8>(1)
-                .unwrap_or_else(|e| panic!("CUDA context unusable: {e}"))
-        };
-        DeviceExperts {
-            experts: host.num_experts,
-            latent: host.latent,
-            inter: host.inter,
-            w1: (b(), b()),
-            w3: (b(), b()),
-            w2: (b(), b()),
-        }
+    fn experts(&self, host: MxExpertsHost) -> OpResult<DeviceExperts> {
+        self.op(|| self.upload_experts(&host))
     }
 
-    fn arena(&self, bytes: usize) -> CudaSlice<f32> {
-        let a = self.placeholder_arena(bytes);
-        let base = cudarc::driver::DevicePtr::device_ptr(&a, &self.stream).0;
-        self.step.add_arena(base, a.len() * 4);
-        a
+    fn arena(&self, bytes: usize) -> OpResult<CudaSlice<f32>> {
+        self.op(|| {
+            // At least one float, so the buffer exists.
+            let a = self.stream.alloc_zeros::<f32>((bytes / 4).max(1))?;
+            let base = cudarc::driver::DevicePtr::device_ptr(&a, &self.stream).0;
+            self.step.add_arena(base, a.len() * 4);
+            Ok(a)
+        })
     }
 
     fn arena_len(&self, arena: &CudaSlice<f32>) -> usize {
         arena.len() * 4
     }
 
-    fn arena_copy(&self, arena: &mut CudaSlice<f32>, src: usize, dst: usize, len: usize) {
-        self.unit_or(|| self.arena_copy_bytes(arena, src, dst, len));
+    fn arena_copy(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        src: usize,
+        dst: usize,
+        len: usize,
+    ) -> OpResult<()> {
+        self.op(|| self.arena_copy_bytes(arena, src, dst, len))
     }
 
-    fn arena_zero(&self, arena: &mut CudaSlice<f32>, offset: usize, len: usize) {
-        self.unit_or(|| self.arena_zero_bytes(arena, offset, len));
+    fn arena_zero(&self, arena: &mut CudaSlice<f32>, offset: usize, len: usize) -> OpResult<()> {
+        self.op(|| self.arena_zero_bytes(arena, offset, len))
     }
 
-    fn arena_read(&self, arena: &CudaSlice<f32>, offset: usize, len: usize) -> Vec<u8> {
-        if !self.failed() {
-            match self
-                .bound()
-                .and_then(|()| self.arena_read_bytes(arena, offset, len))
-            {
-                Ok(v) => return v,
-                Err(e) => self.record(e),
-            }
-        }
-        vec![0; len]
+    fn arena_read(&self, arena: &CudaSlice<f32>, offset: usize, len: usize) -> OpResult<Vec<u8>> {
+        self.op(|| self.arena_read_bytes(arena, offset, len))
     }
 
-    fn to_host(&self, a: &DeviceMat) -> Vec<f32> {
-        if !self.failed() {
-            match self.bound().and_then(|()| self.download(a)) {
-                Ok(v) => return v,
-                Err(e) => self.record(e),
-            }
-        }
-        vec![0.0; a.rows * a.cols]
+    fn to_host(&self, a: &DeviceMat) -> OpResult<Vec<f32>> {
+        self.op(|| self.download(a))
     }
 
     fn rows(&self, a: &DeviceMat) -> usize {
         a.rows
     }
 
-    fn top_k_rows(&self, a: &DeviceMat, k: usize) -> Vec<Vec<(u32, f32)>> {
+    fn top_k_rows(&self, a: &DeviceMat, k: usize) -> OpResult<Vec<Vec<(u32, f32)>>> {
         if k == 0 || k > crate::ops::TOPK_MAX {
-            // Beyond the kernel's sort: the rows themselves (the trait's host selection).
-            return k3_model::exec::top_k_of_rows(&self.to_host(a), a.rows, k);
+            return Ok(k3_model::exec::top_k_of_rows(&self.to_host(a)?, a.rows, k));
         }
-        if !self.failed() {
-            match self
-                .bound()
-                .and_then(|()| CudaBackend::top_k_rows(self, a, k))
-            {
-                Ok(v) => return v,
-                Err(e) => self.record(e),
-            }
-        }
-        Vec::new()
+        self.op(|| CudaBackend::top_k_rows(self, a, k))
     }
 
-    fn slice_rows(&self, a: &DeviceMat, start: usize, end: usize) -> DeviceMat {
+    fn slice_rows(&self, a: &DeviceMat, start: usize, end: usize) -> OpResult<DeviceMat> {
         self.timed(
             || "slice_rows".into(),
-            || {
-                self.mat_or(end.saturating_sub(start), a.cols, || {
-                    self.rows_of(a, start, end)
-                })
-            },
+            || self.op(|| self.rows_of(a, start, end)),
         )
     }
 
-    fn concat_rows(&self, parts: &[&DeviceMat]) -> DeviceMat {
-        let rows = parts.iter().map(|m| m.rows).sum();
-        let cols = parts.first().map_or(0, |m| m.cols);
-        self.timed(
-            || "concat_rows".into(),
-            || self.mat_or(rows, cols, || self.concat(parts)),
-        )
+    fn concat_rows(&self, parts: &[&DeviceMat]) -> OpResult<DeviceMat> {
+        self.timed(|| "concat_rows".into(), || self.op(|| self.concat(parts)))
     }
 
-    fn embed(&self, table: &DeviceLinear, ids: &[u32]) -> DeviceMat {
+    fn embed(&self, table: &DeviceLinear, ids: &[u32]) -> OpResult<DeviceMat> {
         self.timed(
             || "embed".into(),
-            || self.mat_or(ids.len(), table.cols, || self.embed_rows(table, ids)),
+            || self.op(|| self.embed_rows(table, ids)),
         )
     }
 
-    fn matmul(&self, x: &DeviceMat, w: &DeviceLinear) -> DeviceMat {
+    fn matmul(&self, x: &DeviceMat, w: &DeviceLinear) -> OpResult<DeviceMat> {
         self.timed(
             || {
                 let ty = if w.bf16.is_some() { "bf16" } else { "f32" };
                 format!("matmul {}x{} {ty} (M={})", w.rows, w.cols, bucket(x.rows))
             },
-            || self.mat_or(x.rows, w.rows, || self.matmul_linear(x, w)),
+            || self.op(|| self.matmul_linear(x, w)),
         )
     }
 
-    fn rms_norm(&self, x: &DeviceMat, w: &CudaSlice<f32>, eps: f32) -> DeviceMat {
+    fn rms_norm(&self, x: &DeviceMat, w: &CudaSlice<f32>, eps: f32) -> OpResult<DeviceMat> {
         self.timed(
             || "rms_norm".into(),
-            || self.mat_or(x.rows, x.cols, || CudaBackend::rms_norm(self, x, w, eps)),
+            || self.op(|| CudaBackend::rms_norm(self, x, w, eps)),
         )
     }
 
-    fn add_assign(&self, p: &mut DeviceMat, a: &DeviceMat) {
+    fn add_assign(&self, p: &mut DeviceMat, a: &DeviceMat) -> OpResult<()> {
         self.timed(
             || "add_assign".into(),
-            || self.unit_or(|| CudaBackend::add_assign(self, p, a)),
-        );
+            || self.op(|| CudaBackend::add_assign(self, p, a)),
+        )
     }
 
-    fn attn_res(&self, sources: &[&DeviceMat], w: &CudaSlice<f32>, eps: f32) -> DeviceMat {
-        let (rows, cols) = sources.first().map_or((0, 0), |s| (s.rows, s.cols));
+    fn attn_res(
+        &self,
+        sources: &[&DeviceMat],
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> OpResult<DeviceMat> {
         self.timed(
             || format!("attn_res ({} sources)", sources.len()),
-            || self.mat_or(rows, cols, || CudaBackend::attn_res(self, sources, w, eps)),
+            || self.op(|| CudaBackend::attn_res(self, sources, w, eps)),
         )
     }
 
-    fn situ_glu(&self, gate: &DeviceMat, up: &DeviceMat, p: SituParams) -> DeviceMat {
+    fn situ_glu(&self, gate: &DeviceMat, up: &DeviceMat, p: SituParams) -> OpResult<DeviceMat> {
         self.timed(
             || "situ_glu".into(),
-            || {
-                self.mat_or(gate.rows, gate.cols, || {
-                    CudaBackend::situ_glu(self, gate, up, p)
-                })
-            },
+            || self.op(|| CudaBackend::situ_glu(self, gate, up, p)),
         )
     }
 
-    fn sigmoid_mul(&self, o: &mut DeviceMat, gate: &DeviceMat) {
+    fn sigmoid_mul(&self, o: &mut DeviceMat, gate: &DeviceMat) -> OpResult<()> {
         self.timed(
             || "sigmoid_mul".into(),
-            || self.unit_or(|| CudaBackend::sigmoid_mul(self, o, gate)),
-        );
+            || self.op(|| CudaBackend::sigmoid_mul(self, o, gate)),
+        )
     }
 
     fn gated_head_norm(
@@ -801,14 +649,10 @@ impl Backend for CudaBackend {
         w: &CudaSlice<f32>,
         head_dim: usize,
         eps: f32,
-    ) -> DeviceMat {
+    ) -> OpResult<DeviceMat> {
         self.timed(
             || "gated_head_norm".into(),
-            || {
-                self.mat_or(o.rows, o.cols, || {
-                    CudaBackend::gated_head_norm(self, o, gate, w, head_dim, eps)
-                })
-            },
+            || self.op(|| CudaBackend::gated_head_norm(self, o, gate, w, head_dim, eps)),
         )
     }
 
@@ -819,10 +663,10 @@ impl Backend for CudaBackend {
         params: &KdaParams<'_, Self>,
         inputs: &KdaInputs<'_, Self>,
         loc: KdaStateLoc<'_>,
-    ) -> std::result::Result<DeviceMat, ExecError> {
+    ) -> OpResult<DeviceMat> {
         self.timed(
             || format!("kda (T={})", bucket(inputs.qkv[0].rows)),
-            || self.checked(|| self.kda_seq(arena, geom, params, inputs, loc)),
+            || self.op(|| self.kda_seq(arena, geom, params, inputs, loc)),
         )
     }
 
@@ -835,11 +679,11 @@ impl Backend for CudaBackend {
         kv_norm: &CudaSlice<f32>,
         kv_b: &DeviceLinear,
         loc: MlaCacheLoc<'_>,
-    ) -> std::result::Result<DeviceMat, ExecError> {
+    ) -> OpResult<DeviceMat> {
         let spans = [(0, q.rows)];
         self.timed(
             || format!("mla (T={})", bucket(q.rows)),
-            || self.checked(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, &spans, &[loc])),
+            || self.op(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, &spans, &[loc])),
         )
     }
 
@@ -851,11 +695,11 @@ impl Backend for CudaBackend {
         experts: &DeviceExperts,
         router: RouterParams,
         situ: SituParams,
-    ) -> DeviceMat {
+    ) -> OpResult<DeviceMat> {
         self.timed(
             || format!("moe_routed (T={})", bucket(z.rows)),
             || {
-                self.mat_or(z.rows, experts.latent, || {
+                self.op(|| {
                     CudaBackend::moe_routed(self, z, router_logits, bias, experts, router, situ)
                 })
             },
@@ -872,13 +716,13 @@ impl Backend for CudaBackend {
         inputs: &KdaInputs<'_, Self>,
         spans: &[(usize, usize)],
         locs: &[KdaStateLoc<'_>],
-    ) -> std::result::Result<DeviceMat, ExecError> {
+    ) -> OpResult<DeviceMat> {
         match decode_slots(spans, locs) {
             Some(slots) if spans.len() > 1 => {
                 let (w, x) = kda_parts(params, inputs);
                 self.timed(
                     || format!("kda_batch decode (N={})", bucket(slots.len())),
-                    || self.checked(|| self.kda_decode(arena, geom, &w, &x, &slots)),
+                    || self.op(|| self.kda_decode(arena, geom, &w, &x, &slots)),
                 )
             }
             _ => {
@@ -898,7 +742,7 @@ impl Backend for CudaBackend {
         kv_b: &DeviceLinear,
         spans: &[(usize, usize)],
         locs: &[MlaCacheLoc<'_>],
-    ) -> std::result::Result<DeviceMat, ExecError> {
+    ) -> OpResult<DeviceMat> {
         self.timed(
             || {
                 format!(
@@ -907,7 +751,7 @@ impl Backend for CudaBackend {
                     bucket(spans.len())
                 )
             },
-            || self.checked(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, spans, locs)),
+            || self.op(|| self.mla_seqs(arena, geom, q, kv_a, kv_norm, kv_b, spans, locs)),
         )
     }
 
@@ -917,24 +761,6 @@ impl Backend for CudaBackend {
         pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, ExecError>,
     ) -> std::result::Result<Option<DeviceMat>, ExecError> {
         self.run_graph_step(replayable, pass)
-    }
-
-    fn take_error(&self) -> Option<String> {
-        self.error.lock().unwrap_or_else(|p| p.into_inner()).take()
-    }
-}
-
-impl CudaBackend {
-    /// The arena: zeroed device memory (at least one float so the buffer exists).
-    fn placeholder_arena(&self, bytes: usize) -> CudaSlice<f32> {
-        let floats = (bytes / 4).max(1);
-        match self.stream.alloc_zeros::<f32>(floats) {
-            Ok(a) => a,
-            Err(e) => {
-                self.record(CudaError::from(e));
-                self.placeholder(1, 1).buf
-            }
-        }
     }
 }
 

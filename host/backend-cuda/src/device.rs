@@ -51,8 +51,6 @@ pub struct CudaBackend {
     pub(crate) functions: HashMap<&'static str, CudaFunction>,
     /// cuBLAS on `stream` (dense matmuls), default math mode: plain f32, no TF32.
     pub(crate) blas: CudaBlas,
-    /// First failure of an infallible `Backend` op; later ops are skipped until it is taken.
-    pub(crate) error: Mutex<Option<String>>,
     /// Per-op wall times when `K3_PROFILE` is set (see `profile.rs`).
     pub(crate) profile: Option<crate::profile::OpProfile>,
     /// The tensor-core MoE path's work buffers (moe_gemm.rs), kept between calls.
@@ -183,7 +181,6 @@ impl CudaBackend {
             limits,
             functions,
             blas,
-            error: Mutex::new(None),
             step: crate::graph::StepState::new(profile.is_some()),
             profile,
             moe_scratch: Mutex::default(),

@@ -11,7 +11,7 @@
 //! device. Otherwise the step runs eagerly, and the second time the same log is seen the pass is
 //! captured (`cuStreamBeginCapture`), which records the same work with uploads from the same
 //! staging offsets. Anything the dry pass cannot vouch for (a download, a path that is not
-//! logged, an op failure) aborts it and the step runs eagerly. What the log leaves out — the
+//! logged: such an op returns an error) fails it and the step runs eagerly. What the log leaves out — the
 //! addresses of weights and of the step's own activations — follows from the same host code
 //! taking the same path, which the identical log attests; a missed replay only costs speed.
 //!
@@ -98,7 +98,6 @@ unsafe impl Send for Captured {}
 #[derive(Default)]
 struct Inner {
     log: Vec<u64>,
-    abort: Option<String>,
     staging: Option<Pinned>,
     used: usize,
     graphs: HashMap<u64, Captured>,
@@ -217,18 +216,6 @@ impl StepState {
         }
     }
 
-    /// Stop the pass from being replayed or captured (the first reason is kept).
-    pub fn abort(&self, why: impl FnOnce() -> String) {
-        let mut g = self.lock();
-        if g.abort.is_none() {
-            g.abort = Some(why());
-        }
-    }
-
-    pub fn aborted(&self) -> bool {
-        self.lock().abort.is_some()
-    }
-
     /// Copy `bytes` into staging; returns the host address they were written to.
     fn stage(&self, bytes: &[u8]) -> Result<*const u8> {
         let mut g = self.lock();
@@ -258,15 +245,13 @@ impl StepState {
     fn begin(&self, mode: Mode) {
         let mut g = self.lock();
         g.log.clear();
-        g.abort = None;
         g.used = 0;
         self.mode.store(mode as u8, Ordering::Relaxed);
     }
 
-    fn finish(&self) -> (Vec<u64>, Option<String>) {
+    fn finish(&self) -> Vec<u64> {
         self.mode.store(Mode::Eager as u8, Ordering::Relaxed);
-        let mut g = self.lock();
-        (std::mem::take(&mut g.log), g.abort.take())
+        std::mem::take(&mut self.lock().log)
     }
 }
 
@@ -408,7 +393,7 @@ impl CudaBackend {
         replayable: bool,
         pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, k3_model::exec::ExecError>,
     ) -> std::result::Result<Option<DeviceMat>, k3_model::exec::ExecError> {
-        if !replayable || !self.step.enabled || self.error().is_some() {
+        if !replayable || !self.step.enabled {
             return pass();
         }
         if let Some(ev) = self.step.lock().launched.take() {
@@ -418,15 +403,15 @@ impl CudaBackend {
         }
         self.step.begin(Mode::Dry);
         let dry = pass();
-        let (log, abort) = self.step.finish();
-        let shape = match (&dry, abort) {
-            (Ok(out), None) => out.as_ref().map(|m| (m.rows, m.cols)),
-            _ => return self.eager(pass, true),
+        let log = self.step.finish();
+        let shape = match &dry {
+            Ok(out) => out.as_ref().map(|m| (m.rows, m.cols)),
+            Err(_) => return self.eager(pass, true),
         };
         drop(dry);
         let key = hash_log(&log);
         match self.replay(key, &log, true) {
-            Ok(Some(out)) => return Ok(out),
+            Ok(Some(out)) => return Ok(out.map_err(k3_model::BackendError::from)?),
             Ok(None) => {}
             Err(e) => {
                 tracing::warn!("CUDA graph launch failed ({e}); running the step eagerly");
@@ -449,7 +434,7 @@ impl CudaBackend {
             return self.eager(pass, false);
         }
         match self.capture(key, log, shape, pass) {
-            Ok(out) => Ok(out),
+            Ok(out) => Ok(out.map_err(k3_model::BackendError::from)?),
             Err(why) => {
                 tracing::info!("decode step not captured as a CUDA graph: {why}");
                 self.step.lock().seen.insert(key, NEVER);
@@ -474,8 +459,14 @@ impl CudaBackend {
         pass()
     }
 
-    /// Launch the graph captured for `log`, if any; returns the step's result.
-    fn replay(&self, key: u64, log: &[u64], count: bool) -> Result<Option<Option<DeviceMat>>> {
+    /// Launch the graph captured for `log`, if any; returns the step's result. The outer error
+    /// means nothing was queued; the inner one that the step ran but its result was lost.
+    fn replay(
+        &self,
+        key: u64,
+        log: &[u64],
+        count: bool,
+    ) -> Result<Option<Result<Option<DeviceMat>>>> {
         let mut g = self.step.lock();
         g.clock += 1;
         let clock = g.clock;
@@ -490,7 +481,6 @@ impl CudaBackend {
         c.graph.launch()?;
         // From here on the step has run (states advanced, rows appended): a failure must be
         // reported, never answered by running the step a second time.
-        let shape = c.out.as_ref().map(|(r, k, _)| (*r, *k));
         let copied = match &c.out {
             None => Ok(None),
             Some((rows, cols, buf)) => self.output(*rows, *cols).and_then(|mut m| {
@@ -503,10 +493,7 @@ impl CudaBackend {
             g.counts.replayed += 1;
         }
         drop(g);
-        Ok(Some(copied.unwrap_or_else(|e| {
-            self.record(e);
-            shape.map(|(r, k)| self.placeholder(r, k))
-        })))
+        Ok(Some(copied))
     }
 
     /// Capture `pass` (whose dry pass logged `log`), then launch it once for this step.
@@ -516,7 +503,7 @@ impl CudaBackend {
         log: Vec<u64>,
         shape: Option<(usize, usize)>,
         pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, k3_model::exec::ExecError>,
-    ) -> std::result::Result<Option<DeviceMat>, String> {
+    ) -> std::result::Result<Result<Option<DeviceMat>>, String> {
         // Allocated before the capture: it outlives every launch of the graph.
         let mut out = match shape {
             Some((r, c)) => Some((r, c, self.uninit::<f32>(r * c).map_err(|e| e.to_string())?)),
@@ -537,19 +524,18 @@ impl CudaBackend {
             (Err(e), _) => Err(format!("pass failed: {e}")),
         };
         drop(res); // inside the capture: its buffers' frees become graph nodes
-        let (clog, abort) = self.step.finish();
+        let clog = self.step.finish();
         let graph = self.stream.end_capture(
             sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
         );
         // A failed capture leaves its error in the context's deferred slot: clear it so it is
         // not reported by an unrelated later call.
         let _ = self.ctx.check_err();
-        let graph = match (graph, abort, copied) {
-            (_, Some(why), _) => return Err(why),
-            (_, _, Err(why)) => return Err(why),
-            (Err(e), ..) => return Err(format!("end capture: {e}")),
-            (Ok(None), ..) => return Err("empty capture".into()),
-            (Ok(Some(g)), None, Ok(())) => g,
+        let graph = match (graph, copied) {
+            (_, Err(why)) => return Err(why),
+            (Err(e), _) => return Err(format!("end capture: {e}")),
+            (Ok(None), _) => return Err("empty capture".into()),
+            (Ok(Some(g)), Ok(())) => g,
         };
         if clog != log {
             return Err("the captured pass logged different work than its dry pass".into());
@@ -604,7 +590,7 @@ mod tests {
             s.log_launch("k_a", &launch(grid), &[arg, 0]);
             s.log_gemm(&[0, 1, 2, 3]);
             s.lock().log.push(TAG_UPLOAD | upload as u64);
-            s.finish().0
+            s.finish()
         };
         let base = run(4, 7, 64);
         assert_eq!(base, run(4, 7, 64), "same work, same log");
@@ -615,7 +601,7 @@ mod tests {
         s.log_launch("k_b", &launch(4), &[7, 0]);
         s.log_gemm(&[0, 1, 2, 3]);
         s.lock().log.push(TAG_UPLOAD | 64);
-        assert_ne!(base, s.finish().0, "kernel name");
+        assert_ne!(base, s.finish(), "kernel name");
         assert_eq!(s.mode(), Mode::Eager, "finish ends the pass");
     }
 
@@ -634,16 +620,14 @@ mod tests {
     }
 
     #[test]
-    fn an_aborted_pass_keeps_its_first_reason_and_the_next_pass_starts_clean() {
+    fn a_pass_starts_with_an_empty_log() {
         let s = StepState::new(false);
         s.begin(Mode::Capture);
         assert!(s.recording() && !s.dry());
-        s.abort(|| "first".into());
-        s.abort(|| "second".into());
-        assert!(s.aborted());
-        assert_eq!(s.finish().1.as_deref(), Some("first"));
+        s.log_gemm(&[0, 1, 2, 3]);
+        assert!(!s.finish().is_empty());
         s.begin(Mode::Dry);
-        assert!(!s.aborted() && s.dry());
-        assert_eq!(s.finish().1, None);
+        assert!(s.dry());
+        assert!(s.finish().is_empty());
     }
 }

@@ -172,9 +172,10 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
     let mut out = Vec::new();
     let mat = |be: &B, rows: usize, cols: usize, d: &[f32]| {
         be.embed(
-            &be.linear(rows, cols, d.to_vec()),
+            &be.linear(rows, cols, d.to_vec()).unwrap(),
             &(0..rows as u32).collect::<Vec<_>>(),
         )
+        .unwrap()
     };
     // matmul: prefill-like and decode-like shapes, K not a multiple of anything in particular.
     for &(m, k, n) in &[
@@ -183,11 +184,19 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         (64, 128, 768),
     ] {
         let (x, w) = (r.vec(m * k, 1.0), r.vec(n * k, 0.1));
-        let y = be.matmul(&mat(be, m, k, &x), &be.linear(n, k, w));
-        out.push(("matmul", be.to_host(&y), TOL_GEMM));
+        let y = be
+            .matmul(&mat(be, m, k, &x), &be.linear(n, k, w).unwrap())
+            .unwrap();
+        out.push(("matmul", be.to_host(&y).unwrap(), TOL_GEMM));
         let w = bf16_values(r.vec(n * k, 0.1));
-        let y = be.matmul(&mat(be, m, k, &x), &be.linear(n, k, w));
-        out.push(("matmul, bf16 weights", be.to_host(&y), TOL_BF16_GEMM));
+        let y = be
+            .matmul(&mat(be, m, k, &x), &be.linear(n, k, w).unwrap())
+            .unwrap();
+        out.push((
+            "matmul, bf16 weights",
+            be.to_host(&y).unwrap(),
+            TOL_BF16_GEMM,
+        ));
     }
     // bf16 weights at decode sizes (<= 16 rows, K % 8 == 0, <= 2^22 weights): the tensor-core
     // weight-streaming kernel (x in three bf16 pieces: f32 accuracy), split-K on short-N shapes
@@ -207,7 +216,9 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
     ] {
         let x = r.vec(m * k, 1.0);
         let w = bf16_values(r.vec(n * k, 0.1));
-        let y = be.matmul(&mat(be, m, k, &x), &be.linear(n, k, w));
+        let y = be
+            .matmul(&mat(be, m, k, &x), &be.linear(n, k, w).unwrap())
+            .unwrap();
         // backend_impl.rs matmul_linear / gemv_max_weight (K3_GEMV_MAX_ELEMS, default 2^22).
         let max_elems = std::env::var("K3_GEMV_MAX_ELEMS")
             .ok()
@@ -215,27 +226,35 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
             .unwrap_or(1usize << 22);
         let f32_exact = k % 8 == 0 && m <= 16 && n * k <= max_elems;
         let tol = if f32_exact { TOL_GEMM } else { TOL_BF16_GEMM };
-        out.push(("matmul, bf16 weights, decode rows", be.to_host(&y), tol));
+        out.push((
+            "matmul, bf16 weights, decode rows",
+            be.to_host(&y).unwrap(),
+            tol,
+        ));
     }
     let (rows, d) = (19, 256);
     let table = r.vec(50 * d, 1.0);
     let ids: Vec<u32> = (0..rows).map(|_| r.below(50) as u32).collect();
-    let e = be.embed(&be.linear(50, d, table), &ids);
-    out.push(("embed", be.to_host(&e), 0.0));
+    let e = be.embed(&be.linear(50, d, table).unwrap(), &ids).unwrap();
+    out.push(("embed", be.to_host(&e).unwrap(), 0.0));
     let table = bf16_values(r.vec(50 * d, 1.0));
-    let eb = be.embed(&be.linear(50, d, table), &ids);
-    out.push(("embed, bf16 table", be.to_host(&eb), 0.0));
-    out.push(("slice_rows", be.to_host(&be.slice_rows(&e, 3, 11)), 0.0));
+    let eb = be.embed(&be.linear(50, d, table).unwrap(), &ids).unwrap();
+    out.push(("embed, bf16 table", be.to_host(&eb).unwrap(), 0.0));
+    out.push((
+        "slice_rows",
+        be.to_host(&be.slice_rows(&e, 3, 11).unwrap()).unwrap(),
+        0.0,
+    ));
     let x = mat(be, rows, d, &r.vec(rows * d, 2.0));
-    let w = be.vector(r.vec(d, 1.0));
+    let w = be.vector(r.vec(d, 1.0)).unwrap();
     out.push((
         "rms_norm",
-        be.to_host(&be.rms_norm(&x, &w, 1e-5)),
+        be.to_host(&be.rms_norm(&x, &w, 1e-5).unwrap()).unwrap(),
         TOL_POINTWISE,
     ));
     let mut p = mat(be, rows, d, &r.vec(rows * d, 1.0));
-    be.add_assign(&mut p, &x);
-    out.push(("add_assign", be.to_host(&p), TOL_POINTWISE));
+    be.add_assign(&mut p, &x).unwrap();
+    out.push(("add_assign", be.to_host(&p).unwrap(), TOL_POINTWISE));
     for n in [1usize, 3, 9] {
         let srcs: Vec<B::Act> = (0..n)
             .map(|_| mat(be, rows, d, &r.vec(rows * d, 1.5)))
@@ -248,7 +267,7 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         };
         out.push((
             name,
-            be.to_host(&be.attn_res(&refs, &w, 1e-5)),
+            be.to_host(&be.attn_res(&refs, &w, 1e-5).unwrap()).unwrap(),
             TOL_POINTWISE,
         ));
     }
@@ -257,24 +276,27 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         mat(be, rows, 768, &r.vec(rows * 768, 2.0)),
     );
     for (name, lb) in [("situ_glu", Some(25.0)), ("situ_glu(no linear)", None)] {
-        let y = be.situ_glu(
-            &g,
-            &u,
-            SituParams {
-                beta: 4.0,
-                linear_beta: lb,
-            },
-        );
-        out.push((name, be.to_host(&y), TOL_POINTWISE));
+        let y = be
+            .situ_glu(
+                &g,
+                &u,
+                SituParams {
+                    beta: 4.0,
+                    linear_beta: lb,
+                },
+            )
+            .unwrap();
+        out.push((name, be.to_host(&y).unwrap(), TOL_POINTWISE));
     }
     let mut o = mat(be, rows, d, &r.vec(rows * d, 1.0));
-    be.sigmoid_mul(&mut o, &x);
-    out.push(("sigmoid_mul", be.to_host(&o), TOL_POINTWISE));
-    let hw = be.vector(r.vec(128, 1.0));
+    be.sigmoid_mul(&mut o, &x).unwrap();
+    out.push(("sigmoid_mul", be.to_host(&o).unwrap(), TOL_POINTWISE));
+    let hw = be.vector(r.vec(128, 1.0)).unwrap();
     let gate = mat(be, rows, d, &r.vec(rows * d, 3.0));
     out.push((
         "gated_head_norm",
-        be.to_host(&be.gated_head_norm(&o, &gate, &hw, 128, 1e-5)),
+        be.to_host(&be.gated_head_norm(&o, &gate, &hw, 128, 1e-5).unwrap())
+            .unwrap(),
         TOL_POINTWISE,
     ));
     out
@@ -302,16 +324,20 @@ fn moe<B: Backend>(be: &B, r: &mut Rng, t: usize) -> Vec<f32> {
         w3: (0..e).map(|_| mx_matrix(r, ie, lt)).collect(),
         w2: (0..e).map(|_| mx_matrix(r, lt, ie)).collect(),
     };
-    let ex = be.experts(host);
-    let z = be.embed(
-        &be.linear(t, lt, r.vec(t * lt, 0.3)),
-        &(0..t as u32).collect::<Vec<_>>(),
-    );
-    let logits = be.embed(
-        &be.linear(t, e, r.vec(t * e, 3.0)),
-        &(0..t as u32).collect::<Vec<_>>(),
-    );
-    let bias = be.vector(r.vec(e, 0.2));
+    let ex = be.experts(host).unwrap();
+    let z = be
+        .embed(
+            &be.linear(t, lt, r.vec(t * lt, 0.3)).unwrap(),
+            &(0..t as u32).collect::<Vec<_>>(),
+        )
+        .unwrap();
+    let logits = be
+        .embed(
+            &be.linear(t, e, r.vec(t * e, 3.0)).unwrap(),
+            &(0..t as u32).collect::<Vec<_>>(),
+        )
+        .unwrap();
+    let bias = be.vector(r.vec(e, 0.2)).unwrap();
     let router = RouterParams {
         top_k: k,
         renormalize: true,
@@ -321,7 +347,11 @@ fn moe<B: Backend>(be: &B, r: &mut Rng, t: usize) -> Vec<f32> {
         beta: 4.0,
         linear_beta: Some(25.0),
     };
-    be.to_host(&be.moe_routed(&z, &logits, &bias, &ex, router, situ))
+    be.to_host(
+        &be.moe_routed(&z, &logits, &bias, &ex, router, situ)
+            .unwrap(),
+    )
+    .unwrap()
 }
 
 /// KDA over three calls of one sequence (prefill with checkpoints, decode with a checkpoint,
@@ -336,10 +366,12 @@ fn kda<B: Backend>(be: &B, r: &mut Rng) -> (Vec<Vec<f32>>, Vec<f32>) {
     let (hk, h) = (g.hk(), g.heads);
     let block = 4 * g.state_floats();
     let (work, ck) = (block, 3 * block); // block 0 unused: offsets are not all zero
-    let mut arena = be.arena(6 * block);
-    let conv: Vec<B::Vector> = (0..3).map(|_| be.vector(r.vec(hk * 4, 0.5))).collect();
-    let a_log = be.vector(r.vec(h, 0.5));
-    let dt_bias = be.vector(r.vec(hk, 0.5));
+    let mut arena = be.arena(6 * block).unwrap();
+    let conv: Vec<B::Vector> = (0..3)
+        .map(|_| be.vector(r.vec(hk * 4, 0.5)).unwrap())
+        .collect();
+    let a_log = be.vector(r.vec(h, 0.5)).unwrap();
+    let dt_bias = be.vector(r.vec(hk, 0.5)).unwrap();
     let params = KdaParams::<B> {
         conv: [&conv[0], &conv[1], &conv[2]],
         a_log: &a_log,
@@ -354,7 +386,8 @@ fn kda<B: Backend>(be: &B, r: &mut Rng) -> (Vec<Vec<f32>>, Vec<f32>) {
     for (t, cps) in steps {
         let ids: Vec<u32> = (0..t as u32).collect();
         let m = |be: &B, r: &mut Rng, w: usize, s: f32| {
-            be.embed(&be.linear(t, w, r.vec(t * w, s)), &ids)
+            be.embed(&be.linear(t, w, r.vec(t * w, s)).unwrap(), &ids)
+                .unwrap()
         };
         let (q, k, v) = (m(be, r, hk, 1.0), m(be, r, hk, 1.0), m(be, r, hk, 1.0));
         let (f, b) = (m(be, r, hk, 2.0), m(be, r, h, 2.0));
@@ -375,10 +408,10 @@ fn kda<B: Backend>(be: &B, r: &mut Rng) -> (Vec<Vec<f32>>, Vec<f32>) {
                 },
             )
             .expect("kda");
-        outs.push(be.to_host(&o));
+        outs.push(be.to_host(&o).unwrap());
     }
     let len = be.arena_len(&arena);
-    (outs, bytes_to_f32(&be.arena_read(&arena, 0, len)))
+    (outs, bytes_to_f32(&be.arena_read(&arena, 0, len).unwrap()))
 }
 
 /// MLA over scattered pages: prefill, decode, a chunk, then a long decode (several splits).
@@ -398,11 +431,13 @@ fn mla<B: Backend>(
     let npages = total.div_ceil(pt);
     // Pages in reverse order, after a gap: page tables are followed, not assumed contiguous.
     let pages: Vec<usize> = (0..npages).map(|i| (npages - i) * page_bytes).collect();
-    let mut arena = be.arena((npages + 1) * page_bytes);
-    let kv_norm = be.vector(r.vec(g.kv_lora, 1.0));
+    let mut arena = be.arena((npages + 1) * page_bytes).unwrap();
+    let kv_norm = be.vector(r.vec(g.kv_lora, 1.0)).unwrap();
     let kvb = r.vec(g.heads * (g.nope + g.v_dim) * g.kv_lora, 0.1);
     let kvb = if bf16 { bf16_values(kvb) } else { kvb };
-    let kv_b = be.linear(g.heads * (g.nope + g.v_dim), g.kv_lora, kvb);
+    let kv_b = be
+        .linear(g.heads * (g.nope + g.v_dim), g.kv_lora, kvb)
+        .unwrap();
     let mut outs = Vec::new();
     let mut pos = 0;
     for t in [21usize, 1, 9, long] {
@@ -410,15 +445,20 @@ fn mla<B: Backend>(
             continue;
         }
         let ids: Vec<u32> = (0..t as u32).collect();
-        let q = be.embed(
-            &be.linear(
-                t,
-                g.heads * (g.nope + g.rope),
-                r.vec(t * g.heads * (g.nope + g.rope), 1.0),
-            ),
-            &ids,
-        );
-        let kv_a = be.embed(&be.linear(t, row, r.vec(t * row, 1.0)), &ids);
+        let q = be
+            .embed(
+                &be.linear(
+                    t,
+                    g.heads * (g.nope + g.rope),
+                    r.vec(t * g.heads * (g.nope + g.rope), 1.0),
+                )
+                .unwrap(),
+                &ids,
+            )
+            .unwrap();
+        let kv_a = be
+            .embed(&be.linear(t, row, r.vec(t * row, 1.0)).unwrap(), &ids)
+            .unwrap();
         let loc = MlaCacheLoc {
             pages: &pages,
             page_tokens: pt,
@@ -428,11 +468,11 @@ fn mla<B: Backend>(
         let o = be
             .mla(&mut arena, g, &q, &kv_a, &kv_norm, &kv_b, loc)
             .expect("mla");
-        outs.push(be.to_host(&o));
+        outs.push(be.to_host(&o).unwrap());
         pos += t;
     }
     let len = be.arena_len(&arena);
-    (outs, bytes_to_f32(&be.arena_read(&arena, 0, len)))
+    (outs, bytes_to_f32(&be.arena_read(&arena, 0, len).unwrap()))
 }
 
 /// The steps of [`mla_both_paths`], in order.
@@ -448,8 +488,15 @@ const MLA_PATH_STEPS: [&str; 5] = [
 fn mla_inputs<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom, t: usize) -> (B::Act, B::Act) {
     let ids: Vec<u32> = (0..t as u32).collect();
     let qw = g.heads * (g.nope + g.rope);
-    let q = be.embed(&be.linear(t, qw, r.vec(t * qw, 1.0)), &ids);
-    let kv_a = be.embed(&be.linear(t, g.row(), r.vec(t * g.row(), 1.0)), &ids);
+    let q = be
+        .embed(&be.linear(t, qw, r.vec(t * qw, 1.0)).unwrap(), &ids)
+        .unwrap();
+    let kv_a = be
+        .embed(
+            &be.linear(t, g.row(), r.vec(t * g.row(), 1.0)).unwrap(),
+            &ids,
+        )
+        .unwrap();
     (q, kv_a)
 }
 
@@ -466,11 +513,11 @@ fn mla_both_paths<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom) -> (Vec<Vec<f32>>
     // Sequence 1 in the first pages, sequence 0 in the rest in reverse order.
     let pages0: Vec<usize> = (0..n0).map(|i| (n0 + n1 - 1 - i) * page_bytes).collect();
     let pages1: Vec<usize> = (0..n1).map(|i| i * page_bytes).collect();
-    let mut arena = be.arena((n0 + n1) * page_bytes);
-    let kv_norm = be.vector(r.vec(g.kv_lora, 1.0));
+    let mut arena = be.arena((n0 + n1) * page_bytes).unwrap();
+    let kv_norm = be.vector(r.vec(g.kv_lora, 1.0)).unwrap();
     let kvb_rows = g.heads * (g.nope + g.v_dim);
     let kvb = bf16_values(r.vec(kvb_rows * g.kv_lora, 0.1));
-    let kv_b = be.linear(kvb_rows, g.kv_lora, kvb);
+    let kv_b = be.linear(kvb_rows, g.kv_lora, kvb).unwrap();
     fn loc(pages: &[usize], start_pos: usize) -> MlaCacheLoc<'_> {
         MlaCacheLoc {
             pages,
@@ -486,7 +533,7 @@ fn mla_both_paths<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom) -> (Vec<Vec<f32>>
         let o = be
             .mla(&mut arena, g, &q, &kv_a, &kv_norm, &kv_b, loc(&pages0, pos))
             .expect("mla");
-        outs.push(be.to_host(&o));
+        outs.push(be.to_host(&o).unwrap());
         pos += t;
     }
     let (q, kv_a) = mla_inputs(be, r, g, 71);
@@ -503,7 +550,7 @@ fn mla_both_paths<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom) -> (Vec<Vec<f32>>
             &locs,
         )
         .expect("mla_batch");
-    outs.push(be.to_host(&o));
+    outs.push(be.to_host(&o).unwrap());
     let (q, kv_a) = mla_inputs(be, r, g, 2);
     let locs = [loc(&pages0, pos + 1), loc(&pages1, 70)];
     let o = be
@@ -518,18 +565,20 @@ fn mla_both_paths<B: Backend>(be: &B, r: &mut Rng, g: MlaGeom) -> (Vec<Vec<f32>>
             &locs,
         )
         .expect("mla_batch decode");
-    outs.push(be.to_host(&o));
+    outs.push(be.to_host(&o).unwrap());
     let len = be.arena_len(&arena);
-    (outs, bytes_to_f32(&be.arena_read(&arena, 0, len)))
+    (outs, bytes_to_f32(&be.arena_read(&arena, 0, len).unwrap()))
 }
 
 fn arena_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<f32> {
-    let mut a = be.arena(4096);
+    let mut a = be.arena(4096).unwrap();
     let (rows, cols) = (4, 64);
-    let src = be.embed(
-        &be.linear(rows, cols, r.vec(rows * cols, 1.0)),
-        &[0, 1, 2, 3],
-    );
+    let src = be
+        .embed(
+            &be.linear(rows, cols, r.vec(rows * cols, 1.0)).unwrap(),
+            &[0, 1, 2, 3],
+        )
+        .unwrap();
     // A pattern written through MLA's append: rows [RMSNorm(c_kv) (32) ; k_r (32)].
     let g = MlaGeom {
         heads: 1,
@@ -539,9 +588,14 @@ fn arena_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<f32> {
         kv_lora: 32,
         eps: 1e-5,
     };
-    let q = be.embed(&be.linear(rows, 64, r.vec(rows * 64, 1.0)), &[0, 1, 2, 3]);
-    let kv_b = be.linear(64, 32, r.vec(64 * 32, 0.1));
-    let norm = be.vector(vec![1.0; 32]);
+    let q = be
+        .embed(
+            &be.linear(rows, 64, r.vec(rows * 64, 1.0)).unwrap(),
+            &[0, 1, 2, 3],
+        )
+        .unwrap();
+    let kv_b = be.linear(64, 32, r.vec(64 * 32, 0.1)).unwrap();
+    let norm = be.vector(vec![1.0; 32]).unwrap();
     let loc = MlaCacheLoc {
         pages: &[0],
         page_tokens: 4,
@@ -550,13 +604,13 @@ fn arena_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<f32> {
     };
     be.mla(&mut a, g, &q, &src, &norm, &kv_b, loc)
         .expect("mla append");
-    be.arena_copy(&mut a, 0, 2048, 1024);
+    be.arena_copy(&mut a, 0, 2048, 1024).unwrap();
     // Unaligned byte ranges, inside row 0's k_r part (bytes 128..256: copied verbatim, so the
     // bytes match exactly and their reinterpretation as floats is comparable).
-    be.arena_copy(&mut a, 130, 3072 + 2, 120);
-    be.arena_zero(&mut a, 100, 37);
-    let mut out = bytes_to_f32(&be.arena_read(&a, 0, 4096));
-    out.extend(bytes_to_f32(&be.arena_read(&a, 3073, 12)));
+    be.arena_copy(&mut a, 130, 3072 + 2, 120).unwrap();
+    be.arena_zero(&mut a, 100, 37).unwrap();
+    let mut out = bytes_to_f32(&be.arena_read(&a, 0, 4096).unwrap());
+    out.extend(bytes_to_f32(&be.arena_read(&a, 3073, 12).unwrap()));
     out
 }
 
@@ -645,8 +699,6 @@ fn moe_gemm_path_matches_cpu() {
                 .push(format!("moe_routed(T=2048, wgmma {act:?}): rerun differs"));
         }
     }
-    let recorded = gpu.take_error();
-    assert!(recorded.is_none(), "backend recorded: {recorded:?}");
     t.finish();
 }
 
@@ -687,8 +739,6 @@ fn moe_stream2_variants_match_cpu() {
             }
         }
     }
-    let recorded = gpu.take_error();
-    assert!(recorded.is_none(), "backend recorded: {recorded:?}");
     t.finish();
 }
 
@@ -759,8 +809,6 @@ fn mla_mode_matches_cpu(mode: MlaDecodeMode, test: &str, tag: &str) {
             TOL_MLA_BF16,
         );
     }
-    let recorded = gpu.take_error();
-    assert!(recorded.is_none(), "backend recorded: {recorded:?}");
     t.finish();
 }
 
@@ -897,8 +945,6 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
         &top_k_cases(&cpu, &mut rc),
         0.0,
     );
-    let recorded = gpu.take_error();
-    assert!(recorded.is_none(), "backend recorded: {recorded:?}");
     t.finish();
 }
 
@@ -931,8 +977,8 @@ fn top_k_cases<B: Backend>(be: &B, r: &mut Rng) -> Vec<f32> {
             v[2 * vocab..].fill(f32::NAN); // nothing finite: an empty selection
         }
         let ids: Vec<u32> = (0..rows as u32).collect();
-        let logits = be.embed(&be.linear(rows, vocab, v), &ids);
-        for row in be.top_k_rows(&logits, k) {
+        let logits = be.embed(&be.linear(rows, vocab, v).unwrap(), &ids).unwrap();
+        for row in be.top_k_rows(&logits, k).unwrap() {
             out.push(row.len() as f32);
             for (id, val) in row {
                 out.extend([id as f32, val]);
@@ -1073,8 +1119,6 @@ fn compare_model<G: Backend>(gpu: G, max_new: usize, tag: &str) -> ModelExecutor
         .expect("cpu exec")
     };
     let gpu_model = Model::load_dir(&dir, gpu).expect("load on the GPU");
-    let recorded = gpu_model.backend.take_error();
-    assert!(recorded.is_none(), "upload: {recorded:?}");
     let mut g =
         Session::new(ModelExecutor::with_capacity(gpu_model, 16, 1, cap, 0).expect("gpu exec"))
             .expect("session");

@@ -211,10 +211,8 @@ impl LoadedModel {
             page_tokens: usize,
             arena_bytes: usize,
         ) -> anyhow::Result<Box<dyn Executor>> {
-            let exec = ModelExecutor::new(m, page_tokens, arena_bytes)?;
-            if let Some(e) = exec.model().backend.take_error() {
-                bail!("allocating the {arena_bytes}-byte cache arena: {e}");
-            }
+            let exec = ModelExecutor::new(m, page_tokens, arena_bytes)
+                .with_context(|| format!("allocating the {arena_bytes}-byte cache arena"))?;
             Ok(Box::new(exec))
         }
         match self {
@@ -257,16 +255,9 @@ pub fn load_model(
     wanted: Option<Device>,
     format: LoadFormat,
 ) -> anyhow::Result<LoadedModel> {
-    let ctx = || format!("loading the model from {}", dir.display());
     Ok(match open_backend(wanted)? {
         None => LoadedModel::Cpu(load_on(dir, CpuBackend::new(), format)?),
-        Some(cuda) => {
-            let m = load_on(dir, cuda, format)?;
-            if let Some(e) = m.backend.take_error() {
-                bail!("{}: uploading the weights to the GPU: {e}", ctx());
-            }
-            LoadedModel::Cuda(m)
-        }
+        Some(cuda) => LoadedModel::Cuda(load_on(dir, cuda, format)?),
     })
 }
 
