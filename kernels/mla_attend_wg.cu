@@ -663,20 +663,6 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
 }
 #endif
 
-// Grid (ceil(H / 48), items, splits), 384 threads, MLW_SHARED bytes of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(MLW_THREADS, 1)
-mla_attend_wg_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
-                  const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
-                  int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale,
-                  int final_rows) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    mlw_attend<false>(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens, splits,
-                      chunk, scale, final_rows);
-#else
-    __trap();  // wgmma needs sm_90a: ops.rs only dispatches here on it
-#endif
-}
-
 // Grid (2 * ceil(H / 96), items, splits) in clusters of 2, 384 threads, MLW_SHARED2 bytes.
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MLW_THREADS, 1)
 mla_attend_wg2_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,

@@ -133,7 +133,7 @@ impl CudaBackend {
     }
 
     /// `y = x Wᵀ` for any weight: bf16 weights through the tensor-core GEMV for decode rows of
-    /// small weights (`gemv_max_weight`) and otherwise one cuBLAS tensor-core GEMM over the hi
+    /// small weights (`CudaOptions::gemv_max_weight_elems`) and otherwise one cuBLAS tensor-core GEMM over the hi
     /// and lo bf16 rows of x (kernels/bf16.cu); f32 weights through `matmul_rt`.
     pub fn matmul_linear(&self, x: &DeviceMat, w: &DeviceLinear) -> Result<DeviceMat> {
         let Some(bits) = &w.bf16 else {
@@ -144,7 +144,10 @@ impl CudaBackend {
             return self.zeros(m, n);
         }
         let y = self.output(m, n)?; // both paths below write every element
-        if m <= GEMV_TC_MAX_ROWS && k.is_multiple_of(8) && n * k <= gemv_max_weight() {
+        if m <= GEMV_TC_MAX_ROWS
+            && k.is_multiple_of(8)
+            && n * k <= self.options.gemv_max_weight_elems
+        {
             let (splits, kslice) = gemv_tc_plan(n, k, self.multiprocessors);
             let (mi, ni, ki, ks) = (m as i32, n as i32, k as i32, kslice as i32);
             let l = Launch::new((n.div_ceil(GEMV_TC_BLOCK_ROWS), splits, 1), 128)?;
@@ -403,9 +406,11 @@ impl CudaBackend {
             seq_pages.push(pages);
         }
         // Sequences with many new tokens take the expanded form (mla_prefill.rs); the others
-        // stay on this absorbed launch sequence. K3_MLA_PREFILL=absorbed keeps them all here.
-        let mode = crate::mla_prefill::prefill_mode();
-        if spans.iter().any(|&(r0, r1)| mode.expanded(r1 - r0)) {
+        // stay on this absorbed launch sequence.
+        if spans
+            .iter()
+            .any(|&(r0, r1)| crate::mla_prefill::expanded(r1 - r0))
+        {
             let starts: Vec<usize> = locs.iter().map(|l| l.start_pos).collect();
             return self.mla_seqs_split(
                 arena, g, q, kv_a, kv_norm, kv_b, spans, &starts, &seq_pages, pt,
@@ -487,15 +492,11 @@ fn gemv_tc_plan(n: usize, k: usize, sms: usize) -> (usize, usize) {
 }
 
 /// Largest weight (elements) `gemv_bf16_tc_f32` takes (M <= 16, K % 8 == 0); bigger ones, more
-/// rows and other K go to the split cuBLAS GEMM. `K3_GEMV_MAX_ELEMS` overrides (0: cuBLAS always).
+/// rows and other K go to the split cuBLAS GEMM. `CudaOptions::gemv_max_weight_elems` sets the bound (0: cuBLAS always).
 /// H200: the kernel wins where launches dominate (12288x128 at M = 1: 3.8 us; 576x7168: 12.0) and
 /// loses above ~2^22 weights, where cuBLAS streams faster (12288x7168: 49.8 vs 54.5 us, 33792x7168:
 /// 115 vs 138, 1536x7168: 11.4 vs 15.5); k3-slice decode ran 113.8 tok/s with the kernel at every
 /// size vs 119.9 with cuBLAS above 2^22 (and an older CUDA-core kernel below).
-fn gemv_max_weight() -> usize {
-    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    crate::ops::env_usize(&MAX, "K3_GEMV_MAX_ELEMS", 1 << 22)
-}
 
 /// Row counts in the profile's keys, rounded up to a power of two so prompts of similar length
 /// share a line.

@@ -55,16 +55,12 @@ pub struct CudaBackend {
     pub(crate) profile: Option<crate::profile::OpProfile>,
     /// The tensor-core MoE path's work buffers (moe_gemm.rs), kept between calls.
     pub(crate) moe_scratch: Mutex<crate::moe_gemm::MoeScratch>,
-    /// The grouped MoE path's work buffers (moe_grouped.rs), and which of the two a
-    /// many-assignment step takes.
-    pub(crate) moe_grouped_scratch: Mutex<crate::moe_grouped::GroupedScratch>,
-    pub(crate) moe_prefill: crate::moe_grouped::MoePrefill,
-    /// The 1-token routed-expert kernels (moe_stream.rs, `K3_MX_STREAM2`).
-    pub(crate) moe_stream2: crate::moe_stream::Stream2Variant,
+    /// The sorted many-assignment paths' work buffers (moe_sorted.rs), kept between calls.
+    pub(crate) moe_sorted_scratch: Mutex<crate::moe_sorted::SortedScratch>,
     /// CUDA graphs of decode steps (graph.rs).
     pub(crate) step: crate::graph::StepState,
-    /// Attend kernel of the absorbed MLA decode (ops.rs).
-    pub(crate) mla_decode_mode: crate::ops::MlaDecodeMode,
+    /// The deployment's choices (options.rs).
+    pub(crate) options: crate::CudaOptions,
 }
 
 impl Drop for CudaBackend {
@@ -104,10 +100,23 @@ impl CudaBackend {
     /// Device `ordinal`, kernels from the default cache directory. Errors (never panics) when the
     /// driver or NVRTC is missing, so callers can fall back to the CPU backend.
     pub fn try_new(ordinal: usize) -> Result<Self> {
-        Self::with_cache(ordinal, KernelCache::new(crate::cache::default_dir()))
+        Self::with_options(ordinal, crate::CudaOptions::default())
     }
 
-    pub fn with_cache(ordinal: usize, cache: KernelCache) -> Result<Self> {
+    /// [`CudaBackend::try_new`] with `options` instead of the defaults.
+    pub fn with_options(ordinal: usize, options: crate::CudaOptions) -> Result<Self> {
+        Self::with_cache(
+            ordinal,
+            KernelCache::new(crate::cache::default_dir()),
+            options,
+        )
+    }
+
+    pub fn with_cache(
+        ordinal: usize,
+        cache: KernelCache,
+        backend_options: crate::CudaOptions,
+    ) -> Result<Self> {
         if !driver_present() {
             return Err(CudaError::NoDriver(
                 "libcuda.so could not be loaded (no NVIDIA driver)".into(),
@@ -181,13 +190,11 @@ impl CudaBackend {
             limits,
             functions,
             blas,
-            step: crate::graph::StepState::new(profile.is_some()),
+            step: crate::graph::StepState::new(backend_options.cuda_graphs, profile.is_some()),
             profile,
             moe_scratch: Mutex::default(),
-            moe_grouped_scratch: Mutex::default(),
-            moe_prefill: crate::moe_grouped::MoePrefill::from_env(),
-            moe_stream2: crate::moe_stream::Stream2Variant::from_env(),
-            mla_decode_mode: crate::ops::MlaDecodeMode::from_env(),
+            moe_sorted_scratch: Mutex::default(),
+            options: backend_options,
         })
     }
 

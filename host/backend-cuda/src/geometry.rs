@@ -197,43 +197,28 @@ pub const MAX_OPT_IN_SHARED: usize = 232_448;
 pub const MLA_BF16_HEADS_PER_BLOCK: usize = 48;
 pub const MLA_BF16_SHARED: usize = 165_568;
 
-/// `mla_attend_wg_f32` (kernels/mla_attend_wg.cu, wgmma: sm_90a only): 48 heads per 384-thread
-/// block (a producer and two consumer warpgroups), one block per SM, MLW_SHARED bytes of dynamic
-/// shared memory (Q^T, two 64-position bf16 tiles, P^T, scores, + 1 KB to align the base).
+/// `mla_attend_wg2_f32` (kernels/mla_attend_wg.cu, wgmma: sm_90a only, clusters of 2 blocks): 48
+/// heads per 384-thread block (a producer and two consumer warpgroups), one block per SM,
+/// MLW_SHARED2 bytes of dynamic shared memory (Q^T, two 64-position bf16 tiles, P^T, scores, 1 KB
+/// to align the base, the four ring mbarriers).
 pub const MLA_WG_HEADS_PER_BLOCK: usize = 48;
 pub const MLA_WG_THREADS: u32 = 384;
-pub const MLA_WG_SHARED: usize = 223_168;
-/// `mla_attend_wg2_f32` (the same file, clusters of 2 blocks): MLW_SHARED2 = MLW_SHARED + the four
-/// ring mbarriers.
 pub const MLA_WG2_SHARED: usize = 223_200;
 
 /// The tc2 expert kernels (kernels/mxfp4_tc.cu, ops.rs mx_tc2_shared) at 4 n-tiles per pass: two
 /// 256-thread blocks per SM.
 pub const MX_TC2_MAX_SHARED: usize = 78_336;
 
-/// The grouped expert GEMMs (kernels/mxfp4_grouped.cu MXG_SHARED_BYTES, moe_grouped.rs): decode
-/// table + 3 stages of 256 weight rows (64 + 4 bytes) and 128 hi / lo token rows of 288 bytes.
-pub const MX_GROUPED_SHARED: usize = 195_584;
-
-/// The stream2 expert kernels (kernels/mxfp4.cu MXS_SHARED, moe_stream.rs): the 64 KB decode
-/// table with the staged activations in its upper halves.
-pub const MX_STREAM_SHARED: usize = 65_536;
-
 /// Kernels launched with more than 48 KB of dynamic shared memory, and how much. device.rs skips
 /// an entry past the device's opt-in limit (the wgmma ones, 223 KB, on an A100's 163 KB), and
 /// dispatch.rs never launches such a kernel there.
 pub const OPT_IN_SHARED: &[(&str, usize)] = &[
     ("mla_attend_bf16_f32", MLA_BF16_SHARED),
-    ("mla_attend_wg_f32", MLA_WG_SHARED),
     ("mla_attend_wg2_f32", MLA_WG2_SHARED),
     ("mxfp4_up_tc2_f32", MX_TC2_MAX_SHARED),
     ("mxfp4_down_tc2_f32", MX_TC2_MAX_SHARED),
-    ("mxfp4_up_grouped_f32", MX_GROUPED_SHARED),
-    ("mxfp4_down_grouped_f32", MX_GROUPED_SHARED),
     ("mxfp4_up_wg_f32", crate::moe_wg::MX_WG_SHARED),
     ("mxfp4_down_wg_f32", crate::moe_wg::MX_WG_SHARED),
-    ("mxfp4_up_stream2_f32", MX_STREAM_SHARED),
-    ("mxfp4_down_stream2_f32", MX_STREAM_SHARED),
     (
         "mxfp4_up_stream2v2_f32",
         crate::moe_stream::MX_STREAM2V2_SHARED,
@@ -271,42 +256,26 @@ pub fn mla_splits_bf16(items: usize, heads: usize, max_len: usize, sms: usize) -
     fullest_wave_splits(blocks, sms.max(1), max_len)
 }
 
-/// Grid (head groups, items, splits) of `mla_attend_wg_f32`, as `mla_attend_bf16`'s: the two head
-/// groups of one (item, split) side by side, the second reading the rows from L2.
-pub fn mla_attend_wg(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
-    check_mla(g)?;
-    Launch::new(
-        (g.heads.div_ceil(MLA_WG_HEADS_PER_BLOCK), items, splits),
-        MLA_WG_THREADS,
-    )?
-    .with_opt_in_shared(MLA_WG_SHARED)
-}
-
 /// Grid of `mla_attend_wg2_f32` (`__cluster_dims__(2, 1, 1)`): head groups rounded up to pairs, a
 /// block past the last head still loads its half of the rows for its partner (and writes nothing).
 pub fn mla_attend_wg2(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
     check_mla(g)?;
-    Launch::new(
-        (mla_wg_blocks(g.heads, true), items, splits),
-        MLA_WG_THREADS,
-    )?
-    .with_opt_in_shared(MLA_WG2_SHARED)
+    Launch::new((mla_wg_blocks(g.heads), items, splits), MLA_WG_THREADS)?
+        .with_opt_in_shared(MLA_WG2_SHARED)
 }
 
-/// Blocks per (item, split) of a wg attend: head groups of 48, rounded up to pairs for the
-/// cluster kernel (`pair`), whose second block loads rows for its partner even without heads.
-pub fn mla_wg_blocks(heads: usize, pair: bool) -> usize {
-    let groups = heads.div_ceil(MLA_WG_HEADS_PER_BLOCK);
-    if pair { 2 * groups.div_ceil(2) } else { groups }
+/// Blocks per (item, split) of the wgmma attend: head groups of 48, rounded up to pairs for the
+/// cluster, whose second block loads rows for its partner even without heads.
+pub fn mla_wg_blocks(heads: usize) -> usize {
+    2 * heads.div_ceil(MLA_WG_HEADS_PER_BLOCK).div_ceil(2)
 }
 
-/// Position splits of the wg attends (one block per SM, as the bf16 attend; `pair`: the cluster
-/// kernel's block count): one split whenever it fills the SMs as well as the fullest-wave choice -
+/// Position splits of the wgmma attend (one block per SM, as the bf16 attend): one split whenever it fills the SMs as well as the fullest-wave choice -
 /// the attend then writes the final rows itself (`final_rows`) and the merge launch and the
 /// partials' round trip go (at K3's N = 64, L = 32k: 128 blocks on 132 SMs, as full as 2 splits'
 /// 256) - else that choice.
-pub fn mla_splits_wg(items: usize, heads: usize, pair: bool, max_len: usize, sms: usize) -> usize {
-    let blocks = items.max(1) * mla_wg_blocks(heads, pair);
+pub fn mla_splits_wg(items: usize, heads: usize, max_len: usize, sms: usize) -> usize {
+    let blocks = items.max(1) * mla_wg_blocks(heads);
     let sms = sms.max(1);
     let splits = fullest_wave_splits(blocks, sms, max_len);
     if wave_fill(blocks, sms) + 1e-9 >= wave_fill(blocks * splits, sms) {
@@ -316,7 +285,7 @@ pub fn mla_splits_wg(items: usize, heads: usize, pair: bool, max_len: usize, sms
     }
 }
 
-/// Whether `mla_attend_wg_f32` runs on a device compiled for `arch` (wgmma exists only on the
+/// Whether `mla_attend_wg2_f32` runs on a device compiled for `arch` (wgmma exists only on the
 /// arch-specific Hopper target; elsewhere the kernel is a trapping stub).
 pub fn mla_wg_supported(arch: &str) -> bool {
     arch == "sm_90a"
@@ -527,42 +496,25 @@ mod tests {
         assert_eq!(mla_splits_bf16(16, 96, 8192, 132), 8);
         assert_eq!(mla_splits_bf16(1, 96, 100, 132), 1);
         assert_eq!(mla_splits_bf16(1, 4, 900, 132), 8);
-        // wgmma attend: same head groups and splits, 384 threads, 223,168 B (under the 227 KB cap).
-        let l = mla_attend_wg(&k3, 3, 5).unwrap();
-        assert_eq!((l.grid, l.block, l.shared), ((2, 3, 5), 384, 223_168));
+        assert_eq!(mla_splits_wg(1, 96, 32768, 132), 66);
+        assert_eq!(mla_splits_wg(16, 96, 32768, 132), 8);
+        // 128 blocks fill 132 SMs as well as 2 splits' 256: one split, final rows, no merge.
+        assert_eq!(mla_splits_wg(64, 96, 32768, 132), 1);
+        assert_eq!(mla_splits_wg(66, 96, 4096, 132), 1);
+        // 40 blocks: one split would leave 70 % of the SMs idle.
         assert_eq!(
-            mla_attend_wg(&MlaGeom { heads: 4, ..k3 }, 1, 1)
-                .unwrap()
-                .grid,
-            (1, 1, 1)
+            mla_splits_wg(20, 96, 32768, 132),
+            mla_splits_bf16(20, 96, 32768, 132)
         );
-        for pair in [false, true] {
-            assert_eq!(mla_splits_wg(1, 96, pair, 32768, 132), 66);
-            assert_eq!(mla_splits_wg(16, 96, pair, 32768, 132), 8);
-            // 128 blocks fill 132 SMs as well as 2 splits' 256: one split, final rows, no merge.
-            assert_eq!(mla_splits_wg(64, 96, pair, 32768, 132), 1);
-            assert_eq!(mla_splits_wg(66, 96, pair, 4096, 132), 1);
-            // 40 blocks: one split would leave 70 % of the SMs idle.
-            assert_eq!(
-                mla_splits_wg(20, 96, pair, 32768, 132),
-                mla_splits_bf16(20, 96, 32768, 132)
-            );
-            assert!(mla_splits_wg(20, 96, pair, 32768, 132) > 1);
-        }
-        // Fewer than 48 heads: the cluster kernel still launches a pair per (item, split), so it
-        // needs half the splits of the single-block kernel to fill the SMs.
-        assert_eq!((mla_wg_blocks(4, false), mla_wg_blocks(4, true)), (1, 2));
-        assert_eq!((mla_wg_blocks(52, false), mla_wg_blocks(52, true)), (2, 2));
-        assert_eq!(
-            (mla_wg_blocks(144, false), mla_wg_blocks(144, true)),
-            (3, 4)
-        );
-        assert_eq!(mla_splits_wg(1, 4, false, 32768, 132), 132);
-        assert_eq!(mla_splits_wg(1, 4, true, 32768, 132), 66);
+        assert!(mla_splits_wg(20, 96, 32768, 132) > 1);
+        // Fewer than 48 heads: the cluster still launches a pair per (item, split).
+        assert_eq!(mla_wg_blocks(4), 2);
+        assert_eq!(mla_wg_blocks(52), 2);
+        assert_eq!(mla_wg_blocks(144), 4);
+        assert_eq!(mla_splits_wg(1, 4, 32768, 132), 66);
         assert!(
             mla_wg_supported("sm_90a") && !mla_wg_supported("sm_90") && !mla_wg_supported("sm_89")
         );
-        assert!(OPT_IN_SHARED.contains(&("mla_attend_wg_f32", MLA_WG_SHARED)));
         assert!(OPT_IN_SHARED.contains(&("mla_attend_wg2_f32", MLA_WG2_SHARED)));
         // Pair variant: clusters of two blocks, so the head groups round up to an even count.
         let l = mla_attend_wg2(&k3, 3, 5).unwrap();

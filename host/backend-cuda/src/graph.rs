@@ -128,12 +128,12 @@ pub(crate) struct StepState {
 }
 
 impl StepState {
-    /// On unless `K3_CUDA_GRAPHS=0`, or when per-op profiling (which waits around every op) is on.
-    pub fn new(profiling: bool) -> Self {
-        let off = matches!(std::env::var("K3_CUDA_GRAPHS").as_deref(), Ok("0" | "off"));
+    /// Graphs `enabled` (`CudaOptions::cuda_graphs`), never while per-op profiling (which waits
+    /// around every op) is on.
+    pub fn new(enabled: bool, profiling: bool) -> Self {
         Self {
             mode: AtomicU8::new(Mode::Eager as u8),
-            enabled: !off && !profiling,
+            enabled: enabled && !profiling,
             inner: Mutex::default(),
         }
     }
@@ -377,7 +377,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Turn CUDA graphs for decode steps on or off (default: on unless `K3_CUDA_GRAPHS=0`).
+    /// Turn CUDA graphs for decode steps on or off (default: `CudaOptions::cuda_graphs`).
     pub fn set_cuda_graphs(&mut self, on: bool) {
         self.step.enabled = on;
     }
@@ -584,7 +584,7 @@ mod tests {
 
     #[test]
     fn logs_differ_exactly_when_the_queued_work_differs() {
-        let s = StepState::new(false);
+        let s = StepState::new(true, false);
         let run = |grid: usize, arg: u64, upload: usize| {
             s.begin(Mode::Dry);
             s.log_launch("k_a", &launch(grid), &[arg, 0]);
@@ -607,7 +607,7 @@ mod tests {
 
     #[test]
     fn arena_pointers_are_logged_by_arena_and_offset() {
-        let s = StepState::new(false);
+        let s = StepState::new(true, false);
         s.add_arena(0x1000, 0x100);
         s.add_arena(0x8000, 0x100);
         assert_eq!(s.ptr_word(0x0fff), 0, "outside every arena: not logged");
@@ -621,7 +621,7 @@ mod tests {
 
     #[test]
     fn a_pass_starts_with_an_empty_log() {
-        let s = StepState::new(false);
+        let s = StepState::new(true, false);
         s.begin(Mode::Capture);
         assert!(s.recording() && !s.dry());
         s.log_gemm(&[0, 1, 2, 3]);

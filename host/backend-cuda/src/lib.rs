@@ -7,7 +7,7 @@
 //! [`CudaBackend`] implements `k3_model::backend::Backend` (backend_impl.rs), checked against
 //! the CPU backend by `tests/device.rs` on a GPU. Besides the kernels: bf16 weights and their
 //! GEMMs (backend_impl.rs `matmul_linear`), routed experts as tensor-core GEMMs for large steps
-//! (moe_gemm.rs, or the grouped MXFP4 GEMMs of moe_grouped.rs), MLA prefill in the expanded form (mla_prefill.rs), per-op timing (profile.rs).
+//! (moe_gemm.rs, or the wgmma MXFP4 GEMMs of moe_wg.rs), MLA prefill in the expanded form (mla_prefill.rs), per-op timing (profile.rs).
 
 pub mod cache;
 pub mod device;
@@ -20,19 +20,17 @@ pub mod backend_impl;
 mod graph;
 pub mod mla_prefill;
 mod moe_gemm;
-mod moe_grouped;
+mod moe_sorted;
 mod moe_stream;
 mod moe_wg;
+pub mod options;
 mod profile;
 pub mod sources;
 
 pub use device::{CudaBackend, DeviceLinear, DeviceMat};
 pub use error::{CudaError, Result};
 pub use graph::GraphCounts;
-pub use moe_grouped::MoePrefill;
-pub use moe_stream::Stream2Variant;
-pub use moe_wg::MoeAct;
-pub use ops::MlaDecodeMode;
+pub use options::{CudaOptions, MlaDecodePrecision};
 
 #[cfg(test)]
 mod tests {

@@ -28,7 +28,6 @@ use crate::ops::{float_offset, i32_of};
 use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig, sys::cublasOperation_t};
 use cudarc::driver::CudaSlice;
 use k3_model::backend::MlaGeom;
-use std::sync::OnceLock;
 
 /// Sequences with at least this many new tokens take the expanded form. Per (head, query, key)
 /// pair it does 2·320 FLOPs of f32 SGEMM (~50 TFLOP/s expected on the H200) against 2·1088 on the
@@ -38,9 +37,7 @@ use std::sync::OnceLock;
 /// 30k cached rows (sooner over short prefixes); the threshold sits at about twice that because
 /// the estimate's margin is thin there and below it short chunks stay in the one batched absorbed
 /// launch sequence with the decodes. 64 also splits the k3-mini golden prompts (31, 41: absorbed;
-/// 82: expanded), so the end-to-end tests cover both paths. `K3_MLA_PREFILL=absorbed` turns the
-/// expanded form off (an A/B through the whole model; `benchmarks.py` section `mla_prefill` times
-/// both forms at K3 shapes).
+/// 82: expanded), so the end-to-end tests cover both paths.
 pub const MLA_EXPANDED_MIN_TOKENS: usize = 64;
 
 /// Queries per chunk (at most): large enough for efficient SGEMMs (n = 512), small enough that
@@ -61,34 +58,9 @@ const GATHER_THREADS: u32 = 128;
 /// (a block-wide sum of squares) are bit-identical whichever path appends them.
 const APPEND_THREADS: u32 = 128;
 
-/// Which form long new-token spans take (`K3_MLA_PREFILL`, read once per process).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PrefillMode {
-    /// Spans of at least [`MLA_EXPANDED_MIN_TOKENS`] new tokens take the expanded form (default).
-    Expanded,
-    /// Every span takes the absorbed path (the behaviour before the expanded form existed).
-    Absorbed,
-}
-
-impl PrefillMode {
-    /// `absorbed` selects [`PrefillMode::Absorbed`]; anything else (unset, `expanded`) the default.
-    pub fn parse(v: Option<&str>) -> Self {
-        match v.map(str::trim) {
-            Some("absorbed") => Self::Absorbed,
-            _ => Self::Expanded,
-        }
-    }
-
-    /// Whether a span of `tokens` new tokens takes the expanded form.
-    pub fn expanded(self, tokens: usize) -> bool {
-        self == Self::Expanded && tokens >= MLA_EXPANDED_MIN_TOKENS
-    }
-}
-
-/// The process-wide mode from `K3_MLA_PREFILL` (`expanded` | `absorbed`).
-pub fn prefill_mode() -> PrefillMode {
-    static MODE: OnceLock<PrefillMode> = OnceLock::new();
-    *MODE.get_or_init(|| PrefillMode::parse(std::env::var("K3_MLA_PREFILL").ok().as_deref()))
+/// Whether a span of `tokens` new tokens takes the expanded form (else the absorbed path).
+pub fn expanded(tokens: usize) -> bool {
+    tokens >= MLA_EXPANDED_MIN_TOKENS
 }
 
 /// Head-group size and query-chunk length of one call.
@@ -484,14 +456,13 @@ impl CudaBackend {
                 "MLA split: per-sequence lists".into(),
             ));
         }
-        let mode = prefill_mode();
         let mut o = self.zeros(q.rows, g.heads * g.v_dim)?;
         let (mut abs_spans, mut append_at, mut lens, mut owner) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (i, &(r0, r1)) in spans.iter().enumerate() {
             let (t, s, pages) = (r1 - r0, starts[i], &seq_pages[i]);
             let dst = (s..s + t).map(|pos| pages[pos / pt] + (pos % pt) * row_bytes);
-            if !mode.expanded(t) {
+            if !expanded(t) {
                 abs_spans.push((r0, r1));
                 append_at.extend(dst);
                 lens.extend(s + 1..=s + t);
@@ -540,16 +511,11 @@ mod tests {
     }
 
     #[test]
-    fn mode_parsing_and_threshold() {
-        assert_eq!(PrefillMode::parse(None), PrefillMode::Expanded);
-        assert_eq!(PrefillMode::parse(Some("expanded")), PrefillMode::Expanded);
-        assert_eq!(PrefillMode::parse(Some("absorbed")), PrefillMode::Absorbed);
-        let e = PrefillMode::Expanded;
-        assert!(!e.expanded(1) && !e.expanded(MLA_EXPANDED_MIN_TOKENS - 1));
-        assert!(e.expanded(MLA_EXPANDED_MIN_TOKENS) && e.expanded(8192));
-        assert!(!PrefillMode::Absorbed.expanded(8192));
+    fn threshold() {
+        assert!(!expanded(1) && !expanded(MLA_EXPANDED_MIN_TOKENS - 1));
+        assert!(expanded(MLA_EXPANDED_MIN_TOKENS) && expanded(8192));
         // k3-mini's golden prompts (31, 41, 82 tokens) exercise both paths end to end.
-        assert!(!e.expanded(41) && e.expanded(82));
+        assert!(!expanded(41) && expanded(82));
     }
 
     #[test]

@@ -1,28 +1,19 @@
-//! Routed experts of 1-token decode steps (ops.rs `mx_experts_choice`). Each assignment (token,
+//! Routed experts of 1-token decode steps (kernels/mxfp4_stream.cu). Each assignment (token,
 //! slot) is taken straight from the router's ids, so the step needs no sort by expert; the units
-//! (assignment, row tile, part of the row) are split evenly over all warps, with the products on
-//! tensor cores (the kernel headers have the layout).
-//!
-//! [`Stream2Variant::V2`] (the default; kernels/mxfp4_stream.cu): the weights streamed through a
-//! cp.async ring per warp, one 512-thread block per SM, two 16-row sets per step (down: 32 rows
-//! per unit) and the combine folded into the down kernel (two launches). Widths must be multiples
-//! of 128 (K3's are). [`Stream2Variant::V1`] (kernels/mxfp4.cu: `mxfp4_up_stream2_f32`,
-//! `mxfp4_down_stream2_f32`, `moe_combine_parts_f32`) runs the other widths: a register ring of
-//! loads, two 256-thread blocks per SM and a separate combine. H200, K3, top-16, T = 1: v2
-//! 121.4 us (54 % of the weight-traffic floor), v1 140.8 us (47 %).
+//! (assignment, row group, part of the row) are split evenly over all warps, the weights streamed
+//! through a cp.async ring per warp, one 512-thread block per SM, with the products on tensor
+//! cores (the kernel headers have the layout) and the combine folded into the down kernel (two
+//! launches). Widths must be whole 128-column steps (K3's are); dispatch.rs sends other widths
+//! and GPUs without the shared memory to the few-token pair.
 
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
-use crate::geometry::{self, Launch, MX_STREAM_SHARED};
+use crate::geometry::Launch;
 use crate::ops::DeviceExperts;
 use cudarc::driver::CudaSlice;
 use k3_model::backend::SituParams;
 
-/// Threads per block and blocks per SM (kernels/mxfp4.cu `__launch_bounds__(256, 2)`).
-const MX_STREAM_THREADS: u32 = 256;
-const MX_STREAM_BLOCKS_PER_SM: usize = 2;
-/// Widest input row of the stream2 kernels: 124 blocks of 32 (padded to a multiple of 4 below the
-/// zero block at staged row 127).
+/// Widest input row of the kernels' expert matrices (the staged row limit).
 pub const MX_STREAM2_MAX_COLS: usize = 124 * 32;
 /// Most parts a row's steps are cut into.
 const MX_STREAM2_MAX_PARTS: usize = 8;
@@ -35,27 +26,6 @@ const MX_STREAM2_MIN_STEPS_PER_WARP: usize = 8;
 const MX_STREAM2V2_THREADS: u32 = 512;
 const MX_STREAM2V2_WARPS: usize = 16;
 pub const MX_STREAM2V2_SHARED: usize = 65_536 + 17 * 4 * 2_176;
-
-/// The 1-token routed-expert kernels, from `K3_MX_STREAM2` at start-up (`v2`, the default, or
-/// `v1`); tests pin it with `CudaBackend::set_moe_stream2`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stream2Variant {
-    /// kernels/mxfp4.cu: up, down, combine (register ring of weight loads).
-    V1,
-    /// kernels/mxfp4_stream.cu: up, down with the combine folded in (cp.async ring per warp);
-    /// widths that are not multiples of 128 fall back to V1.
-    V2,
-}
-
-impl Stream2Variant {
-    /// `K3_MX_STREAM2`: `v1` (anything else, or unset: `v2`).
-    pub fn from_env() -> Self {
-        match std::env::var("K3_MX_STREAM2").as_deref() {
-            Ok("v1") => Self::V1,
-            _ => Self::V2,
-        }
-    }
-}
 
 /// Launch of one stream2 kernel: the grid and `parts`, the number of step ranges (of 128 columns)
 /// each row is cut into; every unit (assignment, 16-row tile, part) writes its own partial sums.
@@ -70,62 +40,19 @@ fn fits(rows: usize, cols: usize) -> bool {
     cols <= MX_STREAM2_MAX_COLS && rows * cols / 2 < 1 << 31
 }
 
-/// Whether the stream2 pair takes experts of these widths (up: inter x latent, down: latent x
-/// inter); ops.rs runs the tc2 pair for the others.
-pub(crate) fn stream2_fits(latent: usize, inter: usize) -> bool {
-    fits(inter, latent)
-        && fits(latent, inter)
-        && geometry::check_mx_width(latent).is_ok()
-        && geometry::check_mx_width(inter).is_ok()
-}
-
-/// Whether the v2 kernels take these widths: whole 128-column steps both ways (no padded blocks,
-/// 4-byte-aligned scale words) within v1's limits.
+/// Whether the kernels take experts of these widths: whole 128-column steps both ways (no padded
+/// blocks, 4-byte-aligned scale words), each matrix within [`fits`].
 pub(crate) fn stream2v2_fits(latent: usize, inter: usize) -> bool {
-    latent.is_multiple_of(128) && inter.is_multiple_of(128) && stream2_fits(latent, inter)
-}
-
-/// Grid and parts of the stream2 kernels for `assignments` x `rows` output rows of input width
-/// `cols` (harness common.py mx_stream2_plan): two blocks per SM (fewer: >= 8 steps per warp);
-/// parts minimising the busiest warp's steps plus half a step per unit (its flush). K3, T = 1,
-/// 132 SMs: up 2 parts (busiest warp 42 steps, mean 40.7), down 4 (42 vs 40.7).
-pub fn mx_stream2_plan(
-    assignments: usize,
-    rows: usize,
-    cols: usize,
-    sms: usize,
-) -> Result<Stream2Plan> {
-    geometry::check_mx_width(cols)?;
-    if !fits(rows, cols) {
-        return Err(CudaError::Unsupported(format!(
-            "MXFP4 stream2 kernels: expert matrix {rows} x {cols} (input width <= {MX_STREAM2_MAX_COLS}, < 2 GB)"
-        )));
-    }
-    let (steps, tiles) = ((cols / 32).div_ceil(4), rows.div_ceil(16));
-    let warps_per_block = (MX_STREAM_THREADS / 32) as usize;
-    let want =
-        (assignments * tiles * steps).div_ceil(warps_per_block * MX_STREAM2_MIN_STEPS_PER_WARP);
-    let blocks = want.clamp(1, MX_STREAM_BLOCKS_PER_SM * sms.max(1));
-    let warps = blocks * warps_per_block;
-    let parts = (1..=steps.min(MX_STREAM2_MAX_PARTS))
-        .min_by_key(|&p| {
-            (
-                (assignments * tiles * p).div_ceil(warps) * (2 * steps.div_ceil(p) + 1),
-                p,
-            )
-        })
-        .unwrap_or(1);
-    Ok(Stream2Plan {
-        launch: Launch::new((blocks, 1, 1), MX_STREAM_THREADS)?
-            .with_opt_in_shared(MX_STREAM_SHARED)?,
-        parts,
-    })
+    latent.is_multiple_of(128)
+        && inter.is_multiple_of(128)
+        && fits(inter, latent)
+        && fits(latent, inter)
 }
 
 /// Grid and parts of a v2 kernel (harness common.py mx_stream2v2_plan) for `assignments` x `rows`
 /// output rows of input width `cols`: `down` (32-row groups, runs of parts merged) or up (16-row
 /// tiles of W1 and W3). One block per SM (fewer: >= 8 steps per warp); parts minimising the
-/// busiest warp's units times their cost (up: 2 per step + 1 for the flush, as v1; down: 4 per
+/// busiest warp's units times their cost (up: 2 per step + 1 for the flush; down: 4 per
 /// step + 1, as consecutive parts of a warp merge into one run). K3, T = 1, 132 SMs: up 2 parts
 /// (busiest warp 42 steps, mean 40.7), down 8 (21 vs 20.4).
 pub fn mx_stream2v2_plan(
@@ -168,58 +95,9 @@ pub fn mx_stream2v2_plan(
 }
 
 impl CudaBackend {
-    /// Choose the 1-token routed-expert kernels (default from `K3_MX_STREAM2`, see
-    /// [`Stream2Variant`]).
-    pub fn set_moe_stream2(&mut self, variant: Stream2Variant) {
-        self.moe_stream2 = variant;
-    }
-
-    pub fn moe_stream2(&self) -> Stream2Variant {
-        self.moe_stream2
-    }
-
-    /// `act` = SiTU-GLU(W1 z, W3 z) and `y` = W2 act for every assignment (ids `idx` `[T·k]`),
-    /// then the fixed-order combine with weights `w`. Assignments whose id is out of range are
-    /// skipped, as the sort-based pairs do.
-    /// The up kernel writes partial W1 / W3 sums per part, the down kernel's staging adds them and
-    /// applies SiTU-GLU, and `moe_combine_parts_f32` adds the down kernel's parts and skips slots
-    /// whose id is out of range (their partial rows are never written: no zeroing pass).
-    pub(crate) fn moe_experts_stream2(
-        &self,
-        z: &DeviceMat,
-        idx: &CudaSlice<i32>,
-        w: &CudaSlice<f32>,
-        ex: &DeviceExperts,
-        k: usize,
-        situ: SituParams,
-    ) -> Result<DeviceMat> {
-        let t = z.rows;
-        let na = t * k;
-        let up = mx_stream2_plan(na, ex.inter, ex.latent, self.multiprocessors)?;
-        let down = mx_stream2_plan(na, ex.latent, ex.inter, self.multiprocessors)?;
-        let gu = self.uninit::<f32>(na * up.parts * 2 * ex.inter)?;
-        let yp = self.uninit::<f32>(na * down.parts * ex.latent)?;
-        let (kk, lt, ie, e, n) = (
-            k as i32,
-            ex.latent as i32,
-            ex.inter as i32,
-            ex.experts as i32,
-            crate::ops::i32_of(na, "assignments")?,
-        );
-        let (pu, pd) = (up.parts as i32, down.parts as i32);
-        let (lin, has) = crate::ops::situ_linear_args(situ);
-        launch!(self, "mxfp4_up_stream2_f32", up.launch;
-            &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, idx, &gu, &kk, &lt, &ie, &e, &n, &pu)?;
-        launch!(self, "mxfp4_down_stream2_f32", down.launch;
-            &gu, &ex.w2.0, &ex.w2.1, idx, &yp, &lt, &ie, &situ.beta, &lin, &has, &e, &n, &pu, &pd)?;
-        let out = self.output(t, ex.latent)?;
-        let tt = t as i32;
-        launch!(self, "moe_combine_parts_f32", geometry::elementwise(t * ex.latent)?;
-            &yp, idx, w, &out.buf, &tt, &kk, &lt, &e, &pd)?;
-        Ok(out)
-    }
-
-    /// The v2 pair: the up kernel writes gu's parts (as v1) and zeroes the down kernel's counters
+    /// `act` = SiTU-GLU(W1 z, W3 z), `y` = W2 act for every assignment (ids `idx` `[T·k]`) and
+    /// the fixed-order combine with weights `w`; out-of-range ids are skipped. The up kernel
+    /// writes gu's parts and zeroes the down kernel's counters
     /// and part masks (`sync`: [T, latent / 32] then [T·k, latent / 32]); the down kernel writes
     /// run partials to `yp` and the warp that completes a (token, 32-row group) writes its `out`
     /// rows (every element: no zeroing pass).
@@ -268,44 +146,7 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stream2_plan() {
-        // K3, T = 1, top-16 on 132 SMs (harness check_moe_stream2 replays the split).
-        let up = mx_stream2_plan(16, 3072, 3584, 132).unwrap();
-        assert_eq!(
-            (up.launch.grid, up.launch.shared, up.parts),
-            ((264, 1, 1), 65_536, 2)
-        );
-        let down = mx_stream2_plan(16, 3584, 3072, 132).unwrap();
-        assert_eq!((down.launch.grid, down.parts), ((264, 1, 1), 4));
-        // Small: fewer blocks; parts never above the steps per row (an empty part would spin).
-        let small = mx_stream2_plan(9, 40, 160, 132).unwrap();
-        assert_eq!((small.launch.grid, small.parts), ((1, 1, 1), 1));
-        for (na, rows, cols) in [(3, 96, 96), (5, 96, 544), (48, 3072, 3584), (1, 16, 32)] {
-            let p = mx_stream2_plan(na, rows, cols, 132).unwrap();
-            assert!(
-                p.parts >= 1 && p.parts <= (cols / 32).div_ceil(4),
-                "{na} {rows} {cols}"
-            );
-        }
-        assert!(mx_stream2_plan(16, 3072, 3968, 132).is_ok());
-        assert!(
-            mx_stream2_plan(16, 3072, 4000, 132).is_err(),
-            "no room for the padding"
-        );
-        // ops.rs falls back to tc2 for what the plan refuses.
-        assert!(stream2_fits(3584, 3072) && stream2_fits(3968, 3968));
-        assert!(!stream2_fits(4096, 3072) && !stream2_fits(3584, 4000));
-        assert!(!stream2_fits(3584, 100), "width not a multiple of 32");
-        const { assert!(MX_STREAM_SHARED <= geometry::MAX_OPT_IN_SHARED) };
-        for name in ["mxfp4_up_stream2_f32", "mxfp4_down_stream2_f32"] {
-            assert!(
-                geometry::OPT_IN_SHARED.contains(&(name, MX_STREAM_SHARED)),
-                "{name}"
-            );
-        }
-    }
+    use crate::geometry;
 
     #[test]
     fn stream2v2_plan() {

@@ -2,9 +2,10 @@
 //! Arena offsets are in bytes at this API (like `k3_model::backend`) and converted to f32 offsets.
 
 use crate::device::{CudaBackend, DeviceLinear, DeviceMat};
-use crate::dispatch::{ExpertPath, ExpertStep, expert_path};
+use crate::dispatch::{ExpertPath, ExpertStep, MlaAttend, expert_path};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
+use crate::options::MlaDecodePrecision;
 use cudarc::driver::CudaSlice;
 use k3_model::backend::{KdaGeom, MlaGeom, RouterParams, SituParams};
 
@@ -33,78 +34,9 @@ macro_rules! launch {
             $( b.arg($arg); )*
             // SAFETY: argument count and types follow the kernel's C signature (checked against
             // the parsed signatures by the device harness), every buffer is live for the launch.
-            unsafe { b.launch(l.config()) }.map(|_| ()).map_err(CudaError::from)
+            unsafe { b.launch(l.config()) }.map(|_| ()).map_err($crate::error::CudaError::from)
         }
     }};
-}
-
-/// Kernel choices with a second path kept in kernels/*.cu (both are checked by the device
-/// harness), each read once per process from an environment variable so one device run can A/B
-/// them through the whole model (unknown values take the default):
-/// - `K3_MX_EXPERTS` (routed experts of steps below the many-assignment threshold): `auto`
-///   (default: the stream2 pair for 1 token, moe_stream.rs; the tc2 pair from 2, and for experts
-///   wider than stream2 takes), `stream2` (at every step size it takes) or `tc`
-///   (`mx_experts_choice`).
-/// - `K3_MX_STREAM2` (which stream2 kernels): `v2` (default: kernels/mxfp4_stream.cu, cp.async
-///   rings, combine folded into the down kernel; widths that are multiples of 128, else v1) or
-///   `v1` (kernels/mxfp4.cu); read once into `CudaBackend::moe_stream2` (moe_stream.rs
-///   `Stream2Variant`).
-/// - `K3_MOE_PREFILL` (routed experts of steps with >= `K3_MOE_GEMM_MIN` assignments): `wg`
-///   (default, also `auto`: the wgmma kernels of moe_wg.rs on sm_90a, with activations per
-///   `K3_MOE_ACT`: `split` hi / lo bf16, the default, or `bf16`; elsewhere the grouped MXFP4
-///   GEMMs, moe_grouped.rs, below `K3_MOE_GROUPED_MAX` assignments and cuBLAS over expanded bf16
-///   experts, moe_gemm.rs, from there), `grouped` or `gemm`; read once into
-///   `CudaBackend::moe_prefill`.
-/// - `K3_MLA_DECODE` (absorbed MLA attend): `wg` (default: wgmma on 2-block clusters on sm_90a,
-///   elsewhere `bf16`), `wg1` (the wgmma attend one block per head group), `bf16` (mma.sync, any
-///   arch) or `precise` ([`MlaDecodeMode`]).
-/// - `K3_KDA_CHUNK` (prefill): `scan4` (default: the record pass `kda_chunk_rec3m_f32` + the
-///   key-split scan, conv <= 4) or `f32` (the one-pass f32 kernels of kda_chunk.cu, which also
-///   take conv > 4): `kda_scan`.
-fn env_choice(
-    cell: &'static std::sync::OnceLock<String>,
-    var: &str,
-    default: &str,
-) -> &'static str {
-    cell.get_or_init(|| std::env::var(var).unwrap_or_else(|_| default.to_string()))
-}
-
-/// A size switch read once per process: `var` parsed as a number, else `default`.
-pub(crate) fn env_usize(
-    cell: &'static std::sync::OnceLock<usize>,
-    var: &str,
-    default: usize,
-) -> usize {
-    *cell.get_or_init(|| {
-        std::env::var(var)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    })
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum MxExperts {
-    Stream2,
-    Tc,
-}
-
-/// The expert pair for a step of `tokens` tokens below the many-assignment threshold. `auto`: the
-/// stream2 pair (kernels/mxfp4.cu, moe_stream.rs: no sort, products on tensor cores) for one
-/// token, the tc2 pair (kernels/mxfp4_tc.cu: weights read once per expert for up to 16 tokens)
-/// from two; experts wider than stream2 takes (`moe_stream::stream2_fits`) fall back to tc2,
-/// which is right at T = 1 too. H200, K3 sizes, top-16, T = 1: stream2 141.1 us (47% of the
-/// weight-traffic floor), a CUDA-core stream pair 163.7, a staged CUDA-core gemv pair 182.1, tc2
-/// 200.4 (the two CUDA-core pairs deleted); T = 16: tensor cores 1.34 ms vs gemv 2.03, T = 64 2.6
-/// vs 6.2 (tc cost is nearly flat in the tokens per expert, the f32 FMAs of gemv grew with each).
-fn mx_experts_choice(tokens: usize) -> MxExperts {
-    static C: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    match env_choice(&C, "K3_MX_EXPERTS", "auto") {
-        "stream2" => MxExperts::Stream2,
-        "tc" => MxExperts::Tc,
-        _ if tokens == 1 => MxExperts::Stream2,
-        _ => MxExperts::Tc,
-    }
 }
 
 /// kernels/mxfp4_tc.cu tc2 (`mxfp4_up_tc2_f32` / `mxfp4_down_tc2_f32`): weight rows per 256-thread
@@ -149,56 +81,13 @@ fn mx_tc2_split_launch(rows: usize, cols: usize) -> Result<Launch> {
     Launch::new((rows, cols.div_ceil(128), 1), 32)
 }
 
-const MLA_V2_PREFETCH_TILES: i32 = 4;
+/// Tiles the f32 MLA attend prefetches into L2 ahead of the one it reads.
+const MLA_TC_PREFETCH_TILES: i32 = 4;
 
 /// Largest k of `top_k_rows` (kernels/sampling.cu TOPK_MAX: the picks are sorted in shared memory).
 pub const TOPK_MAX: usize = 1024;
 /// Columns per block in the first top-k pass: a 163,840-wide row spreads over 40 SMs.
 const TOPK_SEGMENT: usize = 4096;
-
-/// Precision / kernel of the absorbed MLA decode attend (`mla_decode`), from `K3_MLA_DECODE` at
-/// start-up (`precise` | `bf16` | `wg1` | `wg`, default `wg`, which runs `bf16` off sm_90a); tests
-/// pin it with `CudaBackend::set_mla_decode_mode`. All write the same partials, merged by
-/// `mla_merge_f32`; with one split (`geometry::mla_splits_wg`) the Wg kernels write the final
-/// latent rows themselves and the merge is skipped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MlaDecodeMode {
-    /// `mla_attend_tc2_f32`: 3xTF32, ~f32 accuracy (the CPU backend's results to ~1e-5).
-    Precise,
-    /// `mla_attend_bf16_f32` (kernels/mla_attend_bf16.cu): q~, cache rows and P rounded to bf16,
-    /// f32 accumulation and softmax (~1e-3 relative, like FlashMLA / vLLM). The fallback off
-    /// sm_90a. H200, K3, L = 32k, attend + merge: N = 1 77.7 us, N = 64 2.99 ms (precise: 479 us /
-    /// 28.4 ms).
-    Bf16,
-    /// `mla_attend_wg_f32` (kernels/mla_attend_wg.cu, `K3_MLA_DECODE=wg1`): the Bf16 rounding on
-    /// Hopper wgmma (64-position tiles, a producer warpgroup streaming the rows), one block per
-    /// head group, so both groups load every row. H200, K3, L = 32k (call AO): N = 1 60.8 us,
-    /// N = 64 3.01 ms. sm_90a only: elsewhere dispatch.rs runs Bf16 (Precise below 166 KB of
-    /// shared memory).
-    Wg,
-    /// `mla_attend_wg2_f32`, the default (`wg`): the same math on clusters of two blocks (the two
-    /// head groups), each loading half of every tile's rows and storing the bf16 tile into both
-    /// blocks' shared memory, so each row is read once per pair. H200, K3, L = 32k (call AN):
-    /// N = 1 44.7 us, N = 16 493 us, N = 64 1.84 ms (62 % of the copy rate measured in the same
-    /// rounds; Bf16 2.99 ms). sm_90a only, else as Wg.
-    WgPair,
-}
-
-impl MlaDecodeMode {
-    /// `K3_MLA_DECODE`: `precise`, `bf16`, `wg1` or `wg` (anything else, or unset: `wg`).
-    pub fn from_env() -> Self {
-        Self::parse(std::env::var("K3_MLA_DECODE").ok().as_deref())
-    }
-
-    fn parse(v: Option<&str>) -> Self {
-        match v {
-            Some("precise") => Self::Precise,
-            Some("bf16") => Self::Bf16,
-            Some("wg1") => Self::Wg,
-            _ => Self::WgPair,
-        }
-    }
-}
 
 fn same_shape(a: &DeviceMat, b: &DeviceMat, what: &str) -> Result<()> {
     if (a.rows, a.cols) != (b.rows, b.cols) {
@@ -248,16 +137,11 @@ pub fn float_offset(byte_offset: usize, len_floats: usize, arena_floats: usize) 
 /// evict-first) lost at every N and were deleted.
 const KDA_DECODE_KERNEL: &str = "kda_decode_lines_f32";
 
-/// The two-pass KDA prefill (kernels/kda_chunk_scan.cu, conv <= 4: `kda_chunk_rec3m_f32` then
-/// `kda_chunk_scan4_f32`) unless `K3_KDA_CHUNK=f32` (the one-pass f32 kernels of kda_chunk.cu,
-/// which conv > 4 always takes). H200, K3 shapes: T = 8192 in 3.04 ms (fla chunk_kda 3.14; record
-/// passes without register prefetch 3.84 and on tensor cores 2.95 but over the 1e-4 budget, the
-/// one-warp-per-16-columns scan 3.221, one-pass tensor-core kernels 5.36 / 3.99 at 1e-3, all
-/// deleted), T = 1024 in 0.605 ms (fla 1.66).
-fn kda_scan() -> bool {
-    static SCAN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SCAN.get_or_init(|| std::env::var("K3_KDA_CHUNK").as_deref() != Ok("f32"))
-}
+/// KDA prefill with a short conv (<= 4, K3's) runs in two passes (kernels/kda_chunk_scan.cu):
+/// a record pass, parallel over chunks, holds everything that does not depend on the state, then
+/// a scan carries the state across chunks. Longer convs take the one-pass f32 kernels of
+/// kda_chunk.cu (conv + SiLU, prep, chunked delta rule).
+const KDA_SCAN_MAX_CONV: usize = 4;
 
 /// 16-token chunks per record-pass block (KDA_REC_NCH in kernels/kda_chunk_scan.cu).
 const KDA_REC_NCH: usize = 8;
@@ -284,13 +168,6 @@ const KDA_REC_FLOATS: usize = 8576;
 /// Tokens per rec + scan segment (a multiple of 16): bounds the record buffer to
 /// 512 chunks x H x 34 KiB (1.7 GB at H = 96); the state and windows carry over in the arena.
 const KDA_SCAN_SEG: usize = 8192;
-
-/// KDA prefill conv + prep in one pass (`kda_conv_prep_f32`, conv <= 4) instead of
-/// `kda_conv_silu_f32` + `kda_prep_f32`; the harness's `KDA_PREP` must say the same. Flip to
-/// false if "kda_prefill ... prep fused vs split" fails on the device.
-const KDA_FUSED_PREP: bool = true;
-const KDA_FUSED_MAX_CONV: usize = 4;
-const KDA_SEG: usize = 32;
 
 /// One sequence's slot for a batched KDA decode: working state offset and an optional checkpoint.
 #[derive(Debug, Clone, Copy)]
@@ -326,13 +203,13 @@ pub struct DeviceExperts {
 }
 
 impl CudaBackend {
-    /// Choose the MLA decode attend kernel (default from `K3_MLA_DECODE`, see [`MlaDecodeMode`]).
-    pub fn set_mla_decode_mode(&mut self, mode: MlaDecodeMode) {
-        self.mla_decode_mode = mode;
+    /// Choose the MLA decode precision (default: `CudaOptions::mla_decode_precision`).
+    pub fn set_mla_decode_precision(&mut self, precision: MlaDecodePrecision) {
+        self.options.mla_decode_precision = precision;
     }
 
-    pub fn mla_decode_mode(&self) -> MlaDecodeMode {
-        self.mla_decode_mode
+    pub fn options(&self) -> &crate::CudaOptions {
+        &self.options
     }
 
     pub fn rms_norm(&self, x: &DeviceMat, w: &CudaSlice<f32>, eps: f32) -> Result<DeviceMat> {
@@ -606,7 +483,7 @@ impl CudaBackend {
             g.conv_kernel as i32,
             g.heads as i32,
         );
-        if kda_scan() && g.conv_kernel <= KDA_FUSED_MAX_CONV {
+        if g.conv_kernel <= KDA_SCAN_MAX_CONV {
             // Record pass (conv, prep, chunk algebra; parallel) then the state scan, per segment.
             let o = self.output(t, g.hk())?;
             let mut rec =
@@ -636,22 +513,13 @@ impl CudaBackend {
         let mut gate = self.zeros(t, g.hk())?;
         let beta = self.zeros(t, g.heads)?;
         let o = self.zeros(t, g.hk())?;
-        if KDA_FUSED_PREP && g.conv_kernel <= KDA_FUSED_MAX_CONV {
-            // One warp per (head, KDA_SEG tokens), 4 heads per block; g to its own buffer.
-            let lf = Launch::new((t.div_ceil(KDA_SEG), g.heads.div_ceil(4), 1), 128)?;
-            launch!(self, "kda_conv_prep_f32", lf;
-                &x.q.buf, &x.k.buf, &x.v.buf, &x.f.buf, &x.b.buf, w.conv[0], w.conv[1], w.conv[2], w.a_log,
-                w.dt_bias, &q.buf, &k.buf, &v.buf, &gate.buf, &beta.buf, &mut *arena, &off, &ck_n, &ck_off, &n_ck,
-                &tt, &h, &conv, &g.gate_lower_bound)?;
-        } else {
-            // The prep kernel writes the gate over its input: work on a copy of f.
-            self.copy_dtod(&x.f.buf, &mut gate.buf)?;
-            launch!(self, "kda_conv_silu_f32", lc;
-                &x.q.buf, &x.k.buf, &x.v.buf, w.conv[0], w.conv[1], w.conv[2], &q.buf, &k.buf, &v.buf, &mut *arena,
-                &off, &ck_n, &ck_off, &n_ck, &tt, &hk, &conv)?;
-            launch!(self, "kda_prep_f32", lp;
-                &q.buf, &k.buf, &gate.buf, &x.b.buf, &beta.buf, w.a_log, w.dt_bias, &tt, &h, &g.gate_lower_bound)?;
-        }
+        // The prep kernel writes the gate over its input: work on a copy of f.
+        self.copy_dtod(&x.f.buf, &mut gate.buf)?;
+        launch!(self, "kda_conv_silu_f32", lc;
+            &x.q.buf, &x.k.buf, &x.v.buf, w.conv[0], w.conv[1], w.conv[2], &q.buf, &k.buf, &v.buf, &mut *arena,
+            &off, &ck_n, &ck_off, &n_ck, &tt, &hk, &conv)?;
+        launch!(self, "kda_prep_f32", lp;
+            &q.buf, &k.buf, &gate.buf, &x.b.buf, &beta.buf, w.a_log, w.dt_bias, &tt, &h, &g.gate_lower_bound)?;
         launch!(self, "kda_chunk_fwd_f32", lk;
             &q.buf, &k.buf, &v.buf, &gate.buf, &beta.buf, &mut *arena, &off, &ck_n, &ck_off, &n_ck, &o.buf, &tt, &h, &conv)?;
         Ok(o)
@@ -717,21 +585,12 @@ impl CudaBackend {
         // from each item's own length (chunk 0, mla.cu): the launch then changes only when the
         // bucket does, not every step (graph.rs replays a step only if its launches are equal).
         let max_len = lens.iter().copied().max().unwrap_or(1).next_power_of_two();
-        let mode = crate::dispatch::mla_decode_mode(self.mla_decode_mode, &self.limits);
-        let splits = match mode {
-            MlaDecodeMode::Precise => {
-                geometry::mla_splits_tc2(items, g.heads, max_len, self.multiprocessors).0
-            }
-            MlaDecodeMode::Bf16 => {
-                geometry::mla_splits_bf16(items, g.heads, max_len, self.multiprocessors)
-            }
-            MlaDecodeMode::Wg | MlaDecodeMode::WgPair => geometry::mla_splits_wg(
-                items,
-                g.heads,
-                mode == MlaDecodeMode::WgPair,
-                max_len,
-                self.multiprocessors,
-            ),
+        let attend = crate::dispatch::mla_attend(self.options.mla_decode_precision, &self.limits);
+        let sms = self.multiprocessors;
+        let splits = match attend {
+            MlaAttend::F32 => geometry::mla_splits_tc2(items, g.heads, max_len, sms).0,
+            MlaAttend::Bf16Mma => geometry::mla_splits_bf16(items, g.heads, max_len, sms),
+            MlaAttend::PairWgmma => geometry::mla_splits_wg(items, g.heads, max_len, sms),
         };
         let chunk: i32 = 0;
         // Padded to a power of two for the same reason (entries past an item's pages are unread).
@@ -774,8 +633,8 @@ impl CudaBackend {
                 &q.buf, w, &qt.buf, &it, &h, &nope, &rope, &vd, &lkv)?
             }
         }
-        // One split on the wg kernels: the attend writes the final latent rows itself (no merge).
-        let final_rows = splits == 1 && matches!(mode, MlaDecodeMode::Wg | MlaDecodeMode::WgPair);
+        // One split on the wgmma attend: it writes the final latent rows itself (no merge).
+        let final_rows = splits == 1 && attend == MlaAttend::PairWgmma;
         let lat = self.zeros(items * g.heads, g.kv_lora)?;
         let part = if final_rows {
             None
@@ -785,37 +644,25 @@ impl CudaBackend {
         let out = part.as_ref().unwrap_or(&lat);
         let (pt, sp, ch) = (page_tokens as i32, splits as i32, chunk);
         let scale = 1.0 / ((g.nope + g.rope) as f32).sqrt();
-        // Attend on tensor cores, merge the splits, then W_UV once per call. Precise: 3xTF32
-        // (f32-level accuracy, two blocks per SM, L2 prefetch of MLA_V2_PREFETCH_TILES tiles
-        // ahead); Bf16: one bf16 MMA per product (kernels/mla_attend_bf16.cu); Wg / WgPair: the
-        // same rounding on wgmma (kernels/mla_attend_wg.cu). All write the same partials.
-        match mode {
-            MlaDecodeMode::Precise => {
-                let tc_mode = 1 | (MLA_V2_PREFETCH_TILES << 2);
+        // Attend on tensor cores, merge the splits, then W_UV once per call. F32: 3xTF32 (two
+        // blocks per SM, L2 prefetch of MLA_TC_PREFETCH_TILES tiles ahead); Bf16Mma: one bf16 MMA
+        // per product (kernels/mla_attend_bf16.cu); PairWgmma: the same rounding on wgmma
+        // (kernels/mla_attend_wg.cu). All write the same partials.
+        match attend {
+            MlaAttend::F32 => {
+                let tc_mode = 1 | (MLA_TC_PREFETCH_TILES << 2);
                 launch!(self, "mla_attend_tc2_f32", geometry::mla_attend_tc(&g, items, splits)?;
                     &qt.buf, &*arena, &starts, &base, &lens_d, &out.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale, &tc_mode)?;
             }
-            MlaDecodeMode::Bf16 => {
+            MlaAttend::Bf16Mma => {
                 launch!(self, "mla_attend_bf16_f32", geometry::mla_attend_bf16(&g, items, splits)?;
                     &qt.buf, &*arena, &starts, &base, &lens_d, &out.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale)?;
             }
-            wg_class => {
-                // Same parameters (+ final_rows); the two differ in launch (clusters of 2 or not).
-                let (kernel, l) = if wg_class == MlaDecodeMode::WgPair {
-                    (
-                        "mla_attend_wg2_f32",
-                        geometry::mla_attend_wg2(&g, items, splits)?,
-                    )
-                } else {
-                    (
-                        "mla_attend_wg_f32",
-                        geometry::mla_attend_wg(&g, items, splits)?,
-                    )
-                };
+            MlaAttend::PairWgmma => {
                 let fin = i32::from(final_rows);
-                launch!(self, kernel, l;
+                launch!(self, "mla_attend_wg2_f32", geometry::mla_attend_wg2(&g, items, splits)?;
                     &qt.buf, &*arena, &starts, &base, &lens_d, &out.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale, &fin)?;
             }
@@ -852,24 +699,21 @@ impl CudaBackend {
         let (idx, w) = self.route(router_logits, bias, r)?;
         let (t, k) = (z.rows, r.top_k);
         let step = ExpertStep {
-            assignments: t * k,
-            many: t * k >= crate::moe_gemm::min_assignments(),
-            stream2: mx_experts_choice(t) == MxExperts::Stream2,
+            tokens: t,
+            many: t * k >= self.options.moe_gemm_min_assignments,
             latent: ex.latent,
             inter: ex.inter,
         };
-        let path = expert_path(step, self.moe_prefill, self.moe_stream2, &self.limits);
-        // The stream2 pair (1-token steps) takes the router's ids as they are: no sort, no offsets.
-        match path {
-            ExpertPath::Stream2V2 => return self.moe_experts_stream2v2(z, &idx, &w, ex, k, situ),
-            ExpertPath::Stream2V1 => return self.moe_experts_stream2(z, &idx, &w, ex, k, situ),
-            _ => {}
+        let path = expert_path(step, &self.limits);
+        // The single-token pair takes the router's ids as they are: no sort, no offsets.
+        if path == ExpertPath::SingleToken {
+            return self.moe_experts_stream2v2(z, &idx, &w, ex, k, situ);
         }
         let offsets = self.zeroed::<i32>(ex.experts + 1)?;
         let sorted = self.zeroed::<i32>((t * k).max(1))?;
         let (na, e) = (i32_of(t * k, "assignments")?, ex.experts as i32);
         launch!(self, "moe_sort_assignments", Launch::new((1, 1, 1), 1024)?; &idx, &na, &e, &offsets, &sorted)?;
-        let sorted_step = crate::moe_grouped::SortedStep {
+        let sorted_step = crate::moe_sorted::SortedStep {
             z,
             idx: &idx,
             w: &w,
@@ -880,10 +724,9 @@ impl CudaBackend {
             situ,
         };
         match path {
-            ExpertPath::Wg(act) => return self.moe_experts_wg(sorted_step, act),
-            ExpertPath::Grouped => return self.moe_experts_grouped(sorted_step),
-            ExpertPath::Gemm => return self.moe_experts_gemm(sorted_step),
-            ExpertPath::Tc2 | ExpertPath::Stream2V1 | ExpertPath::Stream2V2 => {}
+            ExpertPath::Wgmma => return self.moe_experts_wg(sorted_step),
+            ExpertPath::Cublas => return self.moe_experts_gemm(sorted_step),
+            ExpertPath::FewTokens | ExpertPath::SingleToken => {}
         }
         let y = self.zeros(t * k, ex.latent)?;
         let (kk, lt, ie) = (k as i32, ex.latent as i32, ex.inter as i32);
@@ -919,19 +762,6 @@ mod tests {
         assert!(float_offset(18, 1, 100).is_err(), "unaligned");
         assert!(float_offset(16, 5, 8).is_err(), "past the end");
         assert!(float_offset(0, 8, 8).is_ok());
-    }
-
-    #[test]
-    fn mla_decode_mode_parse() {
-        assert_eq!(MlaDecodeMode::parse(Some("wg")), MlaDecodeMode::WgPair);
-        assert_eq!(MlaDecodeMode::parse(Some("wg1")), MlaDecodeMode::Wg);
-        assert_eq!(
-            MlaDecodeMode::parse(Some("precise")),
-            MlaDecodeMode::Precise
-        );
-        assert_eq!(MlaDecodeMode::parse(Some("bf16")), MlaDecodeMode::Bf16);
-        assert_eq!(MlaDecodeMode::parse(Some("BF16")), MlaDecodeMode::WgPair);
-        assert_eq!(MlaDecodeMode::parse(None), MlaDecodeMode::WgPair);
     }
 
     #[test]

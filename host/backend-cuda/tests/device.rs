@@ -9,7 +9,7 @@
 //! models/, else the crate's source location).
 
 use k3_backend_cpu::CpuBackend;
-use k3_backend_cuda::{CudaBackend, MlaDecodeMode, MoeAct, MoePrefill, Stream2Variant};
+use k3_backend_cuda::{CudaBackend, CudaOptions, MlaDecodePrecision};
 use k3_model::backend::{
     Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
     MxMatrixHost, RouterParams, SituParams,
@@ -147,16 +147,12 @@ const MLA_K3_DIMS: MlaGeom = MlaGeom {
 const TOL_POINTWISE: f64 = 1e-5;
 const TOL_GEMM: f64 = 1e-5;
 const TOL_FUSED: f64 = 1e-4;
-/// MLA decode in `MlaDecodeMode::Bf16` / `Wg` / `WgPair`: q~, the cache rows and P rounded to bf16 (8 significant
+/// MLA decode at `MlaDecodePrecision::Bf16` (wgmma or mma.sync): q~, the cache rows and P rounded to bf16 (8 significant
 /// bits, 2^-9 relative each); ~2e-3 expected at these shapes, one decade of margin.
 const TOL_MLA_BF16: f64 = 2e-2;
 /// bf16 weights: the activation enters the tensor-core GEMM as two bf16 halves (~16 of its 24
 /// mantissa bits), so one more digit than f32 SGEMM is given up.
 const TOL_BF16_GEMM: f64 = 5e-5;
-/// Routed experts with bf16 activations (`K3_MOE_ACT=bf16`: z and the SiTU-GLU intermediate
-/// rounded to bf16 once, 2^-9 relative each): ~3e-3 expected, as TOL_MLA_BF16.
-const TOL_MOE_BF16: f64 = 2e-2;
-
 /// `x` rounded to the nearest bf16 value (ties to even): weights of a bf16 checkpoint, which the
 /// CUDA backend stores as bf16.
 fn bf16_values(mut v: Vec<f32>) -> Vec<f32> {
@@ -219,11 +215,8 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         let y = be
             .matmul(&mat(be, m, k, &x), &be.linear(n, k, w).unwrap())
             .unwrap();
-        // backend_impl.rs matmul_linear / gemv_max_weight (K3_GEMV_MAX_ELEMS, default 2^22).
-        let max_elems = std::env::var("K3_GEMV_MAX_ELEMS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1usize << 22);
+        // backend_impl.rs matmul_linear: the tensor-core GEMV up to this many weights.
+        let max_elems = CudaOptions::DEFAULT_GEMV_MAX_WEIGHT_ELEMS;
         let f32_exact = k % 8 == 0 && m <= 16 && n * k <= max_elems;
         let tol = if f32_exact { TOL_GEMM } else { TOL_BF16_GEMM };
         out.push((
@@ -618,22 +611,16 @@ fn arena_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<f32> {
 fn ops_match_cpu() {
     let Some(mut gpu) = cuda() else { return };
     // The f32-level decode attend: the MLA tolerances below (TOL_FUSED) hold only for it;
-    // `mla_bf16_matches_cpu` covers the bf16 one.
-    gpu.set_mla_decode_mode(MlaDecodeMode::Precise);
-    // moe_routed(T=1100) through the grouped MXFP4 GEMMs (what `auto` picks there too);
-    // `moe_gemm_path_matches_cpu` keeps the cuBLAS path covered.
-    gpu.set_moe_prefill(MoePrefill::Grouped);
+    // `mla_bf16_matches_cpu` covers the bf16 ones.
+    gpu.set_mla_decode_precision(MlaDecodePrecision::F32);
     compare_ops(&gpu, "ops_match_cpu", "");
 }
 
-/// moe_routed's cuBLAS path (moe_gemm.rs, `K3_MOE_PREFILL=gemm`; the default off sm_90a from
-/// K3_MOE_GROUPED_MAX assignments) at the sizes of `ops_match_cpu`'s T = 1100 case (4400 assignments >=
-/// K3_MOE_GEMM_MIN), the grouped one at T = 2048 (tiles of up to 64 tokens: full, partial, one
-/// per expert and several), and the wgmma one (moe_wg.rs, the default; sm_90a, elsewhere
-/// grouped / cuBLAS by size) at T = 1100 (~137 assignments per expert: a tile of 128 and one of
-/// N = 32) and 2048 with hi / lo activations, at 2048 with bf16 ones (`K3_MOE_ACT=bf16`,
-/// TOL_MOE_BF16), and at 2048 twice more (hi / lo, bf16) for bitwise run-to-run equality. The
-/// weights' E8M0 scales (123..129) include 129, past the one-factor decode.
+/// moe_routed's many-assignment paths: the wgmma GEMMs (moe_wg.rs, the path on sm_90a) at
+/// T = 1100 (~137 assignments per expert: a tile of 128 and one of N = 32) and 2048, and the
+/// cuBLAS fallback (moe_gemm.rs, what GPUs without wgmma run; forced here by presenting the GPU as
+/// sm_90) at T = 1100; then the wgmma path at 2048 twice more for bitwise run-to-run equality.
+/// The weights' E8M0 scales (123..129) include 129, past the one-factor decode.
 #[test]
 fn moe_gemm_path_matches_cpu() {
     let Some(mut gpu) = cuda() else { return };
@@ -643,130 +630,89 @@ fn moe_gemm_path_matches_cpu() {
         tag: "",
         failed: Vec::new(),
     };
-    let wg = MoePrefill::Wg(MoeAct::Split);
-    for (choice, tokens, name, tol) in [
-        (
-            MoePrefill::Gemm,
-            1100,
-            "moe_routed(T=1100, cuBLAS bf16 split GEMMs)",
-            TOL_FUSED,
-        ),
-        (
-            MoePrefill::Grouped,
-            2048,
-            "moe_routed(T=2048, grouped MXFP4 GEMMs)",
-            TOL_FUSED,
-        ),
-        (
-            wg,
-            1100,
-            "moe_routed(T=1100, wgmma MXFP4 GEMMs, hi/lo activations)",
-            TOL_FUSED,
-        ),
-        (
-            wg,
-            2048,
-            "moe_routed(T=2048, wgmma MXFP4 GEMMs, hi/lo activations)",
-            TOL_FUSED,
-        ),
-        (
-            MoePrefill::Wg(MoeAct::Bf16),
-            2048,
-            "moe_routed(T=2048, wgmma MXFP4 GEMMs, bf16 activations)",
-            TOL_MOE_BF16,
-        ),
+    let arch = gpu.limits.arch.clone();
+    for (fallback, tokens, name) in [
+        (true, 1100, "moe_routed(T=1100, cuBLAS bf16 split GEMMs)"),
+        (false, 1100, "moe_routed(T=1100, wgmma MXFP4 GEMMs)"),
+        (false, 2048, "moe_routed(T=2048, wgmma MXFP4 GEMMs)"),
     ] {
-        gpu.set_moe_prefill(choice);
+        gpu.limits.arch = if fallback {
+            "sm_90".into()
+        } else {
+            arch.clone()
+        };
         let (mut rc, mut rg) = (Rng(seed ^ tokens as u64), Rng(seed ^ tokens as u64));
         t.check(
             name,
             &moe(&gpu, &mut rg, tokens),
             &moe(&cpu, &mut rc, tokens),
-            tol,
+            TOL_FUSED,
         );
     }
-    // Run-to-run bitwise equality. The sort's order within an expert may differ between runs (atomic
-    // cursor), so this also checks that no result depends on a token's tile / column. (An earlier
-    // form passed `same` to `t.check` as [0] against [1]: it failed exactly when equal.)
-    for act in [MoeAct::Split, MoeAct::Bf16] {
-        gpu.set_moe_prefill(MoePrefill::Wg(act));
-        let (mut r1, mut r2) = (Rng(seed ^ 3), Rng(seed ^ 3));
-        let (a, b) = (moe(&gpu, &mut r1, 2048), moe(&gpu, &mut r2, 2048));
-        let same = a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
-        println!("op=moe_routed(T=2048, wgmma {act:?}, run twice) bitwise-equal={same}");
-        if !same {
-            t.failed
-                .push(format!("moe_routed(T=2048, wgmma {act:?}): rerun differs"));
-        }
+    gpu.limits.arch = arch;
+    // Run-to-run bitwise equality. The sort's order within an expert may differ between runs
+    // (atomic cursor), so this also checks that no result depends on a token's tile / column.
+    let (mut r1, mut r2) = (Rng(seed ^ 3), Rng(seed ^ 3));
+    let (a, b) = (moe(&gpu, &mut r1, 2048), moe(&gpu, &mut r2, 2048));
+    let same = a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+    println!("op=moe_routed(T=2048, wgmma, run twice) bitwise-equal={same}");
+    if !same {
+        t.failed
+            .push("moe_routed(T=2048, wgmma): rerun differs".into());
     }
     t.finish();
 }
 
-/// moe_routed at T = 1 through each 1-token kernel set (moe_stream.rs, `K3_MX_STREAM2`): v1
-/// (kernels/mxfp4.cu: up, down, combine) and v2 (kernels/mxfp4_stream.cu: cp.async rings, the
-/// combine folded into the down kernel; with and without the L2 prefetch hint), each against the
-/// CPU; v2 twice more, for bitwise run-to-run equality (its combine sums in a fixed order).
+/// moe_routed at T = 1 through the single-token kernels (kernels/mxfp4_stream.cu: cp.async
+/// rings, the combine folded into the down kernel) against the CPU, then twice more for bitwise
+/// run-to-run equality (the combine sums in a fixed order).
 #[test]
-fn moe_stream2_variants_match_cpu() {
-    let Some(mut gpu) = cuda() else { return };
+fn moe_single_token_matches_cpu() {
+    let Some(gpu) = cuda() else { return };
     let cpu = CpuBackend::new();
-    let seed = Rng::new("moe_stream2_variants_match_cpu").0;
+    let seed = Rng::new("moe_single_token_matches_cpu").0;
     let mut t = Table {
         tag: "",
         failed: Vec::new(),
     };
     let want = moe(&cpu, &mut Rng(seed), 1);
-    for (variant, name) in [(Stream2Variant::V1, "v1"), (Stream2Variant::V2, "v2")] {
-        gpu.set_moe_stream2(variant);
-        let got = moe(&gpu, &mut Rng(seed), 1);
-        t.check(
-            &format!("moe_routed(T=1, stream2 {name})"),
-            &got,
-            &want,
-            TOL_FUSED,
-        );
-        if variant != Stream2Variant::V1 {
-            for _ in 0..2 {
-                let again = moe(&gpu, &mut Rng(seed), 1);
-                let same = again
-                    .iter()
-                    .zip(&got)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                println!("op=moe_routed(T=1, stream2 {name}) rerun bitwise-equal={same}");
-                if !same {
-                    t.failed.push(format!("stream2 {name}: rerun differs"));
-                }
-            }
+    let got = moe(&gpu, &mut Rng(seed), 1);
+    t.check("moe_routed(T=1, single token)", &got, &want, TOL_FUSED);
+    for _ in 0..2 {
+        let again = moe(&gpu, &mut Rng(seed), 1);
+        let same = again
+            .iter()
+            .zip(&got)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        println!("op=moe_routed(T=1, single token) rerun bitwise-equal={same}");
+        if !same {
+            t.failed.push("single token: rerun differs".into());
         }
     }
     t.finish();
 }
 
-/// The MLA comparisons of `ops_match_cpu` with the bf16 decode attend (kernels/mla_attend_bf16.cu,
-/// `K3_MLA_DECODE=bf16`, the fallback off sm_90a): the absorbed steps (T < 64 new tokens) take it,
-/// so decode, chunks and batched decode differ from the CPU by bf16 rounding (TOL_MLA_BF16).
+/// The MLA comparisons of `ops_match_cpu` with the bf16 decode attend on mma.sync
+/// (kernels/mla_attend_bf16.cu, the fallback off sm_90a; forced here by presenting the GPU as
+/// sm_90): the absorbed steps (T < 64 new tokens) take it, so decode, chunks and batched decode
+/// differ from the CPU by bf16 rounding (TOL_MLA_BF16).
 #[test]
 fn mla_bf16_matches_cpu() {
-    mla_mode_matches_cpu(MlaDecodeMode::Bf16, "mla_bf16_matches_cpu", "bf16");
+    mla_bf16_attend_matches_cpu(Some("sm_90"), "mla_bf16_matches_cpu", "bf16");
 }
 
-/// The same with the wgmma attend (kernels/mla_attend_wg.cu, the default on sm_90a, `K3_MLA_DECODE`
-/// unset or `wg`): the bf16 rounding on 64-position tiles, so the same tolerance (off sm_90a
-/// `mla_decode` runs Bf16).
-#[test]
-fn mla_wg_matches_cpu() {
-    mla_mode_matches_cpu(MlaDecodeMode::Wg, "mla_wg_matches_cpu", "wg");
-}
-
-/// The same with the cluster-pair wgmma attend (`mla_attend_wg2_f32`, the default `K3_MLA_DECODE=wg`).
+/// The same with the attend the GPU runs by default (on sm_90a the cluster-pair wgmma attend,
+/// kernels/mla_attend_wg.cu): the same bf16 rounding on 64-position tiles, the same tolerance.
 #[test]
 fn mla_wg2_matches_cpu() {
-    mla_mode_matches_cpu(MlaDecodeMode::WgPair, "mla_wg2_matches_cpu", "wg2");
+    mla_bf16_attend_matches_cpu(None, "mla_wg2_matches_cpu", "wg2");
 }
 
-fn mla_mode_matches_cpu(mode: MlaDecodeMode, test: &str, tag: &str) {
+fn mla_bf16_attend_matches_cpu(arch: Option<&str>, test: &str, tag: &str) {
     let Some(mut gpu) = cuda() else { return };
-    gpu.set_mla_decode_mode(mode);
+    if let Some(arch) = arch {
+        gpu.limits.arch = arch.into();
+    }
     let cpu = CpuBackend::new();
     let seed = Rng::new(test).0;
     let mut t = Table {
@@ -837,17 +783,16 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
     for tokens in [1usize, 3, 40, 1100] {
         let (mut rc, mut rg) = (Rng(seed ^ tokens as u64), Rng(seed ^ tokens as u64));
         // Assignments = tokens x top-4 over 32 experts: 4, 12 and 160 take the decode-step kernels
-        // (ops.rs mx_experts_choice, K3_MX_EXPERTS=auto: T = 1 the stream2 pair (mxfp4.cu,
-        // moe_stream.rs), T >= 2 the tc2 pair (mxfp4_tc.cu): T = 3 fills part of an n-tile, T = 40
-        // puts 5 tokens per expert on average, so most experts take two or three n-tiles of 4
-        // tokens in their one pass of up to 16; K3_MX_EXPERTS=stream2 / tc runs every size on one
-        // pair), 4400 the many-assignment path (default K3_MOE_GEMM_MIN = 4096): `ops_match_cpu`
-        // pins the grouped MXFP4 GEMMs (moe_grouped.rs), `moe_gemm_path_matches_cpu` runs the
-        // cuBLAS one.
+        // (dispatch.rs: T = 1 the single-token pair (mxfp4_stream.cu, moe_stream.rs), T >= 2 the
+        // few-token pair (mxfp4_tc.cu): T = 3 fills part of an n-tile, T = 40 puts 5 tokens per
+        // expert on average, so most experts take two or three n-tiles of 4 tokens in their one
+        // pass of up to 16), 4400 the many-assignment path (from the default
+        // `CudaOptions::moe_gemm_min_assignments` = 4096; `moe_gemm_path_matches_cpu` also runs
+        // the cuBLAS fallback).
         let name = match tokens {
-            1 => "moe_routed(T=1, K3_MX_EXPERTS kernels: stream2)",
-            3 => "moe_routed(T=3, K3_MX_EXPERTS kernels: tc)",
-            40 => "moe_routed(T=40, K3_MX_EXPERTS kernels: tc, several n-tiles)",
+            1 => "moe_routed(T=1, single-token kernels)",
+            3 => "moe_routed(T=3, few-token kernels)",
+            40 => "moe_routed(T=40, few-token kernels, several n-tiles)",
             _ => "moe_routed(T=1100, many-assignment path: the default (wgmma on sm_90a))",
         };
         t.check(
@@ -1042,17 +987,15 @@ const LOGITS_TOL: f64 = 1e-3;
 fn k3_mini_matches_cpu() {
     let Some(mut gpu) = cuda() else { return };
     // Greedy tokens and LOGITS_TOL against the CPU need the f32-level MLA decode attend.
-    gpu.set_mla_decode_mode(MlaDecodeMode::Precise);
+    gpu.set_mla_decode_precision(MlaDecodePrecision::F32);
     let exec = compare_model(gpu, usize::MAX, "");
     // The decode steps above went through CUDA graphs (captured, then replayed).
     let c = exec.model().backend.graph_counts();
     println!("e2e cuda graphs {c:?}");
-    if std::env::var("K3_CUDA_GRAPHS").as_deref() != Ok("0") {
-        assert!(
-            c.captured > 0 && c.replayed > 0,
-            "no decode step replayed: {c:?}"
-        );
-    }
+    assert!(
+        c.captured > 0 && c.replayed > 0,
+        "no decode step replayed: {c:?}"
+    );
 }
 
 /// Decode through CUDA graphs gives bit-identical logits to eager launches (the same kernels
@@ -1244,7 +1187,7 @@ fn engine_tokens(exec: Box<dyn Executor>, prompts: &[Vec<u32>], n: usize) -> Vec
 #[test]
 fn engine_matches_cpu() {
     let Some(mut gpu) = cuda() else { return };
-    gpu.set_mla_decode_mode(MlaDecodeMode::Precise); // token-level agreement with the CPU
+    gpu.set_mla_decode_precision(MlaDecodePrecision::F32); // token-level agreement with the CPU
     compare_engine(gpu, 10, "");
 }
 
