@@ -1,4 +1,4 @@
-// KDA prefill for one sequence's T new tokens (k3-architecture.md §1.5), three launches:
+// KDA prefill for one sequence's T new tokens (docs/k3-model.md), three launches:
 //   kda_conv_silu_f32   causal conv + SiLU over T tokens per channel, window update (+ checkpoints)
 //   kda_prep_f32        per (token, head): L2 norms (q scaled by K^-1/2), safe gate g, beta
 //   kda_chunk_fwd_f32   WY/UT chunked delta rule from the stored state, in-pass state checkpoints

@@ -492,11 +492,9 @@ fn gemv_tc_plan(n: usize, k: usize, sms: usize) -> (usize, usize) {
 }
 
 /// Largest weight (elements) `gemv_bf16_tc_f32` takes (M <= 16, K % 8 == 0); bigger ones, more
-/// rows and other K go to the split cuBLAS GEMM. `CudaOptions::gemv_max_weight_elems` sets the bound (0: cuBLAS always).
-/// H200: the kernel wins where launches dominate (12288x128 at M = 1: 3.8 us; 576x7168: 12.0) and
-/// loses above ~2^22 weights, where cuBLAS streams faster (12288x7168: 49.8 vs 54.5 us, 33792x7168:
-/// 115 vs 138, 1536x7168: 11.4 vs 15.5); k3-slice decode ran 113.8 tok/s with the kernel at every
-/// size vs 119.9 with cuBLAS above 2^22 (and an older CUDA-core kernel below).
+/// rows and other K go to the split cuBLAS GEMM; `CudaOptions::gemv_max_weight_elems` sets the
+/// bound (0: cuBLAS always). The kernel wins where launch overhead dominates and loses above
+/// about 2^22 weights, where cuBLAS streams the weight faster.
 
 /// Row counts in the profile's keys, rounded up to a power of two so prompts of similar length
 /// share a line.

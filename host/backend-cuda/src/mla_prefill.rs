@@ -1,4 +1,4 @@
-//! MLA prefill in the expanded ("compute-friendly") form (k3-architecture.md §2.1, the DeepSeek /
+//! MLA prefill in the expanded ("compute-friendly") form (docs/k3-model.md, the DeepSeek /
 //! vLLM prefill path), for sequences with many new tokens.
 //!
 //! The absorbed form (`CudaBackend::mla_decode`) attends every new token over its causal prefix

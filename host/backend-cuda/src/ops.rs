@@ -131,10 +131,8 @@ pub fn float_offset(byte_offset: usize, len_floats: usize, arena_floats: usize) 
 }
 
 /// The KDA decode kernel (kernels/kda_decode.cu): a cluster of 4 column-slice blocks per head,
-/// whole 128-byte state lines per warp instruction, evict-first state accesses. H200, K3, N =
-/// 1/16/64/256: 5.6/59.3/237.6/933.8 us (53-81% of the DRAM floor, 0.97-1.15x fla); the one
-/// 512-thread block per head kernel and the cluster with a 16-row x 32-byte layout (plain or
-/// evict-first) lost at every N and were deleted.
+/// whole 128-byte state lines per warp instruction, evict-first state accesses (the state is
+/// read and written once per token, so the step is bound by its DRAM traffic).
 const KDA_DECODE_KERNEL: &str = "kda_decode_lines_f32";
 
 /// KDA prefill with a short conv (<= 4, K3's) runs in two passes (kernels/kda_chunk_scan.cu):

@@ -1,4 +1,4 @@
-//! K3 weights bound to a backend, and the layer graph (k3-architecture.md §0.2) for one sequence.
+//! K3 weights bound to a backend, and the layer graph (docs/k3-model.md) for one sequence.
 
 use crate::backend::{
     Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
