@@ -53,12 +53,12 @@ pub struct CudaBackend {
     pub(crate) blas: CudaBlas,
     /// Per-op wall times when `K3_PROFILE` is set (see `profile.rs`).
     pub(crate) profile: Option<crate::profile::OpProfile>,
-    /// The tensor-core MoE path's work buffers (moe_gemm.rs), kept between calls.
-    pub(crate) moe_scratch: Mutex<crate::moe_gemm::MoeScratch>,
-    /// The sorted many-assignment paths' work buffers (moe_sorted.rs), kept between calls.
-    pub(crate) moe_sorted_scratch: Mutex<crate::moe_sorted::SortedScratch>,
+    /// The tensor-core MoE path's work buffers (moe/cublas.rs), kept between calls.
+    pub(crate) moe_scratch: Mutex<crate::workspace::MoeScratch>,
+    /// The sorted many-assignment paths' work buffers (moe/sorted.rs), kept between calls.
+    pub(crate) moe_sorted_scratch: Mutex<crate::workspace::SortedScratch>,
     /// CUDA graphs of decode steps (graph.rs).
-    pub(crate) step: crate::graph::StepState,
+    pub(crate) step: crate::step::StepState,
     /// The deployment's choices (options.rs).
     pub(crate) options: crate::CudaOptions,
 }
@@ -94,6 +94,17 @@ pub fn nvrtc_present() -> bool {
 pub fn cublas_present() -> bool {
     // SAFETY: as above, for libcublas.
     unsafe { cudarc::cublas::sys::is_culib_present() }
+}
+
+impl CudaBackend {
+    /// Choose the MLA decode precision (default: `CudaOptions::mla_decode_precision`).
+    pub fn set_mla_decode_precision(&mut self, precision: crate::MlaDecodePrecision) {
+        self.options.mla_decode_precision = precision;
+    }
+
+    pub fn options(&self) -> &crate::CudaOptions {
+        &self.options
+    }
 }
 
 impl CudaBackend {
@@ -190,7 +201,7 @@ impl CudaBackend {
             limits,
             functions,
             blas,
-            step: crate::graph::StepState::new(backend_options.cuda_graphs, profile.is_some()),
+            step: crate::step::StepState::new(backend_options.cuda_graphs, profile.is_some()),
             profile,
             moe_scratch: Mutex::default(),
             moe_sorted_scratch: Mutex::default(),

@@ -7,8 +7,6 @@
 //! are measured.
 
 use crate::geometry;
-use crate::moe_stream;
-use crate::moe_wg;
 use crate::options::MlaDecodePrecision;
 
 /// Kernels launched without the opt-in attribute may use this much dynamic shared memory.
@@ -40,19 +38,19 @@ impl DeviceLimits {
     }
 }
 
-/// The routed-expert kernels of one step (ops.rs `moe_routed`), one per step-shape class, with
+/// The routed-expert kernels of one step (moe/mod.rs `moe_routed`), one per step-shape class, with
 /// cuBLAS as the one fallback where a GPU lacks wgmma or the shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ExpertPath {
     /// One token: the router's ids as they are, weights streamed through cp.async rings
-    /// (moe_stream.rs, 213 KB of shared memory).
+    /// (moe/single_token.rs, 213 KB of shared memory).
     SingleToken,
     /// A few tokens per expert, below the many-assignment threshold: MXFP4 decoded in
-    /// registers for mma.sync (the tc2 pair of ops.rs, 78 KB).
+    /// registers for mma.sync (the few-token pair of moe/mod.rs, 78 KB).
     FewTokens,
-    /// Many assignments: grouped MXFP4 GEMMs on wgmma (moe_wg.rs; sm_90a, 210 KB).
+    /// Many assignments: grouped MXFP4 GEMMs on wgmma (moe/wgmma.rs; sm_90a, 210 KB).
     Wgmma,
-    /// Experts expanded to bf16 and cuBLAS (moe_gemm.rs): runs anywhere.
+    /// Experts expanded to bf16 and cuBLAS (moe/cublas.rs): runs anywhere.
     Cublas,
 }
 
@@ -70,7 +68,7 @@ pub(crate) fn expert_path(step: ExpertStep, dev: &DeviceLimits) -> ExpertPath {
     let (lt, ie) = (step.latent, step.inter);
     if !step.many {
         if step.tokens == 1
-            && moe_stream::stream2v2_fits(lt, ie)
+            && geometry::single_token_fits(lt, ie)
             && dev.launchable(&["mxfp4_up_stream2v2_f32", "mxfp4_down_stream2v2_f32"])
         {
             return ExpertPath::SingleToken;
@@ -81,7 +79,8 @@ pub(crate) fn expert_path(step: ExpertStep, dev: &DeviceLimits) -> ExpertPath {
             ExpertPath::Cublas
         };
     }
-    if moe_wg::wg_supported(&dev.arch) && dev.launchable(&["mxfp4_up_wg_f32", "mxfp4_down_wg_f32"])
+    if geometry::moe_wg_supported(&dev.arch)
+        && dev.launchable(&["mxfp4_up_wg_f32", "mxfp4_down_wg_f32"])
     {
         return ExpertPath::Wgmma;
     }
@@ -105,7 +104,7 @@ pub(crate) fn mla_attend(precision: MlaDecodePrecision, dev: &DeviceLimits) -> M
     if precision == MlaDecodePrecision::F32 {
         return MlaAttend::F32;
     }
-    if geometry::mla_wg_supported(&dev.arch) && dev.launchable(&["mla_attend_wg2_f32"]) {
+    if geometry::mla_wgmma_supported(&dev.arch) && dev.launchable(&["mla_attend_wg2_f32"]) {
         return MlaAttend::PairWgmma;
     }
     if dev.launchable(&["mla_attend_bf16_f32"]) {
@@ -250,7 +249,7 @@ mod tests {
         assert!(!d.launchable(&["mla_attend_wg2_f32"]));
         assert_eq!(
             h200().opt_in("mla_attend_wg2_f32"),
-            Some(geometry::MLA_WG2_SHARED)
+            Some(geometry::MLA_WGMMA_SHARED)
         );
     }
 }

@@ -215,7 +215,7 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         let y = be
             .matmul(&mat(be, m, k, &x), &be.linear(n, k, w).unwrap())
             .unwrap();
-        // backend_impl.rs matmul_linear: the tensor-core GEMV up to this many weights.
+        // dense/mod.rs matmul_linear: the tensor-core GEMV up to this many weights.
         let max_elems = CudaOptions::DEFAULT_GEMV_MAX_WEIGHT_ELEMS;
         let f32_exact = k % 8 == 0 && m <= 16 && n * k <= max_elems;
         let tol = if f32_exact { TOL_GEMM } else { TOL_BF16_GEMM };
@@ -616,9 +616,9 @@ fn ops_match_cpu() {
     compare_ops(&gpu, "ops_match_cpu", "");
 }
 
-/// moe_routed's many-assignment paths: the wgmma GEMMs (moe_wg.rs, the path on sm_90a) at
+/// moe_routed's many-assignment paths: the wgmma GEMMs (moe/wgmma.rs, the path on sm_90a) at
 /// T = 1100 (~137 assignments per expert: a tile of 128 and one of N = 32) and 2048, and the
-/// cuBLAS fallback (moe_gemm.rs, what GPUs without wgmma run; forced here by presenting the GPU as
+/// cuBLAS fallback (moe/cublas.rs, what GPUs without wgmma run; forced here by presenting the GPU as
 /// sm_90) at T = 1100; then the wgmma path at 2048 twice more for bitwise run-to-run equality.
 /// The weights' E8M0 scales (123..129) include 129, past the one-factor decode.
 #[test]
@@ -783,7 +783,7 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
     for tokens in [1usize, 3, 40, 1100] {
         let (mut rc, mut rg) = (Rng(seed ^ tokens as u64), Rng(seed ^ tokens as u64));
         // Assignments = tokens x top-4 over 32 experts: 4, 12 and 160 take the decode-step kernels
-        // (dispatch.rs: T = 1 the single-token pair (mxfp4_stream.cu, moe_stream.rs), T >= 2 the
+        // (dispatch.rs: T = 1 the single-token pair (mxfp4_stream.cu, moe/single_token.rs), T >= 2 the
         // few-token pair (mxfp4_tc.cu): T = 3 fills part of an n-tile, T = 40 puts 5 tokens per
         // expert on average, so most experts take two or three n-tiles of 4 tokens in their one
         // pass of up to 16), 4400 the many-assignment path (from the default
@@ -862,7 +862,7 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
         }
     }
     {
-        // Both sides of the CUDA backend's expanded-prefill threshold (mla_prefill.rs,
+        // Both sides of the CUDA backend's expanded-prefill threshold (mla/prefill.rs,
         // MLA_EXPANDED_MIN_TOKENS = 64), at K3 head dims; the "long prefill" cases above (700 and
         // 900 new tokens after 31 cached) take the expanded form too.
         let g = MLA_K3_DIMS;

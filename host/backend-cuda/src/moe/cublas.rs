@@ -13,7 +13,8 @@
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::geometry::Launch;
-use crate::moe_sorted::SortedStep;
+use crate::moe::sorted::SortedStep;
+use crate::workspace::MoeScratch;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
@@ -23,20 +24,6 @@ const MAX_TOP_K: usize = 64;
 /// Bytes of bf16 expert weights expanded at once (the rest of the touched experts follow in
 /// later groups); bounds the scratch at K3 sizes (66 MB per expert) to ~32 experts.
 const SCRATCH_BYTES: usize = 2 << 30;
-
-/// Work buffers kept between calls (grown, never shrunk): at prefill sizes they are gigabytes,
-/// and allocating them per layer costs more than the GEMMs (the stream-ordered pool hands
-/// memory back at every synchronisation).
-#[derive(Default)]
-pub(crate) struct MoeScratch {
-    xs: Option<CudaSlice<u16>>,
-    w13: Option<CudaSlice<u16>>,
-    w2: Option<CudaSlice<u16>>,
-    act: Option<CudaSlice<u16>>,
-    h: Option<CudaSlice<f32>>,
-    y: Option<CudaSlice<f32>>,
-    inv: Option<CudaSlice<i32>>,
-}
 
 /// The stacked-row plan of one call: expert offsets (host copy) and the touched experts.
 struct Plan {
@@ -57,7 +44,7 @@ impl Plan {
 impl CudaBackend {
     /// `out [T, latent] = Σ_j w[t,j] · expert_{idx[t,j]}(z_t)` for a step sorted by expert (the
     /// router's ids are not read: the sort has them).
-    pub(crate) fn moe_experts_gemm(&self, step: SortedStep<'_>) -> Result<DeviceMat> {
+    pub(crate) fn moe_experts_cublas(&self, step: SortedStep<'_>) -> Result<DeviceMat> {
         let SortedStep {
             z,
             w,
@@ -128,7 +115,7 @@ impl CudaBackend {
             launch!(self, "moe_gather_split_bf16", Launch::new((n, 1, 1), 256)?; &z.buf, sorted, offsets, &ei, &kk, &lti, xs, inv)
         })?;
 
-        let (lin, has) = crate::ops::situ_linear_args(situ);
+        let (lin, has) = crate::launch::situ_linear_args(situ);
 
         for chunk in plan.touched.chunks(group) {
             let list: Vec<i32> = chunk.iter().map(|&x| x as i32).collect();

@@ -1,7 +1,7 @@
 //! MLA prefill in the expanded ("compute-friendly") form (docs/k3-model.md, the DeepSeek /
 //! vLLM prefill path), for sequences with many new tokens.
 //!
-//! The absorbed form (`CudaBackend::mla_decode`) attends every new token over its causal prefix
+//! The absorbed form (`CudaBackend::mla_absorbed`) attends every new token over its causal prefix
 //! with 576-wide rows: ~2·(576+512) FLOPs per (head, query, key) on a bandwidth-shaped kernel,
 //! 39 ms per K3 layer at 2048 tokens and quadratic beyond. Here the cached latents of the sequence
 //! are expanded once per call, `K_nope,h = c W_UK,hᵀ` and `V_h = c W_UV,hᵀ` (2·512·256 FLOPs per
@@ -24,7 +24,7 @@
 use crate::device::{CudaBackend, DeviceLinear, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
-use crate::ops::{float_offset, i32_of};
+use crate::launch::{float_offset, i32_of};
 use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig, sys::cublasOperation_t};
 use cudarc::driver::CudaSlice;
 use k3_model::backend::MlaGeom;
@@ -54,7 +54,7 @@ pub const MLA_PREFILL_SCRATCH_BYTES: usize = 2 << 30;
 /// Threads per block of `mla_prefill_softmax_f32` (its `MLA_SM_THREADS`) and of the gather.
 const SOFTMAX_THREADS: u32 = 256;
 const GATHER_THREADS: u32 = 128;
-/// Block size of `mla_append_rows_f32`: the same as `mla_decode`'s launch, so the appended rows
+/// Block size of `mla_append_rows_f32`: the same as `mla_absorbed`'s launch, so the appended rows
 /// (a block-wide sum of squares) are bit-identical whichever path appends them.
 const APPEND_THREADS: u32 = 128;
 
@@ -429,15 +429,15 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `mla_seqs` when some sequence takes the expanded form: each such sequence appends its rows
+    /// `mla_spans` when some sequence takes the expanded form: each such sequence appends its rows
     /// (the same kernel and block size as the absorbed path: identical cache bytes) and runs
     /// `mla_prefill_expanded` into its rows of `o`; the others (decode, short chunks) go through
-    /// one `mla_decode` over their stacked rows, as before. `seq_pages[i]` are sequence i's page
+    /// one `mla_absorbed` over their stacked rows, as before. `seq_pages[i]` are sequence i's page
     /// byte offsets including the layer offset; `starts[i]` its first new position; `kv_b` the
     /// `[H·(nope+v), kv_lora]` weights (the expanded form reads their f32 storage / copy: its
-    /// cuBLAS SGEMMs need f32; `mla_decode` reads a bf16 kv_b as stored).
+    /// cuBLAS SGEMMs need f32; `mla_absorbed` reads a bf16 kv_b as stored).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn mla_seqs_split(
+    pub(crate) fn mla_spans_mixed(
         &self,
         arena: &mut CudaSlice<f32>,
         g: MlaGeom,
@@ -486,7 +486,7 @@ impl CudaBackend {
                 self.stack_rows(kv_a, &abs_spans)?,
             );
             let tables: Vec<&[usize]> = owner.iter().map(|&i| &seq_pages[i][..]).collect();
-            let oa = self.mla_decode(
+            let oa = self.mla_absorbed(
                 arena, g, &qa, &ka, kv_norm, kv_b, &append_at, &tables, &lens, pt,
             )?;
             self.unstack_rows(&oa, &mut o, &abs_spans)?;

@@ -8,73 +8,58 @@
 
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
-use crate::geometry::Launch;
-use crate::ops::DeviceExperts;
+use crate::geometry::{
+    Launch, SINGLE_TOKEN_MAX_COLS, SINGLE_TOKEN_SHARED, single_token_matrix_fits as fits,
+};
+use crate::moe::DeviceExperts;
 use cudarc::driver::CudaSlice;
 use k3_model::backend::SituParams;
 
-/// Widest input row of the kernels' expert matrices (the staged row limit).
-pub const MX_STREAM2_MAX_COLS: usize = 124 * 32;
 /// Most parts a row's steps are cut into.
-const MX_STREAM2_MAX_PARTS: usize = 8;
+const SINGLE_TOKEN_MAX_PARTS: usize = 8;
 /// Steps per warp below which a smaller grid is taken.
-const MX_STREAM2_MIN_STEPS_PER_WARP: usize = 8;
+const SINGLE_TOKEN_MIN_STEPS_PER_WARP: usize = 8;
 
 /// The v2 kernels (kernels/mxfp4_stream.cu): 16 warps per block, one block per SM; dynamic shared
 /// memory MXV_SHARED = the 64 KB table + 17 rings of 4 steps x 2,176 bytes (16 warps and the most
 /// that packing them around the 64 KB-aligned table can waste).
-const MX_STREAM2V2_THREADS: u32 = 512;
-const MX_STREAM2V2_WARPS: usize = 16;
-pub const MX_STREAM2V2_SHARED: usize = 65_536 + 17 * 4 * 2_176;
+const SINGLE_TOKEN_THREADS: u32 = 512;
+const SINGLE_TOKEN_WARPS: usize = 16;
 
 /// Launch of one stream2 kernel: the grid and `parts`, the number of step ranges (of 128 columns)
 /// each row is cut into; every unit (assignment, 16-row tile, part) writes its own partial sums.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stream2Plan {
+pub struct SingleTokenPlan {
     pub launch: Launch,
     pub parts: usize,
 }
 
-/// Whether the stream2 kernels take a matrix of `rows` x `cols` (an expert's bytes index as u32).
-fn fits(rows: usize, cols: usize) -> bool {
-    cols <= MX_STREAM2_MAX_COLS && rows * cols / 2 < 1 << 31
-}
-
-/// Whether the kernels take experts of these widths: whole 128-column steps both ways (no padded
-/// blocks, 4-byte-aligned scale words), each matrix within [`fits`].
-pub(crate) fn stream2v2_fits(latent: usize, inter: usize) -> bool {
-    latent.is_multiple_of(128)
-        && inter.is_multiple_of(128)
-        && fits(inter, latent)
-        && fits(latent, inter)
-}
-
-/// Grid and parts of a v2 kernel (harness common.py mx_stream2v2_plan) for `assignments` x `rows`
+/// Grid and parts of a v2 kernel (harness common.py single_token_plan) for `assignments` x `rows`
 /// output rows of input width `cols`: `down` (32-row groups, runs of parts merged) or up (16-row
 /// tiles of W1 and W3). One block per SM (fewer: >= 8 steps per warp); parts minimising the
 /// busiest warp's units times their cost (up: 2 per step + 1 for the flush; down: 4 per
 /// step + 1, as consecutive parts of a warp merge into one run). K3, T = 1, 132 SMs: up 2 parts
 /// (busiest warp 42 steps, mean 40.7), down 8 (21 vs 20.4).
-pub fn mx_stream2v2_plan(
+pub fn single_token_plan(
     assignments: usize,
     rows: usize,
     cols: usize,
     sms: usize,
     down: bool,
-) -> Result<Stream2Plan> {
+) -> Result<SingleTokenPlan> {
     let group = if down { 32 } else { 16 };
     if !cols.is_multiple_of(128) || !rows.is_multiple_of(group) || !fits(rows, cols) {
         return Err(CudaError::Unsupported(format!(
-            "MXFP4 stream2 v2 kernels: expert matrix {rows} x {cols} (width a multiple of 128, <= {MX_STREAM2_MAX_COLS})"
+            "MXFP4 stream2 v2 kernels: expert matrix {rows} x {cols} (width a multiple of 128, <= {SINGLE_TOKEN_MAX_COLS})"
         )));
     }
     let (steps, groups) = (cols / 128, rows / group);
-    let want =
-        (assignments * groups * steps).div_ceil(MX_STREAM2V2_WARPS * MX_STREAM2_MIN_STEPS_PER_WARP);
+    let want = (assignments * groups * steps)
+        .div_ceil(SINGLE_TOKEN_WARPS * SINGLE_TOKEN_MIN_STEPS_PER_WARP);
     let blocks = want.clamp(1, sms.max(1));
-    let warps = blocks * MX_STREAM2V2_WARPS;
+    let warps = blocks * SINGLE_TOKEN_WARPS;
     let per_step = if down { 4 } else { 2 };
-    let parts = (1..=steps.min(MX_STREAM2_MAX_PARTS))
+    let parts = (1..=steps.min(SINGLE_TOKEN_MAX_PARTS))
         .min_by_key(|&p| {
             (
                 (assignments * groups * p).div_ceil(warps) * (per_step * steps.div_ceil(p) + 1),
@@ -87,9 +72,9 @@ pub fn mx_stream2v2_plan(
             "MXFP4 stream2 v2 kernels: {assignments} assignments of {rows} rows (unit count past i32)"
         )));
     }
-    Ok(Stream2Plan {
-        launch: Launch::new((blocks, 1, 1), MX_STREAM2V2_THREADS)?
-            .with_opt_in_shared(MX_STREAM2V2_SHARED)?,
+    Ok(SingleTokenPlan {
+        launch: Launch::new((blocks, 1, 1), SINGLE_TOKEN_THREADS)?
+            .with_opt_in_shared(SINGLE_TOKEN_SHARED)?,
         parts,
     })
 }
@@ -101,7 +86,7 @@ impl CudaBackend {
     /// and part masks (`sync`: [T, latent / 32] then [T·k, latent / 32]); the down kernel writes
     /// run partials to `yp` and the warp that completes a (token, 32-row group) writes its `out`
     /// rows (every element: no zeroing pass).
-    pub(crate) fn moe_experts_stream2v2(
+    pub(crate) fn moe_experts_single_token(
         &self,
         z: &DeviceMat,
         idx: &CudaSlice<i32>,
@@ -113,8 +98,8 @@ impl CudaBackend {
         let t = z.rows;
         let na = t * k;
         let sms = self.multiprocessors;
-        let up = mx_stream2v2_plan(na, ex.inter, ex.latent, sms, false)?;
-        let down = mx_stream2v2_plan(na, ex.latent, ex.inter, sms, true)?;
+        let up = single_token_plan(na, ex.inter, ex.latent, sms, false)?;
+        let down = single_token_plan(na, ex.latent, ex.inter, sms, true)?;
         let gu = self.uninit::<f32>(na * up.parts * 2 * ex.inter)?;
         let yp = self.uninit::<f32>(na * down.parts * ex.latent)?;
         let n_sync = (t + na) * (ex.latent / 32);
@@ -124,14 +109,14 @@ impl CudaBackend {
             ex.latent as i32,
             ex.inter as i32,
             ex.experts as i32,
-            crate::ops::i32_of(na, "assignments")?,
+            crate::launch::i32_of(na, "assignments")?,
         );
         let (pu, pd, ns) = (
             up.parts as i32,
             down.parts as i32,
-            crate::ops::i32_of(n_sync, "stream2 v2 counters")?,
+            crate::launch::i32_of(n_sync, "stream2 v2 counters")?,
         );
-        let (lin, has) = crate::ops::situ_linear_args(situ);
+        let (lin, has) = crate::launch::situ_linear_args(situ);
         let out = self.output(t, ex.latent)?;
         launch!(self, "mxfp4_up_stream2v2_f32", up.launch;
             &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, idx, &gu, &sync, &ns, &kk, &lt, &ie, &e, &n,
@@ -146,35 +131,37 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::geometry;
+    use crate::geometry::{self, single_token_fits};
 
     #[test]
-    fn stream2v2_plan() {
+    fn single_token_plan_geometry() {
         // K3, T = 1, top-16 on 132 SMs (harness check_moe_stream2 replays the split): one
         // 512-thread block per SM; up 2 parts of 14 steps, down 8 parts of 3 steps (runs merge).
-        let up = mx_stream2v2_plan(16, 3072, 3584, 132, false).unwrap();
+        let up = single_token_plan(16, 3072, 3584, 132, false).unwrap();
         assert_eq!(
             (up.launch.grid, up.launch.block, up.launch.shared, up.parts),
             ((132, 1, 1), 512, 213_504, 2)
         );
-        let down = mx_stream2v2_plan(16, 3584, 3072, 132, true).unwrap();
+        let down = single_token_plan(16, 3584, 3072, 132, true).unwrap();
         assert_eq!((down.launch.grid, down.parts), ((132, 1, 1), 8));
         // Small: one block; parts never above the steps per row.
-        let small = mx_stream2v2_plan(3, 256, 384, 132, true).unwrap();
+        let small = single_token_plan(3, 256, 384, 132, true).unwrap();
         assert_eq!(small.launch.grid, (1, 1, 1));
         assert!(small.parts <= 3);
         // Widths must be whole 128-column steps; rows whole groups.
-        assert!(mx_stream2v2_plan(16, 3072, 3968, 132, false).is_ok());
-        assert!(mx_stream2v2_plan(16, 96, 160, 132, false).is_err());
-        assert!(mx_stream2v2_plan(16, 48, 128, 132, true).is_err());
-        assert!(stream2v2_fits(3584, 3072) && stream2v2_fits(128, 256));
+        assert!(single_token_plan(16, 3072, 3968, 132, false).is_ok());
+        assert!(single_token_plan(16, 96, 160, 132, false).is_err());
+        assert!(single_token_plan(16, 48, 128, 132, true).is_err());
+        assert!(single_token_fits(3584, 3072) && single_token_fits(128, 256));
         assert!(
-            !stream2v2_fits(160, 96) && !stream2v2_fits(544, 288) && !stream2v2_fits(4096, 3072)
+            !single_token_fits(160, 96)
+                && !single_token_fits(544, 288)
+                && !single_token_fits(4096, 3072)
         );
-        const { assert!(MX_STREAM2V2_SHARED <= geometry::MAX_OPT_IN_SHARED) };
+        const { assert!(SINGLE_TOKEN_SHARED <= geometry::MAX_OPT_IN_SHARED) };
         for name in ["mxfp4_up_stream2v2_f32", "mxfp4_down_stream2v2_f32"] {
             assert!(
-                geometry::OPT_IN_SHARED.contains(&(name, MX_STREAM2V2_SHARED)),
+                geometry::OPT_IN_SHARED.contains(&(name, SINGLE_TOKEN_SHARED)),
                 "{name}"
             );
         }

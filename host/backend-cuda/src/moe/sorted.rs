@@ -1,12 +1,13 @@
 //! Routed experts with their assignments sorted by expert (`moe_sort_assignments`): the
 //! shapes, launch grids, work buffers and combine shared by the many-assignment paths (the
-//! wgmma GEMMs of moe_wg.rs and the cuBLAS path of moe_gemm.rs). The tile list is derived on the
+//! wgmma GEMMs of moe/wgmma.rs and the cuBLAS path of moe/cublas.rs). The tile list is derived on the
 //! device from the sort's offsets: no host sync, so a step can sit inside a captured graph.
 
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
-use crate::ops::DeviceExperts;
+use crate::moe::DeviceExperts;
+use crate::workspace::SortedScratch;
 use cudarc::driver::CudaSlice;
 use k3_model::backend::SituParams;
 
@@ -45,7 +46,7 @@ impl SortedStep<'_> {
     /// The step's sizes as the sorted-step kernels take them, checked to fit in i32 (element
     /// offsets inside the kernels are i64; row indices, positions and tokens, i32).
     pub(crate) fn dims(&self) -> Result<StepDims> {
-        let i = crate::ops::i32_of;
+        let i = crate::launch::i32_of;
         let (t, ex) = (self.z.rows, self.ex);
         let n = t * self.top_k;
         i(n, "assignments")?;
@@ -99,15 +100,6 @@ pub(crate) fn tiled_launch(
         gemm.threads,
     )?
     .with_opt_in_shared(gemm.shared)
-}
-
-/// Work buffers kept between eager calls (grown, never shrunk; at T = 2048 K3 ~0.9 GB), as
-/// moe_gemm.rs does: per-layer allocations of this size cost more than they should.
-#[derive(Default)]
-pub(crate) struct SortedScratch {
-    zx: Option<CudaSlice<u16>>,
-    actx: Option<CudaSlice<u16>>,
-    y: Option<CudaSlice<f32>>,
 }
 
 impl CudaBackend {
