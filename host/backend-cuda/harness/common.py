@@ -260,9 +260,9 @@ def kda_decode_launcher(d: Device, variant, heads, n, args):
 
 
 # Chunk kernels of the prefill (same arguments): name -> grid for `heads`. "f32" is the one-pass path
-# (kernels/kda_chunk.cu; ops.rs K3_KDA_CHUNK=f32 and every conv > 4).
+# (kernels/kda_chunk.cu; kda/mod.rs: every conv > 4).
 KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4))}
-# The two-pass path (kernels/kda_chunk_scan.cu, ops.rs default for conv <= 4, K3_KDA_CHUNK=scan4): the
+# The two-pass path (kernels/kda_chunk_scan.cu, kda/mod.rs for conv <= 4): the
 # record pass (conv + prep + chunk algebra, grid (ceil(chunks / KDA_REC_NCH), heads), 128 threads) then
 # the key-split scan, grid (4, heads), 128 threads (ops.rs kda_rec_launch / KDA_REC_KERNEL /
 # kda_scan_launch).
