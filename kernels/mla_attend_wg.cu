@@ -1,119 +1,47 @@
-// Absorbed MLA decode attend on Hopper wgmma (ops.rs MlaDecodeMode::Wg, K3_MLA_DECODE=wg1): the
-// contract of mla_attend_bf16_f32 (kernels/mla_attend_bf16.cu) unchanged - qt [items, H, row], the
-// paged f32 latent cache, per-item splits (chunk <= 0), partials [items, H, splits, kv_lora + 2]
-// (o~ unnormalised, m, l; empty splits: 0, -inf, 0) for mla_merge_f32 - and its rounding: q~ * scale
+// Absorbed MLA decode attend on Hopper wgmma, clusters of two blocks (mla_attend_wg2_f32: the MLA
+// decode attend on sm_90a; ops.rs mla_decode). The contract of mla_attend_bf16_f32
+// (kernels/mla_attend_bf16.cu, the fallback elsewhere) unchanged - qt [items, H, row], the paged f32
+// latent cache, per-item splits (chunk <= 0), partials [items, H, splits, kv_lora + 2] (o~
+// unnormalised, m, l; empty splits: 0, -inf, 0) for mla_merge_f32 - and its rounding: q~ * scale
 // and the rows rounded to bf16 (RNE), f32 scores and online softmax, P rounded to bf16 for P V and
 // the row sums. Only the tile differs (64 positions here, 32 there): emulators.py runs
 // _emu_mla_attend_bf16 with tile=64 for it.
 // final_rows = 1 (one split only; ops.rs when geometry::mla_splits_wg picks 1): the partial is
 // already the answer, so the epilogue writes o~ * (1 / l) - mla_merge_f32's arithmetic, bitwise -
-// as the latent [items, H, kv_lora] into `part` and the merge launch is skipped. Measured (H200,
-// session 8, calls AE-AG, N = 64 where 1 split fills the GPU as well as 2): L = 32k 1.894 / 1.900 /
-// 1.956 / 1.923 / 1.996 ms against 1.932 / 1.941 / 1.998 / 1.938 / 1.983 for 2 splits + merge in
-// the same runs; L = 4k 247.8 against 290.0 us.
+// as the latent [items, H, kv_lora] into `part` and the merge launch is skipped.
 //
-// Why this shape. The bf16 kernel is capped near 45 % of HBM by ldmatrix traffic and its per-tile
-// latency chain; here the tensor cores read the staged tile straight from shared memory.
+// Why this shape. The mma.sync kernel is capped by ldmatrix traffic and its per-tile latency
+// chain; here the tensor cores read the staged tile straight from shared memory.
 // - Transposed products, 48 heads as the N dimension (no padding to m64): S^T = K Q^T is
 //   m64 (positions) x n48 (heads) x k576 with A = the bf16 tile (K-major) and B = Q^T (K-major);
 //   O^T += V^T P^T is m64 (value columns) x n48 x k16 (positions) with A = the same tile read
 //   M-major (imm-trans-a) and B = P^T. Each cached row is converted and stored once, read by both
 //   products. o~^T (512 x 48 f32 = 96 KB) lives in the registers of the two consumer warpgroups,
 //   96 per thread (m64n48 fragments of value columns [256 c, 256 c + 256) in warpgroup c).
-//   96 heads = two CTAs of 48, adjacent in the grid so the second reads the rows from L2.
 // - 384 threads: warpgroup 0 produces (f32 rows -> registers -> bf16 -> the swizzled tile),
 //   warpgroups 1 and 2 consume. Warpgroup 1 computes S^T for the whole tile: the tensor core is
 //   shared by the SM, so splitting the 36 k-steps over both warpgroups would not make them finish
 //   sooner, and it would need a second 12 KB score buffer that does not fit.
-// - Scores go through shared memory (sp [48][68] f32) to the softmax: in wg2 half a warp per 3
-//   heads, 4 consecutive positions per lane (session 9); in wg the bf16 kernel's mapping (warp = 6
-//   heads, lane = positions lane and lane + 32). One shuffle reduction per head and tile, l kept
-//   per lane. P^T (bf16, swizzled [48][64]) and the per-head rescale go back through shared memory.
+// - Scores go through shared memory (sp [48][68] f32) to the softmax: half a warp per 3 heads,
+//   4 consecutive positions per lane. One shuffle reduction per head and tile, l kept per lane.
+//   P^T (bf16, swizzled [48][64]) and the per-head rescale go back through shared memory.
 // - Ring of two 64-position bf16 tiles (2 x 72 KB) + Q^T (54 KB) + P^T + scores: 223 KB, one CTA per
-//   SM. Named barriers: FULL[slot] (producer bar.arrive, consumers bar.sync, 384 threads) and
-//   EMPTY[slot] (consumers arrive after their P V of that tile only when the producer will refill
-//   it, producer syncs); two consumer-only barriers (256) order scores -> softmax -> P V.
-// - Producer: thread (c16 = tid & 15, rs = tid >> 4) owns positions rs + 8 a (a = 0..7) of each
-//   tile and float4 columns c16 + 16 k (k = 0..8 = the 9 slabs of 64 features): per position 16
-//   lanes read 256 contiguous bytes (full sectors) and store one whole 128-byte slab row (no bank
-//   conflicts). Batches of MLW_NB positions (9 float4 each in registers; 2 since session 7, see
-//   below); page starts of the next batch are loaded one batch ahead.
-// - No L2 prefetch. A first version also prefetched each row of the next tile into L2
-//   (cp.async.bulk.prefetch.L2, one lane per row): slower everywhere on the H200 (K3, 96 heads,
-//   attend + merge: N = 1 L = 32k 75.2 us vs 58.6 without; N = 16 1030 vs 720; N = 64 4142 vs
-//   2801; N = 1 L = 8k 28.5 vs 24.0; N = 64 L = 4k 548 vs 399; bf16 kernel: 77.7, 785, 2986,
-//   44.2, 450), likely because the prefetch needs the page start, a dependent global load that
-//   stalled the whole producer warp once per batch.
+//   SM.
+// - No L2 prefetch of the next tile: the prefetch needs the page start, a dependent global load
+//   that stalls the producer warp once per batch, and it was slower at every measured shape.
 // - The consumers stage Q^T (7 chunks per thread per round, loads first) while the producer fetches
 //   tile 0; at the end o~^T goes through the idle ring to whole-row float2 stores of the partials.
 // - No setmaxnreg: 384 x 168 registers fit all roles (ptxas: 168, no spills).
-// What bounds it (H200, no prefetch): ~5.5 us per 64-position tile and block at every N (N = 64,
-// L = 32k: 256 tiles per block, two waves, 2.80 ms = 41 % of the rows-only HBM floor), against
-// ~3000 clocks (~1.6 us) of consumer work per tile: the producer, 147 KB of f32 rows per tile
-// through 55 KB of registers per SM, i.e. ~2.7 round trips per tile, and both blocks of a head
-// pair load every row (the second mostly from L2: 2x the L2 -> SM traffic).
-// mla_attend_wg2_f32 (ops.rs MlaDecodeMode::WgPair, the default K3_MLA_DECODE=wg) halves the
-// producer's share: the two head-group blocks of an (item, split) form a cluster; block r loads
-// positions 32 r .. 32 r + 31 of every tile (4 per producer thread, in MLW_NB batches) and stores
-// each bf16 chunk into its own ring and, by st.async, into the partner's (same offsets). Each row
-// is read once per pair, the loads per block and tile halve (~1.3 round trips). The ring barriers
-// become mbarriers: full[slot] = 128 local producer arrivals, one carrying expect_tx of the
+// The producer bounds it (f32 rows through registers to bf16), so the two head-group blocks of an
+// (item, split) form a cluster: block r loads positions 32 r .. 32 r + 31 of every tile (4 per
+// producer thread, in MLW_NB batches) and stores each bf16 chunk into its own ring and, by
+// st.async, into the partner's (same offsets). Each row is read once per pair. The ring barriers
+// are mbarriers: full[slot] = 128 local producer arrivals, one carrying expect_tx of the
 // partner's 36,864 bytes (the st.async complete_tx releases them, no cluster fence per store);
 // empty[slot] = lane 0 of all 16 consumer warps of the pair (local + remote arrive), since each
 // producer writes both rings. Consumers fence.proxy.async after the full wait (the partner's
 // half was written by st.async, not by a local writer that fenced). Grid x is rounded up to
-// pairs (a block past the last head still loads for its partner and writes nothing). Measured
-// (H200, K3, attend + merge, call V): L = 32k N = 1 / 16 / 64 48.2 us / 529 us / 2.02 ms against
-// the single-block kernel's 58.6 / 720 / 2843 (1.2-1.4x) and the bf16 kernel's 78.6 / 795 / 2995;
-// 56 % of the rows' HBM floor at N = 64. Pairing lanes to send 16-byte st.async chunks (half the
-// store instructions, two shuffles per pair) was 3-5 % slower everywhere (call X: N = 64 L = 32k
-// 2115 vs 2014 us), so the partner traffic is not bound by its request count.
-// With batches of 2 (session 7, call AA, attend + merge, L = 32k): N = 1 / 16 / 64 45.7 us / 498.5 us
-// / 1.921 ms, 59.97 % of the floor with the partials at N = 64.
-// What bounds wg2 (session 7, harness probes `K3_BENCH_ONLY=mla_diag`, attend only, N = 64, L = 32k,
-// MLW_DIAG below): whole kernel ~1.90 ms (batches of 2; 3 took 1.98); producer alone (consumers skip
-// their math) 1.39 ms = 82 % of the floor; consumers' math alone (no loads, no stores) 1.22 ms;
-// math + stores, no loads 1.58 ms; stores + barriers only 0.63 ms; barriers only 0.21 ms. Removing
-// one consumer part at a time: S^T -0.06, P V -0.17, softmax -0.08 ms. Neither side is at its own
-// limit: the time is in their coupling through the 2-slot ring shared by both blocks of the pair
-// (either side's stall stalls all four roles). Tried there and dropped (all slower or equal): the
-// half tile sent by 9 bulk shared::cta -> shared::cluster copies instead of st.async (2.11 ms: a
-// producer barrier per tile), batches of 4 with setmaxnreg 200 / 152 (no better at N = 16; 208
-// hangs: the pool is the launch's 168 x 384), a rotating register ring in the producer (2.02),
-// the next tile's S^T issued during this tile's softmax (3.2 ms: it waits for the next tile in
-// mid-iteration, which serialises producer and consumers), the o~ rescale skipped when no maximum
-// moved, the consumers' remote empty arrive at .cta scope (no MEMBAR.GPU: math alone -6 %, whole
-// kernel unchanged), dropping any of the three proxy fences. A third ring slot (72 KB) would
-// decouple the sides but does not fit next to Q^T (54 KB).
-// Session 8 (same probes, N = 64, L = 32k, attend only; base 1.87-1.91 ms across calls): the
-// consumers' chain with no loads and no stores (DIAG 14, 1.25 ms) splits into S^T 0.30, P V 0.27,
-// softmax 0.38 and barriers / handshakes alone 0.29 ms (DIAG 30 / 46 / 78 / 126). Adding the
-// partner transfer costs 0.26 ms, the local stores 0.17 (DIAG 10 / 6), both 0.30 (DIAG 2), then
-// the loads 0.34 more. (DIAG 12 is no probe: with nothing storing the rows ptxas drops the loads.)
-// Tried and dropped: the next tile's S^T issued early when that tile is already full (a
-// non-blocking mbarrier test made uniform by bar.red.and): 2.08 ms before P V, 2.61 queued behind
-// it - anything that delays this tile's P V delays its release and the producer behind it; an L2
-// prefetch of the next batch's rows (prefetch.global.L2 per line 2.19, one or two batches ahead
-// 2.30; cp.async.bulk.prefetch.L2 per row 2.07 / 2.12); batches of 1 position (2.86); each
-// consumer warpgroup owning 24 heads with its own S^T / softmax / P V on m64n24 (bitwise equal,
-// 2.14 ms; math alone 1.54 vs 1.25: both warpgroups read every tile as the A operand, so the
-// shared-memory traffic of the products grows by half); batches of 4 (2.55 ms, producer alone
-// 2.18: with ~36 KB of loads in flight per SM the memory pipe is full, NB = 2 is the optimum); an
-// .L2::128B / .L2::256B size hint on the row loads (equal). Run-to-run: the same binary drifts
-// 1.86 -> 1.96 ms over a call as the GPU stays under HBM load, so single figures carry +-3 %.
-// Session 9 (call AI, same probes): the softmax now maps half a warp to 3 heads and 4 positions
-// to a lane (it was a warp per 6 heads, positions lane and lane + 32: 2 scalar loads and stores
-// per head, 5 shuffle rounds). N = 64 1852.6 us against 1879.8 / 1893.4 for the old mapping in
-// the same call, N = 16 484.7 against 488.7 / 485.7; l sums in another order (1.1e-7 relative
-// to the old partials). Dropped in that call: the mbarrier waits polling with test_wait instead
-// of try_wait (1902.9 us, slower) and a position's partner stores issued before its local ones
-// (1895.4, equal). Also tried in session 9 (calls AJ-AM, kernel in git history, commit 139baad):
-// the pair split by features instead of heads (block r: value columns [256 r, + 256) and a rope
-// quarter of every row for all 96 heads; partial scores and P^T rows cross the pair per tile, no
-// tile does; 40 KB tiles, three in the ring, m64n96 P V). Correct on the device (102 / 102
-// checks), but 2.34 ms at N = 64 against this kernel's 1.84: its producer alone took 1.87 ms
-// (1.40 here) reading half rows (1152 B: 1024 + 128) of twice the positions, 2.13 with 16 lanes
-// per position; without loads the consumers took 1.72 ms, 1.27 of them without the two exchanges.
+// pairs (a block past the last head still loads for its partner and writes nothing).
 //
 // Shared-memory layouts (128-byte swizzle, every slab base 1024-aligned; "chunk" = 16 bytes):
 //   tile: element (pos p, feature f) at slab(f / 64) * 8192 + p * 128 + ((f / 8 % 8) ^ (p % 8)) * 16 + (f % 8) * 2
@@ -451,7 +379,7 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
     // Softmax: warp cw owns heads 6 cw .. 6 cw + 5. PAIR: its half-warp hw the three heads 6 cw +
     // 3 hw .., lane q = lane % 16 the positions 4 q .. 4 q + 3 of every tile (one 16-byte score load
     // and one 8-byte P^T store per head). !PAIR: the whole warp the six heads, positions lane and
-    // lane + 32 (that kernel spills with the other mapping and ran 1.5x slower, session 9 call AN).
+    // lane + 32 (a single-block instance spills with the other mapping).
     // m_run is uniform over the lanes of a head; l_lane is this lane's share, summed at the end.
     constexpr int NH = PAIR ? 3 : 6, HLANES = PAIR ? 16 : 32;
     const int hl0 = 6 * cw + (PAIR ? 3 * (lane >> 4) : 0), q16 = lane & 15;
@@ -662,20 +590,6 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
     }
 }
 #endif
-
-// Grid (ceil(H / 48), items, splits), 384 threads, MLW_SHARED bytes of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(MLW_THREADS, 1)
-mla_attend_wg_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
-                  const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
-                  int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale,
-                  int final_rows) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    mlw_attend<false>(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens, splits,
-                      chunk, scale, final_rows);
-#else
-    __trap();  // wgmma needs sm_90a: ops.rs only dispatches here on it
-#endif
-}
 
 // Grid (2 * ceil(H / 96), items, splits) in clusters of 2, 384 threads, MLW_SHARED2 bytes.
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MLW_THREADS, 1)

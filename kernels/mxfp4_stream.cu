@@ -1,4 +1,4 @@
-// Routed experts in MXFP4 for 1-token decode steps, stream2 v2 (moe_stream.rs, K3_MX_STREAM2=v2):
+// Routed experts in MXFP4 for 1-token decode steps (moe/single_token.rs):
 //   mxfp4_up_stream2v2_f32    gu = W1_e z_t, W3_e z_t per part of the row (as v1, kernels/mxfp4.cu)
 //   mxfp4_down_stream2v2_f32  act = SiTU-GLU(sum of gu's parts), y = W2_e act, and the combine
 //                             out[t] = sum_j w[t,j] y[t*k + j] folded in: no third launch

@@ -1,10 +1,10 @@
-// Routed experts in MXFP4 as a grouped GEMM on Hopper wgmma (moe_wg.rs, K3_MOE_PREFILL=wg; sm_90a
-// only: elsewhere the GEMM kernels are trapping stubs and ops.rs does not dispatch here). The
+// Routed experts in MXFP4 as a grouped GEMM on Hopper wgmma (moe/wgmma.rs; sm_90a only: elsewhere
+// the GEMM kernels are trapping stubs and dispatch.rs does not send steps here). The
 // grouped pair's contract (mxfp4_grouped.cu: tiles of one expert's sorted assignments, the tile
 // list derived on the device, SiTU-GLU in the up epilogue, y rows by assignment, then
 // moe_combine_ids_f32) with its own activation layout and a runtime `planes`: 2 = hi / lo bf16
 // (split_bf16, ~16 mantissa bits: f32-level results, the default), 1 = bf16 rounded once
-// (K3_MOE_ACT=bf16, what vLLM / SGLang do: ~3e-3 relative). Deterministic either way.
+// (what vLLM / SGLang do: ~3e-3 relative; the backend always passes 2). Deterministic either way.
 //
 // Why. The grouped pair feeds mma.sync m16n8k16: a warp issues one mma per 16 rows x 4 tokens
 // (hi / lo columns) and reads every B fragment with its own LDS, so issue slots and shared-memory
@@ -32,8 +32,8 @@
 // before arriving at stage c's barrier. Per stage and thread: cp.async.wait_group S - 3 (its
 // copies of stage c landed); fence.proxy.async (generic-proxy writes before async-proxy reads, as
 // the PTX memory model asks; ptxas emits MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S. CUTLASS's and
-// Triton's cp.async + wgmma mainloops go without it: mode bit MXW_NO_PROXY_FENCE, i.e.
-// K3_MOE_WG_FENCE=0, drops it, so one device run can check and time both); __syncthreads; issue
+// Triton's cp.async + wgmma mainloops go without it: mode bit MXW_NO_PROXY_FENCE drops it, for
+// the harness's probes; the backend keeps it); __syncthreads; issue
 // and commit stage c + S - 2; then 4 k-steps, each: decode the lane's A fragments of both
 // m-tiles, wgmma.fence (the A registers were just written), planes x 2 wgmmas (m-tile x plane;
 // both planes accumulate into the same registers), commit, wait_group 1 (the previous k-step's

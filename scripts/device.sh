@@ -10,8 +10,9 @@
 # K3_BENCH_ONLY (e.g. "mla,moe"; "none") limits stage 1's kernel benchmarks to those sections
 # (kda_decode, kda_prefill, mla, mla_prefill, attn_res, moe, gemv, sampling; the probes mla_diag,
 # mla_steady and moe_tc2_diag run only when named);
-# K3_SLICE_RUNS (default "default profile"; also "nogemm", "nographs", "mxtc", "candidates" = the
-# variables in K3_SLICE_CANDIDATES, e.g. "K3_MOE_PREFILL=gemm K3_MLA_DECODE=precise") picks stage 3's k3-slice runs.
+# K3_SLICE_RUNS (default "default profile"; also "nogemm", "nographs", "candidates" = the
+# backend flags in K3_SLICE_CANDIDATES, e.g. "--mla-decode-precision f32") picks stage 3's
+# k3-slice runs.
 # K3_SERVING=1 adds stage 4, the seeds' serving workload on k3-slice (scripts/device-serving.sh).
 # Each stage has its own time limit so one slow stage leaves the others their share of the call.
 # Results under $OUT; exit status non-zero if a check failed.
@@ -43,9 +44,9 @@ SLICE=(bench --device cuda --model models/k3-slice --load-format dummy --prefill
         echo "== k3-mini, CUDA"
         timeout 60 "$BIN" bench --device cuda --model models/k3-mini --prefill-tokens 2048 --decode-tokens 256 \
             --repeats 2 --batch-sizes 16,64
-        echo "== k3-mini, CUDA, decode without CUDA graphs (K3_CUDA_GRAPHS=0)"
-        K3_CUDA_GRAPHS=0 timeout 60 "$BIN" bench --device cuda --model models/k3-mini --prefill-tokens 2048 \
-            --decode-tokens 256 --repeats 2 --batch-sizes 16,64
+        echo "== k3-mini, CUDA, decode without CUDA graphs (--cuda-graphs false)"
+        timeout 60 "$BIN" bench --device cuda --model models/k3-mini --prefill-tokens 2048 \
+            --decode-tokens 256 --repeats 2 --batch-sizes 16,64 --cuda-graphs false
     fi
     if [ -n "${K3_CPU_BENCH:-}" ]; then
         echo "== k3-mini, CPU ($(nproc) threads)"
@@ -57,21 +58,18 @@ SLICE=(bench --device cuda --model models/k3-slice --load-format dummy --prefill
         timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
     fi
     if [[ $runs == *" nographs "* ]]; then
-        echo "== k3-slice, CUDA, decode without CUDA graphs (K3_CUDA_GRAPHS=0)"
-        K3_CUDA_GRAPHS=0 timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
-    fi
-    if [[ $runs == *" mxtc "* ]]; then
-        echo "== k3-slice, CUDA, MXFP4 experts below the GEMM threshold: tc2 pair at every size (K3_MX_EXPERTS=tc)"
-        K3_MX_EXPERTS=tc timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
+        echo "== k3-slice, CUDA, decode without CUDA graphs (--cuda-graphs false)"
+        timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64 --cuda-graphs false
     fi
     if [[ $runs == *" nogemm "* ]]; then
-        echo "== k3-slice, CUDA, MoE without the GEMM path (K3_MOE_GEMM_MIN=huge)"
-        K3_MOE_GEMM_MIN=1000000000 timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
+        echo "== k3-slice, CUDA, MoE without the many-assignment path (--moe-gemm-min-assignments huge)"
+        timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64 \
+            --moe-gemm-min-assignments 1000000000
     fi
     if [[ $runs == *" candidates "* ]]; then
-        # Kernel variants not yet default, all at once (K3_SLICE_CANDIDATES: VAR=value ...).
-        echo "== k3-slice, CUDA, candidate kernels: ${K3_SLICE_CANDIDATES:-none}"
-        env ${K3_SLICE_CANDIDATES:-} timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64
+        # Backend options other than the defaults, all at once (K3_SLICE_CANDIDATES: flags).
+        echo "== k3-slice, CUDA, options: ${K3_SLICE_CANDIDATES:-none}"
+        timeout "${K3_SLICE_S:-120}" "$BIN" "${SLICE[@]}" --decode-tokens 32 --batch-sizes 16,64 ${K3_SLICE_CANDIDATES:-}
     fi
     if [[ $runs == *" profile "* ]]; then
         echo "== k3-slice, CUDA, per-op profile (K3_PROFILE=1: synchronised, for shares only)"

@@ -16,7 +16,7 @@ use k3_model::backend::{
     Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
     RouterParams, SituParams,
 };
-use k3_model::exec::ExecError;
+use k3_model::backend::{BackendError, OpResult};
 use mxfp4::{MxMatrix, mx_matmul, split_even_odd};
 use rayon::prelude::*;
 
@@ -97,18 +97,43 @@ impl Arena {
     }
 }
 
-fn floats_at(byte_offset: usize) -> Result<usize, ExecError> {
+fn floats_at(byte_offset: usize) -> OpResult<usize> {
     if !byte_offset.is_multiple_of(4) {
-        return Err(ExecError::InvalidBatch(format!(
+        return Err(BackendError::InvalidArg(format!(
             "offset {byte_offset} is not 4-byte aligned"
         )));
     }
     Ok(byte_offset / 4)
 }
 
-fn bounds(arena: &Arena, float_off: usize, len: usize) -> Result<(), ExecError> {
+/// `len` bytes at `offset` lie inside the arena.
+fn byte_range(arena: &Arena, offset: usize, len: usize) -> OpResult<()> {
+    if offset
+        .checked_add(len)
+        .is_none_or(|e| e > arena.data.len() * 4)
+    {
+        return Err(BackendError::OutOfBounds {
+            offset,
+            len,
+            arena: arena.data.len() * 4,
+        });
+    }
+    Ok(())
+}
+
+fn same_shape(a: &Mat, b: &Mat, what: &str) -> OpResult<()> {
+    if (a.rows, a.cols) != (b.rows, b.cols) {
+        return Err(BackendError::InvalidArg(format!(
+            "{what}: {}x{} vs {}x{}",
+            a.rows, a.cols, b.rows, b.cols
+        )));
+    }
+    Ok(())
+}
+
+fn bounds(arena: &Arena, float_off: usize, len: usize) -> OpResult<()> {
     if float_off + len > arena.data.len() {
-        return Err(ExecError::OutOfBounds {
+        return Err(BackendError::OutOfBounds {
             offset: float_off * 4,
             len: len * 4,
             arena: arena.data.len() * 4,
@@ -150,86 +175,113 @@ impl Backend for CpuBackend {
     type Experts = Experts;
     type Arena = Arena;
 
-    fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> Linear {
-        assert_eq!(data.len(), rows * cols);
+    fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> OpResult<Linear> {
+        if data.len() != rows * cols {
+            return Err(BackendError::InvalidArg(format!(
+                "{} values for a {rows}x{cols} matrix",
+                data.len()
+            )));
+        }
         let packed = gemm::Packed::new(&data, rows, cols).with_bf16();
-        Linear {
+        Ok(Linear {
             rows,
             cols,
             packed,
             raw: (data.len() <= KEEP_RAW_MAX).then_some(data),
-        }
+        })
     }
 
-    fn vector(&self, data: Vec<f32>) -> Vec<f32> {
-        data
+    fn vector(&self, data: Vec<f32>) -> OpResult<Vec<f32>> {
+        Ok(data)
     }
 
-    fn experts(&self, h: MxExpertsHost) -> Experts {
+    fn experts(&self, h: MxExpertsHost) -> OpResult<Experts> {
         let conv = |v: Vec<k3_model::backend::MxMatrixHost>| -> Vec<MxMatrix> {
             v.into_iter()
                 .map(|m| MxMatrix::new(m.rows, m.cols, m.packed, &m.scales))
                 .collect()
         };
-        Experts {
+        Ok(Experts {
             latent: h.latent,
             inter: h.inter,
             w1: conv(h.w1),
             w3: conv(h.w3),
             w2: conv(h.w2),
-        }
+        })
     }
 
-    fn arena(&self, bytes: usize) -> Arena {
-        Arena {
+    fn arena(&self, bytes: usize) -> OpResult<Arena> {
+        Ok(Arena {
             data: vec![0f32; bytes / 4],
-        }
+        })
     }
 
     fn arena_len(&self, arena: &Arena) -> usize {
         arena.data.len() * 4
     }
 
-    fn arena_copy(&self, arena: &mut Arena, src: usize, dst: usize, len: usize) {
+    fn arena_copy(&self, arena: &mut Arena, src: usize, dst: usize, len: usize) -> OpResult<()> {
+        byte_range(arena, src, len)?;
+        byte_range(arena, dst, len)?;
         arena.bytes_mut().copy_within(src..src + len, dst);
+        Ok(())
     }
 
-    fn arena_zero(&self, arena: &mut Arena, offset: usize, len: usize) {
+    fn arena_zero(&self, arena: &mut Arena, offset: usize, len: usize) -> OpResult<()> {
+        byte_range(arena, offset, len)?;
         arena.bytes_mut()[offset..offset + len].fill(0);
+        Ok(())
     }
 
-    fn arena_read(&self, arena: &Arena, offset: usize, len: usize) -> Vec<u8> {
-        arena.bytes()[offset..offset + len].to_vec()
+    fn arena_read(&self, arena: &Arena, offset: usize, len: usize) -> OpResult<Vec<u8>> {
+        byte_range(arena, offset, len)?;
+        Ok(arena.bytes()[offset..offset + len].to_vec())
     }
 
-    fn to_host(&self, a: &Mat) -> Vec<f32> {
-        a.data.clone()
+    fn to_host(&self, a: &Mat) -> OpResult<Vec<f32>> {
+        Ok(a.data.clone())
     }
 
     fn rows(&self, a: &Mat) -> usize {
         a.rows
     }
 
-    fn slice_rows(&self, a: &Mat, start: usize, end: usize) -> Mat {
-        Mat::new(
+    fn slice_rows(&self, a: &Mat, start: usize, end: usize) -> OpResult<Mat> {
+        if start > end || end > a.rows {
+            return Err(BackendError::InvalidArg(format!(
+                "rows {start}..{end} of a {}-row matrix",
+                a.rows
+            )));
+        }
+        Ok(Mat::new(
             end - start,
             a.cols,
             a.data[start * a.cols..end * a.cols].to_vec(),
-        )
+        ))
     }
 
-    fn concat_rows(&self, parts: &[&Mat]) -> Mat {
+    fn concat_rows(&self, parts: &[&Mat]) -> OpResult<Mat> {
         let cols = parts.first().map_or(0, |m| m.cols);
         let mut data = Vec::with_capacity(parts.iter().map(|m| m.data.len()).sum());
         for m in parts {
-            assert_eq!(m.cols, cols, "concat_rows: widths differ");
+            if m.cols != cols {
+                return Err(BackendError::InvalidArg(
+                    "concat_rows: widths differ".into(),
+                ));
+            }
             data.extend_from_slice(&m.data);
         }
-        Mat::new(data.len() / cols.max(1), cols, data)
+        Ok(Mat::new(data.len() / cols.max(1), cols, data))
     }
 
-    fn embed(&self, table: &Linear, ids: &[u32]) -> Mat {
+    fn embed(&self, table: &Linear, ids: &[u32]) -> OpResult<Mat> {
         let d = table.cols;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows) {
+            return Err(BackendError::InvalidArg(format!(
+                "token id {id} outside the vocabulary of {}",
+                table.rows
+            )));
+        }
         let mut data = Vec::with_capacity(ids.len() * d);
         for &i in ids {
             match &table.raw {
@@ -237,33 +289,49 @@ impl Backend for CpuBackend {
                 None => data.extend(table.packed.row(i as usize)),
             }
         }
-        Mat::new(ids.len(), d, data)
+        Ok(Mat::new(ids.len(), d, data))
     }
 
-    fn matmul(&self, x: &Mat, w: &Linear) -> Mat {
-        assert_eq!(x.cols, w.cols, "matmul inner dimensions differ");
-        Mat::new(x.rows, w.rows, gemm::gemm(&x.data, x.rows, &w.packed))
+    fn matmul(&self, x: &Mat, w: &Linear) -> OpResult<Mat> {
+        if x.cols != w.cols {
+            return Err(BackendError::InvalidArg(format!(
+                "matmul: x {}x{} with W {}x{}",
+                x.rows, x.cols, w.rows, w.cols
+            )));
+        }
+        Ok(Mat::new(
+            x.rows,
+            w.rows,
+            gemm::gemm(&x.data, x.rows, &w.packed),
+        ))
     }
 
-    fn rms_norm(&self, x: &Mat, w: &Vec<f32>, eps: f32) -> Mat {
+    fn rms_norm(&self, x: &Mat, w: &Vec<f32>, eps: f32) -> OpResult<Mat> {
         let c = x.cols;
-        Mat::new(
+        Ok(Mat::new(
             x.rows,
             c,
             by_rows(x.rows, |r| {
                 ops::rms_norm(&x.data[r.start * c..r.end * c], w, eps)
             }),
-        )
+        ))
     }
 
-    fn add_assign(&self, p: &mut Mat, a: &Mat) {
-        assert_eq!(p.data.len(), a.data.len());
+    fn add_assign(&self, p: &mut Mat, a: &Mat) -> OpResult<()> {
+        same_shape(p, a, "add_assign")?;
         p.data.iter_mut().zip(&a.data).for_each(|(x, y)| *x += y);
+        Ok(())
     }
 
-    fn attn_res(&self, sources: &[&Mat], w: &Vec<f32>, eps: f32) -> Mat {
-        let (rows, c) = (sources[0].rows, sources[0].cols);
-        Mat::new(
+    fn attn_res(&self, sources: &[&Mat], w: &Vec<f32>, eps: f32) -> OpResult<Mat> {
+        let first = sources
+            .first()
+            .ok_or_else(|| BackendError::InvalidArg("attn_res with no sources".into()))?;
+        for s in sources {
+            same_shape(first, s, "attn_res")?;
+        }
+        let (rows, c) = (first.rows, first.cols);
+        Ok(Mat::new(
             rows,
             c,
             by_rows(rows, |r| {
@@ -273,39 +341,55 @@ impl Backend for CpuBackend {
                     .collect();
                 ops::attn_res(&src, w, eps)
             }),
-        )
+        ))
     }
 
-    fn situ_glu(&self, gate: &Mat, up: &Mat, p: SituParams) -> Mat {
+    fn situ_glu(&self, gate: &Mat, up: &Mat, p: SituParams) -> OpResult<Mat> {
+        same_shape(gate, up, "situ_glu")?;
         let c = gate.cols;
-        Mat::new(
+        Ok(Mat::new(
             gate.rows,
             c,
             by_rows(gate.rows, |r| {
                 let rg = r.start * c..r.end * c;
                 ops::situ_glu(&gate.data[rg.clone()], &up.data[rg], p.beta, p.linear_beta)
             }),
-        )
+        ))
     }
 
-    fn sigmoid_mul(&self, o: &mut Mat, gate: &Mat) {
+    fn sigmoid_mul(&self, o: &mut Mat, gate: &Mat) -> OpResult<()> {
+        same_shape(o, gate, "sigmoid_mul")?;
         o.data
             .iter_mut()
             .zip(&gate.data)
             .for_each(|(x, g)| *x *= fastmath::sigmoid(*g));
+        Ok(())
     }
 
-    fn gated_head_norm(&self, o: &Mat, gate: &Mat, w: &Vec<f32>, head_dim: usize, eps: f32) -> Mat {
-        debug_assert_eq!(w.len(), head_dim);
+    fn gated_head_norm(
+        &self,
+        o: &Mat,
+        gate: &Mat,
+        w: &Vec<f32>,
+        head_dim: usize,
+        eps: f32,
+    ) -> OpResult<Mat> {
+        same_shape(o, gate, "gated_head_norm")?;
+        if w.len() != head_dim {
+            return Err(BackendError::InvalidArg(format!(
+                "gated_head_norm: weight {} for head_dim {head_dim}",
+                w.len()
+            )));
+        }
         let c = o.cols;
-        Mat::new(
+        Ok(Mat::new(
             o.rows,
             c,
             by_rows(o.rows, |r| {
                 let rg = r.start * c..r.end * c;
                 ops::gated_head_norm(&o.data[rg.clone()], &gate.data[rg], w, eps)
             }),
-        )
+        ))
     }
 
     fn kda(
@@ -315,7 +399,7 @@ impl Backend for CpuBackend {
         p: &KdaParams<'_, Self>,
         inp: &KdaInputs<'_, Self>,
         loc: KdaStateLoc<'_>,
-    ) -> Result<Mat, ExecError> {
+    ) -> OpResult<Mat> {
         let d = kda::Dims {
             heads: g.heads,
             k: g.head_dim,
@@ -361,7 +445,7 @@ impl Backend for CpuBackend {
         kv_norm: &Vec<f32>,
         kv_b: &Linear,
         loc: MlaCacheLoc<'_>,
-    ) -> Result<Mat, ExecError> {
+    ) -> OpResult<Mat> {
         let d = mla::Dims {
             heads: g.heads,
             nope: g.nope,
@@ -373,7 +457,7 @@ impl Backend for CpuBackend {
         let end = loc.start_pos + t;
         let npages = end.div_ceil(loc.page_tokens);
         if loc.pages.len() < npages {
-            return Err(ExecError::InvalidBatch(format!(
+            return Err(BackendError::InvalidArg(format!(
                 "{} KV pages for {end} positions",
                 loc.pages.len()
             )));
@@ -417,17 +501,20 @@ impl Backend for CpuBackend {
         r: RouterParams,
         situ: SituParams,
         spans: &[(usize, usize)],
-    ) -> Mat {
+    ) -> OpResult<Mat> {
         if spans.len() <= 1 {
             return self.moe_routed(z, logits, bias, ex, r, situ);
         }
-        let parts: Vec<Mat> = spans
+        let parts = spans
             .iter()
             .map(|&(r0, r1)| {
-                let (z, l) = (self.slice_rows(z, r0, r1), self.slice_rows(logits, r0, r1));
+                let (z, l) = (
+                    self.slice_rows(z, r0, r1)?,
+                    self.slice_rows(logits, r0, r1)?,
+                );
                 self.moe_routed(&z, &l, bias, ex, r, situ)
             })
-            .collect();
+            .collect::<OpResult<Vec<Mat>>>()?;
         self.concat_rows(&parts.iter().collect::<Vec<_>>())
     }
 
@@ -439,7 +526,12 @@ impl Backend for CpuBackend {
         ex: &Experts,
         r: RouterParams,
         situ: SituParams,
-    ) -> Mat {
+    ) -> OpResult<Mat> {
+        if z.cols != ex.latent || logits.cols != ex.w1.len() || z.rows != logits.rows {
+            return Err(BackendError::InvalidArg(
+                "moe_routed: z / logits / experts shapes differ".into(),
+            ));
+        }
         let (t, lt, k) = (z.rows, ex.latent, r.top_k);
         let (idx, wts) = ops::route(&logits.data, bias, k, r.renormalize, r.scaling);
         let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); ex.w1.len()];
@@ -505,6 +597,6 @@ impl Backend for CpuBackend {
                 }
             }
         }
-        Mat::new(t, lt, out)
+        Ok(Mat::new(t, lt, out))
     }
 }

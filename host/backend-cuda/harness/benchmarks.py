@@ -11,14 +11,12 @@ import time
 import numpy as np
 import torch
 
-from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, KDA_SCAN_KERNELS, cdiv,
+from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_SCAN_KERNELS, cdiv,
                     kda_decode_launcher, kda_region_floats, log, rel_err, run_kda_prefill)
 from common import run_mla_prefill, run_mx_tc2
 from common import MX_TC2_DOWN_ROWS, MX_TC2_UP_ROWS, mx_tc2_ntiles, mx_tc2_scratch, mx_tc2_shared
-from common import mx_stream2_plan, mx_stream2_scratch, run_mx_stream2
 from common import mx_stream2v2_plan, mx_stream2v2_scratch, run_mx_stream2v2
-from common import mx_grouped_scratch, run_mx_grouped
-from common import MX_WG_NO_PROXY_FENCE, run_mx_wg
+from common import mx_wg_scratch, run_mx_wg
 from common import gemv_tc_plan, run_gemv_tc
 
 # H200 SXM peak FP32 rate on the CUDA cores (NVIDIA data sheet: 67 TFLOP/s), where cuBLAS SGEMM in
@@ -227,7 +225,7 @@ MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED, MLA_WG2_SHARED = 48, 384, 223168, 2
 
 
 def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
-    """The wgmma attends (ops.rs MlaDecodeMode::Wg, K3_MLA_DECODE=wg1, and WgPair, the default) as ops.rs
+    """The wgmma attend (mla_attend_wg2_f32, the default on sm_90a) as ops.rs
     runs them - geometry::mla_splits_wg's splits, the merge only past 1 split (else final_rows) - next to
     the bf16 attend + merge (bf16_us) and, where the wg rule picks 1 split, the bf16 rule's splits +
     merge (splits_merge_us), timed in the same run; floors count what each moves (rows, partials,
@@ -245,8 +243,7 @@ def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     common_args = [d.view(qt), d.view(A), d.view(ps), d.view(base), d.view(lens)]
     vpw, vpb, vlw, vlb = (d.view(t) for t in (pw, pb, lw, lb))  # views made outside the graph captures
     big = N * L > 16 * 8192
-    variants = (("wg", "mla_attend_wg_f32", hg, MLA_WG_SHARED),
-                ("wg2", "mla_attend_wg2_f32", 2 * cdiv(hg, 2), MLA_WG2_SHARED))
+    variants = (("wg2", "mla_attend_wg2_f32", 2 * cdiv(hg, 2), MLA_WG2_SHARED),)
 
     def attend(part, v, s, final=0):
         _, kname, gx, smem = v
@@ -554,19 +551,6 @@ def bench(d: Device, r: Results, quick: bool, only=None):
             tol = KDA_CHUNK_TOL[chunk]
             r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: o", rel_err(o2, o1), tol)
             r.check(f"kda_prefill[{chunk}] T={T} H={H} vs kda_chunk_fwd_f32: state", rel_err(a2, a1), tol)
-        # The other conv + prep path with the f32 chunk kernel (conv > 4 takes the split one): timing
-        # and agreement at K3 shapes.
-        other = "split" if KDA_PREP == "fused" else "fused"
-        A.copy_(A0)
-        o, go = run_kda_prefill(d, T, H, conv, lb, A, 0, [], [], *xs, *ws, chunk="f32", prep=other)
-        go()
-        d.sync()
-        eo, ea = rel_err(o, outs["f32"][0]), rel_err(A, outs["f32"][1])
-        ms = d.time_ms(go, reps=5, warmup=1)
-        record(f"kda_prefill[f32,prep={other}] T={T} (conv+prep+chunk)", ms, None, Mtok_s=T / ms / 1e3)
-        # Only the norms' summation order differs between the two: f32 rounding, not 1e-4.
-        r.check(f"kda_prefill[f32] T={T} H={H} prep {KDA_PREP} vs {other}: o", eo, 1e-4)
-        r.check(f"kda_prefill[f32] T={T} H={H} prep {KDA_PREP} vs {other}: state+windows", ea, 1e-4)
         del A, A0, xs, outs
 
     # MLA decode: N queries, L cached positions each, K3 heads and row. The CUDA-core attend (old)
@@ -859,8 +843,8 @@ def bench_moe_tc2_diag(d: Device, record):
 
 def bench_moe_prefill(d: Device, record, quick: bool):
     """Routed MoE of many-assignment steps (prefill chunks) at K3 shapes, top-16 of 128, random
-    routing: the grouped MXFP4 GEMMs (moe_grouped.rs, K3_MOE_PREFILL=grouped) and the wgmma ones
-    (moe_wg.rs, K3_MOE_PREFILL=wg, hi / lo and bf16 activations) against the cuBLAS path (moe_gemm.rs, K3_MOE_PREFILL=gemm: offsets read back, gather, experts expanded to bf16 in
+    routing: the wgmma GEMMs (moe_wg.rs, hi / lo activations) against the cuBLAS fallback (moe_gemm.rs:
+    offsets read back, gather, experts expanded to bf16 in
     groups of 32, one cuBLAS GEMM per expert and projection, GLU, combine). Floor: the larger of
     the hi / lo products' FLOPs at this run's cuBLAS bf16 rate (an 8192^3 GEMM) and the weight +
     z + out bytes at 4.25 TB/s."""
@@ -885,7 +869,7 @@ def bench_moe_prefill(d: Device, record, quick: bool):
         out_g, out_c = torch.empty(T, lt, device="cuda"), torch.empty(T, lt, device="cuda")
         V = {name: d.view(x) for name, x in (("idx", idx.reshape(-1)), ("off", offsets), ("srt", srt), ("z", z),
                                               ("wts", wts), ("out_g", out_g), ("out_c", out_c))}
-        scratch = mx_grouped_scratch(d, T, k, lt, ie)
+        scratch = mx_wg_scratch(d, T, k, lt, ie, 2)
         touched = int(idx.unique().numel())
         flops = 2 * 2 * n * 3 * ie * lt  # hi and lo columns
         wbytes = touched * (2 * ie * (lt // 2 + lt // 32) + lt * (ie // 2 + ie // 32))
@@ -894,54 +878,30 @@ def bench_moe_prefill(d: Device, record, quick: bool):
         def sort():
             d.launch("moe_sort_assignments", 1, 1024, V["idx"], n, E, V["off"], V["srt"])
 
-        def grouped(parts=("split", "up", "down", "combine")):
-            run_mx_grouped(d, V["z"], w, V["idx"], V["wts"], V["off"], V["srt"], V["out_g"], scratch, T, k, lt, ie,
-                           E, parts=parts)
-
-        sort()
-        ms_g, how = d.time_graph(lambda: (sort(), grouped()), reps=5, inner=2)
-        record(f"moe_routed grouped T={T} top{k} (sort+split+up+down+combine)", ms_g, floor, timing=how,
-               tflops=round(flops / ms_g / 1e9))
-        for name, parts, share in (("up", ("up",), 2 / 3), ("down", ("down",), 1 / 3)):
-            ms, how = d.time_graph(lambda parts=parts: grouped(parts), reps=5, inner=2)
-            record(f"moe_routed grouped {name} alone T={T}", ms, share * flops / rate * 1e3, timing=how,
-                   tflops=round(share * flops / ms / 1e9))
-        # The wgmma pair (moe_wg.rs, K3_MOE_PREFILL=wg): planes 2 = hi / lo (K3_MOE_ACT=split), 1 = bf16;
-        # each floor is its own MMA work (planes x the bf16 products) or the bytes, whichever is larger.
-        # The grouped scratch is large enough for either layout.
-        ms_w = {}
+        # The wgmma GEMMs (moe_wg.rs): hi / lo activations, the proxy fence on, as the backend runs
+        # them; the floor is the MMA work or the bytes, whichever is larger.
+        ms_w = None
         try:
-            out_w = torch.empty(T, lt, device="cuda")
-            v_out_w = d.view(out_w)
-            for planes, bits in ((2, 0), (2, MX_WG_NO_PROXY_FENCE), (1, 0), (1, MX_WG_NO_PROXY_FENCE)):
-                fw = flops // 2 * planes
-                floor_w = max(fw / rate * 1e3, (wbytes + 2 * T * lt * 4) / (COPY_TBPS * 1e12) * 1e3)
-                tag = f"planes={planes}{' nofence' if bits else ''}"
+            def wgr(parts=("split", "up", "down", "combine")):
+                run_mx_wg(d, V["z"], w, V["idx"], V["wts"], V["off"], V["srt"], V["out_g"], scratch, T, k, lt, ie,
+                          E, 2, parts=parts)
 
-                def wgr(parts=("split", "up", "down", "combine"), planes=planes, bits=bits):
-                    run_mx_wg(d, V["z"], w, V["idx"], V["wts"], V["off"], V["srt"], v_out_w, scratch, T, k, lt, ie, E,
-                              planes, parts=parts, mode_bits=bits)
-
-                ms, how = d.time_graph(lambda: (sort(), wgr()), reps=5, inner=2)
-                ms_w[tag] = ms
-                record(f"moe_routed wg {tag} T={T} top{k} (sort+split+up+down+combine)", ms, floor_w, timing=how,
-                       tflops=round(fw / ms / 1e9), vs_grouped=round(ms_g / ms, 2),
-                       wg_vs_grouped_rel=float(rel_err(out_w, out_g)))
-                if bits:
-                    continue
-                for name, parts, share in (("up", ("up",), 2 / 3), ("down", ("down",), 1 / 3)):
-                    ms, how = d.time_graph(lambda parts=parts: wgr(parts), reps=5, inner=2)
-                    record(f"moe_routed wg {tag} {name} alone T={T}", ms, share * fw / rate * 1e3,
-                           timing=how, tflops=round(share * fw / ms / 1e9))
+            sort()
+            ms_w, how = d.time_graph(lambda: (sort(), wgr()), reps=5, inner=2)
+            record(f"moe_routed wg T={T} top{k} (sort+split+up+down+combine)", ms_w, floor, timing=how,
+                   tflops=round(flops / ms_w / 1e9))
+            for name, parts, share in (("up", ("up",), 2 / 3), ("down", ("down",), 1 / 3)):
+                ms, how = d.time_graph(lambda parts=parts: wgr(parts), reps=5, inner=2)
+                record(f"moe_routed wg {name} alone T={T}", ms, share * flops / rate * 1e3, timing=how,
+                       tflops=round(share * flops / ms / 1e9))
         except Exception as e:  # noqa: BLE001
             log(f"bench moe wg T={T} raised {type(e).__name__}: {str(e)[:200]}")
         try:
             ms_c = bench_moe_cublas_path(d, V, w, T, k, lt, ie, E)
-            wg_speedups = {f"wg {tag} speedup".replace(" ", "_").replace("=", ""): round(ms_c / ms, 2)
-                           for tag, ms in ms_w.items()}
+            extra = {} if ms_w is None else dict(wg_speedup=round(ms_c / ms_w, 2),
+                                                 wg_vs_gemm_rel=float(rel_err(out_g, out_c)))
             record(f"moe_routed cuBLAS GEMM path T={T} top{k} (sort+readback+gather+expand+GEMMs+glu+combine)",
-                   ms_c, floor, grouped_speedup=round(ms_c / ms_g, 2),
-                   grouped_vs_gemm_rel=float(rel_err(out_g, out_c)), **wg_speedups)
+                   ms_c, floor, **extra)
         except Exception as e:  # noqa: BLE001
             log(f"bench moe cuBLAS path T={T} raised {type(e).__name__}: {str(e)[:200]}")
 
@@ -1038,35 +998,17 @@ def bench_moe_stream2(d: Device, record):
         d.sync()
         ref = res.clone()
         tc2_ms, _ = d.time_graph(tc2)
-        na = T * k
-        (gup, pup), (gdn, pdn) = mx_stream2_plan(na, ie, lt), mx_stream2_plan(na, lt, ie)
-        ngu, nyp = mx_stream2_scratch(na, lt, ie)
-        gu, yp = torch.empty(ngu, device="cuda"), torch.empty(nyp, device="cuda")
         w6 = tuple(V[n] for n in ("w1p", "w1s", "w3p", "w3s", "w2p", "w2s"))
-
-        def s2(what=("up", "down", "combine")):
-            run_mx_stream2(d, V["z"], w6, V["idx"], d.view(gu), d.view(yp), V["wts"], V["res"], T, k, lt, ie, E,
-                           what=what)
-        s2()
-        d.sync()
-        rel2 = rel_err(res, ref)
-        ref_v1 = res.clone()
-        ms2, how = d.time_graph(s2)
-        record(f"moe_routed stream2 T={T} top{k} (up+down+combine, tensor cores)", ms2, floor(up_b + down_b),
-               tc2_us=f"{tc2_ms * 1e3:.1f}", speedup_vs_tc2=f"{tc2_ms / ms2:.2f}x", rel_vs_tc2=f"{rel2:.1e}",
-               timing=how, grid=f"{gup}/{gdn}", parts=f"{pup}/{pdn}")
-        for name, b in (("up", up_b), ("down", down_b), ("combine", None)):
-            ms, how = d.time_graph(lambda name=name: s2((name,)))
-            record(f"moe stream2 {name} kernel alone T={T} top{k}", ms, b and floor(b), timing=how)
-        bench_moe_stream2v2(d, record, V, w6, ref_v1, ms2, floor(up_b), floor(down_b), E, k, lt, ie, T)
+        bench_moe_stream2v2(d, record, V, w6, ref, tc2_ms, floor(up_b), floor(down_b), E, k, lt, ie, T)
     except Exception as e:  # noqa: BLE001  a failure here must not cost the benchmarks after it
         log(f"bench moe stream2 raised {type(e).__name__}: {str(e)[:200]}")
     del w1p, w3p, w2p, w1s, w3s, w2s
 
 
-def bench_moe_stream2v2(d: Device, record, V, w6, ref_v1, v1_ms, up_floor, down_floor, E, k, lt, ie, T):
-    """The stream2 v2 pair (the default: cp.async rings, the combine folded into the down kernel)
-    on bench_moe_stream2's buffers, compared with v1's (both hi + lo bf16: they differ by summation order only); then each
+def bench_moe_stream2v2(d: Device, record, V, w6, ref_tc2, tc2_ms, up_floor, down_floor, E, k, lt, ie, T):
+    """The single-token pair (cp.async rings, the combine folded into the down kernel) on
+    bench_moe_stream2's buffers, compared with the few-token pair's result and time at the same step
+    (both hi + lo bf16: they differ by summation order only); then each
     kernel alone. "down alone" zeroes the 2 KB of counters first (the up kernel does it in the
     pair), so it includes one small memset."""
     na = T * k
@@ -1084,10 +1026,10 @@ def bench_moe_stream2v2(d: Device, record, V, w6, ref_v1, v1_ms, up_floor, down_
         try:
             s3()
             d.sync()
-            rel = rel_err(res, ref_v1)
+            rel = rel_err(res, ref_tc2)
             ms, how = d.time_graph(s3)
             record(f"moe_routed {tag} T={T} top{k} (up+down, combine folded)", ms, up_floor + down_floor,
-                   v1_us=f"{v1_ms * 1e3:.1f}", speedup_vs_v1=f"{v1_ms / ms:.2f}x", rel_vs_v1=f"{rel:.1e}",
+                   tc2_us=f"{tc2_ms * 1e3:.1f}", speedup_vs_tc2=f"{tc2_ms / ms:.2f}x", rel_vs_tc2=f"{rel:.1e}",
                    timing=how, grid=f"{gup}/{gdn}", parts=f"{pup}/{pdn}")
             ms, how = d.time_graph(lambda: s3(("up",)))
             record(f"moe {tag} up kernel alone T={T} top{k}", ms, up_floor, timing=how)
@@ -1105,7 +1047,7 @@ GEMV_SHAPES = [(12288, 7168), (7168, 12288), (33792, 7168), (6144, 7168), (3584,
 def bench_gemv(d: Device, record, quick: bool):
     """Dense bf16-weight decode products, y [M, n] = x [M, k] w^T, per shape and M: `new`
     (gemv_bf16_tc_f32 + gemv_sum_splits_f32 when split; backend_impl.rs matmul_linear takes it for
-    M <= 16 up to K3_GEMV_MAX_ELEMS = 2^22 weights) and `cublas` (split rows + torch bf16 matmul of
+    M <= 16 up to CudaOptions::gemv_max_weight_elems = 2^22 weights) and `cublas` (split rows + torch bf16 matmul of
     the [2M, k] hi/lo rows + sum of halves, the path above that). Floor = weight bytes / 4.25 TB/s;
     `new` also reports its error against float64 (rel) and whether matmul_linear picks it
     (`taken`). Buffers are rebound per shape (the loop frees them)."""

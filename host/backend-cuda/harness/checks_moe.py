@@ -1,5 +1,5 @@
 """The routed-expert checks of device_check.py (kernels/mxfp4*.cu, moe*.cu): every MXFP4 expert path
-(gemv, tc2, stream2 v1 / v2, grouped, wgmma, the cuBLAS GEMM path) against the float64 reference
+(gemv, tc2, the single-token pair, wgmma, the cuBLAS GEMM path) against the float64 reference
 of k3ref, plus their determinism. Split from device_check.py, which runs them (same order, same
 names: `--checks check_moe_wg` still selects one)."""
 from __future__ import annotations
@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from common import (MX_WG_NO_PROXY_FENCE, MX_WG_SWAP_LBO_SBO, cdiv, log, mx_grouped_scratch, mx_stream2_plan,
-                    mx_stream2_scratch, mx_stream2v2_plan, mx_stream2v2_scratch, mx_wg_row_u16, mx_wg_scratch, rand,
-                    rel_err, run_mx_grouped, run_mx_stream2, run_mx_stream2v2, run_mx_tc2, run_mx_wg)
+from common import (MX_WG_SWAP_LBO_SBO, cdiv, log, mx_stream2v2_plan, mx_stream2v2_scratch, mx_wg_row_u16,
+                    mx_wg_scratch, rand, rel_err, run_mx_stream2v2, run_mx_tc2, run_mx_wg)
 from k3ref import mxfp4 as rmx
 from k3ref.moe import route as ref_route
 from k3ref.situ import situ_glu as ref_situ_glu
@@ -171,45 +170,8 @@ def _stream2_cases(d: Device, gen, shapes):
             yield lt, ie, t, k, e, wv, z, idx, wts, ref, dev(idx.int().reshape(-1))
 
 
-def check_moe_stream2(d: Device, r: Results, gen):
-    """The stream2 pair (mxfp4_*_stream2_f32 + moe_combine_parts_f32, the 1-token default; no sort:
-    ids straight from the router) against float64: the unit split replayed (every (assignment, tile, part) once; K3 sizes: the busiest
-    warp within 5% of the mean steps), then widths whose 32-value blocks are not a multiple of 4
-    (160 = 5, 96 = 3, 544 = 17, 288 = 9: zero-padded blocks, lanes on the last block), T = 1 and 3
-    (an out-of-range id), the planned grid and odd grids / part counts (1 block: many staging
-    rounds; 7 blocks x 3 parts: units cut mid-assignment, the prefetch ring across units)."""
-    for na, rows, cols in ((16, 3072, 3584), (16, 3584, 3072), (9, 40, 160), (5, 96, 544)):
-        grid, parts = mx_stream2_plan(na, rows, cols)
-        ns, tiles = cdiv(cols // 32, 4), cdiv(rows, 16)
-        n, nw = na * tiles * parts, 8 * grid
-        seen, steps = replay_unit_split(n, nw, parts, ns)
-        mean = na * tiles * ns / nw
-        ok = seen == list(range(n)) and (rows < 1000 or max(steps) <= 1.05 * mean)
-        r.exact(f"moe stream2 unit split {na}x{rows}x{cols} grid={grid} parts={parts}: every unit once, steps "
-                f"per warp {min(steps)}..{max(steps)} (mean {mean:.1f})", ok)
-    dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
-    for lt, ie, t, k, e, wv, z, idx, wts, ref, ids in _stream2_cases(d, gen, ((160, 96), (544, 288))):
-        na = t * k
-        nsu, nsd = cdiv(lt, 128), cdiv(ie, 128)  # steps per row: the most parts
-        for grid, parts in ((None, None), ((1, 1), (nsu, 1)), ((7, 3), (1, nsd)),
-                            ((3, 2), (min(2, nsu), min(2, nsd)))):
-            ngu, nyp = mx_stream2_scratch(na, lt, ie, parts)
-            gu = torch.full((ngu,), float("nan"), device=d.tdev)  # unwritten parts would show
-            yp = torch.full((nyp,), float("nan"), device=d.tdev)
-            res = torch.empty(t, lt, device=d.tdev)
-            run_mx_stream2(d, d.view(dev(z.float())), wv, d.view(ids), d.view(gu), d.view(yp),
-                           d.view(dev(wts.float().reshape(-1))), d.view(res), t, k, lt, ie, e, grid=grid,
-                           parts=parts)
-            d.sync()
-            g = grid or (mx_stream2_plan(na, ie, lt)[0], mx_stream2_plan(na, lt, ie)[0])
-            p = parts or (mx_stream2_plan(na, ie, lt)[1], mx_stream2_plan(na, lt, ie)[1])
-            # hi + lo bf16 activations (~16 bits) as the tc2 pair (check_moe_tc_shapes's 2e-5).
-            r.check(f"moe routed stream2 T={t} {lt}x{ie} grid={g[0]}/{g[1]} parts={p[0]}/{p[1]} "
-                    "(up+down+combine)", rel_err(res, ref), 2e-5)
-
-
 def check_moe_stream2v2(d: Device, r: Results, gen):
-    """The stream2 v2 pair (mxfp4_*_stream2v2_f32, K3_MX_STREAM2=v2: cp.async rings, the combine
+    """The single-token pair (mxfp4_*_stream2v2_f32: cp.async rings, the combine
     folded into the down kernel) against float64: the unit split replayed at K3 sizes (every unit
     once, the busiest warp within 5% of the mean steps), then widths that are multiples of 128
     (256 x 384, 384 x 128, 128 x 256 as tests/device.rs), T = 1 and 3 (an out-of-range id), the
@@ -283,42 +245,10 @@ def check_moe_tc2(d: Device, r: Results, gen):
                 rel_err(res, ref), 2e-5)
 
 
-def check_moe_grouped(d: Device, r: Results, gen):
-    """The grouped path (mxfp4_tc2_split_f32 + mxfp4_up/down_grouped_f32 + moe_combine_ids_f32,
-    moe_grouped.rs) against float64: a made top-2 routing whose experts take 1, 63, 64, 65, 300 and
-    106 tokens (one expert idle, one slot dropped with id -1: its y row stays NaN, the combine must
-    skip it) at 640 x 320 (5 up stages: the 3-deep ring wraps; partial up and down row blocks; 10 MX
-    blocks per down row: the unaligned-scale path), and T = 2048, random top-4 of 16 at 256 x 384
-    (~8 tiles of 64 per expert, partial last tiles)."""
-    dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
-    second = torch.tensor([0] * 1 + [1] * 63 + [2] * 64 + [3] * 65 + [5] * 107)
-    second = second[torch.randperm(300, generator=gen)]
-    made = torch.stack([torch.full((300,), 4, dtype=torch.long), second], 1)
-    made[int((second == 5).nonzero()[0]), 1] = -1
-    for t, e, k, lt, ie in ((300, 7, 2, 640, 320), (2048, 16, 4, 256, 384)):
-        (w1p, w1s, w1), (w3p, w3s, w3), (w2p, w2s, w2), z, idx, wts = routed_case(
-            t, e, k, lt, ie, gen, made if t == 300 else None)
-        ref = ref_routed(z, idx, wts, w1, w3, w2)
-        na = t * k
-        ids = dev(idx.int().reshape(-1))
-        offsets, sorted_ = sort_assignments(d, ids, na, e)
-        scratch = mx_grouped_scratch(d, t, k, lt, ie)
-        scratch[0][2].fill_(float("nan"))
-        out = torch.full((t, lt), float("nan"), device=d.tdev)
-        w = tuple(d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s))
-        run_mx_grouped(d, d.view(dev(z.float())), w, d.view(ids), d.view(dev(wts.float().reshape(-1))),
-                       d.view(offsets), d.view(sorted_), d.view(out), scratch, t, k, lt, ie, e)
-        d.sync()
-        counts = sorted(torch.bincount(idx[idx >= 0].reshape(-1), minlength=e).tolist(), reverse=True)
-        r.check(f"moe routed grouped T={t} top{k} of {e} {lt}x{ie}, tokens per expert {counts[:7]} "
-                f"(sort+split+up+down+combine)", rel_err(out, ref), 2e-5)
-
-
 def check_moe_wg(d: Device, r: Results, gen):
     """The wgmma path (mxfp4_wg_split_f32 + mxfp4_up/down_wg_f32 + moe_combine_ids_f32, moe_wg.rs,
-    sm_90a) against float64, with hi / lo activations (planes 2, tol 2e-5 as the grouped pair) and
-    bf16 ones (planes 1, K3_MOE_ACT=bf16: z and the intermediate rounded to bf16 once, a few 1e-3
-    from that rounding, tol 1e-2). Cases: check_moe_grouped's made top-2 routing (experts of 1, 63,
+    sm_90a) against float64, with hi / lo activations (planes 2, tol 2e-5 as the few-token pair).
+    Cases: a made top-2 routing (experts of 1, 63,
     64, 65, 300 and 106 tokens: tiles of 128 + 128 + 44, the N = 32 / 64 / 96 / 128 variants, one
     expert idle, one slot dropped) at 640 x 320 (10 / 5 stages: both rings wrap; 5 groups of 64
     intermediate columns: the last up CTA's second group does not exist; 10 MX blocks per down row:
@@ -326,8 +256,7 @@ def check_moe_wg(d: Device, r: Results, gen):
     (subnormal weights) and every scale of the two busiest experts raised by 9 (around 129: lanes
     with and without the decode's second bf16 factor in one stage; z / 2^9 keeps their gates where
     the other experts' were, else SiTU's conditioning, not the kernel, sets the error); and
-    T = 2048, random top-4 of 16 at 256 x 384 (~4 tiles of 128 per expert, partial last tiles).
-    Each case once more at planes 2 without the per-stage proxy fence (K3_MOE_WG_FENCE=0)."""
+    T = 2048, random top-4 of 16 at 256 x 384 (~4 tiles of 128 per expert, partial last tiles)."""
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
     second = torch.tensor([0] * 1 + [1] * 63 + [2] * 64 + [3] * 65 + [5] * 107)
     second = second[torch.randperm(300, generator=gen)]
@@ -355,7 +284,7 @@ def check_moe_wg(d: Device, r: Results, gen):
         offsets, sorted_ = sort_assignments(d, ids, na, e)
         w = tuple(d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s))
         counts = sorted(torch.bincount(idx[idx >= 0].reshape(-1), minlength=e).tolist(), reverse=True)
-        for planes, tol, bits in ((2, 2e-5, 0), (1, 1e-2, 0), (2, 2e-5, MX_WG_NO_PROXY_FENCE)):
+        for planes, tol, bits in ((2, 2e-5, 0),):
             scratch = mx_wg_scratch(d, t, k, lt, ie, planes)
             scratch[0][2].fill_(float("nan"))  # y rows of dropped slots stay NaN: the combine skips them
             out = torch.full((t, lt), float("nan"), device=d.tdev)
@@ -415,7 +344,7 @@ def check_moe_wg_repeat(d: Device, r: Results, gen):
     """Bitwise determinism of the wgmma path, per kernel. moe_sort_assignments' atomic cursor leaves
     the order within an expert arbitrary, so a token may land in any tile / column of its expert, in
     a full N = 128 tile or the partial last one (smaller N); no result may depend on that. Per case
-    and mode (planes 2, 1, 2 without the proxy fence), every buffer prefilled with NaN bits (a read
+    (hi / lo activations, the proxy fence on), every buffer prefilled with NaN bits (a read
     of anything not written first shows): run A on the device's sort; the up kernel alone again on
     A's split z (intermediate bitwise), the down kernel alone again on A's intermediate (y rows
     bitwise); the whole path on a fresh device sort (output bitwise; the log says whether that sort's
@@ -468,7 +397,7 @@ def check_moe_wg_repeat(d: Device, r: Results, gen):
             assigned = sa[:npos].long().sort().values
             return actx.cpu().reshape(na, -1)[rows[assigned]]
 
-        for planes, mbits in ((2, 0), (1, 0), (2, MX_WG_NO_PROXY_FENCE)):
+        for planes, mbits in ((2, 0),):
             tag = f"planes={planes}{' no proxy fence' if mbits else ''} {sizes}"
 
             def fresh():

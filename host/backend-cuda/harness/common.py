@@ -69,16 +69,8 @@ def run_mx_tc2(d: Device, gx, up_args, down_args, t, lt, ie, stage=None, scratch
              shared_mem=mx_tc2_shared(nt))
 
 
-# The grouped expert GEMMs (kernels/mxfp4_grouped.cu; moe_grouped.rs, K3_MOE_PREFILL=auto below
-# K3_MOE_GROUPED_MAX assignments or =grouped, for steps of >= K3_MOE_GEMM_MIN assignments): tiles of 64 sorted assignments of one expert, 512-thread
-# blocks of 128 intermediate rows (up) / 256 latent rows (down), grid.y an upper bound on the tiles,
-# one block per SM (opt-in shared memory: decode table + 3 stages).
-MX_GROUPED_TOK, MX_GROUPED_UP_ROWS, MX_GROUPED_DOWN_ROWS = 64, 128, 256
-MX_GROUPED_SHARED = 8192 * 4 + 3 * (256 * 64 + 256 * 4 + 128 * 288)
-
-
 def mx_tile_bound(n_assign: int, experts: int, tok: int) -> int:
-    """moe_grouped.rs tile_bound: grid.y of the grouped and wgmma GEMMs."""
+    """moe_sorted.rs tile_bound: grid.y of the wgmma GEMMs."""
     return cdiv(n_assign, tok) + min(experts, n_assign)
 
 
@@ -91,36 +83,13 @@ def _expert_scratch(d: Device, t: int, k: int, lt: int, zx_row: int, actx_row: i
     return (zx, actx, y), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16), d.view(y)
 
 
-def mx_grouped_scratch(d: Device, t: int, k: int, lt: int, ie: int):
-    """The grouped path's work buffers (_expert_scratch)."""
-    return _expert_scratch(d, t, k, lt, mx_tc2_row_u16(lt), mx_tc2_row_u16(ie))
-
-
-def run_mx_grouped(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t, k, lt, ie, e, situ=(4.0, 25.0, 1),
-                   parts=("split", "up", "down", "combine")):
-    """moe_grouped.rs after the sort: split z, up, down, combine (views; w = (w1p, w1s, w3p, w3s,
-    w2p, w2s); scratch from mx_grouped_scratch). `parts` picks launches (benchmarks time them alone)."""
-    _, zx, actx, y = scratch
-    tiles = mx_tile_bound(t * k, e, MX_GROUPED_TOK)
-    if "split" in parts:
-        d.launch("mxfp4_tc2_split_f32", (t, cdiv(lt, 128)), 32, z, zx, t, lt)
-    if "up" in parts:
-        d.launch("mxfp4_up_grouped_f32", (cdiv(ie, MX_GROUPED_UP_ROWS), tiles), 512, zx, *w[:4], offsets, sorted_,
-                 actx, k, lt, ie, *situ, e, shared_mem=MX_GROUPED_SHARED)
-    if "down" in parts:
-        d.launch("mxfp4_down_grouped_f32", (cdiv(lt, MX_GROUPED_DOWN_ROWS), tiles), 512, actx, *w[4:], offsets,
-                 sorted_, y, lt, ie, e, shared_mem=MX_GROUPED_SHARED)
-    if "combine" in parts:
-        d.launch("moe_combine_ids_f32", min(cdiv(t * lt, 256), 132 * 32), 256, y, idx, wts, out, t, k, lt, e)
-
-
-# The wgmma expert GEMMs (kernels/mxfp4_wg.cu, sm_90a; moe_wg.rs, K3_MOE_PREFILL=wg, K3_MOE_ACT):
+# The wgmma expert GEMMs (kernels/mxfp4_wg.cu, sm_90a; moe_wg.rs):
 # tiles of up to 128 sorted assignments of one expert, 256-thread blocks of 128 intermediate rows
 # (up) / 256 latent rows (down), grid.y an upper bound on the tiles, one block per SM; activations
 # in 64-column groups of `planes` bf16 pieces (2 = hi / lo, 1 = bf16).
 MX_WG_TOK, MX_WG_UP_ROWS, MX_WG_DOWN_ROWS, MX_WG_SHARED = 128, 128, 256, 209920
 MX_WG_SWAP_LBO_SBO = 16  # mode bit of the GEMMs: the B descriptor's LBO / SBO swapped (a diagnostic)
-MX_WG_NO_PROXY_FENCE = 32  # mode bit: no fence.proxy.async per stage (moe_wg.rs K3_MOE_WG_FENCE=0)
+MX_WG_NO_PROXY_FENCE = 32  # mode bit: no fence.proxy.async per stage (a diagnostic; the backend keeps the fence)
 
 
 def mx_wg_row_u16(cols: int, planes: int) -> int:
@@ -135,7 +104,7 @@ def mx_wg_scratch(d: Device, t: int, k: int, lt: int, ie: int, planes: int = 2):
 def run_mx_wg(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t, k, lt, ie, e, planes=2,
               situ=(4.0, 25.0, 1), parts=("split", "up", "down", "combine"), mode_bits=0):
     """moe_wg.rs after the sort: split z, up, down, combine (views; w = (w1p, w1s, w3p, w3s, w2p,
-    w2s); scratch from mx_wg_scratch or mx_grouped_scratch (large enough for planes <= 2)).
+    w2s); scratch from mx_wg_scratch).
     mode_bits: further bits of the GEMMs' mode (MX_WG_NO_PROXY_FENCE, MX_WG_SWAP_LBO_SBO)."""
     _, zx, actx, y = scratch
     tiles = mx_tile_bound(t * k, e, MX_WG_TOK)
@@ -151,54 +120,7 @@ def run_mx_wg(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t, k, l
         d.launch("moe_combine_ids_f32", min(cdiv(t * lt, 256), 132 * 32), 256, y, idx, wts, out, t, k, lt, e)
 
 
-# The stream2 pair's dynamic shared memory (kernels/mxfp4.cu MXS_SHARED, opt-in): the 64 KB
-# decode table with the staged inputs in its upper halves.
-MX_STREAM_SHARED = 65536
-
-
-# The stream2 pair (kernels/mxfp4.cu mxfp4_*_stream2_f32 + moe_combine_parts_f32; moe_stream.rs
-# mx_stream2_plan; the 1-token default): two 256-thread blocks per SM, units of
-# (assignment, 16-row tile, part of the row's 128-column steps) split evenly over the warps; each
-# unit writes its part's partial sums (gu [n_assign, parts_up, 2, ie], yp [n_assign, parts_down,
-# lt]), summed in part order by the next kernel. Input width <= 124 * 32.
-MX_STREAM2_MAX_COLS = 124 * 32
-
-
-def mx_stream2_plan(n_assign: int, rows: int, cols: int, sms: int = 132) -> tuple[int, int]:
-    """(blocks, parts) as moe_stream.rs mx_stream2_plan: two blocks per SM (fewer: >= 8 steps per
-    warp), parts (<= 8, <= steps per row) minimising the busiest warp's steps (+ half a step per
-    unit for its flush)."""
-    ns, tiles = cdiv(cols // 32, 4), cdiv(rows, 16)
-    grid = max(1, min(2 * sms, cdiv(n_assign * tiles * ns, 8 * 8)))
-    costs = [(cdiv(n_assign * tiles * p, 8 * grid) * (2 * cdiv(ns, p) + 1), p) for p in range(1, min(ns, 8) + 1)]
-    return grid, min(costs)[1]
-
-
-def run_mx_stream2(d: Device, z, w, idx, gu, yp, wts, out, t, k, lt, ie, e, situ=(4.0, 25.0, 1), grid=None,
-                   parts=None, what=("up", "down", "combine")):
-    """moe_stream.rs moe_experts_stream2's launches (views; w = (w1p, w1s, w3p, w3s, w2p, w2s)).
-    `grid` / `parts` = (up, down) overrides (any values are valid: the checks move unit bounds)."""
-    na = t * k
-    (gup, pup), (gdn, pdn) = mx_stream2_plan(na, ie, lt), mx_stream2_plan(na, lt, ie)
-    gup, gdn = grid or (gup, gdn)
-    pup, pdn = parts or (pup, pdn)
-    if "up" in what:
-        d.launch("mxfp4_up_stream2_f32", gup, 256, z, *w[:4], idx, gu, k, lt, ie, e, na, pup,
-                 shared_mem=MX_STREAM_SHARED)
-    if "down" in what:
-        d.launch("mxfp4_down_stream2_f32", gdn, 256, gu, *w[4:], idx, yp, lt, ie, *situ, e, na, pup, pdn,
-                 shared_mem=MX_STREAM_SHARED)
-    if "combine" in what:
-        d.launch("moe_combine_parts_f32", min(cdiv(t * lt, 256), 132 * 32), 256, yp, idx, wts, out, t, k, lt, e, pdn)
-
-
-def mx_stream2_scratch(na: int, lt: int, ie: int, parts=None) -> tuple[int, int]:
-    """Floats of gu and yp for run_mx_stream2."""
-    pup, pdn = parts or (mx_stream2_plan(na, ie, lt)[1], mx_stream2_plan(na, lt, ie)[1])
-    return na * pup * 2 * ie, na * pdn * lt
-
-
-# The stream2 v2 pair (kernels/mxfp4_stream.cu; moe_stream.rs mx_stream2v2_plan, K3_MX_STREAM2=v2):
+# The single-token pair (kernels/mxfp4_stream.cu; moe_stream.rs mx_stream2v2_plan):
 # one 512-thread block per SM, a cp.async ring per warp, two 16-row sets per step (up: W1 and W3
 # of a tile; down: two tiles, so 32-row groups whose consecutive parts on a warp merge into one
 # run) and the combine folded into the down kernel. Widths: multiples of 128.
@@ -338,9 +260,9 @@ def kda_decode_launcher(d: Device, variant, heads, n, args):
 
 
 # Chunk kernels of the prefill (same arguments): name -> grid for `heads`. "f32" is the one-pass path
-# (kernels/kda_chunk.cu; ops.rs K3_KDA_CHUNK=f32 and every conv > 4).
+# (kernels/kda_chunk.cu; kda/mod.rs: every conv > 4).
 KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4))}
-# The two-pass path (kernels/kda_chunk_scan.cu, ops.rs default for conv <= 4, K3_KDA_CHUNK=scan4): the
+# The two-pass path (kernels/kda_chunk_scan.cu, kda/mod.rs for conv <= 4): the
 # record pass (conv + prep + chunk algebra, grid (ceil(chunks / KDA_REC_NCH), heads), 128 threads) then
 # the key-split scan, grid (4, heads), 128 threads (ops.rs kda_rec_launch / KDA_REC_KERNEL /
 # kda_scan_launch).
@@ -355,21 +277,20 @@ KDA_REC_FLOATS = 8576  # one (chunk, head) record; ops.rs KDA_REC_FLOATS
 KDA_SCAN_SEG = 8192  # tokens per rec + scan segment; ops.rs KDA_SCAN_SEG
 
 
-# Conv + prep: "fused" = kda_conv_prep_f32 (one pass, conv <= 4), "split" = the two old kernels
-# (kda_conv_silu_f32 + kda_prep_f32), kept as the fallback. Must match ops.rs KDA_FUSED_PREP.
-KDA_PREP = "fused"
+# Conv + prep of the one-pass f32 prefill: kda_conv_silu_f32 + kda_prep_f32 (the only form).
+KDA_PREP = "split"
 
 
 def run_kda_prefill(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk, xv, f, b, convw, a_log, dt_bias,
                     chunk="f32", prep=KDA_PREP, seg=KDA_SCAN_SEG):
     """Launch the prefill kernels; returns (o, launch closure) with device tensors as given. The closure
     has .chunk_only (the chunk / scan kernel alone, inputs from a previous go()) and .prep_only (the
-    conv + prep part alone: conv_prep or conv_silu + prep, or the record pass)."""
+    conv + prep part alone: conv_silu + prep, or the record pass)."""
     if chunk in KDA_SCAN_KERNELS and conv <= 4:
         return _run_kda_scan(d, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk, xv, f, b, convw, a_log, dt_bias,
                              KDA_SCAN_KERNELS[chunk], seg)
     chunk_name, chunk_grid = KDA_CHUNK_KERNELS[chunk]
-    fused = prep == "fused" and conv <= 4
+    assert prep == "split", prep
     hk = heads * 128
     dev = lambda x: x.float().contiguous().to(d.tdev)  # noqa: E731
     qo, ko, vo = (torch.empty(t, hk, device=d.tdev) for _ in range(3))
@@ -383,12 +304,6 @@ def run_kda_prefill(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk,
     bv, al, dtb = d.view(dev(b)), d.view(dev(a_log)), d.view(dev(dt_bias))
 
     def go():
-        if fused:  # g to its own buffer (fg): f is only read
-            d.launch("kda_conv_prep_f32", (cdiv(t, 32), cdiv(heads, 4)), 128, *v[:3], d.view(f0), bv, *v[3:], al, dtb,
-                     d.view(qo), d.view(ko), d.view(vo), d.view(fg), d.view(beta), d.view(A), off, d.view(cn),
-                     d.view(co), len(ck_n), t, heads, conv, lb)
-            chunk_only()
-            return
         fg.copy_(f0)  # the prep kernel writes g over f
         d.launch("kda_conv_silu_f32", cdiv(3 * hk, 256), 256, *v, d.view(qo), d.view(ko), d.view(vo), d.view(A), off,
                  d.view(cn), d.view(co), len(ck_n), t, hk, conv)
@@ -401,11 +316,6 @@ def run_kda_prefill(d: Device, t, heads, conv, lb, A, off, ck_n, ck_off, xq, xk,
                  d.view(A), off, d.view(cn), d.view(co), len(ck_n), d.view(o), t, heads, conv)
 
     def prep_only():
-        if fused:
-            d.launch("kda_conv_prep_f32", (cdiv(t, 32), cdiv(heads, 4)), 128, *v[:3], d.view(f0), bv, *v[3:], al, dtb,
-                     d.view(qo), d.view(ko), d.view(vo), d.view(fg), d.view(beta), d.view(A), off, d.view(cn),
-                     d.view(co), len(ck_n), t, heads, conv, lb)
-            return
         fg.copy_(f0)
         d.launch("kda_conv_silu_f32", cdiv(3 * hk, 256), 256, *v, d.view(qo), d.view(ko), d.view(vo), d.view(A), off,
                  d.view(cn), d.view(co), len(ck_n), t, hk, conv)

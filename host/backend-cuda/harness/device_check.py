@@ -36,7 +36,7 @@ from common import (KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, KDA_SCAN_KERNE
                     kda_decode_launcher, kda_reference, kda_region_floats, log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
 from common import mla_prefill_plan, run_mla_prefill  # noqa: E402
 from common import gemv_tc_plan, run_gemv_tc  # noqa: E402
-from checks_moe import (check_moe, check_moe_gemm, check_moe_grouped, check_moe_stream2,  # noqa: E402
+from checks_moe import (check_moe, check_moe_gemm,  # noqa: E402
                         check_moe_stream2v2, check_moe_tc2, check_moe_tc_shapes, check_moe_wg, check_moe_wg_repeat)
 from common import rand  # noqa: E402
 from emulators import EMU  # noqa: E402
@@ -544,11 +544,10 @@ def check_kda_prefill_scan(d: Device, r: Results, gen):
         check_kda_prefill(d, r, gen, chunk=scan, cases=((300, [100, 128, 131, 300]),))
 
 
-def check_kda_prefill_prep(d: Device, r: Results, gen):
-    """The conv + prep variant not taken by default, and the fused one at other conv widths."""
-    check_kda_prefill(d, r, gen, prep="split" if KDA_PREP == "fused" else "fused")
+def check_kda_prefill_conv(d: Device, r: Results, gen):
+    """The one-pass f32 kernels (conv + SiLU, prep, chunk) at other conv widths."""
     for conv in (3, 2):  # (conv 1 has no window; the checks below would compare empty tensors)
-        check_kda_prefill(d, r, gen, prep="fused", conv=conv)
+        check_kda_prefill(d, r, gen, conv=conv)
 
 
 def mla_reference(q, rows, kv_b, heads, nope, rope, v_dim, kv_lora):
@@ -685,7 +684,7 @@ def mla_latent_reference(qt, rows, scale, kv_lora):
 
 
 def check_mla_bf16(d: Device, r: Results, gen):
-    """mla_attend_bf16_f32, mla_attend_wg_f32 (wgmma, 64-position tiles) and mla_attend_wg2_f32 (the same on
+    """mla_attend_bf16_f32 and mla_attend_wg2_f32 (wgmma, 64-position tiles, on
     2-block clusters, each block loading half of every tile; heads 4 / 6 leave the second block of the
     pair without heads), each + mla_merge_f32 (the
     latent o~, before W_UV), against (a) the float64 latent attention: bf16 rounding of q~, the rows and
@@ -709,7 +708,6 @@ def check_mla_bf16(d: Device, r: Results, gen):
         (96, 512, 64, 16, [200, 3], 4, 0, True),
     )
     kernels = (("bf16", "mla_attend_bf16_f32", 32, MLA_BF16_HEADS, 256, MLA_BF16_SHARED),
-               ("wg", "mla_attend_wg_f32", 64, MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED),
                ("wg2", "mla_attend_wg2_f32", 64, 2 * MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG2_SHARED))
     for heads, kv_lora, rope, pt, lens, splits, chunk, aligned in cases:
         row, n = kv_lora + rope, len(lens)
@@ -928,8 +926,8 @@ def main():
     t0 = time.time()
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
                check_kda_prefill_scan, check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill,
-               check_moe, check_moe_tc_shapes, check_moe_stream2, check_moe_stream2v2, check_moe_tc2, check_moe_gemm,
-               check_moe_grouped, check_moe_wg, check_moe_wg_repeat, check_bf16_matmul, check_gemv_tc, check_kda_prefill_prep):
+               check_moe, check_moe_tc_shapes, check_moe_stream2v2, check_moe_tc2, check_moe_gemm,
+               check_moe_wg, check_moe_wg_repeat, check_bf16_matmul, check_gemv_tc, check_kda_prefill_conv):
         try:
             if not args.checks or fn.__name__ in args.checks.split(","):
                 fn(d, r, gen)

@@ -773,7 +773,6 @@ EMU = {
     "kda_decode_lines_f32": _emu_kda_decode,  # grid (4H, N) of 128-thread clusters
     "kda_conv_silu_f32": _emu_kda_conv,
     "kda_prep_f32": _emu_kda_prep,
-    "kda_conv_prep_f32": _emu_kda_conv_prep,
     "kda_chunk_fwd_f32": _emu_kda_chunk,
     "kda_chunk_rec3m_f32": _emu_kda_chunk_rec,  # 8 chunks per block (float64 here)
     "kda_chunk_scan4_f32": _emu_kda_chunk_scan,  # 128-thread blocks (key-split)
@@ -787,7 +786,6 @@ EMU = {
         _t(q).view(int(items), int(heads), -1)[..., int(nope):].double()], -1).float().numpy().reshape(qt.shape)),
     "mla_attend_tc2_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # mode: rounding / prefetch / probe only
     "mla_attend_bf16_f32": _emu_mla_attend_bf16,
-    "mla_attend_wg_f32": _emu_mla_attend_wg,  # same rounding, 64-position tiles
     "mla_attend_wg2_f32": _emu_mla_attend_wg,  # block pairs: the same partials
     "mla_merge_f32": _emu_mla_merge,  # grid (items, heads, kv_lora / 128)
     "mla_out_proj_f32": _emu_mla_out_proj,
@@ -807,17 +805,12 @@ EMU = {
     "mxfp4_to_bf16_experts": _emu_to_bf16,
     "moe_glu_split_bf16": _emu_glu_split,
     "moe_combine_split_f32": _emu_combine_split,
-    "mxfp4_up_stream2_f32": _emu_moe_up_stream2,  # partial sums per part (hi + lo bf16 of x)
-    "mxfp4_down_stream2_f32": _emu_moe_down_stream2,
-    "moe_combine_parts_f32": _emu_combine_parts,
     "mxfp4_up_stream2v2_f32": _emu_moe_up_stream2v2,  # v1's parts, counters zeroed
     "mxfp4_down_stream2v2_f32": _emu_moe_down_stream2v2,  # down + the folded combine
     "mxfp4_tc2_split_f32": lambda x, xs, rows, cols: _mx2_pack(x.reshape(-1)[:int(rows) * int(cols)].reshape(
         int(rows), int(cols)), xs),
     "mxfp4_up_tc2_f32": _emu_moe_up_tc2,  # hi + lo in, act split out (the tc2 layout end to end)
     "mxfp4_down_tc2_f32": _emu_moe_down_tc2,
-    "mxfp4_up_grouped_f32": _emu_moe_up_grouped,  # tc2 layout in and out, actx rows by sorted position
-    "mxfp4_down_grouped_f32": _emu_moe_down_grouped,
     "moe_combine_ids_f32": _emu_combine_ids,
     "mxfp4_wg_split_f32": lambda x, xs, rows, cols, planes: _wg_pack(
         x.reshape(-1)[:int(rows) * int(cols)].reshape(int(rows), int(cols)), xs, planes),

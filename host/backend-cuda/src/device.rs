@@ -51,22 +51,16 @@ pub struct CudaBackend {
     pub(crate) functions: HashMap<&'static str, CudaFunction>,
     /// cuBLAS on `stream` (dense matmuls), default math mode: plain f32, no TF32.
     pub(crate) blas: CudaBlas,
-    /// First failure of an infallible `Backend` op; later ops are skipped until it is taken.
-    pub(crate) error: Mutex<Option<String>>,
     /// Per-op wall times when `K3_PROFILE` is set (see `profile.rs`).
     pub(crate) profile: Option<crate::profile::OpProfile>,
-    /// The tensor-core MoE path's work buffers (moe_gemm.rs), kept between calls.
-    pub(crate) moe_scratch: Mutex<crate::moe_gemm::MoeScratch>,
-    /// The grouped MoE path's work buffers (moe_grouped.rs), and which of the two a
-    /// many-assignment step takes.
-    pub(crate) moe_grouped_scratch: Mutex<crate::moe_grouped::GroupedScratch>,
-    pub(crate) moe_prefill: crate::moe_grouped::MoePrefill,
-    /// The 1-token routed-expert kernels (moe_stream.rs, `K3_MX_STREAM2`).
-    pub(crate) moe_stream2: crate::moe_stream::Stream2Variant,
+    /// The tensor-core MoE path's work buffers (moe/cublas.rs), kept between calls.
+    pub(crate) moe_scratch: Mutex<crate::workspace::MoeScratch>,
+    /// The sorted many-assignment paths' work buffers (moe/sorted.rs), kept between calls.
+    pub(crate) moe_sorted_scratch: Mutex<crate::workspace::SortedScratch>,
     /// CUDA graphs of decode steps (graph.rs).
-    pub(crate) step: crate::graph::StepState,
-    /// Attend kernel of the absorbed MLA decode (ops.rs).
-    pub(crate) mla_decode_mode: crate::ops::MlaDecodeMode,
+    pub(crate) step: crate::step::StepState,
+    /// The deployment's choices (options.rs).
+    pub(crate) options: crate::CudaOptions,
 }
 
 impl Drop for CudaBackend {
@@ -103,13 +97,37 @@ pub fn cublas_present() -> bool {
 }
 
 impl CudaBackend {
+    /// Choose the MLA decode precision (default: `CudaOptions::mla_decode_precision`).
+    pub fn set_mla_decode_precision(&mut self, precision: crate::MlaDecodePrecision) {
+        self.options.mla_decode_precision = precision;
+    }
+
+    pub fn options(&self) -> &crate::CudaOptions {
+        &self.options
+    }
+}
+
+impl CudaBackend {
     /// Device `ordinal`, kernels from the default cache directory. Errors (never panics) when the
     /// driver or NVRTC is missing, so callers can fall back to the CPU backend.
     pub fn try_new(ordinal: usize) -> Result<Self> {
-        Self::with_cache(ordinal, KernelCache::new(crate::cache::default_dir()))
+        Self::with_options(ordinal, crate::CudaOptions::default())
     }
 
-    pub fn with_cache(ordinal: usize, cache: KernelCache) -> Result<Self> {
+    /// [`CudaBackend::try_new`] with `options` instead of the defaults.
+    pub fn with_options(ordinal: usize, options: crate::CudaOptions) -> Result<Self> {
+        Self::with_cache(
+            ordinal,
+            KernelCache::new(crate::cache::default_dir()),
+            options,
+        )
+    }
+
+    pub fn with_cache(
+        ordinal: usize,
+        cache: KernelCache,
+        backend_options: crate::CudaOptions,
+    ) -> Result<Self> {
         if !driver_present() {
             return Err(CudaError::NoDriver(
                 "libcuda.so could not be loaded (no NVIDIA driver)".into(),
@@ -183,14 +201,11 @@ impl CudaBackend {
             limits,
             functions,
             blas,
-            error: Mutex::new(None),
-            step: crate::graph::StepState::new(profile.is_some()),
+            step: crate::step::StepState::new(backend_options.cuda_graphs, profile.is_some()),
             profile,
             moe_scratch: Mutex::default(),
-            moe_grouped_scratch: Mutex::default(),
-            moe_prefill: crate::moe_grouped::MoePrefill::from_env(),
-            moe_stream2: crate::moe_stream::Stream2Variant::from_env(),
-            mla_decode_mode: crate::ops::MlaDecodeMode::from_env(),
+            moe_sorted_scratch: Mutex::default(),
+            options: backend_options,
         })
     }
 

@@ -7,10 +7,7 @@
 //! are measured.
 
 use crate::geometry;
-use crate::moe_grouped::MoePrefill;
-use crate::moe_stream::{self, Stream2Variant};
-use crate::moe_wg::{self, MoeAct};
-use crate::ops::MlaDecodeMode;
+use crate::options::MlaDecodePrecision;
 
 /// Kernels launched without the opt-in attribute may use this much dynamic shared memory.
 const DEFAULT_SHARED: usize = 48 * 1024;
@@ -41,96 +38,79 @@ impl DeviceLimits {
     }
 }
 
-/// The routed-expert kernels of one step (ops.rs `moe_routed`).
+/// The routed-expert kernels of one step (moe/mod.rs `moe_routed`), one per step-shape class, with
+/// cuBLAS as the one fallback where a GPU lacks wgmma or the shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ExpertPath {
-    /// moe_stream.rs v2: one token, cp.async weight ring (213 KB of shared memory).
-    Stream2V2,
-    /// moe_stream.rs v1: one token, 64 KB.
-    Stream2V1,
-    /// ops.rs tc2 pair: a few tokens per expert on tensor cores (78 KB).
-    Tc2,
-    /// moe_wg.rs: many assignments, wgmma (sm_90a, 210 KB).
-    Wg(MoeAct),
-    /// moe_grouped.rs: many assignments, mma.sync grouped GEMMs (196 KB).
-    Grouped,
-    /// moe_gemm.rs: experts expanded to bf16 and cuBLAS; runs anywhere.
-    Gemm,
+    /// One token: the router's ids as they are, weights streamed through cp.async rings
+    /// (moe/single_token.rs, 213 KB of shared memory).
+    SingleToken,
+    /// A few tokens per expert, below the many-assignment threshold: MXFP4 decoded in
+    /// registers for mma.sync (the few-token pair of moe/mod.rs, 78 KB).
+    FewTokens,
+    /// Many assignments: grouped MXFP4 GEMMs on wgmma (moe/wgmma.rs; sm_90a, 210 KB).
+    Wgmma,
+    /// Experts expanded to bf16 and cuBLAS (moe/cublas.rs): runs anywhere.
+    Cublas,
 }
 
-/// The step's shape and the start-up preferences that pick among the expert paths.
+/// The step's shape that picks among the expert paths.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ExpertStep {
-    /// tokens x top-k.
-    pub assignments: usize,
-    /// At least `K3_MOE_GEMM_MIN` assignments (the many-assignment paths).
+    pub tokens: usize,
+    /// At least `CudaOptions::moe_gemm_min_assignments` assignments (tokens x top-k).
     pub many: bool,
-    /// `K3_MX_EXPERTS` (ops.rs `mx_experts_choice`) asks for the stream2 pair.
-    pub stream2: bool,
     pub latent: usize,
     pub inter: usize,
 }
 
-pub(crate) fn expert_path(
-    step: ExpertStep,
-    prefill: MoePrefill,
-    stream2: Stream2Variant,
-    dev: &DeviceLimits,
-) -> ExpertPath {
+pub(crate) fn expert_path(step: ExpertStep, dev: &DeviceLimits) -> ExpertPath {
     let (lt, ie) = (step.latent, step.inter);
     if !step.many {
-        if step.stream2
-            && moe_stream::stream2_fits(lt, ie)
-            && dev.launchable(&["mxfp4_up_stream2_f32", "mxfp4_down_stream2_f32"])
+        if step.tokens == 1
+            && geometry::single_token_fits(lt, ie)
+            && dev.launchable(&["mxfp4_up_stream2v2_f32", "mxfp4_down_stream2v2_f32"])
         {
-            let v2 = stream2 == Stream2Variant::V2
-                && moe_stream::stream2v2_fits(lt, ie)
-                && dev.launchable(&["mxfp4_up_stream2v2_f32", "mxfp4_down_stream2v2_f32"]);
-            return if v2 {
-                ExpertPath::Stream2V2
-            } else {
-                ExpertPath::Stream2V1
-            };
+            return ExpertPath::SingleToken;
         }
         return if dev.launchable(&["mxfp4_up_tc2_f32", "mxfp4_down_tc2_f32"]) {
-            ExpertPath::Tc2
+            ExpertPath::FewTokens
         } else {
-            ExpertPath::Gemm
+            ExpertPath::Cublas
         };
     }
-    if let MoePrefill::Wg(act) = prefill
-        && moe_wg::wg_supported(&dev.arch)
+    if geometry::moe_wg_supported(&dev.arch)
         && dev.launchable(&["mxfp4_up_wg_f32", "mxfp4_down_wg_f32"])
     {
-        return ExpertPath::Wg(act);
+        return ExpertPath::Wgmma;
     }
-    if prefill.grouped(step.assignments)
-        && dev.launchable(&["mxfp4_up_grouped_f32", "mxfp4_down_grouped_f32"])
-    {
-        return ExpertPath::Grouped;
-    }
-    ExpertPath::Gemm
+    ExpertPath::Cublas
 }
 
-/// The MLA decode attend that runs for the configured `wanted` one: the wgmma kernels need
-/// sm_90a and 223 KB, the mma.sync `Bf16` one 166 KB; `Precise` (static shared memory) runs
-/// anywhere.
-pub(crate) fn mla_decode_mode(wanted: MlaDecodeMode, dev: &DeviceLimits) -> MlaDecodeMode {
-    let mut mode = wanted;
-    let wg_kernel = match mode {
-        MlaDecodeMode::Wg => Some("mla_attend_wg_f32"),
-        MlaDecodeMode::WgPair => Some("mla_attend_wg2_f32"),
-        _ => None,
-    };
-    if let Some(k) = wg_kernel
-        && !(geometry::mla_wg_supported(&dev.arch) && dev.launchable(&[k]))
-    {
-        mode = MlaDecodeMode::Bf16;
+/// The attend kernel of the absorbed MLA decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MlaAttend {
+    /// `mla_attend_wg2_f32`: bf16 products on wgmma, clusters of two blocks (sm_90a, 223 KB).
+    PairWgmma,
+    /// `mla_attend_bf16_f32`: the same rounding on mma.sync (any arch, 166 KB).
+    Bf16Mma,
+    /// `mla_attend_tc2_f32`: 3xTF32 (static shared memory: runs anywhere).
+    F32,
+}
+
+/// The MLA decode attend for `precision` on this GPU: bf16 on wgmma where it exists, on mma.sync
+/// elsewhere, and the f32 kernel where neither bf16 kernel's shared memory fits.
+pub(crate) fn mla_attend(precision: MlaDecodePrecision, dev: &DeviceLimits) -> MlaAttend {
+    if precision == MlaDecodePrecision::F32 {
+        return MlaAttend::F32;
     }
-    if mode == MlaDecodeMode::Bf16 && !dev.launchable(&["mla_attend_bf16_f32"]) {
-        mode = MlaDecodeMode::Precise;
+    if geometry::mla_wgmma_supported(&dev.arch) && dev.launchable(&["mla_attend_wg2_f32"]) {
+        return MlaAttend::PairWgmma;
     }
-    mode
+    if dev.launchable(&["mla_attend_bf16_f32"]) {
+        return MlaAttend::Bf16Mma;
+    }
+    MlaAttend::F32
 }
 
 #[cfg(test)]
@@ -161,92 +141,49 @@ mod tests {
     // K3's expert widths (k3-slice: latent 3584, intermediate 3072), top-16.
     fn step(tokens: usize, many: bool) -> ExpertStep {
         ExpertStep {
-            assignments: tokens * 16,
+            tokens,
             many,
-            stream2: tokens == 1,
             latent: 3584,
             inter: 3072,
         }
     }
 
-    const WG: MoePrefill = MoePrefill::Wg(MoeAct::Split);
-    const V1: Stream2Variant = Stream2Variant::V1;
-    const V2: Stream2Variant = Stream2Variant::V2;
-
     #[test]
-    fn experts_on_the_h200_take_the_fastest_kernels() {
+    fn experts_on_the_h200_take_one_path_per_step_shape() {
         let d = h200();
-        assert_eq!(
-            expert_path(step(1, false), WG, V2, &d),
-            ExpertPath::Stream2V2
-        );
-        assert_eq!(
-            expert_path(step(1, false), WG, V1, &d),
-            ExpertPath::Stream2V1
-        );
-        assert_eq!(expert_path(step(4, false), WG, V2, &d), ExpertPath::Tc2);
-        assert_eq!(
-            expert_path(step(2048, true), WG, V2, &d),
-            ExpertPath::Wg(MoeAct::Split)
-        );
-        assert_eq!(
-            expert_path(step(512, true), MoePrefill::Grouped, V2, &d),
-            ExpertPath::Grouped
-        );
-        assert_eq!(
-            expert_path(step(512, true), MoePrefill::Gemm, V2, &d),
-            ExpertPath::Gemm
-        );
+        assert_eq!(expert_path(step(1, false), &d), ExpertPath::SingleToken);
+        assert_eq!(expert_path(step(4, false), &d), ExpertPath::FewTokens);
+        assert_eq!(expert_path(step(2048, true), &d), ExpertPath::Wgmma);
+        assert_eq!(expert_path(step(256, true), &d), ExpertPath::Wgmma);
     }
 
     #[test]
-    fn experts_without_wgmma_take_the_mma_sync_kernels() {
+    fn experts_without_wgmma_take_cublas_for_many_assignments() {
         let d = b200();
-        assert_eq!(
-            expert_path(step(1, false), WG, V2, &d),
-            ExpertPath::Stream2V2
-        );
-        assert_eq!(
-            expert_path(step(512, true), WG, V2, &d),
-            ExpertPath::Grouped
-        );
-        // From K3_MOE_GROUPED_MAX assignments on, cuBLAS wins off sm_90a (moe_grouped.rs).
-        assert_eq!(expert_path(step(2048, true), WG, V2, &d), ExpertPath::Gemm);
+        assert_eq!(expert_path(step(1, false), &d), ExpertPath::SingleToken);
+        assert_eq!(expert_path(step(512, true), &d), ExpertPath::Cublas);
+        assert_eq!(expert_path(step(2048, true), &d), ExpertPath::Cublas);
     }
 
     #[test]
     fn experts_fall_back_where_the_shared_memory_does_not_fit() {
-        // 163 KB: stream2 v2 (213 KB) and the grouped GEMMs (196 KB) do not fit; tc2 (78 KB) does.
-        let d = kb163();
-        assert_eq!(
-            expert_path(step(1, false), WG, V2, &d),
-            ExpertPath::Stream2V1
-        );
-        assert_eq!(expert_path(step(4, false), WG, V2, &d), ExpertPath::Tc2);
-        assert_eq!(expert_path(step(512, true), WG, V2, &d), ExpertPath::Gemm);
-        assert_eq!(
-            expert_path(step(512, true), MoePrefill::Grouped, V2, &d),
-            ExpertPath::Gemm
-        );
-        // 99 KB: stream2 v1 (64 KB) and tc2 (78 KB) of the MXFP4 kernels; cuBLAS for the
-        // many-assignment steps.
-        let d = sm120();
-        assert_eq!(
-            expert_path(step(1, false), WG, V2, &d),
-            ExpertPath::Stream2V1
-        );
-        assert_eq!(expert_path(step(4, false), WG, V2, &d), ExpertPath::Tc2);
-        assert_eq!(expert_path(step(2048, true), WG, V2, &d), ExpertPath::Gemm);
-        // Experts wider than stream2 takes go to tc2, or to cuBLAS where tc2 does not fit.
-        let wide = ExpertStep {
-            latent: moe_stream::MX_STREAM2_MAX_COLS + 32,
+        // 163 KB and 99 KB: the single-token kernels (213 KB) do not fit, the few-token pair
+        // (78 KB) does, and takes one token too.
+        for d in [kb163(), sm120()] {
+            assert_eq!(expert_path(step(1, false), &d), ExpertPath::FewTokens);
+            assert_eq!(expert_path(step(4, false), &d), ExpertPath::FewTokens);
+            assert_eq!(expert_path(step(2048, true), &d), ExpertPath::Cublas);
+        }
+        // Widths that are not whole 128-column steps go to the few-token pair, or to cuBLAS
+        // where it does not fit.
+        let odd = ExpertStep {
+            latent: 3584 + 32,
             ..step(1, false)
         };
-        assert_eq!(expert_path(wide, WG, V2, &h200()), ExpertPath::Tc2);
-        assert_eq!(expert_path(wide, WG, V2, &d), ExpertPath::Tc2);
+        assert_eq!(expert_path(odd, &h200()), ExpertPath::FewTokens);
         assert_eq!(
-            expert_path(wide, WG, V2, &limits("sm_90", 65_536)),
-            ExpertPath::Gemm
+            expert_path(odd, &limits("sm_90", 65_536)),
+            ExpertPath::Cublas
         );
     }
 
@@ -254,12 +191,10 @@ mod tests {
     fn every_chosen_expert_kernel_is_launchable() {
         let kernels = |p: ExpertPath| -> &'static [&'static str] {
             match p {
-                ExpertPath::Stream2V2 => &["mxfp4_up_stream2v2_f32", "mxfp4_down_stream2v2_f32"],
-                ExpertPath::Stream2V1 => &["mxfp4_up_stream2_f32", "mxfp4_down_stream2_f32"],
-                ExpertPath::Tc2 => &["mxfp4_up_tc2_f32", "mxfp4_down_tc2_f32"],
-                ExpertPath::Wg(_) => &["mxfp4_up_wg_f32", "mxfp4_down_wg_f32"],
-                ExpertPath::Grouped => &["mxfp4_up_grouped_f32", "mxfp4_down_grouped_f32"],
-                ExpertPath::Gemm => &[],
+                ExpertPath::SingleToken => &["mxfp4_up_stream2v2_f32", "mxfp4_down_stream2v2_f32"],
+                ExpertPath::FewTokens => &["mxfp4_up_tc2_f32", "mxfp4_down_tc2_f32"],
+                ExpertPath::Wgmma => &["mxfp4_up_wg_f32", "mxfp4_down_wg_f32"],
+                ExpertPath::Cublas => &[],
             }
         };
         for limit in [49_152, 101_376, 166_912, 200_000, 232_448] {
@@ -267,40 +202,38 @@ mod tests {
                 let d = limits(arch, limit);
                 for tokens in [1, 2, 4, 16, 64, 512, 2048] {
                     for many in [false, true] {
-                        for prefill in [WG, MoePrefill::Grouped, MoePrefill::Gemm] {
-                            for v in [V1, V2] {
-                                let p = expert_path(step(tokens, many), prefill, v, &d);
-                                assert!(d.launchable(kernels(p)), "{p:?} on {d:?}");
-                                assert!(!matches!(p, ExpertPath::Wg(_)) || arch == "sm_90a");
-                            }
-                        }
+                        let p = expert_path(step(tokens, many), &d);
+                        assert!(d.launchable(kernels(p)), "{p:?} on {d:?}");
+                        assert!(p != ExpertPath::Wgmma || arch == "sm_90a");
                     }
                 }
-                let m = mla_decode_mode(MlaDecodeMode::WgPair, &d);
-                let kernel = match m {
-                    MlaDecodeMode::Precise => "mla_attend_tc2_f32",
-                    MlaDecodeMode::Bf16 => "mla_attend_bf16_f32",
-                    MlaDecodeMode::Wg => "mla_attend_wg_f32",
-                    MlaDecodeMode::WgPair => "mla_attend_wg2_f32",
-                };
-                assert!(d.launchable(&[kernel]), "{m:?} on {d:?}");
+                for precision in [MlaDecodePrecision::Bf16, MlaDecodePrecision::F32] {
+                    let m = mla_attend(precision, &d);
+                    let kernel = match m {
+                        MlaAttend::F32 => "mla_attend_tc2_f32",
+                        MlaAttend::Bf16Mma => "mla_attend_bf16_f32",
+                        MlaAttend::PairWgmma => "mla_attend_wg2_f32",
+                    };
+                    assert!(d.launchable(&[kernel]), "{m:?} on {d:?}");
+                }
             }
         }
     }
 
     #[test]
     fn mla_decode_falls_back_by_arch_and_shared_memory() {
-        use MlaDecodeMode::*;
-        assert_eq!(mla_decode_mode(WgPair, &h200()), WgPair);
-        assert_eq!(mla_decode_mode(Wg, &h200()), Wg);
-        assert_eq!(mla_decode_mode(Precise, &h200()), Precise);
-        // No wgmma off sm_90a; Bf16 needs 166 KB (fits 163 KB = 166,912 B).
-        assert_eq!(mla_decode_mode(WgPair, &limits("sm_90", 232_448)), Bf16);
-        assert_eq!(mla_decode_mode(WgPair, &b200()), Bf16);
-        assert_eq!(mla_decode_mode(Bf16, &kb163()), Bf16);
-        // 99 KB: neither fits; the 3xTF32 kernel runs.
-        assert_eq!(mla_decode_mode(WgPair, &sm120()), Precise);
-        assert_eq!(mla_decode_mode(Bf16, &sm120()), Precise);
+        use MlaDecodePrecision::{Bf16, F32};
+        assert_eq!(mla_attend(Bf16, &h200()), MlaAttend::PairWgmma);
+        assert_eq!(mla_attend(F32, &h200()), MlaAttend::F32);
+        // No wgmma off sm_90a; the mma.sync attend needs 166 KB (fits 163 KB = 166,912 B).
+        assert_eq!(
+            mla_attend(Bf16, &limits("sm_90", 232_448)),
+            MlaAttend::Bf16Mma
+        );
+        assert_eq!(mla_attend(Bf16, &b200()), MlaAttend::Bf16Mma);
+        assert_eq!(mla_attend(Bf16, &kb163()), MlaAttend::Bf16Mma);
+        // 99 KB: neither bf16 kernel fits; the 3xTF32 kernel runs.
+        assert_eq!(mla_attend(Bf16, &sm120()), MlaAttend::F32);
     }
 
     #[test]
@@ -316,7 +249,7 @@ mod tests {
         assert!(!d.launchable(&["mla_attend_wg2_f32"]));
         assert_eq!(
             h200().opt_in("mla_attend_wg2_f32"),
-            Some(geometry::MLA_WG2_SHARED)
+            Some(geometry::MLA_WGMMA_SHARED)
         );
     }
 }

@@ -38,3 +38,13 @@ pub enum CudaError {
 }
 
 pub type Result<T> = std::result::Result<T, CudaError>;
+
+impl From<CudaError> for k3_model::BackendError {
+    fn from(e: CudaError) -> Self {
+        match e {
+            CudaError::InvalidArg(m) => Self::InvalidArg(m),
+            CudaError::Unsupported(m) => Self::Unsupported(m),
+            other => Self::Device(other.to_string()),
+        }
+    }
+}

@@ -149,7 +149,7 @@ pub const MLA_TC_HEADS_PER_BLOCK: usize = 16;
 
 /// Grid (head groups, items, splits): the head groups of one (item, split) run side by side and
 /// share the KV tile through L2.
-pub fn mla_attend_tc(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
+pub fn mla_attend_f32(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
     check_mla(g)?;
     Launch::new(
         (g.heads.div_ceil(MLA_TC_HEADS_PER_BLOCK), items, splits),
@@ -162,7 +162,7 @@ pub fn mla_attend_tc(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch>
 /// splits of at least 128 positions.
 pub const MLA_TC2_BLOCKS_PER_SM: usize = 2;
 
-pub fn mla_splits_tc2(items: usize, heads: usize, max_len: usize, sms: usize) -> (usize, usize) {
+pub fn mla_splits_f32(items: usize, heads: usize, max_len: usize, sms: usize) -> (usize, usize) {
     let blocks = items.max(1) * heads.div_ceil(MLA_TC_HEADS_PER_BLOCK);
     let splits = fullest_wave_splits(blocks, sms.max(1) * MLA_TC2_BLOCKS_PER_SM, max_len);
     (splits, max_len.max(1).div_ceil(splits))
@@ -197,51 +197,66 @@ pub const MAX_OPT_IN_SHARED: usize = 232_448;
 pub const MLA_BF16_HEADS_PER_BLOCK: usize = 48;
 pub const MLA_BF16_SHARED: usize = 165_568;
 
-/// `mla_attend_wg_f32` (kernels/mla_attend_wg.cu, wgmma: sm_90a only): 48 heads per 384-thread
-/// block (a producer and two consumer warpgroups), one block per SM, MLW_SHARED bytes of dynamic
-/// shared memory (Q^T, two 64-position bf16 tiles, P^T, scores, + 1 KB to align the base).
-pub const MLA_WG_HEADS_PER_BLOCK: usize = 48;
-pub const MLA_WG_THREADS: u32 = 384;
-pub const MLA_WG_SHARED: usize = 223_168;
-/// `mla_attend_wg2_f32` (the same file, clusters of 2 blocks): MLW_SHARED2 = MLW_SHARED + the four
-/// ring mbarriers.
-pub const MLA_WG2_SHARED: usize = 223_200;
+/// `mla_attend_wg2_f32` (kernels/mla_attend_wg.cu, wgmma: sm_90a only, clusters of 2 blocks): 48
+/// heads per 384-thread block (a producer and two consumer warpgroups), one block per SM,
+/// MLW_SHARED2 bytes of dynamic shared memory (Q^T, two 64-position bf16 tiles, P^T, scores, 1 KB
+/// to align the base, the four ring mbarriers).
+pub const MLA_WGMMA_HEADS_PER_BLOCK: usize = 48;
+pub const MLA_WGMMA_THREADS: u32 = 384;
+pub const MLA_WGMMA_SHARED: usize = 223_200;
 
-/// The tc2 expert kernels (kernels/mxfp4_tc.cu, ops.rs mx_tc2_shared) at 4 n-tiles per pass: two
+/// The tc2 expert kernels (kernels/mxfp4_tc.cu, moe/mod.rs few_token_shared) at 4 n-tiles per pass: two
 /// 256-thread blocks per SM.
-pub const MX_TC2_MAX_SHARED: usize = 78_336;
+pub const FEW_TOKEN_MAX_SHARED: usize = 78_336;
 
-/// The grouped expert GEMMs (kernels/mxfp4_grouped.cu MXG_SHARED_BYTES, moe_grouped.rs): decode
-/// table + 3 stages of 256 weight rows (64 + 4 bytes) and 128 hi / lo token rows of 288 bytes.
-pub const MX_GROUPED_SHARED: usize = 195_584;
+/// Dynamic shared memory of both wgmma expert GEMM kernels (kernels/mxfp4_wg.cu MXW_SHARED_BYTES:
+/// five 41,984-byte stages of 256 packed weight rows, their scales and 128 tokens x 64 columns x
+/// hi / lo).
+pub const MX_WG_SHARED: usize = 209_920;
 
-/// The stream2 expert kernels (kernels/mxfp4.cu MXS_SHARED, moe_stream.rs): the 64 KB decode
-/// table with the staged activations in its upper halves.
-pub const MX_STREAM_SHARED: usize = 65_536;
+/// The single-token expert kernels (kernels/mxfp4_stream.cu, moe/single_token.rs): 16 warps per
+/// block, one block per SM; dynamic shared memory MXV_SHARED = the 64 KB table + 17 rings of 4
+/// steps x 2,176 bytes (16 warps and the most that packing them around the 64 KB-aligned table
+/// can waste).
+pub const SINGLE_TOKEN_SHARED: usize = 65_536 + 17 * 4 * 2_176;
+
+/// Widest input row of the single-token kernels' expert matrices (the staged row limit).
+pub const SINGLE_TOKEN_MAX_COLS: usize = 124 * 32;
+
+/// Whether the single-token kernels take a matrix of `rows` x `cols` (an expert's bytes index as
+/// u32).
+pub fn single_token_matrix_fits(rows: usize, cols: usize) -> bool {
+    cols <= SINGLE_TOKEN_MAX_COLS && rows * cols / 2 < 1 << 31
+}
+
+/// Whether the single-token kernels take experts of these widths: whole 128-column steps both ways
+/// (no padded blocks, 4-byte-aligned scale words), each matrix within
+/// [`single_token_matrix_fits`].
+pub fn single_token_fits(latent: usize, inter: usize) -> bool {
+    latent.is_multiple_of(128)
+        && inter.is_multiple_of(128)
+        && single_token_matrix_fits(inter, latent)
+        && single_token_matrix_fits(latent, inter)
+}
+
+/// Whether the wgmma expert GEMMs exist on a device compiled for `arch` (the arch-specific Hopper
+/// target; elsewhere they are trapping stubs).
+pub fn moe_wg_supported(arch: &str) -> bool {
+    arch == "sm_90a"
+}
 
 /// Kernels launched with more than 48 KB of dynamic shared memory, and how much. device.rs skips
 /// an entry past the device's opt-in limit (the wgmma ones, 223 KB, on an A100's 163 KB), and
 /// dispatch.rs never launches such a kernel there.
 pub const OPT_IN_SHARED: &[(&str, usize)] = &[
     ("mla_attend_bf16_f32", MLA_BF16_SHARED),
-    ("mla_attend_wg_f32", MLA_WG_SHARED),
-    ("mla_attend_wg2_f32", MLA_WG2_SHARED),
-    ("mxfp4_up_tc2_f32", MX_TC2_MAX_SHARED),
-    ("mxfp4_down_tc2_f32", MX_TC2_MAX_SHARED),
-    ("mxfp4_up_grouped_f32", MX_GROUPED_SHARED),
-    ("mxfp4_down_grouped_f32", MX_GROUPED_SHARED),
-    ("mxfp4_up_wg_f32", crate::moe_wg::MX_WG_SHARED),
-    ("mxfp4_down_wg_f32", crate::moe_wg::MX_WG_SHARED),
-    ("mxfp4_up_stream2_f32", MX_STREAM_SHARED),
-    ("mxfp4_down_stream2_f32", MX_STREAM_SHARED),
-    (
-        "mxfp4_up_stream2v2_f32",
-        crate::moe_stream::MX_STREAM2V2_SHARED,
-    ),
-    (
-        "mxfp4_down_stream2v2_f32",
-        crate::moe_stream::MX_STREAM2V2_SHARED,
-    ),
+    ("mla_attend_wg2_f32", MLA_WGMMA_SHARED),
+    ("mxfp4_up_tc2_f32", FEW_TOKEN_MAX_SHARED),
+    ("mxfp4_down_tc2_f32", FEW_TOKEN_MAX_SHARED),
+    ("mxfp4_up_wg_f32", MX_WG_SHARED),
+    ("mxfp4_down_wg_f32", MX_WG_SHARED),
+    ("mxfp4_up_stream2v2_f32", SINGLE_TOKEN_SHARED),
+    ("mxfp4_down_stream2v2_f32", SINGLE_TOKEN_SHARED),
 ];
 
 /// The [`OPT_IN_SHARED`] bytes of `kernel`, if it is listed.
@@ -271,42 +286,29 @@ pub fn mla_splits_bf16(items: usize, heads: usize, max_len: usize, sms: usize) -
     fullest_wave_splits(blocks, sms.max(1), max_len)
 }
 
-/// Grid (head groups, items, splits) of `mla_attend_wg_f32`, as `mla_attend_bf16`'s: the two head
-/// groups of one (item, split) side by side, the second reading the rows from L2.
-pub fn mla_attend_wg(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
-    check_mla(g)?;
-    Launch::new(
-        (g.heads.div_ceil(MLA_WG_HEADS_PER_BLOCK), items, splits),
-        MLA_WG_THREADS,
-    )?
-    .with_opt_in_shared(MLA_WG_SHARED)
-}
-
 /// Grid of `mla_attend_wg2_f32` (`__cluster_dims__(2, 1, 1)`): head groups rounded up to pairs, a
 /// block past the last head still loads its half of the rows for its partner (and writes nothing).
-pub fn mla_attend_wg2(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
+pub fn mla_attend_pair_wgmma(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
     check_mla(g)?;
     Launch::new(
-        (mla_wg_blocks(g.heads, true), items, splits),
-        MLA_WG_THREADS,
+        (mla_wgmma_blocks(g.heads), items, splits),
+        MLA_WGMMA_THREADS,
     )?
-    .with_opt_in_shared(MLA_WG2_SHARED)
+    .with_opt_in_shared(MLA_WGMMA_SHARED)
 }
 
-/// Blocks per (item, split) of a wg attend: head groups of 48, rounded up to pairs for the
-/// cluster kernel (`pair`), whose second block loads rows for its partner even without heads.
-pub fn mla_wg_blocks(heads: usize, pair: bool) -> usize {
-    let groups = heads.div_ceil(MLA_WG_HEADS_PER_BLOCK);
-    if pair { 2 * groups.div_ceil(2) } else { groups }
+/// Blocks per (item, split) of the wgmma attend: head groups of 48, rounded up to pairs for the
+/// cluster, whose second block loads rows for its partner even without heads.
+pub fn mla_wgmma_blocks(heads: usize) -> usize {
+    2 * heads.div_ceil(MLA_WGMMA_HEADS_PER_BLOCK).div_ceil(2)
 }
 
-/// Position splits of the wg attends (one block per SM, as the bf16 attend; `pair`: the cluster
-/// kernel's block count): one split whenever it fills the SMs as well as the fullest-wave choice -
+/// Position splits of the wgmma attend (one block per SM, as the bf16 attend): one split whenever it fills the SMs as well as the fullest-wave choice -
 /// the attend then writes the final rows itself (`final_rows`) and the merge launch and the
 /// partials' round trip go (at K3's N = 64, L = 32k: 128 blocks on 132 SMs, as full as 2 splits'
 /// 256) - else that choice.
-pub fn mla_splits_wg(items: usize, heads: usize, pair: bool, max_len: usize, sms: usize) -> usize {
-    let blocks = items.max(1) * mla_wg_blocks(heads, pair);
+pub fn mla_splits_wgmma(items: usize, heads: usize, max_len: usize, sms: usize) -> usize {
+    let blocks = items.max(1) * mla_wgmma_blocks(heads);
     let sms = sms.max(1);
     let splits = fullest_wave_splits(blocks, sms, max_len);
     if wave_fill(blocks, sms) + 1e-9 >= wave_fill(blocks * splits, sms) {
@@ -316,9 +318,9 @@ pub fn mla_splits_wg(items: usize, heads: usize, pair: bool, max_len: usize, sms
     }
 }
 
-/// Whether `mla_attend_wg_f32` runs on a device compiled for `arch` (wgmma exists only on the
+/// Whether `mla_attend_wg2_f32` runs on a device compiled for `arch` (wgmma exists only on the
 /// arch-specific Hopper target; elsewhere the kernel is a trapping stub).
-pub fn mla_wg_supported(arch: &str) -> bool {
+pub fn mla_wgmma_supported(arch: &str) -> bool {
     arch == "sm_90a"
 }
 
@@ -510,14 +512,14 @@ mod tests {
         assert!(check_mla(&MlaGeom { rope: 65, ..k3 }).is_err());
         // 6 head groups of 16; two blocks per SM, so one 264-block wave at N = 1 (44 splits
         // covering 32k positions); 768 blocks (2.9 waves) at N = 64.
-        let (s, c) = mla_splits_tc2(1, 96, 32768, 132);
+        let (s, c) = mla_splits_f32(1, 96, 32768, 132);
         assert!(s * c >= 32768 && (s - 1) * c < 32768);
-        let l = mla_attend_tc(&k3, 3, 5).unwrap();
+        let l = mla_attend_f32(&k3, 3, 5).unwrap();
         assert_eq!((l.grid, l.block), ((6, 3, 5), 256));
-        assert_eq!(mla_splits_tc2(1, 96, 32768, 132).0, 44);
-        assert_eq!(mla_splits_tc2(16, 96, 8192, 132).0, 5);
-        assert_eq!(mla_splits_tc2(64, 96, 32768, 132).0, 2);
-        assert_eq!(mla_splits_tc2(1, 96, 100, 132).0, 1);
+        assert_eq!(mla_splits_f32(1, 96, 32768, 132).0, 44);
+        assert_eq!(mla_splits_f32(16, 96, 8192, 132).0, 5);
+        assert_eq!(mla_splits_f32(64, 96, 32768, 132).0, 2);
+        assert_eq!(mla_splits_f32(1, 96, 100, 132).0, 1);
         // bf16 attend: 2 head groups of 48, one block per SM: 66 splits fill 132 SMs at N = 1;
         // 256 blocks at N = 64 (two splits, two waves).
         let l = mla_attend_bf16(&k3, 3, 5).unwrap();
@@ -527,54 +529,39 @@ mod tests {
         assert_eq!(mla_splits_bf16(16, 96, 8192, 132), 8);
         assert_eq!(mla_splits_bf16(1, 96, 100, 132), 1);
         assert_eq!(mla_splits_bf16(1, 4, 900, 132), 8);
-        // wgmma attend: same head groups and splits, 384 threads, 223,168 B (under the 227 KB cap).
-        let l = mla_attend_wg(&k3, 3, 5).unwrap();
-        assert_eq!((l.grid, l.block, l.shared), ((2, 3, 5), 384, 223_168));
+        assert_eq!(mla_splits_wgmma(1, 96, 32768, 132), 66);
+        assert_eq!(mla_splits_wgmma(16, 96, 32768, 132), 8);
+        // 128 blocks fill 132 SMs as well as 2 splits' 256: one split, final rows, no merge.
+        assert_eq!(mla_splits_wgmma(64, 96, 32768, 132), 1);
+        assert_eq!(mla_splits_wgmma(66, 96, 4096, 132), 1);
+        // 40 blocks: one split would leave 70 % of the SMs idle.
         assert_eq!(
-            mla_attend_wg(&MlaGeom { heads: 4, ..k3 }, 1, 1)
-                .unwrap()
-                .grid,
-            (1, 1, 1)
+            mla_splits_wgmma(20, 96, 32768, 132),
+            mla_splits_bf16(20, 96, 32768, 132)
         );
-        for pair in [false, true] {
-            assert_eq!(mla_splits_wg(1, 96, pair, 32768, 132), 66);
-            assert_eq!(mla_splits_wg(16, 96, pair, 32768, 132), 8);
-            // 128 blocks fill 132 SMs as well as 2 splits' 256: one split, final rows, no merge.
-            assert_eq!(mla_splits_wg(64, 96, pair, 32768, 132), 1);
-            assert_eq!(mla_splits_wg(66, 96, pair, 4096, 132), 1);
-            // 40 blocks: one split would leave 70 % of the SMs idle.
-            assert_eq!(
-                mla_splits_wg(20, 96, pair, 32768, 132),
-                mla_splits_bf16(20, 96, 32768, 132)
-            );
-            assert!(mla_splits_wg(20, 96, pair, 32768, 132) > 1);
-        }
-        // Fewer than 48 heads: the cluster kernel still launches a pair per (item, split), so it
-        // needs half the splits of the single-block kernel to fill the SMs.
-        assert_eq!((mla_wg_blocks(4, false), mla_wg_blocks(4, true)), (1, 2));
-        assert_eq!((mla_wg_blocks(52, false), mla_wg_blocks(52, true)), (2, 2));
-        assert_eq!(
-            (mla_wg_blocks(144, false), mla_wg_blocks(144, true)),
-            (3, 4)
-        );
-        assert_eq!(mla_splits_wg(1, 4, false, 32768, 132), 132);
-        assert_eq!(mla_splits_wg(1, 4, true, 32768, 132), 66);
+        assert!(mla_splits_wgmma(20, 96, 32768, 132) > 1);
+        // Fewer than 48 heads: the cluster still launches a pair per (item, split).
+        assert_eq!(mla_wgmma_blocks(4), 2);
+        assert_eq!(mla_wgmma_blocks(52), 2);
+        assert_eq!(mla_wgmma_blocks(144), 4);
+        assert_eq!(mla_splits_wgmma(1, 4, 32768, 132), 66);
         assert!(
-            mla_wg_supported("sm_90a") && !mla_wg_supported("sm_90") && !mla_wg_supported("sm_89")
+            mla_wgmma_supported("sm_90a")
+                && !mla_wgmma_supported("sm_90")
+                && !mla_wgmma_supported("sm_89")
         );
-        assert!(OPT_IN_SHARED.contains(&("mla_attend_wg_f32", MLA_WG_SHARED)));
-        assert!(OPT_IN_SHARED.contains(&("mla_attend_wg2_f32", MLA_WG2_SHARED)));
+        assert!(OPT_IN_SHARED.contains(&("mla_attend_wg2_f32", MLA_WGMMA_SHARED)));
         // Pair variant: clusters of two blocks, so the head groups round up to an even count.
-        let l = mla_attend_wg2(&k3, 3, 5).unwrap();
+        let l = mla_attend_pair_wgmma(&k3, 3, 5).unwrap();
         assert_eq!((l.grid, l.block, l.shared), ((2, 3, 5), 384, 223_200));
         assert_eq!(
-            mla_attend_wg2(&MlaGeom { heads: 4, ..k3 }, 1, 1)
+            mla_attend_pair_wgmma(&MlaGeom { heads: 4, ..k3 }, 1, 1)
                 .unwrap()
                 .grid,
             (2, 1, 1)
         );
         assert_eq!(
-            mla_attend_wg2(&MlaGeom { heads: 100, ..k3 }, 1, 1)
+            mla_attend_pair_wgmma(&MlaGeom { heads: 100, ..k3 }, 1, 1)
                 .unwrap()
                 .grid,
             (4, 1, 1)

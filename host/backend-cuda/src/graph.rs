@@ -11,7 +11,7 @@
 //! device. Otherwise the step runs eagerly, and the second time the same log is seen the pass is
 //! captured (`cuStreamBeginCapture`), which records the same work with uploads from the same
 //! staging offsets. Anything the dry pass cannot vouch for (a download, a path that is not
-//! logged, an op failure) aborts it and the step runs eagerly. What the log leaves out — the
+//! logged: such an op returns an error) fails it and the step runs eagerly. What the log leaves out — the
 //! addresses of weights and of the step's own activations — follows from the same host code
 //! taking the same path, which the identical log attests; a missed replay only costs speed.
 //!
@@ -21,305 +21,10 @@
 
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
-use crate::geometry::Launch;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaView, DevicePtr, DeviceRepr, sys};
-use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU8, Ordering};
-
-/// How the current pass treats device work.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Mode {
-    /// Queue it (the normal case, and every non-replayable step).
-    Eager = 0,
-    /// Log it, upload into staging, queue nothing.
-    Dry = 1,
-    /// Log it and queue it under stream capture.
-    Capture = 2,
-}
-
-/// Log tags, so that different kinds of entries can never produce the same word sequence.
-const TAG_LAUNCH: u64 = 1 << 60;
-const TAG_UPLOAD: u64 = 2 << 60;
-const TAG_GEMM: u64 = 3 << 60;
-const TAG_COPY: u64 = 4 << 60;
-const TAG_ARENA: u64 = 5 << 60;
-
-/// Pinned staging for the uploads of one step. 8 MiB: a decode step of 64 sequences at 32k
-/// tokens uploads ~0.3 MB per MLA layer (page tables); a step that needs more runs eagerly.
-const STAGING_BYTES: usize = 8 << 20;
-/// Graphs kept (one per distinct step log: batch size, MLA split count, page-table bucket),
-/// least recently used dropped first. Each holds its result buffer (rows x vocab f32) and the
-/// graph's own activation memory, which the 6 GiB work reserve of `--gpu-memory-utilization`
-/// must cover.
-const MAX_GRAPHS: usize = 16;
-/// A log is captured the second time it is seen, so one-off shapes never pay for a capture.
-const CAPTURE_AFTER: u32 = 2;
-const NEVER: u32 = u32::MAX;
-
-/// Page-locked host memory (the graph's upload nodes read it at every launch).
-struct Pinned {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: plain host memory owned by this value; access is serialised by StepState's mutex.
-unsafe impl Send for Pinned {}
-
-impl Pinned {
-    fn new(len: usize) -> Result<Self> {
-        // SAFETY: allocates `len` bytes of page-locked memory; freed once in Drop.
-        let ptr = unsafe { cudarc::driver::result::malloc_host(len, 0) }? as *mut u8;
-        Ok(Self { ptr, len })
-    }
-}
-
-impl Drop for Pinned {
-    fn drop(&mut self) {
-        // SAFETY: allocated by malloc_host in `new`, freed exactly once.
-        let _ = unsafe { cudarc::driver::result::free_host(self.ptr as *mut std::ffi::c_void) };
-    }
-}
-
-struct Captured {
-    graph: cudarc::driver::CudaGraph,
-    log: Vec<u64>,
-    /// The step's result `(rows, cols, buffer)`, written by the graph's last node.
-    out: Option<(usize, usize, CudaSlice<f32>)>,
-    last_used: u64,
-}
-
-// SAFETY: CUDA graph handles may be used from any thread as long as calls on one graph are
-// serialised (the driver API's graph thread-safety rule); every use goes through StepState's
-// mutex.
-unsafe impl Send for Captured {}
-
-#[derive(Default)]
-struct Inner {
-    log: Vec<u64>,
-    abort: Option<String>,
-    staging: Option<Pinned>,
-    used: usize,
-    graphs: HashMap<u64, Captured>,
-    seen: HashMap<u64, u32>,
-    clock: u64,
-    /// Recorded after each graph launch: staging is rewritten only once the launch has read it.
-    launched: Option<CudaEvent>,
-    /// Arenas `(base, end, id)`: arena pointers are logged as (id, offset), other buffers not.
-    arenas: Vec<(u64, u64, u64)>,
-    next_arena: u64,
-    counts: GraphCounts,
-}
-
-/// Steps by outcome (for `k3serve bench` and the tests).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct GraphCounts {
-    pub replayed: u64,
-    pub captured: u64,
-    pub eager: u64,
-    pub aborted: u64,
-}
-
-/// The per-backend state of the graph machinery.
-pub(crate) struct StepState {
-    mode: AtomicU8,
-    enabled: bool,
-    inner: Mutex<Inner>,
-}
-
-impl StepState {
-    /// On unless `K3_CUDA_GRAPHS=0`, or when per-op profiling (which waits around every op) is on.
-    pub fn new(profiling: bool) -> Self {
-        let off = matches!(std::env::var("K3_CUDA_GRAPHS").as_deref(), Ok("0" | "off"));
-        Self {
-            mode: AtomicU8::new(Mode::Eager as u8),
-            enabled: !off && !profiling,
-            inner: Mutex::default(),
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub fn mode(&self) -> Mode {
-        match self.mode.load(Ordering::Relaxed) {
-            1 => Mode::Dry,
-            2 => Mode::Capture,
-            _ => Mode::Eager,
-        }
-    }
-
-    /// Device work is to be logged (dry pass or capture).
-    pub fn recording(&self) -> bool {
-        self.mode() != Mode::Eager
-    }
-
-    /// Device work is to be skipped (dry pass).
-    pub fn dry(&self) -> bool {
-        self.mode() == Mode::Dry
-    }
-
-    /// A new arena: pointers into it are logged as its id and an offset, so a graph captured
-    /// over one arena never replays over another (ids are never reused).
-    pub fn add_arena(&self, base: u64, bytes: usize) {
-        let mut g = self.lock();
-        let id = g.next_arena;
-        g.next_arena += 1;
-        g.arenas
-            .retain(|&(b, e, _)| e <= base || b >= base + bytes as u64);
-        g.arenas.push((base, base + bytes as u64, id));
-        g.graphs.clear(); // graphs over an arena that is gone would only take memory
-        g.seen.clear();
-    }
-
-    pub fn counts(&self) -> GraphCounts {
-        self.lock().counts
-    }
-
-    /// Log one word sequence (tag in the first word).
-    pub fn log(&self, words: &[u64]) {
-        self.lock().log.extend_from_slice(words);
-    }
-
-    pub fn log_launch(&self, name: &'static str, l: &Launch, args: &[u64]) {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        name.hash(&mut h);
-        let mut g = self.lock();
-        g.log.push(TAG_LAUNCH | (args.len() as u64));
-        g.log.push(h.finish());
-        g.log.push(u64::from(l.grid.0) | u64::from(l.grid.1) << 32);
-        g.log.push(u64::from(l.grid.2) | u64::from(l.block) << 32);
-        g.log.push(u64::from(l.shared));
-        g.log.extend_from_slice(args);
-    }
-
-    pub fn log_gemm(&self, dims: &[usize]) {
-        let mut g = self.lock();
-        g.log.push(TAG_GEMM | dims.len() as u64);
-        g.log.extend(dims.iter().map(|&d| d as u64));
-    }
-
-    pub fn log_copy(&self, bytes: usize) {
-        self.log(&[TAG_COPY, bytes as u64]);
-    }
-
-    /// The word logged for a device-buffer argument: its arena offset for arena pointers
-    /// (state slots and pages may be passed as sub-slices), 0 for anything else (weights, and
-    /// activations whose addresses differ between the dry pass and the capture).
-    pub fn ptr_word(&self, ptr: u64) -> u64 {
-        let g = self.lock();
-        match g.arenas.iter().find(|&&(b, e, _)| ptr >= b && ptr < e) {
-            // 44 bits of offset (16 TiB) and 12 of id; ids past 4095 only alias after wrapping.
-            Some(&(b, _, id)) => TAG_ARENA | (id & 0xFFF) << 44 | (ptr - b),
-            None => 0,
-        }
-    }
-
-    /// Stop the pass from being replayed or captured (the first reason is kept).
-    pub fn abort(&self, why: impl FnOnce() -> String) {
-        let mut g = self.lock();
-        if g.abort.is_none() {
-            g.abort = Some(why());
-        }
-    }
-
-    pub fn aborted(&self) -> bool {
-        self.lock().abort.is_some()
-    }
-
-    /// Copy `bytes` into staging; returns the host address they were written to.
-    fn stage(&self, bytes: &[u8]) -> Result<*const u8> {
-        let mut g = self.lock();
-        if g.staging.is_none() {
-            g.staging = Some(Pinned::new(STAGING_BYTES)?);
-        }
-        let at = g.used.next_multiple_of(16);
-        let end = at + bytes.len();
-        let cap = g.staging.as_ref().map_or(0, |p| p.len);
-        if end > cap {
-            return Err(CudaError::Unsupported(format!(
-                "step uploads exceed the {cap}-byte graph staging buffer"
-            )));
-        }
-        g.used = end;
-        g.log.push(TAG_UPLOAD | bytes.len() as u64);
-        let p = g.staging.as_ref().map_or(std::ptr::null_mut(), |p| p.ptr);
-        // SAFETY: [at, end) is inside the allocation (checked above); the source is a live slice;
-        // the previous graph launch has finished reading staging (run_step waits for it).
-        unsafe {
-            let dst = p.add(at);
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len());
-            Ok(dst)
-        }
-    }
-
-    fn begin(&self, mode: Mode) {
-        let mut g = self.lock();
-        g.log.clear();
-        g.abort = None;
-        g.used = 0;
-        self.mode.store(mode as u8, Ordering::Relaxed);
-    }
-
-    fn finish(&self) -> (Vec<u64>, Option<String>) {
-        self.mode.store(Mode::Eager as u8, Ordering::Relaxed);
-        let mut g = self.lock();
-        (std::mem::take(&mut g.log), g.abort.take())
-    }
-}
-
-/// A kernel argument's contribution to the step log (`launch!` logs every argument).
-pub(crate) trait StepArg {
-    fn step_word(&self, s: &StepState, stream: &cudarc::driver::CudaStream) -> u64;
-}
-
-macro_rules! scalar_step_arg {
-    ($($t:ty),*) => {$(
-        impl StepArg for &$t {
-            fn step_word(&self, _: &StepState, _: &cudarc::driver::CudaStream) -> u64 {
-                let mut w = [0u8; 8];
-                let b = self.to_le_bytes();
-                w[..b.len()].copy_from_slice(&b);
-                u64::from_le_bytes(w)
-            }
-        }
-    )*};
-}
-scalar_step_arg!(i32, u32, i64, u64, f32);
-
-impl<T> StepArg for &CudaSlice<T> {
-    fn step_word(&self, s: &StepState, stream: &cudarc::driver::CudaStream) -> u64 {
-        let (p, _sync) = self.device_ptr(stream);
-        s.ptr_word(p)
-    }
-}
-
-impl<T> StepArg for &mut CudaSlice<T> {
-    fn step_word(&self, s: &StepState, stream: &cudarc::driver::CudaStream) -> u64 {
-        let (p, _sync) = (**self).device_ptr(stream);
-        s.ptr_word(p)
-    }
-}
-
-impl<T> StepArg for &CudaView<'_, T> {
-    fn step_word(&self, s: &StepState, stream: &cudarc::driver::CudaStream) -> u64 {
-        let (p, _sync) = self.device_ptr(stream);
-        s.ptr_word(p)
-    }
-}
-
-fn as_bytes<T: DeviceRepr>(data: &[T]) -> &[u8] {
-    // SAFETY: DeviceRepr types are plain old data; the byte view covers exactly the slice.
-    unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) }
-}
-
-fn hash_log(log: &[u64]) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    log.hash(&mut h);
-    h.finish()
-}
+use crate::step::{
+    CAPTURE_AFTER, Captured, GraphCounts, MAX_GRAPHS, Mode, NEVER, as_bytes, hash_log,
+};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, sys};
 
 impl CudaBackend {
     /// Host → device copy of a small per-step input (ids, slots, page tables). Eager: a plain
@@ -392,7 +97,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Turn CUDA graphs for decode steps on or off (default: on unless `K3_CUDA_GRAPHS=0`).
+    /// Turn CUDA graphs for decode steps on or off (default: `CudaOptions::cuda_graphs`).
     pub fn set_cuda_graphs(&mut self, on: bool) {
         self.step.enabled = on;
     }
@@ -408,7 +113,7 @@ impl CudaBackend {
         replayable: bool,
         pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, k3_model::exec::ExecError>,
     ) -> std::result::Result<Option<DeviceMat>, k3_model::exec::ExecError> {
-        if !replayable || !self.step.enabled || self.error().is_some() {
+        if !replayable || !self.step.enabled {
             return pass();
         }
         if let Some(ev) = self.step.lock().launched.take() {
@@ -418,15 +123,15 @@ impl CudaBackend {
         }
         self.step.begin(Mode::Dry);
         let dry = pass();
-        let (log, abort) = self.step.finish();
-        let shape = match (&dry, abort) {
-            (Ok(out), None) => out.as_ref().map(|m| (m.rows, m.cols)),
-            _ => return self.eager(pass, true),
+        let log = self.step.finish();
+        let shape = match &dry {
+            Ok(out) => out.as_ref().map(|m| (m.rows, m.cols)),
+            Err(_) => return self.eager(pass, true),
         };
         drop(dry);
         let key = hash_log(&log);
         match self.replay(key, &log, true) {
-            Ok(Some(out)) => return Ok(out),
+            Ok(Some(out)) => return Ok(out.map_err(k3_model::BackendError::from)?),
             Ok(None) => {}
             Err(e) => {
                 tracing::warn!("CUDA graph launch failed ({e}); running the step eagerly");
@@ -449,7 +154,7 @@ impl CudaBackend {
             return self.eager(pass, false);
         }
         match self.capture(key, log, shape, pass) {
-            Ok(out) => Ok(out),
+            Ok(out) => Ok(out.map_err(k3_model::BackendError::from)?),
             Err(why) => {
                 tracing::info!("decode step not captured as a CUDA graph: {why}");
                 self.step.lock().seen.insert(key, NEVER);
@@ -474,8 +179,14 @@ impl CudaBackend {
         pass()
     }
 
-    /// Launch the graph captured for `log`, if any; returns the step's result.
-    fn replay(&self, key: u64, log: &[u64], count: bool) -> Result<Option<Option<DeviceMat>>> {
+    /// Launch the graph captured for `log`, if any; returns the step's result. The outer error
+    /// means nothing was queued; the inner one that the step ran but its result was lost.
+    fn replay(
+        &self,
+        key: u64,
+        log: &[u64],
+        count: bool,
+    ) -> Result<Option<Result<Option<DeviceMat>>>> {
         let mut g = self.step.lock();
         g.clock += 1;
         let clock = g.clock;
@@ -490,7 +201,6 @@ impl CudaBackend {
         c.graph.launch()?;
         // From here on the step has run (states advanced, rows appended): a failure must be
         // reported, never answered by running the step a second time.
-        let shape = c.out.as_ref().map(|(r, k, _)| (*r, *k));
         let copied = match &c.out {
             None => Ok(None),
             Some((rows, cols, buf)) => self.output(*rows, *cols).and_then(|mut m| {
@@ -503,10 +213,7 @@ impl CudaBackend {
             g.counts.replayed += 1;
         }
         drop(g);
-        Ok(Some(copied.unwrap_or_else(|e| {
-            self.record(e);
-            shape.map(|(r, k)| self.placeholder(r, k))
-        })))
+        Ok(Some(copied))
     }
 
     /// Capture `pass` (whose dry pass logged `log`), then launch it once for this step.
@@ -516,7 +223,7 @@ impl CudaBackend {
         log: Vec<u64>,
         shape: Option<(usize, usize)>,
         pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, k3_model::exec::ExecError>,
-    ) -> std::result::Result<Option<DeviceMat>, String> {
+    ) -> std::result::Result<Result<Option<DeviceMat>>, String> {
         // Allocated before the capture: it outlives every launch of the graph.
         let mut out = match shape {
             Some((r, c)) => Some((r, c, self.uninit::<f32>(r * c).map_err(|e| e.to_string())?)),
@@ -537,19 +244,18 @@ impl CudaBackend {
             (Err(e), _) => Err(format!("pass failed: {e}")),
         };
         drop(res); // inside the capture: its buffers' frees become graph nodes
-        let (clog, abort) = self.step.finish();
+        let clog = self.step.finish();
         let graph = self.stream.end_capture(
             sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
         );
         // A failed capture leaves its error in the context's deferred slot: clear it so it is
         // not reported by an unrelated later call.
         let _ = self.ctx.check_err();
-        let graph = match (graph, abort, copied) {
-            (_, Some(why), _) => return Err(why),
-            (_, _, Err(why)) => return Err(why),
-            (Err(e), ..) => return Err(format!("end capture: {e}")),
-            (Ok(None), ..) => return Err("empty capture".into()),
-            (Ok(Some(g)), None, Ok(())) => g,
+        let graph = match (graph, copied) {
+            (_, Err(why)) => return Err(why),
+            (Err(e), _) => return Err(format!("end capture: {e}")),
+            (Ok(None), _) => return Err("empty capture".into()),
+            (Ok(Some(g)), Ok(())) => g,
         };
         if clog != log {
             return Err("the captured pass logged different work than its dry pass".into());
@@ -585,65 +291,5 @@ impl CudaBackend {
                 Err(format!("first launch: {e}"))
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn launch(grid: usize) -> Launch {
-        Launch::new((grid, 1, 1), 128).unwrap()
-    }
-
-    #[test]
-    fn logs_differ_exactly_when_the_queued_work_differs() {
-        let s = StepState::new(false);
-        let run = |grid: usize, arg: u64, upload: usize| {
-            s.begin(Mode::Dry);
-            s.log_launch("k_a", &launch(grid), &[arg, 0]);
-            s.log_gemm(&[0, 1, 2, 3]);
-            s.lock().log.push(TAG_UPLOAD | upload as u64);
-            s.finish().0
-        };
-        let base = run(4, 7, 64);
-        assert_eq!(base, run(4, 7, 64), "same work, same log");
-        assert_ne!(base, run(5, 7, 64), "grid");
-        assert_ne!(base, run(4, 8, 64), "scalar argument");
-        assert_ne!(base, run(4, 7, 72), "upload size");
-        s.begin(Mode::Dry);
-        s.log_launch("k_b", &launch(4), &[7, 0]);
-        s.log_gemm(&[0, 1, 2, 3]);
-        s.lock().log.push(TAG_UPLOAD | 64);
-        assert_ne!(base, s.finish().0, "kernel name");
-        assert_eq!(s.mode(), Mode::Eager, "finish ends the pass");
-    }
-
-    #[test]
-    fn arena_pointers_are_logged_by_arena_and_offset() {
-        let s = StepState::new(false);
-        s.add_arena(0x1000, 0x100);
-        s.add_arena(0x8000, 0x100);
-        assert_eq!(s.ptr_word(0x0fff), 0, "outside every arena: not logged");
-        assert_eq!(s.ptr_word(0x1010), TAG_ARENA | 0x10);
-        assert_eq!(s.ptr_word(0x8010), TAG_ARENA | 1 << 44 | 0x10);
-        assert_ne!(s.ptr_word(0x1010), s.ptr_word(0x8010));
-        // A new arena over the first one's range gets a new id: old graphs can never match.
-        s.add_arena(0x1000, 0x100);
-        assert_eq!(s.ptr_word(0x1010), TAG_ARENA | 2 << 44 | 0x10);
-    }
-
-    #[test]
-    fn an_aborted_pass_keeps_its_first_reason_and_the_next_pass_starts_clean() {
-        let s = StepState::new(false);
-        s.begin(Mode::Capture);
-        assert!(s.recording() && !s.dry());
-        s.abort(|| "first".into());
-        s.abort(|| "second".into());
-        assert!(s.aborted());
-        assert_eq!(s.finish().1.as_deref(), Some("first"));
-        s.begin(Mode::Dry);
-        assert!(!s.aborted() && s.dry());
-        assert_eq!(s.finish().1, None);
     }
 }

@@ -1,38 +1,41 @@
-//! CUDA backend for k3-model (first stage): the kernels of `kernels/*.cu` embedded as source,
-//! compiled with NVRTC for the running GPU (cubin cached on disk), and launch wrappers for every
-//! op of the K3 layer graph. Loads libcuda/libnvrtc at run time, so the crate builds and its
-//! tests run on machines without CUDA; [`CudaBackend::try_new`] then returns an error.
+//! CUDA backend for k3-model: the kernels of `kernels/*.cu` embedded as source, compiled with
+//! NVRTC for the running GPU (cubin cached on disk), and one module per op family calling them.
+//! Loads libcuda/libnvrtc at run time, so the crate builds and its tests run on machines without
+//! CUDA; [`CudaBackend::try_new`] then returns an error.
 //!
-//! Status: the kernels are verified on the H200 by `host/backend-cuda/harness/device_check.py`;
-//! [`CudaBackend`] implements `k3_model::backend::Backend` (backend_impl.rs), checked against
-//! the CPU backend by `tests/device.rs` on a GPU. Besides the kernels: bf16 weights and their
-//! GEMMs (backend_impl.rs `matmul_linear`), routed experts as tensor-core GEMMs for large steps
-//! (moe_gemm.rs, or the grouped MXFP4 GEMMs of moe_grouped.rs), MLA prefill in the expanded form (mla_prefill.rs), per-op timing (profile.rs).
+//! Layout: `backend.rs` is the one `impl Backend for CudaBackend`, calling the op modules
+//! `dense/` (matmuls, norms, elementwise, AttnRes, top-k), `kda/`, `mla/` (with the expanded
+//! prefill) and `moe/` (router and the expert paths); `dispatch.rs` picks each op's kernel path
+//! from the step's shape and the GPU, `options.rs` holds the deployment's choices
+//! ([`CudaOptions`]); `device.rs` (context, memory, module loading), `graph.rs` (decode steps as
+//! CUDA graphs), `cache.rs` / `sources.rs` (kernel sources and cubins), `profile.rs`
+//! (`K3_PROFILE`) and `launch.rs` (the launch macro) are the infrastructure. The kernels are
+//! checked on the H200 by `host/backend-cuda/harness/device_check.py`, the backend against the
+//! CPU backend by `tests/device.rs`.
 
+#[macro_use]
+mod launch;
+mod backend;
 pub mod cache;
+mod dense;
 pub mod device;
 pub mod dispatch;
 pub mod error;
 pub mod geometry;
-#[macro_use]
-pub mod ops;
-pub mod backend_impl;
 mod graph;
-pub mod mla_prefill;
-mod moe_gemm;
-mod moe_grouped;
-mod moe_stream;
-mod moe_wg;
+mod kda;
+pub mod mla;
+mod moe;
+pub mod options;
 mod profile;
 pub mod sources;
+mod step;
+mod workspace;
 
 pub use device::{CudaBackend, DeviceLinear, DeviceMat};
 pub use error::{CudaError, Result};
-pub use graph::GraphCounts;
-pub use moe_grouped::MoePrefill;
-pub use moe_stream::Stream2Variant;
-pub use moe_wg::MoeAct;
-pub use ops::MlaDecodeMode;
+pub use options::{CudaOptions, MlaDecodePrecision};
+pub use step::GraphCounts;
 
 #[cfg(test)]
 mod tests {

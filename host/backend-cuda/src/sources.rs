@@ -56,12 +56,7 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "kda_chunk.cu",
         text: include_str!("../../../kernels/kda_chunk.cu"),
-        entries: &[
-            "kda_conv_silu_f32",
-            "kda_prep_f32",
-            "kda_chunk_fwd_f32",
-            "kda_conv_prep_f32",
-        ],
+        entries: &["kda_conv_silu_f32", "kda_prep_f32", "kda_chunk_fwd_f32"],
     },
     KernelFile {
         name: "kda_chunk_scan.cu",
@@ -94,7 +89,7 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "mla_attend_wg.cu",
         text: include_str!("../../../kernels/mla_attend_wg.cu"),
-        entries: &["mla_attend_wg_f32", "mla_attend_wg2_f32"],
+        entries: &["mla_attend_wg2_f32"],
     },
     KernelFile {
         name: "mla_prefill.cu",
@@ -116,18 +111,7 @@ pub const FILES: &[KernelFile] = &[
         text: include_str!("../../../kernels/mxfp4.cu"),
         entries: &[
             "moe_sort_assignments",
-            "mxfp4_up_stream2_f32",
-            "mxfp4_down_stream2_f32",
-            "moe_combine_parts_f32",
             "moe_combine_f32",
-        ],
-    },
-    KernelFile {
-        name: "mxfp4_grouped.cu",
-        text: include_str!("../../../kernels/mxfp4_grouped.cu"),
-        entries: &[
-            "mxfp4_up_grouped_f32",
-            "mxfp4_down_grouped_f32",
             "moe_combine_ids_f32",
         ],
     },

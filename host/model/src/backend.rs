@@ -6,6 +6,31 @@
 
 use crate::exec::ExecError;
 
+/// Why a backend op failed. The one error type of every [`Backend`] op: an op either returns
+/// its result or this, never a stand-in value, so a failed step stops at its first failure.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// Shapes or arguments the op does not accept.
+    #[error("invalid argument: {0}")]
+    InvalidArg(String),
+    /// An arena range past its end.
+    #[error("arena access out of bounds: offset {offset} + {len} > {arena}")]
+    OutOfBounds {
+        offset: usize,
+        len: usize,
+        arena: usize,
+    },
+    /// A shape or parameter outside what this backend implements.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// The device, its driver or a library call failed.
+    #[error("device failure: {0}")]
+    Device(String),
+}
+
+/// What every [`Backend`] op returns.
+pub type OpResult<T> = Result<T, BackendError>;
+
 /// Geometry and parameters of the KDA op (one layer).
 #[derive(Debug, Clone, Copy)]
 pub struct KdaGeom {
@@ -130,41 +155,51 @@ pub trait Backend: Send + Sync + 'static {
 
     // ---- uploads ----
     /// `data` is `[rows, cols]` row-major f32.
-    fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> Self::Linear;
-    fn vector(&self, data: Vec<f32>) -> Self::Vector;
-    fn experts(&self, host: MxExpertsHost) -> Self::Experts;
-    fn arena(&self, bytes: usize) -> Self::Arena;
+    fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> OpResult<Self::Linear>;
+    fn vector(&self, data: Vec<f32>) -> OpResult<Self::Vector>;
+    fn experts(&self, host: MxExpertsHost) -> OpResult<Self::Experts>;
+    fn arena(&self, bytes: usize) -> OpResult<Self::Arena>;
 
     // ---- arena ----
     fn arena_len(&self, arena: &Self::Arena) -> usize;
-    fn arena_copy(&self, arena: &mut Self::Arena, src: usize, dst: usize, len: usize);
-    fn arena_zero(&self, arena: &mut Self::Arena, offset: usize, len: usize);
-    fn arena_read(&self, arena: &Self::Arena, offset: usize, len: usize) -> Vec<u8>;
+    fn arena_copy(
+        &self,
+        arena: &mut Self::Arena,
+        src: usize,
+        dst: usize,
+        len: usize,
+    ) -> OpResult<()>;
+    fn arena_zero(&self, arena: &mut Self::Arena, offset: usize, len: usize) -> OpResult<()>;
+    fn arena_read(&self, arena: &Self::Arena, offset: usize, len: usize) -> OpResult<Vec<u8>>;
 
     // ---- activations ----
-    fn to_host(&self, a: &Self::Act) -> Vec<f32>;
+    fn to_host(&self, a: &Self::Act) -> OpResult<Vec<f32>>;
     fn rows(&self, a: &Self::Act) -> usize;
     /// Each row's `k` largest finite entries, exactly as [`crate::exec::top_k_of_row`] orders
     /// them. The default copies the rows to the host; a device backend selects on the device.
-    fn top_k_rows(&self, a: &Self::Act, k: usize) -> Vec<Vec<(u32, f32)>> {
-        crate::exec::top_k_of_rows(&self.to_host(a), self.rows(a), k)
+    fn top_k_rows(&self, a: &Self::Act, k: usize) -> OpResult<Vec<Vec<(u32, f32)>>> {
+        Ok(crate::exec::top_k_of_rows(
+            &self.to_host(a)?,
+            self.rows(a),
+            k,
+        ))
     }
     /// Rows `[start, end)` of `a` as a new activation.
-    fn slice_rows(&self, a: &Self::Act, start: usize, end: usize) -> Self::Act;
+    fn slice_rows(&self, a: &Self::Act, start: usize, end: usize) -> OpResult<Self::Act>;
     /// The rows of `parts` one after another (all of the same width; at least one part).
-    fn concat_rows(&self, parts: &[&Self::Act]) -> Self::Act;
+    fn concat_rows(&self, parts: &[&Self::Act]) -> OpResult<Self::Act>;
     /// Rows of `table` selected by `ids`.
-    fn embed(&self, table: &Self::Linear, ids: &[u32]) -> Self::Act;
-    fn matmul(&self, x: &Self::Act, w: &Self::Linear) -> Self::Act;
-    fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> Self::Act;
-    fn add_assign(&self, p: &mut Self::Act, a: &Self::Act);
+    fn embed(&self, table: &Self::Linear, ids: &[u32]) -> OpResult<Self::Act>;
+    fn matmul(&self, x: &Self::Act, w: &Self::Linear) -> OpResult<Self::Act>;
+    fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> OpResult<Self::Act>;
+    fn add_assign(&self, p: &mut Self::Act, a: &Self::Act) -> OpResult<()>;
     /// Block AttnRes: softmax over sources of `Σ_d V_i[d]·rsqrt(mean(V_i²)+eps)·w[d]`, then `Σ α_i V_i`.
     /// `w` is the product of the op's norm and proj weights.
-    fn attn_res(&self, sources: &[&Self::Act], w: &Self::Vector, eps: f32) -> Self::Act;
+    fn attn_res(&self, sources: &[&Self::Act], w: &Self::Vector, eps: f32) -> OpResult<Self::Act>;
     /// SiTU-GLU of `gate` and `up` (same shape).
-    fn situ_glu(&self, gate: &Self::Act, up: &Self::Act, p: SituParams) -> Self::Act;
+    fn situ_glu(&self, gate: &Self::Act, up: &Self::Act, p: SituParams) -> OpResult<Self::Act>;
     /// `o *= σ(gate)` elementwise.
-    fn sigmoid_mul(&self, o: &mut Self::Act, gate: &Self::Act);
+    fn sigmoid_mul(&self, o: &mut Self::Act, gate: &Self::Act) -> OpResult<()>;
     /// Per head of width `head_dim`: `RMSNorm(o_h)·w ⊙ σ(gate_h)`.
     fn gated_head_norm(
         &self,
@@ -173,7 +208,7 @@ pub trait Backend: Send + Sync + 'static {
         w: &Self::Vector,
         head_dim: usize,
         eps: f32,
-    ) -> Self::Act;
+    ) -> OpResult<Self::Act>;
 
     /// Kimi Delta Attention over the new tokens of one sequence: short conv (+ window update),
     /// gates, L2 norms, chunked (prefill) or recurrent (decode) delta rule from the stored state.
@@ -185,7 +220,7 @@ pub trait Backend: Send + Sync + 'static {
         params: &KdaParams<'_, Self>,
         inputs: &KdaInputs<'_, Self>,
         loc: KdaStateLoc<'_>,
-    ) -> Result<Self::Act, ExecError>;
+    ) -> OpResult<Self::Act>;
 
     /// Gated-NoPE MLA attention of the new tokens of one sequence over its paged latent cache.
     /// `q` is `[T, H·(nope+rope)]`; `kv_a` is `[T, kv_lora + rope]` (`c_kv` before its norm, then `k_r`).
@@ -199,7 +234,7 @@ pub trait Backend: Send + Sync + 'static {
         kv_norm: &Self::Vector,
         kv_b: &Self::Linear,
         loc: MlaCacheLoc<'_>,
-    ) -> Result<Self::Act, ExecError>;
+    ) -> OpResult<Self::Act>;
 
     /// Routed part of LatentMoE: sigmoid router with selection bias, top-k, weighted sum of
     /// SiTU-GLU MXFP4 experts applied to the latent `z`. Returns `y_lat` `[T, Lt]`.
@@ -211,7 +246,7 @@ pub trait Backend: Send + Sync + 'static {
         experts: &Self::Experts,
         router: RouterParams,
         situ: SituParams,
-    ) -> Self::Act;
+    ) -> OpResult<Self::Act>;
 
     /// Runs `pass`, one engine step's forward pass. `replayable` marks a decode step (one new
     /// token per sequence): its work recurs step after step with only small inputs changing,
@@ -225,12 +260,6 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Option<Self::Act>, ExecError> {
         let _ = replayable;
         pass()
-    }
-
-    /// The first failure of an infallible op since the last call (a device backend records it
-    /// instead of panicking); the executor turns it into `ExecError::Backend` after each step.
-    fn take_error(&self) -> Option<String> {
-        None
     }
 
     /// [`Backend::moe_routed`] over the stacked rows of several sequences (`spans`: each
@@ -248,7 +277,7 @@ pub trait Backend: Send + Sync + 'static {
         router: RouterParams,
         situ: SituParams,
         spans: &[(usize, usize)],
-    ) -> Self::Act {
+    ) -> OpResult<Self::Act> {
         let _ = spans;
         self.moe_routed(z, router_logits, bias, experts, router, situ)
     }
@@ -264,7 +293,7 @@ pub trait Backend: Send + Sync + 'static {
         inputs: &KdaInputs<'_, Self>,
         spans: &[(usize, usize)],
         locs: &[KdaStateLoc<'_>],
-    ) -> Result<Self::Act, ExecError> {
+    ) -> OpResult<Self::Act> {
         kda_per_sequence(self, arena, geom, params, inputs, spans, locs)
     }
 
@@ -281,7 +310,7 @@ pub trait Backend: Send + Sync + 'static {
         kv_b: &Self::Linear,
         spans: &[(usize, usize)],
         locs: &[MlaCacheLoc<'_>],
-    ) -> Result<Self::Act, ExecError> {
+    ) -> OpResult<Self::Act> {
         per_sequence(self, [q, kv_a], spans, |i, [q, kv_a]| {
             self.mla(arena, geom, q, kv_a, kv_norm, kv_b, locs[i])
         })
@@ -294,18 +323,21 @@ pub fn per_sequence<B: Backend + ?Sized, const N: usize>(
     be: &B,
     acts: [&B::Act; N],
     spans: &[(usize, usize)],
-    mut f: impl FnMut(usize, [&B::Act; N]) -> Result<B::Act, ExecError>,
-) -> Result<B::Act, ExecError> {
+    mut f: impl FnMut(usize, [&B::Act; N]) -> OpResult<B::Act>,
+) -> OpResult<B::Act> {
     if spans.len() == 1 {
         return f(0, acts);
     }
     let mut outs = Vec::with_capacity(spans.len());
     for (i, &(r0, r1)) in spans.iter().enumerate() {
-        let rows: Vec<B::Act> = acts.iter().map(|a| be.slice_rows(a, r0, r1)).collect();
+        let rows = acts
+            .iter()
+            .map(|a| be.slice_rows(a, r0, r1))
+            .collect::<OpResult<Vec<B::Act>>>()?;
         let refs: [&B::Act; N] = std::array::from_fn(|j| &rows[j]);
         outs.push(f(i, refs)?);
     }
-    Ok(be.concat_rows(&outs.iter().collect::<Vec<_>>()))
+    be.concat_rows(&outs.iter().collect::<Vec<_>>())
 }
 
 /// The default [`Backend::kda_batch`]: one [`Backend::kda`] per sequence (also the fallback of
@@ -318,7 +350,7 @@ pub fn kda_per_sequence<B: Backend + ?Sized>(
     inputs: &KdaInputs<'_, B>,
     spans: &[(usize, usize)],
     locs: &[KdaStateLoc<'_>],
-) -> Result<B::Act, ExecError> {
+) -> OpResult<B::Act> {
     let acts = [
         inputs.qkv[0],
         inputs.qkv[1],

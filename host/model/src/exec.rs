@@ -145,8 +145,12 @@ pub enum ExecError {
         len: usize,
         arena: usize,
     },
+    /// The executor itself failed (its thread stopped, a bad configuration).
     #[error("backend failure: {0}")]
     Backend(String),
+    /// A backend op failed; the step's results are lost.
+    #[error("backend op failed: {0}")]
+    Op(#[from] crate::backend::BackendError),
 }
 
 /// A model bound to a backend and an arena: what the engine drives.

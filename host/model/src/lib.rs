@@ -8,7 +8,7 @@ pub mod model;
 pub mod runner;
 pub mod weights;
 
-pub use backend::Backend;
+pub use backend::{Backend, BackendError};
 pub use config::{Config, ConfigError, MixerKind};
 pub use exec::{
     CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput,

@@ -1,8 +1,8 @@
-//! K3 weights bound to a backend, and the layer graph (k3-architecture.md §0.2) for one sequence.
+//! K3 weights bound to a backend, and the layer graph (docs/k3-model.md) for one sequence.
 
 use crate::backend::{
     Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
-    MxMatrixHost, RouterParams, SituParams,
+    MxMatrixHost, OpResult, RouterParams, SituParams,
 };
 use crate::config::{Config, ConfigError, MixerKind};
 use crate::exec::ExecError;
@@ -159,7 +159,7 @@ fn attn_res_w<B: Backend>(
     let norm = t.f32(&format!("{prefix}.norm.weight"), &[d])?;
     let proj = t.f32(&format!("{prefix}.proj.weight"), &[1, d])?;
     Ok(AttnResW {
-        w: be.vector(norm.iter().zip(&proj).map(|(a, b)| a * b).collect()),
+        w: be.vector(norm.iter().zip(&proj).map(|(a, b)| a * b).collect())?,
     })
 }
 
@@ -173,7 +173,7 @@ fn lin<B: Backend>(
     // bf16 weights are widened to f32 once here (exact): k3-mini is small, so the CPU backend
     // keeps f32 panels for compute-bound prefill (no per-use conversion) and, since the values are
     // exactly bf16, also bf16 panels for memory-bound decode. Other backends choose behind the trait.
-    Ok(be.linear(rows, cols, t.f32(name, &[rows, cols])?))
+    Ok(be.linear(rows, cols, t.f32(name, &[rows, cols])?)?)
 }
 
 fn vecw<B: Backend>(
@@ -182,7 +182,7 @@ fn vecw<B: Backend>(
     name: &str,
     shape: &[usize],
 ) -> Result<B::Vector, WeightError> {
-    Ok(be.vector(t.f32(name, shape)?))
+    Ok(be.vector(t.f32(name, shape)?)?)
 }
 
 fn glu<B: Backend>(
@@ -361,7 +361,7 @@ impl<B: Backend> Model<B> {
                         None
                     },
                     up: lin(&be, t, &format!("{q}.routed_expert_up_proj.weight"), d, lt)?,
-                    experts: be.experts(host),
+                    experts: be.experts(host)?,
                     shared: glu(
                         &be,
                         t,
@@ -429,9 +429,9 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    fn glu(&self, x: &B::Act, w: &GluW<B>) -> B::Act {
+    fn glu(&self, x: &B::Act, w: &GluW<B>) -> OpResult<B::Act> {
         let be = &self.backend;
-        let h = be.situ_glu(&be.matmul(x, &w.gate), &be.matmul(x, &w.up), self.situ());
+        let h = be.situ_glu(&be.matmul(x, &w.gate)?, &be.matmul(x, &w.up)?, self.situ())?;
         be.matmul(&h, &w.down)
     }
 
@@ -491,25 +491,25 @@ impl<B: Backend> Model<B> {
             return Err(ExecError::InvalidBatch("an empty batch".into()));
         }
         let mut bank: Vec<B::Act> = Vec::new();
-        let mut p: Option<B::Act> = Some(be.embed(&self.embed, &ids));
+        let mut p: Option<B::Act> = Some(be.embed(&self.embed, &ids)?);
         for (l, layer) in self.layers.iter().enumerate() {
             let h = match (&layer.attn_res, bank.is_empty()) {
                 (Some(w), false) => {
                     let cur = p.as_ref().expect("p is set between layers");
                     let mut src: Vec<&B::Act> = bank.iter().collect();
                     src.push(cur);
-                    Some(be.attn_res(&src, &w.w, eps))
+                    Some(be.attn_res(&src, &w.w, eps)?)
                 }
                 _ => None,
             };
             let mut h = match h {
                 Some(h) => h,
-                None => be.slice_rows(p.as_ref().expect("p set"), 0, total),
+                None => be.slice_rows(p.as_ref().expect("p set"), 0, total)?,
             };
             if l % c.attn_res_block_size == 0 {
                 bank.push(p.take().expect("p set"));
             }
-            let x = be.rms_norm(&h, &layer.input_norm, eps);
+            let x = be.rms_norm(&h, &layer.input_norm, eps)?;
             let a = match &layer.mixer {
                 Mixer::Kda(w) => self.kda_layer(arena, offsets, l, &x, w, seqs, &spans)?,
                 Mixer::Mla(w) => self.mla_layer(arena, offsets, l, &x, w, seqs, &spans)?,
@@ -517,23 +517,23 @@ impl<B: Backend> Model<B> {
             let mut pp = match p.take() {
                 None => a,
                 Some(mut pp) => {
-                    be.add_assign(&mut pp, &a);
+                    be.add_assign(&mut pp, &a)?;
                     pp
                 }
             };
             {
                 let mut src: Vec<&B::Act> = bank.iter().collect();
                 src.push(&pp);
-                h = be.attn_res(&src, &layer.mlp_res.w, eps);
+                h = be.attn_res(&src, &layer.mlp_res.w, eps)?;
             }
-            let x = be.rms_norm(&h, &layer.post_norm, eps);
+            let x = be.rms_norm(&h, &layer.post_norm, eps)?;
             let f = match &layer.ffn {
-                Ffn::Dense(w) => self.glu(&x, w),
-                Ffn::Moe(w) => self.moe(&x, w, &spans),
+                Ffn::Dense(w) => self.glu(&x, w)?,
+                Ffn::Moe(w) => self.moe(&x, w, &spans)?,
             };
-            be.add_assign(&mut pp, &f);
+            be.add_assign(&mut pp, &f)?;
             if let Some(tr) = trace.as_deref_mut() {
-                tr.push(be.to_host(&pp));
+                tr.push(be.to_host(&pp)?);
             }
             p = Some(pp);
         }
@@ -551,23 +551,26 @@ impl<B: Backend> Model<B> {
         let mut src: Vec<&B::Act> = bank.iter().collect();
         src.push(&p);
         if wanted != [(0, total)] {
-            picked = src.iter().map(|a| self.gather_rows(a, &wanted)).collect();
+            picked = src
+                .iter()
+                .map(|a| self.gather_rows(a, &wanted))
+                .collect::<OpResult<_>>()?;
             src = picked.iter().collect();
         }
-        let y = be.rms_norm(&be.attn_res(&src, &self.final_res.w, eps), &self.norm, eps);
-        Ok(Some(be.matmul(&y, &self.lm_head)))
+        let y = be.rms_norm(&be.attn_res(&src, &self.final_res.w, eps)?, &self.norm, eps)?;
+        Ok(Some(be.matmul(&y, &self.lm_head)?))
     }
 
     /// Rows `ranges` of `a`, stacked in order.
-    fn gather_rows(&self, a: &B::Act, ranges: &[(usize, usize)]) -> B::Act {
+    fn gather_rows(&self, a: &B::Act, ranges: &[(usize, usize)]) -> OpResult<B::Act> {
         let be = &self.backend;
         match ranges {
             [(r0, r1)] => be.slice_rows(a, *r0, *r1),
             _ => {
-                let parts: Vec<B::Act> = ranges
+                let parts = ranges
                     .iter()
                     .map(|&(r0, r1)| be.slice_rows(a, r0, r1))
-                    .collect();
+                    .collect::<OpResult<Vec<B::Act>>>()?;
                 be.concat_rows(&parts.iter().collect::<Vec<_>>())
             }
         }
@@ -587,11 +590,11 @@ impl<B: Backend> Model<B> {
         let be = &self.backend;
         let geom = self.kda_geom();
         let lo = offsets.kda[l].expect("KDA layer has a state offset");
-        let q = be.matmul(x, &w.q);
-        let k = be.matmul(x, &w.k);
-        let v = be.matmul(x, &w.v);
-        let f = be.matmul(&be.matmul(x, &w.f_a), &w.f_b);
-        let b = be.matmul(x, &w.b);
+        let q = be.matmul(x, &w.q)?;
+        let k = be.matmul(x, &w.k)?;
+        let v = be.matmul(x, &w.v)?;
+        let f = be.matmul(&be.matmul(x, &w.f_a)?, &w.f_b)?;
+        let b = be.matmul(x, &w.b)?;
         let cps: Vec<Vec<(usize, usize)>> = seqs
             .iter()
             .map(|s| {
@@ -623,15 +626,15 @@ impl<B: Backend> Model<B> {
             spans,
             &locs,
         )?;
-        let gate = be.matmul(x, &w.g);
+        let gate = be.matmul(x, &w.g)?;
         let o = be.gated_head_norm(
             &o,
             &gate,
             &w.o_norm,
             geom.head_dim,
             self.config.rms_norm_eps,
-        );
-        Ok(be.matmul(&o, &w.o))
+        )?;
+        Ok(be.matmul(&o, &w.o)?)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -647,9 +650,9 @@ impl<B: Backend> Model<B> {
     ) -> Result<B::Act, ExecError> {
         let be = &self.backend;
         let eps = self.config.rms_norm_eps;
-        let cq = be.rms_norm(&be.matmul(x, &w.q_a), &w.q_a_norm, eps);
-        let q = be.matmul(&cq, &w.q_b);
-        let kv_a = be.matmul(x, &w.kv_a);
+        let cq = be.rms_norm(&be.matmul(x, &w.q_a)?, &w.q_a_norm, eps)?;
+        let q = be.matmul(&cq, &w.q_b)?;
+        let kv_a = be.matmul(x, &w.kv_a)?;
         let layer_offset = offsets.mla[l].expect("MLA layer has a page offset");
         let locs: Vec<MlaCacheLoc<'_>> = seqs
             .iter()
@@ -670,28 +673,28 @@ impl<B: Backend> Model<B> {
             spans,
             &locs,
         )?;
-        be.sigmoid_mul(&mut o, &be.matmul(x, &w.g));
-        Ok(be.matmul(&o, &w.o))
+        be.sigmoid_mul(&mut o, &be.matmul(x, &w.g)?)?;
+        Ok(be.matmul(&o, &w.o)?)
     }
 
-    fn moe(&self, x: &B::Act, w: &MoeW<B>, spans: &[(usize, usize)]) -> B::Act {
+    fn moe(&self, x: &B::Act, w: &MoeW<B>, spans: &[(usize, usize)]) -> OpResult<B::Act> {
         let be = &self.backend;
         let m = &self.config.moe;
-        let z = be.matmul(x, &w.down);
-        let logits = be.matmul(x, &w.router);
+        let z = be.matmul(x, &w.down)?;
+        let logits = be.matmul(x, &w.router)?;
         let router = RouterParams {
             top_k: m.experts_per_token,
             renormalize: m.renormalize,
             scaling: m.routed_scaling_factor,
         };
         let y_lat =
-            be.moe_routed_batch(&z, &logits, &w.bias, &w.experts, router, self.situ(), spans);
+            be.moe_routed_batch(&z, &logits, &w.bias, &w.experts, router, self.situ(), spans)?;
         let y_lat = match &w.norm {
-            Some(n) => be.rms_norm(&y_lat, n, self.config.rms_norm_eps),
+            Some(n) => be.rms_norm(&y_lat, n, self.config.rms_norm_eps)?,
             None => y_lat,
         };
-        let mut y = be.matmul(&y_lat, &w.up);
-        be.add_assign(&mut y, &self.glu(x, &w.shared));
-        y
+        let mut y = be.matmul(&y_lat, &w.up)?;
+        be.add_assign(&mut y, &self.glu(x, &w.shared)?)?;
+        Ok(y)
     }
 }

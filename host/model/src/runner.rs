@@ -23,7 +23,7 @@ impl<B: Backend> ModelExecutor<B> {
         }
         let offsets = CacheOffsets::new(&model.config, page_tokens);
         let arena_bytes = arena_bytes / 4 * 4;
-        let arena = model.backend.arena(arena_bytes);
+        let arena = model.backend.arena(arena_bytes)?;
         let layout = CacheLayout {
             page_tokens,
             kv_page_bytes: offsets.kv_page_bytes,
@@ -142,20 +142,10 @@ impl<B: Backend> ModelExecutor<B> {
         let from = logits_from(s);
         let logits =
             self.model
-                .forward_seq(&mut self.arena, &self.offsets, &ids, &cache, from, trace);
-        let logits = logits.map(|l| {
-            l.map(|l| self.model.backend.to_host(&l))
-                .unwrap_or_default()
-        });
-        // A backend failure recorded during the pass wins over whatever the pass returned.
-        self.backend_error()?;
-        logits
-    }
-
-    fn backend_error(&self) -> Result<(), ExecError> {
-        match self.model.backend.take_error() {
-            Some(e) => Err(ExecError::Backend(e)),
-            None => Ok(()),
+                .forward_seq(&mut self.arena, &self.offsets, &ids, &cache, from, trace)?;
+        match logits {
+            Some(l) => Ok(self.model.backend.to_host(&l)?),
+            None => Ok(Vec::new()),
         }
     }
 }
@@ -179,21 +169,21 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         }
         self.model
             .backend
-            .arena_copy(&mut self.arena, src, dst, len);
-        self.backend_error()
+            .arena_copy(&mut self.arena, src, dst, len)?;
+        Ok(())
     }
 
     fn arena_zero(&mut self, offset: usize, len: usize) -> Result<(), ExecError> {
         self.check_range(offset, len)?;
-        self.model.backend.arena_zero(&mut self.arena, offset, len);
-        self.backend_error()
+        self.model
+            .backend
+            .arena_zero(&mut self.arena, offset, len)?;
+        Ok(())
     }
 
     fn arena_read(&self, offset: usize, len: usize) -> Result<Vec<u8>, ExecError> {
         self.check_range(offset, len)?;
-        let bytes = self.model.backend.arena_read(&self.arena, offset, len);
-        self.backend_error()?;
-        Ok(bytes)
+        Ok(self.model.backend.arena_read(&self.arena, offset, len)?)
     }
 
     /// All sequences in one pass ([`Model::forward_batch`]): dense ops over the stacked rows,
@@ -235,7 +225,7 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         let (model, arena, offsets) = (&self.model, &mut self.arena, &self.offsets);
         let logits = model.backend.run_step(replayable, &mut || {
             model.forward_batch(arena, offsets, &passes, None)
-        });
+        })?;
         // Only candidates wanted (decode steps of greedy / top-k requests): select them where
         // the logits are, so whole vocabulary rows never cross to the host.
         let top_k = batch.seqs.iter().try_fold(0, |m, s| match s.logits {
@@ -245,15 +235,10 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         });
         let backend = &self.model.backend;
         let (host, tops) = match (logits, top_k) {
-            (Ok(Some(l)), Some(k)) => (Ok(Vec::new()), backend.top_k_rows(&l, k)),
-            (l, _) => (
-                l.map(|l| l.map(|l| backend.to_host(&l)).unwrap_or_default()),
-                Vec::new(),
-            ),
+            (Some(l), Some(k)) => (Vec::new(), backend.top_k_rows(&l, k)?),
+            (Some(l), None) => (backend.to_host(&l)?, Vec::new()),
+            (None, _) => (Vec::new(), Vec::new()),
         };
-        // A backend failure recorded during the pass wins over whatever the pass returned.
-        self.backend_error()?;
-        let host = host?;
         if top_k.is_some() {
             // Selected by the backend: one candidate list per wanted (last) row, in batch order.
             let mut tops = tops.into_iter();

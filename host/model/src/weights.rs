@@ -27,6 +27,9 @@ pub enum WeightError {
         got: String,
         want: String,
     },
+    /// The backend could not take a weight (device memory, a failed copy).
+    #[error("uploading weights: {0}")]
+    Upload(#[from] crate::backend::BackendError),
 }
 
 /// A memory-mapped safetensors file.

@@ -428,7 +428,7 @@ fn op_mla_naive_and_absorbed() -> Result<()> {
     let be = CpuBackend::new();
     let lin = |name: &str| -> Result<k3_backend_cpu::Linear> {
         let (s, data) = t.any_f32(&format!("mla.w.{name}.weight"))?;
-        Ok(be.linear(s[0], s[1], data))
+        Ok(be.linear(s[0], s[1], data)?)
     };
     let vecw =
         |name: &str| -> Result<Vec<f32>> { Ok(t.any_f32(&format!("mla.w.{name}.weight"))?.1) };
@@ -439,13 +439,13 @@ fn op_mla_naive_and_absorbed() -> Result<()> {
     let eps = cfg.rms_norm_eps;
     let q = be.matmul(
         &be.rms_norm(
-            &be.matmul(&x, &lin("q_a_proj")?),
+            &be.matmul(&x, &lin("q_a_proj")?)?,
             &vecw("q_a_layernorm")?,
             eps,
-        ),
+        )?,
         &lin("q_b_proj")?,
-    );
-    let kv_a = be.matmul(&x, &lin("kv_a_proj_with_mqa")?);
+    )?;
+    let kv_a = be.matmul(&x, &lin("kv_a_proj_with_mqa")?)?;
     let geom = MlaGeom {
         heads: m.num_heads,
         nope: m.qk_nope_head_dim,
@@ -457,25 +457,25 @@ fn op_mla_naive_and_absorbed() -> Result<()> {
     let (kv_b, kv_norm) = (lin("kv_b_proj")?, vecw("kv_a_layernorm")?);
     let finish = |o: Mat| -> Result<Vec<f32>> {
         let mut o = o;
-        be.sigmoid_mul(&mut o, &be.matmul(&x, &lin("g_proj")?));
-        Ok(be.matmul(&o, &lin("o_proj")?).data)
+        be.sigmoid_mul(&mut o, &be.matmul(&x, &lin("g_proj")?)?)?;
+        Ok(be.matmul(&o, &lin("o_proj")?)?.data)
     };
     // Pages of 4 rows laid out in reverse order in the arena; the past goes in first.
     let pt = 4;
     let npages = (np + tn).div_ceil(pt);
     let page_bytes = pt * row * 4;
     let pages: Vec<usize> = (0..npages).map(|p| (npages - 1 - p) * page_bytes).collect();
-    let fresh_arena = || -> k3_backend_cpu::Arena {
-        let mut a = be.arena(npages * page_bytes);
+    let fresh_arena = || -> Result<k3_backend_cpu::Arena> {
+        let mut a = be.arena(npages * page_bytes)?;
         let bytes: Vec<u8> = past.iter().flat_map(|v| v.to_le_bytes()).collect();
         for j in 0..np {
             let off = pages[j / pt] + (j % pt) * row * 4;
             // Write row j through the public byte interface.
-            let tmp = be.arena(0);
+            let tmp = be.arena(0)?;
             drop(tmp);
             write_bytes(&be, &mut a, off, &bytes[j * row * 4..(j + 1) * row * 4]);
         }
-        a
+        Ok(a)
     };
     let loc = |start| MlaCacheLoc {
         pages: &pages,
@@ -484,7 +484,7 @@ fn op_mla_naive_and_absorbed() -> Result<()> {
         start_pos: start,
     };
     // Prefill (expanded form) of all 7 tokens.
-    let mut arena = fresh_arena();
+    let mut arena = fresh_arena()?;
     let o = be.mla(&mut arena, geom, &q, &kv_a, &kv_norm, &kv_b, loc(np))?;
     let want_rows = t.any_f32("mla.rows")?.1;
     let rows = mla::gather(
@@ -505,11 +505,11 @@ fn op_mla_naive_and_absorbed() -> Result<()> {
         1e-3,
     )?;
     // Decode (absorbed form) token by token.
-    let mut arena = fresh_arena();
+    let mut arena = fresh_arena()?;
     let mut outs = Vec::new();
     for i in 0..tn {
-        let qi = be.slice_rows(&q, i, i + 1);
-        let ki = be.slice_rows(&kv_a, i, i + 1);
+        let qi = be.slice_rows(&q, i, i + 1)?;
+        let ki = be.slice_rows(&kv_a, i, i + 1)?;
         outs.extend(
             be.mla(&mut arena, geom, &qi, &ki, &kv_norm, &kv_b, loc(np + i))?
                 .data,

@@ -3,7 +3,7 @@
 //! RSS. Prompts are synthetic token ids (seeded), since
 //! throughput does not depend on their content.
 
-use super::model_loading::{Device, LoadFormat, init_threads, load_for};
+use super::model_loading::{CudaArgs, Device, LoadFormat, init_threads, load_for};
 use k3_model::exec::{ForwardBatch, SeqInput};
 use k3_model::{Executor, LogitsWant, Session};
 use std::path::PathBuf;
@@ -39,6 +39,8 @@ pub struct Args {
     /// each N here, e.g. `16,64`: TPOT (ms per step) and output tok/s.
     #[arg(long, value_delimiter = ',')]
     pub batch_sizes: Vec<usize>,
+    #[command(flatten)]
+    pub cuda: CudaArgs,
 }
 
 fn synthetic_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
@@ -110,6 +112,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         max,
         Device::parse(a.device.as_deref())?,
         format,
+        &a.cuda.resolve(&CudaArgs::default())?,
     )?;
     eprintln!(
         "loaded {} on the {} in {:.2}s",
@@ -273,7 +276,15 @@ mod tests {
     #[test]
     fn batched_decode_runs_in_its_share_of_the_arena_and_refuses_more() {
         let fmt = LoadFormat::parse("safetensors", 0).unwrap();
-        let (mut exec, _, _) = load_for(&k3_mini(), 3, 64 + 4 + 1, Some(Device::Cpu), fmt).unwrap();
+        let (mut exec, _, _) = load_for(
+            &k3_mini(),
+            3,
+            64 + 4 + 1,
+            Some(Device::Cpu),
+            fmt,
+            &Default::default(),
+        )
+        .unwrap();
         let step = batch_decode(&mut exec, 3, 4, 1).unwrap();
         assert!(step.is_finite() && step > 0.0, "{step}");
         let err = batch_decode(&mut exec, 4, 4, 1).unwrap_err().to_string();

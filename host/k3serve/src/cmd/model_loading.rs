@@ -3,7 +3,7 @@
 
 use anyhow::{Context, bail};
 use k3_backend_cpu::CpuBackend;
-use k3_backend_cuda::CudaBackend;
+use k3_backend_cuda::{CudaBackend, CudaOptions, MlaDecodePrecision};
 use k3_model::exec::{CacheLayout, ExecError, ForwardBatch, ForwardOutput, LogitsWant};
 use k3_model::{Backend, Config, Executor, Model, ModelExecutor};
 use std::path::Path;
@@ -45,12 +45,68 @@ impl Device {
     }
 }
 
+/// The CUDA backend's options as flags (`serve` and `bench`; `serve`'s TOML file takes the same
+/// keys). Unset flags keep [`CudaOptions::default`], what the measured runs use.
+#[derive(clap::Args, Debug, Default, Clone)]
+pub struct CudaArgs {
+    /// Replay decode steps as CUDA graphs (`false`: every step eagerly) [default: true].
+    #[arg(long, value_name = "BOOL")]
+    pub cuda_graphs: Option<bool>,
+    /// Routed-expert assignments (tokens x top-k) from which a step takes the many-assignment
+    /// expert GEMMs instead of the few-token MXFP4 kernels [default: 4096].
+    #[arg(long, value_name = "N")]
+    pub moe_gemm_min_assignments: Option<usize>,
+    /// Largest bf16 weight (elements) that decode rows multiply through the tensor-core GEMV;
+    /// larger ones take cuBLAS (0: cuBLAS always) [default: 4194304].
+    #[arg(long, value_name = "N")]
+    pub gemv_max_weight_elems: Option<usize>,
+    /// MLA decode attention precision: `bf16` (tensor-core products on bf16-rounded rows) or `f32`
+    /// (3xTF32, the CPU backend's results to ~1e-5, slower) [default: bf16].
+    #[arg(long, value_name = "bf16|f32")]
+    pub mla_decode_precision: Option<String>,
+}
+
+impl CudaArgs {
+    /// The flags over `file` (a config file's values) over the defaults.
+    pub fn resolve(&self, file: &CudaArgs) -> anyhow::Result<CudaOptions> {
+        let d = CudaOptions::default();
+        let precision = match self
+            .mla_decode_precision
+            .as_ref()
+            .or(file.mla_decode_precision.as_ref())
+        {
+            Some(p) => p
+                .parse::<MlaDecodePrecision>()
+                .map_err(|e| anyhow::anyhow!("--mla-decode-precision: {e}"))?,
+            None => d.mla_decode_precision,
+        };
+        Ok(CudaOptions {
+            cuda_graphs: self
+                .cuda_graphs
+                .or(file.cuda_graphs)
+                .unwrap_or(d.cuda_graphs),
+            moe_gemm_min_assignments: self
+                .moe_gemm_min_assignments
+                .or(file.moe_gemm_min_assignments)
+                .unwrap_or(d.moe_gemm_min_assignments),
+            gemv_max_weight_elems: self
+                .gemv_max_weight_elems
+                .or(file.gemv_max_weight_elems)
+                .unwrap_or(d.gemv_max_weight_elems),
+            mla_decode_precision: precision,
+        })
+    }
+}
+
 /// The backend for `wanted`: an explicit `cuda` must open GPU 0 (else a clear error); no choice
 /// means CUDA when a driver is present and a device opens, else the CPU (logged either way).
-pub fn open_backend(wanted: Option<Device>) -> anyhow::Result<Option<CudaBackend>> {
+pub fn open_backend(
+    wanted: Option<Device>,
+    cuda: &CudaOptions,
+) -> anyhow::Result<Option<CudaBackend>> {
     match wanted {
         Some(Device::Cpu) => Ok(None),
-        Some(Device::Cuda) => CudaBackend::try_new(0)
+        Some(Device::Cuda) => CudaBackend::with_options(0, cuda.clone())
             .map(Some)
             .context("--device cuda: no usable CUDA device (use --device cpu)"),
         None => {
@@ -59,7 +115,7 @@ pub fn open_backend(wanted: Option<Device>) -> anyhow::Result<Option<CudaBackend
                 eprintln!("device: cpu (no CUDA driver)");
                 return Ok(None);
             }
-            match CudaBackend::try_new(0) {
+            match CudaBackend::with_options(0, cuda.clone()) {
                 Ok(b) => {
                     tracing::info!(arch = %b.limits.arch, "running on CUDA device 0");
                     eprintln!("device: cuda (GPU 0, {})", b.limits.arch);
@@ -211,10 +267,8 @@ impl LoadedModel {
             page_tokens: usize,
             arena_bytes: usize,
         ) -> anyhow::Result<Box<dyn Executor>> {
-            let exec = ModelExecutor::new(m, page_tokens, arena_bytes)?;
-            if let Some(e) = exec.model().backend.take_error() {
-                bail!("allocating the {arena_bytes}-byte cache arena: {e}");
-            }
+            let exec = ModelExecutor::new(m, page_tokens, arena_bytes)
+                .with_context(|| format!("allocating the {arena_bytes}-byte cache arena"))?;
             Ok(Box::new(exec))
         }
         match self {
@@ -256,17 +310,11 @@ pub fn load_model(
     dir: &Path,
     wanted: Option<Device>,
     format: LoadFormat,
+    cuda: &CudaOptions,
 ) -> anyhow::Result<LoadedModel> {
-    let ctx = || format!("loading the model from {}", dir.display());
-    Ok(match open_backend(wanted)? {
+    Ok(match open_backend(wanted, cuda)? {
         None => LoadedModel::Cpu(load_on(dir, CpuBackend::new(), format)?),
-        Some(cuda) => {
-            let m = load_on(dir, cuda, format)?;
-            if let Some(e) = m.backend.take_error() {
-                bail!("{}: uploading the weights to the GPU: {e}", ctx());
-            }
-            LoadedModel::Cuda(m)
-        }
+        Some(cuda) => LoadedModel::Cuda(load_on(dir, cuda, format)?),
     })
 }
 
@@ -277,7 +325,7 @@ pub fn load_single(
     wanted: Option<Device>,
     format: LoadFormat,
 ) -> anyhow::Result<(DynExecutor, Config, Device)> {
-    load_for(dir, 1, max_tokens, wanted, format)
+    load_for(dir, 1, max_tokens, wanted, format, &CudaOptions::default())
 }
 
 /// Like [`load_single`], with an arena for `seqs` sequences of up to `max_tokens` each (state
@@ -288,8 +336,9 @@ pub fn load_for(
     max_tokens: usize,
     wanted: Option<Device>,
     format: LoadFormat,
+    cuda: &CudaOptions,
 ) -> anyhow::Result<(DynExecutor, Config, Device)> {
-    let model = load_model(dir, wanted, format)?;
+    let model = load_model(dir, wanted, format, cuda)?;
     let (config, device) = (model.config().clone(), model.device());
     // Same sizing as ModelExecutor::with_capacity(model, 64, seqs, max_tokens, 0).
     let offs = k3_model::model::CacheOffsets::new(&config, PAGE_TOKENS);
@@ -382,8 +431,12 @@ mod tests {
         if CudaBackend::try_new(0).is_ok() {
             return; // a GPU machine: nothing to check here
         }
-        let err = open_backend(Some(Device::Cuda)).unwrap_err();
+        let err = open_backend(Some(Device::Cuda), &CudaOptions::default()).unwrap_err();
         assert!(format!("{err:#}").contains("--device cuda"), "{err:#}");
-        assert!(open_backend(None).unwrap().is_none());
+        assert!(
+            open_backend(None, &CudaOptions::default())
+                .unwrap()
+                .is_none()
+        );
     }
 }

@@ -172,7 +172,7 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             "loading the model weights ({weights}, {})",
             cfg.device.map_or("device: auto", |d| d.name())
         ),
-        || super::model_loading::load_model(&model_dir, cfg.device, cfg.load_format),
+        || super::model_loading::load_model(&model_dir, cfg.device, cfg.load_format, &cfg.cuda),
     )?;
     tracing::info!(device = model.device().name(), "model loaded");
     let device = model.device();

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
-use super::model_loading::{Device, LoadFormat};
+use super::model_loading::{CudaArgs, Device, LoadFormat};
+use k3_backend_cuda::CudaOptions;
 
 /// The flags. Every field is optional so the TOML file can fill what the command line leaves out.
 #[derive(clap::Args, Debug, Default, Clone)]
@@ -104,6 +105,8 @@ pub struct Args {
     /// Log filter (`info`, `debug`, `k3_api=debug`...) [default: $RUST_LOG or info].
     #[arg(long)]
     pub log_level: Option<String>,
+    #[command(flatten)]
+    pub cuda: CudaArgs,
 }
 
 /// The TOML file: the same settings.
@@ -136,6 +139,10 @@ struct FileConfig {
     shutdown_timeout: Option<f64>,
     threads: Option<usize>,
     log_level: Option<String>,
+    cuda_graphs: Option<bool>,
+    moe_gemm_min_assignments: Option<usize>,
+    gemv_max_weight_elems: Option<usize>,
+    mla_decode_precision: Option<String>,
 }
 
 /// Resolved settings.
@@ -171,6 +178,8 @@ pub struct ServeConfig {
     pub shutdown_timeout: f64,
     pub threads: usize,
     pub log_level: Option<String>,
+    /// The CUDA backend's options (used when the model runs on the GPU).
+    pub cuda: CudaOptions,
 }
 
 fn parse_file(text: &str, path: &Path) -> anyhow::Result<FileConfig> {
@@ -197,6 +206,12 @@ impl ServeConfig {
             None => FileConfig::default(),
         };
         let device = Device::parse(args.device.or(file.device).as_deref())?;
+        let cuda = args.cuda.resolve(&CudaArgs {
+            cuda_graphs: file.cuda_graphs,
+            moe_gemm_min_assignments: file.moe_gemm_min_assignments,
+            gemv_max_weight_elems: file.gemv_max_weight_elems,
+            mla_decode_precision: file.mla_decode_precision,
+        })?;
         let cfg = ServeConfig {
             device,
             model: args
@@ -261,6 +276,7 @@ impl ServeConfig {
                 .unwrap_or(30.0),
             threads: args.threads.or(file.threads).unwrap_or(0),
             log_level: args.log_level.or(file.log_level),
+            cuda,
         };
         for (value, name) in [
             (cfg.max_num_seqs, "max-num-seqs"),
@@ -362,6 +378,48 @@ mod tests {
         .unwrap();
         std::fs::remove_file(path).ok();
         assert_eq!(cfg.gpu_memory_utilization, 0.5);
+    }
+
+    #[test]
+    fn cuda_options_from_flags_and_file() {
+        let path = write(
+            "cuda_graphs = false\nmla-decode-precision = \"f32\"\nmoe-gemm-min-assignments = 8192\n",
+        );
+        let cfg = ServeConfig::resolve(Args {
+            config: Some(path.clone()),
+            cuda: CudaArgs {
+                moe_gemm_min_assignments: Some(1024),
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(!cfg.cuda.cuda_graphs);
+        assert_eq!(
+            cfg.cuda.mla_decode_precision,
+            k3_backend_cuda::MlaDecodePrecision::F32
+        );
+        assert_eq!(cfg.cuda.moe_gemm_min_assignments, 1024, "the flag wins");
+        assert_eq!(
+            cfg.cuda.gemv_max_weight_elems,
+            CudaOptions::DEFAULT_GEMV_MAX_WEIGHT_ELEMS
+        );
+        let err = ServeConfig::resolve(Args {
+            cuda: CudaArgs {
+                mla_decode_precision: Some("fp8".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(
+            format!("{err:#}").contains("mla-decode-precision"),
+            "{err:#}"
+        );
+        assert_eq!(
+            ServeConfig::resolve(Args::default()).unwrap().cuda,
+            CudaOptions::default()
+        );
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Routed experts through cuBLAS tensor-core GEMMs (kernels/moe_gemm.cu) for steps with many
-//! (token, expert) assignments: prefill chunks and large decode batches, from `K3_MOE_GROUPED_MAX`
-//! assignments (moe_grouped.rs `MoePrefill`; the grouped MXFP4 GEMMs below that). The decode-step
+//! (token, expert) assignments (from `CudaOptions::moe_gemm_min_assignments`) on GPUs without
+//! wgmma, and where the MXFP4 kernels' shared memory does not fit (dispatch.rs). The decode-step
 //! kernels (kernels/mxfp4.cu, mxfp4_tc.cu) read each expert's weights once per 16 tokens at most,
 //! right for a few tokens but far below the tensor cores once experts see hundreds of rows.
 //!
@@ -13,7 +13,8 @@
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::geometry::Launch;
-use crate::moe_grouped::SortedStep;
+use crate::moe::sorted::SortedStep;
+use crate::workspace::MoeScratch;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
@@ -23,32 +24,6 @@ const MAX_TOP_K: usize = 64;
 /// Bytes of bf16 expert weights expanded at once (the rest of the touched experts follow in
 /// later groups); bounds the scratch at K3 sizes (66 MB per expert) to ~32 experts.
 const SCRATCH_BYTES: usize = 2 << 30;
-
-/// Assignments (tokens x top-k) from which a step takes this path, unless `K3_MOE_GEMM_MIN`
-/// says otherwise (`0` = always, a huge value = never). This path has a fixed cost per touched
-/// expert (expanding 66 MB of bf16 at K3 sizes: ~8.7 ms for all 128), so it loses to the
-/// word-per-lane kernels at 64 tokens x top-16 on the H200 (18.9 ms vs 11 ms) and wins at 2048
-/// (59 ms vs 760 ms for the block kernels); docs/performance.md has the figures.
-const DEFAULT_MIN_ASSIGNMENTS: usize = 4096;
-
-pub(crate) fn min_assignments() -> usize {
-    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    crate::ops::env_usize(&MIN, "K3_MOE_GEMM_MIN", DEFAULT_MIN_ASSIGNMENTS)
-}
-
-/// Work buffers kept between calls (grown, never shrunk): at prefill sizes they are gigabytes,
-/// and allocating them per layer costs more than the GEMMs (the stream-ordered pool hands
-/// memory back at every synchronisation).
-#[derive(Default)]
-pub(crate) struct MoeScratch {
-    xs: Option<CudaSlice<u16>>,
-    w13: Option<CudaSlice<u16>>,
-    w2: Option<CudaSlice<u16>>,
-    act: Option<CudaSlice<u16>>,
-    h: Option<CudaSlice<f32>>,
-    y: Option<CudaSlice<f32>>,
-    inv: Option<CudaSlice<i32>>,
-}
 
 /// The stacked-row plan of one call: expert offsets (host copy) and the touched experts.
 struct Plan {
@@ -69,7 +44,7 @@ impl Plan {
 impl CudaBackend {
     /// `out [T, latent] = Σ_j w[t,j] · expert_{idx[t,j]}(z_t)` for a step sorted by expert (the
     /// router's ids are not read: the sort has them).
-    pub(crate) fn moe_experts_gemm(&self, step: SortedStep<'_>) -> Result<DeviceMat> {
+    pub(crate) fn moe_experts_cublas(&self, step: SortedStep<'_>) -> Result<DeviceMat> {
         let SortedStep {
             z,
             w,
@@ -140,7 +115,7 @@ impl CudaBackend {
             launch!(self, "moe_gather_split_bf16", Launch::new((n, 1, 1), 256)?; &z.buf, sorted, offsets, &ei, &kk, &lti, xs, inv)
         })?;
 
-        let (lin, has) = crate::ops::situ_linear_args(situ);
+        let (lin, has) = crate::launch::situ_linear_args(situ);
 
         for chunk in plan.touched.chunks(group) {
             let list: Vec<i32> = chunk.iter().map(|&x| x as i32).collect();

@@ -1,7 +1,7 @@
-//! MLA prefill in the expanded ("compute-friendly") form (k3-architecture.md §2.1, the DeepSeek /
+//! MLA prefill in the expanded ("compute-friendly") form (docs/k3-model.md, the DeepSeek /
 //! vLLM prefill path), for sequences with many new tokens.
 //!
-//! The absorbed form (`CudaBackend::mla_decode`) attends every new token over its causal prefix
+//! The absorbed form (`CudaBackend::mla_absorbed`) attends every new token over its causal prefix
 //! with 576-wide rows: ~2·(576+512) FLOPs per (head, query, key) on a bandwidth-shaped kernel,
 //! 39 ms per K3 layer at 2048 tokens and quadratic beyond. Here the cached latents of the sequence
 //! are expanded once per call, `K_nope,h = c W_UK,hᵀ` and `V_h = c W_UV,hᵀ` (2·512·256 FLOPs per
@@ -24,11 +24,10 @@
 use crate::device::{CudaBackend, DeviceLinear, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
-use crate::ops::{float_offset, i32_of};
+use crate::launch::{float_offset, i32_of};
 use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig, sys::cublasOperation_t};
 use cudarc::driver::CudaSlice;
 use k3_model::backend::MlaGeom;
-use std::sync::OnceLock;
 
 /// Sequences with at least this many new tokens take the expanded form. Per (head, query, key)
 /// pair it does 2·320 FLOPs of f32 SGEMM (~50 TFLOP/s expected on the H200) against 2·1088 on the
@@ -38,9 +37,7 @@ use std::sync::OnceLock;
 /// 30k cached rows (sooner over short prefixes); the threshold sits at about twice that because
 /// the estimate's margin is thin there and below it short chunks stay in the one batched absorbed
 /// launch sequence with the decodes. 64 also splits the k3-mini golden prompts (31, 41: absorbed;
-/// 82: expanded), so the end-to-end tests cover both paths. `K3_MLA_PREFILL=absorbed` turns the
-/// expanded form off (an A/B through the whole model; `benchmarks.py` section `mla_prefill` times
-/// both forms at K3 shapes).
+/// 82: expanded), so the end-to-end tests cover both paths.
 pub const MLA_EXPANDED_MIN_TOKENS: usize = 64;
 
 /// Queries per chunk (at most): large enough for efficient SGEMMs (n = 512), small enough that
@@ -57,38 +54,13 @@ pub const MLA_PREFILL_SCRATCH_BYTES: usize = 2 << 30;
 /// Threads per block of `mla_prefill_softmax_f32` (its `MLA_SM_THREADS`) and of the gather.
 const SOFTMAX_THREADS: u32 = 256;
 const GATHER_THREADS: u32 = 128;
-/// Block size of `mla_append_rows_f32`: the same as `mla_decode`'s launch, so the appended rows
+/// Block size of `mla_append_rows_f32`: the same as `mla_absorbed`'s launch, so the appended rows
 /// (a block-wide sum of squares) are bit-identical whichever path appends them.
 const APPEND_THREADS: u32 = 128;
 
-/// Which form long new-token spans take (`K3_MLA_PREFILL`, read once per process).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PrefillMode {
-    /// Spans of at least [`MLA_EXPANDED_MIN_TOKENS`] new tokens take the expanded form (default).
-    Expanded,
-    /// Every span takes the absorbed path (the behaviour before the expanded form existed).
-    Absorbed,
-}
-
-impl PrefillMode {
-    /// `absorbed` selects [`PrefillMode::Absorbed`]; anything else (unset, `expanded`) the default.
-    pub fn parse(v: Option<&str>) -> Self {
-        match v.map(str::trim) {
-            Some("absorbed") => Self::Absorbed,
-            _ => Self::Expanded,
-        }
-    }
-
-    /// Whether a span of `tokens` new tokens takes the expanded form.
-    pub fn expanded(self, tokens: usize) -> bool {
-        self == Self::Expanded && tokens >= MLA_EXPANDED_MIN_TOKENS
-    }
-}
-
-/// The process-wide mode from `K3_MLA_PREFILL` (`expanded` | `absorbed`).
-pub fn prefill_mode() -> PrefillMode {
-    static MODE: OnceLock<PrefillMode> = OnceLock::new();
-    *MODE.get_or_init(|| PrefillMode::parse(std::env::var("K3_MLA_PREFILL").ok().as_deref()))
+/// Whether a span of `tokens` new tokens takes the expanded form (else the absorbed path).
+pub fn expanded(tokens: usize) -> bool {
+    tokens >= MLA_EXPANDED_MIN_TOKENS
 }
 
 /// Head-group size and query-chunk length of one call.
@@ -457,15 +429,15 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `mla_seqs` when some sequence takes the expanded form: each such sequence appends its rows
+    /// `mla_spans` when some sequence takes the expanded form: each such sequence appends its rows
     /// (the same kernel and block size as the absorbed path: identical cache bytes) and runs
     /// `mla_prefill_expanded` into its rows of `o`; the others (decode, short chunks) go through
-    /// one `mla_decode` over their stacked rows, as before. `seq_pages[i]` are sequence i's page
+    /// one `mla_absorbed` over their stacked rows, as before. `seq_pages[i]` are sequence i's page
     /// byte offsets including the layer offset; `starts[i]` its first new position; `kv_b` the
     /// `[H·(nope+v), kv_lora]` weights (the expanded form reads their f32 storage / copy: its
-    /// cuBLAS SGEMMs need f32; `mla_decode` reads a bf16 kv_b as stored).
+    /// cuBLAS SGEMMs need f32; `mla_absorbed` reads a bf16 kv_b as stored).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn mla_seqs_split(
+    pub(crate) fn mla_spans_mixed(
         &self,
         arena: &mut CudaSlice<f32>,
         g: MlaGeom,
@@ -484,14 +456,13 @@ impl CudaBackend {
                 "MLA split: per-sequence lists".into(),
             ));
         }
-        let mode = prefill_mode();
         let mut o = self.zeros(q.rows, g.heads * g.v_dim)?;
         let (mut abs_spans, mut append_at, mut lens, mut owner) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (i, &(r0, r1)) in spans.iter().enumerate() {
             let (t, s, pages) = (r1 - r0, starts[i], &seq_pages[i]);
             let dst = (s..s + t).map(|pos| pages[pos / pt] + (pos % pt) * row_bytes);
-            if !mode.expanded(t) {
+            if !expanded(t) {
                 abs_spans.push((r0, r1));
                 append_at.extend(dst);
                 lens.extend(s + 1..=s + t);
@@ -515,7 +486,7 @@ impl CudaBackend {
                 self.stack_rows(kv_a, &abs_spans)?,
             );
             let tables: Vec<&[usize]> = owner.iter().map(|&i| &seq_pages[i][..]).collect();
-            let oa = self.mla_decode(
+            let oa = self.mla_absorbed(
                 arena, g, &qa, &ka, kv_norm, kv_b, &append_at, &tables, &lens, pt,
             )?;
             self.unstack_rows(&oa, &mut o, &abs_spans)?;
@@ -540,16 +511,11 @@ mod tests {
     }
 
     #[test]
-    fn mode_parsing_and_threshold() {
-        assert_eq!(PrefillMode::parse(None), PrefillMode::Expanded);
-        assert_eq!(PrefillMode::parse(Some("expanded")), PrefillMode::Expanded);
-        assert_eq!(PrefillMode::parse(Some("absorbed")), PrefillMode::Absorbed);
-        let e = PrefillMode::Expanded;
-        assert!(!e.expanded(1) && !e.expanded(MLA_EXPANDED_MIN_TOKENS - 1));
-        assert!(e.expanded(MLA_EXPANDED_MIN_TOKENS) && e.expanded(8192));
-        assert!(!PrefillMode::Absorbed.expanded(8192));
+    fn threshold() {
+        assert!(!expanded(1) && !expanded(MLA_EXPANDED_MIN_TOKENS - 1));
+        assert!(expanded(MLA_EXPANDED_MIN_TOKENS) && expanded(8192));
         // k3-mini's golden prompts (31, 41, 82 tokens) exercise both paths end to end.
-        assert!(!e.expanded(41) && e.expanded(82));
+        assert!(!expanded(41) && expanded(82));
     }
 
     #[test]

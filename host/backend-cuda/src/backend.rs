@@ -1,0 +1,390 @@
+//! `k3_model::backend::Backend` for [`CudaBackend`]: f32 activations and dense weights on the
+//! device, dense matmuls through cuBLAS (sgemm, default math mode so results track the CPU
+//! backend to ~1e-5), everything else through the NVRTC kernels of the op modules (dense/, kda/, mla/, moe/).
+//!
+//! All work is queued on the backend's one stream; only `to_host` and `arena_read` wait for it.
+//! Every op returns its error ([`CudaError`] as a `BackendError`), so a failed step stops there.
+
+use crate::device::{CudaBackend, DeviceLinear, DeviceMat};
+use crate::error::{CudaError, Result};
+use crate::kda::{decode_slots, kda_parts};
+use crate::moe::DeviceExperts;
+use cudarc::driver::{CudaSlice, DevicePtrMut};
+use k3_model::backend::{
+    Backend, BackendError, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom,
+    MxExpertsHost, OpResult, RouterParams, SituParams,
+};
+use k3_model::exec::ExecError;
+
+impl CudaBackend {
+    /// Make our context current on the calling thread: the engine runs the executor on its own
+    /// thread, and raw driver / cuBLAS calls use the thread's current context.
+    fn bound(&self) -> Result<()> {
+        Ok(self.ctx.bind_to_thread()?)
+    }
+
+    /// Run one op of the `Backend` trait with the context bound, its error as the trait's.
+    fn op<T>(&self, f: impl FnOnce() -> Result<T>) -> OpResult<T> {
+        self.bound().and_then(|()| f()).map_err(BackendError::from)
+    }
+
+    fn arena_check(arena: &CudaSlice<f32>, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|e| e > arena.len() * 4) {
+            return Err(CudaError::InvalidArg(format!(
+                "arena bytes {offset}+{len} beyond {}",
+                arena.len() * 4
+            )));
+        }
+        Ok(())
+    }
+
+    /// Byte-granular copy inside the arena (the caller guarantees the regions do not overlap).
+    fn arena_copy_bytes(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        src: usize,
+        dst: usize,
+        len: usize,
+    ) -> Result<()> {
+        Self::arena_check(arena, src, len)?;
+        Self::arena_check(arena, dst, len)?;
+        self.refuse_while_recording("arena copy")?; // cache moves: not part of a step
+        if len == 0 {
+            return Ok(());
+        }
+        let (base, _sync) = arena.device_ptr_mut(&self.stream);
+        // SAFETY: both ranges are inside the allocation (checked above); queued on our stream.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                base + dst as u64,
+                base + src as u64,
+                len,
+                self.stream.cu_stream(),
+            )
+        }?;
+        Ok(())
+    }
+
+    fn arena_zero_bytes(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        Self::arena_check(arena, offset, len)?;
+        self.refuse_while_recording("arena zero")?; // cache moves: not part of a step
+        if len == 0 {
+            return Ok(());
+        }
+        let (base, _sync) = arena.device_ptr_mut(&self.stream);
+        // SAFETY: the range is inside the allocation (checked above); queued on our stream.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                base + offset as u64,
+                0,
+                len,
+                self.stream.cu_stream(),
+            )
+        }?;
+        Ok(())
+    }
+
+    /// Reads the whole floats covering the byte range (synchronous), then trims to the bytes.
+    fn arena_read_bytes(
+        &self,
+        arena: &CudaSlice<f32>,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<u8>> {
+        Self::arena_check(arena, offset, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let (f0, f1) = (offset / 4, (offset + len).div_ceil(4));
+        let floats = self.read_back("arena read", &arena.slice(f0..f1))?;
+        let bytes: Vec<u8> = floats.iter().flat_map(|f| f.to_ne_bytes()).collect();
+        let skip = offset - f0 * 4;
+        Ok(bytes[skip..skip + len].to_vec())
+    }
+
+    /// `f`, timed under `key` when `K3_PROFILE` is set (see `profile.rs`).
+    pub(crate) fn timed<T>(&self, key: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T {
+        match &self.profile {
+            None => f(),
+            Some(p) => p.time(
+                key(),
+                || {
+                    let _ = self.stream.synchronize();
+                },
+                f,
+            ),
+        }
+    }
+}
+
+/// Row counts in the profile's keys, rounded up to a power of two so prompts of similar length
+/// share a line.
+fn bucket(n: usize) -> usize {
+    n.next_power_of_two()
+}
+
+impl Backend for CudaBackend {
+    type Act = DeviceMat;
+    type Linear = DeviceLinear;
+    type Vector = CudaSlice<f32>;
+    type Experts = DeviceExperts;
+    type Arena = CudaSlice<f32>;
+
+    fn linear(&self, rows: usize, cols: usize, data: Vec<f32>) -> OpResult<DeviceLinear> {
+        self.op(|| self.upload_linear(rows, cols, &data))
+    }
+
+    fn vector(&self, data: Vec<f32>) -> OpResult<CudaSlice<f32>> {
+        self.op(|| {
+            if data.is_empty() {
+                return Ok(self.stream.alloc_zeros::<f32>(1)?);
+            }
+            self.upload_slice(&data)
+        })
+    }
+
+    fn experts(&self, host: MxExpertsHost) -> OpResult<DeviceExperts> {
+        self.op(|| self.upload_experts(&host))
+    }
+
+    fn arena(&self, bytes: usize) -> OpResult<CudaSlice<f32>> {
+        self.op(|| {
+            // At least one float, so the buffer exists.
+            let a = self.stream.alloc_zeros::<f32>((bytes / 4).max(1))?;
+            let base = cudarc::driver::DevicePtr::device_ptr(&a, &self.stream).0;
+            self.step.add_arena(base, a.len() * 4);
+            Ok(a)
+        })
+    }
+
+    fn arena_len(&self, arena: &CudaSlice<f32>) -> usize {
+        arena.len() * 4
+    }
+
+    fn arena_copy(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        src: usize,
+        dst: usize,
+        len: usize,
+    ) -> OpResult<()> {
+        self.op(|| self.arena_copy_bytes(arena, src, dst, len))
+    }
+
+    fn arena_zero(&self, arena: &mut CudaSlice<f32>, offset: usize, len: usize) -> OpResult<()> {
+        self.op(|| self.arena_zero_bytes(arena, offset, len))
+    }
+
+    fn arena_read(&self, arena: &CudaSlice<f32>, offset: usize, len: usize) -> OpResult<Vec<u8>> {
+        self.op(|| self.arena_read_bytes(arena, offset, len))
+    }
+
+    fn to_host(&self, a: &DeviceMat) -> OpResult<Vec<f32>> {
+        self.op(|| self.download(a))
+    }
+
+    fn rows(&self, a: &DeviceMat) -> usize {
+        a.rows
+    }
+
+    fn top_k_rows(&self, a: &DeviceMat, k: usize) -> OpResult<Vec<Vec<(u32, f32)>>> {
+        if k == 0 || k > crate::dense::TOPK_MAX {
+            return Ok(k3_model::exec::top_k_of_rows(&self.to_host(a)?, a.rows, k));
+        }
+        self.op(|| CudaBackend::top_k_rows(self, a, k))
+    }
+
+    fn slice_rows(&self, a: &DeviceMat, start: usize, end: usize) -> OpResult<DeviceMat> {
+        self.timed(
+            || "slice_rows".into(),
+            || self.op(|| self.rows_of(a, start, end)),
+        )
+    }
+
+    fn concat_rows(&self, parts: &[&DeviceMat]) -> OpResult<DeviceMat> {
+        self.timed(|| "concat_rows".into(), || self.op(|| self.concat(parts)))
+    }
+
+    fn embed(&self, table: &DeviceLinear, ids: &[u32]) -> OpResult<DeviceMat> {
+        self.timed(
+            || "embed".into(),
+            || self.op(|| self.embed_rows(table, ids)),
+        )
+    }
+
+    fn matmul(&self, x: &DeviceMat, w: &DeviceLinear) -> OpResult<DeviceMat> {
+        self.timed(
+            || {
+                let ty = if w.bf16.is_some() { "bf16" } else { "f32" };
+                format!("matmul {}x{} {ty} (M={})", w.rows, w.cols, bucket(x.rows))
+            },
+            || self.op(|| self.matmul_linear(x, w)),
+        )
+    }
+
+    fn rms_norm(&self, x: &DeviceMat, w: &CudaSlice<f32>, eps: f32) -> OpResult<DeviceMat> {
+        self.timed(
+            || "rms_norm".into(),
+            || self.op(|| CudaBackend::rms_norm(self, x, w, eps)),
+        )
+    }
+
+    fn add_assign(&self, p: &mut DeviceMat, a: &DeviceMat) -> OpResult<()> {
+        self.timed(
+            || "add_assign".into(),
+            || self.op(|| CudaBackend::add_assign(self, p, a)),
+        )
+    }
+
+    fn attn_res(
+        &self,
+        sources: &[&DeviceMat],
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> OpResult<DeviceMat> {
+        self.timed(
+            || format!("attn_res ({} sources)", sources.len()),
+            || self.op(|| CudaBackend::attn_res(self, sources, w, eps)),
+        )
+    }
+
+    fn situ_glu(&self, gate: &DeviceMat, up: &DeviceMat, p: SituParams) -> OpResult<DeviceMat> {
+        self.timed(
+            || "situ_glu".into(),
+            || self.op(|| CudaBackend::situ_glu(self, gate, up, p)),
+        )
+    }
+
+    fn sigmoid_mul(&self, o: &mut DeviceMat, gate: &DeviceMat) -> OpResult<()> {
+        self.timed(
+            || "sigmoid_mul".into(),
+            || self.op(|| CudaBackend::sigmoid_mul(self, o, gate)),
+        )
+    }
+
+    fn gated_head_norm(
+        &self,
+        o: &DeviceMat,
+        gate: &DeviceMat,
+        w: &CudaSlice<f32>,
+        head_dim: usize,
+        eps: f32,
+    ) -> OpResult<DeviceMat> {
+        self.timed(
+            || "gated_head_norm".into(),
+            || self.op(|| CudaBackend::gated_head_norm(self, o, gate, w, head_dim, eps)),
+        )
+    }
+
+    fn kda(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        geom: KdaGeom,
+        params: &KdaParams<'_, Self>,
+        inputs: &KdaInputs<'_, Self>,
+        loc: KdaStateLoc<'_>,
+    ) -> OpResult<DeviceMat> {
+        self.timed(
+            || format!("kda (T={})", bucket(inputs.qkv[0].rows)),
+            || self.op(|| self.kda_seq(arena, geom, params, inputs, loc)),
+        )
+    }
+
+    fn mla(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        geom: MlaGeom,
+        q: &DeviceMat,
+        kv_a: &DeviceMat,
+        kv_norm: &CudaSlice<f32>,
+        kv_b: &DeviceLinear,
+        loc: MlaCacheLoc<'_>,
+    ) -> OpResult<DeviceMat> {
+        let spans = [(0, q.rows)];
+        self.timed(
+            || format!("mla (T={})", bucket(q.rows)),
+            || self.op(|| self.mla_spans(arena, geom, q, kv_a, kv_norm, kv_b, &spans, &[loc])),
+        )
+    }
+
+    fn moe_routed(
+        &self,
+        z: &DeviceMat,
+        router_logits: &DeviceMat,
+        bias: &CudaSlice<f32>,
+        experts: &DeviceExperts,
+        router: RouterParams,
+        situ: SituParams,
+    ) -> OpResult<DeviceMat> {
+        self.timed(
+            || format!("moe_routed (T={})", bucket(z.rows)),
+            || {
+                self.op(|| {
+                    CudaBackend::moe_routed(self, z, router_logits, bias, experts, router, situ)
+                })
+            },
+        )
+    }
+
+    /// Every sequence decoding one token (at most one checkpoint, after it): one launch of the
+    /// batched decode kernel over the sequences' state slots. Anything else: per sequence.
+    fn kda_batch(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        geom: KdaGeom,
+        params: &KdaParams<'_, Self>,
+        inputs: &KdaInputs<'_, Self>,
+        spans: &[(usize, usize)],
+        locs: &[KdaStateLoc<'_>],
+    ) -> OpResult<DeviceMat> {
+        match decode_slots(spans, locs) {
+            Some(slots) if spans.len() > 1 => {
+                let (w, x) = kda_parts(params, inputs);
+                self.timed(
+                    || format!("kda_batch decode (N={})", bucket(slots.len())),
+                    || self.op(|| self.kda_decode(arena, geom, &w, &x, &slots)),
+                )
+            }
+            _ => {
+                k3_model::backend::kda_per_sequence(self, arena, geom, params, inputs, spans, locs)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn mla_batch(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        geom: MlaGeom,
+        q: &DeviceMat,
+        kv_a: &DeviceMat,
+        kv_norm: &CudaSlice<f32>,
+        kv_b: &DeviceLinear,
+        spans: &[(usize, usize)],
+        locs: &[MlaCacheLoc<'_>],
+    ) -> OpResult<DeviceMat> {
+        self.timed(
+            || {
+                format!(
+                    "mla_batch (T={}, seqs={})",
+                    bucket(q.rows),
+                    bucket(spans.len())
+                )
+            },
+            || self.op(|| self.mla_spans(arena, geom, q, kv_a, kv_norm, kv_b, spans, locs)),
+        )
+    }
+
+    fn run_step(
+        &self,
+        replayable: bool,
+        pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, ExecError>,
+    ) -> std::result::Result<Option<DeviceMat>, ExecError> {
+        self.run_graph_step(replayable, pass)
+    }
+}

@@ -1,0 +1,417 @@
+//! Dense ops: matmuls (cuBLAS SGEMM for f32 weights; for bf16 weights the tensor-core GEMV on
+//! decode rows or a cuBLAS bf16 GEMM over hi / lo halves of the activation), embeddings, row
+//! copies, norms, elementwise ops, AttnRes and the top-k selection of logits.
+
+use crate::device::{CudaBackend, DeviceLinear, DeviceMat, exact_bf16};
+use crate::error::{CudaError, Result};
+use crate::geometry::{self, Launch};
+use crate::launch::{i32_of, same_shape, situ_linear_args};
+use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
+use cudarc::driver::CudaSlice;
+use k3_model::backend::SituParams;
+
+/// Largest k of `top_k_rows` (kernels/sampling.cu TOPK_MAX: the picks are sorted in shared memory).
+pub const TOPK_MAX: usize = 1024;
+
+/// Columns per block in the first top-k pass: a 163,840-wide row spreads over 40 SMs.
+const TOPK_SEGMENT: usize = 4096;
+
+impl CudaBackend {
+    /// `y = x Wᵀ` for row-major `x [M, K]` and `w [N, K]`. Column-major cuBLAS sees `x` as
+    /// `Xc [K, M]` and `w` as `Wc [K, N]`, so it computes `Yc [N, M] = Wcᵀ Xc`, which is the
+    /// row-major `y [M, N]`.
+    pub fn matmul_rt(&self, x: &DeviceMat, w: &DeviceMat) -> Result<DeviceMat> {
+        let (m, n, k) = matmul_dims(x, w.rows, w.cols)?;
+        if m == 0 || n == 0 || k == 0 {
+            return self.zeros(m, n);
+        }
+        let mut y = self.output(m, n)?; // beta = 0: the GEMM writes every element
+        let i = |v: usize| {
+            i32::try_from(v).map_err(|_| CudaError::InvalidArg(format!("matmul dim {v} > i32")))
+        };
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: i(n)?,
+            n: i(m)?,
+            k: i(k)?,
+            alpha: 1.0f32,
+            lda: i(k)?,
+            ldb: i(k)?,
+            beta: 0.0f32,
+            ldc: i(n)?,
+        };
+        if self.step.recording() {
+            self.step.log_gemm(&[0, m, n, k]);
+            if self.step.dry() {
+                return Ok(y);
+            }
+        }
+        // SAFETY: w holds n*k, x holds m*k and y holds m*n floats, matching the dims and leading
+        // dimensions above; all three live until the call is queued on the stream.
+        unsafe { self.blas.gemm(cfg, &w.buf, &x.buf, &mut y.buf) }?;
+        Ok(y)
+    }
+
+    pub(crate) fn embed_rows(&self, table: &DeviceLinear, ids: &[u32]) -> Result<DeviceMat> {
+        let d = table.cols;
+        let out = self.zeros(ids.len(), d)?;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows) {
+            return Err(CudaError::InvalidArg(format!(
+                "token id {id} outside the vocabulary of {}",
+                table.rows
+            )));
+        }
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        let dev_ids = self.upload_slice(ids)?;
+        let (t, di, v) = (ids.len() as i32, d as i32, table.rows as u32);
+        let l = Launch::new((ids.len(), 1, 1), 256)?;
+        match &table.bf16 {
+            Some(b) => launch!(self, "embed_rows_bf16", l; b, &dev_ids, &out.buf, &t, &di, &v)?,
+            None => {
+                let f = self.linear_f32(table)?;
+                launch!(self, "embed_rows_f32", l; &f.buf, &dev_ids, &out.buf, &t, &di, &v)?
+            }
+        }
+        Ok(out)
+    }
+
+    /// A weight on the device: bf16 bits when every value is exactly bf16, else f32.
+    pub(crate) fn upload_linear(
+        &self,
+        rows: usize,
+        cols: usize,
+        data: &[f32],
+    ) -> Result<DeviceLinear> {
+        if data.len() != rows * cols {
+            return Err(CudaError::InvalidArg(format!(
+                "{} values for a {rows}x{cols} matrix",
+                data.len()
+            )));
+        }
+        let f32 = std::sync::OnceLock::new();
+        let bf16 = match exact_bf16(data) {
+            Some(bits) => Some(self.upload_slice(&bits)?),
+            None => {
+                let _ = f32.set(self.upload(rows, cols, data)?);
+                None
+            }
+        };
+        Ok(DeviceLinear {
+            rows,
+            cols,
+            bf16,
+            f32,
+        })
+    }
+
+    /// The weight as f32 (its storage, or a copy widened from bf16 once, on first use).
+    pub fn linear_f32<'a>(&self, w: &'a DeviceLinear) -> Result<&'a DeviceMat> {
+        if let Some(m) = w.f32.get() {
+            return Ok(m);
+        }
+        let bits = w
+            .bf16
+            .as_ref()
+            .ok_or_else(|| CudaError::InvalidArg("weight without storage".into()))?;
+        let m = self.zeros(w.rows, w.cols)?;
+        let n = (w.rows * w.cols) as i64;
+        launch!(self, "bf16_to_f32", geometry::elementwise(n as usize)?; bits, &m.buf, &n)?;
+        let _ = w.f32.set(m);
+        w.f32
+            .get()
+            .ok_or_else(|| CudaError::InvalidArg("weight f32 copy".into()))
+    }
+
+    /// `y = x Wᵀ` for any weight: bf16 weights through the tensor-core GEMV for decode rows of
+    /// small weights (`CudaOptions::gemv_max_weight_elems`) and otherwise one cuBLAS tensor-core GEMM over the hi
+    /// and lo bf16 rows of x (kernels/bf16.cu); f32 weights through `matmul_rt`.
+    pub fn matmul_linear(&self, x: &DeviceMat, w: &DeviceLinear) -> Result<DeviceMat> {
+        let Some(bits) = &w.bf16 else {
+            return self.matmul_rt(x, self.linear_f32(w)?);
+        };
+        let (m, n, k) = matmul_dims(x, w.rows, w.cols)?;
+        if m == 0 || n == 0 || k == 0 {
+            return self.zeros(m, n);
+        }
+        let y = self.output(m, n)?; // both paths below write every element
+        if m <= GEMV_TC_MAX_ROWS
+            && k.is_multiple_of(8)
+            && n * k <= self.options.gemv_max_weight_elems
+        {
+            let (splits, kslice) = gemv_tc_plan(n, k, self.multiprocessors);
+            let (mi, ni, ki, ks) = (m as i32, n as i32, k as i32, kslice as i32);
+            let l = Launch::new((n.div_ceil(GEMV_TC_BLOCK_ROWS), splits, 1), 128)?;
+            if splits == 1 {
+                launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &y.buf, &mi, &ni, &ki, &ks)?;
+                return Ok(y);
+            }
+            // Every split writes its whole [M, N] partial before the sum reads it.
+            let part = self.uninit::<f32>(splits * m * n)?;
+            let (si, yn) = (splits as i32, (m * n) as i64);
+            launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &part, &mi, &ni, &ki, &ks)?;
+            launch!(self, "gemv_sum_splits_f32", geometry::elementwise(m * n)?; &part, &y.buf, &si, &yn)?;
+            return Ok(y);
+        }
+        // Both are written in full (split, then the GEMM) before anything reads them.
+        let xs = self.uninit::<u16>(2 * m * k)?;
+        let mut c = self.uninit::<f32>(2 * m * n)?;
+        let (xn, yn) = ((m * k) as i64, (m * n) as i64);
+        launch!(self, "bf16_split_rows_f32", geometry::elementwise(m * k)?; &x.buf, &xs, &xn)?;
+        self.gemm_bf16(bits, 0, &xs, 0, &mut c, 0, n, 2 * m, k)?;
+        launch!(self, "sum_row_halves_f32", geometry::elementwise(m * n)?; &c, &y.buf, &yn)?;
+        Ok(y)
+    }
+
+    pub(crate) fn rows_of(&self, a: &DeviceMat, start: usize, end: usize) -> Result<DeviceMat> {
+        if start > end || end > a.rows {
+            return Err(CudaError::InvalidArg(format!(
+                "rows {start}..{end} of a {}-row matrix",
+                a.rows
+            )));
+        }
+        let mut out = self.zeros(end - start, a.cols)?;
+        if end > start {
+            let src = a.buf.slice(start * a.cols..end * a.cols);
+            let mut dst = out.buf.slice_mut(0..(end - start) * a.cols);
+            self.copy_dtod(&src, &mut dst)?;
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn concat(&self, parts: &[&DeviceMat]) -> Result<DeviceMat> {
+        let cols = parts.first().map_or(0, |m| m.cols);
+        if parts.iter().any(|m| m.cols != cols) {
+            return Err(CudaError::InvalidArg("concat_rows: widths differ".into()));
+        }
+        let rows = parts.iter().map(|m| m.rows).sum();
+        let mut out = self.zeros(rows, cols)?;
+        let mut at = 0;
+        for m in parts {
+            let n = m.rows * cols;
+            if n > 0 {
+                let src = m.buf.slice(0..n);
+                let mut dst = out.buf.slice_mut(at..at + n);
+                self.copy_dtod(&src, &mut dst)?;
+            }
+            at += n;
+        }
+        Ok(out)
+    }
+
+    pub fn rms_norm(&self, x: &DeviceMat, w: &CudaSlice<f32>, eps: f32) -> Result<DeviceMat> {
+        if w.len() != x.cols {
+            return Err(CudaError::InvalidArg(format!(
+                "rms_norm weight {} for width {}",
+                w.len(),
+                x.cols
+            )));
+        }
+        let y = self.zeros(x.rows, x.cols)?;
+        let (rows, cols) = (i32_of(x.rows, "rows")?, i32_of(x.cols, "cols")?);
+        launch!(self, "rms_norm_f32", geometry::per_row(x.rows, 256)?; &x.buf, w, &y.buf, &rows, &cols, &eps)?;
+        Ok(y)
+    }
+
+    pub fn gated_head_norm(
+        &self,
+        o: &DeviceMat,
+        gate: &DeviceMat,
+        w: &CudaSlice<f32>,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<DeviceMat> {
+        same_shape(o, gate, "gated_head_norm")?;
+        if head_dim == 0 || !o.cols.is_multiple_of(head_dim) || w.len() != head_dim {
+            return Err(CudaError::InvalidArg(format!(
+                "gated_head_norm: width {} head_dim {head_dim}",
+                o.cols
+            )));
+        }
+        let y = self.zeros(o.rows, o.cols)?;
+        let heads = o.cols / head_dim;
+        let (r, h, hd) = (
+            i32_of(o.rows, "rows")?,
+            i32_of(heads, "heads")?,
+            i32_of(head_dim, "head_dim")?,
+        );
+        launch!(self, "gated_head_norm_f32", geometry::warp_per_item(o.rows * heads)?;
+            &o.buf, &gate.buf, w, &y.buf, &r, &h, &hd, &eps)?;
+        Ok(y)
+    }
+
+    pub fn situ_glu(&self, gate: &DeviceMat, up: &DeviceMat, p: SituParams) -> Result<DeviceMat> {
+        same_shape(gate, up, "situ_glu")?;
+        let out = self.zeros(gate.rows, gate.cols)?;
+        let n = (gate.rows * gate.cols) as i64;
+        let (lin, has) = situ_linear_args(p);
+        launch!(self, "situ_glu_f32", geometry::elementwise(n as usize)?;
+            &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has)?;
+        Ok(out)
+    }
+
+    pub fn add_assign(&self, p: &mut DeviceMat, a: &DeviceMat) -> Result<()> {
+        same_shape(p, a, "add_assign")?;
+        let n = (p.rows * p.cols) as i64;
+        launch!(self, "add_assign_f32", geometry::elementwise(n as usize)?; &mut p.buf, &a.buf, &n)
+    }
+
+    pub fn sigmoid_mul(&self, o: &mut DeviceMat, gate: &DeviceMat) -> Result<()> {
+        same_shape(o, gate, "sigmoid_mul")?;
+        let n = (o.rows * o.cols) as i64;
+        launch!(self, "sigmoid_mul_f32", geometry::elementwise(n as usize)?; &mut o.buf, &gate.buf, &n)
+    }
+
+    /// Block AttnRes over 1..=9 sources of the same shape.
+    pub fn attn_res(
+        &self,
+        sources: &[&DeviceMat],
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<DeviceMat> {
+        let first = *sources
+            .first()
+            .ok_or_else(|| CudaError::InvalidArg("attn_res with no sources".into()))?;
+        if sources.len() > 9 {
+            return Err(CudaError::Unsupported(format!(
+                "attn_res over {} sources (<= 9)",
+                sources.len()
+            )));
+        }
+        for s in sources {
+            same_shape(first, s, "attn_res")?;
+        }
+        let out = self.zeros(first.rows, first.cols)?;
+        let src: Vec<&CudaSlice<f32>> = (0..9)
+            .map(|i| &sources.get(i).unwrap_or(&first).buf)
+            .collect();
+        let (n, rows, d) = (
+            sources.len() as i32,
+            i32_of(first.rows, "rows")?,
+            i32_of(first.cols, "cols")?,
+        );
+        launch!(self, "attn_res_f32", geometry::per_row(first.rows, 256)?;
+            src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], src[8], &n, w, &out.buf, &rows, &d, &eps)?;
+        Ok(out)
+    }
+
+    /// Each row's `k` largest finite logits (1 <= k <= TOPK_MAX), as k3_model::top_k_of_row
+    /// orders them, selected on the device (kernels/sampling.cu): only k pairs per row are
+    /// copied back. Not part of a logged step (it reads back), so it runs after the step.
+    pub fn top_k_rows(&self, logits: &DeviceMat, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        if k == 0 || k > TOPK_MAX {
+            return Err(CudaError::InvalidArg(format!(
+                "top-k of {k} (1..={TOPK_MAX})"
+            )));
+        }
+        let rows = logits.rows;
+        // Each row is cut into segments selected in parallel, then merged (kernels/sampling.cu).
+        let segments = logits.cols.div_ceil(TOPK_SEGMENT).max(1);
+        let seg_ids = self.uninit::<i32>(rows * segments * k)?;
+        let seg_vals = self.uninit::<f32>(rows * segments * k)?;
+        let seg_count = self.uninit::<i32>(rows * segments)?;
+        // The merge writes ids, values (as f32 bits) and counts into one buffer, so the step
+        // reads back once: each read-back is a stream wait plus a copy.
+        let out = self.uninit::<i32>(rows * (2 * k + 1))?;
+        let ids = out.slice(0..rows * k);
+        let vals = out.slice(rows * k..2 * rows * k);
+        let count = out.slice(2 * rows * k..);
+        let (r, v, kk, sl, sg) = (
+            i32_of(rows, "rows")?,
+            i32_of(logits.cols, "vocab")?,
+            k as i32,
+            TOPK_SEGMENT as i32,
+            i32_of(segments, "segments")?,
+        );
+        launch!(self, "topk_segments_f32", Launch::new((segments, rows, 1), 512)?;
+            &logits.buf, &seg_ids, &seg_vals, &seg_count, &r, &v, &kk, &sl)?;
+        launch!(self, "topk_merge_f32", geometry::per_row(rows, 1024)?;
+            &logits.buf, &seg_ids, &seg_vals, &seg_count, &ids, &vals, &count, &r, &v, &kk, &sg)?;
+        let all = self.read_back("top-k candidates", &out)?;
+        let (ids, rest) = all.split_at(rows * k);
+        let (vals, count) = rest.split_at(rows * k);
+        Ok((0..rows)
+            .map(|row| {
+                let n = (count[row].max(0) as usize).min(k);
+                (0..n)
+                    .map(|i| {
+                        let at = row * k + i;
+                        (ids[at] as u32, f32::from_bits(vals[at] as u32))
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+}
+
+/// `(M, N, K)` of `x [M, K] · Wᵀ` for a weight `[rows, cols]`, or the mismatch as an error.
+fn matmul_dims(x: &DeviceMat, rows: usize, cols: usize) -> Result<(usize, usize, usize)> {
+    if x.cols != cols {
+        return Err(CudaError::InvalidArg(format!(
+            "matmul: x {}x{} with W {rows}x{cols}",
+            x.rows, x.cols
+        )));
+    }
+    Ok((x.rows, rows, x.cols))
+}
+
+/// kernels/bf16.cu `gemv_bf16_tc_f32`: most rows of x, weight rows per 128-thread block, K step.
+const GEMV_TC_MAX_ROWS: usize = 16;
+
+const GEMV_TC_BLOCK_ROWS: usize = 128;
+
+const GEMV_TC_KSTEP: usize = 64;
+
+/// Blocks resident per SM (98 registers x 128 threads, `__launch_bounds__(128, 4)`).
+const GEMV_TC_BLOCKS_PER_SM: usize = 4;
+
+/// Fewest columns per K split: shorter slices cost more in partial sums (splits x M x N floats
+/// written and read) and per-warp setup than the extra parallelism returns.
+const GEMV_TC_MIN_SLICE: usize = 512;
+
+/// `(splits, kslice)` for `gemv_bf16_tc_f32`: as many K splits as fit the row blocks into one
+/// wave of resident blocks (the weight stream needs every SM's loads in flight; a second, partial
+/// wave would leave most SMs idle at the end), slices a multiple of the K step and at least
+/// `GEMV_TC_MIN_SLICE` long. Big-N shapes get one split (no partials, one launch).
+fn gemv_tc_plan(n: usize, k: usize, sms: usize) -> (usize, usize) {
+    let row_blocks = n.div_ceil(GEMV_TC_BLOCK_ROWS);
+    let wave = sms.max(1) * GEMV_TC_BLOCKS_PER_SM;
+    let want = (wave / row_blocks).clamp(1, k.div_ceil(GEMV_TC_MIN_SLICE).clamp(1, 65535));
+    let kslice = k.div_ceil(want).next_multiple_of(GEMV_TC_KSTEP);
+    (k.div_ceil(kslice), kslice)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemv_tc_plan;
+
+    #[test]
+    fn gemv_tc_plan_covers_k_in_one_wave() {
+        // K3 decode shapes on 132 SMs: (n, k) -> (splits, kslice).
+        assert_eq!(gemv_tc_plan(12288, 7168, 132), (5, 1472));
+        assert_eq!(gemv_tc_plan(33792, 7168, 132), (2, 3584));
+        assert_eq!(gemv_tc_plan(1536, 7168, 132), (14, 512));
+        assert_eq!(gemv_tc_plan(12288, 128, 132), (1, 128));
+        assert_eq!(gemv_tc_plan(100_000, 7168, 132), (1, 7168));
+        for &(n, k) in &[
+            (1, 8),
+            (77, 520),
+            (7168, 12288),
+            (18432, 1536),
+            (96, 7168),
+            (300, 7000),
+        ] {
+            let (s, ks) = gemv_tc_plan(n, k, 132);
+            assert!(
+                ks.is_multiple_of(64) && s * ks >= k && (s - 1) * ks < k,
+                "{n}x{k}"
+            );
+            assert!(
+                s == 1 || n.div_ceil(128) * s <= 132 * 4,
+                "{n}x{k}: one wave"
+            );
+        }
+    }
+}

@@ -1,0 +1,248 @@
+//! Routed LatentMoE experts (MXFP4 weights, SiTU-GLU; docs/k3-model.md): the router, then one
+//! expert path per step shape (dispatch.rs `expert_path`): the single-token pair
+//! (single_token.rs), the few-token pair below (MXFP4 decoded in registers for mma.sync, weights
+//! read once per expert for up to 16 tokens), the wgmma GEMMs for many assignments (wgmma.rs), and
+//! cuBLAS over bf16-expanded experts as the fallback (cublas.rs). The sorted paths share
+//! sorted.rs.
+
+pub(crate) mod cublas;
+pub(crate) mod single_token;
+pub(crate) mod sorted;
+pub(crate) mod wgmma;
+
+use crate::device::{CudaBackend, DeviceMat};
+use crate::dispatch::{ExpertPath, ExpertStep, expert_path};
+use crate::error::{CudaError, Result};
+use crate::geometry::{self, Launch};
+use crate::launch::i32_of;
+use cudarc::driver::CudaSlice;
+use k3_model::backend::{MxExpertsHost, MxMatrixHost, RouterParams, SituParams};
+
+/// Routed experts of one layer, all experts back to back (kernels/mxfp4.cu layout).
+pub struct DeviceExperts {
+    pub experts: usize,
+    pub latent: usize,
+    pub inter: usize,
+    pub w1: (CudaSlice<u8>, CudaSlice<u8>),
+    pub w3: (CudaSlice<u8>, CudaSlice<u8>),
+    pub w2: (CudaSlice<u8>, CudaSlice<u8>),
+}
+
+/// kernels/mxfp4_tc.cu tc2 (`mxfp4_up_tc2_f32` / `mxfp4_down_tc2_f32`): weight rows per 256-thread
+/// block (up: 128 rows of W1 and of W3 = one 128-column super-step of the split intermediate;
+/// down: 256 rows of W2), n-tiles of 4 tokens per pass (at most 4), and the split activations'
+/// row length in bf16: per 128-column super-step, 128 hi then 128 lo.
+const FEW_TOKEN_UP_ROWS: usize = 128;
+
+const FEW_TOKEN_DOWN_ROWS: usize = 256;
+
+const FEW_TOKEN_MAX_NTILES: usize = 4;
+
+fn few_token_row_u16(cols: usize) -> usize {
+    cols.div_ceil(128) * 256
+}
+
+/// n-tiles per pass: tokens per expert are at most T, so T <= 12 stages fewer (less shared memory).
+fn few_token_ntiles(tokens: usize) -> usize {
+    tokens.div_ceil(4).clamp(1, FEW_TOKEN_MAX_NTILES)
+}
+
+/// kernels/mxfp4_tc.cu MX2 shared memory: 3 stages of 256 weight rows x 64 bytes, their scales
+/// and `ntiles` x 8 staged bf16 rows of 272 bytes. At most `geometry::FEW_TOKEN_MAX_SHARED` (two
+/// blocks per SM).
+fn few_token_shared(ntiles: usize) -> usize {
+    3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
+}
+
+/// Grid of the tc2 expert kernels: `busy` experts x blocks of `rows_per_block` rows.
+fn few_token_launch(
+    busy: usize,
+    rows: usize,
+    cols: usize,
+    rows_per_block: usize,
+    ntiles: usize,
+) -> Result<Launch> {
+    geometry::check_mx_width(cols)?;
+    Launch::new((busy, rows.div_ceil(rows_per_block), 1), 256)?
+        .with_opt_in_shared(few_token_shared(ntiles))
+}
+
+/// `mxfp4_tc2_split_f32`: one 32-thread block per (row, 128-column super-step).
+fn few_token_split_launch(rows: usize, cols: usize) -> Result<Launch> {
+    geometry::check_mx_width(cols)?;
+    Launch::new((rows, cols.div_ceil(128), 1), 32)
+}
+
+impl CudaBackend {
+    /// Router: (expert ids, weights) per token, `[T, k]` each, on the device.
+    pub fn route(
+        &self,
+        logits: &DeviceMat,
+        bias: &CudaSlice<f32>,
+        r: RouterParams,
+    ) -> Result<(CudaSlice<i32>, CudaSlice<f32>)> {
+        if bias.len() != logits.cols {
+            return Err(CudaError::InvalidArg(format!(
+                "router bias {} for {} experts",
+                bias.len(),
+                logits.cols
+            )));
+        }
+        let l = geometry::router(logits.rows, logits.cols, r.top_k)?;
+        let idx = self.zeroed::<i32>(logits.rows * r.top_k)?;
+        let w = self.zeroed::<f32>(logits.rows * r.top_k)?;
+        let (t, e, k, ren) = (
+            logits.rows as i32,
+            logits.cols as i32,
+            r.top_k as i32,
+            i32::from(r.renormalize),
+        );
+        launch!(self, "router_topk_f32", l; &logits.buf, bias, &idx, &w, &t, &e, &k, &ren, &r.scaling)?;
+        Ok((idx, w))
+    }
+
+    /// Routed LatentMoE: router, grouping by expert, MXFP4 SiTU-GLU experts, fixed-order combine.
+    pub fn moe_routed(
+        &self,
+        z: &DeviceMat,
+        router_logits: &DeviceMat,
+        bias: &CudaSlice<f32>,
+        ex: &DeviceExperts,
+        r: RouterParams,
+        situ: SituParams,
+    ) -> Result<DeviceMat> {
+        if z.cols != ex.latent || router_logits.cols != ex.experts || z.rows != router_logits.rows {
+            return Err(CudaError::InvalidArg(
+                "moe_routed: z / logits / experts shapes differ".into(),
+            ));
+        }
+        let (idx, w) = self.route(router_logits, bias, r)?;
+        let (t, k) = (z.rows, r.top_k);
+        let step = ExpertStep {
+            tokens: t,
+            many: t * k >= self.options.moe_gemm_min_assignments,
+            latent: ex.latent,
+            inter: ex.inter,
+        };
+        let path = expert_path(step, &self.limits);
+        // The single-token pair takes the router's ids as they are: no sort, no offsets.
+        if path == ExpertPath::SingleToken {
+            return self.moe_experts_single_token(z, &idx, &w, ex, k, situ);
+        }
+        let offsets = self.zeroed::<i32>(ex.experts + 1)?;
+        let sorted = self.zeroed::<i32>((t * k).max(1))?;
+        let (na, e) = (i32_of(t * k, "assignments")?, ex.experts as i32);
+        launch!(self, "moe_sort_assignments", Launch::new((1, 1, 1), 1024)?; &idx, &na, &e, &offsets, &sorted)?;
+        let sorted_step = crate::moe::sorted::SortedStep {
+            z,
+            idx: &idx,
+            w: &w,
+            ex,
+            top_k: k,
+            offsets: &offsets,
+            sorted: &sorted,
+            situ,
+        };
+        match path {
+            ExpertPath::Wgmma => return self.moe_experts_wgmma(sorted_step),
+            ExpertPath::Cublas => return self.moe_experts_cublas(sorted_step),
+            ExpertPath::FewTokens | ExpertPath::SingleToken => {}
+        }
+        let y = self.zeros(t * k, ex.latent)?;
+        let (kk, lt, ie) = (k as i32, ex.latent as i32, ex.inter as i32);
+        let (lin, has) = crate::launch::situ_linear_args(situ);
+        // Blocks for at most min(E, T*k) experts: each maps itself to a busy one.
+        let busy = ex.experts.min(t * k).max(1);
+        // The tc2 pair: z and the intermediate as hi / lo bf16 in fragment order (every element
+        // written: the split pads z, each up block writes its whole 128-column super-step).
+        let nt = few_token_ntiles(t);
+        let (nti, ti) = (nt as i32, i32_of(t, "tokens")?);
+        let zx = self.uninit::<u16>(t * few_token_row_u16(ex.latent))?;
+        let actx = self.uninit::<u16>(t * k * few_token_row_u16(ex.inter))?;
+        launch!(self, "mxfp4_tc2_split_f32", few_token_split_launch(t, ex.latent)?; &z.buf, &zx, &ti, &lt)?;
+        launch!(self, "mxfp4_up_tc2_f32", few_token_launch(busy, ex.inter, ex.latent, FEW_TOKEN_UP_ROWS, nt)?;
+            &zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &actx, &kk, &lt, &ie,
+            &situ.beta, &lin, &has, &e, &nti)?;
+        launch!(self, "mxfp4_down_tc2_f32", few_token_launch(busy, ex.latent, ex.inter, FEW_TOKEN_DOWN_ROWS, nt)?;
+            &actx, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &nti)?;
+        let out = self.zeros(t, ex.latent)?;
+        let tt = t as i32;
+        launch!(self, "moe_combine_f32", geometry::elementwise(t * ex.latent)?; &y.buf, &w, &out.buf, &tt, &kk, &lt)?;
+        Ok(out)
+    }
+
+    pub(crate) fn upload_experts(&self, h: &MxExpertsHost) -> Result<DeviceExperts> {
+        let cat = |ms: &[MxMatrixHost],
+                   rows: usize,
+                   cols: usize|
+         -> Result<(CudaSlice<u8>, CudaSlice<u8>)> {
+            let mut packed = Vec::with_capacity(ms.len() * rows * cols / 2);
+            let mut scales = Vec::with_capacity(ms.len() * rows * cols / 32);
+            for m in ms {
+                if (m.rows, m.cols) != (rows, cols)
+                    || m.packed.len() != rows * cols / 2
+                    || m.scales.len() != rows * cols / 32
+                {
+                    return Err(CudaError::InvalidArg(format!(
+                        "expert matrix {}x{} ({} packed, {} scales), want {rows}x{cols}",
+                        m.rows,
+                        m.cols,
+                        m.packed.len(),
+                        m.scales.len()
+                    )));
+                }
+                packed.extend_from_slice(&m.packed);
+                scales.extend_from_slice(&m.scales);
+            }
+            Ok((self.upload_slice(&packed)?, self.upload_slice(&scales)?))
+        };
+        if h.w1.len() != h.num_experts || h.w3.len() != h.num_experts || h.w2.len() != h.num_experts
+        {
+            return Err(CudaError::InvalidArg(
+                "expert count differs per matrix".into(),
+            ));
+        }
+        Ok(DeviceExperts {
+            experts: h.num_experts,
+            latent: h.latent,
+            inter: h.inter,
+            w1: cat(&h.w1, h.inter, h.latent)?,
+            w3: cat(&h.w3, h.inter, h.latent)?,
+            w2: cat(&h.w2, h.latent, h.inter)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn few_token_launch_geometry() {
+        // kernels/mxfp4_tc.cu MX2_STAGE_BYTES: two blocks per SM at the largest pass.
+        assert_eq!(
+            few_token_shared(FEW_TOKEN_MAX_NTILES),
+            geometry::FEW_TOKEN_MAX_SHARED
+        );
+        // Two blocks (plus 1 KB reserved and the static shared memory each) in an SM's 228 KB.
+        const { assert!(2 * (geometry::FEW_TOKEN_MAX_SHARED + 1024 + 256) <= 233_472) };
+        assert_eq!(
+            (
+                few_token_ntiles(2),
+                few_token_ntiles(5),
+                few_token_ntiles(16),
+                few_token_ntiles(64)
+            ),
+            (1, 2, 4, 4)
+        );
+        // K3: up blocks are one 128-column super-step of the intermediate each; down 256 rows.
+        let up = few_token_launch(128, 3072, 3584, FEW_TOKEN_UP_ROWS, 4).unwrap();
+        assert_eq!((up.grid, up.block, up.shared), ((128, 24, 1), 256, 78_336));
+        let down = few_token_launch(128, 3584, 3072, FEW_TOKEN_DOWN_ROWS, 1).unwrap();
+        assert_eq!((down.grid, down.shared), ((128, 14, 1), 58_752));
+        assert_eq!(few_token_row_u16(3584), 28 * 256);
+        assert_eq!(few_token_row_u16(160), 2 * 256);
+        assert_eq!(few_token_split_launch(64, 3584).unwrap().grid, (64, 28, 1));
+        assert!(few_token_launch(16, 3072, 100, FEW_TOKEN_UP_ROWS, 1).is_err());
+    }
+}
