@@ -59,9 +59,9 @@ pub const FILES: &[KernelFile] = &[
         entries: &["kda_conv_silu_f32", "kda_prep_f32", "kda_chunk_fwd_f32"],
     },
     KernelFile {
-        name: "kda_chunk_scan.cu",
-        text: include_str!("../../../kernels/kda_chunk_scan.cu"),
-        entries: &["kda_chunk_rec3m_f32", "kda_chunk_scan4_f32"],
+        name: "kda_prefill_scan.cu",
+        text: include_str!("../../../kernels/kda_prefill_scan.cu"),
+        entries: &["kda_prefill_record_f32", "kda_prefill_scan_f32"],
     },
     KernelFile {
         name: "kda_decode.cu",
@@ -74,7 +74,7 @@ pub const FILES: &[KernelFile] = &[
         entries: &[
             "mla_append_rows_f32",
             "mla_absorb_q_f32",
-            "mla_attend_tc2_f32",
+            "mla_attend_tf32_f32",
             "mla_merge_f32",
             "mla_out_proj_f32",
             "mla_absorb_q_bf16",
@@ -87,9 +87,9 @@ pub const FILES: &[KernelFile] = &[
         entries: &["mla_attend_bf16_f32"],
     },
     KernelFile {
-        name: "mla_attend_wg.cu",
-        text: include_str!("../../../kernels/mla_attend_wg.cu"),
-        entries: &["mla_attend_wg2_f32"],
+        name: "mla_attend_pair_wgmma.cu",
+        text: include_str!("../../../kernels/mla_attend_pair_wgmma.cu"),
+        entries: &["mla_attend_pair_wgmma_f32"],
     },
     KernelFile {
         name: "mla_prefill.cu",
@@ -116,23 +116,30 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
-        name: "mxfp4_stream.cu",
-        text: include_str!("../../../kernels/mxfp4_stream.cu"),
-        entries: &["mxfp4_up_stream2v2_f32", "mxfp4_down_stream2v2_f32"],
-    },
-    KernelFile {
-        name: "mxfp4_tc.cu",
-        text: include_str!("../../../kernels/mxfp4_tc.cu"),
+        name: "moe_single_token.cu",
+        text: include_str!("../../../kernels/moe_single_token.cu"),
         entries: &[
-            "mxfp4_tc2_split_f32",
-            "mxfp4_up_tc2_f32",
-            "mxfp4_down_tc2_f32",
+            "mxfp4_experts_single_token_up_f32",
+            "mxfp4_experts_single_token_down_f32",
         ],
     },
     KernelFile {
-        name: "mxfp4_wg.cu",
-        text: include_str!("../../../kernels/mxfp4_wg.cu"),
-        entries: &["mxfp4_wg_split_f32", "mxfp4_up_wg_f32", "mxfp4_down_wg_f32"],
+        name: "moe_few_tokens.cu",
+        text: include_str!("../../../kernels/moe_few_tokens.cu"),
+        entries: &[
+            "mxfp4_experts_few_tokens_split_f32",
+            "mxfp4_experts_few_tokens_up_f32",
+            "mxfp4_experts_few_tokens_down_f32",
+        ],
+    },
+    KernelFile {
+        name: "moe_wgmma.cu",
+        text: include_str!("../../../kernels/moe_wgmma.cu"),
+        entries: &[
+            "mxfp4_experts_wgmma_split_f32",
+            "mxfp4_experts_wgmma_up_f32",
+            "mxfp4_experts_wgmma_down_f32",
+        ],
     },
     KernelFile {
         name: "norm.cu",
