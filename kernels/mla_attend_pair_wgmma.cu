@@ -72,7 +72,7 @@
 #endif
 // Harness-only timing probes (benchmarks.py bench_mla_diag, never built by the host): 1 = the
 // consumers skip their math (producer-bound time), 2 = the producer skips its global loads
-// (consumer- and store-bound time), 3 = both; + 4 = no transfer to the partner block (wg2), + 8 = no
+// (consumer- and store-bound time), 3 = both; + 4 = no transfer to the partner block, + 8 = no
 // local stores of the bf16 rows, + 16 / 32 / 64 = no S^T wgmma / no P V wgmma / no softmax, + 128 /
 // 256 / 512 = no proxy fence after the producer's stores / after the full wait / after the softmax
 // (racy: for timing only). 0 in every real build.

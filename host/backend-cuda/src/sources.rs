@@ -59,14 +59,14 @@ pub const FILES: &[KernelFile] = &[
         entries: &["kda_conv_silu_f32", "kda_prep_f32", "kda_chunk_fwd_f32"],
     },
     KernelFile {
-        name: "kda_prefill_scan.cu",
-        text: include_str!("../../../kernels/kda_prefill_scan.cu"),
-        entries: &["kda_prefill_record_f32", "kda_prefill_scan_f32"],
-    },
-    KernelFile {
         name: "kda_decode.cu",
         text: include_str!("../../../kernels/kda_decode.cu"),
         entries: &["kda_decode_lines_f32"],
+    },
+    KernelFile {
+        name: "kda_prefill_scan.cu",
+        text: include_str!("../../../kernels/kda_prefill_scan.cu"),
+        entries: &["kda_prefill_record_f32", "kda_prefill_scan_f32"],
     },
     KernelFile {
         name: "mla.cu",
@@ -97,6 +97,15 @@ pub const FILES: &[KernelFile] = &[
         entries: &["mla_prefill_gather_f32", "mla_prefill_softmax_f32"],
     },
     KernelFile {
+        name: "moe_few_tokens.cu",
+        text: include_str!("../../../kernels/moe_few_tokens.cu"),
+        entries: &[
+            "mxfp4_experts_few_tokens_split_f32",
+            "mxfp4_experts_few_tokens_up_f32",
+            "mxfp4_experts_few_tokens_down_f32",
+        ],
+    },
+    KernelFile {
         name: "moe_gemm.cu",
         text: include_str!("../../../kernels/moe_gemm.cu"),
         entries: &[
@@ -104,15 +113,6 @@ pub const FILES: &[KernelFile] = &[
             "mxfp4_to_bf16_experts",
             "moe_glu_split_bf16",
             "moe_combine_split_f32",
-        ],
-    },
-    KernelFile {
-        name: "mxfp4.cu",
-        text: include_str!("../../../kernels/mxfp4.cu"),
-        entries: &[
-            "moe_sort_assignments",
-            "moe_combine_f32",
-            "moe_combine_ids_f32",
         ],
     },
     KernelFile {
@@ -124,21 +124,21 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
-        name: "moe_few_tokens.cu",
-        text: include_str!("../../../kernels/moe_few_tokens.cu"),
-        entries: &[
-            "mxfp4_experts_few_tokens_split_f32",
-            "mxfp4_experts_few_tokens_up_f32",
-            "mxfp4_experts_few_tokens_down_f32",
-        ],
-    },
-    KernelFile {
         name: "moe_wgmma.cu",
         text: include_str!("../../../kernels/moe_wgmma.cu"),
         entries: &[
             "mxfp4_experts_wgmma_split_f32",
             "mxfp4_experts_wgmma_up_f32",
             "mxfp4_experts_wgmma_down_f32",
+        ],
+    },
+    KernelFile {
+        name: "mxfp4.cu",
+        text: include_str!("../../../kernels/mxfp4.cu"),
+        entries: &[
+            "moe_sort_assignments",
+            "moe_combine_f32",
+            "moe_combine_ids_f32",
         ],
     },
     KernelFile {
