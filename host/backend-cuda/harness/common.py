@@ -264,17 +264,17 @@ def kda_decode_launcher(d: Device, variant, heads, n, args):
 KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4))}
 # The two-pass path (kernels/kda_prefill_scan.cu, kda/mod.rs for conv <= 4): the
 # record pass (conv + prep + chunk algebra, grid (ceil(chunks / KDA_REC_NCH), heads), 128 threads) then
-# the key-split scan, grid (4, heads), 128 threads (ops.rs kda_rec_launch / KDA_REC_KERNEL /
+# the key-split scan, grid (4, heads), 128 threads (kda/mod.rs kda_rec_launch / KDA_REC_KERNEL /
 # kda_scan_launch).
-KDA_SCAN_KERNELS = {"scan4": ("kda_prefill_record_f32", "kda_prefill_scan_f32")}
+KDA_SCAN_KERNELS = {"two-pass": ("kda_prefill_record_f32", "kda_prefill_scan_f32")}
 KDA_SCAN_THREADS = {"kda_prefill_scan_f32": 128}
-KDA_REC_NCH = 8  # ops.rs KDA_REC_NCH; kernels/kda_prefill_scan.cu KDA_REC_NCH
+KDA_REC_NCH = 8  # kda/mod.rs KDA_REC_NCH; kernels/kda_prefill_scan.cu KDA_REC_NCH
 KDA_CHUNK_KERNELS.update({k: (v[1], lambda h: (4, h)) for k, v in KDA_SCAN_KERNELS.items()})
 # Tolerance of each against the float64 reference (and against the f32 kernel at K3 shapes): the
 # scans' 3xTF32 keeps f32 accuracy.
-KDA_CHUNK_TOL = {"f32": 1e-4, "scan4": 1e-4}
-KDA_REC_FLOATS = 8576  # one (chunk, head) record; ops.rs KDA_REC_FLOATS
-KDA_SCAN_SEG = 8192  # tokens per rec + scan segment; ops.rs KDA_SCAN_SEG
+KDA_CHUNK_TOL = {"f32": 1e-4, "two-pass": 1e-4}
+KDA_REC_FLOATS = 8576  # one (chunk, head) record; kda/mod.rs KDA_REC_FLOATS
+KDA_SCAN_SEG = 8192  # tokens per rec + scan segment; kda/mod.rs KDA_SCAN_SEG
 
 
 # Conv + prep of the one-pass f32 prefill: kda_conv_silu_f32 + kda_prep_f32 (the only form).
