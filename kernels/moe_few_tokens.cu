@@ -96,7 +96,7 @@ extern "C" __global__ void mxfp4_experts_few_tokens_split_f32(const float* __res
 // (ar = 32 w + 16 m + rr), else rows r0 + ar of W2. Warp w's tiles m = 0, 1 are its A-rows
 // 32 w + 16 m + 0..15. emit(t0, nt, out[m][q][h]) stores pass results (token t0 + 4 q + t, row g + 8 h).
 template <bool UP, typename Emit>
-__device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, const u8* const (&pk)[2],
+__device__ __forceinline__ void few_tokens_expert(const u16* __restrict__ xs, int div, const u8* const (&pk)[2],
                                            const u8* const (&ps)[2], int rows, int cols, int r0,
                                            const int* __restrict__ sorted, int a0, int n, int ntiles, Emit emit) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -251,7 +251,7 @@ mxfp4_experts_few_tokens_up_f32(const u16* __restrict__ zx, const u8* __restrict
     const i64 mat = (i64)e * inter;
     const u8* const pk[2] = {w1p + mat * (latent / 2), w3p + mat * (latent / 2)};
     const u8* const ps[2] = {w1s + mat * (latent / 32), w3s + mat * (latent / 32)};
-    mx2_expert<true>(zx, top_k, pk, ps, inter, latent, r0, sorted, a0, offsets[e + 1] - a0, max(1, min(ntiles, MXF_MAXNT)),
+    few_tokens_expert<true>(zx, top_k, pk, ps, inter, latent, r0, sorted, a0, offsets[e + 1] - a0, max(1, min(ntiles, MXF_MAXNT)),
                      [&](int t0, int nt, const float(&o)[2][MXF_MAXNT][2]) {
 #pragma unroll
                          for (int q = 0; q < MXF_MAXNT; ++q)
@@ -287,7 +287,7 @@ mxfp4_experts_few_tokens_down_f32(const u16* __restrict__ actx, const u8* __rest
     const i64 mat = (i64)e * latent;
     const u8* const pk[2] = {w2p + mat * (inter / 2), w2p + mat * (inter / 2)};
     const u8* const ps[2] = {w2s + mat * (inter / 32), w2s + mat * (inter / 32)};
-    mx2_expert<false>(actx, 1, pk, ps, latent, inter, r0, sorted, a0, offsets[e + 1] - a0, max(1, min(ntiles, MXF_MAXNT)),
+    few_tokens_expert<false>(actx, 1, pk, ps, latent, inter, r0, sorted, a0, offsets[e + 1] - a0, max(1, min(ntiles, MXF_MAXNT)),
                       [&](int t0, int nt, const float(&o)[2][MXF_MAXNT][2]) {
 #pragma unroll
                           for (int m = 0; m < 2; ++m)

@@ -476,13 +476,13 @@ def split_bf16(x):
     return hi, bf16_bits(np.asarray(x, dtype=np.float32) - bf16_value(hi))
 
 
-def _mx2_perm():
-    """kernels/moe_few_tokens.cu mx2_pos: column c of a 128-column super-step -> its index in the row."""
+def _few_tokens_perm():
+    """kernels/moe_few_tokens.cu mx_pos: column c of a 128-column super-step -> its index in the row."""
     c = np.arange(128)
     return 16 * ((c >> 2) & 7) + 4 * (c >> 5) + (c & 3)
 
 
-def _mx2_pack(x, out):
+def _few_tokens_pack(x, out):
     """f32 rows [n, cols] -> few-token split layout [n][ceil(cols / 128)][hi / lo][128] bf16 bits."""
     n, cols = x.shape
     nss = -(-cols // 128)
@@ -490,15 +490,15 @@ def _mx2_pack(x, out):
     xp[:, :cols] = x
     hi, lo = split_bf16(xp.reshape(-1))
     o = out.reshape(-1)[:n * nss * 256].reshape(n, nss, 2, 128)
-    perm = _mx2_perm()
+    perm = _few_tokens_perm()
     o[:, :, 0, perm] = hi.reshape(n, nss, 128)
     o[:, :, 1, perm] = lo.reshape(n, nss, 128)
 
 
-def _mx2_unpack(xs, n, cols):
+def _few_tokens_unpack(xs, n, cols):
     """few-token split layout -> float64 rows hi + lo [n, cols] (what the kernels multiply)."""
     nss = -(-cols // 128)
-    o = xs.reshape(-1)[:n * nss * 256].reshape(n, nss, 2, 128)[:, :, :, _mx2_perm()]
+    o = xs.reshape(-1)[:n * nss * 256].reshape(n, nss, 2, 128)[:, :, :, _few_tokens_perm()]
     v = bf16_value(o[:, :, 0]).astype(np.float64) + bf16_value(o[:, :, 1]).astype(np.float64)
     return torch.from_numpy(v.reshape(n, nss * 128)[:, :cols])
 
@@ -506,7 +506,7 @@ def _mx2_unpack(xs, n, cols):
 def _emu_moe_up_few_tokens(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e, nt):
     lt, ie, k, e = int(lt), int(ie), int(top_k), len(offsets) - 1
     na = actx.size // (-(-ie // 128) * 256)
-    z = _mx2_unpack(zx, zx.size // (-(-lt // 128) * 256), lt)
+    z = _few_tokens_unpack(zx, zx.size // (-(-lt // 128) * 256), lt)
     act = np.zeros((na, ie), np.float32)
     for ex in range(e):
         a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
@@ -517,14 +517,14 @@ def _emu_moe_up_few_tokens(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k
             act[a] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta), float(beta_lin) if has_lin else None).float().numpy()
     rows = np.unique(sorted_[offsets[0]:offsets[-1]]).astype(np.int64)  # rows of other assignments untouched
     packed = np.zeros((na, -(-ie // 128) * 256), np.uint16)
-    _mx2_pack(act, packed)
+    _few_tokens_pack(act, packed)
     actx.reshape(na, -1)[rows] = packed[rows]
 
 
 def _emu_moe_down_few_tokens(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, nt):
     lt, ie, e = int(lt), int(ie), len(offsets) - 1
     na = actx.size // (-(-ie // 128) * 256)
-    act = _mx2_unpack(actx, na, ie)
+    act = _few_tokens_unpack(actx, na, ie)
     for ex in range(e):
         a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
         if len(a):
@@ -570,15 +570,15 @@ def _sorted_down(act, w2p, w2s, offsets, sorted_, y, lt, ie, e, order):
 def _emu_moe_up_grouped(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e):
     """mxfp4_up_grouped_f32: as the few-token up kernel, but actx row p = sorted position p."""
     lt, ie, k, e = int(lt), int(ie), int(top_k), int(e)
-    z = _mx2_unpack(zx, zx.size // (-(-lt // 128) * 256), lt)
+    z = _few_tokens_unpack(zx, zx.size // (-(-lt // 128) * 256), lt)
     act = _sorted_up(z, w1p, w1s, w3p, w3s, offsets, sorted_, k, lt, ie, beta, beta_lin, has_lin, e, _in_order)
-    _mx2_pack(act, actx)  # rows [0, npos); rows past them untouched
+    _few_tokens_pack(act, actx)  # rows [0, npos); rows past them untouched
 
 
 def _emu_moe_down_grouped(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e):
     """mxfp4_down_grouped_f32: y[sorted[p]] = W2_e act[p] (rows of dropped slots untouched)."""
     lt, ie, e = int(lt), int(ie), int(e)
-    _sorted_down(_mx2_unpack(actx, int(offsets[e]), ie), w2p, w2s, offsets, sorted_, y, lt, ie, e, _in_order)
+    _sorted_down(_few_tokens_unpack(actx, int(offsets[e]), ie), w2p, w2s, offsets, sorted_, y, lt, ie, e, _in_order)
 
 
 def _wg_perm():
@@ -807,7 +807,7 @@ EMU = {
     "moe_combine_split_f32": _emu_combine_split,
     "mxfp4_experts_single_token_up_f32": _emu_moe_up_single_token,  # the per-part sums, counters zeroed
     "mxfp4_experts_single_token_down_f32": _emu_moe_down_single_token,  # down + the folded combine
-    "mxfp4_experts_few_tokens_split_f32": lambda x, xs, rows, cols: _mx2_pack(x.reshape(-1)[:int(rows) * int(cols)].reshape(
+    "mxfp4_experts_few_tokens_split_f32": lambda x, xs, rows, cols: _few_tokens_pack(x.reshape(-1)[:int(rows) * int(cols)].reshape(
         int(rows), int(cols)), xs),
     "mxfp4_experts_few_tokens_up_f32": _emu_moe_up_few_tokens,  # hi + lo in, act split out (the few-token layout end to end)
     "mxfp4_experts_few_tokens_down_f32": _emu_moe_down_few_tokens,
