@@ -126,7 +126,7 @@ __device__ __forceinline__ void split8_bf16(const float (&v)[8], u32 (&hi)[4], u
 }
 
 // Expert id of the n-th (from 0) expert with assignments, -1 if there are fewer. The expert kernels
-// (mxfp4.cu, mxfp4_tc.cu) take grid.x = min(E, assignments) and map block x to the x-th busy
+// (mxfp4.cu, moe_few_tokens.cu) take grid.x = min(E, assignments) and map block x to the x-th busy
 // expert: with grid.x = E (T = 1: 16 of 128 busy) ~88% of the blocks would only read offsets and
 // exit.
 // Block-uniform (all threads reach the barriers): call before any early return.

@@ -3,10 +3,10 @@
 // beta, the delta-rule step on the f32 state, o = S^T q. Sequences are addressed by state-slot
 // offsets into the arena, so the engine batches any set of slots without copies.
 //
-// kda_decode_lines_f32, the only decode kernel (H200, K3, N = 1/16/64/256: 5.6/59.3/237.6/933.8 us,
-// 53-81% of the DRAM floor, 0.97-1.15x fla's fused_recurrent_kda; it beat a 512-thread block per
-// head, and the same cluster with a 16-row x 32-byte state layout with and without evict-first
-// accesses, at every N, so those were deleted): the state tile of one (sequence, head) is cut into
+// kda_decode_lines_f32, the only decode kernel (about fla's fused_recurrent_kda speed, at half
+// the DRAM floor or better; it beats a 512-thread block per head, and the same cluster with a
+// 16-row x 32-byte state layout with and without evict-first accesses, at every N, so those were
+// deleted): the state tile of one (sequence, head) is cut into
 // KDA_SPLIT column slices of 32, one 128-thread block each, the slices of one head forming a
 // thread-block cluster. Small blocks keep 8 per SM at different phases (one loading while another
 // stores) and fill all 132 SMs at N = 1. The window race is avoided by ownership, not ordering:

@@ -1,7 +1,7 @@
 // Absorbed MLA decode over the paged latent cache (k3-architecture.md §2.2):
 //   mla_append_rows_f32   new rows [RMSNorm(c_kv) ; k_r] into their pages
 //   mla_absorb_q_f32      q~_h = [W_UK,h^T q_nope,h ; q_r,h]  (row = kv_lora + rope, 576 in K3)
-//   mla_attend_tc2_f32    MQA over rows 0..len-1 with online softmax on tensor cores (TF32
+//   mla_attend_tf32_f32    MQA over rows 0..len-1 with online softmax on tensor cores (TF32
 //                         mma.sync), 16 heads per KV tile, split over positions
 //   mla_merge_f32         merge the splits (log-sum-exp) into the normalised latent o~_h
 //   mla_out_proj_f32      o_h = W_UV,h o~_h, each head's W_UV read once for up to 64 items
@@ -120,24 +120,23 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Why this shape (v2). The first tensor-core attend (v1, removed after both were timed on the
-// H200: v2 took 59-70 % of v1's time at every shape) measured ~4 us per 8-position tile for
-// every shape (5% of HBM), ~4x more than its MMA count and bytes explain: one 184-register block per SM runs three barrier-separated phases
+// Why this shape. A simpler tensor-core attend (deleted, slower at every shape) reached ~5% of HBM,
+// ~4x below what its MMA count and bytes allow: one 184-register block per SM runs three barrier-separated phases
 // per tile (split-K scores, softmax on half the warps, P V) with nothing to overlap their latency,
 // and every thread redoes two integer divisions and a page-table load per 16-byte chunk.
-// mla_attend_tc2_f32 is the same math and partial layout with (a) __launch_bounds__(256, 2): two
+// mla_attend_tf32_f32 is the same math and partial layout with (a) __launch_bounds__(256, 2): two
 // blocks per SM, so one block's barriers/softmax overlap the other's MMAs and copies; (b) warp w
 // copies row w of the tile (8 rows = 8 warps): one page lookup per row; (c) L2 prefetch of the
 // rows pf tiles ahead. The six head-group blocks of one (item, split) read the same rows, so
-// only ~1/6 of the bytes v1 had in flight were HBM misses: ~1 MB over the GPU, a ~1 TB/s cap at
+// only ~1/6 of the bytes in flight are HBM misses: ~1 MB over the GPU, a ~1 TB/s cap at
 // HBM latency. mode = precision | pf << 2, precision 1 = 3xTF32, 0 = 1xTF32, 3 = 3xTF32 scores and
 // 1xTF32 P V (scores need the precision: an error d in s scales the weight by e^d), 2 = copies
 // only, no math (a benchmark probe of the load pipeline; its output is garbage).
 // The W_UV step moves to mla_out_proj_f32, which reads each head's W_UV once for up to 64 items
-// (v1's combine re-read all 25 MB of W_UV per item: 1.6 GB of L2 traffic at N = 64).
-static_assert(MLA_TC_POS == MLA_TC_WARPS, "mla_attend_tc2_f32: warp w copies tile row w");
+// (a combine inside the attend would re-read all 25 MB of W_UV per item: 1.6 GB of L2 traffic at N = 64).
+static_assert(MLA_TC_POS == MLA_TC_WARPS, "mla_attend_tf32_f32: warp w copies tile row w");
 extern "C" __global__ void __launch_bounds__(MLA_TC_THREADS, 2)
-mla_attend_tc2_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
+mla_attend_tf32_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
                    const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
                    int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale, int mode) {
     __shared__ __align__(16) float kv[2][MLA_TC_POS][MLA_TC_STRIDE];
@@ -212,14 +211,14 @@ mla_attend_tc2_f32(const float* __restrict__ qt, const float* __restrict__ arena
         if (pf > 0 && it + 1 + pf < tiles) prefetch_tile(it + 1 + pf);
         if (probe) continue;  // uniform: every thread skips the same barriers
         // Opaque to the compiler: it would otherwise hoist the TF32 hi/lo splits of Q out of the
-        // loop (72 live registers instead of 36: 184 in v1, spills under the 128 cap).
+        // loop (72 live registers instead of 36: spills under the 128 cap).
 #pragma unroll
         for (int i = 0; i < MLA_TC_KSTEPS; ++i)
 #pragma unroll
             for (int r = 0; r < 4; ++r) asm volatile("" : "+f"(qa[i][r]));
         // Four accumulators, and the 3xTF32 terms of one k-step go to three different ones: the
-        // score MMAs form 4 independent chains (v1: 2 chains of up to 15 dependent MMAs, the
-        // longest latency path of the tile).
+        // score MMAs form 4 independent chains (rather than 2 chains of up to 15 dependent
+        // MMAs, which would be the longest latency path of the tile).
         float sa[4][4];
 #pragma unroll
         for (int a = 0; a < 4; ++a) sa[a][0] = sa[a][1] = sa[a][2] = sa[a][3] = 0.0f;
@@ -308,10 +307,10 @@ mla_attend_tc2_f32(const float* __restrict__ qt, const float* __restrict__ arena
 // splits of part [items, H, splits, kv_lora + 2] into the normalised latent lat [items, H,
 // kv_lora]. Each block recomputes the split weights (<= 256 values), then sums its column over
 // the splits with 4 independent accumulators so that several L2 loads are in flight per thread
-// (one block per (item, head) walking all splits in one dependent chain took ~33 us at N = 1).
+// (one block per (item, head) walking all splits in one dependent chain is latency-bound).
 #define MLA_MERGE_COLS 128
-// Tried and dropped (H200, session 8, N = 64, L = 32k, 2 splits): a barrier-free few-splits path
-// issuing every load at once, 44 vs 27 us; a per-warp shuffle version of the weights, 42 vs 28 us.
+// Tried and dropped, both slower: a barrier-free few-splits path issuing every load at once; a
+// per-warp shuffle version of the weights.
 // With one split the wg attends write the final rows themselves (final_rows) and skip this kernel.
 extern "C" __global__ void __launch_bounds__(MLA_MERGE_COLS)
 mla_merge_f32(const float* __restrict__ part, float* __restrict__ lat, int items, int heads, int kv_lora,

@@ -1,5 +1,5 @@
 // Absorbed MLA decode attend in bf16 precision (ops.rs MlaDecodeMode::Bf16, the default): the
-// same contract as mla_attend_tc2_f32 (kernels/mla.cu) — qt [items, H, row] from the absorb kernel, the paged f32
+// same contract as mla_attend_tf32_f32 (kernels/mla.cu) — qt [items, H, row] from the absorb kernel, the paged f32
 // latent cache, per-item splits (chunk <= 0), partials [items, H, splits, kv_lora + 2] for
 // mla_merge_f32 — with single bf16 mma.sync m16n8k16 (f32 accumulate) in place of 3xTF32.
 // Rounding: q~ * scale and the cache rows are rounded to bf16 (RNE) when staged in shared memory,
@@ -24,8 +24,8 @@
 //   with lane = position.
 // - Shared rows are 584 bf16 (1168 B = 73 x 16 B): the 8 row addresses of an ldmatrix fall in
 //   distinct banks.
-// Latency, not HBM or the tensor cores, limited a first version of this shape (deleted; H200, K3,
-// L = 32k: N = 1 120.4 us vs 84.0 here, N = 64 3.86 ms vs 3.16; 3xTF32 tc2: 479 us / 28.4 ms):
+// Latency, not HBM or the tensor cores, limits this shape; what a simpler version of it (deleted,
+// slower) lost time to:
 // - its softmax ran a warp's 6 heads one after another, each a chain of 4 LDS, two 5-step shuffle
 //   reductions and two MUFU: ~6 x 400 clocks per tile with 8 warps doing nothing else. Here the 6
 //   heads go through each step together (6 independent chains), and the row sum l is kept per lane
@@ -37,8 +37,7 @@
 //   ldmatrix of k-step k + 1 overlaps the MMAs of k-step k;
 // - the bf16 K tile is double-buffered (~162 KB shared): one barrier per tile fewer, the next
 //   tile's rows go into the other buffer right after P V, with no wait for the other warps' P V.
-// An L2 prefetch of the tiles 1-4 ahead (prefetch.global.L2) was slower than none (71.9 us attend
-// alone at N = 1, L = 32k vs 77-79) and was dropped.
+// No L2 prefetch of the tiles ahead (prefetch.global.L2): it is slower than none.
 #include "tensor_core.cuh"
 
 #define MLC_HEADS 48   // heads per block: 3 m-tiles of 16

@@ -1,5 +1,5 @@
-// Helpers shared by the tensor-core MXFP4 expert kernels (mxfp4.cu stream2, mxfp4_tc.cu tc2,
-// mxfp4_grouped.cu): E2M1 -> bf16 decode through a per-lane shared table, E8M0 block scales as
+// Helpers shared by the tensor-core MXFP4 expert kernels (moe_single_token.cu, moe_few_tokens.cu):
+// E2M1 -> bf16 decode through a per-lane shared table, E8M0 block scales as
 // bf16x2 and the cp.async wrappers (the mma itself: tensor_core.cuh tc_mma_bf16).
 #pragma once
 #include "tensor_core.cuh"
@@ -23,11 +23,10 @@ __device__ __forceinline__ u32 mx_pair(const u32* tab_lane, u32 word, int byte, 
     return out;
 }
 
-// mx_pair without the table (the tc2 kernels, mxfp4_tc.cu): the two nibbles of the byte placed
+// mx_pair without the table (the few-token kernels, moe_few_tokens.cu): the two nibbles of the byte placed
 // as bf16 bits s.000000ee.m000000 (E2M1 x 2^-126: e = 0 lands on the bf16 subnormal 0.m x
 // 2^-126, which bf16 fma keeps), then x 2^126 and x the block scale: both products exact, so the
-// result is bitwise mx_pair's (the tc2 outputs of both decodes were equal bit for bit in session 9's
-// call AS).
+// result is bitwise mx_pair's (the few-token kernels' outputs agree bit for bit under either decode).
 __device__ __forceinline__ u32 mx_pair_alu(u32 word, int byte, u32 sc2) {
     const u32 t = __byte_perm(word, 0, 0x4440 + byte) * 0x1001u;  // low nibble at bit 0, high at bit 16
     const u32 raw = ((t << 6) & 0x01C001C0u) | ((t << 12) & 0x80008000u);
@@ -74,7 +73,7 @@ __device__ __forceinline__ void mx_fill_table(u32* tab, int words) {
 
 // act = SiTU-GLU of the up kernel's gate / up partial sums, columns col .. col + 7 of one
 // assignment: `gu` = its [parts][2][inter] rows, parts added in order (deterministic). Used by
-// both stream2 down kernels' staging.
+// the single-token down kernel's staging.
 __device__ __forceinline__ void mx_glu_parts8(const float* gu, int parts, int inter, int col, float beta,
                                               float beta_lin, int has_lin, float* v) {
     float gs[8], us[8];
@@ -93,7 +92,7 @@ __device__ __forceinline__ void mx_glu_parts8(const float* gu, int parts, int in
     for (int k = 0; k < 8; ++k) v[k] = situ_glu_one(gs[k], us[k], beta, beta_lin, has_lin);
 }
 
-// Tile `tile` of the grouped GEMMs (mxfp4_grouped.cu, mxfp4_wg.cu: each expert's sorted
+// Tile `tile` of the grouped GEMMs (mxfp4_grouped.cu, moe_wgmma.cu: each expert's sorted
 // assignments cut into pieces of TOK tokens, expert by expert): its expert and first token within
 // the expert's sorted range, or false past the last tile. Warp 0 scans ceil(count / TOK) over the
 // experts 32 at a time. Block-uniform: every thread reaches the barrier.

@@ -9,7 +9,7 @@
 #      per-op profile (K3_PROFILE=1)
 # K3_BENCH_ONLY (e.g. "mla,moe"; "none") limits stage 1's kernel benchmarks to those sections
 # (kda_decode, kda_prefill, mla, mla_prefill, attn_res, moe, gemv, sampling; the probes mla_diag,
-# mla_steady and moe_tc2_diag run only when named);
+# mla_steady and moe_few_tokens_diag run only when named);
 # K3_SLICE_RUNS (default "default profile"; also "nogemm", "nographs", "candidates" = the
 # backend flags in K3_SLICE_CANDIDATES, e.g. "--mla-decode-precision f32") picks stage 3's
 # k3-slice runs.

@@ -13,9 +13,9 @@ import torch
 
 from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_SCAN_KERNELS, cdiv,
                     kda_decode_launcher, kda_region_floats, log, rel_err, run_kda_prefill)
-from common import run_mla_prefill, run_mx_tc2
-from common import MX_TC2_DOWN_ROWS, MX_TC2_UP_ROWS, mx_tc2_ntiles, mx_tc2_scratch, mx_tc2_shared
-from common import mx_stream2v2_plan, mx_stream2v2_scratch, run_mx_stream2v2
+from common import run_mla_prefill, run_few_tokens
+from common import FEW_TOKEN_DOWN_ROWS, FEW_TOKEN_UP_ROWS, few_token_ntiles, few_token_scratch, few_token_shared
+from common import single_token_plan, single_token_scratch, run_single_token
 from common import mx_wg_scratch, run_mx_wg
 from common import gemv_tc_plan, run_gemv_tc
 
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from device_check import Device, Results
 
 
-def mla_splits_tc2(blocks, max_len, sms=132, per_sm=2):
-    """geometry::mla_splits_tc2: at least one wave of 2 * sms blocks (two resident per SM), then the
+def mla_splits_f32(blocks, max_len, sms=132, per_sm=2):
+    """geometry::mla_splits_f32: at least one wave of 2 * sms blocks (two resident per SM), then the
     fullest last wave in [want, 2 want], splits of at least 128 positions."""
     wave = per_sm * sms
     want = max(1, cdiv(wave, blocks))
@@ -42,13 +42,13 @@ def mla_splits_tc2(blocks, max_len, sms=132, per_sm=2):
     return best
 
 
-def bench_mla_v2(d: Device, record, N, L, A, ps, qt, kvb, o, base, lens, floor):
-    """MLA absorbed decode (ops.rs mla_decode) on bench()'s buffers: the full path (attend_tc2 + merge +
+def bench_mla_tf32(d: Device, record, N, L, A, ps, qt, kvb, o, base, lens, floor):
+    """MLA absorbed decode (mla/mod.rs mla_absorbed) on bench()'s buffers: the full path (attend_tf32 + merge +
     out_proj) in both precisions, then probes: attend alone at prefetch distances 0/4/8 tiles, the
     load pipeline alone (mode 2: copies, no math) and the W_UV tail alone."""
     heads, nope, rope, v_dim, kv_lora, pt = 96, 128, 64, 128, 512, 64
     hg = cdiv(heads, 16)
-    splits = mla_splits_tc2(N * hg, L)
+    splits = mla_splits_f32(N * hg, L)
     chunk = cdiv(L, splits)
     part = torch.empty(N, heads, splits, kv_lora + 2, device=qt.device)
     lat = torch.empty(N, heads, kv_lora, device=qt.device)
@@ -61,14 +61,14 @@ def bench_mla_v2(d: Device, record, N, L, A, ps, qt, kvb, o, base, lens, floor):
         d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, *margs)
         d.launch("mla_out_proj_f32", (heads, cdiv(v_dim, 16), cdiv(N, 64)), 256, *pargs)
     big = N * L > 16 * 8192
-    variants = [("v2 precise", 1 | 4 << 2, True), ("v2 mixed", 3 | 4 << 2, True), ("v2 fast", 0 | 4 << 2, True),
-                ("v2 precise pf0", 1, False), ("v2 precise pf4", 1 | 4 << 2, False),
-                ("v2 fast pf0", 0, False), ("v2 fast pf4", 0 | 4 << 2, False), ("v2 fast pf8", 0 | 8 << 2, False),
-                ("v2 loads-only pf0", 2, False), ("v2 loads-only pf4", 2 | 4 << 2, False),
-                ("v2 loads-only pf8", 2 | 8 << 2, False)]
+    variants = [("tf32 precise", 1 | 4 << 2, True), ("tf32 mixed", 3 | 4 << 2, True), ("tf32 fast", 0 | 4 << 2, True),
+                ("tf32 precise pf0", 1, False), ("tf32 precise pf4", 1 | 4 << 2, False),
+                ("tf32 fast pf0", 0, False), ("tf32 fast pf4", 0 | 4 << 2, False), ("tf32 fast pf8", 0 | 8 << 2, False),
+                ("tf32 loads-only pf0", 2, False), ("tf32 loads-only pf4", 2 | 4 << 2, False),
+                ("tf32 loads-only pf8", 2 | 8 << 2, False)]
     for label, mode, full in variants:
         def go(mode=mode, full=full):
-            d.launch("mla_attend_tc2_f32", (hg, N, splits), 256, *a2, mode)
+            d.launch("mla_attend_tf32_f32", (hg, N, splits), 256, *a2, mode)
             if full:
                 tail()
         name = f"mla_decode {label} N={N} L={L} (attend+merge+proj, f32 rows)" if full else \
@@ -81,16 +81,16 @@ def bench_mla_v2(d: Device, record, N, L, A, ps, qt, kvb, o, base, lens, floor):
     try:
         ms, how = d.time_graph(tail)
         tail_bytes = (heads * v_dim * kv_lora + N * heads * (splits * (kv_lora + 2) + 2 * kv_lora)) * 4
-        record(f"mla_tail v2 N={N} L={L} (merge + out_proj)", ms, tail_bytes / (COPY_TBPS * 1e12) * 1e3,
+        record(f"mla_tail tf32 N={N} L={L} (merge + out_proj)", ms, tail_bytes / (COPY_TBPS * 1e12) * 1e3,
                splits=splits, timing=how)
     except Exception as e:  # noqa: BLE001
-        log(f"bench mla_tail v2 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
+        log(f"bench mla_tail tf32 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
     del part, lat
 
 
 def bench_mla_proj(d: Device, r: Results, record, quick: bool):
     """MLA decode's two per-head kv_b products at K3 shapes, N items: `new` (mla_absorb_q_bf16 +
-    mla_out_proj_bf16 on the stored bf16 kv_b, what ops.rs mla_decode runs) against `old` (the f32
+    mla_out_proj_bf16 on the stored bf16 kv_b, what mla/mod.rs mla_absorbed runs) against `old` (the f32
     kernels on the f32 copy), each kernel alone and the pair, on the same inputs and the same kv_b
     values. Floor = (kv_b bytes as read + q_nope/q_r, qt, lat and o bytes) / 4.25 TB/s. Also checks
     that new and old agree."""
@@ -152,8 +152,8 @@ MLA_BF16_HEADS, MLA_BF16_SHARED = 48, 165568
 
 
 def mla_splits_bf16(blocks, max_len, sms=132):
-    """geometry::mla_splits_bf16: mla_splits_tc2's rule with one resident block per SM."""
-    return mla_splits_tc2(blocks, max_len, sms=sms, per_sm=1)
+    """geometry::mla_splits_bf16: mla_splits_f32's rule with one resident block per SM."""
+    return mla_splits_f32(blocks, max_len, sms=sms, per_sm=1)
 
 
 def mla_splits_wg(blocks, max_len, sms=132):
@@ -166,13 +166,13 @@ def mla_splits_wg(blocks, max_len, sms=132):
 
 def bench_mla_bf16(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     """The bf16 attend (ops.rs MlaDecodeMode::Bf16) + merge on bench()'s buffers, next to the precise
-    tc2 attend + merge timed in the same run (tc2_us). Floors: the f32 cache rows plus the partials
+    tf32 attend + merge timed in the same run (tf32_us). Floors: the f32 cache rows plus the partials
     (attend: written; attend+merge: written, read back, and the latent o~ written). Also checks the
-    bf16 latent against tc2's at this shape (bf16 rounding: 2e-2)."""
+    bf16 latent against tf32's at this shape (bf16 rounding: 2e-2)."""
     heads, rope, kv_lora, pt = 96, 64, 512, 64
     row, scale = kv_lora + rope, 192 ** -0.5
     hg, hg16 = cdiv(heads, MLA_BF16_HEADS), cdiv(heads, 16)
-    sb, s2 = mla_splits_bf16(N * hg, L), mla_splits_tc2(N * hg16, L)
+    sb, s2 = mla_splits_bf16(N * hg, L), mla_splits_f32(N * hg16, L)
     kv_bytes = N * L * row * 4
 
     def part_bytes(splits):
@@ -193,39 +193,39 @@ def bench_mla_bf16(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
         attend_bf16()
         merge_bf16()
 
-    def tc2_full():
-        d.launch("mla_attend_tc2_f32", (hg16, N, s2), 256, *common_args, d.view(p2), N, heads, kv_lora, rope, pt, s2,
+    def tf32_full():
+        d.launch("mla_attend_tf32_f32", (hg16, N, s2), 256, *common_args, d.view(p2), N, heads, kv_lora, rope, pt, s2,
                  0, scale, 1 | 4 << 2)
         d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, d.view(p2), d.view(l2), N, heads, kv_lora, s2)
 
     def timed(fn):
         return d.time_graph(fn, reps=5, inner=3) if big else d.time_graph(fn)
-    tc2_ms, _ = timed(tc2_full)
+    tf32_ms, _ = timed(tf32_full)
     ms, how = timed(attend_bf16)
     record(f"mla_attend bf16 N={N} L={L} (attend only, f32 rows)", ms, (kv_bytes + part_bytes(sb)) / (COPY_TBPS * 1e12)
            * 1e3, splits=sb, timing=how)
     ms, how = timed(bf16_full)
     floor = (kv_bytes + 2 * part_bytes(sb) + N * heads * kv_lora * 4) / (COPY_TBPS * 1e12) * 1e3
     record(f"mla_attend+merge bf16 N={N} L={L} (f32 rows + partials)", ms, floor, splits=sb, timing=how,
-           tc2_us=round(tc2_ms * 1e3, 1), tc2_splits=s2, speedup_vs_tc2=round(tc2_ms / ms, 2))
+           tf32_us=round(tf32_ms * 1e3, 1), tf32_splits=s2, speedup_vs_tf32=round(tf32_ms / ms, 2))
     ms, how = timed(merge_bf16)
     record(f"mla_merge N={N} L={L} (bf16 partials read + latent written)", ms,
            (part_bytes(sb) + N * heads * kv_lora * 4) / (COPY_TBPS * 1e12) * 1e3, splits=sb, timing=how)
     bf16_full()
-    tc2_full()
+    tf32_full()
     d.sync()
-    r.check(f"mla bf16 vs tc2 precise latent N={N} L={L} (K3 shapes, splits {sb} / {s2})", rel_err(lb, l2), 2e-2)
-    del pb, p2, lb, l2
+    r.check(f"mla bf16 vs tf32 precise latent N={N} L={L} (K3 shapes, splits {sb} / {s2})", rel_err(lb, l2), 2e-2)
+    pb = p2 = lb = l2 = None  # frees the buffers (the closures above hold the names)
 
 
-# kernels/mla_attend_wg.cu (wgmma, sm_90a): 48 heads per 384-thread block, one block per SM
-# (geometry.rs MLA_WG_SHARED; splits: mla_splits_bf16's rule); mla_attend_wg2_f32: the same on
-# 2-block clusters (grid x rounded up to pairs, MLA_WG2_SHARED).
-MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED, MLA_WG2_SHARED = 48, 384, 223168, 223200
+# kernels/mla_attend_pair_wgmma.cu (wgmma, sm_90a): 48 heads per 384-thread block, one block per SM
+# (geometry.rs MLA_WG_SHARED; splits: mla_splits_bf16's rule); mla_attend_pair_wgmma_f32: the same on
+# 2-block clusters (grid x rounded up to pairs, MLA_WGMMA_SHARED).
+MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED, MLA_WGMMA_SHARED = 48, 384, 223168, 223200
 
 
 def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
-    """The wgmma attend (mla_attend_wg2_f32, the default on sm_90a) as ops.rs
+    """The wgmma attend (mla_attend_pair_wgmma_f32, the default on sm_90a) as ops.rs
     runs them - geometry::mla_splits_wg's splits, the merge only past 1 split (else final_rows) - next to
     the bf16 attend + merge (bf16_us) and, where the wg rule picks 1 split, the bf16 rule's splits +
     merge (splits_merge_us), timed in the same run; floors count what each moves (rows, partials,
@@ -243,7 +243,7 @@ def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     common_args = [d.view(qt), d.view(A), d.view(ps), d.view(base), d.view(lens)]
     vpw, vpb, vlw, vlb = (d.view(t) for t in (pw, pb, lw, lb))  # views made outside the graph captures
     big = N * L > 16 * 8192
-    variants = (("wg2", "mla_attend_wg2_f32", 2 * cdiv(hg, 2), MLA_WG2_SHARED),)
+    variants = (("pair", "mla_attend_pair_wgmma_f32", 2 * cdiv(hg, 2), MLA_WGMMA_SHARED),)
 
     def attend(part, v, s, final=0):
         _, kname, gx, smem = v
@@ -253,7 +253,7 @@ def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
     def merge(part, lat, s):
         d.launch("mla_merge_f32", (N, heads, cdiv(kv_lora, 128)), 128, part, lat, N, heads, kv_lora, s)
 
-    def production(v):  # ops.rs mla_decode's attend (+ merge)
+    def production(v):  # mla/mod.rs mla_absorbed's attend (+ merge)
         if sw == 1:
             attend(vlw, v, 1, final=1)
         else:
@@ -290,7 +290,7 @@ def bench_mla_wg(d: Device, r: Results, record, N, L, A, ps, qt, base, lens):
         d.sync()
         r.check(f"mla {tag} vs bf16 latent N={N} L={L} (K3 shapes, splits {sw})", rel_err(lw, lb), 2e-2)
     del pw, pb, lb
-    try:  # after the wg2 production run: lw holds its latent, ms its time
+    try:  # after the pair production run: lw holds its latent, ms its time
         bench_mla_sdpa(d, r, record, N, L, A, ps, qt, lw, ms, pt, kv_lora, scale)
     except Exception as e:  # noqa: BLE001
         log(f"bench mla sdpa N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
@@ -339,7 +339,7 @@ def bench_mla_sdpa(d: Device, r: Results, record, N, L, A, ps, qt, lat, ours_ms,
             r.check(f"mla sdpa {tag} {name} vs our latent N={N} L={L}", err, 2e-2)
 
 
-# Harness-only compile-time variants of mla_attend_wg2_f32 (kernels/mla_attend_wg.cu MLW_DIAG, MLW_NB; the
+# Harness-only compile-time variants of mla_attend_pair_wgmma_f32 (kernels/mla_attend_pair_wgmma.cu MLW_DIAG, MLW_NB; the
 # base twice, to show the drift within the call), to find what bounds the kernel; K3_MLA_DIAG replaces
 # the list (`K3_BENCH_ONLY=mla_diag`).
 MLA_DIAG_VARIANTS = ((), ("-DMLW_DIAG=1",), ("-DMLW_DIAG=14",), ("-DMLW_DIAG=78",), ("-DMLW_DIAG=126",), ())
@@ -358,7 +358,7 @@ def mla_decode_case(N, L, heads, row, pt):
 
 
 def bench_mla_diag(d: Device, record):
-    """Attend-only times of the wg2 kernel's variants at L = 32k (N = 16, 64): DIAG 1 = producer
+    """Attend-only times of the pair kernel's variants at L = 32k (N = 16, 64): DIAG 1 = producer
     alone, 2 = consumers + stores alone, 3 = neither's main work (these compute garbage on purpose);
     variants without MLW_DIAG are compared with the base variant's partials (bitwise, rel_err)."""
     heads, rope, kv_lora, pt = 96, 64, 512, 64
@@ -376,8 +376,8 @@ def bench_mla_diag(d: Device, record):
         ref = None  # the first (base) variant's partials: the others without MLW_DIAG must equal them bitwise
         for defs in variants:
             def go(defs=defs):
-                d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora,
-                         rope, pt, sw, 0, 192 ** -0.5, 0, shared_mem=MLA_WG2_SHARED, defines=defs)
+                d.launch("mla_attend_pair_wgmma_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora,
+                         rope, pt, sw, 0, 192 ** -0.5, 0, shared_mem=MLA_WGMMA_SHARED, defines=defs)
             try:
                 part.fill_(float("nan"))
                 go()
@@ -389,7 +389,7 @@ def bench_mla_diag(d: Device, record):
                     same = bool(torch.equal(part, ref))
                     err = float(rel_err(part, ref))
                 ms, how = d.time_graph(go, reps=5, inner=3)
-                record(f"mla_diag wg2 [{' '.join(defs) or 'base'}] N={N} L={L} (attend only)", ms, rows_floor,
+                record(f"mla_diag pair [{' '.join(defs) or 'base'}] N={N} L={L} (attend only)", ms, rows_floor,
                        splits=sw, timing=how, bitwise_equal_base=same, rel_err_vs_base=err)
             except Exception as e:  # noqa: BLE001
                 log(f"bench mla_diag {defs} N={N} raised {type(e).__name__}: {str(e)[:200]}")
@@ -414,8 +414,8 @@ def bench_mla_steady(d: Device, record, rounds=6):
     dst, one = torch.empty_like(src), torch.empty((), device="cuda")
 
     def attend():
-        d.launch("mla_attend_wg2_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora, rope, pt,
-                 sw, 0, 192 ** -0.5, int(sw == 1), shared_mem=MLA_WG2_SHARED)
+        d.launch("mla_attend_pair_wgmma_f32", (2 * cdiv(hg, 2), N, sw), MLA_WG_THREADS, *args, N, heads, kv_lora, rope, pt,
+                 sw, 0, 192 ** -0.5, int(sw == 1), shared_mem=MLA_WGMMA_SHARED)
     attend()
     rows_bytes = N * L * row * 4 + lat.numel() * 4
     shares = []
@@ -425,7 +425,7 @@ def bench_mla_steady(d: Device, record, rounds=6):
         ms, how = d.time_graph(attend, reps=5, inner=3)
         read_tbps, copy_tbps = src.numel() * 4 / read_ms / 1e9, 2 * src.numel() * 4 / copy_ms / 1e9
         shares.append(rows_bytes / (copy_tbps * 1e12) * 1e3 / ms)
-        record(f"mla_steady round {i} wg2 N={N} L={L} (splits {sw}, final rows)", ms,
+        record(f"mla_steady round {i} pair N={N} L={L} (splits {sw}, final rows)", ms,
                rows_bytes / (COPY_TBPS * 1e12) * 1e3, timing=how, read_tbps=round(read_tbps, 3),
                copy_tbps=round(copy_tbps, 3), pct_of_same_round_copy=round(100 * shares[-1], 1),
                pct_of_same_round_read=round(100 * rows_bytes / (read_tbps * 1e12) * 1e3 / ms, 1))
@@ -437,7 +437,7 @@ def bench_mla_steady(d: Device, record, rounds=6):
 def bench(d: Device, r: Results, quick: bool, only=None):
     """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, mla_proj,
     mla_prefill, attn_res, moe, gemv, sampling; mla includes mla_proj and the torch SDPA comparison).
-    The probes run only when named: mla_diag, mla_steady, moe_tc2_diag."""
+    The probes run only when named: mla_diag, mla_steady, moe_few_tokens_diag."""
     def want(section):
         return not only or section in only
 
@@ -572,9 +572,9 @@ def bench(d: Device, r: Results, quick: bool, only=None):
         lens = torch.full((N,), L, dtype=torch.int32, device="cuda")
         floor = N * L * row * 4 / (COPY_TBPS * 1e12) * 1e3
         try:  # a failure here must not cost the benchmarks after it
-            bench_mla_v2(d, record, N, L, A, ps, qt, kvb, o, base, lens, floor)
+            bench_mla_tf32(d, record, N, L, A, ps, qt, kvb, o, base, lens, floor)
         except Exception as e:  # noqa: BLE001
-            log(f"bench mla v2 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
+            log(f"bench mla tf32 N={N} L={L} raised {type(e).__name__}: {str(e)[:200]}")
         try:
             bench_mla_bf16(d, r, record, N, L, A, ps, qt, base, lens)
         except Exception as e:  # noqa: BLE001
@@ -593,12 +593,12 @@ def bench(d: Device, r: Results, quick: bool, only=None):
         bench_mla_diag(d, record)
     if only and "mla_steady" in only:
         bench_mla_steady(d, record)
-    if only and "moe_tc2_diag" in only:  # probes, only when named
-        bench_moe_tc2_diag(d, record)
+    if only and "moe_few_tokens_diag" in only:  # probes, only when named
+        bench_moe_few_tokens_diag(d, record)
     if want("attn_res"):
         bench_attn_res(d, record)
     if want("moe"):
-        bench_moe_stream2(d, record)
+        bench_moe_single_token(d, record)
         bench_moe(d, record, quick)
         bench_moe_prefill(d, record, quick)
     if want("sampling"):
@@ -610,7 +610,7 @@ def bench(d: Device, r: Results, quick: bool, only=None):
 def bench_mla_prefill(d: Device, r: Results, record):
     """MLA prefill of one sequence, T new tokens from position 0, K3 shapes, rows already in the pages
     (the append is the same kernel on both paths): the expanded form (mla_prefill.rs, what mla_seqs
-    runs for >= 64 new tokens) against the absorbed one (ops.rs mla_decode v2: absorb_q + attend_tc2
+    runs for >= 64 new tokens) against the absorbed one (mla/mod.rs mla_absorbed tf32: absorb_q + attend_tf32
     precise + merge + out_proj over T items of causal lengths 1..T). Floor: the expanded form's FLOPs
     (K/V expansion + causal QK and PV) at F32_TFLOPS. Also checks the two outputs agree. ~10 s."""
     heads, nope, rope, v_dim, kv_lora, pt = 96, 128, 64, 128, 512, 64
@@ -634,7 +634,7 @@ def bench_mla_prefill(d: Device, r: Results, record):
             kvb = torch.randn(heads * (nope + v_dim), kv_lora, device="cuda") * kv_lora ** -0.5
             o_e, o_a = (torch.empty(T, heads * v_dim, device="cuda") for _ in range(2))
             go_e, (hg, qc) = run_mla_prefill(d, A, ps, q, kvb, o_e, 0, T, 0, heads, nope, rope, v_dim, kv_lora, pt)
-            splits = mla_splits_tc2(T * hg16, T)
+            splits = mla_splits_f32(T * hg16, T)
             chunk = cdiv(T, splits)
             bufs = dict(q=q, kvb=kvb, A=A, ps=ps, o=o_a, qt=torch.empty(T, heads, row, device="cuda"),
                         part=torch.empty(T, heads, splits, kv_lora + 2, device="cuda"),
@@ -646,7 +646,7 @@ def bench_mla_prefill(d: Device, r: Results, record):
             def go_a(T=T, v=v, splits=splits, chunk=chunk):
                 d.launch("mla_absorb_q_f32", (T, heads), 128, v["q"], v["kvb"], v["qt"], T, heads, nope, rope,
                          v_dim, kv_lora)
-                d.launch("mla_attend_tc2_f32", (hg16, T, splits), 256, v["qt"], v["A"], v["ps"], v["base"],
+                d.launch("mla_attend_tf32_f32", (hg16, T, splits), 256, v["qt"], v["A"], v["ps"], v["base"],
                          v["lens"], v["part"], T, heads, kv_lora, rope, pt, splits, chunk, qk ** -0.5, 1 | 4 << 2)
                 d.launch("mla_merge_f32", (T, heads, cdiv(kv_lora, 128)), 128, v["part"], v["lat"], T, heads, kv_lora,
                          splits)
@@ -662,7 +662,7 @@ def bench_mla_prefill(d: Device, r: Results, record):
             ms_a = d.time_ms(go_a, reps=3 if T > 4096 else 5, warmup=1)
             record(f"mla_prefill expanded T={T} start=0 (gather+expand+QK+softmax+PV)", ms_e, floor, head_group=hg,
                    q_chunk=qc, tflops=flops / ms_e / 1e9, speedup_vs_absorbed=ms_a / ms_e)
-            record(f"mla_prefill absorbed T={T} start=0 (absorb_q+attend_tc2+merge+out_proj)", ms_a, floor,
+            record(f"mla_prefill absorbed T={T} start=0 (absorb_q+attend_tf32+merge+out_proj)", ms_a, floor,
                    splits=splits, tflops=flops / ms_a / 1e9)
             del A, q, kvb, o_e, o_a, bufs, v, go_e
         except Exception as e:  # noqa: BLE001  a failure here must not cost the benchmarks after it
@@ -751,44 +751,44 @@ def bench_moe(d: Device, record, quick: bool):
         up_args = (V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"], V["srt"], V["act"], k, lt, ie, 4.0, 25.0,
                    1, E)
         down_args = (V["act"], V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt, ie, E)
-        scratch = mx_tc2_scratch(d, T, k, lt, ie)  # tc2's split z / intermediate (views made outside graphs)
+        scratch = few_token_scratch(d, T, k, lt, ie)  # the few-token pair's split z / intermediate (views made outside graphs)
 
-        # The tc2 pair (ops.rs MxExperts::Tc: the default from 2 tokens; at T = 1 the fallback for
-        # experts too wide for stream2, which bench_moe_stream2 times); floor = weight bytes / 4.25 TB/s.
+        # The few_tokens pair (ops.rs MxExperts::Tc: the default from 2 tokens; at T = 1 the fallback for
+        # experts too wide for the single-token pair, which bench_moe_single_token times); floor = weight bytes / 4.25 TB/s.
         def go():
             d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
-            run_mx_tc2(d, min(E, T * k), up_args, down_args, T, lt, ie, scratch=scratch)
+            run_few_tokens(d, min(E, T * k), up_args, down_args, T, lt, ie, scratch=scratch)
             d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
         go()
         d.sync()
         ms, how = d.time_graph(go)
         record(f"moe_routed tc T={T} top{k} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS * 1e12) * 1e3,
-               experts_touched=touched, stage=f"{4 * mx_tc2_ntiles(T)} (tc2)", default=T > 1, timing=how)
-        if T > 1:  # tc2's kernels alone (inputs left by the last run), each against its own weight bytes
-            nt, gx, (_, zx, actx) = mx_tc2_ntiles(T), min(E, T * k), scratch
+               experts_touched=touched, stage=f"{4 * few_token_ntiles(T)} (few_tokens)", default=T > 1, timing=how)
+        if T > 1:  # the few-token pair's kernels alone (inputs left by the last run), each against its own weight bytes
+            nt, gx, (_, zx, actx) = few_token_ntiles(T), min(E, T * k), scratch
             up_b, down_b = touched * 2 * ie * (lt // 2 + lt // 32), touched * lt * (ie // 2 + ie // 32)
             for name, fn, b in (
-                    ("split z", lambda: d.launch("mxfp4_tc2_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx, T, lt),
+                    ("split z", lambda: d.launch("mxfp4_experts_few_tokens_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx, T, lt),
                      None),
-                    ("up", lambda: d.launch("mxfp4_up_tc2_f32", (gx, cdiv(ie, MX_TC2_UP_ROWS)), 256, zx,
-                                            *up_args[1:7], actx, *up_args[8:], nt, shared_mem=mx_tc2_shared(nt)), up_b),
-                    ("down", lambda: d.launch("mxfp4_down_tc2_f32", (gx, cdiv(lt, MX_TC2_DOWN_ROWS)), 256, actx,
-                                              *down_args[1:], nt, shared_mem=mx_tc2_shared(nt)), down_b)):
+                    ("up", lambda: d.launch("mxfp4_experts_few_tokens_up_f32", (gx, cdiv(ie, FEW_TOKEN_UP_ROWS)), 256, zx,
+                                            *up_args[1:7], actx, *up_args[8:], nt, shared_mem=few_token_shared(nt)), up_b),
+                    ("down", lambda: d.launch("mxfp4_experts_few_tokens_down_f32", (gx, cdiv(lt, FEW_TOKEN_DOWN_ROWS)), 256, actx,
+                                              *down_args[1:], nt, shared_mem=few_token_shared(nt)), down_b)):
                 ms, how = d.time_graph(fn)
-                record(f"moe_routed tc2 {name} alone T={T}", ms, b and b / (COPY_TBPS * 1e12) * 1e3, timing=how)
+                record(f"moe_routed few_tokens {name} alone T={T}", ms, b and b / (COPY_TBPS * 1e12) * 1e3, timing=how)
 
 
-# Harness-only compile-time probes of the tc2 expert kernels (kernels/mxfp4_tc.cu MX2_DIAG; the base
+# Harness-only compile-time probes of the few_tokens expert kernels (kernels/moe_few_tokens.cu MXF_DIAG; the base
 # twice, to show the drift within the call); K3_MX_DIAG replaces the list (define sets separated by
-# ";"), `K3_BENCH_ONLY=moe_tc2_diag`.
-MX_TC2_DIAG_VARIANTS = ((), ("-DMX2_DIAG=1",), ("-DMX2_DIAG=2",), ("-DMX2_DIAG=3",), ("-DMX2_DIAG=4",),
-                        ("-DMX2_DIAG=7",), ())
+# ";"), `K3_BENCH_ONLY=moe_few_tokens_diag`.
+FEW_TOKEN_DIAG_VARIANTS = ((), ("-DMXF_DIAG=1",), ("-DMXF_DIAG=2",), ("-DMXF_DIAG=3",), ("-DMXF_DIAG=4",),
+                        ("-DMXF_DIAG=7",), ())
 
 
-def bench_moe_tc2_diag(d: Device, record):
-    """The tc2 up and down kernels alone at T = 4 / 16 / 64 (K3 expert sizes, top-16 of 128) under
+def bench_moe_few_tokens_diag(d: Device, record):
+    """The few-token up and down kernels alone at T = 4 / 16 / 64 (K3 expert sizes, top-16 of 128) under
     each probe, against their weight bytes: what the decode, the mma and the weight copies each
-    cost. Variants without MX2_DIAG must equal the base's outputs bitwise."""
+    cost. Variants without MXF_DIAG must equal the base's outputs bitwise."""
     E, k, lt, ie = 128, 16, 3584, 3072
     gen = torch.Generator(device="cuda").manual_seed(7)
     u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device="cuda", generator=gen)  # noqa: E731
@@ -796,7 +796,7 @@ def bench_moe_tc2_diag(d: Device, record):
     w = {"w1p": u8(E, ie, lt // 2), "w3p": u8(E, ie, lt // 2), "w2p": u8(E, lt, ie // 2),
          "w1s": sc(E, ie, lt // 32), "w3s": sc(E, ie, lt // 32), "w2s": sc(E, lt, ie // 32)}
     extra = [tuple(x.split()) for x in os.environ.get("K3_MX_DIAG", "").split(";") if x.strip()]
-    variants = ((), *extra) if extra else MX_TC2_DIAG_VARIANTS
+    variants = ((), *extra) if extra else FEW_TOKEN_DIAG_VARIANTS
     for T in (4, 16, 64):
         idx = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)]).int()
         touched = int(idx.unique().numel())
@@ -804,26 +804,26 @@ def bench_moe_tc2_diag(d: Device, record):
         offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
         srt = torch.empty(T * k, dtype=torch.int32, device="cuda")
         y = torch.empty(T * k, lt, device="cuda")
-        keep, zx, actx = mx_tc2_scratch(d, T, k, lt, ie)
+        keep, zx, actx = few_token_scratch(d, T, k, lt, ie)
         V = {name: d.view(x) for name, x in (("idx", idx.reshape(-1)), ("off", offsets), ("srt", srt), ("z", z),
                                               ("y", y), *w.items())}
         d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
-        d.launch("mxfp4_tc2_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx, T, lt)
-        nt, gx = mx_tc2_ntiles(T), min(E, T * k)
+        d.launch("mxfp4_experts_few_tokens_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx, T, lt)
+        nt, gx = few_token_ntiles(T), min(E, T * k)
         up_b, down_b = touched * 2 * ie * (lt // 2 + lt // 32), touched * lt * (ie // 2 + ie // 32)
         ref = None
         for defs in variants:
             def up(defs=defs):
-                d.launch("mxfp4_up_tc2_f32", (gx, cdiv(ie, MX_TC2_UP_ROWS)), 256, zx, V["w1p"], V["w1s"], V["w3p"],
+                d.launch("mxfp4_experts_few_tokens_up_f32", (gx, cdiv(ie, FEW_TOKEN_UP_ROWS)), 256, zx, V["w1p"], V["w1s"], V["w3p"],
                          V["w3s"], V["off"], V["srt"], actx, k, lt, ie, 4.0, 25.0, 1, E, nt,
-                         shared_mem=mx_tc2_shared(nt), defines=defs)
+                         shared_mem=few_token_shared(nt), defines=defs)
 
             def down(defs=defs):
-                d.launch("mxfp4_down_tc2_f32", (gx, cdiv(lt, MX_TC2_DOWN_ROWS)), 256, actx, V["w2p"], V["w2s"],
-                         V["off"], V["srt"], V["y"], lt, ie, E, nt, shared_mem=mx_tc2_shared(nt), defines=defs)
+                d.launch("mxfp4_experts_few_tokens_down_f32", (gx, cdiv(lt, FEW_TOKEN_DOWN_ROWS)), 256, actx, V["w2p"], V["w2s"],
+                         V["off"], V["srt"], V["y"], lt, ie, E, nt, shared_mem=few_token_shared(nt), defines=defs)
             try:
                 same = ""
-                if not any("MX2_DIAG" in x for x in defs):
+                if not any("MXF_DIAG" in x for x in defs):
                     keep[1].zero_()
                     y.fill_(float("nan"))
                     up()
@@ -835,10 +835,10 @@ def bench_moe_tc2_diag(d: Device, record):
                 tag = " ".join(defs) or "base"
                 for name, fn, b in (("up", up, up_b), ("down", down, down_b)):
                     ms, how = d.time_graph(fn)
-                    record(f"moe_tc2_diag [{tag}] {name} T={T}", ms, b / (COPY_TBPS * 1e12) * 1e3, timing=how,
+                    record(f"moe_few_tokens_diag [{tag}] {name} T={T}", ms, b / (COPY_TBPS * 1e12) * 1e3, timing=how,
                            bitwise_equal_base=same)
             except Exception as e:  # noqa: BLE001
-                log(f"bench moe_tc2_diag {defs} T={T} raised {type(e).__name__}: {str(e)[:200]}")
+                log(f"bench moe_few_tokens_diag {defs} T={T} raised {type(e).__name__}: {str(e)[:200]}")
 
 
 def bench_moe_prefill(d: Device, record, quick: bool):
@@ -961,11 +961,11 @@ def bench_moe_cublas_path(d: Device, V, w, T, k, lt, ie, E):
     return d.time_ms(path, reps=5, warmup=1)
 
 
-def bench_moe_stream2(d: Device, record):
-    """Routed MoE at T = 1 (top-16 of 128, K3 expert sizes): the stream2 pair (ops.rs default for
-    1-token steps: up + down + combine, no sort) against the tc2 pair (sort + split + up + down +
-    combine: the fallback for experts too wide for stream2) in the same run on the same buffers,
-    with the two results compared (both carry ~16 bits of the activations); then each stream2
+def bench_moe_single_token(d: Device, record):
+    """Routed MoE at T = 1 (top-16 of 128, K3 expert sizes): the single-token pair (ops.rs default for
+    1-token steps: up + down + combine, no sort) against the few-token pair (sort + split + up + down +
+    combine: the fallback for experts too wide for the single-token pair) in the same run on the same buffers,
+    with the two results compared (both carry ~16 bits of the activations); then each single-token
     kernel alone against its own weight bytes. Floor = weight bytes read / 4.25 TB/s."""
     E, k, lt, ie, T = 128, 16, 3584, 3072, 1
     u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device="cuda")  # noqa: E731
@@ -988,48 +988,48 @@ def bench_moe_stream2(d: Device, record):
     g_up = (V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"], V["srt"], V["act"], k, lt, ie, 4.0, 25.0, 1, E)
     g_down = (V["act"], V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt, ie, E)
     try:
-        scratch = mx_tc2_scratch(d, T, k, lt, ie)
+        scratch = few_token_scratch(d, T, k, lt, ie)
 
-        def tc2():
+        def few_tokens():
             d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
-            run_mx_tc2(d, min(E, T * k), g_up, g_down, T, lt, ie, scratch=scratch)
+            run_few_tokens(d, min(E, T * k), g_up, g_down, T, lt, ie, scratch=scratch)
             d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
-        tc2()
+        few_tokens()
         d.sync()
         ref = res.clone()
-        tc2_ms, _ = d.time_graph(tc2)
+        few_ms, _ = d.time_graph(few_tokens)
         w6 = tuple(V[n] for n in ("w1p", "w1s", "w3p", "w3s", "w2p", "w2s"))
-        bench_moe_stream2v2(d, record, V, w6, ref, tc2_ms, floor(up_b), floor(down_b), E, k, lt, ie, T)
+        bench_moe_single_token_kernels(d, record, V, w6, ref, few_ms, floor(up_b), floor(down_b), E, k, lt, ie, T)
     except Exception as e:  # noqa: BLE001  a failure here must not cost the benchmarks after it
-        log(f"bench moe stream2 raised {type(e).__name__}: {str(e)[:200]}")
+        log(f"bench moe single-token raised {type(e).__name__}: {str(e)[:200]}")
     del w1p, w3p, w2p, w1s, w3s, w2s
 
 
-def bench_moe_stream2v2(d: Device, record, V, w6, ref_tc2, tc2_ms, up_floor, down_floor, E, k, lt, ie, T):
+def bench_moe_single_token_kernels(d: Device, record, V, w6, ref_few, few_ms, up_floor, down_floor, E, k, lt, ie, T):
     """The single-token pair (cp.async rings, the combine folded into the down kernel) on
-    bench_moe_stream2's buffers, compared with the few-token pair's result and time at the same step
+    bench_moe_single_token's buffers, compared with the few-token pair's result and time at the same step
     (both hi + lo bf16: they differ by summation order only); then each
     kernel alone. "down alone" zeroes the 2 KB of counters first (the up kernel does it in the
     pair), so it includes one small memset."""
     na = T * k
-    (gup, pup), (gdn, pdn) = mx_stream2v2_plan(na, ie, lt, False), mx_stream2v2_plan(na, lt, ie, True)
-    ngu, nyp, nsy = mx_stream2v2_scratch(T, k, lt, ie)
+    (gup, pup), (gdn, pdn) = single_token_plan(na, ie, lt, False), single_token_plan(na, lt, ie, True)
+    ngu, nyp, nsy = single_token_scratch(T, k, lt, ie)
     gu, yp = torch.empty(ngu, device="cuda"), torch.empty(nyp, device="cuda")
     sync = torch.empty(nsy, dtype=torch.int32, device="cuda")
     res = torch.empty(T, lt, device="cuda")
     W = {n: d.view(x) for n, x in (("gu", gu), ("yp", yp), ("sync", sync), ("res", res))}
-    for tag in ("stream2v2",):
+    for tag in ("single-token",):
 
         def s3(what=("up", "down")):
-            run_mx_stream2v2(d, V["z"], w6, V["idx"], W["gu"], W["yp"], W["sync"], V["wts"], W["res"], T, k, lt,
+            run_single_token(d, V["z"], w6, V["idx"], W["gu"], W["yp"], W["sync"], V["wts"], W["res"], T, k, lt,
                              ie, E, what=what)
         try:
             s3()
             d.sync()
-            rel = rel_err(res, ref_tc2)
+            rel = rel_err(res, ref_few)
             ms, how = d.time_graph(s3)
             record(f"moe_routed {tag} T={T} top{k} (up+down, combine folded)", ms, up_floor + down_floor,
-                   tc2_us=f"{tc2_ms * 1e3:.1f}", speedup_vs_tc2=f"{tc2_ms / ms:.2f}x", rel_vs_tc2=f"{rel:.1e}",
+                   few_us=f"{few_ms * 1e3:.1f}", speedup_vs_few=f"{few_ms / ms:.2f}x", rel_vs_few=f"{rel:.1e}",
                    timing=how, grid=f"{gup}/{gdn}", parts=f"{pup}/{pdn}")
             ms, how = d.time_graph(lambda: s3(("up",)))
             record(f"moe {tag} up kernel alone T={T} top{k}", ms, up_floor, timing=how)

@@ -1,5 +1,5 @@
 """The routed-expert checks of device_check.py (kernels/mxfp4*.cu, moe*.cu): every MXFP4 expert path
-(gemv, tc2, the single-token pair, wgmma, the cuBLAS GEMM path) against the float64 reference
+(gemv, the few-token pair, the single-token pair, wgmma, the cuBLAS GEMM path) against the float64 reference
 of k3ref, plus their determinism. Split from device_check.py, which runs them (same order, same
 names: `--checks check_moe_wg` still selects one)."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from common import (MX_WG_SWAP_LBO_SBO, cdiv, log, mx_stream2v2_plan, mx_stream2v2_scratch, mx_wg_row_u16,
-                    mx_wg_scratch, rand, rel_err, run_mx_stream2v2, run_mx_tc2, run_mx_wg)
+from common import (MX_WG_SWAP_LBO_SBO, cdiv, log, single_token_plan, single_token_scratch, mx_wg_row_u16,
+                    mx_wg_scratch, rand, rel_err, run_single_token, run_few_tokens, run_mx_wg)
 from k3ref import mxfp4 as rmx
 from k3ref.moe import route as ref_route
 from k3ref.situ import situ_glu as ref_situ_glu
@@ -87,14 +87,14 @@ def check_moe(d: Device, r: Results, gen):
     zf = dev(z.float())
     ref = ref_routed(z, idx, wts, w1, w3, w2)
     # All t tokens, then the first alone (4 busy experts of 16: grid.x = min(E, assignments) = 4 < E,
-    # blocks mapped to busy experts; tc2 is also ops.rs's 1-token pair for experts too wide for
-    # stream2), through the tc2 pair; the stream2 pair's checks are check_moe_stream2.
+    # blocks mapped to busy experts; the few-token pair is also ops.rs's 1-token pair for experts too wide for
+    # the single-token pair), through the few-token pair; the single-token pair's checks are check_moe_single_token.
     for tn in (t, 1):
         na = tn * k
         offsets, sorted_ = sort_assignments(d, dev(idx[:tn].int().reshape(-1)), na, e)
         act = torch.empty(na, ie, device=d.tdev)
         y = torch.empty(na, lt, device=d.tdev)
-        run_mx_tc2(d, min(e, na),
+        run_few_tokens(d, min(e, na),
                    (d.view(zf), d.view(dev(w1p)), d.view(dev(w1s)), d.view(dev(w3p)), d.view(dev(w3s)),
                     d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1, e),
                    (d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets), d.view(sorted_),
@@ -108,7 +108,7 @@ def check_moe(d: Device, r: Results, gen):
 
 
 def check_moe_tc_shapes(d: Device, r: Results, gen):
-    """The tc2 pair on shapes with an odd number of 32-value blocks per row (a super-step's tail)
+    """The few-token pair on shapes with an odd number of 32-value blocks per row (a super-step's tail)
     and rows that leave a partial row tile, at T = 1, at several tokens per expert (more than 16 on
     some experts at T = 17, so two passes), and with small stages (one or three tokens per pass:
     weights re-read), also on a shape of 13 x 9 blocks (partial super-steps both ways)."""
@@ -128,7 +128,7 @@ def check_moe_tc_shapes(d: Device, r: Results, gen):
                      d.view(dev(w3s)), d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1, e)
             dargs = (d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets), d.view(sorted_), d.view(y),
                      lt, ie, e)
-            run_mx_tc2(d, min(e, na), wargs, dargs, t, lt, ie, stage)
+            run_few_tokens(d, min(e, na), wargs, dargs, t, lt, ie, stage)
             res = torch.empty(t, lt, device=d.tdev)
             d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
                      d.view(res), t, k, lt)
@@ -140,7 +140,7 @@ def check_moe_tc_shapes(d: Device, r: Results, gen):
 
 
 def replay_unit_split(n: int, nw: int, parts: int, ns: int):
-    """The stream2 kernels' split of n units over nw warps (unit u: part u % parts of a row's ns
+    """The single-token kernels' split of n units over nw warps (unit u: part u % parts of a row's ns
     steps): the units in the order the warps visit them, and each warp's step count."""
     seen, steps = [], []
     for w in range(nw):
@@ -150,8 +150,8 @@ def replay_unit_split(n: int, nw: int, parts: int, ns: int):
     return seen, steps
 
 
-def _stream2_cases(d: Device, gen, shapes):
-    """The one-token experts' check cases (stream2 v1 and v2): for each (latent, inter) shape,
+def _single_token_cases(d: Device, gen, shapes):
+    """The one-token experts' check cases (the single-token pair): for each (latent, inter) shape,
     6 experts with random MXFP4 weights, top-3 routings at T = 1 and 3 (one slot's id out of
     range at T = 3), and the float64 routed output. Yields (lt, ie, t, k, e, wv, z, idx, wts, ref,
     ids) with wv / ids on the device."""
@@ -170,8 +170,8 @@ def _stream2_cases(d: Device, gen, shapes):
             yield lt, ie, t, k, e, wv, z, idx, wts, ref, dev(idx.int().reshape(-1))
 
 
-def check_moe_stream2v2(d: Device, r: Results, gen):
-    """The single-token pair (mxfp4_*_stream2v2_f32: cp.async rings, the combine
+def check_moe_single_token(d: Device, r: Results, gen):
+    """The single-token pair (mxfp4_experts_single_token_*_f32: cp.async rings, the combine
     folded into the down kernel) against float64: the unit split replayed at K3 sizes (every unit
     once, the busiest warp within 5% of the mean steps), then widths that are multiples of 128
     (256 x 384, 384 x 128, 128 x 256 as tests/device.rs), T = 1 and 3 (an out-of-range id), the
@@ -179,42 +179,42 @@ def check_moe_stream2v2(d: Device, r: Results, gen):
     warps that start mid-row, so runs of parts cut at warp bounds and several partials per row),
     every case twice, bitwise equal (fixed combine order)."""
     for na, rows, cols, down in ((16, 3072, 3584, False), (16, 3584, 3072, True)):
-        grid, parts = mx_stream2v2_plan(na, rows, cols, down)
+        grid, parts = single_token_plan(na, rows, cols, down)
         ns, groups = cols // 128, rows // (32 if down else 16)
         n, nw = na * groups * parts, 16 * grid
         seen, steps = replay_unit_split(n, nw, parts, ns)
         mean = na * groups * ns / nw
         ok = seen == list(range(n)) and max(steps) <= 1.05 * mean
-        r.exact(f"moe stream2v2 unit split {na}x{rows}x{cols} grid={grid} parts={parts}: every unit once, steps "
+        r.exact(f"moe single-token unit split {na}x{rows}x{cols} grid={grid} parts={parts}: every unit once, steps "
                 f"per warp {min(steps)}..{max(steps)} (mean {mean:.1f})", ok)
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
-    for lt, ie, t, k, e, wv, z, idx, wts, ref, ids in _stream2_cases(d, gen, ((256, 384), (384, 128), (128, 256))):
+    for lt, ie, t, k, e, wv, z, idx, wts, ref, ids in _single_token_cases(d, gen, ((256, 384), (384, 128), (128, 256))):
         na = t * k
         nsu, nsd = lt // 128, ie // 128  # steps per row: the most parts
         for grid, parts in ((None, None), ((1, 1), (nsu, 1)), ((7, 7), (1, nsd)),
                             ((3, 2), (min(2, nsu), min(2, nsd)))):
-            ngu, nyp, nsy = mx_stream2v2_scratch(t, k, lt, ie, parts)
+            ngu, nyp, nsy = single_token_scratch(t, k, lt, ie, parts)
             gu = torch.full((ngu,), float("nan"), device=d.tdev)  # unwritten parts would show
             yp = torch.full((nyp,), float("nan"), device=d.tdev)
             sync = torch.full((nsy,), -7, dtype=torch.int32, device=d.tdev)  # the up kernel zeroes it
             outs = []
             for _ in range(2):
                 res = torch.full((t, lt), float("nan"), device=d.tdev)  # every element is written
-                run_mx_stream2v2(d, d.view(dev(z.float())), wv, d.view(ids), d.view(gu), d.view(yp),
+                run_single_token(d, d.view(dev(z.float())), wv, d.view(ids), d.view(gu), d.view(yp),
                                  d.view(sync), d.view(dev(wts.float().reshape(-1))), d.view(res), t, k, lt, ie,
                                  e, grid=grid, parts=parts)
                 d.sync()
                 outs.append(res.cpu())
-            g = grid or (mx_stream2v2_plan(na, ie, lt, False)[0], mx_stream2v2_plan(na, lt, ie, True)[0])
-            p = parts or (mx_stream2v2_plan(na, ie, lt, False)[1], mx_stream2v2_plan(na, lt, ie, True)[1])
+            g = grid or (single_token_plan(na, ie, lt, False)[0], single_token_plan(na, lt, ie, True)[0])
+            p = parts or (single_token_plan(na, ie, lt, False)[1], single_token_plan(na, lt, ie, True)[1])
             tag = f"T={t} {lt}x{ie} grid={g[0]}/{g[1]} parts={p[0]}/{p[1]}"
-            # hi + lo bf16 activations (~16 bits) as v1 (check_moe_stream2's 2e-5).
-            r.check(f"moe routed stream2v2 {tag} (up+down, combine folded)", rel_err(outs[0], ref), 2e-5)
-            r.exact(f"moe routed stream2v2 {tag}: rerun bitwise equal", torch.equal(outs[0], outs[1]))
+            # hi + lo bf16 activations (~16 bits) as the per-lane table form (check_moe_single_token's 2e-5).
+            r.check(f"moe routed single-token {tag} (up+down, combine folded)", rel_err(outs[0], ref), 2e-5)
+            r.exact(f"moe routed single-token {tag}: rerun bitwise equal", torch.equal(outs[0], outs[1]))
 
 
-def check_moe_tc2(d: Device, r: Results, gen):
-    """The tc2 pair (default from 2 tokens) against float64: random top-4 routings
+def check_moe_few_tokens(d: Device, r: Results, gen):
+    """The few-token pair (default from 2 tokens) against float64: random top-4 routings
     over 16 experts at T = 2, 3, 16, 64, and a made one at T = 70, top-2 over 8 experts, whose
     experts take 70, 35, 17, 9, 8 and 1 tokens (two idle): one n-tile, n-tiles of 4 tokens and a
     partial one, several 16-token passes. 384 x 256: 4-byte-aligned scale rows (K3's case; the
@@ -236,7 +236,7 @@ def check_moe_tc2(d: Device, r: Results, gen):
                  d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1, e)
         dargs = (d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets), d.view(sorted_), d.view(y), lt,
                  ie, e)
-        run_mx_tc2(d, min(e, na), wargs, dargs, t, lt, ie)
+        run_few_tokens(d, min(e, na), wargs, dargs, t, lt, ie)
         res = torch.empty(t, lt, device=d.tdev)
         d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
                  d.view(res), t, k, lt)
@@ -246,7 +246,7 @@ def check_moe_tc2(d: Device, r: Results, gen):
 
 
 def check_moe_wg(d: Device, r: Results, gen):
-    """The wgmma path (mxfp4_wg_split_f32 + mxfp4_up/down_wg_f32 + moe_combine_ids_f32, moe_wg.rs,
+    """The wgmma path (mxfp4_experts_wgmma_split_f32 + mxfp4_up/down_wg_f32 + moe_combine_ids_f32, moe_wg.rs,
     sm_90a) against float64, with hi / lo activations (planes 2, tol 2e-5 as the few-token pair).
     Cases: a made top-2 routing (experts of 1, 63,
     64, 65, 300 and 106 tokens: tiles of 128 + 128 + 44, the N = 32 / 64 / 96 / 128 variants, one

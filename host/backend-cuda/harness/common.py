@@ -25,48 +25,48 @@ if TYPE_CHECKING:
 COPY_TBPS = 4.25
 
 
-# tc2, the default from 2 tokens (kernels/mxfp4_tc.cu mxfp4_*_tc2_f32; ops.rs MxExperts::Tc,
-# mx_tc2_*): z split into hi / lo bf16 rows (mxfp4_tc2_split_f32, grid (T, super-steps), 32
+# The few-token pair, from 2 tokens (kernels/moe_few_tokens.cu mxfp4_experts_few_tokens_*_f32; moe/mod.rs
+# few_token_*): z split into hi / lo bf16 rows (mxfp4_experts_few_tokens_split_f32, grid (T, super-steps), 32
 # threads), up blocks of 128 rows (one super-step of the split intermediate actx), down blocks of
 # 256 rows, up to 4 n-tiles of 4 tokens per pass, 3 cp.async stages in opt-in shared memory.
-MX_TC2_UP_ROWS, MX_TC2_DOWN_ROWS = 128, 256
+FEW_TOKEN_UP_ROWS, FEW_TOKEN_DOWN_ROWS = 128, 256
 
 
-def mx_tc2_ntiles(max_tokens_per_expert: int) -> int:
+def few_token_ntiles(max_tokens_per_expert: int) -> int:
     return max(1, min(cdiv(max_tokens_per_expert, 4), 4))
 
 
-def mx_tc2_shared(ntiles: int) -> int:
+def few_token_shared(ntiles: int) -> int:
     return 3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
 
 
-def mx_tc2_row_u16(cols: int) -> int:
+def few_token_row_u16(cols: int) -> int:
     return cdiv(cols, 128) * 256
 
 
-def mx_tc2_scratch(d: Device, t: int, k: int, lt: int, ie: int):
-    """Split z and split intermediate buffers of the tc2 pair: (tensors to keep alive, zx view, actx
+def few_token_scratch(d: Device, t: int, k: int, lt: int, ie: int):
+    """Split z and split intermediate buffers of the few-token pair: (tensors to keep alive, zx view, actx
     view); made outside any graph capture (views sync)."""
-    zx = torch.zeros(t * mx_tc2_row_u16(lt), dtype=torch.int16, device=d.tdev)
-    actx = torch.zeros(t * k * mx_tc2_row_u16(ie), dtype=torch.int16, device=d.tdev)
+    zx = torch.zeros(t * few_token_row_u16(lt), dtype=torch.int16, device=d.tdev)
+    actx = torch.zeros(t * k * few_token_row_u16(ie), dtype=torch.int16, device=d.tdev)
     return (zx, actx), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16)
 
 
-def run_mx_tc2(d: Device, gx, up_args, down_args, t, lt, ie, stage=None, scratch=None):
-    """The tc2 pair's launches (split z, up, down) over gx busy experts, as ops.rs moe_routed makes
+def run_few_tokens(d: Device, gx, up_args, down_args, t, lt, ie, stage=None, scratch=None):
+    """The few-token pair's launches (split z, up, down) over gx busy experts, as moe/mod.rs moe_routed makes
     them. up_args = (z, w1p, w1s, w3p, w3s, offsets, sorted, act, top_k, lt, ie, beta, beta_lin,
     has_lin, E), down_args = (act, w2p, w2s, offsets, sorted, y, lt, ie, E): z / act stand for the
-    split buffers from `scratch` (an mx_tc2_scratch, made here if None); `stage` (tokens per pass,
+    split buffers from `scratch` (an few_token_scratch, made here if None); `stage` (tokens per pass,
     rounded up to n-tiles of 4) defaults to ops.rs's choice for a step of t tokens."""
-    nt = mx_tc2_ntiles(stage or t)
+    nt = few_token_ntiles(stage or t)
     if scratch is None:
-        scratch = mx_tc2_scratch(d, t, up_args[8], lt, ie)
+        scratch = few_token_scratch(d, t, up_args[8], lt, ie)
     _, zx, actx = scratch
-    d.launch("mxfp4_tc2_split_f32", (t, cdiv(lt, 128)), 32, up_args[0], zx, t, lt)
-    d.launch("mxfp4_up_tc2_f32", (gx, cdiv(ie, MX_TC2_UP_ROWS)), 256, zx, *up_args[1:7], actx, *up_args[8:], nt,
-             shared_mem=mx_tc2_shared(nt))
-    d.launch("mxfp4_down_tc2_f32", (gx, cdiv(lt, MX_TC2_DOWN_ROWS)), 256, actx, *down_args[1:], nt,
-             shared_mem=mx_tc2_shared(nt))
+    d.launch("mxfp4_experts_few_tokens_split_f32", (t, cdiv(lt, 128)), 32, up_args[0], zx, t, lt)
+    d.launch("mxfp4_experts_few_tokens_up_f32", (gx, cdiv(ie, FEW_TOKEN_UP_ROWS)), 256, zx, *up_args[1:7], actx, *up_args[8:], nt,
+             shared_mem=few_token_shared(nt))
+    d.launch("mxfp4_experts_few_tokens_down_f32", (gx, cdiv(lt, FEW_TOKEN_DOWN_ROWS)), 256, actx, *down_args[1:], nt,
+             shared_mem=few_token_shared(nt))
 
 
 def mx_tile_bound(n_assign: int, experts: int, tok: int) -> int:
@@ -83,7 +83,7 @@ def _expert_scratch(d: Device, t: int, k: int, lt: int, zx_row: int, actx_row: i
     return (zx, actx, y), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16), d.view(y)
 
 
-# The wgmma expert GEMMs (kernels/mxfp4_wg.cu, sm_90a; moe_wg.rs):
+# The wgmma expert GEMMs (kernels/moe_wgmma.cu, sm_90a; moe_wg.rs):
 # tiles of up to 128 sorted assignments of one expert, 256-thread blocks of 128 intermediate rows
 # (up) / 256 latent rows (down), grid.y an upper bound on the tiles, one block per SM; activations
 # in 64-column groups of `planes` bf16 pieces (2 = hi / lo, 1 = bf16).
@@ -109,26 +109,26 @@ def run_mx_wg(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t, k, l
     _, zx, actx, y = scratch
     tiles = mx_tile_bound(t * k, e, MX_WG_TOK)
     if "split" in parts:
-        d.launch("mxfp4_wg_split_f32", (t, cdiv(lt, 256)), 128, z, zx, t, lt, planes)
+        d.launch("mxfp4_experts_wgmma_split_f32", (t, cdiv(lt, 256)), 128, z, zx, t, lt, planes)
     if "up" in parts:
-        d.launch("mxfp4_up_wg_f32", (cdiv(ie, MX_WG_UP_ROWS), tiles), 256, zx, *w[:4], offsets, sorted_, actx, k, lt,
+        d.launch("mxfp4_experts_wgmma_up_f32", (cdiv(ie, MX_WG_UP_ROWS), tiles), 256, zx, *w[:4], offsets, sorted_, actx, k, lt,
                  ie, *situ, e, planes | mode_bits, shared_mem=MX_WG_SHARED)
     if "down" in parts:
-        d.launch("mxfp4_down_wg_f32", (cdiv(lt, MX_WG_DOWN_ROWS), tiles), 256, actx, *w[4:], offsets, sorted_, y,
+        d.launch("mxfp4_experts_wgmma_down_f32", (cdiv(lt, MX_WG_DOWN_ROWS), tiles), 256, actx, *w[4:], offsets, sorted_, y,
                  lt, ie, e, planes | mode_bits, shared_mem=MX_WG_SHARED)
     if "combine" in parts:
         d.launch("moe_combine_ids_f32", min(cdiv(t * lt, 256), 132 * 32), 256, y, idx, wts, out, t, k, lt, e)
 
 
-# The single-token pair (kernels/mxfp4_stream.cu; moe_stream.rs mx_stream2v2_plan):
+# The single-token pair (kernels/moe_single_token.cu; moe/single_token.rs single_token_plan):
 # one 512-thread block per SM, a cp.async ring per warp, two 16-row sets per step (up: W1 and W3
 # of a tile; down: two tiles, so 32-row groups whose consecutive parts on a warp merge into one
 # run) and the combine folded into the down kernel. Widths: multiples of 128.
-MX_STREAM2V2_SHARED = 65536 + 17 * 4 * 2176
+SINGLE_TOKEN_SHARED = 65536 + 17 * 4 * 2176
 
 
-def mx_stream2v2_plan(n_assign: int, rows: int, cols: int, down: bool, sms: int = 132) -> tuple[int, int]:
-    """(blocks, parts) as moe_stream.rs mx_stream2v2_plan: one block of 16 warps per SM (fewer: >= 8
+def single_token_plan(n_assign: int, rows: int, cols: int, down: bool, sms: int = 132) -> tuple[int, int]:
+    """(blocks, parts) as moe/single_token.rs single_token_plan: one block of 16 warps per SM (fewer: >= 8
     steps per warp), parts (<= 8, <= steps per row) minimising the busiest warp's units times their
     cost (up: 2 per step + 1, down: 4 per step + 1: its runs merge)."""
     steps, groups = cols // 128, rows // (32 if down else 16)
@@ -139,28 +139,28 @@ def mx_stream2v2_plan(n_assign: int, rows: int, cols: int, down: bool, sms: int 
     return grid, min(costs)[1]
 
 
-def mx_stream2v2_scratch(t: int, k: int, lt: int, ie: int, parts=None) -> tuple[int, int, int]:
+def single_token_scratch(t: int, k: int, lt: int, ie: int, parts=None) -> tuple[int, int, int]:
     """Floats of gu and yp, ints of the down kernel's counters and part masks (sync)."""
     na = t * k
-    pup, pdn = parts or (mx_stream2v2_plan(na, ie, lt, False)[1], mx_stream2v2_plan(na, lt, ie, True)[1])
+    pup, pdn = parts or (single_token_plan(na, ie, lt, False)[1], single_token_plan(na, lt, ie, True)[1])
     return na * pup * 2 * ie, na * pdn * lt, (t + na) * (lt // 32)
 
 
-def run_mx_stream2v2(d: Device, z, w, idx, gu, yp, sync, wts, out, t, k, lt, ie, e, situ=(4.0, 25.0, 1),
+def run_single_token(d: Device, z, w, idx, gu, yp, sync, wts, out, t, k, lt, ie, e, situ=(4.0, 25.0, 1),
                      grid=None, parts=None, what=("up", "down")):
-    """moe_stream.rs moe_experts_stream2v2's launches (views; w = (w1p, w1s, w3p, w3s, w2p, w2s)).
+    """moe/single_token.rs moe_experts_single_token's launches (views; w = (w1p, w1s, w3p, w3s, w2p, w2s)).
     `grid` / `parts` = (up, down) overrides (any values are valid: the checks move unit bounds).
     The up kernel zeroes `sync`; "down" alone needs it zeroed by the caller."""
     na = t * k
-    (gup, pup), (gdn, pdn) = mx_stream2v2_plan(na, ie, lt, False), mx_stream2v2_plan(na, lt, ie, True)
+    (gup, pup), (gdn, pdn) = single_token_plan(na, ie, lt, False), single_token_plan(na, lt, ie, True)
     gup, gdn = grid or (gup, gdn)
     pup, pdn = parts or (pup, pdn)
     if "up" in what:
-        d.launch("mxfp4_up_stream2v2_f32", gup, 512, z, *w[:4], idx, gu, sync, (t + na) * (lt // 32), k, lt, ie,
-                 e, na, pup, shared_mem=MX_STREAM2V2_SHARED)
+        d.launch("mxfp4_experts_single_token_up_f32", gup, 512, z, *w[:4], idx, gu, sync, (t + na) * (lt // 32), k, lt, ie,
+                 e, na, pup, shared_mem=SINGLE_TOKEN_SHARED)
     if "down" in what:
-        d.launch("mxfp4_down_stream2v2_f32", gdn, 512, gu, *w[4:], idx, wts, yp, sync, out, k, lt, ie, *situ, e,
-                 na, pup, pdn, shared_mem=MX_STREAM2V2_SHARED)
+        d.launch("mxfp4_experts_single_token_down_f32", gdn, 512, gu, *w[4:], idx, wts, yp, sync, out, k, lt, ie, *situ, e,
+                 na, pup, pdn, shared_mem=SINGLE_TOKEN_SHARED)
 
 
 # Dense bf16-weight decode products (kernels/bf16.cu gemv_bf16_tc_f32; backend_impl.rs gemv_tc_plan):
@@ -262,19 +262,19 @@ def kda_decode_launcher(d: Device, variant, heads, n, args):
 # Chunk kernels of the prefill (same arguments): name -> grid for `heads`. "f32" is the one-pass path
 # (kernels/kda_chunk.cu; kda/mod.rs: every conv > 4).
 KDA_CHUNK_KERNELS = {"f32": ("kda_chunk_fwd_f32", lambda h: (h, 4))}
-# The two-pass path (kernels/kda_chunk_scan.cu, kda/mod.rs for conv <= 4): the
+# The two-pass path (kernels/kda_prefill_scan.cu, kda/mod.rs for conv <= 4): the
 # record pass (conv + prep + chunk algebra, grid (ceil(chunks / KDA_REC_NCH), heads), 128 threads) then
-# the key-split scan, grid (4, heads), 128 threads (ops.rs kda_rec_launch / KDA_REC_KERNEL /
+# the key-split scan, grid (4, heads), 128 threads (kda/mod.rs kda_rec_launch / KDA_REC_KERNEL /
 # kda_scan_launch).
-KDA_SCAN_KERNELS = {"scan4": ("kda_chunk_rec3m_f32", "kda_chunk_scan4_f32")}
-KDA_SCAN_THREADS = {"kda_chunk_scan4_f32": 128}
-KDA_REC_NCH = 8  # ops.rs KDA_REC_NCH; kernels/kda_chunk_scan.cu KDA_REC_NCH
+KDA_SCAN_KERNELS = {"two-pass": ("kda_prefill_record_f32", "kda_prefill_scan_f32")}
+KDA_SCAN_THREADS = {"kda_prefill_scan_f32": 128}
+KDA_REC_NCH = 8  # kda/mod.rs KDA_REC_NCH; kernels/kda_prefill_scan.cu KDA_REC_NCH
 KDA_CHUNK_KERNELS.update({k: (v[1], lambda h: (4, h)) for k, v in KDA_SCAN_KERNELS.items()})
 # Tolerance of each against the float64 reference (and against the f32 kernel at K3 shapes): the
 # scans' 3xTF32 keeps f32 accuracy.
-KDA_CHUNK_TOL = {"f32": 1e-4, "scan4": 1e-4}
-KDA_REC_FLOATS = 8576  # one (chunk, head) record; ops.rs KDA_REC_FLOATS
-KDA_SCAN_SEG = 8192  # tokens per rec + scan segment; ops.rs KDA_SCAN_SEG
+KDA_CHUNK_TOL = {"f32": 1e-4, "two-pass": 1e-4}
+KDA_REC_FLOATS = 8576  # one (chunk, head) record; kda/mod.rs KDA_REC_FLOATS
+KDA_SCAN_SEG = 8192  # tokens per rec + scan segment; kda/mod.rs KDA_SCAN_SEG
 
 
 # Conv + prep of the one-pass f32 prefill: kda_conv_silu_f32 + kda_prep_f32 (the only form).

@@ -37,7 +37,7 @@ from common import (KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, KDA_SCAN_KERNE
 from common import mla_prefill_plan, run_mla_prefill  # noqa: E402
 from common import gemv_tc_plan, run_gemv_tc  # noqa: E402
 from checks_moe import (check_moe, check_moe_gemm,  # noqa: E402
-                        check_moe_stream2v2, check_moe_tc2, check_moe_tc_shapes, check_moe_wg, check_moe_wg_repeat)
+                        check_moe_single_token, check_moe_few_tokens, check_moe_tc_shapes, check_moe_wg, check_moe_wg_repeat)
 from common import rand  # noqa: E402
 from emulators import EMU  # noqa: E402
 from k3ref.attnres import attn_res as ref_attn_res  # noqa: E402
@@ -612,7 +612,7 @@ def check_mla(d: Device, r: Results, gen):
         r.check(f"mla append (Lkv={kv_lora})", max(rel_err(Ah[x:x + row], rows_all[i][lens[i] - 1])
                                                    for i, x in enumerate(dst)), 1e-5)
         ref = torch.stack([mla_reference(q[i], rows_all[i], kv_b, heads, nope, rope, v_dim, kv_lora) for i in range(n)])
-        # mla_attend_tc2_f32 (mode = precision | prefetch tiles << 2) + mla_merge_f32 + mla_out_proj_f32.
+        # mla_attend_tf32_f32 (mode = precision | prefetch tiles << 2) + mla_merge_f32 + mla_out_proj_f32.
         # precise = 3xTF32 (~f32, what the backend uses); fast = 1xTF32 (TF32 rounds to 11 significant
         # bits: ~1e-3 expected, 1e-2 allowed); mixed = 3xTF32 scores, 1xTF32 P V.
         # "per-item chunk" passes chunk 0: each item splits its own length (what ops.rs does, so
@@ -622,7 +622,7 @@ def check_mla(d: Device, r: Results, gen):
                                          ("precise per-item chunk", 4, 1e-4, 1 | 4 << 2)):
             chunk = 0 if "per-item" in label else cdiv(max(lens), splits)
             part = torch.empty(n, heads, splits, kv_lora + 2, device=d.tdev)
-            d.launch("mla_attend_tc2_f32", (cdiv(heads, 16), n, splits), 256, d.view(qt), d.view(A),
+            d.launch("mla_attend_tf32_f32", (cdiv(heads, 16), n, splits), 256, d.view(qt), d.view(A),
                      d.view(i64(page_start)), d.view(i32(pt_base)), d.view(i32(lens)), d.view(part), n, heads, kv_lora,
                      rope, pt, splits, chunk, (nope + rope) ** -0.5, mode)
             lat = torch.empty(n, heads, kv_lora, device=d.tdev)
@@ -632,7 +632,7 @@ def check_mla(d: Device, r: Results, gen):
             d.launch("mla_out_proj_f32", (heads, cdiv(v_dim, 16), cdiv(n, 64)), 256, d.view(lat), d.view(kvb),
                      d.view(o), n, heads, nope, v_dim, kv_lora)
             d.sync()
-            r.check(f"mla decode v2 {label} (H={heads}, Lkv={kv_lora}, splits={splits})", rel_err(o, ref), tol)
+            r.check(f"mla decode tf32 {label} (H={heads}, Lkv={kv_lora}, splits={splits})", rel_err(o, ref), tol)
 
 
 def check_mla_bf16_products(d: Device, r: Results, gen):
@@ -669,12 +669,12 @@ def check_mla_bf16_products(d: Device, r: Results, gen):
 # kernels/mla_attend_bf16.cu: 48 heads per 256-thread block, dynamic shared memory (geometry.rs
 # MLA_BF16_SHARED: Q, two K tiles, score partials, P).
 MLA_BF16_HEADS, MLA_BF16_SHARED = 48, 165568
-# kernels/mla_attend_wg.cu (wgmma, sm_90a): 48 heads per 384-thread block (geometry.rs MLA_WG_SHARED:
+# kernels/mla_attend_pair_wgmma.cu (wgmma, sm_90a): 48 heads per 384-thread block (geometry.rs MLA_WG_SHARED:
 # Q^T, two 64-position bf16 tiles, P^T, scores, + 1 KB to align the base).
 MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG_SHARED = 48, 384, 223168
-# mla_attend_wg2_f32 (same file): clusters of 2 blocks, grid x rounded up to pairs (geometry.rs
-# mla_attend_wg2, MLA_WG2_SHARED: + 4 mbarriers).
-MLA_WG2_SHARED = 223200
+# mla_attend_pair_wgmma_f32 (same file): clusters of 2 blocks, grid x rounded up to pairs (geometry.rs
+# mla_attend_pair_wgmma, MLA_WGMMA_SHARED: + 4 mbarriers).
+MLA_WGMMA_SHARED = 223200
 
 
 def mla_latent_reference(qt, rows, scale, kv_lora):
@@ -684,7 +684,7 @@ def mla_latent_reference(qt, rows, scale, kv_lora):
 
 
 def check_mla_bf16(d: Device, r: Results, gen):
-    """mla_attend_bf16_f32 and mla_attend_wg2_f32 (wgmma, 64-position tiles, on
+    """mla_attend_bf16_f32 and mla_attend_pair_wgmma_f32 (wgmma, 64-position tiles, on
     2-block clusters, each block loading half of every tile; heads 4 / 6 leave the second block of the
     pair without heads), each + mla_merge_f32 (the
     latent o~, before W_UV), against (a) the float64 latent attention: bf16 rounding of q~, the rows and
@@ -708,7 +708,7 @@ def check_mla_bf16(d: Device, r: Results, gen):
         (96, 512, 64, 16, [200, 3], 4, 0, True),
     )
     kernels = (("bf16", "mla_attend_bf16_f32", 32, MLA_BF16_HEADS, 256, MLA_BF16_SHARED),
-               ("wg2", "mla_attend_wg2_f32", 64, 2 * MLA_WG_HEADS, MLA_WG_THREADS, MLA_WG2_SHARED))
+               ("pair", "mla_attend_pair_wgmma_f32", 64, 2 * MLA_WG_HEADS, MLA_WG_THREADS, MLA_WGMMA_SHARED))
     for heads, kv_lora, rope, pt, lens, splits, chunk, aligned in cases:
         row, n = kv_lora + rope, len(lens)
         npages = [cdiv(L, pt) for L in lens]
@@ -742,7 +742,7 @@ def check_mla_bf16(d: Device, r: Results, gen):
             w = torch.exp(P[..., kv_lora] - P[..., kv_lora].amax(-1, keepdim=True))
             emu = (w[..., None] * P[..., :kv_lora]).sum(2) / (w * P[..., kv_lora + 1]).sum(-1)[..., None]
             part = torch.full((n, heads, splits, kv_lora + 2), float("nan"), device=d.tdev)
-            gx = cdiv(heads, hpb) * (2 if kname == "mla_attend_wg2_f32" else 1)  # wg2: pairs of 48
+            gx = cdiv(heads, hpb) * (2 if kname == "mla_attend_pair_wgmma_f32" else 1)  # pair: pairs of 48
             ins = (d.view(dev(qt)), d.view(A), d.view(ps.to(d.tdev)), d.view(base.to(d.tdev)),
                    d.view(lens_t.to(d.tdev)))
             fin = (0,) if label != "bf16" else ()  # the wg kernels' final_rows flag
@@ -926,7 +926,7 @@ def main():
     t0 = time.time()
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_prefill,
                check_kda_prefill_scan, check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill,
-               check_moe, check_moe_tc_shapes, check_moe_stream2v2, check_moe_tc2, check_moe_gemm,
+               check_moe, check_moe_tc_shapes, check_moe_single_token, check_moe_few_tokens, check_moe_gemm,
                check_moe_wg, check_moe_wg_repeat, check_bf16_matmul, check_gemv_tc, check_kda_prefill_conv):
         try:
             if not args.checks or fn.__name__ in args.checks.split(","):

@@ -101,7 +101,7 @@ _REC_PERM = []
 
 
 def _rec_perm():
-    """Record float p (kernels/kda_chunk_scan.cu header layout) -> index into the concatenation
+    """Record float p (kernels/kda_prefill_scan.cu header layout) -> index into the concatenation
     [W (16x128), Qp (16x128), Kd (16x128), U (16x128), Aqk (16x16), e (128)], all row-major."""
     if not _REC_PERM:
         perm = np.zeros(8576, np.int64)
@@ -277,7 +277,7 @@ def _emu_mla_attend_bf16(qt, arena, page_start, pt_base, lens, part, items, head
 
 def _emu_mla_attend_wg(qt, arena, page_start, pt_base, lens, part, items, heads, kv_lora, rope, page_tokens,
                        splits, chunk, scale, final_rows):
-    """kernels/mla_attend_wg.cu (both kernels): the bf16 attend's rounding on 64-position tiles; with
+    """kernels/mla_attend_pair_wgmma.cu (both kernels): the bf16 attend's rounding on 64-position tiles; with
     final_rows (one split only) the latent o~ * (1 / l) [items, H, kv_lora] in `part` instead."""
     args = (qt, arena, page_start, pt_base, lens)
     geo = (items, heads, kv_lora, rope, page_tokens, splits, chunk, scale)
@@ -325,21 +325,21 @@ def _emu_mla_prefill_softmax(s, rows, tq, lk, q0):
     S[:] = torch.softmax(S.double().masked_fill(hidden, float("-inf")), -1).masked_fill(hidden, 0.0).float()
 
 
-def _stream2_parts(cols, parts):
-    """Column ranges of the stream2 kernels' parts: steps of 128 columns, part p = steps
+def _single_token_parts(cols, parts):
+    """Column ranges of the single-token kernels' parts: steps of 128 columns, part p = steps
     [p ns / parts, (p + 1) ns / parts)."""
     ns = -(-(cols // 32) // 4)
     return [(128 * (p * ns // parts), min(cols, 128 * ((p + 1) * ns // parts))) for p in range(parts)]
 
 
 def _split_f64(x):
-    """hi + lo bf16 of f32 values (what the stream2 kernels multiply), as float64."""
+    """hi + lo bf16 of f32 values (what the single-token kernels multiply), as float64."""
     hi, lo = split_bf16(np.asarray(x, dtype=np.float32))
     return torch.from_numpy(bf16_value(hi).astype(np.float64) + bf16_value(lo).astype(np.float64))
 
 
-def _emu_moe_up_stream2(z, w1p, w1s, w3p, w3s, idx, gu, top_k, lt, ie, e, n, parts):
-    """mxfp4_up_stream2_f32: gu[a, p, m] = part p's columns of W{1,3}_e . (hi + lo of z_t), valid ids only."""
+def _emu_moe_up_parts(z, w1p, w1s, w3p, w3s, idx, gu, top_k, lt, ie, e, n, parts):
+    """Per-part up sums of the single-token pair: gu[a, p, m] = part p's columns of W{1,3}_e . (hi + lo of z_t), valid ids only."""
     lt, ie, e, n, parts = int(lt), int(ie), int(e), int(n), int(parts)
     out = _t(gu)[:n * parts * 2 * ie].view(n, parts, 2, ie)
     for a in range(n):
@@ -349,12 +349,12 @@ def _emu_moe_up_stream2(z, w1p, w1s, w3p, w3s, idx, gu, top_k, lt, ie, e, n, par
         x = _split_f64(z.reshape(-1, lt)[a // int(top_k)])
         for m, (wp, ws) in enumerate(((w1p, w1s), (w3p, w3s))):
             w = _mx_expert(wp, ws, e, ie, lt, ex)
-            for p, (c0, c1) in enumerate(_stream2_parts(lt, parts)):
+            for p, (c0, c1) in enumerate(_single_token_parts(lt, parts)):
                 out[a, p, m] = (w[:, c0:c1] @ x[c0:c1]).float()
 
 
-def _emu_moe_down_stream2(gu, w2p, w2s, idx, yp, lt, ie, beta, beta_lin, has_lin, e, n, parts_up, parts):
-    """mxfp4_down_stream2_f32: act = SiTU-GLU(sum of gu's parts), yp[a, p] = part p of W2_e . (hi + lo of act)."""
+def _emu_moe_down_parts(gu, w2p, w2s, idx, yp, lt, ie, beta, beta_lin, has_lin, e, n, parts_up, parts):
+    """Per-part down sums of the single-token pair: act = SiTU-GLU(sum of gu's parts), yp[a, p] = part p of W2_e . (hi + lo of act)."""
     lt, ie, e, n, parts_up, parts = int(lt), int(ie), int(e), int(n), int(parts_up), int(parts)
     g = _t(gu)[:n * parts_up * 2 * ie].view(n, parts_up, 2, ie)
     out = _t(yp)[:n * parts * lt].view(n, parts, lt)
@@ -366,7 +366,7 @@ def _emu_moe_down_stream2(gu, w2p, w2s, idx, yp, lt, ie, beta, beta_lin, has_lin
         act = ref_situ_glu(s[0].double(), s[1].double(), float(beta), float(beta_lin) if has_lin else None)
         x = _split_f64(act.float().numpy())
         w2 = _mx_expert(w2p, w2s, e, lt, ie, ex)
-        for p, (c0, c1) in enumerate(_stream2_parts(ie, parts)):
+        for p, (c0, c1) in enumerate(_single_token_parts(ie, parts)):
             out[a, p] = (w2[:, c0:c1] @ x[c0:c1]).float()
 
 
@@ -379,19 +379,19 @@ def _emu_combine_parts(yp, idx, w, out, t, k, lt, e, parts):
     out.reshape(-1)[:t * lt] = torch.einsum("tk,tkl->tl", wv, y).float().numpy().reshape(-1)
 
 
-def _emu_moe_up_stream2v2(z, w1p, w1s, w3p, w3s, idx, gu, sync, n_sync, top_k, lt, ie, e, n, parts):
-    """mxfp4_up_stream2v2_f32: v1's gu (same parts), and the down kernel's counters / masks zeroed."""
+def _emu_moe_up_single_token(z, w1p, w1s, w3p, w3s, idx, gu, sync, n_sync, top_k, lt, ie, e, n, parts):
+    """mxfp4_experts_single_token_up_f32: the per-part gu, and the down kernel's counters / masks zeroed."""
     sync.reshape(-1)[:int(n_sync)] = 0
-    _emu_moe_up_stream2(z, w1p, w1s, w3p, w3s, idx, gu, top_k, lt, ie, e, n, parts)
+    _emu_moe_up_parts(z, w1p, w1s, w3p, w3s, idx, gu, top_k, lt, ie, e, n, parts)
 
 
-def _emu_moe_down_stream2v2(gu, w2p, w2s, idx, w, yp, sync, out, top_k, lt, ie, beta, beta_lin, has_lin, e, n,
+def _emu_moe_down_single_token(gu, w2p, w2s, idx, w, yp, sync, out, top_k, lt, ie, beta, beta_lin, has_lin, e, n,
                             parts_up, parts):
-    """mxfp4_down_stream2v2_f32: out[t] = sum over valid slots j of w * W2_e (hi + lo of act); the run
+    """mxfp4_experts_single_token_down_f32: out[t] = sum over valid slots j of w * W2_e (hi + lo of act); the run
     partials in yp and the counters are the kernel's business (only out is read back)."""
     t, k, lt = int(n) // int(top_k), int(top_k), int(lt)
     y = np.zeros(int(n) * lt, dtype=np.float32)
-    _emu_moe_down_stream2(gu, w2p, w2s, idx, y, lt, ie, beta, beta_lin, has_lin, e, n, parts_up, 1)
+    _emu_moe_down_parts(gu, w2p, w2s, idx, y, lt, ie, beta, beta_lin, has_lin, e, n, parts_up, 1)
     _emu_combine_parts(y, idx, w, out, t, k, lt, e, 1)
 
 
@@ -476,37 +476,37 @@ def split_bf16(x):
     return hi, bf16_bits(np.asarray(x, dtype=np.float32) - bf16_value(hi))
 
 
-def _mx2_perm():
-    """kernels/mxfp4_tc.cu mx2_pos: column c of a 128-column super-step -> its index in the row."""
+def _few_tokens_perm():
+    """kernels/moe_few_tokens.cu mx_pos: column c of a 128-column super-step -> its index in the row."""
     c = np.arange(128)
     return 16 * ((c >> 2) & 7) + 4 * (c >> 5) + (c & 3)
 
 
-def _mx2_pack(x, out):
-    """f32 rows [n, cols] -> tc2 split layout [n][ceil(cols / 128)][hi / lo][128] bf16 bits."""
+def _few_tokens_pack(x, out):
+    """f32 rows [n, cols] -> few-token split layout [n][ceil(cols / 128)][hi / lo][128] bf16 bits."""
     n, cols = x.shape
     nss = -(-cols // 128)
     xp = np.zeros((n, nss * 128), np.float32)
     xp[:, :cols] = x
     hi, lo = split_bf16(xp.reshape(-1))
     o = out.reshape(-1)[:n * nss * 256].reshape(n, nss, 2, 128)
-    perm = _mx2_perm()
+    perm = _few_tokens_perm()
     o[:, :, 0, perm] = hi.reshape(n, nss, 128)
     o[:, :, 1, perm] = lo.reshape(n, nss, 128)
 
 
-def _mx2_unpack(xs, n, cols):
-    """tc2 split layout -> float64 rows hi + lo [n, cols] (what the kernels multiply)."""
+def _few_tokens_unpack(xs, n, cols):
+    """few-token split layout -> float64 rows hi + lo [n, cols] (what the kernels multiply)."""
     nss = -(-cols // 128)
-    o = xs.reshape(-1)[:n * nss * 256].reshape(n, nss, 2, 128)[:, :, :, _mx2_perm()]
+    o = xs.reshape(-1)[:n * nss * 256].reshape(n, nss, 2, 128)[:, :, :, _few_tokens_perm()]
     v = bf16_value(o[:, :, 0]).astype(np.float64) + bf16_value(o[:, :, 1]).astype(np.float64)
     return torch.from_numpy(v.reshape(n, nss * 128)[:, :cols])
 
 
-def _emu_moe_up_tc2(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e, nt):
+def _emu_moe_up_few_tokens(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e, nt):
     lt, ie, k, e = int(lt), int(ie), int(top_k), len(offsets) - 1
     na = actx.size // (-(-ie // 128) * 256)
-    z = _mx2_unpack(zx, zx.size // (-(-lt // 128) * 256), lt)
+    z = _few_tokens_unpack(zx, zx.size // (-(-lt // 128) * 256), lt)
     act = np.zeros((na, ie), np.float32)
     for ex in range(e):
         a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
@@ -517,14 +517,14 @@ def _emu_moe_up_tc2(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, i
             act[a] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta), float(beta_lin) if has_lin else None).float().numpy()
     rows = np.unique(sorted_[offsets[0]:offsets[-1]]).astype(np.int64)  # rows of other assignments untouched
     packed = np.zeros((na, -(-ie // 128) * 256), np.uint16)
-    _mx2_pack(act, packed)
+    _few_tokens_pack(act, packed)
     actx.reshape(na, -1)[rows] = packed[rows]
 
 
-def _emu_moe_down_tc2(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, nt):
+def _emu_moe_down_few_tokens(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, nt):
     lt, ie, e = int(lt), int(ie), len(offsets) - 1
     na = actx.size // (-(-ie // 128) * 256)
-    act = _mx2_unpack(actx, na, ie)
+    act = _few_tokens_unpack(actx, na, ie)
     for ex in range(e):
         a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
         if len(a):
@@ -568,21 +568,21 @@ def _sorted_down(act, w2p, w2s, offsets, sorted_, y, lt, ie, e, order):
 
 
 def _emu_moe_up_grouped(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e):
-    """mxfp4_up_grouped_f32: as the tc2 up kernel, but actx row p = sorted position p."""
+    """mxfp4_up_grouped_f32: as the few-token up kernel, but actx row p = sorted position p."""
     lt, ie, k, e = int(lt), int(ie), int(top_k), int(e)
-    z = _mx2_unpack(zx, zx.size // (-(-lt // 128) * 256), lt)
+    z = _few_tokens_unpack(zx, zx.size // (-(-lt // 128) * 256), lt)
     act = _sorted_up(z, w1p, w1s, w3p, w3s, offsets, sorted_, k, lt, ie, beta, beta_lin, has_lin, e, _in_order)
-    _mx2_pack(act, actx)  # rows [0, npos); rows past them untouched
+    _few_tokens_pack(act, actx)  # rows [0, npos); rows past them untouched
 
 
 def _emu_moe_down_grouped(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e):
     """mxfp4_down_grouped_f32: y[sorted[p]] = W2_e act[p] (rows of dropped slots untouched)."""
     lt, ie, e = int(lt), int(ie), int(e)
-    _sorted_down(_mx2_unpack(actx, int(offsets[e]), ie), w2p, w2s, offsets, sorted_, y, lt, ie, e, _in_order)
+    _sorted_down(_few_tokens_unpack(actx, int(offsets[e]), ie), w2p, w2s, offsets, sorted_, y, lt, ie, e, _in_order)
 
 
 def _wg_perm():
-    """kernels/mxfp4_wg.cu mxw_pos: column c of a 64-column group -> its position in the group."""
+    """kernels/moe_wgmma.cu mxw_pos: column c of a 64-column group -> its position in the group."""
     c = np.arange(64)
     return 16 * ((c >> 2) & 3) + 8 * ((c >> 1) & 1) + 2 * (c >> 4) + (c & 1)
 
@@ -623,7 +623,7 @@ def _wg_canonical(sorted_, p0, p1):
 
 def _emu_moe_up_wg(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e,
                    mode):
-    """mxfp4_up_wg_f32: the grouped up kernel in the wgmma layout with mode & 3 planes (actx row p =
+    """mxfp4_experts_wgmma_up_f32: the grouped up kernel in the wgmma layout with mode & 3 planes (actx row p =
     sorted position p; rows past the assignments untouched; the diagnostic mode bits change nothing
     here)."""
     lt, ie, k, e, planes = int(lt), int(ie), int(top_k), int(e), int(mode) & 3
@@ -634,7 +634,7 @@ def _emu_moe_up_wg(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie
 
 
 def _emu_moe_down_wg(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, mode):
-    """mxfp4_down_wg_f32: y[sorted[p]] = W2_e act[p] (rows of dropped slots untouched)."""
+    """mxfp4_experts_wgmma_down_f32: y[sorted[p]] = W2_e act[p] (rows of dropped slots untouched)."""
     lt, ie, e = int(lt), int(ie), int(e)
     act = _wg_unpack(actx, int(offsets[e]), ie, int(mode) & 3)
     _sorted_down(act, w2p, w2s, offsets, sorted_, y, lt, ie, e, _wg_canonical)
@@ -774,8 +774,8 @@ EMU = {
     "kda_conv_silu_f32": _emu_kda_conv,
     "kda_prep_f32": _emu_kda_prep,
     "kda_chunk_fwd_f32": _emu_kda_chunk,
-    "kda_chunk_rec3m_f32": _emu_kda_chunk_rec,  # 8 chunks per block (float64 here)
-    "kda_chunk_scan4_f32": _emu_kda_chunk_scan,  # 128-thread blocks (key-split)
+    "kda_prefill_record_f32": _emu_kda_chunk_rec,  # 8 chunks per block (float64 here)
+    "kda_prefill_scan_f32": _emu_kda_chunk_scan,  # 128-thread blocks (key-split)
     "mla_append_rows_f32": lambda kv_a, nw, arena, dst, t, lkv, rope, eps: [arena.__setitem__(
         slice(int(dst[i]), int(dst[i]) + int(lkv) + int(rope)), np.concatenate([ref_rms_norm(
             _t(kv_a).view(int(t), -1)[i, :int(lkv)].double(), _t(nw).double(), float(eps)).float().numpy(),
@@ -784,9 +784,9 @@ EMU = {
         torch.einsum("nhp,hpl->nhl", _t(q).view(int(items), int(heads), -1)[..., :int(nope)].double(),
                      _t(kvb).view(int(heads), int(nope) + int(vd), int(lkv))[:, :int(nope)].double()),
         _t(q).view(int(items), int(heads), -1)[..., int(nope):].double()], -1).float().numpy().reshape(qt.shape)),
-    "mla_attend_tc2_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # mode: rounding / prefetch / probe only
+    "mla_attend_tf32_f32": lambda *a: _emu_mla_attend(*a[:-1]),  # mode: rounding / prefetch / probe only
     "mla_attend_bf16_f32": _emu_mla_attend_bf16,
-    "mla_attend_wg2_f32": _emu_mla_attend_wg,  # block pairs: the same partials
+    "mla_attend_pair_wgmma_f32": _emu_mla_attend_wg,  # block pairs: the same partials
     "mla_merge_f32": _emu_mla_merge,  # grid (items, heads, kv_lora / 128)
     "mla_out_proj_f32": _emu_mla_out_proj,
     "mla_absorb_q_bf16": _emu_mla_absorb_bf16,
@@ -805,17 +805,17 @@ EMU = {
     "mxfp4_to_bf16_experts": _emu_to_bf16,
     "moe_glu_split_bf16": _emu_glu_split,
     "moe_combine_split_f32": _emu_combine_split,
-    "mxfp4_up_stream2v2_f32": _emu_moe_up_stream2v2,  # v1's parts, counters zeroed
-    "mxfp4_down_stream2v2_f32": _emu_moe_down_stream2v2,  # down + the folded combine
-    "mxfp4_tc2_split_f32": lambda x, xs, rows, cols: _mx2_pack(x.reshape(-1)[:int(rows) * int(cols)].reshape(
+    "mxfp4_experts_single_token_up_f32": _emu_moe_up_single_token,  # the per-part sums, counters zeroed
+    "mxfp4_experts_single_token_down_f32": _emu_moe_down_single_token,  # down + the folded combine
+    "mxfp4_experts_few_tokens_split_f32": lambda x, xs, rows, cols: _few_tokens_pack(x.reshape(-1)[:int(rows) * int(cols)].reshape(
         int(rows), int(cols)), xs),
-    "mxfp4_up_tc2_f32": _emu_moe_up_tc2,  # hi + lo in, act split out (the tc2 layout end to end)
-    "mxfp4_down_tc2_f32": _emu_moe_down_tc2,
+    "mxfp4_experts_few_tokens_up_f32": _emu_moe_up_few_tokens,  # hi + lo in, act split out (the few-token layout end to end)
+    "mxfp4_experts_few_tokens_down_f32": _emu_moe_down_few_tokens,
     "moe_combine_ids_f32": _emu_combine_ids,
-    "mxfp4_wg_split_f32": lambda x, xs, rows, cols, planes: _wg_pack(
+    "mxfp4_experts_wgmma_split_f32": lambda x, xs, rows, cols, planes: _wg_pack(
         x.reshape(-1)[:int(rows) * int(cols)].reshape(int(rows), int(cols)), xs, planes),
-    "mxfp4_up_wg_f32": _emu_moe_up_wg,  # wgmma layout in and out, `planes` bf16 pieces per value
-    "mxfp4_down_wg_f32": _emu_moe_down_wg,
+    "mxfp4_experts_wgmma_up_f32": _emu_moe_up_wg,  # wgmma layout in and out, `planes` bf16 pieces per value
+    "mxfp4_experts_wgmma_down_f32": _emu_moe_down_wg,
     "moe_combine_f32": lambda y, w, out, t, k, lt: out.__setitem__(slice(None), torch.einsum(
         "tk,tkl->tl", _t(w).view(int(t), int(k)), _t(y).view(int(t), int(k), int(lt))).numpy().reshape(out.shape)),
 }

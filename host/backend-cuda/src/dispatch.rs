@@ -69,18 +69,24 @@ pub(crate) fn expert_path(step: ExpertStep, dev: &DeviceLimits) -> ExpertPath {
     if !step.many {
         if step.tokens == 1
             && geometry::single_token_fits(lt, ie)
-            && dev.launchable(&["mxfp4_up_stream2v2_f32", "mxfp4_down_stream2v2_f32"])
+            && dev.launchable(&[
+                "mxfp4_experts_single_token_up_f32",
+                "mxfp4_experts_single_token_down_f32",
+            ])
         {
             return ExpertPath::SingleToken;
         }
-        return if dev.launchable(&["mxfp4_up_tc2_f32", "mxfp4_down_tc2_f32"]) {
+        return if dev.launchable(&[
+            "mxfp4_experts_few_tokens_up_f32",
+            "mxfp4_experts_few_tokens_down_f32",
+        ]) {
             ExpertPath::FewTokens
         } else {
             ExpertPath::Cublas
         };
     }
     if geometry::moe_wg_supported(&dev.arch)
-        && dev.launchable(&["mxfp4_up_wg_f32", "mxfp4_down_wg_f32"])
+        && dev.launchable(&["mxfp4_experts_wgmma_up_f32", "mxfp4_experts_wgmma_down_f32"])
     {
         return ExpertPath::Wgmma;
     }
@@ -90,11 +96,11 @@ pub(crate) fn expert_path(step: ExpertStep, dev: &DeviceLimits) -> ExpertPath {
 /// The attend kernel of the absorbed MLA decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum MlaAttend {
-    /// `mla_attend_wg2_f32`: bf16 products on wgmma, clusters of two blocks (sm_90a, 223 KB).
+    /// `mla_attend_pair_wgmma_f32`: bf16 products on wgmma, clusters of two blocks (sm_90a, 223 KB).
     PairWgmma,
     /// `mla_attend_bf16_f32`: the same rounding on mma.sync (any arch, 166 KB).
     Bf16Mma,
-    /// `mla_attend_tc2_f32`: 3xTF32 (static shared memory: runs anywhere).
+    /// `mla_attend_tf32_f32`: 3xTF32 (static shared memory: runs anywhere).
     F32,
 }
 
@@ -104,7 +110,7 @@ pub(crate) fn mla_attend(precision: MlaDecodePrecision, dev: &DeviceLimits) -> M
     if precision == MlaDecodePrecision::F32 {
         return MlaAttend::F32;
     }
-    if geometry::mla_wgmma_supported(&dev.arch) && dev.launchable(&["mla_attend_wg2_f32"]) {
+    if geometry::mla_wgmma_supported(&dev.arch) && dev.launchable(&["mla_attend_pair_wgmma_f32"]) {
         return MlaAttend::PairWgmma;
     }
     if dev.launchable(&["mla_attend_bf16_f32"]) {
@@ -191,9 +197,17 @@ mod tests {
     fn every_chosen_expert_kernel_is_launchable() {
         let kernels = |p: ExpertPath| -> &'static [&'static str] {
             match p {
-                ExpertPath::SingleToken => &["mxfp4_up_stream2v2_f32", "mxfp4_down_stream2v2_f32"],
-                ExpertPath::FewTokens => &["mxfp4_up_tc2_f32", "mxfp4_down_tc2_f32"],
-                ExpertPath::Wgmma => &["mxfp4_up_wg_f32", "mxfp4_down_wg_f32"],
+                ExpertPath::SingleToken => &[
+                    "mxfp4_experts_single_token_up_f32",
+                    "mxfp4_experts_single_token_down_f32",
+                ],
+                ExpertPath::FewTokens => &[
+                    "mxfp4_experts_few_tokens_up_f32",
+                    "mxfp4_experts_few_tokens_down_f32",
+                ],
+                ExpertPath::Wgmma => {
+                    &["mxfp4_experts_wgmma_up_f32", "mxfp4_experts_wgmma_down_f32"]
+                }
                 ExpertPath::Cublas => &[],
             }
         };
@@ -210,9 +224,9 @@ mod tests {
                 for precision in [MlaDecodePrecision::Bf16, MlaDecodePrecision::F32] {
                     let m = mla_attend(precision, &d);
                     let kernel = match m {
-                        MlaAttend::F32 => "mla_attend_tc2_f32",
+                        MlaAttend::F32 => "mla_attend_tf32_f32",
                         MlaAttend::Bf16Mma => "mla_attend_bf16_f32",
-                        MlaAttend::PairWgmma => "mla_attend_wg2_f32",
+                        MlaAttend::PairWgmma => "mla_attend_pair_wgmma_f32",
                     };
                     assert!(d.launchable(&[kernel]), "{m:?} on {d:?}");
                 }
@@ -243,12 +257,16 @@ mod tests {
             d.opt_in("mla_attend_bf16_f32"),
             Some(geometry::MLA_BF16_SHARED)
         );
-        assert_eq!(d.opt_in("mla_attend_wg2_f32"), None, "past the limit");
+        assert_eq!(
+            d.opt_in("mla_attend_pair_wgmma_f32"),
+            None,
+            "past the limit"
+        );
         assert_eq!(d.opt_in("rmsnorm_f32"), None, "not in the table");
         assert!(d.launchable(&["rmsnorm_f32"]));
-        assert!(!d.launchable(&["mla_attend_wg2_f32"]));
+        assert!(!d.launchable(&["mla_attend_pair_wgmma_f32"]));
         assert_eq!(
-            h200().opt_in("mla_attend_wg2_f32"),
+            h200().opt_in("mla_attend_pair_wgmma_f32"),
             Some(geometry::MLA_WGMMA_SHARED)
         );
     }

@@ -144,7 +144,7 @@ pub fn check_mla(g: &MlaGeom) -> Result<()> {
     Ok(())
 }
 
-/// The tensor-core attend (`mla_attend_tc2_f32`) runs 16 heads per 256-thread block.
+/// The tensor-core attend (`mla_attend_tf32_f32`) runs 16 heads per 256-thread block.
 pub const MLA_TC_HEADS_PER_BLOCK: usize = 16;
 
 /// Grid (head groups, items, splits): the head groups of one (item, split) run side by side and
@@ -157,14 +157,14 @@ pub fn mla_attend_f32(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch
     )
 }
 
-/// `mla_attend_tc2_f32` is register-capped to two resident blocks per SM. Position splits: at
+/// `mla_attend_tf32_f32` is register-capped to two resident blocks per SM. Position splits: at
 /// least one wave of 2 · `sms` blocks, then the count in [want, 2 want] whose last wave is fullest,
 /// splits of at least 128 positions.
-pub const MLA_TC2_BLOCKS_PER_SM: usize = 2;
+pub const MLA_F32_BLOCKS_PER_SM: usize = 2;
 
 pub fn mla_splits_f32(items: usize, heads: usize, max_len: usize, sms: usize) -> (usize, usize) {
     let blocks = items.max(1) * heads.div_ceil(MLA_TC_HEADS_PER_BLOCK);
-    let splits = fullest_wave_splits(blocks, sms.max(1) * MLA_TC2_BLOCKS_PER_SM, max_len);
+    let splits = fullest_wave_splits(blocks, sms.max(1) * MLA_F32_BLOCKS_PER_SM, max_len);
     (splits, max_len.max(1).div_ceil(splits))
 }
 
@@ -197,24 +197,24 @@ pub const MAX_OPT_IN_SHARED: usize = 232_448;
 pub const MLA_BF16_HEADS_PER_BLOCK: usize = 48;
 pub const MLA_BF16_SHARED: usize = 165_568;
 
-/// `mla_attend_wg2_f32` (kernels/mla_attend_wg.cu, wgmma: sm_90a only, clusters of 2 blocks): 48
+/// `mla_attend_pair_wgmma_f32` (kernels/mla_attend_pair_wgmma.cu, wgmma: sm_90a only, clusters of 2 blocks): 48
 /// heads per 384-thread block (a producer and two consumer warpgroups), one block per SM,
-/// MLW_SHARED2 bytes of dynamic shared memory (Q^T, two 64-position bf16 tiles, P^T, scores, 1 KB
+/// MLW_SHARED_PAIR bytes of dynamic shared memory (Q^T, two 64-position bf16 tiles, P^T, scores, 1 KB
 /// to align the base, the four ring mbarriers).
 pub const MLA_WGMMA_HEADS_PER_BLOCK: usize = 48;
 pub const MLA_WGMMA_THREADS: u32 = 384;
 pub const MLA_WGMMA_SHARED: usize = 223_200;
 
-/// The tc2 expert kernels (kernels/mxfp4_tc.cu, moe/mod.rs few_token_shared) at 4 n-tiles per pass: two
+/// The few-token expert kernels (kernels/moe_few_tokens.cu, moe/mod.rs few_token_shared) at 4 n-tiles per pass: two
 /// 256-thread blocks per SM.
 pub const FEW_TOKEN_MAX_SHARED: usize = 78_336;
 
-/// Dynamic shared memory of both wgmma expert GEMM kernels (kernels/mxfp4_wg.cu MXW_SHARED_BYTES:
+/// Dynamic shared memory of both wgmma expert GEMM kernels (kernels/moe_wgmma.cu MXW_SHARED_BYTES:
 /// five 41,984-byte stages of 256 packed weight rows, their scales and 128 tokens x 64 columns x
 /// hi / lo).
 pub const MX_WG_SHARED: usize = 209_920;
 
-/// The single-token expert kernels (kernels/mxfp4_stream.cu, moe/single_token.rs): 16 warps per
+/// The single-token expert kernels (kernels/moe_single_token.cu, moe/single_token.rs): 16 warps per
 /// block, one block per SM; dynamic shared memory MXV_SHARED = the 64 KB table + 17 rings of 4
 /// steps x 2,176 bytes (16 warps and the most that packing them around the 64 KB-aligned table
 /// can waste).
@@ -250,13 +250,13 @@ pub fn moe_wg_supported(arch: &str) -> bool {
 /// dispatch.rs never launches such a kernel there.
 pub const OPT_IN_SHARED: &[(&str, usize)] = &[
     ("mla_attend_bf16_f32", MLA_BF16_SHARED),
-    ("mla_attend_wg2_f32", MLA_WGMMA_SHARED),
-    ("mxfp4_up_tc2_f32", FEW_TOKEN_MAX_SHARED),
-    ("mxfp4_down_tc2_f32", FEW_TOKEN_MAX_SHARED),
-    ("mxfp4_up_wg_f32", MX_WG_SHARED),
-    ("mxfp4_down_wg_f32", MX_WG_SHARED),
-    ("mxfp4_up_stream2v2_f32", SINGLE_TOKEN_SHARED),
-    ("mxfp4_down_stream2v2_f32", SINGLE_TOKEN_SHARED),
+    ("mla_attend_pair_wgmma_f32", MLA_WGMMA_SHARED),
+    ("mxfp4_experts_few_tokens_up_f32", FEW_TOKEN_MAX_SHARED),
+    ("mxfp4_experts_few_tokens_down_f32", FEW_TOKEN_MAX_SHARED),
+    ("mxfp4_experts_wgmma_up_f32", MX_WG_SHARED),
+    ("mxfp4_experts_wgmma_down_f32", MX_WG_SHARED),
+    ("mxfp4_experts_single_token_up_f32", SINGLE_TOKEN_SHARED),
+    ("mxfp4_experts_single_token_down_f32", SINGLE_TOKEN_SHARED),
 ];
 
 /// The [`OPT_IN_SHARED`] bytes of `kernel`, if it is listed.
@@ -286,7 +286,7 @@ pub fn mla_splits_bf16(items: usize, heads: usize, max_len: usize, sms: usize) -
     fullest_wave_splits(blocks, sms.max(1), max_len)
 }
 
-/// Grid of `mla_attend_wg2_f32` (`__cluster_dims__(2, 1, 1)`): head groups rounded up to pairs, a
+/// Grid of `mla_attend_pair_wgmma_f32` (`__cluster_dims__(2, 1, 1)`): head groups rounded up to pairs, a
 /// block past the last head still loads its half of the rows for its partner (and writes nothing).
 pub fn mla_attend_pair_wgmma(g: &MlaGeom, items: usize, splits: usize) -> Result<Launch> {
     check_mla(g)?;
@@ -318,7 +318,7 @@ pub fn mla_splits_wgmma(items: usize, heads: usize, max_len: usize, sms: usize) 
     }
 }
 
-/// Whether `mla_attend_wg2_f32` runs on a device compiled for `arch` (wgmma exists only on the
+/// Whether `mla_attend_pair_wgmma_f32` runs on a device compiled for `arch` (wgmma exists only on the
 /// arch-specific Hopper target; elsewhere the kernel is a trapping stub).
 pub fn mla_wgmma_supported(arch: &str) -> bool {
     arch == "sm_90a"
@@ -550,7 +550,7 @@ mod tests {
                 && !mla_wgmma_supported("sm_90")
                 && !mla_wgmma_supported("sm_89")
         );
-        assert!(OPT_IN_SHARED.contains(&("mla_attend_wg2_f32", MLA_WGMMA_SHARED)));
+        assert!(OPT_IN_SHARED.contains(&("mla_attend_pair_wgmma_f32", MLA_WGMMA_SHARED)));
         // Pair variant: clusters of two blocks, so the head groups round up to an even count.
         let l = mla_attend_pair_wgmma(&k3, 3, 5).unwrap();
         assert_eq!((l.grid, l.block, l.shared), ((2, 3, 5), 384, 223_200));

@@ -11,7 +11,7 @@ pub enum MlaDecodePrecision {
     /// backend's): the wgmma attend on sm_90a, the mma.sync one elsewhere.
     #[default]
     Bf16,
-    /// 3xTF32 products (`mla_attend_tc2_f32`): the CPU backend's results to ~1e-5, several times
+    /// 3xTF32 products (`mla_attend_tf32_f32`): the CPU backend's results to ~1e-5, several times
     /// slower. For verification runs; also what GPUs without the bf16 attend's shared memory run.
     F32,
 }

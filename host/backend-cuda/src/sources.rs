@@ -59,14 +59,14 @@ pub const FILES: &[KernelFile] = &[
         entries: &["kda_conv_silu_f32", "kda_prep_f32", "kda_chunk_fwd_f32"],
     },
     KernelFile {
-        name: "kda_chunk_scan.cu",
-        text: include_str!("../../../kernels/kda_chunk_scan.cu"),
-        entries: &["kda_chunk_rec3m_f32", "kda_chunk_scan4_f32"],
-    },
-    KernelFile {
         name: "kda_decode.cu",
         text: include_str!("../../../kernels/kda_decode.cu"),
         entries: &["kda_decode_lines_f32"],
+    },
+    KernelFile {
+        name: "kda_prefill_scan.cu",
+        text: include_str!("../../../kernels/kda_prefill_scan.cu"),
+        entries: &["kda_prefill_record_f32", "kda_prefill_scan_f32"],
     },
     KernelFile {
         name: "mla.cu",
@@ -74,7 +74,7 @@ pub const FILES: &[KernelFile] = &[
         entries: &[
             "mla_append_rows_f32",
             "mla_absorb_q_f32",
-            "mla_attend_tc2_f32",
+            "mla_attend_tf32_f32",
             "mla_merge_f32",
             "mla_out_proj_f32",
             "mla_absorb_q_bf16",
@@ -87,14 +87,23 @@ pub const FILES: &[KernelFile] = &[
         entries: &["mla_attend_bf16_f32"],
     },
     KernelFile {
-        name: "mla_attend_wg.cu",
-        text: include_str!("../../../kernels/mla_attend_wg.cu"),
-        entries: &["mla_attend_wg2_f32"],
+        name: "mla_attend_pair_wgmma.cu",
+        text: include_str!("../../../kernels/mla_attend_pair_wgmma.cu"),
+        entries: &["mla_attend_pair_wgmma_f32"],
     },
     KernelFile {
         name: "mla_prefill.cu",
         text: include_str!("../../../kernels/mla_prefill.cu"),
         entries: &["mla_prefill_gather_f32", "mla_prefill_softmax_f32"],
+    },
+    KernelFile {
+        name: "moe_few_tokens.cu",
+        text: include_str!("../../../kernels/moe_few_tokens.cu"),
+        entries: &[
+            "mxfp4_experts_few_tokens_split_f32",
+            "mxfp4_experts_few_tokens_up_f32",
+            "mxfp4_experts_few_tokens_down_f32",
+        ],
     },
     KernelFile {
         name: "moe_gemm.cu",
@@ -107,6 +116,23 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "moe_single_token.cu",
+        text: include_str!("../../../kernels/moe_single_token.cu"),
+        entries: &[
+            "mxfp4_experts_single_token_up_f32",
+            "mxfp4_experts_single_token_down_f32",
+        ],
+    },
+    KernelFile {
+        name: "moe_wgmma.cu",
+        text: include_str!("../../../kernels/moe_wgmma.cu"),
+        entries: &[
+            "mxfp4_experts_wgmma_split_f32",
+            "mxfp4_experts_wgmma_up_f32",
+            "mxfp4_experts_wgmma_down_f32",
+        ],
+    },
+    KernelFile {
         name: "mxfp4.cu",
         text: include_str!("../../../kernels/mxfp4.cu"),
         entries: &[
@@ -114,25 +140,6 @@ pub const FILES: &[KernelFile] = &[
             "moe_combine_f32",
             "moe_combine_ids_f32",
         ],
-    },
-    KernelFile {
-        name: "mxfp4_stream.cu",
-        text: include_str!("../../../kernels/mxfp4_stream.cu"),
-        entries: &["mxfp4_up_stream2v2_f32", "mxfp4_down_stream2v2_f32"],
-    },
-    KernelFile {
-        name: "mxfp4_tc.cu",
-        text: include_str!("../../../kernels/mxfp4_tc.cu"),
-        entries: &[
-            "mxfp4_tc2_split_f32",
-            "mxfp4_up_tc2_f32",
-            "mxfp4_down_tc2_f32",
-        ],
-    },
-    KernelFile {
-        name: "mxfp4_wg.cu",
-        text: include_str!("../../../kernels/mxfp4_wg.cu"),
-        entries: &["mxfp4_wg_split_f32", "mxfp4_up_wg_f32", "mxfp4_down_wg_f32"],
     },
     KernelFile {
         name: "norm.cu",

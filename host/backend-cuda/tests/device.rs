@@ -663,7 +663,7 @@ fn moe_gemm_path_matches_cpu() {
     t.finish();
 }
 
-/// moe_routed at T = 1 through the single-token kernels (kernels/mxfp4_stream.cu: cp.async
+/// moe_routed at T = 1 through the single-token kernels (kernels/moe_single_token.cu: cp.async
 /// rings, the combine folded into the down kernel) against the CPU, then twice more for bitwise
 /// run-to-run equality (the combine sums in a fixed order).
 #[test]
@@ -702,10 +702,10 @@ fn mla_bf16_matches_cpu() {
 }
 
 /// The same with the attend the GPU runs by default (on sm_90a the cluster-pair wgmma attend,
-/// kernels/mla_attend_wg.cu): the same bf16 rounding on 64-position tiles, the same tolerance.
+/// kernels/mla_attend_pair_wgmma.cu): the same bf16 rounding on 64-position tiles, the same tolerance.
 #[test]
-fn mla_wg2_matches_cpu() {
-    mla_bf16_attend_matches_cpu(None, "mla_wg2_matches_cpu", "wg2");
+fn mla_pair_wgmma_matches_cpu() {
+    mla_bf16_attend_matches_cpu(None, "mla_pair_wgmma_matches_cpu", "pair");
 }
 
 fn mla_bf16_attend_matches_cpu(arch: Option<&str>, test: &str, tag: &str) {
@@ -783,8 +783,8 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
     for tokens in [1usize, 3, 40, 1100] {
         let (mut rc, mut rg) = (Rng(seed ^ tokens as u64), Rng(seed ^ tokens as u64));
         // Assignments = tokens x top-4 over 32 experts: 4, 12 and 160 take the decode-step kernels
-        // (dispatch.rs: T = 1 the single-token pair (mxfp4_stream.cu, moe/single_token.rs), T >= 2 the
-        // few-token pair (mxfp4_tc.cu): T = 3 fills part of an n-tile, T = 40 puts 5 tokens per
+        // (dispatch.rs: T = 1 the single-token pair (moe_single_token.cu, moe/single_token.rs), T >= 2 the
+        // few-token pair (moe_few_tokens.cu): T = 3 fills part of an n-tile, T = 40 puts 5 tokens per
         // expert on average, so most experts take two or three n-tiles of 4 tokens in their one
         // pass of up to 16), 4400 the many-assignment path (from the default
         // `CudaOptions::moe_gemm_min_assignments` = 4096; `moe_gemm_path_matches_cpu` also runs

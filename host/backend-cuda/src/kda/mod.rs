@@ -14,13 +14,13 @@ use k3_model::backend::{KdaGeom, KdaInputs, KdaParams, KdaStateLoc};
 /// read and written once per token, so the step is bound by its DRAM traffic).
 const KDA_DECODE_KERNEL: &str = "kda_decode_lines_f32";
 
-/// KDA prefill with a short conv (<= 4, K3's) runs in two passes (kernels/kda_chunk_scan.cu):
+/// KDA prefill with a short conv (<= 4, K3's) runs in two passes (kernels/kda_prefill_scan.cu):
 /// a record pass, parallel over chunks, holds everything that does not depend on the state, then
 /// a scan carries the state across chunks. Longer convs take the one-pass f32 kernels of
 /// kda_chunk.cu (conv + SiLU, prep, chunked delta rule).
 const KDA_SCAN_MAX_CONV: usize = 4;
 
-/// 16-token chunks per record-pass block (KDA_REC_NCH in kernels/kda_chunk_scan.cu).
+/// 16-token chunks per record-pass block (KDA_REC_NCH in kernels/kda_prefill_scan.cu).
 const KDA_REC_NCH: usize = 8;
 
 /// The record pass: grid (ceil(chunks / 8), heads), 128 threads.
@@ -29,12 +29,12 @@ fn kda_rec_launch(tokens: usize, heads: usize) -> Result<Launch> {
 }
 
 /// The record pass (conv, prep and the state-independent chunk algebra).
-const KDA_REC_KERNEL: &str = "kda_chunk_rec3m_f32";
+const KDA_REC_KERNEL: &str = "kda_prefill_record_f32";
 
-/// The state scan after the record pass (`kda_chunk_scan4_f32`).
-const KDA_SCAN_KERNEL: &str = "kda_chunk_scan4_f32";
+/// The state scan after the record pass (`kda_prefill_scan_f32`).
+const KDA_SCAN_KERNEL: &str = "kda_prefill_scan_f32";
 
-/// `kda_chunk_scan4_f32`: 32 state columns per 128-thread block (4 warps: 2 column tiles x 2 key
+/// `kda_prefill_scan_f32`: 32 state columns per 128-thread block (4 warps: 2 column tiles x 2 key
 /// halves), grid (V / 32, heads).
 fn kda_scan_launch(heads: usize) -> Result<Launch> {
     Launch::new((geometry::KDA_HEAD_DIM / 32, heads, 1), 128)

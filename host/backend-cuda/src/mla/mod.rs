@@ -148,11 +148,11 @@ impl CudaBackend {
         // Attend on tensor cores, merge the splits, then W_UV once per call. F32: 3xTF32 (two
         // blocks per SM, L2 prefetch of MLA_TC_PREFETCH_TILES tiles ahead); Bf16Mma: one bf16 MMA
         // per product (kernels/mla_attend_bf16.cu); PairWgmma: the same rounding on wgmma
-        // (kernels/mla_attend_wg.cu). All write the same partials.
+        // (kernels/mla_attend_pair_wgmma.cu). All write the same partials.
         match attend {
             MlaAttend::F32 => {
                 let tc_mode = 1 | (MLA_TC_PREFETCH_TILES << 2);
-                launch!(self, "mla_attend_tc2_f32", geometry::mla_attend_f32(&g, items, splits)?;
+                launch!(self, "mla_attend_tf32_f32", geometry::mla_attend_f32(&g, items, splits)?;
                     &qt.buf, &*arena, &starts, &base, &lens_d, &out.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale, &tc_mode)?;
             }
@@ -163,7 +163,7 @@ impl CudaBackend {
             }
             MlaAttend::PairWgmma => {
                 let fin = i32::from(final_rows);
-                launch!(self, "mla_attend_wg2_f32", geometry::mla_attend_pair_wgmma(&g, items, splits)?;
+                launch!(self, "mla_attend_pair_wgmma_f32", geometry::mla_attend_pair_wgmma(&g, items, splits)?;
                     &qt.buf, &*arena, &starts, &base, &lens_d, &out.buf, &it, &h, &lkv, &rope, &pt, &sp, &ch,
                     &scale, &fin)?;
             }

@@ -3,7 +3,7 @@
 //!
 //! The absorbed form (`CudaBackend::mla_absorbed`) attends every new token over its causal prefix
 //! with 576-wide rows: ~2·(576+512) FLOPs per (head, query, key) on a bandwidth-shaped kernel,
-//! 39 ms per K3 layer at 2048 tokens and quadratic beyond. Here the cached latents of the sequence
+//! tens of ms per K3 layer at 2048 tokens and quadratic beyond. Here the cached latents of the sequence
 //! are expanded once per call, `K_nope,h = c W_UK,hᵀ` and `V_h = c W_UV,hᵀ` (2·512·256 FLOPs per
 //! (head, key)), and attention runs as cuBLAS SGEMMs with qk-dim 192 and v-dim 128
 //! (2·(192+128) FLOPs per pair). All f32, default math mode (no TF32): the results track the CPU
@@ -31,7 +31,7 @@ use k3_model::backend::MlaGeom;
 
 /// Sequences with at least this many new tokens take the expanded form. Per (head, query, key)
 /// pair it does 2·320 FLOPs of f32 SGEMM (~50 TFLOP/s expected on the H200) against 2·1088 on the
-/// absorbed kernel (~11 TFLOP/s effective: 4.4e11 FLOPs in 39 ms at 2048 tokens); its fixed cost
+/// absorbed kernel (~11 TFLOP/s effective at 2048 tokens); its fixed cost
 /// is the expansion of every key of the sequence (2·kv_lora·H·(nope+v) FLOPs per key, re-done per
 /// call) plus 3 launches per query chunk. By that estimate it wins from ~30 new tokens even over
 /// 30k cached rows (sooner over short prefixes); the threshold sits at about twice that because

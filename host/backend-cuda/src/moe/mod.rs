@@ -28,7 +28,7 @@ pub struct DeviceExperts {
     pub w2: (CudaSlice<u8>, CudaSlice<u8>),
 }
 
-/// kernels/mxfp4_tc.cu tc2 (`mxfp4_up_tc2_f32` / `mxfp4_down_tc2_f32`): weight rows per 256-thread
+/// kernels/moe_few_tokens.cu (`mxfp4_experts_few_tokens_up_f32` / `mxfp4_experts_few_tokens_down_f32`): weight rows per 256-thread
 /// block (up: 128 rows of W1 and of W3 = one 128-column super-step of the split intermediate;
 /// down: 256 rows of W2), n-tiles of 4 tokens per pass (at most 4), and the split activations'
 /// row length in bf16: per 128-column super-step, 128 hi then 128 lo.
@@ -47,14 +47,14 @@ fn few_token_ntiles(tokens: usize) -> usize {
     tokens.div_ceil(4).clamp(1, FEW_TOKEN_MAX_NTILES)
 }
 
-/// kernels/mxfp4_tc.cu MX2 shared memory: 3 stages of 256 weight rows x 64 bytes, their scales
+/// kernels/moe_few_tokens.cu MX2 shared memory: 3 stages of 256 weight rows x 64 bytes, their scales
 /// and `ntiles` x 8 staged bf16 rows of 272 bytes. At most `geometry::FEW_TOKEN_MAX_SHARED` (two
 /// blocks per SM).
 fn few_token_shared(ntiles: usize) -> usize {
     3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
 }
 
-/// Grid of the tc2 expert kernels: `busy` experts x blocks of `rows_per_block` rows.
+/// Grid of the few-token expert kernels: `busy` experts x blocks of `rows_per_block` rows.
 fn few_token_launch(
     busy: usize,
     rows: usize,
@@ -67,7 +67,7 @@ fn few_token_launch(
         .with_opt_in_shared(few_token_shared(ntiles))
 }
 
-/// `mxfp4_tc2_split_f32`: one 32-thread block per (row, 128-column super-step).
+/// `mxfp4_experts_few_tokens_split_f32`: one 32-thread block per (row, 128-column super-step).
 fn few_token_split_launch(rows: usize, cols: usize) -> Result<Launch> {
     geometry::check_mx_width(cols)?;
     Launch::new((rows, cols.div_ceil(128), 1), 32)
@@ -153,17 +153,17 @@ impl CudaBackend {
         let (lin, has) = crate::launch::situ_linear_args(situ);
         // Blocks for at most min(E, T*k) experts: each maps itself to a busy one.
         let busy = ex.experts.min(t * k).max(1);
-        // The tc2 pair: z and the intermediate as hi / lo bf16 in fragment order (every element
+        // The few-token pair: z and the intermediate as hi / lo bf16 in fragment order (every element
         // written: the split pads z, each up block writes its whole 128-column super-step).
         let nt = few_token_ntiles(t);
         let (nti, ti) = (nt as i32, i32_of(t, "tokens")?);
         let zx = self.uninit::<u16>(t * few_token_row_u16(ex.latent))?;
         let actx = self.uninit::<u16>(t * k * few_token_row_u16(ex.inter))?;
-        launch!(self, "mxfp4_tc2_split_f32", few_token_split_launch(t, ex.latent)?; &z.buf, &zx, &ti, &lt)?;
-        launch!(self, "mxfp4_up_tc2_f32", few_token_launch(busy, ex.inter, ex.latent, FEW_TOKEN_UP_ROWS, nt)?;
+        launch!(self, "mxfp4_experts_few_tokens_split_f32", few_token_split_launch(t, ex.latent)?; &z.buf, &zx, &ti, &lt)?;
+        launch!(self, "mxfp4_experts_few_tokens_up_f32", few_token_launch(busy, ex.inter, ex.latent, FEW_TOKEN_UP_ROWS, nt)?;
             &zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &actx, &kk, &lt, &ie,
             &situ.beta, &lin, &has, &e, &nti)?;
-        launch!(self, "mxfp4_down_tc2_f32", few_token_launch(busy, ex.latent, ex.inter, FEW_TOKEN_DOWN_ROWS, nt)?;
+        launch!(self, "mxfp4_experts_few_tokens_down_f32", few_token_launch(busy, ex.latent, ex.inter, FEW_TOKEN_DOWN_ROWS, nt)?;
             &actx, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &nti)?;
         let out = self.zeros(t, ex.latent)?;
         let tt = t as i32;
@@ -219,7 +219,7 @@ mod tests {
 
     #[test]
     fn few_token_launch_geometry() {
-        // kernels/mxfp4_tc.cu MX2_STAGE_BYTES: two blocks per SM at the largest pass.
+        // kernels/moe_few_tokens.cu MXF_STAGE_BYTES: two blocks per SM at the largest pass.
         assert_eq!(
             few_token_shared(FEW_TOKEN_MAX_NTILES),
             geometry::FEW_TOKEN_MAX_SHARED

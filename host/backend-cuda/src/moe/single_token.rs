@@ -1,4 +1,4 @@
-//! Routed experts of 1-token decode steps (kernels/mxfp4_stream.cu). Each assignment (token,
+//! Routed experts of 1-token decode steps (kernels/moe_single_token.cu). Each assignment (token,
 //! slot) is taken straight from the router's ids, so the step needs no sort by expert; the units
 //! (assignment, row group, part of the row) are split evenly over all warps, the weights streamed
 //! through a cp.async ring per warp, one 512-thread block per SM, with the products on tensor
@@ -20,13 +20,13 @@ const SINGLE_TOKEN_MAX_PARTS: usize = 8;
 /// Steps per warp below which a smaller grid is taken.
 const SINGLE_TOKEN_MIN_STEPS_PER_WARP: usize = 8;
 
-/// The v2 kernels (kernels/mxfp4_stream.cu): 16 warps per block, one block per SM; dynamic shared
+/// The single-token kernels (kernels/moe_single_token.cu): 16 warps per block, one block per SM; dynamic shared
 /// memory MXV_SHARED = the 64 KB table + 17 rings of 4 steps x 2,176 bytes (16 warps and the most
 /// that packing them around the 64 KB-aligned table can waste).
 const SINGLE_TOKEN_THREADS: u32 = 512;
 const SINGLE_TOKEN_WARPS: usize = 16;
 
-/// Launch of one stream2 kernel: the grid and `parts`, the number of step ranges (of 128 columns)
+/// Launch of one single-token kernel: the grid and `parts`, the number of step ranges (of 128 columns)
 /// each row is cut into; every unit (assignment, 16-row tile, part) writes its own partial sums.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SingleTokenPlan {
@@ -34,7 +34,7 @@ pub struct SingleTokenPlan {
     pub parts: usize,
 }
 
-/// Grid and parts of a v2 kernel (harness common.py single_token_plan) for `assignments` x `rows`
+/// Grid and parts of a single-token kernel (harness common.py single_token_plan) for `assignments` x `rows`
 /// output rows of input width `cols`: `down` (32-row groups, runs of parts merged) or up (16-row
 /// tiles of W1 and W3). One block per SM (fewer: >= 8 steps per warp); parts minimising the
 /// busiest warp's units times their cost (up: 2 per step + 1 for the flush; down: 4 per
@@ -50,7 +50,7 @@ pub fn single_token_plan(
     let group = if down { 32 } else { 16 };
     if !cols.is_multiple_of(128) || !rows.is_multiple_of(group) || !fits(rows, cols) {
         return Err(CudaError::Unsupported(format!(
-            "MXFP4 stream2 v2 kernels: expert matrix {rows} x {cols} (width a multiple of 128, <= {SINGLE_TOKEN_MAX_COLS})"
+            "MXFP4 single-token kernels: expert matrix {rows} x {cols} (width a multiple of 128, <= {SINGLE_TOKEN_MAX_COLS})"
         )));
     }
     let (steps, groups) = (cols / 128, rows / group);
@@ -69,7 +69,7 @@ pub fn single_token_plan(
         .unwrap_or(1);
     if assignments * groups * parts >= 1 << 31 {
         return Err(CudaError::Unsupported(format!(
-            "MXFP4 stream2 v2 kernels: {assignments} assignments of {rows} rows (unit count past i32)"
+            "MXFP4 single-token kernels: {assignments} assignments of {rows} rows (unit count past i32)"
         )));
     }
     Ok(SingleTokenPlan {
@@ -114,14 +114,14 @@ impl CudaBackend {
         let (pu, pd, ns) = (
             up.parts as i32,
             down.parts as i32,
-            crate::launch::i32_of(n_sync, "stream2 v2 counters")?,
+            crate::launch::i32_of(n_sync, "single-token counters")?,
         );
         let (lin, has) = crate::launch::situ_linear_args(situ);
         let out = self.output(t, ex.latent)?;
-        launch!(self, "mxfp4_up_stream2v2_f32", up.launch;
+        launch!(self, "mxfp4_experts_single_token_up_f32", up.launch;
             &z.buf, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, idx, &gu, &sync, &ns, &kk, &lt, &ie, &e, &n,
             &pu)?;
-        launch!(self, "mxfp4_down_stream2v2_f32", down.launch;
+        launch!(self, "mxfp4_experts_single_token_down_f32", down.launch;
             &gu, &ex.w2.0, &ex.w2.1, idx, w, &yp, &sync, &out.buf, &kk, &lt, &ie, &situ.beta, &lin, &has,
             &e, &n, &pu, &pd)?;
         Ok(out)
@@ -135,7 +135,7 @@ mod tests {
 
     #[test]
     fn single_token_plan_geometry() {
-        // K3, T = 1, top-16 on 132 SMs (harness check_moe_stream2 replays the split): one
+        // K3, T = 1, top-16 on 132 SMs (harness check_moe_single_token replays the split): one
         // 512-thread block per SM; up 2 parts of 14 steps, down 8 parts of 3 steps (runs merge).
         let up = single_token_plan(16, 3072, 3584, 132, false).unwrap();
         assert_eq!(
@@ -159,7 +159,10 @@ mod tests {
                 && !single_token_fits(4096, 3072)
         );
         const { assert!(SINGLE_TOKEN_SHARED <= geometry::MAX_OPT_IN_SHARED) };
-        for name in ["mxfp4_up_stream2v2_f32", "mxfp4_down_stream2v2_f32"] {
+        for name in [
+            "mxfp4_experts_single_token_up_f32",
+            "mxfp4_experts_single_token_down_f32",
+        ] {
             assert!(
                 geometry::OPT_IN_SHARED.contains(&(name, SINGLE_TOKEN_SHARED)),
                 "{name}"

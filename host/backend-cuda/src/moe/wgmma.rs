@@ -1,8 +1,8 @@
 //! Routed experts of many-assignment steps as grouped MXFP4 GEMMs on Hopper wgmma
-//! (kernels/mxfp4_wg.cu; sm_90a only, dispatch.rs sends other GPUs to moe/cublas.rs). The tile list
+//! (kernels/moe_wgmma.cu; sm_90a only, dispatch.rs sends other GPUs to moe/cublas.rs). The tile list
 //! comes from the sort on the device (moe/sorted.rs: no host sync, so a step can sit in a
-//! captured graph): `mxfp4_wg_split_f32` (z as hi / lo bf16 planes), `mxfp4_up_wg_f32` (SiTU-GLU
-//! in its epilogue), `mxfp4_down_wg_f32`, `moe_combine_ids_f32`. The activations enter the tensor
+//! captured graph): `mxfp4_experts_wgmma_split_f32` (z as hi / lo bf16 planes), `mxfp4_experts_wgmma_up_f32` (SiTU-GLU
+//! in its epilogue), `mxfp4_experts_wgmma_down_f32`, `moe_combine_ids_f32`. The activations enter the tensor
 //! cores as hi = bf16(x) and lo = bf16(x - hi), both multiplied and summed in f32, so results stay
 //! at f32 level like every other expert path.
 
@@ -16,19 +16,19 @@ use cudarc::driver::CudaSlice;
 const WG_PLANES: usize = 2;
 
 /// The GEMM kernels' `mode`: the planes, with the proxy fence between the cp.async copies and the
-/// wgmma reads of the tokens kept on (kernels/mxfp4_wg.cu MXW_NO_PROXY_FENCE unset).
+/// wgmma reads of the tokens kept on (kernels/moe_wgmma.cu MXW_NO_PROXY_FENCE unset).
 const WG_MODE: usize = WG_PLANES;
 
 use crate::geometry::MX_WG_SHARED;
 
 /// Tokens per tile, threads per block, intermediate rows per up block (W1 and W3 each) and latent
-/// rows per down block (kernels/mxfp4_wg.cu MXW_TOK, MXW_THREADS, MXW_UP_ROWS, MXW_AROWS).
+/// rows per down block (kernels/moe_wgmma.cu MXW_TOK, MXW_THREADS, MXW_UP_ROWS, MXW_AROWS).
 const WG_TOKENS: usize = 128;
 const WG_THREADS: u32 = 256;
 const WG_UP_ROWS: usize = 128;
 const WG_DOWN_ROWS: usize = 256;
 
-/// Split activation row length in bf16 (kernels/mxfp4_wg.cu layout: 64-column groups of `planes`
+/// Split activation row length in bf16 (kernels/moe_wgmma.cu layout: 64-column groups of `planes`
 /// x 64 values).
 pub(crate) fn wgmma_row_u16(cols: usize, planes: usize) -> usize {
     cols.div_ceil(64) * 64 * planes
@@ -50,7 +50,7 @@ pub(crate) fn wgmma_launch(
     crate::moe::sorted::tiled_launch(gemm, rows, rows_per_block, cols, assignments, experts)
 }
 
-/// `mxfp4_wg_split_f32`: one 128-thread block per row and 256 columns.
+/// `mxfp4_experts_wgmma_split_f32`: one 128-thread block per row and 256 columns.
 pub(crate) fn wgmma_split_launch(rows: usize, cols: usize) -> Result<Launch> {
     Launch::new((rows, cols.div_ceil(256), 1), 128)
 }
@@ -76,12 +76,12 @@ impl CudaBackend {
         // groups of its tokens' rows, the down blocks every row of a sorted assignment and the
         // combine reads only those.
         let run = |zx: &CudaSlice<u16>, actx: &CudaSlice<u16>, y: &CudaSlice<f32>| {
-            launch!(self, "mxfp4_wg_split_f32", wgmma_split_launch(d.t, d.lt)?;
+            launch!(self, "mxfp4_experts_wgmma_split_f32", wgmma_split_launch(d.t, d.lt)?;
                 &step.z.buf, zx, &d.ti, &d.lti, &pi)?;
-            launch!(self, "mxfp4_up_wg_f32", up;
+            launch!(self, "mxfp4_experts_wgmma_up_f32", up;
                 zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, offsets, sorted, actx, &d.kk, &d.lti,
                 &d.iei, &situ.beta, &lin, &has, &d.ei, &mi)?;
-            launch!(self, "mxfp4_down_wg_f32", down;
+            launch!(self, "mxfp4_experts_wgmma_down_f32", down;
                 actx, &ex.w2.0, &ex.w2.1, offsets, sorted, y, &d.lti, &d.iei, &d.ei, &mi)?;
             self.combine_sorted(y, &step, &d)
         };
@@ -120,10 +120,10 @@ mod tests {
         assert_eq!(wgmma_split_launch(2048, 3584).unwrap().grid, (2048, 14, 1));
         assert!(wgmma_launch(3072, WG_UP_ROWS, 100, n, 128).is_err());
         // Five stages of 256 rows x (32 packed + 4 scale bytes) + 16 chunks x 128 tokens x 16 B
-        // (kernels/mxfp4_wg.cu MXW_SHARED_BYTES); within the opt-in limit; opted in by name.
+        // (kernels/moe_wgmma.cu MXW_SHARED_BYTES); within the opt-in limit; opted in by name.
         assert_eq!(MX_WG_SHARED, 5 * (256 * 32 + 256 * 4 + 16 * 128 * 16));
         const { assert!(MX_WG_SHARED + 1024 + 128 <= geometry::MAX_OPT_IN_SHARED) };
-        for name in ["mxfp4_up_wg_f32", "mxfp4_down_wg_f32"] {
+        for name in ["mxfp4_experts_wgmma_up_f32", "mxfp4_experts_wgmma_down_f32"] {
             assert!(
                 geometry::OPT_IN_SHARED.contains(&(name, MX_WG_SHARED)),
                 "{name} opts in to its shared memory"

@@ -1,29 +1,30 @@
 // Routed experts in MXFP4 for 1-token decode steps (moe/single_token.rs):
-//   mxfp4_up_stream2v2_f32    gu = W1_e z_t, W3_e z_t per part of the row (as v1, kernels/mxfp4.cu)
-//   mxfp4_down_stream2v2_f32  act = SiTU-GLU(sum of gu's parts), y = W2_e act, and the combine
+//   mxfp4_experts_single_token_up_f32    gu = W1_e z_t, W3_e z_t per part of the row
+//   mxfp4_experts_single_token_down_f32  act = SiTU-GLU(sum of gu's parts), y = W2_e act, and the combine
 //                             out[t] = sum_j w[t,j] y[t*k + j] folded in: no third launch
-// The math is v1's (header of kernels/mxfp4.cu: each lane's 32-value block in its own mma column,
-// E2M1 pairs from a per-lane replicated bf16x2 table, x as hi + lo bf16, scales in f32 per block);
-// what changes is how the bytes get there. Measured v1 (H200, K3, top-16, T = 1): up 54% and down
-// 43% of the weight-traffic floor, combine 7.4 us. Why, from its SASS: ptxas puts every weight
+// The math is the per-lane table form (each lane's 32-value block in its own mma column, E2M1
+// pairs from a per-lane replicated bf16x2 table, x as hi + lo bf16, scales in f32 per block,
+// mxfp4_mma.cuh); what this pair changes is how the bytes get there. A plain register ring of
+// weight loads stays near half the weight-traffic floor. Why, from its SASS: ptxas puts every weight
 // load of the register ring on one scoreboard across the loop's back edge, so each trip (D steps:
 // up 2, down 4) starts by waiting for *all* loads in flight, including those issued just before:
 // the ring drains once per trip, and a warp has about one step of loads in flight. Here:
 // - Weights go through a per-warp ring of MXV_STAGES steps in shared memory, filled by cp.async
-//   (16-byte copies with the L2::256B prefetch hint: one DRAM burst per 4 steps of a row; without
-//   it the pair took 152 us instead of 121 on the H200) and waited
+//   (16-byte copies with the L2::256B prefetch hint: one DRAM burst per 4 steps of a row, which
+//   the pair needs to stream at full rate) and waited
 //   by group count (cp.async.wait_group: only the oldest step), so 3 steps (6 KB per warp, 96 KB
 //   per SM) stay in flight across unit boundaries. A lane copies exactly the 16 bytes it later
 //   reads (its MX block of rows g and g + 8), so the weights need no barrier; the step's scales
 //   (one 4-byte word per row: blocks 4s .. 4s + 3) are copied one word per lane and read after a
 //   __syncwarp.
-// - One 512-thread block per SM (16 warps, the same as v1's two 256-thread blocks): one 64 KB
-//   table instead of two leaves room for the rings. The table sits on a 64 KB boundary of the
+// - One 512-thread block per SM (16 warps): one 64 KB table instead of two
+//   leaves room for the rings. The table sits on a 64 KB boundary of the
 //   shared window, so a lookup's address is one PRMT (byte of the weight word into bits 8..15, the
-//   lane and the table's upper bits from a register): v1 paid an extra IADD per weight byte.
-// - Each step multiplies two 16-row sets: up W1 and W3 of one tile (as v1), down two adjacent
-//   tiles of W2 (v1: one), so the staged x fragments and the unit bookkeeping serve twice the
-//   rows. Only the 8 lanes whose B column carries x read it (v1: all 32, 24 of them a zero block).
+//   lane and the table's upper bits from a register), one IADD per weight byte fewer than an
+//   unaligned table.
+// - Each step multiplies two 16-row sets: up W1 and W3 of one tile, down two adjacent
+//   tiles of W2, so the staged x fragments and the unit bookkeeping serve twice the
+//   rows. Only the 8 lanes whose B column carries x read it (not all 32: 24 of them would read a zero block).
 // - down: consecutive units of a warp on the same (assignment, 32-row group) add into one run
 //   (one partial per run instead of per part); each run's partial goes to yp[a, first part], its
 //   part's bit to a mask and its unit count to a counter per (token, group). The warp that brings
@@ -31,7 +32,7 @@
 //   parts (in part order): fixed order, so the result does not depend on scheduling. The up
 //   kernel zeroes the counters and masks (it runs first on the same stream).
 // Widths must be multiples of 128 (whole steps: no padding blocks; K3 3584 / 3072) and <= 3968;
-// moe_stream.rs keeps v1 for the others. Scale rows are then 4-byte aligned (nb % 4 == 0).
+// dispatch.rs gives other widths the few-token pair. Scale rows are then 4-byte aligned (nb % 4 == 0).
 #include "mxfp4_mma.cuh"
 
 #define MXV_WARPS 16                           // warps per block (one block per SM)
@@ -40,7 +41,7 @@
 #define MXV_STAGE (2 * MXV_SET + 128)          // one step: 2 sets, then 32 scale words
 #define MXV_RING (MXV_STAGES * MXV_STAGE)      // 8,704 bytes per warp
 #define MXV_TABLE 65536                        // decode table + staged x (upper half of each 256-byte row)
-// Dynamic shared memory (moe_stream.rs MX_STREAM2V2_SHARED): table, 16 rings and the most that
+// Dynamic shared memory (geometry.rs SINGLE_TOKEN_SHARED): table, 16 rings and the most that
 // packing rings around the 64 KB-aligned table can waste (less than one ring).
 #define MXV_SHARED (MXV_TABLE + (MXV_WARPS + 1) * MXV_RING)
 #define MXV_MAX_BLOCKS 124                     // 32-value blocks per staged row (cols <= 3968)
@@ -110,7 +111,7 @@ __device__ __forceinline__ void mxv_fill_table(u32 tab) {
 
 // Stage one input row (cols values, a multiple of 128; val8(col, v) gives columns col .. col + 7
 // in f32) as hi / lo bf16 into x slot `slot`: block c in the upper half of table row 128 slot + c,
-// 32 hi then 32 lo bf16, 16-byte piece q at q ^ (c & 3) (v1's layout).
+// 32 hi then 32 lo bf16, 16-byte piece q at q ^ (c & 3).
 template <typename Val8>
 __device__ __forceinline__ void mxv_stage(u32 tab, int cols, int slot, Val8 val8) {
     for (int i = threadIdx.x; i < cols / 8; i += blockDim.x) {
@@ -127,7 +128,7 @@ __device__ __forceinline__ void mxv_stage(u32 tab, int cols, int slot, Val8 val8
 
 // The block's part of the units (assignment a < n_assign, group of 16 * (2 / NM) rows, part p <
 // parts) of NM matrices [experts, rows, cols] (packed wp[m], scales ws[m]); units are split evenly
-// over all warps of the grid (v1's split). A step is 128 columns of two 16-row sets: set r is
+// over all warps of the grid. A step is 128 columns of two 16-row sets: set r is
 // matrix r of the group's tile (NM = 2) or tile r of the group (NM = 1). stage(j, slot) stages
 // assignment j's input; emit(a, grp, p, run, m, row, v, ok) is called by every lane at the end of
 // a run (MERGE: consecutive units of one (a, group), else each unit) with its row's partial sum.
@@ -138,7 +139,7 @@ __device__ __forceinline__ void mxv_drive(const u8* const (&wp)[NM], const u8* c
     constexpr int RT = 2 / NM;  // 16-row tiles per group
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int nb = cols / 32, ns = nb / 4, groups = rows / (16 * RT);
-    // Host-checked (moe_stream.rs stream2v2_fits / plan); an empty part would never end.
+    // Host-checked (moe/single_token.rs single_token_plan); an empty part would never end.
     if (cols % 128 != 0 || nb > MXV_MAX_BLOCKS || rows % (16 * RT) != 0 || parts < 1 || parts > ns) return;
     const int per_a = groups * parts;
     const i64 n = (i64)n_assign * per_a;  // < 2^31 (host-checked)
@@ -342,13 +343,13 @@ __device__ __forceinline__ void mxv_drive(const u8* const (&wp)[NM], const u8* c
     }
 }
 
-// Grid (moe_stream.rs mx_stream2v2_plan), 512 threads, MXV_SHARED dynamic shared memory (opt-in).
+// Grid (moe/single_token.rs single_token_plan), 512 threads, MXV_SHARED dynamic shared memory (opt-in).
 // gu[a, p, 0 | 1, r] = part p of W1_e[r] . z_t | W3_e[r] . z_t for every assignment a < n_assign
-// with e = idx[a] in [0, experts), t = a / top_k (others: rows left as they are), as v1. Also
+// with e = idx[a] in [0, experts), t = a / top_k (others: rows left as they are). Also
 // zeroes sync[0 .. n_sync) (the down kernel's counters and masks). latent, inter: multiples of 128,
 // latent <= 3968.
 extern "C" __global__ void __launch_bounds__(512, 1)
-mxfp4_up_stream2v2_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
+mxfp4_experts_single_token_up_f32(const float* __restrict__ z, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
                        const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ idx,
                        float* __restrict__ gu, int* __restrict__ sync, int n_sync, int top_k, int latent, int inter,
                        int experts, int n_assign, int parts) {
@@ -369,13 +370,13 @@ mxfp4_up_stream2v2_f32(const float* __restrict__ z, const u8* __restrict__ w1p, 
     mxv_drive<2, false>(wp, ws, idx, experts, n_assign, inter, latent, parts, stage, emit);
 }
 
-// Grid from mx_stream2v2_plan, 512 threads, MXV_SHARED: out [n_assign / top_k, latent] = sum over
+// Grid from single_token_plan, 512 threads, MXV_SHARED: out [n_assign / top_k, latent] = sum over
 // slots j (in order) with a valid id of w[t*k+j] * W2_e act[t*k+j], act = SiTU-GLU(sum over the
 // up kernel's parts_up of gu) (built while staging). yp [n_assign, parts, latent]: run partials
 // (slot = the run's first part); sync: counters [tokens, latent / 32], then part masks [n_assign,
 // latent / 32], zeroed by the up kernel. latent, inter: multiples of 128, inter <= 3968.
 extern "C" __global__ void __launch_bounds__(512, 1)
-mxfp4_down_stream2v2_f32(const float* __restrict__ gu, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
+mxfp4_experts_single_token_down_f32(const float* __restrict__ gu, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
                          const int* __restrict__ idx, const float* __restrict__ w, float* __restrict__ yp,
                          int* __restrict__ sync, float* __restrict__ out, int top_k, int latent, int inter,
                          float beta, float beta_lin, int has_lin, int experts, int n_assign, int parts_up, int parts) {

@@ -1,29 +1,23 @@
 // Routed experts in MXFP4 on tensor cores, for decode steps of 2 tokens and more (1-token steps
-// take the stream2 pair of mxfp4.cu; ops.rs mx_experts_choice). Each 16x16 weight tile is
+// take the single-token pair of moe_single_token.cu; dispatch.rs chooses). Each 16x16 weight tile is
 // expanded to bf16 in registers (exact: an E2M1 value times a power of two fits bf16) and
 // multiplied by mma.sync m16n8k16 against the step's tokens, each fed as two bf16 columns
 // hi = bf16(x), lo = bf16(x - hi) (common.cuh split_bf16) whose products the f32 accumulator
 // sums: ~16 mantissa bits of x, as moe_gemm.cu.
 //
-// Why: CUDA-core kernels (a deleted gemv pair) spent ~11 shared / L1 wavefronts per 4 weight
-// bytes per warp (8 nibble-table loads, 2 activation loads, the weight load) against ~7 SM cycles
-// that 4.25 TB/s allows, and every extra token cost 8 more FMAs per word. Here a byte (two
-// nibbles) decodes in registers (mxfp4_mma.cuh mx_pair_alu: the nibbles placed as bf16 bits,
-// E2M1 x 2^-126, then two exact bf16x2 fmas: x 2^126 and x the block scale), and one mma covers
-// up to 4 tokens (8 hi/lo columns) for 16 rows x 16 columns, so more tokens per pass are nearly
-// free. Until session 9 the byte went through a 256-entry bf16x2 table replicated per lane in
-// shared memory (32 KB, one LDS per byte, mx_pair); the register decode gives the same bits and
-// was faster in the same call (AS, K3 experts, kernels alone): up / down at T = 16 771.8 / 384.7
-// against 842.0 / 403.5 us, T = 64 945.6 / 479.5 against 1018.4 / 498.1, T = 4 410.2 / 198.1
-// against 415.9 / 198.7. A 4- or 5-stage ring was slower in that call with either decode
-// (T = 16 up 811.9 / 945.1 us with the register decode).
-// What bounds tc2 (call AU, MX2_DIAG probes below, up kernel alone, T = 16 / 64): whole 762 / 941 us
-// (40 / 37 % of the weight floor); no decode 542 / 795; no mma 724 / 972; neither, i.e. the weight
-// copies and the loop alone, 473 / 709 (65 / 50 %); no weight copies 631 / 803; nothing but the
-// skeleton (block start, token copies, one barrier per stage, the epilogue) 300 / 477 us, already
-// the floor's time at T = 16. So the decode is the largest single part (~220 us at T = 16), and the
-// per-block fixed costs of ~2,700 short blocks (28 stages each) are the next: fewer, longer-lived
-// blocks (several row blocks or experts per block) would amortise them.
+// Why: CUDA-core kernels spend ~11 shared / L1 wavefronts per 4 weight bytes per warp (8
+// nibble-table loads, 2 activation loads, the weight load) against ~7 SM cycles that 4.25 TB/s
+// allows, and every extra token costs 8 more FMAs per word. Here a byte (two nibbles) decodes in
+// registers (mxfp4_mma.cuh mx_pair_alu: the nibbles placed as bf16 bits, E2M1 x 2^-126, then two
+// exact bf16x2 fmas: x 2^126 and x the block scale), and one mma covers up to 4 tokens (8 hi/lo
+// columns) for 16 rows x 16 columns, so more tokens per pass are nearly free. The register decode
+// gives the same bits as a 256-entry bf16x2 table replicated per lane in shared memory (mx_pair)
+// without its 32 KB and one LDS per byte, and is the faster of the two; a 4- or 5-stage ring is
+// slower than MXF_STAGES with either decode.
+// What bounds the up kernel (the MXF_DIAG probes below take parts away): the decode is the largest
+// single part, and the per-block fixed costs of the many short blocks (block start, token copies,
+// one barrier per stage, the epilogue) are the next: fewer, longer-lived blocks (several row
+// blocks or experts per block) would amortise them.
 //
 // Fragment mapping (PTX m16n8k16 .row.col): lane = 4 g + t holds A rows g and g + 8 at k = 2t,
 // 2t + 1 (+8), B column g at the same k. The dot over k does not care which physical column a
@@ -39,7 +33,7 @@
 extern __shared__ __align__(16) u32 mxt_smem[];
 
 // ---------------------------------------------------------------------------------------------
-// tc2 (ops.rs MxExperts::Tc, the default from 2 tokens): the decode (scale folded in) and mma
+// The few-token pair (moe/mod.rs, from 2 tokens): the decode (scale folded in) and mma
 // fragments above, and
 // - every token of the expert goes through each decoded weight fragment: a pass takes up to 16
 //   tokens (4 n-tiles of 4 tokens x hi/lo), so the weights are read once per expert (experts with
@@ -49,40 +43,40 @@ extern __shared__ __align__(16) u32 mxt_smem[];
 //   in flight: two 17 KB stages per block, two blocks per SM), each stage one super-step (128
 //   columns = 4 MX blocks) of 256 weight rows, with an L2 256-byte prefetch hint so DRAM sees
 //   256-byte runs of each row. One barrier per stage;
-// - the activations are split into hi / lo bf16 once (mxfp4_tc2_split_f32 for z; the up kernel's
+// - the activations are split into hi / lo bf16 once (mxfp4_experts_few_tokens_split_f32 for z; the up kernel's
 //   epilogue for the intermediate), already in the fragment column order of the header, so a
 //   stage's B tile is a plain 512-byte copy per token.
 // Row-major staged tiles: A-row ar of a stage (64 bytes) sits at ar * 64, its 4 scale bytes at
-// MX2_W_BYTES + 4 ar; the warp's 16-byte reads (8 rows x 4 lanes) cover all 32 banks 4 times.
-// B row v = 2 i + p (token i of the pass, p = 0 hi / 1 lo) at MX2_BRS-byte stride (conflict-free
+// MXF_W_BYTES + 4 ar; the warp's 16-byte reads (8 rows x 4 lanes) cover all 32 banks 4 times.
+// B row v = 2 i + p (token i of the pass, p = 0 hi / 1 lo) at MXF_BRS-byte stride (conflict-free
 // 8-byte fragment loads: the 32-byte pad spreads the 8 rows of a phase over all banks).
 // xs layout (both split forms): [row][ceil(cols / 128)][p][128] bf16, column 128 ss + c at index
 // mx_pos(c) of its super-step (c = 32 t + 4 s + j -> 16 s + 4 t + j: lane t's k-step s reads 4
 // consecutive values), columns past `cols` zero.
-#define MX2_KC 128
-#define MX2_STAGES 3
-// Harness-only timing probes (benchmarks.py bench_moe_tc2_diag, never built by the host): 1 = no
+#define MXF_KC 128
+#define MXF_STAGES 3
+// Harness-only timing probes (benchmarks.py bench_moe_few_tokens_diag, never built by the host): 1 = no
 // weight decode (the raw words go to the mma), 2 = no mma (the decoded words are folded into the
 // accumulators with one xor), 4 = no weight or scale copies from global memory (the stages keep
 // stale bytes). Results are garbage on purpose. 0 in every real build.
-#ifndef MX2_DIAG
-#define MX2_DIAG 0
+#ifndef MXF_DIAG
+#define MXF_DIAG 0
 #endif
-#define MX2_MAXNT 4
-#define MX2_AROWS 256
-#define MX2_BRS 272
-#define MX2_W_BYTES (MX2_AROWS * 64)
-#define MX2_S_BYTES (MX2_AROWS * 4)
-#define MX2_BNT_BYTES (8 * MX2_BRS)
-// Dynamic shared memory for nt n-tiles per pass: 3 stages (ops.rs mx_tc2_shared; 78,336 B at
+#define MXF_MAXNT 4
+#define MXF_AROWS 256
+#define MXF_BRS 272
+#define MXF_W_BYTES (MXF_AROWS * 64)
+#define MXF_S_BYTES (MXF_AROWS * 4)
+#define MXF_BNT_BYTES (8 * MXF_BRS)
+// Dynamic shared memory for nt n-tiles per pass: 3 stages (moe/mod.rs few_token_shared; 78,336 B at
 // nt = 4: two blocks per SM).
-#define MX2_STAGE_BYTES(nt) (MX2_W_BYTES + MX2_S_BYTES + (nt) * MX2_BNT_BYTES)
+#define MXF_STAGE_BYTES(nt) (MXF_W_BYTES + MXF_S_BYTES + (nt) * MXF_BNT_BYTES)
 
-static_assert(MX2_STAGES == 3, "mx_wait_all_but_one waits for all but MX2_STAGES - 2 groups");
+static_assert(MXF_STAGES == 3, "mx_wait_all_but_one waits for all but MXF_STAGES - 2 groups");
 
 // Grid (rows, ceil(cols / 128)), 32 threads: x [rows, cols] f32 -> xs hi / lo bf16 (layout above).
-extern "C" __global__ void mxfp4_tc2_split_f32(const float* __restrict__ x, u16* __restrict__ xs, int rows, int cols) {
-    const int row = blockIdx.x, ss = blockIdx.y, cc = 4 * threadIdx.x, col = MX2_KC * ss + cc;
+extern "C" __global__ void mxfp4_experts_few_tokens_split_f32(const float* __restrict__ x, u16* __restrict__ xs, int rows, int cols) {
+    const int row = blockIdx.x, ss = blockIdx.y, cc = 4 * threadIdx.x, col = MXF_KC * ss + cc;
     if (row >= rows) return;
     float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (col < cols) {  // cols % 32 == 0: the whole float4 is in the row
@@ -102,12 +96,12 @@ extern "C" __global__ void mxfp4_tc2_split_f32(const float* __restrict__ x, u16*
 // (ar = 32 w + 16 m + rr), else rows r0 + ar of W2. Warp w's tiles m = 0, 1 are its A-rows
 // 32 w + 16 m + 0..15. emit(t0, nt, out[m][q][h]) stores pass results (token t0 + 4 q + t, row g + 8 h).
 template <bool UP, typename Emit>
-__device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, const u8* const (&pk)[2],
+__device__ __forceinline__ void few_tokens_expert(const u16* __restrict__ xs, int div, const u8* const (&pk)[2],
                                            const u8* const (&ps)[2], int rows, int cols, int r0,
                                            const int* __restrict__ sorted, int a0, int n, int ntiles, Emit emit) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int nb = cols >> 5, nch = (cols + MX2_KC - 1) / MX2_KC, per = 4 * ntiles;
-    const int nsteps = ((n + per - 1) / per) * nch, stage_bytes = MX2_STAGE_BYTES(ntiles);
+    const int nb = cols >> 5, nch = (cols + MXF_KC - 1) / MXF_KC, per = 4 * ntiles;
+    const int nsteps = ((n + per - 1) / per) * nch, stage_bytes = MXF_STAGE_BYTES(ntiles);
     const u8* stages = reinterpret_cast<const u8*>(mxt_smem);
     const u32 stages_s = (u32)__cvta_generic_to_shared(mxt_smem);
 
@@ -131,21 +125,21 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
 
     auto issue = [&](int j) {
         const int pass = j / nch, c = j - pass * nch;
-        const u32 bs = stages_s + (j % MX2_STAGES) * stage_bytes;
+        const u32 bs = stages_s + (j % MXF_STAGES) * stage_bytes;
         const bool in = 4 * c + (tid & 3) < nb;  // past the row's end: zeros (byte 0 decodes to +0)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            if ((MX2_DIAG & 4) == 0)
+            if ((MXF_DIAG & 4) == 0)
                 mx_cp16_l2(bs + ((tid >> 2) + 64 * i) * 64 + 16 * (tid & 3), wsrc[i] + (in ? 64 * c : 0), in ? 16u : 0u);
-        if ((MX2_DIAG & 4) != 0) {
+        if ((MXF_DIAG & 4) != 0) {
         } else if ((nb & 3) == 0) {
-            mx_cp4(bs + MX2_W_BYTES + 4 * tid, ssrc + 4 * c);
+            mx_cp4(bs + MXF_W_BYTES + 4 * tid, ssrc + 4 * c);
         } else {  // rows of nb % 4 != 0 blocks: scale rows not 4-byte aligned (test shapes only)
             u32 v = 0;
 #pragma unroll
             for (int k = 0; k < 4; ++k)
                 if (4 * c + k < nb) v |= (u32)ssrc[4 * c + k] << (8 * k);
-            *reinterpret_cast<u32*>(mxt_smem + ((j % MX2_STAGES) * stage_bytes + MX2_W_BYTES) / 4 +
+            *reinterpret_cast<u32*>(mxt_smem + ((j % MXF_STAGES) * stage_bytes + MXF_W_BYTES) / 4 +
                                     tid) = v;
         }
         const int t0 = pass * per, nt = min(per, n - t0);
@@ -159,21 +153,21 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
         for (int k = 0; k < 2; ++k) {
             const int i = warp + 8 * k;
             if (i < nt)
-                mx_cp16(bs + MX2_W_BYTES + MX2_S_BYTES + (2 * i + (lane >> 4)) * MX2_BRS + 16 * (lane & 15),
+                mx_cp16(bs + MXF_W_BYTES + MXF_S_BYTES + (2 * i + (lane >> 4)) * MXF_BRS + 16 * (lane & 15),
                          xs + ((i64)b_row[k] * nch + c) * 256 + 8 * lane);
         }
     };
 
-    float acc[2][MX2_MAXNT][4];
+    float acc[2][MXF_MAXNT][4];
 #pragma unroll
-    for (int j = 0; j < MX2_STAGES - 1; ++j) {
+    for (int j = 0; j < MXF_STAGES - 1; ++j) {
         if (j < nsteps) issue(j);
         mx_commit();
     }
     for (int j = 0; j < nsteps; ++j) {
-        mx_wait_all_but_one();  // stage j's copies (this thread's) are done: MX2_STAGES - 2 = 1 younger group
+        mx_wait_all_but_one();  // stage j's copies (this thread's) are done: MXF_STAGES - 2 = 1 younger group
         __syncthreads();         // everyone's are, and everyone is done with stage j - 1's buffer
-        if (j + MX2_STAGES - 1 < nsteps) issue(j + MX2_STAGES - 1);
+        if (j + MXF_STAGES - 1 < nsteps) issue(j + MXF_STAGES - 1);
         mx_commit();  // (possibly empty: keeps the group count per step fixed)
         const int pass = j / nch, c = j - pass * nch;
         const int t0 = pass * per, nt = min(per, n - t0), ntl = (nt + 3) >> 2;
@@ -181,11 +175,11 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
-                for (int q = 0; q < MX2_MAXNT; ++q)
+                for (int q = 0; q < MXF_MAXNT; ++q)
 #pragma unroll
                     for (int k = 0; k < 4; ++k) acc[m][q][k] = 0.0f;
         }
-        const u8* buf = stages + (j % MX2_STAGES) * stage_bytes;
+        const u8* buf = stages + (j % MXF_STAGES) * stage_bytes;
         uint4 wv[2][2];
         u32 sc[2][2];
 #pragma unroll
@@ -194,9 +188,9 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
             for (int h = 0; h < 2; ++h) {
                 const int ar = 32 * warp + 16 * m + 8 * h + g;
                 wv[m][h] = *reinterpret_cast<const uint4*>(buf + ar * 64 + 16 * t);
-                sc[m][h] = mx_scale2(buf[MX2_W_BYTES + 4 * ar + t]);
+                sc[m][h] = mx_scale2(buf[MXF_W_BYTES + 4 * ar + t]);
             }
-        const u8* bb = buf + MX2_W_BYTES + MX2_S_BYTES + g * MX2_BRS + 8 * t;
+        const u8* bb = buf + MXF_W_BYTES + MXF_S_BYTES + g * MXF_BRS + 8 * t;
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
             u32 a[2][4];
@@ -204,7 +198,7 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
             for (int m = 0; m < 2; ++m) {
                 const u32 w0 = mx_word(wv[m][0], s >> 1), w1 = mx_word(wv[m][1], s >> 1);
                 const int by = 2 * (s & 1);
-                if ((MX2_DIAG & 1) != 0) {
+                if ((MXF_DIAG & 1) != 0) {
                     a[m][0] = w0, a[m][1] = w1, a[m][2] = w0 >> 8, a[m][3] = w1 >> 8;
                     continue;
                 }
@@ -214,12 +208,12 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
                 a[m][3] = mx_pair_alu(w1, by + 1, sc[m][1]);
             }
 #pragma unroll
-            for (int q = 0; q < MX2_MAXNT; ++q)
+            for (int q = 0; q < MXF_MAXNT; ++q)
                 if (q < ntl) {  // block-uniform
-                    const uint2 v = *reinterpret_cast<const uint2*>(bb + q * 8 * MX2_BRS + 32 * s);
+                    const uint2 v = *reinterpret_cast<const uint2*>(bb + q * 8 * MXF_BRS + 32 * s);
 #pragma unroll
                     for (int m = 0; m < 2; ++m) {
-                        if ((MX2_DIAG & 2) != 0)
+                        if ((MXF_DIAG & 2) != 0)
                             acc[m][q][0] += __uint_as_float(a[m][0] ^ a[m][1] ^ a[m][2] ^ a[m][3] ^ v.x ^ v.y);
                         else
                             tc_mma_bf16(acc[m][q], a[m][0], a[m][1], a[m][2], a[m][3], v.x, v.y);
@@ -227,11 +221,11 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
                 }
         }
         if (c == nch - 1) {
-            float out[2][MX2_MAXNT][2];
+            float out[2][MXF_MAXNT][2];
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
-                for (int q = 0; q < MX2_MAXNT; ++q) {
+                for (int q = 0; q < MXF_MAXNT; ++q) {
                     out[m][q][0] = acc[m][q][0] + acc[m][q][1];
                     out[m][q][1] = acc[m][q][2] + acc[m][q][3];
                 }
@@ -243,10 +237,10 @@ __device__ __forceinline__ void mx2_expert(const u16* __restrict__ xs, int div, 
 // Grid (min(E, assignments), ceil(inter / 128)), 256 threads, MX2 shared bytes for `ntiles` (1..4)
 // n-tiles per pass: block y writes super-step y of actx = SiTU-GLU(W1 z, W3 z) for every
 // assignment of its expert, hi / lo split (xs layout, rows past inter zero): the down kernel's B.
-// zx: mxfp4_tc2_split_f32 of z; z's token of assignment a is a / top_k; `experts` = E (block x
+// zx: mxfp4_experts_few_tokens_split_f32 of z; z's token of assignment a is a / top_k; `experts` = E (block x
 // takes the x-th busy expert: mx_active_expert); SiTU-GLU parameters beta, beta_lin, has_lin.
 extern "C" __global__ void __launch_bounds__(256, 2)
-mxfp4_up_tc2_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
+mxfp4_experts_few_tokens_up_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
                  const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
                  const int* __restrict__ sorted, u16* __restrict__ actx, int top_k, int latent, int inter, float beta,
                  float beta_lin, int has_lin, int experts, int ntiles) {
@@ -257,10 +251,10 @@ mxfp4_up_tc2_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u
     const i64 mat = (i64)e * inter;
     const u8* const pk[2] = {w1p + mat * (latent / 2), w3p + mat * (latent / 2)};
     const u8* const ps[2] = {w1s + mat * (latent / 32), w3s + mat * (latent / 32)};
-    mx2_expert<true>(zx, top_k, pk, ps, inter, latent, r0, sorted, a0, offsets[e + 1] - a0, max(1, min(ntiles, MX2_MAXNT)),
-                     [&](int t0, int nt, const float(&o)[2][MX2_MAXNT][2]) {
+    few_tokens_expert<true>(zx, top_k, pk, ps, inter, latent, r0, sorted, a0, offsets[e + 1] - a0, max(1, min(ntiles, MXF_MAXNT)),
+                     [&](int t0, int nt, const float(&o)[2][MXF_MAXNT][2]) {
 #pragma unroll
-                         for (int q = 0; q < MX2_MAXNT; ++q)
+                         for (int q = 0; q < MXF_MAXNT; ++q)
 #pragma unroll
                              for (int h = 0; h < 2; ++h) {
                                  const int i = 4 * q + t, rl = 16 * warp + 8 * h + g;
@@ -280,25 +274,25 @@ mxfp4_up_tc2_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u
 }
 
 // Grid (min(E, assignments), ceil(latent / 256)), 256 threads, MX2 shared bytes: y[a, r] =
-// W2_e[r, :] . act[a, :] with act from actx (mxfp4_up_tc2_f32), for every sorted assignment a
+// W2_e[r, :] . act[a, :] with act from actx (mxfp4_experts_few_tokens_up_f32), for every sorted assignment a
 // of the block's expert.
 extern "C" __global__ void __launch_bounds__(256, 2)
-mxfp4_down_tc2_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
+mxfp4_experts_few_tokens_down_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
                    const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,
                    int inter, int experts, int ntiles) {
     const int e = mx_active_expert(offsets, experts, blockIdx.x);
     if (e < 0) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int r0 = blockIdx.y * MX2_AROWS, a0 = offsets[e];
+    const int r0 = blockIdx.y * MXF_AROWS, a0 = offsets[e];
     const i64 mat = (i64)e * latent;
     const u8* const pk[2] = {w2p + mat * (inter / 2), w2p + mat * (inter / 2)};
     const u8* const ps[2] = {w2s + mat * (inter / 32), w2s + mat * (inter / 32)};
-    mx2_expert<false>(actx, 1, pk, ps, latent, inter, r0, sorted, a0, offsets[e + 1] - a0, max(1, min(ntiles, MX2_MAXNT)),
-                      [&](int t0, int nt, const float(&o)[2][MX2_MAXNT][2]) {
+    few_tokens_expert<false>(actx, 1, pk, ps, latent, inter, r0, sorted, a0, offsets[e + 1] - a0, max(1, min(ntiles, MXF_MAXNT)),
+                      [&](int t0, int nt, const float(&o)[2][MXF_MAXNT][2]) {
 #pragma unroll
                           for (int m = 0; m < 2; ++m)
 #pragma unroll
-                              for (int q = 0; q < MX2_MAXNT; ++q)
+                              for (int q = 0; q < MXF_MAXNT; ++q)
 #pragma unroll
                                   for (int h = 0; h < 2; ++h) {
                                       const int i = 4 * q + t, r = r0 + 32 * warp + 16 * m + 8 * h + g;

@@ -1,21 +1,21 @@
 // Routed experts in MXFP4 as a grouped GEMM on Hopper wgmma (moe/wgmma.rs; sm_90a only: elsewhere
-// the GEMM kernels are trapping stubs and dispatch.rs does not send steps here). The
-// grouped pair's contract (mxfp4_grouped.cu: tiles of one expert's sorted assignments, the tile
+// the GEMM kernels are trapping stubs and dispatch.rs does not send steps here). The contract
+// of a grouped mma.sync pair (deleted: tiles of one expert's sorted assignments, the tile
 // list derived on the device, SiTU-GLU in the up epilogue, y rows by assignment, then
 // moe_combine_ids_f32) with its own activation layout and a runtime `planes`: 2 = hi / lo bf16
 // (split_bf16, ~16 mantissa bits: f32-level results, the default), 1 = bf16 rounded once
 // (what vLLM / SGLang do: ~3e-3 relative; the backend always passes 2). Deterministic either way.
 //
-// Why. The grouped pair feeds mma.sync m16n8k16: a warp issues one mma per 16 rows x 4 tokens
+// Why. An mma.sync m16n8k16 grouped pair is slower: a warp issues one mma per 16 rows x 4 tokens
 // (hi / lo columns) and reads every B fragment with its own LDS, so issue slots and shared-memory
-// wavefronts, not the tensor cores, set its pace (16.9 ms at T = 2048 against a 5.5 ms hi / lo
-// FLOP floor). wgmma m64nNk16 takes A (the weights) from registers - the decode writes the
+// wavefronts, not the tensor cores, set its pace (about 3x the hi / lo FLOP floor at
+// K3 prefill sizes). wgmma m64nNk16 takes A (the weights) from registers - the decode writes the
 // fragment straight into them; weights never touch shared memory after their packed bytes are
 // staged - and B (the tokens) from shared memory through a descriptor: one instruction per
 // warpgroup covers 64 rows x N tokens x 16 with no per-thread B traffic.
 //
 // CTA: 256 threads = 2 warpgroups, both consumers (no producer: every thread issues its share of
-// the cp.async copies; one barrier per stage, as the grouped pair). 256 weight rows x one tile of
+// the cp.async copies; one barrier per stage). 256 weight rows x one tile of
 // up to 128 tokens; one CTA per SM (209,920 B of shared memory). Warpgroup v owns staged rows
 // [128 v, 128 v + 128) as two m64 tiles m = 0, 1 (UP: W1 and W3 rows r0 + 64 v + 0..63, so gate
 // and up of one (row, token) sit in the same thread; DOWN: W2 rows r0 + 128 v + 64 m + 0..63).
@@ -83,11 +83,11 @@
 //
 // Activation layout (both split forms): [row][ceil(cols / 64) groups][planes][64] bf16, column
 // 64 G + c at position mxw_pos(c) of group G, columns past `cols` zero (they meet zero-filled
-// weights; zeros keep NaN out). mxfp4_wg_split_f32 writes z so; the up kernel writes the
+// weights; zeros keep NaN out). mxfp4_experts_wgmma_split_f32 writes z so; the up kernel writes the
 // intermediate so, row = sorted position, for the down kernel.
-//   mxfp4_wg_split_f32     zx[t] = split(z[t]) (planes 2) or bf16(z[t]) (planes 1)
-//   mxfp4_up_wg_f32        actx[p] = split(SiTU-GLU(W1_e z, W3_e z)) for sorted position p
-//   mxfp4_down_wg_f32      y[sorted[p]] = W2_e act[p]
+//   mxfp4_experts_wgmma_split_f32     zx[t] = split(z[t]) (planes 2) or bf16(z[t]) (planes 1)
+//   mxfp4_experts_wgmma_up_f32        actx[p] = split(SiTU-GLU(W1_e z, W3_e z)) for sorted position p
+//   mxfp4_experts_wgmma_down_f32      y[sorted[p]] = W2_e act[p]
 //
 // Expected (H200, K3: latent 3584, inter 3072, top-16 of 128). MMA = planes x 2.16 TFLOP at
 // T = 2048: 5.5 ms (hi / lo) / 2.7 ms (bf16) at ~790 TFLOP/s, +~6 % for rounding partial tiles up
@@ -123,7 +123,7 @@ __device__ __forceinline__ int mxw_pos(int c) {
 
 // Grid (rows, ceil(cols / 256)), 128 threads: x [rows, cols] f32 -> xs (layout above), thread i
 // taking columns 2i, 2i + 1 of the block's 256 (adjacent positions: one 4-byte store per plane).
-extern "C" __global__ void mxfp4_wg_split_f32(const float* __restrict__ x, u16* __restrict__ xs, int rows, int cols,
+extern "C" __global__ void mxfp4_experts_wgmma_split_f32(const float* __restrict__ x, u16* __restrict__ xs, int rows, int cols,
                                              int planes) {
     const int row = blockIdx.x, col = 256 * blockIdx.y + 2 * threadIdx.x, ng = (cols + MXW_KC - 1) / MXW_KC;
     if (row >= rows || (col >> 6) >= ng) return;
@@ -457,12 +457,12 @@ __device__ __forceinline__ void mxw_dispatch(const MxwTile& a) {
 
 // Grid (ceil(inter / 128), assignments / 128 + min(E, assignments) (a bound on the tiles)), 256
 // threads, MXW_SHARED_BYTES (opt-in). mode = planes (1 or 2) | MXW_NO_PROXY_FENCE |
-// MXW_SWAP_LBO_SBO (a diagnostic). zx: mxfp4_wg_split_f32 of z [T, latent] with those planes; actx
+// MXW_SWAP_LBO_SBO (a diagnostic). zx: mxfp4_experts_wgmma_split_f32 of z [T, latent] with those planes; actx
 // [n_assign] rows of ceil(inter / 64) groups (layout above), row p = sorted position p: the up CTA
 // (x, tile) writes groups 2x, 2x + 1 of its tokens' rows (rows past inter as zeros). Other
 // arguments as mxfp4_up_grouped_f32.
 extern "C" __global__ void __launch_bounds__(MXW_THREADS, 1)
-mxfp4_up_wg_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
+mxfp4_experts_wgmma_up_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
                 const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
                 const int* __restrict__ sorted, u16* __restrict__ actx, int top_k, int latent, int inter, float beta,
                 float beta_lin, int has_lin, int experts, int mode) {
@@ -500,10 +500,10 @@ mxfp4_up_wg_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u8
 }
 
 // Grid (ceil(latent / 256), as the up kernel), 256 threads, MXW_SHARED_BYTES: y[sorted[p], r] =
-// W2_e[r, :] . act[p, :] with act from actx (mxfp4_up_wg_f32, same mode). Other arguments as
+// W2_e[r, :] . act[p, :] with act from actx (mxfp4_experts_wgmma_up_f32, same mode). Other arguments as
 // mxfp4_down_grouped_f32.
 extern "C" __global__ void __launch_bounds__(MXW_THREADS, 1)
-mxfp4_down_wg_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
+mxfp4_experts_wgmma_down_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
                   const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,
                   int inter, int experts, int mode) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

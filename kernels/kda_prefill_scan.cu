@@ -1,21 +1,20 @@
 // KDA chunked prefill in two passes (k3-architecture.md §1.5): the default path for conv <= 4
 // (conv > 4 takes the one-pass kernels of kda_chunk.cu).
 //
-//   kda_chunk_rec3m_f32  fully parallel, one 128-thread block per (8 x 16-token chunks, head): conv +
+//   kda_prefill_record_f32  fully parallel, one 128-thread block per (8 x 16-token chunks, head): conv +
 //                        SiLU, L2 norms, gate, beta, and every state-independent piece of the chunk
 //                        algebra in plain f32 (decays, Lkk, Aqk, the (I + Lkk) solve), written as one
 //                        "chunk record" per (chunk, head) in the mma fragment order the scan loads.
-//   kda_chunk_scan4_f32  the only sequential part, grid (V / 32, heads), the state in mma registers:
+//   kda_prefill_scan_f32  the only sequential part, grid (V / 32, heads), the state in mma registers:
 //                        per chunk X = U - W S,   O = Qp S + Aqk X,   S <- diag(e) S + Kd^T X (3xTF32).
 //
 // Why: a one-pass tensor-core kernel (deleted) kept the decays, Lkk/Aqk and a 16-row forward
 // substitution inside the sequential loop; its per-chunk latency, not its math, set the time. Here
 // the loop is three small mma products per chunk, and the record pass replaces conv + prep at the
-// same DRAM bytes (reads raw q, k, v, f; writes 4 tiles per chunk instead of q, k, v, g). H200, K3
-// shapes (96 heads): T = 8192 in 3.04 ms (fla chunk_kda 3.14 in the same run; record ~1.5 + scan
-// ~1.7; the one-warp-per-16-columns scan 3.221, the one-pass tensor-core kernel 5.36, the earlier
-// two-pass kernels with the state in shared memory 3.98, one chunk per record block 3.40, all
-// dropped), T = 1024 in 0.605 ms (fla 1.66).
+// same DRAM bytes (reads raw q, k, v, f; writes 4 tiles per chunk instead of q, k, v, g). It is
+// faster than fla's chunk_kda at K3 shapes, and than the dropped alternatives: a one-warp-per-16-
+// columns scan, the one-pass tensor-core kernel, two-pass kernels with the state in shared memory,
+// one chunk per record block (figures: docs/performance-history.md).
 //
 // With Tm = (I + Lkk)^-1 diag(beta): W = Tm Kp, U = Tm V, so the delta-rule corrections are
 // Vt = Tm (V - Kp S) = U - W S (linear in S). Kp = k 2^G, Qp = q 2^G, Kd = k 2^(G_C - G), e = 2^G_C
@@ -100,10 +99,9 @@ __device__ __forceinline__ void kda_rec_store(RecSmem& sm, float* __restrict__ R
 // A block runs KDA_REC_NCH consecutive chunks of one head, the conv history carried in registers
 // and the next chunk's raw loads issued into the input registers as soon as step 3 has staged the
 // current one (Kd then comes from the staged k 2^-G), so DRAM overlaps steps 4-6 (168 registers,
-// 3 blocks per SM). Loading each chunk at its start with 4 blocks per SM instead (rec4, H200 K3 T =
-// 8192: 3.84 ms vs 3.04 for the whole prefill) lost, and a variant at ~1/3 fewer instructions
-// (in-place conv, Lkk / Aqk in 3xTF32 on tensor cores: rec5, 2.95 ms) missed the 1e-4 budget
-// (o 1.07e-4 vs the f32 path, this one 1.4e-6); both were deleted.
+// 3 blocks per SM). Loading each chunk at its start with 4 blocks per SM instead is slower, and a
+// variant at ~1/3 fewer instructions (in-place conv, Lkk / Aqk in 3xTF32 on tensor cores) misses
+// the 1e-4 budget against the f32 path (this one is ~1e-6); both were deleted.
 template <int C>
 __device__ __forceinline__ void kda_rec_impl(
     RecSmem& sm, const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
@@ -306,7 +304,7 @@ __device__ __forceinline__ void kda_rec_impl(
 // kda_chunk.cu path.
 // (Parameter list written out: the harness parses the entries' signatures without a preprocessor.)
 extern "C" __global__ void __launch_bounds__(128, 3)
-kda_chunk_rec3m_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
+kda_prefill_record_f32(const float* __restrict__ q_in, const float* __restrict__ k_in, const float* __restrict__ v_in,
                     const float* __restrict__ f_in, const float* __restrict__ b_in, const float* __restrict__ conv_q,
                     const float* __restrict__ conv_k, const float* __restrict__ conv_v, const float* __restrict__ a_log,
                     const float* __restrict__ dt_bias, float* __restrict__ rec, float* __restrict__ arena,
@@ -336,7 +334,7 @@ kda_chunk_rec3m_f32(const float* __restrict__ q_in, const float* __restrict__ k_
 //
 // 3xTF32 with a 3-instruction split (hi = x truncated to tf32, lo = x - hi exactly, then truncated):
 // per product error < 2^-19 relative (lo's truncation and the dropped lo*lo, each < 2^-20), i.e.
-// f32-grade against the 1e-4 budget, where 1xTF32 measured ~7e-4; the split is ~half the scan's
+// f32-grade against the 1e-4 budget, which 1xTF32 (~7e-4) misses; the split is ~half the scan's
 // instructions (272 values per warp and chunk). Neither product can drop to 1xTF32: O and the state
 // recurrence both need the 3 terms.
 
@@ -378,8 +376,8 @@ __device__ __forceinline__ void s3_cp16(float* dst, const float* src) {
 
 // ---------------------------------------------------------------------------------------------
 // The scan, key-split: a block is 4 warps, column tiles 2 bx + (w & 1) of 16 columns, key halves
-// kh = w >> 1. Why: one warp per 16 columns and all 128 keys (the deleted scan3, 1.87 ms vs
-// 1.70) is 768 warps for 528 SM sub-partitions at H = 96, so at 3 blocks per SM two of the four
+// kh = w >> 1. Why: one warp per 16 columns and all 128 keys (deleted, slower) is
+// 768 warps for 528 SM sub-partitions at H = 96, so at 3 blocks per SM two of the four
 // sub-partitions run 2 warps and time the kernel (its mma + split work per chunk is fixed by the
 // state, not by DRAM). Here 1536 half-warps of work, 3 per sub-partition, with half the per-warp
 // chain per chunk. The key halves meet once per chunk: each writes its partial S^T W^T (both token
@@ -397,7 +395,7 @@ struct Scan4Smem {
 };
 
 extern "C" __global__ void __launch_bounds__(128, 3)
-kda_chunk_scan4_f32(const float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
+kda_prefill_scan_f32(const float* __restrict__ rec, float* __restrict__ arena, i64 state_off,
                     const int* __restrict__ ckpt_n, const i64* __restrict__ ckpt_off, int n_ckpt,
                     float* __restrict__ o_out, const float* __restrict__ f_in, const float* __restrict__ a_log,
                     const float* __restrict__ dt_bias, float lower_bound, int t_begin, int t_end, int heads, int conv) {

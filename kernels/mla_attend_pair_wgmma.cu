@@ -1,4 +1,4 @@
-// Absorbed MLA decode attend on Hopper wgmma, clusters of two blocks (mla_attend_wg2_f32: the MLA
+// Absorbed MLA decode attend on Hopper wgmma, clusters of two blocks (mla_attend_pair_wgmma_f32: the MLA
 // decode attend on sm_90a; ops.rs mla_decode). The contract of mla_attend_bf16_f32
 // (kernels/mla_attend_bf16.cu, the fallback elsewhere) unchanged - qt [items, H, row], the paged f32
 // latent cache, per-item splits (chunk <= 0), partials [items, H, splits, kv_lora + 2] (o~
@@ -72,7 +72,7 @@
 #endif
 // Harness-only timing probes (benchmarks.py bench_mla_diag, never built by the host): 1 = the
 // consumers skip their math (producer-bound time), 2 = the producer skips its global loads
-// (consumer- and store-bound time), 3 = both; + 4 = no transfer to the partner block (wg2), + 8 = no
+// (consumer- and store-bound time), 3 = both; + 4 = no transfer to the partner block, + 8 = no
 // local stores of the bf16 rows, + 16 / 32 / 64 = no S^T wgmma / no P V wgmma / no softmax, + 128 /
 // 256 / 512 = no proxy fence after the producer's stores / after the full wait / after the softmax
 // (racy: for timing only). 0 in every real build.
@@ -92,9 +92,9 @@
 #define MLW_OFF_C (MLW_OFF_S + MLW_HEADS * MLW_SSTR * 4)    // scores [48][68] f32
 #define MLW_END (MLW_OFF_C + MLW_HEADS * 4)                 // corr [48] f32
 #define MLW_SHARED (MLW_END + 1024)                         // + slack to align the base: 223168 B
-// mla_attend_wg2_f32 only: mbarriers full[2], empty[2] after corr; geometry.rs MLA_WG2_SHARED.
+// mla_attend_pair_wgmma_f32 only: mbarriers full[2], empty[2] after corr; geometry.rs MLA_WGMMA_SHARED.
 #define MLW_OFF_BAR MLW_END
-#define MLW_SHARED2 (MLW_END + 32 + 1024)                  // 223200 B
+#define MLW_SHARED_PAIR (MLW_END + 32 + 1024)                  // 223200 B
 #define MLW_PAIR_TX (32 * MLW_SLABS * 128)                  // bytes the partner stores per tile
 
 // Named barriers (0 is __syncthreads, unused here).
@@ -108,7 +108,7 @@ static_assert(MLW_SLABS * 64 == MLW_ROW, "slabs cover the padded row");
 static_assert(MLW_OFF_P % 1024 == 0 && MLW_OFF_K % 1024 == 0 && MLW_QSLAB % 1024 == 0, "SW128 atoms");
 static_assert(MLW_HEADS * MLW_OSTR * 4 <= 2 * MLW_KTILE, "o~ staging fits in the ring");
 static_assert(MLW_SHARED == 223168, "keep geometry.rs MLA_WG_SHARED in step");
-static_assert(MLW_SHARED2 == 223200 && MLW_OFF_BAR % 8 == 0, "keep geometry.rs MLA_WG2_SHARED in step");
+static_assert(MLW_SHARED_PAIR == 223200 && MLW_OFF_BAR % 8 == 0, "keep geometry.rs MLA_WGMMA_SHARED in step");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 typedef unsigned long long u64;
@@ -136,7 +136,7 @@ __device__ __forceinline__ u64 mlw_desc(u32 addr, u32 lbo, u32 sbo) {
 }
 
 // d[0..23] += A B, m64n48k16, bf16 in, f32 accumulate; TA = imm-trans-a (1: A is M-major).
-// Cluster pieces of mla_attend_wg2_f32 (clusters of 2 blocks: the two head groups).
+// Cluster pieces of mla_attend_pair_wgmma_f32 (clusters of 2 blocks: the two head groups).
 __device__ __forceinline__ u32 mlw_cluster_rank() {
     u32 r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -190,7 +190,7 @@ __device__ __forceinline__ void mlw_st_async8(u32 raddr, u32 x, u32 y, u32 rbar)
 MLW_WGMMA_N48(mlw_mma_kmajor, 0)
 MLW_WGMMA_N48(mlw_mma_amajor_m, 1)
 
-// PAIR = false: mla_attend_wg_f32, one block per head group. PAIR = true: mla_attend_wg2_f32, the
+// PAIR = false: mla_attend_wg_f32, one block per head group. PAIR = true: mla_attend_pair_wgmma_f32, the
 // block pair of a cluster splits every tile's loads (rank r: positions 32 r .. 32 r + 31) and
 // each stores its bf16 half into both blocks' rings; mbarriers replace the named FULL / EMPTY.
 template <bool PAIR>
@@ -591,9 +591,9 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
 }
 #endif
 
-// Grid (2 * ceil(H / 96), items, splits) in clusters of 2, 384 threads, MLW_SHARED2 bytes.
+// Grid (2 * ceil(H / 96), items, splits) in clusters of 2, 384 threads, MLW_SHARED_PAIR bytes.
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(MLW_THREADS, 1)
-mla_attend_wg2_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
+mla_attend_pair_wgmma_f32(const float* __restrict__ qt, const float* __restrict__ arena, const i64* __restrict__ page_start,
                    const int* __restrict__ pt_base, const int* __restrict__ lens, float* __restrict__ part, int items,
                    int heads, int kv_lora, int rope, int page_tokens, int splits, int chunk, float scale,
                    int final_rows) {
