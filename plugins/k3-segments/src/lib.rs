@@ -326,6 +326,61 @@ impl Taint {
     }
 }
 
+/// The strings of one chat-template render that come from the client: the one place that says
+/// which they are, for the guest SDK and the host's rule for v0.1 templates alike. `bos_token` /
+/// `eos_token` and the template source come from the server and stay markup.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClientStrings<'a> {
+    pub messages_json: &'a str,
+    pub tools_json: Option<&'a str>,
+    pub thinking_effort: Option<&'a str>,
+    pub tool_choice_json: Option<&'a str>,
+    pub response_format_json: Option<&'a str>,
+    pub extra_kwargs_json: Option<&'a str>,
+}
+
+/// [`ClientStrings`] after substitution.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TaintedStrings {
+    pub messages_json: String,
+    pub tools_json: Option<String>,
+    pub thinking_effort: Option<String>,
+    pub tool_choice_json: Option<String>,
+    pub response_format_json: Option<String>,
+    pub extra_kwargs_json: Option<String>,
+}
+
+impl ClientStrings<'_> {
+    /// Choose sentinels absent from these strings and from `server` (the template source,
+    /// bos/eos), and substitute them into every client string.
+    pub fn taint(
+        &self,
+        specials: Specials,
+        server: &[&str],
+    ) -> Result<(Taint, TaintedStrings), TaintError> {
+        let client = [
+            Some(self.messages_json),
+            self.tools_json,
+            self.thinking_effort,
+            self.tool_choice_json,
+            self.response_format_json,
+            self.extra_kwargs_json,
+        ];
+        let inputs = client.into_iter().flatten().chain(server.iter().copied());
+        let taint = Taint::new(specials, inputs)?;
+        let json = |s: Option<&str>| s.map(|s| taint.taint_json(s));
+        let tainted = TaintedStrings {
+            messages_json: taint.taint_json(self.messages_json),
+            tools_json: json(self.tools_json),
+            thinking_effort: self.thinking_effort.map(|s| taint.taint_str(s)),
+            tool_choice_json: json(self.tool_choice_json),
+            response_format_json: json(self.response_format_json),
+            extra_kwargs_json: json(self.extra_kwargs_json),
+        };
+        Ok((taint, tainted))
+    }
+}
+
 /// The character a JSON escape starting at `i` (a backslash) stands for, and its length in
 /// bytes. Malformed escapes decode to `None` and are copied as they are (the JSON parser
 /// reports them).
