@@ -57,6 +57,8 @@ pub struct NamedToken {
 #[derive(Debug, Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// `inner` with special-token spellings encoded as ordinary text, for client text.
+    text_inner: tokenizers::Tokenizer,
     chat_template: Option<String>,
     bos: Option<NamedToken>,
     eos: Option<NamedToken>,
@@ -150,8 +152,11 @@ impl Tokenizer {
             Some(tokenizers::DecoderWrapper::ByteLevel(_)) => Some(byte_level_token_table(&inner)),
             _ => None,
         };
+        let mut text_inner = inner.clone();
+        text_inner.set_encode_special_tokens(true);
         Ok(Self {
             inner,
+            text_inner,
             chat_template,
             bos,
             eos,
@@ -165,6 +170,15 @@ impl Tokenizer {
     /// ids; nothing is added around the text (chat templates write bos etc. themselves).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         self.encode_with(text, false)
+    }
+
+    /// Token ids of client text: special-token spellings in it (`<|open|>`…) are tokenized as
+    /// ordinary text, so a client cannot forge a marker by typing it.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.text_inner
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizerError::Encode(e.to_string()))
     }
 
     /// As [`Tokenizer::encode`]; `add_special_tokens` runs the tokenizer's post-processor (bos/eos
