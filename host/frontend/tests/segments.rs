@@ -25,7 +25,12 @@ fn encode_text_never_yields_a_special_token() {
     assert!(ids.iter().all(|&id| !tk.is_special(id)), "{ids:?}");
     assert_eq!(tk.decode(&ids).unwrap(), FORGED);
     // Recognised, the same text has special tokens: the difference the request path relies on.
-    assert!(tk.encode(FORGED).unwrap().iter().any(|&id| tk.is_special(id)));
+    assert!(
+        tk.encode(FORGED)
+            .unwrap()
+            .iter()
+            .any(|&id| tk.is_special(id))
+    );
     // Text without markers is encoded as before.
     let plain = "Hello, wörld! 12345 {\"a\": [1, 2]} < | > <|nope|>";
     assert_eq!(tk.encode_text(plain).unwrap(), tk.encode(plain).unwrap());
@@ -59,7 +64,10 @@ fn ordinary_prompts_keep_their_ids() {
                 .iter()
                 .flat_map(|s| {
                     let t = s.as_str();
-                    let cut = t.char_indices().nth(t.chars().count() / 2).map_or(0, |c| c.0);
+                    let cut = t
+                        .char_indices()
+                        .nth(t.chars().count() / 2)
+                        .map_or(0, |c| c.0);
                     let (a, b) = t.split_at(cut);
                     match s {
                         Segment::Markup(_) => vec![Segment::Markup(t.to_string())],

@@ -121,7 +121,9 @@ macro_rules! conversions {
         pub mod $version {
             #![allow(dead_code)]
             use super::super::$version::types as wit;
-            use crate::types::{GuestError, ParseEvent, ParseResult, PluginMetadata, Stage, ToolCall};
+            use crate::types::{
+                GuestError, ParseEvent, ParseResult, PluginMetadata, Stage, ToolCall,
+            };
 
             pub fn event(e: wit::ParseEvent) -> ParseEvent {
                 match e {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use wasmtime::Store;
 use wasmtime::component::ResourceAny;
 
+use crate::bindings::conv;
 use crate::bindings::v0_1::reasoning::ReasoningParserPlugin;
 use crate::bindings::v0_1::reasoning::exports::k3serve::plugin::reasoning_parser as rp;
 use crate::bindings::v0_1::tool::ToolParserPlugin;
@@ -14,7 +15,6 @@ use crate::bindings::v0_2::reasoning::ReasoningParserPlugin as ReasoningParserPl
 use crate::bindings::v0_2::reasoning::exports::k3serve::plugin::reasoning_parser as rp2;
 use crate::bindings::v0_2::tool::ToolParserPlugin as ToolParserPluginV0_2;
 use crate::bindings::v0_2::tool::exports::k3serve::plugin::tool_parser as tp2;
-use crate::bindings::conv;
 use crate::error::PluginError;
 use crate::registry::{PluginVersion, StagePre};
 use crate::runtime::{Runtime, StoreState};
@@ -70,7 +70,9 @@ macro_rules! start {
     ($rt:expr, $store:expr, $pre:expr, $api:ident, $resource:ident, $opts:expr) => {{
         let inst = $rt.call($store, |s| $pre.instantiate(s))?;
         let opts = $opts;
-        let handle = $rt.call($store, |s| inst.$api().$resource().call_constructor(s, &opts))?;
+        let handle = $rt.call($store, |s| {
+            inst.$api().$resource().call_constructor(s, &opts)
+        })?;
         (inst, handle)
     }};
 }
@@ -102,14 +104,26 @@ impl Session {
             Ok(match &version.pre {
                 StagePre::Reasoning(pre) => {
                     let o = reasoning_options!(rp, options);
-                    let (i, h) =
-                        start!(rt, st, pre, k3serve_plugin_reasoning_parser, reasoning_stream, o);
+                    let (i, h) = start!(
+                        rt,
+                        st,
+                        pre,
+                        k3serve_plugin_reasoning_parser,
+                        reasoning_stream,
+                        o
+                    );
                     (Instance::Reasoning(i), h)
                 }
                 StagePre::ReasoningV0_2(pre) => {
                     let o = reasoning_options!(rp2, options);
-                    let (i, h) =
-                        start!(rt, st, pre, k3serve_plugin_reasoning_parser, reasoning_stream, o);
+                    let (i, h) = start!(
+                        rt,
+                        st,
+                        pre,
+                        k3serve_plugin_reasoning_parser,
+                        reasoning_stream,
+                        o
+                    );
                     (Instance::ReasoningV0_2(i), h)
                 }
                 _ => return Err(PluginError::NoActivePlugin(Stage::ReasoningParser)),
@@ -272,8 +286,7 @@ macro_rules! parse_once {
             let r = $rt.call(&mut store, |s| inst.$api().call_parse(s, &opts, $text))?;
             guest(
                 $version,
-                r.map(conv::$conv::result)
-                    .map_err(conv::$conv::guest_error),
+                r.map(conv::$conv::result).map_err(conv::$conv::guest_error),
             )
         })
     }};
@@ -289,11 +302,27 @@ pub(crate) fn parse_reasoning(
     match &version.pre {
         StagePre::Reasoning(pre) => {
             let o = reasoning_options!(rp, options);
-            parse_once!(rt, version, pre, k3serve_plugin_reasoning_parser, o, text, v0_1)
+            parse_once!(
+                rt,
+                version,
+                pre,
+                k3serve_plugin_reasoning_parser,
+                o,
+                text,
+                v0_1
+            )
         }
         StagePre::ReasoningV0_2(pre) => {
             let o = reasoning_options!(rp2, options);
-            parse_once!(rt, version, pre, k3serve_plugin_reasoning_parser, o, text, v0_2)
+            parse_once!(
+                rt,
+                version,
+                pre,
+                k3serve_plugin_reasoning_parser,
+                o,
+                text,
+                v0_2
+            )
         }
         _ => Err(PluginError::NoActivePlugin(Stage::ReasoningParser)),
     }

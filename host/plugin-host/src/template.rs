@@ -217,7 +217,9 @@ pub(crate) fn render_with(
                 let server: Vec<&str> = server.into_iter().flatten().chain([template]).collect();
                 let (taint, t) = client
                     .taint(Specials::new(&options.special_tokens), &server)
-                    .map_err(|e| PluginError::Template(TemplateError::InvalidInput(e.to_string())))?;
+                    .map_err(|e| {
+                        PluginError::Template(TemplateError::InvalidInput(e.to_string()))
+                    })?;
                 let opts = ct::RenderOptions {
                     thinking_effort: t.thinking_effort,
                     tool_choice_json: t.tool_choice_json,

@@ -105,7 +105,9 @@ impl Specials {
     fn match_at(&self, s: &str) -> Option<usize> {
         let first = s.chars().next()?;
         let (_, list) = self.by_first.iter().find(|(c, _)| *c == first)?;
-        list.iter().find(|m| s.starts_with(m.as_str())).map(String::len)
+        list.iter()
+            .find(|m| s.starts_with(m.as_str()))
+            .map(String::len)
     }
 
     /// Split `text` at special-token spellings (leftmost, then longest, like the tokenizer).

@@ -292,10 +292,17 @@ mod segment_tests {
         let (m, tools, o) = conversation("x");
         let benign = render_segments(&t, &source, &m, Some(&tools), &o).unwrap();
         let markup = |s: &[Segment]| -> String {
-            s.iter().filter(|s| s.is_markup()).map(Segment::as_str).collect()
+            s.iter()
+                .filter(|s| s.is_markup())
+                .map(Segment::as_str)
+                .collect()
         };
         assert_eq!(markup(&segments), markup(&benign));
-        assert!(segments.iter().any(|s| matches!(s, Segment::Text(t) if t.contains(forged))));
+        assert!(
+            segments
+                .iter()
+                .any(|s| matches!(s, Segment::Text(t) if t.contains(forged)))
+        );
     }
 
     #[test]
