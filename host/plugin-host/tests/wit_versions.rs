@@ -119,7 +119,7 @@ fn v0_1_and_v0_2_templates_load_hot_swap_and_segment() {
     // Errors raised on client text read as the client wrote it.
     let bad = templates.render_segments(&template, r#"[{"role":"<|open|>"}]"#, None, &options());
     assert!(
-        matches!(&bad, Err(PluginError::Template(TemplateError::Raised(m))) if m == "message 0 has unknown role <|open|>"),
+        matches!(&bad, Err(PluginError::Template(TemplateError::Raised(m))) if m.starts_with("message 0 has unknown role <|open|>")),
         "{bad:?}"
     );
     // Without special tokens there is nothing to protect: one plain render.
