@@ -216,8 +216,8 @@ pub struct RenderOptions {
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
     /// The tokenizer's special-token spellings: only these, and only inside template markup,
-    /// become special tokens (see [`crate::ChatTemplates::render_segments`]). Empty: no
-    /// substitution (every segment is markup-free text or markup as the template says).
+    /// become special tokens (see [`crate::ChatTemplates::render_segments`]). Empty: nothing
+    /// is special, and the render comes back as text.
     pub special_tokens: Vec<String>,
 }
 
