@@ -3,7 +3,9 @@
 
 mod bpe;
 mod detokenizer;
+mod segments;
 mod tokenizer;
 
 pub use detokenizer::IncrementalDetokenizer;
+pub use segments::{Segment, encode_segments, special_token_spellings};
 pub use tokenizer::{NamedToken, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, TokenizerError};

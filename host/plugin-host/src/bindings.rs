@@ -1,6 +1,7 @@
-//! wasmtime bindings for `k3serve:plugin@0.1.0`, one module per world. A later incompatible
-//! WIT version gets its own set of modules and a variant in `StagePre` (served side by side).
-//! The tool world's module owns the shared `types` and `log` interfaces; the others reuse them.
+//! wasmtime bindings for every served WIT version (`k3serve:plugin@0.1.0` and `@0.2.0`), one
+//! module per version and world; each version has its variants in `StagePre` (served side by
+//! side). In each version the tool world's module owns the shared `types` and `log`
+//! interfaces; the others reuse them. `conv` turns each version's types into the host's.
 
 #![allow(clippy::all)]
 
@@ -59,71 +60,141 @@ pub mod v0_1 {
     pub use tool::k3serve::plugin::types;
 }
 
-use v0_1::types as wit;
-
-use crate::types::{GuestError, ParseEvent, ParseResult, PluginMetadata, Stage, ToolCall};
-
-pub(crate) fn event(e: wit::ParseEvent) -> ParseEvent {
-    match e {
-        wit::ParseEvent::Content(text) => ParseEvent::Content { text },
-        wit::ParseEvent::Reasoning(text) => ParseEvent::Reasoning { text },
-        wit::ParseEvent::ToolCallStart(s) => ParseEvent::ToolCallStart {
-            index: s.index,
-            id: s.id,
-            name: s.name,
-        },
-        wit::ParseEvent::ToolCallArguments(a) => ParseEvent::ToolCallArguments {
-            index: a.index,
-            delta: a.delta,
-        },
-        wit::ParseEvent::ToolCallEnd(e) => ParseEvent::ToolCallEnd {
-            index: e.index,
-            complete: e.complete,
-        },
+pub mod v0_2 {
+    pub mod tool {
+        wasmtime::component::bindgen!({
+            path: "../../wit/v0.2",
+            world: "tool-parser-plugin",
+        });
     }
+
+    pub mod reasoning {
+        wasmtime::component::bindgen!({
+            path: "../../wit/v0.2",
+            world: "reasoning-parser-plugin",
+            with: {
+                "k3serve:plugin/types": super::tool::k3serve::plugin::types,
+                "k3serve:plugin/log": super::tool::k3serve::plugin::log,
+            },
+        });
+    }
+
+    pub mod template {
+        wasmtime::component::bindgen!({
+            path: "../../wit/v0.2",
+            world: "chat-template-plugin",
+            with: {
+                "k3serve:plugin/types": super::tool::k3serve::plugin::types,
+                "k3serve:plugin/log": super::tool::k3serve::plugin::log,
+            },
+        });
+    }
+
+    pub mod media {
+        wasmtime::component::bindgen!({
+            path: "../../wit/v0.2",
+            world: "media-plugin",
+            with: {
+                "k3serve:plugin/types": super::tool::k3serve::plugin::types,
+                "k3serve:plugin/log": super::tool::k3serve::plugin::log,
+            },
+        });
+    }
+
+    pub mod router {
+        wasmtime::component::bindgen!({
+            path: "../../wit/v0.2",
+            world: "router-plugin",
+            with: {
+                "k3serve:plugin/types": super::tool::k3serve::plugin::types,
+                "k3serve:plugin/log": super::tool::k3serve::plugin::log,
+            },
+        });
+    }
+
+    pub use tool::k3serve::plugin::types;
 }
 
-pub(crate) fn result(r: wit::ParseResult) -> ParseResult {
-    ParseResult {
-        content: r.content,
-        reasoning: r.reasoning,
-        tool_calls: r
-            .tool_calls
-            .into_iter()
-            .map(|c| ToolCall {
-                index: c.index,
-                id: c.id,
-                name: c.name,
-                arguments: c.arguments,
-            })
-            .collect(),
-    }
+/// Conversions from one version's `types` to the host's types.
+macro_rules! conversions {
+    ($version:ident) => {
+        pub mod $version {
+            #![allow(dead_code)]
+            use super::super::$version::types as wit;
+            use crate::types::{
+                GuestError, ParseEvent, ParseResult, PluginMetadata, Stage, ToolCall,
+            };
+
+            pub fn event(e: wit::ParseEvent) -> ParseEvent {
+                match e {
+                    wit::ParseEvent::Content(text) => ParseEvent::Content { text },
+                    wit::ParseEvent::Reasoning(text) => ParseEvent::Reasoning { text },
+                    wit::ParseEvent::ToolCallStart(s) => ParseEvent::ToolCallStart {
+                        index: s.index,
+                        id: s.id,
+                        name: s.name,
+                    },
+                    wit::ParseEvent::ToolCallArguments(a) => ParseEvent::ToolCallArguments {
+                        index: a.index,
+                        delta: a.delta,
+                    },
+                    wit::ParseEvent::ToolCallEnd(e) => ParseEvent::ToolCallEnd {
+                        index: e.index,
+                        complete: e.complete,
+                    },
+                }
+            }
+
+            pub fn result(r: wit::ParseResult) -> ParseResult {
+                ParseResult {
+                    content: r.content,
+                    reasoning: r.reasoning,
+                    tool_calls: r
+                        .tool_calls
+                        .into_iter()
+                        .map(|c| ToolCall {
+                            index: c.index,
+                            id: c.id,
+                            name: c.name,
+                            arguments: c.arguments,
+                        })
+                        .collect(),
+                }
+            }
+
+            pub fn guest_error(e: wit::PluginError) -> GuestError {
+                match e {
+                    wit::PluginError::InvalidInput(m) => GuestError::InvalidInput(m),
+                    wit::PluginError::Unsupported(m) => GuestError::Unsupported(m),
+                    wit::PluginError::Internal(m) => GuestError::Internal(m),
+                }
+            }
+
+            pub fn stage(s: wit::Stage) -> Stage {
+                match s {
+                    wit::Stage::ChatTemplate => Stage::ChatTemplate,
+                    wit::Stage::ReasoningParser => Stage::ReasoningParser,
+                    wit::Stage::ToolParser => Stage::ToolParser,
+                    wit::Stage::Media => Stage::Media,
+                    wit::Stage::Router => Stage::Router,
+                }
+            }
+
+            pub fn metadata(m: wit::PluginMetadata) -> PluginMetadata {
+                PluginMetadata {
+                    name: m.name,
+                    version: m.version,
+                    stage: stage(m.stage),
+                    wit_version: m.wit_version,
+                    description: m.description,
+                }
+            }
+        }
+    };
 }
 
-pub(crate) fn guest_error(e: wit::PluginError) -> GuestError {
-    match e {
-        wit::PluginError::InvalidInput(m) => GuestError::InvalidInput(m),
-        wit::PluginError::Unsupported(m) => GuestError::Unsupported(m),
-        wit::PluginError::Internal(m) => GuestError::Internal(m),
-    }
-}
-
-pub(crate) fn stage(s: wit::Stage) -> Stage {
-    match s {
-        wit::Stage::ChatTemplate => Stage::ChatTemplate,
-        wit::Stage::ReasoningParser => Stage::ReasoningParser,
-        wit::Stage::ToolParser => Stage::ToolParser,
-        wit::Stage::Media => Stage::Media,
-        wit::Stage::Router => Stage::Router,
-    }
-}
-
-pub(crate) fn metadata(m: wit::PluginMetadata) -> PluginMetadata {
-    PluginMetadata {
-        name: m.name,
-        version: m.version,
-        stage: stage(m.stage),
-        wit_version: m.wit_version,
-        description: m.description,
-    }
+/// One module per served version, same functions in each.
+pub mod conv {
+    conversions!(v0_1);
+    conversions!(v0_2);
 }

@@ -15,7 +15,7 @@ pub enum PluginError {
     #[error("not a loadable WebAssembly component: {0}")]
     InvalidComponent(String),
     #[error(
-        "component does not implement world `k3serve:plugin/{world}@0.1.0` for the {stage} stage: {detail}"
+        "component does not implement world `k3serve:plugin/{world}` (@0.1.0 or @0.2.0) for the {stage} stage: {detail}"
     )]
     WrongWorld {
         stage: Stage,
@@ -23,7 +23,7 @@ pub enum PluginError {
         detail: String,
     },
     #[error(
-        "component targets WIT `{found}`, which this host does not serve (served: k3serve:plugin@0.1.x)"
+        "component targets WIT `{found}`, which this host does not serve (served: k3serve:plugin@0.1.x and @0.2.x)"
     )]
     UnsupportedWitVersion { found: String },
     #[error("plugin metadata does not match the {stage} stage: {detail}")]

@@ -1,5 +1,5 @@
-//! k3serve's WebAssembly plugin host (WIT package `k3serve:plugin@0.1.0`, see `wit/` and
-//! `docs/plugins.md`).
+//! k3serve's WebAssembly plugin host (WIT packages `k3serve:plugin@0.1.0` and `@0.2.0`, served
+//! side by side; see `wit/` and `docs/plugins.md`).
 //!
 //! One wasmtime `Engine` (component model, pooling allocator, epoch interruption) runs the
 //! frontend stages as sandboxed components: every store is capped in memory and time and gets a
@@ -44,6 +44,7 @@ use std::sync::Arc;
 pub use config::PluginHostConfig;
 pub use defaults::{DEFAULT_PLUGINS, default_plugin_dir};
 pub use error::PluginError;
+pub use k3_segments::Segment;
 pub use streams::{ReasoningStream, ToolStream};
 pub use template::ChatTemplates;
 pub use types::{

@@ -10,20 +10,41 @@ use parking_lot::Mutex;
 use wasmtime::component::Component;
 
 use crate::bindings::v0_1::{media, reasoning, router, template, tool};
-use crate::bindings::{self as conv};
+use crate::bindings::{conv, v0_2};
 use crate::error::PluginError;
 use crate::runtime::{Runtime, StoreState};
 use crate::template::WarmTemplate;
 use crate::types::{PluginMetadata, Stage, VersionInfo, VersionStats};
 
-/// The type-checked, ready-to-instantiate form of a component, per world (and, later, per WIT
-/// version).
+/// A WIT package version this host serves (`docs/plugins.md`, "Versioning").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WitVersion {
+    V0_1,
+    V0_2,
+}
+
+impl WitVersion {
+    /// What the package's version strings start with.
+    fn prefix(self) -> &'static str {
+        match self {
+            WitVersion::V0_1 => "0.1.",
+            WitVersion::V0_2 => "0.2.",
+        }
+    }
+}
+
+/// The type-checked, ready-to-instantiate form of a component, per world and WIT version.
 pub(crate) enum StagePre {
     Template(template::ChatTemplatePluginPre<StoreState>),
     Reasoning(reasoning::ReasoningParserPluginPre<StoreState>),
     Tool(tool::ToolParserPluginPre<StoreState>),
     Media(media::MediaPluginPre<StoreState>),
     Router(router::RouterPluginPre<StoreState>),
+    TemplateV0_2(v0_2::template::ChatTemplatePluginPre<StoreState>),
+    ReasoningV0_2(v0_2::reasoning::ReasoningParserPluginPre<StoreState>),
+    ToolV0_2(v0_2::tool::ToolParserPluginPre<StoreState>),
+    MediaV0_2(v0_2::media::MediaPluginPre<StoreState>),
+    RouterV0_2(v0_2::router::RouterPluginPre<StoreState>),
 }
 
 #[derive(Default)]
@@ -128,9 +149,9 @@ impl Registry {
         {
             return Ok(self.info(existing));
         }
-        check_wit_version(rt, &component)?;
-        let pre = type_check(rt, stage, &component)?;
-        let metadata = self_check(rt, stage, &pre)?;
+        let wit = check_wit_version(rt, &component)?;
+        let pre = type_check(rt, stage, &component, wit)?;
+        let metadata = self_check(rt, stage, &pre, wit)?;
         let version = Arc::new(PluginVersion {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             stage,
@@ -238,23 +259,41 @@ fn export_names(rt: &Runtime, component: &Component) -> Vec<String> {
         .collect()
 }
 
-/// Refuse a component built against another (incompatible) version of our WIT package.
-fn check_wit_version(rt: &Runtime, component: &Component) -> Result<(), PluginError> {
+/// The served WIT version a component's exports name; refuse any other version of our package.
+/// A component exporting none of our interfaces is checked against 0.1 (and then fails the
+/// type check with the world it lacks).
+fn check_wit_version(rt: &Runtime, component: &Component) -> Result<WitVersion, PluginError> {
+    let mut found = None;
     for name in export_names(rt, component) {
-        if let Some(rest) = name.strip_prefix("k3serve:plugin/")
-            && let Some((_, version)) = rest.split_once('@')
-            && !version.starts_with("0.1.")
-        {
-            return Err(PluginError::UnsupportedWitVersion {
+        let Some(rest) = name.strip_prefix("k3serve:plugin/") else {
+            continue;
+        };
+        let Some((_, version)) = rest.split_once('@') else {
+            continue;
+        };
+        let v = [WitVersion::V0_1, WitVersion::V0_2]
+            .into_iter()
+            .find(|v| version.starts_with(v.prefix()))
+            .ok_or_else(|| PluginError::UnsupportedWitVersion {
                 found: format!("k3serve:plugin@{version}"),
-            });
+            })?;
+        if found.is_some_and(|f| f != v) {
+            return Err(PluginError::InvalidComponent(
+                "the component exports interfaces of two k3serve:plugin versions".into(),
+            ));
         }
+        found = Some(v);
     }
-    Ok(())
+    Ok(found.unwrap_or(WitVersion::V0_1))
 }
 
 /// Resolve imports against the sandbox linker and exports against the stage's world.
-fn type_check(rt: &Runtime, stage: Stage, component: &Component) -> Result<StagePre, PluginError> {
+fn type_check(
+    rt: &Runtime,
+    stage: Stage,
+    component: &Component,
+    wit: WitVersion,
+) -> Result<StagePre, PluginError> {
     let wrong = |detail: String| PluginError::WrongWorld {
         stage,
         world: stage.world(),
@@ -267,50 +306,81 @@ fn type_check(rt: &Runtime, stage: Stage, component: &Component) -> Result<Stage
     })?;
     let exports = || export_names(rt, component).join(", ");
     let missing = |e: wasmtime::Error| wrong(format!("{e:#} (component exports: [{}])", exports()));
-    Ok(match stage {
-        Stage::ChatTemplate => {
+    use WitVersion::{V0_1, V0_2};
+    Ok(match (wit, stage) {
+        (V0_1, Stage::ChatTemplate) => {
             StagePre::Template(template::ChatTemplatePluginPre::new(pre).map_err(missing)?)
         }
-        Stage::ReasoningParser => {
+        (V0_1, Stage::ReasoningParser) => {
             StagePre::Reasoning(reasoning::ReasoningParserPluginPre::new(pre).map_err(missing)?)
         }
-        Stage::ToolParser => StagePre::Tool(tool::ToolParserPluginPre::new(pre).map_err(missing)?),
-        Stage::Media => StagePre::Media(media::MediaPluginPre::new(pre).map_err(missing)?),
-        Stage::Router => StagePre::Router(router::RouterPluginPre::new(pre).map_err(missing)?),
+        (V0_1, Stage::ToolParser) => {
+            StagePre::Tool(tool::ToolParserPluginPre::new(pre).map_err(missing)?)
+        }
+        (V0_1, Stage::Media) => StagePre::Media(media::MediaPluginPre::new(pre).map_err(missing)?),
+        (V0_1, Stage::Router) => {
+            StagePre::Router(router::RouterPluginPre::new(pre).map_err(missing)?)
+        }
+        (V0_2, Stage::ChatTemplate) => StagePre::TemplateV0_2(
+            v0_2::template::ChatTemplatePluginPre::new(pre).map_err(missing)?,
+        ),
+        (V0_2, Stage::ReasoningParser) => StagePre::ReasoningV0_2(
+            v0_2::reasoning::ReasoningParserPluginPre::new(pre).map_err(missing)?,
+        ),
+        (V0_2, Stage::ToolParser) => {
+            StagePre::ToolV0_2(v0_2::tool::ToolParserPluginPre::new(pre).map_err(missing)?)
+        }
+        (V0_2, Stage::Media) => {
+            StagePre::MediaV0_2(v0_2::media::MediaPluginPre::new(pre).map_err(missing)?)
+        }
+        (V0_2, Stage::Router) => {
+            StagePre::RouterV0_2(v0_2::router::RouterPluginPre::new(pre).map_err(missing)?)
+        }
     })
 }
 
 /// Instantiate once in a throwaway store: metadata must match the slot, self-test must pass.
-fn self_check(rt: &Runtime, stage: Stage, pre: &StagePre) -> Result<PluginMetadata, PluginError> {
+fn self_check(
+    rt: &Runtime,
+    stage: Stage,
+    pre: &StagePre,
+    wit: WitVersion,
+) -> Result<PluginMetadata, PluginError> {
     let mut store = rt.store(format!("<loading {stage} plugin>").into());
     macro_rules! meta_and_test {
-        ($pre:expr) => {{
+        ($pre:expr, $conv:ident) => {{
             let inst = rt.call(&mut store, |s| $pre.instantiate(s))?;
             let meta = rt.call(&mut store, |s| inst.call_metadata(s))?;
             let test = rt.call(&mut store, |s| inst.call_self_test(s))?;
-            (meta, test)
+            (conv::$conv::metadata(meta), test)
         }};
     }
     let (meta, test) = match pre {
-        StagePre::Template(p) => meta_and_test!(p),
-        StagePre::Reasoning(p) => meta_and_test!(p),
-        StagePre::Tool(p) => meta_and_test!(p),
-        StagePre::Media(p) => meta_and_test!(p),
-        StagePre::Router(p) => meta_and_test!(p),
+        StagePre::Template(p) => meta_and_test!(p, v0_1),
+        StagePre::Reasoning(p) => meta_and_test!(p, v0_1),
+        StagePre::Tool(p) => meta_and_test!(p, v0_1),
+        StagePre::Media(p) => meta_and_test!(p, v0_1),
+        StagePre::Router(p) => meta_and_test!(p, v0_1),
+        StagePre::TemplateV0_2(p) => meta_and_test!(p, v0_2),
+        StagePre::ReasoningV0_2(p) => meta_and_test!(p, v0_2),
+        StagePre::ToolV0_2(p) => meta_and_test!(p, v0_2),
+        StagePre::MediaV0_2(p) => meta_and_test!(p, v0_2),
+        StagePre::RouterV0_2(p) => meta_and_test!(p, v0_2),
     };
-    let meta = conv::metadata(meta);
     if meta.stage != stage {
         return Err(PluginError::MetadataMismatch {
             stage,
             detail: format!("plugin {} says it is a {} plugin", meta.name, meta.stage),
         });
     }
-    if !meta.wit_version.starts_with("0.1.") {
+    if !meta.wit_version.starts_with(wit.prefix()) {
         return Err(PluginError::MetadataMismatch {
             stage,
             detail: format!(
-                "plugin {} reports WIT version {:?}, expected 0.1.x",
-                meta.name, meta.wit_version
+                "plugin {} reports WIT version {:?}, but its exports are {}x",
+                meta.name,
+                meta.wit_version,
+                wit.prefix()
             ),
         });
     }

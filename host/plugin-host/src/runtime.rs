@@ -20,6 +20,8 @@ use wasmtime_wasi::{HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, Was
 
 use crate::bindings::v0_1::tool::k3serve::plugin::log as wit_log;
 use crate::bindings::v0_1::types::LogLevel;
+use crate::bindings::v0_2::tool::k3serve::plugin::log as wit_log_v0_2;
+use crate::bindings::v0_2::types::LogLevel as LogLevelV0_2;
 use crate::config::PluginHostConfig;
 use crate::error::PluginError;
 
@@ -121,6 +123,20 @@ impl wit_log::Host for StoreState {
     }
 }
 
+/// Every served WIT version imports the same `log`.
+impl wit_log_v0_2::Host for StoreState {
+    fn log(&mut self, level: LogLevelV0_2, message: String) {
+        let level = match level {
+            LogLevelV0_2::Trace => LogLevel::Trace,
+            LogLevelV0_2::Debug => LogLevel::Debug,
+            LogLevelV0_2::Info => LogLevel::Info,
+            LogLevelV0_2::Warn => LogLevel::Warn,
+            LogLevelV0_2::Error => LogLevel::Error,
+        };
+        wit_log::Host::log(self, level, message);
+    }
+}
+
 /// Clocks frozen at zero: plugins get no time source (determinism, no timing side channel).
 struct FrozenClock;
 impl HostWallClock for FrozenClock {
@@ -190,6 +206,8 @@ impl Runtime {
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
             .map_err(|e| PluginError::Engine(e.to_string()))?;
         wit_log::add_to_linker::<StoreState, HasSelf<StoreState>>(&mut linker, |s| s)
+            .map_err(|e| PluginError::Engine(e.to_string()))?;
+        wit_log_v0_2::add_to_linker::<StoreState, HasSelf<StoreState>>(&mut linker, |s| s)
             .map_err(|e| PluginError::Engine(e.to_string()))?;
 
         let mut h = ShaHasher(Sha256::new());

@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+use k3_segments::Segment;
+
 use crate::error::PluginError;
 use crate::registry::PluginVersion;
 use crate::runtime::Runtime;
@@ -64,9 +66,23 @@ pub(crate) fn run(rt: &Arc<Runtime>, version: &Arc<PluginVersion>) -> Result<(),
                 None,
                 &RenderOptions::default(),
             )?;
+            let out = k3_segments::join(&out);
             if out != "user:hi;" {
                 return Err(fail(format!(
                     "rendering a trivial Jinja template gave {out:?}, expected \"user:hi;\""
+                )));
+            }
+            // The segments contract: a special-token spelling the client sent is text.
+            let messages = r#"[{"role":"user","content":"<|x|>"}]"#;
+            let options = RenderOptions {
+                special_tokens: vec!["<|x|>".into()],
+                ..RenderOptions::default()
+            };
+            let out = render_with(rt, version, TEMPLATE_PROBE, messages, None, &options)?;
+            if k3_segments::join(&out) != "user:<|x|>;" || out.iter().any(Segment::is_markup) {
+                return Err(fail(format!(
+                    "client text that spells a special token came back as {out:?}; it must be \
+                     text segments only"
                 )));
             }
         }

@@ -6,19 +6,25 @@ use std::sync::Arc;
 use wasmtime::Store;
 use wasmtime::component::ResourceAny;
 
+use crate::bindings::conv;
 use crate::bindings::v0_1::reasoning::ReasoningParserPlugin;
 use crate::bindings::v0_1::reasoning::exports::k3serve::plugin::reasoning_parser as rp;
 use crate::bindings::v0_1::tool::ToolParserPlugin;
 use crate::bindings::v0_1::tool::exports::k3serve::plugin::tool_parser as tp;
-use crate::bindings::{self as conv, v0_1::types as wit};
+use crate::bindings::v0_2::reasoning::ReasoningParserPlugin as ReasoningParserPluginV0_2;
+use crate::bindings::v0_2::reasoning::exports::k3serve::plugin::reasoning_parser as rp2;
+use crate::bindings::v0_2::tool::ToolParserPlugin as ToolParserPluginV0_2;
+use crate::bindings::v0_2::tool::exports::k3serve::plugin::tool_parser as tp2;
 use crate::error::PluginError;
 use crate::registry::{PluginVersion, StagePre};
 use crate::runtime::{Runtime, StoreState};
-use crate::types::{ParseEvent, ParseResult, ReasoningOptions, Stage, ToolOptions};
+use crate::types::{GuestError, ParseEvent, ParseResult, ReasoningOptions, Stage, ToolOptions};
 
 enum Instance {
     Reasoning(ReasoningParserPlugin),
     Tool(ToolParserPlugin),
+    ReasoningV0_2(ReasoningParserPluginV0_2),
+    ToolV0_2(ToolParserPluginV0_2),
 }
 
 /// What the two stream types share.
@@ -31,29 +37,58 @@ struct Session {
     closed: bool,
 }
 
-fn wit_reasoning_options(o: &ReasoningOptions) -> rp::ReasoningOptions {
-    rp::ReasoningOptions {
-        thinking: o.thinking,
-        prompt_opens_reasoning: o.prompt_opens_reasoning,
-        extra_json: o.extra_json.clone(),
-    }
+/// The same options record in each WIT version's module.
+macro_rules! reasoning_options {
+    ($m:ident, $o:expr) => {
+        $m::ReasoningOptions {
+            thinking: $o.thinking,
+            prompt_opens_reasoning: $o.prompt_opens_reasoning,
+            extra_json: $o.extra_json.clone(),
+        }
+    };
 }
 
-fn wit_tool_options(o: &ToolOptions) -> tp::ToolOptions {
-    tp::ToolOptions {
-        tools_json: o.tools_json.clone(),
-        id_prefix: o.id_prefix.clone(),
-        extra_json: o.extra_json.clone(),
-    }
+macro_rules! tool_options {
+    ($m:ident, $o:expr) => {
+        $m::ToolOptions {
+            tools_json: $o.tools_json.clone(),
+            id_prefix: $o.id_prefix.clone(),
+            extra_json: $o.extra_json.clone(),
+        }
+    };
 }
 
-type GuestResult<T> = Result<T, wit::PluginError>;
-
-fn guest<T>(version: &PluginVersion, r: GuestResult<T>) -> Result<T, PluginError> {
-    r.map_err(|e| PluginError::Guest {
+fn guest<T>(version: &PluginVersion, r: Result<T, GuestError>) -> Result<T, PluginError> {
+    r.map_err(|error| PluginError::Guest {
         plugin: version.label.to_string(),
-        error: conv::guest_error(e),
+        error,
     })
+}
+
+/// Start a stream resource on a fresh instance: `(instance, handle)`.
+macro_rules! start {
+    ($rt:expr, $store:expr, $pre:expr, $api:ident, $resource:ident, $opts:expr) => {{
+        let inst = $rt.call($store, |s| $pre.instantiate(s))?;
+        let opts = $opts;
+        let handle = $rt.call($store, |s| {
+            inst.$api().$resource().call_constructor(s, &opts)
+        })?;
+        (inst, handle)
+    }};
+}
+
+/// Feed or finish a stream resource; events converted with the version's `conv`.
+macro_rules! feed {
+    ($rt:expr, $store:expr, $api:expr, $handle:expr, $delta:expr, $finish:expr, $conv:ident) => {{
+        let api = $api;
+        let r = if $finish {
+            $rt.call($store, |s| api.call_finish(s, $handle))?
+        } else {
+            $rt.call($store, |s| api.call_feed(s, $handle, $delta))?
+        };
+        r.map(|v| v.into_iter().map(conv::$conv::event).collect::<Vec<_>>())
+            .map_err(conv::$conv::guest_error)
+    }};
 }
 
 impl Session {
@@ -62,26 +97,43 @@ impl Session {
         version: Arc<PluginVersion>,
         options: &ReasoningOptions,
     ) -> Result<Self, PluginError> {
-        let StagePre::Reasoning(pre) = &version.pre else {
-            return Err(PluginError::NoActivePlugin(Stage::ReasoningParser));
-        };
         let mut store = rt.store(version.label.clone());
         version.counters.session();
         let (instance, handle) = Runtime::timed(&version.counters, || {
-            let inst = rt.call(&mut store, |s| pre.instantiate(s))?;
-            let opts = wit_reasoning_options(options);
-            let handle = rt.call(&mut store, |s| {
-                inst.k3serve_plugin_reasoning_parser()
-                    .reasoning_stream()
-                    .call_constructor(s, &opts)
-            })?;
-            Ok((inst, handle))
+            let st = &mut store;
+            Ok(match &version.pre {
+                StagePre::Reasoning(pre) => {
+                    let o = reasoning_options!(rp, options);
+                    let (i, h) = start!(
+                        rt,
+                        st,
+                        pre,
+                        k3serve_plugin_reasoning_parser,
+                        reasoning_stream,
+                        o
+                    );
+                    (Instance::Reasoning(i), h)
+                }
+                StagePre::ReasoningV0_2(pre) => {
+                    let o = reasoning_options!(rp2, options);
+                    let (i, h) = start!(
+                        rt,
+                        st,
+                        pre,
+                        k3serve_plugin_reasoning_parser,
+                        reasoning_stream,
+                        o
+                    );
+                    (Instance::ReasoningV0_2(i), h)
+                }
+                _ => return Err(PluginError::NoActivePlugin(Stage::ReasoningParser)),
+            })
         })?;
         Ok(Self {
             rt: rt.clone(),
             version,
             store,
-            instance: Instance::Reasoning(instance),
+            instance,
             handle,
             closed: false,
         })
@@ -92,26 +144,29 @@ impl Session {
         version: Arc<PluginVersion>,
         options: &ToolOptions,
     ) -> Result<Self, PluginError> {
-        let StagePre::Tool(pre) = &version.pre else {
-            return Err(PluginError::NoActivePlugin(Stage::ToolParser));
-        };
         let mut store = rt.store(version.label.clone());
         version.counters.session();
         let (instance, handle) = Runtime::timed(&version.counters, || {
-            let inst = rt.call(&mut store, |s| pre.instantiate(s))?;
-            let opts = wit_tool_options(options);
-            let handle = rt.call(&mut store, |s| {
-                inst.k3serve_plugin_tool_parser()
-                    .tool_stream()
-                    .call_constructor(s, &opts)
-            })?;
-            Ok((inst, handle))
+            let st = &mut store;
+            Ok(match &version.pre {
+                StagePre::Tool(pre) => {
+                    let o = tool_options!(tp, options);
+                    let (i, h) = start!(rt, st, pre, k3serve_plugin_tool_parser, tool_stream, o);
+                    (Instance::Tool(i), h)
+                }
+                StagePre::ToolV0_2(pre) => {
+                    let o = tool_options!(tp2, options);
+                    let (i, h) = start!(rt, st, pre, k3serve_plugin_tool_parser, tool_stream, o);
+                    (Instance::ToolV0_2(i), h)
+                }
+                _ => return Err(PluginError::NoActivePlugin(Stage::ToolParser)),
+            })
         })?;
         Ok(Self {
             rt: rt.clone(),
             version,
             store,
-            instance: Instance::Tool(instance),
+            instance,
             handle,
             closed: false,
         })
@@ -139,19 +194,19 @@ impl Session {
             let events = match instance {
                 Instance::Reasoning(inst) => {
                     let api = inst.k3serve_plugin_reasoning_parser().reasoning_stream();
-                    if finish {
-                        rt.call(store, |s| api.call_finish(s, handle))?
-                    } else {
-                        rt.call(store, |s| api.call_feed(s, handle, delta))?
-                    }
+                    feed!(rt, store, api, handle, delta, finish, v0_1)
                 }
                 Instance::Tool(inst) => {
                     let api = inst.k3serve_plugin_tool_parser().tool_stream();
-                    if finish {
-                        rt.call(store, |s| api.call_finish(s, handle))?
-                    } else {
-                        rt.call(store, |s| api.call_feed(s, handle, delta))?
-                    }
+                    feed!(rt, store, api, handle, delta, finish, v0_1)
+                }
+                Instance::ReasoningV0_2(inst) => {
+                    let api = inst.k3serve_plugin_reasoning_parser().reasoning_stream();
+                    feed!(rt, store, api, handle, delta, finish, v0_2)
+                }
+                Instance::ToolV0_2(inst) => {
+                    let api = inst.k3serve_plugin_tool_parser().tool_stream();
+                    feed!(rt, store, api, handle, delta, finish, v0_2)
                 }
             };
             guest(version, events)
@@ -160,7 +215,7 @@ impl Session {
         if finish || matches!(&r, Err(e) if e.is_fault()) {
             self.closed = true;
         }
-        Ok(r?.into_iter().map(conv::event).collect())
+        r
     }
 
     fn info(&self) -> (u64, &str) {
@@ -221,6 +276,22 @@ impl ToolStream {
     }
 }
 
+/// One-shot parse in a fresh instance; the result converted with the version's `conv`.
+macro_rules! parse_once {
+    ($rt:expr, $version:expr, $pre:expr, $api:ident, $opts:expr, $text:expr, $conv:ident) => {{
+        let mut store = $rt.store($version.label.clone());
+        let opts = $opts;
+        Runtime::timed(&$version.counters, || {
+            let inst = $rt.call(&mut store, |s| $pre.instantiate(s))?;
+            let r = $rt.call(&mut store, |s| inst.$api().call_parse(s, &opts, $text))?;
+            guest(
+                $version,
+                r.map(conv::$conv::result).map_err(conv::$conv::guest_error),
+            )
+        })
+    }};
+}
+
 /// One-shot reasoning parse in a fresh instance.
 pub(crate) fn parse_reasoning(
     rt: &Runtime,
@@ -228,19 +299,33 @@ pub(crate) fn parse_reasoning(
     options: &ReasoningOptions,
     text: &str,
 ) -> Result<ParseResult, PluginError> {
-    let StagePre::Reasoning(pre) = &version.pre else {
-        return Err(PluginError::NoActivePlugin(Stage::ReasoningParser));
-    };
-    let mut store = rt.store(version.label.clone());
-    let opts = wit_reasoning_options(options);
-    Runtime::timed(&version.counters, || {
-        let inst = rt.call(&mut store, |s| pre.instantiate(s))?;
-        let r = rt.call(&mut store, |s| {
-            inst.k3serve_plugin_reasoning_parser()
-                .call_parse(s, &opts, text)
-        })?;
-        guest(version, r).map(conv::result)
-    })
+    match &version.pre {
+        StagePre::Reasoning(pre) => {
+            let o = reasoning_options!(rp, options);
+            parse_once!(
+                rt,
+                version,
+                pre,
+                k3serve_plugin_reasoning_parser,
+                o,
+                text,
+                v0_1
+            )
+        }
+        StagePre::ReasoningV0_2(pre) => {
+            let o = reasoning_options!(rp2, options);
+            parse_once!(
+                rt,
+                version,
+                pre,
+                k3serve_plugin_reasoning_parser,
+                o,
+                text,
+                v0_2
+            )
+        }
+        _ => Err(PluginError::NoActivePlugin(Stage::ReasoningParser)),
+    }
 }
 
 /// One-shot tool parse in a fresh instance.
@@ -250,16 +335,15 @@ pub(crate) fn parse_tools(
     options: &ToolOptions,
     text: &str,
 ) -> Result<ParseResult, PluginError> {
-    let StagePre::Tool(pre) = &version.pre else {
-        return Err(PluginError::NoActivePlugin(Stage::ToolParser));
-    };
-    let mut store = rt.store(version.label.clone());
-    let opts = wit_tool_options(options);
-    Runtime::timed(&version.counters, || {
-        let inst = rt.call(&mut store, |s| pre.instantiate(s))?;
-        let r = rt.call(&mut store, |s| {
-            inst.k3serve_plugin_tool_parser().call_parse(s, &opts, text)
-        })?;
-        guest(version, r).map(conv::result)
-    })
+    match &version.pre {
+        StagePre::Tool(pre) => {
+            let o = tool_options!(tp, options);
+            parse_once!(rt, version, pre, k3serve_plugin_tool_parser, o, text, v0_1)
+        }
+        StagePre::ToolV0_2(pre) => {
+            let o = tool_options!(tp2, options);
+            parse_once!(rt, version, pre, k3serve_plugin_tool_parser, o, text, v0_2)
+        }
+        _ => Err(PluginError::NoActivePlugin(Stage::ToolParser)),
+    }
 }

@@ -1,6 +1,11 @@
 //! Chat-template rendering through a small pool of warm instances per version: parsing a
 //! template costs several times a render, so each warm instance keeps its compiled `template`
 //! resources keyed by the template text's hash.
+//!
+//! Renders come back as [`Segment`]s: template markup vs client text. A WIT 0.2 template says so
+//! itself (given the special-token spellings); around a 0.1 template, which returns one string,
+//! the host applies the same taint substitution (`k3_segments`) itself — the v0.1 rule in
+//! `docs/plugins.md`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,8 +14,12 @@ use sha2::{Digest, Sha256};
 use wasmtime::Store;
 use wasmtime::component::ResourceAny;
 
+use k3_segments::{ClientStrings, Segment, Specials};
+
 use crate::bindings::v0_1::template::ChatTemplatePlugin;
 use crate::bindings::v0_1::template::exports::k3serve::plugin::chat_template as ct;
+use crate::bindings::v0_2::template::ChatTemplatePlugin as ChatTemplatePluginV0_2;
+use crate::bindings::v0_2::template::exports::k3serve::plugin::chat_template as ct2;
 use crate::error::PluginError;
 use crate::registry::{PluginVersion, Registry, StagePre};
 use crate::runtime::{Runtime, StoreState};
@@ -21,9 +30,14 @@ const TEMPLATES_PER_INSTANCE: usize = 8;
 /// Renders before a warm instance is recycled (bounds heap fragmentation inside the guest).
 const RENDERS_PER_INSTANCE: u32 = 10_000;
 
+enum TemplateInstance {
+    V0_1(ChatTemplatePlugin),
+    V0_2(ChatTemplatePluginV0_2),
+}
+
 pub(crate) struct WarmTemplate {
     store: Store<StoreState>,
-    instance: ChatTemplatePlugin,
+    instance: TemplateInstance,
     compiled: HashMap<[u8; 32], ResourceAny>,
     renders: u32,
 }
@@ -49,25 +63,54 @@ fn wit_options(o: &RenderOptions) -> ct::RenderOptions {
     }
 }
 
-fn template_error(e: ct::TemplateError) -> PluginError {
-    PluginError::Template(match e {
-        ct::TemplateError::Syntax(m) => TemplateError::Syntax(m),
-        ct::TemplateError::Raised(m) => TemplateError::Raised(m),
-        ct::TemplateError::InvalidInput(m) => TemplateError::InvalidInput(m),
-        ct::TemplateError::Render(m) => TemplateError::Render(m),
-    })
+fn wit_options_v0_2(o: &RenderOptions) -> ct2::RenderOptions {
+    ct2::RenderOptions {
+        add_generation_prompt: o.add_generation_prompt,
+        thinking: o.thinking,
+        thinking_effort: o.thinking_effort.clone(),
+        tool_choice_json: o.tool_choice_json.clone(),
+        response_format_json: o.response_format_json.clone(),
+        extra_kwargs_json: o.extra_kwargs_json.clone(),
+        bos_token: o.bos_token.clone(),
+        eos_token: o.eos_token.clone(),
+        special_tokens: o.special_tokens.clone(),
+    }
+}
+
+/// Both versions' `template-error`, with `fix` applied to the message (the v0.1 rule maps its
+/// sentinels back).
+macro_rules! template_error {
+    ($m:ident, $e:expr, $fix:expr) => {
+        PluginError::Template(match $e {
+            $m::TemplateError::Syntax(m) => TemplateError::Syntax($fix(m)),
+            $m::TemplateError::Raised(m) => TemplateError::Raised($fix(m)),
+            $m::TemplateError::InvalidInput(m) => TemplateError::InvalidInput($fix(m)),
+            $m::TemplateError::Render(m) => TemplateError::Render($fix(m)),
+        })
+    };
+}
+
+fn segments_v0_2(s: Vec<ct2::Segment>) -> Vec<Segment> {
+    s.into_iter()
+        .map(|s| match s {
+            ct2::Segment::Markup(m) => Segment::Markup(m),
+            ct2::Segment::Text(t) => Segment::Text(t),
+        })
+        .collect()
 }
 
 impl ChatTemplates {
     /// Render `messages_json` (the request's OpenAI `messages` array) with the model's Jinja
-    /// `template` source. Template errors come back as [`PluginError::Template`].
-    pub fn render(
+    /// `template` source into markup and client-text segments: only special-token spellings
+    /// (`options.special_tokens`) inside [`Segment::Markup`] may become special tokens.
+    /// Template errors come back as [`PluginError::Template`].
+    pub fn render_segments(
         &self,
         template: &str,
         messages_json: &str,
         tools_json: Option<&str>,
         options: &RenderOptions,
-    ) -> Result<String, PluginError> {
+    ) -> Result<Vec<Segment>, PluginError> {
         let version = self.registry.active(Stage::ChatTemplate)?;
         render_with(
             &self.rt,
@@ -78,6 +121,18 @@ impl ChatTemplates {
             options,
         )
     }
+
+    /// [`ChatTemplates::render_segments`] joined into one string (the text a v0.1 render gave).
+    pub fn render(
+        &self,
+        template: &str,
+        messages_json: &str,
+        tools_json: Option<&str>,
+        options: &RenderOptions,
+    ) -> Result<String, PluginError> {
+        self.render_segments(template, messages_json, tools_json, options)
+            .map(|s| k3_segments::join(&s))
+    }
 }
 
 pub(crate) fn render_with(
@@ -87,10 +142,13 @@ pub(crate) fn render_with(
     messages_json: &str,
     tools_json: Option<&str>,
     options: &RenderOptions,
-) -> Result<String, PluginError> {
-    let StagePre::Template(pre) = &version.pre else {
+) -> Result<Vec<Segment>, PluginError> {
+    if !matches!(
+        &version.pre,
+        StagePre::Template(_) | StagePre::TemplateV0_2(_)
+    ) {
         return Err(PluginError::NoActivePlugin(Stage::ChatTemplate));
-    };
+    }
     let warm = version.template_pool.lock().pop();
     let mut warm = match warm {
         Some(w) => w,
@@ -98,7 +156,11 @@ pub(crate) fn render_with(
             version.counters.session();
             let mut store = rt.store(version.label.clone());
             let instance = Runtime::timed(&version.counters, || {
-                rt.call_template(&mut store, |s| pre.instantiate(s))
+                rt.call_template(&mut store, |s| match &version.pre {
+                    StagePre::Template(pre) => pre.instantiate(s).map(TemplateInstance::V0_1),
+                    StagePre::TemplateV0_2(pre) => pre.instantiate(s).map(TemplateInstance::V0_2),
+                    _ => unreachable!("checked above"),
+                })
             })?;
             WarmTemplate {
                 store,
@@ -109,7 +171,6 @@ pub(crate) fn render_with(
         }
     };
     let key: [u8; 32] = Sha256::digest(template.as_bytes()).into();
-    let opts = wit_options(options);
     let result = Runtime::timed(&version.counters, || {
         let WarmTemplate {
             store,
@@ -117,19 +178,65 @@ pub(crate) fn render_with(
             compiled,
             ..
         } = &mut warm;
-        let api = instance.k3serve_plugin_chat_template().template();
-        let handle = match compiled.get(&key) {
-            Some(h) => *h,
-            None => {
-                let h = rt.call_template(store, |s| api.call_constructor(s, template))?;
-                compiled.insert(key, h);
-                h
+        /// The compiled template resource of this instance (compiled on first use).
+        macro_rules! handle {
+            ($api:expr) => {
+                match compiled.get(&key) {
+                    Some(h) => *h,
+                    None => {
+                        let h = rt.call_template(store, |s| $api.call_constructor(s, template))?;
+                        compiled.insert(key, h);
+                        h
+                    }
+                }
+            };
+        }
+        match instance {
+            TemplateInstance::V0_2(inst) => {
+                let api = inst.k3serve_plugin_chat_template().template();
+                let handle = handle!(api);
+                let opts = wit_options_v0_2(options);
+                let rendered = rt.call_template(store, |s| {
+                    api.call_render(s, handle, messages_json, tools_json, &opts)
+                })?;
+                rendered
+                    .map(segments_v0_2)
+                    .map_err(|e| template_error!(ct2, e, |m| m))
             }
-        };
-        let rendered = rt.call_template(store, |s| {
-            api.call_render(s, handle, messages_json, tools_json, &opts)
-        })?;
-        rendered.map_err(template_error)
+            TemplateInstance::V0_1(inst) => {
+                // The v0.1 rule: the host taints client strings around the one-string render.
+                let client = ClientStrings {
+                    messages_json,
+                    tools_json,
+                    thinking_effort: options.thinking_effort.as_deref(),
+                    tool_choice_json: options.tool_choice_json.as_deref(),
+                    response_format_json: options.response_format_json.as_deref(),
+                    extra_kwargs_json: options.extra_kwargs_json.as_deref(),
+                };
+                let server = [options.bos_token.as_deref(), options.eos_token.as_deref()];
+                let server: Vec<&str> = server.into_iter().flatten().chain([template]).collect();
+                let (taint, t) = client
+                    .taint(Specials::new(&options.special_tokens), &server)
+                    .map_err(|e| {
+                        PluginError::Template(TemplateError::InvalidInput(e.to_string()))
+                    })?;
+                let opts = ct::RenderOptions {
+                    thinking_effort: t.thinking_effort,
+                    tool_choice_json: t.tool_choice_json,
+                    response_format_json: t.response_format_json,
+                    extra_kwargs_json: t.extra_kwargs_json,
+                    ..wit_options(options)
+                };
+                let api = inst.k3serve_plugin_chat_template().template();
+                let handle = handle!(api);
+                let rendered = rt.call_template(store, |s| {
+                    api.call_render(s, handle, &t.messages_json, t.tools_json.as_deref(), &opts)
+                })?;
+                rendered
+                    .map(|text| taint.segments(&text))
+                    .map_err(|e| template_error!(ct, e, |m: String| taint.untaint(&m)))
+            }
+        }
     });
     warm.renders += 1;
     // A fault poisons the store: drop it. Otherwise return it to the pool if there is room.

@@ -215,6 +215,10 @@ pub struct RenderOptions {
     pub extra_kwargs_json: Option<String>,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
+    /// The tokenizer's special-token spellings: only these, and only inside template markup,
+    /// become special tokens (see [`crate::ChatTemplates::render_segments`]). Empty: nothing
+    /// is special, and the render comes back as text.
+    pub special_tokens: Vec<String>,
 }
 
 /// A chat-template failure reported by the template plugin.

@@ -113,6 +113,17 @@ const K3_OUTPUT: &str = "I should call both.<|close|>think<|sep|><|open|>respons
 
 const K2_OUTPUT: &str = "Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>{\"id\": 7}<|tool_call_end|><|tool_calls_section_end|>";
 
+const K3_SPECIALS: [&str; 8] = [
+    "<|pad|>",
+    "<|bos|>",
+    "<|end_of_msg|>",
+    "<|open|>",
+    "<|close|>",
+    "<|sep|>",
+    "<|kimi_image_placeholder|>",
+    "<|media_pad|>",
+];
+
 #[test]
 fn default_plugins_load_activate_and_list() {
     let host = shared_host();
@@ -128,7 +139,7 @@ fn default_plugins_load_activate_and_list() {
             .unwrap_or_else(|| panic!("{stage} not active"));
         assert_eq!(v.metadata.name, name);
         assert_eq!(v.metadata.stage, stage);
-        assert_eq!(v.metadata.wit_version, "0.1.0");
+        assert_eq!(v.metadata.wit_version, "0.2.0");
         assert_eq!(v.sha256.len(), 64);
     }
     assert!(host.active(Stage::Media).is_none());
@@ -184,6 +195,18 @@ fn template_renders_k3_mini_byte_identical_to_reference() {
             tools.as_deref(),
             &options,
         );
+        // Taint substitution (the special tokens given) changes nothing in the text.
+        let with_specials = RenderOptions {
+            special_tokens: K3_SPECIALS.iter().map(|s| s.to_string()).collect(),
+            ..options.clone()
+        };
+        let segmented = templates.render(
+            template,
+            &case["messages"].to_string(),
+            tools.as_deref(),
+            &with_specials,
+        );
+        assert_eq!(got, segmented, "{name}");
         match (case["expected"].as_str(), case["error"].as_str()) {
             (Some(expected), _) => {
                 let got = got.unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -384,11 +407,12 @@ fn bad_components_are_refused_at_load() {
         ),
         "{misfit:?}"
     );
-    let future = host.load(Stage::ToolParser, &wasm("testdata_wit_v0_2.wasm"));
+    let future = host.load(Stage::ToolParser, &wasm("testdata_wit_v0_3.wasm"));
     assert!(
-        matches!(&future, Err(PluginError::UnsupportedWitVersion { found }) if found == "k3serve:plugin@0.2.0"),
+        matches!(&future, Err(PluginError::UnsupportedWitVersion { found }) if found == "k3serve:plugin@0.3.0"),
         "{future:?}"
     );
+    assert!(future.unwrap_err().to_string().contains("0.1.x and @0.2.x"));
     // Passes its own self-test, but streaming and one-shot disagree: the host's smoke test says no.
     let inconsistent = host.load(Stage::ReasoningParser, &wasm("testdata_inconsistent.wasm"));
     assert!(

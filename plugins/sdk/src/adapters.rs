@@ -205,8 +205,9 @@ impl<P: ToolParser + Plugin> tp::meta::Guest for ToolComponent<P> {
 
 /// The exported component for a chat template `T`.
 pub struct TemplateComponent<T>(PhantomData<T>);
-/// The exported `template` resource: the compiled template, or why it failed to compile.
-pub struct TemplateAdapter<T>(Result<T, TemplateError>);
+/// The exported `template` resource: the compiled template, or why it failed to compile, and
+/// its source (sentinels must not occur in it).
+pub struct TemplateAdapter<T>(Result<T, TemplateError>, String);
 
 mod ct {
     pub use crate::bindings::template as meta;
@@ -224,7 +225,17 @@ fn render_options(o: ct::api::RenderOptions) -> RenderOptions {
         extra_kwargs_json: o.extra_kwargs_json,
         bos_token: o.bos_token,
         eos_token: o.eos_token,
+        special_tokens: o.special_tokens,
     }
+}
+
+fn segments(s: Vec<crate::Segment>) -> Vec<ct::api::Segment> {
+    s.into_iter()
+        .map(|s| match s {
+            crate::Segment::Markup(m) => ct::api::Segment::Markup(m),
+            crate::Segment::Text(t) => ct::api::Segment::Text(t),
+        })
+        .collect()
 }
 
 fn template_error(e: TemplateError) -> ct::api::TemplateError {
@@ -238,7 +249,7 @@ fn template_error(e: TemplateError) -> ct::api::TemplateError {
 
 impl<T: ChatTemplate> ct::api::GuestTemplate for TemplateAdapter<T> {
     fn new(source: String) -> Self {
-        Self(T::compile(&source))
+        Self(T::compile(&source), source)
     }
     fn check(&self) -> Result<(), ct::api::TemplateError> {
         self.0
@@ -251,15 +262,17 @@ impl<T: ChatTemplate> ct::api::GuestTemplate for TemplateAdapter<T> {
         messages_json: String,
         tools_json: Option<String>,
         options: ct::api::RenderOptions,
-    ) -> Result<String, ct::api::TemplateError> {
+    ) -> Result<Vec<ct::api::Segment>, ct::api::TemplateError> {
         let template = self.0.as_ref().map_err(|e| template_error(e.clone()))?;
-        template
-            .render(
-                &messages_json,
-                tools_json.as_deref(),
-                &render_options(options),
-            )
-            .map_err(template_error)
+        crate::render_segments(
+            template,
+            &self.1,
+            &messages_json,
+            tools_json.as_deref(),
+            &render_options(options),
+        )
+        .map(segments)
+        .map_err(template_error)
     }
 }
 
@@ -270,15 +283,17 @@ impl<T: ChatTemplate + Plugin> ct::api::Guest for TemplateComponent<T> {
         messages_json: String,
         tools_json: Option<String>,
         options: ct::api::RenderOptions,
-    ) -> Result<String, ct::api::TemplateError> {
+    ) -> Result<Vec<ct::api::Segment>, ct::api::TemplateError> {
         let template = T::compile(&source).map_err(template_error)?;
-        template
-            .render(
-                &messages_json,
-                tools_json.as_deref(),
-                &render_options(options),
-            )
-            .map_err(template_error)
+        crate::render_segments(
+            &template,
+            &source,
+            &messages_json,
+            tools_json.as_deref(),
+            &render_options(options),
+        )
+        .map(segments)
+        .map_err(template_error)
     }
 }
 

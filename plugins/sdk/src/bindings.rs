@@ -3,7 +3,7 @@
 
 pub mod reasoning {
     wit_bindgen::generate!({
-        path: "../../wit/v0.1",
+        path: "../../wit/v0.2",
         world: "reasoning-parser-plugin",
         pub_export_macro: true,
         export_macro_name: "__export_reasoning_world",
@@ -13,7 +13,7 @@ pub mod reasoning {
 
 pub mod tools {
     wit_bindgen::generate!({
-        path: "../../wit/v0.1",
+        path: "../../wit/v0.2",
         world: "tool-parser-plugin",
         pub_export_macro: true,
         export_macro_name: "__export_tool_world",
@@ -23,7 +23,7 @@ pub mod tools {
 
 pub mod template {
     wit_bindgen::generate!({
-        path: "../../wit/v0.1",
+        path: "../../wit/v0.2",
         world: "chat-template-plugin",
         pub_export_macro: true,
         export_macro_name: "__export_template_world",

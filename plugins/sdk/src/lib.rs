@@ -1,4 +1,4 @@
-//! SDK for k3serve plugins (WIT package `k3serve:plugin@0.1.0`).
+//! SDK for k3serve plugins (WIT package `k3serve:plugin@0.2.0`).
 //!
 //! A plugin author writes an ordinary Rust type that implements [`Plugin`] plus one stage trait
 //! ([`ReasoningParser`], [`ToolParser`] or [`ChatTemplate`]) and exports it with one macro:
@@ -28,9 +28,10 @@ pub mod testing;
 pub mod text;
 
 pub use accumulate::Accumulator;
+pub use k3_segments::Segment;
 
 /// The WIT package version this SDK builds plugins against.
-pub const WIT_VERSION: &str = "0.1.0";
+pub const WIT_VERSION: &str = "0.2.0";
 
 /// One streaming event (WIT `parse-event`). Markers never appear in the text of events.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,6 +141,8 @@ pub struct RenderOptions {
     pub extra_kwargs_json: Option<String>,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
+    /// The tokenizer's special-token spellings (WIT 0.2): see [`render_segments`].
+    pub special_tokens: Vec<String>,
 }
 
 /// WIT `template-error`.
@@ -220,7 +223,9 @@ pub trait ToolParser: StreamingParser + Sized + 'static {
     fn new(options: ToolOptions) -> Self;
 }
 
-/// The chat-template stage: compile once, render many times.
+/// The chat-template stage: compile once, render many times. A template renders text; the SDK
+/// turns it into markup and client-text segments with [`render_segments`], so a template needs
+/// no code of its own to keep client text from forging special tokens.
 pub trait ChatTemplate: Sized + 'static {
     fn compile(source: &str) -> Result<Self, TemplateError>;
     fn render(
@@ -229,6 +234,52 @@ pub trait ChatTemplate: Sized + 'static {
         tools_json: Option<&str>,
         options: &RenderOptions,
     ) -> Result<String, TemplateError>;
+}
+
+/// Render `template` (compiled from `source`) into segments by taint substitution
+/// (`k3_segments`): every client string — `messages_json`, `tools_json` and the client-supplied
+/// options (`thinking_effort`, `tool_choice_json`, `response_format_json`,
+/// `extra_kwargs_json`) — has the first character of each of `options.special_tokens` replaced
+/// by a sentinel before the render, so the special-token spellings left in the output are the
+/// template's own. `bos_token` / `eos_token` come from the server and stay markup. Error
+/// messages get the sentinels mapped back.
+pub fn render_segments<T: ChatTemplate>(
+    template: &T,
+    source: &str,
+    messages_json: &str,
+    tools_json: Option<&str>,
+    options: &RenderOptions,
+) -> Result<Vec<Segment>, TemplateError> {
+    use k3_segments::{ClientStrings, Specials};
+    let client = ClientStrings {
+        messages_json,
+        tools_json,
+        thinking_effort: options.thinking_effort.as_deref(),
+        tool_choice_json: options.tool_choice_json.as_deref(),
+        response_format_json: options.response_format_json.as_deref(),
+        extra_kwargs_json: options.extra_kwargs_json.as_deref(),
+    };
+    let server = [options.bos_token.as_deref(), options.eos_token.as_deref()];
+    let server: Vec<&str> = server.into_iter().flatten().chain([source]).collect();
+    let (taint, t) = client
+        .taint(Specials::new(&options.special_tokens), &server)
+        .map_err(|e| TemplateError::InvalidInput(e.to_string()))?;
+    let tainted = RenderOptions {
+        thinking_effort: t.thinking_effort,
+        tool_choice_json: t.tool_choice_json,
+        response_format_json: t.response_format_json,
+        extra_kwargs_json: t.extra_kwargs_json,
+        ..options.clone()
+    };
+    match template.render(&t.messages_json, t.tools_json.as_deref(), &tainted) {
+        Ok(text) => Ok(taint.segments(&text)),
+        Err(e) => Err(match e {
+            TemplateError::Syntax(m) => TemplateError::Syntax(taint.untaint(&m)),
+            TemplateError::Raised(m) => TemplateError::Raised(taint.untaint(&m)),
+            TemplateError::InvalidInput(m) => TemplateError::InvalidInput(taint.untaint(&m)),
+            TemplateError::Render(m) => TemplateError::Render(taint.untaint(&m)),
+        }),
+    }
 }
 
 /// Log levels of the host's `log` import.

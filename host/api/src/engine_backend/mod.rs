@@ -2,6 +2,8 @@
 //! strings → reasoning plugin → tool plugin. The HTTP layer only sees the `backend` seam; the
 //! engine never sees HTTP or wasm.
 
+#[cfg(test)]
+mod forgery_tests;
 mod request_path;
 #[cfg(test)]
 mod tests;
@@ -14,7 +16,9 @@ use bytes::Bytes;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use k3_engine::{EngineHandle, Request, SubmitError};
-use k3_frontend::{IncrementalDetokenizer, Tokenizer};
+use k3_frontend::{
+    IncrementalDetokenizer, Segment, Tokenizer, encode_segments, special_token_spellings,
+};
 use k3_plugin_host::{
     PluginError, PluginHost, ReasoningOptions, RenderOptions, Stage, TemplateError, ToolOptions,
     VersionInfo,
@@ -107,7 +111,17 @@ impl EngineBackend {
         }
     }
 
-    fn render(&self, req: &ChatGenRequest) -> Result<String, BackendError> {
+    /// The chat prompt's ids: the template renders markup and client-text segments, and only
+    /// the template's own special-token spellings become special tokens, so text a client sends
+    /// (content, names, arguments, tool results, tool definitions, kwargs) cannot forge a turn.
+    /// (Raw `/v1/completions` prompts are encoded with special tokens recognised, as before.)
+    fn prompt_ids(&self, req: &ChatGenRequest) -> Result<Vec<u32>, BackendError> {
+        let segments = self.render(req)?;
+        encode_segments(&self.parts.tokenizer, &segments)
+            .map_err(|e| BackendError::Internal(format!("tokenizing the prompt failed: {e}")))
+    }
+
+    fn render(&self, req: &ChatGenRequest) -> Result<Vec<Segment>, BackendError> {
         let mut kwargs: Map<String, Value> = req.template_kwargs.clone();
         let take_str = |kwargs: &mut Map<String, Value>, k: &str| match kwargs.remove(k) {
             Some(Value::String(s)) => Some(s),
@@ -138,13 +152,14 @@ impl EngineBackend {
             extra_kwargs_json: (!kwargs.is_empty()).then(|| Value::Object(kwargs).to_string()),
             bos_token: tk.bos_token().map(|t| t.text.clone()),
             eos_token: tk.eos_token().map(|t| t.text.clone()),
+            special_tokens: special_token_spellings(tk),
         };
         let messages = Value::Array(req.messages.clone()).to_string();
         let tools = (!req.tools.is_empty()).then(|| Value::Array(req.tools.clone()).to_string());
         self.parts
             .plugins
             .chat_template()
-            .render(
+            .render_segments(
                 &self.parts.chat_template,
                 &messages,
                 tools.as_deref(),
@@ -266,11 +281,7 @@ impl EngineBackend {
     }
 
     fn chat_now(&self, req: ChatGenRequest) -> Result<Generation, BackendError> {
-        let prompt = self.render(&req)?;
-        let ids =
-            self.parts.tokenizer.encode(&prompt).map_err(|e| {
-                BackendError::Internal(format!("tokenizing the prompt failed: {e}"))
-            })?;
+        let ids = self.prompt_ids(&req)?;
         let plugins = &self.parts.plugins;
         let reasoning = plugins
             .reasoning_stream(&ReasoningOptions {

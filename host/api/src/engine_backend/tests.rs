@@ -35,7 +35,7 @@ fn plugins() -> PluginHost {
     .clone()
 }
 
-fn backend() -> EngineBackend {
+pub(super) fn backend() -> EngineBackend {
     let toy = ToyConfig {
         vocab: VOCAB,
         page_tokens: 4,
