@@ -13,7 +13,7 @@ pub trait ChatBackend: Send + Sync + 'static {
     fn model(&self) -> ModelInfo;
 
     /// Render, tokenize and submit a chat request. Errors here are request errors (bad template
-    /// input, prompt too long, overloaded); errors after the start arrive as [`GenEvent::Error`].
+    /// input, prompt too long, overloaded); errors after the start arrive as [`GenEvent::Error`](crate::GenEvent::Error).
     fn chat(&self, request: ChatGenRequest) -> BoxFuture<'_, Result<Generation, BackendError>>;
 
     fn complete(

@@ -27,6 +27,11 @@ impl std::fmt::Debug for Generation {
 }
 
 /// What a generation produces, in order. The stream ends after `Finished` or `Error`.
+///
+/// The text and tool-call variants are the parser plugins' events (`k3_plugin_host::ParseEvent`,
+/// the host's one reading of the WIT `parse-event`) as the request path passes them on: the
+/// pipeline converts them in one place and adds what plugins do not see (logprobs, the finish
+/// with usage, errors).
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenEvent {
     /// Answer text (markers stripped).

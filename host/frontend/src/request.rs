@@ -74,7 +74,7 @@ pub struct CompletionGenRequest {
     pub request_id: String,
     pub prompt: PromptInput,
     pub sampling: SamplingOptions,
-    /// Whether the caller wants the prompt text back (filled into [`Generation::prompt_text`]).
+    /// Whether the caller wants the prompt text back (filled into [`Generation::prompt_text`](crate::Generation::prompt_text)).
     pub echo: bool,
 }
 
