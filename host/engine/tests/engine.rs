@@ -50,7 +50,7 @@ fn executors() -> Vec<(String, MakeExecutor)> {
 fn params(max_tokens: usize) -> SamplingParams {
     SamplingParams {
         temperature: 0.0,
-        max_tokens: Some(max_tokens),
+        max_tokens: Some(max_tokens as u32),
         ignore_eos: true,
         ..SamplingParams::default()
     }

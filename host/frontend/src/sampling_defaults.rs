@@ -77,7 +77,7 @@ impl SamplingDefaults {
             presence_penalty: s.presence_penalty,
             frequency_penalty: s.frequency_penalty,
             seed: s.seed,
-            max_tokens: Some(max_tokens as usize),
+            max_tokens: Some(max_tokens),
             stop: s.stop.clone(),
             stop_token_ids: s.stop_token_ids.clone(),
             ignore_eos: s.ignore_eos,

@@ -103,7 +103,7 @@ impl StopChecker {
                 .collect(),
             stop_tokens,
             include_stop_str: params.include_stop_str_in_output,
-            max_tokens: params.max_tokens,
+            max_tokens: params.max_tokens.map(|m| m as usize),
             generated: 0,
             held: String::new(),
             finish: None,
