@@ -1,12 +1,12 @@
 //! k3serve's HTTP API: OpenAI (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) and
 //! Anthropic (`/v1/messages`) protocols, `/health`, Prometheus `/metrics`, and the plugin admin
-//! routes, over a [`backend::ChatBackend`] that runs the actual request path.
+//! routes, over a [`backend::ChatBackend`]: `k3_frontend::Frontend` runs the actual request
+//! path; this crate knows only the protocols.
 
 pub mod admin;
 pub mod anthropic;
 pub mod backend;
 pub mod body;
-pub mod engine_backend;
 pub mod error;
 pub mod generation;
 pub mod metrics;

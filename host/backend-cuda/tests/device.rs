@@ -1143,7 +1143,7 @@ fn engine_tokens(exec: Box<dyn Executor>, prompts: &[Vec<u32>], n: usize) -> Vec
     let engine = Engine::start(exec, cfg).expect("engine");
     let params = SamplingParams {
         temperature: 0.0,
-        max_tokens: Some(n),
+        max_tokens: Some(n as u32),
         ignore_eos: true,
         ..SamplingParams::default()
     };

@@ -57,7 +57,7 @@ fn lcg(seed: &mut u64, vocab: u32) -> u32 {
 fn sampling(max_tokens: usize) -> SamplingParams {
     SamplingParams {
         temperature: 0.0,
-        max_tokens: Some(max_tokens),
+        max_tokens: Some(max_tokens as u32),
         ignore_eos: true,
         ..Default::default()
     }

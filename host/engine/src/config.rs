@@ -54,8 +54,10 @@ impl Default for EngineConfig {
     }
 }
 
+/// Why an [`EngineConfig`] cannot start an engine (the model's `config.json` has its own
+/// `k3_model::ConfigError`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ConfigError {
+pub enum EngineConfigError {
     #[error("checkpoint_interval {interval} is not a positive multiple of the page size {page}")]
     Interval { interval: usize, page: usize },
     #[error("state_slots_per_request must be at least 4 (got {0})")]
@@ -80,13 +82,13 @@ impl EngineConfig {
         }
     }
 
-    pub(crate) fn validate(&self, page: usize) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self, page: usize) -> Result<(), EngineConfigError> {
         let interval = self.interval(page);
         if page == 0 || !interval.is_multiple_of(page) {
-            return Err(ConfigError::Interval { interval, page });
+            return Err(EngineConfigError::Interval { interval, page });
         }
         if self.state_slots_per_request < 4 {
-            return Err(ConfigError::Slots(self.state_slots_per_request));
+            return Err(EngineConfigError::Slots(self.state_slots_per_request));
         }
         for (v, name) in [
             (self.checkpoints_per_path, "checkpoints_per_path"),
@@ -96,7 +98,7 @@ impl EngineConfig {
             (self.max_context, "max_context"),
         ] {
             if v == 0 {
-                return Err(ConfigError::Zero(name));
+                return Err(EngineConfigError::Zero(name));
             }
         }
         Ok(())

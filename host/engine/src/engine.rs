@@ -5,7 +5,7 @@
 //! (admissions, prefix matching, allocation, restores); only the sampled tokens of step N are
 //! filled in after it completes.
 
-use crate::config::{ConfigError, EngineConfig};
+use crate::config::{EngineConfig, EngineConfigError};
 use crate::metrics::EngineMetrics;
 use crate::request::{Request, RequestError, RequestId, RequestStream, SubmitError};
 use crate::scheduler::{EngineCore, StepJob};
@@ -43,7 +43,7 @@ impl Engine {
     pub fn start(
         executor: Box<dyn Executor>,
         cfg: EngineConfig,
-    ) -> Result<EngineHandle, ConfigError> {
+    ) -> Result<EngineHandle, EngineConfigError> {
         let layout = executor.layout();
         let vocab = executor.vocab_size();
         let core = EngineCore::new(layout, vocab, cfg.clone())?;
@@ -61,7 +61,7 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("k3-engine".into())
             .spawn(move || run_loop(core, executor, rx, loop_shared))
-            .map_err(|e| ConfigError::Spawn(e.to_string()))?;
+            .map_err(|e| EngineConfigError::Spawn(e.to_string()))?;
         *shared.thread.lock() = Some(thread);
         Ok(EngineHandle { tx, shared })
     }

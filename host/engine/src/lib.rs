@@ -4,7 +4,7 @@
 //! MLA KV pages and KDA state blocks and a prefix cache that keeps sparse KDA state checkpoints.
 //!
 //! ```text
-//! Engine::start(executor: Box<dyn Executor>, EngineConfig) -> Result<EngineHandle, ConfigError>
+//! Engine::start(executor: Box<dyn Executor>, EngineConfig) -> Result<EngineHandle, EngineConfigError>
 //! EngineHandle (Clone + Send + Sync):
 //!   submit(Request::new(id, prompt_ids, SamplingParams)) -> Result<RequestStream, SubmitError>
 //!   cancel(id) · metrics() -> EngineMetrics · flush_prefix_cache() · shutdown(deadline)
@@ -33,8 +33,8 @@
 //!   transitions (restore / snapshot / donate), sampling and events;
 //! - [`engine`]: threads and the [`EngineHandle`];
 //! - [`request`], [`sampling`], [`metrics`] (with Prometheus text), [`config`];
-//! - [`testing`]: a deterministic toy executor (real bytes, real recurrence) for tests and the
-//!   benchmark (`examples/engine_bench.rs`).
+//! - `testing` (cargo feature `testing`): a deterministic toy executor (real bytes, real
+//!   recurrence) for tests and the benchmark (`examples/engine_bench.rs`).
 
 pub mod cache;
 pub mod config;
@@ -44,9 +44,10 @@ pub mod metrics;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
-pub use config::{ConfigError, EngineConfig};
+pub use config::{EngineConfig, EngineConfigError};
 pub use engine::{Engine, EngineHandle};
 pub use k3_sampling::{SampledToken, SamplingParams};
 pub use memory::PoolMode;

@@ -50,7 +50,7 @@ fn executors() -> Vec<(String, MakeExecutor)> {
 fn params(max_tokens: usize) -> SamplingParams {
     SamplingParams {
         temperature: 0.0,
-        max_tokens: Some(max_tokens),
+        max_tokens: Some(max_tokens as u32),
         ignore_eos: true,
         ..SamplingParams::default()
     }
@@ -77,7 +77,7 @@ fn drain(rx: &mut k3_engine::scheduler::EventReceiver) -> Result<(Vec<TokenEvent
     let mut events = Vec::new();
     while let Ok(item) = rx.try_recv() {
         let ev = item.map_err(|e| anyhow::anyhow!("request failed: {e}"))?;
-        let f = ev.finish;
+        let f = ev.finish.clone();
         events.push(ev);
         if let Some(f) = f {
             return Ok((events, f));

@@ -1,11 +1,48 @@
-//! One request's path through the frontend. For now: the tokenizer (prompt text → ids) and the
-//! incremental detokenizer (generated ids → text deltas, special tokens kept for the parsers).
+//! The request path: [`Frontend`] takes a validated, protocol-neutral request
+//! ([`ChatGenRequest`], [`CompletionGenRequest`]) and returns a [`Generation`], a stream of typed
+//! [`GenEvent`]s (text, reasoning, tool-call deltas, logprobs, finish with usage).
+//!
+//! Inside: chat-template plugin → tokenizer → engine → incremental detokenizer → stop strings →
+//! reasoning plugin → tool plugin. The HTTP layer (`k3-api`) depends on this crate alone and
+//! calls it through [`ChatBackend`]; metrics, health and plugin admin go through the same trait,
+//! so the protocols never see the engine or the plugin host.
+//!
+//! Modules: [`request`] (the neutral requests and the one token-limit check), [`events`] (what
+//! a generation streams), [`error`], [`status`] (model, metrics, plugin versions), [`backend`]
+//! (the trait), `frontend` ([`Frontend`]), `prompt` (render → tokenize), `pipeline` (one
+//! request's per-token path), `plugin_admin`, [`sampling_defaults`], and the tokenizer and
+//! detokenizer.
 
+pub mod backend;
 mod bpe;
 mod detokenizer;
+pub mod error;
+pub mod events;
+#[cfg(test)]
+mod forgery_tests;
+mod frontend;
+mod pipeline;
+mod plugin_admin;
+mod prompt;
+pub mod request;
+pub mod sampling_defaults;
 mod segments;
+pub mod status;
+#[cfg(test)]
+mod tests;
 mod tokenizer;
 
+pub use backend::ChatBackend;
 pub use detokenizer::IncrementalDetokenizer;
 pub use segments::{Segment, encode_segments, special_token_spellings};
+pub use error::BackendError;
+pub use events::{FinishInfo, FinishReason, GenEvent, Generation, TokenLogprob, TopLogprob};
+pub use frontend::{Frontend, FrontendParts};
+pub use request::{
+    ChatGenRequest, CompletionGenRequest, PromptInput, SamplingOptions, ToolChoice, token_budget,
+};
+pub use sampling_defaults::SamplingDefaults;
+pub use status::{
+    BackendMetrics, ModelInfo, PluginCounters, PluginStageInfo, PluginVersionInfo, PoolUsage,
+};
 pub use tokenizer::{NamedToken, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, TokenizerError};

@@ -32,7 +32,7 @@ pub struct SamplingParams {
     /// Seed of this request's random stream; `None` draws one from the OS.
     pub seed: Option<u64>,
     /// Most tokens to generate; `None` = until a stop condition or the context limit.
-    pub max_tokens: Option<usize>,
+    pub max_tokens: Option<u32>,
     /// Generation stops when the text contains any of these (OpenAI accepts a string or a list).
     #[serde(deserialize_with = "string_or_list")]
     pub stop: Vec<String>,

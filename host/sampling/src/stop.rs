@@ -2,34 +2,29 @@
 
 use std::collections::HashSet;
 
-use serde::{Deserialize, Serialize};
-
 use crate::params::SamplingParams;
 
-/// Why a generation ended, as the OpenAI API spells it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+/// Why a generation ended: the one finish reason of the server, from the engine's token-level
+/// stop through the stop strings to the HTTP responses.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum FinishReason {
-    /// End-of-sequence token, a stop token or a stop string.
+    /// End-of-sequence token or a stop token.
     Stop,
+    /// One of the `stop` strings matched (the string itself).
+    StopSequence(String),
     /// `max_tokens` or the context limit.
     Length,
-    /// The response carries tool calls (decided by the tool parser, not here).
-    ToolCalls,
-    /// The client went away or the request was cancelled.
+    /// Ended by the server (shutdown, cancelled) before a stop or the limit.
     Abort,
-    /// The request failed inside the server.
-    Error,
 }
 
 impl FinishReason {
-    pub fn as_str(self) -> &'static str {
+    /// The OpenAI spelling (a stop string is `stop`).
+    pub fn as_str(&self) -> &'static str {
         match self {
-            FinishReason::Stop => "stop",
+            FinishReason::Stop | FinishReason::StopSequence(_) => "stop",
             FinishReason::Length => "length",
-            FinishReason::ToolCalls => "tool_calls",
             FinishReason::Abort => "abort",
-            FinishReason::Error => "error",
         }
     }
 }
@@ -40,7 +35,8 @@ impl std::fmt::Display for FinishReason {
     }
 }
 
-/// What exactly stopped a generation with [`FinishReason::Stop`] (vLLM's `stop_reason`).
+/// What exactly stopped a generation with [`FinishReason::Stop`] or
+/// [`FinishReason::StopSequence`] (vLLM's `stop_reason`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StopReason {
     /// The end-of-sequence token or one of `stop_token_ids`.
@@ -107,7 +103,7 @@ impl StopChecker {
                 .collect(),
             stop_tokens,
             include_stop_str: params.include_stop_str_in_output,
-            max_tokens: params.max_tokens,
+            max_tokens: params.max_tokens.map(|m| m as usize),
             generated: 0,
             held: String::new(),
             finish: None,
@@ -187,10 +183,10 @@ impl StopChecker {
     /// `Some` once the generation is over. A stop string that matches on the last allowed token
     /// turns `length` into `stop`.
     pub fn finish_reason(&self) -> Option<FinishReason> {
-        if self.stop_reason.is_some() {
-            Some(FinishReason::Stop)
-        } else {
-            self.finish
+        match &self.stop_reason {
+            Some(StopReason::Text(s)) => Some(FinishReason::StopSequence(s.clone())),
+            Some(StopReason::Token(_)) => Some(FinishReason::Stop),
+            None => self.finish.clone(),
         }
     }
 
@@ -312,7 +308,10 @@ mod tests {
                 stopped: true
             }
         );
-        assert_eq!(c.finish_reason(), Some(FinishReason::Stop));
+        assert_eq!(
+            c.finish_reason(),
+            Some(FinishReason::StopSequence("STOP".into()))
+        );
         assert_eq!(c.stop_reason(), Some(&StopReason::Text("STOP".into())));
         assert!(c.push_text("more").text.is_empty());
 
@@ -396,7 +395,10 @@ mod tests {
         assert_eq!(c.push_text("ok E").text, "ok ");
         assert_eq!(c.on_token(1), TokenVerdict::LastToken);
         assert!(c.push_text("ND").stopped);
-        assert_eq!(c.finish_reason(), Some(FinishReason::Stop));
+        assert_eq!(
+            c.finish_reason(),
+            Some(FinishReason::StopSequence("END".into()))
+        );
 
         let mut c = StopChecker::new(&params, &[]);
         c.on_token(1);
@@ -417,14 +419,13 @@ mod tests {
     fn finish_reason_strings() {
         let all = [
             (FinishReason::Stop, "stop"),
+            (FinishReason::StopSequence("END".into()), "stop"),
             (FinishReason::Length, "length"),
-            (FinishReason::ToolCalls, "tool_calls"),
             (FinishReason::Abort, "abort"),
-            (FinishReason::Error, "error"),
         ];
         for (r, s) in all {
             assert_eq!(r.as_str(), s);
-            assert_eq!(serde_json::to_string(&r).unwrap(), format!("\"{s}\""));
+            assert_eq!(r.to_string(), s);
         }
         let mut c = checker(&[], false);
         c.finish_with(FinishReason::Abort);

@@ -68,7 +68,7 @@ impl RequestStream {
         let mut events = Vec::new();
         while let Some(item) = self.blocking_next() {
             let ev = item?;
-            let finish = ev.finish;
+            let finish = ev.finish.clone();
             events.push(ev);
             if let Some(f) = finish {
                 return Ok((events, f));

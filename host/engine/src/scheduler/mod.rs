@@ -22,7 +22,7 @@ pub use plan::Plan;
 pub use step::StepJob;
 
 use crate::cache::{NodeId, RadixCache};
-use crate::config::{ConfigError, EngineConfig};
+use crate::config::{EngineConfig, EngineConfigError};
 use crate::memory::{ArenaOp, BlockId, MemoryPool};
 use crate::metrics::EngineMetrics;
 use crate::request::{FinishReason, Request, RequestError, RequestId, SubmitError, TokenEvent};
@@ -109,10 +109,14 @@ pub struct EngineCore {
 }
 
 impl EngineCore {
-    pub fn new(layout: CacheLayout, vocab: usize, cfg: EngineConfig) -> Result<Self, ConfigError> {
+    pub fn new(
+        layout: CacheLayout,
+        vocab: usize,
+        cfg: EngineConfig,
+    ) -> Result<Self, EngineConfigError> {
         cfg.validate(layout.page_tokens)?;
         if vocab == 0 {
-            return Err(ConfigError::EmptyVocab);
+            return Err(EngineConfigError::EmptyVocab);
         }
         let pool = MemoryPool::new(layout, cfg.pool_mode)?;
         let page = layout.page_tokens;

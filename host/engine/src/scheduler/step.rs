@@ -234,6 +234,7 @@ impl EngineCore {
             seq.generated += 1;
             self.metrics.generated_tokens += 1;
             let finish = finish_reason(&mut seq, sampled.token, self.cfg.max_context);
+            let finished = finish.is_some();
             let event = TokenEvent {
                 token: sampled.token,
                 logprob: sampled.logprob,
@@ -250,7 +251,7 @@ impl EngineCore {
                 self.release(&mut seq, false);
                 self.metrics.cancelled += 1;
                 self.retired.push(seq.id);
-            } else if finish.is_some() {
+            } else if finished {
                 self.release(&mut seq, true);
                 self.metrics.finished += 1;
                 self.retired.push(seq.id);

@@ -31,7 +31,7 @@ pub struct Args {
     #[arg(long)]
     pub seed: Option<u64>,
     #[arg(long, default_value_t = 256)]
-    pub max_tokens: usize,
+    pub max_tokens: u32,
     /// Stop strings (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
@@ -70,7 +70,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     params.validate().context("sampling flags")?;
     let (exec, config, _) = load_single(
         &a.model,
-        prompt.len() + a.max_tokens,
+        prompt.len() + a.max_tokens as usize,
         device,
         LoadFormat::Safetensors,
     )?;

@@ -6,10 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use k3_api::engine_backend::{EngineBackend, EngineBackendParts, SamplingDefaults};
 use k3_api::{ApiConfig, AppState};
 use k3_engine::{Engine, EngineConfig, EngineHandle, Request, SamplingParams};
-use k3_frontend::Tokenizer;
+use k3_frontend::{Frontend, FrontendParts, ModelInfo, SamplingDefaults, Tokenizer};
 use k3_model::model::CacheOffsets;
 use k3_plugin_host::{PluginHost, PluginHostConfig, Stage, default_plugin_dir};
 
@@ -261,12 +260,12 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     eos_ids.extend(tokenizer.eos_token_id());
     eos_ids.dedup();
     let grace = Duration::from_secs_f64(cfg.shutdown_timeout);
-    let backend = EngineBackend::new(EngineBackendParts {
+    let frontend = Frontend::new(FrontendParts {
         engine,
         tokenizer,
         plugins,
         chat_template,
-        model: k3_api::backend::ModelInfo {
+        model: ModelInfo {
             id: name.clone(),
             aliases: vec![model_dir.display().to_string()],
             max_model_len: max_model_len.min(u32::MAX as usize) as u32,
@@ -279,7 +278,7 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         state_block_bytes: layout.state_block_bytes,
     });
     let state = AppState::new(
-        Arc::new(backend),
+        Arc::new(frontend),
         ApiConfig {
             served_model_name: Some(name.clone()),
             api_key: cfg.api_key.clone(),

@@ -1,5 +1,5 @@
 //! One request after submission: engine tokens → incremental detokenizer → stop strings →
-//! reasoning parser → tool parser → [`GenEvent`]s for the HTTP layer.
+//! reasoning parser → tool parser → [`GenEvent`]s.
 //!
 //! Runs as one task per request. When the HTTP side drops its receiver (client gone), the task
 //! returns at once and drops the engine stream, which cancels the request and frees its memory.
@@ -7,12 +7,14 @@
 use std::sync::Arc;
 
 use k3_engine::{RequestError, RequestStream, TokenEvent};
-use k3_frontend::{IncrementalDetokenizer, Tokenizer};
 use k3_plugin_host::{ParseEvent, PluginError, ReasoningStream, ToolStream};
-use k3_sampling::{FinishReason as StopFinish, StopChecker, StopReason, TokenVerdict};
+use k3_sampling::{StopChecker, TokenVerdict};
 use tokio::sync::mpsc;
 
-use crate::backend::{BackendError, FinishInfo, FinishReason, GenEvent, TokenLogprob, TopLogprob};
+use crate::detokenizer::IncrementalDetokenizer;
+use crate::error::BackendError;
+use crate::events::{FinishInfo, FinishReason, GenEvent, TokenLogprob, TopLogprob};
+use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// The parser stages of a chat request (absent for raw completions).
 pub struct Parsers {
@@ -32,7 +34,7 @@ pub struct RequestPath {
     pub prompt_tokens: u32,
 }
 
-/// A failure inside the path, already in the HTTP layer's terms.
+/// A plugin failure inside the path, as the request's error.
 fn plugin_error(e: PluginError) -> BackendError {
     BackendError::Plugin(e.to_string())
 }
@@ -100,7 +102,7 @@ impl RequestPath {
         {
             out.push(GenEvent::Logprobs(vec![lp]));
         }
-        let detok_err = |e: k3_frontend::TokenizerError| {
+        let detok_err = |e: TokenizerError| {
             BackendError::Internal(format!("detokenizing the output failed: {e}"))
         };
         let mut text = String::new();
@@ -129,8 +131,8 @@ impl RequestPath {
                     }
                     // The engine also ends on the context length, which the checker cannot see.
                     self.stop.finish_with(match event.finish {
-                        Some(StopFinish::Stop) => StopFinish::Stop,
-                        _ => StopFinish::Length,
+                        Some(FinishReason::Stop) => FinishReason::Stop,
+                        _ => FinishReason::Length,
                     });
                     done = true;
                 }
@@ -144,14 +146,7 @@ impl RequestPath {
     }
 
     fn finish_reason(&self) -> FinishReason {
-        match (self.stop.finish_reason(), self.stop.stop_reason()) {
-            (Some(StopFinish::Stop), Some(StopReason::Text(s))) => {
-                FinishReason::StopSequence(s.clone())
-            }
-            (Some(StopFinish::Stop), _) => FinishReason::Stop,
-            (Some(StopFinish::Length), _) => FinishReason::Length,
-            _ => FinishReason::Abort,
-        }
+        self.stop.finish_reason().unwrap_or(FinishReason::Abort)
     }
 
     /// The token's logprob entry (`None` if the engine did not compute one).

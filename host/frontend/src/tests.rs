@@ -6,14 +6,14 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures::StreamExt;
 use k3_engine::testing::{ToyConfig, ToyExecutor};
 use k3_engine::{Engine, EngineConfig};
-use k3_plugin_host::PluginHostConfig;
+use k3_plugin_host::{PluginHost, PluginHostConfig};
 use serde_json::{Map, Value, json};
 
-use super::*;
-use crate::backend::{FinishInfo, FinishReason};
+use crate::*;
 
 const VOCAB: usize = 8192;
 const MAX_LEN: usize = 512;
@@ -26,7 +26,7 @@ fn model_dir() -> PathBuf {
 fn plugins() -> PluginHost {
     static HOST: OnceLock<PluginHost> = OnceLock::new();
     HOST.get_or_init(|| {
-        let cache = std::env::temp_dir().join("k3-api-test-plugin-cache");
+        let cache = std::env::temp_dir().join("k3-frontend-test-plugin-cache");
         let _ = std::fs::create_dir_all(&cache);
         let host = PluginHost::new(PluginHostConfig::default().with_cache_dir(cache)).unwrap();
         host.load_default_plugins().unwrap();
@@ -35,7 +35,7 @@ fn plugins() -> PluginHost {
     .clone()
 }
 
-pub(super) fn backend() -> EngineBackend {
+pub(super) fn backend() -> Frontend {
     let toy = ToyConfig {
         vocab: VOCAB,
         page_tokens: 4,
@@ -54,7 +54,7 @@ pub(super) fn backend() -> EngineBackend {
     .unwrap();
     let tokenizer = Arc::new(Tokenizer::from_dir(model_dir()).unwrap());
     let template = tokenizer.chat_template().unwrap().to_string();
-    EngineBackend::new(EngineBackendParts {
+    Frontend::new(FrontendParts {
         engine,
         tokenizer,
         plugins: plugins(),

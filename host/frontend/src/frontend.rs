@@ -1,0 +1,312 @@
+//! [`Frontend`]: the request path. A validated chat or completion request goes chat-template
+//! plugin → tokenizer → engine; each generated token goes detokenizer → stop strings →
+//! reasoning plugin → tool plugin ([`crate::pipeline`]) and comes out as [`GenEvent`]s. The
+//! engine never sees HTTP or wasm; the HTTP layer sees only [`ChatBackend`].
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use k3_engine::{EngineHandle, Request, SubmitError};
+use k3_plugin_host::{PluginHost, ReasoningOptions, ToolOptions};
+use k3_sampling::StopChecker;
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use crate::backend::ChatBackend;
+use crate::detokenizer::IncrementalDetokenizer;
+use crate::error::BackendError;
+use crate::events::{GenEvent, Generation};
+use crate::pipeline::{Parsers, RequestPath};
+use crate::plugin_admin;
+use crate::prompt::render_prompt;
+use crate::request::{
+    ChatGenRequest, CompletionGenRequest, PromptInput, SamplingOptions, ToolChoice, token_budget,
+};
+use crate::sampling_defaults::SamplingDefaults;
+use crate::status::{BackendMetrics, ModelInfo, PluginStageInfo, PluginVersionInfo, PoolUsage};
+use crate::tokenizer::Tokenizer;
+
+/// Everything the frontend is built from.
+pub struct FrontendParts {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<Tokenizer>,
+    pub plugins: PluginHost,
+    /// The model's Jinja chat template (from tokenizer_config.json).
+    pub chat_template: String,
+    pub model: ModelInfo,
+    /// Token ids that end a turn (the engine was configured with the same ones).
+    pub eos_token_ids: Vec<u32>,
+    pub vocab_size: usize,
+    pub defaults: SamplingDefaults,
+    /// Bytes of one KV page and one state block: to tell the prefix cache's share of the pool.
+    pub kv_page_bytes: usize,
+    pub state_block_bytes: usize,
+}
+
+/// The request path over one engine and one plugin host.
+pub struct Frontend {
+    parts: FrontendParts,
+    next_id: AtomicU64,
+}
+
+impl Frontend {
+    pub fn new(parts: FrontendParts) -> Self {
+        Frontend {
+            parts,
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    /// Check the token limits, submit to the engine and start the request's path task.
+    fn submit(
+        &self,
+        prompt: Vec<u32>,
+        sampling: &SamplingOptions,
+        parsers: Option<Parsers>,
+        prompt_text: Option<String>,
+        prompt_param: &str,
+    ) -> Result<Generation, BackendError> {
+        if prompt.is_empty() {
+            return Err(BackendError::InvalidRequest {
+                message: "the prompt is empty".into(),
+                param: Some(prompt_param.into()),
+            });
+        }
+        let n = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+        let max_tokens = token_budget(n, sampling.max_tokens, self.parts.model.max_model_len)?;
+        let params = self.parts.defaults.params(sampling, max_tokens)?;
+        let detok = IncrementalDetokenizer::with_prompt(self.parts.tokenizer.clone(), &prompt)
+            .map_err(|e| BackendError::InvalidRequest {
+                message: format!("the prompt cannot be decoded: {e}"),
+                param: Some(prompt_param.into()),
+            })?;
+        let stop = StopChecker::new(&params, &self.parts.eos_token_ids);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let request = Request::new(id, prompt, params);
+        let stream = self
+            .parts
+            .engine
+            .submit(request)
+            .map_err(|e| submit_error(e, prompt_param))?;
+        let path = RequestPath {
+            tokenizer: self.parts.tokenizer.clone(),
+            detok,
+            stop,
+            parsers,
+            logprobs: sampling.logprobs.is_some(),
+            prompt_tokens: n,
+        };
+        let (tx, rx) = mpsc::channel::<GenEvent>(256);
+        tokio::spawn(path.run(stream, tx));
+        let events = futures::stream::unfold(rx, |mut rx| async move {
+            let e = rx.recv().await?;
+            Some((e, rx))
+        })
+        .boxed();
+        Ok(Generation {
+            prompt_tokens: n,
+            prompt_text,
+            events,
+        })
+    }
+
+    /// The chat prompt's ids (template markup with special tokens, client text as text).
+    pub(crate) fn prompt_ids(&self, req: &ChatGenRequest) -> Result<Vec<u32>, BackendError> {
+        let p = &self.parts;
+        render_prompt(&p.plugins, &p.tokenizer, &p.chat_template, req)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.parts.tokenizer
+    }
+
+    fn chat_now(&self, req: ChatGenRequest) -> Result<Generation, BackendError> {
+        let p = &self.parts;
+        let ids = self.prompt_ids(&req)?;
+        let reasoning = p
+            .plugins
+            .reasoning_stream(&ReasoningOptions {
+                thinking: req.thinking,
+                prompt_opens_reasoning: req.thinking,
+                extra_json: None,
+            })
+            .map_err(|e| BackendError::Plugin(e.to_string()))?;
+        let tools = p
+            .plugins
+            .tool_stream(&ToolOptions {
+                tools_json: (!req.tools.is_empty())
+                    .then(|| Value::Array(req.tools.clone()).to_string()),
+                id_prefix: format!("call_{}_", short_id(&req.request_id)),
+                extra_json: None,
+            })
+            .map_err(|e| BackendError::Plugin(e.to_string()))?;
+        let parsers = Parsers {
+            reasoning,
+            tools,
+            emit_tool_calls: !req.tools.is_empty() && req.tool_choice == ToolChoice::Auto,
+        };
+        self.submit(ids, &req.sampling, Some(parsers), None, "messages")
+    }
+
+    fn complete_now(&self, req: CompletionGenRequest) -> Result<Generation, BackendError> {
+        let tk = &self.parts.tokenizer;
+        let (ids, text) = match req.prompt {
+            PromptInput::Text(t) => {
+                let ids = tk.encode(&t).map_err(|e| {
+                    BackendError::Internal(format!("tokenizing the prompt failed: {e}"))
+                })?;
+                (ids, t)
+            }
+            PromptInput::Tokens(ids) => {
+                let text = tk.decode(&ids).map_err(|e| BackendError::InvalidRequest {
+                    message: format!("'prompt' holds an invalid token id: {e}"),
+                    param: Some("prompt".into()),
+                })?;
+                (ids, text)
+            }
+        };
+        let echo = req.echo.then_some(text);
+        self.submit(ids, &req.sampling, None, echo, "prompt")
+    }
+}
+
+/// Run CPU work (a wasm template render, ~0.1-1 ms; tokenizing) without stalling the other
+/// tasks of this worker thread: `block_in_place` hands them to another worker. A current-thread
+/// runtime (tests) has no other worker, so there it simply runs.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
+/// A short, filesystem/label-safe suffix of a request id for tool-call ids.
+fn short_id(request_id: &str) -> String {
+    let tail: String = request_id
+        .chars()
+        .rev()
+        .filter(char::is_ascii_alphanumeric)
+        .take(12)
+        .collect();
+    tail.chars().rev().collect()
+}
+
+fn submit_error(e: SubmitError, param: &str) -> BackendError {
+    match e {
+        SubmitError::ContextLengthExceeded { prompt, limit } => {
+            BackendError::ContextLengthExceeded(format!(
+                "this model's maximum context length is {limit} tokens, and the prompt has {prompt}"
+            ))
+        }
+        SubmitError::PromptTooLargeForMemory => BackendError::ContextLengthExceeded(
+            "the prompt needs more cache memory than this server has".into(),
+        ),
+        SubmitError::EmptyPrompt => BackendError::InvalidRequest {
+            message: "the prompt is empty".into(),
+            param: Some(param.into()),
+        },
+        SubmitError::InvalidSampling(message) => BackendError::InvalidRequest {
+            message,
+            param: None,
+        },
+        SubmitError::ZeroMaxTokens => BackendError::InvalidRequest {
+            message: "max_tokens must be at least 1".into(),
+            param: Some("max_tokens".into()),
+        },
+        SubmitError::InvalidToken { token, vocab } => BackendError::InvalidRequest {
+            message: format!("token id {token} is outside the vocabulary ({vocab} tokens)"),
+            param: Some(param.into()),
+        },
+        SubmitError::Overloaded { waiting } => BackendError::Overloaded(format!(
+            "the server is overloaded ({waiting} requests waiting); retry later"
+        )),
+        SubmitError::ShuttingDown => {
+            BackendError::Unavailable("the server is shutting down".into())
+        }
+        SubmitError::DuplicateId(id) => {
+            BackendError::Internal(format!("duplicate request id {id}"))
+        }
+    }
+}
+
+impl ChatBackend for Frontend {
+    fn model(&self) -> ModelInfo {
+        self.parts.model.clone()
+    }
+
+    fn chat(&self, request: ChatGenRequest) -> BoxFuture<'_, Result<Generation, BackendError>> {
+        Box::pin(async move { blocking(|| self.chat_now(request)) })
+    }
+
+    fn complete(
+        &self,
+        request: CompletionGenRequest,
+    ) -> BoxFuture<'_, Result<Generation, BackendError>> {
+        Box::pin(async move { blocking(|| self.complete_now(request)) })
+    }
+
+    fn metrics(&self) -> BackendMetrics {
+        let m = self.parts.engine.metrics();
+        let cache_bytes = m.cache_kv_pages * self.parts.kv_page_bytes
+            + m.cache_checkpoints * self.parts.state_block_bytes;
+        let used = m.pool.kv_bytes + m.pool.state_bytes;
+        let cap = m.pool.capacity_bytes as u64;
+        let kind = |kind: &str, used: usize| PoolUsage {
+            kind: kind.into(),
+            used_bytes: used as u64,
+            capacity_bytes: cap,
+        };
+        BackendMetrics {
+            running: m.running as u64,
+            waiting: m.waiting as u64,
+            prefix_cache_queried_tokens: m.prompt_tokens,
+            prefix_cache_hit_tokens: m.prefix_hit_tokens,
+            pool: vec![
+                kind("kv", m.pool.kv_bytes),
+                kind("state", m.pool.state_bytes),
+                kind("prefix_cache", cache_bytes),
+                // What running requests hold: returns to 0 when the server is idle.
+                kind("requests", used.saturating_sub(cache_bytes)),
+            ],
+            preemptions: m.preemptions,
+            plugins: plugin_admin::counters(&self.parts.plugins),
+        }
+    }
+
+    fn health(&self) -> Result<(), String> {
+        plugin_admin::health(&self.parts.plugins)
+    }
+
+    fn list_plugins(&self) -> Vec<PluginStageInfo> {
+        plugin_admin::list(&self.parts.plugins)
+    }
+
+    fn load_plugin(
+        &self,
+        stage: String,
+        component: Bytes,
+    ) -> BoxFuture<'_, Result<PluginVersionInfo, BackendError>> {
+        Box::pin(async move { plugin_admin::install(&self.parts.plugins, &stage, component).await })
+    }
+
+    fn rollback_plugin(
+        &self,
+        stage: String,
+    ) -> BoxFuture<'_, Result<PluginVersionInfo, BackendError>> {
+        Box::pin(async move { plugin_admin::rollback(&self.parts.plugins, &stage) })
+    }
+
+    /// The HTTP layer has already given running requests their grace period: end the rest now
+    /// (their streams get a clear "shut down" error).
+    fn shutdown(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let engine = self.parts.engine.clone();
+            let _ = tokio::task::spawn_blocking(move || engine.shutdown(Duration::ZERO)).await;
+        })
+    }
+}

@@ -1,0 +1,83 @@
+//! A chat request's prompt: the chat-template plugin renders the conversation as markup and
+//! client-text segments, the tokenizer turns them into ids. Only the template's own special-token
+//! spellings become special tokens, so text a client sends (content, names, arguments, tool
+//! results, tool definitions, kwargs) cannot forge a turn (docs/k3-format.md, "Client text vs
+//! markup"). Raw `/v1/completions` prompts are encoded with special tokens recognised.
+
+use k3_plugin_host::{PluginError, PluginHost, RenderOptions, TemplateError};
+use serde_json::{Map, Value};
+
+use crate::error::BackendError;
+use crate::request::ChatGenRequest;
+use crate::segments::{Segment, encode_segments, special_token_spellings};
+use crate::tokenizer::Tokenizer;
+
+/// Render `req` with the model's Jinja `chat_template` through the chat-template plugin and
+/// tokenize the segments: markup with special tokens recognised, client text as text.
+pub(crate) fn render_prompt(
+    plugins: &PluginHost,
+    tokenizer: &Tokenizer,
+    chat_template: &str,
+    req: &ChatGenRequest,
+) -> Result<Vec<u32>, BackendError> {
+    let segments = render(plugins, tokenizer, chat_template, req)?;
+    encode_segments(tokenizer, &segments)
+        .map_err(|e| BackendError::Internal(format!("tokenizing the prompt failed: {e}")))
+}
+
+/// The template's inputs from the request: the template kwargs the WIT interface names become
+/// typed options, the rest travel as JSON.
+fn render_options(req: &ChatGenRequest, tokenizer: &Tokenizer) -> RenderOptions {
+    let mut kwargs: Map<String, Value> = req.template_kwargs.clone();
+    let take_str = |kwargs: &mut Map<String, Value>, k: &str| match kwargs.remove(k) {
+        Some(Value::String(s)) => Some(s),
+        Some(Value::Null) | None => None,
+        Some(other) => Some(other.to_string()),
+    };
+    let add_generation_prompt = match kwargs.remove("add_generation_prompt") {
+        Some(Value::Bool(b)) => b,
+        _ => true,
+    };
+    kwargs.remove("thinking");
+    let thinking_effort = take_str(&mut kwargs, "thinking_effort");
+    let tool_choice_json = kwargs
+        .remove("tool_choice")
+        .filter(|v| !v.is_null())
+        .map(|v| v.to_string());
+    let response_format_json = kwargs
+        .remove("response_format")
+        .filter(|v| !v.is_null())
+        .map(|v| v.to_string());
+    RenderOptions {
+        add_generation_prompt,
+        thinking: Some(req.thinking),
+        thinking_effort,
+        tool_choice_json,
+        response_format_json,
+        extra_kwargs_json: (!kwargs.is_empty()).then(|| Value::Object(kwargs).to_string()),
+        bos_token: tokenizer.bos_token().map(|t| t.text.clone()),
+        eos_token: tokenizer.eos_token().map(|t| t.text.clone()),
+        special_tokens: special_token_spellings(tokenizer),
+    }
+}
+
+fn render(
+    plugins: &PluginHost,
+    tokenizer: &Tokenizer,
+    chat_template: &str,
+    req: &ChatGenRequest,
+) -> Result<Vec<Segment>, BackendError> {
+    let options = render_options(req, tokenizer);
+    let messages = Value::Array(req.messages.clone()).to_string();
+    let tools = (!req.tools.is_empty()).then(|| Value::Array(req.tools.clone()).to_string());
+    plugins
+        .chat_template()
+        .render_segments(chat_template, &messages, tools.as_deref(), &options)
+        .map_err(|e| match e {
+            PluginError::Template(t) if t.is_client_error() => BackendError::Template(match t {
+                TemplateError::Raised(m) | TemplateError::InvalidInput(m) => m,
+                other => other.to_string(),
+            }),
+            other => BackendError::Plugin(other.to_string()),
+        })
+}

@@ -1,0 +1,65 @@
+//! What the server reports about itself: the served model, metrics read at scrape time, and the
+//! plugin versions the admin routes list.
+
+use serde::Serialize;
+
+/// What `/v1/models` lists.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelInfo {
+    pub id: String,
+    /// Other names a request's `model` may use (e.g. the model directory path).
+    pub aliases: Vec<String>,
+    pub max_model_len: u32,
+    pub created: u64,
+}
+
+/// Engine and plugin numbers for `/metrics`, read at scrape time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BackendMetrics {
+    pub running: u64,
+    pub waiting: u64,
+    /// Prompt tokens looked up in the prefix cache, and how many of them hit.
+    pub prefix_cache_queried_tokens: u64,
+    pub prefix_cache_hit_tokens: u64,
+    pub pool: Vec<PoolUsage>,
+    pub preemptions: u64,
+    pub plugins: Vec<PluginCounters>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolUsage {
+    /// e.g. "kv", "state".
+    pub kind: String,
+    pub used_bytes: u64,
+    pub capacity_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct PluginCounters {
+    pub stage: String,
+    pub version: String,
+    pub calls: u64,
+    pub errors: u64,
+}
+
+/// One stage's plugins as the admin API shows them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PluginStageInfo {
+    pub stage: String,
+    /// The active version's id, if any.
+    pub active: Option<String>,
+    pub versions: Vec<PluginVersionInfo>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PluginVersionInfo {
+    /// Stable id of this loaded version (content digest based).
+    pub id: String,
+    /// Name and version the plugin declares in its metadata.
+    pub name: String,
+    pub version: String,
+    pub digest: String,
+    pub active: bool,
+    pub calls: u64,
+    pub errors: u64,
+}
