@@ -1,4 +1,4 @@
-// Block Attention Residuals (k3-architecture.md §3.2), fused: per token, for each of n <= 9
+// Block Attention Residuals (docs/k3-model.md §5), fused: per token, for each of n <= 9
 // sources V_i, s_i = (V_i . w) * rsqrt(mean(V_i^2) + eps); alpha = softmax(s); out = sum alpha_i V_i.
 // w is the product of the op's norm and proj weights. Sources are passed as 9 pointer
 // parameters (unused ones null) so no pointer table has to be uploaded per call.

@@ -88,7 +88,7 @@ __device__ __forceinline__ float e8m0_to_f32(u8 s) {
     return s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(((u32)s) << 23);
 }
 
-// SiTU-GLU of one element (k3-architecture.md §4.4); shared by situ.cu and moe_gemm.cu.
+// SiTU-GLU of one element (docs/k3-model.md §6); shared by situ.cu and moe_gemm.cu.
 __device__ __forceinline__ float situ_glu_one(float g, float u, float beta, float beta_lin, int has_lin) {
     const float a = beta * tanhf(g / beta) * k3_sigmoid(g);
     const float b = has_lin ? beta_lin * tanhf(u / beta_lin) : u;

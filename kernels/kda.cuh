@@ -1,4 +1,4 @@
-// Shared definitions of the KDA kernels (k3-architecture.md §1, docs/model-format.md).
+// Shared definitions of the KDA kernels (docs/k3-model.md §3, docs/model-format.md).
 //
 // Per-layer state region of one sequence (f32, offsets in floats): conv windows q, k, v, each
 // [H*K, W-1] (per channel, oldest first, PRE-conv inputs), then S [H, K, V] (S[k][v], v contiguous).

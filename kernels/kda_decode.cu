@@ -1,5 +1,5 @@
 // KDA decode: one new token for each of N sequences, everything fused in one launch
-// (k3-architecture.md §1.2–1.4): short conv + SiLU (and the window update), L2 norms, safe gate,
+// (docs/k3-model.md §3: inputs, recurrence, decode state): short conv + SiLU (and the window update), L2 norms, safe gate,
 // beta, the delta-rule step on the f32 state, o = S^T q. Sequences are addressed by state-slot
 // offsets into the arena, so the engine batches any set of slots without copies.
 //

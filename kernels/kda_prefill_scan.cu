@@ -1,4 +1,4 @@
-// KDA chunked prefill in two passes (k3-architecture.md §1.5): the default path for conv <= 4
+// KDA chunked prefill in two passes (docs/k3-model.md §3, chunked form): the default path for conv <= 4
 // (conv > 4 takes the one-pass kernels of kda_chunk.cu).
 //
 //   kda_prefill_record_f32  fully parallel, one 128-thread block per (8 x 16-token chunks, head): conv +

@@ -1,4 +1,4 @@
-// Absorbed MLA decode over the paged latent cache (k3-architecture.md §2.2):
+// Absorbed MLA decode over the paged latent cache (docs/k3-model.md §4, absorbed decode):
 //   mla_append_rows_f32   new rows [RMSNorm(c_kv) ; k_r] into their pages
 //   mla_absorb_q_f32      q~_h = [W_UK,h^T q_nope,h ; q_r,h]  (row = kv_lora + rope, 576 in K3)
 //   mla_attend_tf32_f32    MQA over rows 0..len-1 with online softmax on tensor cores (TF32

@@ -1,4 +1,4 @@
-// Expanded ("compute-friendly") MLA prefill, k3-architecture.md §2.1 (host side: mla_prefill.rs).
+// Expanded ("compute-friendly") MLA prefill, docs/k3-model.md §4 (prefill) (host side: mla_prefill.rs).
 // For one sequence with T new tokens at start_pos (keys 0..len, len = start_pos + T), after the new
 // rows were appended to the pages by mla_append_rows_f32:
 //   mla_prefill_gather_f32   cached rows 0..len out of the pages: c -> lat [len, kv_lora], k_r ->

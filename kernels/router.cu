@@ -1,4 +1,4 @@
-// LatentMoE router (k3-architecture.md §4.3, docs/model-format.md): s = sigmoid(logits) (f32),
+// LatentMoE router (docs/k3-model.md §6, router; docs/model-format.md): s = sigmoid(logits) (f32),
 // select the top-k of s + bias (ties to the lower expert index, in descending order),
 // weights = s[idx] / (sum + 1e-20) * scaling when renormalising, else s[idx] * scaling.
 #include "common.cuh"

@@ -1,4 +1,4 @@
-// SiTU-GLU (k3-architecture.md §4.4): beta*tanh(g/beta)*sigmoid(g) * beta_lin*tanh(u/beta_lin), f32.
+// SiTU-GLU (docs/k3-model.md §6, SiTU-GLU): beta*tanh(g/beta)*sigmoid(g) * beta_lin*tanh(u/beta_lin), f32.
 #include "common.cuh"  // situ_glu_one
 
 // out = SiTU-GLU(gate, up), n elements; has_lin = 0 skips the soft cap on `up`.

@@ -1,4 +1,4 @@
-//! Kimi Delta Attention (k3-architecture.md §1.2–1.5): short conv, gates, and the delta rule in
+//! Kimi Delta Attention (docs/k3-model.md §3): short conv, gates, and the delta rule in
 //! its recurrent (decode) and chunked WY/UT (prefill) forms, from an initial state.
 //!
 //! State layout of one layer (docs/model-format.md): conv windows for q, k, v, each
@@ -189,7 +189,7 @@ fn dotf(a: &[f32], b: &[f32]) -> f32 {
 }
 
 simd_fn! {
-    /// One chunk (≤ CHUNK tokens) of the WY/UT form (§1.5) on `s` `[K, V]`; writes `o` `[C, V]`.
+    /// One chunk (≤ CHUNK tokens) of the WY/UT form (docs/k3-model.md §3, chunked form) on `s` `[K, V]`; writes `o` `[C, V]`.
     pub fn chunk_step(s: &mut [f32], kd: usize, vd: usize, q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], o: &mut [f32]) {
         let c = beta.len();
         // Γ, exp(Γ) and exp(−Γ) per row.
@@ -413,7 +413,7 @@ mod tests {
             .collect()
     }
 
-    /// Token recurrence in f64, straight from §1.3.
+    /// Token recurrence in f64, straight from docs/k3-model.md §3 (recurrence).
     fn reference(s: &mut [f64], kd: usize, vd: usize, hi: &HeadInputs, t: usize) -> Vec<f64> {
         let mut o = vec![0f64; t * vd];
         for tt in 0..t {

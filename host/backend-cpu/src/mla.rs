@@ -1,4 +1,4 @@
-//! Gated NoPE MLA attention over a paged latent cache (k3-architecture.md §2).
+//! Gated NoPE MLA attention over a paged latent cache (docs/k3-model.md §4).
 //! Prefill: the expanded ("naive") form — k_nope and v rebuilt from the cached latents, then
 //! per-head causal attention as two row-invariant matmuls. Decode: the absorbed form — the
 //! query is folded into the 576-style latent space (here `kv_lora + rope`) and attends MQA-style.

@@ -20,7 +20,7 @@ from k3ref import kda as rk  # noqa: E402
 if TYPE_CHECKING:
     from device_check import Device
 
-# anchors.md: device-to-device copy, bytes read + written. Every floor is (bytes read + bytes
+# docs/performance.md, "How to measure": device-to-device copy, bytes read + written. Every floor is (bytes read + bytes
 # written) / COPY_TBPS: a read-only kernel moves only its reads, so its floor is reads / 4.25 TB/s.
 COPY_TBPS = 4.25
 
