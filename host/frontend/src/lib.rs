@@ -34,7 +34,6 @@ mod tokenizer;
 
 pub use backend::ChatBackend;
 pub use detokenizer::IncrementalDetokenizer;
-pub use segments::{Segment, encode_segments, special_token_spellings};
 pub use error::BackendError;
 pub use events::{FinishInfo, FinishReason, GenEvent, Generation, TokenLogprob, TopLogprob};
 pub use frontend::{Frontend, FrontendParts};
@@ -42,6 +41,7 @@ pub use request::{
     ChatGenRequest, CompletionGenRequest, PromptInput, SamplingOptions, ToolChoice, token_budget,
 };
 pub use sampling_defaults::SamplingDefaults;
+pub use segments::{Segment, encode_segments, special_token_spellings};
 pub use status::{
     BackendMetrics, ModelInfo, PluginCounters, PluginStageInfo, PluginVersionInfo, PoolUsage,
 };
