@@ -396,7 +396,7 @@ fn chat_template(config: &Value, path: &Path) -> Result<Option<String>, Tokenize
 /// ByteLevel decoder: each character maps back to its byte; a token with a character outside the
 /// byte alphabet (e.g. an added token such as "<|open|> x" with a space) contributes its UTF-8.
 fn byte_level_token_table(inner: &tokenizers::Tokenizer) -> Vec<Option<Box<[u8]>>> {
-    let char_to_byte = byte_level_char_to_byte();
+    let char_to_byte = crate::bpe::byte_level_char_to_byte();
     let vocab = inner.get_vocab(true);
     let len = vocab.values().max().map_or(0, |&m| m as usize + 1);
     let mut table: Vec<Option<Box<[u8]>>> = vec![None; len];
@@ -414,23 +414,6 @@ fn byte_level_token_table(inner: &tokenizers::Tokenizer) -> Vec<Option<Box<[u8]>
                 .unwrap_or_else(|| token.into_bytes())
                 .into_boxed_slice(),
         );
-    }
-    table
-}
-
-/// Inverse of GPT-2's byte → printable-character table: printable Latin-1 bytes stand for
-/// themselves, the other 68 bytes are shifted, in order, to U+0100.. U+0143.
-pub(crate) fn byte_level_char_to_byte() -> Vec<Option<u8>> {
-    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-    let mut table = vec![None; 256 + 68];
-    let mut shifted = 0;
-    for b in 0..=255u8 {
-        if printable(b) {
-            table[b as usize] = Some(b);
-        } else {
-            table[256 + shifted] = Some(b);
-            shifted += 1;
-        }
     }
     table
 }

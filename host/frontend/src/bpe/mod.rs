@@ -318,13 +318,30 @@ fn bpe(model: &Value) -> Result<Bpe, String> {
 
 /// Maps a token spelled in GPT-2's byte alphabet to its bytes (`None` if a character is outside).
 fn byte_level_decoder() -> impl Fn(&str) -> Option<Vec<u8>> {
-    let table = crate::tokenizer::byte_level_char_to_byte();
+    let table = byte_level_char_to_byte();
     move |token: &str| {
         token
             .chars()
             .map(|c| table.get(c as usize).copied().flatten())
             .collect()
     }
+}
+
+/// Inverse of GPT-2's byte → printable-character table: printable Latin-1 bytes stand for
+/// themselves, the other 68 bytes are shifted, in order, to U+0100.. U+0143.
+pub(crate) fn byte_level_char_to_byte() -> Vec<Option<u8>> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut table = vec![None; 256 + 68];
+    let mut shifted = 0;
+    for b in 0..=255u8 {
+        if printable(b) {
+            table[b as usize] = Some(b);
+        } else {
+            table[256 + shifted] = Some(b);
+            shifted += 1;
+        }
+    }
+    table
 }
 
 #[cfg(test)]
