@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 use wasmtime::Store;
 use wasmtime::component::ResourceAny;
 
-use k3_segments::{ClientStrings, Segment, Specials};
+use k3_segments::{ClientStrings, Segment, ServerStrings, Specials};
 
 use crate::bindings::v0_1::template::ChatTemplatePlugin;
 use crate::bindings::v0_1::template::exports::k3serve::plugin::chat_template as ct;
@@ -213,10 +213,13 @@ pub(crate) fn render_with(
                     response_format_json: options.response_format_json.as_deref(),
                     extra_kwargs_json: options.extra_kwargs_json.as_deref(),
                 };
-                let server = [options.bos_token.as_deref(), options.eos_token.as_deref()];
-                let server: Vec<&str> = server.into_iter().flatten().chain([template]).collect();
+                let server = ServerStrings {
+                    template,
+                    bos_token: options.bos_token.as_deref(),
+                    eos_token: options.eos_token.as_deref(),
+                };
                 let (taint, t) = client
-                    .taint(Specials::new(&options.special_tokens), &server)
+                    .taint(Specials::new(&options.special_tokens), server)
                     .map_err(|e| {
                         PluginError::Template(TemplateError::InvalidInput(e.to_string()))
                     })?;

@@ -352,13 +352,22 @@ pub struct TaintedStrings {
     pub extra_kwargs_json: Option<String>,
 }
 
+/// What the server puts into a render: the template source and the bos/eos spellings. They
+/// stay markup, and the sentinels must not occur in them either.
+#[derive(Debug, Clone, Copy)]
+pub struct ServerStrings<'a> {
+    pub template: &'a str,
+    pub bos_token: Option<&'a str>,
+    pub eos_token: Option<&'a str>,
+}
+
 impl ClientStrings<'_> {
-    /// Choose sentinels absent from these strings and from `server` (the template source,
-    /// bos/eos), and substitute them into every client string.
+    /// Choose sentinels absent from these strings and from `server`, and substitute them into
+    /// every client string.
     pub fn taint(
         &self,
         specials: Specials,
-        server: &[&str],
+        server: ServerStrings<'_>,
     ) -> Result<(Taint, TaintedStrings), TaintError> {
         let client = [
             Some(self.messages_json),
@@ -368,7 +377,8 @@ impl ClientStrings<'_> {
             self.response_format_json,
             self.extra_kwargs_json,
         ];
-        let inputs = client.into_iter().flatten().chain(server.iter().copied());
+        let server = [Some(server.template), server.bos_token, server.eos_token];
+        let inputs = client.into_iter().chain(server).flatten();
         let taint = Taint::new(specials, inputs)?;
         let json = |s: Option<&str>| s.map(|s| taint.taint_json(s));
         let tainted = TaintedStrings {

@@ -250,7 +250,7 @@ pub fn render_segments<T: ChatTemplate>(
     tools_json: Option<&str>,
     options: &RenderOptions,
 ) -> Result<Vec<Segment>, TemplateError> {
-    use k3_segments::{ClientStrings, Specials};
+    use k3_segments::{ClientStrings, ServerStrings, Specials};
     let client = ClientStrings {
         messages_json,
         tools_json,
@@ -259,10 +259,13 @@ pub fn render_segments<T: ChatTemplate>(
         response_format_json: options.response_format_json.as_deref(),
         extra_kwargs_json: options.extra_kwargs_json.as_deref(),
     };
-    let server = [options.bos_token.as_deref(), options.eos_token.as_deref()];
-    let server: Vec<&str> = server.into_iter().flatten().chain([source]).collect();
+    let server = ServerStrings {
+        template: source,
+        bos_token: options.bos_token.as_deref(),
+        eos_token: options.eos_token.as_deref(),
+    };
     let (taint, t) = client
-        .taint(Specials::new(&options.special_tokens), &server)
+        .taint(Specials::new(&options.special_tokens), server)
         .map_err(|e| TemplateError::InvalidInput(e.to_string()))?;
     let tainted = RenderOptions {
         thinking_effort: t.thinking_effort,
