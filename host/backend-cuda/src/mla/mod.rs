@@ -182,7 +182,8 @@ impl CudaBackend {
         Ok(o)
     }
 
-    /// Run a fallible mixer op: refused once an earlier failure is recorded, on our context.
+    /// MLA over a batch of sequence spans: append each span's latent rows to its KV pages, then
+    /// attend (absorbed decode, or the expanded prefill for long spans, in `mla_spans_mixed`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn mla_spans(
         &self,
