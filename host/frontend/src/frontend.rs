@@ -148,7 +148,7 @@ impl Frontend {
         let parsers = Parsers {
             reasoning,
             tools,
-            emit_tool_calls: !req.tools.is_empty() && req.tool_choice == ToolChoice::Auto,
+            emit_tool_calls: !req.tools.is_empty() && req.tool_choice != ToolChoice::None,
         };
         self.submit(ids, &req.sampling, Some(parsers), None, "messages")
     }

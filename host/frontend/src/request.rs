@@ -30,13 +30,18 @@ pub struct SamplingOptions {
     pub logprobs: Option<u32>,
 }
 
-/// How the model may use the declared tools. Only the modes the request path supports exist here;
-/// the API rejects the rest with a clear 400.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+/// How the model may use the declared tools (OpenAI `tool_choice`; Anthropic `auto` / `any` /
+/// `tool` / `none`). `Required` and `Function` are enforced by constrained decoding with the
+/// tool parser's output grammar.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ToolChoice {
     Auto,
     None,
+    /// At least one call, to any declared tool.
+    Required,
+    /// At least one call, all to the named function.
+    Function(String),
 }
 
 /// A validated chat request. `messages` and `tools` are OpenAI-shaped JSON (Anthropic requests

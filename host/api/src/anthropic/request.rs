@@ -369,7 +369,7 @@ impl MessagesRequest {
         kwargs.insert("thinking".into(), Value::Bool(thinking));
         kwargs.insert(
             "tool_choice".into(),
-            serde_json::to_value(choice).unwrap_or(Value::Null),
+            serde_json::to_value(&choice).unwrap_or(Value::Null),
         );
         Ok(ValidMessages {
             request: ChatGenRequest {

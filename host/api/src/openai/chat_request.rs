@@ -253,7 +253,7 @@ impl ChatCompletionRequest {
         }
         kwargs.insert(
             "tool_choice".into(),
-            serde_json::to_value(choice).unwrap_or(Value::Null),
+            serde_json::to_value(&choice).unwrap_or(Value::Null),
         );
         if let Some(rf) = &self.response_format
             && let Some(rf) = validate_response_format(rf)?
