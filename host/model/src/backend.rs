@@ -184,6 +184,29 @@ pub trait Backend: Send + Sync + 'static {
             k,
         ))
     }
+    /// [`Backend::top_k_rows`] after removing, per row, the tokens its mask forbids (constrained
+    /// decoding). `masks` has one entry per row of `a`: `None` leaves the row as it is, `Some(m)`
+    /// is a token bitmask as [`crate::exec::apply_token_mask`] reads it. A row whose mask allows no
+    /// finite logit gets no candidates. The default works on the host; a device backend uploads
+    /// the masks and applies them before its selection.
+    fn top_k_rows_masked(
+        &self,
+        a: &Self::Act,
+        k: usize,
+        masks: &[Option<&[u32]>],
+    ) -> OpResult<Vec<Vec<(u32, f32)>>> {
+        let rows = self.rows(a);
+        let mut host = self.to_host(a)?;
+        if rows > 0 && host.len().is_multiple_of(rows) {
+            let width = host.len() / rows;
+            for (row, mask) in host.chunks_mut(width).zip(masks) {
+                if let Some(m) = mask {
+                    crate::exec::apply_token_mask(row, m);
+                }
+            }
+        }
+        Ok(crate::exec::top_k_of_rows(&host, rows, k))
+    }
     /// Rows `[start, end)` of `a` as a new activation.
     fn slice_rows(&self, a: &Self::Act, start: usize, end: usize) -> OpResult<Self::Act>;
     /// The rows of `parts` one after another (all of the same width; at least one part).

@@ -135,6 +135,22 @@ pub fn top_k_of_rows(host: &[f32], rows: usize, k: usize) -> Vec<Vec<(u32, f32)>
         .collect()
 }
 
+/// Whether a token bitmask allows token `t`: bit `t % 32` of word `t / 32` (32 tokens per word,
+/// least significant bit first, as llguidance lays out its masks). Tokens past the mask's end
+/// are forbidden.
+pub fn token_mask_allows(mask: &[u32], t: usize) -> bool {
+    mask.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1)
+}
+
+/// Set every logit the mask forbids to negative infinity (see [`token_mask_allows`]).
+pub fn apply_token_mask(row: &mut [f32], mask: &[u32]) {
+    for (t, l) in row.iter_mut().enumerate() {
+        if !token_mask_allows(mask, t) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
     #[error("invalid batch: {0}")]
@@ -165,4 +181,21 @@ pub trait Executor: Send {
     fn arena_read(&self, offset: usize, len: usize) -> Result<Vec<u8>, ExecError>;
     /// Run one step.
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, ExecError>;
+}
+
+#[cfg(test)]
+mod token_mask_tests {
+    use super::*;
+
+    #[test]
+    fn mask_bits_are_lsb_first_and_short_masks_forbid_the_rest() {
+        let mask = [0b101u32, 1 << 31];
+        let allowed: Vec<usize> = (0..80).filter(|&t| token_mask_allows(&mask, t)).collect();
+        assert_eq!(allowed, vec![0, 2, 63]);
+        let mut row = vec![1.0f32; 70];
+        apply_token_mask(&mut row, &mask);
+        let finite: Vec<usize> = (0..70).filter(|&t| row[t].is_finite()).collect();
+        assert_eq!(finite, vec![0, 2, 63]);
+        assert_eq!(top_k_of_row(&row, 2), vec![(0, 1.0), (2, 1.0)]);
+    }
 }
