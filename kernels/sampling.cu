@@ -197,11 +197,18 @@ __device__ void block_topk(const Src& src, int n, int k, int* out_id, float* out
     if (tid == 0) *out_count = n_sel;
 }
 
-// A slice of one logits row: candidate i is column first + i.
+// A slice of one logits row: candidate i is column first + i. `allowed` (null: every token) is
+// the row's token bitmask for constrained decoding, bit t % 32 of word t / 32; a forbidden token
+// keys as a masked logit.
 struct RowSlice {
     const float* row;
     int first;
-    __device__ unsigned key(int i) const { return topk_key(row[first + i]); }
+    const unsigned* allowed;
+    __device__ unsigned key(int i) const {
+        const int t = first + i;
+        if (allowed != nullptr && ((allowed[t >> 5] >> (t & 31)) & 1u) == 0u) return 0u;
+        return topk_key(row[t]);
+    }
     __device__ int id(int i) const { return first + i; }
     __device__ float value_of_id(int id) const { return row[id]; }
 };
@@ -222,15 +229,23 @@ struct SegmentPicks {
 };
 
 // Grid (segments, rows): seg_* [rows, segments, k], seg_count [rows, segments].
+// Token masks: with mask_words > 0, mask_table holds `rows` mask indices (-1: row unmasked), then
+// the masks, mask_words (>= ceil(vocab / 32)) words each; with mask_words == 0 it is not read.
 extern "C" __global__ void __launch_bounds__(512)
 topk_segments_f32(const float* __restrict__ logits, int* __restrict__ seg_ids, float* __restrict__ seg_vals,
-                  int* __restrict__ seg_count, int rows, int vocab, int k, int seg_len) {
+                  int* __restrict__ seg_count, int rows, int vocab, int k, int seg_len,
+                  const unsigned* __restrict__ mask_table, int mask_words) {
     __shared__ TopkShared s;
     const int seg = blockIdx.x, r = blockIdx.y, segments = gridDim.x;
     if (r >= rows || k < 1 || k > TOPK_MAX || seg_len < 1) return;
     const int first = seg * seg_len;
     const int n = max(0, min(seg_len, vocab - first));
-    const RowSlice src{logits + (i64)r * vocab, first};
+    const unsigned* allowed = nullptr;
+    if (mask_words > 0) {
+        const int m = (int)mask_table[r];
+        if (m >= 0) allowed = mask_table + rows + (i64)m * mask_words;
+    }
+    const RowSlice src{logits + (i64)r * vocab, first, allowed};
     const i64 slot = (i64)r * segments + seg;
     block_topk(src, n, k, seg_ids + slot * k, seg_vals + slot * k, seg_count + slot, s);
 }

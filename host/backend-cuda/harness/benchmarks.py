@@ -692,7 +692,7 @@ def bench_topk(d: Device, record):
             def run(rows=rows, k=k, segs=segs, seg_ids=seg_ids, seg_vals=seg_vals, seg_count=seg_count, ids=ids,
                     vals=vals, count=count, lg=lg):
                 d.launch("topk_segments_f32", (segs, rows), 512, d.view(lg), d.view(seg_ids), d.view(seg_vals),
-                         d.view(seg_count), rows, vocab, k, TOPK_SEGMENT)
+                         d.view(seg_count), rows, vocab, k, TOPK_SEGMENT, d.view(seg_count), 0)
                 d.launch("topk_merge_f32", rows, 1024, d.view(lg), d.view(seg_ids), d.view(seg_vals),
                          d.view(seg_count), d.view(ids), d.view(vals), d.view(count), rows, vocab, k, segs)
             ms, how = d.time_graph(run)

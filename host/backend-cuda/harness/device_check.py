@@ -421,7 +421,7 @@ def run_topk(d: Device, lgd, rows, vocab, k, seg_len=TOPK_SEGMENT):
     vals = torch.empty(rows * k, device=d.tdev)
     count = torch.empty(rows, dtype=torch.int32, device=d.tdev)
     d.launch("topk_segments_f32", (segs, rows), 512, d.view(lgd), d.view(seg_ids), d.view(seg_vals),
-             d.view(seg_count), rows, vocab, k, seg_len)
+             d.view(seg_count), rows, vocab, k, seg_len, d.view(seg_count), 0)
     d.launch("topk_merge_f32", rows, 1024, d.view(lgd), d.view(seg_ids), d.view(seg_vals), d.view(seg_count),
              d.view(ids), d.view(vals), d.view(count), rows, vocab, k, segs)
     d.sync()

@@ -414,10 +414,16 @@ def _topk_select(vals, ids, k):
     return ids[order], vals[order]
 
 
-def _emu_topk_segments(lg, seg_ids, seg_vals, seg_count, rows, vocab, k, seg_len):
-    rows, vocab, k, seg_len = int(rows), int(vocab), int(k), int(seg_len)
+def _emu_topk_segments(lg, seg_ids, seg_vals, seg_count, rows, vocab, k, seg_len, mask_table, mask_words):
+    rows, vocab, k, seg_len, mask_words = int(rows), int(vocab), int(k), int(seg_len), int(mask_words)
     segs = len(seg_count) // rows
-    x = lg.reshape(rows, vocab)
+    x = lg.reshape(rows, vocab).copy()
+    for r in range(rows):
+        m = int(np.int32(np.uint32(mask_table[r]))) if mask_words > 0 else -1
+        if m >= 0:  # forbidden tokens key as masked logits
+            words = np.asarray(mask_table[rows + m * mask_words: rows + (m + 1) * mask_words], dtype=np.uint32)
+            bits = (words[np.arange(vocab) >> 5] >> (np.arange(vocab) & 31).astype(np.uint32)) & 1
+            x[r, bits == 0] = np.nan
     for r in range(rows):
         for s in range(segs):
             lo, hi = s * seg_len, min(vocab, (s + 1) * seg_len)

@@ -196,7 +196,25 @@ impl Backend for CudaBackend {
         if k == 0 || k > crate::dense::TOPK_MAX {
             return Ok(k3_model::exec::top_k_of_rows(&self.to_host(a)?, a.rows, k));
         }
-        self.op(|| CudaBackend::top_k_rows(self, a, k))
+        self.op(|| CudaBackend::top_k_rows(self, a, k, &[]))
+    }
+
+    fn top_k_rows_masked(
+        &self,
+        a: &DeviceMat,
+        k: usize,
+        masks: &[Option<&[u32]>],
+    ) -> OpResult<Vec<Vec<(u32, f32)>>> {
+        if k == 0 || k > crate::dense::TOPK_MAX {
+            let mut host = self.to_host(a)?;
+            for (row, mask) in host.chunks_mut(a.cols.max(1)).zip(masks) {
+                if let Some(m) = mask {
+                    k3_model::exec::apply_token_mask(row, m);
+                }
+            }
+            return Ok(k3_model::exec::top_k_of_rows(&host, a.rows, k));
+        }
+        self.op(|| CudaBackend::top_k_rows(self, a, k, masks))
     }
 
     fn slice_rows(&self, a: &DeviceMat, start: usize, end: usize) -> OpResult<DeviceMat> {

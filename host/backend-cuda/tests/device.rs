@@ -894,7 +894,8 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str) {
 }
 
 /// `Backend::top_k_rows` on logits rows with heavy ties (quarter steps), -0 / +0, NaN / ±inf and
-/// fully masked rows, at greedy, top-k and beyond-the-kernel k (host fallback); flattened as
+/// fully masked rows, at greedy, top-k and beyond-the-kernel k (host fallback), without and with
+/// token bitmasks (`top_k_rows_masked`); flattened as
 /// `[count, id, value, id, value, …]` per row so the comparison is exact (tolerance 0).
 fn top_k_cases<B: Backend>(be: &B, r: &mut Rng) -> Vec<f32> {
     let mut out = Vec::new();
@@ -923,7 +924,20 @@ fn top_k_cases<B: Backend>(be: &B, r: &mut Rng) -> Vec<f32> {
         }
         let ids: Vec<u32> = (0..rows as u32).collect();
         let logits = be.embed(&be.linear(rows, vocab, v).unwrap(), &ids).unwrap();
-        for row in be.top_k_rows(&logits, k).unwrap() {
+        // Token masks (constrained decoding): a sparse random mask, an unmasked row, and a mask
+        // shorter than the vocabulary (what it does not cover is forbidden).
+        let words = vocab.div_ceil(32);
+        let sparse: Vec<u32> = (0..words)
+            .map(|_| (r.f(1.0).abs() * u32::MAX as f32) as u32 & 0x0101_0101)
+            .collect();
+        let short: Vec<u32> = vec![u32::MAX; words / 2];
+        let masks: Vec<Option<&[u32]>> = [Some(&sparse[..]), None, Some(&short[..])]
+            .into_iter()
+            .take(rows)
+            .collect();
+        let plain = be.top_k_rows(&logits, k).unwrap();
+        let masked = be.top_k_rows_masked(&logits, k, &masks).unwrap();
+        for row in plain.into_iter().chain(masked) {
             out.push(row.len() as f32);
             for (id, val) in row {
                 out.extend([id as f32, val]);

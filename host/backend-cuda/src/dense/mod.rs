@@ -300,7 +300,16 @@ impl CudaBackend {
     /// Each row's `k` largest finite logits (1 <= k <= TOPK_MAX), as k3_model::top_k_of_row
     /// orders them, selected on the device (kernels/sampling.cu): only k pairs per row are
     /// copied back. Not part of a logged step (it reads back), so it runs after the step.
-    pub fn top_k_rows(&self, logits: &DeviceMat, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+    ///
+    /// `masks` (empty, or one entry per row) are token bitmasks for constrained decoding
+    /// (`k3_model::exec::token_mask_allows`); they are uploaded in one copy and applied by the
+    /// segment selection, so a forbidden token is never a candidate.
+    pub fn top_k_rows(
+        &self,
+        logits: &DeviceMat,
+        k: usize,
+        masks: &[Option<&[u32]>],
+    ) -> Result<Vec<Vec<(u32, f32)>>> {
         if k == 0 || k > TOPK_MAX {
             return Err(CudaError::InvalidArg(format!(
                 "top-k of {k} (1..={TOPK_MAX})"
@@ -325,8 +334,10 @@ impl CudaBackend {
             TOPK_SEGMENT as i32,
             i32_of(segments, "segments")?,
         );
+        let (mask_table, mask_words) = self.upload_token_masks(rows, logits.cols, masks)?;
+        let mw = i32_of(mask_words, "mask words")?;
         launch!(self, "topk_segments_f32", Launch::new((segments, rows, 1), 512)?;
-            &logits.buf, &seg_ids, &seg_vals, &seg_count, &r, &v, &kk, &sl)?;
+            &logits.buf, &seg_ids, &seg_vals, &seg_count, &r, &v, &kk, &sl, &mask_table, &mw)?;
         launch!(self, "topk_merge_f32", geometry::per_row(rows, 1024)?;
             &logits.buf, &seg_ids, &seg_vals, &seg_count, &ids, &vals, &count, &r, &v, &kk, &sg)?;
         let all = self.read_back("top-k candidates", &out)?;
@@ -343,6 +354,46 @@ impl CudaBackend {
                     .collect()
             })
             .collect())
+    }
+}
+
+impl CudaBackend {
+    /// The mask table `topk_segments_f32` reads: `rows` mask indices (-1: unmasked) then each
+    /// given mask padded with zero words (forbidden) to `ceil(vocab / 32)` words. Without any
+    /// mask: a one-word placeholder and 0 words, so nothing is copied but the kernel argument.
+    fn upload_token_masks(
+        &self,
+        rows: usize,
+        vocab: usize,
+        masks: &[Option<&[u32]>],
+    ) -> Result<(CudaSlice<u32>, usize)> {
+        if masks.iter().all(Option::is_none) {
+            return Ok((self.uninit::<u32>(1)?, 0));
+        }
+        if masks.len() != rows {
+            return Err(CudaError::InvalidArg(format!(
+                "{} token masks for {rows} rows",
+                masks.len()
+            )));
+        }
+        let words = vocab.div_ceil(32);
+        let mut table: Vec<u32> = Vec::with_capacity(rows + rows * words);
+        let mut next = 0u32;
+        for m in masks {
+            table.push(match m {
+                Some(_) => {
+                    next += 1;
+                    next - 1
+                }
+                None => u32::MAX, // -1 as the kernel's int
+            });
+        }
+        for m in masks.iter().flatten() {
+            let n = m.len().min(words);
+            table.extend_from_slice(&m[..n]);
+            table.resize(table.len() + (words - n), 0);
+        }
+        Ok((self.stream.memcpy_stod(&table)?, words))
     }
 }
 
