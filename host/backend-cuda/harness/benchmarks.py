@@ -710,6 +710,23 @@ def bench_topk(d: Device, record):
                    timing=how)
             log(f"bench sampling rows={rows} k={k}: select + copy {sel * 1e3:.0f} us vs whole rows to host "
                 f"{full * 1e3:.0f} us ({full / sel:.1f}x)")
+            # Constrained decoding: every row masked (a JSON-like mask, 1 token in 8 allowed),
+            # table uploaded from pageable host memory each step as the backend does.
+            words = cdiv(vocab, 32)
+            table = torch.cat([torch.arange(rows, dtype=torch.int32),
+                               torch.full((rows * words,), 0x01010101, dtype=torch.int32)])
+            host_table = table.numpy().copy()
+
+            def run_masked(rows=rows, k=k, segs=segs, seg_ids=seg_ids, seg_vals=seg_vals, seg_count=seg_count,
+                           ids=ids, vals=vals, count=count, lg=lg, host_table=host_table, words=words):
+                dt = torch.from_numpy(host_table).to("cuda", non_blocking=False)
+                d.launch("topk_segments_f32", (segs, rows), 512, d.view(lg), d.view(seg_ids), d.view(seg_vals),
+                         d.view(seg_count), rows, vocab, k, TOPK_SEGMENT, d.view(dt), words)
+                d.launch("topk_merge_f32", rows, 1024, d.view(lg), d.view(seg_ids), d.view(seg_vals),
+                         d.view(seg_count), d.view(ids), d.view(vals), d.view(count), rows, vocab, k, segs)
+            sel_masked = wall(lambda: (run_masked(), ids.cpu(), vals.cpu(), count.cpu()))
+            log(f"bench sampling rows={rows} k={k}: masked select + upload + copy {sel_masked * 1e3:.0f} us vs "
+                f"unmasked {sel * 1e3:.0f} us ({sel_masked / sel:.2f}x)")
 
 
 def bench_attn_res(d: Device, record):
