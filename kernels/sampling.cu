@@ -234,7 +234,7 @@ struct SegmentPicks {
 extern "C" __global__ void __launch_bounds__(512)
 topk_segments_f32(const float* __restrict__ logits, int* __restrict__ seg_ids, float* __restrict__ seg_vals,
                   int* __restrict__ seg_count, int rows, int vocab, int k, int seg_len,
-                  const unsigned* __restrict__ mask_table, int mask_words) {
+                  const u32* __restrict__ mask_table, int mask_words) {
     __shared__ TopkShared s;
     const int seg = blockIdx.x, r = blockIdx.y, segments = gridDim.x;
     if (r >= rows || k < 1 || k > TOPK_MAX || seg_len < 1) return;

@@ -688,11 +688,12 @@ def bench_topk(d: Device, record):
             ids = torch.empty(rows * k, dtype=torch.int32, device="cuda")
             vals = torch.empty(rows * k, device="cuda")
             count = torch.empty(rows, dtype=torch.int32, device="cuda")
+            no_mask = torch.empty(1, dtype=torch.uint32, device="cuda")  # not read with 0 mask words
 
             def run(rows=rows, k=k, segs=segs, seg_ids=seg_ids, seg_vals=seg_vals, seg_count=seg_count, ids=ids,
-                    vals=vals, count=count, lg=lg):
+                    vals=vals, count=count, lg=lg, no_mask=no_mask):
                 d.launch("topk_segments_f32", (segs, rows), 512, d.view(lg), d.view(seg_ids), d.view(seg_vals),
-                         d.view(seg_count), rows, vocab, k, TOPK_SEGMENT, d.view(seg_count), 0)
+                         d.view(seg_count), rows, vocab, k, TOPK_SEGMENT, d.view(no_mask), 0)
                 d.launch("topk_merge_f32", rows, 1024, d.view(lg), d.view(seg_ids), d.view(seg_vals),
                          d.view(seg_count), d.view(ids), d.view(vals), d.view(count), rows, vocab, k, segs)
             ms, how = d.time_graph(run)
@@ -713,9 +714,8 @@ def bench_topk(d: Device, record):
             # Constrained decoding: every row masked (a JSON-like mask, 1 token in 8 allowed),
             # table uploaded from pageable host memory each step as the backend does.
             words = cdiv(vocab, 32)
-            table = torch.cat([torch.arange(rows, dtype=torch.int32),
-                               torch.full((rows * words,), 0x01010101, dtype=torch.int32)])
-            host_table = table.numpy().copy()
+            host_table = np.concatenate([np.arange(rows, dtype=np.uint32),
+                                         np.full(rows * words, 0x01010101, dtype=np.uint32)])
 
             def run_masked(rows=rows, k=k, segs=segs, seg_ids=seg_ids, seg_vals=seg_vals, seg_count=seg_count,
                            ids=ids, vals=vals, count=count, lg=lg, host_table=host_table, words=words):

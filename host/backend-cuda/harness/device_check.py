@@ -420,8 +420,9 @@ def run_topk(d: Device, lgd, rows, vocab, k, seg_len=TOPK_SEGMENT):
     ids = torch.empty(rows * k, dtype=torch.int32, device=d.tdev)
     vals = torch.empty(rows * k, device=d.tdev)
     count = torch.empty(rows, dtype=torch.int32, device=d.tdev)
+    no_mask = torch.empty(1, dtype=torch.uint32, device=d.tdev)  # not read with 0 mask words
     d.launch("topk_segments_f32", (segs, rows), 512, d.view(lgd), d.view(seg_ids), d.view(seg_vals),
-             d.view(seg_count), rows, vocab, k, seg_len, d.view(seg_count), 0)
+             d.view(seg_count), rows, vocab, k, seg_len, d.view(no_mask), 0)
     d.launch("topk_merge_f32", rows, 1024, d.view(lgd), d.view(seg_ids), d.view(seg_vals), d.view(seg_count),
              d.view(ids), d.view(vals), d.view(count), rows, vocab, k, segs)
     d.sync()
