@@ -121,3 +121,66 @@ def test_no_tool_needed_and_tool_choice_none(client, model_name):
     assert r.choices[0].finish_reason == "stop"
     assert not r.choices[0].message.tool_calls
     assert "42" in r.choices[0].message.content
+
+
+def _streamed_calls(stream) -> tuple[dict[int, dict], str | None]:
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        for tc in ch.delta.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"name": None, "arguments": ""})
+            if tc.function and tc.function.name:
+                entry["name"] = tc.function.name
+            if tc.function and tc.function.arguments:
+                entry["arguments"] += tc.function.arguments
+        if ch.finish_reason:
+            finish = ch.finish_reason
+    return calls, finish
+
+
+def test_call_cut_by_max_tokens_is_the_same_streamed_or_not(client, model_name):
+    """docs/k3-format.md §5: a call cut mid-argument by max_tokens is returned with its arguments
+    as far as they came (JSON closed) and finish_reason length, identically with and without
+    streaming."""
+    request = dict(
+        model=model_name,
+        messages=[{"role": "user", "content": "What is the weather in Paris in celsius?"}],
+        tools=TOOLS,
+        temperature=0,
+    )
+    full = client.chat.completions.create(**request, max_tokens=600, logprobs=True)
+    assert full.choices[0].finish_reason == "tool_calls", full.choices[0]
+    whole_call = full.choices[0].message.tool_calls[0]
+    whole_args = json.loads(whole_call.function.arguments)
+    # The token that ends a string argument's open tag: cut one value token after it.
+    tokens = [t.token for t in full.choices[0].logprobs.content]
+    text, cut = "", None
+    for i, token in enumerate(tokens):
+        text += token
+        tag_start = text.rfind("<|open|>")
+        if "<|open|>call" in text and text.endswith("<|sep|>") and tag_start >= 0:
+            tag = text[tag_start:]
+            if tag.startswith("<|open|>argument") and 'type="string"' in tag:
+                cut = i + 2
+                break
+    assert cut is not None, f"no string argument in {text!r}"
+
+    r = client.chat.completions.create(**request, max_tokens=cut)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length", choice
+    assert choice.message.tool_calls and len(choice.message.tool_calls) == 1, choice
+    call = choice.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == whole_call.function.name
+    # every argument so far, the last one cut short
+    assert list(args) == list(whole_args)[: len(args)], (args, whole_args)
+    last = list(args)[-1]
+    assert isinstance(args[last], str) and whole_args[last].startswith(args[last]), (args, whole_args)
+
+    streamed, finish = _streamed_calls(client.chat.completions.create(**request, max_tokens=cut, stream=True))
+    assert finish == "length"
+    assert list(streamed) == [0]
+    assert streamed[0] == {"name": call.function.name, "arguments": call.function.arguments}

@@ -145,9 +145,19 @@ pub struct ToolCallResult {
     pub id: String,
     pub name: String,
     pub arguments: String,
+    /// False when the output ended inside the call (`max_tokens`, a stop string): the call is
+    /// still returned, with its arguments as far as they came (the parser closes the JSON), as
+    /// streaming already sent them (docs/k3-format.md §5).
+    pub complete: bool,
 }
 
 impl ChoiceResult {
+    /// Whether the response ends in tool calls: there are calls and none was cut short (a cut
+    /// call means the output hit its limit, which the finish reason then says).
+    pub fn ends_in_tool_calls(&self) -> bool {
+        !self.tool_calls.is_empty() && self.tool_calls.iter().all(|c| c.complete)
+    }
+
     pub fn apply(&mut self, event: GenEvent) -> Result<(), BackendError> {
         match event {
             GenEvent::Content(t) => self.content.push_str(&t),
@@ -157,6 +167,7 @@ impl ChoiceResult {
                 id,
                 name,
                 arguments: String::new(),
+                complete: true,
             }),
             GenEvent::ToolCallArguments { index, delta } => {
                 match self.tool_calls.iter_mut().find(|c| c.index == index) {
@@ -168,11 +179,11 @@ impl ChoiceResult {
                     }
                 }
             }
-            GenEvent::ToolCallEnd {
-                index,
-                complete: false,
-            } => self.tool_calls.retain(|c| c.index != index),
-            GenEvent::ToolCallEnd { .. } => {}
+            GenEvent::ToolCallEnd { index, complete } => {
+                if let Some(call) = self.tool_calls.iter_mut().find(|c| c.index == index) {
+                    call.complete = complete;
+                }
+            }
             GenEvent::Logprobs(lp) => self.logprobs.extend(lp),
             GenEvent::Finished(f) => self.finish = Some(f),
             GenEvent::Error(e) => return Err(e),

@@ -289,12 +289,12 @@ impl ChatBackend for FakeBackend {
                         index: i,
                         delta: "{\"city\": ".into(),
                     });
-                    if !cut {
-                        script.push(GenEvent::ToolCallArguments {
-                            index: i,
-                            delta: "\"Paris\"}".into(),
-                        });
-                    }
+                    // Cut short, the parser closes the JSON of what came (docs/k3-format.md §5).
+                    let rest = if cut { "\"Par\"}" } else { "\"Paris\"}" };
+                    script.push(GenEvent::ToolCallArguments {
+                        index: i,
+                        delta: rest.into(),
+                    });
                     script.push(GenEvent::ToolCallEnd {
                         index: i,
                         complete: !cut,
@@ -640,17 +640,39 @@ async fn tool_calls_non_streaming_and_streaming() {
     assert_eq!(calls[&1].0, "call_1");
     assert_eq!(calls[&1].2, "{\"city\": \"Paris\"}");
 
-    // A call cut short by max_tokens is not returned (its arguments are not valid JSON).
+    // A call cut short by max_tokens: streamed as far as it came, so non-streaming returns it
+    // too, identically; the finish reason is `length`, not `tool_calls`.
     let mut cut = body.clone();
     cut["messages"] = json!([user("weather, but cut")]);
     let (_, resp) = h.post("/v1/chat/completions", cut.clone()).await;
-    assert!(
-        resp["choices"][0]["message"].get("tool_calls").is_none(),
-        "{resp}"
-    );
-    assert_eq!(resp["choices"][0]["finish_reason"], "length");
+    let choice = &resp["choices"][0];
+    assert_eq!(choice["finish_reason"], "length", "{resp}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{resp}");
+    assert_eq!(calls[0]["id"], "call_0");
+    assert_eq!(calls[0]["function"]["arguments"], "{\"city\": \"Par\"}");
     cut["stream"] = json!(true);
     let chunks = h.stream("/v1/chat/completions", cut).await;
+    let streamed: String = chunks
+        .iter()
+        .filter(|c| c.is_object())
+        .flat_map(|c| {
+            c["choices"][0]["delta"]["tool_calls"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .map(|tc| {
+            tc["function"]["arguments"]
+                .as_str()
+                .unwrap_or("")
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        streamed,
+        calls[0]["function"]["arguments"].as_str().unwrap()
+    );
     let finish: Vec<&Value> = chunks
         .iter()
         .filter(|c| c["choices"][0]["finish_reason"].is_string())
@@ -1067,6 +1089,18 @@ async fn anthropic_messages_plain_tools_and_streaming() {
     assert_eq!(resp["content"][0]["type"], "thinking");
     assert_eq!(resp["content"][1]["type"], "tool_use");
     assert_eq!(resp["content"][1]["input"], json!({"city": "Paris"}));
+    // cut by max_tokens: the partial tool_use is returned as streamed, stop_reason max_tokens
+    let (_, resp) = h
+        .post(
+            "/v1/messages",
+            json!({"model": "k3-mini", "max_tokens": 100,
+                "tools": [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+                "messages": [user("weather, cut")]}),
+        )
+        .await;
+    assert_eq!(resp["stop_reason"], "max_tokens", "{resp}");
+    assert_eq!(resp["content"][0]["type"], "tool_use");
+    assert_eq!(resp["content"][0]["input"], json!({"city": "Par"}));
 
     let (status, bytes) = h
         .post_raw(

@@ -50,7 +50,9 @@ pub enum GenEvent {
         delta: String,
     },
     /// The call ended; `complete: false` means the output stopped inside it (e.g. `max_tokens`):
-    /// its arguments are cut short, so non-streaming responses drop it.
+    /// its arguments are cut short (the parser closed their JSON). Responses still return it, as
+    /// streaming already sent it, and finish with the reason the output stopped, not
+    /// `tool_calls` (docs/k3-format.md §5).
     ToolCallEnd {
         index: u32,
         complete: bool,

@@ -300,6 +300,108 @@ fn parsers_through_wasm_conform_for_every_chunking() {
     );
 }
 
+/// One output per parser-fidelity rule of docs/k3-format.md §5 (thinking, text, reasoning,
+/// content, call names): the wasm builds, fed in any chunking, agree with the expectation.
+const FIDELITY_CASES: [(bool, &str, Option<&str>, Option<&str>, &[&str]); 6] = [
+    // a tag cut off by max_tokens leaves no tag word behind
+    (
+        false,
+        "the answer<|close|>message",
+        None,
+        Some("the answer"),
+        &[],
+    ),
+    // a malformed one mid-stream neither
+    (
+        true,
+        "r<|close|>think<|open|>response<|sep|>the answer<|close|>message<|end_of_msg|>",
+        Some("r"),
+        Some("the answer"),
+        &[],
+    ),
+    // a tools block inside the think channel ends reasoning and keeps its calls
+    (
+        true,
+        "plan<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"q\" type=\"string\"<|sep|>x<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>",
+        Some("plan"),
+        None,
+        &["f"],
+    ),
+    // markers inside a string argument reach the tool parser unchanged
+    (
+        false,
+        "c<|open|>tools<|sep|><|open|>call tool=\"g\" index=\"1\"<|sep|><|open|>argument key=\"code\" type=\"string\"<|sep|>a<|close|>b<|close|>response<|sep|><|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>",
+        None,
+        Some("c"),
+        &["g"],
+    ),
+    // a think block with thinking off is reasoning
+    (
+        false,
+        "<|open|>think<|sep|>hmm<|close|>think<|sep|>ok",
+        Some("hmm"),
+        Some("ok"),
+        &[],
+    ),
+    // nothing after the end of the message
+    (
+        false,
+        "answer<|close|>message<|sep|>extra<|end_of_msg|>more",
+        None,
+        Some("answer"),
+        &[],
+    ),
+];
+
+#[test]
+fn parser_fidelity_rules_hold_through_wasm() {
+    let host = shared_host();
+    for (think, text, reasoning, content, names) in FIDELITY_CASES {
+        let native = native_pipeline(text, think);
+        assert_eq!(native.reasoning.as_deref(), reasoning, "{text:?}");
+        assert_eq!(native.content.as_deref(), content, "{text:?}");
+        let got: Vec<&str> = native.tool_calls.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(got, names, "{text:?}");
+        for chunk in [0, 1, 2, 5] {
+            assert_eq!(
+                pipeline(host, text, think, chunk).0,
+                native,
+                "{text:?} chunk {chunk}"
+            );
+        }
+    }
+    let (_, code_case, ..) = FIDELITY_CASES[3];
+    let args: Value =
+        serde_json::from_str(&native_pipeline(code_case, false).tool_calls[0].arguments).unwrap();
+    assert_eq!(args, json!({"code": "a<|close|>b<|close|>response<|sep|>"}));
+}
+
+/// A call cut by the end of the output streams closed JSON and ends incomplete, for every
+/// chunking (the server returns it so, streaming or not).
+#[test]
+fn cut_call_streams_closed_arguments_through_wasm() {
+    let host = shared_host();
+    let text = "<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"q\" type=\"string\"<|sep|>Par<|close|>argu";
+    for chunk in [0, 1, 3] {
+        let (_, events) = pipeline(host, text, false, chunk);
+        let args: String = events
+            .iter()
+            .filter_map(|e| match e {
+                ParseEvent::ToolCallArguments { delta, .. } => Some(delta.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(args, "{\"q\":\"Par\"}", "chunk {chunk}");
+        assert!(matches!(
+            events.last(),
+            Some(ParseEvent::ToolCallEnd {
+                complete: false,
+                ..
+            })
+        ));
+    }
+}
+
 fn arb_output() -> impl Strategy<Value = (bool, String)> {
     let text = prop::collection::vec(
         prop::sample::select(vec![

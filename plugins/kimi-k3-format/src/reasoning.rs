@@ -2,14 +2,19 @@
 //!
 //! Rules (docs/k3-format.md §5, reasoning parser):
 //! - starts inside reasoning when thinking is on and the prompt opened the think channel;
-//! - `<|close|>think<|sep|>` ends reasoning, a later `<|open|>think<|sep|>` re-opens it, so the
+//! - `<|open|>think<|sep|>` opens reasoning, also with thinking off (a think block the model
+//!   writes anyway is still reasoning, never content); `<|close|>think<|sep|>` ends it, so the
 //!   end of reasoning is the last close after the last open; a close outside reasoning (stale,
 //!   from history) is dropped. `<|open|>response<|sep|>` also ends reasoning (lenient);
 //! - unfinished reasoning (no close) is all reasoning, content absent;
-//! - thinking off: all text is content (think markers are dropped, their text kept as content);
-//! - response-channel markers, `<|close|>message<|sep|>` and `<|end_of_msg|>` are dropped; other
-//!   tags (a tools block) pass through verbatim in content for the tool parser; inside reasoning
-//!   they are dropped so no marker reaches the client.
+//! - a tools block (`<|open|>tools<|sep|>`, or a `call` outside one) ends reasoning and passes
+//!   through to the content byte for byte, whatever it holds, until `<|close|>tools<|sep|>`: the
+//!   tool parser alone reads it;
+//! - `<|close|>message<|sep|>` and `<|end_of_msg|>` end the message: nothing after them is
+//!   returned;
+//! - response-channel markers, stray markers and cut-off tags are dropped; other tags pass
+//!   through verbatim in content for the tool parser; inside reasoning they are dropped so no
+//!   marker reaches the client.
 
 use k3_plugin_sdk::{Event, PluginError, ReasoningOptions, StreamingParser};
 
@@ -19,11 +24,14 @@ use crate::xtml::{Piece, Scanner};
 enum Mode {
     Reasoning,
     Content,
+    /// Inside a tools block: every piece goes to content verbatim.
+    Tools,
+    /// After the end of the message: everything is dropped.
+    Done,
 }
 
 #[derive(Debug, Clone)]
 pub struct K3ReasoningParser {
-    thinking: bool,
     mode: Mode,
     scanner: Scanner,
     pieces: Vec<Piece>,
@@ -37,7 +45,6 @@ impl K3ReasoningParser {
             Mode::Content
         };
         Self {
-            thinking: options.thinking,
             mode,
             scanner: Scanner::default(),
             pieces: Vec::new(),
@@ -46,34 +53,44 @@ impl K3ReasoningParser {
 
     fn process(&mut self, out: &mut Vec<Event>) {
         for piece in self.pieces.drain(..) {
-            let text = match (&piece, self.mode) {
-                (Piece::Text(t), Mode::Reasoning) => {
-                    push_reasoning(out, t);
-                    continue;
-                }
-                (Piece::Text(t), Mode::Content) => t.as_str(),
-                (Piece::Open(tag), _) if tag.name == "think" => {
-                    if self.thinking {
-                        self.mode = Mode::Reasoning;
-                    }
-                    continue;
-                }
-                (Piece::Close(tag), _) if tag.name == "think" => {
-                    self.mode = Mode::Content;
-                    continue;
-                }
-                (Piece::Open(tag), _) if tag.name == "response" => {
-                    self.mode = Mode::Content;
-                    continue;
-                }
-                (Piece::Close(tag), _) if tag.name == "response" || tag.name == "message" => {
-                    continue;
-                }
-                (Piece::EndOfMsg | Piece::Stray(_), _) => continue,
-                (Piece::Open(_) | Piece::Close(_), Mode::Reasoning) => continue,
-                (Piece::Open(_) | Piece::Close(_), Mode::Content) => piece.raw(),
+            let (open, close) = match &piece {
+                Piece::Open(tag) => (Some(tag.name.as_str()), None),
+                Piece::Close(tag) => (None, Some(tag.name.as_str())),
+                _ => (None, None),
             };
-            push_content(out, text);
+            let ends_message = close == Some("message") || piece == Piece::EndOfMsg;
+            match self.mode {
+                Mode::Done => {}
+                Mode::Tools => {
+                    push_content(out, piece.raw());
+                    if ends_message {
+                        self.mode = Mode::Done;
+                    } else if close == Some("tools") {
+                        self.mode = Mode::Content;
+                    }
+                }
+                _ if ends_message => self.mode = Mode::Done,
+                _ if matches!(open, Some("tools" | "call")) => {
+                    push_content(out, piece.raw());
+                    self.mode = Mode::Tools;
+                }
+                _ if open == Some("think") => self.mode = Mode::Reasoning,
+                _ if close == Some("think") || open == Some("response") => {
+                    self.mode = Mode::Content
+                }
+                Mode::Reasoning => {
+                    if let Piece::Text(t) = &piece {
+                        push_reasoning(out, t);
+                    }
+                }
+                Mode::Content => match &piece {
+                    Piece::Text(t) => push_content(out, t),
+                    Piece::Open(_) | Piece::Close(_) if close != Some("response") => {
+                        push_content(out, piece.raw())
+                    }
+                    _ => {}
+                },
+            }
         }
     }
 }

@@ -9,8 +9,12 @@
 //!
 //! Malformed input never fails the stream: a call without a `tool` name and an argument without
 //! a `key` are skipped; text and unknown tags inside the tools block are ignored; a call the
-//! text ends inside is ended with `complete: false` (one-shot results drop it). In content,
-//! every marker is dropped: markers never reach the client.
+//! text ends inside is ended with `complete: false`, its arguments closed as far as they came
+//! (one-shot results drop it; the server returns it, docs/k3-format.md §5). A tag the end of the
+//! text cut off is dropped, also inside a value; any other marker inside a string value is
+//! value text. `<|close|>message<|sep|>` and `<|end_of_msg|>` end the message (and an open
+//! call, as complete): nothing after them counts. In content, every marker is dropped: markers
+//! never reach the client.
 
 use k3_plugin_sdk::{Event, PluginError, StreamingParser, ToolOptions};
 
@@ -39,6 +43,8 @@ enum State {
         args: u32,
         arg: Option<(String, ArgKind)>,
     },
+    /// After the end of the message.
+    Done,
 }
 
 #[derive(Debug, Clone)]
@@ -71,7 +77,18 @@ impl K3ToolParser {
     }
 
     fn step(&mut self, piece: &Piece, out: &mut Vec<Event>) {
+        let ends_message =
+            matches!(piece, Piece::Close(t) if t.name == "message") || *piece == Piece::EndOfMsg;
+        if ends_message && self.state != State::Done {
+            if let State::Call { .. } = self.state {
+                self.end_argument(out);
+                self.end_call(true, out);
+            }
+            self.state = State::Done;
+            return;
+        }
         match &mut self.state {
+            State::Done => {}
             State::Content => match piece {
                 Piece::Text(t) => push_content(out, t),
                 Piece::Open(tag) if tag.name == "tools" => self.state = State::Tools,
@@ -163,6 +180,8 @@ impl K3ToolParser {
             self.end_argument(out);
             self.end_call(true, out);
             self.state = State::Content;
+        } else if let Piece::Unfinished(_) = piece {
+            // Cut off by the end of the text: not part of the value.
         } else {
             // Known ambiguity: a marker inside a value is kept as value text.
             let text = piece.raw();
@@ -276,7 +295,7 @@ impl StreamingParser for K3ToolParser {
             self.end_argument(&mut out);
             self.end_call(false, &mut out);
         }
-        self.state = State::Content;
+        self.state = State::Done;
         Ok(out)
     }
 }

@@ -114,7 +114,7 @@ pub fn response_body(id: &str, model: &str, r: &ChoiceResult) -> Value {
         .finish
         .as_ref()
         .expect("collect() checks every choice finished");
-    let (reason, sequence) = stop_reason(finish, !r.tool_calls.is_empty());
+    let (reason, sequence) = stop_reason(finish, r.ends_in_tool_calls());
     json!({
         "id": id,
         "type": "message",
@@ -232,7 +232,7 @@ impl StreamFormat for MessageStream {
             GenEvent::Logprobs(_) | GenEvent::Error(_) => {}
             GenEvent::Finished(info) => {
                 self.close_block(&mut out);
-                let had_tool_use = self.calls_started > self.calls_incomplete;
+                let had_tool_use = self.calls_started > 0 && self.calls_incomplete == 0;
                 let (reason, sequence) = stop_reason(&info, had_tool_use);
                 out.push(sse::event(
                     "message_delta",

@@ -123,7 +123,7 @@ pub fn response_body(
                 "index": i,
                 "message": Value::Object(message),
                 "logprobs": if logprobs { json!({"content": chat_logprobs(&r.logprobs)}) } else { Value::Null },
-                "finish_reason": finish_reason(finish, has_calls),
+                "finish_reason": finish_reason(finish, r.ends_in_tool_calls()),
             })
         })
         .collect();
@@ -140,8 +140,6 @@ pub fn response_body(
 
 #[derive(Debug, Default, Clone)]
 struct ChoiceStreamState {
-    /// A call was streamed and not reported cut short.
-    had_tool_calls: bool,
     started_calls: u32,
     incomplete_calls: u32,
     pending_logprobs: Vec<TokenLogprob>,
@@ -201,7 +199,6 @@ impl StreamFormat for ChatStream {
             GenEvent::ToolCallStart { index, id, name } => {
                 let state = &mut self.choices[choice];
                 state.started_calls += 1;
-                state.had_tool_calls = true;
                 json!({"tool_calls": [{
                     "index": index, "id": id, "type": "function",
                     "function": {"name": name, "arguments": ""},
@@ -212,11 +209,9 @@ impl StreamFormat for ChatStream {
             }
             GenEvent::ToolCallEnd { complete, .. } => {
                 let state = &mut self.choices[choice];
-                if !complete {
-                    // Already streamed, cannot be taken back; it only stops counting as a call.
-                    state.incomplete_calls += 1;
-                    state.had_tool_calls = state.started_calls > state.incomplete_calls;
-                }
+                // A call cut short was already streamed and cannot be taken back (non-streaming
+                // responses return it too); the finish reason then says the output was cut.
+                state.incomplete_calls += u32::from(!complete);
                 return Vec::new();
             }
             GenEvent::Error(_) => return Vec::new(),
@@ -225,7 +220,9 @@ impl StreamFormat for ChatStream {
                 return Vec::new();
             }
             GenEvent::Finished(info) => {
-                let reason = finish_reason(&info, self.choices[choice].had_tool_calls);
+                let state = &self.choices[choice];
+                let ends_in_calls = state.started_calls > 0 && state.incomplete_calls == 0;
+                let reason = finish_reason(&info, ends_in_calls);
                 self.choices[choice].finish = Some(info);
                 return vec![self.chunk(choice, json!({}), Some(reason))];
             }
