@@ -6,6 +6,6 @@
 pub use k3_frontend::{
     BackendError, BackendMetrics, ChatBackend, ChatGenRequest, CompletionGenRequest, FinishInfo,
     FinishReason, GenEvent, Generation, ModelInfo, PluginCounters, PluginStageInfo,
-    PluginVersionInfo, PoolUsage, PromptInput, SamplingOptions, TokenLogprob, ToolChoice,
+    OutputConstraint, PluginVersionInfo, PoolUsage, PromptInput, SamplingOptions, TokenLogprob, ToolChoice,
     TopLogprob,
 };

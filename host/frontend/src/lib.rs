@@ -15,6 +15,7 @@
 
 pub mod backend;
 mod bpe;
+mod constrain;
 mod detokenizer;
 pub mod error;
 pub mod events;
@@ -33,6 +34,8 @@ mod tests;
 mod tokenizer;
 
 pub use backend::ChatBackend;
+pub use constrain::OutputGrammar;
+pub use k3_structured::{ConstraintError, OutputConstraint};
 pub use detokenizer::IncrementalDetokenizer;
 pub use error::BackendError;
 pub use events::{FinishInfo, FinishReason, GenEvent, Generation, TokenLogprob, TopLogprob};

@@ -27,6 +27,26 @@ impl std::fmt::Debug for CompiledGrammar {
     }
 }
 
+impl CompiledGrammar {
+    /// The token bitmask of the next token (what the sampler's worker computes each step).
+    pub fn compute_mask(&mut self) -> Result<Vec<u32>, String> {
+        self.matcher
+            .compute_mask_or_eos()
+            .map(|v| v.as_slice().to_vec())
+            .map_err(|e| e.to_string())
+    }
+
+    /// Advance past `token`.
+    pub fn consume_token(&mut self, token: u32) -> Result<(), String> {
+        self.matcher.consume_token(token).map_err(|e| e.to_string())
+    }
+
+    /// Whether the grammar is complete and nothing may follow (only EOS is allowed).
+    pub fn is_stopped(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
+
 /// Compiles grammars for one model's tokenizer.
 pub struct GrammarCompiler {
     factory: Arc<ParserFactory>,
