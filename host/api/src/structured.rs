@@ -21,7 +21,9 @@ pub struct ConstraintFields<'a> {
 }
 
 /// The request's constraint and the field it came from, if any.
-pub fn constraint(f: &ConstraintFields<'_>) -> Result<Option<(OutputConstraint, String)>, ApiError> {
+pub fn constraint(
+    f: &ConstraintFields<'_>,
+) -> Result<Option<(OutputConstraint, String)>, ApiError> {
     let mut found: Vec<(OutputConstraint, String)> = Vec::new();
     if let Some(rf) = f.response_format
         && let Some(c) = from_response_format(rf)?
@@ -112,7 +114,9 @@ fn from_structured_outputs(so: &Value) -> Result<(OutputConstraint, String), Api
         if !KINDS.contains(&key.as_str()) {
             return Err(ApiError::not_supported(
                 field,
-                format!("'structured_outputs.{key}' is not supported; use one of json, regex, choice, grammar, json_object"),
+                format!(
+                    "'structured_outputs.{key}' is not supported; use one of json, regex, choice, grammar, json_object"
+                ),
             ));
         }
         if key == "json_object" && value == &Value::Bool(false) {
@@ -219,7 +223,10 @@ mod tests {
         })
         .unwrap()
         .unwrap();
-        assert_eq!(got.0, OutputConstraint::Choice(vec!["a".into(), "b".into()]));
+        assert_eq!(
+            got.0,
+            OutputConstraint::Choice(vec!["a".into(), "b".into()])
+        );
         assert_eq!(got.1, "structured_outputs.choice");
         let gj = json!("{\"type\": \"integer\"}");
         let got = constraint(&ConstraintFields {

@@ -226,9 +226,10 @@ impl Frontend {
             Err(_) if need == Need::IfSupported => return Ok(None),
             Err(e) => {
                 let (param, what) = match &req.tool_choice {
-                    ToolChoice::Required => {
-                        ("tool_choice".to_string(), "tool_choice \"required\"".to_string())
-                    }
+                    ToolChoice::Required => (
+                        "tool_choice".to_string(),
+                        "tool_choice \"required\"".to_string(),
+                    ),
                     ToolChoice::Function(f) => {
                         ("tool_choice".into(), format!("tool_choice naming \"{f}\""))
                     }

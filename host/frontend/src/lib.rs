@@ -35,11 +35,11 @@ mod tokenizer;
 
 pub use backend::ChatBackend;
 pub use constrain::OutputGrammar;
-pub use k3_structured::{ConstraintError, OutputConstraint};
 pub use detokenizer::IncrementalDetokenizer;
 pub use error::BackendError;
 pub use events::{FinishInfo, FinishReason, GenEvent, Generation, TokenLogprob, TopLogprob};
 pub use frontend::{Frontend, FrontendParts};
+pub use k3_structured::{ConstraintError, OutputConstraint};
 pub use request::{
     ChatGenRequest, CompletionGenRequest, PromptInput, SamplingOptions, ToolChoice, token_budget,
 };

@@ -343,7 +343,8 @@ async fn chat_content_follows_a_json_schema() {
     });
     let mut req = chat_request("Who are you?", 60);
     req.thinking = false;
-    req.template_kwargs.insert("thinking".into(), Value::Bool(false));
+    req.template_kwargs
+        .insert("thinking".into(), Value::Bool(false));
     req.constraint = Some(OutputConstraint::JsonSchema {
         schema,
         strict: true,

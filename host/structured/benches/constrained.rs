@@ -112,8 +112,8 @@ fn mask_times(compiler: &GrammarCompiler, width: usize) {
 /// Decode `tokens` tokens for each of `batch` requests through the engine; output tok/s.
 fn decode(compiler: Option<&GrammarCompiler>, batch: usize, tokens: usize) -> f64 {
     let model = k3_model::Model::load_dir(&model_dir(), k3_backend_cpu::CpuBackend::new()).unwrap();
-    let mut exec = k3_model::ModelExecutor::with_capacity(model, 16, batch + 1, 64 + tokens + 16, 8)
-        .unwrap();
+    let mut exec =
+        k3_model::ModelExecutor::with_capacity(model, 16, batch + 1, 64 + tokens + 16, 8).unwrap();
     let cfg = EngineConfig {
         prefix_cache: false,
         max_context: 64 + tokens + 16,
@@ -132,7 +132,9 @@ fn decode(compiler: Option<&GrammarCompiler>, batch: usize, tokens: usize) -> f6
     };
     let mut rxs = Vec::new();
     for i in 0..batch {
-        let prompt: Vec<u32> = (0..64).map(|j| 10 + ((i * 131 + j * 7) % 8000) as u32).collect();
+        let prompt: Vec<u32> = (0..64)
+            .map(|j| 10 + ((i * 131 + j * 7) % 8000) as u32)
+            .collect();
         let mut req = Request::new(i as u64, prompt.clone(), params.clone());
         if let Some(c) = compiler {
             let c = c
@@ -146,7 +148,9 @@ fn decode(compiler: Option<&GrammarCompiler>, batch: usize, tokens: usize) -> f6
                 grammar: c,
                 trigger: None,
             };
-            req.sampler = Some(Box::new(ConstrainedSampler::new(Box::new(inner), plan).unwrap()));
+            req.sampler = Some(Box::new(
+                ConstrainedSampler::new(Box::new(inner), plan).unwrap(),
+            ));
         }
         rxs.push(core.submit(req).unwrap());
     }

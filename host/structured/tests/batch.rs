@@ -88,7 +88,9 @@ fn run(jobs: &[Job], overlap: bool) -> Vec<Vec<u32>> {
                 grammar: compiler.compile_constraint(c).unwrap(),
                 trigger: None,
             };
-            req.sampler = Some(Box::new(ConstrainedSampler::new(Box::new(inner), plan).unwrap()));
+            req.sampler = Some(Box::new(
+                ConstrainedSampler::new(Box::new(inner), plan).unwrap(),
+            ));
         }
         rxs.push(core.submit(req).unwrap());
     }
@@ -123,24 +125,49 @@ fn constrained_requests_leave_their_batch_mates_unchanged() {
         unconstrained(vec![40, 2], 0.0),
     ];
     let bound = [
-        constrained(vec![5, 6, 7], 0.0, OutputConstraint::JsonSchema { schema, strict: true }),
+        constrained(
+            vec![5, 6, 7],
+            0.0,
+            OutputConstraint::JsonSchema {
+                schema,
+                strict: true,
+            },
+        ),
         constrained(vec![11], 0.8, OutputConstraint::Regex("[a-f]{2,5}!".into())),
-        constrained(vec![12, 13], 0.0, OutputConstraint::Choice(vec!["alpha".into(), "beta".into()])),
+        constrained(
+            vec![12, 13],
+            0.0,
+            OutputConstraint::Choice(vec!["alpha".into(), "beta".into()]),
+        ),
     ];
     for overlap in [false, true] {
         let alone = run(&free, overlap);
         let mixed: Vec<Job> = free.iter().cloned().chain(bound.iter().cloned()).collect();
         let together = run(&mixed, overlap);
-        assert_eq!(&together[..3], &alone[..], "overlap {overlap}: unconstrained outputs changed");
+        assert_eq!(
+            &together[..3],
+            &alone[..],
+            "overlap {overlap}: unconstrained outputs changed"
+        );
         assert!(alone.iter().all(|o| o.len() == 12));
         let outputs: Vec<String> = together[3..].iter().map(|t| text(t)).collect();
         for (o, t) in outputs.iter().zip(&together[3..]) {
             assert_eq!(t.last(), Some(&EOS), "{o}: the grammar completed, so EOS");
         }
         let json: serde_json::Value = serde_json::from_str(&outputs[0]).unwrap();
-        assert!(json["a"].is_i64() && ["x", "y"].contains(&json["b"].as_str().unwrap()), "{json}");
+        assert!(
+            json["a"].is_i64() && ["x", "y"].contains(&json["b"].as_str().unwrap()),
+            "{json}"
+        );
         let rx = &outputs[1];
-        assert!(rx.ends_with('!') && rx[..rx.len() - 1].chars().all(|c| ('a'..='f').contains(&c)), "{rx}");
-        assert!(["alpha", "beta"].contains(&outputs[2].as_str()), "{}", outputs[2]);
+        assert!(
+            rx.ends_with('!') && rx[..rx.len() - 1].chars().all(|c| ('a'..='f').contains(&c)),
+            "{rx}"
+        );
+        assert!(
+            ["alpha", "beta"].contains(&outputs[2].as_str()),
+            "{}",
+            outputs[2]
+        );
     }
 }

@@ -324,7 +324,10 @@ impl MessagesRequest {
                                 "'tool_choice.name' is required for type \"tool\"",
                             ));
                         };
-                        if !tools.iter().any(|t| t["function"]["name"].as_str() == Some(name)) {
+                        if !tools
+                            .iter()
+                            .any(|t| t["function"]["name"].as_str() == Some(name))
+                        {
                             return Err(ApiError::invalid(
                                 "tool_choice.name",
                                 format!(

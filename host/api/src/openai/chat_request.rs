@@ -409,7 +409,10 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(v.request.tool_choice, ToolChoice::Function("f".into()));
-        assert_eq!(v.request.constraint, Some(crate::backend::OutputConstraint::Regex("a+".into())));
+        assert_eq!(
+            v.request.constraint,
+            Some(crate::backend::OutputConstraint::Regex("a+".into()))
+        );
         assert_eq!(v.request.constraint_param, "guided_regex");
     }
 }

@@ -9,13 +9,13 @@ use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use crate::openai::chat_request::validate_response_format;
-use crate::structured::{self, ConstraintFields};
 use crate::backend::{CompletionGenRequest, FinishInfo, GenEvent, PromptInput, TokenLogprob};
 use crate::body::{parse_json, read_body};
 use crate::error::{ApiError, ErrorStyle};
 use crate::generation::{self, StreamFormat};
+use crate::openai::chat_request::validate_response_format;
 use crate::openai::{StreamOptions, finish_reason};
+use crate::structured::{self, ConstraintFields};
 use crate::validate::{self, MAX_TOP_LOGPROBS, SamplingFields};
 use crate::{AppState, random_id, sse, unix_now};
 

@@ -378,10 +378,12 @@ mod tests {
             checkpoints: &[],
             logits: want,
         };
-        let out = exec.forward(&ForwardBatch {
+        let out = exec
+            .forward(&ForwardBatch {
                 seqs: vec![seq],
                 ..Default::default()
-            }).unwrap();
+            })
+            .unwrap();
         (full, exec.vocab_size(), out)
     }
 
