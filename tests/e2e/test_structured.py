@@ -20,7 +20,8 @@ from helpers import TOOLS, TOOLS_BY_NAME
 # Schemas of shapes and topics outside k3-mini's training data. Strings carry maxLength where a
 # small greedy model could otherwise ramble inside one until max_tokens.
 SCHEMAS: list[dict] = [
-    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+     "additionalProperties": False},
     {"type": "object", "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 500}},
      "required": ["count"], "additionalProperties": False},
     {"type": "object", "properties": {"planet": {"enum": ["mercury", "venus", "earth", "mars"]},
@@ -76,7 +77,7 @@ SCHEMAS: list[dict] = [
                                       "passed": {"type": "boolean"}},
      "required": ["score", "passed"], "additionalProperties": False},
     {"type": "object", "properties": {"matrix": {"type": "array", "maxItems": 2,
-                                                 "items": {"type": "array", "items": {"type": "integer"},
+                                                 "items": {"type": "array", "items": {"type": "integer", "minimum": -99, "maximum": 99},
                                                            "minItems": 2, "maxItems": 2}}},
      "required": ["matrix"], "additionalProperties": False},
 ]
@@ -155,7 +156,8 @@ def test_completions_regex_choice_json_and_grammar(client, model_name):
         extra_body={"guided_choice": [" winter", " summer"], "guided_decoding_backend": "xgrammar"},
     )
     assert r.choices[0].text in (" winter", " summer")
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["n"],
               "additionalProperties": False}
     r = client.completions.create(
         model=model_name, prompt="JSON:", max_tokens=20, temperature=0,

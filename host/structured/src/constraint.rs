@@ -21,13 +21,13 @@ pub enum OutputConstraint {
     Lark(String),
 }
 
-/// JSON is written on one line with a space after `,` and `:` (what Python's `json.dumps`
-/// writes): free whitespace lets a small model pad until `max_tokens`, leaving invalid JSON.
+/// JSON is written compact (no whitespace), as the K3 format writes it: free whitespace lets a
+/// small model pad until `max_tokens`, leaving invalid JSON.
 fn json_layout() -> Value {
     json!({
         "whitespace_flexible": false,
-        "item_separator": ", ",
-        "key_separator": ": ",
+        "item_separator": ",",
+        "key_separator": ":",
     })
 }
 
