@@ -98,9 +98,9 @@ def test_unknown_route_and_method(http):
 
 
 def test_not_supported_yet_is_a_clear_400(http, model_name):
-    err = expect(chat(http, model_name, tools=[GET_WEATHER], tool_choice="required"), 400,
+    err = expect(chat(http, model_name, structured_outputs={"structural_tag": {"triggers": []}}), 400,
                  code="not_supported")
-    assert "required" in err["message"]
+    assert "structural_tag" in err["message"]
 
 
 def test_oversized_prompt_and_body(http, model_name):

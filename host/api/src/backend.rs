@@ -5,7 +5,7 @@
 
 pub use k3_frontend::{
     BackendError, BackendMetrics, ChatBackend, ChatGenRequest, CompletionGenRequest, FinishInfo,
-    FinishReason, GenEvent, Generation, ModelInfo, PluginCounters, PluginStageInfo,
-    PluginVersionInfo, PoolUsage, PromptInput, SamplingOptions, TokenLogprob, ToolChoice,
-    TopLogprob,
+    FinishReason, GenEvent, Generation, ModelInfo, OutputConstraint, PluginCounters,
+    PluginStageInfo, PluginVersionInfo, PoolUsage, PromptInput, SamplingOptions, TokenLogprob,
+    ToolChoice, TopLogprob,
 };

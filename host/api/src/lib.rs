@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod openai;
 pub mod server;
 pub mod sse;
+pub mod structured;
 pub mod validate;
 
 use std::sync::Arc;

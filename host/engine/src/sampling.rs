@@ -2,6 +2,7 @@
 //! sampled by `k3-sampling` ([`RequestSampler`]: penalties, temperature, top-k/p, min-p, seeds,
 //! logprobs); a caller may plug in its own [`TokenSampler`] (e.g. a grammar-constrained one).
 
+use k3_model::PendingTokenMask;
 use k3_sampling::{SampledToken, Sampler, SamplingParams, SeqHistory};
 
 /// Picks the next token of one request from one logits row. Called exactly once per generated
@@ -21,6 +22,13 @@ pub trait TokenSampler: Send {
     fn sample_top(&mut self, top: &[(u32, f32)]) -> Result<SampledToken, String> {
         let _ = top;
         Err("this sampler needs whole logits rows".into())
+    }
+
+    /// The token mask the candidates of the next [`TokenSampler::sample_top`] must respect
+    /// (constrained decoding), possibly still being computed: the executor waits for it after
+    /// the forward pass and selects among the allowed tokens only. Default: no mask.
+    fn pending_mask(&self) -> Option<PendingTokenMask> {
+        None
     }
 }
 

@@ -250,6 +250,7 @@ impl Executor for ToyExecutor {
         };
         // Candidates instead of rows where asked, as a device backend returns them.
         let wants: Vec<LogitsWant> = batch.seqs.iter().map(|s| s.logits).collect();
+        out.apply_masks(&wants, &batch.wait_masks()?);
         out.select_candidates(&wants);
         Ok(out)
     }
@@ -287,6 +288,7 @@ pub fn reference_greedy(
                 checkpoints: &[],
                 logits: LogitsWant::Last,
             }],
+            ..Default::default()
         };
         let o = exec.forward(&batch)?;
         fed += input.len();

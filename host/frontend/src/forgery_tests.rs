@@ -50,6 +50,8 @@ fn conversation(s: &str) -> ChatGenRequest {
             max_tokens: Some(1),
             ..Default::default()
         },
+        constraint: None,
+        constraint_param: String::new(),
     }
 }
 

@@ -13,10 +13,14 @@ use futures::future::BoxFuture;
 use k3_engine::{EngineHandle, Request, SubmitError};
 use k3_plugin_host::{PluginHost, ReasoningOptions, ToolOptions};
 use k3_sampling::StopChecker;
+use k3_structured::GrammarPlan;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::backend::ChatBackend;
+use crate::constrain::{
+    Constraints, Need, chat_needs_grammar, constrained_sampler, temporary_output_grammar,
+};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::BackendError;
 use crate::events::{GenEvent, Generation};
@@ -51,6 +55,7 @@ pub struct FrontendParts {
 pub struct Frontend {
     parts: FrontendParts,
     next_id: AtomicU64,
+    constraints: Constraints,
 }
 
 impl Frontend {
@@ -58,6 +63,7 @@ impl Frontend {
         Frontend {
             parts,
             next_id: AtomicU64::new(1),
+            constraints: Constraints::default(),
         }
     }
 
@@ -69,6 +75,7 @@ impl Frontend {
         parsers: Option<Parsers>,
         prompt_text: Option<String>,
         prompt_param: &str,
+        grammar: Option<GrammarPlan>,
     ) -> Result<Generation, BackendError> {
         if prompt.is_empty() {
             return Err(BackendError::InvalidRequest {
@@ -86,7 +93,17 @@ impl Frontend {
             })?;
         let stop = StopChecker::new(&params, &self.parts.eos_token_ids);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let request = Request::new(id, prompt, params);
+        let sampler = match grammar {
+            Some(plan) => Some(constrained_sampler(
+                &params,
+                self.parts.vocab_size,
+                &prompt,
+                plan,
+            )?),
+            None => None,
+        };
+        let mut request = Request::new(id, prompt, params);
+        request.sampler = sampler;
         let stream = self
             .parts
             .engine
@@ -150,7 +167,8 @@ impl Frontend {
             tools,
             emit_tool_calls: !req.tools.is_empty() && req.tool_choice != ToolChoice::None,
         };
-        self.submit(ids, &req.sampling, Some(parsers), None, "messages")
+        let grammar = self.chat_grammar(&req)?;
+        self.submit(ids, &req.sampling, Some(parsers), None, "messages", grammar)
     }
 
     fn complete_now(&self, req: CompletionGenRequest) -> Result<Generation, BackendError> {
@@ -171,7 +189,74 @@ impl Frontend {
             }
         };
         let echo = req.echo.then_some(text);
-        self.submit(ids, &req.sampling, None, echo, "prompt")
+        let grammar = match &req.constraint {
+            Some(c) => Some(self.constraints.for_completion(
+                tk,
+                &self.parts.eos_token_ids,
+                self.parts.vocab_size,
+                c,
+                &req.constraint_param,
+            )?),
+            None => None,
+        };
+        self.submit(ids, &req.sampling, None, echo, "prompt", grammar)
+    }
+
+    /// The grammar a chat request's output must follow, from the tool parser: `tool_choice`
+    /// required / named, strict tools, and the content constraint.
+    fn chat_grammar(&self, req: &ChatGenRequest) -> Result<Option<GrammarPlan>, BackendError> {
+        let Some(need) = chat_needs_grammar(req) else {
+            return Ok(None);
+        };
+        let content_lark = match &req.constraint {
+            Some(c) => Some(c.to_lark_expr().map_err(|e| BackendError::InvalidRequest {
+                message: format!("'{}': {e}", req.constraint_param),
+                param: Some(req.constraint_param.clone()),
+            })?),
+            None => None,
+        };
+        let strict_tools = need == Need::IfSupported;
+        let grammar = match temporary_output_grammar(
+            &req.tool_choice,
+            req.thinking,
+            content_lark.as_deref(),
+            strict_tools,
+        ) {
+            Ok(g) => g,
+            Err(_) if need == Need::IfSupported => return Ok(None),
+            Err(e) => {
+                let (param, what) = match &req.tool_choice {
+                    ToolChoice::Required => (
+                        "tool_choice".to_string(),
+                        "tool_choice \"required\"".to_string(),
+                    ),
+                    ToolChoice::Function(f) => {
+                        ("tool_choice".into(), format!("tool_choice naming \"{f}\""))
+                    }
+                    _ => (
+                        req.constraint_param.clone(),
+                        format!("'{}'", req.constraint_param),
+                    ),
+                };
+                return Err(BackendError::NotSupported {
+                    message: format!(
+                        "{what} needs constrained decoding of the chat output, which the tool \
+                         parser plugin cannot provide: {e}"
+                    ),
+                    param: Some(param),
+                });
+            }
+        };
+        let Some(grammar) = grammar else {
+            return Ok(None);
+        };
+        let p = &self.parts;
+        Ok(Some(self.constraints.for_chat(
+            &p.tokenizer,
+            &p.eos_token_ids,
+            p.vocab_size,
+            &grammar,
+        )?))
     }
 }
 

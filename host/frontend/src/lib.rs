@@ -15,6 +15,7 @@
 
 pub mod backend;
 mod bpe;
+mod constrain;
 mod detokenizer;
 pub mod error;
 pub mod events;
@@ -33,10 +34,12 @@ mod tests;
 mod tokenizer;
 
 pub use backend::ChatBackend;
+pub use constrain::OutputGrammar;
 pub use detokenizer::IncrementalDetokenizer;
 pub use error::BackendError;
 pub use events::{FinishInfo, FinishReason, GenEvent, Generation, TokenLogprob, TopLogprob};
 pub use frontend::{Frontend, FrontendParts};
+pub use k3_structured::{ConstraintError, OutputConstraint};
 pub use request::{
     ChatGenRequest, CompletionGenRequest, PromptInput, SamplingOptions, ToolChoice, token_budget,
 };

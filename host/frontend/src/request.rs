@@ -2,6 +2,7 @@
 //! Anthropic) parse their JSON into these; token limits are checked here, once, against the
 //! model's context length and the prompt ([`token_budget`]).
 
+use k3_structured::OutputConstraint;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
@@ -64,6 +65,11 @@ pub struct ChatGenRequest {
     /// `thinking_effort`, `tool_choice`, `response_format`, plus the request's `chat_template_kwargs`.
     pub template_kwargs: Map<String, Value>,
     pub sampling: SamplingOptions,
+    /// What the response content must match (`response_format`, `structured_outputs`,
+    /// `guided_*`); enforced through the tool parser's output grammar.
+    pub constraint: Option<OutputConstraint>,
+    /// The request field the constraint came from, named in errors.
+    pub constraint_param: String,
 }
 
 /// The prompt of a raw completion request.
@@ -81,6 +87,10 @@ pub struct CompletionGenRequest {
     pub sampling: SamplingOptions,
     /// Whether the caller wants the prompt text back (filled into [`Generation::prompt_text`](crate::Generation::prompt_text)).
     pub echo: bool,
+    /// What the generated text must match, whole.
+    pub constraint: Option<OutputConstraint>,
+    /// The request field the constraint came from, named in errors.
+    pub constraint_param: String,
 }
 
 /// How many tokens a request may generate: `max_tokens` (or, when absent, the rest of the

@@ -88,6 +88,8 @@ fn chat_request(text: &str, max_tokens: u32) -> ChatGenRequest {
             max_tokens: Some(max_tokens),
             ..Default::default()
         },
+        constraint: None,
+        constraint_param: String::new(),
     }
 }
 
@@ -124,6 +126,8 @@ async fn completion_runs_and_stop_strings_cut() {
             ..Default::default()
         },
         echo: true,
+        constraint: None,
+        constraint_param: String::new(),
     };
     let g = b.complete(request(vec![])).await.unwrap();
     assert_eq!(g.prompt_text.as_deref(), Some("Once upon a time"));
@@ -186,6 +190,8 @@ async fn dropping_a_generation_frees_its_memory() {
                 ..Default::default()
             },
             echo: false,
+            constraint: None,
+            constraint_param: String::new(),
         })
         .await
         .unwrap();
@@ -241,6 +247,8 @@ async fn bad_requests_are_refused_with_the_right_kind() {
         prompt: PromptInput::Tokens(vec![VOCAB as u32 + 5]),
         sampling: SamplingOptions::default(),
         echo: false,
+        constraint: None,
+        constraint_param: String::new(),
     };
     assert!(matches!(
         b.complete(bad_token).await.unwrap_err(),
@@ -268,4 +276,82 @@ async fn plugin_admin_maps_errors() {
         BackendError::NotFound(_)
     ));
     assert!(b.health().is_ok());
+}
+
+fn constrained_completion(
+    constraint: OutputConstraint,
+    param: &str,
+    max_tokens: u32,
+) -> CompletionGenRequest {
+    CompletionGenRequest {
+        request_id: "cmpl-constrained".into(),
+        prompt: PromptInput::Text("Contact:".into()),
+        sampling: SamplingOptions {
+            temperature: Some(0.0),
+            max_tokens: Some(max_tokens),
+            ..Default::default()
+        },
+        echo: false,
+        constraint: Some(constraint),
+        constraint_param: param.into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn constrained_completions_match_their_constraint() {
+    let b = backend();
+    // The toy model's choices are pseudo-random: only the grammar makes these hold.
+    let rx = OutputConstraint::Regex(r"[a-z]{3,6}@example\.(com|org)".into());
+    let g = b
+        .complete(constrained_completion(rx, "guided_regex", 40))
+        .await
+        .unwrap();
+    let (text, events) = run_to_end(g).await;
+    let (user, domain) = text.split_once("@example.").expect(&text);
+    assert!((3..=6).contains(&user.len()) && user.bytes().all(|c| c.is_ascii_lowercase()));
+    assert!(["com", "org"].contains(&domain), "{text}");
+    assert_eq!(finish(&events).reason, FinishReason::Stop);
+
+    let choice = OutputConstraint::Choice(vec!["red".into(), "green".into()]);
+    let (text, _) = run_to_end(
+        b.complete(constrained_completion(choice, "guided_choice", 10))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert!(["red", "green"].contains(&text.as_str()), "{text}");
+
+    let bad = OutputConstraint::Regex("(unclosed".into());
+    let e = b
+        .complete(constrained_completion(bad, "guided_regex", 5))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, BackendError::InvalidRequest { param: Some(p), .. } if p == "guided_regex"),
+        "{e:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_content_follows_a_json_schema() {
+    let b = backend();
+    let schema = json!({
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": false
+    });
+    let mut req = chat_request("Who are you?", 60);
+    req.thinking = false;
+    req.template_kwargs
+        .insert("thinking".into(), Value::Bool(false));
+    req.constraint = Some(OutputConstraint::JsonSchema {
+        schema,
+        strict: true,
+    });
+    req.constraint_param = "response_format".into();
+    let (content, events) = run_to_end(b.chat(req).await.unwrap()).await;
+    let v: Value = serde_json::from_str(&content).expect(&content);
+    assert!(v["name"].is_string() && v["age"].is_i64(), "{v}");
+    assert_eq!(finish(&events).reason, FinishReason::Stop, "{content}");
 }

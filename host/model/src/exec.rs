@@ -54,6 +54,37 @@ pub struct SeqInput<'a> {
 #[derive(Debug, Clone, Default)]
 pub struct ForwardBatch<'a> {
     pub seqs: Vec<SeqInput<'a>>,
+    /// Per sequence (or empty for none): the token mask its [`LogitsWant::LastTopK`] candidates
+    /// must respect (constrained decoding). Whole rows are masked by the sampler itself.
+    pub masks: Vec<Option<PendingTokenMask>>,
+}
+
+/// A token bitmask (see [`token_mask_allows`]) that another thread may still be computing: a
+/// constrained request's mask for this step is computed while the forward pass runs, and the
+/// executor waits for it only when it selects the candidates.
+#[derive(Clone)]
+pub struct PendingTokenMask(
+    std::sync::Arc<dyn Fn() -> Result<std::sync::Arc<[u32]>, String> + Send + Sync>,
+);
+
+impl PendingTokenMask {
+    /// `wait` blocks until the mask is ready (or has failed).
+    pub fn new(
+        wait: impl Fn() -> Result<std::sync::Arc<[u32]>, String> + Send + Sync + 'static,
+    ) -> Self {
+        Self(std::sync::Arc::new(wait))
+    }
+
+    /// The mask, once computed.
+    pub fn wait(&self) -> Result<std::sync::Arc<[u32]>, String> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for PendingTokenMask {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PendingTokenMask")
+    }
 }
 
 /// Logits rows, in batch order: for each sequence, 0, 1 or `tokens.len()` rows per its `LogitsWant`.
@@ -69,7 +100,39 @@ pub struct ForwardOutput {
     pub top: Vec<Vec<(u32, f32)>>,
 }
 
+impl ForwardBatch<'_> {
+    /// Each sequence's token mask (`None` without one), waiting for those still being computed.
+    pub fn wait_masks(&self) -> Result<Vec<Option<std::sync::Arc<[u32]>>>, ExecError> {
+        (0..self.seqs.len())
+            .map(|i| match self.masks.get(i) {
+                Some(Some(m)) => m
+                    .wait()
+                    .map(Some)
+                    .map_err(|e| ExecError::Backend(format!("token mask: {e}"))),
+                _ => Ok(None),
+            })
+            .collect()
+    }
+}
+
 impl ForwardOutput {
+    /// Apply each [`LogitsWant::LastTopK`] sequence's mask (`masks` from
+    /// [`ForwardBatch::wait_masks`]) to its last row: the host path, before
+    /// [`ForwardOutput::select_candidates`].
+    pub fn apply_masks(&mut self, wants: &[LogitsWant], masks: &[Option<std::sync::Arc<[u32]>>]) {
+        let vocab = self.vocab;
+        for ((want, range), mask) in wants.iter().zip(&self.row_ranges).zip(masks) {
+            if let (LogitsWant::LastTopK(_), Some(m)) = (want, mask)
+                && !range.is_empty()
+            {
+                let r = range.end - 1;
+                if let Some(row) = self.logits.get_mut(r * vocab..(r + 1) * vocab) {
+                    apply_token_mask(row, m);
+                }
+            }
+        }
+    }
+
     /// The logits row `r` (absolute row index).
     pub fn row(&self, r: usize) -> &[f32] {
         &self.logits[r * self.vocab..(r + 1) * self.vocab]

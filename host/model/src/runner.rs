@@ -234,7 +234,20 @@ impl<B: Backend> Executor for ModelExecutor<B> {
             LogitsWant::Last | LogitsWant::All => None,
         });
         let backend = &self.model.backend;
+        // Constrained sequences' masks, waited for only now: they were computed while the
+        // forward pass ran.
+        let masks = batch.wait_masks()?;
         let (host, tops) = match (logits, top_k) {
+            (Some(l), Some(k)) if masks.iter().any(Option::is_some) => {
+                let rows: Vec<Option<&[u32]>> = batch
+                    .seqs
+                    .iter()
+                    .zip(&masks)
+                    .filter(|(s, _)| matches!(s.logits, LogitsWant::LastTopK(_)))
+                    .map(|(_, m)| m.as_deref())
+                    .collect();
+                (Vec::new(), backend.top_k_rows_masked(&l, k, &rows)?)
+            }
             (Some(l), Some(k)) => (Vec::new(), backend.top_k_rows(&l, k)?),
             (Some(l), None) => (backend.to_host(&l)?, Vec::new()),
             (None, _) => (Vec::new(), Vec::new()),
@@ -264,6 +277,7 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         out.logits = host;
         // A mixed step downloaded every row: candidates, if any, are selected on the host.
         let wants: Vec<LogitsWant> = batch.seqs.iter().map(|s| s.logits).collect();
+        out.apply_masks(&wants, &masks);
         out.select_candidates(&wants);
         Ok(out)
     }
@@ -367,7 +381,10 @@ impl<E: Executor> Session<E> {
             checkpoints: &[],
             logits: want,
         };
-        let out = self.exec.forward(&ForwardBatch { seqs: vec![seq] })?;
+        let out = self.exec.forward(&ForwardBatch {
+            seqs: vec![seq],
+            ..Default::default()
+        })?;
         self.pos += tokens.len();
         Ok(out)
     }

@@ -155,7 +155,10 @@ fn chunked_prefill_with_checkpoint_and_batching_are_consistent() -> Result<()> {
     let split = ids_a.len() / 2;
     let cps = [(5usize, 3 * sb)];
     let run = |exec: &mut ModelExecutor<CpuBackend>, seqs: Vec<SeqInput<'_>>| {
-        exec.forward(&ForwardBatch { seqs })
+        exec.forward(&ForwardBatch {
+            seqs,
+            ..Default::default()
+        })
     };
     run(
         &mut exec,
@@ -318,7 +321,13 @@ fn bad_inputs_are_errors() -> Result<()> {
         bad(&[1], &pages, &[(2, 0)]),
         bad(&[], &pages, &[]),
     ] {
-        ensure!(exec.forward(&ForwardBatch { seqs: vec![s] }).is_err());
+        ensure!(
+            exec.forward(&ForwardBatch {
+                seqs: vec![s],
+                ..Default::default()
+            })
+            .is_err()
+        );
     }
     ensure!(exec.arena_read(exec.layout().arena_bytes, 1).is_err());
     // Missing tensors / wrong shapes name the tensor.

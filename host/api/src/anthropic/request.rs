@@ -316,11 +316,26 @@ impl MessagesRequest {
                 match tc.get("type").and_then(Value::as_str) {
                     Some("auto") => (ToolChoice::Auto, parallel),
                     Some("none") => (ToolChoice::None, parallel),
-                    Some(t @ ("any" | "tool")) => {
-                        return Err(ApiError::not_supported(
-                            "tool_choice.type",
-                            format!("tool_choice type \"{t}\" is not supported yet; use \"auto\""),
-                        ));
+                    Some("any") => (ToolChoice::Required, parallel),
+                    Some("tool") => {
+                        let Some(name) = tc.get("name").and_then(Value::as_str) else {
+                            return Err(ApiError::invalid(
+                                "tool_choice.name",
+                                "'tool_choice.name' is required for type \"tool\"",
+                            ));
+                        };
+                        if !tools
+                            .iter()
+                            .any(|t| t["function"]["name"].as_str() == Some(name))
+                        {
+                            return Err(ApiError::invalid(
+                                "tool_choice.name",
+                                format!(
+                                    "'tool_choice.name' is \"{name}\", which is not among the tools"
+                                ),
+                            ));
+                        }
+                        (ToolChoice::Function(name.to_string()), parallel)
                     }
                     _ => {
                         return Err(ApiError::invalid(
@@ -380,6 +395,8 @@ impl MessagesRequest {
                 thinking,
                 template_kwargs: kwargs,
                 sampling,
+                constraint: None,
+                constraint_param: String::new(),
             },
             stream: self.stream.unwrap_or(false),
             parallel_tool_calls: parallel,

@@ -7,6 +7,7 @@ use crate::backend::{ChatGenRequest, ToolChoice};
 use crate::error::ApiError;
 use crate::openai::StreamOptions;
 use crate::openai::messages::normalize_messages;
+use crate::structured::{self, ConstraintFields};
 use crate::validate::{self, MAX_TOP_LOGPROBS, SamplingFields};
 
 /// The accepted fields: OpenAI's, plus the vLLM/SGLang extras this server implements. Anything
@@ -47,6 +48,13 @@ pub struct ChatCompletionRequest {
     pub store: Option<bool>,
     pub service_tier: Option<String>,
     pub skip_special_tokens: Option<bool>,
+    pub structured_outputs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    /// vLLM's choice of grammar engine: accepted and ignored (llguidance is the one engine).
+    pub guided_decoding_backend: Option<String>,
 }
 
 /// A validated chat request with the HTTP-level options beside it.
@@ -139,10 +147,7 @@ fn tool_choice(choice: Option<&Value>, tools: &[Value]) -> Result<ToolChoice, Ap
             "auto" => Ok(default),
             // As in vLLM: "required" with no tools means no tool can be called.
             "required" if tools.is_empty() => Ok(ToolChoice::None),
-            "required" => Err(ApiError::not_supported(
-                "tool_choice",
-                "tool_choice \"required\" is not supported yet; use \"auto\"",
-            )),
+            "required" => Ok(ToolChoice::Required),
             other => Err(ApiError::invalid(
                 "tool_choice",
                 format!(
@@ -172,10 +177,7 @@ fn tool_choice(choice: Option<&Value>, tools: &[Value]) -> Result<ToolChoice, Ap
                     ),
                 ));
             }
-            Err(ApiError::not_supported(
-                "tool_choice",
-                "a named tool_choice is not supported yet; use \"auto\"",
-            ))
+            Ok(ToolChoice::Function(name.to_string()))
         }
         Some(_) => Err(ApiError::invalid(
             "tool_choice",
@@ -260,6 +262,18 @@ impl ChatCompletionRequest {
         {
             kwargs.insert("response_format".into(), rf);
         }
+        let constraint = structured::constraint(&ConstraintFields {
+            response_format: self.response_format.as_ref(),
+            structured_outputs: self.structured_outputs.as_ref(),
+            guided_json: self.guided_json.as_ref(),
+            guided_regex: self.guided_regex.as_ref(),
+            guided_choice: self.guided_choice.as_ref(),
+            guided_grammar: self.guided_grammar.as_ref(),
+        })?;
+        let (constraint, constraint_param) = match constraint {
+            Some((c, p)) => (Some(c), p),
+            None => (None, String::new()),
+        };
         if let Some(extra) = self.chat_template_kwargs {
             for key in ["thinking", "enable_thinking"] {
                 match extra.get(key) {
@@ -286,6 +300,8 @@ impl ChatCompletionRequest {
                 thinking,
                 template_kwargs: kwargs,
                 sampling,
+                constraint,
+                constraint_param,
             },
             n,
             stream,
@@ -382,10 +398,21 @@ mod tests {
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
             assert_eq!(e.status(), 400);
         }
-        let e = validate(
-            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"required"}"#,
-        )
-        .unwrap_err();
-        assert_eq!(e.code, Some("not_supported"));
+        let tools = r#""tools":[{"type":"function","function":{"name":"f"}}]"#;
+        let v = validate(&format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{tools},"tool_choice":"required"}}"#
+        ))
+        .unwrap();
+        assert_eq!(v.request.tool_choice, ToolChoice::Required);
+        let v = validate(&format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{tools},"tool_choice":{{"type":"function","function":{{"name":"f"}}}},"guided_regex":"a+","guided_decoding_backend":"xgrammar"}}"#
+        ))
+        .unwrap();
+        assert_eq!(v.request.tool_choice, ToolChoice::Function("f".into()));
+        assert_eq!(
+            v.request.constraint,
+            Some(crate::backend::OutputConstraint::Regex("a+".into()))
+        );
+        assert_eq!(v.request.constraint_param, "guided_regex");
     }
 }

@@ -13,7 +13,9 @@ use crate::backend::{CompletionGenRequest, FinishInfo, GenEvent, PromptInput, To
 use crate::body::{parse_json, read_body};
 use crate::error::{ApiError, ErrorStyle};
 use crate::generation::{self, StreamFormat};
+use crate::openai::chat_request::validate_response_format;
 use crate::openai::{StreamOptions, finish_reason};
+use crate::structured::{self, ConstraintFields};
 use crate::validate::{self, MAX_TOP_LOGPROBS, SamplingFields};
 use crate::{AppState, random_id, sse, unix_now};
 
@@ -50,6 +52,14 @@ pub struct CompletionRequest {
     pub logit_bias: Option<Map<String, Value>>,
     pub user: Option<String>,
     pub skip_special_tokens: Option<bool>,
+    pub response_format: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    /// vLLM's choice of grammar engine: accepted and ignored (llguidance is the one engine).
+    pub guided_decoding_backend: Option<String>,
 }
 
 /// `prompt` as a list of prompts: a string, strings, token ids, or lists of token ids.
@@ -206,6 +216,21 @@ async fn handle(
         ignore_eos: req.ignore_eos,
         logprobs,
     })?;
+    if let Some(rf) = &req.response_format {
+        validate_response_format(rf)?;
+    }
+    let constraint = structured::constraint(&ConstraintFields {
+        response_format: req.response_format.as_ref(),
+        structured_outputs: req.structured_outputs.as_ref(),
+        guided_json: req.guided_json.as_ref(),
+        guided_regex: req.guided_regex.as_ref(),
+        guided_choice: req.guided_choice.as_ref(),
+        guided_grammar: req.guided_grammar.as_ref(),
+    })?;
+    let (constraint, constraint_param) = match constraint {
+        Some((c, p)) => (Some(c), p),
+        None => (None, String::new()),
+    };
     let echo = req.echo.unwrap_or(false);
     let permit = state.admit(style)?;
     let id = random_id("cmpl-");
@@ -216,6 +241,8 @@ async fn handle(
             prompt,
             sampling: sampling.clone(),
             echo,
+            constraint: constraint.clone(),
+            constraint_param: constraint_param.clone(),
         };
         gens.extend(generation::start_completion(&state, request, n).await?);
     }

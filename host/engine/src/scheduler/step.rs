@@ -5,7 +5,9 @@ use super::plan::Plan;
 use super::{EngineCore, finish_reason};
 use crate::memory::{ArenaOp, BlockKind};
 use crate::request::{RequestError, RequestId, TokenEvent};
-use k3_model::{ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput};
+use k3_model::{
+    ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, PendingTokenMask, SeqInput,
+};
 
 /// One sequence of a launched step, with offsets resolved.
 #[derive(Debug, Clone)]
@@ -16,6 +18,8 @@ struct SeqJob {
     state_block: usize,
     checkpoints: Vec<(usize, usize)>,
     logits: LogitsWant,
+    /// The constrained sampler's mask for this step's candidates ([`LogitsWant::LastTopK`]).
+    mask: Option<PendingTokenMask>,
 }
 
 /// Everything the executor does for one step: arena ops in order, then one forward.
@@ -54,6 +58,7 @@ impl StepJob {
                     logits: s.logits,
                 })
                 .collect(),
+            masks: self.seqs.iter().map(|s| s.mask.clone()).collect(),
         };
         exec.forward(&batch)
     }
@@ -120,6 +125,10 @@ impl EngineCore {
                     .offset(s.working.expect("running request has a working slot")),
                 checkpoints,
                 logits: p.logits,
+                mask: match p.logits {
+                    LogitsWant::LastTopK(_) => s.sampler.pending_mask(),
+                    _ => None,
+                },
             });
             self.running[i].awaiting_token = p.logits != LogitsWant::None;
             launched.push(LaunchedSeq {

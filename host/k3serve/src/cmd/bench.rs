@@ -241,7 +241,10 @@ fn batch_decode<E: Executor>(
                     logits: LogitsWant::LastTopK(1),
                 })
                 .collect();
-            let out = exec.forward(&ForwardBatch { seqs })?;
+            let out = exec.forward(&ForwardBatch {
+                seqs,
+                ..Default::default()
+            })?;
             out.top
                 .iter()
                 .map(|t| Ok(vec![first_id(t)?]))

@@ -215,6 +215,7 @@ impl Executor for VocabLimited {
         out.logits.truncate(rows * narrow);
         out.vocab = narrow;
         let wants: Vec<LogitsWant> = batch.seqs.iter().map(|s| s.logits).collect();
+        out.apply_masks(&wants, &batch.wait_masks()?);
         out.select_candidates(&wants);
         Ok(out)
     }
@@ -377,7 +378,12 @@ mod tests {
             checkpoints: &[],
             logits: want,
         };
-        let out = exec.forward(&ForwardBatch { seqs: vec![seq] }).unwrap();
+        let out = exec
+            .forward(&ForwardBatch {
+                seqs: vec![seq],
+                ..Default::default()
+            })
+            .unwrap();
         (full, exec.vocab_size(), out)
     }
 
