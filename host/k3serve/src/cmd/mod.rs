@@ -6,3 +6,4 @@ pub mod generate;
 pub mod model_loading;
 pub mod serve;
 pub mod serve_config;
+pub mod vllm_flags;
