@@ -5,10 +5,14 @@ provider) and langchain-openai's ChatOpenAI. Both add fields of their own to wha
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from helpers import TOOLS, TOOLS_BY_NAME, validates
+
+# litellm fetches a model price list from the internet at import unless told not to.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 WEATHER_QUESTION = "What is the weather in Paris in celsius?"
 NEEDS_CONSTRAINED_DECODING = (

@@ -68,7 +68,7 @@ impl AccessLog {
 
     /// The record of the request being handled, if any (outside the router: none).
     pub fn current() -> Option<AccessLog> {
-        CURRENT.try_with(Clone::clone).ok()
+        CURRENT.try_with(|log| log.clone()).ok()
     }
 
     fn with(&self, f: impl FnOnce(&mut Record)) {

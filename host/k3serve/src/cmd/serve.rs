@@ -4,7 +4,7 @@
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -15,6 +15,7 @@ use k3_model::model::CacheOffsets;
 use k3_plugin_host::{PluginHost, PluginHostConfig, Stage, default_plugin_dir};
 
 use super::model_loading::LoadFormat;
+use super::say;
 
 pub use super::serve_config::Args;
 use super::serve_config::{LogFormat, ServeConfig};
@@ -36,10 +37,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     runtime.block_on(serve(cfg))
 }
 
-/// Whether log lines are JSON: then start-up messages go through the logger too, so that every
-/// line of the output is one JSON object.
-static JSON_LOGS: AtomicBool = AtomicBool::new(false);
-
 /// Logs go to stderr: colour only when it is a terminal (never into a redirected file).
 fn init_logging(level: Option<&str>, format: LogFormat) {
     let filter = match level {
@@ -54,7 +51,7 @@ fn init_logging(level: Option<&str>, format: LogFormat) {
     let _ = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => {
-            JSON_LOGS.store(true, Ordering::Relaxed);
+            super::JSON_LOGS.store(true, Ordering::Relaxed);
             builder
                 .json()
                 .flatten_event(true)
@@ -62,16 +59,6 @@ fn init_logging(level: Option<&str>, format: LogFormat) {
                 .try_init()
         }
     };
-}
-
-/// A start-up or shutdown message for the operator: a plain stderr line, or a log event when
-/// logs are JSON.
-pub fn say(message: &str) {
-    if JSON_LOGS.load(Ordering::Relaxed) {
-        tracing::info!(target: "k3serve", "{message}");
-    } else {
-        eprintln!("{message}");
-    }
 }
 
 /// One line of start-up progress: `[step/total] what ... done in 0.3 s`.
