@@ -9,7 +9,7 @@
 //! hand-validated JSON parts (messages, tools) report their unknown keys through
 //! [`UnknownFields::found`].
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{ApiError, ErrorKind};
