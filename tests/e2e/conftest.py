@@ -68,12 +68,13 @@ def model_dir() -> str:
     return os.environ.get("K3SERVE_MODEL", str(ROOT / "models" / "k3-mini"))
 
 
-def start_server(extra_args: list[str], port: int | None = None) -> Server:
-    """Start `k3serve serve` on 127.0.0.1 (a free port unless given) and wait for /health."""
+def start_server(extra_args: list[str], port: int | None = None, positional_model: bool = False) -> Server:
+    """Start `k3serve serve` on 127.0.0.1 (a free port unless given) and wait for /health. The
+    model goes as `--model DIR`, or first on the line as `vllm serve DIR` takes it."""
     port = port or _free_port()
     log_path = Path(tempfile.mkstemp(prefix="k3serve-e2e-", suffix=".log")[1])
-    cmd = [str(binary()), "serve", "--model", model_dir(), "--host", "127.0.0.1",
-           "--port", str(port), *extra_args]
+    model = [model_dir()] if positional_model else ["--model", model_dir()]
+    cmd = [str(binary()), "serve", *model, "--host", "127.0.0.1", "--port", str(port), *extra_args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     srv = Server(f"http://127.0.0.1:{port}", proc, log_path)

@@ -50,8 +50,6 @@ def test_malformed_json(http):
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"reasoning_effort": "extreme"}, "reasoning_effort"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
-        ({"max_token": 5}, "max_token"),
-        ({"messages": [{"role": "user", "content": "x", "mood": "happy"}]}, "messages[0].mood"),
         ({"messages": []}, "messages"),
         ({"messages": [{"content": "no role"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 42}]}, "messages[0].content"),

@@ -6,6 +6,7 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 
 use crate::error::{ApiError, ErrorKind, ErrorStyle};
+use crate::unknown_fields::UnknownFields;
 
 /// Turn the raw body extraction result into bytes or a clean error (413 past the limit).
 pub fn read_body(
@@ -29,13 +30,18 @@ pub fn read_body(
     })
 }
 
-/// Parse a JSON object body into `T`. Syntax errors, wrong types, unknown and missing fields all
-/// become 400s whose `param` is the path of the offending field.
-pub fn parse_json<T: DeserializeOwned>(bytes: &[u8], style: ErrorStyle) -> Result<T, ApiError> {
-    decode(bytes).map_err(|e| e.styled(style))
+/// Parse a JSON object body into `T`. Syntax errors, wrong types and missing fields become 400s
+/// whose `param` is the path of the offending field; fields `T` does not declare go to `unknown`
+/// (ignored, or a 400 in strict mode).
+pub fn parse_json<T: DeserializeOwned>(
+    bytes: &[u8],
+    style: ErrorStyle,
+    unknown: &mut UnknownFields,
+) -> Result<T, ApiError> {
+    decode(bytes, unknown).map_err(|e| e.styled(style))
 }
 
-fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+fn decode<T: DeserializeOwned>(bytes: &[u8], unknown: &mut UnknownFields) -> Result<T, ApiError> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Err(ApiError::new(
             ErrorKind::InvalidRequest,
@@ -57,11 +63,40 @@ fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         )
         .with_code("invalid_json"));
     }
-    serde_path_to_error::deserialize(value).map_err(|e| {
+    let mut ignored = Vec::new();
+    let parsed = serde_path_to_error::deserialize(serde_ignored::Deserializer::new(
+        value,
+        &mut |path: serde_ignored::Path<'_>| ignored.push(field_path(&path)),
+    ))
+    .map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner().to_string();
         field_error(&path, &inner)
-    })
+    })?;
+    for path in ignored {
+        unknown.found(path)?;
+    }
+    Ok(parsed)
+}
+
+/// A `serde_ignored` path in the form errors use: `messages[2].name`.
+fn field_path(path: &serde_ignored::Path<'_>) -> String {
+    use serde_ignored::Path;
+    match path {
+        Path::Root => String::new(),
+        Path::Seq { parent, index } => format!("{}[{index}]", field_path(parent)),
+        Path::Map { parent, key } => {
+            let parent = field_path(parent);
+            if parent.is_empty() {
+                key.clone()
+            } else {
+                format!("{parent}.{key}")
+            }
+        }
+        Path::Some { parent }
+        | Path::NewtypeStruct { parent }
+        | Path::NewtypeVariant { parent } => field_path(parent),
+    }
 }
 
 /// Build the 400 for a serde error at `path` (serde_path_to_error's form: `a.b[2].c`, `.` = root).
@@ -124,22 +159,35 @@ mod tests {
     use serde::Deserialize;
 
     #[derive(Debug, Deserialize)]
-    #[serde(deny_unknown_fields)]
     #[allow(dead_code)]
     struct Inner {
         x: f64,
     }
 
     #[derive(Debug, Deserialize)]
-    #[serde(deny_unknown_fields)]
     #[allow(dead_code)]
     struct Outer {
         name: String,
         items: Vec<Inner>,
+        opt: Option<Inner>,
     }
 
     fn err(body: &str) -> ApiError {
-        parse_json::<Outer>(body.as_bytes(), ErrorStyle::OpenAi).unwrap_err()
+        parse_json::<Outer>(
+            body.as_bytes(),
+            ErrorStyle::OpenAi,
+            &mut UnknownFields::strict(),
+        )
+        .unwrap_err()
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored_by_default_at_every_level() {
+        let mut unknown = UnknownFields::lenient();
+        let body = r#"{"name":"a","zzz":1,"items":[{"x":1},{"x":2,"y":[3]}],"opt":{"x":1,"w":{}}}"#;
+        let parsed = parse_json::<Outer>(body.as_bytes(), ErrorStyle::OpenAi, &mut unknown);
+        assert_eq!(parsed.unwrap().items.len(), 2);
+        assert_eq!(unknown.paths(), ["zzz", "items[1].y", "opt.w"]);
     }
 
     #[test]

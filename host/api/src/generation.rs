@@ -10,6 +10,7 @@ use futures::stream::BoxStream;
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
 use crate::AppState;
+use crate::access_log::AccessLog;
 use crate::backend::{
     BackendError, ChatGenRequest, CompletionGenRequest, FinishInfo, FinishReason, GenEvent,
     Generation, TokenLogprob,
@@ -26,6 +27,10 @@ pub async fn start_chat(
     n: usize,
     style: ErrorStyle,
 ) -> Result<Vec<Generation>, ApiError> {
+    if let Some(log) = AccessLog::current() {
+        log.set_request_id(&request.request_id);
+        log.set_prompt(|| serde_json::Value::Array(request.messages.clone()).to_string());
+    }
     let mut gens = Vec::with_capacity(n);
     for i in 0..n {
         let mut r = request.clone();
@@ -49,6 +54,18 @@ pub async fn start_completion(
     request: CompletionGenRequest,
     n: usize,
 ) -> Result<Vec<Generation>, ApiError> {
+    if let Some(log) = AccessLog::current() {
+        // Several prompts are `<id>-<p>`: the access line names the request's own id.
+        let id = request
+            .request_id
+            .rsplit_once('-')
+            .map_or(&*request.request_id, |(id, _)| id);
+        log.set_request_id(id);
+        log.set_prompt(|| match &request.prompt {
+            crate::backend::PromptInput::Text(t) => t.clone(),
+            crate::backend::PromptInput::Tokens(ids) => format!("{ids:?}"),
+        });
+    }
     let mut gens = Vec::with_capacity(n);
     for i in 0..n {
         let mut r = request.clone();
@@ -84,17 +101,21 @@ pub fn keep_event(event: &GenEvent, parallel_tool_calls: bool) -> bool {
     }
 }
 
-/// Latency bookkeeping for one request (TTFT, gaps between outputs, end to end).
+/// Latency bookkeeping for one request (TTFT, gaps between outputs, end to end), also fed
+/// to the request's access line.
 pub struct RequestClock {
     start: Instant,
     last_output: Option<Instant>,
+    access: Option<AccessLog>,
 }
 
 impl RequestClock {
+    /// Started at `start`, writing to the current request's access line (when there is one).
     pub fn new(start: Instant) -> Self {
         RequestClock {
             start,
             last_output: None,
+            access: AccessLog::current(),
         }
     }
 
@@ -113,8 +134,17 @@ impl RequestClock {
                 Some(prev) => metrics.inter_token.observe((now - prev).as_secs_f64()),
             }
             self.last_output = Some(now);
+            if let Some(log) = &self.access {
+                log.output();
+            }
+        }
+        if let (Some(log), GenEvent::Error(e)) = (&self.access, event) {
+            log.error(&e.to_string());
         }
         if let GenEvent::Finished(f) = event {
+            if let Some(log) = &self.access {
+                log.finished(f);
+            }
             metrics.record_usage(f.prompt_tokens, f.completion_tokens, f.cached_tokens);
             metrics.record_finish(match f.reason {
                 FinishReason::Stop | FinishReason::StopSequence(_) => "stop",
@@ -271,12 +301,13 @@ pub fn stream_response(
     mut format: impl StreamFormat,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(64);
+    // Made here, not in the task: it picks up this request's access line.
+    let mut clock = RequestClock::new(start);
     tokio::spawn(async move {
         let _permit = permit;
         let n = gens.len();
         let mut finished = 0;
         let mut events = merge(gens);
-        let mut clock = RequestClock::new(start);
         if !send_all(&tx, format.start()).await {
             state
                 .metrics()
@@ -290,6 +321,9 @@ pub fn stream_response(
                 _ = tx.closed() => {
                     state.metrics().client_disconnects.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     tracing::debug!("client disconnected; aborting its generations");
+                    if let Some(log) = &clock.access {
+                        log.error("client disconnected");
+                    }
                     return;
                 }
                 next = events.next() => next,
@@ -301,7 +335,10 @@ pub fn stream_response(
                     ));
                     format.error(err)
                 }
-                Some((_, GenEvent::Error(e))) => format.error(ApiError::from(e)),
+                Some((_, GenEvent::Error(e))) => {
+                    clock.on_event(state.metrics(), &GenEvent::Error(e.clone()));
+                    format.error(ApiError::from(e))
+                }
                 Some((i, event)) => {
                     if !keep_event(&event, parallel_tool_calls) {
                         continue;

@@ -3,6 +3,7 @@
 //! routes, over a [`backend::ChatBackend`]: `k3_frontend::Frontend` runs the actual request
 //! path; this crate knows only the protocols.
 
+pub mod access_log;
 pub mod admin;
 pub mod anthropic;
 pub mod backend;
@@ -14,6 +15,8 @@ pub mod openai;
 pub mod server;
 pub mod sse;
 pub mod structured;
+pub mod tokenize;
+pub mod unknown_fields;
 pub mod validate;
 
 use std::sync::Arc;
@@ -25,12 +28,14 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub use backend::ChatBackend;
 pub use error::{ApiError, ErrorKind, ErrorStyle};
 pub use server::{build_router, serve};
+pub use unknown_fields::UnknownFields;
 
 /// Settings of the HTTP layer.
 #[derive(Debug, Clone)]
 pub struct ApiConfig {
-    /// The name `/v1/models` shows and requests must use (defaults to the backend's model id).
-    pub served_model_name: Option<String>,
+    /// The names `/v1/models` lists and requests may use; the first is the one responses name
+    /// (empty: the backend's model id).
+    pub served_model_names: Vec<String>,
     /// When set, `/v1/*` needs `Authorization: Bearer KEY` (or `x-api-key: KEY`).
     pub api_key: Option<String>,
     /// When set, `/admin/*` needs `Authorization: Bearer TOKEN`; unset disables the admin API.
@@ -39,17 +44,23 @@ pub struct ApiConfig {
     pub max_plugin_bytes: usize,
     /// Generation requests in flight at once; more get 429.
     pub max_concurrent_requests: usize,
+    /// Unknown request fields are a 400 instead of being ignored (with a warning and a metric).
+    pub strict_request_fields: bool,
+    /// Access lines include the prompt (chat messages or completion prompt).
+    pub log_requests: bool,
 }
 
 impl Default for ApiConfig {
     fn default() -> Self {
         ApiConfig {
-            served_model_name: None,
+            served_model_names: Vec::new(),
             api_key: None,
             admin_token: None,
             max_request_body_bytes: 8 * 1024 * 1024,
             max_plugin_bytes: 64 * 1024 * 1024,
             max_concurrent_requests: 1024,
+            strict_request_fields: false,
+            log_requests: false,
         }
     }
 }
@@ -94,20 +105,44 @@ impl AppState {
         &self.inner.metrics
     }
 
-    /// The model name requests must use.
+    /// A fresh collector for one request's unknown fields, under the server's policy.
+    pub fn unknown_fields(&self) -> UnknownFields {
+        UnknownFields::new(
+            self.inner.config.strict_request_fields,
+            Some(self.inner.metrics.ignored_fields.clone()),
+        )
+    }
+
+    /// The model name responses carry: the first served name.
     pub fn model_name(&self) -> String {
         self.inner
             .config
-            .served_model_name
-            .clone()
+            .served_model_names
+            .first()
+            .cloned()
             .unwrap_or_else(|| self.backend().model().id)
+    }
+
+    /// Every name `/v1/models` lists, the first being [`Self::model_name`].
+    pub fn model_names(&self) -> Vec<String> {
+        match self.inner.config.served_model_names.as_slice() {
+            [] => vec![self.backend().model().id],
+            names => names.to_vec(),
+        }
     }
 
     /// Check a request's `model` names the served model.
     pub fn check_model(&self, requested: &str, style: ErrorStyle) -> Result<(), ApiError> {
         let name = self.model_name();
         let info = self.backend().model();
-        if requested == name || requested == info.id || info.aliases.iter().any(|a| a == requested)
+        if self
+            .inner
+            .config
+            .served_model_names
+            .iter()
+            .any(|n| n == requested)
+            || requested == info.id
+            || info.aliases.iter().any(|a| a == requested)
         {
             return Ok(());
         }

@@ -6,9 +6,10 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::backend::BackendMetrics;
+use crate::unknown_fields::IgnoredFields;
 
 /// Lock ignoring poison: a metrics update never leaves half-written state worth refusing.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -83,6 +84,8 @@ pub struct HttpMetrics {
     pub generation_tokens: AtomicU64,
     pub cached_prompt_tokens: AtomicU64,
     pub client_disconnects: AtomicU64,
+    /// Unknown request fields ignored, by field pattern.
+    pub ignored_fields: Arc<IgnoredFields>,
 }
 
 impl Default for HttpMetrics {
@@ -97,6 +100,7 @@ impl Default for HttpMetrics {
             generation_tokens: AtomicU64::new(0),
             cached_prompt_tokens: AtomicU64::new(0),
             client_disconnects: AtomicU64::new(0),
+            ignored_fields: Arc::default(),
         }
     }
 }
@@ -196,6 +200,17 @@ impl HttpMetrics {
             "Requests aborted because the client went away.",
             self.client_disconnects.load(Ordering::Relaxed),
         );
+        let _ = writeln!(
+            out,
+            "# HELP k3serve_ignored_request_fields_total Unknown request fields accepted and ignored, by field path (array indices dropped).\n# TYPE k3serve_ignored_request_fields_total counter"
+        );
+        for (field, n) in self.ignored_fields.snapshot() {
+            let _ = writeln!(
+                out,
+                "k3serve_ignored_request_fields_total{{field=\"{}\"}} {n}",
+                escape(&field)
+            );
+        }
         counter(
             &mut out,
             "k3serve_prefix_cache_queries_total",
@@ -324,6 +339,8 @@ mod tests {
         m.record_request("/v1/chat/completions", 200);
         m.ttft.observe(0.003);
         m.ttft.observe(100.0);
+        m.ignored_fields
+            .record("messages[1].provider_specific_fields");
         let text = m.render(&BackendMetrics {
             running: 2,
             pool: vec![PoolUsage {
@@ -346,6 +363,9 @@ mod tests {
         assert!(text.contains("k3serve_time_to_first_token_seconds_bucket{le=\"0.005\"} 1"));
         assert!(text.contains("k3serve_time_to_first_token_seconds_bucket{le=\"+Inf\"} 2"));
         assert!(text.contains("k3serve_num_requests_running 2"));
+        assert!(text.contains(
+            "k3serve_ignored_request_fields_total{field=\"messages[].provider_specific_fields\"} 1"
+        ));
         assert!(text.contains("k3serve_pool_usage_ratio{kind=\"kv\"} 0.5"));
         assert!(
             text.contains(

@@ -2,7 +2,7 @@
 //! graceful-shutdown deadline.
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
@@ -12,8 +12,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use serde_json::json;
 
+use crate::access_log::AccessLog;
 use crate::error::{ApiError, ErrorKind, ErrorStyle};
-use crate::{AppState, admin, anthropic, openai};
+use crate::{AppState, admin, anthropic, openai, tokenize};
 
 /// All routes with their middleware.
 pub fn build_router(state: AppState) -> Router {
@@ -23,6 +24,12 @@ pub fn build_router(state: AppState) -> Router {
         .route("/v1/models", get(openai::models::list_models))
         .route("/v1/models/{*model}", get(openai::models::get_model))
         .route("/v1/messages", post(anthropic::messages::messages))
+        .route(
+            "/v1/messages/count_tokens",
+            post(anthropic::count_tokens::count_tokens),
+        )
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .layer(DefaultBodyLimit::max(state.config().max_request_body_bytes))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
@@ -129,6 +136,7 @@ async fn not_found(method: Method, uri: Uri) -> ApiError {
         format!("no route for {method} {}", uri.path()),
     )
     .with_code("unknown_route")
+    .styled(style_for(uri.path()))
 }
 
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
@@ -137,13 +145,15 @@ async fn method_not_allowed(method: Method, uri: Uri) -> Response {
         format!("method {method} is not allowed on {}", uri.path()),
     )
     .with_code("method_not_allowed")
+    .styled(style_for(uri.path()))
     .into_response();
     *resp.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
     resp
 }
 
+/// Anthropic's error shape for everything under `/v1/messages` (known routes or not).
 fn style_for(path: &str) -> ErrorStyle {
-    if path.starts_with("/v1/messages") {
+    if path == "/v1/messages" || path.starts_with("/v1/messages/") {
         ErrorStyle::Anthropic
     } else {
         ErrorStyle::OpenAi
@@ -209,17 +219,25 @@ async fn require_admin_token(State(state): State<AppState>, req: Request, next: 
     .into_response()
 }
 
+/// Count the request in `/metrics` and open its access line (logged once the response, or its
+/// stream, is over; see [`AccessLog`]).
 async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let log = AccessLog::new(
+        req.method().as_str(),
+        req.uri().path(),
+        Instant::now(),
+        state.config().log_requests,
+    );
     // Label by route template, never the raw path, so unknown paths cannot grow the label set.
     let route = req
         .extensions()
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "unmatched".to_string());
-    let resp = next.run(req).await;
-    state
-        .metrics()
-        .record_request(&route, resp.status().as_u16());
+    let resp = log.clone().scope(next.run(req)).await;
+    let status = resp.status().as_u16();
+    state.metrics().record_request(&route, status);
+    log.set_status(status);
     resp
 }
 

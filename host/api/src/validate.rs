@@ -5,6 +5,7 @@ use serde_json::{Map, Value};
 
 use crate::backend::SamplingOptions;
 use crate::error::ApiError;
+use crate::unknown_fields::UnknownFields;
 
 /// Most stop strings one request may give.
 pub const MAX_STOP_STRINGS: usize = 16;
@@ -304,8 +305,12 @@ fn validate_subschema(schema: &Value, param: &str) -> Result<(), ApiError> {
 }
 
 /// Validate OpenAI function tools; returns them normalised to
-/// `{"type":"function","function":{"name","description"?,"parameters"}}`.
-pub fn validate_tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
+/// `{"type":"function","function":{"name","description"?,"parameters"}}`. Keys a tool does not
+/// have go to `unknown`.
+pub fn validate_tools(
+    tools: &[Value],
+    unknown: &mut UnknownFields,
+) -> Result<Vec<Value>, ApiError> {
     let mut out = Vec::with_capacity(tools.len());
     let mut names = std::collections::HashSet::new();
     for (i, tool) in tools.iter().enumerate() {
@@ -315,11 +320,7 @@ pub fn validate_tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
         };
         for key in obj.keys() {
             if key != "type" && key != "function" {
-                return Err(ApiError::invalid(
-                    format!("{p}.{key}"),
-                    format!("unknown field '{p}.{key}' (a tool has 'type' and 'function')"),
-                )
-                .with_code("unknown_field"));
+                unknown.found(format!("{p}.{key}"))?;
             }
         }
         match obj.get("type").and_then(Value::as_str) {
@@ -348,11 +349,7 @@ pub fn validate_tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
                 key.as_str(),
                 "name" | "description" | "parameters" | "strict"
             ) {
-                return Err(ApiError::invalid(
-                    format!("{p}.function.{key}"),
-                    format!("unknown field '{p}.function.{key}'"),
-                )
-                .with_code("unknown_field"));
+                unknown.found(format!("{p}.function.{key}"))?;
             }
         }
         let name = match func.get("name") {
@@ -461,7 +458,12 @@ mod tests {
     #[test]
     fn tool_schemas_are_checked() {
         let good = json!([{"type":"function","function":{"name":"add","parameters":{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}}}]);
-        assert_eq!(validate_tools(good.as_array().unwrap()).unwrap().len(), 1);
+        assert_eq!(
+            validate_tools(good.as_array().unwrap(), &mut UnknownFields::strict())
+                .unwrap()
+                .len(),
+            1
+        );
 
         let cases = [
             (
@@ -491,7 +493,8 @@ mod tests {
             ),
         ];
         for (tools, param) in cases {
-            let err = validate_tools(tools.as_array().unwrap()).unwrap_err();
+            let err = validate_tools(tools.as_array().unwrap(), &mut UnknownFields::strict())
+                .unwrap_err();
             assert_eq!(err.param.as_deref(), Some(param), "{}", err.message);
         }
     }

@@ -21,6 +21,38 @@ pub trait ChatBackend: Send + Sync + 'static {
         request: CompletionGenRequest,
     ) -> BoxFuture<'_, Result<Generation, BackendError>>;
 
+    /// The token ids `chat` would submit for `request` (rendered and tokenized, nothing run):
+    /// `/tokenize` with messages and Anthropic's `count_tokens`.
+    fn tokenize_chat(
+        &self,
+        request: ChatGenRequest,
+    ) -> BoxFuture<'_, Result<Vec<u32>, BackendError>> {
+        let _ = request;
+        Box::pin(async { Err(not_supported("tokenizing")) })
+    }
+
+    /// Token ids of a raw text (special-token spellings become their ids, as completions
+    /// prompts do); `add_special_tokens` runs the tokenizer's post-processor (bos/eos), if any.
+    fn tokenize_text(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, BackendError> {
+        let _ = (text, add_special_tokens);
+        Err(not_supported("tokenizing"))
+    }
+
+    /// The text of `tokens`; an id outside the vocabulary is an invalid request.
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, BackendError> {
+        let _ = tokens;
+        Err(not_supported("detokenizing"))
+    }
+
+    /// The vocabulary's spelling of each id (`None` outside the vocabulary).
+    fn token_strings(&self, tokens: &[u32]) -> Vec<Option<String>> {
+        tokens.iter().map(|_| None).collect()
+    }
+
     fn metrics(&self) -> BackendMetrics;
 
     /// `Ok` when the server can take requests; the error says why not.
@@ -46,5 +78,12 @@ pub trait ChatBackend: Send + Sync + 'static {
     /// Stop taking work and finish (or abort) what runs; called once at shutdown.
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(async {})
+    }
+}
+
+fn not_supported(what: &str) -> BackendError {
+    BackendError::NotSupported {
+        message: format!("this backend does not support {what}"),
+        param: None,
     }
 }

@@ -335,6 +335,41 @@ impl ChatBackend for Frontend {
         Box::pin(async move { blocking(|| self.complete_now(request)) })
     }
 
+    fn tokenize_chat(
+        &self,
+        request: ChatGenRequest,
+    ) -> BoxFuture<'_, Result<Vec<u32>, BackendError>> {
+        Box::pin(async move { blocking(|| self.prompt_ids(&request)) })
+    }
+
+    fn tokenize_text(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, BackendError> {
+        self.parts
+            .tokenizer
+            .encode_with(text, add_special_tokens)
+            .map_err(|e| BackendError::Internal(format!("tokenizing failed: {e}")))
+    }
+
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, BackendError> {
+        self.parts
+            .tokenizer
+            .decode(tokens)
+            .map_err(|e| BackendError::InvalidRequest {
+                message: format!("'tokens' cannot be decoded: {e}"),
+                param: Some("tokens".into()),
+            })
+    }
+
+    fn token_strings(&self, tokens: &[u32]) -> Vec<Option<String>> {
+        tokens
+            .iter()
+            .map(|&id| self.parts.tokenizer.id_to_token(id))
+            .collect()
+    }
+
     fn metrics(&self) -> BackendMetrics {
         let m = self.parts.engine.metrics();
         let cache_bytes = m.cache_kv_pages * self.parts.kv_page_bytes

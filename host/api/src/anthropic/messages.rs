@@ -37,10 +37,11 @@ async fn handle(
     let start = Instant::now();
     let style = ErrorStyle::Anthropic;
     let body = read_body(body, style)?;
-    let request: MessagesRequest = parse_json(&body, style)?;
+    let mut unknown = state.unknown_fields();
+    let request: MessagesRequest = parse_json(&body, style, &mut unknown)?;
     state.check_model(&request.model, style)?;
     let id = random_id("msg_");
-    let valid = request.validate(id.clone())?;
+    let valid = request.validate(id.clone(), &mut unknown)?;
     let permit = state.admit(style)?;
     let gens = generation::start_chat(&state, valid.request, 1, style).await?;
     let prompt_tokens = gens[0].prompt_tokens;

@@ -1,4 +1,5 @@
 //! The Anthropic Messages protocol.
 
+pub mod count_tokens;
 pub mod messages;
 pub mod request;

@@ -9,13 +9,15 @@ use serde_json::{Map, Value, json};
 use crate::backend::{ChatGenRequest, ToolChoice};
 use crate::error::ApiError;
 use crate::openai::messages::normalize_messages;
+use crate::unknown_fields::UnknownFields;
 use crate::validate::{self, SamplingFields};
 
+/// The accepted fields; others go to [`UnknownFields`] (ignored, or a 400 in strict mode).
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct MessagesRequest {
     pub model: String,
-    pub max_tokens: i64,
+    /// Required by `/v1/messages`; `count_tokens` has none.
+    pub max_tokens: Option<i64>,
     pub messages: Vec<Value>,
     pub system: Option<Value>,
     pub stop_sequences: Option<Value>,
@@ -76,6 +78,7 @@ fn convert_message(
     i: usize,
     tool_use_ids: &mut HashSet<String>,
     out: &mut Vec<Value>,
+    unknown: &mut UnknownFields,
 ) -> Result<(), ApiError> {
     let p = format!("messages[{i}]");
     let Value::Object(obj) = message else {
@@ -83,11 +86,7 @@ fn convert_message(
     };
     for key in obj.keys() {
         if key != "role" && key != "content" {
-            return Err(ApiError::invalid(
-                format!("{p}.{key}"),
-                format!("unknown field '{p}.{key}' (a message has 'role' and 'content')"),
-            )
-            .with_code("unknown_field"));
+            unknown.found(format!("{p}.{key}"))?;
         }
     }
     let role = match obj.get("role").and_then(Value::as_str) {
@@ -228,7 +227,7 @@ fn convert_message(
     Ok(())
 }
 
-fn convert_tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
+fn convert_tools(tools: &[Value], unknown: &mut UnknownFields) -> Result<Vec<Value>, ApiError> {
     let mut out = Vec::with_capacity(tools.len());
     for (i, tool) in tools.iter().enumerate() {
         let p = format!("tools[{i}]");
@@ -248,11 +247,7 @@ fn convert_tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
                 key.as_str(),
                 "name" | "description" | "input_schema" | "type" | "cache_control"
             ) {
-                return Err(ApiError::invalid(
-                    format!("{p}.{key}"),
-                    format!("unknown field '{p}.{key}'"),
-                )
-                .with_code("unknown_field"));
+                unknown.found(format!("{p}.{key}"))?;
             }
         }
         let mut function = Map::new();
@@ -276,7 +271,8 @@ fn convert_tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
         out.push(json!({"type": "function", "function": Value::Object(function)}));
     }
     // Validate in OpenAI form, then say the Anthropic field names.
-    validate::validate_tools(&out).map_err(|mut e| {
+    // The converted tools hold only known keys, so `unknown` hears nothing new here.
+    validate::validate_tools(&out, unknown).map_err(|mut e| {
         let rename = |s: &str| {
             s.replace(".function.parameters", ".input_schema")
                 .replace(".function.", ".")
@@ -288,7 +284,19 @@ fn convert_tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
 }
 
 impl MessagesRequest {
-    pub fn validate(self, request_id: String) -> Result<ValidMessages, ApiError> {
+    pub fn validate(
+        self,
+        request_id: String,
+        unknown: &mut UnknownFields,
+    ) -> Result<ValidMessages, ApiError> {
+        let Some(max_tokens) = self.max_tokens else {
+            return Err(ApiError::new(
+                crate::error::ErrorKind::InvalidRequest,
+                "missing required field 'max_tokens'",
+            )
+            .with_param("max_tokens")
+            .with_code("missing_field"));
+        };
         let mut messages = Vec::with_capacity(self.messages.len() + 1);
         if let Some(system) = &self.system {
             let text = text_of_blocks(system, "system")?;
@@ -302,10 +310,10 @@ impl MessagesRequest {
         }
         let mut ids = HashSet::new();
         for (i, m) in self.messages.iter().enumerate() {
-            convert_message(m, i, &mut ids, &mut messages)?;
+            convert_message(m, i, &mut ids, &mut messages, unknown)?;
         }
-        let messages = normalize_messages(&messages)?;
-        let tools = convert_tools(self.tools.as_deref().unwrap_or(&[]))?;
+        let messages = normalize_messages(&messages, unknown)?;
+        let tools = convert_tools(self.tools.as_deref().unwrap_or(&[]), unknown)?;
         let (choice, parallel) = match &self.tool_choice {
             None | Some(Value::Null) => (ToolChoice::Auto, true),
             Some(Value::Object(tc)) => {
@@ -377,7 +385,7 @@ impl MessagesRequest {
             top_k: self.top_k,
             stop: self.stop_sequences,
             stop_param: "stop_sequences",
-            max_tokens: Some((self.max_tokens, "max_tokens")),
+            max_tokens: Some((max_tokens, "max_tokens")),
             ..Default::default()
         })?;
         let mut kwargs = Map::new();
@@ -411,8 +419,13 @@ mod tests {
     use crate::error::ErrorStyle;
 
     fn validate(body: Value) -> Result<ValidMessages, ApiError> {
-        parse_json::<MessagesRequest>(body.to_string().as_bytes(), ErrorStyle::Anthropic)?
-            .validate("m".into())
+        let mut unknown = UnknownFields::strict();
+        parse_json::<MessagesRequest>(
+            body.to_string().as_bytes(),
+            ErrorStyle::Anthropic,
+            &mut unknown,
+        )?
+        .validate("m".into(), &mut unknown)
     }
 
     #[test]

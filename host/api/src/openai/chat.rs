@@ -40,10 +40,11 @@ async fn handle(
     let start = Instant::now();
     let style = ErrorStyle::OpenAi;
     let body = read_body(body, style)?;
-    let request: ChatCompletionRequest = parse_json(&body, style)?;
+    let mut unknown = state.unknown_fields();
+    let request: ChatCompletionRequest = parse_json(&body, style, &mut unknown)?;
     state.check_model(&request.model, style)?;
     let id = random_id("chatcmpl-");
-    let valid = request.validate(id.clone())?;
+    let valid = request.validate(id.clone(), &mut unknown)?;
     let permit = state.admit(style)?;
     let gens = generation::start_chat(&state, valid.request, valid.n, style).await?;
     let model = state.model_name();

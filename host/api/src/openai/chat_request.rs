@@ -8,12 +8,12 @@ use crate::error::ApiError;
 use crate::openai::StreamOptions;
 use crate::openai::messages::normalize_messages;
 use crate::structured::{self, ConstraintFields};
+use crate::unknown_fields::UnknownFields;
 use crate::validate::{self, MAX_TOP_LOGPROBS, SamplingFields};
 
-/// The accepted fields: OpenAI's, plus the vLLM/SGLang extras this server implements. Anything
-/// else is rejected by name, so a typo (`max_token`) is not silently ignored.
+/// The accepted fields: OpenAI's, plus the vLLM/SGLang extras this server implements. Others go
+/// to [`UnknownFields`]: ignored with a warning, or a 400 naming them in strict mode.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ChatCompletionRequest {
     pub model: String,
     pub messages: Vec<Value>,
@@ -187,9 +187,13 @@ fn tool_choice(choice: Option<&Value>, tools: &[Value]) -> Result<ToolChoice, Ap
 }
 
 impl ChatCompletionRequest {
-    pub fn validate(self, request_id: String) -> Result<ValidChat, ApiError> {
-        let messages = normalize_messages(&self.messages)?;
-        let tools = validate::validate_tools(self.tools.as_deref().unwrap_or(&[]))?;
+    pub fn validate(
+        self,
+        request_id: String,
+        unknown: &mut UnknownFields,
+    ) -> Result<ValidChat, ApiError> {
+        let messages = normalize_messages(&self.messages, unknown)?;
+        let tools = validate::validate_tools(self.tools.as_deref().unwrap_or(&[]), unknown)?;
         let choice = tool_choice(self.tool_choice.as_ref(), &tools)?;
         let n = validate::validate_n(self.n)?;
         let stream = self.stream.unwrap_or(false);
@@ -323,8 +327,9 @@ mod tests {
     use crate::error::ErrorStyle;
 
     fn validate(body: &str) -> Result<ValidChat, ApiError> {
-        parse_json::<ChatCompletionRequest>(body.as_bytes(), ErrorStyle::OpenAi)?
-            .validate("r".into())
+        let mut unknown = UnknownFields::strict();
+        parse_json::<ChatCompletionRequest>(body.as_bytes(), ErrorStyle::OpenAi, &mut unknown)?
+            .validate("r".into(), &mut unknown)
     }
 
     #[test]

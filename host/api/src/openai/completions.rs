@@ -24,8 +24,8 @@ const DEFAULT_MAX_TOKENS: i64 = 16;
 /// Most prompts in one batched request.
 const MAX_PROMPTS: usize = 64;
 
+/// The accepted fields; others go to [`crate::unknown_fields::UnknownFields`].
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct CompletionRequest {
     pub model: String,
     pub prompt: Value,
@@ -158,7 +158,7 @@ async fn handle(
     let start = Instant::now();
     let style = ErrorStyle::OpenAi;
     let body = read_body(body, style)?;
-    let req: CompletionRequest = parse_json(&body, style)?;
+    let req: CompletionRequest = parse_json(&body, style, &mut state.unknown_fields())?;
     state.check_model(&req.model, style)?;
     let prompts = parse_prompts(&req.prompt)?;
     let n = validate::validate_n(req.n)?;

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::unknown_fields::UnknownFields;
 
 const MESSAGE_FIELDS: [&str; 11] = [
     "role",
@@ -22,7 +23,11 @@ const MESSAGE_FIELDS: [&str; 11] = [
     "function_call",
 ];
 
-pub fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
+/// Validate and normalise OpenAI chat messages; keys a message does not have go to `unknown`.
+pub fn normalize_messages(
+    messages: &[Value],
+    unknown: &mut UnknownFields,
+) -> Result<Vec<Value>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid(
             "messages",
@@ -39,11 +44,7 @@ pub fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
         };
         for key in obj.keys() {
             if !MESSAGE_FIELDS.contains(&key.as_str()) {
-                return Err(ApiError::invalid(
-                    format!("{p}.{key}"),
-                    format!("unknown field '{p}.{key}' in a chat message"),
-                )
-                .with_code("unknown_field"));
+                unknown.found(format!("{p}.{key}"))?;
             }
         }
         let role = match obj.get("role") {
@@ -340,7 +341,7 @@ mod tests {
     use serde_json::json;
 
     fn err(messages: Value) -> ApiError {
-        normalize_messages(messages.as_array().unwrap()).unwrap_err()
+        normalize_messages(messages.as_array().unwrap(), &mut UnknownFields::strict()).unwrap_err()
     }
 
     #[test]
@@ -352,13 +353,35 @@ mod tests {
                 {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\":1}"}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "2"},
         ]);
-        let out = normalize_messages(msgs.as_array().unwrap()).unwrap();
+        let mut unknown = UnknownFields::lenient();
+        let out = normalize_messages(msgs.as_array().unwrap(), &mut unknown).unwrap();
+        assert!(unknown.paths().is_empty());
         assert_eq!(out[0], json!({"role": "system", "content": "a\nb"}));
         assert_eq!(out[2]["content"], json!(""));
         assert_eq!(out[2]["tool_calls"][0]["function"]["name"], json!("add"));
         assert_eq!(
             out[3],
             json!({"role": "tool", "name": "add", "content": "2", "tool_call_id": "c1"})
+        );
+    }
+
+    #[test]
+    fn unknown_message_fields_are_ignored_unless_strict() {
+        // What litellm sends back with a tool round trip.
+        let msgs = json!([
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": null, "provider_specific_fields": {"x": 1},
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "2"},
+        ]);
+        let mut unknown = UnknownFields::lenient();
+        let out = normalize_messages(msgs.as_array().unwrap(), &mut unknown).unwrap();
+        assert_eq!(unknown.paths(), ["messages[1].provider_specific_fields"]);
+        assert!(out[1].get("provider_specific_fields").is_none());
+        assert_eq!(
+            err(msgs).param.as_deref(),
+            Some("messages[1].provider_specific_fields")
         );
     }
 

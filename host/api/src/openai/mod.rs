@@ -13,7 +13,6 @@ use crate::backend::{FinishInfo, FinishReason, TokenLogprob};
 
 /// `stream_options`.
 #[derive(Debug, Default, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
     pub continuous_usage_stats: Option<bool>,

@@ -7,10 +7,10 @@ use serde_json::{Value, json};
 use crate::AppState;
 use crate::error::ErrorStyle;
 
-fn model_object(state: &AppState) -> Value {
+fn model_object(state: &AppState, name: &str) -> Value {
     let info = state.backend().model();
     json!({
-        "id": state.model_name(),
+        "id": name,
         "object": "model",
         "created": info.created,
         "owned_by": "k3serve",
@@ -20,12 +20,22 @@ fn model_object(state: &AppState) -> Value {
 }
 
 pub async fn list_models(State(state): State<AppState>) -> Response {
-    axum::Json(json!({"object": "list", "data": [model_object(&state)]})).into_response()
+    let data: Vec<Value> = state
+        .model_names()
+        .iter()
+        .map(|name| model_object(&state, name))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
 pub async fn get_model(State(state): State<AppState>, Path(model): Path<String>) -> Response {
     match state.check_model(&model, ErrorStyle::OpenAi) {
-        Ok(()) => axum::Json(model_object(&state)).into_response(),
+        Ok(()) => {
+            // Answer under the name asked for when it is one of the served names.
+            let names = state.model_names();
+            let name = names.iter().find(|n| **n == model).unwrap_or(&names[0]);
+            axum::Json(model_object(&state, name)).into_response()
+        }
         Err(e) => e.into_response(),
     }
 }

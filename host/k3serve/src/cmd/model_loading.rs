@@ -112,18 +112,18 @@ pub fn open_backend(
         None => {
             if !k3_backend_cuda::device::driver_present() {
                 tracing::info!("no CUDA driver found: running on the CPU");
-                eprintln!("device: cpu (no CUDA driver)");
+                super::say("device: cpu (no CUDA driver)");
                 return Ok(None);
             }
             match CudaBackend::with_options(0, cuda.clone()) {
                 Ok(b) => {
                     tracing::info!(arch = %b.limits.arch, "running on CUDA device 0");
-                    eprintln!("device: cuda (GPU 0, {})", b.limits.arch);
+                    super::say(&format!("device: cuda (GPU 0, {})", b.limits.arch));
                     Ok(Some(b))
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "CUDA device unusable: running on the CPU");
-                    eprintln!("device: cpu (CUDA unusable: {e})");
+                    super::say(&format!("device: cpu (CUDA unusable: {e})"));
                     Ok(None)
                 }
             }

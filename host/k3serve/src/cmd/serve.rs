@@ -1,8 +1,10 @@
 //! `k3serve serve`: load a model (CUDA or CPU), start the engine and the plugin host, and serve the
 //! OpenAI / Anthropic HTTP API until SIGINT/SIGTERM (then drain with a deadline).
 
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -13,15 +15,19 @@ use k3_model::model::CacheOffsets;
 use k3_plugin_host::{PluginHost, PluginHostConfig, Stage, default_plugin_dir};
 
 use super::model_loading::LoadFormat;
+use super::say;
 
 pub use super::serve_config::Args;
-use super::serve_config::ServeConfig;
+use super::serve_config::{LogFormat, ServeConfig};
 
 use super::cache_budget::{PAGE_TOKENS, arena_bytes_for, fit_arena};
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let cfg = ServeConfig::resolve(args)?;
-    init_logging(cfg.log_level.as_deref());
+    init_logging(cfg.log_level.as_deref(), cfg.log_format);
+    for note in &cfg.notes {
+        say(note);
+    }
     super::model_loading::init_threads(cfg.threads)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -31,16 +37,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     runtime.block_on(serve(cfg))
 }
 
-fn init_logging(level: Option<&str>) {
+/// Logs go to stderr: colour only when it is a terminal (never into a redirected file).
+fn init_logging(level: Option<&str>, format: LogFormat) {
     let filter = match level {
         Some(l) => tracing_subscriber::EnvFilter::new(l),
         None => tracing_subscriber::EnvFilter::try_from_default_env()
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
     };
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .try_init();
+        .with_ansi(std::io::stderr().is_terminal());
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => {
+            super::JSON_LOGS.store(true, Ordering::Relaxed);
+            builder
+                .json()
+                .flatten_event(true)
+                .with_current_span(false)
+                .try_init()
+        }
+    };
 }
 
 /// One line of start-up progress: `[step/total] what ... done in 0.3 s`.
@@ -52,26 +70,62 @@ struct Progress {
 impl Progress {
     fn run<T>(&mut self, what: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
         self.step += 1;
-        eprintln!("[{}/{}] {what} ...", self.step, self.total);
+        say(&format!("[{}/{}] {what} ...", self.step, self.total));
         let t = Instant::now();
         let out = f()?;
-        eprintln!(
+        say(&format!(
             "[{}/{}] {what}: done in {:.2} s",
             self.step,
             self.total,
             t.elapsed().as_secs_f64()
-        );
+        ));
         Ok(out)
     }
 }
 
-/// A plugin given by name (`<name><suffix>` in the plugin directory) or by path.
-fn plugin_path(dir: &Path, spec: &str, suffix: &str) -> PathBuf {
-    if spec.ends_with(".wasm") || spec.contains('/') {
-        PathBuf::from(spec)
-    } else {
-        dir.join(format!("{spec}{suffix}"))
+/// `--chat-template`: a Jinja file, or (as vLLM allows) the template itself written inline.
+fn chat_template_source(spec: &Path) -> anyhow::Result<String> {
+    let text = spec.to_string_lossy();
+    if !spec.exists() && (text.contains("{{") || text.contains("{%")) {
+        return Ok(text.into_owned());
     }
+    std::fs::read_to_string(spec)
+        .with_context(|| format!("reading the chat template {}", spec.display()))
+}
+
+/// A plugin given by path, or by name: `<name><suffix>` in the plugin directory, with vLLM's
+/// spellings (`kimi-k3`, `Kimi_K3`) taken as ours (`kimi_k3`). An unknown name is an error that
+/// lists the names the directory has.
+fn plugin_path(dir: &Path, spec: &str, suffix: &str, flag: &str) -> anyhow::Result<PathBuf> {
+    if spec.ends_with(".wasm") || spec.contains('/') {
+        return Ok(PathBuf::from(spec));
+    }
+    let name = spec.to_ascii_lowercase().replace('-', "_");
+    let path = dir.join(format!("{name}{suffix}"));
+    if path.exists() {
+        return Ok(path);
+    }
+    let mut known: Vec<String> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter_map(|f| f.strip_suffix(suffix).map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    known.sort();
+    if known.is_empty() {
+        bail!(
+            "--{flag} {spec}: no {suffix} plugins in {} (build them with scripts/build-plugins, \
+             or point --plugin-dir at them)",
+            dir.display()
+        );
+    }
+    bail!(
+        "--{flag} {spec}: unknown name; {} has {} (or give a path to a .wasm component)",
+        dir.display(),
+        known.join(", ")
+    )
 }
 
 fn plugin_cache_dir() -> Option<PathBuf> {
@@ -79,6 +133,32 @@ fn plugin_cache_dir() -> Option<PathBuf> {
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
     Some(base.join("k3serve").join("plugins"))
+}
+
+/// The three plugins' stages, names (or paths), file suffixes and flags.
+fn plugin_specs(cfg: &ServeConfig) -> [(Stage, String, &'static str, &'static str); 3] {
+    [
+        (
+            Stage::ChatTemplate,
+            cfg.chat_template_plugin
+                .clone()
+                .unwrap_or_else(|| "kimi_k3".into()),
+            "_template.wasm",
+            "chat-template-plugin",
+        ),
+        (
+            Stage::ReasoningParser,
+            cfg.reasoning_parser.clone(),
+            "_reasoning.wasm",
+            "reasoning-parser",
+        ),
+        (
+            Stage::ToolParser,
+            cfg.tool_call_parser.clone(),
+            "_tools.wasm",
+            "tool-call-parser",
+        ),
+    ]
 }
 
 fn load_plugins(cfg: &ServeConfig) -> anyhow::Result<PluginHost> {
@@ -90,34 +170,13 @@ fn load_plugins(cfg: &ServeConfig) -> anyhow::Result<PluginHost> {
     }
     let host = PluginHost::new(host_cfg).context("starting the plugin host")?;
     let dir = cfg.plugin_dir.clone().unwrap_or_else(default_plugin_dir);
-    let template = cfg
-        .chat_template_plugin
-        .clone()
-        .unwrap_or_else(|| "kimi_k3".into());
-    for (stage, spec, suffix) in [
-        (Stage::ChatTemplate, template.as_str(), "_template.wasm"),
-        (
-            Stage::ReasoningParser,
-            cfg.reasoning_parser.as_str(),
-            "_reasoning.wasm",
-        ),
-        (
-            Stage::ToolParser,
-            cfg.tool_call_parser.as_str(),
-            "_tools.wasm",
-        ),
-    ] {
-        let path = plugin_path(&dir, spec, suffix);
+    for (stage, spec, suffix, flag) in plugin_specs(cfg) {
+        let path = plugin_path(&dir, &spec, suffix, flag)?;
         let bytes = std::fs::read(&path).with_context(|| {
             format!(
                 "reading the {stage} plugin {} (build the plugins with scripts/build-plugins, \
-                 or point --plugin-dir / --{} at one)",
+                 or point --plugin-dir / --{flag} at one)",
                 path.display(),
-                match stage {
-                    Stage::ChatTemplate => "chat-template-plugin",
-                    Stage::ReasoningParser => "reasoning-parser",
-                    _ => "tool-call-parser",
-                }
             )
         })?;
         let info = host
@@ -144,6 +203,12 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         );
     }
 
+    // Bad plugin names fail here, before minutes of weight loading.
+    let plugin_dir = cfg.plugin_dir.clone().unwrap_or_else(default_plugin_dir);
+    for (_, spec, suffix, flag) in plugin_specs(&cfg) {
+        plugin_path(&plugin_dir, &spec, suffix, flag)?;
+    }
+
     let tokenizer_dir = cfg.tokenizer.clone().unwrap_or_else(|| model_dir.clone());
     let tokenizer = progress.run("loading the tokenizer", || {
         Tokenizer::from_dir(&tokenizer_dir)
@@ -151,8 +216,7 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             .with_context(|| format!("loading the tokenizer from {}", tokenizer_dir.display()))
     })?;
     let chat_template = match &cfg.chat_template {
-        Some(path) => std::fs::read_to_string(path)
-            .with_context(|| format!("reading the chat template {}", path.display()))?,
+        Some(path) => chat_template_source(path)?,
         None => tokenizer.chat_template().map(str::to_string).context(
             "the model has no chat_template in tokenizer_config.json; pass --chat-template FILE",
         )?,
@@ -239,10 +303,10 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         let n = warm_up(&engine, warmup, vocab_size, max_model_len)
             .await
             .context("the start-up warm-up request")?;
-        eprintln!(
+        say(&format!(
             "warm-up: one {n}-token request in {:.2} s (--warmup-tokens 0 skips it)",
             t.elapsed().as_secs_f64()
-        );
+        ));
     }
 
     let defaults = match std::fs::read_to_string(model_dir.join("generation_config.json")) {
@@ -255,7 +319,12 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
-    let name = cfg.served_model_name.clone().unwrap_or(dir_name);
+    let names = if cfg.served_model_names.is_empty() {
+        vec![dir_name]
+    } else {
+        cfg.served_model_names.clone()
+    };
+    let name = names[0].clone();
     let mut eos_ids = vec![config.eos_token_id];
     eos_ids.extend(tokenizer.eos_token_id());
     eos_ids.dedup();
@@ -280,11 +349,13 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     let state = AppState::new(
         Arc::new(frontend),
         ApiConfig {
-            served_model_name: Some(name.clone()),
+            served_model_names: names.clone(),
             api_key: cfg.api_key.clone(),
             admin_token: cfg.admin_token.clone(),
             max_request_body_bytes: cfg.max_request_body_bytes,
             max_concurrent_requests: cfg.max_num_seqs + cfg.max_waiting_requests,
+            strict_request_fields: cfg.strict_request_fields,
+            log_requests: cfg.log_requests,
             ..ApiConfig::default()
         },
     );
@@ -297,20 +368,22 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         Ok(tokio::net::TcpListener::from_std(std_listener)?)
     })?;
     let addr = listener.local_addr()?;
-    eprintln!(
-        "k3serve: serving '{name}' on http://{addr} (OpenAI: /v1/chat/completions, /v1/completions, \
-         /v1/models; Anthropic: /v1/messages; /health, /metrics{}) — ready in {:.1} s",
+    say(&format!(
+        "k3serve: serving '{}' on http://{addr} (OpenAI: /v1/chat/completions, /v1/completions, \
+         /v1/models; Anthropic: /v1/messages, /v1/messages/count_tokens; /tokenize, /detokenize, \
+         /health, /metrics{}) — ready in {:.1} s",
+        names.join("', '"),
         if cfg.admin_token.is_some() {
             ", /admin/plugins"
         } else {
             ""
         },
         started.elapsed().as_secs_f64()
-    );
+    ));
     k3_api::serve(listener, state, shutdown_signal(), grace)
         .await
         .context("serving HTTP")?;
-    eprintln!("k3serve: stopped");
+    say("k3serve: stopped");
     Ok(())
 }
 
@@ -365,5 +438,5 @@ async fn shutdown_signal() {
         _ = ctrl_c => {},
         _ = term => {},
     }
-    eprintln!("k3serve: shutting down (waiting for running requests)");
+    say("k3serve: shutting down (waiting for running requests)");
 }

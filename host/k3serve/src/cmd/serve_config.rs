@@ -8,6 +8,7 @@ use anyhow::{Context, bail};
 use serde::Deserialize;
 
 use super::model_loading::{CudaArgs, Device, LoadFormat};
+use super::vllm_flags::VllmFlags;
 use k3_backend_cuda::CudaOptions;
 
 /// The flags. Every field is optional so the TOML file can fill what the command line leaves out.
@@ -16,13 +17,18 @@ pub struct Args {
     /// TOML file with any of the settings below (flags given here win).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Model directory, as `vllm serve MODEL` takes it (the same as --model).
+    #[arg(value_name = "MODEL")]
+    pub model_positional: Option<PathBuf>,
     /// Model directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json).
     /// [default: models/k3-mini]
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Name the API serves the model under [default: the model directory's name].
-    #[arg(long)]
-    pub served_model_name: Option<String>,
+    /// Names the API serves the model under, all listed in /v1/models and accepted as `model`;
+    /// responses carry the first (`--served-model-name a b`, or the flag repeated) [default: the
+    /// model directory's name].
+    #[arg(long, num_args = 1.., value_name = "NAME")]
+    pub served_model_name: Vec<String>,
     /// Directory with tokenizer.json and tokenizer_config.json [default: the model directory].
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -73,8 +79,18 @@ pub struct Args {
     #[arg(long)]
     pub gpu_memory_utilization: Option<f64>,
     /// Turn the prefix cache off.
-    #[arg(long)]
+    #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
+    /// Keep the prefix cache on (the default; as vLLM's flag).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Accepted as vLLM's flag: k3serve parses tool calls whenever a request declares tools.
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
+    /// Reject request fields the server does not know with a 400 naming the field (by default
+    /// they are ignored, warned about once and counted in /metrics).
+    #[arg(long)]
+    pub strict_request_fields: bool,
     /// Tool-call parser plugin: a name (`kimi_k3`, `kimi_k2`: `<name>_tools.wasm` in the plugin
     /// directory) or a path to a component [default: kimi_k3].
     #[arg(long)]
@@ -105,6 +121,14 @@ pub struct Args {
     /// Log filter (`info`, `debug`, `k3_api=debug`...) [default: $RUST_LOG or info].
     #[arg(long)]
     pub log_level: Option<String>,
+    /// `text` or `json` (one JSON object per line) [default: text; colour only on a terminal].
+    #[arg(long, value_name = "text|json")]
+    pub log_format: Option<String>,
+    /// Add the prompt (chat messages or completion prompt) to each request's access line.
+    #[arg(long, alias = "enable-log-requests")]
+    pub log_requests: bool,
+    #[command(flatten)]
+    pub vllm: VllmFlags,
     #[command(flatten)]
     pub cuda: CudaArgs,
 }
@@ -114,7 +138,7 @@ pub struct Args {
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 struct FileConfig {
     model: Option<PathBuf>,
-    served_model_name: Option<String>,
+    served_model_name: Option<ModelNames>,
     tokenizer: Option<PathBuf>,
     load_format: Option<String>,
     host: Option<String>,
@@ -139,10 +163,40 @@ struct FileConfig {
     shutdown_timeout: Option<f64>,
     threads: Option<usize>,
     log_level: Option<String>,
+    log_format: Option<String>,
+    log_requests: Option<bool>,
+    strict_request_fields: Option<bool>,
     cuda_graphs: Option<bool>,
     moe_gemm_min_assignments: Option<usize>,
     gemv_max_weight_elems: Option<usize>,
     mla_decode_precision: Option<String>,
+}
+
+/// `served-model-name` in the file: one name or a list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum ModelNames {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+impl LogFormat {
+    fn parse(s: Option<&str>) -> anyhow::Result<LogFormat> {
+        match s {
+            None | Some("text") => Ok(LogFormat::Text),
+            Some("json") => Ok(LogFormat::Json),
+            Some(other) => bail!("--log-format {other} is not supported; use text or json"),
+        }
+    }
 }
 
 /// Resolved settings.
@@ -151,7 +205,8 @@ pub struct ServeConfig {
     /// `None`: automatic (CUDA when a GPU opens, else the CPU).
     pub device: Option<Device>,
     pub model: PathBuf,
-    pub served_model_name: Option<String>,
+    /// Empty: the model directory's name.
+    pub served_model_names: Vec<String>,
     /// `None`: the model directory.
     pub tokenizer: Option<PathBuf>,
     pub load_format: LoadFormat,
@@ -178,6 +233,11 @@ pub struct ServeConfig {
     pub shutdown_timeout: f64,
     pub threads: usize,
     pub log_level: Option<String>,
+    pub log_format: LogFormat,
+    pub log_requests: bool,
+    pub strict_request_fields: bool,
+    /// One line per vLLM flag given that changes nothing here, printed at start-up.
+    pub notes: Vec<String>,
     /// The CUDA backend's options (used when the model runs on the GPU).
     pub cuda: CudaOptions,
 }
@@ -206,19 +266,48 @@ impl ServeConfig {
             None => FileConfig::default(),
         };
         let device = Device::parse(args.device.or(file.device).as_deref())?;
-        let cuda = args.cuda.resolve(&CudaArgs {
+        let mut notes = args.vllm.notes()?;
+        if args.enable_auto_tool_choice {
+            notes.push(
+                "note: --enable-auto-tool-choice is accepted for vLLM compatibility: tool calls \
+                 are parsed whenever a request declares tools"
+                    .into(),
+            );
+        }
+        let model = match (args.model_positional, args.model) {
+            (Some(a), Some(b)) if a != b => bail!(
+                "the model is given twice, as {} and as --model {}; give one",
+                a.display(),
+                b.display()
+            ),
+            (a, b) => a.or(b),
+        };
+        let served_model_names = if args.served_model_name.is_empty() {
+            match file.served_model_name {
+                None => Vec::new(),
+                Some(ModelNames::One(n)) => vec![n],
+                Some(ModelNames::Many(v)) => v,
+            }
+        } else {
+            args.served_model_name
+        };
+        if served_model_names.iter().any(|n| n.trim().is_empty()) {
+            bail!("--served-model-name must not be empty");
+        }
+        let cuda_file = CudaArgs {
             cuda_graphs: file.cuda_graphs,
             moe_gemm_min_assignments: file.moe_gemm_min_assignments,
             gemv_max_weight_elems: file.gemv_max_weight_elems,
             mla_decode_precision: file.mla_decode_precision,
-        })?;
+        };
+
+        let cuda = args.cuda.resolve(&cuda_file)?;
         let cfg = ServeConfig {
             device,
-            model: args
-                .model
+            model: model
                 .or(file.model)
                 .unwrap_or_else(|| PathBuf::from("models/k3-mini")),
-            served_model_name: args.served_model_name.or(file.served_model_name),
+            served_model_names,
             tokenizer: args.tokenizer.or(file.tokenizer),
             load_format: LoadFormat::parse(
                 args.load_format
@@ -252,6 +341,8 @@ impl ServeConfig {
                 .unwrap_or(0.9),
             enable_prefix_caching: if args.no_enable_prefix_caching {
                 false
+            } else if args.enable_prefix_caching {
+                true
             } else {
                 file.enable_prefix_caching.unwrap_or(true)
             },
@@ -276,6 +367,11 @@ impl ServeConfig {
                 .unwrap_or(30.0),
             threads: args.threads.or(file.threads).unwrap_or(0),
             log_level: args.log_level.or(file.log_level),
+            log_format: LogFormat::parse(args.log_format.or(file.log_format).as_deref())?,
+            log_requests: args.log_requests || file.log_requests.unwrap_or(false),
+            strict_request_fields: args.strict_request_fields
+                || file.strict_request_fields.unwrap_or(false),
+            notes,
             cuda,
         };
         for (value, name) in [
@@ -420,6 +516,90 @@ mod tests {
             ServeConfig::resolve(Args::default()).unwrap().cuda,
             CudaOptions::default()
         );
+    }
+
+    /// Parse a `serve` command line (after `serve`).
+    fn parse(line: &str) -> anyhow::Result<ServeConfig> {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let words = std::iter::once("serve").chain(line.split_whitespace());
+        ServeConfig::resolve(Cli::try_parse_from(words)?.args)
+    }
+
+    #[test]
+    fn a_vllm_command_line_resolves() {
+        let cfg = parse(
+            "models/k3-mini --served-model-name k3 kimi --enable-auto-tool-choice \
+             --tool-call-parser kimi_k3 --reasoning-parser kimi_k3 --trust-remote-code \
+             --dtype bfloat16 --tensor-parallel-size 1 --disable-log-requests \
+             --uvicorn-log-level warning --disable-log-stats --max-num-batched-tokens 1024 \
+             --no-enable-prefix-caching --enable-log-requests --log-format json",
+        )
+        .unwrap();
+        assert_eq!(cfg.model, PathBuf::from("models/k3-mini"));
+        assert_eq!(cfg.served_model_names, ["k3", "kimi"]);
+        assert!(!cfg.enable_prefix_caching);
+        assert!(cfg.log_requests);
+        assert_eq!(cfg.log_format, LogFormat::Json);
+        assert_eq!(cfg.max_num_batched_tokens, 1024);
+        for flag in [
+            "--enable-auto-tool-choice",
+            "--trust-remote-code",
+            "--dtype",
+            "--tensor-parallel-size 1",
+            "--disable-log-requests",
+            "--uvicorn-log-level",
+            "--disable-log-stats",
+        ] {
+            assert!(
+                cfg.notes.iter().any(|n| n.contains(flag)),
+                "{flag}: {:?}",
+                cfg.notes
+            );
+        }
+        assert!(parse("").unwrap().notes.is_empty());
+        // The last of the pair wins, as in vLLM.
+        assert!(
+            parse("--no-enable-prefix-caching --enable-prefix-caching")
+                .unwrap()
+                .enable_prefix_caching
+        );
+        let cfg = parse("--served-model-name a --served-model-name b").unwrap();
+        assert_eq!(cfg.served_model_names, ["a", "b"]);
+        let err = parse("models/a --model models/b").unwrap_err();
+        assert!(err.to_string().contains("given twice"), "{err}");
+        let err = parse("--tensor-parallel-size 2").unwrap_err();
+        assert!(err.to_string().contains("one device"), "{err}");
+        let err = parse("--log-format xml").unwrap_err();
+        assert!(err.to_string().contains("--log-format xml"), "{err}");
+    }
+
+    #[test]
+    fn new_settings_from_the_file() {
+        let path = write(
+            "served-model-name = [\"a\", \"b\"]\nstrict_request_fields = true\nlog-format = \"json\"\nlog-requests = true\n",
+        );
+        let cfg = ServeConfig::resolve(Args {
+            config: Some(path.clone()),
+            ..Default::default()
+        })
+        .unwrap();
+        std::fs::remove_file(path).ok();
+        assert_eq!(cfg.served_model_names, ["a", "b"]);
+        assert!(cfg.strict_request_fields && cfg.log_requests);
+        assert_eq!(cfg.log_format, LogFormat::Json);
+        let path = write("served-model-name = \"solo\"\n");
+        let cfg = ServeConfig::resolve(Args {
+            config: Some(path.clone()),
+            ..Default::default()
+        })
+        .unwrap();
+        std::fs::remove_file(path).ok();
+        assert_eq!(cfg.served_model_names, ["solo"]);
     }
 
     #[test]
