@@ -119,7 +119,7 @@ fn required_string<'a>(
     p: &str,
 ) -> Result<&'a str, ApiError> {
     match item.get(key) {
-        Some(Value::String(s)) if !s.is_empty() => Ok(s),
+        Some(Value::String(s)) if !s.is_empty() => Ok(s.as_str()),
         _ => Err(ApiError::invalid(
             format!("{p}.{key}"),
             format!("'{p}.{key}' is required and must be a non-empty string"),
