@@ -1,7 +1,7 @@
-//! k3serve's HTTP API: OpenAI (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) and
-//! Anthropic (`/v1/messages`) protocols, `/health`, Prometheus `/metrics`, and the plugin admin
-//! routes, over a [`backend::ChatBackend`]: `k3_frontend::Frontend` runs the actual request
-//! path; this crate knows only the protocols.
+//! k3serve's HTTP API: OpenAI (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`,
+//! `/v1/models`) and Anthropic (`/v1/messages`) protocols, `/health`, Prometheus `/metrics`, and
+//! the plugin admin routes, over a [`backend::ChatBackend`]: `k3_frontend::Frontend` runs the
+//! actual request path; this crate knows only the protocols.
 
 pub mod access_log;
 pub mod admin;

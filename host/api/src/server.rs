@@ -21,6 +21,7 @@ pub fn build_router(state: AppState) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(openai::chat::chat_completions))
         .route("/v1/completions", post(openai::completions::completions))
+        .route("/v1/responses", post(openai::responses::create_response))
         .route("/v1/models", get(openai::models::list_models))
         .route("/v1/models/{*model}", get(openai::models::get_model))
         .route("/v1/messages", post(anthropic::messages::messages))

@@ -1,10 +1,11 @@
-//! The OpenAI protocol: chat completions, completions, models.
+//! The OpenAI protocol: chat completions, completions, models, responses.
 
 pub mod chat;
 pub mod chat_request;
 pub mod completions;
 pub mod messages;
 pub mod models;
+pub mod responses;
 
 use serde::Deserialize;
 use serde_json::{Value, json};
