@@ -18,6 +18,7 @@
 //! `wasm32-wasip2` the macro exports the component.
 
 mod accumulate;
+mod grammar;
 #[cfg(target_arch = "wasm32")]
 #[doc(hidden)]
 pub mod adapters;
@@ -28,6 +29,7 @@ pub mod testing;
 pub mod text;
 
 pub use accumulate::Accumulator;
+pub use grammar::{GrammarRequest, OutputGrammar, ToolChoice, ToolGrammar};
 pub use k3_segments::Segment;
 
 /// The WIT package version this SDK builds plugins against.
