@@ -20,7 +20,8 @@ pub const TOOLS_TRIGGER: &str = "<|open|>tools<|sep|>";
 
 /// Text that spells no marker. The model writes markers as special tokens; text tokens that
 /// spell one would read as a marker to the parsers, so free text may not contain one.
-const TEXT_TERMINAL: &str = r#"TEXT: /(?s:.)*/ & ~/(?s:.)*(<\|open\|>|<\|close\|>|<\|sep\|>|<\|end_of_msg\|>)(?s:.)*/"#;
+const TEXT_TERMINAL: &str =
+    r#"TEXT: /(?s:.)*/ & ~/(?s:.)*(<\|open\|>|<\|close\|>|<\|sep\|>|<\|end_of_msg\|>)(?s:.)*/"#;
 /// An attribute value as the renderer escapes it: no raw `"`, and no `<` (so no marker).
 const ATTR_TERMINAL: &str = r#"ATTR: /[^"<]*/"#;
 /// Non-string argument types as the renderer writes them (`json_type`).
@@ -166,12 +167,7 @@ impl Grammar {
     }
 
     /// The `start` rule of a whole message; `tools` is the (possibly optional) tools block.
-    fn message(
-        &mut self,
-        prompt_opens_reasoning: bool,
-        content: &str,
-        tools: Option<String>,
-    ) {
+    fn message(&mut self, prompt_opens_reasoning: bool, content: &str, tools: Option<String>) {
         self.rule("content", content.to_owned());
         let mut body = String::new();
         if prompt_opens_reasoning {
@@ -200,7 +196,10 @@ impl Grammar {
             let name = format!("call_{i}");
             let open_call = format!(
                 "<|open|> {} INDEX {} <|sep|>",
-                lit(&format!("call tool=\"{}\" index=\"", attr_escape(&tool.name))),
+                lit(&format!(
+                    "call tool=\"{}\" index=\"",
+                    attr_escape(&tool.name)
+                )),
                 lit("\"")
             );
             self.rule(&name, format!("{open_call} {args} {}", close("call")));
@@ -297,7 +296,10 @@ fn argument_alternatives(key: &str, schema: &Value) -> Vec<String> {
     let open = |t: &str| {
         format!(
             "<|open|> {} <|sep|>",
-            lit(&format!("argument key=\"{}\" type=\"{t}\"", attr_escape(key)))
+            lit(&format!(
+                "argument key=\"{}\" type=\"{t}\"",
+                attr_escape(key)
+            ))
         )
     };
     let end = close("argument");
@@ -324,7 +326,11 @@ fn argument_alternatives(key: &str, schema: &Value) -> Vec<String> {
                 if let Some(o) = only.as_object_mut() {
                     o.insert("type".into(), Value::String(t.into()));
                 }
-                format!("{} %json {} {end}", open(written), json_schema(&only, false))
+                format!(
+                    "{} %json {} {end}",
+                    open(written),
+                    json_schema(&only, false)
+                )
             }
             _ => continue,
         };
@@ -348,7 +354,11 @@ fn string_value(schema: &Value) -> String {
     } else {
         format!(
             "({})",
-            choices.iter().map(|c| lit(c)).collect::<Vec<_>>().join(" | ")
+            choices
+                .iter()
+                .map(|c| lit(c))
+                .collect::<Vec<_>>()
+                .join(" | ")
         )
     }
 }

@@ -55,7 +55,8 @@ fn tokenize(text: &str) -> Vec<u32> {
 /// Whether the grammar accepts `text` as a complete output.
 fn accepts(grammar: &OutputGrammar, text: &str) -> bool {
     let parser = factory().create_parser(TopLevelGrammar::from_lark(grammar.lark.clone()));
-    let parser = parser.unwrap_or_else(|e| panic!("grammar does not compile: {e}\n{}", grammar.lark));
+    let parser =
+        parser.unwrap_or_else(|e| panic!("grammar does not compile: {e}\n{}", grammar.lark));
     let mut m = Matcher::new(Ok(parser));
     let tokens = tokenize(text);
     // The end-of-message token is EOS: consumed as the grammar's last token.
@@ -125,9 +126,11 @@ fn call(name: &str, arguments: Value) -> Value {
 
 #[test]
 fn rendered_calls_are_accepted_by_required_and_named() {
-    let one = rendered_turn(json!({"role": "assistant", "reasoning_content": "think a bit",
+    let one = rendered_turn(
+        json!({"role": "assistant", "reasoning_content": "think a bit",
         "content": "Let me check.",
-        "tool_calls": [call("get_weather", json!({"city": "Paris \"Nord\"", "days": 3}))]}));
+        "tool_calls": [call("get_weather", json!({"city": "Paris \"Nord\"", "days": 3}))]}),
+    );
     assert!(one.contains("type=\"number\"<|sep|>3<|close|>"), "{one}");
     let two = rendered_turn(json!({"role": "assistant", "content": "",
         "tool_calls": [call("get_weather", json!({"city": "Oslo", "days": 1, "unit": "c"})),
@@ -135,7 +138,10 @@ fn rendered_calls_are_accepted_by_required_and_named() {
     // Arguments as a JSON string render as one json block.
     let block = rendered_turn(json!({"role": "assistant", "content": "x",
         "tool_calls": [call("search", json!("{\"query\": \"q\", \"filters\": {\"lang\": \"en\"}}"))]}));
-    assert!(block.contains("<|open|>json type=\"object\"<|sep|>"), "{block}");
+    assert!(
+        block.contains("<|open|>json type=\"object\"<|sep|>"),
+        "{block}"
+    );
     let required = grammar(ToolChoice::Required, true, None);
     for text in [&one, &two, &block] {
         assert!(accepts(&required, text), "required rejects {text}");
@@ -167,7 +173,10 @@ fn wrong_calls_are_rejected() {
     );
     assert!(accepts(&required, &turn(&good)));
     let cases = [
-        ("unknown tool", call("delete_all", &arg("city", "string", "x"))),
+        (
+            "unknown tool",
+            call("delete_all", &arg("city", "string", "x")),
+        ),
         (
             "missing required argument",
             call("get_weather", &arg("city", "string", "Rome")),
@@ -229,16 +238,18 @@ fn thinking_off_starts_in_the_response() {
                 <|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>\
                 <|close|>message<|sep|><|end_of_msg|>";
     assert!(accepts(&g, text));
-    assert!(!accepts(&g, &format!("r<|close|>think<|sep|><|open|>response<|sep|>{text}")));
+    assert!(!accepts(
+        &g,
+        &format!("r<|close|>think<|sep|><|open|>response<|sep|>{text}")
+    ));
 }
 
 #[test]
 fn auto_with_strict_tools_constrains_the_tools_block_after_its_trigger() {
     let g = grammar(ToolChoice::Auto, true, None);
     assert_eq!(g.trigger.as_deref(), Some(TOOLS_TRIGGER));
-    let body = |calls: &str| {
-        format!("{calls}<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>")
-    };
+    let body =
+        |calls: &str| format!("{calls}<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>");
     let strict_ok = "<|open|>call tool=\"search\" index=\"1\"<|sep|><|open|>argument \
                      key=\"query\" type=\"string\"<|sep|>q<|close|>argument<|sep|><|close|>call<|sep|>";
     let strict_bad = "<|open|>call tool=\"search\" index=\"1\"<|sep|><|open|>argument \
@@ -266,7 +277,8 @@ fn auto_with_strict_tools_constrains_the_tools_block_after_its_trigger() {
 
 #[test]
 fn content_lark_constrains_the_response() {
-    let schema = r#"%json {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}"#;
+    let schema =
+        r#"%json {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}"#;
     let g = grammar(ToolChoice::None, true, Some(schema));
     assert_eq!(g.trigger, None);
     let turn = |content: &str| {
@@ -286,7 +298,10 @@ fn content_lark_constrains_the_response() {
 #[test]
 fn bad_requests_are_refused() {
     let named = output_grammar(&request(ToolChoice::Function("nope".into()), true, None));
-    assert!(matches!(named, Err(k3_plugin_sdk::PluginError::InvalidInput(_))));
+    assert!(matches!(
+        named,
+        Err(k3_plugin_sdk::PluginError::InvalidInput(_))
+    ));
     let no_tools = GrammarRequest {
         tools_json: None,
         ..request(ToolChoice::Required, true, None)

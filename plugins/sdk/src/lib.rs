@@ -18,13 +18,13 @@
 //! `wasm32-wasip2` the macro exports the component.
 
 mod accumulate;
-mod grammar;
 #[cfg(target_arch = "wasm32")]
 #[doc(hidden)]
 pub mod adapters;
 #[cfg(target_arch = "wasm32")]
 #[doc(hidden)]
 pub mod bindings;
+mod grammar;
 pub mod testing;
 pub mod text;
 
