@@ -120,6 +120,10 @@ impl Frontend {
         render_prompt(&p.plugins, &p.tokenizer, &p.chat_template, req)
     }
 
+    pub(crate) fn plugins(&self) -> &PluginHost {
+        &self.parts.plugins
+    }
+
     #[cfg(test)]
     pub(crate) fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.parts.tokenizer
