@@ -116,7 +116,7 @@ fn parse_tools(tools_json: Option<&str>) -> Result<Vec<Tool>, PluginError> {
     let Some(text) = tools_json else {
         return Ok(Vec::new());
     };
-    let invalid = |m: String| PluginError::InvalidInput(m);
+    let invalid = PluginError::InvalidInput;
     let value: Value =
         serde_json::from_str(text).map_err(|e| invalid(format!("tools are not JSON: {e}")))?;
     let Value::Array(items) = value else {
