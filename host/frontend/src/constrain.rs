@@ -13,17 +13,9 @@ use k3_structured::{
 use serde_json::Value;
 
 use crate::error::BackendError;
+use crate::output_grammar::OutputGrammar;
 use crate::request::{ChatGenRequest, ToolChoice};
 use crate::tokenizer::Tokenizer;
-
-/// A tool parser's grammar for a chat output (the WIT 0.3 `output-grammar` record).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutputGrammar {
-    /// A complete Lark grammar (rule `start`) for the output.
-    pub lark: String,
-    /// Generation is free until the output ends with this text; the grammar applies after it.
-    pub trigger: Option<String>,
-}
 
 /// The grammar compiler of one model, built on first use (building the token trie takes a few
 /// milliseconds; servers that never constrain never pay it).
@@ -163,35 +155,4 @@ pub(crate) enum Need {
     Required,
     /// Enforced when the parser can build it; served unconstrained otherwise.
     IfSupported,
-}
-
-/// TEMPORARY, until `Frontend::output_grammar` (the tool parser's WIT 0.3 `output-grammar`
-/// export) lands: the K3 grammar of a chat output whose response content must match
-/// `content_lark`, for requests without tool constraints. Anything about tools is refused as
-/// the real export's absence would be.
-pub(crate) fn temporary_output_grammar(
-    tool_choice: &ToolChoice,
-    prompt_opens_reasoning: bool,
-    content_lark: Option<&str>,
-    strict_tools: bool,
-) -> Result<Option<OutputGrammar>, String> {
-    if matches!(tool_choice, ToolChoice::Required | ToolChoice::Function(_)) || strict_tools {
-        return Err("the tool parser has no output grammar".into());
-    }
-    let Some(content) = content_lark else {
-        return Ok(None);
-    };
-    let reasoning = if prompt_opens_reasoning {
-        r#"REASONING <|close|> "think" <|sep|> <|open|> "response" <|sep|>"#
-    } else {
-        ""
-    };
-    Ok(Some(OutputGrammar {
-        lark: format!(
-            "start: {reasoning} content <|close|> \"response\" <|sep|> <|close|> \"message\" <|sep|>\n\
-             content: {content}\n\
-             REASONING: /(.|\\n)*/\n"
-        ),
-        trigger: None,
-    }))
 }

@@ -35,3 +35,24 @@ pub enum BackendError {
     #[error("{0}")]
     Internal(String),
 }
+
+/// Failures of [`Frontend::output_grammar`](crate::Frontend::output_grammar); each converts
+/// into the [`BackendError`] the API maps to a status.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum FrontendError {
+    /// The active tool parser has no `output-grammar` export (WIT 0.3): `tool_choice`
+    /// `required` / a named function and strict tools cannot be enforced (a 400).
+    #[error(
+        "the active tool parser ({plugin}) cannot constrain the output: it has no output grammar (WIT 0.3 `output-grammar` export), so tool_choice \"required\", a named function, strict tools and response_format are not supported with it"
+    )]
+    NoOutputGrammar { plugin: String },
+    /// The parser refused the request as wrong (e.g. a named function that is not a tool).
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// The parser cannot constrain this request.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The plugin failed (trap, timeout, no active parser).
+    #[error("{0}")]
+    Plugin(String),
+}

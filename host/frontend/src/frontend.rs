@@ -18,11 +18,9 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::backend::ChatBackend;
-use crate::constrain::{
-    Constraints, Need, chat_needs_grammar, constrained_sampler, temporary_output_grammar,
-};
+use crate::constrain::{Constraints, Need, chat_needs_grammar, constrained_sampler};
 use crate::detokenizer::IncrementalDetokenizer;
-use crate::error::BackendError;
+use crate::error::{BackendError, FrontendError};
 use crate::events::{GenEvent, Generation};
 use crate::pipeline::{Parsers, RequestPath};
 use crate::plugin_admin;
@@ -137,6 +135,10 @@ impl Frontend {
         render_prompt(&p.plugins, &p.tokenizer, &p.chat_template, req)
     }
 
+    pub(crate) fn plugins(&self) -> &PluginHost {
+        &self.parts.plugins
+    }
+
     #[cfg(test)]
     pub(crate) fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.parts.tokenizer
@@ -215,37 +217,30 @@ impl Frontend {
             })?),
             None => None,
         };
-        let strict_tools = need == Need::IfSupported;
-        let grammar = match temporary_output_grammar(
+        let grammar = match self.output_grammar(
+            &req.tools,
             &req.tool_choice,
             req.thinking,
             content_lark.as_deref(),
-            strict_tools,
         ) {
             Ok(g) => g,
-            Err(_) if need == Need::IfSupported => return Ok(None),
-            Err(e) => {
-                let (param, what) = match &req.tool_choice {
-                    ToolChoice::Required => (
-                        "tool_choice".to_string(),
-                        "tool_choice \"required\"".to_string(),
-                    ),
-                    ToolChoice::Function(f) => {
-                        ("tool_choice".into(), format!("tool_choice naming \"{f}\""))
-                    }
-                    _ => (
-                        req.constraint_param.clone(),
-                        format!("'{}'", req.constraint_param),
-                    ),
+            // Strict tools under `auto` are held to their schema only where the parser can.
+            Err(FrontendError::NoOutputGrammar { .. } | FrontendError::Unsupported(_))
+                if need == Need::IfSupported =>
+            {
+                return Ok(None);
+            }
+            Err(e @ (FrontendError::NoOutputGrammar { .. } | FrontendError::Unsupported(_))) => {
+                let param = match &req.tool_choice {
+                    ToolChoice::Required | ToolChoice::Function(_) => "tool_choice".to_string(),
+                    _ => req.constraint_param.clone(),
                 };
                 return Err(BackendError::NotSupported {
-                    message: format!(
-                        "{what} needs constrained decoding of the chat output, which the tool \
-                         parser plugin cannot provide: {e}"
-                    ),
+                    message: e.to_string(),
                     param: Some(param),
                 });
             }
+            Err(e) => return Err(e.into()),
         };
         let Some(grammar) = grammar else {
             return Ok(None);

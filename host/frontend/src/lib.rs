@@ -9,7 +9,7 @@
 //!
 //! Modules: [`request`] (the neutral requests and the one token-limit check), [`events`] (what
 //! a generation streams), [`error`], [`status`] (model, metrics, plugin versions), [`backend`]
-//! (the trait), `frontend` ([`Frontend`]), `prompt` (render → tokenize), `pipeline` (one
+//! (the trait), `frontend` ([`Frontend`]), `output_grammar` ([`Frontend::output_grammar`]), `prompt` (render → tokenize), `pipeline` (one
 //! request's per-token path), `plugin_admin`, [`sampling_defaults`], and the tokenizer and
 //! detokenizer.
 
@@ -22,6 +22,7 @@ pub mod events;
 #[cfg(test)]
 mod forgery_tests;
 mod frontend;
+mod output_grammar;
 mod pipeline;
 mod plugin_admin;
 mod prompt;
@@ -34,12 +35,12 @@ mod tests;
 mod tokenizer;
 
 pub use backend::ChatBackend;
-pub use constrain::OutputGrammar;
 pub use detokenizer::IncrementalDetokenizer;
-pub use error::BackendError;
+pub use error::{BackendError, FrontendError};
 pub use events::{FinishInfo, FinishReason, GenEvent, Generation, TokenLogprob, TopLogprob};
 pub use frontend::{Frontend, FrontendParts};
 pub use k3_structured::{ConstraintError, OutputConstraint};
+pub use output_grammar::OutputGrammar;
 pub use request::{
     ChatGenRequest, CompletionGenRequest, PromptInput, SamplingOptions, ToolChoice, token_budget,
 };

@@ -355,3 +355,89 @@ async fn chat_content_follows_a_json_schema() {
     assert!(v["name"].is_string() && v["age"].is_i64(), "{v}");
     assert_eq!(finish(&events).reason, FinishReason::Stop, "{content}");
 }
+
+/// The default K3 tool parser exports its output grammar; the frontend passes the request
+/// through and maps the parser's refusals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_grammar_comes_from_the_tool_parser() {
+    let b = backend();
+    let tools = vec![json!({"type": "function", "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}})];
+    let required = b
+        .output_grammar(&tools, &ToolChoice::Required, true, None)
+        .unwrap()
+        .expect("required needs a grammar");
+    assert_eq!(required.trigger, None);
+    assert!(
+        required.lark.contains("call tool=\\\"get_weather\\\""),
+        "{}",
+        required.lark
+    );
+    assert!(
+        required.lark.contains("<|close|> \"think\" <|sep|>"),
+        "{}",
+        required.lark
+    );
+    let named = b
+        .output_grammar(
+            &tools,
+            &ToolChoice::Function("get_weather".into()),
+            false,
+            None,
+        )
+        .unwrap()
+        .unwrap();
+    assert!(!named.lark.contains("\"think\""), "{}", named.lark);
+    // `auto` without strict tools and without a content constraint: nothing to constrain.
+    assert_eq!(
+        b.output_grammar(&tools, &ToolChoice::Auto, true, None),
+        Ok(None)
+    );
+    let strict = vec![json!({"type": "function", "function": {
+        "name": "f", "strict": true, "parameters": {"type": "object"}}})];
+    let auto = b
+        .output_grammar(&strict, &ToolChoice::Auto, true, None)
+        .unwrap()
+        .unwrap();
+    assert_eq!(auto.trigger.as_deref(), Some("<|open|>tools<|sep|>"));
+    let content = b
+        .output_grammar(
+            &[],
+            &ToolChoice::None,
+            true,
+            Some("%json {\"type\": \"object\"}"),
+        )
+        .unwrap()
+        .unwrap();
+    assert!(content.lark.contains("content: %json"), "{}", content.lark);
+    // A named function that is not a tool is the client's mistake: a 400 on `tools`.
+    let unknown = b
+        .output_grammar(&tools, &ToolChoice::Function("nope".into()), true, None)
+        .unwrap_err();
+    assert!(
+        matches!(unknown, FrontendError::InvalidRequest(_)),
+        "{unknown:?}"
+    );
+    assert!(matches!(
+        BackendError::from(unknown),
+        BackendError::InvalidRequest { .. }
+    ));
+}
+
+#[test]
+fn a_parser_without_output_grammar_is_a_distinct_not_supported_error() {
+    let e = FrontendError::from(k3_plugin_host::PluginError::NoOutputGrammar {
+        plugin: "kimi-k2-tools@0.1.0".into(),
+    });
+    assert!(matches!(&e, FrontendError::NoOutputGrammar { .. }));
+    assert!(e.to_string().contains("kimi-k2-tools@0.1.0"), "{e}");
+    match BackendError::from(e) {
+        BackendError::NotSupported { message, param } => {
+            assert!(message.contains("no output grammar"), "{message}");
+            assert_eq!(param.as_deref(), Some("tool_choice"));
+        }
+        other => panic!("{other:?}"),
+    }
+}

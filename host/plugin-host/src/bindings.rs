@@ -1,4 +1,4 @@
-//! wasmtime bindings for every served WIT version (`k3serve:plugin@0.1.0` and `@0.2.0`), one
+//! wasmtime bindings for every served WIT version (`k3serve:plugin@0.1.0`, `@0.2.0`, `@0.3.0`), one
 //! module per version and world; each version has its variants in `StagePre` (served side by
 //! side). In each version the tool world's module owns the shared `types` and `log`
 //! interfaces; the others reuse them. `conv` turns each version's types into the host's.
@@ -115,6 +115,74 @@ pub mod v0_2 {
     pub use tool::k3serve::plugin::types;
 }
 
+pub mod v0_3 {
+    pub mod tool {
+        wasmtime::component::bindgen!({
+            path: "../../wit/v0.3",
+            world: "tool-parser-plugin",
+        });
+    }
+
+    pub mod reasoning {
+        wasmtime::component::bindgen!({
+            path: "../../wit/v0.3",
+            world: "reasoning-parser-plugin",
+            with: {
+                "k3serve:plugin/types": super::tool::k3serve::plugin::types,
+                "k3serve:plugin/log": super::tool::k3serve::plugin::log,
+            },
+        });
+    }
+
+    pub mod template {
+        wasmtime::component::bindgen!({
+            path: "../../wit/v0.3",
+            world: "chat-template-plugin",
+            with: {
+                "k3serve:plugin/types": super::tool::k3serve::plugin::types,
+                "k3serve:plugin/log": super::tool::k3serve::plugin::log,
+            },
+        });
+    }
+
+    pub mod media {
+        wasmtime::component::bindgen!({
+            path: "../../wit/v0.3",
+            world: "media-plugin",
+            with: {
+                "k3serve:plugin/types": super::tool::k3serve::plugin::types,
+                "k3serve:plugin/log": super::tool::k3serve::plugin::log,
+            },
+        });
+    }
+
+    pub mod router {
+        wasmtime::component::bindgen!({
+            path: "../../wit/v0.3",
+            world: "router-plugin",
+            with: {
+                "k3serve:plugin/types": super::tool::k3serve::plugin::types,
+                "k3serve:plugin/log": super::tool::k3serve::plugin::log,
+            },
+        });
+    }
+
+    /// 0.3's optional tool-parser addition: only its `output-grammar` export is used (looked
+    /// up beside the `tool` world's exports of the same component).
+    pub mod tool_grammar {
+        wasmtime::component::bindgen!({
+            path: "../../wit/v0.3",
+            world: "tool-parser-grammar-plugin",
+            with: {
+                "k3serve:plugin/types": super::tool::k3serve::plugin::types,
+                "k3serve:plugin/log": super::tool::k3serve::plugin::log,
+            },
+        });
+    }
+
+    pub use tool::k3serve::plugin::types;
+}
+
 /// Conversions from one version's `types` to the host's types.
 macro_rules! conversions {
     ($version:ident) => {
@@ -197,4 +265,5 @@ macro_rules! conversions {
 pub mod conv {
     conversions!(v0_1);
     conversions!(v0_2);
+    conversions!(v0_3);
 }

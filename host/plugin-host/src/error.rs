@@ -15,7 +15,7 @@ pub enum PluginError {
     #[error("not a loadable WebAssembly component: {0}")]
     InvalidComponent(String),
     #[error(
-        "component does not implement world `k3serve:plugin/{world}` (@0.1.0 or @0.2.0) for the {stage} stage: {detail}"
+        "component does not implement world `k3serve:plugin/{world}` (@0.1.0, @0.2.0 or @0.3.0) for the {stage} stage: {detail}"
     )]
     WrongWorld {
         stage: Stage,
@@ -23,7 +23,7 @@ pub enum PluginError {
         detail: String,
     },
     #[error(
-        "component targets WIT `{found}`, which this host does not serve (served: k3serve:plugin@0.1.x and @0.2.x)"
+        "component targets WIT `{found}`, which this host does not serve (served: k3serve:plugin@0.1.x, @0.2.x and @0.3.x)"
     )]
     UnsupportedWitVersion { found: String },
     #[error("plugin metadata does not match the {stage} stage: {detail}")]
@@ -41,6 +41,12 @@ pub enum PluginError {
     Guest { plugin: String, error: GuestError },
     #[error(transparent)]
     Template(TemplateError),
+    /// The active tool parser does not export `output-grammar` (WIT 0.3), so it cannot say how
+    /// to constrain tool calls.
+    #[error(
+        "the active tool parser ({plugin}) has no output grammar (the optional WIT 0.3 `output-grammar` export), so it cannot constrain the output"
+    )]
+    NoOutputGrammar { plugin: String },
     #[error("this {0} stream already failed or finished; start a new one")]
     StreamClosed(Stage),
 

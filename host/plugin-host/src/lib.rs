@@ -1,5 +1,5 @@
-//! k3serve's WebAssembly plugin host (WIT packages `k3serve:plugin@0.1.0` and `@0.2.0`, served
-//! side by side; see `wit/` and `docs/plugins.md`).
+//! k3serve's WebAssembly plugin host (WIT packages `k3serve:plugin@0.1.0`, `@0.2.0` and
+//! `@0.3.0`, served side by side; see `wit/` and `docs/plugins.md`).
 //!
 //! One wasmtime `Engine` (component model, pooling allocator, epoch interruption) runs the
 //! frontend stages as sandboxed components: every store is capped in memory and time and gets a
@@ -32,6 +32,7 @@ mod bindings;
 mod config;
 mod defaults;
 mod error;
+mod grammar;
 mod registry;
 mod runtime;
 mod smoke;
@@ -48,8 +49,9 @@ pub use k3_segments::Segment;
 pub use streams::{ReasoningStream, ToolStream};
 pub use template::ChatTemplates;
 pub use types::{
-    GuestError, ParseEvent, ParseResult, PluginMetadata, ReasoningOptions, RenderOptions, Stage,
-    TemplateError, ToolCall, ToolOptions, VersionInfo, VersionStats,
+    GrammarRequest, GrammarToolChoice, GuestError, OutputGrammar, ParseEvent, ParseResult,
+    PluginMetadata, ReasoningOptions, RenderOptions, Stage, TemplateError, ToolCall, ToolOptions,
+    VersionInfo, VersionStats,
 };
 
 use registry::Registry;
@@ -153,6 +155,25 @@ impl PluginHost {
     ) -> Result<ParseResult, PluginError> {
         let version = self.registry.active(Stage::ToolParser)?;
         streams::parse_tools(&self.rt, &version, options, text)
+    }
+
+    /// The active tool parser's grammar for `request` (WIT 0.3 `output-grammar`): `Ok(None)`
+    /// when the request needs no constraint, [`PluginError::NoOutputGrammar`] when the parser
+    /// does not export one, [`PluginError::Guest`] when it refuses the request. Costs one
+    /// instantiation plus the guest's work (well under a millisecond for K3): fine per request.
+    pub fn output_grammar(
+        &self,
+        request: &GrammarRequest,
+    ) -> Result<Option<OutputGrammar>, PluginError> {
+        let version = self.registry.active(Stage::ToolParser)?;
+        grammar::output_grammar(&self.rt, &version, request)
+    }
+
+    /// Whether the active tool parser exports `output-grammar`.
+    pub fn tool_parser_has_output_grammar(&self) -> bool {
+        self.registry
+            .active(Stage::ToolParser)
+            .is_ok_and(|v| grammar::has_output_grammar(&v))
     }
 
     /// Load and activate the default Kimi K3 plugins from [`default_plugin_dir`].

@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 use wasmtime::component::Component;
 
 use crate::bindings::v0_1::{media, reasoning, router, template, tool};
-use crate::bindings::{conv, v0_2};
+use crate::bindings::{conv, v0_2, v0_3};
 use crate::error::PluginError;
 use crate::runtime::{Runtime, StoreState};
 use crate::template::WarmTemplate;
@@ -21,6 +21,7 @@ use crate::types::{PluginMetadata, Stage, VersionInfo, VersionStats};
 pub(crate) enum WitVersion {
     V0_1,
     V0_2,
+    V0_3,
 }
 
 impl WitVersion {
@@ -29,6 +30,7 @@ impl WitVersion {
         match self {
             WitVersion::V0_1 => "0.1.",
             WitVersion::V0_2 => "0.2.",
+            WitVersion::V0_3 => "0.3.",
         }
     }
 }
@@ -45,7 +47,20 @@ pub(crate) enum StagePre {
     ToolV0_2(v0_2::tool::ToolParserPluginPre<StoreState>),
     MediaV0_2(v0_2::media::MediaPluginPre<StoreState>),
     RouterV0_2(v0_2::router::RouterPluginPre<StoreState>),
+    TemplateV0_3(v0_3::template::ChatTemplatePluginPre<StoreState>),
+    ReasoningV0_3(v0_3::reasoning::ReasoningParserPluginPre<StoreState>),
+    ToolV0_3(ToolPreV0_3),
+    MediaV0_3(v0_3::media::MediaPluginPre<StoreState>),
+    RouterV0_3(v0_3::router::RouterPluginPre<StoreState>),
 }
+
+/// A 0.3 tool parser, and where its optional `output-grammar` export is (`None`: not exported).
+pub(crate) struct ToolPreV0_3 {
+    pub tool: v0_3::tool::ToolParserPluginPre<StoreState>,
+    pub grammar: Option<OutputGrammarIndices>,
+}
+
+pub(crate) use v0_3::tool_grammar::exports::k3serve::plugin::output_grammar::GuestIndices as OutputGrammarIndices;
 
 #[derive(Default)]
 pub(crate) struct Counters {
@@ -271,7 +286,7 @@ fn check_wit_version(rt: &Runtime, component: &Component) -> Result<WitVersion, 
         let Some((_, version)) = rest.split_once('@') else {
             continue;
         };
-        let v = [WitVersion::V0_1, WitVersion::V0_2]
+        let v = [WitVersion::V0_1, WitVersion::V0_2, WitVersion::V0_3]
             .into_iter()
             .find(|v| version.starts_with(v.prefix()))
             .ok_or_else(|| PluginError::UnsupportedWitVersion {
@@ -306,7 +321,7 @@ fn type_check(
     })?;
     let exports = || export_names(rt, component).join(", ");
     let missing = |e: wasmtime::Error| wrong(format!("{e:#} (component exports: [{}])", exports()));
-    use WitVersion::{V0_1, V0_2};
+    use WitVersion::{V0_1, V0_2, V0_3};
     Ok(match (wit, stage) {
         (V0_1, Stage::ChatTemplate) => {
             StagePre::Template(template::ChatTemplatePluginPre::new(pre).map_err(missing)?)
@@ -335,6 +350,33 @@ fn type_check(
         }
         (V0_2, Stage::Router) => {
             StagePre::RouterV0_2(v0_2::router::RouterPluginPre::new(pre).map_err(missing)?)
+        }
+        (V0_3, Stage::ChatTemplate) => StagePre::TemplateV0_3(
+            v0_3::template::ChatTemplatePluginPre::new(pre).map_err(missing)?,
+        ),
+        (V0_3, Stage::ReasoningParser) => StagePre::ReasoningV0_3(
+            v0_3::reasoning::ReasoningParserPluginPre::new(pre).map_err(missing)?,
+        ),
+        (V0_3, Stage::ToolParser) => {
+            // `output-grammar` is optional: absent is fine, present it must type-check.
+            let exports_grammar = export_names(rt, component)
+                .iter()
+                .any(|n| n.starts_with("k3serve:plugin/output-grammar@"));
+            let grammar = if exports_grammar {
+                Some(OutputGrammarIndices::new(&pre).map_err(missing)?)
+            } else {
+                None
+            };
+            StagePre::ToolV0_3(ToolPreV0_3 {
+                tool: v0_3::tool::ToolParserPluginPre::new(pre).map_err(missing)?,
+                grammar,
+            })
+        }
+        (V0_3, Stage::Media) => {
+            StagePre::MediaV0_3(v0_3::media::MediaPluginPre::new(pre).map_err(missing)?)
+        }
+        (V0_3, Stage::Router) => {
+            StagePre::RouterV0_3(v0_3::router::RouterPluginPre::new(pre).map_err(missing)?)
         }
     })
 }
@@ -366,6 +408,11 @@ fn self_check(
         StagePre::ToolV0_2(p) => meta_and_test!(p, v0_2),
         StagePre::MediaV0_2(p) => meta_and_test!(p, v0_2),
         StagePre::RouterV0_2(p) => meta_and_test!(p, v0_2),
+        StagePre::TemplateV0_3(p) => meta_and_test!(p, v0_3),
+        StagePre::ReasoningV0_3(p) => meta_and_test!(p, v0_3),
+        StagePre::ToolV0_3(p) => meta_and_test!(p.tool, v0_3),
+        StagePre::MediaV0_3(p) => meta_and_test!(p, v0_3),
+        StagePre::RouterV0_3(p) => meta_and_test!(p, v0_3),
     };
     if meta.stage != stage {
         return Err(PluginError::MetadataMismatch {

@@ -22,6 +22,8 @@ use crate::bindings::v0_1::tool::k3serve::plugin::log as wit_log;
 use crate::bindings::v0_1::types::LogLevel;
 use crate::bindings::v0_2::tool::k3serve::plugin::log as wit_log_v0_2;
 use crate::bindings::v0_2::types::LogLevel as LogLevelV0_2;
+use crate::bindings::v0_3::tool::k3serve::plugin::log as wit_log_v0_3;
+use crate::bindings::v0_3::types::LogLevel as LogLevelV0_3;
 use crate::config::PluginHostConfig;
 use crate::error::PluginError;
 
@@ -137,6 +139,19 @@ impl wit_log_v0_2::Host for StoreState {
     }
 }
 
+impl wit_log_v0_3::Host for StoreState {
+    fn log(&mut self, level: LogLevelV0_3, message: String) {
+        let level = match level {
+            LogLevelV0_3::Trace => LogLevel::Trace,
+            LogLevelV0_3::Debug => LogLevel::Debug,
+            LogLevelV0_3::Info => LogLevel::Info,
+            LogLevelV0_3::Warn => LogLevel::Warn,
+            LogLevelV0_3::Error => LogLevel::Error,
+        };
+        wit_log::Host::log(self, level, message);
+    }
+}
+
 /// Clocks frozen at zero: plugins get no time source (determinism, no timing side channel).
 struct FrozenClock;
 impl HostWallClock for FrozenClock {
@@ -208,6 +223,8 @@ impl Runtime {
         wit_log::add_to_linker::<StoreState, HasSelf<StoreState>>(&mut linker, |s| s)
             .map_err(|e| PluginError::Engine(e.to_string()))?;
         wit_log_v0_2::add_to_linker::<StoreState, HasSelf<StoreState>>(&mut linker, |s| s)
+            .map_err(|e| PluginError::Engine(e.to_string()))?;
+        wit_log_v0_3::add_to_linker::<StoreState, HasSelf<StoreState>>(&mut linker, |s| s)
             .map_err(|e| PluginError::Engine(e.to_string()))?;
 
         let mut h = ShaHasher(Sha256::new());

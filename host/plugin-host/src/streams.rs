@@ -15,6 +15,10 @@ use crate::bindings::v0_2::reasoning::ReasoningParserPlugin as ReasoningParserPl
 use crate::bindings::v0_2::reasoning::exports::k3serve::plugin::reasoning_parser as rp2;
 use crate::bindings::v0_2::tool::ToolParserPlugin as ToolParserPluginV0_2;
 use crate::bindings::v0_2::tool::exports::k3serve::plugin::tool_parser as tp2;
+use crate::bindings::v0_3::reasoning::ReasoningParserPlugin as ReasoningParserPluginV0_3;
+use crate::bindings::v0_3::reasoning::exports::k3serve::plugin::reasoning_parser as rp3;
+use crate::bindings::v0_3::tool::ToolParserPlugin as ToolParserPluginV0_3;
+use crate::bindings::v0_3::tool::exports::k3serve::plugin::tool_parser as tp3;
 use crate::error::PluginError;
 use crate::registry::{PluginVersion, StagePre};
 use crate::runtime::{Runtime, StoreState};
@@ -25,6 +29,8 @@ enum Instance {
     Tool(ToolParserPlugin),
     ReasoningV0_2(ReasoningParserPluginV0_2),
     ToolV0_2(ToolParserPluginV0_2),
+    ReasoningV0_3(ReasoningParserPluginV0_3),
+    ToolV0_3(ToolParserPluginV0_3),
 }
 
 /// What the two stream types share.
@@ -126,6 +132,18 @@ impl Session {
                     );
                     (Instance::ReasoningV0_2(i), h)
                 }
+                StagePre::ReasoningV0_3(pre) => {
+                    let o = reasoning_options!(rp3, options);
+                    let (i, h) = start!(
+                        rt,
+                        st,
+                        pre,
+                        k3serve_plugin_reasoning_parser,
+                        reasoning_stream,
+                        o
+                    );
+                    (Instance::ReasoningV0_3(i), h)
+                }
                 _ => return Err(PluginError::NoActivePlugin(Stage::ReasoningParser)),
             })
         })?;
@@ -158,6 +176,12 @@ impl Session {
                     let o = tool_options!(tp2, options);
                     let (i, h) = start!(rt, st, pre, k3serve_plugin_tool_parser, tool_stream, o);
                     (Instance::ToolV0_2(i), h)
+                }
+                StagePre::ToolV0_3(pre) => {
+                    let o = tool_options!(tp3, options);
+                    let pre = &pre.tool;
+                    let (i, h) = start!(rt, st, pre, k3serve_plugin_tool_parser, tool_stream, o);
+                    (Instance::ToolV0_3(i), h)
                 }
                 _ => return Err(PluginError::NoActivePlugin(Stage::ToolParser)),
             })
@@ -207,6 +231,14 @@ impl Session {
                 Instance::ToolV0_2(inst) => {
                     let api = inst.k3serve_plugin_tool_parser().tool_stream();
                     feed!(rt, store, api, handle, delta, finish, v0_2)
+                }
+                Instance::ReasoningV0_3(inst) => {
+                    let api = inst.k3serve_plugin_reasoning_parser().reasoning_stream();
+                    feed!(rt, store, api, handle, delta, finish, v0_3)
+                }
+                Instance::ToolV0_3(inst) => {
+                    let api = inst.k3serve_plugin_tool_parser().tool_stream();
+                    feed!(rt, store, api, handle, delta, finish, v0_3)
                 }
             };
             guest(version, events)
@@ -324,6 +356,18 @@ pub(crate) fn parse_reasoning(
                 v0_2
             )
         }
+        StagePre::ReasoningV0_3(pre) => {
+            let o = reasoning_options!(rp3, options);
+            parse_once!(
+                rt,
+                version,
+                pre,
+                k3serve_plugin_reasoning_parser,
+                o,
+                text,
+                v0_3
+            )
+        }
         _ => Err(PluginError::NoActivePlugin(Stage::ReasoningParser)),
     }
 }
@@ -343,6 +387,11 @@ pub(crate) fn parse_tools(
         StagePre::ToolV0_2(pre) => {
             let o = tool_options!(tp2, options);
             parse_once!(rt, version, pre, k3serve_plugin_tool_parser, o, text, v0_2)
+        }
+        StagePre::ToolV0_3(pre) => {
+            let o = tool_options!(tp3, options);
+            let pre = &pre.tool;
+            parse_once!(rt, version, pre, k3serve_plugin_tool_parser, o, text, v0_3)
         }
         _ => Err(PluginError::NoActivePlugin(Stage::ToolParser)),
     }

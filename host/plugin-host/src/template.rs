@@ -2,7 +2,7 @@
 //! template costs several times a render, so each warm instance keeps its compiled `template`
 //! resources keyed by the template text's hash.
 //!
-//! Renders come back as [`Segment`]s: template markup vs client text. A WIT 0.2 template says so
+//! Renders come back as [`Segment`]s: template markup vs client text. A WIT 0.2/0.3 template says so
 //! itself (given the special-token spellings); around a 0.1 template, which returns one string,
 //! the host applies the same taint substitution (`k3_segments`) itself — the v0.1 rule in
 //! `docs/plugins.md`.
@@ -20,6 +20,8 @@ use crate::bindings::v0_1::template::ChatTemplatePlugin;
 use crate::bindings::v0_1::template::exports::k3serve::plugin::chat_template as ct;
 use crate::bindings::v0_2::template::ChatTemplatePlugin as ChatTemplatePluginV0_2;
 use crate::bindings::v0_2::template::exports::k3serve::plugin::chat_template as ct2;
+use crate::bindings::v0_3::template::ChatTemplatePlugin as ChatTemplatePluginV0_3;
+use crate::bindings::v0_3::template::exports::k3serve::plugin::chat_template as ct3;
 use crate::error::PluginError;
 use crate::registry::{PluginVersion, Registry, StagePre};
 use crate::runtime::{Runtime, StoreState};
@@ -33,6 +35,7 @@ const RENDERS_PER_INSTANCE: u32 = 10_000;
 enum TemplateInstance {
     V0_1(ChatTemplatePlugin),
     V0_2(ChatTemplatePluginV0_2),
+    V0_3(ChatTemplatePluginV0_3),
 }
 
 pub(crate) struct WarmTemplate {
@@ -63,21 +66,24 @@ fn wit_options(o: &RenderOptions) -> ct::RenderOptions {
     }
 }
 
-fn wit_options_v0_2(o: &RenderOptions) -> ct2::RenderOptions {
-    ct2::RenderOptions {
-        add_generation_prompt: o.add_generation_prompt,
-        thinking: o.thinking,
-        thinking_effort: o.thinking_effort.clone(),
-        tool_choice_json: o.tool_choice_json.clone(),
-        response_format_json: o.response_format_json.clone(),
-        extra_kwargs_json: o.extra_kwargs_json.clone(),
-        bos_token: o.bos_token.clone(),
-        eos_token: o.eos_token.clone(),
-        special_tokens: o.special_tokens.clone(),
-    }
+/// 0.2's and 0.3's `render-options` (the same record in each version's module).
+macro_rules! wit_options_segments {
+    ($m:ident, $o:expr) => {
+        $m::RenderOptions {
+            add_generation_prompt: $o.add_generation_prompt,
+            thinking: $o.thinking,
+            thinking_effort: $o.thinking_effort.clone(),
+            tool_choice_json: $o.tool_choice_json.clone(),
+            response_format_json: $o.response_format_json.clone(),
+            extra_kwargs_json: $o.extra_kwargs_json.clone(),
+            bos_token: $o.bos_token.clone(),
+            eos_token: $o.eos_token.clone(),
+            special_tokens: $o.special_tokens.clone(),
+        }
+    };
 }
 
-/// Both versions' `template-error`, with `fix` applied to the message (the v0.1 rule maps its
+/// Each version's `template-error`, with `fix` applied to the message (the v0.1 rule maps its
 /// sentinels back).
 macro_rules! template_error {
     ($m:ident, $e:expr, $fix:expr) => {
@@ -90,13 +96,16 @@ macro_rules! template_error {
     };
 }
 
-fn segments_v0_2(s: Vec<ct2::Segment>) -> Vec<Segment> {
-    s.into_iter()
-        .map(|s| match s {
-            ct2::Segment::Markup(m) => Segment::Markup(m),
-            ct2::Segment::Text(t) => Segment::Text(t),
-        })
-        .collect()
+/// 0.2's and 0.3's `segment` list as the host's.
+macro_rules! segments {
+    ($m:ident, $s:expr) => {
+        $s.into_iter()
+            .map(|s| match s {
+                $m::Segment::Markup(m) => Segment::Markup(m),
+                $m::Segment::Text(t) => Segment::Text(t),
+            })
+            .collect::<Vec<_>>()
+    };
 }
 
 impl ChatTemplates {
@@ -145,7 +154,7 @@ pub(crate) fn render_with(
 ) -> Result<Vec<Segment>, PluginError> {
     if !matches!(
         &version.pre,
-        StagePre::Template(_) | StagePre::TemplateV0_2(_)
+        StagePre::Template(_) | StagePre::TemplateV0_2(_) | StagePre::TemplateV0_3(_)
     ) {
         return Err(PluginError::NoActivePlugin(Stage::ChatTemplate));
     }
@@ -159,6 +168,7 @@ pub(crate) fn render_with(
                 rt.call_template(&mut store, |s| match &version.pre {
                     StagePre::Template(pre) => pre.instantiate(s).map(TemplateInstance::V0_1),
                     StagePre::TemplateV0_2(pre) => pre.instantiate(s).map(TemplateInstance::V0_2),
+                    StagePre::TemplateV0_3(pre) => pre.instantiate(s).map(TemplateInstance::V0_3),
                     _ => unreachable!("checked above"),
                 })
             })?;
@@ -195,13 +205,24 @@ pub(crate) fn render_with(
             TemplateInstance::V0_2(inst) => {
                 let api = inst.k3serve_plugin_chat_template().template();
                 let handle = handle!(api);
-                let opts = wit_options_v0_2(options);
+                let opts = wit_options_segments!(ct2, options);
                 let rendered = rt.call_template(store, |s| {
                     api.call_render(s, handle, messages_json, tools_json, &opts)
                 })?;
                 rendered
-                    .map(segments_v0_2)
+                    .map(|s| segments!(ct2, s))
                     .map_err(|e| template_error!(ct2, e, |m| m))
+            }
+            TemplateInstance::V0_3(inst) => {
+                let api = inst.k3serve_plugin_chat_template().template();
+                let handle = handle!(api);
+                let opts = wit_options_segments!(ct3, options);
+                let rendered = rt.call_template(store, |s| {
+                    api.call_render(s, handle, messages_json, tools_json, &opts)
+                })?;
+                rendered
+                    .map(|s| segments!(ct3, s))
+                    .map_err(|e| template_error!(ct3, e, |m| m))
             }
             TemplateInstance::V0_1(inst) => {
                 // The v0.1 rule: the host taints client strings around the one-string render.

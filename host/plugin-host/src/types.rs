@@ -314,3 +314,41 @@ mod unix_seconds {
         )
     }
 }
+
+/// How the model must use the tools (WIT 0.3 `output-grammar.tool-choice`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GrammarToolChoice {
+    /// Calls are optional; strict tools are held to their schema once a call block opens.
+    Auto,
+    /// At least one call, to any of the tools.
+    Required,
+    /// At least one call, all to this function.
+    Function(String),
+    /// No calls.
+    None,
+}
+
+/// What the tool parser's output grammar is asked for (WIT 0.3 `grammar-request`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrammarRequest {
+    /// The request's `tools` (an OpenAI-shaped JSON array), if any.
+    pub tools_json: Option<String>,
+    pub tool_choice: GrammarToolChoice,
+    /// The prompt ended inside the reasoning channel: the output starts with reasoning.
+    pub prompt_opens_reasoning: bool,
+    /// A Lark expression (llguidance's dialect) the response content must match.
+    pub content_lark: Option<String>,
+    /// Extra options as a JSON object.
+    pub extra_json: Option<String>,
+}
+
+/// A constraint on the model's output (WIT 0.3 `output-grammar`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OutputGrammar {
+    /// A complete Lark grammar in llguidance's dialect (rule `start`).
+    pub lark: String,
+    /// `None`: the grammar applies from the first generated token. `Some(t)`: generation is
+    /// free until the output ends with the text `t` (which may spell special tokens); the
+    /// grammar applies to what follows.
+    pub trigger: Option<String>,
+}

@@ -509,12 +509,17 @@ fn bad_components_are_refused_at_load() {
         ),
         "{misfit:?}"
     );
-    let future = host.load(Stage::ToolParser, &wasm("testdata_wit_v0_3.wasm"));
+    let future = host.load(Stage::ToolParser, &wasm("testdata_wit_v0_4.wasm"));
     assert!(
-        matches!(&future, Err(PluginError::UnsupportedWitVersion { found }) if found == "k3serve:plugin@0.3.0"),
+        matches!(&future, Err(PluginError::UnsupportedWitVersion { found }) if found == "k3serve:plugin@0.4.0"),
         "{future:?}"
     );
-    assert!(future.unwrap_err().to_string().contains("0.1.x and @0.2.x"));
+    assert!(
+        future
+            .unwrap_err()
+            .to_string()
+            .contains("@0.2.x and @0.3.x")
+    );
     // Passes its own self-test, but streaming and one-shot disagree: the host's smoke test says no.
     let inconsistent = host.load(Stage::ReasoningParser, &wasm("testdata_inconsistent.wasm"));
     assert!(

@@ -1,6 +1,8 @@
-//! WIT 0.1 and 0.2 served side by side: a 0.1 chat template (one string) and the default 0.2
-//! one (segments) both load and hot-swap, and under both a client's forged markers come back as
-//! text segments (0.2: the template says so; 0.1: the host's own substitution).
+//! WIT 0.1, 0.2 and 0.3 served side by side: a 0.1 chat template (one string) and the default
+//! 0.3 one (segments) both load and hot-swap, and under both a client's forged markers come back
+//! as text segments (0.2/0.3: the template says so; 0.1: the host's own substitution). Tool
+//! parsers with and without the 0.3 `output-grammar` export (the default K3 one; the K2 one and
+//! a 0.2 build of the K3 parser) swap for one another, and only the first gives a grammar.
 
 use k3_plugin_host::*;
 use serde_json::{Value, json};
@@ -90,12 +92,12 @@ fn check_forged_is_text(segments: &[Segment]) {
 }
 
 #[test]
-fn v0_1_and_v0_2_templates_load_hot_swap_and_segment() {
+fn v0_1_and_v0_3_templates_load_hot_swap_and_segment() {
     let host = PluginHost::new(PluginHostConfig::default()).unwrap();
     let v2 = host
         .install(Stage::ChatTemplate, &wasm("kimi_k3_template.wasm"))
         .unwrap();
-    assert_eq!(v2.metadata.wit_version, "0.2.0");
+    assert_eq!(v2.metadata.wit_version, "0.3.0");
     let template = k3_template();
     let templates = host.chat_template();
     let (messages, tools) = (forged_messages(), forged_tools());
@@ -114,7 +116,7 @@ fn v0_1_and_v0_2_templates_load_hot_swap_and_segment() {
     assert!(host.active(Stage::ChatTemplate).unwrap().id == v1.id);
     let by_v1 = render();
     check_forged_is_text(&by_v1);
-    // Same template, same input: the v0.1 rule gives what the v0.2 template says.
+    // Same template, same input: the v0.1 rule gives what the v0.3 template says.
     assert_eq!(by_v1, by_v2);
     // Errors raised on client text read as the client wrote it.
     let bad = templates.render_segments(&template, r#"[{"role":"<|open|>"}]"#, None, &options());
@@ -136,4 +138,89 @@ fn v0_1_and_v0_2_templates_load_hot_swap_and_segment() {
     let back = host.rollback(Stage::ChatTemplate).unwrap();
     assert_eq!(back.id, v2.id);
     assert_eq!(render(), by_v2);
+}
+
+const CALL: &str = "ok<|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|>\
+<|open|>argument key=\"city\" type=\"string\"<|sep|>Oslo<|close|>argument<|sep|><|close|>call<|sep|>\
+<|close|>tools<|sep|>";
+
+fn grammar_request(choice: GrammarToolChoice) -> GrammarRequest {
+    GrammarRequest {
+        tools_json: Some(
+            json!([{"type": "function", "function": {"name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                               "required": ["city"]}}}])
+            .to_string(),
+        ),
+        tool_choice: choice,
+        prompt_opens_reasoning: true,
+        content_lark: None,
+        extra_json: None,
+    }
+}
+
+#[test]
+fn output_grammar_only_from_tool_parsers_that_export_it() {
+    let host = PluginHost::new(PluginHostConfig::default()).unwrap();
+    let k3 = host
+        .install(Stage::ToolParser, &wasm("kimi_k3_tools.wasm"))
+        .unwrap();
+    assert_eq!(k3.metadata.wit_version, "0.3.0");
+    assert!(host.tool_parser_has_output_grammar());
+    let required = host
+        .output_grammar(&grammar_request(GrammarToolChoice::Required))
+        .unwrap()
+        .expect("required is constrained");
+    assert!(required.lark.contains("get_weather"), "{}", required.lark);
+    assert_eq!(required.trigger, None);
+    assert_eq!(
+        host.output_grammar(&grammar_request(GrammarToolChoice::Auto)),
+        Ok(None)
+    );
+    // The plugin refuses a named function that is not a tool, as invalid input.
+    let unknown = host.output_grammar(&grammar_request(GrammarToolChoice::Function("x".into())));
+    assert!(
+        matches!(
+            &unknown,
+            Err(PluginError::Guest {
+                error: GuestError::InvalidInput(_),
+                ..
+            })
+        ),
+        "{unknown:?}"
+    );
+
+    // A 0.2 tool parser and the 0.3 K2 one (no export): no grammar, and they still parse.
+    for file in ["testdata_tools_v0_2.wasm", "kimi_k2_tools.wasm"] {
+        let v = host.install(Stage::ToolParser, &wasm(file)).unwrap();
+        assert!(!host.tool_parser_has_output_grammar(), "{file}");
+        let none = host.output_grammar(&grammar_request(GrammarToolChoice::Required));
+        assert!(
+            matches!(&none, Err(PluginError::NoOutputGrammar { plugin }) if plugin.starts_with(&v.metadata.name)),
+            "{file}: {none:?}"
+        );
+        assert!(none.unwrap_err().to_string().contains("no output grammar"));
+        let opts = ToolOptions {
+            id_prefix: "c_".into(),
+            ..ToolOptions::default()
+        };
+        let parsed = host.parse_tools(&opts, CALL).unwrap();
+        if file.contains("v0_2") {
+            assert_eq!(v.metadata.wit_version, "0.2.0");
+            assert_eq!(parsed.tool_calls.len(), 1, "{parsed:?}");
+            assert_eq!(parsed.tool_calls[0].arguments, r#"{"city":"Oslo"}"#);
+        }
+        let mut stream = host.tool_stream(&opts).unwrap();
+        let mut events = stream.feed(CALL).unwrap();
+        events.extend(stream.finish().unwrap());
+        assert_eq!(ParseResult::from_events(&events), parsed, "{file}");
+    }
+    // Swapping back brings the grammar back.
+    host.activate(Stage::ToolParser, k3.id).unwrap();
+    assert!(host.tool_parser_has_output_grammar());
+    assert!(
+        host.output_grammar(&grammar_request(GrammarToolChoice::Required))
+            .unwrap()
+            .is_some()
+    );
 }

@@ -4,6 +4,7 @@
 //!
 //! Pipeline: model text → [`K3ReasoningParser`] → its content → [`K3ToolParser`].
 
+pub mod grammar;
 pub mod reasoning;
 pub mod tools;
 pub mod xtml;
@@ -11,5 +12,7 @@ pub mod xtml;
 pub use reasoning::K3ReasoningParser;
 pub use tools::K3ToolParser;
 
+#[cfg(test)]
+mod grammar_tests;
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,10 @@
-//! The Kimi K3 tool-call parser plugin: a thin export of `kimi_k3_format::K3ToolParser`.
+//! The Kimi K3 tool-call parser plugin: a thin export of `kimi_k3_format::K3ToolParser`, with
+//! the grammar of its format (`kimi_k3_format::grammar`) as the `output-grammar` export.
 
-use k3_plugin_sdk::{Event, Info, Plugin, PluginError, StreamingParser, ToolOptions, ToolParser};
+use k3_plugin_sdk::{
+    Event, GrammarRequest, Info, OutputGrammar, Plugin, PluginError, StreamingParser, ToolGrammar,
+    ToolOptions, ToolParser,
+};
 use kimi_k3_format::K3ToolParser;
 
 pub struct KimiK3Tools(K3ToolParser);
@@ -40,7 +44,13 @@ impl ToolParser for KimiK3Tools {
     }
 }
 
-k3_plugin_sdk::export_tool_parser!(KimiK3Tools);
+impl ToolGrammar for KimiK3Tools {
+    fn grammar(request: GrammarRequest) -> Result<Option<OutputGrammar>, PluginError> {
+        kimi_k3_format::grammar::output_grammar(&request)
+    }
+}
+
+k3_plugin_sdk::export_tool_parser_with_grammar!(KimiK3Tools);
 
 #[cfg(test)]
 mod tests {

@@ -6,8 +6,8 @@ use std::cell::RefCell;
 use std::marker::PhantomData;
 
 use crate::{
-    ChatTemplate, LogLevel, Plugin, ReasoningOptions, ReasoningParser, RenderOptions,
-    TemplateError, ToolOptions, ToolParser,
+    ChatTemplate, GrammarRequest, LogLevel, Plugin, ReasoningOptions, ReasoningParser,
+    RenderOptions, TemplateError, ToolChoice, ToolGrammar, ToolOptions, ToolParser,
 };
 
 /// Conversions for the shared `types` interface; each world module has its own copy of them.
@@ -82,6 +82,7 @@ macro_rules! common_conversions {
 
 common_conversions!(reasoning);
 common_conversions!(tools);
+common_conversions!(tools_grammar);
 common_conversions!(template);
 
 /// Forward to the host's `log` import.
@@ -149,55 +150,98 @@ impl<P: ReasoningParser + Plugin> rp::meta::Guest for ReasoningComponent<P> {
     }
 }
 
-// ---------------------------------------------------------------- tool-parser world
+// ---------------------------------------------------------------- tool-parser worlds
 
-/// The exported component for a tool parser `P`.
+/// The exported component for a tool parser `P` (world `tool-parser-plugin`).
 pub struct ToolComponent<P>(PhantomData<P>);
-/// The exported `tool-stream` resource.
+/// The exported component for a tool parser `P` with its output grammar (world
+/// `tool-parser-grammar-plugin`).
+pub struct ToolGrammarComponent<P>(PhantomData<P>);
+/// The exported `tool-stream` resource (of either world).
 pub struct ToolStreamAdapter<P>(RefCell<P>);
 
-mod tp {
-    pub use crate::bindings::tools as meta;
-    pub use crate::bindings::tools::exports::k3serve::plugin::tool_parser as api;
-    pub use crate::bindings::tools::k3serve::plugin::types as wit;
+/// The `tool-parser` interface and the world-level exports, for one world's bindings.
+macro_rules! tool_world {
+    ($world:ident, $component:ident) => {
+        const _: () = {
+            use crate::bindings::$world::exports::k3serve::plugin::tool_parser as api;
+            use crate::bindings::$world::k3serve::plugin::types as wit;
+
+            fn tool_options(o: api::ToolOptions) -> ToolOptions {
+                ToolOptions {
+                    tools_json: o.tools_json,
+                    id_prefix: o.id_prefix,
+                    extra_json: o.extra_json,
+                }
+            }
+
+            impl<P: ToolParser> api::GuestToolStream for ToolStreamAdapter<P> {
+                fn new(options: api::ToolOptions) -> Self {
+                    Self(RefCell::new(P::new(tool_options(options))))
+                }
+                fn feed(&self, delta: String) -> Result<Vec<wit::ParseEvent>, wit::PluginError> {
+                    $world::events(self.0.borrow_mut().feed(&delta))
+                }
+                fn finish(&self) -> Result<Vec<wit::ParseEvent>, wit::PluginError> {
+                    $world::events(self.0.borrow_mut().finish())
+                }
+            }
+
+            impl<P: ToolParser + Plugin> api::Guest for $component<P> {
+                type ToolStream = ToolStreamAdapter<P>;
+                fn parse(
+                    options: api::ToolOptions,
+                    text: String,
+                ) -> Result<wit::ParseResult, wit::PluginError> {
+                    $world::result(P::new(tool_options(options)).parse_all(&text))
+                }
+            }
+
+            impl<P: ToolParser + Plugin> crate::bindings::$world::Guest for $component<P> {
+                fn metadata() -> wit::PluginMetadata {
+                    $world::metadata(P::INFO, wit::Stage::ToolParser)
+                }
+                fn self_test() -> Result<(), String> {
+                    P::self_test()
+                }
+            }
+        };
+    };
 }
 
-fn tool_options(o: tp::api::ToolOptions) -> ToolOptions {
-    ToolOptions {
-        tools_json: o.tools_json,
-        id_prefix: o.id_prefix,
-        extra_json: o.extra_json,
-    }
+tool_world!(tools, ToolComponent);
+tool_world!(tools_grammar, ToolGrammarComponent);
+
+mod og {
+    pub use crate::bindings::tools_grammar::exports::k3serve::plugin::output_grammar as api;
+    pub use crate::bindings::tools_grammar::k3serve::plugin::types as wit;
 }
 
-impl<P: ToolParser> tp::api::GuestToolStream for ToolStreamAdapter<P> {
-    fn new(options: tp::api::ToolOptions) -> Self {
-        Self(RefCell::new(P::new(tool_options(options))))
-    }
-    fn feed(&self, delta: String) -> Result<Vec<tp::wit::ParseEvent>, tp::wit::PluginError> {
-        tools::events(self.0.borrow_mut().feed(&delta))
-    }
-    fn finish(&self) -> Result<Vec<tp::wit::ParseEvent>, tp::wit::PluginError> {
-        tools::events(self.0.borrow_mut().finish())
-    }
-}
-
-impl<P: ToolParser + Plugin> tp::api::Guest for ToolComponent<P> {
-    type ToolStream = ToolStreamAdapter<P>;
-    fn parse(
-        options: tp::api::ToolOptions,
-        text: String,
-    ) -> Result<tp::wit::ParseResult, tp::wit::PluginError> {
-        tools::result(P::new(tool_options(options)).parse_all(&text))
-    }
-}
-
-impl<P: ToolParser + Plugin> tp::meta::Guest for ToolComponent<P> {
-    fn metadata() -> tp::wit::PluginMetadata {
-        tools::metadata(P::INFO, tp::wit::Stage::ToolParser)
-    }
-    fn self_test() -> Result<(), String> {
-        P::self_test()
+impl<P: ToolParser + Plugin + ToolGrammar> og::api::Guest for ToolGrammarComponent<P> {
+    fn grammar(
+        request: og::api::GrammarRequest,
+    ) -> Result<Option<og::api::OutputGrammar>, og::wit::PluginError> {
+        let tool_choice = match request.tool_choice {
+            og::api::ToolChoice::Auto => ToolChoice::Auto,
+            og::api::ToolChoice::Required => ToolChoice::Required,
+            og::api::ToolChoice::Function(name) => ToolChoice::Function(name),
+            og::api::ToolChoice::None => ToolChoice::None,
+        };
+        let request = GrammarRequest {
+            tools_json: request.tools_json,
+            tool_choice,
+            prompt_opens_reasoning: request.prompt_opens_reasoning,
+            content_lark: request.content_lark,
+            extra_json: request.extra_json,
+        };
+        P::grammar(request)
+            .map(|g| {
+                g.map(|g| og::api::OutputGrammar {
+                    lark: g.lark,
+                    trigger: g.trigger,
+                })
+            })
+            .map_err(tools_grammar::error)
     }
 }
 

@@ -3,7 +3,7 @@
 
 pub mod reasoning {
     wit_bindgen::generate!({
-        path: "../../wit/v0.2",
+        path: "../../wit/v0.3",
         world: "reasoning-parser-plugin",
         pub_export_macro: true,
         export_macro_name: "__export_reasoning_world",
@@ -13,7 +13,7 @@ pub mod reasoning {
 
 pub mod tools {
     wit_bindgen::generate!({
-        path: "../../wit/v0.2",
+        path: "../../wit/v0.3",
         world: "tool-parser-plugin",
         pub_export_macro: true,
         export_macro_name: "__export_tool_world",
@@ -23,10 +23,13 @@ pub mod tools {
 
 pub mod template {
     wit_bindgen::generate!({
-        path: "../../wit/v0.2",
+        path: "../../wit/v0.3",
         world: "chat-template-plugin",
         pub_export_macro: true,
         export_macro_name: "__export_template_world",
         default_bindings_module: "k3_plugin_sdk::bindings::template",
     });
 }
+
+/// A tool parser that also exports `output-grammar` (WIT 0.3); its own crate (see there why).
+pub use k3_plugin_sdk_tool_grammar::world as tools_grammar;

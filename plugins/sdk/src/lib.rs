@@ -1,4 +1,4 @@
-//! SDK for k3serve plugins (WIT package `k3serve:plugin@0.2.0`).
+//! SDK for k3serve plugins (WIT package `k3serve:plugin@0.3.0`).
 //!
 //! A plugin author writes an ordinary Rust type that implements [`Plugin`] plus one stage trait
 //! ([`ReasoningParser`], [`ToolParser`] or [`ChatTemplate`]) and exports it with one macro:
@@ -24,14 +24,16 @@ pub mod adapters;
 #[cfg(target_arch = "wasm32")]
 #[doc(hidden)]
 pub mod bindings;
+mod grammar;
 pub mod testing;
 pub mod text;
 
 pub use accumulate::Accumulator;
+pub use grammar::{GrammarRequest, OutputGrammar, ToolChoice, ToolGrammar};
 pub use k3_segments::Segment;
 
 /// The WIT package version this SDK builds plugins against.
-pub const WIT_VERSION: &str = "0.2.0";
+pub const WIT_VERSION: &str = "0.3.0";
 
 /// One streaming event (WIT `parse-event`). Markers never appear in the text of events.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -323,6 +325,19 @@ macro_rules! export_tool_parser {
         const _: () = {
             type __K3Component = $crate::adapters::ToolComponent<$parser>;
             $crate::bindings::tools::__export_tool_world!(__K3Component with_types_in $crate::bindings::tools);
+        };
+    };
+}
+
+/// Export a [`ToolParser`] + [`ToolGrammar`] + [`Plugin`] type as the
+/// `tool-parser-grammar-plugin` world: the tool parser plus its `output-grammar`.
+#[macro_export]
+macro_rules! export_tool_parser_with_grammar {
+    ($parser:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            type __K3Component = $crate::adapters::ToolGrammarComponent<$parser>;
+            $crate::bindings::tools_grammar::__export_tool_grammar_world!(__K3Component with_types_in $crate::bindings::tools_grammar);
         };
     };
 }

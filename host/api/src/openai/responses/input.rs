@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use serde_json::{Map, Value, json};
 
 use crate::error::ApiError;
+use crate::unknown_fields::UnknownFields;
 
 /// Chat messages with, for each, the request field it came from (`instructions`, `input[3]`),
 /// so errors found later on the chat form can name the Responses field.
@@ -99,15 +100,16 @@ fn known_fields(kind: &str) -> &'static [&'static str] {
     }
 }
 
-fn check_fields(item: &Map<String, Value>, kind: &str, p: &str) -> Result<(), ApiError> {
+fn check_fields(
+    item: &Map<String, Value>,
+    kind: &str,
+    p: &str,
+    unknown: &mut UnknownFields,
+) -> Result<(), ApiError> {
     let known = known_fields(kind);
     for key in item.keys() {
         if !known.contains(&key.as_str()) {
-            return Err(ApiError::invalid(
-                format!("{p}.{key}"),
-                format!("unknown field '{p}.{key}' in a {kind} item"),
-            )
-            .with_code("unknown_field"));
+            unknown.found(format!("{p}.{key}"))?;
         }
     }
     Ok(())
@@ -228,6 +230,7 @@ fn reasoning_text(item: &Map<String, Value>, p: &str) -> Result<String, ApiError
 pub fn to_chat_messages(
     instructions: Option<&str>,
     input: &Value,
+    unknown: &mut UnknownFields,
 ) -> Result<ChatMessages, ApiError> {
     let mut out = ChatMessages::default();
     if let Some(text) = instructions {
@@ -276,7 +279,7 @@ pub fn to_chat_messages(
         };
         match kind {
             "message" => {
-                check_fields(item, kind, &p)?;
+                check_fields(item, kind, &p, unknown)?;
                 let role = required_string(item, "role", &p)?;
                 match role {
                     "user" | "system" | "developer" => {
@@ -311,7 +314,7 @@ pub fn to_chat_messages(
                 }
             }
             "reasoning" => {
-                check_fields(item, kind, &p)?;
+                check_fields(item, kind, &p, unknown)?;
                 let text = reasoning_text(item, &p)?;
                 if !turn.is_empty() {
                     turn.flush(&mut out);
@@ -323,7 +326,7 @@ pub fn to_chat_messages(
                 }
             }
             "function_call" => {
-                check_fields(item, kind, &p)?;
+                check_fields(item, kind, &p, unknown)?;
                 let call_id = required_string(item, "call_id", &p)?;
                 let name = required_string(item, "name", &p)?;
                 let arguments = match item.get("arguments") {
@@ -348,7 +351,7 @@ pub fn to_chat_messages(
                 }));
             }
             "function_call_output" => {
-                check_fields(item, kind, &p)?;
+                check_fields(item, kind, &p, unknown)?;
                 turn.flush(&mut out);
                 let call_id = required_string(item, "call_id", &p)?;
                 let Some(name) = call_names.get(call_id) else {
@@ -391,12 +394,13 @@ mod tests {
     use super::*;
 
     fn convert(input: Value) -> Result<ChatMessages, ApiError> {
-        to_chat_messages(None, &input)
+        to_chat_messages(None, &input, &mut UnknownFields::strict())
     }
 
     #[test]
     fn a_string_is_one_user_message_after_the_instructions() {
-        let out = to_chat_messages(Some("be brief"), &json!("hi")).unwrap();
+        let out =
+            to_chat_messages(Some("be brief"), &json!("hi"), &mut UnknownFields::strict()).unwrap();
         assert_eq!(
             out.messages,
             vec![

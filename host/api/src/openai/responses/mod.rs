@@ -41,10 +41,11 @@ async fn handle(
     let start = Instant::now();
     let style = ErrorStyle::OpenAi;
     let body = read_body(body, style)?;
-    let request: ResponsesRequest = parse_json(&body, style)?;
+    let mut unknown = state.unknown_fields();
+    let request: ResponsesRequest = parse_json(&body, style, &mut unknown)?;
     state.check_model(&request.model, style)?;
     let id = random_id("resp_");
-    let valid = request.validate(id.clone())?;
+    let valid = request.validate(id.clone(), &mut unknown)?;
     let permit = state.admit(style)?;
     let gens = generation::start_chat(&state, valid.request, 1, style)
         .await

@@ -12,12 +12,12 @@ use serde_json::{Map, Value, json};
 use crate::backend::ChatGenRequest;
 use crate::error::ApiError;
 use crate::openai::chat_request::ChatCompletionRequest;
+use crate::unknown_fields::UnknownFields;
 
 use super::input::{ChatMessages, to_chat_messages};
 
 /// The accepted fields. Others are handled as on the chat route.
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ResponsesRequest {
     pub model: String,
     pub input: Option<Value>,
@@ -129,7 +129,7 @@ fn not_stored(param: &str) -> ApiError {
 }
 
 /// Responses' flat function tool → the chat form (`{"type":"function","function":{...}}`).
-fn chat_tool(tool: &Value, i: usize) -> Result<Value, ApiError> {
+fn chat_tool(tool: &Value, i: usize, unknown: &mut UnknownFields) -> Result<Value, ApiError> {
     let p = format!("tools[{i}]");
     let Value::Object(obj) = tool else {
         return Err(ApiError::invalid(&p, format!("'{p}' must be an object")));
@@ -167,11 +167,7 @@ fn chat_tool(tool: &Value, i: usize) -> Result<Value, ApiError> {
                 function.insert(key.clone(), value.clone());
             }
             _ => {
-                return Err(ApiError::invalid(
-                    format!("{p}.{key}"),
-                    format!("unknown field '{p}.{key}' in a function tool"),
-                )
-                .with_code("unknown_field"));
+                unknown.found(format!("{p}.{key}"))?;
             }
         }
     }
@@ -211,18 +207,17 @@ fn chat_tool_choice(choice: &Value) -> Result<Value, ApiError> {
 }
 
 /// `text.format` → the chat `response_format` it means (`None` for plain text).
-fn chat_response_format(text: &Value) -> Result<Option<Value>, ApiError> {
+fn chat_response_format(
+    text: &Value,
+    unknown: &mut UnknownFields,
+) -> Result<Option<Value>, ApiError> {
     let Value::Object(text) = text else {
         return Err(ApiError::invalid("text", "'text' must be an object"));
     };
     for key in text.keys() {
         // `verbosity` is a hint this server has no lever for.
         if key != "format" && key != "verbosity" {
-            return Err(ApiError::invalid(
-                format!("text.{key}"),
-                format!("unknown field 'text.{key}'"),
-            )
-            .with_code("unknown_field"));
+            unknown.found(format!("text.{key}"))?;
         }
     }
     let format = match text.get("format") {
@@ -247,11 +242,7 @@ fn chat_response_format(text: &Value) -> Result<Option<Value>, ApiError> {
                         schema.insert(key.clone(), value.clone());
                     }
                     _ => {
-                        return Err(ApiError::invalid(
-                            format!("text.format.{key}"),
-                            format!("unknown field 'text.format.{key}'"),
-                        )
-                        .with_code("unknown_field"));
+                        unknown.found(format!("text.format.{key}"))?;
                     }
                 }
             }
@@ -271,7 +262,10 @@ fn chat_response_format(text: &Value) -> Result<Option<Value>, ApiError> {
 }
 
 /// `reasoning.effort` (`None` when absent or null).
-fn reasoning_effort(reasoning: &Value) -> Result<Option<String>, ApiError> {
+fn reasoning_effort(
+    reasoning: &Value,
+    unknown: &mut UnknownFields,
+) -> Result<Option<String>, ApiError> {
     let Value::Object(obj) = reasoning else {
         return Err(ApiError::invalid(
             "reasoning",
@@ -281,11 +275,7 @@ fn reasoning_effort(reasoning: &Value) -> Result<Option<String>, ApiError> {
     for key in obj.keys() {
         // Summaries are not generated: the reasoning item carries the full reasoning text.
         if !matches!(key.as_str(), "effort" | "summary" | "generate_summary") {
-            return Err(ApiError::invalid(
-                format!("reasoning.{key}"),
-                format!("unknown field 'reasoning.{key}'"),
-            )
-            .with_code("unknown_field"));
+            unknown.found(format!("reasoning.{key}"))?;
         }
     }
     match obj.get("effort") {
@@ -326,7 +316,11 @@ struct ChatBody<'a> {
 }
 
 impl ResponsesRequest {
-    pub fn validate(self, request_id: String) -> Result<ValidResponses, ApiError> {
+    pub fn validate(
+        self,
+        request_id: String,
+        unknown: &mut UnknownFields,
+    ) -> Result<ValidResponses, ApiError> {
         if self.previous_response_id.is_some() {
             return Err(not_stored("previous_response_id"));
         }
@@ -379,7 +373,7 @@ impl ResponsesRequest {
             );
         };
         let ChatMessages { messages, origins } =
-            to_chat_messages(self.instructions.as_deref(), input)?;
+            to_chat_messages(self.instructions.as_deref(), input, unknown)?;
         let names = FieldNames {
             message_origins: origins,
         };
@@ -389,7 +383,7 @@ impl ResponsesRequest {
                 tools
                     .iter()
                     .enumerate()
-                    .map(|(i, t)| chat_tool(t, i))
+                    .map(|(i, t)| chat_tool(t, i, unknown))
                     .collect::<Result<Vec<_>, _>>()?,
             ),
         };
@@ -399,12 +393,12 @@ impl ResponsesRequest {
             .map(chat_tool_choice)
             .transpose()?;
         let response_format = match &self.text {
-            Some(text) => chat_response_format(text)?,
+            Some(text) => chat_response_format(text, unknown)?,
             None => None,
         };
         let effort = match &self.reasoning {
             None | Some(Value::Null) => None,
-            Some(r) => reasoning_effort(r)?,
+            Some(r) => reasoning_effort(r, unknown)?,
         };
         let logprobs = self
             .include
@@ -435,7 +429,7 @@ impl ResponsesRequest {
                 )
             })?;
         let valid = chat
-            .validate(request_id)
+            .validate(request_id, unknown)
             .map_err(|e| names.rename_error(e))?;
 
         let mut echo = Map::new();
@@ -495,8 +489,13 @@ mod tests {
     use crate::error::ErrorStyle;
 
     fn validate(body: Value) -> Result<ValidResponses, ApiError> {
-        parse_json::<ResponsesRequest>(body.to_string().as_bytes(), ErrorStyle::OpenAi)?
-            .validate("resp_1".into())
+        let mut unknown = UnknownFields::strict();
+        parse_json::<ResponsesRequest>(
+            body.to_string().as_bytes(),
+            ErrorStyle::OpenAi,
+            &mut unknown,
+        )?
+        .validate("resp_1".into(), &mut unknown)
     }
 
     fn weather_tool() -> Value {

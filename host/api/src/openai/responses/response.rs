@@ -252,6 +252,7 @@ mod tests {
                 id: "call_0".into(),
                 name: "get_weather".into(),
                 arguments: "{\"city\":\"Paris\"}".into(),
+                complete: true,
             }],
             logprobs: Vec::new(),
             finish: Some(finish(FinishReason::Stop)),

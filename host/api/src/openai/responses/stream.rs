@@ -193,16 +193,8 @@ impl ResponsesStream {
         for index in 0..self.items.len() {
             self.close(out, index, status);
         }
-        // As in the non-streaming answer, a call cut short is not part of the response.
-        self.items.retain(|s| {
-            !matches!(
-                (&s.item, s.ended),
-                (
-                    OutputItem::FunctionCall { .. },
-                    Some(ItemStatus::Incomplete)
-                )
-            )
-        });
+        // A call cut short stays in the response, `incomplete`, as in the non-streaming answer
+        // (docs/k3-format.md §5).
         let response = self.snapshot(Some(&info));
         let kind = if cut {
             "response.incomplete"
@@ -489,8 +481,9 @@ mod tests {
         assert_eq!(done["status"], "incomplete");
         assert_eq!(done["incomplete_details"]["reason"], "max_output_tokens");
         let output = done["output"].as_array().unwrap();
-        assert_eq!(output.len(), 1);
+        assert_eq!(output.len(), 2, "the cut call stays, incomplete");
         assert_eq!(output[0]["arguments"], "{\"a\":1}");
+        assert_eq!(output[1]["status"], "incomplete");
     }
 
     #[test]
