@@ -15,10 +15,6 @@ from helpers import TOOLS, TOOLS_BY_NAME, validates
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 WEATHER_QUESTION = "What is the weather in Paris in celsius?"
-NEEDS_CONSTRAINED_DECODING = (
-    "needs constrained decoding (issue 19, item 1: named tool_choice and json_schema "
-    "enforcement), which lands in another branch"
-)
 
 
 def weather_result() -> str:
@@ -116,7 +112,6 @@ def _weather_report_schema():
     return WeatherReport
 
 
-@pytest.mark.skip(reason=NEEDS_CONSTRAINED_DECODING)
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_with_structured_output(chat_model, method):
     schema = _weather_report_schema()

@@ -63,3 +63,15 @@ def test_streaming(client, model_name):
             finish = chunk.choices[0].finish_reason or finish
     assert finish == "stop"
     assert text.startswith(RECALL_ANSWERS["What is my lucky number?"]), text
+
+
+def test_min_tokens_holds_back_the_end(client, model_name):
+    """`min_tokens` (vLLM's extra): EOS is not sampled before that many tokens are out."""
+    free = client.completions.create(model=model_name, prompt=RECALL_PROMPT, max_tokens=64, temperature=0)
+    n = free.usage.completion_tokens
+    assert free.choices[0].finish_reason == "stop" and n < 40, (n, free.choices[0].text)
+    held = client.completions.create(
+        model=model_name, prompt=RECALL_PROMPT, max_tokens=64, temperature=0, extra_body={"min_tokens": n + 8}
+    )
+    assert held.usage.completion_tokens >= n + 8, held.usage
+    assert held.choices[0].text.startswith(free.choices[0].text[: max(1, len(free.choices[0].text) // 2)])

@@ -1,9 +1,8 @@
 """Structured outputs (constrained decoding with llguidance): JSON schemas k3-mini never saw come
 back valid every time, regex / choice / grammar constraints hold on completions, and
 `tool_choice` "required" / named always produce calls.
-
-The tool_choice tests need the tool parser's output grammar (the kimi-k3-tools plugin's WIT 0.3
-`output-grammar` export); they are marked `needs_output_grammar`.
+The tool_choice constraint comes from the tool parser's output grammar (the kimi-k3-tools plugin's
+WIT 0.3 `output-grammar` export).
 """
 
 from __future__ import annotations
@@ -197,7 +196,7 @@ def test_bad_constraints_are_400s_naming_the_field(base_url, model_name, body, p
     assert r.json()["error"]["param"] == param, r.text
 
 
-# --- tool_choice: these need the tool parser's output grammar (WIT 0.3 `output-grammar`) ---
+# --- tool_choice: constrained by the tool parser's output grammar (WIT 0.3 `output-grammar`) ---
 
 TEXT_PROMPTS = [
     "Hello! How are you today?",
@@ -207,7 +206,6 @@ TEXT_PROMPTS = [
 ]
 
 
-@pytest.mark.needs_output_grammar
 @pytest.mark.parametrize("prompt", TEXT_PROMPTS)
 def test_tool_choice_required_always_calls(client, model_name, prompt):
     r = client.chat.completions.create(
@@ -221,7 +219,6 @@ def test_tool_choice_required_always_calls(client, model_name, prompt):
         jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
-@pytest.mark.needs_output_grammar
 @pytest.mark.parametrize("prompt", TEXT_PROMPTS)
 def test_named_tool_choice_calls_that_function(client, model_name, prompt):
     r = client.chat.completions.create(

@@ -32,10 +32,16 @@ pub trait TokenSampler: Send {
     }
 }
 
-/// `k3_sampling::Sampler` plus the request's token history (for penalties).
+/// `k3_sampling::Sampler` plus the request's token history (for penalties) and its
+/// `min_tokens` rule.
 pub struct RequestSampler {
     sampler: Sampler,
     history: SeqHistory,
+    generated: u32,
+    min_tokens: u32,
+    /// Tokens that would end the generation (EOS unless ignored, `stop_token_ids`): never
+    /// sampled before `min_tokens` tokens.
+    enders: Vec<u32>,
 }
 
 impl RequestSampler {
@@ -44,28 +50,61 @@ impl RequestSampler {
         Ok(Self {
             sampler,
             history: SeqHistory::new(prompt),
+            generated: 0,
+            min_tokens: 0,
+            enders: Vec::new(),
         })
+    }
+
+    /// Hold back the tokens that would end the generation (`eos_token_ids` unless the request
+    /// ignores EOS, and its `stop_token_ids`) until `params.min_tokens` tokens are out, as vLLM
+    /// does. Until then the sampler wants whole rows (the candidates alone could all be enders).
+    pub fn with_min_tokens(mut self, params: &SamplingParams, eos_token_ids: &[u32]) -> Self {
+        self.min_tokens = params.min_tokens;
+        self.enders = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            self.enders.extend_from_slice(eos_token_ids);
+        }
+        self
+    }
+
+    fn holds_enders(&self) -> bool {
+        self.generated < self.min_tokens && !self.enders.is_empty()
+    }
+
+    fn accept(&mut self, s: SampledToken) -> SampledToken {
+        self.history.push(s.token);
+        self.generated = self.generated.saturating_add(1);
+        s
     }
 }
 
 impl TokenSampler for RequestSampler {
     fn sample(&mut self, logits: &[f32]) -> Result<SampledToken, String> {
-        let s = self
-            .sampler
-            .sample(logits, &self.history)
-            .map_err(|e| e.to_string())?;
-        self.history.push(s.token);
-        Ok(s)
+        let s = if self.holds_enders() {
+            let mut row = logits.to_vec();
+            for &t in &self.enders {
+                if let Some(l) = row.get_mut(t as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            self.sampler.sample(&row, &self.history)
+        } else {
+            self.sampler.sample(logits, &self.history)
+        };
+        Ok(self.accept(s.map_err(|e| e.to_string())?))
     }
 
     fn top_k_need(&self) -> Option<usize> {
+        if self.holds_enders() {
+            return None;
+        }
         self.sampler.top_k_need()
     }
 
     fn sample_top(&mut self, top: &[(u32, f32)]) -> Result<SampledToken, String> {
         let s = self.sampler.sample_top(top).map_err(|e| e.to_string())?;
-        self.history.push(s.token);
-        Ok(s)
+        Ok(self.accept(s))
     }
 }
 
@@ -147,6 +186,34 @@ mod tests {
                 &[]
             )
             .is_err()
+        );
+    }
+
+    #[test]
+    fn min_tokens_holds_back_eos_and_stop_tokens() {
+        // Token 3 (EOS) and token 2 (a stop token) lead every row; token 1 is next.
+        let row = [0.0f32, 1.0, 5.0, 9.0];
+        let params = SamplingParams {
+            temperature: 0.0,
+            min_tokens: 2,
+            stop_token_ids: vec![2],
+            ..Default::default()
+        };
+        let mut s = RequestSampler::new(&params, 4, &[0])
+            .unwrap()
+            .with_min_tokens(&params, &[3]);
+        assert_eq!(
+            s.top_k_need(),
+            None,
+            "whole rows while enders are held back"
+        );
+        assert_eq!(s.sample(&row).unwrap().token, 1);
+        assert_eq!(s.sample(&row).unwrap().token, 1);
+        assert_eq!(s.top_k_need(), Some(1));
+        assert_eq!(
+            s.sample(&row).unwrap().token,
+            3,
+            "EOS once min_tokens are out"
         );
     }
 }

@@ -114,7 +114,9 @@ fn vocabulary(tokenizer: &Tokenizer, vocab: usize) -> Result<Vec<TokenBytes>, Co
         .collect())
 }
 
-/// The request's sampler behind the grammar.
+/// The request's sampler behind the grammar. `min_tokens` does not apply: the grammar alone
+/// decides where the output may end (holding EOS back past a finished grammar would leave no
+/// token to sample).
 pub(crate) fn constrained_sampler(
     params: &SamplingParams,
     vocab: usize,

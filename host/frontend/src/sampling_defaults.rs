@@ -60,12 +60,6 @@ impl SamplingDefaults {
         s: &SamplingOptions,
         max_tokens: u32,
     ) -> Result<SamplingParams, BackendError> {
-        if s.min_tokens > 0 {
-            return Err(BackendError::NotSupported {
-                message: "'min_tokens' is not supported yet".into(),
-                param: Some("min_tokens".into()),
-            });
-        }
         let params = SamplingParams {
             temperature: s.temperature.unwrap_or(self.temperature),
             top_p: s.top_p.unwrap_or(self.top_p),
@@ -78,6 +72,7 @@ impl SamplingDefaults {
             frequency_penalty: s.frequency_penalty,
             seed: s.seed,
             max_tokens: Some(max_tokens),
+            min_tokens: s.min_tokens,
             stop: s.stop.clone(),
             stop_token_ids: s.stop_token_ids.clone(),
             ignore_eos: s.ignore_eos,

@@ -302,7 +302,16 @@ fn parsers_through_wasm_conform_for_every_chunking() {
 
 /// One output per parser-fidelity rule of docs/k3-format.md §5 (thinking, text, reasoning,
 /// content, call names): the wasm builds, fed in any chunking, agree with the expectation.
-const FIDELITY_CASES: [(bool, &str, Option<&str>, Option<&str>, &[&str]); 6] = [
+/// (thinking, model output, expected reasoning, expected content, expected call names)
+type FidelityCase = (
+    bool,
+    &'static str,
+    Option<&'static str>,
+    Option<&'static str>,
+    &'static [&'static str],
+);
+
+const FIDELITY_CASES: [FidelityCase; 6] = [
     // a tag cut off by max_tokens leaves no tag word behind
     (
         false,

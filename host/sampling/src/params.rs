@@ -33,6 +33,8 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Most tokens to generate; `None` = until a stop condition or the context limit.
     pub max_tokens: Option<u32>,
+    /// EOS and `stop_token_ids` are not sampled before this many tokens are out.
+    pub min_tokens: u32,
     /// Generation stops when the text contains any of these (OpenAI accepts a string or a list).
     #[serde(deserialize_with = "string_or_list")]
     pub stop: Vec<String>,
@@ -58,6 +60,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             seed: None,
             max_tokens: None,
+            min_tokens: 0,
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,

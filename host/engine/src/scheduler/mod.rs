@@ -207,7 +207,8 @@ impl EngineCore {
             Some(s) => s,
             None => Box::new(
                 RequestSampler::new(&req.sampling, self.vocab, &req.prompt)
-                    .map_err(SubmitError::InvalidSampling)?,
+                    .map_err(SubmitError::InvalidSampling)?
+                    .with_min_tokens(&req.sampling, &self.cfg.eos_token_ids),
             ),
         };
         let stop = StopChecker::new(&req.sampling, &self.cfg.eos_token_ids);
