@@ -139,7 +139,7 @@ fn default_plugins_load_activate_and_list() {
             .unwrap_or_else(|| panic!("{stage} not active"));
         assert_eq!(v.metadata.name, name);
         assert_eq!(v.metadata.stage, stage);
-        assert_eq!(v.metadata.wit_version, "0.2.0");
+        assert_eq!(v.metadata.wit_version, "0.3.0");
         assert_eq!(v.sha256.len(), 64);
     }
     assert!(host.active(Stage::Media).is_none());
