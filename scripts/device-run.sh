@@ -136,6 +136,26 @@ else
     req "completions" /v1/completions '{"model":"k3-mini","temperature":0,"max_tokens":48,"prompt":"The capital of France is"}'
     req "completions stream" /v1/completions '{"model":"k3-mini","temperature":0,"max_tokens":48,"stream":true,"prompt":"The capital of France is"}' stream
     req "completions n=3 sampled" /v1/completions '{"model":"k3-mini","temperature":0.8,"seed":1,"n":3,"max_tokens":32,"prompt":"Once upon a time"}'
+    # Constrained decoding on the GPU (token masks applied by the device top-k): the outputs must
+    # match their constraint whatever the model would have written.
+    constrained() { # name, path, json body, python check of the response `r` (a dict)
+        local name=$1 path=$2 body=$3 check=$4
+        echo "== $name" >>"$S"
+        if curl -sf --max-time 120 "$BASE$path" -H 'Content-Type: application/json' -d "$body" >"$BIN/resp" 2>>"$S" &&
+            python3 -c "import json,re,sys; r=json.load(open(sys.argv[1])); $check" "$BIN/resp" >>"$S" 2>&1; then
+            summary "smoke $name: ok"
+        else
+            cat "$BIN/resp" >>"$S"
+            fail "smoke: $name"
+        fi
+        echo >>"$S"
+    }
+    constrained "json_schema chat" /v1/chat/completions '{"model":"k3-mini","temperature":0,"max_tokens":120,"reasoning_effort":"none","messages":[{"role":"user","content":"Describe a cat."}],"response_format":{"type":"json_schema","json_schema":{"name":"pet","strict":true,"schema":{"type":"object","properties":{"name":{"type":"string","maxLength":12},"legs":{"type":"integer","minimum":0,"maximum":8}},"required":["name","legs"],"additionalProperties":false}}}}' \
+        'v=json.loads(r["choices"][0]["message"]["content"]); assert set(v)=={"name","legs"} and isinstance(v["legs"],int), v; print(v)'
+    constrained "guided_regex completion" /v1/completions '{"model":"k3-mini","temperature":0,"max_tokens":24,"prompt":"Email:","guided_regex":"[a-z]{3,8}@example\\.(com|org)"}' \
+        't=r["choices"][0]["text"]; assert re.fullmatch(r"[a-z]{3,8}@example[.](com|org)", t), t; print(t)'
+    constrained "tool_choice required" /v1/chat/completions '{"model":"k3-mini","temperature":0,"max_tokens":120,"reasoning_effort":"none","messages":[{"role":"user","content":"Hello!"}],"tool_choice":"required","tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string","maxLength":20}},"required":["city"]}}}]}' \
+        'c=r["choices"][0]; assert c["finish_reason"]=="tool_calls", c; a=json.loads(c["message"]["tool_calls"][0]["function"]["arguments"]); assert isinstance(a["city"],str), a; print(a)'
     # Concurrent requests through the batching engine on the GPU.
     pids=()
     for i in 1 2 3 4 5 6; do
