@@ -206,13 +206,12 @@ impl Backend for CudaBackend {
         masks: &[Option<&[u32]>],
     ) -> OpResult<Vec<Vec<(u32, f32)>>> {
         if k == 0 || k > crate::dense::TOPK_MAX {
-            let mut host = self.to_host(a)?;
-            for (row, mask) in host.chunks_mut(a.cols.max(1)).zip(masks) {
-                if let Some(m) = mask {
-                    k3_model::exec::apply_token_mask(row, m);
-                }
-            }
-            return Ok(k3_model::exec::top_k_of_rows(&host, a.rows, k));
+            return Ok(k3_model::exec::top_k_of_rows_masked(
+                self.to_host(a)?,
+                a.rows,
+                k,
+                masks,
+            ));
         }
         self.op(|| CudaBackend::top_k_rows(self, a, k, masks))
     }

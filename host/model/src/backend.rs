@@ -195,17 +195,12 @@ pub trait Backend: Send + Sync + 'static {
         k: usize,
         masks: &[Option<&[u32]>],
     ) -> OpResult<Vec<Vec<(u32, f32)>>> {
-        let rows = self.rows(a);
-        let mut host = self.to_host(a)?;
-        if rows > 0 && host.len().is_multiple_of(rows) {
-            let width = host.len() / rows;
-            for (row, mask) in host.chunks_mut(width).zip(masks) {
-                if let Some(m) = mask {
-                    crate::exec::apply_token_mask(row, m);
-                }
-            }
-        }
-        Ok(crate::exec::top_k_of_rows(&host, rows, k))
+        Ok(crate::exec::top_k_of_rows_masked(
+            self.to_host(a)?,
+            self.rows(a),
+            k,
+            masks,
+        ))
     }
     /// Rows `[start, end)` of `a` as a new activation.
     fn slice_rows(&self, a: &Self::Act, start: usize, end: usize) -> OpResult<Self::Act>;

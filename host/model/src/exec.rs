@@ -198,6 +198,25 @@ pub fn top_k_of_rows(host: &[f32], rows: usize, k: usize) -> Vec<Vec<(u32, f32)>
         .collect()
 }
 
+/// [`top_k_of_rows`] after [`apply_token_mask`] on each row whose mask is `Some` (`masks`: one
+/// entry per row). What a backend does that selects on the host.
+pub fn top_k_of_rows_masked(
+    mut host: Vec<f32>,
+    rows: usize,
+    k: usize,
+    masks: &[Option<&[u32]>],
+) -> Vec<Vec<(u32, f32)>> {
+    if rows > 0 && host.len().is_multiple_of(rows) {
+        let width = host.len() / rows;
+        for (row, mask) in host.chunks_mut(width).zip(masks) {
+            if let Some(m) = mask {
+                apply_token_mask(row, m);
+            }
+        }
+    }
+    top_k_of_rows(&host, rows, k)
+}
+
 /// Whether a token bitmask allows token `t`: bit `t % 32` of word `t / 32` (32 tokens per word,
 /// least significant bit first, as llguidance lays out its masks). Tokens past the mask's end
 /// are forbidden.
