@@ -154,9 +154,20 @@ impl std::fmt::Display for ApiError {
     }
 }
 
+/// Seconds a client told "too many requests" or "unavailable" should wait: generations finish
+/// within seconds, so a short wait is the useful hint.
+const RETRY_AFTER_SECS: &str = "1";
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status(), axum::Json(self.body())).into_response()
+        let mut resp = (self.status(), axum::Json(self.body())).into_response();
+        if matches!(self.kind, ErrorKind::RateLimit | ErrorKind::Overloaded) {
+            resp.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static(RETRY_AFTER_SECS),
+            );
+        }
+        resp
     }
 }
 
@@ -173,6 +184,11 @@ impl From<BackendError> for ApiError {
                 ApiError::new(ErrorKind::InvalidRequest, message)
                     .with_param("messages")
                     .with_code("context_length_exceeded")
+            }
+            BackendError::InputTooLarge { message, param } => {
+                ApiError::new(ErrorKind::InvalidRequest, message)
+                    .with_param(param)
+                    .with_code("input_too_large")
             }
             BackendError::Template(message) => ApiError::new(
                 ErrorKind::Template,

@@ -42,7 +42,8 @@ pub struct ApiConfig {
     pub admin_token: Option<String>,
     pub max_request_body_bytes: usize,
     pub max_plugin_bytes: usize,
-    /// Generation requests in flight at once; more get 429.
+    /// Generations (each choice of each request) in flight at once; more get 429. Sizes the
+    /// plugin instance pool too (each running choice holds two parser instances).
     pub max_concurrent_requests: usize,
     /// Unknown request fields are a 400 instead of being ignored (with a warning and a metric).
     pub strict_request_fields: bool,
@@ -155,8 +156,14 @@ impl AppState {
         .styled(style))
     }
 
-    /// Take a slot for one generation request, or say why not (429 full, 503 shutting down).
-    pub fn admit(&self, style: ErrorStyle) -> Result<OwnedSemaphorePermit, ApiError> {
+    /// Take `generations` slots (a request's `n` × prompts: each is its own sequence, with its
+    /// own parser instances) or say why not: 400 when more than the server ever admits at
+    /// once, 429 when full now, 503 when shutting down.
+    pub fn admit(
+        &self,
+        style: ErrorStyle,
+        generations: usize,
+    ) -> Result<OwnedSemaphorePermit, ApiError> {
         if self.is_shutting_down() {
             return Err(ApiError::new(
                 ErrorKind::Overloaded,
@@ -165,16 +172,28 @@ impl AppState {
             .with_code("shutting_down")
             .styled(style));
         }
+        let limit = self.inner.config.max_concurrent_requests;
+        let wanted = generations.max(1);
+        if wanted > limit {
+            return Err(ApiError::invalid(
+                "n",
+                format!(
+                    "this request asks for {wanted} generations (n × prompts) at once, more than \
+                     this server ever runs together ({limit}); split it into smaller requests"
+                ),
+            )
+            .styled(style));
+        }
+        let permits = u32::try_from(wanted).unwrap_or(u32::MAX);
         self.inner
             .in_flight
             .clone()
-            .try_acquire_owned()
+            .try_acquire_many_owned(permits)
             .map_err(|_| {
                 ApiError::new(
                     ErrorKind::RateLimit,
                     format!(
-                        "the server is at its limit of {} concurrent requests; retry later",
-                        self.inner.config.max_concurrent_requests
+                        "the server is at its limit of {limit} concurrent generations; retry later"
                     ),
                 )
                 .with_code("too_many_requests")

@@ -10,6 +10,9 @@ pub enum BackendError {
     },
     #[error("{0}")]
     ContextLengthExceeded(String),
+    /// The input is too large to process at all (it ran a stage into its resource limits).
+    #[error("{message}")]
+    InputTooLarge { message: String, param: String },
     /// The chat template rejected the conversation.
     #[error("{0}")]
     Template(String),

@@ -17,12 +17,13 @@ use k3_structured::GrammarPlan;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
+use crate::admission::{check_prompt_bytes, check_stop_token_ids, content_bytes};
 use crate::backend::ChatBackend;
 use crate::constrain::{Constraints, Need, chat_needs_grammar, constrained_sampler};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::{BackendError, FrontendError};
 use crate::events::{GenEvent, Generation};
-use crate::pipeline::{Parsers, RequestPath};
+use crate::pipeline::{ParserPlan, ParserStages, RequestPath};
 use crate::plugin_admin;
 use crate::prompt::render_prompt;
 use crate::request::{
@@ -70,7 +71,7 @@ impl Frontend {
         &self,
         prompt: Vec<u32>,
         sampling: &SamplingOptions,
-        parsers: Option<Parsers>,
+        parsers: Option<ParserStages>,
         prompt_text: Option<String>,
         prompt_param: &str,
         grammar: Option<GrammarPlan>,
@@ -146,37 +147,46 @@ impl Frontend {
 
     fn chat_now(&self, req: ChatGenRequest) -> Result<Generation, BackendError> {
         let p = &self.parts;
+        check_stop_token_ids(&req.sampling, p.vocab_size)?;
+        check_prompt_bytes(
+            &p.tokenizer,
+            content_bytes(&req.messages),
+            &req.sampling,
+            p.model.max_model_len,
+            "messages",
+        )?;
         let ids = self.prompt_ids(&req)?;
-        let reasoning = p
-            .plugins
-            .reasoning_stream(&ReasoningOptions {
+        let parsers = ParserStages::Planned(ParserPlan {
+            plugins: p.plugins.clone(),
+            reasoning: ReasoningOptions {
                 thinking: req.thinking,
                 prompt_opens_reasoning: req.thinking,
                 extra_json: None,
-            })
-            .map_err(|e| BackendError::Plugin(e.to_string()))?;
-        let tools = p
-            .plugins
-            .tool_stream(&ToolOptions {
+            },
+            tools: ToolOptions {
                 tools_json: (!req.tools.is_empty())
                     .then(|| Value::Array(req.tools.clone()).to_string()),
                 id_prefix: format!("call_{}_", short_id(&req.request_id)),
                 extra_json: None,
-            })
-            .map_err(|e| BackendError::Plugin(e.to_string()))?;
-        let parsers = Parsers {
-            reasoning,
-            tools,
+            },
             emit_tool_calls: !req.tools.is_empty() && req.tool_choice != ToolChoice::None,
-        };
+        });
         let grammar = self.chat_grammar(&req)?;
         self.submit(ids, &req.sampling, Some(parsers), None, "messages", grammar)
     }
 
     fn complete_now(&self, req: CompletionGenRequest) -> Result<Generation, BackendError> {
         let tk = &self.parts.tokenizer;
+        check_stop_token_ids(&req.sampling, self.parts.vocab_size)?;
         let (ids, text) = match req.prompt {
             PromptInput::Text(t) => {
+                check_prompt_bytes(
+                    tk,
+                    t.len(),
+                    &req.sampling,
+                    self.parts.model.max_model_len,
+                    "prompt",
+                )?;
                 let ids = tk.encode(&t).map_err(|e| {
                     BackendError::Internal(format!("tokenizing the prompt failed: {e}"))
                 })?;

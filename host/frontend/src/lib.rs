@@ -13,6 +13,7 @@
 //! request's per-token path), `plugin_admin`, [`sampling_defaults`], and the tokenizer and
 //! detokenizer.
 
+mod admission;
 pub mod backend;
 mod bpe;
 mod constrain;

@@ -7,7 +7,9 @@
 use std::sync::Arc;
 
 use k3_engine::{RequestError, RequestStream, TokenEvent};
-use k3_plugin_host::{ParseEvent, PluginError, ReasoningStream, ToolStream};
+use k3_plugin_host::{
+    ParseEvent, PluginError, PluginHost, ReasoningOptions, ReasoningStream, ToolOptions, ToolStream,
+};
 use k3_sampling::{StopChecker, TokenVerdict};
 use tokio::sync::mpsc;
 
@@ -16,7 +18,50 @@ use crate::error::BackendError;
 use crate::events::{FinishInfo, FinishReason, GenEvent, TokenLogprob, TopLogprob};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
-/// The parser stages of a chat request (absent for raw completions).
+/// How a chat request's parser stages start. They start when the request's first output needs
+/// them, i.e. once the engine has scheduled it, so a request waiting in the queue holds no
+/// plugin instance (the instance pool is sized for running requests, not queued ones).
+pub struct ParserPlan {
+    pub plugins: PluginHost,
+    pub reasoning: ReasoningOptions,
+    pub tools: ToolOptions,
+    /// Whether tool calls are returned (false with `tool_choice: "none"`: the parser still
+    /// strips tool markup from the content).
+    pub emit_tool_calls: bool,
+}
+
+/// A chat request's parser stages: planned, then running.
+pub enum ParserStages {
+    Planned(ParserPlan),
+    Running(Parsers),
+}
+
+impl ParserStages {
+    /// The running parsers, starting them (on the then-active plugin versions) on first use.
+    fn running(&mut self) -> Result<&mut Parsers, BackendError> {
+        if let ParserStages::Planned(plan) = self {
+            let reasoning = plan
+                .plugins
+                .reasoning_stream(&plan.reasoning)
+                .map_err(plugin_error)?;
+            let tools = plan
+                .plugins
+                .tool_stream(&plan.tools)
+                .map_err(plugin_error)?;
+            *self = ParserStages::Running(Parsers {
+                reasoning,
+                tools,
+                emit_tool_calls: plan.emit_tool_calls,
+            });
+        }
+        match self {
+            ParserStages::Running(parsers) => Ok(parsers),
+            ParserStages::Planned(_) => unreachable!("started just above"),
+        }
+    }
+}
+
+/// The parser stages of a chat request once running.
 pub struct Parsers {
     pub reasoning: ReasoningStream,
     pub tools: ToolStream,
@@ -29,7 +74,8 @@ pub struct RequestPath {
     pub tokenizer: Arc<Tokenizer>,
     pub detok: IncrementalDetokenizer,
     pub stop: StopChecker,
-    pub parsers: Option<Parsers>,
+    /// Absent for raw completions.
+    pub parsers: Option<ParserStages>,
     pub logprobs: bool,
     pub prompt_tokens: u32,
 }
@@ -185,18 +231,20 @@ impl RequestPath {
         if text.is_empty() {
             return Ok(());
         }
-        let Some(parsers) = &mut self.parsers else {
+        let Some(stages) = &mut self.parsers else {
             push_text(out, GenEvent::Content(text.to_string()));
             return Ok(());
         };
+        let parsers = stages.running()?;
         let events = parsers.reasoning.feed(text).map_err(plugin_error)?;
         route(parsers, events, out)
     }
 
     fn finish_parsers(&mut self, out: &mut Vec<GenEvent>) -> Result<(), BackendError> {
-        let Some(parsers) = &mut self.parsers else {
+        let Some(stages) = &mut self.parsers else {
             return Ok(());
         };
+        let parsers = stages.running()?;
         let events = parsers.reasoning.finish().map_err(plugin_error)?;
         route(parsers, events, out)?;
         let events = parsers.tools.finish().map_err(plugin_error)?;

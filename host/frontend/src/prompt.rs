@@ -70,6 +70,7 @@ fn render(
     let options = render_options(req, tokenizer);
     let messages = Value::Array(req.messages.clone()).to_string();
     let tools = (!req.tools.is_empty()).then(|| Value::Array(req.tools.clone()).to_string());
+    let tools_len = tools.as_ref().map_or(0, String::len);
     plugins
         .chat_template()
         .render_segments(chat_template, &messages, tools.as_deref(), &options)
@@ -78,6 +79,29 @@ fn render(
                 TemplateError::Raised(m) | TemplateError::InvalidInput(m) => m,
                 other => other.to_string(),
             }),
+            PluginError::MemoryLimit { .. } | PluginError::Timeout { .. }
+                if messages.len() + tools_len >= LARGE_TEMPLATE_INPUT =>
+            {
+                let param = if tools_len > messages.len() {
+                    "tools"
+                } else {
+                    "messages"
+                };
+                BackendError::InputTooLarge {
+                    message: format!(
+                        "the chat template ran out of its resources rendering this request ({e}); \
+                         '{param}' is too large ({} bytes of JSON)",
+                        tools_len.max(messages.len())
+                    ),
+                    param: param.into(),
+                }
+            }
             other => BackendError::Plugin(other.to_string()),
         })
 }
+
+/// Template inputs (messages + tools JSON) from this size up that run the template into its
+/// memory or time limit are the input's fault (a 400 naming the larger field); below it, the
+/// same fault is the plugin's (a 500 counted against it). A render needs several times its input
+/// in linear memory, so inputs this large can reach the default 64 MiB cap legitimately.
+const LARGE_TEMPLATE_INPUT: usize = 1 << 20;

@@ -89,6 +89,9 @@ pub struct Tokenizer {
     /// Raw bytes of every token, indexed by id, when the decoder is byte-level (then decoding is
     /// exactly "concatenate the bytes, then UTF-8"); `None` for other decoders.
     token_bytes: Option<Vec<Option<Box<[u8]>>>>,
+    /// The most text bytes one token can stand for, when that bounds a text's token count from
+    /// below (no normalizer rewrites the text first); see [`Tokenizer::min_tokens_for_bytes`].
+    max_token_bytes: Option<usize>,
 }
 
 impl Tokenizer {
@@ -173,6 +176,7 @@ impl Tokenizer {
             Some(tokenizers::DecoderWrapper::ByteLevel(_)) => Some(byte_level_token_table(&inner)),
             _ => None,
         };
+        let max_token_bytes = max_token_bytes(&inner, token_bytes.as_deref());
         let encoder = match FastEncoder::from_hf(&inner) {
             Ok(fast) => Encoder::Fast(Arc::new(fast)),
             Err(reason) => {
@@ -193,7 +197,17 @@ impl Tokenizer {
             pad,
             special_ids,
             token_bytes,
+            max_token_bytes,
         })
+    }
+
+    /// A lower bound on the tokens `text_bytes` bytes of text encode to (every token stands for
+    /// at most [`max_token_bytes`] bytes), so an oversize prompt can be refused before it is
+    /// rendered or tokenized. `None` when the tokenizer normalizes text first, since a normalizer
+    /// may shrink it and then no such bound holds.
+    pub fn min_tokens_for_bytes(&self, text_bytes: usize) -> Option<usize> {
+        let per_token = self.max_token_bytes?;
+        Some(text_bytes.div_ceil(per_token.max(1)))
     }
 
     /// Token ids of `text`. Special tokens written in the text (`<|open|>`…) become their single
@@ -395,6 +409,23 @@ fn chat_template(config: &Value, path: &Path) -> Result<Option<String>, Tokenize
 /// Bytes of every token of a byte-level tokenizer, indexed by id. Mirrors the `tokenizers`
 /// ByteLevel decoder: each character maps back to its byte; a token with a character outside the
 /// byte alphabet (e.g. an added token such as "<|open|> x" with a space) contributes its UTF-8.
+/// The longest text one token stands for: its decoded bytes for byte-level vocabularies, else
+/// the length of its spelling (an over-estimate for `▁` or `<0x41>` spellings, which keeps the
+/// bound a lower one). `None` when a normalizer runs first.
+fn max_token_bytes(
+    inner: &tokenizers::Tokenizer,
+    token_bytes: Option<&[Option<Box<[u8]>>]>,
+) -> Option<usize> {
+    if inner.get_normalizer().is_some() {
+        return None;
+    }
+    let longest = match token_bytes {
+        Some(table) => table.iter().flatten().map(|b| b.len()).max(),
+        None => inner.get_vocab(true).keys().map(String::len).max(),
+    };
+    longest.filter(|&n| n > 0)
+}
+
 fn byte_level_token_table(inner: &tokenizers::Tokenizer) -> Vec<Option<Box<[u8]>>> {
     let char_to_byte = crate::bpe::byte_level_char_to_byte();
     let vocab = inner.get_vocab(true);

@@ -42,7 +42,7 @@ async fn handle(
     state.check_model(&request.model, style)?;
     let id = random_id("msg_");
     let valid = request.validate(id.clone(), &mut unknown)?;
-    let permit = state.admit(style)?;
+    let permit = state.admit(style, 1)?;
     let gens = generation::start_chat(&state, valid.request, 1, style).await?;
     let prompt_tokens = gens[0].prompt_tokens;
     let model = state.model_name();

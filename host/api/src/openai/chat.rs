@@ -45,7 +45,7 @@ async fn handle(
     state.check_model(&request.model, style)?;
     let id = random_id("chatcmpl-");
     let valid = request.validate(id.clone(), &mut unknown)?;
-    let permit = state.admit(style)?;
+    let permit = state.admit(style, valid.n)?;
     let gens = generation::start_chat(&state, valid.request, valid.n, style).await?;
     let model = state.model_name();
     let created = unix_now();

@@ -232,7 +232,7 @@ async fn handle(
         None => (None, String::new()),
     };
     let echo = req.echo.unwrap_or(false);
-    let permit = state.admit(style)?;
+    let permit = state.admit(style, prompts.len() * n)?;
     let id = random_id("cmpl-");
     let mut gens = Vec::with_capacity(prompts.len() * n);
     for (p, prompt) in prompts.into_iter().enumerate() {

@@ -46,7 +46,7 @@ async fn handle(
     state.check_model(&request.model, style)?;
     let id = random_id("resp_");
     let valid = request.validate(id.clone(), &mut unknown)?;
-    let permit = state.admit(style)?;
+    let permit = state.admit(style, 1)?;
     let gens = generation::start_chat(&state, valid.request, 1, style)
         .await
         .map_err(|e| valid.names.rename_error(e))?;
