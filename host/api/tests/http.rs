@@ -1189,9 +1189,18 @@ async fn a_client_that_disconnects_aborts_its_generation() {
 #[tokio::test]
 async fn requests_past_the_concurrency_limit_get_429() {
     let h = harness_with(ApiConfig {
-        max_concurrent_requests: 1,
+        max_concurrent_requests: 2,
         ..Default::default()
     });
+    // More generations than the server ever runs at once can never succeed: a 400.
+    let (status, resp) = h
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "k3-mini", "messages": [user("x")], "n": 3}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{resp}");
+    assert_eq!(resp["error"]["param"], "n");
     let resp = h
         .app
         .clone()
@@ -1206,13 +1215,25 @@ async fn requests_past_the_concurrency_limit_get_429() {
         .unwrap();
     let mut held = resp.into_body().into_data_stream();
     held.next().await.unwrap().unwrap();
-    let (status, resp) = h
-        .post(
-            "/v1/chat/completions",
-            json!({"model": "k3-mini", "messages": [user("x")]}),
+    // One slot is taken; two choices do not fit now but will later: a 429 with Retry-After.
+    let full = h
+        .app
+        .clone()
+        .oneshot(
+            Request::post("/v1/chat/completions")
+                .body(Body::from(
+                    json!({"model": "k3-mini", "messages": [user("x")], "n": 2}).to_string(),
+                ))
+                .unwrap(),
         )
-        .await;
-    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        .await
+        .unwrap();
+    assert_eq!(full.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(full.headers()["retry-after"], "1");
+    let body = axum::body::to_bytes(full.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    let resp: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(resp["error"]["code"], "too_many_requests");
     drop(held);
     let mut status = StatusCode::TOO_MANY_REQUESTS;
@@ -1221,7 +1242,7 @@ async fn requests_past_the_concurrency_limit_get_429() {
         status = h
             .post(
                 "/v1/chat/completions",
-                json!({"model": "k3-mini", "messages": [user("x")]}),
+                json!({"model": "k3-mini", "messages": [user("x")], "n": 2}),
             )
             .await
             .0;

@@ -25,7 +25,7 @@ use crate::error::{BackendError, FrontendError};
 use crate::events::{GenEvent, Generation};
 use crate::pipeline::{ParserPlan, ParserStages, RequestPath};
 use crate::plugin_admin;
-use crate::prompt::render_prompt;
+use crate::prompt::{encode_prompt, render, render_prompt};
 use crate::request::{
     ChatGenRequest, CompletionGenRequest, PromptInput, SamplingOptions, ToolChoice, token_budget,
 };
@@ -155,7 +155,17 @@ impl Frontend {
             p.model.max_model_len,
             "messages",
         )?;
-        let ids = self.prompt_ids(&req)?;
+        // The rendered prompt is bounded again before tokenizing: the template adds markup and
+        // renders fields (tools) the first bound does not count.
+        let segments = render(&p.plugins, &p.tokenizer, &p.chat_template, &req)?;
+        check_prompt_bytes(
+            &p.tokenizer,
+            segments.iter().map(|s| s.as_str().len()).sum(),
+            &req.sampling,
+            p.model.max_model_len,
+            "messages",
+        )?;
+        let ids = encode_prompt(&p.tokenizer, &segments)?;
         let parsers = ParserStages::Planned(ParserPlan {
             plugins: p.plugins.clone(),
             reasoning: ReasoningOptions {

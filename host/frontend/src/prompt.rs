@@ -21,7 +21,15 @@ pub(crate) fn render_prompt(
     req: &ChatGenRequest,
 ) -> Result<Vec<u32>, BackendError> {
     let segments = render(plugins, tokenizer, chat_template, req)?;
-    encode_segments(tokenizer, &segments)
+    encode_prompt(tokenizer, &segments)
+}
+
+/// Tokenize rendered segments (see [`render_prompt`]).
+pub(crate) fn encode_prompt(
+    tokenizer: &Tokenizer,
+    segments: &[Segment],
+) -> Result<Vec<u32>, BackendError> {
+    encode_segments(tokenizer, segments)
         .map_err(|e| BackendError::Internal(format!("tokenizing the prompt failed: {e}")))
 }
 
@@ -61,7 +69,8 @@ fn render_options(req: &ChatGenRequest, tokenizer: &Tokenizer) -> RenderOptions 
     }
 }
 
-fn render(
+/// Render `req` into markup and client-text segments (not yet tokenized).
+pub(crate) fn render(
     plugins: &PluginHost,
     tokenizer: &Tokenizer,
     chat_template: &str,

@@ -161,8 +161,19 @@ fn plugin_specs(cfg: &ServeConfig) -> [(Stage, String, &'static str, &'static st
     ]
 }
 
+/// Wasm instances the pool must hold for `generations` admitted at once: each holds at most two
+/// at a time (its reasoning and tool parsers, or one template render before them), plus room for
+/// the warm template pool, one-shot parses and a plugin upload's self-test.
+fn plugin_instances(generations: usize) -> u32 {
+    let n = generations.saturating_mul(2).saturating_add(64);
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 fn load_plugins(cfg: &ServeConfig) -> anyhow::Result<PluginHost> {
-    let mut host_cfg = PluginHostConfig::default();
+    let mut host_cfg = PluginHostConfig {
+        max_instances: plugin_instances(cfg.max_num_seqs + cfg.max_waiting_requests),
+        ..PluginHostConfig::default()
+    };
     if let Some(dir) = plugin_cache_dir()
         && std::fs::create_dir_all(&dir).is_ok()
     {
@@ -275,7 +286,10 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         let engine_cfg = EngineConfig {
             prefix_cache: cfg.enable_prefix_caching,
             max_running: cfg.max_num_seqs,
-            max_waiting: cfg.max_waiting_requests,
+            // The API admits max_num_seqs + max_waiting_requests generations; a burst of them all
+            // lands in the queue before the next step schedules any, so the queue holds them all
+            // and admission stays the one gate (a 429 there, never an engine refusal after it).
+            max_waiting: cfg.max_num_seqs + cfg.max_waiting_requests,
             step_tokens: cfg.max_num_batched_tokens,
             max_step_tokens: cfg
                 .max_num_batched_tokens
