@@ -55,6 +55,11 @@ impl PluginHostConfig {
     ///   again for the previous one (a swap leaves its pool alive until it is dropped);
     /// - headroom for short-lived instances (renders beyond the pool, one-shot parses, output
     ///   grammars, a plugin load's self-test and smoke test): 64, or 1/8 of the choices if more.
+    ///
+    /// Slots cost address space, not memory: each reserves two linear-memory slots of about
+    /// 4 GiB of virtual address space (the pooling allocator's default reservation, which lets
+    /// compiled code skip bounds checks), so ~15,000 instances fill a 47-bit address space; past
+    /// what the OS grants the host falls back to on-demand allocation, which has no slot limit.
     pub fn instances_for(&self, concurrent_choices: usize) -> u32 {
         let choices = u64::try_from(concurrent_choices).unwrap_or(u64::MAX);
         let pools = 2 * self.template_pool_size as u64;

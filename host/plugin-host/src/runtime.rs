@@ -528,3 +528,30 @@ fn check_header(bytes: &[u8]) -> Result<(), PluginError> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A host function that panics mid-call (wasmtime carries the panic out through the wasm
+    /// frames) ends that call as a typed fault instead of unwinding into the caller's task.
+    #[test]
+    fn a_panic_inside_a_guest_call_is_a_host_panic_fault() {
+        let rt = Runtime::new(PluginHostConfig {
+            max_instances: 4,
+            ..PluginHostConfig::default()
+        })
+        .unwrap();
+        let mut store = rt.store("panicky@1".into());
+        let r: Result<(), _> = rt.call(&mut store, |_| panic!("host bug while serving"));
+        let e = r.unwrap_err();
+        assert!(
+            matches!(&e, PluginError::HostPanic { plugin, detail }
+                if plugin == "panicky@1" && detail == "host bug while serving"),
+            "{e}"
+        );
+        assert!(e.is_fault() && !e.is_capacity() && !e.is_resource_limit());
+        let r: Result<(), _> = rt.call_template(&mut store, |_| panic!("{}", String::from("x")));
+        assert!(matches!(r, Err(PluginError::HostPanic { detail, .. }) if detail == "x"));
+    }
+}

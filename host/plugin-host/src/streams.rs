@@ -216,7 +216,7 @@ impl Session {
             ..
         } = self;
         let handle = *handle;
-        let r = Runtime::timed(&version, || {
+        let r = Runtime::timed(version, || {
             let events = match instance {
                 Instance::Reasoning(inst) => {
                     let api = inst.k3serve_plugin_reasoning_parser().reasoning_stream();

@@ -165,7 +165,7 @@ pub(crate) fn render_with(
         Some(w) => w,
         None => {
             let mut store = rt.store(version.label.clone());
-            let instance = Runtime::timed(&version, || {
+            let instance = Runtime::timed(version, || {
                 rt.call_template(&mut store, |s| match &version.pre {
                     StagePre::Template(pre) => pre.instantiate(s).map(TemplateInstance::V0_1),
                     StagePre::TemplateV0_2(pre) => pre.instantiate(s).map(TemplateInstance::V0_2),
@@ -183,7 +183,7 @@ pub(crate) fn render_with(
         }
     };
     let key: [u8; 32] = Sha256::digest(template.as_bytes()).into();
-    let result = Runtime::timed(&version, || {
+    let result = Runtime::timed(version, || {
         let WarmTemplate {
             store,
             instance,

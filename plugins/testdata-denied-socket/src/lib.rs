@@ -55,7 +55,10 @@ impl StreamingParser for DeniedSocket {
             drop(stream);
         }
         if delta.contains("RESOLVE_NAME") {
-            let n = DNS_TARGET.to_socket_addrs().expect("resolve a name").count();
+            let n = DNS_TARGET
+                .to_socket_addrs()
+                .expect("resolve a name")
+                .count();
             std::hint::black_box(n);
         }
         if delta.contains("OPEN_FILE") {
