@@ -1,8 +1,9 @@
 use crate::types::{GuestError, Stage, TemplateError};
 
 /// Everything the plugin host can fail with. Load-time variants mean the component was refused
-/// (the active version is untouched); call-time faults (`Trap`, `Timeout`, `MemoryLimit`) fail
-/// only the call that hit them and discard its instance.
+/// (the active version is untouched); call-time faults ([`PluginError::is_fault`]) fail only
+/// the call that hit them and discard its instance; [`PluginError::Capacity`] is the host's
+/// condition, not the plugin's (`docs/plugins.md`, "Fault model").
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PluginError {
     #[error("no {0} plugin is active")]
@@ -37,6 +38,19 @@ pub enum PluginError {
     Timeout { plugin: String, limit_ms: u64 },
     #[error("plugin {plugin} exceeded its memory limit of {limit_bytes} bytes and was stopped")]
     MemoryLimit { plugin: String, limit_bytes: usize },
+    /// The plugin reached for something the sandbox denies in a way that cannot be answered
+    /// with a WASI error code (it tried to wait: plugins have nothing to wait for).
+    #[error("plugin {plugin} was stopped: {detail}")]
+    Denied { plugin: String, detail: String },
+    /// A host function panicked while serving the plugin (a host bug, contained to this call).
+    #[error("the plugin host failed while serving plugin {plugin} and stopped the call: {detail}")]
+    HostPanic { plugin: String, detail: String },
+    /// Every plugin instance slot of the engine is taken (`PluginHostConfig::max_instances`).
+    /// Not the plugin's fault: it is not counted against it; the request may be retried.
+    #[error(
+        "the server is at its plugin instance capacity ({detail}) and could not start {plugin}; retry later"
+    )]
+    Capacity { plugin: String, detail: String },
     #[error("plugin {plugin}: {error}")]
     Guest { plugin: String, error: GuestError },
     #[error(transparent)]
@@ -57,13 +71,56 @@ pub enum PluginError {
 }
 
 impl PluginError {
-    /// A fault that discarded the instance (trap, timeout, memory).
+    /// A fault of the plugin that discarded the instance (trap, time or memory limit, denied
+    /// operation, or a host panic while serving it); counted in the version's `faults`.
     pub fn is_fault(&self) -> bool {
         matches!(
             self,
             PluginError::Trap { .. }
                 | PluginError::Timeout { .. }
                 | PluginError::MemoryLimit { .. }
+                | PluginError::Denied { .. }
+                | PluginError::HostPanic { .. }
         )
+    }
+
+    /// A per-call resource limit (time or memory) stopped the plugin. For a chat template this
+    /// usually means the input was too large, which callers report as the client's error.
+    pub fn is_resource_limit(&self) -> bool {
+        matches!(
+            self,
+            PluginError::Timeout { .. } | PluginError::MemoryLimit { .. }
+        )
+    }
+
+    /// The engine had no free instance slot: retry later; not counted against the plugin.
+    pub fn is_capacity(&self) -> bool {
+        matches!(self, PluginError::Capacity { .. })
+    }
+
+    /// A short stable name of the variant, for logs and metrics labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PluginError::NoActivePlugin(_) => "no_active_plugin",
+            PluginError::UnknownVersion { .. } => "unknown_version",
+            PluginError::NothingToRollBack(_) => "nothing_to_roll_back",
+            PluginError::InvalidComponent(_) => "invalid_component",
+            PluginError::WrongWorld { .. } => "wrong_world",
+            PluginError::UnsupportedWitVersion { .. } => "unsupported_wit_version",
+            PluginError::MetadataMismatch { .. } => "metadata_mismatch",
+            PluginError::SelfTestFailed { .. } => "self_test_failed",
+            PluginError::Trap { .. } => "trap",
+            PluginError::Timeout { .. } => "timeout",
+            PluginError::MemoryLimit { .. } => "memory_limit",
+            PluginError::Denied { .. } => "denied",
+            PluginError::HostPanic { .. } => "host_panic",
+            PluginError::Capacity { .. } => "capacity",
+            PluginError::Guest { .. } => "guest",
+            PluginError::Template(_) => "template",
+            PluginError::NoOutputGrammar { .. } => "no_output_grammar",
+            PluginError::StreamClosed(_) => "stream_closed",
+            PluginError::Engine(_) => "engine",
+            PluginError::Io(_) => "io",
+        }
     }
 }

@@ -39,7 +39,7 @@ pub(crate) fn output_grammar(
         extra_json: request.extra_json.clone(),
     };
     let mut store = rt.store(version.label.clone());
-    Runtime::timed(&version.counters, || {
+    Runtime::timed(version, || {
         let instance = rt.call(&mut store, |s| pre.tool.instance_pre().instantiate(s))?;
         let guest = rt.call(&mut store, |s| indices.load(s, &instance))?;
         let answer = rt.call(&mut store, |s| guest.call_grammar(s, &wit_request))?;

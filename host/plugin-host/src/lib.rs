@@ -3,8 +3,9 @@
 //!
 //! One wasmtime `Engine` (component model, pooling allocator, epoch interruption) runs the
 //! frontend stages as sandboxed components: every store is capped in memory and time and gets a
-//! deny-all WASI. A trap, timeout or memory overrun fails only the call that hit it and discards
-//! that instance. Each stage has a slot with an atomic swap: `load` (compile → type-check
+//! deny-all WASI that never blocks (`sandbox_io`). A trap, timeout, memory overrun or denied
+//! operation fails only the call that hit it and discards that instance; running out of
+//! instance slots is [`PluginError::Capacity`], which is not held against the plugin. Each stage has a slot with an atomic swap: `load` (compile → type-check
 //! against the world → the plugin's self-test → the host's smoke test), then `activate`; streams
 //! already running finish on the version they started with; `rollback` restores the previous
 //! version.
@@ -35,6 +36,7 @@ mod error;
 mod grammar;
 mod registry;
 mod runtime;
+mod sandbox_io;
 mod smoke;
 mod streams;
 mod template;
@@ -78,10 +80,29 @@ impl PluginHost {
         self.rt.pooling
     }
 
+    /// Plugin instances alive now (parser streams, warm and rendering templates, one-shot
+    /// calls), out of `max_instances`; `None` without the pooling allocator. For `/metrics`.
+    pub fn instances_in_use(&self) -> Option<u64> {
+        self.rt.instances_in_use()
+    }
+
+    /// Instantiations refused so far with [`PluginError::Capacity`] (all plugins together).
+    pub fn capacity_refusals(&self) -> u64 {
+        self.rt.capacity_refusals()
+    }
+
+    /// Linear-memory bytes the pool keeps resident in its idle slots (at most the first
+    /// 256 KiB of each; the rest is returned to the OS when an instance ends). `None`
+    /// without the pooling allocator.
+    pub fn idle_memory_resident(&self) -> Option<usize> {
+        self.rt.idle_memory_resident()
+    }
+
     /// Compile, type-check against `stage`'s world, and self-test a component. The result is
     /// loaded but not active; loading the same bytes again returns the existing version.
     pub fn load(&self, stage: Stage, wasm: &[u8]) -> Result<VersionInfo, PluginError> {
-        self.registry.load(&self.rt, stage, wasm)
+        self.registry
+            .retry_on_capacity(|| self.registry.load(&self.rt, stage, wasm))
     }
 
     /// Make a loaded version the active one (atomic; running streams are unaffected).
@@ -125,16 +146,16 @@ impl PluginHost {
         &self,
         options: &ReasoningOptions,
     ) -> Result<ReasoningStream, PluginError> {
-        ReasoningStream::start(
-            &self.rt,
-            self.registry.active(Stage::ReasoningParser)?,
-            options,
-        )
+        let version = self.registry.active(Stage::ReasoningParser)?;
+        self.registry
+            .retry_on_capacity(|| ReasoningStream::start(&self.rt, version.clone(), options))
     }
 
     /// Start a tool-parser stream on the active version (pinned for the stream's life).
     pub fn tool_stream(&self, options: &ToolOptions) -> Result<ToolStream, PluginError> {
-        ToolStream::start(&self.rt, self.registry.active(Stage::ToolParser)?, options)
+        let version = self.registry.active(Stage::ToolParser)?;
+        self.registry
+            .retry_on_capacity(|| ToolStream::start(&self.rt, version.clone(), options))
     }
 
     /// One-shot reasoning parse of a complete output.
@@ -144,7 +165,8 @@ impl PluginHost {
         text: &str,
     ) -> Result<ParseResult, PluginError> {
         let version = self.registry.active(Stage::ReasoningParser)?;
-        streams::parse_reasoning(&self.rt, &version, options, text)
+        self.registry
+            .retry_on_capacity(|| streams::parse_reasoning(&self.rt, &version, options, text))
     }
 
     /// One-shot tool-call parse of a complete output.
@@ -154,7 +176,8 @@ impl PluginHost {
         text: &str,
     ) -> Result<ParseResult, PluginError> {
         let version = self.registry.active(Stage::ToolParser)?;
-        streams::parse_tools(&self.rt, &version, options, text)
+        self.registry
+            .retry_on_capacity(|| streams::parse_tools(&self.rt, &version, options, text))
     }
 
     /// The active tool parser's grammar for `request` (WIT 0.3 `output-grammar`): `Ok(None)`
@@ -166,7 +189,8 @@ impl PluginHost {
         request: &GrammarRequest,
     ) -> Result<Option<OutputGrammar>, PluginError> {
         let version = self.registry.active(Stage::ToolParser)?;
-        grammar::output_grammar(&self.rt, &version, request)
+        self.registry
+            .retry_on_capacity(|| grammar::output_grammar(&self.rt, &version, request))
     }
 
     /// Whether the active tool parser exports `output-grammar`.

@@ -76,6 +76,9 @@ impl Counters {
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.busy_ns
             .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        if matches!(r, Err(e) if e.is_capacity()) {
+            return;
+        }
         match r {
             Err(e) if e.is_fault() => {
                 self.faults.fetch_add(1, Ordering::Relaxed);
@@ -147,6 +150,37 @@ impl Registry {
             .active
             .load_full()
             .ok_or(PluginError::NoActivePlugin(stage))
+    }
+
+    /// Run `f`; if the engine was out of instance slots, drop the warm chat-template instances
+    /// (a cache, and each holds a slot) and, if that freed any, run it once more.
+    pub fn retry_on_capacity<R>(
+        &self,
+        f: impl Fn() -> Result<R, PluginError>,
+    ) -> Result<R, PluginError> {
+        match f() {
+            Err(e) if e.is_capacity() && self.drop_warm_templates() > 0 => f(),
+            r => r,
+        }
+    }
+
+    /// Drop every loaded template version's warm instances; how many there were.
+    fn drop_warm_templates(&self) -> usize {
+        let versions = self.slots[Stage::ChatTemplate.index()]
+            .loaded
+            .lock()
+            .clone();
+        let dropped: usize = versions
+            .iter()
+            .map(|v| std::mem::take(&mut *v.template_pool.lock()).len())
+            .sum();
+        if dropped > 0 {
+            tracing::info!(
+                dropped,
+                "plugin instance pool full: dropped warm template instances"
+            );
+        }
+        dropped
     }
 
     pub fn load(

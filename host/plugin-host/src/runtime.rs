@@ -4,16 +4,18 @@
 
 use std::collections::HashMap;
 use std::hash::Hasher;
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{
-    Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, ResourceLimiter, Store,
-    StoreLimits, StoreLimitsBuilder, Trap,
+    Config, Engine, InstanceAllocationStrategy, PoolConcurrencyLimitError, PoolingAllocationConfig,
+    ResourceLimiter, Store, StoreLimits, StoreLimitsBuilder, Trap,
 };
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, WasiView};
@@ -26,6 +28,8 @@ use crate::bindings::v0_3::tool::k3serve::plugin::log as wit_log_v0_3;
 use crate::bindings::v0_3::types::LogLevel as LogLevelV0_3;
 use crate::config::PluginHostConfig;
 use crate::error::PluginError;
+use crate::registry::PluginVersion;
+use crate::sandbox_io::{SandboxDenied, shadow_wasi_io};
 
 /// Guest stderr kept per store (Rust panic messages end up here).
 const STDERR_CAPTURE: usize = 16 << 10;
@@ -43,6 +47,8 @@ pub(crate) struct Runtime {
     /// Compiled components by wasm sha256, so reloading the same bytes is free.
     compiled: Mutex<HashMap<String, Component>>,
     pub pooling: bool,
+    /// Instantiations refused because every pool slot was taken (not counted per plugin).
+    capacity_refusals: AtomicU64,
 }
 
 /// Per-store state: the sandbox's WASI view, limits and diagnostics.
@@ -51,9 +57,17 @@ pub(crate) struct StoreState {
     table: ResourceTable,
     limits: StoreLimits,
     pub memory_exceeded: bool,
+    /// The largest linear memory of this store so far (bytes): wasm memory never shrinks.
+    pub memory_bytes: usize,
     stderr: MemoryOutputPipe,
     plugin: Arc<str>,
     log_budget: u32,
+}
+
+impl StoreState {
+    pub(crate) fn table_mut(&mut self) -> &mut ResourceTable {
+        &mut self.table
+    }
 }
 
 impl WasiView for StoreState {
@@ -75,7 +89,9 @@ impl ResourceLimiter for StoreState {
         maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
         let r = self.limits.memory_growing(current, desired, maximum);
-        if !matches!(r, Ok(true)) {
+        if matches!(r, Ok(true)) {
+            self.memory_bytes = self.memory_bytes.max(desired);
+        } else {
             self.memory_exceeded = true;
         }
         r
@@ -219,6 +235,7 @@ impl Runtime {
         };
         let mut linker = Linker::<StoreState>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
+            .and_then(|()| shadow_wasi_io(&mut linker))
             .map_err(|e| PluginError::Engine(e.to_string()))?;
         wit_log::add_to_linker::<StoreState, HasSelf<StoreState>>(&mut linker, |s| s)
             .map_err(|e| PluginError::Engine(e.to_string()))?;
@@ -259,6 +276,7 @@ impl Runtime {
             compat_hash,
             compiled: Mutex::new(HashMap::new()),
             pooling,
+            capacity_refusals: AtomicU64::new(0),
         }))
     }
 
@@ -339,6 +357,7 @@ impl Runtime {
             table: ResourceTable::new(),
             limits,
             memory_exceeded: false,
+            memory_bytes: 0,
             stderr,
             plugin,
             log_budget: LOG_BUDGET,
@@ -356,7 +375,7 @@ impl Runtime {
         f: impl FnOnce(&mut Store<StoreState>) -> wasmtime::Result<R>,
     ) -> Result<R, PluginError> {
         store.set_epoch_deadline(self.epoch_ticks);
-        f(store).map_err(|e| self.fault(store, e, self.cfg.call_timeout))
+        self.guarded(store, f, self.cfg.call_timeout)
     }
 
     /// Like [`Runtime::call`], under `template_timeout`.
@@ -366,11 +385,46 @@ impl Runtime {
         f: impl FnOnce(&mut Store<StoreState>) -> wasmtime::Result<R>,
     ) -> Result<R, PluginError> {
         store.set_epoch_deadline(self.template_ticks);
-        f(store).map_err(|e| self.fault(store, e, self.cfg.template_timeout))
+        self.guarded(store, f, self.cfg.template_timeout)
+    }
+
+    /// Run `f`; a host function that panics while serving the guest (wasmtime carries the
+    /// panic out of the wasm frames) becomes [`PluginError::HostPanic`], a fault, so the
+    /// caller discards the store. Defence in depth: the sandbox's own io never panics.
+    fn guarded<R>(
+        &self,
+        store: &mut Store<StoreState>,
+        f: impl FnOnce(&mut Store<StoreState>) -> wasmtime::Result<R>,
+        limit: Duration,
+    ) -> Result<R, PluginError> {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| f(&mut *store))) {
+            Ok(r) => r.map_err(|e| self.fault(store, e, limit)),
+            Err(panic) => {
+                let detail = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a host function panicked".into());
+                Err(PluginError::HostPanic {
+                    plugin: store.data().plugin.to_string(),
+                    detail,
+                })
+            }
+        }
     }
 
     fn fault(&self, store: &Store<StoreState>, e: wasmtime::Error, limit: Duration) -> PluginError {
         let plugin = store.data().plugin.to_string();
+        if let Some(full) = e
+            .chain()
+            .find_map(|c| c.downcast_ref::<PoolConcurrencyLimitError>())
+        {
+            self.capacity_refusals.fetch_add(1, Ordering::Relaxed);
+            return PluginError::Capacity {
+                plugin,
+                detail: full.to_string(),
+            };
+        }
         if store.data().memory_exceeded {
             return PluginError::MemoryLimit {
                 plugin,
@@ -381,6 +435,12 @@ impl Runtime {
             return PluginError::Timeout {
                 plugin,
                 limit_ms: limit.as_millis() as u64,
+            };
+        }
+        if let Some(denied) = e.chain().find_map(|c| c.downcast_ref::<SandboxDenied>()) {
+            return PluginError::Denied {
+                plugin,
+                detail: denied.to_string(),
             };
         }
         let mut detail = match e.downcast_ref::<Trap>() {
@@ -398,14 +458,46 @@ impl Runtime {
         PluginError::Trap { plugin, detail }
     }
 
+    /// Run `f`, one call of `version`, and count it in its counters ([`PluginError::Capacity`]
+    /// is not counted: it is not the plugin's doing). A fault or a capacity refusal is logged
+    /// here, once, by kind: never with the error's text, which may quote the prompt.
     pub fn timed<R>(
-        stats: &crate::registry::Counters,
+        version: &PluginVersion,
         f: impl FnOnce() -> Result<R, PluginError>,
     ) -> Result<R, PluginError> {
         let t = Instant::now();
         let r = f();
-        stats.record(t.elapsed(), &r);
+        version.counters.record(t.elapsed(), &r);
+        if let Err(e) = &r
+            && (e.is_fault() || e.is_capacity())
+        {
+            tracing::warn!(
+                stage = %version.stage,
+                plugin = %version.label,
+                version_id = version.id,
+                kind = e.kind(),
+                "plugin call failed"
+            );
+        }
         r
+    }
+
+    /// Component instances alive in the pool now (`None` without the pooling allocator).
+    pub fn instances_in_use(&self) -> Option<u64> {
+        self.engine
+            .pooling_allocator_metrics()
+            .map(|m| m.component_instances())
+    }
+
+    /// Linear-memory bytes kept resident by idle pool slots (`None` without pooling).
+    pub fn idle_memory_resident(&self) -> Option<usize> {
+        self.engine
+            .pooling_allocator_metrics()
+            .map(|m| m.unused_memory_bytes_resident())
+    }
+
+    pub fn capacity_refusals(&self) -> u64 {
+        self.capacity_refusals.load(Ordering::Relaxed)
     }
 }
 
@@ -435,4 +527,31 @@ fn check_header(bytes: &[u8]) -> Result<(), PluginError> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A host function that panics mid-call (wasmtime carries the panic out through the wasm
+    /// frames) ends that call as a typed fault instead of unwinding into the caller's task.
+    #[test]
+    fn a_panic_inside_a_guest_call_is_a_host_panic_fault() {
+        let rt = Runtime::new(PluginHostConfig {
+            max_instances: 4,
+            ..PluginHostConfig::default()
+        })
+        .unwrap();
+        let mut store = rt.store("panicky@1".into());
+        let r: Result<(), _> = rt.call(&mut store, |_| panic!("host bug while serving"));
+        let e = r.unwrap_err();
+        assert!(
+            matches!(&e, PluginError::HostPanic { plugin, detail }
+                if plugin == "panicky@1" && detail == "host bug while serving"),
+            "{e}"
+        );
+        assert!(e.is_fault() && !e.is_capacity() && !e.is_resource_limit());
+        let r: Result<(), _> = rt.call_template(&mut store, |_| panic!("{}", String::from("x")));
+        assert!(matches!(r, Err(PluginError::HostPanic { detail, .. }) if detail == "x"));
+    }
 }

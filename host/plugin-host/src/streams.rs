@@ -104,8 +104,7 @@ impl Session {
         options: &ReasoningOptions,
     ) -> Result<Self, PluginError> {
         let mut store = rt.store(version.label.clone());
-        version.counters.session();
-        let (instance, handle) = Runtime::timed(&version.counters, || {
+        let (instance, handle) = Runtime::timed(&version, || {
             let st = &mut store;
             Ok(match &version.pre {
                 StagePre::Reasoning(pre) => {
@@ -147,6 +146,8 @@ impl Session {
                 _ => return Err(PluginError::NoActivePlugin(Stage::ReasoningParser)),
             })
         })?;
+        // Counted once started: a capacity refusal is no session of this plugin.
+        version.counters.session();
         Ok(Self {
             rt: rt.clone(),
             version,
@@ -163,8 +164,7 @@ impl Session {
         options: &ToolOptions,
     ) -> Result<Self, PluginError> {
         let mut store = rt.store(version.label.clone());
-        version.counters.session();
-        let (instance, handle) = Runtime::timed(&version.counters, || {
+        let (instance, handle) = Runtime::timed(&version, || {
             let st = &mut store;
             Ok(match &version.pre {
                 StagePre::Tool(pre) => {
@@ -186,6 +186,8 @@ impl Session {
                 _ => return Err(PluginError::NoActivePlugin(Stage::ToolParser)),
             })
         })?;
+        // Counted once started: a capacity refusal is no session of this plugin.
+        version.counters.session();
         Ok(Self {
             rt: rt.clone(),
             version,
@@ -214,7 +216,7 @@ impl Session {
             ..
         } = self;
         let handle = *handle;
-        let r = Runtime::timed(&version.counters, || {
+        let r = Runtime::timed(version, || {
             let events = match instance {
                 Instance::Reasoning(inst) => {
                     let api = inst.k3serve_plugin_reasoning_parser().reasoning_stream();
@@ -313,7 +315,7 @@ macro_rules! parse_once {
     ($rt:expr, $version:expr, $pre:expr, $api:ident, $opts:expr, $text:expr, $conv:ident) => {{
         let mut store = $rt.store($version.label.clone());
         let opts = $opts;
-        Runtime::timed(&$version.counters, || {
+        Runtime::timed(&$version, || {
             let inst = $rt.call(&mut store, |s| $pre.instantiate(s))?;
             let r = $rt.call(&mut store, |s| inst.$api().call_parse(s, &opts, $text))?;
             guest(

@@ -121,14 +121,16 @@ impl ChatTemplates {
         options: &RenderOptions,
     ) -> Result<Vec<Segment>, PluginError> {
         let version = self.registry.active(Stage::ChatTemplate)?;
-        render_with(
-            &self.rt,
-            &version,
-            template,
-            messages_json,
-            tools_json,
-            options,
-        )
+        self.registry.retry_on_capacity(|| {
+            render_with(
+                &self.rt,
+                &version,
+                template,
+                messages_json,
+                tools_json,
+                options,
+            )
+        })
     }
 
     /// [`ChatTemplates::render_segments`] joined into one string (the text a v0.1 render gave).
@@ -162,9 +164,8 @@ pub(crate) fn render_with(
     let mut warm = match warm {
         Some(w) => w,
         None => {
-            version.counters.session();
             let mut store = rt.store(version.label.clone());
-            let instance = Runtime::timed(&version.counters, || {
+            let instance = Runtime::timed(version, || {
                 rt.call_template(&mut store, |s| match &version.pre {
                     StagePre::Template(pre) => pre.instantiate(s).map(TemplateInstance::V0_1),
                     StagePre::TemplateV0_2(pre) => pre.instantiate(s).map(TemplateInstance::V0_2),
@@ -172,6 +173,7 @@ pub(crate) fn render_with(
                     _ => unreachable!("checked above"),
                 })
             })?;
+            version.counters.session();
             WarmTemplate {
                 store,
                 instance,
@@ -181,7 +183,7 @@ pub(crate) fn render_with(
         }
     };
     let key: [u8; 32] = Sha256::digest(template.as_bytes()).into();
-    let result = Runtime::timed(&version.counters, || {
+    let result = Runtime::timed(version, || {
         let WarmTemplate {
             store,
             instance,
@@ -264,9 +266,12 @@ pub(crate) fn render_with(
     });
     warm.renders += 1;
     // A fault poisons the store: drop it. Otherwise return it to the pool if there is room.
+    // An instance that grew past `template_keep_memory` (a huge prompt) is dropped too: its
+    // memory cannot shrink, and its pool slot gives the pages back once it is freed.
     let reusable = !matches!(&result, Err(e) if e.is_fault())
         && warm.renders < RENDERS_PER_INSTANCE
-        && warm.compiled.len() <= TEMPLATES_PER_INSTANCE;
+        && warm.compiled.len() <= TEMPLATES_PER_INSTANCE
+        && warm.store.data().memory_bytes <= rt.cfg.template_keep_memory;
     if reusable {
         let mut pool = version.template_pool.lock();
         if pool.len() < rt.cfg.template_pool_size {
