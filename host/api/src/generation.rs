@@ -73,7 +73,13 @@ pub async fn start_completion(
             r.request_id = format!("{}-{i}", request.request_id);
             r.sampling.seed = request.sampling.seed.map(|s| s.wrapping_add(i as u64));
         }
-        gens.push(state.backend().complete(r).await?);
+        gens.push(state.backend().complete(r).await.map_err(|e| {
+            let mut err = ApiError::from(e);
+            if err.code == Some("context_length_exceeded") {
+                err.param = Some("prompt".into());
+            }
+            err
+        })?);
     }
     Ok(gens)
 }

@@ -181,4 +181,46 @@ mod tests {
         ];
         assert_eq!(content_bytes(&messages), 8);
     }
+
+    /// Parser streams start when a request produces output, not when it is queued: with one
+    /// running sequence and an instance pool far smaller than two per submitted chat, every
+    /// chat still completes (started eagerly, the fourth submission would find no instance).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn queued_chats_hold_no_parser_instances() {
+        let cache = std::env::temp_dir().join("k3-frontend-test-plugin-cache");
+        let _ = std::fs::create_dir_all(&cache);
+        let host = k3_plugin_host::PluginHost::new(k3_plugin_host::PluginHostConfig {
+            max_instances: 6,
+            template_pool_size: 1,
+            ..k3_plugin_host::PluginHostConfig::default().with_cache_dir(cache)
+        })
+        .unwrap();
+        host.load_default_plugins().unwrap();
+        if !host.uses_pooling_allocator() {
+            return; // on-demand allocation has no instance limit to test against
+        }
+        let b = crate::tests::backend_with(
+            host.clone(),
+            k3_engine::EngineConfig {
+                max_context: 512,
+                max_running: 1,
+                eos_token_ids: vec![2],
+                ..k3_engine::EngineConfig::default()
+            },
+        );
+        let mut gens = Vec::new();
+        for i in 0..8 {
+            let g = b.chat(chat(format!("story {i}"), Some(16), vec![])).await;
+            gens.push(g.unwrap_or_else(|e| panic!("submission {i}: {e:?}")));
+        }
+        for (i, g) in gens.into_iter().enumerate() {
+            let events: Vec<crate::GenEvent> = futures::StreamExt::collect(g.events).await;
+            assert!(
+                matches!(events.last(), Some(crate::GenEvent::Finished(_))),
+                "chat {i} ended with {:?}",
+                events.last()
+            );
+        }
+        assert_eq!(host.capacity_refusals(), 0);
+    }
 }

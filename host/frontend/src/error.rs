@@ -39,6 +39,16 @@ pub enum BackendError {
     Internal(String),
 }
 
+/// A plugin call's failure as the request's error: the host out of plugin instances is a 503 to
+/// retry (the plugin did nothing wrong); anything else is the plugin's failure.
+pub(crate) fn plugin_failure(e: k3_plugin_host::PluginError) -> BackendError {
+    if e.is_capacity() {
+        BackendError::Unavailable(e.to_string())
+    } else {
+        BackendError::Plugin(e.to_string())
+    }
+}
+
 /// Failures of [`Frontend::output_grammar`](crate::Frontend::output_grammar); each converts
 /// into the [`BackendError`] the API maps to a status.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -58,4 +68,7 @@ pub enum FrontendError {
     /// The plugin failed (trap, timeout, no active parser).
     #[error("{0}")]
     Plugin(String),
+    /// The host had no plugin instance free to ask (retry later).
+    #[error("{0}")]
+    Capacity(String),
 }

@@ -54,6 +54,7 @@ impl From<PluginError> for FrontendError {
                 plugin,
                 error: GuestError::Unsupported(m),
             } => FrontendError::Unsupported(format!("{plugin}: {m}")),
+            other if other.is_capacity() => FrontendError::Capacity(other.to_string()),
             other => FrontendError::Plugin(other.to_string()),
         }
     }
@@ -74,6 +75,7 @@ impl From<FrontendError> for BackendError {
                 param: Some("tools".into()),
             },
             FrontendError::Plugin(_) => BackendError::Plugin(message),
+            FrontendError::Capacity(_) => BackendError::Unavailable(message),
         }
     }
 }

@@ -33,7 +33,7 @@ pub struct ParserPlan {
 /// A chat request's parser stages: planned, then running.
 pub enum ParserStages {
     Planned(ParserPlan),
-    Running(Parsers),
+    Running(Box<Parsers>),
 }
 
 impl ParserStages {
@@ -48,11 +48,11 @@ impl ParserStages {
                 .plugins
                 .tool_stream(&plan.tools)
                 .map_err(plugin_error)?;
-            *self = ParserStages::Running(Parsers {
+            *self = ParserStages::Running(Box::new(Parsers {
                 reasoning,
                 tools,
                 emit_tool_calls: plan.emit_tool_calls,
-            });
+            }));
         }
         match self {
             ParserStages::Running(parsers) => Ok(parsers),
@@ -82,7 +82,7 @@ pub struct RequestPath {
 
 /// A plugin failure inside the path, as the request's error.
 fn plugin_error(e: PluginError) -> BackendError {
-    BackendError::Plugin(e.to_string())
+    crate::error::plugin_failure(e)
 }
 
 impl RequestPath {

@@ -91,6 +91,7 @@ fn load_error(e: PluginError) -> BackendError {
             message: e.to_string(),
             param: None,
         },
+        other if other.is_capacity() => BackendError::Unavailable(other.to_string()),
         other => BackendError::Internal(other.to_string()),
     }
 }

@@ -36,6 +36,18 @@ fn plugins() -> PluginHost {
 }
 
 pub(super) fn backend() -> Frontend {
+    backend_with(
+        plugins(),
+        EngineConfig {
+            max_context: MAX_LEN,
+            eos_token_ids: vec![2],
+            ..EngineConfig::default()
+        },
+    )
+}
+
+/// A frontend over the toy engine with `engine` settings and the given plugin host.
+pub(super) fn backend_with(plugins: PluginHost, engine: EngineConfig) -> Frontend {
     let toy = ToyConfig {
         vocab: VOCAB,
         page_tokens: 4,
@@ -43,21 +55,13 @@ pub(super) fn backend() -> Frontend {
         state_bytes: 64,
         arena_bytes: 1 << 20,
     };
-    let engine = Engine::start(
-        Box::new(ToyExecutor::new(toy).unwrap()),
-        EngineConfig {
-            max_context: MAX_LEN,
-            eos_token_ids: vec![2],
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
+    let engine = Engine::start(Box::new(ToyExecutor::new(toy).unwrap()), engine).unwrap();
     let tokenizer = Arc::new(Tokenizer::from_dir(model_dir()).unwrap());
     let template = tokenizer.chat_template().unwrap().to_string();
     Frontend::new(FrontendParts {
         engine,
         tokenizer,
-        plugins: plugins(),
+        plugins,
         chat_template: template,
         model: ModelInfo {
             id: "toy".into(),

@@ -161,18 +161,12 @@ fn plugin_specs(cfg: &ServeConfig) -> [(Stage, String, &'static str, &'static st
     ]
 }
 
-/// Wasm instances the pool must hold for `generations` admitted at once: each holds at most two
-/// at a time (its reasoning and tool parsers, or one template render before them), plus room for
-/// the warm template pool, one-shot parses and a plugin upload's self-test.
-fn plugin_instances(generations: usize) -> u32 {
-    let n = generations.saturating_mul(2).saturating_add(64);
-    u32::try_from(n).unwrap_or(u32::MAX)
-}
-
 fn load_plugins(cfg: &ServeConfig) -> anyhow::Result<PluginHost> {
+    let defaults = PluginHostConfig::default();
     let mut host_cfg = PluginHostConfig {
-        max_instances: plugin_instances(cfg.max_num_seqs + cfg.max_waiting_requests),
-        ..PluginHostConfig::default()
+        // Every admitted generation may hold its parser instances at once.
+        max_instances: defaults.instances_for(cfg.max_num_seqs + cfg.max_waiting_requests),
+        ..defaults
     };
     if let Some(dir) = plugin_cache_dir()
         && std::fs::create_dir_all(&dir).is_ok()
