@@ -1,7 +1,7 @@
 """Hostile load against a server with small admission limits: more concurrent chats than it
 admits get only 200s and 429s (never a plugin 500), an oversize prompt is refused in well under a
-second without growing the server's memory, and oversize tool lists or impossible `n` / stop ids
-are 4xx."""
+second without growing the server's memory, oversize tool lists or impossible `n` / stop ids are
+4xx, and a plugin that reaches for a denied interface fails only its own calls, counted."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import start_server, stop_server
+from conftest import ADMIN_TOKEN, start_server, stop_server
+from test_admin import plugin_file
 
 MAX_NUM_SEQS = 4
 MAX_WAITING = 12
@@ -27,6 +28,7 @@ def srv():
         "--max-waiting-requests", str(MAX_WAITING),
         "--max-request-body-bytes", str(BODY_LIMIT),
         "--shutdown-timeout", "5",
+        "--admin-token", ADMIN_TOKEN,
     ])
     yield s
     stop_server(s)
@@ -148,3 +150,34 @@ def test_impossible_n_and_stop_token_ids_are_400(srv):
         "stop_token_ids": [3, 10_000_000]})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "stop_token_ids[1]"
+
+
+def test_denied_interface_fails_the_call_cleanly(srv):
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    up = httpx.put(f"{srv.base_url}/admin/plugins/tool-parser", headers=auth, timeout=120,
+                   content=plugin_file("testdata_denied_socket.wasm"))
+    assert up.status_code == 200, up.text
+    # Declared tools that mention OPEN_SOCKET arm the plugin: its first delta opens a socket.
+    armed = {"model": "k3-mini", "max_tokens": 24, "reasoning_effort": "none",
+             "messages": [{"role": "user", "content": "Say hello."}],
+             "tools": [{"type": "function", "function": {"name": "OPEN_SOCKET", "parameters": {"type": "object"}}}]}
+    try:
+        r = httpx.post(f"{srv.base_url}/v1/chat/completions", json=armed, timeout=60)
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["type"] == "plugin_error", r.text
+        with httpx.stream("POST", f"{srv.base_url}/v1/chat/completions", json={**armed, "stream": True},
+                          timeout=60) as s:
+            assert s.status_code == 200
+            data = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]", data[-3:]
+        assert '"error"' in data[-2], data[-3:]
+        errors = {k: v for k, v in srv.metrics().items()
+                  if k.startswith("k3serve_plugin_errors_total") and "testdata-denied-socket" in k}
+        assert errors and sum(errors.values()) >= 2, errors
+        # The same version serves a request that does not reach for the socket.
+        plain = {k: v for k, v in armed.items() if k != "tools"}
+        ok = httpx.post(f"{srv.base_url}/v1/chat/completions", json=plain, timeout=60)
+        assert ok.status_code == 200, ok.text
+    finally:
+        back = httpx.post(f"{srv.base_url}/admin/plugins/tool-parser/rollback", headers=auth, timeout=60)
+        assert back.status_code == 200, back.text

@@ -7,6 +7,9 @@
 //! - `SLEEP`: blocks on a timer (the sandbox has no time to wait for);
 //! - `PRINT`: writes to stdout and stderr, which must keep working.
 //!
+//! A stream whose declared tools mention `OPEN_SOCKET` connects on its first non-empty delta,
+//! so an HTTP test can arm it without controlling what the model writes.
+//!
 //! The host must end only the call that hit a denial, with a typed error, and never panic.
 
 use std::fs::File;
@@ -21,7 +24,10 @@ const TCP_TARGET: &str = "127.0.0.1:9";
 const DNS_TARGET: (&str, u16) = ("example.com", 80);
 const FILE_TARGET: &str = "/etc/passwd";
 
-pub struct DeniedSocket;
+pub struct DeniedSocket {
+    /// Connect on the first non-empty delta (the tools mention `OPEN_SOCKET`).
+    armed: bool,
+}
 
 impl Plugin for DeniedSocket {
     const INFO: Info = Info::new(
@@ -50,7 +56,7 @@ fn probe() -> String {
 
 impl StreamingParser for DeniedSocket {
     fn feed(&mut self, delta: &str) -> Result<Vec<Event>, PluginError> {
-        if delta.contains("OPEN_SOCKET") {
+        if delta.contains("OPEN_SOCKET") || (self.armed && !delta.is_empty()) {
             let stream = TcpStream::connect(TCP_TARGET).expect("connect to the discard port");
             drop(stream);
         }
@@ -90,8 +96,12 @@ impl StreamingParser for DeniedSocket {
 }
 
 impl ToolParser for DeniedSocket {
-    fn new(_: ToolOptions) -> Self {
-        DeniedSocket
+    fn new(options: ToolOptions) -> Self {
+        DeniedSocket {
+            armed: options
+                .tools_json
+                .is_some_and(|tools| tools.contains("OPEN_SOCKET")),
+        }
     }
 }
 
