@@ -154,9 +154,22 @@ impl std::fmt::Display for ApiError {
     }
 }
 
+/// An error response's kind and code, kept in its extensions for the server's 5xx log line.
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorLabel {
+    pub kind: &'static str,
+    pub code: Option<&'static str>,
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status(), axum::Json(self.body())).into_response()
+        let label = ErrorLabel {
+            kind: self.kind.type_str(),
+            code: self.code,
+        };
+        let mut resp = (self.status(), axum::Json(self.body())).into_response();
+        resp.extensions_mut().insert(label);
+        resp
     }
 }
 
