@@ -6,7 +6,7 @@
 //!
 //! hyper's own `header_read_timeout` runs one timer from the moment a connection goes idle to the
 //! end of the next head, so it cannot give keep-alive idling and head reading separate limits;
-//! a small per-connection watchdog ([`watchdog`]) does both instead.
+//! a small per-connection watchdog does both instead.
 
 use std::convert::Infallible;
 use std::future::Future;

@@ -78,8 +78,9 @@ impl ChatBackend for EndlessBackend {
         Box::pin(async { Err(BackendError::NotFound("no plugins here".into())) })
     }
 
+    /// A server-side failure, for the 5xx log line.
     fn rollback_plugin(&self, _: String) -> BoxFuture<'_, Result<PluginVersionInfo, BackendError>> {
-        Box::pin(async { Err(BackendError::NotFound("no plugins here".into())) })
+        Box::pin(async { Err(BackendError::Internal("the plugin store broke".into())) })
     }
 
     fn shutdown(&self) -> BoxFuture<'_, ()> {
@@ -99,9 +100,9 @@ fn state(config: ApiConfig) -> AppState {
 
 fn short_limits(max_connections: usize) -> ConnectionLimits {
     ConnectionLimits {
-        request_header_timeout: Duration::from_millis(400),
-        keep_alive_timeout: Duration::from_millis(400),
-        request_body_timeout: Duration::from_millis(400),
+        request_header_timeout: Duration::from_millis(800),
+        keep_alive_timeout: Duration::from_millis(800),
+        request_body_timeout: Duration::from_millis(800),
         max_connections,
     }
 }
@@ -162,7 +163,7 @@ async fn idle_slow_and_stalled_connections_are_cut_on_time() {
     let mut slow = TcpStream::connect(addr).await.unwrap();
     slow.write_all(b"GET /health HTTP/1.1\r\n").await.unwrap();
     let dripper = tokio::spawn(async move {
-        for i in 0..20 {
+        for i in 0..40 {
             tokio::time::sleep(Duration::from_millis(100)).await;
             if slow
                 .write_all(format!("X-{i}: y\r\n").as_bytes())
@@ -180,7 +181,10 @@ async fn idle_slow_and_stalled_connections_are_cut_on_time() {
             .is_some()
     );
     let cut = dripper.await.unwrap() - t0;
-    assert!(cut < Duration::from_millis(1500), "{cut:?}");
+    assert!(
+        cut > Duration::from_millis(700) && cut < Duration::from_millis(2500),
+        "{cut:?}"
+    );
 
     // A kept-alive connection is closed once idle.
     let mut kept = TcpStream::connect(addr).await.unwrap();
@@ -294,7 +298,10 @@ async fn shutdown_waits_for_live_streams_to_write_their_error_and_done() {
         .await
         .unwrap();
     finished.unwrap().unwrap();
-    assert!(t0.elapsed() >= Duration::from_millis(200));
+    assert!(
+        t0.elapsed() >= Duration::from_millis(200),
+        "the grace period comes first"
+    );
     assert!(st.is_shutting_down());
     for mut sock in streams {
         let rest = read_to_close(&mut sock, Duration::from_secs(2))
@@ -398,4 +405,95 @@ async fn anthropic_routes_answer_errors_in_anthropic_shape() {
     let (got, _, body) = send(app.clone(), with_key("GET", "/v1/nothing", Some("k"))).await;
     assert_eq!(got, StatusCode::NOT_FOUND);
     assert_eq!(body["error"]["code"], "unknown_route");
+}
+
+/// Log lines written while the guard lives (this thread only).
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn server_errors_and_auth_failures_are_logged_without_secrets() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let app = build_router(state(ApiConfig {
+        api_key: Some("the-api-key".into()),
+        admin_token: Some("the-admin-token".into()),
+        ..ApiConfig::default()
+    }));
+    let req = |method: &str, path: &str, auth: &str| {
+        Request::builder()
+            .method(method)
+            .uri(path)
+            .header(header::AUTHORIZATION, format!("Bearer {auth}"))
+            .body(Body::empty())
+            .unwrap()
+    };
+    let (status, _, _) = send(
+        app.clone(),
+        req(
+            "POST",
+            "/admin/plugins/tool-parser/rollback",
+            "the-admin-token",
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    let (status, _, _) = send(app.clone(), req("GET", "/v1/models", "guessed-key")).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, _, _) = send(app.clone(), req("GET", "/admin/plugins", "guessed-token")).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let line = |needle: &str| {
+        log.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no line with {needle}:\n{log}"))
+            .to_string()
+    };
+    let failed = line("request failed with 500");
+    assert!(
+        failed.contains("ERROR") && failed.contains("/admin/plugins/{stage}/rollback"),
+        "{failed}"
+    );
+    assert!(
+        failed.contains("error_type=\"internal_error\"")
+            || failed.contains("error_type=internal_error"),
+        "{failed}"
+    );
+    assert!(
+        !failed.contains("the plugin store broke"),
+        "the message stays out: {failed}"
+    );
+    let auth = line("credential=\"api_key\"");
+    assert!(
+        auth.contains("WARN") && auth.contains("problem=\"wrong\""),
+        "{auth}"
+    );
+    line("credential=\"admin_token\"");
+    for secret in [
+        "guessed-key",
+        "guessed-token",
+        "the-api-key",
+        "the-admin-token",
+    ] {
+        assert!(
+            !log.contains(secret),
+            "{secret} leaked into the log:\n{log}"
+        );
+    }
 }
