@@ -86,6 +86,15 @@ impl AccessLog {
         });
     }
 
+    /// The request's id, once a handler set one.
+    pub fn request_id(&self) -> Option<String> {
+        self.record
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .request_id
+            .clone()
+    }
+
     /// The prompt, built only when prompts are logged (`--log-requests`).
     pub fn set_prompt(&self, prompt: impl FnOnce() -> String) {
         self.with(|r| {

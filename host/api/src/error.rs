@@ -158,9 +158,21 @@ impl std::fmt::Display for ApiError {
 /// within seconds, so a short wait is the useful hint.
 const RETRY_AFTER_SECS: &str = "1";
 
+/// An error response's kind and code, kept in its extensions for the server's 5xx log line.
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorLabel {
+    pub kind: &'static str,
+    pub code: Option<&'static str>,
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        let label = ErrorLabel {
+            kind: self.kind.type_str(),
+            code: self.code,
+        };
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
+        resp.extensions_mut().insert(label);
         if matches!(self.kind, ErrorKind::RateLimit | ErrorKind::Overloaded) {
             resp.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,

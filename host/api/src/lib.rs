@@ -8,6 +8,7 @@ pub mod admin;
 pub mod anthropic;
 pub mod backend;
 pub mod body;
+pub mod connections;
 pub mod error;
 pub mod generation;
 pub mod metrics;
@@ -49,6 +50,8 @@ pub struct ApiConfig {
     pub strict_request_fields: bool,
     /// Access lines include the prompt (chat messages or completion prompt).
     pub log_requests: bool,
+    /// Connection timeouts and cap.
+    pub connections: connections::ConnectionLimits,
 }
 
 impl Default for ApiConfig {
@@ -62,6 +65,7 @@ impl Default for ApiConfig {
             max_concurrent_requests: 1024,
             strict_request_fields: false,
             log_requests: false,
+            connections: connections::ConnectionLimits::default(),
         }
     }
 }

@@ -86,6 +86,72 @@ pub struct HttpMetrics {
     pub client_disconnects: AtomicU64,
     /// Unknown request fields ignored, by field pattern.
     pub ignored_fields: Arc<IgnoredFields>,
+    /// Open connections and why the server closed some.
+    pub connections: Arc<ConnectionMetrics>,
+}
+
+/// What the accept loop and the connection timeouts count.
+#[derive(Default)]
+pub struct ConnectionMetrics {
+    /// Connections open now.
+    pub open: AtomicU64,
+    /// Connections accepted since start.
+    pub accepted: AtomicU64,
+    /// Closed because a request head did not arrive in time.
+    pub header_timeouts: AtomicU64,
+    /// Closed because a keep-alive connection stayed idle too long.
+    pub idle_timeouts: AtomicU64,
+    /// Requests whose body stalled (answered 408, connection closed).
+    pub body_timeouts: AtomicU64,
+    /// Times the accept loop paused because the connection cap was reached.
+    pub cap_reached: AtomicU64,
+    /// Requests refused at their headers for a declared body over the route's limit.
+    pub declared_body_too_large: AtomicU64,
+}
+
+impl ConnectionMetrics {
+    fn render(&self, out: &mut String) {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        gauge(
+            out,
+            "k3serve_http_connections_open",
+            "HTTP connections open now.",
+            load(&self.open) as f64,
+        );
+        counter(
+            out,
+            "k3serve_http_connections_accepted_total",
+            "HTTP connections accepted.",
+            load(&self.accepted),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP k3serve_http_connections_timed_out_total Connections or requests the server cut, by timeout.\n# TYPE k3serve_http_connections_timed_out_total counter"
+        );
+        for (reason, n) in [
+            ("header", &self.header_timeouts),
+            ("idle", &self.idle_timeouts),
+            ("body", &self.body_timeouts),
+        ] {
+            let _ = writeln!(
+                out,
+                "k3serve_http_connections_timed_out_total{{timeout=\"{reason}\"}} {}",
+                load(n)
+            );
+        }
+        counter(
+            out,
+            "k3serve_http_connection_cap_reached_total",
+            "Times the server stopped accepting because --max-connections were open.",
+            load(&self.cap_reached),
+        );
+        counter(
+            out,
+            "k3serve_http_declared_body_too_large_total",
+            "Requests refused at their headers for a Content-Length over the route's limit.",
+            load(&self.declared_body_too_large),
+        );
+    }
 }
 
 impl Default for HttpMetrics {
@@ -101,6 +167,7 @@ impl Default for HttpMetrics {
             cached_prompt_tokens: AtomicU64::new(0),
             client_disconnects: AtomicU64::new(0),
             ignored_fields: Arc::default(),
+            connections: Arc::default(),
         }
     }
 }
@@ -200,6 +267,7 @@ impl HttpMetrics {
             "Requests aborted because the client went away.",
             self.client_disconnects.load(Ordering::Relaxed),
         );
+        self.connections.render(&mut out);
         let _ = writeln!(
             out,
             "# HELP k3serve_ignored_request_fields_total Unknown request fields accepted and ignored, by field path (array indices dropped).\n# TYPE k3serve_ignored_request_fields_total counter"

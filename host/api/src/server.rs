@@ -1,19 +1,21 @@
-//! The router, its middleware (auth, request counting), the small routes, and serving with a
-//! graceful-shutdown deadline.
+//! The router, its middleware (auth, declared body sizes, request counting and the 5xx log), the
+//! small routes, and `serve` (the accept loop itself is in [`crate::connections`]).
 
 use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
-use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use serde_json::json;
 
 use crate::access_log::AccessLog;
-use crate::error::{ApiError, ErrorKind, ErrorStyle};
+use crate::error::{ApiError, ErrorKind, ErrorLabel, ErrorStyle};
 use crate::{AppState, admin, anthropic, openai, tokenize};
 
 /// All routes with their middleware.
@@ -34,6 +36,10 @@ pub fn build_router(state: AppState) -> Router {
         .layer(DefaultBodyLimit::max(state.config().max_request_body_bytes))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
+            refuse_declared_oversize_v1,
+        ))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
             require_api_key,
         ));
     let admin = Router::new()
@@ -44,6 +50,10 @@ pub fn build_router(state: AppState) -> Router {
             post(admin::rollback_plugin),
         )
         .layer(DefaultBodyLimit::max(state.config().max_plugin_bytes))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            refuse_declared_oversize_admin,
+        ))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_admin_token,
@@ -63,8 +73,9 @@ pub fn build_router(state: AppState) -> Router {
 }
 
 /// Serve until `shutdown` resolves; then stop accepting, let running requests finish for up to
-/// `grace`, and shut the backend down, which ends whatever still runs (those streams get an
-/// error event).
+/// `grace`, shut the backend down (those streams get an error event) and wait, briefly, for their
+/// last bytes to go out. Connection limits come from [`crate::ApiConfig::connections`]; see
+/// [`crate::connections`].
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
@@ -72,33 +83,7 @@ pub async fn serve(
     grace: Duration,
 ) -> std::io::Result<()> {
     let router = build_router(state.clone());
-    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
-    let drain_state = state.clone();
-    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
-        shutdown.await;
-        drain_state.begin_shutdown();
-        tracing::info!(
-            "shutting down: no new requests; waiting up to {:?} for running ones",
-            grace
-        );
-        let _ = signalled_tx.send(());
-    });
-    let deadline = async move {
-        if signalled_rx.await.is_ok() {
-            tokio::time::sleep(grace).await;
-        } else {
-            std::future::pending::<()>().await;
-        }
-    };
-    let result = tokio::select! {
-        r = server => r,
-        _ = deadline => {
-            tracing::warn!("shutdown deadline passed; aborting the requests still running");
-            Ok(())
-        }
-    };
-    state.backend().shutdown().await;
-    result
+    crate::connections::serve(listener, router, state, shutdown, grace).await
 }
 
 async fn health(State(state): State<AppState>) -> Response {
@@ -153,7 +138,7 @@ async fn method_not_allowed(method: Method, uri: Uri) -> Response {
 }
 
 /// Anthropic's error shape for everything under `/v1/messages` (known routes or not).
-fn style_for(path: &str) -> ErrorStyle {
+pub(crate) fn style_for(path: &str) -> ErrorStyle {
     if path == "/v1/messages" || path.starts_with("/v1/messages/") {
         ErrorStyle::Anthropic
     } else {
@@ -189,6 +174,7 @@ async fn require_api_key(State(state): State<AppState>, req: Request, next: Next
     if given.is_some_and(|g| secret_eq(g, key)) {
         return next.run(req).await;
     }
+    log_auth_failure(&req, "api_key", given.is_some());
     let message = if given.is_some() {
         "invalid API key"
     } else {
@@ -209,9 +195,11 @@ async fn require_admin_token(State(state): State<AppState>, req: Request, next: 
         .with_code("admin_disabled")
         .into_response();
     };
-    if bearer(req.headers()).is_some_and(|g| secret_eq(g, token)) {
+    let given = bearer(req.headers());
+    if given.is_some_and(|g| secret_eq(g, token)) {
         return next.run(req).await;
     }
+    log_auth_failure(&req, "admin_token", given.is_some());
     ApiError::new(
         ErrorKind::Authentication,
         "the admin API needs 'Authorization: Bearer <admin token>'",
@@ -220,9 +208,90 @@ async fn require_admin_token(State(state): State<AppState>, req: Request, next: 
     .into_response()
 }
 
+/// One warning per refused credential: route, peer and which credential, never its value.
+fn log_auth_failure(req: &Request, credential: &'static str, given: bool) {
+    let peer = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|ConnectInfo(addr)| addr.to_string());
+    tracing::warn!(
+        target: "k3serve::auth",
+        method = %req.method(),
+        path = %req.uri().path(),
+        peer = peer.as_deref().unwrap_or("-"),
+        credential,
+        problem = if given { "wrong" } else { "missing" },
+        "authentication failed"
+    );
+}
+
+/// Refuse a request whose `Content-Length` is over `limit` before its body is read: a 413 in
+/// the route's shape, sent instead of `100 Continue`, and the connection closed afterwards
+/// (the unread body would otherwise have to be drained).
+fn refuse_declared_oversize(
+    state: &AppState,
+    req: &Request,
+    limit: usize,
+    flag: &str,
+) -> Option<Response> {
+    let declared: u64 = req
+        .headers()
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    if declared <= limit as u64 {
+        return None;
+    }
+    state
+        .metrics()
+        .connections
+        .declared_body_too_large
+        .fetch_add(1, Ordering::Relaxed);
+    let mut resp = ApiError::new(
+        ErrorKind::RequestTooLarge,
+        format!(
+            "the request body declares {declared} bytes; this route takes at most {limit} ({flag})"
+        ),
+    )
+    .with_code("request_too_large")
+    .styled(style_for(req.uri().path()))
+    .into_response();
+    resp.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    Some(resp)
+}
+
+async fn refuse_declared_oversize_v1(
+    State(state): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let limit = state.config().max_request_body_bytes;
+    match refuse_declared_oversize(&state, &req, limit, "--max-request-body-bytes") {
+        Some(resp) => resp,
+        None => next.run(req).await,
+    }
+}
+
+async fn refuse_declared_oversize_admin(
+    State(state): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let limit = state.config().max_plugin_bytes;
+    match refuse_declared_oversize(&state, &req, limit, "the plugin size limit") {
+        Some(resp) => resp,
+        None => next.run(req).await,
+    }
+}
+
 /// Count the request in `/metrics` and open its access line (logged once the response, or its
 /// stream, is over; see [`AccessLog`]).
 async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_string();
     let log = AccessLog::new(
         req.method().as_str(),
         req.uri().path(),
@@ -238,6 +307,19 @@ async fn count_requests(State(state): State<AppState>, req: Request, next: Next)
     let resp = log.clone().scope(next.run(req)).await;
     let status = resp.status().as_u16();
     state.metrics().record_request(&route, status);
+    if resp.status().is_server_error() {
+        // The error's kind and code, never its message (it may quote the request).
+        let label = resp.extensions().get::<ErrorLabel>().copied();
+        tracing::error!(
+            route = %route,
+            path = %path,
+            status,
+            request_id = log.request_id().as_deref().unwrap_or("-"),
+            error_type = label.map_or("-", |l| l.kind),
+            error_code = label.and_then(|l| l.code).unwrap_or("-"),
+            "request failed with {status}"
+        );
+    }
     log.set_status(status);
     resp
 }

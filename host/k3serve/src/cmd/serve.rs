@@ -364,6 +364,7 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             max_concurrent_requests: cfg.max_num_seqs + cfg.max_waiting_requests,
             strict_request_fields: cfg.strict_request_fields,
             log_requests: cfg.log_requests,
+            connections: connection_limits(&cfg),
             ..ApiConfig::default()
         },
     );
@@ -393,6 +394,36 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         .context("serving HTTP")?;
     say("k3serve: stopped");
     Ok(())
+}
+
+/// The connection limits, after raising the soft open-files limit to the hard one (each
+/// connection is a file descriptor; the cap derived from the limit keeps headroom so the server
+/// never runs out and spins on `accept`).
+fn connection_limits(cfg: &ServeConfig) -> k3_api::connections::ConnectionLimits {
+    let fd_limit = match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => limit,
+        Err(e) => {
+            tracing::warn!("could not raise the open-files limit: {e}");
+            rlimit::getrlimit(rlimit::Resource::NOFILE).map_or(1024, |(soft, _)| soft)
+        }
+    };
+    let limits = cfg.connection_limits(fd_limit);
+    if limits.max_connections as u64 + 64 > fd_limit {
+        tracing::warn!(
+            max_connections = limits.max_connections,
+            fd_limit,
+            "--max-connections leaves under 64 file descriptors for everything else"
+        );
+    }
+    tracing::info!(
+        max_connections = limits.max_connections,
+        fd_limit,
+        header_timeout_s = limits.request_header_timeout.as_secs_f64(),
+        keep_alive_timeout_s = limits.keep_alive_timeout.as_secs_f64(),
+        body_timeout_s = limits.request_body_timeout.as_secs_f64(),
+        "connection limits"
+    );
+    limits
 }
 
 /// Run one throwaway request (a `tokens`-token prompt, clamped to the context, and two greedy

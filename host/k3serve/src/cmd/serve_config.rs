@@ -3,8 +3,10 @@
 //! on the command line wins over the file, the file over the defaults.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
+use k3_api::connections::ConnectionLimits;
 use serde::Deserialize;
 
 use super::model_loading::{CudaArgs, Device, LoadFormat};
@@ -46,12 +48,20 @@ pub struct Args {
     /// Device to run on: `cuda`, `cpu` or `auto` [default: auto = cuda when a GPU opens, else cpu].
     #[arg(long)]
     pub device: Option<String>,
-    /// Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on /v1/*.
+    /// Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on /v1/* (also read from
+    /// $K3SERVE_API_KEY, then $VLLM_API_KEY, so the key need not show in the process list).
     #[arg(long, env = "K3SERVE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
-    /// Enable /admin/* behind `Authorization: Bearer TOKEN`.
+    /// Read the API key from this file (surrounding whitespace dropped).
+    #[arg(long, value_name = "FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Enable /admin/* behind `Authorization: Bearer TOKEN` (also read from
+    /// $K3SERVE_ADMIN_TOKEN).
     #[arg(long, env = "K3SERVE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Read the admin token from this file (surrounding whitespace dropped).
+    #[arg(long, value_name = "FILE")]
+    pub admin_token_file: Option<PathBuf>,
     /// Context length: prompt + generated tokens [default: the model's max_position_embeddings].
     #[arg(long)]
     pub max_model_len: Option<usize>,
@@ -115,6 +125,20 @@ pub struct Args {
     /// Seconds running requests may take to finish at shutdown [default: 30].
     #[arg(long)]
     pub shutdown_timeout: Option<f64>,
+    /// Seconds a new connection has for its first request head, and any request for its head
+    /// from its first byte [default: 20].
+    #[arg(long, value_name = "SECS")]
+    pub request_header_timeout: Option<f64>,
+    /// Seconds a kept-alive connection may sit idle between requests [default: 30].
+    #[arg(long, value_name = "SECS")]
+    pub keep_alive_timeout: Option<f64>,
+    /// Seconds a request body may deliver no bytes before the request gets a 408 [default: 30].
+    #[arg(long, value_name = "SECS")]
+    pub request_body_timeout: Option<f64>,
+    /// Most connections open at once; at the cap the server stops accepting until one closes
+    /// [default: the open-files limit less an eighth (at least 64), at most 32768].
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
     /// CPU worker threads for the model (0 = one per core) [default: 0].
     #[arg(long)]
     pub threads: Option<usize>,
@@ -145,7 +169,9 @@ struct FileConfig {
     port: Option<u16>,
     device: Option<String>,
     api_key: Option<String>,
+    api_key_file: Option<PathBuf>,
     admin_token: Option<String>,
+    admin_token_file: Option<PathBuf>,
     max_model_len: Option<usize>,
     max_num_seqs: Option<usize>,
     max_num_batched_tokens: Option<usize>,
@@ -161,6 +187,10 @@ struct FileConfig {
     plugin_dir: Option<PathBuf>,
     max_request_body_bytes: Option<usize>,
     shutdown_timeout: Option<f64>,
+    request_header_timeout: Option<f64>,
+    keep_alive_timeout: Option<f64>,
+    request_body_timeout: Option<f64>,
+    max_connections: Option<usize>,
     threads: Option<usize>,
     log_level: Option<String>,
     log_format: Option<String>,
@@ -231,6 +261,12 @@ pub struct ServeConfig {
     pub plugin_dir: Option<PathBuf>,
     pub max_request_body_bytes: usize,
     pub shutdown_timeout: f64,
+    /// Seconds (see `Args`).
+    pub request_header_timeout: f64,
+    pub keep_alive_timeout: f64,
+    pub request_body_timeout: f64,
+    /// `None`: derived from the open-files limit at start-up.
+    pub max_connections: Option<usize>,
     pub threads: usize,
     pub log_level: Option<String>,
     pub log_format: LogFormat,
@@ -318,11 +354,31 @@ impl ServeConfig {
             )?,
             host: args.host.or(file.host).unwrap_or_else(|| "0.0.0.0".into()),
             port: args.port.or(file.port).unwrap_or(8000),
-            api_key: args.api_key.or(file.api_key).filter(|k| !k.is_empty()),
-            admin_token: args
-                .admin_token
-                .or(file.admin_token)
-                .filter(|k| !k.is_empty()),
+            api_key: secret([
+                (
+                    args.api_key,
+                    args.api_key_file,
+                    "--api-key (or $K3SERVE_API_KEY)",
+                ),
+                (
+                    file.api_key,
+                    file.api_key_file,
+                    "api-key in the config file",
+                ),
+                (std::env::var("VLLM_API_KEY").ok(), None, "$VLLM_API_KEY"),
+            ])?,
+            admin_token: secret([
+                (
+                    args.admin_token,
+                    args.admin_token_file,
+                    "--admin-token (or $K3SERVE_ADMIN_TOKEN)",
+                ),
+                (
+                    file.admin_token,
+                    file.admin_token_file,
+                    "admin-token in the config file",
+                ),
+            ])?,
             max_model_len: args.max_model_len.or(file.max_model_len),
             max_num_seqs: args.max_num_seqs.or(file.max_num_seqs).unwrap_or(32),
             max_num_batched_tokens: args
@@ -365,6 +421,19 @@ impl ServeConfig {
                 .shutdown_timeout
                 .or(file.shutdown_timeout)
                 .unwrap_or(30.0),
+            request_header_timeout: args
+                .request_header_timeout
+                .or(file.request_header_timeout)
+                .unwrap_or(ConnectionLimits::DEFAULT_REQUEST_HEADER_TIMEOUT.as_secs_f64()),
+            keep_alive_timeout: args
+                .keep_alive_timeout
+                .or(file.keep_alive_timeout)
+                .unwrap_or(ConnectionLimits::DEFAULT_KEEP_ALIVE_TIMEOUT.as_secs_f64()),
+            request_body_timeout: args
+                .request_body_timeout
+                .or(file.request_body_timeout)
+                .unwrap_or(ConnectionLimits::DEFAULT_REQUEST_BODY_TIMEOUT.as_secs_f64()),
+            max_connections: args.max_connections.or(file.max_connections),
             threads: args.threads.or(file.threads).unwrap_or(0),
             log_level: args.log_level.or(file.log_level),
             log_format: LogFormat::parse(args.log_format.or(file.log_format).as_deref())?,
@@ -392,8 +461,62 @@ impl ServeConfig {
         if !(cfg.shutdown_timeout.is_finite() && cfg.shutdown_timeout >= 0.0) {
             bail!("--shutdown-timeout must be a non-negative number of seconds");
         }
+        for (value, name) in [
+            (cfg.request_header_timeout, "request-header-timeout"),
+            (cfg.keep_alive_timeout, "keep-alive-timeout"),
+            (cfg.request_body_timeout, "request-body-timeout"),
+        ] {
+            // A day is far past any honest client; the bound keeps Duration conversion safe.
+            if !(value > 0.0 && value <= 86_400.0) {
+                bail!("--{name} must be a number of seconds in (0, 86400]");
+            }
+        }
+        if cfg.max_connections == Some(0) {
+            bail!("--max-connections must be at least 1");
+        }
         Ok(cfg)
     }
+
+    /// The connection limits, with `max_connections` derived from `fd_limit` (the process's
+    /// open-files limit) unless set.
+    pub fn connection_limits(&self, fd_limit: u64) -> ConnectionLimits {
+        ConnectionLimits {
+            request_header_timeout: Duration::from_secs_f64(self.request_header_timeout),
+            keep_alive_timeout: Duration::from_secs_f64(self.keep_alive_timeout),
+            request_body_timeout: Duration::from_secs_f64(self.request_body_timeout),
+            max_connections: self
+                .max_connections
+                .unwrap_or_else(|| ConnectionLimits::max_connections_for_fd_limit(fd_limit)),
+        }
+    }
+}
+
+/// A secret from the first source that has one: each source is a value or a file to read it
+/// from (giving both in one source is an error); empty values count as unset.
+fn secret<const N: usize>(
+    sources: [(Option<String>, Option<PathBuf>, &str); N],
+) -> anyhow::Result<Option<String>> {
+    for (value, file, name) in sources {
+        let value = value.filter(|v| !v.is_empty());
+        match (value, file) {
+            (Some(_), Some(path)) => bail!(
+                "{name} is given both as a value and as a file ({}); give one",
+                path.display()
+            ),
+            (Some(v), None) => return Ok(Some(v)),
+            (None, Some(path)) => {
+                let text = std::fs::read_to_string(&path)
+                    .with_context(|| format!("reading {name} from {}", path.display()))?;
+                let v = text.trim();
+                if v.is_empty() {
+                    bail!("{} (for {name}) is empty", path.display());
+                }
+                return Ok(Some(v.to_string()));
+            }
+            (None, None) => {}
+        }
+    }
+    Ok(None)
 }
 
 #[cfg(test)]
@@ -617,5 +740,81 @@ mod tests {
         std::fs::remove_file(path).ok();
         assert_eq!(cfg.load_format, LoadFormat::Dummy { seed: 0 });
         assert_eq!(cfg.tokenizer, Some(PathBuf::from("models/k3-mini")));
+    }
+
+    #[test]
+    fn connection_limits_from_flags_and_file() {
+        let cfg = ServeConfig::resolve(Args::default()).unwrap();
+        let limits = cfg.connection_limits(1024);
+        assert_eq!(limits.request_header_timeout, Duration::from_secs(20));
+        assert_eq!(limits.keep_alive_timeout, Duration::from_secs(30));
+        assert_eq!(limits.request_body_timeout, Duration::from_secs(30));
+        assert_eq!(limits.max_connections, 896, "derived from the fd limit");
+        let path =
+            write("keep_alive_timeout = 5\nmax-connections = 50\nrequest-body-timeout = 2.5\n");
+        let cfg = parse(&format!(
+            "--config {} --request-header-timeout 0.5 --max-connections 60",
+            path.display()
+        ))
+        .unwrap();
+        std::fs::remove_file(path).ok();
+        let limits = cfg.connection_limits(1024);
+        assert_eq!(limits.request_header_timeout, Duration::from_millis(500));
+        assert_eq!(limits.keep_alive_timeout, Duration::from_secs(5));
+        assert_eq!(limits.request_body_timeout, Duration::from_millis(2500));
+        assert_eq!(limits.max_connections, 60, "the flag wins");
+        for (bad, flag) in [
+            ("--request-header-timeout 0", "request-header-timeout"),
+            ("--keep-alive-timeout=-1", "keep-alive-timeout"),
+            ("--request-body-timeout 1e9", "request-body-timeout"),
+            ("--max-connections 0", "max-connections"),
+        ] {
+            let err = parse(bad).unwrap_err();
+            assert!(err.to_string().contains(flag), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn secrets_from_files() {
+        let dir = std::env::temp_dir().join(format!("k3serve-secrets-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("key");
+        let token = dir.join("token");
+        std::fs::write(&key, "s3cret\n").unwrap();
+        std::fs::write(&token, "  admin-t \n").unwrap();
+        let cfg = parse(&format!(
+            "--api-key-file {} --admin-token-file {}",
+            key.display(),
+            token.display()
+        ))
+        .unwrap();
+        assert_eq!(cfg.api_key.as_deref(), Some("s3cret"));
+        assert_eq!(cfg.admin_token.as_deref(), Some("admin-t"));
+        // The command line wins over the config file's key.
+        let file = write(&format!(
+            "api-key = \"from-file\"\nadmin-token-file = \"{}\"\n",
+            token.display()
+        ));
+        let cfg = parse(&format!(
+            "--config {} --api-key-file {}",
+            file.display(),
+            key.display()
+        ))
+        .unwrap();
+        assert_eq!(cfg.api_key.as_deref(), Some("s3cret"));
+        assert_eq!(cfg.admin_token.as_deref(), Some("admin-t"));
+        std::fs::remove_file(file).ok();
+        let err = parse(&format!("--api-key x --api-key-file {}", key.display())).unwrap_err();
+        assert!(err.to_string().contains("both"), "{err}");
+        let empty = dir.join("empty");
+        std::fs::write(&empty, "\n").unwrap();
+        let err = parse(&format!("--admin-token-file {}", empty.display())).unwrap_err();
+        assert!(err.to_string().contains("empty"), "{err}");
+        let err = parse("--api-key-file /nonexistent/k3serve-key").unwrap_err();
+        assert!(
+            format!("{err:#}").contains("/nonexistent/k3serve-key"),
+            "{err:#}"
+        );
+        std::fs::remove_dir_all(dir).ok();
     }
 }
