@@ -348,6 +348,20 @@ impl HttpMetrics {
                 escape(&p.kind)
             );
         }
+        if let Some(n) = backend.plugin_instances_in_use {
+            gauge(
+                &mut out,
+                "k3serve_plugin_instances_in_use",
+                "Wasm plugin instances alive (parser streams, template renders and warm templates).",
+                n as f64,
+            );
+        }
+        counter(
+            &mut out,
+            "k3serve_plugin_capacity_refusals_total",
+            "Plugin instance starts refused because every instance slot was taken (answered 503).",
+            backend.plugin_capacity_refusals,
+        );
         for (name, help, pick) in [
             (
                 "k3serve_plugin_calls_total",

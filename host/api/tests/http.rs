@@ -349,6 +349,8 @@ impl ChatBackend for FakeBackend {
                 calls: 7,
                 errors: 1,
             }],
+            plugin_instances_in_use: Some(3),
+            plugin_capacity_refusals: 2,
         }
     }
 
@@ -1049,6 +1051,8 @@ async fn models_health_and_metrics() {
         "k3serve_prefix_cache_hit_rate 0.4",
         "k3serve_pool_used_bytes{kind=\"kv\"} 0",
         "k3serve_plugin_calls_total{stage=\"tool-parser\",version=\"kimi-k3@builtin\"} 7",
+        "k3serve_plugin_instances_in_use 3",
+        "k3serve_plugin_capacity_refusals_total 2",
         "k3serve_num_requests_running 0",
     ] {
         assert!(text.contains(needle), "missing {needle} in\n{text}");

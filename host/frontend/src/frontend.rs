@@ -410,6 +410,8 @@ impl ChatBackend for Frontend {
             ],
             preemptions: m.preemptions,
             plugins: plugin_admin::counters(&self.parts.plugins),
+            plugin_instances_in_use: self.parts.plugins.instances_in_use(),
+            plugin_capacity_refusals: self.parts.plugins.capacity_refusals(),
         }
     }
 

@@ -88,8 +88,7 @@ pub(crate) fn render(
                 TemplateError::Raised(m) | TemplateError::InvalidInput(m) => m,
                 other => other.to_string(),
             }),
-            e if e.is_resource_limit() && messages.len() + tools_len >= LARGE_TEMPLATE_INPUT =>
-            {
+            e if e.is_resource_limit() && messages.len() + tools_len >= LARGE_TEMPLATE_INPUT => {
                 let param = if tools_len > messages.len() {
                     "tools"
                 } else {

@@ -24,6 +24,10 @@ pub struct BackendMetrics {
     pub pool: Vec<PoolUsage>,
     pub preemptions: u64,
     pub plugins: Vec<PluginCounters>,
+    /// Wasm plugin instances alive now (`None` without the pooling allocator).
+    pub plugin_instances_in_use: Option<u64>,
+    /// Plugin instance starts refused because every instance slot was taken.
+    pub plugin_capacity_refusals: u64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
