@@ -201,10 +201,10 @@ impl Tokenizer {
         })
     }
 
-    /// A lower bound on the tokens `text_bytes` bytes of text encode to (every token stands for
-    /// at most [`max_token_bytes`] bytes), so an oversize prompt can be refused before it is
-    /// rendered or tokenized. `None` when the tokenizer normalizes text first, since a normalizer
-    /// may shrink it and then no such bound holds.
+    /// A lower bound on the tokens `text_bytes` bytes of text encode to (no token stands for more
+    /// bytes than the longest one), so an oversize prompt can be refused before it is rendered
+    /// or tokenized. `None` when the tokenizer normalizes text first, since a normalizer may
+    /// shrink it and then no such bound holds.
     pub fn min_tokens_for_bytes(&self, text_bytes: usize) -> Option<usize> {
         let per_token = self.max_token_bytes?;
         Some(text_bytes.div_ceil(per_token.max(1)))
