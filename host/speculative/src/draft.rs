@@ -1,0 +1,205 @@
+//! Draft sources. A source follows one sequence: it is told every committed token and proposes
+//! what may come next; the target model verifies the proposal (see [`crate::verify`]).
+
+use std::collections::HashMap;
+
+/// A proposal: tokens to verify after the committed sequence, with what the acceptance rule and
+/// the planner need to know about them.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Draft {
+    pub tokens: Vec<u32>,
+    /// Each token's estimated chance of being accepted given the ones before it were (the
+    /// planner multiplies them into prefix survival). A source with no better estimate gives a
+    /// constant.
+    pub confidence: Vec<f32>,
+    /// The draft's own distribution at each position when it sampled from one (a model drafter);
+    /// `None` when each token was chosen outright (prompt lookup): a point mass.
+    pub probs: Option<Vec<Vec<f32>>>,
+}
+
+/// Where a sequence's draft tokens come from.
+pub trait DraftSource: Send {
+    /// Committed tokens were appended to the sequence: the prompt first, then each step's.
+    fn extend(&mut self, tokens: &[u32]);
+    /// Up to `max` tokens that may follow the committed sequence (possibly none).
+    fn propose(&mut self, max: usize) -> Draft;
+}
+
+/// Prompt-lookup settings (vLLM's `prompt_lookup_min` / `prompt_lookup_max`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NgramParams {
+    /// Shortest suffix worth matching.
+    pub min_n: usize,
+    /// Longest suffix tried first (a longer match predicts better).
+    pub max_n: usize,
+    /// Confidence reported for each proposed token (prompt lookup has no per-token estimate;
+    /// the planner learns the real rate from acceptance metrics).
+    pub confidence: f32,
+}
+
+impl Default for NgramParams {
+    fn default() -> Self {
+        NgramParams {
+            min_n: 2,
+            max_n: 4,
+            confidence: 0.6,
+        }
+    }
+}
+
+/// Prompt lookup over one sequence: the longest suffix (from `max_n` down to `min_n` tokens)
+/// that occurred earlier is matched at its most recent earlier occurrence, and the tokens that
+/// followed it there are proposed. An index of every n-gram's latest end keeps a proposal
+/// O(max_n) however long the sequence is; extending is O(max_n) per token.
+#[derive(Debug, Clone)]
+pub struct NgramDrafter {
+    params: NgramParams,
+    tokens: Vec<u32>,
+    /// For each n in min_n..=max_n (index n - min_n): n-gram → the position just after its most
+    /// recent occurrence that has a following token.
+    latest: Vec<HashMap<Box<[u32]>, usize>>,
+}
+
+impl NgramDrafter {
+    pub fn new(params: NgramParams) -> Self {
+        let min_n = params.min_n.max(1);
+        let params = NgramParams {
+            min_n,
+            max_n: params.max_n.max(min_n),
+            ..params
+        };
+        NgramDrafter {
+            params,
+            tokens: Vec::new(),
+            latest: vec![HashMap::new(); params.max_n - params.min_n + 1],
+        }
+    }
+
+    /// The committed sequence so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Index the n-grams that end just before position `next` (so the token at `next` follows).
+    fn index_before(&mut self, next: usize) {
+        for (slot, n) in (self.params.min_n..=self.params.max_n).enumerate() {
+            if next < n {
+                break;
+            }
+            let gram: Box<[u32]> = self.tokens[next - n..next].into();
+            self.latest[slot].insert(gram, next);
+        }
+    }
+}
+
+impl DraftSource for NgramDrafter {
+    fn extend(&mut self, tokens: &[u32]) {
+        for &t in tokens {
+            self.tokens.push(t);
+            // The n-grams ending before the new token now have a follower.
+            let next = self.tokens.len() - 1;
+            self.index_before(next);
+        }
+    }
+
+    fn propose(&mut self, max: usize) -> Draft {
+        let len = self.tokens.len();
+        if max == 0 {
+            return Draft::default();
+        }
+        for n in (self.params.min_n..=self.params.max_n).rev() {
+            if len < n {
+                continue;
+            }
+            let suffix = &self.tokens[len - n..];
+            // The index holds only occurrences with a follower, so never the suffix itself.
+            if let Some(&start) = self.latest[n - self.params.min_n].get(suffix) {
+                let tokens: Vec<u32> = self.tokens[start..len.min(start + max)].to_vec();
+                let confidence = vec![self.params.confidence; tokens.len()];
+                return Draft {
+                    tokens,
+                    confidence,
+                    probs: None,
+                };
+            }
+        }
+        Draft::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn drafter(tokens: &[u32]) -> NgramDrafter {
+        let mut d = NgramDrafter::new(NgramParams::default());
+        d.extend(tokens);
+        d
+    }
+
+    #[test]
+    fn proposes_what_followed_the_latest_match() {
+        // "1 2 3 9 ... 1 2 3 7 8 ... 1 2 3" → the latest earlier "1 2 3" was followed by 7 8.
+        let d = &mut drafter(&[1, 2, 3, 9, 5, 1, 2, 3, 7, 8, 6, 1, 2, 3]);
+        assert_eq!(d.propose(2).tokens, vec![7, 8]);
+        assert_eq!(d.propose(10).tokens, vec![7, 8, 6, 1, 2, 3]);
+        assert_eq!(d.propose(0).tokens, Vec::<u32>::new());
+    }
+
+    #[test]
+    fn prefers_the_longest_suffix() {
+        // The 2-gram "2 3" last occurred before 4, but the 3-gram "1 2 3" before 9.
+        let d = &mut drafter(&[1, 2, 3, 9, 0, 2, 3, 4, 0, 1, 2, 3]);
+        assert_eq!(d.propose(1).tokens, vec![9]);
+    }
+
+    #[test]
+    fn nothing_without_a_match_and_grows_with_extend() {
+        let mut d = drafter(&[1, 2, 3, 4]);
+        assert!(d.propose(4).tokens.is_empty());
+        d.extend(&[1, 2]);
+        assert_eq!(d.propose(4).tokens, vec![3, 4, 1, 2]);
+        let p = d.propose(2);
+        assert_eq!(p.confidence.len(), 2);
+        assert!(p.probs.is_none());
+    }
+
+    /// The most recent earlier occurrence of the longest suffix, found by brute force.
+    fn brute(tokens: &[u32], params: NgramParams, max: usize) -> Vec<u32> {
+        let len = tokens.len();
+        for n in (params.min_n..=params.max_n).rev() {
+            if len < n {
+                continue;
+            }
+            let suffix = &tokens[len - n..];
+            for start in (n..len).rev() {
+                if &tokens[start - n..start] == suffix {
+                    return tokens[start..len.min(start + max)].to_vec();
+                }
+            }
+        }
+        Vec::new()
+    }
+
+    proptest! {
+        /// Extending in any chunking gives the brute-force answer after every chunk.
+        #[test]
+        fn index_agrees_with_brute_force(
+            tokens in prop::collection::vec(0u32..4, 0..120),
+            cuts in prop::collection::vec(1usize..9, 0..40),
+            max in 1usize..9,
+        ) {
+            let params = NgramParams::default();
+            let mut d = NgramDrafter::new(params);
+            let mut at = 0;
+            for c in cuts.iter().copied().chain(std::iter::repeat(7)) {
+                if at >= tokens.len() { break; }
+                let end = (at + c).min(tokens.len());
+                d.extend(&tokens[at..end]);
+                at = end;
+                prop_assert_eq!(d.propose(max).tokens, brute(&tokens[..at], params, max));
+            }
+        }
+    }
+}
