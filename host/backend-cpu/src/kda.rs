@@ -153,21 +153,39 @@ pub fn head_inputs(
         .collect()
 }
 
+/// The first half of one delta-rule token on `s` `[K, V]`: decays `s` in place and returns the
+/// correction `u = β(v − Sᵀk̂)`. Shared by [`recurrent_step`] and the ReplaySSM commit
+/// (`kda_replay`), so that a replayed state is bit-identical to a decoded one by construction.
+/// `inline(always)` so that it is compiled with the caller's SIMD target features.
+#[inline(always)]
+pub(crate) fn decay_and_correct(
+    s: &mut [f32],
+    kd: usize,
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+) -> Vec<f32> {
+    let vd = v.len();
+    let mut ks = vec![0f32; vd];
+    for r in 0..kd {
+        let row = &mut s[r * vd..(r + 1) * vd];
+        let a = crate::fastmath::exp(g[r]);
+        row.iter_mut().for_each(|x| *x *= a);
+        axpy(k[r], row, &mut ks);
+    }
+    let mut u = vec![0f32; vd];
+    for c in 0..vd {
+        u[c] = beta * (v[c] - ks[c]);
+    }
+    u
+}
+
 simd_fn! {
     /// One token of the delta rule on `s` `[K, V]`: decay, correct, update; returns `o = Sᵀq̂`.
     pub fn recurrent_step(s: &mut [f32], kd: usize, q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: f32, o: &mut [f32]) {
         let vd = v.len();
-        let mut ks = vec![0f32; vd];
-        for r in 0..kd {
-            let row = &mut s[r * vd..(r + 1) * vd];
-            let a = crate::fastmath::exp(g[r]);
-            row.iter_mut().for_each(|x| *x *= a);
-            axpy(k[r], row, &mut ks);
-        }
-        let mut u = vec![0f32; vd];
-        for c in 0..vd {
-            u[c] = beta * (v[c] - ks[c]);
-        }
+        let u = decay_and_correct(s, kd, k, v, g, beta);
         o.fill(0.0);
         for r in 0..kd {
             let row = &mut s[r * vd..(r + 1) * vd];

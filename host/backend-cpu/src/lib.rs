@@ -6,6 +6,7 @@
 pub mod fastmath;
 pub mod gemm;
 pub mod kda;
+pub mod kda_replay;
 pub mod linalg;
 pub mod mla;
 pub mod mxfp4;
