@@ -19,8 +19,8 @@ use crate::error::{ApiError, ErrorStyle};
 use crate::metrics::HttpMetrics;
 use crate::sse;
 
-/// Start `n` chat generations of one request; choice `i` gets seed + i so choices differ yet
-/// stay reproducible.
+/// Start `n` chat generations of one request (the prompt is rendered once; choice `i` gets
+/// seed + i so choices differ yet stay reproducible).
 pub async fn start_chat(
     state: &AppState,
     request: ChatGenRequest,
@@ -31,22 +31,11 @@ pub async fn start_chat(
         log.set_request_id(&request.request_id);
         log.set_prompt(|| serde_json::Value::Array(request.messages.clone()).to_string());
     }
-    let mut gens = Vec::with_capacity(n);
-    for i in 0..n {
-        let mut r = request.clone();
-        if n > 1 {
-            r.request_id = format!("{}-{i}", request.request_id);
-            r.sampling.seed = request.sampling.seed.map(|s| s.wrapping_add(i as u64));
-        }
-        gens.push(
-            state
-                .backend()
-                .chat(r)
-                .await
-                .map_err(|e| ApiError::from(e).styled(style))?,
-        );
-    }
-    Ok(gens)
+    state
+        .backend()
+        .chat_n(request, n)
+        .await
+        .map_err(|e| ApiError::from(e).styled(style))
 }
 
 pub async fn start_completion(

@@ -137,7 +137,7 @@ mod tests {
     /// A prompt far past the context is refused from its bytes: the template never runs.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn oversize_prompt_is_refused_before_the_template() {
-        let b = crate::tests::backend();
+        let b = crate::tests::backend_with_own_plugins();
         let before = template_calls(&b);
         let huge = "word ".repeat(400_000);
         let started = std::time::Instant::now();
@@ -187,15 +187,11 @@ mod tests {
     /// chat still completes (started eagerly, the fourth submission would find no instance).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn queued_chats_hold_no_parser_instances() {
-        let cache = std::env::temp_dir().join("k3-frontend-test-plugin-cache");
-        let _ = std::fs::create_dir_all(&cache);
-        let host = k3_plugin_host::PluginHost::new(k3_plugin_host::PluginHostConfig {
+        let host = crate::tests::own_plugins(k3_plugin_host::PluginHostConfig {
             max_instances: 6,
             template_pool_size: 1,
-            ..k3_plugin_host::PluginHostConfig::default().with_cache_dir(cache)
-        })
-        .unwrap();
-        host.load_default_plugins().unwrap();
+            ..k3_plugin_host::PluginHostConfig::default()
+        });
         if !host.uses_pooling_allocator() {
             return; // on-demand allocation has no instance limit to test against
         }

@@ -16,6 +16,23 @@ pub trait ChatBackend: Send + Sync + 'static {
     /// input, prompt too long, overloaded); errors after the start arrive as [`GenEvent::Error`](crate::GenEvent::Error).
     fn chat(&self, request: ChatGenRequest) -> BoxFuture<'_, Result<Generation, BackendError>>;
 
+    /// `n` generations of one chat request, choice `i` being [`ChatGenRequest::choice`]. A
+    /// backend that renders the prompt once for all of them overrides this; the default submits
+    /// each choice through [`ChatBackend::chat`].
+    fn chat_n(
+        &self,
+        request: ChatGenRequest,
+        n: usize,
+    ) -> BoxFuture<'_, Result<Vec<Generation>, BackendError>> {
+        Box::pin(async move {
+            let mut gens = Vec::with_capacity(n);
+            for i in 0..n {
+                gens.push(self.chat(request.choice(i, n)).await?);
+            }
+            Ok(gens)
+        })
+    }
+
     fn complete(
         &self,
         request: CompletionGenRequest,

@@ -146,6 +146,20 @@ impl Frontend {
     }
 
     fn chat_now(&self, req: ChatGenRequest) -> Result<Generation, BackendError> {
+        let ids = self.chat_prompt(&req)?;
+        self.submit_chat(&req, ids)
+    }
+
+    /// `n` choices of one chat request over one rendering of its prompt.
+    fn chat_n_now(&self, req: ChatGenRequest, n: usize) -> Result<Vec<Generation>, BackendError> {
+        let ids = self.chat_prompt(&req)?;
+        (0..n)
+            .map(|i| self.submit_chat(&req.choice(i, n), ids.clone()))
+            .collect()
+    }
+
+    /// The checks that cost nothing, then the prompt's ids: rendered, bounded again, tokenized.
+    fn chat_prompt(&self, req: &ChatGenRequest) -> Result<Vec<u32>, BackendError> {
         let p = &self.parts;
         check_stop_token_ids(&req.sampling, p.vocab_size)?;
         check_prompt_bytes(
@@ -157,7 +171,7 @@ impl Frontend {
         )?;
         // The rendered prompt is bounded again before tokenizing: the template adds markup and
         // renders fields (tools) the first bound does not count.
-        let segments = render(&p.plugins, &p.tokenizer, &p.chat_template, &req)?;
+        let segments = render(&p.plugins, &p.tokenizer, &p.chat_template, req)?;
         check_prompt_bytes(
             &p.tokenizer,
             segments.iter().map(|s| s.as_str().len()).sum(),
@@ -165,7 +179,12 @@ impl Frontend {
             p.model.max_model_len,
             "messages",
         )?;
-        let ids = encode_prompt(&p.tokenizer, &segments)?;
+        encode_prompt(&p.tokenizer, &segments)
+    }
+
+    /// Submit one generation of `req` over its prompt `ids`, with its parser stages planned.
+    fn submit_chat(&self, req: &ChatGenRequest, ids: Vec<u32>) -> Result<Generation, BackendError> {
+        let p = &self.parts;
         let parsers = ParserStages::Planned(ParserPlan {
             plugins: p.plugins.clone(),
             reasoning: ReasoningOptions {
@@ -181,7 +200,7 @@ impl Frontend {
             },
             emit_tool_calls: !req.tools.is_empty() && req.tool_choice != ToolChoice::None,
         });
-        let grammar = self.chat_grammar(&req)?;
+        let grammar = self.chat_grammar(req)?;
         self.submit(ids, &req.sampling, Some(parsers), None, "messages", grammar)
     }
 
@@ -341,6 +360,14 @@ impl ChatBackend for Frontend {
 
     fn chat(&self, request: ChatGenRequest) -> BoxFuture<'_, Result<Generation, BackendError>> {
         Box::pin(async move { blocking(|| self.chat_now(request)) })
+    }
+
+    fn chat_n(
+        &self,
+        request: ChatGenRequest,
+        n: usize,
+    ) -> BoxFuture<'_, Result<Vec<Generation>, BackendError>> {
+        Box::pin(async move { blocking(|| self.chat_n_now(request, n)) })
     }
 
     fn complete(

@@ -72,6 +72,19 @@ pub struct ChatGenRequest {
     pub constraint_param: String,
 }
 
+impl ChatGenRequest {
+    /// Choice `i` of `n`: with several, its id is `<id>-i` and its seed (if any) seed + i, so
+    /// choices differ yet stay reproducible.
+    pub fn choice(&self, i: usize, n: usize) -> ChatGenRequest {
+        let mut r = self.clone();
+        if n > 1 {
+            r.request_id = format!("{}-{i}", self.request_id);
+            r.sampling.seed = self.sampling.seed.map(|s| s.wrapping_add(i as u64));
+        }
+        r
+    }
+}
+
 /// The prompt of a raw completion request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PromptInput {

@@ -35,6 +35,28 @@ fn plugins() -> PluginHost {
     .clone()
 }
 
+/// A plugin host of the test's own, for tests that read its counters (the shared one counts
+/// every test's calls).
+pub(super) fn own_plugins(config: PluginHostConfig) -> PluginHost {
+    let cache = std::env::temp_dir().join("k3-frontend-test-plugin-cache");
+    let _ = std::fs::create_dir_all(&cache);
+    let host = PluginHost::new(config.with_cache_dir(cache)).unwrap();
+    host.load_default_plugins().unwrap();
+    host
+}
+
+/// A frontend over the toy engine with its own plugin host.
+pub(super) fn backend_with_own_plugins() -> Frontend {
+    backend_with(
+        own_plugins(PluginHostConfig::default()),
+        EngineConfig {
+            max_context: MAX_LEN,
+            eos_token_ids: vec![2],
+            ..EngineConfig::default()
+        },
+    )
+}
+
 pub(super) fn backend() -> Frontend {
     backend_with(
         plugins(),
@@ -443,5 +465,31 @@ fn a_parser_without_output_grammar_is_a_distinct_not_supported_error() {
             assert_eq!(param.as_deref(), Some("tool_choice"));
         }
         other => panic!("{other:?}"),
+    }
+}
+
+/// `n` choices share one rendering of the prompt (the template runs once) and each runs to the
+/// end with its own id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_render_the_prompt_once() {
+    let b = backend_with_own_plugins();
+    let renders = |b: &Frontend| -> u64 {
+        b.metrics()
+            .plugins
+            .iter()
+            .filter(|p| p.stage == "chat-template")
+            .map(|p| p.calls)
+            .sum()
+    };
+    let before = renders(&b);
+    let mut request = chat_request("Count to three.", 8);
+    request.sampling.temperature = Some(1.0);
+    request.sampling.seed = Some(7);
+    let gens = b.chat_n(request, 4).await.unwrap();
+    assert_eq!(gens.len(), 4);
+    assert_eq!(renders(&b), before + 1, "one render for four choices");
+    for g in gens {
+        let (_, events) = run_to_end(g).await;
+        assert!(finish(&events).completion_tokens >= 1);
     }
 }
