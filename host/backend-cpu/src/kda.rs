@@ -417,10 +417,11 @@ pub fn kda_layer(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn rand(n: usize, seed: &mut u64, scale: f32) -> Vec<f32> {
+    /// Deterministic uniform values in (−scale, scale) (an LCG; tests need no rand crate).
+    pub(crate) fn rand(n: usize, seed: &mut u64, scale: f32) -> Vec<f32> {
         (0..n)
             .map(|_| {
                 *seed = seed

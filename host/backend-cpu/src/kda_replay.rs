@@ -201,17 +201,7 @@ pub fn snapshot_floats_per_step_per_head(d: &Dims) -> usize {
 mod tests {
     use super::*;
     use crate::kda::kda_layer;
-
-    fn rand(n: usize, seed: &mut u64, scale: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                *seed = seed
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((*seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-            })
-            .collect()
-    }
+    use crate::kda::tests::rand;
 
     /// One layer's weights, `t` tokens of inputs and a committed state region.
     struct Case {

@@ -125,20 +125,11 @@ mod tests {
         }
     }
 
-    fn template_calls(b: &crate::Frontend) -> u64 {
-        b.metrics()
-            .plugins
-            .iter()
-            .filter(|p| p.stage == "chat-template")
-            .map(|p| p.calls)
-            .sum()
-    }
-
     /// A prompt far past the context is refused from its bytes: the template never runs.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn oversize_prompt_is_refused_before_the_template() {
         let b = crate::tests::backend_with_own_plugins();
-        let before = template_calls(&b);
+        let before = crate::tests::template_renders(&b);
         let huge = "word ".repeat(400_000);
         let started = std::time::Instant::now();
         let err = b.chat(chat(huge, Some(8), vec![])).await.err().unwrap();
@@ -147,11 +138,18 @@ mod tests {
             "{err:?}"
         );
         assert!(started.elapsed() < std::time::Duration::from_secs(1));
-        assert_eq!(template_calls(&b), before, "the template must not have run");
+        assert_eq!(
+            crate::tests::template_renders(&b),
+            before,
+            "the template must not have run"
+        );
         // Near the limit the exact check decides: a prompt that fits still runs.
         let g = b.chat(chat("word ".repeat(20), Some(4), vec![])).await;
         assert!(g.is_ok(), "{:?}", g.err());
-        assert!(template_calls(&b) > before, "the counter must see renders");
+        assert!(
+            crate::tests::template_renders(&b) > before,
+            "the counter must see renders"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

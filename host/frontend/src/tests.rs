@@ -57,6 +57,16 @@ pub(super) fn backend_with_own_plugins() -> Frontend {
     )
 }
 
+/// Chat-template calls counted by `b`'s plugin host.
+pub(super) fn template_renders(b: &Frontend) -> u64 {
+    b.metrics()
+        .plugins
+        .iter()
+        .filter(|p| p.stage == "chat-template")
+        .map(|p| p.calls)
+        .sum()
+}
+
 pub(super) fn backend() -> Frontend {
     backend_with(
         plugins(),
@@ -473,14 +483,7 @@ fn a_parser_without_output_grammar_is_a_distinct_not_supported_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn n_choices_render_the_prompt_once() {
     let b = backend_with_own_plugins();
-    let renders = |b: &Frontend| -> u64 {
-        b.metrics()
-            .plugins
-            .iter()
-            .filter(|p| p.stage == "chat-template")
-            .map(|p| p.calls)
-            .sum()
-    };
+    let renders = template_renders;
     let before = renders(&b);
     let mut request = chat_request("Count to three.", 8);
     request.sampling.temperature = Some(1.0);

@@ -104,34 +104,28 @@ fn sample_residual(p: &[f32], q: impl Fn(usize) -> f64, rng: &mut impl Rng) -> u
     if mass <= RESIDUAL_FLOOR {
         return sample(p, rng);
     }
-    let mut u = rng.random::<f64>() * mass;
-    let mut last = 0;
-    for v in 0..p.len() {
-        let r = residual(v);
-        if r > 0.0 {
-            last = v;
-            if u < r {
-                return v as u32;
-            }
-            u -= r;
-        }
-    }
-    last as u32
+    draw(p.len(), residual, mass, rng)
 }
 
 /// Draw from `p` (probabilities summing to ~1).
 fn sample(p: &[f32], rng: &mut impl Rng) -> u32 {
-    let total: f64 = p.iter().map(|&x| f64::from(x.max(0.0))).sum();
+    let weight = |v: usize| f64::from(p[v].max(0.0));
+    let total: f64 = (0..p.len()).map(weight).sum();
+    draw(p.len(), weight, total, rng)
+}
+
+/// Draw index v with probability weight(v) / total (the last positive weight absorbs rounding).
+fn draw(len: usize, weight: impl Fn(usize) -> f64, total: f64, rng: &mut impl Rng) -> u32 {
     let mut u = rng.random::<f64>() * total;
     let mut last = 0;
-    for (v, &x) in p.iter().enumerate() {
-        let x = f64::from(x.max(0.0));
-        if x > 0.0 {
+    for v in 0..len {
+        let w = weight(v);
+        if w > 0.0 {
             last = v;
-            if u < x {
+            if u < w {
                 return v as u32;
             }
-            u -= x;
+            u -= w;
         }
     }
     last as u32
