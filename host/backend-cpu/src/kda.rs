@@ -153,6 +153,34 @@ pub fn head_inputs(
         .collect()
 }
 
+/// The short convolution + SiLU of q, k and v over `t` tokens from their `windows` (the three
+/// windows, concatenated). Each output row depends only on its own inputs, so the bits do not
+/// depend on how the three run on the pool; decode (`kda_layer`) and verify (`kda_replay`) share
+/// it.
+pub(crate) fn conv_qkv(
+    d: &Dims,
+    t: usize,
+    qkv: [&[f32]; 3],
+    conv_w: [&[f32]; 3],
+    windows: &[f32],
+) -> Vec<Vec<f32>> {
+    let (hk, wf) = (d.hk(), d.window_floats());
+    (0..3usize)
+        .into_par_iter()
+        .with_max_len(if t > 1 { 1 } else { 3 })
+        .map(|i| {
+            conv_silu(
+                qkv[i],
+                t,
+                hk,
+                conv_w[i],
+                d.conv,
+                &windows[i * wf..(i + 1) * wf],
+            )
+        })
+        .collect()
+}
+
 /// The first half of one delta-rule token on `s` `[K, V]`: decays `s` in place and returns the
 /// correction `u = β(v − Sᵀk̂)`. Shared by [`recurrent_step`] and the ReplaySSM commit
 /// (`kda_replay`), so that a replayed state is bit-identical to a decoded one by construction.
@@ -357,20 +385,7 @@ pub fn kda_layer(
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
     let (hk, kd, wf) = (d.hk(), d.k, d.window_floats());
     let (windows, s) = state.split_at_mut(3 * wf);
-    let conv: Vec<Vec<f32>> = (0..3usize)
-        .into_par_iter()
-        .with_max_len(if t > 1 { 1 } else { 3 })
-        .map(|i| {
-            conv_silu(
-                qkv[i],
-                t,
-                hk,
-                conv_w[i],
-                d.conv,
-                &windows[i * wf..(i + 1) * wf],
-            )
-        })
-        .collect();
+    let conv = conv_qkv(d, t, qkv, conv_w, windows);
     let heads = head_inputs(d, t, &conv[0], &conv[1], &conv[2], f, b, a_log, dt_bias);
     let chunked = t > 1;
     // Heads in parallel for prefill; a decode step is too small to pay for a fork/join.

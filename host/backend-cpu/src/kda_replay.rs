@@ -7,12 +7,12 @@
 //! [`commit_layer`] replays the first `n` steps into the committed state in place and rolls the
 //! conv windows to end at the last accepted token.
 //!
-//! Both halves reuse the decode path's own functions (`conv_silu`, `head_inputs`, `run_head`
+//! Both halves reuse the decode path's own functions (`conv_qkv`, `head_inputs`, `run_head`
 //! without chunking, and the state half of `recurrent_step`), so verify outputs and the replayed
 //! state are bit-identical to decoding the accepted tokens one at a time with
 //! [`kda_layer`](crate::kda::kda_layer).
 
-use crate::kda::{Dims, conv_silu, decay_and_correct, head_inputs, run_head, window_at};
+use crate::kda::{Dims, conv_qkv, decay_and_correct, head_inputs, run_head, window_at};
 use crate::simd::{axpy, simd_fn};
 use rayon::prelude::*;
 
@@ -84,23 +84,9 @@ pub fn verify_layer(
     let (hk, kd, wf) = (d.hk(), d.k, d.window_floats());
     assert_eq!(windows.len(), 3 * wf, "conv windows of another shape");
     assert_eq!(s.len(), d.heads * kd * kd, "KDA state of another shape");
-    // Each output row of `conv_silu` depends only on its own `W` inputs, so one call over `t`
-    // tokens gives the same bits as `t` one-token calls with the rolled window. Run on the pool
-    // like `kda_layer` does, so both see the same per-thread float environment.
-    let conv: Vec<Vec<f32>> = (0..3usize)
-        .into_par_iter()
-        .with_max_len(1)
-        .map(|i| {
-            conv_silu(
-                qkv[i],
-                t,
-                hk,
-                conv_w[i],
-                d.conv,
-                &windows[i * wf..(i + 1) * wf],
-            )
-        })
-        .collect();
+    // Each output row of the conv depends only on its own `W` inputs, so one call over `t`
+    // tokens gives the same bits as `t` one-token calls with the rolled window.
+    let conv = conv_qkv(d, t, qkv, conv_w, windows);
     // Per token and head, exactly the normalisation and gating of a one-token call.
     let heads = head_inputs(d, t, &conv[0], &conv[1], &conv[2], f, b, a_log, dt_bias);
     // One scratch copy of each head's state, stepped token by token with the decode kernel; the
