@@ -4,7 +4,8 @@
 For each binary: start `serve --model models/k3-mini` (default limits) on a free port, then
   1. N concurrent streaming chats (default 600): counts of each HTTP status and of streams that
      ended in an error event;
-  2. a 6.6 MB chat message, 5 times: the slowest refusal, and the server's RSS growth;
+  2. a 6.6 MB chat message, --oversize-repeats times (5): the slowest refusal, and the server's
+     RSS growth over them;
   3. 1,000 idle sockets: how many the server still holds after --idle-wait seconds.
 Prints one JSON line per binary. Usage:
   scripts/hostile-load.py --bin target/release/k3serve [--bin /tmp/k3serve-before] [--streams 600]
@@ -88,12 +89,12 @@ async def concurrent_chats(url: str, n: int) -> dict:
             "error_events": sum(1 for _, e in results if e)}
 
 
-def oversize(url: str, pid: int) -> dict:
+def oversize(url: str, pid: int, repeats: int) -> dict:
     message = "All work and no play makes Jack a dull boy. " * 150_000
     body = json.dumps({"model": "k3-mini", "messages": [{"role": "user", "content": message}]})
     before, worst, codes = rss(pid), 0.0, Counter()
     with httpx.Client(base_url=url, timeout=120) as http:
-        for _ in range(5):
+        for _ in range(repeats):
             t = time.monotonic()
             r = http.post("/v1/chat/completions", content=body,
                           headers={"content-type": "application/json"})
@@ -129,6 +130,8 @@ def main() -> None:
     ap.add_argument("--bin", action="append", required=True)
     ap.add_argument("--streams", type=int, default=600)
     ap.add_argument("--idle-wait", type=float, default=20.0)
+    ap.add_argument("--oversize-repeats", type=int, default=5,
+                    help="oversize prompts sent (RSS growth is measured over all of them)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="extra serve flag (repeat), e.g. --serve-arg=--header-read-timeout=10")
     args = ap.parse_args()
@@ -137,7 +140,7 @@ def main() -> None:
         try:
             out = {"bin": binary}
             out["chats"] = asyncio.run(concurrent_chats(url, args.streams))
-            out["oversize"] = oversize(url, proc.pid)
+            out["oversize"] = oversize(url, proc.pid, args.oversize_repeats)
             out["idle"] = idle_sockets(url, 1000, args.idle_wait)
             print(json.dumps(out), flush=True)
         finally:
