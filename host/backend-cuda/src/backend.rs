@@ -306,6 +306,11 @@ impl Backend for CudaBackend {
         inputs: &KdaInputs<'_, Self>,
         loc: KdaStateLoc<'_>,
     ) -> OpResult<DeviceMat> {
+        if loc.record.is_some() {
+            return Err(BackendError::Unsupported(
+                "speculative verification (KDA record) on CUDA".into(),
+            ));
+        }
         self.timed(
             || format!("kda (T={})", bucket(inputs.qkv[0].rows)),
             || self.op(|| self.kda_seq(arena, geom, params, inputs, loc)),
@@ -359,6 +364,11 @@ impl Backend for CudaBackend {
         spans: &[(usize, usize)],
         locs: &[KdaStateLoc<'_>],
     ) -> OpResult<DeviceMat> {
+        if locs.iter().any(|l| l.record.is_some()) {
+            return Err(BackendError::Unsupported(
+                "speculative verification (KDA record) on CUDA".into(),
+            ));
+        }
         match decode_slots(spans, locs) {
             Some(slots) if spans.len() > 1 => {
                 let (w, x) = kda_parts(params, inputs);

@@ -398,6 +398,7 @@ fn kda<B: Backend>(be: &B, r: &mut Rng) -> (Vec<Vec<f32>>, Vec<f32>) {
                 KdaStateLoc {
                     offset: work,
                     checkpoints: &cps,
+                    record: None,
                 },
             )
             .expect("kda");

@@ -48,6 +48,12 @@ impl KdaGeom {
     pub fn state_floats(&self) -> usize {
         3 * self.hk() * (self.conv_kernel - 1) + self.heads * self.head_dim * self.head_dim
     }
+    /// f32 values one verified token adds to a layer's ReplaySSM record
+    /// (docs/speculative-decoding.md): per head k̂ (K), v (V = K), g (K) and β, plus the three
+    /// pre-conv projection rows (`H·K` each) that roll the conv windows.
+    pub fn record_floats_per_token(&self) -> usize {
+        self.heads * (3 * self.head_dim + 1) + 3 * self.hk()
+    }
 }
 
 /// Where one KDA layer keeps its state for one sequence (byte offsets into the arena).
@@ -58,6 +64,23 @@ pub struct KdaStateLoc<'a> {
     /// `(n, dst)`: after the first `n` new tokens also write this layer's state to `dst`
     /// (already offset to this layer's region inside the destination block).
     pub checkpoints: &'a [(usize, usize)],
+    /// `Some(dst)`: a speculative verify. The state at `offset` is read and never written (nor
+    /// checkpointed); instead the layer's ReplaySSM record for the `T` new tokens is written at
+    /// byte offset `dst` (`T ·` [`KdaGeom::record_floats_per_token`] f32 values, laid out as
+    /// the backend chooses), for a later [`Backend::kda_commit`].
+    pub record: Option<usize>,
+}
+
+/// Commit an accepted prefix of one verified block of one KDA layer (ReplaySSM): replay the
+/// first `accepted` of its `tokens` recorded steps into the state at `state` in place and roll
+/// the conv windows back to end at the last accepted token. The state must be unchanged since the
+/// verify that wrote the record at `record`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KdaCommit {
+    pub state: usize,
+    pub record: usize,
+    pub tokens: usize,
+    pub accepted: usize,
 }
 
 /// Per-layer KDA parameters (besides the projections, which the graph applies).
@@ -239,6 +262,28 @@ pub trait Backend: Send + Sync + 'static {
         inputs: &KdaInputs<'_, Self>,
         loc: KdaStateLoc<'_>,
     ) -> OpResult<Self::Act>;
+
+    /// Whether [`KdaStateLoc::record`] and [`Backend::kda_commit`] are implemented (speculative
+    /// decoding needs them).
+    fn supports_kda_verify(&self) -> bool {
+        false
+    }
+
+    /// Replay accepted prefixes of verified blocks into their states (see [`KdaCommit`]); the
+    /// commits touch distinct states. After it, each state and its conv windows equal those of
+    /// decoding the accepted tokens one at a time (bit for bit on the CPU; within the kernels'
+    /// tolerance elsewhere).
+    fn kda_commit(
+        &self,
+        arena: &mut Self::Arena,
+        geom: KdaGeom,
+        commits: &[KdaCommit],
+    ) -> OpResult<()> {
+        let _ = (arena, geom, commits);
+        Err(BackendError::Unsupported(
+            "speculative verification (KDA commit) on this backend".into(),
+        ))
+    }
 
     /// Gated-NoPE MLA attention of the new tokens of one sequence over its paged latent cache.
     /// `q` is `[T, H·(nope+rope)]`; `kv_a` is `[T, kv_lora + rope]` (`c_kv` before its norm, then `k_r`).

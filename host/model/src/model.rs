@@ -608,6 +608,7 @@ impl<B: Backend> Model<B> {
             .map(|(s, cps)| KdaStateLoc {
                 offset: s.cache.state_block + lo,
                 checkpoints: cps,
+                record: None,
             })
             .collect();
         let o = be.kda_batch(

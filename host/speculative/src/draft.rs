@@ -17,12 +17,34 @@ pub struct Draft {
     pub probs: Option<Vec<Vec<f32>>>,
 }
 
+/// How a draft source chooses its tokens: the request's own mode, so that a sampled request's
+/// draft distribution is a real distribution the acceptance rule can compare against.
+pub enum DraftSampling<'a> {
+    /// Take each position's most likely token.
+    Greedy,
+    /// Sample each position from the source's distribution at this temperature.
+    Sample {
+        temperature: f32,
+        rng: &'a mut dyn rand::RngCore,
+    },
+}
+
 /// Where a sequence's draft tokens come from.
 pub trait DraftSource: Send {
+    /// Floats per position of the target's hidden-state taps this source reads (0: none).
+    fn tap_width(&self) -> usize {
+        0
+    }
     /// Committed tokens were appended to the sequence: the prompt first, then each step's.
     fn extend(&mut self, tokens: &[u32]);
+    /// The target processed positions `first_pos ..` (committed ones only): their taps,
+    /// `tap_width()` floats per position. A position the target never ran (a prefix-cache hit)
+    /// gets none; a source must cope with gaps.
+    fn observe_taps(&mut self, first_pos: usize, taps: &[f32]) {
+        let _ = (first_pos, taps);
+    }
     /// Up to `max` tokens that may follow the committed sequence (possibly none).
-    fn propose(&mut self, max: usize) -> Draft;
+    fn propose(&mut self, max: usize, sampling: &mut DraftSampling<'_>) -> Draft;
 }
 
 /// Prompt-lookup settings (vLLM's `prompt_lookup_min` / `prompt_lookup_max`).
@@ -102,7 +124,7 @@ impl DraftSource for NgramDrafter {
         }
     }
 
-    fn propose(&mut self, max: usize) -> Draft {
+    fn propose(&mut self, max: usize, _sampling: &mut DraftSampling<'_>) -> Draft {
         let len = self.tokens.len();
         if max == 0 {
             return Draft::default();
@@ -132,6 +154,12 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    impl NgramDrafter {
+        fn propose_greedy(&mut self, max: usize) -> Draft {
+            self.propose(max, &mut DraftSampling::Greedy)
+        }
+    }
+
     fn drafter(tokens: &[u32]) -> NgramDrafter {
         let mut d = NgramDrafter::new(NgramParams::default());
         d.extend(tokens);
@@ -142,25 +170,25 @@ mod tests {
     fn proposes_what_followed_the_latest_match() {
         // "1 2 3 9 ... 1 2 3 7 8 ... 1 2 3" → the latest earlier "1 2 3" was followed by 7 8.
         let d = &mut drafter(&[1, 2, 3, 9, 5, 1, 2, 3, 7, 8, 6, 1, 2, 3]);
-        assert_eq!(d.propose(2).tokens, vec![7, 8]);
-        assert_eq!(d.propose(10).tokens, vec![7, 8, 6, 1, 2, 3]);
-        assert_eq!(d.propose(0).tokens, Vec::<u32>::new());
+        assert_eq!(d.propose_greedy(2).tokens, vec![7, 8]);
+        assert_eq!(d.propose_greedy(10).tokens, vec![7, 8, 6, 1, 2, 3]);
+        assert_eq!(d.propose_greedy(0).tokens, Vec::<u32>::new());
     }
 
     #[test]
     fn prefers_the_longest_suffix() {
         // The 2-gram "2 3" last occurred before 4, but the 3-gram "1 2 3" before 9.
         let d = &mut drafter(&[1, 2, 3, 9, 0, 2, 3, 4, 0, 1, 2, 3]);
-        assert_eq!(d.propose(1).tokens, vec![9]);
+        assert_eq!(d.propose_greedy(1).tokens, vec![9]);
     }
 
     #[test]
     fn nothing_without_a_match_and_grows_with_extend() {
         let mut d = drafter(&[1, 2, 3, 4]);
-        assert!(d.propose(4).tokens.is_empty());
+        assert!(d.propose_greedy(4).tokens.is_empty());
         d.extend(&[1, 2]);
-        assert_eq!(d.propose(4).tokens, vec![3, 4, 1, 2]);
-        let p = d.propose(2);
+        assert_eq!(d.propose_greedy(4).tokens, vec![3, 4, 1, 2]);
+        let p = d.propose_greedy(2);
         assert_eq!(p.confidence.len(), 2);
         assert!(p.probs.is_none());
     }
@@ -198,7 +226,7 @@ mod tests {
                 let end = (at + c).min(tokens.len());
                 d.extend(&tokens[at..end]);
                 at = end;
-                prop_assert_eq!(d.propose(max).tokens, brute(&tokens[..at], params, max));
+                prop_assert_eq!(d.propose_greedy(max).tokens, brute(&tokens[..at], params, max));
             }
         }
     }
