@@ -60,6 +60,40 @@ impl VerifyRecord {
             + self.beta.len()
             + self.pre_conv.iter().map(Vec::len).sum::<usize>()
     }
+
+    /// The record as one flat buffer of [`Self::floats`] values, its fields in the order
+    /// documented on the type: how the CPU backend keeps it in the arena between verify and
+    /// commit.
+    pub fn write_to(&self, dst: &mut [f32]) {
+        let mut at = 0;
+        for part in [&self.k, &self.v, &self.g, &self.beta]
+            .into_iter()
+            .chain(self.pre_conv.iter())
+        {
+            dst[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
+    }
+
+    /// The record of `steps` verified tokens that [`Self::write_to`] wrote into `src`.
+    pub fn read_from(dims: Dims, steps: usize, src: &[f32]) -> Self {
+        let (h, kd, hk) = (dims.heads, dims.k, dims.hk());
+        let mut at = 0;
+        let mut take = |n: usize| {
+            let part = src[at..at + n].to_vec();
+            at += n;
+            part
+        };
+        VerifyRecord {
+            dims,
+            steps,
+            k: take(h * steps * kd),
+            v: take(h * steps * kd),
+            g: take(h * steps * kd),
+            beta: take(h * steps),
+            pre_conv: [take(steps * hk), take(steps * hk), take(steps * hk)],
+        }
+    }
 }
 
 /// Verify `t` tokens of one KDA layer from the committed conv `windows` (`[3, H·K, W−1]`) and

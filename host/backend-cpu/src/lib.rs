@@ -17,7 +17,7 @@ use k3_model::backend::{
     Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
     RouterParams, SituParams,
 };
-use k3_model::backend::{BackendError, OpResult};
+use k3_model::backend::{BackendError, KdaCommit, OpResult};
 use mxfp4::{MxMatrix, mx_matmul, split_even_odd};
 use rayon::prelude::*;
 
@@ -158,6 +158,59 @@ fn by_rows(rows: usize, f: impl Fn(std::ops::Range<usize>) -> Vec<f32> + Sync) -
         .map(|a| f(a..(a + per).min(rows)))
         .collect();
     parts.concat()
+}
+
+fn kda_dims(g: KdaGeom) -> kda::Dims {
+    kda::Dims {
+        heads: g.heads,
+        k: g.head_dim,
+        conv: g.conv_kernel,
+        lower_bound: g.gate_lower_bound,
+    }
+}
+
+/// A speculative verify of one KDA layer (`KdaStateLoc::record`): the state at float offset
+/// `off` is only read; the outputs come back and the ReplaySSM record goes to byte offset `dst`.
+fn kda_verify(
+    arena: &mut Arena,
+    d: &kda::Dims,
+    p: &KdaParams<'_, CpuBackend>,
+    inp: &KdaInputs<'_, CpuBackend>,
+    off: usize,
+    dst: usize,
+    checkpoints: &[(usize, usize)],
+) -> OpResult<Mat> {
+    if !checkpoints.is_empty() {
+        return Err(BackendError::InvalidArg(
+            "kda: a verify pass takes no checkpoints (it writes no state)".into(),
+        ));
+    }
+    let t = inp.qkv[0].rows;
+    let n = d.state_floats();
+    let rec = floats_at(dst)?;
+    let per_token = d.heads * (3 * d.k + 1) + 3 * d.hk();
+    bounds(arena, rec, t * per_token)?;
+    if off < rec + t * per_token && rec < off + n {
+        return Err(BackendError::InvalidArg(
+            "kda: the verify record overlaps the state".into(),
+        ));
+    }
+    let (windows, s) = arena.data[off..off + n].split_at(3 * d.window_floats());
+    let (o, record) = kda_replay::verify_layer(
+        d,
+        t,
+        [&inp.qkv[0].data, &inp.qkv[1].data, &inp.qkv[2].data],
+        [p.conv[0], p.conv[1], p.conv[2]],
+        &inp.f.data,
+        &inp.b.data,
+        p.a_log,
+        p.dt_bias,
+        windows,
+        s,
+    );
+    debug_assert_eq!(record.floats(), t * per_token);
+    record.write_to(&mut arena.data[rec..rec + t * per_token]);
+    Ok(Mat::new(t, d.hk(), o))
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -401,16 +454,14 @@ impl Backend for CpuBackend {
         inp: &KdaInputs<'_, Self>,
         loc: KdaStateLoc<'_>,
     ) -> OpResult<Mat> {
-        let d = kda::Dims {
-            heads: g.heads,
-            k: g.head_dim,
-            conv: g.conv_kernel,
-            lower_bound: g.gate_lower_bound,
-        };
+        let d = kda_dims(g);
         let t = inp.qkv[0].rows;
         let n = d.state_floats();
         let off = floats_at(loc.offset)?;
         bounds(arena, off, n)?;
+        if let Some(dst) = loc.record {
+            return kda_verify(arena, &d, p, inp, off, dst, loc.checkpoints);
+        }
         let mut cps: Vec<(usize, usize)> = Vec::with_capacity(loc.checkpoints.len());
         for &(at, dst) in loc.checkpoints {
             let f = floats_at(dst)?;
@@ -435,6 +486,37 @@ impl Backend for CpuBackend {
             arena.data[*dst..*dst + n].copy_from_slice(&snap);
         }
         Ok(Mat::new(t, d.hk(), o))
+    }
+
+    fn supports_kda_verify(&self) -> bool {
+        true
+    }
+
+    fn kda_commit(&self, arena: &mut Arena, g: KdaGeom, commits: &[KdaCommit]) -> OpResult<()> {
+        let d = kda_dims(g);
+        let (n, wf) = (d.state_floats(), 3 * d.window_floats());
+        for c in commits {
+            if c.accepted > c.tokens {
+                return Err(BackendError::InvalidArg(format!(
+                    "kda_commit: {} accepted of {} verified tokens",
+                    c.accepted, c.tokens
+                )));
+            }
+            let (off, rec) = (floats_at(c.state)?, floats_at(c.record)?);
+            let rec_len = c.tokens * g.record_floats_per_token();
+            bounds(arena, off, n)?;
+            bounds(arena, rec, rec_len)?;
+            if off < rec + rec_len && rec < off + n {
+                return Err(BackendError::InvalidArg(
+                    "kda_commit: the record overlaps the state".into(),
+                ));
+            }
+            let record =
+                kda_replay::VerifyRecord::read_from(d, c.tokens, &arena.data[rec..rec + rec_len]);
+            let (windows, s) = arena.data[off..off + n].split_at_mut(wf);
+            kda_replay::commit_layer(s, windows, &record, c.accepted);
+        }
+        Ok(())
     }
 
     fn mla(

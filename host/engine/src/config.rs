@@ -1,6 +1,39 @@
 //! Engine configuration.
 
 use crate::memory::PoolMode;
+use k3_speculative::{DraftSourceFactory, StepCostProfile};
+use std::sync::Arc;
+
+/// Speculative decoding (docs/speculative-decoding.md): where drafts come from, how long they
+/// may be, and what a target step costs (for the verify planner).
+#[derive(Clone)]
+pub struct SpeculationConfig {
+    /// One draft source per speculating request.
+    pub source: Arc<dyn DraftSourceFactory>,
+    /// Most draft tokens one verify checks (`num_speculative_tokens`).
+    pub max_draft: usize,
+    /// Seconds of a target step by token count. With it the planner keeps a draft token only
+    /// while its expected value pays for its cost; without it every proposed token is verified.
+    pub cost: Option<StepCostProfile>,
+}
+
+impl std::fmt::Debug for SpeculationConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpeculationConfig")
+            .field("method", &self.source.method())
+            .field("max_draft", &self.max_draft)
+            .field("cost", &self.cost)
+            .finish()
+    }
+}
+
+impl PartialEq for SpeculationConfig {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.source, &other.source)
+            && self.max_draft == other.max_draft
+            && self.cost == other.cost
+    }
+}
 
 /// How the engine schedules and where it keeps memory. Page size and block sizes come from the
 /// executor ([`k3_model::CacheLayout`]: `page_tokens`, default 16 in the model's executors).
@@ -32,6 +65,8 @@ pub struct EngineConfig {
     pub eos_token_ids: Vec<u32>,
     /// Prepare the next step while the current forward runs.
     pub overlap: bool,
+    /// Speculative decoding for requests whose sampler supports it; `None`: off.
+    pub speculation: Option<SpeculationConfig>,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +85,7 @@ impl Default for EngineConfig {
             max_context: 32768,
             eos_token_ids: Vec::new(),
             overlap: true,
+            speculation: None,
         }
     }
 }
@@ -70,6 +106,8 @@ pub enum EngineConfigError {
     EmptyVocab,
     #[error("cannot start the engine thread: {0}")]
     Spawn(String),
+    #[error("speculative decoding: {0}")]
+    Speculation(String),
 }
 
 impl EngineConfig {
@@ -80,6 +118,35 @@ impl EngineConfig {
         } else {
             self.checkpoint_interval
         }
+    }
+
+    /// Checks that need the executor's layout (speculation's verify length).
+    pub(crate) fn validate_for(
+        &self,
+        layout: &k3_model::CacheLayout,
+    ) -> Result<(), EngineConfigError> {
+        self.validate(layout.page_tokens)?;
+        if let Some(s) = &self.speculation {
+            if s.max_draft == 0 {
+                return Err(EngineConfigError::Speculation(
+                    "num_speculative_tokens must be at least 1".into(),
+                ));
+            }
+            if s.max_draft + 1 > layout.verify_tokens_max {
+                return Err(EngineConfigError::Speculation(
+                    if layout.verify_tokens_max == 0 {
+                        "this backend cannot verify draft tokens yet".into()
+                    } else {
+                        format!(
+                            "num_speculative_tokens {} is more than this model verifies at once ({})",
+                            s.max_draft,
+                            layout.verify_tokens_max - 1
+                        )
+                    },
+                ));
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn validate(&self, page: usize) -> Result<(), EngineConfigError> {

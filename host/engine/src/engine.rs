@@ -41,9 +41,17 @@ pub struct Engine;
 impl Engine {
     /// Start the engine threads. The executor moves to its own thread (forwards are blocking).
     pub fn start(
-        executor: Box<dyn Executor>,
+        mut executor: Box<dyn Executor>,
         cfg: EngineConfig,
     ) -> Result<EngineHandle, EngineConfigError> {
+        if let Some(spec) = &cfg.speculation {
+            let taps = spec.source.tap_layers();
+            if !taps.is_empty() {
+                executor
+                    .set_hidden_taps(&taps)
+                    .map_err(|e| EngineConfigError::Speculation(e.to_string()))?;
+            }
+        }
         let layout = executor.layout();
         let vocab = executor.vocab_size();
         let core = EngineCore::new(layout, vocab, cfg.clone())?;
@@ -230,8 +238,10 @@ fn run_loop(
         if let Some(l) = inflight.take() {
             core.complete(l, worker.wait());
         }
-        if next.is_none() {
-            next = core.schedule();
+        match next.as_mut() {
+            // Requests whose verify just completed join the prepared step.
+            Some(plan) => core.plan_ready(plan),
+            None => next = core.schedule(),
         }
         if let Some((job, l)) = next.and_then(|p| core.launch(p)) {
             if worker.run(job) {

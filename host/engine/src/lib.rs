@@ -47,7 +47,7 @@ pub mod scheduler;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
-pub use config::{EngineConfig, EngineConfigError};
+pub use config::{EngineConfig, EngineConfigError, SpeculationConfig};
 pub use engine::{Engine, EngineHandle};
 pub use k3_sampling::{SampledToken, SamplingParams};
 pub use memory::PoolMode;
@@ -55,5 +55,5 @@ pub use metrics::EngineMetrics;
 pub use request::{
     FinishReason, Request, RequestError, RequestId, RequestStream, SubmitError, TokenEvent,
 };
-pub use sampling::{Greedy, RequestSampler, TokenSampler};
+pub use sampling::{Greedy, RequestSampler, SpecMode, TokenSampler};
 pub use scheduler::EngineCore;

@@ -30,6 +30,14 @@ pub struct EngineMetrics {
     pub finished: u64,
     pub cancelled: u64,
     pub failed: u64,
+    /// Speculative decoding: verify rounds, draft tokens verified, draft tokens accepted.
+    pub spec_verify_rounds: u64,
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
+    /// Accepted draft tokens by position in the draft (index 0: the first draft token).
+    pub spec_accepted_by_position: Vec<u64>,
+    /// Verify rounds by the draft length the planner chose (index = draft tokens verified).
+    pub spec_verify_lengths: Vec<u64>,
 }
 
 impl EngineMetrics {
@@ -85,6 +93,52 @@ impl EngineMetrics {
         put("finished_total", "counter", self.finished as f64);
         put("cancelled_total", "counter", self.cancelled as f64);
         put("failed_total", "counter", self.failed as f64);
+        put(
+            "spec_verify_rounds_total",
+            "counter",
+            self.spec_verify_rounds as f64,
+        );
+        put(
+            "spec_draft_tokens_total",
+            "counter",
+            self.spec_draft_tokens as f64,
+        );
+        put(
+            "spec_accepted_tokens_total",
+            "counter",
+            self.spec_accepted_tokens as f64,
+        );
+        // Tokens committed per verify round: accepted drafts plus the one the target adds.
+        if let Some(mean) = self.spec_mean_acceptance_length() {
+            put("spec_mean_acceptance_length", "gauge", mean);
+        }
+        let mut labelled = |name: &str, values: &[u64], label: &str| {
+            if values.is_empty() {
+                return;
+            }
+            s.push_str(&format!("# TYPE k3_engine_{name} counter\n"));
+            for (i, v) in values.iter().enumerate() {
+                s.push_str(&format!("k3_engine_{name}{{{label}=\"{i}\"}} {v}\n"));
+            }
+        };
+        labelled(
+            "spec_accepted_by_position_total",
+            &self.spec_accepted_by_position,
+            "position",
+        );
+        labelled(
+            "spec_verify_length_total",
+            &self.spec_verify_lengths,
+            "draft_tokens",
+        );
         s
+    }
+
+    /// Mean tokens committed per verify round (accepted drafts + 1); `None` before any round.
+    pub fn spec_mean_acceptance_length(&self) -> Option<f64> {
+        (self.spec_verify_rounds > 0).then(|| {
+            (self.spec_accepted_tokens + self.spec_verify_rounds) as f64
+                / self.spec_verify_rounds as f64
+        })
     }
 }

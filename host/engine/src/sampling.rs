@@ -4,6 +4,18 @@
 
 use k3_model::PendingTokenMask;
 use k3_sampling::{SampledToken, Sampler, SamplingParams, SeqHistory};
+use k3_speculative::{Draft, verify_token};
+use std::borrow::Cow;
+
+/// How a request chooses tokens, as speculative decoding needs to know it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SpecMode {
+    /// The argmax: a draft token is accepted when it is the target's choice.
+    Greedy,
+    /// Random draws: drafts are accepted by rejection sampling against the request's own
+    /// processed distribution (docs/speculative-decoding.md).
+    Sampled { temperature: f32 },
+}
 
 /// Picks the next token of one request from one logits row. Called exactly once per generated
 /// token, in order, so an implementation may keep per-request state (history, random stream).
@@ -29,6 +41,22 @@ pub trait TokenSampler: Send {
     /// the forward pass and selects among the allowed tokens only. Default: no mask.
     fn pending_mask(&self) -> Option<PendingTokenMask> {
         None
+    }
+
+    /// Whether (and how) this sampler can verify speculative drafts; `None` (the default): the
+    /// request decodes one token per step.
+    fn speculation(&self) -> Option<SpecMode> {
+        None
+    }
+
+    /// Verify `draft` against `rows`, the target's logits for the position after the last
+    /// committed token and after each draft token (`draft.tokens.len() + 1` rows). Returns the
+    /// tokens to commit: the accepted drafts, then one more (the correction, or the bonus
+    /// token), each reported as [`TokenSampler::sample`] would have reported it. Advances the
+    /// sampler exactly as sampling those tokens one by one.
+    fn verify(&mut self, rows: &[&[f32]], draft: &Draft) -> Result<Vec<SampledToken>, String> {
+        let _ = (rows, draft);
+        Err("this sampler cannot verify speculative tokens".into())
     }
 }
 
@@ -72,6 +100,20 @@ impl RequestSampler {
         self.generated < self.min_tokens && !self.enders.is_empty()
     }
 
+    /// The row the sampler sees: the enders masked while `min_tokens` holds them back.
+    fn seen<'a>(&self, logits: &'a [f32]) -> Cow<'a, [f32]> {
+        if !self.holds_enders() {
+            return Cow::Borrowed(logits);
+        }
+        let mut row = logits.to_vec();
+        for &t in &self.enders {
+            if let Some(l) = row.get_mut(t as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Cow::Owned(row)
+    }
+
     fn accept(&mut self, s: SampledToken) -> SampledToken {
         self.history.push(s.token);
         self.generated = self.generated.saturating_add(1);
@@ -81,18 +123,65 @@ impl RequestSampler {
 
 impl TokenSampler for RequestSampler {
     fn sample(&mut self, logits: &[f32]) -> Result<SampledToken, String> {
-        let s = if self.holds_enders() {
-            let mut row = logits.to_vec();
-            for &t in &self.enders {
-                if let Some(l) = row.get_mut(t as usize) {
-                    *l = f32::NEG_INFINITY;
-                }
-            }
-            self.sampler.sample(&row, &self.history)
-        } else {
-            self.sampler.sample(logits, &self.history)
-        };
+        let row = self.seen(logits);
+        let s = self.sampler.sample(&row, &self.history);
         Ok(self.accept(s.map_err(|e| e.to_string())?))
+    }
+
+    fn speculation(&self) -> Option<SpecMode> {
+        Some(if self.sampler.is_greedy() {
+            SpecMode::Greedy
+        } else {
+            SpecMode::Sampled {
+                temperature: self.sampler.temperature(),
+            }
+        })
+    }
+
+    fn verify(&mut self, rows: &[&[f32]], draft: &Draft) -> Result<Vec<SampledToken>, String> {
+        if rows.len() != draft.tokens.len() + 1 {
+            return Err(format!(
+                "{} logits rows for {} draft tokens",
+                rows.len(),
+                draft.tokens.len()
+            ));
+        }
+        let mut out = Vec::with_capacity(rows.len());
+        for (j, &x) in draft.tokens.iter().enumerate() {
+            if self.sampler.is_greedy() {
+                // The sampler's own choice at each position (penalties and min_tokens
+                // included): what decoding without a draft would have produced.
+                let s = self.sample(rows[j])?;
+                let hit = s.token == x;
+                out.push(s);
+                if !hit {
+                    return Ok(out);
+                }
+                continue;
+            }
+            let row = self.seen(rows[j]).into_owned();
+            let p = self
+                .sampler
+                .distribution(&row, &self.history)
+                .map_err(|e| e.to_string())?;
+            let q = draft
+                .probs
+                .as_ref()
+                .and_then(|q| q.get(j))
+                .map(Vec::as_slice);
+            let verdict = verify_token(&p, x, q, self.sampler.rng());
+            let token = verdict.unwrap_or(x);
+            let s = self
+                .sampler
+                .reported(&row, token)
+                .map_err(|e| e.to_string())?;
+            out.push(self.accept(s));
+            if verdict.is_some() {
+                return Ok(out);
+            }
+        }
+        out.push(self.sample(rows[draft.tokens.len()])?);
+        Ok(out)
     }
 
     fn top_k_need(&self) -> Option<usize> {

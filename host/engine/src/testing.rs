@@ -8,6 +8,7 @@
 
 use k3_model::{
     CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput,
+    VerifiedBlock,
 };
 
 /// Shape of the toy model.
@@ -130,14 +131,51 @@ impl ToyExecutor {
         }
     }
 
-    fn run_seq(&mut self, s: &SeqInput<'_>, logits: &mut Vec<f32>) -> usize {
+    /// One token's step of the toy recurrence (the state half): returns the token's hidden `h`.
+    fn advance(state: &mut [u64], pos: usize, t: u32, acc: u64) -> u64 {
+        let payload = state.len() - HEADER_WORDS;
+        let p = if payload > 0 {
+            state[HEADER_WORDS + pos % payload]
+        } else {
+            0
+        };
+        let h = mix(state[0]
+            ^ mix(t as u64)
+            ^ state[1].rotate_left(7)
+            ^ state[2].rotate_left(19)
+            ^ state[3].rotate_left(31)
+            ^ acc
+            ^ p);
+        state[0] = h;
+        state[1] = state[2];
+        state[2] = state[3];
+        state[3] = t as u64;
+        if payload > 0 {
+            let k = HEADER_WORDS + (pos.wrapping_mul(7) + 1) % payload;
+            state[k] = mix(state[k] ^ h);
+        }
+        h
+    }
+
+    /// Tokens one verify may hold in a record block: the step count, (token, acc) per step,
+    /// then the start position.
+    fn verify_tokens_max(&self) -> usize {
+        (self.cfg.state_bytes / 8 - 2) / 2
+    }
+
+    /// `record`: a speculative verify (state read into a scratch copy only; each step's token
+    /// and attention summary go to the record block, which `commit_verified` replays).
+    fn run_seq(&mut self, s: &SeqInput<'_>, record: Option<usize>, logits: &mut Vec<f32>) -> usize {
         let c = self.cfg;
         let words = c.state_bytes / 8;
         let mut state: Vec<u64> = (0..words)
             .map(|w| self.word(s.state_block + 8 * w))
             .collect();
-        let payload = words - HEADER_WORDS;
         let mut rows = 0;
+        if let Some(rec) = record {
+            self.set_word(rec, s.tokens.len() as u64);
+            self.set_word(rec + 8 + 16 * s.tokens.len(), s.start_pos as u64);
+        }
         for (i, &t) in s.tokens.iter().enumerate() {
             let pos = s.start_pos + i;
             // Attention-like: depends on every earlier KV row, weighted by position.
@@ -148,26 +186,11 @@ impl ToyExecutor {
                     acc = mix(acc ^ self.word(off + 8 * w).wrapping_mul(j as u64 | 1));
                 }
             }
-            let p = if payload > 0 {
-                state[HEADER_WORDS + pos % payload]
-            } else {
-                0
-            };
-            let h = mix(state[0]
-                ^ mix(t as u64)
-                ^ state[1].rotate_left(7)
-                ^ state[2].rotate_left(19)
-                ^ state[3].rotate_left(31)
-                ^ acc
-                ^ p);
-            state[0] = h;
-            state[1] = state[2];
-            state[2] = state[3];
-            state[3] = t as u64;
-            if payload > 0 {
-                let k = HEADER_WORDS + (pos.wrapping_mul(7) + 1) % payload;
-                state[k] = mix(state[k] ^ h);
+            if let Some(rec) = record {
+                self.set_word(rec + 8 + 16 * i, t as u64);
+                self.set_word(rec + 16 + 16 * i, acc);
             }
+            let h = Self::advance(&mut state, pos, t, acc);
             let off = self.row_offset(s, pos);
             for w in 0..c.row_bytes / 8 {
                 self.set_word(off + 8 * w, mix(h ^ ((pos as u64) << 20) ^ w as u64));
@@ -186,8 +209,10 @@ impl ToyExecutor {
                 rows += 1;
             }
         }
-        for (w, v) in state.iter().enumerate() {
-            self.set_word(s.state_block + 8 * w, *v);
+        if record.is_none() {
+            for (w, v) in state.iter().enumerate() {
+                self.set_word(s.state_block + 8 * w, *v);
+            }
         }
         rows
     }
@@ -200,7 +225,36 @@ impl Executor for ToyExecutor {
             kv_page_bytes: self.cfg.page_tokens * self.cfg.row_bytes,
             state_block_bytes: self.cfg.state_bytes,
             arena_bytes: self.cfg.arena_bytes,
+            verify_tokens_max: self.verify_tokens_max(),
         }
+    }
+
+    fn commit_verified(&mut self, blocks: &[VerifiedBlock]) -> Result<(), ExecError> {
+        let words = self.cfg.state_bytes / 8;
+        for b in blocks {
+            self.check(b.state_block, self.cfg.state_bytes)?;
+            self.check(b.record_block, self.cfg.state_bytes)?;
+            let steps = self.word(b.record_block) as usize;
+            if steps != b.tokens || b.accepted > steps {
+                return Err(ExecError::InvalidBatch(format!(
+                    "commit of {} of {} tokens, the record holds {steps}",
+                    b.accepted, b.tokens
+                )));
+            }
+            let mut state: Vec<u64> = (0..words)
+                .map(|w| self.word(b.state_block + 8 * w))
+                .collect();
+            let start = self.word(b.record_block + 8 + 16 * steps) as usize;
+            for i in 0..b.accepted {
+                let t = self.word(b.record_block + 8 + 16 * i) as u32;
+                let acc = self.word(b.record_block + 16 + 16 * i);
+                Self::advance(&mut state, start + i, t, acc);
+            }
+            for (w, v) in state.iter().enumerate() {
+                self.set_word(b.state_block + 8 * w, *v);
+            }
+        }
+        Ok(())
     }
 
     fn vocab_size(&self) -> usize {
@@ -237,8 +291,19 @@ impl Executor for ToyExecutor {
         let mut logits = Vec::new();
         let mut row_ranges = Vec::with_capacity(batch.seqs.len());
         let mut row = 0;
-        for s in &batch.seqs {
-            let n = self.run_seq(s, &mut logits);
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if let Some(rec) = batch.verify_records.get(i).copied().flatten() {
+                self.check(rec, self.cfg.state_bytes)?;
+                if s.tokens.len() > self.verify_tokens_max() || !s.checkpoints.is_empty() {
+                    return Err(ExecError::InvalidBatch(
+                        "a verify of too many tokens, or with checkpoints".into(),
+                    ));
+                }
+            }
+        }
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let record = batch.verify_records.get(i).copied().flatten();
+            let n = self.run_seq(s, record, &mut logits);
             row_ranges.push(row..row + n);
             row += n;
         }
@@ -246,7 +311,7 @@ impl Executor for ToyExecutor {
             vocab: self.cfg.vocab,
             logits,
             row_ranges,
-            top: Vec::new(),
+            ..Default::default()
         };
         // Candidates instead of rows where asked, as a device backend returns them.
         let wants: Vec<LogitsWant> = batch.seqs.iter().map(|s| s.logits).collect();

@@ -15,6 +15,23 @@ pub struct CacheLayout {
     pub state_block_bytes: usize,
     /// Total arena size in bytes.
     pub arena_bytes: usize,
+    /// The most tokens one speculative verify may process for a sequence: what one state
+    /// block holds of its ReplaySSM record (a record block is a state block from the pool).
+    /// 0 when the executor cannot verify.
+    pub verify_tokens_max: usize,
+}
+
+/// Commit an accepted prefix of one sequence's verify pass (see [`Executor::commit_verified`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VerifiedBlock {
+    /// The sequence's working state block (byte offset), unchanged since the verify.
+    pub state_block: usize,
+    /// The record block the verify wrote.
+    pub record_block: usize,
+    /// Tokens the verify processed.
+    pub tokens: usize,
+    /// How many of them to commit (0..=tokens).
+    pub accepted: usize,
 }
 
 /// Which logits a sequence wants back from a step.
@@ -57,6 +74,14 @@ pub struct ForwardBatch<'a> {
     /// Per sequence (or empty for none): the token mask its [`LogitsWant::LastTopK`] candidates
     /// must respect (constrained decoding). Whole rows are masked by the sampler itself.
     pub masks: Vec<Option<PendingTokenMask>>,
+    /// Per sequence (or empty for none): `Some(record_block)` makes its step a speculative
+    /// verify. Its KDA state is read, not written; the layers' ReplaySSM records go to the
+    /// record block (a state block's bytes) until [`Executor::commit_verified`]. MLA rows are
+    /// written for every token; those past the committed length are overwritten later.
+    pub verify_records: Vec<Option<usize>>,
+    /// Per sequence (or empty for none): whether it wants the hidden-state taps of its new
+    /// rows in [`ForwardOutput::taps`] (see [`Executor::set_hidden_taps`]).
+    pub want_taps: Vec<bool>,
 }
 
 /// A token bitmask (see [`token_mask_allows`]) that another thread may still be computing: a
@@ -98,6 +123,12 @@ pub struct ForwardOutput {
     /// Per sequence: for [`LogitsWant::LastTopK`], its candidates as [`top_k_of_row`] orders them;
     /// empty otherwise.
     pub top: Vec<Vec<(u32, f32)>>,
+    /// Hidden-state taps of the sequences that wanted them: per new row, the taps in
+    /// [`Executor::set_hidden_taps`] order, `tap_width` floats, row-major.
+    pub taps: Vec<f32>,
+    pub tap_width: usize,
+    /// Per sequence: its rows of `taps` (empty when it did not want them).
+    pub tap_ranges: Vec<std::ops::Range<usize>>,
 }
 
 impl ForwardBatch<'_> {
@@ -263,6 +294,21 @@ pub trait Executor: Send {
     fn arena_read(&self, offset: usize, len: usize) -> Result<Vec<u8>, ExecError>;
     /// Run one step.
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, ExecError>;
+    /// Which hidden states [`ForwardBatch::want_taps`] returns (layer indices; see
+    /// `Model::forward_batch_tapped`). Executors without taps refuse.
+    fn set_hidden_taps(&mut self, layers: &[usize]) -> Result<(), ExecError> {
+        let _ = layers;
+        Err(ExecError::Backend(
+            "this executor returns no hidden states".into(),
+        ))
+    }
+    /// Commit accepted prefixes of verify passes (ReplaySSM, see [`VerifiedBlock`]).
+    fn commit_verified(&mut self, blocks: &[VerifiedBlock]) -> Result<(), ExecError> {
+        let _ = blocks;
+        Err(ExecError::Backend(
+            "this executor cannot verify speculative tokens".into(),
+        ))
+    }
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ pub use backend::{Backend, BackendError};
 pub use config::{Config, ConfigError, MixerKind};
 pub use exec::{
     CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, PendingTokenMask,
-    SeqInput, top_k_of_row,
+    SeqInput, VerifiedBlock, top_k_of_row,
 };
 pub use model::{LoadError, Model};
 pub use runner::{ModelExecutor, Session, argmax};

@@ -1,11 +1,11 @@
 //! K3 weights bound to a backend, and the layer graph (docs/k3-model.md) for one sequence.
 
 use crate::backend::{
-    Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
-    MxMatrixHost, OpResult, RouterParams, SituParams,
+    Backend, KdaCommit, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom,
+    MxExpertsHost, MxMatrixHost, OpResult, RouterParams, SituParams,
 };
 use crate::config::{Config, ConfigError, MixerKind};
-use crate::exec::ExecError;
+use crate::exec::{ExecError, VerifiedBlock};
 use crate::weights::{Tensors, WeightError, WeightFile};
 use std::path::Path;
 
@@ -102,21 +102,41 @@ pub struct CacheOffsets {
     pub mla: Vec<Option<usize>>,
     pub state_block_bytes: usize,
     pub kv_page_bytes: usize,
+    /// Per layer: offset of its ReplaySSM record inside a record block (KDA layers only). A
+    /// record block is a state block lent to a verifying sequence; each KDA layer's share holds
+    /// [`CacheOffsets::verify_tokens_max`] tokens.
+    pub kda_record: Vec<Option<usize>>,
+    /// The most tokens one verify pass may hold in a record block.
+    pub verify_tokens_max: usize,
 }
 
 impl CacheOffsets {
     pub fn new(cfg: &Config, page_tokens: usize) -> Self {
         let (mut kda, mut mla) = (Vec::new(), Vec::new());
         let (mut sb, mut pb) = (0, 0);
+        let kda_layers = cfg
+            .layer_kinds
+            .iter()
+            .filter(|k| matches!(k, MixerKind::Kda))
+            .count();
+        let per_token = kda_geom(cfg).record_floats_per_token();
+        let verify_tokens_max = (cfg.kda_layer_state_floats() * kda_layers)
+            .checked_div(per_token * kda_layers)
+            .unwrap_or(0);
+        let mut kda_record = Vec::new();
+        let mut rb = 0;
         for kind in &cfg.layer_kinds {
             match kind {
                 MixerKind::Kda => {
                     kda.push(Some(sb));
+                    kda_record.push(Some(rb));
                     mla.push(None);
                     sb += cfg.kda_layer_state_floats() * 4;
+                    rb += verify_tokens_max * per_token * 4;
                 }
                 MixerKind::Mla => {
                     kda.push(None);
+                    kda_record.push(None);
                     mla.push(Some(pb));
                     pb += page_tokens * cfg.mla_row_floats() * 4;
                 }
@@ -127,9 +147,25 @@ impl CacheOffsets {
             mla,
             state_block_bytes: sb,
             kv_page_bytes: pb,
+            kda_record,
+            verify_tokens_max,
         }
     }
 }
+
+fn kda_geom(c: &Config) -> KdaGeom {
+    let k = &c.kda;
+    KdaGeom {
+        heads: k.num_heads,
+        head_dim: k.head_dim,
+        conv_kernel: k.conv_kernel,
+        gate_lower_bound: k.gate_lower_bound,
+    }
+}
+
+/// What [`Model::forward_batch_tapped`] returns: the wanted logits rows (if any) and one
+/// activation per hidden-state tap.
+pub type TappedPass<B> = (Option<<B as Backend>::Act>, Vec<<B as Backend>::Act>);
 
 /// One sequence's share of a batched forward pass.
 pub struct SeqPass<'a> {
@@ -148,6 +184,8 @@ pub struct SeqCache<'a> {
     pub page_tokens: usize,
     pub state_block: usize,
     pub checkpoints: &'a [(usize, usize)],
+    /// A speculative verify: the record block its KDA layers write instead of the state.
+    pub record_block: Option<usize>,
 }
 
 fn attn_res_w<B: Backend>(
@@ -401,13 +439,37 @@ impl<B: Backend> Model<B> {
     }
 
     fn kda_geom(&self) -> KdaGeom {
-        let k = &self.config.kda;
-        KdaGeom {
-            heads: k.num_heads,
-            head_dim: k.head_dim,
-            conv_kernel: k.conv_kernel,
-            gate_lower_bound: k.gate_lower_bound,
+        kda_geom(&self.config)
+    }
+
+    /// ReplaySSM commit after a verify: every KDA layer replays each block's accepted tokens
+    /// into its state and rolls its conv windows back. MLA layers need nothing: rows past the
+    /// committed length are simply overwritten later.
+    pub fn commit_verified(
+        &self,
+        arena: &mut B::Arena,
+        offsets: &CacheOffsets,
+        blocks: &[VerifiedBlock],
+    ) -> Result<(), ExecError> {
+        if blocks.is_empty() {
+            return Ok(());
         }
+        for (lo, ro) in offsets.kda.iter().zip(&offsets.kda_record) {
+            let (Some(lo), Some(ro)) = (lo, ro) else {
+                continue;
+            };
+            let commits: Vec<KdaCommit> = blocks
+                .iter()
+                .map(|b| KdaCommit {
+                    state: b.state_block + lo,
+                    record: b.record_block + ro,
+                    tokens: b.tokens,
+                    accepted: b.accepted,
+                })
+                .collect();
+            self.backend.kda_commit(arena, self.kda_geom(), &commits)?;
+        }
+        Ok(())
     }
 
     fn mla_geom(&self) -> MlaGeom {
@@ -464,8 +526,32 @@ impl<B: Backend> Model<B> {
         arena: &mut B::Arena,
         offsets: &CacheOffsets,
         seqs: &[SeqPass<'_>],
-        mut trace: Option<&mut Vec<Vec<f32>>>,
+        trace: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Option<B::Act>, ExecError> {
+        Ok(self
+            .forward_batch_tapped(arena, offsets, seqs, trace, &[])?
+            .0)
+    }
+
+    /// [`Model::forward_batch`], also returning the hidden-state taps `tap_layers` asks for, one
+    /// activation `[rows, d]` per tap over all rows of the batch (docs/speculative-decoding.md,
+    /// "Target taps"): for a tap `l < L`, the AttnRes-mixed input of layer `l` before its norm;
+    /// for `l = L`, the final AttnRes mix before the final norm.
+    pub fn forward_batch_tapped(
+        &self,
+        arena: &mut B::Arena,
+        offsets: &CacheOffsets,
+        seqs: &[SeqPass<'_>],
+        mut trace: Option<&mut Vec<Vec<f32>>>,
+        tap_layers: &[usize],
+    ) -> Result<TappedPass<B>, ExecError> {
+        let nl = self.config.num_hidden_layers;
+        if let Some(&bad) = tap_layers.iter().find(|&&l| l == 0 || l > nl) {
+            return Err(ExecError::InvalidBatch(format!(
+                "hidden-state tap {bad} is outside 1..={nl}"
+            )));
+        }
+        let mut taps: Vec<Option<B::Act>> = (0..tap_layers.len()).map(|_| None).collect();
         let be = &self.backend;
         let c = &self.config;
         let eps = c.rms_norm_eps;
@@ -506,6 +592,9 @@ impl<B: Backend> Model<B> {
                 Some(h) => h,
                 None => be.slice_rows(p.as_ref().expect("p set"), 0, total)?,
             };
+            for (slot, _) in tap_layers.iter().enumerate().filter(|(_, t)| **t == l) {
+                taps[slot] = Some(be.slice_rows(&h, 0, total)?);
+            }
             if l % c.attn_res_block_size == 0 {
                 bank.push(p.take().expect("p set"));
             }
@@ -542,23 +631,45 @@ impl<B: Backend> Model<B> {
             .zip(&spans)
             .filter_map(|(s, &(r0, r1))| s.logits_from.map(|f| (r0 + f, r1)))
             .collect();
-        if wanted.is_empty() {
-            return Ok(None);
-        }
         let p = p.expect("p set");
-        // The final AttnRes, norm and lm_head run on the wanted rows only.
-        let picked: Vec<B::Act>;
         let mut src: Vec<&B::Act> = bank.iter().collect();
         src.push(&p);
-        if wanted != [(0, total)] {
-            picked = src
-                .iter()
-                .map(|a| self.gather_rows(a, &wanted))
-                .collect::<OpResult<_>>()?;
-            src = picked.iter().collect();
+        let mut mixed = None;
+        if tap_layers.contains(&nl) {
+            // The final mix of every row, for the tap; the wanted rows are then picked from it
+            // (AttnRes is per row, so the logits do not change).
+            let all = be.attn_res(&src, &self.final_res.w, eps)?;
+            for (slot, _) in tap_layers.iter().enumerate().filter(|(_, t)| **t == nl) {
+                taps[slot] = Some(be.slice_rows(&all, 0, total)?);
+            }
+            mixed = Some(all);
         }
-        let y = be.rms_norm(&be.attn_res(&src, &self.final_res.w, eps)?, &self.norm, eps)?;
-        Ok(Some(be.matmul(&y, &self.lm_head)?))
+        let taps = taps
+            .into_iter()
+            .map(|t| t.ok_or_else(|| ExecError::Backend("a hidden-state tap was not taken".into())))
+            .collect::<Result<Vec<_>, _>>()?;
+        if wanted.is_empty() {
+            return Ok((None, taps));
+        }
+        // The final AttnRes, norm and lm_head run on the wanted rows only.
+        let whole = wanted == [(0, total)];
+        let mixed = match mixed {
+            Some(all) if whole => all,
+            Some(all) => self.gather_rows(&all, &wanted)?,
+            None => {
+                let picked: Vec<B::Act>;
+                if !whole {
+                    picked = src
+                        .iter()
+                        .map(|a| self.gather_rows(a, &wanted))
+                        .collect::<OpResult<_>>()?;
+                    src = picked.iter().collect();
+                }
+                be.attn_res(&src, &self.final_res.w, eps)?
+            }
+        };
+        let y = be.rms_norm(&mixed, &self.norm, eps)?;
+        Ok((Some(be.matmul(&y, &self.lm_head)?), taps))
     }
 
     /// Rows `ranges` of `a`, stacked in order.
@@ -608,7 +719,10 @@ impl<B: Backend> Model<B> {
             .map(|(s, cps)| KdaStateLoc {
                 offset: s.cache.state_block + lo,
                 checkpoints: cps,
-                record: None,
+                record: s
+                    .cache
+                    .record_block
+                    .map(|r| r + offsets.kda_record[l].expect("KDA layer has a record offset")),
             })
             .collect();
         let o = be.kda_batch(

@@ -4,6 +4,7 @@
 use crate::backend::Backend;
 use crate::exec::{
     CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput,
+    VerifiedBlock,
 };
 use crate::model::{CacheOffsets, Model, SeqCache, SeqPass};
 
@@ -13,6 +14,8 @@ pub struct ModelExecutor<B: Backend> {
     arena: B::Arena,
     offsets: CacheOffsets,
     layout: CacheLayout,
+    /// Hidden-state taps returned to sequences that want them.
+    tap_layers: Vec<usize>,
 }
 
 impl<B: Backend> ModelExecutor<B> {
@@ -29,12 +32,18 @@ impl<B: Backend> ModelExecutor<B> {
             kv_page_bytes: offsets.kv_page_bytes,
             state_block_bytes: offsets.state_block_bytes,
             arena_bytes,
+            verify_tokens_max: if model.backend.supports_kda_verify() {
+                offsets.verify_tokens_max
+            } else {
+                0
+            },
         };
         Ok(Self {
             model,
             arena,
             offsets,
             layout,
+            tap_layers: Vec::new(),
         })
     }
 
@@ -106,6 +115,31 @@ impl<B: Backend> ModelExecutor<B> {
         Ok(())
     }
 
+    /// A verify pass's record block and size (see [`ForwardBatch::verify_records`]).
+    fn validate_verify(&self, s: &SeqInput<'_>, record: usize) -> Result<(), ExecError> {
+        let max = self.layout.verify_tokens_max;
+        if s.tokens.len() > max {
+            return Err(ExecError::InvalidBatch(format!(
+                "a verify pass of {} tokens (this executor verifies at most {max})",
+                s.tokens.len()
+            )));
+        }
+        if !s.checkpoints.is_empty() {
+            return Err(ExecError::InvalidBatch(
+                "a verify pass writes no state, so it takes no checkpoints".into(),
+            ));
+        }
+        self.check_aligned("record block", record)?;
+        self.check_range(record, self.layout.state_block_bytes)?;
+        let (a, b, n) = (s.state_block, record, self.layout.state_block_bytes);
+        if a < b + n && b < a + n {
+            return Err(ExecError::InvalidBatch(
+                "a record block overlaps its state block".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// One sequence's forward, also returning the per-layer partial sums `p` (golden tests).
     pub fn forward_traced(
         &mut self,
@@ -120,7 +154,7 @@ impl<B: Backend> ModelExecutor<B> {
             vocab,
             logits: out,
             row_ranges: std::iter::once(0..rows).collect(),
-            top: Vec::new(),
+            ..Default::default()
         };
         output.select_candidates(&[s.logits]);
         Ok((output, trace))
@@ -138,6 +172,7 @@ impl<B: Backend> ModelExecutor<B> {
             page_tokens: self.layout.page_tokens,
             state_block: s.state_block,
             checkpoints: s.checkpoints,
+            record_block: None,
         };
         let from = logits_from(s);
         let logits =
@@ -191,15 +226,27 @@ impl<B: Backend> Executor for ModelExecutor<B> {
     /// packed GEMM, per-row norms, experts grouped per sequence) gives each sequence the same
     /// results as alone.
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, ExecError> {
-        for s in &batch.seqs {
+        let record = |i: usize| batch.verify_records.get(i).copied().flatten();
+        let wants_taps = |i: usize| batch.want_taps.get(i).copied().unwrap_or(false);
+        for (i, s) in batch.seqs.iter().enumerate() {
             self.validate(s)?;
+            if let Some(r) = record(i) {
+                self.validate_verify(s, r)?;
+            }
+        }
+        let any_taps = (0..batch.seqs.len()).any(wants_taps);
+        if any_taps && self.tap_layers.is_empty() {
+            return Err(ExecError::InvalidBatch(
+                "hidden-state taps asked for, none configured".into(),
+            ));
         }
         let vocab = self.model.config.vocab_size;
         let page_tokens = self.layout.page_tokens;
         let passes: Vec<SeqPass<'_>> = batch
             .seqs
             .iter()
-            .map(|s| SeqPass {
+            .enumerate()
+            .map(|(i, s)| SeqPass {
                 ids: s.tokens,
                 cache: SeqCache {
                     start_pos: s.start_pos,
@@ -207,6 +254,7 @@ impl<B: Backend> Executor for ModelExecutor<B> {
                     page_tokens,
                     state_block: s.state_block,
                     checkpoints: s.checkpoints,
+                    record_block: record(i),
                 },
                 logits_from: logits_from(s),
             })
@@ -216,16 +264,27 @@ impl<B: Backend> Executor for ModelExecutor<B> {
             logits: Vec::new(),
             row_ranges: Vec::with_capacity(batch.seqs.len()),
             top: vec![Vec::new(); batch.seqs.len()],
+            ..Default::default()
         };
         if batch.seqs.is_empty() {
             return Ok(out);
         }
-        // Decode steps (one token per sequence) may be replayed as a CUDA graph.
-        let replayable = batch.seqs.iter().all(|s| s.tokens.len() == 1);
+        // Plain decode steps (one token per sequence) may be replayed as a CUDA graph.
+        let replayable = batch.seqs.iter().all(|s| s.tokens.len() == 1)
+            && batch.verify_records.iter().all(Option::is_none)
+            && !any_taps;
+        let tap_layers: &[usize] = if any_taps { &self.tap_layers } else { &[] };
         let (model, arena, offsets) = (&self.model, &mut self.arena, &self.offsets);
+        let mut tap_acts = Vec::new();
         let logits = model.backend.run_step(replayable, &mut || {
-            model.forward_batch(arena, offsets, &passes, None)
+            let (logits, taps) =
+                model.forward_batch_tapped(arena, offsets, &passes, None, tap_layers)?;
+            tap_acts = taps;
+            Ok(logits)
         })?;
+        if any_taps {
+            self.collect_taps(batch, &tap_acts, &mut out)?;
+        }
         // Only candidates wanted (decode steps of greedy / top-k requests): select them where
         // the logits are, so whole vocabulary rows never cross to the host.
         let top_k = batch.seqs.iter().try_fold(0, |m, s| match s.logits {
@@ -280,6 +339,70 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         out.apply_masks(&wants, &masks);
         out.select_candidates(&wants);
         Ok(out)
+    }
+
+    fn set_hidden_taps(&mut self, layers: &[usize]) -> Result<(), ExecError> {
+        let nl = self.model.config.num_hidden_layers;
+        if let Some(&bad) = layers.iter().find(|&&l| l == 0 || l > nl) {
+            return Err(ExecError::InvalidBatch(format!(
+                "hidden-state tap {bad} is outside 1..={nl}"
+            )));
+        }
+        self.tap_layers = layers.to_vec();
+        Ok(())
+    }
+
+    fn commit_verified(&mut self, blocks: &[VerifiedBlock]) -> Result<(), ExecError> {
+        let n = self.layout.state_block_bytes;
+        for b in blocks {
+            if b.accepted > b.tokens || b.tokens > self.layout.verify_tokens_max {
+                return Err(ExecError::InvalidBatch(format!(
+                    "commit of {} of {} verified tokens",
+                    b.accepted, b.tokens
+                )));
+            }
+            for (what, at) in [("state", b.state_block), ("record", b.record_block)] {
+                self.check_aligned(what, at)?;
+                self.check_range(at, n)?;
+            }
+        }
+        self.model
+            .commit_verified(&mut self.arena, &self.offsets, blocks)
+    }
+}
+
+impl<B: Backend> ModelExecutor<B> {
+    /// The wanted sequences' rows of the tap activations, on the host, into `out`.
+    fn collect_taps(
+        &self,
+        batch: &ForwardBatch<'_>,
+        acts: &[B::Act],
+        out: &mut ForwardOutput,
+    ) -> Result<(), ExecError> {
+        let d = self.model.config.hidden_size;
+        let host = acts
+            .iter()
+            .map(|a| self.model.backend.to_host(a))
+            .collect::<Result<Vec<_>, _>>()?;
+        let width = d * host.len();
+        let (mut row, mut kept) = (0, 0);
+        out.tap_width = width;
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let n = s.tokens.len();
+            if batch.want_taps.get(i).copied().unwrap_or(false) {
+                for r in row..row + n {
+                    for h in &host {
+                        out.taps.extend_from_slice(&h[r * d..(r + 1) * d]);
+                    }
+                }
+                out.tap_ranges.push(kept..kept + n);
+                kept += n;
+            } else {
+                out.tap_ranges.push(kept..kept);
+            }
+            row += n;
+        }
+        Ok(())
     }
 }
 

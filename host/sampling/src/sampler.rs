@@ -118,11 +118,17 @@ impl Sampler {
             self.sample_random()?
         };
 
+        self.reported(logits, token)
+    }
+
+    /// `token` as [`Sampler::sample`] reports it from `logits`: with its logprobs when the
+    /// request asked for them. For a token chosen some other way (speculative verification).
+    pub fn reported(&self, logits: &[f32], token: u32) -> Result<SampledToken, SamplingError> {
         let (logprob, top_logprobs) = match self.logprobs {
             None => (None, Vec::new()),
             Some(n) => {
                 let log_norm = log_sum_exp(logits).ok_or(SamplingError::NoFiniteLogits)?;
-                let raw = logits[token as usize];
+                let raw = logits.get(token as usize).copied().unwrap_or(f32::NAN);
                 let logprob = if raw.is_finite() {
                     raw - log_norm
                 } else {
@@ -140,6 +146,66 @@ impl Sampler {
             logprob,
             top_logprobs,
         })
+    }
+
+    /// Whether this request takes the argmax (no randomness).
+    pub fn is_greedy(&self) -> bool {
+        self.greedy
+    }
+
+    /// The temperature a sampled request draws at (meaningless for greedy ones).
+    pub fn temperature(&self) -> f32 {
+        self.temperature
+    }
+
+    /// The request's random stream: what speculative verification draws its acceptance tests
+    /// from, so a seeded request stays reproducible.
+    pub fn rng(&mut self) -> &mut impl Rng {
+        &mut self.rng
+    }
+
+    /// The distribution [`Sampler::sample`] draws the next token from (penalties →
+    /// temperature → top-k → top-p → min-p, normalised), over the whole vocabulary; a point
+    /// mass on the argmax for greedy requests. Consumes no randomness. Speculative verification
+    /// compares draft tokens against exactly this.
+    pub fn distribution(
+        &mut self,
+        logits: &[f32],
+        history: &SeqHistory,
+    ) -> Result<Vec<f32>, SamplingError> {
+        if logits.len() != self.vocab_size {
+            return Err(SamplingError::LogitsLength {
+                expected: self.vocab_size,
+                got: logits.len(),
+            });
+        }
+        self.work.clear();
+        self.work.extend(
+            logits
+                .iter()
+                .map(|&l| if l.is_finite() { l } else { f32::NEG_INFINITY }),
+        );
+        self.apply_penalties(history);
+        let mut p = vec![0f32; self.vocab_size];
+        if self.greedy {
+            let t = argmax(&self.work).ok_or(SamplingError::NoFiniteLogits)?;
+            p[t as usize] = 1.0;
+            return Ok(p);
+        }
+        let narrowed = self.weigh()?;
+        let pairs: Vec<(u32, f32)> = if narrowed {
+            self.candidates.iter().map(|c| (c.id, c.weight)).collect()
+        } else {
+            (0u32..).zip(self.work.iter().copied()).collect()
+        };
+        let total: f64 = pairs.iter().map(|&(_, w)| f64::from(w)).sum();
+        if total.is_nan() || total <= 0.0 {
+            return Err(SamplingError::NoFiniteLogits);
+        }
+        for (t, w) in pairs {
+            p[t as usize] = (f64::from(w) / total) as f32;
+        }
+        Ok(p)
     }
 
     /// How many of a row's largest logits this request needs to pick its next token exactly
@@ -215,6 +281,20 @@ impl Sampler {
     }
 
     fn sample_random(&mut self) -> Result<u32, SamplingError> {
+        let narrowed = self.weigh()?;
+        let u: f64 = self.rng.random();
+        let pick = if narrowed {
+            draw(self.candidates.iter().map(|c| (c.id, c.weight)), u)
+        } else {
+            draw(self.work.iter().enumerate().map(|(t, &w)| (t as u32, w)), u)
+        };
+        pick.ok_or(SamplingError::NoFiniteLogits)
+    }
+
+    /// The random path's weights from the penalised logits in `work`: temperature, top-k,
+    /// top-p, min-p. Returns whether `candidates` now holds the allowed set (else `work` holds a
+    /// weight for every token).
+    fn weigh(&mut self) -> Result<bool, SamplingError> {
         let max = self.work.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         if max == f32::NEG_INFINITY {
             return Err(SamplingError::NoFiniteLogits);
@@ -226,9 +306,11 @@ impl Sampler {
         if let Some(k) = self.top_k {
             // Select on logits (same order as weights), so only k exps are needed.
             self.select_top_k_logits(k);
-            return self
-                .sample_candidates()
-                .ok_or(SamplingError::NoFiniteLogits);
+            if self.candidates.is_empty() {
+                return Err(SamplingError::NoFiniteLogits);
+            }
+            self.weigh_candidates();
+            return Ok(true);
         }
         for w in &mut self.work {
             *w = weight(*w);
@@ -257,20 +339,23 @@ impl Sampler {
                 }
             }
         }
-
-        let u: f64 = self.rng.random();
-        let pick = if narrowed {
-            draw(self.candidates.iter().map(|c| (c.id, c.weight)), u)
-        } else {
-            draw(self.work.iter().enumerate().map(|(t, &w)| (t as u32, w)), u)
-        };
-        pick.ok_or(SamplingError::NoFiniteLogits)
+        Ok(narrowed)
     }
 
     /// The top-k path after selection: `candidates` hold the k largest logits in rank order
     /// (whether selected here or by the executor). Temperature → top-p → min-p → draw.
     fn sample_candidates(&mut self) -> Option<u32> {
-        let max = self.candidates.first()?.weight;
+        if self.candidates.is_empty() {
+            return None;
+        }
+        self.weigh_candidates();
+        let u: f64 = self.rng.random();
+        draw(self.candidates.iter().map(|c| (c.id, c.weight)), u)
+    }
+
+    /// Temperature → top-p → min-p over the selected candidates (at least one).
+    fn weigh_candidates(&mut self) {
+        let max = self.candidates[0].weight;
         let inv_t = 1.0 / self.temperature;
         for c in &mut self.candidates {
             c.weight = ((c.weight - max) * inv_t).exp();
@@ -283,8 +368,6 @@ impl Sampler {
             let threshold = self.min_p * top;
             self.candidates.retain(|c| c.weight >= threshold);
         }
-        let u: f64 = self.rng.random();
-        draw(self.candidates.iter().map(|c| (c.id, c.weight)), u)
     }
 
     /// Candidates := the `k` largest finite entries of `work` as (logit, id), ties to the lower

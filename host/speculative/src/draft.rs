@@ -47,6 +47,28 @@ pub trait DraftSource: Send {
     fn propose(&mut self, max: usize, sampling: &mut DraftSampling<'_>) -> Draft;
 }
 
+/// Makes one [`DraftSource`] per sequence: the server's chosen method, shared by the engine.
+pub trait DraftSourceFactory: Send + Sync {
+    /// The method's name as operators configure it (`"ngram"`, `"dspark"`).
+    fn method(&self) -> &str;
+    /// A source for a new sequence.
+    fn create(&self) -> Box<dyn DraftSource>;
+    /// The target's hidden-state taps its sources read (layer indices; empty: none).
+    fn tap_layers(&self) -> Vec<usize> {
+        Vec::new()
+    }
+}
+
+impl DraftSourceFactory for NgramParams {
+    fn method(&self) -> &str {
+        "ngram"
+    }
+
+    fn create(&self) -> Box<dyn DraftSource> {
+        Box::new(NgramDrafter::new(*self))
+    }
+}
+
 /// Prompt-lookup settings (vLLM's `prompt_lookup_min` / `prompt_lookup_max`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct NgramParams {

@@ -12,6 +12,6 @@ pub mod draft;
 pub mod planner;
 pub mod verify;
 
-pub use draft::{Draft, DraftSampling, DraftSource, NgramDrafter, NgramParams};
+pub use draft::{Draft, DraftSampling, DraftSource, DraftSourceFactory, NgramDrafter, NgramParams};
 pub use planner::{StepCostProfile, plan_verify_lengths};
-pub use verify::{DraftProbs, Verdict, verify_greedy, verify_sampled};
+pub use verify::{DraftProbs, Verdict, verify_greedy, verify_sampled, verify_token};

@@ -57,8 +57,13 @@ impl StepCostProfile {
 }
 
 /// Draft tokens to verify per request (each ≤ its confidences' length), for requests whose
-/// drafts carry per-token `confidences`.
-pub fn plan_verify_lengths(confidences: &[Vec<f32>], cost: &StepCostProfile) -> Vec<usize> {
+/// drafts carry per-token `confidences`, in a step that also runs `other_tokens` tokens of
+/// requests that do not speculate (prefill chunks, plain decodes).
+pub fn plan_verify_lengths(
+    confidences: &[Vec<f32>],
+    other_tokens: usize,
+    cost: &StepCostProfile,
+) -> Vec<usize> {
     let requests = confidences.len();
     let mut lengths = vec![0; requests];
     if requests == 0 {
@@ -78,8 +83,10 @@ pub fn plan_verify_lengths(confidences: &[Vec<f32>], cost: &StepCostProfile) -> 
         }
     }
     candidates.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    let mut tokens = requests;
-    let mut expected = requests as f64;
+    // The other tokens are useful work too: a draft token must not buy its place by making
+    // the step look slower per speculating request.
+    let mut tokens = requests + other_tokens;
+    let mut expected = (requests + other_tokens) as f64;
     let mut rate = expected / cost.seconds(tokens);
     for (survival, j, r) in candidates {
         if lengths[r] != j {
@@ -103,6 +110,10 @@ mod tests {
     use proptest::prelude::*;
 
     /// A memory-bound step up to 64 tokens (flat), then compute-bound (linear).
+    fn plan_verify_lengths_0(c: &[Vec<f32>], cost: &StepCostProfile) -> Vec<usize> {
+        plan_verify_lengths(c, 0, cost)
+    }
+
     fn hopper_like() -> StepCostProfile {
         StepCostProfile::new(vec![(1, 0.010), (64, 0.011), (128, 0.022), (256, 0.044)]).unwrap()
     }
@@ -120,17 +131,17 @@ mod tests {
     fn small_batches_verify_confident_drafts_large_ones_do_not() {
         let p = hopper_like();
         let confident = vec![0.9f32; 7];
-        let small = plan_verify_lengths(&vec![confident.clone(); 4], &p);
+        let small = plan_verify_lengths_0(&vec![confident.clone(); 4], &p);
         assert!(small.iter().all(|&l| l == 7), "{small:?}");
         // 256 requests already fill a compute-bound step: no draft token pays.
-        let large = plan_verify_lengths(&vec![confident; 256], &p);
+        let large = plan_verify_lengths_0(&vec![confident; 256], &p);
         assert!(large.iter().all(|&l| l == 0), "{large:?}");
     }
 
     #[test]
     fn unlikely_tokens_are_cut() {
         let p = StepCostProfile::new(vec![(1, 0.010), (8, 0.012), (64, 0.040)]).unwrap();
-        let lengths = plan_verify_lengths(&[vec![0.95, 0.9, 0.05, 0.9], vec![0.1]], &p);
+        let lengths = plan_verify_lengths_0(&[vec![0.95, 0.9, 0.05, 0.9], vec![0.1]], &p);
         assert_eq!(lengths, vec![2, 0]);
     }
 
@@ -142,7 +153,7 @@ mod tests {
             confs in prop::collection::vec(prop::collection::vec(0.0f32..1.0, 0..8), 0..40),
         ) {
             let p = hopper_like();
-            let lengths = plan_verify_lengths(&confs, &p);
+            let lengths = plan_verify_lengths_0(&confs, &p);
             prop_assert_eq!(lengths.len(), confs.len());
             let mut expected = confs.len() as f64;
             let mut tokens = confs.len();

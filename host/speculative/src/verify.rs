@@ -71,30 +71,39 @@ pub fn verify_sampled(
         );
     }
     for (k, &x) in draft.iter().enumerate() {
-        let p = &target[k];
-        let px = f64::from(p.get(x as usize).copied().unwrap_or(0.0));
-        let qx = match draft_probs {
-            DraftProbs::Point => 1.0,
-            DraftProbs::Dist(q) => f64::from(q[k].get(x as usize).copied().unwrap_or(0.0)),
+        let q = match draft_probs {
+            DraftProbs::Point => None,
+            DraftProbs::Dist(q) => Some(q[k].as_slice()),
         };
-        // u < p/q without the division. A token drawn from q has q > 0; were it 0, p/q would be
-        // infinite and the token accepted.
-        let u: f64 = rng.random();
-        if qx <= 0.0 || u * qx < px {
-            continue;
+        if let Some(next) = verify_token(&target[k], x, q, rng) {
+            return Verdict { accepted: k, next };
         }
-        let next = match draft_probs {
-            DraftProbs::Point => {
-                sample_residual(p, |v| if v == x as usize { 1.0 } else { 0.0 }, rng)
-            }
-            DraftProbs::Dist(q) => sample_residual(p, |v| f64::from(q[k][v]), rng),
-        };
-        return Verdict { accepted: k, next };
     }
     Verdict {
         accepted: draft.len(),
         next: sample(&target[draft.len()], rng),
     }
+}
+
+/// One position of [`verify_sampled`], for a caller that computes each target distribution
+/// only once the tokens before it are accepted: `None` accepts draft token `x` (drawn from
+/// `q`, or chosen outright when `q` is `None`) against the target's `p`; `Some(y)` rejects it,
+/// `y` drawn from the residual.
+pub fn verify_token(p: &[f32], x: u32, q: Option<&[f32]>, rng: &mut impl Rng) -> Option<u32> {
+    let px = f64::from(p.get(x as usize).copied().unwrap_or(0.0));
+    let qx = q.map_or(1.0, |q| {
+        f64::from(q.get(x as usize).copied().unwrap_or(0.0))
+    });
+    // u < p/q without the division. A token drawn from q has q > 0; were it 0, p/q would be
+    // infinite and the token accepted.
+    let u: f64 = rng.random();
+    if qx <= 0.0 || u * qx < px {
+        return None;
+    }
+    Some(match q {
+        None => sample_residual(p, |v| if v == x as usize { 1.0 } else { 0.0 }, rng),
+        Some(q) => sample_residual(p, |v| f64::from(q.get(v).copied().unwrap_or(0.0)), rng),
+    })
 }
 
 /// Draw from norm(max(0, p − q)); from p when that has (next to) no mass.

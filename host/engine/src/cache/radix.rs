@@ -588,6 +588,7 @@ mod tests {
                 page_tokens: PAGE,
                 kv_page_bytes: 8,
                 state_block_bytes: 16,
+                verify_tokens_max: 0,
                 arena_bytes: 1 << 20,
             };
             Self {

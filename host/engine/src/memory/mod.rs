@@ -17,6 +17,8 @@ pub enum ArenaOp {
     Copy { src: usize, dst: usize, len: usize },
     /// Zero `len` bytes at `offset`.
     Zero { offset: usize, len: usize },
+    /// Replay a verify pass's accepted prefix into its state block (speculative decoding).
+    CommitVerified(k3_model::VerifiedBlock),
 }
 
 impl ArenaOp {
@@ -25,6 +27,7 @@ impl ArenaOp {
         match *self {
             ArenaOp::Copy { src, dst, len } => exec.arena_copy(src, dst, len),
             ArenaOp::Zero { offset, len } => exec.arena_zero(offset, len),
+            ArenaOp::CommitVerified(b) => exec.commit_verified(&[b]),
         }
     }
 
@@ -33,6 +36,8 @@ impl ArenaOp {
         match *self {
             ArenaOp::Copy { src, dst, len } => arena.copy_within(src..src + len, dst),
             ArenaOp::Zero { offset, len } => arena[offset..offset + len].fill(0),
+            // Model state, not memory layout: nothing a pool test tracks.
+            ArenaOp::CommitVerified(_) => {}
         }
     }
 }

@@ -310,6 +310,7 @@ mod tests {
             page_tokens: 4,
             kv_page_bytes: 24,
             state_block_bytes: 100,
+            verify_tokens_max: 0,
             arena_bytes: arena,
         }
     }

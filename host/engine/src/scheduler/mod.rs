@@ -16,6 +16,7 @@
 //!   two never alias.
 
 mod plan;
+mod speculate;
 mod step;
 
 pub use plan::Plan;
@@ -81,6 +82,8 @@ pub(crate) struct Seq {
     /// A launched step will produce this request's next token.
     awaiting_token: bool,
     cached_tokens: Option<usize>,
+    /// Drafting state when the request speculates.
+    spec: Option<speculate::SeqSpec>,
 }
 
 impl Seq {
@@ -114,7 +117,7 @@ impl EngineCore {
         vocab: usize,
         cfg: EngineConfig,
     ) -> Result<Self, EngineConfigError> {
-        cfg.validate(layout.page_tokens)?;
+        cfg.validate_for(&layout)?;
         if vocab == 0 {
             return Err(EngineConfigError::EmptyVocab);
         }
@@ -212,6 +215,12 @@ impl EngineCore {
             ),
         };
         let stop = StopChecker::new(&req.sampling, &self.cfg.eos_token_ids);
+        let spec = match &self.cfg.speculation {
+            Some(c) if sampler.speculation().is_some() => {
+                Some(speculate::SeqSpec::new(c.source.create(), req.id))
+            }
+            _ => None,
+        };
         self.arrivals += 1;
         self.metrics.prompt_tokens += req.prompt.len() as u64;
         self.waiting.push_back(Seq {
@@ -235,6 +244,7 @@ impl EngineCore {
             prefill_end: 0,
             awaiting_token: false,
             cached_tokens: None,
+            spec,
         });
         Ok(())
     }
@@ -327,6 +337,10 @@ impl EngineCore {
         rel.append(&mut seq.spares);
         rel.extend(seq.snapshot.take().map(|s| s.1));
         rel.extend(seq.pending.drain(..).map(|p| p.slot));
+        if let Some(spec) = seq.spec.as_mut() {
+            rel.extend(spec.record.take());
+            spec.verifying = false;
+        }
         if let Some(t) = self.tree.as_mut() {
             t.unlock(seq.tree_node, &mut rel);
         }
@@ -395,12 +409,14 @@ impl EngineCore {
                 .iter()
                 .chain(&s.spares)
                 .chain(s.snapshot.iter().map(|x| &x.1));
-            for &b in slots.chain(s.pending.iter().map(|p| &p.slot)) {
+            let record = s.spec.as_ref().and_then(|x| x.record.as_ref());
+            for &b in slots.chain(s.pending.iter().map(|p| &p.slot)).chain(record) {
                 own(b, who.clone())?;
             }
         }
         for s in &self.waiting {
-            if s.holds_memory() || !s.pages.is_empty() || !s.spares.is_empty() {
+            let record = s.spec.as_ref().is_some_and(|x| x.record.is_some());
+            if s.holds_memory() || !s.pages.is_empty() || !s.spares.is_empty() || record {
                 return Err(format!("waiting request {} holds memory", s.id));
             }
         }
@@ -434,8 +450,9 @@ impl EngineCore {
             let out = f.job.run(exec);
             self.complete(f.launched, out);
         }
-        if next.is_none() {
-            next = self.schedule();
+        match next.as_mut() {
+            Some(plan) => self.plan_ready(plan),
+            None => next = self.schedule(),
         }
         if let Some((job, launched)) = next.and_then(|p| self.launch(p)) {
             *inflight = Some(InFlight { job, launched });

@@ -20,6 +20,8 @@ pub(crate) struct PlannedSeq {
     pub(super) start: usize,
     pub(super) len: usize,
     pub(super) logits: LogitsWant,
+    /// Most draft tokens its launch may add to a decode step (0: a plain step).
+    pub(super) draft_max: usize,
 }
 
 /// A planned step (offsets are resolved only at launch).
@@ -54,6 +56,9 @@ impl EngineCore {
     }
 
     fn work(s: &Seq) -> Work {
+        if s.spec.as_ref().is_some_and(|x| x.verifying) {
+            return Work::None;
+        }
         match s.tokens.len() - s.fed.min(s.tokens.len()) {
             0 if s.awaiting_token && s.fed == s.tokens.len() => Work::Decode,
             0 => Work::None,
@@ -220,10 +225,18 @@ impl EngineCore {
         let start = s.fed;
         let remaining = (s.tokens.len() - start).max(usize::from(s.awaiting_token));
         let len = remaining.min(avail);
-        if len == 0 || !self.ensure_pages(id, start + len, plan) {
+        let mut draft_max = if remaining == 1 && len == 1 {
+            self.draft_room(i, start)
+        } else {
+            0
+        };
+        if len == 0 || !self.ensure_pages(id, start + len + draft_max, plan) {
             return 0;
         }
         let Some(i) = self.idx(id) else { return 0 };
+        if draft_max > 0 && !self.reserve_record(i) {
+            draft_max = 0;
+        }
         let end = start + len;
         let prefill = !self.running[i].awaiting_token && end <= self.running[i].prefill_end;
         let mut ckpts = Vec::new();
@@ -257,14 +270,38 @@ impl EngineCore {
         } else {
             LogitsWant::None
         };
+        if let Some(spec) = s.spec.as_mut() {
+            spec.verifying = draft_max > 0;
+        }
         plan.seqs.push(PlannedSeq {
             id,
             epoch: s.epoch,
             start,
             len,
             logits,
+            draft_max,
         });
-        len
+        len + draft_max
+    }
+
+    /// Plan the decode steps that became possible since `plan` was made: requests whose verify
+    /// just completed (the overlapped pipeline plans before it completes the running step, and a
+    /// request cannot be planned while its verify is out).
+    pub(crate) fn plan_ready(&mut self, plan: &mut Plan) {
+        let mut order: Vec<(u64, RequestId)> = self
+            .running
+            .iter()
+            .filter(|s| s.spec.is_some() && !plan.seqs.iter().any(|p| p.id == s.id))
+            .map(|s| (s.arrival, s.id))
+            .collect();
+        order.sort_unstable();
+        for (_, id) in order {
+            if let Some(i) = self.idx(id)
+                && matches!(Self::work(&self.running[i]), Work::Decode)
+            {
+                self.plan_tokens(id, 1, plan);
+            }
+        }
     }
 
     /// Admit the head of the queue if memory allows: match the prefix cache, reserve state slots,

@@ -8,6 +8,8 @@ use crate::request::{RequestError, RequestId, TokenEvent};
 use k3_model::{
     ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, PendingTokenMask, SeqInput,
 };
+use k3_sampling::SampledToken;
+use k3_speculative::Draft;
 
 /// One sequence of a launched step, with offsets resolved.
 #[derive(Debug, Clone)]
@@ -20,6 +22,10 @@ struct SeqJob {
     logits: LogitsWant,
     /// The constrained sampler's mask for this step's candidates ([`LogitsWant::LastTopK`]).
     mask: Option<PendingTokenMask>,
+    /// A speculative verify: the record block its KDA layers write.
+    record: Option<usize>,
+    /// Return the hidden-state taps of its rows (a drafter reads them).
+    taps: bool,
 }
 
 /// Everything the executor does for one step: arena ops in order, then one forward.
@@ -59,6 +65,8 @@ impl StepJob {
                 })
                 .collect(),
             masks: self.seqs.iter().map(|s| s.mask.clone()).collect(),
+            verify_records: self.seqs.iter().map(|s| s.record).collect(),
+            want_taps: self.seqs.iter().map(|s| s.taps).collect(),
         };
         exec.forward(&batch)
     }
@@ -71,6 +79,11 @@ struct LaunchedSeq {
     start: usize,
     len: usize,
     logits: LogitsWant,
+    /// The draft its verify checks (the rows after the committed token's).
+    draft: Option<Draft>,
+    /// Planned as a verify (even if no draft came): the request may be planned again once
+    /// this step completes.
+    verify_planned: bool,
 }
 
 /// Bookkeeping of a step handed to the executor, needed to complete it.
@@ -85,7 +98,8 @@ impl EngineCore {
     pub(crate) fn launch(&mut self, plan: Plan) -> Option<(StepJob, Launched)> {
         let mut seqs = Vec::new();
         let mut launched = Vec::new();
-        for p in plan.seqs {
+        let drafts = self.propose_drafts(&plan.seqs);
+        for (p, draft) in plan.seqs.into_iter().zip(drafts) {
             let Some(i) = self
                 .running
                 .iter()
@@ -106,7 +120,17 @@ impl EngineCore {
                 continue;
             }
             let s = &self.running[i];
-            let npages = (p.start + p.len).div_ceil(self.page);
+            let record = s.spec.as_ref().and_then(|x| x.record);
+            let draft = draft.filter(|d| !d.tokens.is_empty() && record.is_some());
+            let mut tokens = s.tokens[p.start..p.start + p.len].to_vec();
+            let logits = match &draft {
+                Some(d) => {
+                    tokens.extend_from_slice(&d.tokens);
+                    LogitsWant::All
+                }
+                None => p.logits,
+            };
+            let npages = (p.start + tokens.len()).div_ceil(self.page);
             let checkpoints = s
                 .pending
                 .iter()
@@ -114,7 +138,7 @@ impl EngineCore {
                 .map(|c| (c.pos - p.start, self.pool.offset(c.slot)))
                 .collect();
             seqs.push(SeqJob {
-                tokens: s.tokens[p.start..p.start + p.len].to_vec(),
+                tokens,
                 start_pos: p.start,
                 kv_pages: s.pages[..npages]
                     .iter()
@@ -124,19 +148,23 @@ impl EngineCore {
                     .pool
                     .offset(s.working.expect("running request has a working slot")),
                 checkpoints,
-                logits: p.logits,
-                mask: match p.logits {
+                logits,
+                mask: match logits {
                     LogitsWant::LastTopK(_) => s.sampler.pending_mask(),
                     _ => None,
                 },
+                record: draft.as_ref().and(record).map(|r| self.pool.offset(r)),
+                taps: s.spec.as_ref().is_some_and(|x| x.wants_taps()),
             });
-            self.running[i].awaiting_token = p.logits != LogitsWant::None;
+            self.running[i].awaiting_token = logits != LogitsWant::None;
             launched.push(LaunchedSeq {
                 id: p.id,
                 epoch: p.epoch,
                 start: p.start,
                 len: p.len,
-                logits: p.logits,
+                logits,
+                draft,
+                verify_planned: p.draft_max > 0,
             });
         }
         if seqs.is_empty() {
@@ -209,36 +237,70 @@ impl EngineCore {
                     None => break,
                 }
             }
+            if ls.verify_planned
+                && let Some(spec) = seq.spec.as_mut()
+            {
+                spec.verifying = false;
+            }
+            let taps = match out.tap_ranges.get(k) {
+                Some(r) if out.tap_width > 0 && r.end * out.tap_width <= out.taps.len() => {
+                    &out.taps[r.start * out.tap_width..r.end * out.tap_width]
+                }
+                _ => &[][..],
+            };
             if ls.logits == LogitsWant::None {
+                if let Some(spec) = seq.spec.as_mut() {
+                    spec.observe(ls.start, taps, out.tap_width);
+                }
                 self.running.insert(i, seq);
                 continue;
             }
             seq.awaiting_token = false;
-            let sampled = if let LogitsWant::LastTopK(_) = ls.logits {
-                match out.top.get(k) {
-                    Some(top) => seq.sampler.sample_top(top),
-                    None => Err("executor returned no top-k candidates".into()),
+            let range = out.row_ranges.get(k).cloned().unwrap_or_default();
+            let sampled = if let Some(draft) = &ls.draft {
+                if range.len() != draft.tokens.len() + 1 || range.end * out.vocab > out.logits.len()
+                {
+                    Err("executor returned the wrong number of verify rows".to_string())
+                } else {
+                    let rows: Vec<&[f32]> = range.clone().map(|r| out.row(r)).collect();
+                    self.accept_verified(&mut seq, ls.start, draft, &rows, taps, out.tap_width)
                 }
             } else {
-                let range = out.row_ranges.get(k).cloned().unwrap_or_default();
-                if range.is_empty() || range.end * out.vocab > out.logits.len() {
-                    self.running.insert(i, seq);
-                    let mut dead = Plan::default();
-                    self.fail_running(ls.id, "executor returned no logits row", &mut dead);
-                    continue;
+                if let Some(spec) = seq.spec.as_mut() {
+                    spec.observe(ls.start, taps, out.tap_width);
                 }
-                seq.sampler.sample(out.row(range.end - 1))
+                if let LogitsWant::LastTopK(_) = ls.logits {
+                    match out.top.get(k) {
+                        Some(top) => seq.sampler.sample_top(top).map(|s| vec![s]),
+                        None => Err("executor returned no top-k candidates".into()),
+                    }
+                } else {
+                    if range.is_empty() || range.end * out.vocab > out.logits.len() {
+                        self.running.insert(i, seq);
+                        let mut dead = Plan::default();
+                        self.fail_running(ls.id, "executor returned no logits row", &mut dead);
+                        continue;
+                    }
+                    seq.sampler.sample(out.row(range.end - 1)).map(|s| vec![s])
+                }
             };
-            let sampled = match sampled {
-                Ok(s) => s,
+            match sampled {
+                Ok(tokens) => self.emit(seq, i, tokens),
                 Err(e) => {
                     let _ = seq.events.send(Err(RequestError::Sampling(e)));
                     self.release(&mut seq, false);
                     self.metrics.failed += 1;
                     self.retired.push(seq.id);
-                    continue;
                 }
-            };
+            }
+        }
+    }
+
+    /// Hand a request its new tokens in order, ending it at the first that finishes it (a
+    /// verify may commit several; the rest of them are dropped). Reinserts it at `i` if it goes
+    /// on.
+    fn emit(&mut self, mut seq: super::Seq, i: usize, tokens: Vec<SampledToken>) {
+        for sampled in tokens {
             seq.tokens.push(sampled.token);
             seq.generated += 1;
             self.metrics.generated_tokens += 1;
@@ -260,14 +322,24 @@ impl EngineCore {
                 self.release(&mut seq, false);
                 self.metrics.cancelled += 1;
                 self.retired.push(seq.id);
-            } else if finished {
+                return;
+            }
+            if finished {
+                // A verify may have committed state past the token that ended the request; a
+                // snapshot there does not describe these tokens.
+                if let Some((pos, slot)) = seq.snapshot
+                    && pos > seq.tokens.len()
+                {
+                    seq.snapshot = None;
+                    seq.spares.push(slot);
+                }
                 self.release(&mut seq, true);
                 self.metrics.finished += 1;
                 self.retired.push(seq.id);
-            } else {
-                self.running.insert(i, seq);
+                return;
             }
         }
+        self.running.insert(i, seq);
     }
 
     fn fail_step(&mut self, launched: &Launched, msg: &str) {

@@ -545,3 +545,68 @@ proptest! {
         }
     }
 }
+
+/// `distribution` is what `sample` draws from: empirical frequencies of 20,000 draws stay
+/// within a few standard errors of it for every filter combination, and it sums to 1 on the
+/// allowed set only.
+#[test]
+fn distribution_is_what_sample_draws_from() {
+    let logits: Vec<f32> = (0..12)
+        .map(|i| ((i * 7) % 5) as f32 * 0.6 - i as f32 * 0.1)
+        .collect();
+    let mut history = SeqHistory::new(&[3]);
+    history.push(4);
+    let cases = [
+        SamplingParams::default(),
+        SamplingParams {
+            temperature: 0.7,
+            top_k: 5,
+            ..Default::default()
+        },
+        SamplingParams {
+            top_p: 0.8,
+            min_p: 0.05,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 1.3,
+            frequency_penalty: 0.8,
+            repetition_penalty: 1.2,
+            ..Default::default()
+        },
+    ];
+    for (i, params) in cases.into_iter().enumerate() {
+        let params = SamplingParams {
+            seed: Some(i as u64),
+            ..params
+        };
+        let mut s = sampler(params, logits.len());
+        let p = s.distribution(&logits, &history).unwrap();
+        let total: f32 = p.iter().sum();
+        assert!((total - 1.0).abs() < 1e-5, "case {i}: sums to {total}");
+        let n = 20_000;
+        let mut counts = vec![0usize; logits.len()];
+        for _ in 0..n {
+            counts[s.sample(&logits, &history).unwrap().token as usize] += 1;
+        }
+        for (t, (&c, &pt)) in counts.iter().zip(&p).enumerate() {
+            let f = c as f64 / n as f64;
+            let se = (f64::from(pt) * (1.0 - f64::from(pt)) / n as f64).sqrt();
+            assert!(
+                (f - f64::from(pt)).abs() <= 5.0 * se + 1e-9,
+                "case {i} token {t}: frequency {f} vs p {pt}"
+            );
+        }
+    }
+    let mut g = sampler(
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        logits.len(),
+    );
+    let p = g.distribution(&logits, &history).unwrap();
+    let top = g.sample(&logits, &history).unwrap().token as usize;
+    assert_eq!(p[top], 1.0);
+    assert_eq!(p.iter().filter(|&&x| x > 0.0).count(), 1);
+}
