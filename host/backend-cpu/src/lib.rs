@@ -492,6 +492,10 @@ impl Backend for CpuBackend {
         true
     }
 
+    fn verify_rows_as_decode(&self) -> bool {
+        true
+    }
+
     fn kda_commit(&self, arena: &mut Arena, g: KdaGeom, commits: &[KdaCommit]) -> OpResult<()> {
         let d = kda_dims(g);
         let (n, wf) = (d.state_floats(), 3 * d.window_floats());

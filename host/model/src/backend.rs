@@ -263,6 +263,14 @@ pub trait Backend: Send + Sync + 'static {
         loc: KdaStateLoc<'_>,
     ) -> OpResult<Self::Act>;
 
+    /// Whether the model should hand this backend a verify's rows one token at a time for MLA
+    /// and the routed experts: a backend whose one-token kernels round differently from its
+    /// multi-token ones (the CPU: absorbed MLA, per-token expert kernels) then gives verify
+    /// rows exactly the values decoding gives.
+    fn verify_rows_as_decode(&self) -> bool {
+        false
+    }
+
     /// Whether [`KdaStateLoc::record`] and [`Backend::kda_commit`] are implemented (speculative
     /// decoding needs them).
     fn supports_kda_verify(&self) -> bool {

@@ -167,6 +167,14 @@ fn kda_geom(c: &Config) -> KdaGeom {
 /// activation per hidden-state tap.
 pub type TappedPass<B> = (Option<<B as Backend>::Act>, Vec<<B as Backend>::Act>);
 
+/// Rows of one sequence that the MLA and MoE ops take as one unit (see `Model::pieces`).
+struct Piece {
+    seq: usize,
+    /// The first row's index among the sequence's new tokens.
+    offset: usize,
+    rows: (usize, usize),
+}
+
 /// One sequence's share of a batched forward pass.
 pub struct SeqPass<'a> {
     /// Its new tokens.
@@ -576,6 +584,8 @@ impl<B: Backend> Model<B> {
         if total == 0 {
             return Err(ExecError::InvalidBatch("an empty batch".into()));
         }
+        let pieces = self.pieces(seqs, &spans);
+        let piece_spans: Vec<(usize, usize)> = pieces.iter().map(|p| p.rows).collect();
         let mut bank: Vec<B::Act> = Vec::new();
         let mut p: Option<B::Act> = Some(be.embed(&self.embed, &ids)?);
         for (l, layer) in self.layers.iter().enumerate() {
@@ -601,7 +611,7 @@ impl<B: Backend> Model<B> {
             let x = be.rms_norm(&h, &layer.input_norm, eps)?;
             let a = match &layer.mixer {
                 Mixer::Kda(w) => self.kda_layer(arena, offsets, l, &x, w, seqs, &spans)?,
-                Mixer::Mla(w) => self.mla_layer(arena, offsets, l, &x, w, seqs, &spans)?,
+                Mixer::Mla(w) => self.mla_layer(arena, offsets, l, &x, w, seqs, &pieces)?,
             };
             let mut pp = match p.take() {
                 None => a,
@@ -618,7 +628,7 @@ impl<B: Backend> Model<B> {
             let x = be.rms_norm(&h, &layer.post_norm, eps)?;
             let f = match &layer.ffn {
                 Ffn::Dense(w) => self.glu(&x, w)?,
-                Ffn::Moe(w) => self.moe(&x, w, &spans)?,
+                Ffn::Moe(w) => self.moe(&x, w, &piece_spans)?,
             };
             be.add_assign(&mut pp, &f)?;
             if let Some(tr) = trace.as_deref_mut() {
@@ -670,6 +680,31 @@ impl<B: Backend> Model<B> {
         };
         let y = be.rms_norm(&mixed, &self.norm, eps)?;
         Ok((Some(be.matmul(&y, &self.lm_head)?), taps))
+    }
+
+    /// The sequences' rows as the MLA and MoE ops see them: each sequence whole, except that a
+    /// verify on a backend whose one-token path is numerically its own
+    /// ([`Backend::verify_rows_as_decode`]) is cut into one-token pieces, so it reproduces
+    /// decoding bit for bit.
+    fn pieces(&self, seqs: &[SeqPass<'_>], spans: &[(usize, usize)]) -> Vec<Piece> {
+        let split = self.backend.verify_rows_as_decode();
+        let mut out = Vec::with_capacity(spans.len());
+        for (k, (s, &(r0, r1))) in seqs.iter().zip(spans).enumerate() {
+            if split && s.cache.record_block.is_some() {
+                out.extend((r0..r1).map(|r| Piece {
+                    seq: k,
+                    offset: r - r0,
+                    rows: (r, r + 1),
+                }));
+            } else {
+                out.push(Piece {
+                    seq: k,
+                    offset: 0,
+                    rows: (r0, r1),
+                });
+            }
+        }
+        out
     }
 
     /// Rows `ranges` of `a`, stacked in order.
@@ -761,7 +796,7 @@ impl<B: Backend> Model<B> {
         x: &B::Act,
         w: &MlaW<B>,
         seqs: &[SeqPass<'_>],
-        spans: &[(usize, usize)],
+        pieces: &[Piece],
     ) -> Result<B::Act, ExecError> {
         let be = &self.backend;
         let eps = self.config.rms_norm_eps;
@@ -769,15 +804,19 @@ impl<B: Backend> Model<B> {
         let q = be.matmul(&cq, &w.q_b)?;
         let kv_a = be.matmul(x, &w.kv_a)?;
         let layer_offset = offsets.mla[l].expect("MLA layer has a page offset");
-        let locs: Vec<MlaCacheLoc<'_>> = seqs
+        let locs: Vec<MlaCacheLoc<'_>> = pieces
             .iter()
-            .map(|s| MlaCacheLoc {
-                pages: s.cache.kv_pages,
-                page_tokens: s.cache.page_tokens,
-                layer_offset,
-                start_pos: s.cache.start_pos,
+            .map(|p| {
+                let s = &seqs[p.seq];
+                MlaCacheLoc {
+                    pages: s.cache.kv_pages,
+                    page_tokens: s.cache.page_tokens,
+                    layer_offset,
+                    start_pos: s.cache.start_pos + p.offset,
+                }
             })
             .collect();
+        let spans: Vec<(usize, usize)> = pieces.iter().map(|p| p.rows).collect();
         let mut o = be.mla_batch(
             arena,
             self.mla_geom(),
@@ -785,7 +824,7 @@ impl<B: Backend> Model<B> {
             &kv_a,
             &w.kv_a_norm,
             &w.kv_b,
-            spans,
+            &spans,
             &locs,
         )?;
         be.sigmoid_mul(&mut o, &be.matmul(x, &w.g)?)?;
