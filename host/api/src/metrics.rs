@@ -362,6 +362,9 @@ impl HttpMetrics {
             "Plugin instance starts refused because every instance slot was taken (answered 503).",
             backend.plugin_capacity_refusals,
         );
+        if let Some(spec) = &backend.speculative {
+            render_spec(&mut out, spec);
+        }
         for (name, help, pick) in [
             (
                 "k3serve_plugin_calls_total",
@@ -386,6 +389,63 @@ impl HttpMetrics {
             }
         }
         out
+    }
+}
+
+/// Speculative decoding's section of `/metrics` (names after vLLM's `spec_decode_*`).
+fn render_spec(out: &mut String, spec: &crate::backend::SpecDecodeMetrics) {
+    let _ = writeln!(
+        out,
+        "# HELP k3serve_spec_decode_info The speculative decoding method in use.\n# TYPE k3serve_spec_decode_info gauge\nk3serve_spec_decode_info{{method=\"{}\"}} 1",
+        escape(&spec.method)
+    );
+    counter(
+        out,
+        "k3serve_spec_decode_num_drafts_total",
+        "Verify rounds: drafts checked by the target.",
+        spec.drafts,
+    );
+    counter(
+        out,
+        "k3serve_spec_decode_num_draft_tokens_total",
+        "Draft tokens verified.",
+        spec.draft_tokens,
+    );
+    counter(
+        out,
+        "k3serve_spec_decode_num_accepted_tokens_total",
+        "Draft tokens accepted.",
+        spec.accepted_tokens,
+    );
+    let mean = if spec.drafts == 0 {
+        0.0
+    } else {
+        (spec.accepted_tokens + spec.drafts) as f64 / spec.drafts as f64
+    };
+    gauge(
+        out,
+        "k3serve_spec_decode_mean_acceptance_length",
+        "Tokens committed per verify round (accepted drafts + the target's own).",
+        mean,
+    );
+    for (name, help, label, values) in [
+        (
+            "k3serve_spec_decode_num_accepted_tokens_per_pos_total",
+            "Accepted draft tokens by position in the draft.",
+            "position",
+            &spec.accepted_by_position,
+        ),
+        (
+            "k3serve_spec_decode_verify_length_total",
+            "Verify rounds by the number of draft tokens the planner kept.",
+            "draft_tokens",
+            &spec.verify_lengths,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+        for (i, v) in values.iter().enumerate() {
+            let _ = writeln!(out, "{name}{{{label}=\"{i}\"}} {v}");
+        }
     }
 }
 
@@ -436,8 +496,24 @@ mod tests {
                 calls: 3,
                 errors: 1,
             }],
+            speculative: Some(crate::backend::SpecDecodeMetrics {
+                method: "ngram".into(),
+                drafts: 4,
+                draft_tokens: 12,
+                accepted_tokens: 6,
+                accepted_by_position: vec![3, 2, 1],
+                verify_lengths: vec![0, 1, 0, 3],
+            }),
             ..Default::default()
         });
+        assert!(text.contains("k3serve_spec_decode_info{method=\"ngram\"} 1"));
+        assert!(text.contains("k3serve_spec_decode_mean_acceptance_length 2.5"));
+        assert!(
+            text.contains(
+                "k3serve_spec_decode_num_accepted_tokens_per_pos_total{position=\"1\"} 2"
+            )
+        );
+        assert!(text.contains("k3serve_spec_decode_verify_length_total{draft_tokens=\"3\"} 3"));
         assert!(text.contains(
             "k3serve_http_requests_total{route=\"/v1/chat/completions\",status=\"200\"} 1"
         ));

@@ -351,6 +351,7 @@ impl ChatBackend for FakeBackend {
             }],
             plugin_instances_in_use: Some(3),
             plugin_capacity_refusals: 2,
+            speculative: None,
         }
     }
 

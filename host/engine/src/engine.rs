@@ -120,6 +120,12 @@ impl EngineHandle {
         self.shared.metrics.lock().clone()
     }
 
+    /// The speculative decoding method in use (`None`: off).
+    pub fn speculation_method(&self) -> Option<String> {
+        let spec = self.shared.cfg.speculation.as_ref()?;
+        Some(spec.source.method().to_string())
+    }
+
     /// Drop every prefix-cache entry not in use (blocks until done).
     pub fn flush_prefix_cache(&self) {
         let (tx, rx) = channel();

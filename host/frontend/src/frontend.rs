@@ -30,7 +30,9 @@ use crate::request::{
     ChatGenRequest, CompletionGenRequest, PromptInput, SamplingOptions, ToolChoice, token_budget,
 };
 use crate::sampling_defaults::SamplingDefaults;
-use crate::status::{BackendMetrics, ModelInfo, PluginStageInfo, PluginVersionInfo, PoolUsage};
+use crate::status::{
+    BackendMetrics, ModelInfo, PluginStageInfo, PluginVersionInfo, PoolUsage, SpecDecodeMetrics,
+};
 use crate::tokenizer::Tokenizer;
 
 /// Everything the frontend is built from.
@@ -439,6 +441,18 @@ impl ChatBackend for Frontend {
             plugins: plugin_admin::counters(&self.parts.plugins),
             plugin_instances_in_use: self.parts.plugins.instances_in_use(),
             plugin_capacity_refusals: self.parts.plugins.capacity_refusals(),
+            speculative: self
+                .parts
+                .engine
+                .speculation_method()
+                .map(|method| SpecDecodeMetrics {
+                    method,
+                    drafts: m.spec_verify_rounds,
+                    draft_tokens: m.spec_draft_tokens,
+                    accepted_tokens: m.spec_accepted_tokens,
+                    accepted_by_position: m.spec_accepted_by_position.clone(),
+                    verify_lengths: m.spec_verify_lengths.clone(),
+                }),
         }
     }
 

@@ -49,5 +49,6 @@ pub use sampling_defaults::SamplingDefaults;
 pub use segments::{Segment, encode_segments, special_token_spellings};
 pub use status::{
     BackendMetrics, ModelInfo, PluginCounters, PluginStageInfo, PluginVersionInfo, PoolUsage,
+    SpecDecodeMetrics,
 };
 pub use tokenizer::{NamedToken, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, TokenizerError};

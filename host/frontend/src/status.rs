@@ -28,6 +28,24 @@ pub struct BackendMetrics {
     pub plugin_instances_in_use: Option<u64>,
     /// Plugin instance starts refused because every instance slot was taken.
     pub plugin_capacity_refusals: u64,
+    /// Speculative decoding's counters; `None` when it is off.
+    pub speculative: Option<SpecDecodeMetrics>,
+}
+
+/// Speculative decoding's counters (vLLM's `spec_decode_*` set, plus the planner's choices).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SpecDecodeMetrics {
+    /// The configured method (`ngram`, `dspark`).
+    pub method: String,
+    /// Verify rounds (drafts checked).
+    pub drafts: u64,
+    /// Draft tokens verified, and how many were accepted.
+    pub draft_tokens: u64,
+    pub accepted_tokens: u64,
+    /// Accepted draft tokens by position in the draft.
+    pub accepted_by_position: Vec<u64>,
+    /// Verify rounds by the number of draft tokens the planner kept (index = tokens).
+    pub verify_lengths: Vec<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -2,10 +2,12 @@
 
 pub mod bench;
 pub mod cache_budget;
+pub mod dspark_source;
 pub mod generate;
 pub mod model_loading;
 pub mod serve;
 pub mod serve_config;
+pub mod speculative;
 pub mod vllm_flags;
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -268,10 +268,23 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
                 }
             }
         };
-        let exec = super::model_loading::limit_vocab(
+        let mut exec = super::model_loading::limit_vocab(
             model.executor(PAGE_TOKENS, arena)?,
             tokenizer.vocab_size(),
         );
+        let speculation = match &cfg.speculative {
+            Some(settings) => {
+                let (spec, line) = super::speculative::build(
+                    settings,
+                    &model_dir,
+                    exec.as_mut(),
+                    cfg.max_num_seqs,
+                )?;
+                say(&line);
+                Some(spec)
+            }
+            None => None,
+        };
         let layout = exec.layout();
         let vocab = exec.vocab_size();
         let mut eos = vec![config.eos_token_id];
@@ -290,6 +303,7 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
                 .max(EngineConfig::default().max_step_tokens),
             max_context: max_model_len,
             eos_token_ids: eos,
+            speculation,
             ..EngineConfig::default()
         };
         tracing::info!(
@@ -380,12 +394,19 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     say(&format!(
         "k3serve: serving '{}' on http://{addr} (OpenAI: /v1/chat/completions, /v1/completions, \
          /v1/models; Anthropic: /v1/messages, /v1/messages/count_tokens; /tokenize, /detokenize, \
-         /health, /metrics{}) — ready in {:.1} s",
+         /health, /metrics{}){} — ready in {:.1} s",
         names.join("', '"),
         if cfg.admin_token.is_some() {
             ", /admin/plugins"
         } else {
             ""
+        },
+        match &cfg.speculative {
+            Some(s) => format!(
+                "; speculative decoding: {}, up to {} draft tokens",
+                s.method, s.num_speculative_tokens
+            ),
+            None => String::new(),
         },
         started.elapsed().as_secs_f64()
     ));

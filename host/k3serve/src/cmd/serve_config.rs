@@ -10,6 +10,7 @@ use k3_api::connections::ConnectionLimits;
 use serde::Deserialize;
 
 use super::model_loading::{CudaArgs, Device, LoadFormat};
+use super::speculative::SpeculativeSettings;
 use super::vllm_flags::VllmFlags;
 use k3_backend_cuda::CudaOptions;
 
@@ -151,6 +152,13 @@ pub struct Args {
     /// Add the prompt (chat messages or completion prompt) to each request's access line.
     #[arg(long, alias = "enable-log-requests")]
     pub log_requests: bool,
+    /// Speculative decoding, as vLLM takes it: JSON such as
+    /// `{"method": "ngram", "num_speculative_tokens": 5}` or
+    /// `{"method": "dspark", "model": "models/k3-mini-dspark", "num_speculative_tokens": 7}`;
+    /// optional `prompt_lookup_min`/`prompt_lookup_max` (ngram) and `cost_profile` (a file the
+    /// measured step costs are kept in) [default: off].
+    #[arg(long, value_name = "JSON")]
+    pub speculative_config: Option<String>,
     #[command(flatten)]
     pub vllm: VllmFlags,
     #[command(flatten)]
@@ -200,6 +208,7 @@ struct FileConfig {
     moe_gemm_min_assignments: Option<usize>,
     gemv_max_weight_elems: Option<usize>,
     mla_decode_precision: Option<String>,
+    speculative_config: Option<toml::Value>,
 }
 
 /// `served-model-name` in the file: one name or a list.
@@ -258,6 +267,8 @@ pub struct ServeConfig {
     pub reasoning_parser: String,
     pub chat_template_plugin: Option<String>,
     pub chat_template: Option<PathBuf>,
+    /// Speculative decoding (`None`: off).
+    pub speculative: Option<SpeculativeSettings>,
     pub plugin_dir: Option<PathBuf>,
     pub max_request_body_bytes: usize,
     pub shutdown_timeout: f64,
@@ -412,6 +423,11 @@ impl ServeConfig {
                 .unwrap_or_else(|| "kimi_k3".into()),
             chat_template_plugin: args.chat_template_plugin.or(file.chat_template_plugin),
             chat_template: args.chat_template.or(file.chat_template),
+            speculative: match (args.speculative_config, file.speculative_config) {
+                (Some(json), _) => Some(SpeculativeSettings::from_json(&json)?),
+                (None, Some(value)) => Some(SpeculativeSettings::from_toml(value)?),
+                (None, None) => None,
+            },
             plugin_dir: args.plugin_dir.or(file.plugin_dir),
             max_request_body_bytes: args
                 .max_request_body_bytes
