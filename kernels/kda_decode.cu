@@ -17,6 +17,13 @@
 // on the outstanding state loads. A block exits only after receiving everything, so nobody writes
 // into a finished block and no exit barrier is needed. The state loads are issued before the
 // conv/gate phase so their latency overlaps it (the state does not depend on phase 1).
+//
+// ReplaySSM for speculative decoding (docs/speculative-decoding.md, "ReplaySSM on CUDA") reuses
+// this body (kda_lines) rather than copying it. kda_verify_lines_f32 steps a sequence's T tokens
+// through the same conv, gate, norm and delta-rule code, the state held in registers and never
+// stored, and writes each step's record; it also decodes the one-token sequences of a mixed batch.
+// kda_commit_lines_f32 replays an accepted prefix through the same state half of the step. Verify
+// outputs and committed states are therefore the decode kernel's, bit for bit.
 #include "kda.cuh"
 
 
