@@ -123,7 +123,7 @@ pub fn kda_commit(g: &KdaGeom, commits: usize) -> Result<Launch> {
 }
 
 /// Floats per (head, token) of a ReplaySSM record's recurrence part (`KDA_REC_HEAD` in
-/// kernels/kda_decode.cu): k̂ [K], v [V], the decay factors exp(g) [K], β.
+/// kernels/kda_decode.cu): k̂ `[K]`, v `[V]`, the decay factors exp(g) `[K]`, β.
 pub const KDA_RECORD_HEAD_FLOATS: usize = 3 * KDA_HEAD_DIM + 1;
 
 /// Float offset, inside a record of `tokens` verified tokens, of its pre-conv q, k, v rows
