@@ -11,8 +11,8 @@ use crate::kda::{decode_slots, kda_parts};
 use crate::moe::DeviceExperts;
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use k3_model::backend::{
-    Backend, BackendError, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom,
-    MxExpertsHost, OpResult, RouterParams, SituParams,
+    Backend, BackendError, KdaCommit, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc,
+    MlaGeom, MxExpertsHost, OpResult, RouterParams, SituParams,
 };
 use k3_model::exec::ExecError;
 
@@ -306,13 +306,11 @@ impl Backend for CudaBackend {
         inputs: &KdaInputs<'_, Self>,
         loc: KdaStateLoc<'_>,
     ) -> OpResult<DeviceMat> {
-        if loc.record.is_some() {
-            return Err(BackendError::Unsupported(
-                "speculative verification (KDA record) on CUDA".into(),
-            ));
-        }
         self.timed(
-            || format!("kda (T={})", bucket(inputs.qkv[0].rows)),
+            || {
+                let verify = if loc.record.is_some() { " verify" } else { "" };
+                format!("kda{verify} (T={})", bucket(inputs.qkv[0].rows))
+            },
             || self.op(|| self.kda_seq(arena, geom, params, inputs, loc)),
         )
     }
@@ -354,7 +352,9 @@ impl Backend for CudaBackend {
     }
 
     /// Every sequence decoding one token (at most one checkpoint, after it): one launch of the
-    /// batched decode kernel over the sequences' state slots. Anything else: per sequence.
+    /// batched decode kernel over the sequences' state slots. Any verifying sequence: one verify
+    /// launch for the verifying and one-token sequences, a chunked prefill per other sequence
+    /// (kda/replay.rs). Anything else: per sequence.
     fn kda_batch(
         &self,
         arena: &mut CudaSlice<f32>,
@@ -365,9 +365,16 @@ impl Backend for CudaBackend {
         locs: &[KdaStateLoc<'_>],
     ) -> OpResult<DeviceMat> {
         if locs.iter().any(|l| l.record.is_some()) {
-            return Err(BackendError::Unsupported(
-                "speculative verification (KDA record) on CUDA".into(),
-            ));
+            return self.timed(
+                || {
+                    format!(
+                        "kda_batch verify (T={}, seqs={})",
+                        bucket(inputs.qkv[0].rows),
+                        bucket(spans.len())
+                    )
+                },
+                || self.op(|| self.kda_replay_batch(arena, geom, params, inputs, spans, locs)),
+            );
         }
         match decode_slots(spans, locs) {
             Some(slots) if spans.len() > 1 => {
@@ -381,6 +388,23 @@ impl Backend for CudaBackend {
                 k3_model::backend::kda_per_sequence(self, arena, geom, params, inputs, spans, locs)
             }
         }
+    }
+
+    fn supports_kda_verify(&self) -> bool {
+        true
+    }
+
+    /// ReplaySSM commit: one replay launch for every commit of the layer (kda/replay.rs).
+    fn kda_commit(
+        &self,
+        arena: &mut CudaSlice<f32>,
+        geom: KdaGeom,
+        commits: &[KdaCommit],
+    ) -> OpResult<()> {
+        self.timed(
+            || format!("kda_commit (seqs={})", bucket(commits.len())),
+            || self.op(|| self.kda_commit_blocks(arena, geom, commits)),
+        )
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -109,6 +109,36 @@ pub fn kda_decode(g: &KdaGeom, seqs: usize) -> Result<Launch> {
     Launch::new((KDA_DECODE_SPLIT * g.heads, seqs, 1), 128)
 }
 
+/// Verify (`kda_verify_lines_f32`, ReplaySSM): the decode kernel's grid and cluster, one
+/// (head, sequence) cluster per verifying or decoding sequence, whatever its token count.
+pub fn kda_verify(g: &KdaGeom, seqs: usize) -> Result<Launch> {
+    kda_decode(g, seqs)
+}
+
+/// Commit (`kda_commit_lines_f32`): 4 independent 128-thread column-slice blocks per
+/// (head, commit), grid.x = 4 * heads (no cluster: the record holds everything a slice needs).
+pub fn kda_commit(g: &KdaGeom, commits: usize) -> Result<Launch> {
+    check_kda(g)?;
+    Launch::new((KDA_DECODE_SPLIT * g.heads, commits, 1), 128)
+}
+
+/// Floats per (head, token) of a ReplaySSM record's recurrence part (`KDA_REC_HEAD` in
+/// kernels/kda_decode.cu): k̂ `[K]`, v `[V]`, the decay factors exp(g) `[K]`, β.
+pub const KDA_RECORD_HEAD_FLOATS: usize = 3 * KDA_HEAD_DIM + 1;
+
+/// Float offset, inside a record of `tokens` verified tokens, of its pre-conv q, k, v rows
+/// (`kda_rec_pre_base` in the kernel): after the `[H, T]` recurrence part.
+pub fn kda_record_pre_conv_base(g: &KdaGeom, tokens: usize) -> usize {
+    tokens * g.heads * KDA_RECORD_HEAD_FLOATS
+}
+
+/// Floats of one layer's record of `tokens` verified tokens: the recurrence part, then the
+/// pre-conv rows `[3, T, H·K]`. Equals `tokens ·` [`KdaGeom::record_floats_per_token`], the room
+/// the engine reserves.
+pub fn kda_record_floats(g: &KdaGeom, tokens: usize) -> usize {
+    kda_record_pre_conv_base(g, tokens) + 3 * tokens * g.hk()
+}
+
 /// Prefill: (conv, prep, chunk) launches for `tokens` new tokens.
 pub fn kda_prefill(g: &KdaGeom, tokens: usize) -> Result<[Launch; 3]> {
     check_kda(g)?;
@@ -459,6 +489,37 @@ mod tests {
         assert_eq!(prep.grid.0 as usize * 4, 8192 * 96);
         assert_eq!(chunk.grid, (96, 4, 1));
         assert!(kda_prefill(&kda(2), 0).is_err());
+    }
+
+    #[test]
+    fn kda_replay_geometry_and_record_size() {
+        let l = kda_verify(&kda(96), 64).unwrap();
+        assert_eq!((l.grid, l.block), ((4 * 96, 64, 1), 128));
+        let l = kda_commit(&kda(8), 3).unwrap();
+        assert_eq!((l.grid, l.block), ((4 * 8, 3, 1), 128));
+        assert!(kda_commit(&kda(2), 0).is_err());
+        // The kernel's record layout fills exactly the room the engine reserves, per head and
+        // token 3K + 1 floats of recurrence and 3K of pre-conv inputs (769 at K = 128).
+        for heads in [1, 2, 8, 96] {
+            let g = kda(heads);
+            for t in 1..=16 {
+                assert_eq!(
+                    kda_record_floats(&g, t),
+                    t * g.record_floats_per_token(),
+                    "heads {heads}, T {t}"
+                );
+                assert_eq!(kda_record_pre_conv_base(&g, t), t * heads * 385);
+            }
+        }
+        assert_eq!(kda_record_floats(&kda(1), 1), 769);
+        // The kernel's own definition of the per-head block agrees with KDA_RECORD_HEAD_FLOATS.
+        let src = crate::sources::FILES
+            .iter()
+            .find(|f| f.name == "kda_decode.cu")
+            .unwrap()
+            .text;
+        assert!(src.contains("#define KDA_REC_HEAD (2 * KDA_K + KDA_V + 1)"));
+        assert_eq!(KDA_RECORD_HEAD_FLOATS, 2 * KDA_HEAD_DIM + KDA_HEAD_DIM + 1);
     }
 
     #[test]

@@ -61,7 +61,11 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "kda_decode.cu",
         text: include_str!("../../../kernels/kda_decode.cu"),
-        entries: &["kda_decode_lines_f32"],
+        entries: &[
+            "kda_decode_lines_f32",
+            "kda_verify_lines_f32",
+            "kda_commit_lines_f32",
+        ],
     },
     KernelFile {
         name: "kda_prefill_scan.cu",

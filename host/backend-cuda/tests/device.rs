@@ -4,6 +4,7 @@
 //!   ops_match_cpu          every Backend op on fresh random inputs: `op=<name> rel_err=<x> tol=<y>`
 //!   k3_mini_matches_cpu    models/k3-mini on the golden prompts: logits and greedy tokens
 //!   engine_matches_cpu     ModelExecutor<CudaBackend> inside k3_engine, concurrent requests
+//!   kda_replay_*           ReplaySSM verify/commit against plain decoding (device/kda_replay.rs)
 //! The seed is printed; `K3_SEED=<n>` repeats a run. `K3_ROOT` points at the repository root
 //! when the test binary runs outside the source tree (default: the current directory if it has
 //! models/, else the crate's source location).
@@ -16,6 +17,9 @@ use k3_model::backend::{
 };
 use k3_model::{Executor, LogitsWant, Model, ModelExecutor, Session};
 use std::path::PathBuf;
+
+#[path = "device/kda_replay.rs"]
+mod kda_replay;
 
 fn cuda() -> Option<CudaBackend> {
     match CudaBackend::try_new(0) {

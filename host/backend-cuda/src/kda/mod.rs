@@ -1,6 +1,7 @@
 //! Kimi Delta Attention (docs/k3-model.md): the batched one-token decode kernel over every
 //! decoding sequence's state slot, and the chunked prefill of one sequence (a parallel record pass
-//! and the state scan for short convs, the one-pass f32 kernels for longer ones).
+//! and the state scan for short convs, the one-pass f32 kernels for longer ones); ReplaySSM's
+//! verify and commit for speculative decoding in `replay.rs`.
 
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
@@ -8,6 +9,8 @@ use crate::geometry::{self, Launch};
 use crate::launch::float_offset;
 use cudarc::driver::CudaSlice;
 use k3_model::backend::{KdaGeom, KdaInputs, KdaParams, KdaStateLoc};
+
+mod replay;
 
 /// The KDA decode kernel (kernels/kda_decode.cu): a cluster of 4 column-slice blocks per head,
 /// whole 128-byte state lines per warp instruction, evict-first state accesses (the state is
@@ -221,6 +224,9 @@ impl CudaBackend {
         inp: &KdaInputs<'_, Self>,
         loc: KdaStateLoc<'_>,
     ) -> Result<DeviceMat> {
+        if loc.record.is_some() {
+            return self.kda_replay_batch(arena, g, p, inp, &[(0, inp.qkv[0].rows)], &[loc]);
+        }
         let (w, x) = kda_parts(p, inp);
         // One token is the recurrent decode kernel; anything else (prefill chunks) goes through
         // the chunked path, which also rejects checkpoints outside 1..=T.
