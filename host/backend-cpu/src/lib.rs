@@ -496,6 +496,10 @@ impl Backend for CpuBackend {
         true
     }
 
+    fn max_verify_tokens(&self) -> Option<usize> {
+        Some(DENSE_EXPERT_MIN_TOKENS - 1)
+    }
+
     fn kda_commit(&self, arena: &mut Arena, g: KdaGeom, commits: &[KdaCommit]) -> OpResult<()> {
         let d = kda_dims(g);
         let (n, wf) = (d.state_floats(), 3 * d.window_floats());

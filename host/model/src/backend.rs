@@ -263,12 +263,18 @@ pub trait Backend: Send + Sync + 'static {
         loc: KdaStateLoc<'_>,
     ) -> OpResult<Self::Act>;
 
-    /// Whether the model should hand this backend a verify's rows one token at a time for MLA
-    /// and the routed experts: a backend whose one-token kernels round differently from its
-    /// multi-token ones (the CPU: absorbed MLA, per-token expert kernels) then gives verify
-    /// rows exactly the values decoding gives.
+    /// Whether the model should hand this backend a verify's rows one token at a time for MLA:
+    /// a backend whose one-token attention rounds differently from its multi-token one (the
+    /// CPU's absorbed form) then gives verify rows exactly the values decoding gives.
     fn verify_rows_as_decode(&self) -> bool {
         false
+    }
+
+    /// The most tokens one verify may have on this backend (`None`: no limit of its own). The
+    /// CPU keeps a verify below the token count at which an expert switches to its prefill
+    /// kernel, so verify rows keep decoding's expert arithmetic.
+    fn max_verify_tokens(&self) -> Option<usize> {
+        None
     }
 
     /// Whether [`KdaStateLoc::record`] and [`Backend::kda_commit`] are implemented (speculative

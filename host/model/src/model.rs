@@ -167,7 +167,7 @@ fn kda_geom(c: &Config) -> KdaGeom {
 /// activation per hidden-state tap.
 pub type TappedPass<B> = (Option<<B as Backend>::Act>, Vec<<B as Backend>::Act>);
 
-/// Rows of one sequence that the MLA and MoE ops take as one unit (see `Model::pieces`).
+/// Rows of one sequence that the MLA op takes as one unit (see `Model::pieces`).
 struct Piece {
     seq: usize,
     /// The first row's index among the sequence's new tokens.
@@ -585,7 +585,6 @@ impl<B: Backend> Model<B> {
             return Err(ExecError::InvalidBatch("an empty batch".into()));
         }
         let pieces = self.pieces(seqs, &spans);
-        let piece_spans: Vec<(usize, usize)> = pieces.iter().map(|p| p.rows).collect();
         let mut bank: Vec<B::Act> = Vec::new();
         let mut p: Option<B::Act> = Some(be.embed(&self.embed, &ids)?);
         for (l, layer) in self.layers.iter().enumerate() {
@@ -628,7 +627,7 @@ impl<B: Backend> Model<B> {
             let x = be.rms_norm(&h, &layer.post_norm, eps)?;
             let f = match &layer.ffn {
                 Ffn::Dense(w) => self.glu(&x, w)?,
-                Ffn::Moe(w) => self.moe(&x, w, &piece_spans)?,
+                Ffn::Moe(w) => self.moe(&x, w, &spans)?,
             };
             be.add_assign(&mut pp, &f)?;
             if let Some(tr) = trace.as_deref_mut() {
@@ -682,8 +681,8 @@ impl<B: Backend> Model<B> {
         Ok((Some(be.matmul(&y, &self.lm_head)?), taps))
     }
 
-    /// The sequences' rows as the MLA and MoE ops see them: each sequence whole, except that a
-    /// verify on a backend whose one-token path is numerically its own
+    /// The sequences' rows as the MLA op sees them: each sequence whole, except that a verify
+    /// on a backend whose one-token attention is numerically its own
     /// ([`Backend::verify_rows_as_decode`]) is cut into one-token pieces, so it reproduces
     /// decoding bit for bit.
     fn pieces(&self, seqs: &[SeqPass<'_>], spans: &[(usize, usize)]) -> Vec<Piece> {

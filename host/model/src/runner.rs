@@ -33,7 +33,8 @@ impl<B: Backend> ModelExecutor<B> {
             state_block_bytes: offsets.state_block_bytes,
             arena_bytes,
             verify_tokens_max: if model.backend.supports_kda_verify() {
-                offsets.verify_tokens_max
+                let limit = model.backend.max_verify_tokens().unwrap_or(usize::MAX);
+                offsets.verify_tokens_max.min(limit)
             } else {
                 0
             },

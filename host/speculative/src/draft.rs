@@ -76,8 +76,9 @@ pub struct NgramParams {
     pub min_n: usize,
     /// Longest suffix tried first (a longer match predicts better).
     pub max_n: usize,
-    /// Confidence reported for each proposed token (prompt lookup has no per-token estimate;
-    /// the planner learns the real rate from acceptance metrics).
+    /// The prior chance that a proposed token is accepted, given the ones before it were.
+    /// Prompt lookup has no per-token estimate of its own, so each sequence's drafter moves
+    /// from this prior to the rate it actually sees (see [`NgramDrafter`]).
     pub confidence: f32,
 }
 
@@ -95,6 +96,11 @@ impl Default for NgramParams {
 /// that occurred earlier is matched at its most recent earlier occurrence, and the tokens that
 /// followed it there are proposed. An index of every n-gram's latest end keeps a proposal
 /// O(max_n) however long the sequence is; extending is O(max_n) per token.
+///
+/// Its confidence is learnt per sequence: the tokens committed after a proposal show which of
+/// its tokens the target would have accepted (the committed token at each position, while the
+/// proposal agreed with every one before it), and a decaying count of those outcomes, started
+/// from the prior, gives each proposed token's chance.
 #[derive(Debug, Clone)]
 pub struct NgramDrafter {
     params: NgramParams,
@@ -102,7 +108,18 @@ pub struct NgramDrafter {
     /// For each n in min_n..=max_n (index n - min_n): n-gram → the position just after its most
     /// recent occurrence that has a following token.
     latest: Vec<HashMap<Box<[u32]>, usize>>,
+    /// The last proposal, the position it starts at, and how many of its tokens have been
+    /// checked against committed ones (`None` once a mismatch ended the check).
+    last: Vec<u32>,
+    last_at: usize,
+    checked: Option<usize>,
+    /// Decayed counts of proposed tokens that matched, and of those checked.
+    hits: f32,
+    trials: f32,
 }
+
+/// Weight of older outcomes per new one in the learnt confidence.
+const CONFIDENCE_DECAY: f32 = 0.9;
 
 impl NgramDrafter {
     pub fn new(params: NgramParams) -> Self {
@@ -116,7 +133,33 @@ impl NgramDrafter {
             params,
             tokens: Vec::new(),
             latest: vec![HashMap::new(); params.max_n - params.min_n + 1],
+            last: Vec::new(),
+            last_at: 0,
+            checked: None,
+            hits: 2.0 * params.confidence.clamp(0.0, 1.0),
+            trials: 2.0,
         }
+    }
+
+    /// The current chance that a proposed token is accepted given the ones before it were.
+    pub fn confidence(&self) -> f32 {
+        self.hits / self.trials
+    }
+
+    /// Score the last proposal against the tokens committed since it was made.
+    fn learn(&mut self) {
+        let Some(mut j) = self.checked else { return };
+        while j < self.last.len() && self.last_at + j < self.tokens.len() {
+            let hit = self.last[j] == self.tokens[self.last_at + j];
+            self.hits = self.hits * CONFIDENCE_DECAY + f32::from(u8::from(hit));
+            self.trials = self.trials * CONFIDENCE_DECAY + 1.0;
+            j += 1;
+            if !hit {
+                self.checked = None;
+                return;
+            }
+        }
+        self.checked = Some(j);
     }
 
     /// The committed sequence so far.
@@ -144,6 +187,7 @@ impl DraftSource for NgramDrafter {
             let next = self.tokens.len() - 1;
             self.index_before(next);
         }
+        self.learn();
     }
 
     fn propose(&mut self, max: usize, _sampling: &mut DraftSampling<'_>) -> Draft {
@@ -159,7 +203,10 @@ impl DraftSource for NgramDrafter {
             // The index holds only occurrences with a follower, so never the suffix itself.
             if let Some(&start) = self.latest[n - self.params.min_n].get(suffix) {
                 let tokens: Vec<u32> = self.tokens[start..len.min(start + max)].to_vec();
-                let confidence = vec![self.params.confidence; tokens.len()];
+                let confidence = vec![self.confidence(); tokens.len()];
+                self.last = tokens.clone();
+                self.last_at = len;
+                self.checked = Some(0);
                 return Draft {
                     tokens,
                     confidence,
@@ -195,6 +242,28 @@ mod tests {
         assert_eq!(d.propose_greedy(2).tokens, vec![7, 8]);
         assert_eq!(d.propose_greedy(10).tokens, vec![7, 8, 6, 1, 2, 3]);
         assert_eq!(d.propose_greedy(0).tokens, Vec::<u32>::new());
+    }
+
+    #[test]
+    fn confidence_follows_what_the_target_committed() {
+        let mut d = drafter(&[1, 2, 3, 4, 5, 1, 2]);
+        let prior = d.confidence();
+        assert_eq!(d.propose_greedy(3).tokens, vec![3, 4, 5]);
+        // The target agreed with all three: the estimate rises.
+        d.extend(&[3, 4, 5]);
+        let up = d.confidence();
+        assert!(up > prior, "{up} > {prior}");
+        // Now the repeat of "1 2" is followed by 3; propose, and the target disagrees at once.
+        d.extend(&[1, 2]);
+        assert_eq!(d.propose_greedy(2).tokens, vec![3, 4]);
+        d.extend(&[9, 4]);
+        assert!(
+            d.confidence() < up,
+            "one miss lowers it; the token after it is not scored"
+        );
+        let after_miss = d.confidence();
+        d.extend(&[7]);
+        assert_eq!(d.confidence(), after_miss);
     }
 
     #[test]
