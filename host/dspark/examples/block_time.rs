@@ -75,12 +75,14 @@ fn main() -> Result<()> {
         );
     });
     // The block pass alone, with and without context (the rest is the Markov/confidence heads).
-    let ctx = drafter.context().rows_before(window);
+    let ctx = drafter.context().view_before(window);
     let block = median_ms(41, || {
         model.block_forward(&ctx, 100, window).unwrap();
     });
     let block_alone = median_ms(41, || {
-        model.block_forward(&[], 100, window).unwrap();
+        model
+            .block_forward(&k3_dspark::ContextView::empty(), 100, window)
+            .unwrap();
     });
     if let Some(e) = drafter.take_error() {
         return Err(e.into());

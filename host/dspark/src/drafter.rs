@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 /// Follows one sequence: the committed length and last token, and the context (keys and values
 /// of the most recent `context_window` processed positions, see [`ContextCache`]). The model is
-/// shared; a drafter holds only its sequence's state (about `context_window ·
-/// context_width · 4` bytes at most: 2 MiB for k3-mini's drafter at 512 positions).
+/// shared; a drafter holds only its sequence's state (`context_window · context_width · 4`
+/// bytes once taps arrive: 2 MiB for k3-mini's drafter at 512 positions).
 pub struct DsparkDrafter<B: Backend> {
     model: Arc<DsparkModel<B>>,
     len: usize,
@@ -19,7 +19,7 @@ pub struct DsparkDrafter<B: Backend> {
 
 impl<B: Backend> DsparkDrafter<B> {
     pub fn new(model: Arc<DsparkModel<B>>) -> Self {
-        let context = ContextCache::new(model.context_width(), model.config().context_window);
+        let context = model.new_context(model.config().context_window);
         DsparkDrafter {
             model,
             len: 0,
@@ -102,7 +102,7 @@ impl<B: Backend> DraftSource for DsparkDrafter<B> {
             return Draft::default();
         };
         let anchor_pos = self.len - 1;
-        let ctx = self.context.rows_before(anchor_pos);
+        let ctx = self.context.view_before(anchor_pos);
         let result = self
             .model
             .draft_with_context(&ctx, anchor, anchor_pos, max, sampling);

@@ -20,7 +20,7 @@ pub mod golden;
 mod model;
 
 pub use config::DsparkConfig;
-pub use context::ContextCache;
+pub use context::{ContextCache, ContextShape, ContextView};
 pub use drafter::DsparkDrafter;
 pub use error::DsparkError;
 pub use model::{BlockOutput, BlockScores, DsparkModel, argmax, softmax_at};

@@ -4,6 +4,7 @@
 //! gate run on the host, because the `Backend` trait has no ops for them.
 
 use crate::attention::{AttnGeom, block_attention, dot, rope_inv_freq, rope_row};
+use crate::context::{ContextCache, ContextShape, ContextView};
 use crate::{DsparkConfig, DsparkError};
 use k3_model::{Backend, BackendError, Tensors, WeightFile};
 use k3_speculative::{Draft, DraftSampling};
@@ -233,9 +234,23 @@ impl<B: Backend> DsparkModel<B> {
         self.config.tap_width()
     }
 
-    /// Floats of one [`crate::ContextCache`] row: per layer, a key (RoPE applied) then a value.
+    /// What one position of context holds: per layer, a key (RoPE applied) and a value.
+    pub fn context_shape(&self) -> ContextShape {
+        ContextShape {
+            layers: self.config.num_layers,
+            heads: self.config.num_heads,
+            head_dim: self.config.head_dim,
+        }
+    }
+
+    /// Floats of one context row ([`ContextShape::row_width`]).
     pub fn context_width(&self) -> usize {
-        self.config.num_layers * 2 * self.config.attn_width()
+        self.context_shape().row_width()
+    }
+
+    /// An empty context of `capacity` positions for this drafter.
+    pub fn new_context(&self, capacity: usize) -> ContextCache {
+        ContextCache::new(self.context_shape(), capacity)
     }
 
     fn features_act(&self, taps: &[f32], rows: usize) -> Result<B::Act, DsparkError> {
@@ -278,7 +293,7 @@ impl<B: Backend> DsparkModel<B> {
         Ok(kv)
     }
 
-    /// [`crate::ContextCache`] rows for taps of positions `first_pos ..` (`rows` of them).
+    /// Context rows for taps of positions `first_pos ..` (`rows` of them).
     pub fn context_rows_from_taps(
         &self,
         first_pos: usize,
@@ -292,7 +307,7 @@ impl<B: Backend> DsparkModel<B> {
         self.project_context(&c, first_pos..first_pos + rows)
     }
 
-    /// [`crate::ContextCache`] rows for feature rows `[n, d]` at `positions`.
+    /// Context rows for feature rows `[n, d]` at `positions`.
     pub fn context_rows(
         &self,
         features: &[f32],
@@ -314,10 +329,10 @@ impl<B: Backend> DsparkModel<B> {
     }
 
     /// The non-causal block pass: the anchor at `anchor_pos` and γ − 1 mask rows after it,
-    /// attending to the context rows `ctx` (each [`DsparkModel::context_width`] floats).
+    /// attending to the context `ctx`.
     pub fn block_forward(
         &self,
-        ctx: &[&[f32]],
+        ctx: &ContextView<'_>,
         anchor: u32,
         anchor_pos: usize,
     ) -> Result<BlockOutput, DsparkError> {
@@ -327,13 +342,6 @@ impl<B: Backend> DsparkModel<B> {
             return Err(DsparkError::Input(format!(
                 "anchor token {anchor} outside the vocabulary of {}",
                 c.vocab_size
-            )));
-        }
-        if let Some(r) = ctx.iter().find(|r| r.len() != self.context_width()) {
-            return Err(DsparkError::Input(format!(
-                "a context row of {} floats, expected {}",
-                r.len(),
-                self.context_width()
             )));
         }
         let be = &self.backend;
@@ -349,15 +357,7 @@ impl<B: Backend> DsparkModel<B> {
         for (l, lw) in self.layers.iter().enumerate() {
             let u = be.rms_norm(&x, &lw.input_norm, eps)?;
             let mut qkv = be.to_host(&be.matmul(&u, &lw.qkv)?)?;
-            let o = block_attention(
-                &mut qkv,
-                g,
-                geom,
-                anchor_pos,
-                &self.inv_freq,
-                ctx,
-                l * 2 * w,
-            );
+            let o = block_attention(&mut qkv, g, geom, anchor_pos, &self.inv_freq, ctx, l);
             let o = upload(be, g, w, o)?;
             be.add_assign(&mut x, &be.matmul(&o, &lw.o)?)?;
             let z = be.rms_norm(&x, &lw.post_norm, eps)?;
@@ -418,14 +418,14 @@ impl<B: Backend> DsparkModel<B> {
         Ok((logits, sigmoid(z / c.confidence_temperatures[k - 1])))
     }
 
-    /// Draft up to `max` (≤ γ) tokens after `anchor` at `anchor_pos` over context rows `ctx`
-    /// (from a [`crate::ContextCache`] or [`DsparkModel::context_rows`]). Greedy takes each
+    /// Draft up to `max` (≤ γ) tokens after `anchor` at `anchor_pos` over the context `ctx`
+    /// (a [`ContextCache::view_before`] the anchor). Greedy takes each
     /// argmax (ties to the lower id); sampling at temperature T draws from `q_k = softmax(logits
     /// / T)` and returns the q rows in [`Draft::probs`] (a temperature that is not a positive
     /// number drafts greedily). A position whose logits have no finite maximum ends the draft.
     pub fn draft_with_context(
         &self,
-        ctx: &[&[f32]],
+        ctx: &ContextView<'_>,
         anchor: u32,
         anchor_pos: usize,
         max: usize,
@@ -473,22 +473,36 @@ impl<B: Backend> DsparkModel<B> {
         Ok(draft)
     }
 
-    fn checked_context(
+    /// A context holding exactly the feature rows `features` (`[n, d]`) at `positions`
+    /// (strictly increasing, each before `anchor_pos`).
+    pub fn context_from_features(
         &self,
         features: &[f32],
         positions: &[usize],
         anchor_pos: usize,
-    ) -> Result<Vec<f32>, DsparkError> {
+    ) -> Result<ContextCache, DsparkError> {
         if let Some(p) = positions.iter().find(|&&p| p >= anchor_pos) {
             return Err(DsparkError::Input(format!(
                 "context position {p} is not before the anchor's {anchor_pos}"
             )));
         }
-        self.context_rows(features, positions)
+        if positions.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(DsparkError::Input(
+                "context positions must strictly increase".into(),
+            ));
+        }
+        let rows = self.context_rows(features, positions)?;
+        let mut cache = self.new_context(positions.len());
+        let width = self.context_width();
+        for (&p, row) in positions.iter().zip(rows.chunks_exact(width.max(1))) {
+            cache.insert(p, row);
+        }
+        Ok(cache)
     }
 
     /// One block from explicit feature rows `ctx_rows` (`[n, d]`, from [`DsparkModel::features`])
-    /// at `ctx_positions` (each before `anchor_pos`; gaps allowed, used as they are). See
+    /// at `ctx_positions` (strictly increasing, each before `anchor_pos`; gaps allowed, used as
+    /// they are). See
     /// [`DsparkModel::draft_with_context`].
     pub fn draft_block(
         &self,
@@ -499,9 +513,14 @@ impl<B: Backend> DsparkModel<B> {
         max: usize,
         sampling: &mut DraftSampling<'_>,
     ) -> Result<Draft, DsparkError> {
-        let kv = self.checked_context(ctx_rows, ctx_positions, anchor_pos)?;
-        let ctx: Vec<&[f32]> = kv.chunks_exact(self.context_width().max(1)).collect();
-        self.draft_with_context(&ctx, anchor, anchor_pos, max, sampling)
+        let ctx = self.context_from_features(ctx_rows, ctx_positions, anchor_pos)?;
+        self.draft_with_context(
+            &ctx.view_before(anchor_pos),
+            anchor,
+            anchor_pos,
+            max,
+            sampling,
+        )
     }
 
     /// Score given tokens as block positions 1.. (teacher forcing, at most γ of them): the
@@ -523,9 +542,8 @@ impl<B: Backend> DsparkModel<B> {
                 self.config.block_size
             )));
         }
-        let kv = self.checked_context(ctx_rows, ctx_positions, anchor_pos)?;
-        let ctx: Vec<&[f32]> = kv.chunks_exact(self.context_width().max(1)).collect();
-        let block = self.block_forward(&ctx, anchor, anchor_pos)?;
+        let ctx = self.context_from_features(ctx_rows, ctx_positions, anchor_pos)?;
+        let block = self.block_forward(&ctx.view_before(anchor_pos), anchor, anchor_pos)?;
         let (mut rows, mut confidence) = (Vec::new(), Vec::new());
         let mut prev = anchor;
         for (k, &t) in tokens.iter().enumerate() {

@@ -42,11 +42,12 @@ fn every_block_row_sees_the_later_ones() {
     let short = DsparkModel::load(&dir, &target, CpuBackend::new()).unwrap();
     let tw = model.tap_width();
     let feats = model.features(&common::taps(5, tw, 1), 5).unwrap();
-    let ctx = model.context_rows(&feats, &[0, 1, 2, 3, 4]).unwrap();
-    let rows: Vec<&[f32]> = ctx.chunks(model.context_width()).collect();
+    let ctx = model
+        .context_from_features(&feats, &[0, 1, 2, 3, 4], 5)
+        .unwrap();
     let v = model.config().vocab_size;
-    let full = model.block_forward(&rows, 7, 5).unwrap();
-    let cut = short.block_forward(&rows, 7, 5).unwrap();
+    let full = model.block_forward(&ctx.view_before(5), 7, 5).unwrap();
+    let cut = short.block_forward(&ctx.view_before(5), 7, 5).unwrap();
     let diff = max_abs_diff(&full.base_logits[..v], &cut.base_logits[..v]);
     assert!(
         diff > 1e-3,
