@@ -14,8 +14,9 @@
 //!   and `c.forced_confidence` (`[γ]`): the draft distributions along given tokens.
 
 use crate::{DsparkDrafter, DsparkError, DsparkModel};
-use k3_model::{Backend, Tensors};
+use k3_model::{Backend, Tensors, WeightFile};
 use k3_speculative::{DraftSampling, DraftSource};
+use std::path::Path;
 use std::sync::Arc;
 
 /// How far one case is from its golden values: per compared tensor, the largest over rows of
@@ -83,6 +84,27 @@ pub fn cases(golden: &Tensors<'_>) -> Vec<String> {
         .collect();
     names.sort();
     names
+}
+
+/// Load a drafter (`drafter_dir`, sharing `target_dir`'s embedding and LM head) and compare it
+/// with every case of the golden file at `golden`, e.g. `models/k3-mini-dspark`,
+/// `models/k3-mini` and the trainer's `dspark-golden.safetensors`.
+pub fn check_files<B: Backend>(
+    drafter_dir: &Path,
+    target_dir: &Path,
+    golden: &Path,
+    backend: B,
+) -> Result<Vec<CaseReport>, DsparkError> {
+    let model = Arc::new(DsparkModel::load(drafter_dir, target_dir, backend)?);
+    let file = WeightFile::open(golden).map_err(golden_err)?;
+    let reports = check(&model, &file.tensors())?;
+    if reports.is_empty() {
+        return Err(golden_err(format!(
+            "{} holds no case (no `<case>.anchor` tensor)",
+            golden.display()
+        )));
+    }
+    Ok(reports)
 }
 
 /// Compare `model` with every case of `golden`.

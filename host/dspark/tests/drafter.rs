@@ -30,6 +30,28 @@ fn drafter_at(
     d
 }
 
+/// The engine shares one model across threads and moves each sequence's drafter between them.
+#[test]
+fn the_model_is_shared_and_drafters_move() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<DsparkModel<CpuBackend>>();
+    send::<DsparkDrafter<CpuBackend>>();
+    send::<Box<dyn DraftSource>>();
+    let model = common::load_tiny();
+    let drafts: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|_| {
+                let mut d = drafter_at(&model, 3, 5);
+                s.spawn(move || d.propose(4, &mut DraftSampling::Greedy))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(drafts[0], drafts[1]);
+    assert_eq!(drafts[0].tokens.len(), 4);
+}
+
 #[test]
 fn every_block_row_sees_the_later_ones() {
     // The same weights with one mask row fewer: a causal block would leave row 0 unchanged.

@@ -5,6 +5,7 @@
 
 mod common;
 
+use k3_backend_cpu::CpuBackend;
 use k3_dspark::golden;
 
 /// Row-relative tolerance for f32 against float64: measured errors are at most 5e-6 (the "ctx"
@@ -13,9 +14,14 @@ const TOL: f64 = 2e-5;
 
 #[test]
 fn matches_the_numpy_reference() {
-    let model = common::load_tiny();
-    let file = common::golden_file();
-    let reports = golden::check(&model, &file.tensors()).unwrap();
+    let g = common::golden_dir();
+    let reports = golden::check_files(
+        &g.join("drafter"),
+        &g.join("target"),
+        &g.join("golden.safetensors"),
+        CpuBackend::new(),
+    )
+    .unwrap();
     let names: Vec<&str> = reports.iter().map(|r| r.case.as_str()).collect();
     assert_eq!(names, ["ctx", "far", "none"]);
     for r in &reports {
@@ -28,4 +34,18 @@ fn matches_the_numpy_reference() {
         );
         assert!(r.drafter_tokens_match, "{}: drafter tokens differ", r.case);
     }
+}
+
+#[test]
+fn a_file_without_cases_is_an_error() {
+    let g = common::golden_dir();
+    // The drafter's own weights are a valid safetensors file with no golden case in it.
+    let e = golden::check_files(
+        &g.join("drafter"),
+        &g.join("target"),
+        &g.join("drafter/model.safetensors"),
+        CpuBackend::new(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("no case"), "{e}");
 }

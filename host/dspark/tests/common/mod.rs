@@ -4,7 +4,6 @@
 
 use k3_backend_cpu::CpuBackend;
 use k3_dspark::DsparkModel;
-use k3_model::WeightFile;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -18,11 +17,6 @@ pub fn load_tiny() -> Arc<DsparkModel<CpuBackend>> {
         DsparkModel::load(&g.join("drafter"), &g.join("target"), CpuBackend::new())
             .expect("tests/golden holds the tiny drafter (run tests/make_golden.py)"),
     )
-}
-
-pub fn golden_file() -> WeightFile {
-    WeightFile::open(&golden_dir().join("golden.safetensors"))
-        .expect("tests/golden/golden.safetensors")
 }
 
 /// A copy of the golden drafter and target directories that a test may edit.
