@@ -12,6 +12,13 @@
 //!   `c.greedy_confidence` (`[γ]`) of greedy drafting;
 //! - `c.forced_tokens` (int `[γ]`), `c.forced_temperature` (`[1]`), `c.forced_probs` (`[γ, V]`)
 //!   and `c.forced_confidence` (`[γ]`): the draft distributions along given tokens.
+//!
+//! The trainer's export (`dspark-golden.safetensors` of `reference/k3ref/dspark_train.py`) has
+//! its own layout, also read here: case `c` has `c.anchor_token` and `c.anchor_position` (P = the
+//! prompt's length), `c.prompt_ids`, `c.features` of every prompt position (the block attends to
+//! the last `context_window`), optionally `c.taps`, `c.y`, `c.base_logits_top5_{ids,values}`,
+//! `c.greedy_tokens`, `c.greedy_logits_top5_{ids,values}` and `c.confidence`; logits are compared
+//! at the listed ids only.
 
 use crate::{DsparkDrafter, DsparkError, DsparkModel};
 use k3_model::{Backend, Tensors, WeightFile};
@@ -25,10 +32,11 @@ use std::sync::Arc;
 pub struct CaseReport {
     pub case: String,
     pub errors: Vec<(&'static str, f64)>,
-    /// Greedy tokens of [`DsparkModel::draft_block`] and of a [`DsparkDrafter`] fed the same
-    /// taps, each equal to the golden ones.
+    /// Greedy tokens of [`DsparkModel::draft_block`] equal the golden ones.
     pub block_tokens_match: bool,
-    pub drafter_tokens_match: bool,
+    /// Greedy tokens of a [`DsparkDrafter`] fed the case's taps equal the golden ones (`None`:
+    /// the case has no taps).
+    pub drafter_tokens_match: Option<bool>,
 }
 
 impl CaseReport {
@@ -75,15 +83,31 @@ fn tokens(t: &Tensors<'_>, name: &str) -> Result<Vec<u32>, DsparkError> {
         .collect()
 }
 
-/// The case names of a golden file (every `c` with a `c.anchor`), sorted.
-pub fn cases(golden: &Tensors<'_>) -> Vec<String> {
-    let mut names: Vec<String> = golden
+/// The two layouts of golden files (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// `tests/make_golden.py`: full rows, draft distributions along given tokens.
+    Full,
+    /// `reference/k3ref/dspark_train.py`: a real prompt, top-5 logits.
+    TrainerExport,
+}
+
+/// The cases of a golden file (every `c` with a `c.anchor` or a `c.anchor_token`), sorted.
+pub fn cases(golden: &Tensors<'_>) -> Vec<(String, Layout)> {
+    let mut found: Vec<(String, Layout)> = golden
         .names()
         .into_iter()
-        .filter_map(|n| n.strip_suffix(".anchor").map(str::to_string))
+        .filter_map(|n| {
+            if let Some(c) = n.strip_suffix(".anchor") {
+                Some((c.to_string(), Layout::Full))
+            } else {
+                n.strip_suffix(".anchor_token")
+                    .map(|c| (c.to_string(), Layout::TrainerExport))
+            }
+        })
         .collect();
-    names.sort();
-    names
+    found.sort_by(|a, b| a.0.cmp(&b.0));
+    found
 }
 
 /// Load a drafter (`drafter_dir`, sharing `target_dir`'s embedding and LM head) and compare it
@@ -100,7 +124,7 @@ pub fn check_files<B: Backend>(
     let reports = check(&model, &file.tensors())?;
     if reports.is_empty() {
         return Err(golden_err(format!(
-            "{} holds no case (no `<case>.anchor` tensor)",
+            "{} holds no case (no `<case>.anchor` or `<case>.anchor_token` tensor)",
             golden.display()
         )));
     }
@@ -114,7 +138,10 @@ pub fn check<B: Backend>(
 ) -> Result<Vec<CaseReport>, DsparkError> {
     cases(golden)
         .into_iter()
-        .map(|c| check_case(model, golden, &c))
+        .map(|(c, layout)| match layout {
+            Layout::Full => check_case(model, golden, &c),
+            Layout::TrainerExport => check_export_case(model, golden, &c),
+        })
         .collect()
 }
 
@@ -225,6 +252,128 @@ fn check_case<B: Backend>(
         case: case.to_string(),
         errors,
         block_tokens_match,
-        drafter_tokens_match: drafted.tokens == greedy,
+        drafter_tokens_match: Some(drafted.tokens == greedy),
+    })
+}
+
+/// `rows` (`[γ, V]`) read at each row's listed ids, against the listed values.
+fn top5_err(rows: &[f32], v: usize, ids: &[i64], values: &[f32]) -> Result<f64, DsparkError> {
+    let width = ids.len() / (rows.len() / v).max(1);
+    let got = ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| {
+            let id = usize::try_from(id)
+                .ok()
+                .filter(|&id| id < v)
+                .ok_or_else(|| golden_err(format!("top-5 id {id} outside the vocabulary")))?;
+            Ok(rows[(i / width.max(1)) * v + id])
+        })
+        .collect::<Result<Vec<f32>, DsparkError>>()?;
+    Ok(rel_err(&got, values, width))
+}
+
+/// A case of the trainer's export: a real prompt, its features (and for some cases taps), the
+/// anchor the target chose after it, and top-5 logits.
+fn check_export_case<B: Backend>(
+    model: &Arc<DsparkModel<B>>,
+    g: &Tensors<'_>,
+    case: &str,
+) -> Result<CaseReport, DsparkError> {
+    let cfg = model.config();
+    let (d, v) = (cfg.hidden_size, cfg.vocab_size);
+    let name = |field: &str| format!("{case}.{field}");
+    let anchor = tokens(g, &name("anchor_token"))?;
+    let anchor_pos = ints(g, &name("anchor_position"))?;
+    let (&[anchor], &[anchor_pos]) = (&anchor[..], &anchor_pos[..]) else {
+        return Err(golden_err(format!(
+            "{case}.anchor_token and {case}.anchor_position must hold one value each"
+        )));
+    };
+    let anchor_pos = usize::try_from(anchor_pos).map_err(golden_err)?;
+    let features = f32s(g, &name("features"))?;
+    let n = features.len() / d;
+    if n != anchor_pos || features.len() != n * d {
+        return Err(golden_err(format!(
+            "{case}.features: {} values for the {anchor_pos} positions before the anchor",
+            features.len()
+        )));
+    }
+    let mut errors = Vec::new();
+    let taps = if g.contains(&name("taps")) {
+        let taps = f32s(g, &name("taps"))?;
+        errors.push((
+            "features",
+            rel_err(&model.features(&taps, n)?, &features, d),
+        ));
+        Some(taps)
+    } else {
+        None
+    };
+    if g.contains("confidence_temperatures") {
+        let t = f32s(g, "confidence_temperatures")?;
+        errors.push((
+            "confidence_temperatures",
+            rel_err(&cfg.confidence_temperatures, &t, 1),
+        ));
+    }
+    let lo = n - n.min(cfg.context_window);
+    let positions: Vec<usize> = (lo..n).collect();
+    let ctx = &features[lo * d..];
+    let greedy = tokens(g, &name("greedy_tokens"))?;
+    let scores = model.score_tokens(ctx, &positions, anchor, anchor_pos, &greedy, None)?;
+    errors.push((
+        "hidden",
+        rel_err(&scores.block.hidden, &f32s(g, &name("y"))?, d),
+    ));
+    errors.push((
+        "base_logits_top5",
+        top5_err(
+            &scores.block.base_logits,
+            v,
+            &ints(g, &name("base_logits_top5_ids"))?,
+            &f32s(g, &name("base_logits_top5_values"))?,
+        )?,
+    ));
+    errors.push((
+        "greedy_logits_top5",
+        top5_err(
+            &scores.rows.concat(),
+            v,
+            &ints(g, &name("greedy_logits_top5_ids"))?,
+            &f32s(g, &name("greedy_logits_top5_values"))?,
+        )?,
+    ));
+    errors.push((
+        "confidence",
+        rel_err(&scores.confidence, &f32s(g, &name("confidence"))?, 1),
+    ));
+    let block = model.draft_block(
+        ctx,
+        &positions,
+        anchor,
+        anchor_pos,
+        greedy.len(),
+        &mut DraftSampling::Greedy,
+    )?;
+    let drafter_tokens_match = match taps {
+        Some(taps) => {
+            let mut drafter = DsparkDrafter::new(Arc::clone(model));
+            drafter.extend(&tokens(g, &name("prompt_ids"))?);
+            drafter.extend(&[anchor]);
+            drafter.observe_taps(0, &taps);
+            let drafted = drafter.propose(greedy.len(), &mut DraftSampling::Greedy);
+            if let Some(e) = drafter.take_error() {
+                return Err(e);
+            }
+            Some(drafted.tokens == greedy)
+        }
+        None => None,
+    };
+    Ok(CaseReport {
+        case: case.to_string(),
+        errors,
+        block_tokens_match: block.tokens == greedy,
+        drafter_tokens_match,
     })
 }

@@ -9,6 +9,8 @@ writes host/dspark/tests/golden/:
   target/config.json, target/model.safetensors    -- a tiny kimi_k3 config and the shared
                                                      embedding / LM head only (bf16, as k3-mini)
   golden.safetensors                              -- cases in the layout of host/dspark/src/golden.rs
+  golden-export-layout.safetensors                -- one case in the layout of the trainer's export
+                                                     (reference/k3ref/dspark_train.py)
 Needs only NumPy (the safetensors files are written by hand).
 """
 from __future__ import annotations
@@ -186,6 +188,36 @@ def make_case(W, E, LM, rng, positions, anchor, P, temperature):
     return case
 
 
+def export_case(W, E, LM, rng, n, anchor):
+    """A prompt of n positions (all observed), the anchor at position n; top-5 logits only."""
+    taps = rng.standard_normal((n, TAPS * D)).astype(np.float32)
+    W64 = {k: v.astype(np.float64) for k, v in W.items()}
+    feats = features(W64, taps.astype(np.float64))
+    lo = max(0, n - WINDOW)
+    y, U = block(W64, E, LM, feats[lo:], np.arange(lo, n), anchor, n)
+    tokens, glogits, conf, prev = [], [], [], anchor
+    for k in range(1, GAMMA + 1):
+        logits, c = head(W64, y, U, k, prev)
+        top2 = np.sort(logits)[-2:]
+        assert top2[1] - top2[0] > 1e-3, "near-tie in greedy argmax: pick another seed"
+        prev = int(np.argmax(logits))
+        tokens.append(prev)
+        glogits.append(logits)
+        conf.append(c)
+    glogits = np.stack(glogits)
+    top = lambda a: np.argsort(-a, axis=-1, kind="stable")[:, :5]  # noqa: E731
+    f32 = lambda a: ("F32", np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
+    i64 = lambda a: ("I64", np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
+    bt, gt = top(U), top(glogits)
+    case = {"prompt_ids": i64(rng.integers(0, V, n)), "taps": f32(taps), "features": f32(feats),
+            "anchor_token": i64([anchor]), "anchor_position": i64([n]), "y": f32(y),
+            "base_logits_top5_ids": i64(bt), "base_logits_top5_values": f32(np.take_along_axis(U, bt, -1)),
+            "greedy_tokens": i64(tokens), "greedy_logits_top5_ids": i64(gt),
+            "greedy_logits_top5_values": f32(np.take_along_axis(glogits, gt, -1)),
+            "confidence": f32(conf)}
+    return {f"short.{k}": v for k, v in case.items()} | {"confidence_temperatures": f32(CONF_TEMPS)}
+
+
 def target_config():
     return {
         "model_type": "kimi_k3", "architectures": ["KimiK3ForCausalLM"], "vocab_size": V,
@@ -243,6 +275,7 @@ def main():
          {"model.embed_tokens.weight": ("BF16", bf16_bits(E)), "lm_head.weight": ("BF16", bf16_bits(LM))})
     save(os.path.join(OUT, "golden.safetensors"),
          {f"{c}.{k}": v for c, t in cases.items() for k, v in t.items()})
+    save(os.path.join(OUT, "golden-export-layout.safetensors"), export_case(W, E64, LM64, rng, 11, 23))
     for c, t in cases.items():
         print(c, "greedy", t["greedy_tokens"][1].tolist(), "confidence",
               np.round(t["greedy_confidence"][1], 3).tolist())
