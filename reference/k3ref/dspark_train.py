@@ -95,7 +95,7 @@ def train(target, drafter: DSparkDrafter, a, dev: str, log_path: str, log=print)
     batch_iter = batches(loader, a.token_budget, pool=a.pool)
     logf = open(log_path, "w")
     t0 = time.time()
-    step, tokens, rows_seen, ema, data_wait = 0, 0, 0, None, 0.0
+    step, tokens, rows_seen, ema, data_wait, skipped = 0, 0, 0, None, 0.0, 0
     g = drafter.cfg.block_size
     while True:
         tw = time.time()
@@ -109,9 +109,22 @@ def train(target, drafter: DSparkDrafter, a, dev: str, log_path: str, log=print)
         for grp in opt.param_groups:
             grp["lr"] = lr
         ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
-        loss, parts, nrows, anchors = train_step_loss(target, drafter, ids, mask, a, dev)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            loss, parts, nrows, anchors = train_step_loss(target, drafter, ids, mask, a, dev)
+            if not bool(torch.isfinite(loss)):
+                raise FloatingPointError("non-finite loss")
+            loss.backward()
+        except (torch.cuda.OutOfMemoryError, FloatingPointError) as e:  # one bad batch must not end the run
+            skipped += 1
+            log(f"step {step}: skipped batch {list(ids.shape)}: {type(e).__name__}")
+            opt.zero_grad(set_to_none=True)
+            loss = parts = None
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+            if skipped > 20:
+                raise
+            continue
         gn = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         step += 1
@@ -132,7 +145,7 @@ def train(target, drafter: DSparkDrafter, a, dev: str, log_path: str, log=print)
             log(json.dumps(rec))
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
-    summary = {"steps": step, "tokens_seen": tokens, "rows_seen": rows_seen, "train_seconds": round(time.time() - t0, 1),
+    summary = {"steps": step, "skipped_batches": skipped, "tokens_seen": tokens, "rows_seen": rows_seen, "train_seconds": round(time.time() - t0, 1),
                "final_loss_ema": ema, "lr": a.lr, "token_budget": a.token_budget, "anchor_rate": a.anchor_rate,
                "max_anchors": a.max_anchors, "max_anchors_per_seq": a.max_anchors_per_seq, "seed": a.seed}
     logf.write(json.dumps({"summary": summary}) + "\n")
@@ -191,7 +204,10 @@ def main():
     n_params = sum(p.numel() for p in drafter.parameters())
     log(f"device={dev} drafter params={n_params / 1e6:.2f}M taps={cfg.target_taps} args={vars(a)}")
 
-    summary = train(target, drafter, a, dev, os.path.join(a.out, "dspark_train_log.jsonl"), log)
+    try:
+        summary = train(target, drafter, a, dev, os.path.join(a.out, "dspark_train_log.jsonl"), log)
+    except Exception:  # keep what was learnt: calibration, golden vectors and evaluation still run
+        summary = {"error": traceback.format_exc()}
     log(f"training done: {json.dumps(summary)}")
     drafter.eval()
     save_drafter(drafter, a.out)  # safe copy before anything else can fail
