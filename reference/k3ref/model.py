@@ -130,9 +130,11 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, cache: list[dict] | None = None, *, kda_impl: str = "exact",
                 moe_dense: bool = False, fake_quant: bool = False, absorbed: bool = False,
-                collect: list | None = None, emit_at=(), last_only: bool = False):
+                collect: list | None = None, emit_at=(), last_only: bool = False, taps: dict | None = None):
         """ids [B, T]. With `cache` (from new_cache / a previous call) the call continues the sequence.
-        `collect` receives p after every layer; `emit_at` asks KDA layers for in-pass states (cache[l]['emitted'])."""
+        `collect` receives p after every layer; `emit_at` asks KDA layers for in-pass states (cache[l]['emitted']).
+        `taps` {l: None, ...} is filled with the streams a DSpark drafter reads (docs of k3ref/dspark.py): for
+        1 <= l < L the AttnRes-mixed input h of layer l before its input RMSNorm; for l = L the final mix."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         x = self.model.embed_tokens(ids)
@@ -140,6 +142,8 @@ class K3ForCausalLM(nn.Module):
         p = x
         for l, layer in enumerate(self.model.layers):
             h = layer.self_attention_res(p, bank, eps) if bank else p
+            if taps is not None and l in taps:
+                taps[l] = h
             if l % cfg.attn_res_block_size == 0:
                 bank.append(p)
                 p = None
@@ -163,6 +167,8 @@ class K3ForCausalLM(nn.Module):
             if collect is not None:
                 collect.append(p)
         y = self.model.output_attn_res(p, bank, eps)
+        if taps is not None and cfg.num_hidden_layers in taps:
+            taps[cfg.num_hidden_layers] = y
         if last_only:
             y = y[:, -1:]
         return self.lm_head(rms_norm(y, self.model.norm.weight, eps))

@@ -1,0 +1,316 @@
+"""Speculative decoding with the DSpark drafter against k3-mini: an exact simulation, confidence calibration
+(Sequential Temperature Scaling) and the golden vectors for the Rust drafter.
+
+The simulation runs the real protocol: each target step is one full forward over the committed tokens plus
+the γ drafted ones (no cache, so nothing to roll back), which gives the target's distributions at the block's
+positions and the tap rows of every committed position. Greedy accepts while draft == target argmax and
+commits the target's token at the first mismatch (or the bonus); temperature 1 is the standard lossless rule
+(accept x_k with probability min(1, p(x_k)/q(x_k)); on rejection sample norm(max(0, p - q)); bonus from p).
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+
+import torch
+
+from .data.tasks import EFFORTS, TASK_KINDS, prompt_text, sample_example
+from .dspark import DSparkDrafter, target_taps
+from .evaluate import HELD_OUT_SEED, MAX_NEW
+
+CALIBRATION_SEED = 2_000_029  # held out from training (seeds < 10^6) and from evaluation (HELD_OUT_SEED + kind)
+
+
+def interleaved_prompts(tokenizer, seed_base: int, per_kind: int):
+    """[(kind, prompt ids, max_new)], kinds round-robin so a time budget cut keeps every kind represented.
+    Thinking on for two of every three, efforts cycling (as evaluate.held_out_examples)."""
+    per = {}
+    for kind in TASK_KINDS:
+        rng = random.Random(seed_base + TASK_KINDS.index(kind))
+        per[kind] = [sample_example(kind, rng, thinking=i % 3 != 2, effort=EFFORTS[i % 4]) for i in range(per_kind)]
+    out = []
+    for i in range(per_kind):
+        for kind in TASK_KINDS:
+            ids = tokenizer.encode(prompt_text(per[kind][i]), add_special_tokens=False).ids
+            out.append((kind, ids, MAX_NEW[kind]))
+    return out
+
+
+class TargetRunner:
+    """The target in float32 (as a serving backend sees it), one full forward per call."""
+
+    def __init__(self, target, taps, kda_impl: str = "fast"):
+        self.target, self.taps, self.kda_impl = target, list(taps), kda_impl
+        self.device = target.lm_head.weight.device
+
+    @torch.no_grad()
+    def __call__(self, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor([seq], device=self.device)
+        logits, taps = target_taps(self.target, ids, self.taps, kda_impl=self.kda_impl, moe_dense=True)
+        return logits[0].float(), taps[0].float()
+
+
+@torch.no_grad()
+def speculative_decode(runner: TargetRunner, drafter: DSparkDrafter, prompt: list[int], max_new: int, eos: int,
+                       *, greedy: bool, generator: torch.Generator | None = None):
+    """Returns (generated tokens, per-step records {accepted, committed, z}). The prefill's first token is not a
+    speculative step."""
+    cfg = drafter.cfg
+    g, win = cfg.block_size, cfg.context_window
+    dev = runner.device
+    seq = list(prompt)
+    logits, taps = runner(seq)
+    feats = drafter.features(taps)
+    if greedy:
+        first = int(torch.argmax(logits[-1]))
+    else:
+        first = int(torch.multinomial(torch.softmax(logits[-1], -1), 1, generator=generator))
+    seq.append(first)
+    out, steps = [first], []
+    while len(out) < max_new and out[-1] != eos:
+        pos = len(seq) - 1  # the anchor's position: the target has processed every position before it
+        lo = max(0, pos - win)
+        d = drafter.draft(feats[lo:pos], torch.arange(lo, pos, device=dev), seq[pos], pos, greedy=greedy,
+                          temperature=1.0, generator=generator)
+        drafts = d["tokens"].tolist()
+        logits, taps = runner(seq + drafts)
+        feats = drafter.features(taps)  # rows past the accepted prefix are overwritten by the next call
+        pt = logits[pos:pos + g + 1]  # p^t_1 .. p^t_{γ+1}
+        if greedy:
+            tgt = torch.argmax(pt, -1).tolist()
+            n = 0
+            while n < g and drafts[n] == tgt[n]:
+                n += 1
+            nxt = tgt[n]
+        else:
+            p = torch.softmax(pt, -1)
+            q = torch.softmax(d["logits"].float(), -1)
+            idx = torch.tensor(drafts, device=dev).unsqueeze(-1)
+            ratio = (p[:g].gather(-1, idx) / q.gather(-1, idx).clamp_min(1e-30)).squeeze(-1)
+            u = torch.rand(g, device=dev, generator=generator)
+            ok = (u < ratio.clamp(max=1.0)).tolist()
+            n = 0
+            while n < g and ok[n]:
+                n += 1
+            if n < g:
+                resid = (p[n] - q[n]).clamp_min(0)
+                resid = p[n] if float(resid.sum()) <= 1e-8 else resid
+            else:
+                resid = p[g]
+            nxt = int(torch.multinomial(resid / resid.sum(), 1, generator=generator))
+        new = drafts[:n] + [nxt]
+        if eos in new:
+            new = new[: new.index(eos) + 1]
+        new = new[: max_new - len(out)]
+        seq += new
+        out += new
+        steps.append({"accepted": n, "committed": len(new), "z": d["z"].float().tolist()})
+    return out, steps
+
+
+def ece(conf: torch.Tensor, label: torch.Tensor, bins: int = 10) -> float:
+    """Expected calibration error: equal-width bins, |mean confidence - mean outcome| weighted by bin size."""
+    conf, label = conf.double().flatten(), label.double().flatten()
+    if conf.numel() == 0:
+        return float("nan")
+    b = (conf * bins).long().clamp(0, bins - 1)
+    # per bin, count * |mean conf - mean outcome| = |sum conf - sum outcome|
+    gap = torch.bincount(b, weights=conf, minlength=bins) - torch.bincount(b, weights=label, minlength=bins)
+    return float(gap.abs().sum()) / conf.numel()
+
+
+def cumulative_ece(z: torch.Tensor, accepted: torch.Tensor, temps, valid: torch.Tensor | None = None) -> float:
+    """ECE of prefix survival a_k = Π_{i<=k} sigmoid(z_i / T_i) against 1[accepted >= k], over all (step, k).
+    z [N, γ], accepted [N]."""
+    t = torch.tensor(list(temps), dtype=torch.float64)
+    a = torch.cumprod(torch.sigmoid(z.double() / t), dim=-1)
+    ks = torch.arange(1, z.shape[1] + 1)
+    label = (accepted.unsqueeze(-1) >= ks).double()
+    if valid is not None:
+        a, label = a[valid], label[valid]
+    return ece(a, label)
+
+
+def sequential_temperature_scaling(z: torch.Tensor, accepted: torch.Tensor, valid: torch.Tensor | None = None,
+                                   grid=None) -> list[float]:
+    """Per position, left to right: the temperature T_k (grid search) that minimises the ECE of the cumulative
+    product a_k = a_{k-1} · sigmoid(z_k / T_k) against 1[accepted >= k], earlier T fixed."""
+    if grid is None:
+        grid = torch.logspace(-1.5, 1.5, 121, dtype=torch.float64).tolist()  # 0.03 .. 31.6
+    z = z.double()
+    valid = torch.ones_like(z, dtype=torch.bool) if valid is None else valid
+    prefix = torch.ones(z.shape[0], dtype=torch.float64)
+    temps = []
+    for k in range(z.shape[1]):
+        m = valid[:, k]
+        label = (accepted >= k + 1).double()
+        best_t, best_e = 1.0, float("inf")
+        if m.any():
+            for t in grid:
+                e = ece((prefix * torch.sigmoid(z[:, k] / t))[m], label[m])
+                if e < best_e - 1e-12:
+                    best_t, best_e = float(t), e
+        temps.append(round(best_t, 5))
+        prefix = prefix * torch.sigmoid(z[:, k] / best_t)
+    return temps
+
+
+@torch.no_grad()
+def all_anchor_records(runner: TargetRunner, drafter: DSparkDrafter, seq: list[int], start: int,
+                       chunk: int = 96):
+    """Greedy drafts from every anchor P in [start, len(seq) - 2] of a target-greedy sequence: z [N, γ],
+    accepted [N] (leading matches with seq[P+1 ..]), valid [N, γ] (row k's token exists in seq)."""
+    g, win = drafter.cfg.block_size, drafter.cfg.context_window
+    dev = runner.device
+    _, taps = runner(seq)
+    feats = drafter.features(taps).unsqueeze(0)
+    fpos = torch.arange(len(seq), device=dev).unsqueeze(0)
+    ids = torch.tensor(seq, device=dev)
+    zs, acc, val = [], [], []
+    anchors = torch.arange(start, len(seq) - 1, device=dev)
+    for i in range(0, anchors.numel(), chunk):
+        ap = anchors[i:i + chunk]
+        lo = max(0, int(ap[0]) - win)  # only the rows any anchor in this chunk can see
+        y = drafter.block_hidden(feats[:, lo:int(ap[-1])], fpos[:, lo:int(ap[-1])], ids[ap].unsqueeze(0),
+                                 ap.unsqueeze(0))[0]
+        d = drafter.markov_decode(y, ids[ap], greedy=True)
+        want_pos = (ap.unsqueeze(-1) + torch.arange(1, g + 1, device=dev))
+        valid = want_pos < len(seq)
+        want = ids[want_pos.clamp(max=len(seq) - 1)]
+        match = (d["tokens"] == want) & valid
+        accepted = torch.cumprod(match.long(), dim=-1).sum(-1)
+        zs.append(d["z"].float().cpu())
+        acc.append(accepted.cpu())
+        val.append(valid.cpu())
+    return torch.cat(zs), torch.cat(acc), torch.cat(val)
+
+
+def calibrate(runner, drafter, tokenizer, time_budget: float, per_kind: int = 50, max_new_cap: int | None = None,
+              log=print) -> dict:
+    """Sets drafter.cfg.confidence_temperatures by STS on greedy drafts over held-out prompts."""
+    eos = tokenizer.token_to_id("<|end_of_msg|>")
+    t0 = time.time()
+    zs, acc, val, prompts = [], [], [], 0
+    for kind, ids, max_new in interleaved_prompts(tokenizer, CALIBRATION_SEED, per_kind):
+        if time.time() - t0 > time_budget:
+            break
+        max_new = min(max_new, max_new_cap or max_new)
+        out, _ = speculative_decode(runner, drafter, ids, max_new, eos, greedy=True)
+        z, a, v = all_anchor_records(runner, drafter, ids + out, len(ids))
+        zs.append(z), acc.append(a), val.append(v)
+        prompts += 1
+    z, a, v = torch.cat(zs), torch.cat(acc), torch.cat(val)
+    before = cumulative_ece(z, a, [1.0] * z.shape[1], v)
+    temps = sequential_temperature_scaling(z, a, v)
+    drafter.cfg.confidence_temperatures = temps
+    after = cumulative_ece(z, a, temps, v)
+    res = {"mode": "greedy", "prompts": prompts, "anchors": int(z.shape[0]), "seconds": round(time.time() - t0, 1),
+           "temperatures": temps, "ece_cumulative_before": round(before, 4), "ece_cumulative_after": round(after, 4),
+           "mean_accepted": round(float(a.float().mean()), 3)}
+    log(f"calibration: {res}")
+    return res
+
+
+def _summary(records: list[dict], temps, g: int) -> dict:
+    steps = len(records)
+    if not steps:
+        return {"steps": 0}
+    committed = sum(r["committed"] for r in records)
+    acc = torch.tensor([r["accepted"] for r in records])
+    z = torch.tensor([r["z"] for r in records])
+    by_pos = [round(float((acc >= k).double().mean()), 4) for k in range(1, g + 1)]
+    return {"steps": steps, "tokens": committed, "acceptance_length": round(committed / steps, 3),
+            "mean_accepted_plus_one": round(float(acc.double().mean()) + 1, 3),
+            "prefix_accept_rate_by_position": by_pos,
+            "ece_cumulative": round(cumulative_ece(z, acc, temps), 4),
+            "ece_cumulative_uncalibrated": round(cumulative_ece(z, acc, [1.0] * g), 4),
+            "mean_predicted_accept_length": round(
+                float(torch.cumprod(torch.sigmoid(z.double() / torch.tensor(temps, dtype=torch.float64)), -1)
+                      .sum(-1).mean()) + 1, 3)}
+
+
+def evaluate_speculative(runner, drafter, tokenizer, time_budget: float, per_kind: int = 30,
+                         max_new_cap: int | None = None, seed: int = 0, log=print) -> dict:
+    """Per task kind, greedy and temperature 1: acceptance length (tokens committed per target step) and ECE
+    of the calibrated confidences. Prompts are evaluate.py's held-out seeds; stops at the time budget."""
+    eos = tokenizer.token_to_id("<|end_of_msg|>")
+    g = drafter.cfg.block_size
+    temps = list(drafter.cfg.confidence_temperatures)
+    t0 = time.time()
+    recs = {"greedy": defaultdict(list), "temperature_1": defaultdict(list)}
+    prompts = defaultdict(int)
+    samples = []
+    gen = torch.Generator(device=runner.device)
+    for i, (kind, ids, max_new) in enumerate(interleaved_prompts(tokenizer, HELD_OUT_SEED, per_kind)):
+        if time.time() - t0 > time_budget:
+            break
+        max_new = min(max_new, max_new_cap or max_new)
+        out, steps = speculative_decode(runner, drafter, ids, max_new, eos, greedy=True)
+        recs["greedy"][kind] += steps
+        gen.manual_seed(seed * 1_000_003 + i)
+        out1, steps1 = speculative_decode(runner, drafter, ids, max_new, eos, greedy=False, generator=gen)
+        recs["temperature_1"][kind] += steps1
+        prompts[kind] += 1
+        if len(samples) < 6:
+            samples.append({"kind": kind, "greedy": tokenizer.decode(out, skip_special_tokens=False)[:300]})
+        log(f"eval {kind}: greedy {len(out)} tokens / {len(steps)} steps, T=1 {len(out1)} / {len(steps1)} "
+            f"({time.time() - t0:.0f}s)")
+    res = {"prompts_per_kind": dict(prompts), "seconds": round(time.time() - t0, 1), "temperatures": temps,
+           "block_size": g, "samples": samples}
+    for mode, per in recs.items():
+        res[mode] = {kind: _summary(r, temps, g) for kind, r in per.items()}
+        res[mode]["all"] = _summary([x for r in per.values() for x in r], temps, g)
+    return res
+
+
+@torch.no_grad()
+def check_greedy_lossless(runner, drafter, tokenizer, max_new: int = 48) -> dict:
+    """Greedy speculative output == the target's plain greedy decoding, on one held-out prompt."""
+    eos = tokenizer.token_to_id("<|end_of_msg|>")
+    kind, ids, _ = interleaved_prompts(tokenizer, HELD_OUT_SEED, 1)[TASK_KINDS.index("recall")]
+    spec, _ = speculative_decode(runner, drafter, ids, max_new, eos, greedy=True)
+    seq = list(ids)
+    plain = []
+    while len(plain) < max_new and (not plain or plain[-1] != eos):
+        logits, _ = runner(seq)
+        plain.append(int(torch.argmax(logits[-1])))
+        seq.append(plain[-1])
+    return {"kind": kind, "tokens": len(plain), "identical": spec == plain}
+
+
+GOLDEN_PROMPT = ('<|open|>message role="user"<|sep|>What is 47 + 85?<|close|>message<|sep|><|end_of_msg|>'
+                 '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+
+
+@torch.no_grad()
+def golden_vectors(target, drafter: DSparkDrafter, tokenizer, long_prompt: list[int]) -> dict[str, torch.Tensor]:
+    """Float32 CPU vectors for host/dspark (names documented in k3ref/dspark_train.py). The target runs its
+    plain path (chunked KDA, sparse MoE) as the Rust backend does."""
+    out = {}
+    for name, ids in (("short", tokenizer.encode(GOLDEN_PROMPT, add_special_tokens=False).ids),
+                      ("long", long_prompt)):
+        x = torch.tensor([ids])
+        logits, taps = target_taps(target, x, drafter.cfg.target_taps)
+        feats = drafter.features(taps[0])
+        anchor, pos = int(torch.argmax(logits[0, -1])), len(ids)
+        lo = max(0, pos - drafter.cfg.context_window)
+        d = drafter.draft(feats[lo:], torch.arange(lo, pos), anchor, pos, greedy=True)
+        top = torch.topk(d["logits"], 5, dim=-1)
+        base = torch.topk(drafter.base_logits(d["y"]), 5, dim=-1)
+        out[f"{name}.prompt_ids"] = torch.tensor(ids, dtype=torch.int64)
+        if name == "short":  # the long case's taps would be 2 MB; its features are enough for the window
+            out[f"{name}.taps"] = taps[0].float().contiguous()
+        out[f"{name}.features"] = feats.float().contiguous()
+        out[f"{name}.anchor_token"] = torch.tensor([anchor], dtype=torch.int64)
+        out[f"{name}.anchor_position"] = torch.tensor([pos], dtype=torch.int64)
+        out[f"{name}.y"] = d["y"].float().contiguous()
+        out[f"{name}.base_logits_top5_ids"] = base.indices.to(torch.int64).contiguous()
+        out[f"{name}.base_logits_top5_values"] = base.values.float().contiguous()
+        out[f"{name}.greedy_tokens"] = d["tokens"].to(torch.int64).contiguous()
+        out[f"{name}.greedy_logits_top5_ids"] = top.indices.to(torch.int64).contiguous()
+        out[f"{name}.greedy_logits_top5_values"] = top.values.float().contiguous()
+        out[f"{name}.confidence_logits"] = d["z"].float().contiguous()
+        out[f"{name}.confidence"] = drafter.calibrated(d["z"]).float().contiguous()
+    out["confidence_temperatures"] = torch.tensor(drafter.cfg.confidence_temperatures, dtype=torch.float32)
+    return out
