@@ -51,6 +51,34 @@ class TargetRunner:
         return logits[0].float(), taps[0].float()
 
 
+def verify_block(target_logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
+                 generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Verify γ drafted tokens against the target's logits at the block's γ+1 positions. q None: greedy (accept
+    while draft == argmax, then the target's argmax). q [γ, V] (the drafter's processed distributions): the
+    standard lossless rule at temperature 1. Returns (accepted count n, the token committed after them)."""
+    g = len(drafts)
+    if q is None:
+        tgt = torch.argmax(target_logits, -1).tolist()
+        n = 0
+        while n < g and drafts[n] == tgt[n]:
+            n += 1
+        return n, tgt[n]
+    p = torch.softmax(target_logits.float(), -1)
+    idx = torch.tensor(drafts, device=p.device).unsqueeze(-1)
+    ratio = (p[:g].gather(-1, idx) / q.gather(-1, idx).clamp_min(1e-30)).squeeze(-1)
+    u = torch.rand(g, device=p.device, generator=generator)
+    ok = (u < ratio.clamp(max=1.0)).tolist()
+    n = 0
+    while n < g and ok[n]:
+        n += 1
+    if n < g:
+        resid = (p[n] - q[n]).clamp_min(0)
+        resid = p[n] if float(resid.sum()) <= 1e-8 else resid
+    else:
+        resid = p[g]
+    return n, int(torch.multinomial(resid / resid.sum(), 1, generator=generator))
+
+
 @torch.no_grad()
 def speculative_decode(runner: TargetRunner, drafter: DSparkDrafter, prompt: list[int], max_new: int, eos: int,
                        *, greedy: bool, generator: torch.Generator | None = None):
@@ -77,28 +105,8 @@ def speculative_decode(runner: TargetRunner, drafter: DSparkDrafter, prompt: lis
         logits, taps = runner(seq + drafts)
         feats = drafter.features(taps)  # rows past the accepted prefix are overwritten by the next call
         pt = logits[pos:pos + g + 1]  # p^t_1 .. p^t_{γ+1}
-        if greedy:
-            tgt = torch.argmax(pt, -1).tolist()
-            n = 0
-            while n < g and drafts[n] == tgt[n]:
-                n += 1
-            nxt = tgt[n]
-        else:
-            p = torch.softmax(pt, -1)
-            q = torch.softmax(d["logits"].float(), -1)
-            idx = torch.tensor(drafts, device=dev).unsqueeze(-1)
-            ratio = (p[:g].gather(-1, idx) / q.gather(-1, idx).clamp_min(1e-30)).squeeze(-1)
-            u = torch.rand(g, device=dev, generator=generator)
-            ok = (u < ratio.clamp(max=1.0)).tolist()
-            n = 0
-            while n < g and ok[n]:
-                n += 1
-            if n < g:
-                resid = (p[n] - q[n]).clamp_min(0)
-                resid = p[n] if float(resid.sum()) <= 1e-8 else resid
-            else:
-                resid = p[g]
-            nxt = int(torch.multinomial(resid / resid.sum(), 1, generator=generator))
+        q = None if greedy else torch.softmax(d["logits"].float(), -1)
+        n, nxt = verify_block(pt, drafts, q, generator)
         new = drafts[:n] + [nxt]
         if eos in new:
             new = new[: new.index(eos) + 1]

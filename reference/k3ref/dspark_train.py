@@ -162,7 +162,7 @@ def main():
     ap.add_argument("--time-budget", type=float, default=330.0, help="seconds of training")
     ap.add_argument("--calib-time", type=float, default=35.0, help="seconds of calibration decoding")
     ap.add_argument("--eval-time", type=float, default=90.0, help="seconds of speculative-decoding evaluation")
-    ap.add_argument("--wall-budget", type=float, default=520.0,
+    ap.add_argument("--wall-budget", type=float, default=500.0,
                     help="the whole run from process start: evaluation is cut to fit")
     ap.add_argument("--max-steps", type=int, default=10**9)
     ap.add_argument("--token-budget", type=int, default=32 * 1024)

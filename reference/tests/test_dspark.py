@@ -10,7 +10,7 @@ from k3ref.config import k3_mini  # noqa: E402
 from k3ref.dspark import (DSparkConfig, DSparkDrafter, dspark_loss, load_drafter, save_drafter,  # noqa: E402
                           target_taps)
 from k3ref.dspark_eval import (TargetRunner, cumulative_ece, ece, sequential_temperature_scaling,  # noqa: E402
-                               speculative_decode)
+                               speculative_decode, verify_block)
 from k3ref.dspark_train import sample_anchors  # noqa: E402
 from k3ref.model import K3ForCausalLM  # noqa: E402
 from k3ref.norm import rms_norm  # noqa: E402
@@ -165,10 +165,10 @@ def test_loss_terms_are_the_spec():
         lab = 1 - tv[-1]
         bce.append(-(lab * torch.log(c) + (1 - lab) * torch.log(1 - c)))
     mean = lambda xs: float((w * torch.stack(xs)).sum().detach() / w.sum())  # noqa: E731
-    assert abs(float(parts["ce"]) - mean(ce)) < 1e-10
-    assert abs(float(parts["tv"]) - mean(tv)) < 1e-10
-    assert abs(float(parts["bce"]) - mean(bce)) < 1e-10
-    assert abs(float(total) - (0.1 * mean(ce) + 0.9 * mean(tv) + mean(bce))) < 1e-10
+    assert abs(parts["ce"].item() - mean(ce)) < 1e-10
+    assert abs(parts["tv"].item() - mean(tv)) < 1e-10
+    assert abs(parts["bce"].item() - mean(bce)) < 1e-10
+    assert abs(total.item() - (0.1 * mean(ce) + 0.9 * mean(tv) + mean(bce))) < 1e-10
     total.backward()
     assert dr.confidence.weight.grad.abs().sum() > 0 and dr.markov.w2.grad.abs().sum() > 0
 
@@ -246,3 +246,29 @@ def test_greedy_speculative_decoding_is_lossless():
     assert spec == plain
     assert sum(s["committed"] for s in steps) == 11  # the prefill's token is not a step
     assert all(1 <= s["committed"] <= dr.cfg.block_size + 1 for s in steps)
+
+
+def test_sampled_verification_keeps_the_target_distribution():
+    """The temperature-1 rule commits tokens distributed as the target's p, whatever the drafter's q."""
+    g = torch.Generator().manual_seed(9)
+    target_logits = torch.tensor([[2.0, 0.5, 0.0, -1.0, 1.0], [0.0, 1.5, 1.5, -0.5, 0.2], [0.0] * 5],
+                                 dtype=torch.float64)
+    q = torch.softmax(torch.tensor([[0.0, 2.0, 0.5, 0.5, -1.0], [1.0, 0.0, 0.0, 0.0, 3.0]], dtype=torch.float64), -1)
+    p = torch.softmax(target_logits, -1)
+    trials = 6000
+    first, second = torch.zeros(5), torch.zeros(5)
+    for _ in range(trials):
+        drafts = [int(torch.multinomial(q[k], 1, generator=g)) for k in range(2)]
+        n, nxt = verify_block(target_logits, drafts, q, g)
+        committed = drafts[:n] + [nxt]
+        first[committed[0]] += 1
+        if len(committed) > 1:
+            second[committed[1]] += 1
+
+    def chi2(counts, probs):
+        exp = probs.float() * counts.sum()
+        return float(((counts - exp) ** 2 / exp).sum())
+    assert chi2(first, p[0]) < 25.0  # 4 degrees of freedom: p < 1e-4
+    assert chi2(second, p[1]) < 25.0
+    assert verify_block(target_logits, [0, 1], None) == (2, 0)  # greedy: both are the argmax, bonus = argmax
+    assert verify_block(target_logits, [0, 2], None) == (1, 1)  # ties go to the lower id
