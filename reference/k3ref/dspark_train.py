@@ -164,6 +164,8 @@ def main():
     ap.add_argument("--eval-time", type=float, default=90.0, help="seconds of speculative-decoding evaluation")
     ap.add_argument("--wall-budget", type=float, default=500.0,
                     help="the whole run from process start: evaluation is cut to fit")
+    ap.add_argument("--init-from", default=None,
+                    help="drafter directory to continue from (with --time-budget 0: calibrate/evaluate only)")
     ap.add_argument("--max-steps", type=int, default=10**9)
     ap.add_argument("--token-budget", type=int, default=32 * 1024)
     ap.add_argument("--max-len", type=int, default=3200)
@@ -200,12 +202,19 @@ def main():
         p.requires_grad_(False)
     cfg = DSparkConfig(vocab_size=target.cfg.vocab_size, hidden_size=target.cfg.hidden_size)
     embed, head = shared_weights(target)
-    drafter = DSparkDrafter(cfg, embed, head).to(dev).train()
+    drafter = DSparkDrafter(cfg, embed, head)
+    if a.init_from:
+        from safetensors.torch import load_file
+        drafter.load_state_dict(load_file(os.path.join(a.init_from, "model.safetensors")))
+        drafter.cfg.confidence_temperatures = DSparkConfig.load(
+            os.path.join(a.init_from, "config.json")).confidence_temperatures
+    drafter = drafter.to(dev).train()
     n_params = sum(p.numel() for p in drafter.parameters())
     log(f"device={dev} drafter params={n_params / 1e6:.2f}M taps={cfg.target_taps} args={vars(a)}")
 
     try:
-        summary = train(target, drafter, a, dev, os.path.join(a.out, "dspark_train_log.jsonl"), log)
+        summary = {"steps": 0} if a.time_budget <= 0 else train(target, drafter, a, dev,
+                                                                  os.path.join(a.out, "dspark_train_log.jsonl"), log)
     except Exception:  # keep what was learnt: calibration, golden vectors and evaluation still run
         summary = {"error": traceback.format_exc()}
     log(f"training done: {json.dumps(summary)}")
