@@ -180,13 +180,15 @@ def main():
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--max-new-cap", type=int, default=None, help="cap generated tokens per prompt (smoke)")
+    ap.add_argument("--decode-group", type=int, default=6,
+                    help="prompts of one kind decoded speculatively together (calibration, evaluation)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes and budgets: checks the whole pipeline")
     a = ap.parse_args()
     t_start = time.time()
     if a.smoke:
         a.time_budget, a.calib_time, a.eval_time = min(a.time_budget, 6.0), 1.0, 1.0
         a.token_budget, a.max_len, a.pool, a.workers = 2048, 900, 16, 1
-        a.max_anchors, a.log_every, a.warmup, a.max_new_cap = 64, 1, 2, 12
+        a.max_anchors, a.log_every, a.warmup, a.max_new_cap, a.decode_group = 64, 1, 2, 12, 2
     a.tokenizer = a.tokenizer or os.path.join(a.target, "tokenizer.json")
     os.makedirs(a.out, exist_ok=True)
 
@@ -223,17 +225,18 @@ def main():
     result = {"train": summary, "drafter_params": n_params}
     runner_kw = {"kda_impl": "fast"}
     from .dspark_eval import (TargetRunner, calibrate, check_greedy_lossless, evaluate_speculative,
-                              golden_vectors, interleaved_prompts)
+                              golden_vectors, prompt_groups)
     from .evaluate import HELD_OUT_SEED
     runner = TargetRunner(target, cfg.target_taps, **runner_kw)
     try:
-        result["calibration"] = calibrate(runner, drafter, tok, a.calib_time, max_new_cap=a.max_new_cap, log=log)
+        result["calibration"] = calibrate(runner, drafter, tok, a.calib_time, group=a.decode_group,
+                                          max_new_cap=a.max_new_cap, log=log)
         save_drafter(drafter, a.out)
     except Exception:  # keep going: the uncalibrated drafter is still worth evaluating
         result["calibration_error"] = traceback.format_exc()
         log(result["calibration_error"])
     try:
-        kv = [ids for kind, ids, _ in interleaved_prompts(tok, HELD_OUT_SEED, 1) if kind == "kv_retrieval"][0]
+        kv = [items[0][0] for kind, items in prompt_groups(tok, HELD_OUT_SEED, 1, 1) if kind == "kv_retrieval"][0]
         cpu_target = load_exported(a.target)
         cpu_drafter = DSparkDrafter(cfg, *shared_weights(cpu_target))
         cpu_drafter.load_state_dict({k: v.float().cpu() for k, v in drafter.state_dict().items()})
@@ -245,11 +248,12 @@ def main():
         result["golden_error"] = traceback.format_exc()
         log(result["golden_error"])
     try:
-        result["greedy_lossless_check"] = check_greedy_lossless(runner, drafter, tok, 16 if a.smoke else 48)
+        result["greedy_lossless_check"] = check_greedy_lossless(runner, drafter, tok, 8 if a.smoke else 32)
         log(f"greedy lossless check: {result['greedy_lossless_check']}")
         budget = max(1.0, min(a.eval_time, a.wall_budget - (time.time() - t_start) - 15))
         log(f"evaluation: {budget:.0f}s")
-        result["eval"] = evaluate_speculative(runner, drafter, tok, budget, max_new_cap=a.max_new_cap, log=log)
+        result["eval"] = evaluate_speculative(runner, drafter, tok, budget, group=a.decode_group,
+                                              max_new_cap=a.max_new_cap, log=log)
         for mode in ("greedy", "temperature_1"):
             for kind, s in result["eval"][mode].items():
                 log(f"{mode:14s} {kind:13s} acceptance length {s.get('acceptance_length')} "

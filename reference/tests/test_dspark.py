@@ -10,7 +10,7 @@ from k3ref.config import k3_mini  # noqa: E402
 from k3ref.dspark import (DSparkConfig, DSparkDrafter, dspark_loss, load_drafter, save_drafter,  # noqa: E402
                           target_taps)
 from k3ref.dspark_eval import (TargetRunner, cumulative_ece, ece, sequential_temperature_scaling,  # noqa: E402
-                               speculative_decode, verify_block)
+                               speculative_decode, speculative_decode_batch, verify_block)
 from k3ref.dspark_train import sample_anchors  # noqa: E402
 from k3ref.model import K3ForCausalLM  # noqa: E402
 from k3ref.norm import rms_norm  # noqa: E402
@@ -246,6 +246,12 @@ def test_greedy_speculative_decoding_is_lossless():
     assert spec == plain
     assert sum(s["committed"] for s in steps) == 11  # the prefill's token is not a step
     assert all(1 <= s["committed"] <= dr.cfg.block_size + 1 for s in steps)
+    # lockstep batches (right-padded, different lengths and budgets) decode each prompt as if alone
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 14, 9)]
+    batch = speculative_decode_batch(runner, dr, prompts, [10, 6, 13], eos=-1, greedy=True)
+    for p, n, (out, _) in zip(prompts, [10, 6, 13], batch):
+        assert out == m.generate_greedy(p, n)
 
 
 def test_sampled_verification_keeps_the_target_distribution():
@@ -272,3 +278,22 @@ def test_sampled_verification_keeps_the_target_distribution():
     assert chi2(second, p[1]) < 25.0
     assert verify_block(target_logits, [0, 1], None) == (2, 0)  # greedy: both are the argmax, bonus = argmax
     assert verify_block(target_logits, [0, 2], None) == (1, 1)  # ties go to the lower id
+
+
+def test_full_acceptance_commits_block_plus_bonus():
+    """A target and a drafter that both always pick token 0 (all-zero logits, ties to the lower id): every
+    step accepts the whole block and adds the bonus token; the last step is cut at max_new."""
+    m = tiny_target(seed=5)
+    dr = tiny_drafter(seed=6, target_taps=[2, 5, 8])
+    with torch.no_grad():
+        m.lm_head.weight.zero_()
+        dr.lm_head.zero_()
+        dr.markov.w2.zero_()
+    runner = TargetRunner(m, dr.cfg.target_taps, kda_impl="exact")
+    g = dr.cfg.block_size
+    for (out, steps), n in zip(speculative_decode_batch(runner, dr, [[3, 4, 5], [7] * 9], [12, 23], eos=-1,
+                                                        greedy=True), [12, 23]):
+        assert out == [0] * n
+        assert [s["accepted"] for s in steps] == [g] * len(steps)
+        assert [s["committed"] for s in steps] == [g + 1] * ((n - 1) // (g + 1)) + [(n - 1) % (g + 1)] * (
+            (n - 1) % (g + 1) > 0)
