@@ -91,10 +91,12 @@ def verify_block(target_logits: torch.Tensor, drafts: list[int], q: torch.Tensor
 
 @torch.no_grad()
 def speculative_decode_batch(runner: TargetRunner, drafter: DSparkDrafter, prompts: list[list[int]],
-                             max_new: list[int], eos: int, *, greedy: bool, generator: torch.Generator | None = None):
+                             max_new: list[int], eos: int, *, greedy: bool, generator: torch.Generator | None = None,
+                             deadline: float | None = None):
     """Speculative decoding of several prompts in lockstep (one batched target forward per step; a finished
     prompt leaves the batch). Returns per prompt (generated tokens, per-step records {accepted, committed, z}).
-    The prefill's first token is not a speculative step."""
+    The prefill's first token is not a speculative step. Past `deadline` (time.time()) no step starts: the
+    outputs are cut short, the steps taken stay valid."""
     cfg = drafter.cfg
     g, win = cfg.block_size, cfg.context_window
     dev = runner.device
@@ -117,7 +119,7 @@ def speculative_decode_batch(runner: TargetRunner, drafter: DSparkDrafter, promp
 
     active = [b for b in range(len(seqs)) if running(b)]
     rows = list(range(len(seqs)))  # active prompt -> its row in the last forward (feats)
-    while active:
+    while active and (deadline is None or time.time() < deadline):
         pos = [len(seqs[b]) - 1 for b in active]  # anchors: the target has processed every position before
         lo, hi = max(0, min(pos) - win), max(pos)
         f = feats[[rows[b] for b in active], lo:hi]
@@ -239,7 +241,9 @@ def calibrate(runner, drafter, tokenizer, time_budget: float, per_kind: int = 48
             break
         ids = [p for p, _ in items]
         caps = [min(m, max_new_cap or m) for _, m in items]
-        for p, (out, _) in zip(ids, speculative_decode_batch(runner, drafter, ids, caps, eos, greedy=True)):
+        decoded = speculative_decode_batch(runner, drafter, ids, caps, eos, greedy=True,
+                                           deadline=t0 + time_budget + 5)
+        for p, (out, _) in zip(ids, decoded):
             z, a, v = all_anchor_records(runner, drafter, p + out, len(p))
             zs.append(z), acc.append(a), val.append(v)
             prompts += 1
@@ -291,9 +295,11 @@ def evaluate_speculative(runner, drafter, tokenizer, time_budget: float, per_kin
             break
         ids = [p for p, _ in items]
         caps = [min(m, max_new_cap or m) for _, m in items]
-        greedy = speculative_decode_batch(runner, drafter, ids, caps, eos, greedy=True)
+        stop = t0 + time_budget + 5  # a slow group is cut rather than overrunning the device call
+        greedy = speculative_decode_batch(runner, drafter, ids, caps, eos, greedy=True, deadline=stop)
         gen.manual_seed(seed * 1_000_003 + i)
-        sampled = speculative_decode_batch(runner, drafter, ids, caps, eos, greedy=False, generator=gen)
+        sampled = speculative_decode_batch(runner, drafter, ids, caps, eos, greedy=False, generator=gen,
+                                           deadline=stop)
         for (out, steps), (_, steps1) in zip(greedy, sampled):
             recs["greedy"][kind] += steps
             recs["temperature_1"][kind] += steps1

@@ -46,8 +46,9 @@ from .train import ConversationStream, batches
 def sample_anchors(ids: torch.Tensor, mask: torch.Tensor, block: int, rate: float, max_anchors: int,
                    per_seq: int = 256, generator: torch.Generator | None = None):
     """Anchors i with an assistant token at i and i+1, about `rate` of them per sequence (at most `per_seq` per
-    sequence: the block-to-block attention mask grows with its square; at most max_anchors per batch). Returns (anchor_idx [B, A], row_ok [B, A, γ]): row k' is used when tokens i+1 .. i+k'+1 are all
-    assistant tokens (a block never trains across the end of a turn)."""
+    sequence: the block-to-block attention mask grows with its square; at most max_anchors per batch).
+    Returns (anchor_idx [B, A], row_ok [B, A, γ]): row k' is used when tokens i+1 .. i+k'+1 are all assistant
+    tokens (a block never trains across the end of a turn)."""
     b, t = ids.shape
     dev = ids.device
     valid = torch.zeros_like(mask)
@@ -145,7 +146,8 @@ def train(target, drafter: DSparkDrafter, a, dev: str, log_path: str, log=print)
             log(json.dumps(rec))
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
-    summary = {"steps": step, "skipped_batches": skipped, "tokens_seen": tokens, "rows_seen": rows_seen, "train_seconds": round(time.time() - t0, 1),
+    summary = {"steps": step, "skipped_batches": skipped, "tokens_seen": tokens, "rows_seen": rows_seen,
+               "train_seconds": round(time.time() - t0, 1),
                "final_loss_ema": ema, "lr": a.lr, "token_budget": a.token_budget, "anchor_rate": a.anchor_rate,
                "max_anchors": a.max_anchors, "max_anchors_per_seq": a.max_anchors_per_seq, "seed": a.seed}
     logf.write(json.dumps({"summary": summary}) + "\n")

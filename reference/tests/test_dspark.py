@@ -74,7 +74,8 @@ def naive_block(dr: DSparkDrafter, feats, feat_pos, anchor: int, pos: int):
             o = torch.cat(heads) @ L.o_proj.weight.t()
             xr = x[j] + o
             z = rms_norm(xr, L.post_norm.weight, eps)
-            f = (torch.nn.functional.silu(z @ L.gate_proj.weight.t()) * (z @ L.up_proj.weight.t())) @ L.down_proj.weight.t()
+            gate, up = z @ L.gate_proj.weight.t(), z @ L.up_proj.weight.t()
+            f = (torch.nn.functional.silu(gate) * up) @ L.down_proj.weight.t()
             new.append(xr + f)
         x = new
     return torch.stack([rms_norm(r, dr.norm.weight, eps) for r in x])
@@ -252,6 +253,9 @@ def test_greedy_speculative_decoding_is_lossless():
     batch = speculative_decode_batch(runner, dr, prompts, [10, 6, 13], eos=-1, greedy=True)
     for p, n, (out, _) in zip(prompts, [10, 6, 13], batch):
         assert out == m.generate_greedy(p, n)
+    # past the deadline no step starts: only the prefill's token
+    late = speculative_decode_batch(runner, dr, prompts[:1], [10], eos=-1, greedy=True, deadline=0.0)
+    assert late == [(m.generate_greedy(prompts[0], 1), [])]
 
 
 def test_sampled_verification_keeps_the_target_distribution():
