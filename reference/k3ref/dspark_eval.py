@@ -22,18 +22,19 @@ from .evaluate import HELD_OUT_SEED, MAX_NEW
 CALIBRATION_SEED = 2_000_029  # held out from training (seeds < 10^6) and from evaluation (HELD_OUT_SEED + kind)
 
 
-def interleaved_prompts(tokenizer, seed_base: int, per_kind: int):
-    """[(kind, prompt ids, max_new)], kinds round-robin so a time budget cut keeps every kind represented.
-    Thinking on for two of every three, efforts cycling (as evaluate.held_out_examples)."""
+def prompt_groups(tokenizer, seed_base: int, per_kind: int, group: int):
+    """[(kind, [(prompt ids, max_new), ...])]: `group` prompts of one kind per entry (decoded together),
+    kinds round-robin so a time budget cut keeps every kind represented. Thinking on for two of every
+    three, efforts cycling (as evaluate.held_out_examples)."""
     per = {}
     for kind in TASK_KINDS:
         rng = random.Random(seed_base + TASK_KINDS.index(kind))
         per[kind] = [sample_example(kind, rng, thinking=i % 3 != 2, effort=EFFORTS[i % 4]) for i in range(per_kind)]
     out = []
-    for i in range(per_kind):
+    for start in range(0, per_kind, group):
         for kind in TASK_KINDS:
-            ids = tokenizer.encode(prompt_text(per[kind][i]), add_special_tokens=False).ids
-            out.append((kind, ids, MAX_NEW[kind]))
+            out.append((kind, [(tokenizer.encode(prompt_text(ex), add_special_tokens=False).ids, MAX_NEW[kind])
+                               for ex in per[kind][start:start + group]]))
     return out
 
 
@@ -46,67 +47,109 @@ class TargetRunner:
 
     @torch.no_grad()
     def __call__(self, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.tensor([seq], device=self.device)
-        logits, taps = target_taps(self.target, ids, self.taps, kda_impl=self.kda_impl, moe_dense=True)
-        return logits[0].float(), taps[0].float()
+        logits, taps = self.batch([seq])
+        return logits[0], taps[0]
+
+    @torch.no_grad()
+    def batch(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded batch: the target is causal, so each sequence's rows are as if it ran alone."""
+        ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        logits, taps = target_taps(self.target, ids.to(self.device), self.taps, kda_impl=self.kda_impl,
+                                   moe_dense=True)
+        return logits.float(), taps.float()
+
+
+def verify_block(target_logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
+                 generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Verify γ drafted tokens against the target's logits at the block's γ+1 positions. q None: greedy (accept
+    while draft == argmax, then the target's argmax). q [γ, V] (the drafter's processed distributions): the
+    standard lossless rule at temperature 1. Returns (accepted count n, the token committed after them)."""
+    g = len(drafts)
+    if q is None:
+        tgt = torch.argmax(target_logits, -1).tolist()
+        n = 0
+        while n < g and drafts[n] == tgt[n]:
+            n += 1
+        return n, tgt[n]
+    p = torch.softmax(target_logits.float(), -1)
+    idx = torch.tensor(drafts, device=p.device).unsqueeze(-1)
+    ratio = (p[:g].gather(-1, idx) / q.gather(-1, idx).clamp_min(1e-30)).squeeze(-1)
+    u = torch.rand(g, device=p.device, generator=generator)
+    ok = (u < ratio.clamp(max=1.0)).tolist()
+    n = 0
+    while n < g and ok[n]:
+        n += 1
+    if n < g:
+        resid = (p[n] - q[n]).clamp_min(0)
+        resid = p[n] if float(resid.sum()) <= 1e-8 else resid
+    else:
+        resid = p[g]
+    return n, int(torch.multinomial(resid / resid.sum(), 1, generator=generator))
 
 
 @torch.no_grad()
-def speculative_decode(runner: TargetRunner, drafter: DSparkDrafter, prompt: list[int], max_new: int, eos: int,
-                       *, greedy: bool, generator: torch.Generator | None = None):
-    """Returns (generated tokens, per-step records {accepted, committed, z}). The prefill's first token is not a
-    speculative step."""
+def speculative_decode_batch(runner: TargetRunner, drafter: DSparkDrafter, prompts: list[list[int]],
+                             max_new: list[int], eos: int, *, greedy: bool, generator: torch.Generator | None = None,
+                             deadline: float | None = None):
+    """Speculative decoding of several prompts in lockstep (one batched target forward per step; a finished
+    prompt leaves the batch). Returns per prompt (generated tokens, per-step records {accepted, committed, z}).
+    The prefill's first token is not a speculative step. Past `deadline` (time.time()) no step starts: the
+    outputs are cut short, the steps taken stay valid."""
     cfg = drafter.cfg
     g, win = cfg.block_size, cfg.context_window
     dev = runner.device
-    seq = list(prompt)
-    logits, taps = runner(seq)
+    seqs = [list(p) for p in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    steps: list[list[dict]] = [[] for _ in prompts]
+    logits, taps = runner.batch(seqs)
     feats = drafter.features(taps)
+    last = logits[torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])]
     if greedy:
-        first = int(torch.argmax(logits[-1]))
+        first = torch.argmax(last, -1).tolist()
     else:
-        first = int(torch.multinomial(torch.softmax(logits[-1], -1), 1, generator=generator))
-    seq.append(first)
-    out, steps = [first], []
-    while len(out) < max_new and out[-1] != eos:
-        pos = len(seq) - 1  # the anchor's position: the target has processed every position before it
-        lo = max(0, pos - win)
-        d = drafter.draft(feats[lo:pos], torch.arange(lo, pos, device=dev), seq[pos], pos, greedy=greedy,
-                          temperature=1.0, generator=generator)
+        first = torch.multinomial(torch.softmax(last, -1), 1, generator=generator).squeeze(-1).tolist()
+    for b, t in enumerate(first):
+        seqs[b].append(t)
+        outs[b].append(t)
+
+    def running(b):
+        return len(outs[b]) < max_new[b] and outs[b][-1] != eos
+
+    active = [b for b in range(len(seqs)) if running(b)]
+    rows = list(range(len(seqs)))  # active prompt -> its row in the last forward (feats)
+    while active and (deadline is None or time.time() < deadline):
+        pos = [len(seqs[b]) - 1 for b in active]  # anchors: the target has processed every position before
+        lo, hi = max(0, min(pos) - win), max(pos)
+        f = feats[[rows[b] for b in active], lo:hi]
+        fpos = torch.arange(lo, hi, device=dev).expand(len(active), hi - lo)
+        anchor = torch.tensor([seqs[b][-1] for b in active], device=dev)
+        y = drafter.block_hidden(f, fpos, anchor.unsqueeze(1), torch.tensor(pos, device=dev).unsqueeze(1))[:, 0]
+        d = drafter.markov_decode(y, anchor, greedy=greedy, temperature=1.0, generator=generator)
         drafts = d["tokens"].tolist()
-        logits, taps = runner(seq + drafts)
-        feats = drafter.features(taps)  # rows past the accepted prefix are overwritten by the next call
-        pt = logits[pos:pos + g + 1]  # p^t_1 .. p^t_{γ+1}
-        if greedy:
-            tgt = torch.argmax(pt, -1).tolist()
-            n = 0
-            while n < g and drafts[n] == tgt[n]:
-                n += 1
-            nxt = tgt[n]
-        else:
-            p = torch.softmax(pt, -1)
-            q = torch.softmax(d["logits"].float(), -1)
-            idx = torch.tensor(drafts, device=dev).unsqueeze(-1)
-            ratio = (p[:g].gather(-1, idx) / q.gather(-1, idx).clamp_min(1e-30)).squeeze(-1)
-            u = torch.rand(g, device=dev, generator=generator)
-            ok = (u < ratio.clamp(max=1.0)).tolist()
-            n = 0
-            while n < g and ok[n]:
-                n += 1
-            if n < g:
-                resid = (p[n] - q[n]).clamp_min(0)
-                resid = p[n] if float(resid.sum()) <= 1e-8 else resid
-            else:
-                resid = p[g]
-            nxt = int(torch.multinomial(resid / resid.sum(), 1, generator=generator))
-        new = drafts[:n] + [nxt]
-        if eos in new:
-            new = new[: new.index(eos) + 1]
-        new = new[: max_new - len(out)]
-        seq += new
-        out += new
-        steps.append({"accepted": n, "committed": len(new), "z": d["z"].float().tolist()})
-    return out, steps
+        logits, taps = runner.batch([seqs[b] + drafts[i] for i, b in enumerate(active)])
+        feats = drafter.features(taps)  # rows past each accepted prefix are overwritten by the next step
+        z = d["z"].float().tolist()
+        for i, b in enumerate(active):
+            q = None if greedy else torch.softmax(d["logits"][i].float(), -1)
+            n, nxt = verify_block(logits[i, pos[i]:pos[i] + g + 1], drafts[i], q, generator)
+            new = drafts[i][:n] + [nxt]
+            if eos in new:
+                new = new[: new.index(eos) + 1]
+            new = new[: max_new[b] - len(outs[b])]
+            seqs[b] += new
+            outs[b] += new
+            steps[b].append({"accepted": n, "committed": len(new), "z": z[i]})
+            rows[b] = i
+        active = [b for b in active if running(b)]
+    return list(zip(outs, steps))
+
+
+def speculative_decode(runner: TargetRunner, drafter: DSparkDrafter, prompt: list[int], max_new: int, eos: int,
+                       *, greedy: bool, generator: torch.Generator | None = None):
+    """One prompt: (generated tokens, per-step records)."""
+    return speculative_decode_batch(runner, drafter, [prompt], [max_new], eos, greedy=greedy, generator=generator)[0]
 
 
 def ece(conf: torch.Tensor, label: torch.Tensor, bins: int = 10) -> float:
@@ -186,20 +229,24 @@ def all_anchor_records(runner: TargetRunner, drafter: DSparkDrafter, seq: list[i
     return torch.cat(zs), torch.cat(acc), torch.cat(val)
 
 
-def calibrate(runner, drafter, tokenizer, time_budget: float, per_kind: int = 50, max_new_cap: int | None = None,
-              log=print) -> dict:
-    """Sets drafter.cfg.confidence_temperatures by STS on greedy drafts over held-out prompts."""
+def calibrate(runner, drafter, tokenizer, time_budget: float, per_kind: int = 48, group: int = 6,
+              max_new_cap: int | None = None, log=print) -> dict:
+    """Sets drafter.cfg.confidence_temperatures by STS on greedy drafts over held-out prompts: the target's
+    greedy outputs are decoded speculatively, then every position of each output serves as an anchor."""
     eos = tokenizer.token_to_id("<|end_of_msg|>")
     t0 = time.time()
     zs, acc, val, prompts = [], [], [], 0
-    for kind, ids, max_new in interleaved_prompts(tokenizer, CALIBRATION_SEED, per_kind):
+    for kind, items in prompt_groups(tokenizer, CALIBRATION_SEED, per_kind, group):
         if time.time() - t0 > time_budget:
             break
-        max_new = min(max_new, max_new_cap or max_new)
-        out, _ = speculative_decode(runner, drafter, ids, max_new, eos, greedy=True)
-        z, a, v = all_anchor_records(runner, drafter, ids + out, len(ids))
-        zs.append(z), acc.append(a), val.append(v)
-        prompts += 1
+        ids = [p for p, _ in items]
+        caps = [min(m, max_new_cap or m) for _, m in items]
+        decoded = speculative_decode_batch(runner, drafter, ids, caps, eos, greedy=True,
+                                           deadline=t0 + time_budget + 5)
+        for p, (out, _) in zip(ids, decoded):
+            z, a, v = all_anchor_records(runner, drafter, p + out, len(p))
+            zs.append(z), acc.append(a), val.append(v)
+            prompts += 1
     z, a, v = torch.cat(zs), torch.cat(acc), torch.cat(val)
     before = cumulative_ece(z, a, [1.0] * z.shape[1], v)
     temps = sequential_temperature_scaling(z, a, v)
@@ -230,10 +277,11 @@ def _summary(records: list[dict], temps, g: int) -> dict:
                       .sum(-1).mean()) + 1, 3)}
 
 
-def evaluate_speculative(runner, drafter, tokenizer, time_budget: float, per_kind: int = 30,
+def evaluate_speculative(runner, drafter, tokenizer, time_budget: float, per_kind: int = 48, group: int = 6,
                          max_new_cap: int | None = None, seed: int = 0, log=print) -> dict:
     """Per task kind, greedy and temperature 1: acceptance length (tokens committed per target step) and ECE
-    of the calibrated confidences. Prompts are evaluate.py's held-out seeds; stops at the time budget."""
+    of the calibrated confidences. Prompts are evaluate.py's held-out seeds, `group` of one kind decoded
+    together; stops at the time budget (checked between groups)."""
     eos = tokenizer.token_to_id("<|end_of_msg|>")
     g = drafter.cfg.block_size
     temps = list(drafter.cfg.confidence_temperatures)
@@ -242,20 +290,25 @@ def evaluate_speculative(runner, drafter, tokenizer, time_budget: float, per_kin
     prompts = defaultdict(int)
     samples = []
     gen = torch.Generator(device=runner.device)
-    for i, (kind, ids, max_new) in enumerate(interleaved_prompts(tokenizer, HELD_OUT_SEED, per_kind)):
+    for i, (kind, items) in enumerate(prompt_groups(tokenizer, HELD_OUT_SEED, per_kind, group)):
         if time.time() - t0 > time_budget:
             break
-        max_new = min(max_new, max_new_cap or max_new)
-        out, steps = speculative_decode(runner, drafter, ids, max_new, eos, greedy=True)
-        recs["greedy"][kind] += steps
+        ids = [p for p, _ in items]
+        caps = [min(m, max_new_cap or m) for _, m in items]
+        stop = t0 + time_budget + 5  # a slow group is cut rather than overrunning the device call
+        greedy = speculative_decode_batch(runner, drafter, ids, caps, eos, greedy=True, deadline=stop)
         gen.manual_seed(seed * 1_000_003 + i)
-        out1, steps1 = speculative_decode(runner, drafter, ids, max_new, eos, greedy=False, generator=gen)
-        recs["temperature_1"][kind] += steps1
-        prompts[kind] += 1
+        sampled = speculative_decode_batch(runner, drafter, ids, caps, eos, greedy=False, generator=gen,
+                                           deadline=stop)
+        for (out, steps), (_, steps1) in zip(greedy, sampled):
+            recs["greedy"][kind] += steps
+            recs["temperature_1"][kind] += steps1
+        prompts[kind] += len(items)
         if len(samples) < 6:
-            samples.append({"kind": kind, "greedy": tokenizer.decode(out, skip_special_tokens=False)[:300]})
-        log(f"eval {kind}: greedy {len(out)} tokens / {len(steps)} steps, T=1 {len(out1)} / {len(steps1)} "
-            f"({time.time() - t0:.0f}s)")
+            samples.append({"kind": kind, "greedy": tokenizer.decode(greedy[0][0], skip_special_tokens=False)[:300]})
+        log(f"eval {kind} x{len(items)}: greedy {sum(len(o) for o, _ in greedy)} tokens / "
+            f"{sum(len(s) for _, s in greedy)} steps, T=1 {sum(len(o) for o, _ in sampled)} / "
+            f"{sum(len(s) for _, s in sampled)} ({time.time() - t0:.0f}s)")
     res = {"prompts_per_kind": dict(prompts), "seconds": round(time.time() - t0, 1), "temperatures": temps,
            "block_size": g, "samples": samples}
     for mode, per in recs.items():
@@ -266,17 +319,21 @@ def evaluate_speculative(runner, drafter, tokenizer, time_budget: float, per_kin
 
 @torch.no_grad()
 def check_greedy_lossless(runner, drafter, tokenizer, max_new: int = 48) -> dict:
-    """Greedy speculative output == the target's plain greedy decoding, on one held-out prompt."""
+    """Greedy speculative output == the target's plain greedy decoding (one full forward per token), on the
+    first held-out prompt of each kind, decoded as one speculative batch."""
     eos = tokenizer.token_to_id("<|end_of_msg|>")
-    kind, ids, _ = interleaved_prompts(tokenizer, HELD_OUT_SEED, 1)[TASK_KINDS.index("recall")]
-    spec, _ = speculative_decode(runner, drafter, ids, max_new, eos, greedy=True)
-    seq = list(ids)
-    plain = []
-    while len(plain) < max_new and (not plain or plain[-1] != eos):
-        logits, _ = runner(seq)
-        plain.append(int(torch.argmax(logits[-1])))
-        seq.append(plain[-1])
-    return {"kind": kind, "tokens": len(plain), "identical": spec == plain}
+    groups = prompt_groups(tokenizer, HELD_OUT_SEED, 1, 1)
+    prompts = [items[0][0] for _, items in groups]
+    spec = speculative_decode_batch(runner, drafter, prompts, [max_new] * len(prompts), eos, greedy=True)
+    res = {}
+    for (kind, _), p, (out, _) in zip(groups, prompts, spec):
+        seq, plain = list(p), []
+        while len(plain) < max_new and (not plain or plain[-1] != eos):
+            logits, _ = runner(seq)
+            plain.append(int(torch.argmax(logits[-1])))
+            seq.append(plain[-1])
+        res[kind] = {"tokens": len(plain), "identical": out == plain}
+    return res
 
 
 GOLDEN_PROMPT = ('<|open|>message role="user"<|sep|>What is 47 + 85?<|close|>message<|sep|><|end_of_msg|>'

@@ -46,8 +46,9 @@ from .train import ConversationStream, batches
 def sample_anchors(ids: torch.Tensor, mask: torch.Tensor, block: int, rate: float, max_anchors: int,
                    per_seq: int = 256, generator: torch.Generator | None = None):
     """Anchors i with an assistant token at i and i+1, about `rate` of them per sequence (at most `per_seq` per
-    sequence: the block-to-block attention mask grows with its square; at most max_anchors per batch). Returns (anchor_idx [B, A], row_ok [B, A, γ]): row k' is used when tokens i+1 .. i+k'+1 are all
-    assistant tokens (a block never trains across the end of a turn)."""
+    sequence: the block-to-block attention mask grows with its square; at most max_anchors per batch).
+    Returns (anchor_idx [B, A], row_ok [B, A, γ]): row k' is used when tokens i+1 .. i+k'+1 are all assistant
+    tokens (a block never trains across the end of a turn)."""
     b, t = ids.shape
     dev = ids.device
     valid = torch.zeros_like(mask)
@@ -145,7 +146,8 @@ def train(target, drafter: DSparkDrafter, a, dev: str, log_path: str, log=print)
             log(json.dumps(rec))
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
-    summary = {"steps": step, "skipped_batches": skipped, "tokens_seen": tokens, "rows_seen": rows_seen, "train_seconds": round(time.time() - t0, 1),
+    summary = {"steps": step, "skipped_batches": skipped, "tokens_seen": tokens, "rows_seen": rows_seen,
+               "train_seconds": round(time.time() - t0, 1),
                "final_loss_ema": ema, "lr": a.lr, "token_budget": a.token_budget, "anchor_rate": a.anchor_rate,
                "max_anchors": a.max_anchors, "max_anchors_per_seq": a.max_anchors_per_seq, "seed": a.seed}
     logf.write(json.dumps({"summary": summary}) + "\n")
@@ -162,8 +164,10 @@ def main():
     ap.add_argument("--time-budget", type=float, default=330.0, help="seconds of training")
     ap.add_argument("--calib-time", type=float, default=35.0, help="seconds of calibration decoding")
     ap.add_argument("--eval-time", type=float, default=90.0, help="seconds of speculative-decoding evaluation")
-    ap.add_argument("--wall-budget", type=float, default=520.0,
+    ap.add_argument("--wall-budget", type=float, default=500.0,
                     help="the whole run from process start: evaluation is cut to fit")
+    ap.add_argument("--init-from", default=None,
+                    help="drafter directory to continue from (with --time-budget 0: calibrate/evaluate only)")
     ap.add_argument("--max-steps", type=int, default=10**9)
     ap.add_argument("--token-budget", type=int, default=32 * 1024)
     ap.add_argument("--max-len", type=int, default=3200)
@@ -178,13 +182,15 @@ def main():
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--max-new-cap", type=int, default=None, help="cap generated tokens per prompt (smoke)")
+    ap.add_argument("--decode-group", type=int, default=6,
+                    help="prompts of one kind decoded speculatively together (calibration, evaluation)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes and budgets: checks the whole pipeline")
     a = ap.parse_args()
     t_start = time.time()
     if a.smoke:
         a.time_budget, a.calib_time, a.eval_time = min(a.time_budget, 6.0), 1.0, 1.0
         a.token_budget, a.max_len, a.pool, a.workers = 2048, 900, 16, 1
-        a.max_anchors, a.log_every, a.warmup, a.max_new_cap = 64, 1, 2, 12
+        a.max_anchors, a.log_every, a.warmup, a.max_new_cap, a.decode_group = 64, 1, 2, 12, 2
     a.tokenizer = a.tokenizer or os.path.join(a.target, "tokenizer.json")
     os.makedirs(a.out, exist_ok=True)
 
@@ -200,12 +206,19 @@ def main():
         p.requires_grad_(False)
     cfg = DSparkConfig(vocab_size=target.cfg.vocab_size, hidden_size=target.cfg.hidden_size)
     embed, head = shared_weights(target)
-    drafter = DSparkDrafter(cfg, embed, head).to(dev).train()
+    drafter = DSparkDrafter(cfg, embed, head)
+    if a.init_from:
+        from safetensors.torch import load_file
+        drafter.load_state_dict(load_file(os.path.join(a.init_from, "model.safetensors")))
+        drafter.cfg.confidence_temperatures = DSparkConfig.load(
+            os.path.join(a.init_from, "config.json")).confidence_temperatures
+    drafter = drafter.to(dev).train()
     n_params = sum(p.numel() for p in drafter.parameters())
     log(f"device={dev} drafter params={n_params / 1e6:.2f}M taps={cfg.target_taps} args={vars(a)}")
 
     try:
-        summary = train(target, drafter, a, dev, os.path.join(a.out, "dspark_train_log.jsonl"), log)
+        summary = {"steps": 0} if a.time_budget <= 0 else train(target, drafter, a, dev,
+                                                                  os.path.join(a.out, "dspark_train_log.jsonl"), log)
     except Exception:  # keep what was learnt: calibration, golden vectors and evaluation still run
         summary = {"error": traceback.format_exc()}
     log(f"training done: {json.dumps(summary)}")
@@ -214,17 +227,18 @@ def main():
     result = {"train": summary, "drafter_params": n_params}
     runner_kw = {"kda_impl": "fast"}
     from .dspark_eval import (TargetRunner, calibrate, check_greedy_lossless, evaluate_speculative,
-                              golden_vectors, interleaved_prompts)
+                              golden_vectors, prompt_groups)
     from .evaluate import HELD_OUT_SEED
     runner = TargetRunner(target, cfg.target_taps, **runner_kw)
     try:
-        result["calibration"] = calibrate(runner, drafter, tok, a.calib_time, max_new_cap=a.max_new_cap, log=log)
+        result["calibration"] = calibrate(runner, drafter, tok, a.calib_time, group=a.decode_group,
+                                          max_new_cap=a.max_new_cap, log=log)
         save_drafter(drafter, a.out)
     except Exception:  # keep going: the uncalibrated drafter is still worth evaluating
         result["calibration_error"] = traceback.format_exc()
         log(result["calibration_error"])
     try:
-        kv = [ids for kind, ids, _ in interleaved_prompts(tok, HELD_OUT_SEED, 1) if kind == "kv_retrieval"][0]
+        kv = [items[0][0] for kind, items in prompt_groups(tok, HELD_OUT_SEED, 1, 1) if kind == "kv_retrieval"][0]
         cpu_target = load_exported(a.target)
         cpu_drafter = DSparkDrafter(cfg, *shared_weights(cpu_target))
         cpu_drafter.load_state_dict({k: v.float().cpu() for k, v in drafter.state_dict().items()})
@@ -236,11 +250,12 @@ def main():
         result["golden_error"] = traceback.format_exc()
         log(result["golden_error"])
     try:
-        result["greedy_lossless_check"] = check_greedy_lossless(runner, drafter, tok, 16 if a.smoke else 48)
+        result["greedy_lossless_check"] = check_greedy_lossless(runner, drafter, tok, 8 if a.smoke else 32)
         log(f"greedy lossless check: {result['greedy_lossless_check']}")
         budget = max(1.0, min(a.eval_time, a.wall_budget - (time.time() - t_start) - 15))
         log(f"evaluation: {budget:.0f}s")
-        result["eval"] = evaluate_speculative(runner, drafter, tok, budget, max_new_cap=a.max_new_cap, log=log)
+        result["eval"] = evaluate_speculative(runner, drafter, tok, budget, group=a.decode_group,
+                                              max_new_cap=a.max_new_cap, log=log)
         for mode in ("greedy", "temperature_1"):
             for kind, s in result["eval"][mode].items():
                 log(f"{mode:14s} {kind:13s} acceptance length {s.get('acceptance_length')} "

@@ -10,7 +10,7 @@ from k3ref.config import k3_mini  # noqa: E402
 from k3ref.dspark import (DSparkConfig, DSparkDrafter, dspark_loss, load_drafter, save_drafter,  # noqa: E402
                           target_taps)
 from k3ref.dspark_eval import (TargetRunner, cumulative_ece, ece, sequential_temperature_scaling,  # noqa: E402
-                               speculative_decode)
+                               speculative_decode, speculative_decode_batch, verify_block)
 from k3ref.dspark_train import sample_anchors  # noqa: E402
 from k3ref.model import K3ForCausalLM  # noqa: E402
 from k3ref.norm import rms_norm  # noqa: E402
@@ -74,7 +74,8 @@ def naive_block(dr: DSparkDrafter, feats, feat_pos, anchor: int, pos: int):
             o = torch.cat(heads) @ L.o_proj.weight.t()
             xr = x[j] + o
             z = rms_norm(xr, L.post_norm.weight, eps)
-            f = (torch.nn.functional.silu(z @ L.gate_proj.weight.t()) * (z @ L.up_proj.weight.t())) @ L.down_proj.weight.t()
+            gate, up = z @ L.gate_proj.weight.t(), z @ L.up_proj.weight.t()
+            f = (torch.nn.functional.silu(gate) * up) @ L.down_proj.weight.t()
             new.append(xr + f)
         x = new
     return torch.stack([rms_norm(r, dr.norm.weight, eps) for r in x])
@@ -165,10 +166,10 @@ def test_loss_terms_are_the_spec():
         lab = 1 - tv[-1]
         bce.append(-(lab * torch.log(c) + (1 - lab) * torch.log(1 - c)))
     mean = lambda xs: float((w * torch.stack(xs)).sum().detach() / w.sum())  # noqa: E731
-    assert abs(float(parts["ce"]) - mean(ce)) < 1e-10
-    assert abs(float(parts["tv"]) - mean(tv)) < 1e-10
-    assert abs(float(parts["bce"]) - mean(bce)) < 1e-10
-    assert abs(float(total) - (0.1 * mean(ce) + 0.9 * mean(tv) + mean(bce))) < 1e-10
+    assert abs(parts["ce"].item() - mean(ce)) < 1e-10
+    assert abs(parts["tv"].item() - mean(tv)) < 1e-10
+    assert abs(parts["bce"].item() - mean(bce)) < 1e-10
+    assert abs(total.item() - (0.1 * mean(ce) + 0.9 * mean(tv) + mean(bce))) < 1e-10
     total.backward()
     assert dr.confidence.weight.grad.abs().sum() > 0 and dr.markov.w2.grad.abs().sum() > 0
 
@@ -246,3 +247,57 @@ def test_greedy_speculative_decoding_is_lossless():
     assert spec == plain
     assert sum(s["committed"] for s in steps) == 11  # the prefill's token is not a step
     assert all(1 <= s["committed"] <= dr.cfg.block_size + 1 for s in steps)
+    # lockstep batches (right-padded, different lengths and budgets) decode each prompt as if alone
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 14, 9)]
+    batch = speculative_decode_batch(runner, dr, prompts, [10, 6, 13], eos=-1, greedy=True)
+    for p, n, (out, _) in zip(prompts, [10, 6, 13], batch):
+        assert out == m.generate_greedy(p, n)
+    # past the deadline no step starts: only the prefill's token
+    late = speculative_decode_batch(runner, dr, prompts[:1], [10], eos=-1, greedy=True, deadline=0.0)
+    assert late == [(m.generate_greedy(prompts[0], 1), [])]
+
+
+def test_sampled_verification_keeps_the_target_distribution():
+    """The temperature-1 rule commits tokens distributed as the target's p, whatever the drafter's q."""
+    g = torch.Generator().manual_seed(9)
+    target_logits = torch.tensor([[2.0, 0.5, 0.0, -1.0, 1.0], [0.0, 1.5, 1.5, -0.5, 0.2], [0.0] * 5],
+                                 dtype=torch.float64)
+    q = torch.softmax(torch.tensor([[0.0, 2.0, 0.5, 0.5, -1.0], [1.0, 0.0, 0.0, 0.0, 3.0]], dtype=torch.float64), -1)
+    p = torch.softmax(target_logits, -1)
+    trials = 6000
+    first, second = torch.zeros(5), torch.zeros(5)
+    for _ in range(trials):
+        drafts = [int(torch.multinomial(q[k], 1, generator=g)) for k in range(2)]
+        n, nxt = verify_block(target_logits, drafts, q, g)
+        committed = drafts[:n] + [nxt]
+        first[committed[0]] += 1
+        if len(committed) > 1:
+            second[committed[1]] += 1
+
+    def chi2(counts, probs):
+        exp = probs.float() * counts.sum()
+        return float(((counts - exp) ** 2 / exp).sum())
+    assert chi2(first, p[0]) < 25.0  # 4 degrees of freedom: p < 1e-4
+    assert chi2(second, p[1]) < 25.0
+    assert verify_block(target_logits, [0, 1], None) == (2, 0)  # greedy: both are the argmax, bonus = argmax
+    assert verify_block(target_logits, [0, 2], None) == (1, 1)  # ties go to the lower id
+
+
+def test_full_acceptance_commits_block_plus_bonus():
+    """A target and a drafter that both always pick token 0 (all-zero logits, ties to the lower id): every
+    step accepts the whole block and adds the bonus token; the last step is cut at max_new."""
+    m = tiny_target(seed=5)
+    dr = tiny_drafter(seed=6, target_taps=[2, 5, 8])
+    with torch.no_grad():
+        m.lm_head.weight.zero_()
+        dr.lm_head.zero_()
+        dr.markov.w2.zero_()
+    runner = TargetRunner(m, dr.cfg.target_taps, kda_impl="exact")
+    g = dr.cfg.block_size
+    for (out, steps), n in zip(speculative_decode_batch(runner, dr, [[3, 4, 5], [7] * 9], [12, 23], eos=-1,
+                                                        greedy=True), [12, 23]):
+        assert out == [0] * n
+        assert [s["accepted"] for s in steps] == [g] * len(steps)
+        assert [s["committed"] for s in steps] == [g + 1] * ((n - 1) // (g + 1)) + [(n - 1) % (g + 1)] * (
+            (n - 1) % (g + 1) > 0)
