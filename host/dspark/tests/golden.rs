@@ -77,3 +77,24 @@ fn a_file_without_cases_is_an_error() {
     .unwrap_err();
     assert!(e.to_string().contains("no case"), "{e}");
 }
+
+/// The trained drafter in `models/k3-mini-dspark` against the trainer's own golden vectors
+/// (PyTorch, float32 on the CPU; `tests/golden/trained-golden.safetensors`): the "short" case
+/// from k3-mini's real taps, the "long" one past the 512-row window.
+#[test]
+fn the_trained_drafter_matches_its_trainer() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let reports = golden::check_files(
+        &root.join("models/k3-mini-dspark"),
+        &root.join("models/k3-mini"),
+        &common::golden_dir().join("trained-golden.safetensors"),
+        CpuBackend::new(),
+    )
+    .unwrap();
+    assert_eq!(reports.len(), 2, "{reports:?}");
+    for r in &reports {
+        eprintln!("{}: {:?}", r.case, r.errors);
+        assert!(r.worst() <= TOL, "{}: {:?}", r.case, r.errors);
+        assert!(r.block_tokens_match, "{}: greedy draft differs", r.case);
+    }
+}
