@@ -702,3 +702,62 @@ fn sampled_outputs_keep_the_target_distribution() -> Result<()> {
     );
     Ok(())
 }
+
+/// A drafter slower than the target step: after the first rounds measure it, drafting stops
+/// (the early exit), apart from a probe now and then; outputs stay the reference.
+#[test]
+fn drafting_stops_where_it_cannot_pay() -> Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    struct Slow(Oracle, Arc<AtomicUsize>);
+    impl DraftSource for Slow {
+        fn extend(&mut self, tokens: &[u32]) {
+            self.0.extend(tokens);
+        }
+        fn propose(&mut self, max: usize, s: &mut DraftSampling<'_>) -> Draft {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            self.0.propose(max, s)
+        }
+    }
+    struct SlowFactory(Arc<Vec<Vec<u32>>>, Arc<AtomicUsize>);
+    impl DraftSourceFactory for SlowFactory {
+        fn method(&self) -> &str {
+            "slow"
+        }
+        fn create(&self) -> Box<dyn DraftSource> {
+            let oracle = Oracle {
+                known: self.0.clone(),
+                wrong_every: 1000,
+                tokens: Vec::new(),
+                proposals: 0,
+            };
+            Box::new(Slow(oracle, self.1.clone()))
+        }
+    }
+    let prompt = vec![3u32, 1, 4, 1, 5];
+    let mut reference = toy(1 << 16);
+    let want = reference_greedy(reference.as_mut(), &prompt, 200)?;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let spec = SpeculationConfig {
+        source: Arc::new(SlowFactory(
+            Arc::new(vec![[prompt.as_slice(), &want].concat()]),
+            calls.clone(),
+        )),
+        max_draft: 4,
+        // A 1 ms step whatever its size: only the drafter's 10 ms can make drafting lose.
+        cost: Some(StepCostProfile::new(vec![(1, 0.001), (64, 0.001)]).unwrap()),
+    };
+    let (outs, core) = run(
+        toy(1 << 16).as_mut(),
+        cfg(false, true, Some(spec)),
+        &[(prompt, 200, true)],
+    )?;
+    assert_eq!(outs[0], want);
+    let proposals = calls.load(Ordering::Relaxed);
+    assert!(
+        proposals >= 2 && proposals < 12,
+        "{proposals} proposals; {:?}",
+        core.metrics()
+    );
+    Ok(())
+}

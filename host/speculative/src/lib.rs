@@ -13,5 +13,5 @@ pub mod planner;
 pub mod verify;
 
 pub use draft::{Draft, DraftSampling, DraftSource, DraftSourceFactory, NgramDrafter, NgramParams};
-pub use planner::{StepCostProfile, plan_verify_lengths};
+pub use planner::{DraftingRecord, StepCostProfile, drafting_pays, plan_verify_lengths};
 pub use verify::{DraftProbs, Verdict, verify_greedy, verify_sampled, verify_token};

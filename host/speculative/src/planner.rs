@@ -104,6 +104,38 @@ pub fn plan_verify_lengths(
     lengths
 }
 
+/// What a speculating request has been getting lately, for [`drafting_pays`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DraftingRecord {
+    /// Tokens committed per verify round (accepted drafts + 1).
+    pub committed: f64,
+    /// Draft tokens verified per round.
+    pub verified: f64,
+    /// Seconds of drafting per request and round (a model drafter's forward pass).
+    pub draft_seconds: f64,
+}
+
+/// The early exit: whether drafting for `requests` speculating requests can pay in a step that
+/// also runs `other_tokens` other tokens. With drafts, each request commits `committed` tokens
+/// per round for `1 + verified` tokens of target step plus its drafting time; without, one
+/// token for one. A large batch makes the step compute-bound and a slow drafter adds its own
+/// time: then drafting is skipped before it is paid for.
+pub fn drafting_pays(
+    requests: usize,
+    other_tokens: usize,
+    record: &DraftingRecord,
+    cost: &StepCostProfile,
+) -> bool {
+    if requests == 0 {
+        return false;
+    }
+    let (r, o) = (requests as f64, other_tokens as f64);
+    let plain = (r + o) / cost.seconds(requests + other_tokens);
+    let tokens = (r * (1.0 + record.verified)).round() as usize + other_tokens;
+    let seconds = cost.seconds(tokens) + r * record.draft_seconds;
+    (r * record.committed + o) / seconds > plain
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,6 +148,33 @@ mod tests {
 
     fn hopper_like() -> StepCostProfile {
         StepCostProfile::new(vec![(1, 0.010), (64, 0.011), (128, 0.022), (256, 0.044)]).unwrap()
+    }
+
+    #[test]
+    fn drafting_pays_where_the_step_is_memory_bound_and_the_drafter_cheap() {
+        let p = hopper_like();
+        let good = DraftingRecord {
+            committed: 4.0,
+            verified: 6.0,
+            draft_seconds: 0.001,
+        };
+        assert!(drafting_pays(1, 0, &good, &p));
+        assert!(drafting_pays(8, 0, &good, &p));
+        // 64 requests × 7 tokens: compute-bound, four tokens for seven do not pay.
+        assert!(!drafting_pays(64, 0, &good, &p));
+        // A drafter as slow as the step itself does not pay even alone.
+        let slow = DraftingRecord {
+            draft_seconds: 0.05,
+            ..good
+        };
+        assert!(!drafting_pays(1, 0, &slow, &p));
+        // Drafts that are never accepted never pay.
+        let useless = DraftingRecord {
+            committed: 1.0,
+            ..good
+        };
+        assert!(!drafting_pays(1, 0, &useless, &p));
+        assert!(!drafting_pays(0, 10, &good, &p));
     }
 
     #[test]

@@ -109,6 +109,8 @@ pub struct EngineCore {
     metrics: EngineMetrics,
     /// Requests that ended since the last `take_retired` (the handle frees their ids).
     retired: Vec<RequestId>,
+    /// What speculation has been yielding (its early exit).
+    spec_gate: speculate::SpecGate,
 }
 
 impl EngineCore {
@@ -140,6 +142,7 @@ impl EngineCore {
             epochs: 0,
             metrics: EngineMetrics::default(),
             retired: Vec::new(),
+            spec_gate: speculate::SpecGate::default(),
         })
     }
 

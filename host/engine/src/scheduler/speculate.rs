@@ -14,9 +14,12 @@ use crate::memory::{ArenaOp, BlockId, BlockKind};
 use crate::sampling::SpecMode;
 use k3_model::VerifiedBlock;
 use k3_sampling::SampledToken;
-use k3_speculative::{Draft, DraftSampling, DraftSource, plan_verify_lengths};
+use k3_speculative::{
+    Draft, DraftSampling, DraftSource, DraftingRecord, drafting_pays, plan_verify_lengths,
+};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use std::time::Instant;
 
 /// A speculating request's drafting state.
 pub(crate) struct SeqSpec {
@@ -63,6 +66,39 @@ impl SeqSpec {
             self.source
                 .observe_taps(start + skip, &taps[skip * width..rows * width]);
             self.taps_from = start + rows;
+        }
+    }
+}
+
+/// The engine's running record of what speculation yields, for the early exit
+/// ([`drafting_pays`]): exponential averages over recent verify rounds and proposals.
+#[derive(Debug, Default)]
+pub(crate) struct SpecGate {
+    record: Option<DraftingRecord>,
+    /// Steps in a row whose drafting was skipped; at [`PROBE_EVERY`] the next step drafts
+    /// anyway, so the record follows a workload that changed.
+    skipped: u32,
+}
+
+/// Skipped steps after which one step drafts again to refresh the record.
+const PROBE_EVERY: u32 = 32;
+/// Weight of the newest observation in the averages.
+const GATE_WEIGHT: f64 = 0.1;
+
+impl SpecGate {
+    fn observe_round(&mut self, committed: usize, verified: usize) {
+        let r = self.record.get_or_insert(DraftingRecord {
+            committed: committed as f64,
+            verified: verified as f64,
+            draft_seconds: 0.0,
+        });
+        r.committed += GATE_WEIGHT * (committed as f64 - r.committed);
+        r.verified += GATE_WEIGHT * (verified as f64 - r.verified);
+    }
+
+    fn observe_drafting(&mut self, seconds_per_request: f64) {
+        if let Some(r) = self.record.as_mut() {
+            r.draft_seconds += GATE_WEIGHT * (seconds_per_request - r.draft_seconds);
         }
     }
 }
@@ -119,6 +155,27 @@ impl EngineCore {
     /// trim them with the planner. One entry per planned sequence: `None` for a plain step.
     pub(super) fn propose_drafts(&mut self, planned: &[PlannedSeq]) -> Vec<Option<Draft>> {
         let mut drafts: Vec<Option<Draft>> = Vec::with_capacity(planned.len());
+        let cost = self.cfg.speculation.as_ref().and_then(|c| c.cost.clone());
+        let speculating = planned.iter().filter(|p| p.draft_max > 0).count();
+        let other: usize = planned
+            .iter()
+            .filter(|p| p.draft_max == 0)
+            .map(|p| p.len)
+            .sum();
+        // The early exit: skip drafting where the record says it cannot pay (probing now and
+        // then, so the record follows the workload).
+        let skip = match (&cost, &self.spec_gate.record) {
+            (Some(c), Some(r)) if speculating > 0 => {
+                !drafting_pays(speculating, other, r, c) && self.spec_gate.skipped < PROBE_EVERY
+            }
+            _ => false,
+        };
+        if skip {
+            self.spec_gate.skipped += 1;
+        } else if speculating > 0 {
+            self.spec_gate.skipped = 0;
+        }
+        let started = Instant::now();
         let mut other_tokens = 0;
         for p in planned {
             let found = self
@@ -126,7 +183,7 @@ impl EngineCore {
                 .iter_mut()
                 .find(|s| s.id == p.id && s.epoch == p.epoch);
             let draft = match found {
-                Some(s) if p.draft_max > 0 => Some(propose(s, p.draft_max, self.vocab)),
+                Some(s) if p.draft_max > 0 && !skip => Some(propose(s, p.draft_max, self.vocab)),
                 _ => None,
             };
             if draft.is_none() {
@@ -134,7 +191,11 @@ impl EngineCore {
             }
             drafts.push(draft);
         }
-        if let Some(cost) = self.cfg.speculation.as_ref().and_then(|c| c.cost.as_ref()) {
+        if speculating > 0 && !skip {
+            let per_request = started.elapsed().as_secs_f64() / speculating as f64;
+            self.spec_gate.observe_drafting(per_request);
+        }
+        if let Some(cost) = cost.as_ref() {
             let idx: Vec<usize> = (0..drafts.len()).filter(|&k| drafts[k].is_some()).collect();
             let confidences: Vec<Vec<f32>> = idx
                 .iter()
@@ -191,6 +252,7 @@ impl EngineCore {
             spec.observe(start, &taps[..(n * tap_width).min(taps.len())], tap_width);
         }
         let accepted = n - 1;
+        self.spec_gate.observe_round(n, draft.tokens.len());
         let m = &mut self.metrics;
         m.spec_verify_rounds += 1;
         m.spec_draft_tokens += draft.tokens.len() as u64;
