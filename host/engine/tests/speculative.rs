@@ -755,7 +755,7 @@ fn drafting_stops_where_it_cannot_pay() -> Result<()> {
     assert_eq!(outs[0], want);
     let proposals = calls.load(Ordering::Relaxed);
     assert!(
-        proposals >= 2 && proposals < 12,
+        (2..12).contains(&proposals),
         "{proposals} proposals; {:?}",
         core.metrics()
     );

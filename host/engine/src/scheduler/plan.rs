@@ -181,6 +181,7 @@ impl EngineCore {
 
     /// Plan the next step; `None` when there is nothing to run.
     pub fn schedule(&mut self) -> Option<Plan> {
+        self.update_spec_gate();
         let mut plan = Plan::default();
         let budget = if self.running.len() <= self.cfg.few_running {
             self.cfg.max_step_tokens

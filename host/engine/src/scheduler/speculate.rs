@@ -72,9 +72,11 @@ impl SeqSpec {
 
 /// The engine's running record of what speculation yields, for the early exit
 /// ([`drafting_pays`]): exponential averages over recent verify rounds and proposals.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct SpecGate {
     record: Option<DraftingRecord>,
+    /// Whether the steps planned now may draft.
+    open: bool,
     /// Steps in a row whose drafting was skipped; at [`PROBE_EVERY`] the next step drafts
     /// anyway, so the record follows a workload that changed.
     skipped: u32,
@@ -84,6 +86,16 @@ pub(crate) struct SpecGate {
 const PROBE_EVERY: u32 = 32;
 /// Weight of the newest observation in the averages.
 const GATE_WEIGHT: f64 = 0.1;
+
+impl Default for SpecGate {
+    fn default() -> Self {
+        Self {
+            record: None,
+            open: true,
+            skipped: 0,
+        }
+    }
+}
 
 impl SpecGate {
     fn observe_round(&mut self, committed: usize, verified: usize) {
@@ -112,7 +124,7 @@ impl EngineCore {
         let (Some(cfg), Some(spec)) = (&self.cfg.speculation, &self.running[i].spec) else {
             return 0;
         };
-        if spec.verifying {
+        if spec.verifying || !self.spec_gate.open {
             return 0;
         }
         let mut room = cfg
@@ -124,6 +136,31 @@ impl EngineCore {
             room = room.min(next_aligned - start - 1);
         }
         room
+    }
+
+    /// The early exit, decided once per planned step (before any drafting is paid for, and so
+    /// that a closed gate plans plain decode steps, which the pipeline overlaps): open while the
+    /// record says drafting for the running speculating requests pays, and for one probing step
+    /// after [`PROBE_EVERY`] closed ones.
+    pub(super) fn update_spec_gate(&mut self) {
+        let (Some(cost), Some(record)) = (
+            self.cfg.speculation.as_ref().and_then(|c| c.cost.as_ref()),
+            self.spec_gate.record,
+        ) else {
+            return;
+        };
+        let requests = self.running.iter().filter(|s| s.spec.is_some()).count();
+        let gate = &mut self.spec_gate;
+        if requests == 0 {
+            return;
+        }
+        if drafting_pays(requests, 0, &record, cost) || gate.skipped >= PROBE_EVERY {
+            gate.open = true;
+            gate.skipped = 0;
+        } else {
+            gate.open = false;
+            gate.skipped += 1;
+        }
     }
 
     /// Reserve a record block for request `i`'s verify; false when memory is short (it then
@@ -157,24 +194,6 @@ impl EngineCore {
         let mut drafts: Vec<Option<Draft>> = Vec::with_capacity(planned.len());
         let cost = self.cfg.speculation.as_ref().and_then(|c| c.cost.clone());
         let speculating = planned.iter().filter(|p| p.draft_max > 0).count();
-        let other: usize = planned
-            .iter()
-            .filter(|p| p.draft_max == 0)
-            .map(|p| p.len)
-            .sum();
-        // The early exit: skip drafting where the record says it cannot pay (probing now and
-        // then, so the record follows the workload).
-        let skip = match (&cost, &self.spec_gate.record) {
-            (Some(c), Some(r)) if speculating > 0 => {
-                !drafting_pays(speculating, other, r, c) && self.spec_gate.skipped < PROBE_EVERY
-            }
-            _ => false,
-        };
-        if skip {
-            self.spec_gate.skipped += 1;
-        } else if speculating > 0 {
-            self.spec_gate.skipped = 0;
-        }
         let started = Instant::now();
         let mut other_tokens = 0;
         for p in planned {
@@ -183,7 +202,7 @@ impl EngineCore {
                 .iter_mut()
                 .find(|s| s.id == p.id && s.epoch == p.epoch);
             let draft = match found {
-                Some(s) if p.draft_max > 0 && !skip => Some(propose(s, p.draft_max, self.vocab)),
+                Some(s) if p.draft_max > 0 => Some(propose(s, p.draft_max, self.vocab)),
                 _ => None,
             };
             if draft.is_none() {
@@ -191,7 +210,7 @@ impl EngineCore {
             }
             drafts.push(draft);
         }
-        if speculating > 0 && !skip {
+        if speculating > 0 {
             let per_request = started.elapsed().as_secs_f64() / speculating as f64;
             self.spec_gate.observe_drafting(per_request);
         }
