@@ -98,19 +98,7 @@ impl Sampler {
         logits: &[f32],
         history: &SeqHistory,
     ) -> Result<SampledToken, SamplingError> {
-        if logits.len() != self.vocab_size {
-            return Err(SamplingError::LogitsLength {
-                expected: self.vocab_size,
-                got: logits.len(),
-            });
-        }
-        self.work.clear();
-        self.work.extend(
-            logits
-                .iter()
-                .map(|&l| if l.is_finite() { l } else { f32::NEG_INFINITY }),
-        );
-        self.apply_penalties(history);
+        self.penalised(logits, history)?;
 
         let token = if self.greedy {
             argmax(&self.work).ok_or(SamplingError::NoFiniteLogits)?
@@ -173,19 +161,7 @@ impl Sampler {
         logits: &[f32],
         history: &SeqHistory,
     ) -> Result<Vec<f32>, SamplingError> {
-        if logits.len() != self.vocab_size {
-            return Err(SamplingError::LogitsLength {
-                expected: self.vocab_size,
-                got: logits.len(),
-            });
-        }
-        self.work.clear();
-        self.work.extend(
-            logits
-                .iter()
-                .map(|&l| if l.is_finite() { l } else { f32::NEG_INFINITY }),
-        );
-        self.apply_penalties(history);
+        self.penalised(logits, history)?;
         let mut p = vec![0f32; self.vocab_size];
         if self.greedy {
             let t = argmax(&self.work).ok_or(SamplingError::NoFiniteLogits)?;
@@ -252,6 +228,24 @@ impl Sampler {
             logprob: None,
             top_logprobs: Vec::new(),
         })
+    }
+
+    /// `work` := the row with non-finite logits masked and the penalties applied.
+    fn penalised(&mut self, logits: &[f32], history: &SeqHistory) -> Result<(), SamplingError> {
+        if logits.len() != self.vocab_size {
+            return Err(SamplingError::LogitsLength {
+                expected: self.vocab_size,
+                got: logits.len(),
+            });
+        }
+        self.work.clear();
+        self.work.extend(
+            logits
+                .iter()
+                .map(|&l| if l.is_finite() { l } else { f32::NEG_INFINITY }),
+        );
+        self.apply_penalties(history);
+        Ok(())
     }
 
     fn apply_penalties(&mut self, history: &SeqHistory) {
