@@ -146,3 +146,19 @@ def test_bad_configurations_stop_the_start(config, message):
                         "--speculative-config", config], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert message in p.stderr + p.stdout, p.stderr[-2000:]
+
+
+def test_constrained_and_anthropic_requests_beside_speculation(spec_server, spec_client, model_name):
+    # A JSON-schema request keeps its own sampler (it does not speculate) in the same batches.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = spec_client.chat.completions.create(
+        model=model_name, messages=CONVERSATIONS[2], temperature=0, max_tokens=160, reasoning_effort="none",
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}})
+    assert set(json.loads(r.choices[0].message.content)) == {"ok"}
+    import anthropic
+
+    a = anthropic.Anthropic(base_url=spec_server.base_url, api_key="unused", timeout=300, max_retries=0)
+    msg = a.messages.create(model=model_name, max_tokens=64, extra_body={"temperature": 0},
+                            messages=[{"role": "user", "content": arithmetic(12, "+", 30)[0]}])
+    assert msg.stop_reason in ("end_turn", "max_tokens") and msg.content
