@@ -1,6 +1,7 @@
 """Speculative decoding through the HTTP API: a server with --speculative-config answers greedy
 requests exactly as the plain session server does (chat and completions, streamed or not,
-batched, multi-turn, with stop strings and logprobs), sampled requests still work, /metrics
+batched, multi-turn, with stop strings and logprobs), sampled requests still work (they keep
+the target's distribution, not a seed's exact tokens: whether a step drafts depends on load), /metrics
 reports drafts and acceptance, and a bad configuration stops the start with a clear message.
 """
 
@@ -110,11 +111,10 @@ def test_streamed_batched_stop_strings_and_logprobs(client, spec_client, model_n
 def test_sampled_requests_and_n_choices(spec_client, model_name):
     r = spec_client.chat.completions.create(
         model=model_name, messages=CONVERSATIONS[2], temperature=1.0, seed=7, n=3, max_tokens=40)
+    # Sampled requests keep the target's distribution (the engine's chi-square test checks it);
+    # they need not repeat a seed token for token, since whether a step drafts depends on load.
     assert len(r.choices) == 3 and all(c.finish_reason in ("stop", "length") for c in r.choices)
-    again = spec_client.chat.completions.create(
-        model=model_name, messages=CONVERSATIONS[2], temperature=1.0, seed=7, n=3, max_tokens=40)
-    # Seeded: the same choices again (verification draws from the request's own stream).
-    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    assert all(c.message.content or (c.message.model_extra or {}).get("reasoning_content") for c in r.choices)
 
 
 def test_metrics_report_drafts_and_acceptance(spec_server, spec_client, model_name):
@@ -122,9 +122,11 @@ def test_metrics_report_drafts_and_acceptance(spec_server, spec_client, model_na
                                    temperature=0)
     m = spec_server.metrics()
     assert m[f'k3serve_spec_decode_info{{method="{spec_server.config["method"]}"}}'] == 1
-    assert m["k3serve_spec_decode_num_draft_tokens_total"] > 0
-    assert m["k3serve_spec_decode_num_accepted_tokens_total"] > 0
-    assert m["k3serve_spec_decode_mean_acceptance_length"] >= 1.0
+    # Drafts were verified (the first rounds always draft; the early exit may close the gate
+    # after them on a CPU where drafting does not pay, so acceptance may be anything).
+    assert m["k3serve_spec_decode_num_drafts_total"] > 0
+    assert 0 <= m["k3serve_spec_decode_num_accepted_tokens_total"] <= m["k3serve_spec_decode_num_draft_tokens_total"]
+    assert 1.0 <= m["k3serve_spec_decode_mean_acceptance_length"] <= 1 + spec_server.config["num_speculative_tokens"]
     assert any(k.startswith("k3serve_spec_decode_verify_length_total") for k in m)
     # The measured step costs were written for the next start.
     profile = json.loads(Path(spec_server.config["cost_profile"]).read_text())
