@@ -82,6 +82,41 @@ pub struct ForwardBatch<'a> {
     /// Per sequence (or empty for none): whether it wants the hidden-state taps of its new
     /// rows in [`ForwardOutput::taps`] (see [`Executor::set_hidden_taps`]).
     pub want_taps: Vec<bool>,
+    /// Per sequence (or empty for none): the images of the whole sequence, positions absolute.
+    /// The rows of this step's tokens that fall in an image's span take the vision tower's
+    /// output instead of their token embeddings (see [`MediaInput`]).
+    pub media: Vec<&'a [MediaInput]>,
+}
+
+/// One image of a sequence: its `tokens` rows from `position` on (the `<|media_pad|>` tokens the
+/// prompt holds for it) take the vision tower's output rows for `image`, in order (docs/vision.md).
+#[derive(Debug, Clone)]
+pub struct MediaInput {
+    /// Sequence position of the image's first token.
+    pub position: usize,
+    /// Image tokens (rows) the image occupies: the tower's output rows for it.
+    pub tokens: usize,
+    pub image: std::sync::Arc<ImagePixels>,
+}
+
+impl MediaInput {
+    /// The positions this image occupies.
+    pub fn span(&self) -> std::ops::Range<usize> {
+        self.position..self.position + self.tokens
+    }
+}
+
+/// An image as the media stage prepared it: resized so each side is a multiple of the tower's
+/// patch × merge size, normalised to [-1, 1].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImagePixels {
+    pub height: usize,
+    pub width: usize,
+    /// Channel-major values: `pixels[(c * height + y) * width + x]`, c = R, G, B.
+    pub pixels: Vec<f32>,
+    /// A cryptographic hash of `pixels` (and the size): the key of the image's tower output,
+    /// and what the prefix cache keys the image's span by.
+    pub content_hash: [u8; 32],
 }
 
 /// A token bitmask (see [`token_mask_allows`]) that another thread may still be computing: a

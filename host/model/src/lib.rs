@@ -11,8 +11,8 @@ pub mod weights;
 pub use backend::{Backend, BackendError};
 pub use config::{Config, ConfigError, MixerKind};
 pub use exec::{
-    CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, PendingTokenMask,
-    SeqInput, VerifiedBlock, top_k_of_row,
+    CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, ImagePixels, LogitsWant,
+    MediaInput, PendingTokenMask, SeqInput, VerifiedBlock, top_k_of_row,
 };
 pub use model::{LoadError, Model};
 pub use runner::{ModelExecutor, Session, argmax};

@@ -67,6 +67,7 @@ impl StepJob {
             masks: self.seqs.iter().map(|s| s.mask.clone()).collect(),
             verify_records: self.seqs.iter().map(|s| s.record).collect(),
             want_taps: self.seqs.iter().map(|s| s.taps).collect(),
+            media: Vec::new(),
         };
         exec.forward(&batch)
     }
