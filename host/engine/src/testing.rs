@@ -7,8 +7,8 @@
 //! take any `Box<dyn Executor>`, so the real model can be swapped in.
 
 use k3_model::{
-    CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput,
-    VerifiedBlock,
+    CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, MediaInput,
+    SeqInput, VerifiedBlock,
 };
 
 /// Shape of the toy model.
@@ -165,7 +165,15 @@ impl ToyExecutor {
 
     /// `record`: a speculative verify (state read into a scratch copy only; each step's token
     /// and attention summary go to the record block, which `commit_verified` replays).
-    fn run_seq(&mut self, s: &SeqInput<'_>, record: Option<usize>, logits: &mut Vec<f32>) -> usize {
+    /// `media`: the sequence's images; a position inside one mixes the image's content and the
+    /// row's offset into its step, as an image row replaces a token embedding in a real model.
+    fn run_seq(
+        &mut self,
+        s: &SeqInput<'_>,
+        record: Option<usize>,
+        media: &[MediaInput],
+        logits: &mut Vec<f32>,
+    ) -> usize {
         let c = self.cfg;
         let words = c.state_bytes / 8;
         let mut state: Vec<u64> = (0..words)
@@ -185,6 +193,10 @@ impl ToyExecutor {
                 for w in 0..c.row_bytes / 8 {
                     acc = mix(acc ^ self.word(off + 8 * w).wrapping_mul(j as u64 | 1));
                 }
+            }
+            if let Some(m) = media.iter().find(|m| m.span().contains(&pos)) {
+                let seed = u64::from_le_bytes(m.image.content_hash[..8].try_into().expect("8"));
+                acc = mix(acc ^ seed ^ (pos - m.position) as u64);
             }
             if let Some(rec) = record {
                 self.set_word(rec + 8 + 16 * i, t as u64);
@@ -303,7 +315,8 @@ impl Executor for ToyExecutor {
         }
         for (i, s) in batch.seqs.iter().enumerate() {
             let record = batch.verify_records.get(i).copied().flatten();
-            let n = self.run_seq(s, record, &mut logits);
+            let media = batch.media.get(i).copied().unwrap_or(&[]);
+            let n = self.run_seq(s, record, media, &mut logits);
             row_ranges.push(row..row + n);
             row += n;
         }

@@ -756,3 +756,71 @@ fn handle_and_stream_can_cross_threads() {
     send::<k3_engine::RequestStream>();
     send_sync::<k3_engine::EngineMetrics>();
 }
+
+#[test]
+fn images_key_the_prefix_cache_by_content() -> Result<()> {
+    use k3_model::{ImagePixels, MediaInput};
+    use std::sync::Arc;
+    // The same ids around an image span (25 positions, across prefill chunks of 24): the same
+    // image again is a cache hit past the image, a different image is no hit beyond the text
+    // before it, and outputs equal a cache-off run.
+    let prompt: Vec<u32> = [
+        &[1u32, 2, 3, 4, 5][..],
+        &[7; 25][..],
+        &[11, 12, 13, 14, 15][..],
+    ]
+    .concat();
+    let image = |seed: u8| MediaInput {
+        position: 5,
+        tokens: 25,
+        image: Arc::new(ImagePixels {
+            height: 32 * 5,
+            width: 32 * 5,
+            pixels: Vec::new(),
+            content_hash: [seed; 32],
+        }),
+    };
+    let run = |core: &mut EngineCore, exec: &mut dyn Executor, id: u64, seed: u8| {
+        let mut r = req(id, prompt.clone(), 4);
+        r.media = vec![image(seed)];
+        let mut rx = core.submit(r)?;
+        while core.step(exec) {
+            core.check_invariants().map_err(anyhow::Error::msg)?;
+        }
+        let (ev, _) = drain(&mut rx)?;
+        Ok::<_, anyhow::Error>((ev[0].cached_tokens, tokens(&ev)))
+    };
+    let mut exec = toy(1 << 16);
+    let mut cold = EngineCore::new(exec.layout(), exec.vocab_size(), cfg(false))?;
+    let (_, want_a) = run(&mut cold, exec.as_mut(), 1, 1)?;
+    let (_, want_b) = run(&mut cold, exec.as_mut(), 2, 2)?;
+    assert_ne!(want_a, want_b, "the image's content reaches the model");
+
+    let mut exec = toy(1 << 16);
+    let mut core = EngineCore::new(exec.layout(), exec.vocab_size(), cfg(true))?;
+    let (cached, out) = run(&mut core, exec.as_mut(), 1, 1)?;
+    assert_eq!((cached, &out), (Some(0), &want_a));
+    let (cached, out) = run(&mut core, exec.as_mut(), 2, 1)?;
+    assert_eq!(out, want_a);
+    assert!(
+        cached >= Some(30),
+        "the same image is a hit past it: {cached:?}"
+    );
+    let (cached, out) = run(&mut core, exec.as_mut(), 3, 2)?;
+    assert_eq!(out, want_b);
+    assert!(
+        cached <= Some(5),
+        "a different image is never a hit: {cached:?}"
+    );
+    // A malformed layout is refused, not run.
+    let mut bad = req(4, prompt.clone(), 4);
+    bad.media = vec![MediaInput {
+        position: 30,
+        ..image(1)
+    }];
+    assert!(matches!(
+        core.submit(bad),
+        Err(SubmitError::InvalidMedia(_))
+    ));
+    Ok(())
+}

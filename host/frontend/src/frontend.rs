@@ -339,6 +339,9 @@ fn submit_error(e: SubmitError, param: &str) -> BackendError {
             message: "max_tokens must be at least 1".into(),
             param: Some("max_tokens".into()),
         },
+        SubmitError::InvalidMedia(m) => {
+            BackendError::Internal(format!("the prompt's image layout is inconsistent: {m}"))
+        }
         SubmitError::InvalidToken { token, vocab } => BackendError::InvalidRequest {
             message: format!("token id {token} is outside the vocabulary ({vocab} tokens)"),
             param: Some(param.into()),

@@ -13,6 +13,9 @@
 //!   evicting one alone leaves a *tombstone* whose KV stays for descendants. A leaf with neither a
 //!   checkpoint nor a lock is useless and is pruned at once.
 
+mod media_keys;
 mod radix;
+
+pub(crate) use media_keys::{cache_key, validate_spans};
 
 pub use radix::{EvictWant, InsertOutcome, NodeId, PrefixMatch, RadixCache};

@@ -10,6 +10,7 @@ mod stream;
 pub use stream::RequestStream;
 
 use crate::sampling::TokenSampler;
+use k3_model::MediaInput;
 use k3_sampling::SamplingParams;
 
 /// Caller-chosen request id (unique among live requests).
@@ -25,6 +26,9 @@ pub struct Request {
     pub sampling: SamplingParams,
     /// Replaces the `k3-sampling` sampler built from `sampling` (e.g. constrained decoding).
     pub sampler: Option<Box<dyn TokenSampler>>,
+    /// The prompt's images, in position order: spans of prompt positions whose rows take the
+    /// vision tower's output. The prefix cache keys those positions by the image's content.
+    pub media: Vec<MediaInput>,
 }
 
 impl Request {
@@ -34,6 +38,7 @@ impl Request {
             prompt,
             sampling,
             sampler: None,
+            media: Vec::new(),
         }
     }
 }
@@ -43,6 +48,7 @@ impl std::fmt::Debug for Request {
         f.debug_struct("Request")
             .field("id", &self.id)
             .field("prompt_len", &self.prompt.len())
+            .field("images", &self.media.len())
             .field("sampling", &self.sampling)
             .finish_non_exhaustive()
     }
@@ -99,6 +105,9 @@ pub enum SubmitError {
     InvalidSampling(String),
     #[error("token id {token} is outside the vocabulary ({vocab})")]
     InvalidToken { token: u32, vocab: usize },
+    /// An image span outside the prompt, empty, or overlapping another (a frontend bug).
+    #[error("invalid image span: {0}")]
+    InvalidMedia(String),
     #[error("request id {0} is already in use")]
     DuplicateId(RequestId),
     /// The waiting queue is full; retry later (HTTP 503/429).

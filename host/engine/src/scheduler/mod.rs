@@ -28,7 +28,7 @@ use crate::memory::{ArenaOp, BlockId, MemoryPool};
 use crate::metrics::EngineMetrics;
 use crate::request::{FinishReason, Request, RequestError, RequestId, SubmitError, TokenEvent};
 use crate::sampling::{RequestSampler, TokenSampler};
-use k3_model::{CacheLayout, Executor};
+use k3_model::{CacheLayout, Executor, MediaInput};
 use k3_sampling::{StopChecker, TokenVerdict};
 use std::collections::VecDeque;
 use tokio::sync::mpsc::UnboundedSender;
@@ -84,6 +84,8 @@ pub(crate) struct Seq {
     cached_tokens: Option<usize>,
     /// Drafting state when the request speculates.
     spec: Option<speculate::SeqSpec>,
+    /// The prompt's images (positions absolute); empty for a text prompt.
+    media: std::sync::Arc<[MediaInput]>,
 }
 
 impl Seq {
@@ -177,6 +179,8 @@ impl EngineCore {
         if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(SubmitError::InvalidToken { token: t, vocab });
         }
+        crate::cache::validate_spans(&req.media, req.prompt.len())
+            .map_err(SubmitError::InvalidMedia)?;
         let pool = MemoryPool::new(*layout, cfg.pool_mode)
             .map_err(|_| SubmitError::PromptTooLargeForMemory)?;
         let pages = (req.prompt.len() + 1).div_ceil(layout.page_tokens);
@@ -248,6 +252,7 @@ impl EngineCore {
             awaiting_token: false,
             cached_tokens: None,
             spec,
+            media: req.media.into(),
         });
         Ok(())
     }
@@ -364,7 +369,8 @@ impl EngineCore {
             return;
         };
         let np = pos / self.page;
-        let out = tree.insert(&seq.tokens[..pos], &seq.pages[..np], Some(slot));
+        let key = crate::cache::cache_key(&seq.tokens[..pos], &seq.media);
+        let out = tree.insert(&key, &seq.pages[..np], Some(slot));
         seq.pages.splice(..np, out.path_pages.iter().copied());
         tree.lock(out.node);
         let mut rel = out.release;

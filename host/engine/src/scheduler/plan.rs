@@ -317,7 +317,7 @@ impl EngineCore {
         let n = seq.tokens.len();
         let m = match self.tree.as_mut() {
             Some(t) => {
-                let m = t.match_prefix(&seq.tokens[..n - 1]);
+                let m = t.match_prefix(&crate::cache::cache_key(&seq.tokens[..n - 1], &seq.media));
                 // Locked: its KV stays; pinned: its checkpoint survives the evictions below
                 // until the restore copy is issued.
                 t.lock(m.node);

@@ -6,7 +6,8 @@ use super::{EngineCore, finish_reason};
 use crate::memory::{ArenaOp, BlockKind};
 use crate::request::{RequestError, RequestId, TokenEvent};
 use k3_model::{
-    ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, PendingTokenMask, SeqInput,
+    ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, MediaInput, PendingTokenMask,
+    SeqInput,
 };
 use k3_sampling::SampledToken;
 use k3_speculative::Draft;
@@ -26,6 +27,8 @@ struct SeqJob {
     record: Option<usize>,
     /// Return the hidden-state taps of its rows (a drafter reads them).
     taps: bool,
+    /// The sequence's images when one falls in this step's positions (else empty).
+    media: std::sync::Arc<[MediaInput]>,
 }
 
 /// Everything the executor does for one step: arena ops in order, then one forward.
@@ -67,7 +70,7 @@ impl StepJob {
             masks: self.seqs.iter().map(|s| s.mask.clone()).collect(),
             verify_records: self.seqs.iter().map(|s| s.record).collect(),
             want_taps: self.seqs.iter().map(|s| s.taps).collect(),
-            media: Vec::new(),
+            media: self.seqs.iter().map(|s| &s.media[..]).collect(),
         };
         exec.forward(&batch)
     }
@@ -156,6 +159,15 @@ impl EngineCore {
                 },
                 record: draft.as_ref().and(record).map(|r| self.pool.offset(r)),
                 taps: s.spec.as_ref().is_some_and(|x| x.wants_taps()),
+                media: if s
+                    .media
+                    .iter()
+                    .any(|m| m.position < p.start + p.len && m.span().end > p.start)
+                {
+                    s.media.clone()
+                } else {
+                    std::sync::Arc::from([])
+                },
             });
             self.running[i].awaiting_token = logits != LogitsWant::None;
             launched.push(LaunchedSeq {
