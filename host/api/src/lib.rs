@@ -9,6 +9,7 @@ pub mod anthropic;
 pub mod backend;
 pub mod body;
 pub mod connections;
+mod content;
 pub mod error;
 pub mod generation;
 pub mod metrics;

@@ -49,6 +49,7 @@ pub mod testing;
 
 pub use config::{EngineConfig, EngineConfigError, SpeculationConfig};
 pub use engine::{Engine, EngineHandle};
+pub use k3_model::{ImagePixels, MediaInput};
 pub use k3_sampling::{SampledToken, SamplingParams};
 pub use memory::PoolMode;
 pub use metrics::EngineMetrics;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::StreamExt;
 use futures::future::BoxFuture;
-use k3_engine::{EngineHandle, Request, SubmitError};
+use k3_engine::{EngineHandle, MediaInput, Request, SubmitError};
 use k3_plugin_host::{PluginHost, ReasoningOptions, ToolOptions};
 use k3_sampling::StopChecker;
 use k3_structured::GrammarPlan;
@@ -23,6 +23,9 @@ use crate::constrain::{Constraints, Need, chat_needs_grammar, constrained_sample
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::{BackendError, FrontendError};
 use crate::events::{GenEvent, Generation};
+use crate::media::{
+    ImageBytes, MediaFetcher, expand_placeholders, prepare_images, take_images,
+};
 use crate::pipeline::{ParserPlan, ParserStages, RequestPath};
 use crate::plugin_admin;
 use crate::prompt::{encode_prompt, render, render_prompt};
@@ -50,6 +53,8 @@ pub struct FrontendParts {
     /// Bytes of one KV page and one state block: to tell the prefix cache's share of the pool.
     pub kv_page_bytes: usize,
     pub state_block_bytes: usize,
+    /// Images: whether the model reads them, limits, and the URL fetcher.
+    pub media: MediaFetcher,
 }
 
 /// The request path over one engine and one plugin host.
@@ -77,6 +82,7 @@ impl Frontend {
         prompt_text: Option<String>,
         prompt_param: &str,
         grammar: Option<GrammarPlan>,
+        media: Vec<MediaInput>,
     ) -> Result<Generation, BackendError> {
         if prompt.is_empty() {
             return Err(BackendError::InvalidRequest {
@@ -105,6 +111,7 @@ impl Frontend {
         };
         let mut request = Request::new(id, prompt, params);
         request.sampler = sampler;
+        request.media = media;
         let stream = self
             .parts
             .engine
@@ -138,6 +145,12 @@ impl Frontend {
         render_prompt(&p.plugins, &p.tokenizer, &p.chat_template, req)
     }
 
+    /// Lift the request's images out of its messages and fetch them (async: URLs).
+    async fn fetch_images(&self, req: &mut ChatGenRequest) -> Result<Vec<ImageBytes>, BackendError> {
+        let refs = take_images(&mut req.messages);
+        self.parts.media.fetch(refs).await
+    }
+
     pub(crate) fn plugins(&self) -> &PluginHost {
         &self.parts.plugins
     }
@@ -147,21 +160,46 @@ impl Frontend {
         &self.parts.tokenizer
     }
 
-    fn chat_now(&self, req: ChatGenRequest) -> Result<Generation, BackendError> {
-        let ids = self.chat_prompt(&req)?;
-        self.submit_chat(&req, ids)
+    fn chat_now(
+        &self,
+        req: ChatGenRequest,
+        images: Vec<ImageBytes>,
+    ) -> Result<Generation, BackendError> {
+        let (ids, media) = self.chat_prompt(&req, images)?;
+        self.submit_chat(&req, ids, media)
     }
 
     /// `n` choices of one chat request over one rendering of its prompt.
-    fn chat_n_now(&self, req: ChatGenRequest, n: usize) -> Result<Vec<Generation>, BackendError> {
-        let ids = self.chat_prompt(&req)?;
+    fn chat_n_now(
+        &self,
+        req: ChatGenRequest,
+        images: Vec<ImageBytes>,
+        n: usize,
+    ) -> Result<Vec<Generation>, BackendError> {
+        let (ids, media) = self.chat_prompt(&req, images)?;
         (0..n)
-            .map(|i| self.submit_chat(&req.choice(i, n), ids.clone()))
+            .map(|i| self.submit_chat(&req.choice(i, n), ids.clone(), media.clone()))
             .collect()
     }
 
+    /// The prompt's ids and image spans: the text prompt ([`Frontend::chat_text_prompt`]) with
+    /// each image's placeholder expanded to the tokens the media stage laid out for it.
+    fn chat_prompt(
+        &self,
+        req: &ChatGenRequest,
+        images: Vec<ImageBytes>,
+    ) -> Result<(Vec<u32>, Vec<MediaInput>), BackendError> {
+        let ids = self.chat_text_prompt(req)?;
+        let Some(vision) = self.parts.media.settings().vision.filter(|_| !images.is_empty())
+        else {
+            return Ok((ids, Vec::new()));
+        };
+        let prepared = prepare_images(&self.parts.plugins, &vision, images)?;
+        expand_placeholders(&ids, &prepared, &vision, &self.parts.tokenizer)
+    }
+
     /// The checks that cost nothing, then the prompt's ids: rendered, bounded again, tokenized.
-    fn chat_prompt(&self, req: &ChatGenRequest) -> Result<Vec<u32>, BackendError> {
+    fn chat_text_prompt(&self, req: &ChatGenRequest) -> Result<Vec<u32>, BackendError> {
         let p = &self.parts;
         check_stop_token_ids(&req.sampling, p.vocab_size)?;
         check_prompt_bytes(
@@ -185,7 +223,12 @@ impl Frontend {
     }
 
     /// Submit one generation of `req` over its prompt `ids`, with its parser stages planned.
-    fn submit_chat(&self, req: &ChatGenRequest, ids: Vec<u32>) -> Result<Generation, BackendError> {
+    fn submit_chat(
+        &self,
+        req: &ChatGenRequest,
+        ids: Vec<u32>,
+        media: Vec<MediaInput>,
+    ) -> Result<Generation, BackendError> {
         let p = &self.parts;
         let parsers = ParserStages::Planned(ParserPlan {
             plugins: p.plugins.clone(),
@@ -203,7 +246,15 @@ impl Frontend {
             emit_tool_calls: !req.tools.is_empty() && req.tool_choice != ToolChoice::None,
         });
         let grammar = self.chat_grammar(req)?;
-        self.submit(ids, &req.sampling, Some(parsers), None, "messages", grammar)
+        self.submit(
+            ids,
+            &req.sampling,
+            Some(parsers),
+            None,
+            "messages",
+            grammar,
+            media,
+        )
     }
 
     fn complete_now(&self, req: CompletionGenRequest) -> Result<Generation, BackendError> {
@@ -242,7 +293,7 @@ impl Frontend {
             )?),
             None => None,
         };
-        self.submit(ids, &req.sampling, None, echo, "prompt", grammar)
+        self.submit(ids, &req.sampling, None, echo, "prompt", grammar, Vec::new())
     }
 
     /// The grammar a chat request's output must follow, from the tool parser: `tool_choice`
@@ -363,8 +414,11 @@ impl ChatBackend for Frontend {
         self.parts.model.clone()
     }
 
-    fn chat(&self, request: ChatGenRequest) -> BoxFuture<'_, Result<Generation, BackendError>> {
-        Box::pin(async move { blocking(|| self.chat_now(request)) })
+    fn chat(&self, mut request: ChatGenRequest) -> BoxFuture<'_, Result<Generation, BackendError>> {
+        Box::pin(async move {
+            let images = self.fetch_images(&mut request).await?;
+            blocking(|| self.chat_now(request, images))
+        })
     }
 
     fn chat_n(
@@ -372,7 +426,11 @@ impl ChatBackend for Frontend {
         request: ChatGenRequest,
         n: usize,
     ) -> BoxFuture<'_, Result<Vec<Generation>, BackendError>> {
-        Box::pin(async move { blocking(|| self.chat_n_now(request, n)) })
+        let mut request = request;
+        Box::pin(async move {
+            let images = self.fetch_images(&mut request).await?;
+            blocking(|| self.chat_n_now(request, images, n))
+        })
     }
 
     fn complete(
@@ -386,7 +444,11 @@ impl ChatBackend for Frontend {
         &self,
         request: ChatGenRequest,
     ) -> BoxFuture<'_, Result<Vec<u32>, BackendError>> {
-        Box::pin(async move { blocking(|| self.prompt_ids(&request)) })
+        let mut request = request;
+        Box::pin(async move {
+            let images = self.fetch_images(&mut request).await?;
+            blocking(|| self.chat_prompt(&request, images).map(|(ids, _)| ids))
+        })
     }
 
     fn tokenize_text(

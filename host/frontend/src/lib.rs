@@ -23,6 +23,7 @@ pub mod events;
 #[cfg(test)]
 mod forgery_tests;
 mod frontend;
+mod media;
 mod output_grammar;
 mod pipeline;
 mod plugin_admin;
@@ -40,6 +41,7 @@ pub use detokenizer::IncrementalDetokenizer;
 pub use error::{BackendError, FrontendError};
 pub use events::{FinishInfo, FinishReason, GenEvent, Generation, TokenLogprob, TopLogprob};
 pub use frontend::{Frontend, FrontendParts};
+pub use media::{MediaFetcher, MediaSettings, VisionGeometry};
 pub use k3_structured::{ConstraintError, OutputConstraint};
 pub use output_grammar::OutputGrammar;
 pub use request::{

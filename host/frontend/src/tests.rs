@@ -106,6 +106,7 @@ pub(super) fn backend_with(plugins: PluginHost, engine: EngineConfig) -> Fronten
         defaults: SamplingDefaults::default(),
         kv_page_bytes: toy.page_tokens * toy.row_bytes,
         state_block_bytes: toy.state_bytes,
+        media: crate::MediaFetcher::new(crate::MediaSettings::default()).unwrap(),
     })
 }
 

@@ -7,6 +7,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use crate::backend::{ChatGenRequest, ToolChoice};
+use crate::content::{Part, anthropic_image, content_value};
 use crate::error::ApiError;
 use crate::openai::messages::normalize_messages;
 use crate::unknown_fields::UnknownFields;
@@ -118,6 +119,8 @@ fn convert_message(
         }
     };
     let mut texts = Vec::new();
+    // A user message's text and images, in order.
+    let mut parts = Vec::new();
     let mut reasoning = Vec::new();
     let mut calls = Vec::new();
     let mut results = Vec::new();
@@ -129,7 +132,10 @@ fn convert_message(
         let field = |name: &str| block.get(name);
         match (role, kind) {
             (_, "text") => match field("text") {
-                Some(Value::String(t)) => texts.push(t.clone()),
+                Some(Value::String(t)) => {
+                    texts.push(t.clone());
+                    parts.push(Part::Text(t.clone()));
+                }
                 _ => {
                     return Err(ApiError::invalid(
                         format!("{bp}.text"),
@@ -193,6 +199,7 @@ fn convert_message(
                 };
                 results.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
             }
+            ("user", "image") => parts.push(anthropic_image(block, &bp)?),
             (_, kind @ ("image" | "document" | "search_result")) => {
                 return Err(ApiError::not_supported(
                     format!("{bp}.type"),
@@ -220,8 +227,8 @@ fn convert_message(
         out.push(Value::Object(m));
     } else {
         out.extend(results);
-        if !texts.is_empty() {
-            out.push(json!({"role": "user", "content": texts.join("\n")}));
+        if !parts.is_empty() {
+            out.push(json!({"role": "user", "content": content_value(parts)}));
         }
     }
     Ok(())

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use serde_json::{Map, Value};
 
+use crate::content::{Part, content_value, openai_image};
 use crate::error::ApiError;
 use crate::unknown_fields::UnknownFields;
 
@@ -76,7 +77,12 @@ pub fn normalize_messages(
             }
         };
         norm.insert("role".into(), Value::String(role.into()));
-        let content = content_text(obj.get("content"), &format!("{p}.content"))?;
+        let content = message_content(obj.get("content"), &format!("{p}.content"), role)?;
+        // Only a user message may hold parts (images); every other role's content is text.
+        let text = |c: Option<Value>| match c {
+            Some(Value::String(s)) => Some(s),
+            _ => None,
+        };
         if let Some(name) = obj.get("name") {
             match name {
                 Value::String(n) => {
@@ -111,7 +117,10 @@ pub fn normalize_messages(
                         format!("'{p}' needs 'content' or 'tool_calls'"),
                     ));
                 }
-                norm.insert("content".into(), Value::String(content.unwrap_or_default()));
+                norm.insert(
+                    "content".into(),
+                    Value::String(text(content).unwrap_or_default()),
+                );
                 if !calls.is_empty() {
                     norm.insert("tool_calls".into(), Value::Array(calls));
                 }
@@ -120,7 +129,7 @@ pub fn normalize_messages(
                 }
             }
             "tool" => {
-                let content = content.ok_or_else(|| {
+                let content = text(content).ok_or_else(|| {
                     ApiError::invalid(
                         format!("{p}.content"),
                         format!("'{p}.content' is required for a tool message"),
@@ -168,7 +177,7 @@ pub fn normalize_messages(
                         format!("'{p}.content' is required for a {role} message"),
                     )
                 })?;
-                norm.insert("content".into(), Value::String(content));
+                norm.insert("content".into(), content);
             }
         }
         for key in ["tool_calls", "tool_call_id"] {
@@ -188,14 +197,19 @@ pub fn normalize_messages(
     Ok(out)
 }
 
-/// Content as text: a string, or text parts joined by newlines. `None` for null/absent.
-fn content_text(content: Option<&Value>, p: &str) -> Result<Option<String>, ApiError> {
+/// Content: a string, or parts — text joined by newlines, and in a user message images (see
+/// `crate::content`). `None` for null/absent. Without images the value is a string.
+fn message_content(
+    content: Option<&Value>,
+    p: &str,
+    role: &str,
+) -> Result<Option<Value>, ApiError> {
     match content {
         None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(Value::Array(parts)) => {
-            let mut texts = Vec::with_capacity(parts.len());
-            for (j, part) in parts.iter().enumerate() {
+        Some(Value::String(s)) => Ok(Some(Value::String(s.clone()))),
+        Some(Value::Array(items)) => {
+            let mut parts = Vec::with_capacity(items.len());
+            for (j, part) in items.iter().enumerate() {
                 let pp = format!("{p}[{j}]");
                 let Value::Object(part) = part else {
                     return Err(ApiError::invalid(
@@ -205,7 +219,7 @@ fn content_text(content: Option<&Value>, p: &str) -> Result<Option<String>, ApiE
                 };
                 match part.get("type").and_then(Value::as_str) {
                     Some("text") => match part.get("text") {
-                        Some(Value::String(t)) => texts.push(t.clone()),
+                        Some(Value::String(t)) => parts.push(Part::Text(t.clone())),
                         _ => {
                             return Err(ApiError::invalid(
                                 format!("{pp}.text"),
@@ -213,7 +227,16 @@ fn content_text(content: Option<&Value>, p: &str) -> Result<Option<String>, ApiE
                             ));
                         }
                     },
-                    Some(kind @ ("image_url" | "input_audio" | "file" | "image")) => {
+                    Some("image_url") if role == "user" => parts.push(openai_image(part, &pp)?),
+                    Some("image_url") => {
+                        return Err(ApiError::not_supported(
+                            format!("{pp}.type"),
+                            format!(
+                                "images are read in user messages only, not in a {role} message"
+                            ),
+                        ));
+                    }
+                    Some(kind @ ("input_audio" | "file" | "image")) => {
                         return Err(ApiError::not_supported(
                             format!("{pp}.type"),
                             format!(
@@ -235,7 +258,7 @@ fn content_text(content: Option<&Value>, p: &str) -> Result<Option<String>, ApiE
                     }
                 }
             }
-            Ok(Some(texts.join("\n")))
+            Ok(Some(content_value(parts)))
         }
         Some(_) => Err(ApiError::invalid(
             p,
@@ -366,6 +389,24 @@ mod tests {
     }
 
     #[test]
+    fn user_images_keep_their_place_among_text() {
+        let m = normalize_messages(
+            &[json!({"role": "user", "content": [
+                {"type": "text", "text": "a"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA", "detail": "low"}},
+                {"type": "text", "text": "b"}]})],
+            &mut UnknownFields::strict(),
+        )
+        .unwrap();
+        assert_eq!(
+            m[0]["content"],
+            json!([{"type": "text", "text": "a"},
+                   {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA", "detail": "low"}},
+                   {"type": "text", "text": "b"}])
+        );
+    }
+
+    #[test]
     fn unknown_message_fields_are_ignored_unless_strict() {
         // What litellm sends back with a tool round trip.
         let msgs = json!([
@@ -421,9 +462,16 @@ mod tests {
             e.param.as_deref(),
             Some("messages[0].tool_calls[0].function.arguments")
         );
-        let e = err(
-            json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        let e = err(json!([{"role": "assistant", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]));
+        assert_eq!(e.code, Some("not_supported"));
+        let e = err(json!([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x", "detail": "huge"}}]}]));
+        assert_eq!(
+            e.param.as_deref(),
+            Some("messages[0].content[0].image_url.detail")
         );
+        let e = err(json!([{"role": "user", "content": [{"type": "input_audio"}]}]));
         assert_eq!(e.code, Some("not_supported"));
     }
 }

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod cache_budget;
 pub mod dspark_source;
 pub mod generate;
+pub mod media_config;
 pub mod model_loading;
 pub mod serve;
 pub mod serve_config;

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use k3_api::{ApiConfig, AppState};
 use k3_engine::{Engine, EngineConfig, EngineHandle, Request, SamplingParams};
-use k3_frontend::{Frontend, FrontendParts, ModelInfo, SamplingDefaults, Tokenizer};
+use k3_frontend::{
+    Frontend, FrontendParts, MediaFetcher, MediaSettings, ModelInfo, SamplingDefaults, Tokenizer,
+};
 use k3_model::model::CacheOffsets;
 use k3_plugin_host::{PluginHost, PluginHostConfig, Stage, default_plugin_dir};
 
@@ -367,6 +369,13 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         defaults,
         kv_page_bytes: layout.kv_page_bytes,
         state_block_bytes: layout.state_block_bytes,
+        media: MediaFetcher::new(MediaSettings {
+            vision: None,
+            max_images_per_prompt: cfg.media.max_images_per_prompt,
+            allowed_domains: cfg.media.allowed_domains.clone(),
+            fetch_timeout: cfg.media.fetch_timeout,
+            max_image_bytes: cfg.media.max_image_bytes,
+        })?,
     });
     let state = AppState::new(
         Arc::new(frontend),

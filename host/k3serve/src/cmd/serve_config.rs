@@ -9,6 +9,7 @@ use anyhow::{Context, bail};
 use k3_api::connections::ConnectionLimits;
 use serde::Deserialize;
 
+use super::media_config::{MediaArgs, MediaConfig, MediaFile};
 use super::model_loading::{CudaArgs, Device, LoadFormat};
 use super::speculative::SpeculativeSettings;
 use super::vllm_flags::VllmFlags;
@@ -160,6 +161,8 @@ pub struct Args {
     #[arg(long, value_name = "JSON")]
     pub speculative_config: Option<String>,
     #[command(flatten)]
+    pub media: MediaArgs,
+    #[command(flatten)]
     pub vllm: VllmFlags,
     #[command(flatten)]
     pub cuda: CudaArgs,
@@ -209,6 +212,10 @@ struct FileConfig {
     gemv_max_weight_elems: Option<usize>,
     mla_decode_precision: Option<String>,
     speculative_config: Option<toml::Value>,
+    limit_mm_per_prompt: Option<toml::Value>,
+    allowed_media_domains: Option<Vec<String>>,
+    media_fetch_timeout: Option<f64>,
+    max_image_bytes: Option<usize>,
 }
 
 /// `served-model-name` in the file: one name or a list.
@@ -269,6 +276,8 @@ pub struct ServeConfig {
     pub chat_template: Option<PathBuf>,
     /// Speculative decoding (`None`: off).
     pub speculative: Option<SpeculativeSettings>,
+    /// Image limits and allowed URL domains.
+    pub media: MediaConfig,
     pub plugin_dir: Option<PathBuf>,
     pub max_request_body_bytes: usize,
     pub shutdown_timeout: f64,
@@ -428,6 +437,15 @@ impl ServeConfig {
                 (None, Some(value)) => Some(SpeculativeSettings::from_toml(value)?),
                 (None, None) => None,
             },
+            media: MediaConfig::resolve(
+                args.media,
+                MediaFile {
+                    limit_mm_per_prompt: file.limit_mm_per_prompt,
+                    allowed_media_domains: file.allowed_media_domains,
+                    media_fetch_timeout: file.media_fetch_timeout,
+                    max_image_bytes: file.max_image_bytes,
+                },
+            )?,
             plugin_dir: args.plugin_dir.or(file.plugin_dir),
             max_request_body_bytes: args
                 .max_request_body_bytes
