@@ -105,7 +105,7 @@ def train(decoder, tower, a, dev: str, log) -> dict:
                              {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.98))
     stream = ImageStream(a.tokenizer, a.seed, a.batch_size)
     loader = DataLoader(stream, batch_size=None, num_workers=a.workers, pin_memory=dev == "cuda",
-                        prefetch_factor=8 if a.workers else None)
+                        prefetch_factor=4 if a.workers else None)
     it = iter(loader)
     logf = open(os.path.join(a.out, "vision_train_log.jsonl"), "w")
     t0 = time.time()
@@ -184,7 +184,7 @@ def greedy_batch(decoder, tower, tok, items, dev: str, max_new: int) -> list[str
         t = int(lens.max())
         ids = buf[:, :t]
         emb = splice_embeds(decoder.model.embed_tokens(ids), ids, rows, where[:, :t])
-        logits = decoder(ids, inputs_embeds=emb)
+        logits = decoder(ids, inputs_embeds=emb, kda_impl="fast")  # exact in exact arithmetic; checked below
         nxt = logits[torch.arange(b, device=dev), lens - 1].float().argmax(-1)
         for i in range(b):
             if not done[i]:
