@@ -130,14 +130,17 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, cache: list[dict] | None = None, *, kda_impl: str = "exact",
                 moe_dense: bool = False, fake_quant: bool = False, absorbed: bool = False,
-                collect: list | None = None, emit_at=(), last_only: bool = False, taps: dict | None = None):
+                collect: list | None = None, emit_at=(), last_only: bool = False, taps: dict | None = None,
+                inputs_embeds: torch.Tensor | None = None):
         """ids [B, T]. With `cache` (from new_cache / a previous call) the call continues the sequence.
+        `inputs_embeds` [B, T, d], when given, replaces the embedding lookup of `ids` (image rows spliced in:
+        k3ref/vision_data.py splice_embeds); `ids` then only gives the shape.
         `collect` receives p after every layer; `emit_at` asks KDA layers for in-pass states (cache[l]['emitted']).
         `taps` {l: None, ...} is filled with the streams a DSpark drafter reads (docs of k3ref/dspark.py): for
         1 <= l < L the AttnRes-mixed input h of layer l before its input RMSNorm; for l = L the final mix."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        x = self.model.embed_tokens(ids)
+        x = self.model.embed_tokens(ids) if inputs_embeds is None else inputs_embeds
         bank: list[torch.Tensor] = []
         p = x
         for l, layer in enumerate(self.model.layers):
@@ -174,11 +177,14 @@ class K3ForCausalLM(nn.Module):
         return self.lm_head(rms_norm(y, self.model.norm.weight, eps))
 
     @torch.no_grad()
-    def generate_greedy(self, ids: list[int], max_new: int, stop_ids=(), kda_impl="exact") -> list[int]:
-        """Greedy decoding with the recurrent/latent caches (batch 1)."""
+    def generate_greedy(self, ids: list[int], max_new: int, stop_ids=(), kda_impl="exact",
+                        inputs_embeds: torch.Tensor | None = None) -> list[int]:
+        """Greedy decoding with the recurrent/latent caches (batch 1). `inputs_embeds` [1, len(ids), d]
+        replaces the prompt's embeddings (image rows spliced in)."""
         dev = self.lm_head.weight.device
         cache = self.new_cache()
-        logits = self.forward(torch.tensor([ids], device=dev), cache, kda_impl=kda_impl, last_only=True)
+        logits = self.forward(torch.tensor([ids], device=dev), cache, kda_impl=kda_impl, last_only=True,
+                              inputs_embeds=inputs_embeds)
         out = []
         for _ in range(max_new):
             nxt = int(torch.argmax(logits[0, -1].float()))

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from k3ref.data.images import (COLORS, FONT, IMAGE_KINDS, ImageExample, check_answer,
+from k3ref.data.images import (COLORS, FONT, IMAGE_KINDS, SIDES, ImageExample, check_answer,
                                render_text, sample_image_example)
 
 
@@ -79,7 +79,7 @@ def test_seeded_native_sizes(kind):
         assert np.array_equal(x.image, y.image) and x.question == y.question and x.answer == y.answer
     for ex in a:
         h, w, c = ex.image.shape
-        assert c == 3 and ex.image.dtype == np.uint8 and h % 16 == 0 and w % 16 == 0 and 64 <= h <= 192
+        assert c == 3 and ex.image.dtype == np.uint8 and h in SIDES and w in SIDES
 
 
 def test_text_reads_back():
@@ -130,3 +130,9 @@ def test_check_answer():
     assert check_answer(ex, "There are 3 circles.") and not check_answer(ex, "33") and not check_answer(ex, None)
     t = ImageExample("text", ex.image, "What does it say?", "AB7")
     assert check_answer(t, "It says AB7.") and not check_answer(t, "ab7") and not check_answer(t, "AB78")
+
+
+@pytest.mark.parametrize("kind", ["color", "count", "position", "bar_chart"])
+def test_fixed_size(kind):
+    ex = sample_image_example(kind, random.Random(5), size=(64, 96))
+    assert ex.image.shape == (64, 96, 3)

@@ -1,7 +1,8 @@
 """Seeded synthetic images with checkable answers: the data for k3-mini's vision tower (issue 22).
 
-Every example is an RGB image (uint8, height × width × 3, native resolution: each side a multiple of
-16 between 64 and 192) with a question and an exact answer, in five kinds (`IMAGE_KINDS`):
+Every example is an RGB image (uint8, height × width × 3, native resolution: each side one of
+`SIDES`, multiples of 32 from 64 to 192, so every image is a whole number of the vision tower's
+32×32-pixel image tokens and needs no resizing) with a question and an exact answer, in five kinds (`IMAGE_KINDS`):
 
 - ``color``: one large shape; "What color is the shape?" / "What shape is it?";
 - ``count``: 1–9 small shapes of one kind and colour; "How many circles are there?";
@@ -12,7 +13,7 @@ Every example is an RGB image (uint8, height × width × 3, native resolution: e
 - ``bar_chart``: 3–5 labelled bars; "Which bar is the tallest?" (a letter).
 
 Only the standard library and NumPy, so CI runs the tests. `sample_image_example(kind, rng)` draws
-one; `check_answer(example, text)` scores a model's reply (the answer must appear as a word).
+one (`size=(h, w)` fixes the canvas, e.g. for golden vectors); `check_answer(example, text)` scores a model's reply (the answer must appear as a word).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 IMAGE_KINDS = ["color", "count", "position", "text", "bar_chart"]
+SIDES = [64, 96, 128, 160, 192]
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
@@ -70,9 +72,8 @@ class ImageExample:
     answer: str
 
 
-def _canvas(rng: random.Random) -> np.ndarray:
-    h = rng.randrange(64, 193, 16)
-    w = rng.randrange(64, 193, 16)
+def _canvas(rng: random.Random, size: tuple[int, int] | None = None) -> np.ndarray:
+    h, w = (rng.choice(SIDES), rng.choice(SIDES)) if size is None else size
     bg = rng.choice(BACKGROUNDS)
     return np.broadcast_to(np.array(bg, np.uint8), (h, w, 3)).copy()
 
@@ -99,13 +100,14 @@ def _free_spot(rng: random.Random, h: int, w: int, r: float, taken: list[tuple[f
     for _ in range(200):
         cy = rng.uniform(r + 1, h - r - 1)
         cx = rng.uniform(r + 1, w - r - 1)
-        if all((cy - y) ** 2 + (cx - x) ** 2 > (r + rr + 3) ** 2 for y, x, rr in taken):
+        # Bounding squares apart (not just centres): two squares are apart along a diagonal too.
+        if all(max(abs(cy - y), abs(cx - x)) > r + rr + 3 for y, x, rr in taken):
             return cy, cx
     return None
 
 
-def _color(rng: random.Random) -> ImageExample:
-    img = _canvas(rng)
+def _color(rng: random.Random, size=None) -> ImageExample:
+    img = _canvas(rng, size)
     h, w, _ = img.shape
     shape, color = rng.choice(SHAPES), rng.choice(list(COLORS))
     r = min(h, w) * rng.uniform(0.25, 0.4)
@@ -115,9 +117,9 @@ def _color(rng: random.Random) -> ImageExample:
     return ImageExample("color", img, "What shape is it?", shape)
 
 
-def _count(rng: random.Random) -> ImageExample:
+def _count(rng: random.Random, size=None) -> ImageExample:
     for _ in range(20):
-        img = _canvas(rng)
+        img = _canvas(rng, size)
         h, w, _ = img.shape
         shape, color = rng.choice(SHAPES), rng.choice(list(COLORS))
         n = rng.randint(1, 9)
@@ -134,8 +136,8 @@ def _count(rng: random.Random) -> ImageExample:
     raise RuntimeError("no room for the shapes")
 
 
-def _position(rng: random.Random) -> ImageExample:
-    img = _canvas(rng)
+def _position(rng: random.Random, size=None) -> ImageExample:
+    img = _canvas(rng, size)
     h, w, _ = img.shape
     (s1, s2), (c1, c2) = rng.sample(SHAPES, 2), rng.sample(list(COLORS), 2)
     r = min(h, w) / 7
@@ -167,16 +169,18 @@ def render_text(img: np.ndarray, text: str, top: int, left: int, scale: int, col
         img[top:top + 7 * scale, x0:x0 + 5 * scale][block] = color
 
 
-def _text(rng: random.Random) -> ImageExample:
+def _text(rng: random.Random, size=None) -> ImageExample:
     alphabet = DIGITS if rng.random() < 0.5 else LETTERS
     n = rng.randint(1, 4)
     text = "".join(rng.choice(alphabet) for _ in range(n))
     scale = rng.randint(2, 4)
-    img = _canvas(rng)
+    img = _canvas(rng, size)
     h, w, _ = img.shape
     need_w, need_h = (6 * n - 1) * scale, 7 * scale
     if need_w + 4 > w:
-        w = ((need_w + 4 + 15) // 16) * 16
+        if size is not None:
+            raise ValueError(f"{n} characters at scale {scale} do not fit {size}")
+        w = ((need_w + 4 + 31) // 32) * 32
         img = np.broadcast_to(img[0, 0], (h, w, 3)).copy()
     top = rng.randint(2, h - need_h - 2)
     left = rng.randint(2, w - need_w - 2)
@@ -184,8 +188,8 @@ def _text(rng: random.Random) -> ImageExample:
     return ImageExample("text", img, "What does the image say?", text)
 
 
-def _bar_chart(rng: random.Random) -> ImageExample:
-    img = _canvas(rng)
+def _bar_chart(rng: random.Random, size=None) -> ImageExample:
+    img = _canvas(rng, size)
     h, w, _ = img.shape
     n = rng.randint(3, 5)
     labels = rng.sample(LETTERS, n)
@@ -209,9 +213,10 @@ _GENERATORS = {"color": _color, "count": _count, "position": _position, "text": 
                "bar_chart": _bar_chart}
 
 
-def sample_image_example(kind: str, rng: random.Random) -> ImageExample:
-    """One example of `kind` (one of `IMAGE_KINDS`), fully determined by `rng`'s state."""
-    return _GENERATORS[kind](rng)
+def sample_image_example(kind: str, rng: random.Random, size: tuple[int, int] | None = None) -> ImageExample:
+    """One example of `kind` (one of `IMAGE_KINDS`), fully determined by `rng`'s state (and `size`,
+    (height, width), when given: a `text` example that does not fit it raises ValueError)."""
+    return _GENERATORS[kind](rng, size)
 
 
 def check_answer(ex: ImageExample, text: str | None) -> bool:

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Train, export and evaluate k3-mini's vision tower + projector (decoder frozen) on the lent H200 in one call
+# (k3ref/vision_train.py; models/k3-mini/MODEL_CARD.md "Vision"):
+#   bash reference/scripts/device_train_vision.sh <train-seconds> [extra vision_train args]
+#   bash reference/scripts/device_train_vision.sh 420                # the recipe: ~9 minutes in all
+#   bash reference/scripts/device_train_vision.sh 8 --smoke          # the whole pipeline in well under a minute
+# Writes to $OUT: vision.safetensors (bf16), vision-golden.safetensors, vision_eval.json,
+# vision_train_log.jsonl, vision_stdout.log. Then, in the repository:
+#   PYTHONPATH=reference python3 -m k3ref.vision_export --model models/k3-mini --from <OUT>/vision.safetensors
+# regenerates models/k3-mini/vision.safetensors and host/model/tests/golden/vision-golden.safetensors (the
+# same bytes as $OUT's golden file).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+TRAIN_S=${1:-420}; shift || true
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD/reference
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
+python3 -m k3ref.vision_train --model models/k3-mini --out "$OUT" --time-budget "$TRAIN_S" "$@" 2>&1 \
+  | { grep --line-buffered -v -i warning || true; } | tee "$OUT/vision_stdout.log"
+rc=${PIPESTATUS[0]}
+ls -la "$OUT"
+exit "$rc"
