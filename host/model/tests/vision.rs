@@ -353,11 +353,11 @@ fn missing_and_misshaped_tensors_are_named() -> Result<()> {
     let cfg = contract_vision();
     let mut weights = random_tower(&cfg, 5);
     weights.remove("vision_tower.blocks.2.fc1.bias");
-    let path = write_bf16(&weights, "missing")?;
+    let missing = write_bf16(&weights, "missing")?;
     let err = VisionTower::load(
         &cfg,
         DECODER,
-        &WeightFile::open(&path)?.tensors(),
+        &WeightFile::open(&missing)?.tensors(),
         &CpuBackend::new(),
     )
     .err()
@@ -376,7 +376,7 @@ fn missing_and_misshaped_tensors_are_named() -> Result<()> {
     .context("a tower loaded for the wrong decoder width")?;
     let msg = err.to_string();
     assert!(msg.contains("multi_modal_projector.proj1.weight") && msg.contains("[256, 768]"));
-    for p in [path] {
+    for p in [missing, path] {
         std::fs::remove_dir_all(p.parent().unwrap())?;
     }
     Ok(())
