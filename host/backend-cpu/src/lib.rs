@@ -12,10 +12,11 @@ pub mod mla;
 pub mod mxfp4;
 pub mod ops;
 pub(crate) mod simd;
+pub mod vision;
 
 use k3_model::backend::{
     Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
-    RouterParams, SituParams,
+    RouterParams, SituParams, VisionAttnGeom, merge_patches_shape,
 };
 use k3_model::backend::{BackendError, KdaCommit, OpResult};
 use mxfp4::{MxMatrix, mx_matmul, split_even_odd};
@@ -375,6 +376,55 @@ impl Backend for CpuBackend {
         same_shape(p, a, "add_assign")?;
         p.data.iter_mut().zip(&a.data).for_each(|(x, y)| *x += y);
         Ok(())
+    }
+
+    fn upload_act(&self, rows: usize, cols: usize, data: Vec<f32>) -> OpResult<Mat> {
+        if data.len() != rows * cols {
+            return Err(BackendError::InvalidArg(format!(
+                "{} values for a {rows}x{cols} activation",
+                data.len()
+            )));
+        }
+        Ok(Mat::new(rows, cols, data))
+    }
+
+    fn add_bias(&self, x: &mut Mat, b: &Vec<f32>) -> OpResult<()> {
+        if b.len() != x.cols {
+            return Err(BackendError::InvalidArg(format!(
+                "add_bias: bias {} for width {}",
+                b.len(),
+                x.cols
+            )));
+        }
+        for row in x.data.chunks_exact_mut(x.cols.max(1)) {
+            row.iter_mut().zip(b).for_each(|(y, c)| *y += c);
+        }
+        Ok(())
+    }
+
+    fn gelu_tanh(&self, x: &mut Mat) -> OpResult<()> {
+        x.data
+            .par_chunks_mut(4096)
+            .for_each(|c| c.iter_mut().for_each(|v| *v = vision::gelu_tanh(*v)));
+        Ok(())
+    }
+
+    fn vision_attention(&self, qkv: &Mat, g: VisionAttnGeom) -> OpResult<Mat> {
+        g.check(qkv.rows, qkv.cols)?;
+        Ok(Mat::new(
+            qkv.rows,
+            g.heads * g.head_dim,
+            vision::attention(&qkv.data, g),
+        ))
+    }
+
+    fn merge_patches(&self, x: &Mat, grid_h: usize, grid_w: usize, merge: usize) -> OpResult<Mat> {
+        let (rows, cols) = merge_patches_shape(x.rows, x.cols, grid_h, grid_w, merge)?;
+        Ok(Mat::new(
+            rows,
+            cols,
+            vision::merge(&x.data, x.cols, grid_h, grid_w, merge),
+        ))
     }
 
     fn attn_res(&self, sources: &[&Mat], w: &Vec<f32>, eps: f32) -> OpResult<Mat> {

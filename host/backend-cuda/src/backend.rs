@@ -12,7 +12,7 @@ use crate::moe::DeviceExperts;
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use k3_model::backend::{
     Backend, BackendError, KdaCommit, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc,
-    MlaGeom, MxExpertsHost, OpResult, RouterParams, SituParams,
+    MlaGeom, MxExpertsHost, OpResult, RouterParams, SituParams, VisionAttnGeom,
 };
 use k3_model::exec::ExecError;
 
@@ -255,6 +255,44 @@ impl Backend for CudaBackend {
         self.timed(
             || "add_assign".into(),
             || self.op(|| CudaBackend::add_assign(self, p, a)),
+        )
+    }
+
+    fn upload_act(&self, rows: usize, cols: usize, data: Vec<f32>) -> OpResult<DeviceMat> {
+        self.op(|| CudaBackend::upload_act(self, rows, cols, &data))
+    }
+
+    fn add_bias(&self, x: &mut DeviceMat, b: &CudaSlice<f32>) -> OpResult<()> {
+        self.timed(
+            || "add_bias".into(),
+            || self.op(|| CudaBackend::add_bias(self, x, b)),
+        )
+    }
+
+    fn gelu_tanh(&self, x: &mut DeviceMat) -> OpResult<()> {
+        self.timed(
+            || "gelu_tanh".into(),
+            || self.op(|| CudaBackend::gelu_tanh(self, x)),
+        )
+    }
+
+    fn vision_attention(&self, qkv: &DeviceMat, geom: VisionAttnGeom) -> OpResult<DeviceMat> {
+        self.timed(
+            || format!("vision_attention (N={})", bucket(qkv.rows)),
+            || self.op(|| CudaBackend::vision_attention(self, qkv, geom)),
+        )
+    }
+
+    fn merge_patches(
+        &self,
+        x: &DeviceMat,
+        grid_h: usize,
+        grid_w: usize,
+        merge: usize,
+    ) -> OpResult<DeviceMat> {
+        self.timed(
+            || "merge_patches".into(),
+            || self.op(|| CudaBackend::merge_patches(self, x, grid_h, grid_w, merge)),
         )
     }
 

@@ -5,7 +5,7 @@
 //!
 //! Layout: `backend.rs` is the one `impl Backend for CudaBackend`, calling the op modules
 //! `dense/` (matmuls, norms, elementwise, AttnRes, top-k), `kda/`, `mla/` (with the expanded
-//! prefill) and `moe/` (router and the expert paths); `dispatch.rs` picks each op's kernel path
+//! prefill), `moe/` (router and the expert paths) and `vision.rs` (the vision tower's ops); `dispatch.rs` picks each op's kernel path
 //! from the step's shape and the GPU, `options.rs` holds the deployment's choices
 //! ([`CudaOptions`]); `device.rs` (context, memory, module loading), `graph.rs` (decode steps as
 //! CUDA graphs), `cache.rs` / `sources.rs` (kernel sources and cubins), `profile.rs`
@@ -30,6 +30,7 @@ pub mod options;
 mod profile;
 pub mod sources;
 mod step;
+mod vision;
 mod workspace;
 
 pub use device::{CudaBackend, DeviceLinear, DeviceMat};

@@ -165,6 +165,17 @@ pub const FILES: &[KernelFile] = &[
         text: include_str!("../../../kernels/situ.cu"),
         entries: &["situ_glu_f32", "situ_glu_packed_f32"],
     },
+    KernelFile {
+        name: "vision.cu",
+        text: include_str!("../../../kernels/vision.cu"),
+        entries: &[
+            "add_bias_f32",
+            "gelu_tanh_f32",
+            "vision_rope_f32",
+            "vision_attention_f32",
+            "merge_patches_f32",
+        ],
+    },
 ];
 
 /// `text` with every `#include "name"` replaced by the header's (recursively expanded) text,

@@ -5,6 +5,7 @@
 //!   k3_mini_matches_cpu    models/k3-mini on the golden prompts: logits and greedy tokens
 //!   engine_matches_cpu     ModelExecutor<CudaBackend> inside k3_engine, concurrent requests
 //!   kda_replay_*           ReplaySSM verify/commit against plain decoding (device/kda_replay.rs)
+//!   vision_*               the vision tower's ops, the tower and an image prompt (device/vision.rs)
 //! The seed is printed; `K3_SEED=<n>` repeats a run. `K3_ROOT` points at the repository root
 //! when the test binary runs outside the source tree (default: the current directory if it has
 //! models/, else the crate's source location).
@@ -20,6 +21,8 @@ use std::path::PathBuf;
 
 #[path = "device/kda_replay.rs"]
 mod kda_replay;
+#[path = "device/vision.rs"]
+mod vision;
 
 fn cuda() -> Option<CudaBackend> {
     match CudaBackend::try_new(0) {

@@ -164,6 +164,59 @@ pub struct MxMatrixHost {
     pub scales: Vec<u8>,
 }
 
+/// The vision tower's attention over one image's patches (docs/vision.md): non-causal
+/// multi-head softmax attention with 2-D RoPE. The patches are the rows of the input in
+/// row-major order over a `grid_h × grid_w` grid.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VisionAttnGeom {
+    pub heads: usize,
+    /// A multiple of 4: each half of a head rotates (in rotate-half pairs) with one grid axis.
+    pub head_dim: usize,
+    pub grid_h: usize,
+    pub grid_w: usize,
+    pub rope_theta: f32,
+}
+
+impl VisionAttnGeom {
+    /// The checks every backend applies to `qkv` `[rows, cols]` before attending.
+    pub fn check(&self, rows: usize, cols: usize) -> OpResult<()> {
+        let width = self.heads * self.head_dim;
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(4) {
+            return Err(BackendError::InvalidArg(format!(
+                "vision attention: head_dim {} is not a positive multiple of 4",
+                self.head_dim
+            )));
+        }
+        if rows != self.grid_h * self.grid_w || cols != 3 * width || rows == 0 {
+            return Err(BackendError::InvalidArg(format!(
+                "vision attention: qkv {rows}x{cols} for a {}x{} grid of {} heads x {}",
+                self.grid_h, self.grid_w, self.heads, self.head_dim
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Checks of [`Backend::merge_patches`]'s arguments; returns the merged `(rows, cols)`.
+pub fn merge_patches_shape(
+    rows: usize,
+    cols: usize,
+    grid_h: usize,
+    grid_w: usize,
+    merge: usize,
+) -> OpResult<(usize, usize)> {
+    if merge == 0
+        || rows != grid_h * grid_w
+        || !grid_h.is_multiple_of(merge)
+        || !grid_w.is_multiple_of(merge)
+    {
+        return Err(BackendError::InvalidArg(format!(
+            "merge_patches: {rows} rows as a {grid_h}x{grid_w} grid in {merge}x{merge} blocks"
+        )));
+    }
+    Ok((rows / (merge * merge), cols * merge * merge))
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// A row-major f32 activation matrix.
     type Act: Send;
@@ -234,6 +287,28 @@ pub trait Backend: Send + Sync + 'static {
     fn matmul(&self, x: &Self::Act, w: &Self::Linear) -> OpResult<Self::Act>;
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> OpResult<Self::Act>;
     fn add_assign(&self, p: &mut Self::Act, a: &Self::Act) -> OpResult<()>;
+
+    // ---- vision tower (docs/vision.md) ----
+    /// `data` (`[rows, cols]` row-major) as an activation: an image's patches.
+    fn upload_act(&self, rows: usize, cols: usize, data: Vec<f32>) -> OpResult<Self::Act>;
+    /// `x[r, :] += b` for every row (a Linear's bias).
+    fn add_bias(&self, x: &mut Self::Act, b: &Self::Vector) -> OpResult<()>;
+    /// GELU, tanh approximation, elementwise in place.
+    fn gelu_tanh(&self, x: &mut Self::Act) -> OpResult<()>;
+    /// `qkv` `[n, 3·H·hd]` (q, k, v each `H` heads of `hd`) → `o` `[n, H·hd]`: q and k rotated
+    /// by 2-D RoPE (first half of each head by the patch's grid row, second half by its column,
+    /// rotate-half pairs, frequencies `θ^(−i/(hd/4))`), then `softmax(q·kᵀ/√hd) v` over all
+    /// `n` patches (non-causal).
+    fn vision_attention(&self, qkv: &Self::Act, geom: VisionAttnGeom) -> OpResult<Self::Act>;
+    /// Patch rows of a `grid_h × grid_w` grid → one row per `merge × merge` block (blocks in
+    /// row-major order), each the concatenation of its patches' rows in row-major order.
+    fn merge_patches(
+        &self,
+        x: &Self::Act,
+        grid_h: usize,
+        grid_w: usize,
+        merge: usize,
+    ) -> OpResult<Self::Act>;
     /// Block AttnRes: softmax over sources of `Σ_d V_i[d]·rsqrt(mean(V_i²)+eps)·w[d]`, then `Σ α_i V_i`.
     /// `w` is the product of the op's norm and proj weights.
     fn attn_res(&self, sources: &[&Self::Act], w: &Self::Vector, eps: f32) -> OpResult<Self::Act>;

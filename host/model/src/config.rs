@@ -47,6 +47,106 @@ pub struct Config {
     pub moe: MoeConfig,
     /// Per layer (0-based), which mixer it uses.
     pub layer_kinds: Vec<MixerKind>,
+    /// The vision tower (`vision_config`); `None`: a text-only model.
+    pub vision: Option<VisionConfig>,
+}
+
+/// `vision_config` and the media token ids (docs/vision.md).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VisionConfig {
+    /// The tower's safetensors file, relative to the model directory.
+    pub weights: String,
+    pub patch_size: usize,
+    pub merge_size: usize,
+    /// The tower's width `W` (the decoder's width is the top-level `hidden_size`).
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub intermediate_size: usize,
+    pub rope_theta: f32,
+    pub rms_norm_eps: f32,
+    pub max_pixels: usize,
+    pub min_pixels: usize,
+    /// `<|kimi_image_placeholder|>`: the chat template's marker for one image.
+    pub media_placeholder_token_id: u32,
+    /// `<|media_pad|>`: one per image token, the rows the tower's output replaces.
+    pub media_pad_token_id: u32,
+}
+
+impl VisionConfig {
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads
+    }
+    /// Pixels per side of one image token (patch × merge).
+    pub fn token_side(&self) -> usize {
+        self.patch_size * self.merge_size
+    }
+    /// Image tokens of a `height × width` image (each side a multiple of [`Self::token_side`]).
+    pub fn image_tokens(&self, height: usize, width: usize) -> usize {
+        (height / self.token_side()) * (width / self.token_side())
+    }
+
+    fn parse(root: &Fields<'_>, vocab_size: usize) -> Result<Option<Self>, ConfigError> {
+        if matches!(root.obj.get("vision_config"), None | Some(Value::Null)) {
+            return Ok(None);
+        }
+        let f = root.object("vision_config")?;
+        let v = VisionConfig {
+            weights: f.str("weights")?.to_string(),
+            patch_size: f.positive("patch_size")?,
+            merge_size: f.positive("merge_size")?,
+            hidden_size: f.positive("hidden_size")?,
+            num_hidden_layers: f.positive("num_hidden_layers")?,
+            num_attention_heads: f.positive("num_attention_heads")?,
+            intermediate_size: f.positive("intermediate_size")?,
+            rope_theta: f.f32("rope_theta")?,
+            rms_norm_eps: f.f32("rms_norm_eps")?,
+            max_pixels: f.positive("max_pixels")?,
+            min_pixels: f.usize("min_pixels")?,
+            media_placeholder_token_id: root.u32("media_placeholder_token_id")?,
+            media_pad_token_id: root.u32("media_pad_token_id")?,
+        };
+        if !v.hidden_size.is_multiple_of(v.num_attention_heads) || !v.head_dim().is_multiple_of(4) {
+            return Err(invalid(
+                "vision_config.num_attention_heads",
+                format!(
+                    "width {} over {} heads must give a head size that is a multiple of 4 \
+                     (2-D RoPE rotates each quarter pair)",
+                    v.hidden_size, v.num_attention_heads
+                ),
+            ));
+        }
+        if v.rope_theta <= 0.0 || v.rms_norm_eps <= 0.0 {
+            return Err(invalid(
+                "vision_config.rope_theta",
+                "rope_theta and rms_norm_eps must be > 0",
+            ));
+        }
+        if v.min_pixels > v.max_pixels || v.max_pixels < v.token_side() * v.token_side() {
+            return Err(invalid(
+                "vision_config.max_pixels",
+                format!(
+                    "must be >= min_pixels and hold one {0}x{0} image token",
+                    v.token_side()
+                ),
+            ));
+        }
+        if v.weights.is_empty() || v.weights.contains("..") || v.weights.starts_with('/') {
+            return Err(invalid(
+                "vision_config.weights",
+                "must be a file name inside the model directory",
+            ));
+        }
+        for (key, id) in [
+            ("media_placeholder_token_id", v.media_placeholder_token_id),
+            ("media_pad_token_id", v.media_pad_token_id),
+        ] {
+            if id as usize >= vocab_size {
+                return Err(invalid(key, format!("{id} >= vocab_size {vocab_size}")));
+            }
+        }
+        Ok(Some(v))
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -360,6 +460,11 @@ impl Config {
             mla,
             moe,
             layer_kinds,
+            vision: None,
+        };
+        let cfg = Config {
+            vision: VisionConfig::parse(&f, cfg.vocab_size)?,
+            ..cfg
         };
         if cfg.rms_norm_eps <= 0.0 {
             return Err(invalid("rms_norm_eps", "must be > 0"));
@@ -484,5 +589,52 @@ mod tests {
         })
         .unwrap();
         assert_eq!(e.situ_linear_beta, None);
+    }
+
+    fn with_vision(f: impl FnOnce(&mut Map<String, Value>)) -> Result<Config, ConfigError> {
+        edited(|o| {
+            o.insert(
+                "vision_config".into(),
+                serde_json::json!({"weights": "vision.safetensors", "patch_size": 16,
+                    "merge_size": 2, "hidden_size": 192, "num_hidden_layers": 4,
+                    "num_attention_heads": 3, "intermediate_size": 768, "rope_theta": 10000.0,
+                    "rms_norm_eps": 1e-5, "max_pixels": 65536, "min_pixels": 1024}),
+            );
+            o.insert("media_placeholder_token_id".into(), Value::from(6));
+            o.insert("media_pad_token_id".into(), Value::from(7));
+            f(o);
+        })
+    }
+
+    #[test]
+    fn vision_config_is_optional_and_checked() {
+        assert_eq!(Config::from_json(MINI_CONFIG).unwrap().vision, None);
+        let v = with_vision(|_| {}).unwrap().vision.unwrap();
+        assert_eq!((v.head_dim(), v.token_side()), (64, 32));
+        assert_eq!((v.media_placeholder_token_id, v.media_pad_token_id), (6, 7));
+        assert_eq!(v.image_tokens(64, 96), 6);
+        let e = with_vision(|o| {
+            o.remove("media_pad_token_id");
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("`media_pad_token_id`"), "{e}");
+        let e = with_vision(|o| {
+            o["vision_config"]["num_attention_heads"] = Value::from(5);
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("num_attention_heads"), "{e}");
+        let e = with_vision(|o| {
+            o["vision_config"]
+                .as_object_mut()
+                .unwrap()
+                .remove("rope_theta");
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("vision_config.rope_theta"), "{e}");
+        let e = with_vision(|o| {
+            o.insert("media_pad_token_id".into(), Value::from(9000));
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("media_pad_token_id"), "{e}");
     }
 }

@@ -70,7 +70,11 @@ pub(crate) fn floats(seed: u64, name: &str, shape: &[usize]) -> Vec<f32> {
     if name.ends_with("e_score_correction_bias") {
         return out;
     }
-    if name.ends_with("norm.weight") {
+    // The vision tower names its norm weights without `.weight` (docs/vision.md).
+    let vision_norm = ["norm1", "norm2", "merge_norm"]
+        .iter()
+        .any(|n| name.ends_with(&format!(".{n}")));
+    if name.ends_with("norm.weight") || vision_norm {
         fill(&mut out, base, |s| 1.0 + 0.02 * unit(s));
     } else if name.ends_with("A_log") {
         // A = exp(A_log) in [1, 16], as K3 initialises its decay rates.

@@ -5,7 +5,8 @@ use crate::backend::{
     MxExpertsHost, MxMatrixHost, OpResult, RouterParams, SituParams,
 };
 use crate::config::{Config, ConfigError, MixerKind};
-use crate::exec::{ExecError, VerifiedBlock};
+use crate::exec::{ExecError, MediaInput, VerifiedBlock};
+use crate::vision::{MEDIA_CACHE_IMAGES, MediaCache, VisionTower};
 use crate::weights::{Tensors, WeightError, WeightFile};
 use std::path::Path;
 
@@ -91,6 +92,10 @@ pub struct Model<B: Backend> {
     final_res: AttnResW<B>,
     norm: B::Vector,
     lm_head: B::Linear,
+    /// The vision tower, when the config has one (docs/vision.md).
+    vision: Option<VisionTower<B>>,
+    /// Tower outputs of recent images, by content hash.
+    media_cache: MediaCache<B>,
 }
 
 /// Byte offsets of each layer's cache region: KDA layers inside a state block, MLA layers inside a page.
@@ -182,6 +187,9 @@ pub struct SeqPass<'a> {
     pub cache: SeqCache<'a>,
     /// First row (among its new tokens) whose logits are wanted; `None`: no logits.
     pub logits_from: Option<usize>,
+    /// The sequence's images (absolute positions): its new rows inside an image's span take
+    /// the vision tower's output rows instead of their token embeddings.
+    pub media: &'a [MediaInput],
 }
 
 /// One sequence's view of the cache for a forward pass.
@@ -261,17 +269,64 @@ fn mx_matrix(
 
 impl<B: Backend> Model<B> {
     /// Load `config.json` and `model.safetensors` from a model directory.
+    /// Load `config.json` and `model.safetensors` from a model directory, and the vision
+    /// tower's file (`vision_config.weights`) when the config has one.
     pub fn load_dir(dir: &Path, backend: B) -> Result<Self, LoadError> {
         let config = Config::from_file(&dir.join("config.json"))?;
+        let vision = config.vision.as_ref().map(|v| dir.join(&v.weights));
         let file = WeightFile::open(&dir.join("model.safetensors"))?;
-        Ok(Self::from_tensors(config, &file.tensors(), backend)?)
+        let model = Self::from_tensors(config, &file.tensors(), backend)?;
+        Ok(match vision {
+            Some(path) => model.with_vision(&WeightFile::open(&path)?.tensors())?,
+            None => model,
+        })
     }
 
     /// `config.json` from a model directory with seeded random weights (no checkpoint needed):
     /// for benchmarking real K3 shapes, e.g. `models/k3-slice`.
     pub fn load_dir_dummy(dir: &Path, backend: B, seed: u64) -> Result<Self, LoadError> {
         let config = Config::from_file(&dir.join("config.json"))?;
-        Ok(Self::from_tensors(config, &Tensors::dummy(seed), backend)?)
+        let vision = config.vision.is_some();
+        let model = Self::from_tensors(config, &Tensors::dummy(seed), backend)?;
+        Ok(match vision {
+            true => model.with_vision(&Tensors::dummy(seed))?,
+            false => model,
+        })
+    }
+
+    /// Load the vision tower of `config.vision` from `t` (the model then takes images).
+    pub fn with_vision(mut self, t: &Tensors<'_>) -> Result<Self, WeightError> {
+        let Some(cfg) = &self.config.vision else {
+            return Err(WeightError::Missing(
+                "vision_config (the config has no vision tower)".into(),
+            ));
+        };
+        self.vision = Some(VisionTower::load(
+            cfg,
+            self.config.hidden_size,
+            t,
+            &self.backend,
+        )?);
+        Ok(self)
+    }
+
+    /// The vision tower, if the model has one.
+    pub fn vision(&self) -> Option<&VisionTower<B>> {
+        self.vision.as_ref()
+    }
+
+    /// The tower's output rows `[image tokens, hidden]` for `img` (not cached).
+    pub fn encode_image(&self, img: &crate::exec::ImagePixels) -> Result<B::Act, ExecError> {
+        let tower = self
+            .vision
+            .as_ref()
+            .ok_or_else(|| ExecError::InvalidBatch("this model has no vision tower".into()))?;
+        tower.encode(&self.backend, img)
+    }
+
+    /// Images the tower has encoded for forward passes so far (the others came from the cache).
+    pub fn images_encoded(&self) -> usize {
+        self.media_cache.encoded()
     }
 
     pub fn from_tensors(config: Config, t: &Tensors<'_>, be: B) -> Result<Self, WeightError> {
@@ -443,6 +498,8 @@ impl<B: Backend> Model<B> {
             layers,
             config,
             backend: be,
+            vision: None,
+            media_cache: MediaCache::new(MEDIA_CACHE_IMAGES),
         })
     }
 
@@ -519,6 +576,7 @@ impl<B: Backend> Model<B> {
             ids,
             cache: *cache,
             logits_from,
+            media: &[],
         };
         self.forward_batch(arena, offsets, &[pass], trace)
     }
@@ -586,7 +644,7 @@ impl<B: Backend> Model<B> {
         }
         let pieces = self.pieces(seqs, &spans);
         let mut bank: Vec<B::Act> = Vec::new();
-        let mut p: Option<B::Act> = Some(be.embed(&self.embed, &ids)?);
+        let mut p: Option<B::Act> = Some(self.embed_rows(&ids, seqs, &spans)?);
         for (l, layer) in self.layers.iter().enumerate() {
             let h = match (&layer.attn_res, bank.is_empty()) {
                 (Some(w), false) => {
@@ -679,6 +737,32 @@ impl<B: Backend> Model<B> {
         };
         let y = be.rms_norm(&mixed, &self.norm, eps)?;
         Ok((Some(be.matmul(&y, &self.lm_head)?), taps))
+    }
+
+    /// The input rows of the step: token embeddings, except rows inside an image's span, which
+    /// take the vision tower's output (docs/vision.md).
+    fn embed_rows(
+        &self,
+        ids: &[u32],
+        seqs: &[SeqPass<'_>],
+        spans: &[(usize, usize)],
+    ) -> Result<B::Act, ExecError> {
+        let embedded = self.backend.embed(&self.embed, ids)?;
+        if seqs.iter().all(|s| s.media.is_empty()) {
+            return Ok(embedded);
+        }
+        let views: Vec<(usize, usize, &[MediaInput])> = seqs
+            .iter()
+            .map(|s| (s.cache.start_pos, s.ids.len(), s.media))
+            .collect();
+        crate::vision::splice(
+            &self.backend,
+            self.vision.as_ref(),
+            &self.media_cache,
+            embedded,
+            &views,
+            spans,
+        )
     }
 
     /// The sequences' rows as the MLA op sees them: each sequence whole, except that a verify

@@ -3,8 +3,8 @@
 
 use crate::backend::Backend;
 use crate::exec::{
-    CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, SeqInput,
-    VerifiedBlock,
+    CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, MediaInput,
+    SeqInput, VerifiedBlock,
 };
 use crate::model::{CacheOffsets, Model, SeqCache, SeqPass};
 
@@ -258,6 +258,7 @@ impl<B: Backend> Executor for ModelExecutor<B> {
                     record_block: record(i),
                 },
                 logits_from: logits_from(s),
+                media: batch.media.get(i).copied().unwrap_or(&[]),
             })
             .collect();
         let mut out = ForwardOutput {
@@ -270,10 +271,18 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         if batch.seqs.is_empty() {
             return Ok(out);
         }
-        // Plain decode steps (one token per sequence) may be replayed as a CUDA graph.
+        // Plain decode steps (one token per sequence) may be replayed as a CUDA graph; not a
+        // step with image rows (the tower runs, and the rows come from it, not the ids).
+        let image_rows = passes.iter().any(|p| {
+            let step = p.cache.start_pos..p.cache.start_pos + p.ids.len();
+            p.media
+                .iter()
+                .any(|m| m.position < step.end && step.start < m.span().end)
+        });
         let replayable = batch.seqs.iter().all(|s| s.tokens.len() == 1)
             && batch.verify_records.iter().all(Option::is_none)
-            && !any_taps;
+            && !any_taps
+            && !image_rows;
         let tap_layers: &[usize] = if any_taps { &self.tap_layers } else { &[] };
         let (model, arena, offsets) = (&self.model, &mut self.arena, &self.offsets);
         let mut tap_acts = Vec::new();
@@ -477,19 +486,36 @@ impl<E: Executor> Session<E> {
 
     /// Process `tokens` and return the requested logits rows (row-major, `vocab` wide).
     pub fn feed(&mut self, tokens: &[u32], want: LogitsWant) -> Result<Vec<f32>, ExecError> {
-        Ok(self.step(tokens, want)?.logits)
+        Ok(self.step(tokens, &[], want)?.logits)
+    }
+
+    /// [`Session::feed`] for a sequence with images: `media` are all of the sequence's images
+    /// (absolute positions, as [`ForwardBatch::media`] has them); the rows of `tokens` inside
+    /// an image's span take the vision tower's output.
+    pub fn feed_media(
+        &mut self,
+        tokens: &[u32],
+        media: &[MediaInput],
+        want: LogitsWant,
+    ) -> Result<Vec<f32>, ExecError> {
+        Ok(self.step(tokens, media, want)?.logits)
     }
 
     /// Process `tokens` and return the last position's `k` largest logits
     /// ([`LogitsWant::LastTopK`]: selected by the backend, no vocabulary row copied out).
     pub fn feed_top(&mut self, tokens: &[u32], k: usize) -> Result<Vec<(u32, f32)>, ExecError> {
-        let mut out = self.step(tokens, LogitsWant::LastTopK(k))?;
+        let mut out = self.step(tokens, &[], LogitsWant::LastTopK(k))?;
         out.top
             .pop()
             .ok_or_else(|| ExecError::Backend("the executor returned no top-k candidates".into()))
     }
 
-    fn step(&mut self, tokens: &[u32], want: LogitsWant) -> Result<ForwardOutput, ExecError> {
+    fn step(
+        &mut self,
+        tokens: &[u32],
+        media: &[MediaInput],
+        want: LogitsWant,
+    ) -> Result<ForwardOutput, ExecError> {
         if self.pos + tokens.len() > self.capacity() {
             return Err(ExecError::InvalidBatch(format!(
                 "sequence of {} tokens exceeds the session capacity {}",
@@ -507,6 +533,11 @@ impl<E: Executor> Session<E> {
         };
         let out = self.exec.forward(&ForwardBatch {
             seqs: vec![seq],
+            media: if media.is_empty() {
+                Vec::new()
+            } else {
+                vec![media]
+            },
             ..Default::default()
         })?;
         self.pos += tokens.len();
