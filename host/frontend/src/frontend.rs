@@ -23,9 +23,7 @@ use crate::constrain::{Constraints, Need, chat_needs_grammar, constrained_sample
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::{BackendError, FrontendError};
 use crate::events::{GenEvent, Generation};
-use crate::media::{
-    ImageBytes, MediaFetcher, expand_placeholders, prepare_images, take_images,
-};
+use crate::media::{ImageBytes, MediaFetcher, expand_placeholders, prepare_images, take_images};
 use crate::pipeline::{ParserPlan, ParserStages, RequestPath};
 use crate::plugin_admin;
 use crate::prompt::{encode_prompt, render, render_prompt};
@@ -146,7 +144,10 @@ impl Frontend {
     }
 
     /// Lift the request's images out of its messages and fetch them (async: URLs).
-    async fn fetch_images(&self, req: &mut ChatGenRequest) -> Result<Vec<ImageBytes>, BackendError> {
+    async fn fetch_images(
+        &self,
+        req: &mut ChatGenRequest,
+    ) -> Result<Vec<ImageBytes>, BackendError> {
         let refs = take_images(&mut req.messages);
         self.parts.media.fetch(refs).await
     }
@@ -190,7 +191,12 @@ impl Frontend {
         images: Vec<ImageBytes>,
     ) -> Result<(Vec<u32>, Vec<MediaInput>), BackendError> {
         let ids = self.chat_text_prompt(req)?;
-        let Some(vision) = self.parts.media.settings().vision.filter(|_| !images.is_empty())
+        let Some(vision) = self
+            .parts
+            .media
+            .settings()
+            .vision
+            .filter(|_| !images.is_empty())
         else {
             return Ok((ids, Vec::new()));
         };
@@ -293,7 +299,15 @@ impl Frontend {
             )?),
             None => None,
         };
-        self.submit(ids, &req.sampling, None, echo, "prompt", grammar, Vec::new())
+        self.submit(
+            ids,
+            &req.sampling,
+            None,
+            echo,
+            "prompt",
+            grammar,
+            Vec::new(),
+        )
     }
 
     /// The grammar a chat request's output must follow, from the tool parser: `tool_choice`

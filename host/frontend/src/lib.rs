@@ -41,8 +41,8 @@ pub use detokenizer::IncrementalDetokenizer;
 pub use error::{BackendError, FrontendError};
 pub use events::{FinishInfo, FinishReason, GenEvent, Generation, TokenLogprob, TopLogprob};
 pub use frontend::{Frontend, FrontendParts};
-pub use media::{MediaFetcher, MediaSettings, VisionGeometry};
 pub use k3_structured::{ConstraintError, OutputConstraint};
+pub use media::{MediaFetcher, MediaSettings, VisionGeometry};
 pub use output_grammar::OutputGrammar;
 pub use request::{
     ChatGenRequest, CompletionGenRequest, PromptInput, SamplingOptions, ToolChoice, token_budget,

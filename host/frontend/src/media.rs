@@ -93,7 +93,11 @@ pub(crate) fn take_images(messages: &mut [Value]) -> Vec<ImageRef> {
             let image = part.get("image_url");
             let url = match image {
                 Some(Value::String(u)) => u.clone(),
-                Some(o) => o.get("url").and_then(Value::as_str).unwrap_or("").to_string(),
+                Some(o) => o
+                    .get("url")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string(),
                 None => String::new(),
             };
             let detail = image
@@ -229,7 +233,11 @@ impl MediaFetcher {
             }
         };
         let fail = |e: String| invalid(&param, format!("fetching the image failed: {e}"));
-        let mut resp = client.get(url).send().await.map_err(|e| fail(e.to_string()))?;
+        let mut resp = client
+            .get(url)
+            .send()
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         if !resp.status().is_success() {
             return Err(fail(format!("the server answered {}", resp.status())));
         }
@@ -387,10 +395,25 @@ mod tests {
     #[test]
     fn data_urls_decode_within_the_limit() {
         let (b, mime) = decode_data_url("image/png;base64,aGVsbG8=", 100).unwrap();
-        assert_eq!((b.as_slice(), mime.as_deref()), (&b"hello"[..], Some("image/png")));
-        assert!(decode_data_url("image/png,hello", 100).unwrap_err().contains("base64"));
-        assert!(decode_data_url("image/png;base64,!!!", 100).unwrap_err().contains("not valid"));
-        assert!(decode_data_url("image/png;base64,aGVsbG8=", 3).unwrap_err().contains("limit"));
+        assert_eq!(
+            (b.as_slice(), mime.as_deref()),
+            (&b"hello"[..], Some("image/png"))
+        );
+        assert!(
+            decode_data_url("image/png,hello", 100)
+                .unwrap_err()
+                .contains("base64")
+        );
+        assert!(
+            decode_data_url("image/png;base64,!!!", 100)
+                .unwrap_err()
+                .contains("not valid")
+        );
+        assert!(
+            decode_data_url("image/png;base64,aGVsbG8=", 3)
+                .unwrap_err()
+                .contains("limit")
+        );
         assert!(decode_data_url("nocomma", 3).is_err());
     }
 
@@ -398,7 +421,10 @@ mod tests {
     fn domains_match_exactly() {
         let allowed = vec!["Images.Example.com".to_string()];
         assert!(domain_allowed(&allowed, "images.example.com"));
-        assert!(!domain_allowed(&allowed, "evil.images.example.com.attacker.net"));
+        assert!(!domain_allowed(
+            &allowed,
+            "evil.images.example.com.attacker.net"
+        ));
         assert!(!domain_allowed(&allowed, "example.com"));
     }
 
@@ -423,12 +449,22 @@ mod tests {
             detail: None,
             param: "messages[0].content[0]".into(),
         };
-        for url in ["http://other.invalid/x.png", "file:///etc/passwd", "ftp://allowed.invalid/x"] {
+        for url in [
+            "http://other.invalid/x.png",
+            "file:///etc/passwd",
+            "ftp://allowed.invalid/x",
+        ] {
             let e = fetcher.fetch(vec![r(url)]).await.unwrap_err();
-            assert!(matches!(e, BackendError::InvalidRequest { .. }), "{url}: {e:?}");
+            assert!(
+                matches!(e, BackendError::InvalidRequest { .. }),
+                "{url}: {e:?}"
+            );
         }
         let e = fetcher
-            .fetch(vec![r("data:image/png;base64,AA"), r("data:image/png;base64,AA")])
+            .fetch(vec![
+                r("data:image/png;base64,AA"),
+                r("data:image/png;base64,AA"),
+            ])
             .await
             .unwrap_err();
         assert!(e.to_string().contains("at most 1"), "{e}");
@@ -457,20 +493,20 @@ pub(crate) fn prepare_images(
         patch_size: vision.patch_size,
         max_pixels: vision.max_pixels,
         extra_json: Some(
-            json!({"merge_size": vision.merge_size, "min_pixels": vision.min_pixels})
-                .to_string(),
+            json!({"merge_size": vision.merge_size, "min_pixels": vision.min_pixels}).to_string(),
         ),
     };
-    let prepared = plugins
-        .media()
-        .process(&parts, &options)
-        .map_err(|e| match e.client_error_message() {
-            Some(message) => {
-                let param = image_param(&message, &params);
-                BackendError::InvalidRequest { message, param }
-            }
-            None => crate::error::plugin_failure(e),
-        })?;
+    let prepared =
+        plugins
+            .media()
+            .process(&parts, &options)
+            .map_err(|e| match e.client_error_message() {
+                Some(message) => {
+                    let param = image_param(&message, &params);
+                    BackendError::InvalidRequest { message, param }
+                }
+                None => crate::error::plugin_failure(e),
+            })?;
     let unit = (vision.patch_size * vision.merge_size) as usize;
     prepared
         .into_iter()

@@ -49,9 +49,9 @@ impl MediaConfig {
                 serde_json::from_str::<serde_json::Value>(&json)
                     .context("--limit-mm-per-prompt must be JSON such as {\"image\": 4}")?,
             ),
-            (None, Some(v)) => Some(
-                serde_json::to_value(v).context("limit-mm-per-prompt in the config file")?,
-            ),
+            (None, Some(v)) => {
+                Some(serde_json::to_value(v).context("limit-mm-per-prompt in the config file")?)
+            }
             (None, None) => None,
         };
         let max_images_per_prompt = match limit {
@@ -71,7 +71,9 @@ impl MediaConfig {
                     )? as usize,
                 }
             }
-            Some(_) => bail!("--limit-mm-per-prompt must be a JSON object such as {{\"image\": 4}}"),
+            Some(_) => {
+                bail!("--limit-mm-per-prompt must be a JSON object such as {{\"image\": 4}}")
+            }
         };
         let allowed_domains: Vec<String> = if args.allowed_media_domains.is_empty() {
             file.allowed_media_domains.unwrap_or_default()
@@ -120,21 +122,35 @@ mod tests {
 
     #[test]
     fn limits_and_domains_resolve() {
-        let c = MediaConfig::resolve(args(Some(r#"{"image": 2, "video": 0}"#), &["a.example"]), MediaFile::default()).unwrap();
+        let c = MediaConfig::resolve(
+            args(Some(r#"{"image": 2, "video": 0}"#), &["a.example"]),
+            MediaFile::default(),
+        )
+        .unwrap();
         assert_eq!(c.max_images_per_prompt, 2);
         assert_eq!(c.allowed_domains, vec!["a.example"]);
         let c = MediaConfig::resolve(MediaArgs::default(), MediaFile::default()).unwrap();
         assert_eq!((c.max_images_per_prompt, c.allowed_domains.len()), (8, 0));
         for bad in [r#"{"image": -1}"#, r#"{"video": 2}"#, "[1]", "nope"] {
-            assert!(MediaConfig::resolve(args(Some(bad), &[]), MediaFile::default()).is_err(), "{bad}");
+            assert!(
+                MediaConfig::resolve(args(Some(bad), &[]), MediaFile::default()).is_err(),
+                "{bad}"
+            );
         }
         assert!(MediaConfig::resolve(args(None, &["http://x"]), MediaFile::default()).is_err());
         let file = MediaFile {
             limit_mm_per_prompt: Some(toml::Value::Table(
-                [("image".to_string(), toml::Value::Integer(3))].into_iter().collect(),
+                [("image".to_string(), toml::Value::Integer(3))]
+                    .into_iter()
+                    .collect(),
             )),
             ..MediaFile::default()
         };
-        assert_eq!(MediaConfig::resolve(MediaArgs::default(), file).unwrap().max_images_per_prompt, 3);
+        assert_eq!(
+            MediaConfig::resolve(MediaArgs::default(), file)
+                .unwrap()
+                .max_images_per_prompt,
+            3
+        );
     }
 }

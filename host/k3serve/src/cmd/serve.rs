@@ -12,6 +12,7 @@ use k3_api::{ApiConfig, AppState};
 use k3_engine::{Engine, EngineConfig, EngineHandle, Request, SamplingParams};
 use k3_frontend::{
     Frontend, FrontendParts, MediaFetcher, MediaSettings, ModelInfo, SamplingDefaults, Tokenizer,
+    VisionGeometry,
 };
 use k3_model::model::CacheOffsets;
 use k3_plugin_host::{PluginHost, PluginHostConfig, Stage, default_plugin_dir};
@@ -370,7 +371,14 @@ async fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         kv_page_bytes: layout.kv_page_bytes,
         state_block_bytes: layout.state_block_bytes,
         media: MediaFetcher::new(MediaSettings {
-            vision: None,
+            vision: config.vision.as_ref().map(|v| VisionGeometry {
+                patch_size: v.patch_size as u32,
+                merge_size: v.merge_size as u32,
+                max_pixels: v.max_pixels as u64,
+                min_pixels: v.min_pixels as u64,
+                placeholder_token: v.media_placeholder_token_id,
+                pad_token: v.media_pad_token_id,
+            }),
             max_images_per_prompt: cfg.media.max_images_per_prompt,
             allowed_domains: cfg.media.allowed_domains.clone(),
             fetch_timeout: cfg.media.fetch_timeout,
