@@ -201,20 +201,29 @@ pub(crate) fn process_with(
     image: &ImagePart,
     options: &MediaOptions,
 ) -> Result<PreparedImage, PluginError> {
+    version.counters.session();
+    Runtime::timed(version, || run_once(rt, version, image, options))
+}
+
+/// One image in a fresh store, not counted in the version's counters (the load-time smoke
+/// test's deliberate refusal is not an error of the plugin).
+pub(crate) fn run_once(
+    rt: &Runtime,
+    version: &PluginVersion,
+    image: &ImagePart,
+    options: &MediaOptions,
+) -> Result<PreparedImage, PluginError> {
     let mut store = rt.media_store(version.label.clone());
-    Runtime::timed(version, || {
-        version.counters.session();
-        let answer = match &version.pre {
-            StagePre::Media(pre) => call_process!(rt, store, pre, v0_1, image, options),
-            StagePre::MediaV0_2(pre) => call_process!(rt, store, pre, v0_2, image, options),
-            StagePre::MediaV0_3(pre) => call_process!(rt, store, pre, v0_3, image, options),
-            _ => return Err(PluginError::NoActivePlugin(Stage::Media)),
-        }?;
-        validate(image.index, answer, options).map_err(|detail| {
-            PluginError::Media(MediaError::BadOutput {
-                plugin: version.label.to_string(),
-                detail: format!("image {}: {detail}", image.index),
-            })
+    let answer = match &version.pre {
+        StagePre::Media(pre) => call_process!(rt, store, pre, v0_1, image, options),
+        StagePre::MediaV0_2(pre) => call_process!(rt, store, pre, v0_2, image, options),
+        StagePre::MediaV0_3(pre) => call_process!(rt, store, pre, v0_3, image, options),
+        _ => return Err(PluginError::NoActivePlugin(Stage::Media)),
+    }?;
+    validate(image.index, answer, options).map_err(|detail| {
+        PluginError::Media(MediaError::BadOutput {
+            plugin: version.label.to_string(),
+            detail: format!("image {}: {detail}", image.index),
         })
     })
 }

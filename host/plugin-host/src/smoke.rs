@@ -7,7 +7,7 @@ use std::sync::Arc;
 use k3_segments::Segment;
 
 use crate::error::PluginError;
-use crate::media::{ImagePart, MediaOptions, process_with};
+use crate::media::{ImagePart, MediaOptions, run_once};
 use crate::registry::PluginVersion;
 use crate::runtime::Runtime;
 use crate::streams::{ReasoningStream, ToolStream, parse_reasoning, parse_tools};
@@ -99,9 +99,9 @@ pub(crate) fn run(rt: &Arc<Runtime>, version: &Arc<PluginVersion>) -> Result<(),
                 mime_type: Some("image/png".into()),
                 detail: None,
             };
-            process_with(rt, version, &part(probe_png(64, 32)), &options)
+            run_once(rt, version, &part(probe_png(64, 32)), &options)
                 .map_err(|e| fail(format!("a 64x32 PNG was not processed: {e}")))?;
-            match process_with(rt, version, &part(b"not an image".to_vec()), &options) {
+            match run_once(rt, version, &part(b"not an image".to_vec()), &options) {
                 Err(PluginError::Media(MediaError::InvalidImage(_))) => {}
                 other => {
                     return Err(fail(format!(
@@ -169,17 +169,6 @@ fn crc32(bytes: &[u8]) -> u32 {
     !crc
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn the_probe_png_is_well_formed() {
-        let png = super::probe_png(64, 32);
-        assert_eq!(&png[12..16], b"IHDR");
-        // The CRC of the IEND chunk is a well-known constant.
-        assert_eq!(&png[png.len() - 4..], &[0xAE, 0x42, 0x60, 0x82]);
-    }
-}
-
 /// Feed the probe one char at a time (`Some`), then finish (`None`).
 fn feed_chars(
     mut call: impl FnMut(Option<&str>) -> Result<Vec<ParseEvent>, PluginError>,
@@ -191,4 +180,15 @@ fn feed_chars(
     }
     events.extend(call(None)?);
     Ok(ParseResult::from_events(&events))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_probe_png_is_well_formed() {
+        let png = super::probe_png(64, 32);
+        assert_eq!(&png[12..16], b"IHDR");
+        // The CRC of the IEND chunk is a well-known constant.
+        assert_eq!(&png[png.len() - 4..], &[0xAE, 0x42, 0x60, 0x82]);
+    }
 }
