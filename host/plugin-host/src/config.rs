@@ -2,7 +2,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// Plugin host settings. `Default` is sized for a server: 64 MiB per store, 250 ms per parser
-/// call, 2 s per template render.
+/// call, 2 s per template render; 256 MiB and 10 s per image in the media stage.
 #[derive(Debug, Clone)]
 pub struct PluginHostConfig {
     /// Directory for precompiled components (`<sha256>-<engine hash>.cwasm`); `None` compiles
@@ -14,6 +14,12 @@ pub struct PluginHostConfig {
     pub call_timeout: Duration,
     /// CPU-time cap per chat-template call (long conversations take longer to render).
     pub template_timeout: Duration,
+    /// Linear-memory cap of a media-stage store, one per image: decoding needs the image's
+    /// pixels in memory (a 12-megapixel photo is 36 MB as RGB8), far beyond what text stages
+    /// use. Also the pooling allocator's per-memory maximum when larger than `memory_limit`.
+    pub media_memory_limit: usize,
+    /// CPU-time cap per image in the media stage (decode, orient, resize, normalise).
+    pub media_timeout: Duration,
     /// Epoch ticker period.
     pub epoch_tick: Duration,
     /// Concurrent plugin instances the pooling allocator reserves (every live stream holds one;
@@ -37,6 +43,8 @@ impl Default for PluginHostConfig {
             memory_limit: 64 << 20,
             call_timeout: Duration::from_millis(250),
             template_timeout: Duration::from_secs(2),
+            media_memory_limit: 256 << 20,
+            media_timeout: Duration::from_secs(10),
             epoch_tick: Duration::from_millis(10),
             max_instances: 1000,
             template_pool_size: 4,

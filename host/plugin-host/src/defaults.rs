@@ -8,10 +8,11 @@ use crate::error::PluginError;
 use crate::types::{Stage, VersionInfo};
 
 /// The default plugin per stage: (stage, file name in the plugin directory).
-pub const DEFAULT_PLUGINS: [(Stage, &str); 3] = [
+pub const DEFAULT_PLUGINS: [(Stage, &str); 4] = [
     (Stage::ChatTemplate, "kimi_k3_template.wasm"),
     (Stage::ReasoningParser, "kimi_k3_reasoning.wasm"),
     (Stage::ToolParser, "kimi_k3_tools.wasm"),
+    (Stage::Media, "kimi_k3_media.wasm"),
 ];
 
 /// `$K3_PLUGIN_DIR`, else the directory `build.rs` built the plugins into

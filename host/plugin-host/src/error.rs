@@ -1,4 +1,4 @@
-use crate::types::{GuestError, Stage, TemplateError};
+use crate::types::{GuestError, MediaError, Stage, TemplateError};
 
 /// Everything the plugin host can fail with. Load-time variants mean the component was refused
 /// (the active version is untouched); call-time faults ([`PluginError::is_fault`]) fail only
@@ -55,6 +55,10 @@ pub enum PluginError {
     Guest { plugin: String, error: GuestError },
     #[error(transparent)]
     Template(TemplateError),
+    /// The media stage refused an image or returned invalid output
+    /// ([`MediaError::is_client_error`] says whose fault).
+    #[error(transparent)]
+    Media(MediaError),
     /// The active tool parser does not export `output-grammar` (WIT 0.3), so it cannot say how
     /// to constrain tool calls.
     #[error(
@@ -117,6 +121,7 @@ impl PluginError {
             PluginError::Capacity { .. } => "capacity",
             PluginError::Guest { .. } => "guest",
             PluginError::Template(_) => "template",
+            PluginError::Media(_) => "media",
             PluginError::NoOutputGrammar { .. } => "no_output_grammar",
             PluginError::StreamClosed(_) => "stream_closed",
             PluginError::Engine(_) => "engine",

@@ -13,8 +13,8 @@
 //! The API is synchronous and every type is `Send`; no wasmtime type is public.
 //! - parser calls (`feed`, `finish`, stream start ≈ tens of µs) are cheap enough to call
 //!   directly from async tasks;
-//! - `load` (compiles: up to seconds on a cache miss) and template renders (≈0.1–1 ms) belong in
-//!   `tokio::task::spawn_blocking`.
+//! - `load` (compiles: up to seconds on a cache miss), template renders (≈0.1–1 ms) and media
+//!   processing (milliseconds per image) belong in `tokio::task::spawn_blocking`.
 //!
 //! ```no_run
 //! # fn main() -> Result<(), k3_plugin_host::PluginError> {
@@ -34,6 +34,7 @@ mod config;
 mod defaults;
 mod error;
 mod grammar;
+mod media;
 mod registry;
 mod runtime;
 mod sandbox_io;
@@ -48,12 +49,13 @@ pub use config::PluginHostConfig;
 pub use defaults::{DEFAULT_PLUGINS, default_plugin_dir};
 pub use error::PluginError;
 pub use k3_segments::Segment;
+pub use media::{ImagePart, Media, MediaOptions, PreparedImage};
 pub use streams::{ReasoningStream, ToolStream};
 pub use template::ChatTemplates;
 pub use types::{
-    GrammarRequest, GrammarToolChoice, GuestError, OutputGrammar, ParseEvent, ParseResult,
-    PluginMetadata, ReasoningOptions, RenderOptions, Stage, TemplateError, ToolCall, ToolOptions,
-    VersionInfo, VersionStats,
+    GrammarRequest, GrammarToolChoice, GuestError, MediaError, OutputGrammar, ParseEvent,
+    ParseResult, PluginMetadata, ReasoningOptions, RenderOptions, Stage, TemplateError, ToolCall,
+    ToolOptions, VersionInfo, VersionStats,
 };
 
 use registry::Registry;
@@ -136,6 +138,14 @@ impl PluginHost {
     /// The chat-template stage.
     pub fn chat_template(&self) -> ChatTemplates {
         ChatTemplates {
+            rt: self.rt.clone(),
+            registry: self.registry.clone(),
+        }
+    }
+
+    /// The media stage: images to normalised pixels and placeholders (see [`Media::process`]).
+    pub fn media(&self) -> Media {
+        Media {
             rt: self.rt.clone(),
             registry: self.registry.clone(),
         }

@@ -422,7 +422,12 @@ fn self_check(
     pre: &StagePre,
     wit: WitVersion,
 ) -> Result<PluginMetadata, PluginError> {
-    let mut store = rt.store(format!("<loading {stage} plugin>").into());
+    let label = format!("<loading {stage} plugin>").into();
+    // A media plugin's self-test may decode a probe image: give it the media store's memory.
+    let mut store = match stage {
+        Stage::Media => rt.media_store(label),
+        _ => rt.store(label),
+    };
     macro_rules! meta_and_test {
         ($pre:expr, $conv:ident) => {{
             let inst = rt.call(&mut store, |s| $pre.instantiate(s))?;

@@ -43,6 +43,7 @@ pub(crate) struct Runtime {
     pub cfg: PluginHostConfig,
     epoch_ticks: u64,
     template_ticks: u64,
+    media_ticks: u64,
     compat_hash: String,
     /// Compiled components by wasm sha256, so reloading the same bytes is free.
     compiled: Mutex<HashMap<String, Component>>,
@@ -56,6 +57,8 @@ pub(crate) struct StoreState {
     wasi: WasiCtx,
     table: ResourceTable,
     limits: StoreLimits,
+    /// This store's linear-memory cap (the media stage's is larger).
+    memory_limit: usize,
     pub memory_exceeded: bool,
     /// The largest linear memory of this store so far (bytes): wasm memory never shrinks.
     pub memory_bytes: usize,
@@ -213,7 +216,7 @@ fn engine_config(cfg: &PluginHostConfig, pooling: bool) -> Config {
             .max_memories_per_component(2)
             .max_tables_per_component(8)
             .max_core_instances_per_component(16)
-            .max_memory_size(cfg.memory_limit)
+            .max_memory_size(cfg.memory_limit.max(cfg.media_memory_limit))
             .linear_memory_keep_resident(256 << 10);
         c.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
     }
@@ -250,7 +253,11 @@ impl Runtime {
 
         let tick = cfg.epoch_tick.max(Duration::from_millis(1));
         let ticks = |d: Duration| (d.as_nanos() / tick.as_nanos()).max(1) as u64 + 1;
-        let (epoch_ticks, template_ticks) = (ticks(cfg.call_timeout), ticks(cfg.template_timeout));
+        let (epoch_ticks, template_ticks, media_ticks) = (
+            ticks(cfg.call_timeout),
+            ticks(cfg.template_timeout),
+            ticks(cfg.media_timeout),
+        );
         let weak = engine.weak();
         std::thread::Builder::new()
             .name("k3-plugin-epoch".into())
@@ -273,6 +280,7 @@ impl Runtime {
             cfg,
             epoch_ticks,
             template_ticks,
+            media_ticks,
             compat_hash,
             compiled: Mutex::new(HashMap::new()),
             pooling,
@@ -334,6 +342,15 @@ impl Runtime {
 
     /// A fresh sandboxed store for `plugin`.
     pub fn store(&self, plugin: Arc<str>) -> Store<StoreState> {
+        self.store_limited(plugin, self.cfg.memory_limit)
+    }
+
+    /// A fresh sandboxed store for one media-stage call (`media_memory_limit`).
+    pub fn media_store(&self, plugin: Arc<str>) -> Store<StoreState> {
+        self.store_limited(plugin, self.cfg.media_memory_limit)
+    }
+
+    fn store_limited(&self, plugin: Arc<str>, memory_limit: usize) -> Store<StoreState> {
         let stderr = MemoryOutputPipe::new(STDERR_CAPTURE);
         // Deny-all WASI: no args, env, preopens or sockets; frozen clocks; fixed seeds.
         let wasi = WasiCtx::builder()
@@ -346,7 +363,7 @@ impl Runtime {
             .allow_ip_name_lookup(false)
             .build();
         let limits = StoreLimitsBuilder::new()
-            .memory_size(self.cfg.memory_limit)
+            .memory_size(memory_limit)
             .instances(32)
             .tables(32)
             .memories(4)
@@ -356,6 +373,7 @@ impl Runtime {
             wasi,
             table: ResourceTable::new(),
             limits,
+            memory_limit,
             memory_exceeded: false,
             memory_bytes: 0,
             stderr,
@@ -386,6 +404,16 @@ impl Runtime {
     ) -> Result<R, PluginError> {
         store.set_epoch_deadline(self.template_ticks);
         self.guarded(store, f, self.cfg.template_timeout)
+    }
+
+    /// Like [`Runtime::call`], under `media_timeout`.
+    pub fn call_media<R>(
+        &self,
+        store: &mut Store<StoreState>,
+        f: impl FnOnce(&mut Store<StoreState>) -> wasmtime::Result<R>,
+    ) -> Result<R, PluginError> {
+        store.set_epoch_deadline(self.media_ticks);
+        self.guarded(store, f, self.cfg.media_timeout)
     }
 
     /// Run `f`; a host function that panics while serving the guest (wasmtime carries the
@@ -428,7 +456,7 @@ impl Runtime {
         if store.data().memory_exceeded {
             return PluginError::MemoryLimit {
                 plugin,
-                limit_bytes: self.cfg.memory_limit,
+                limit_bytes: store.data().memory_limit,
             };
         }
         if let Some(Trap::Interrupt) = e.downcast_ref::<Trap>() {

@@ -7,11 +7,14 @@ use std::sync::Arc;
 use k3_segments::Segment;
 
 use crate::error::PluginError;
+use crate::media::{ImagePart, MediaOptions, run_once};
 use crate::registry::PluginVersion;
 use crate::runtime::Runtime;
 use crate::streams::{ReasoningStream, ToolStream, parse_reasoning, parse_tools};
 use crate::template::render_with;
-use crate::types::{ParseEvent, ParseResult, ReasoningOptions, RenderOptions, Stage, ToolOptions};
+use crate::types::{
+    MediaError, ParseEvent, ParseResult, ReasoningOptions, RenderOptions, Stage, ToolOptions,
+};
 
 /// Mixed K3 / K2 / `<think>` markup: whatever a parser makes of it, streaming it one character
 /// at a time must give the one-shot result.
@@ -86,9 +89,84 @@ pub(crate) fn run(rt: &Arc<Runtime>, version: &Arc<PluginVersion>) -> Result<(),
                 )));
             }
         }
-        Stage::Media | Stage::Router => {}
+        Stage::Media => {
+            // A plain PNG must come back (the host validates the output), and bytes that are
+            // no image must be refused as the client's error, not trap or pass.
+            let options = MediaOptions::default();
+            let part = |data: Vec<u8>| ImagePart {
+                index: 0,
+                data,
+                mime_type: Some("image/png".into()),
+                detail: None,
+            };
+            run_once(rt, version, &part(probe_png(64, 32)), &options)
+                .map_err(|e| fail(format!("a 64x32 PNG was not processed: {e}")))?;
+            match run_once(rt, version, &part(b"not an image".to_vec()), &options) {
+                Err(PluginError::Media(MediaError::InvalidImage(_))) => {}
+                other => {
+                    return Err(fail(format!(
+                        "bytes that are not an image must be refused as invalid input, got \
+                         {other:?}"
+                    )));
+                }
+            }
+        }
+        Stage::Router => {}
     }
     Ok(())
+}
+
+/// An RGB PNG of `w x h` (a colour ramp), written with stored (uncompressed) deflate blocks so
+/// the host needs no encoder.
+fn probe_png(w: u32, h: u32) -> Vec<u8> {
+    let mut raw = Vec::new();
+    for y in 0..h {
+        raw.push(0); // filter: none
+        for x in 0..w {
+            raw.extend_from_slice(&[(x * 4) as u8, (y * 8) as u8, 128]);
+        }
+    }
+    let mut zlib = vec![0x78, 0x01];
+    let blocks: Vec<&[u8]> = raw.chunks(65535).collect();
+    for (i, block) in blocks.iter().enumerate() {
+        zlib.push(u8::from(i + 1 == blocks.len()));
+        let len = block.len() as u16;
+        zlib.extend_from_slice(&len.to_le_bytes());
+        zlib.extend_from_slice(&(!len).to_le_bytes());
+        zlib.extend_from_slice(block);
+    }
+    let (mut a, mut b) = (1u32, 0u32);
+    for &byte in &raw {
+        a = (a + u32::from(byte)) % 65521;
+        b = (b + a) % 65521;
+    }
+    zlib.extend_from_slice(&((b << 16) | a).to_be_bytes());
+
+    let mut ihdr = Vec::new();
+    ihdr.extend_from_slice(&w.to_be_bytes());
+    ihdr.extend_from_slice(&h.to_be_bytes());
+    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    for (kind, data) in [(b"IHDR", &ihdr), (b"IDAT", &zlib), (b"IEND", &Vec::new())] {
+        png.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        let start = png.len();
+        png.extend_from_slice(kind);
+        png.extend_from_slice(data);
+        let crc = crc32(&png[start..]);
+        png.extend_from_slice(&crc.to_be_bytes());
+    }
+    png
+}
+
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &byte in bytes {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ (0xEDB8_8320 & (crc & 1).wrapping_neg());
+        }
+    }
+    !crc
 }
 
 /// Feed the probe one char at a time (`Some`), then finish (`None`).
@@ -102,4 +180,15 @@ fn feed_chars(
     }
     events.extend(call(None)?);
     Ok(ParseResult::from_events(&events))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_probe_png_is_well_formed() {
+        let png = super::probe_png(64, 32);
+        assert_eq!(&png[12..16], b"IHDR");
+        // The CRC of the IEND chunk is a well-known constant.
+        assert_eq!(&png[png.len() - 4..], &[0xAE, 0x42, 0x60, 0x82]);
+    }
 }

@@ -248,6 +248,33 @@ impl TemplateError {
     }
 }
 
+/// A media-stage failure: the plugin refused the image or the host refused the plugin's output.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]
+#[serde(tag = "kind", content = "message", rename_all = "kebab-case")]
+pub enum MediaError {
+    /// The image is bad (not an image, truncated, a bomb, a lying MIME type...): the message
+    /// names the image and the problem, e.g. `image 0: declared image/png but the data is
+    /// JPEG`. A client error (HTTP 400).
+    #[error("{0}")]
+    InvalidImage(String),
+    /// The plugin does not support these options (the server's settings).
+    #[error("media plugin: unsupported: {0}")]
+    Unsupported(String),
+    #[error("media plugin internal error: {0}")]
+    Internal(String),
+    /// The plugin's answer broke the stage contract (sizes, pixel or token counts, the
+    /// placeholder); the host refused it rather than hand the model garbage.
+    #[error("media plugin {plugin} returned invalid output: {detail}")]
+    BadOutput { plugin: String, detail: String },
+}
+
+impl MediaError {
+    /// Whether the client caused it (HTTP 400) rather than the plugin or the server.
+    pub fn is_client_error(&self) -> bool {
+        matches!(self, MediaError::InvalidImage(_))
+    }
+}
+
 /// An error a plugin returned on purpose (never poisons the instance).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]
 #[serde(tag = "kind", content = "message", rename_all = "kebab-case")]

@@ -132,6 +132,7 @@ fn default_plugins_load_activate_and_list() {
         (Stage::ChatTemplate, "kimi-k3-template"),
         (Stage::ReasoningParser, "kimi-k3-reasoning"),
         (Stage::ToolParser, "kimi-k3-tools"),
+        (Stage::Media, "kimi-k3-media"),
     ] {
         let v = list
             .iter()
@@ -142,7 +143,7 @@ fn default_plugins_load_activate_and_list() {
         assert_eq!(v.metadata.wit_version, "0.3.0");
         assert_eq!(v.sha256.len(), 64);
     }
-    assert!(host.active(Stage::Media).is_none());
+    assert!(host.active(Stage::Router).is_none());
     assert!(matches!(
         host.rollback(Stage::Router),
         Err(PluginError::NothingToRollBack(Stage::Router))
