@@ -26,7 +26,7 @@ use crate::events::{GenEvent, Generation};
 use crate::media::{ImageBytes, MediaFetcher, expand_placeholders, prepare_images, take_images};
 use crate::pipeline::{ParserPlan, ParserStages, RequestPath};
 use crate::plugin_admin;
-use crate::prompt::{encode_prompt, render, render_prompt};
+use crate::prompt::{encode_prompt, render};
 use crate::request::{
     ChatGenRequest, CompletionGenRequest, PromptInput, SamplingOptions, ToolChoice, token_budget,
 };
@@ -138,9 +138,9 @@ impl Frontend {
     }
 
     /// The chat prompt's ids (template markup with special tokens, client text as text).
+    #[cfg(test)]
     pub(crate) fn prompt_ids(&self, req: &ChatGenRequest) -> Result<Vec<u32>, BackendError> {
-        let p = &self.parts;
-        render_prompt(&p.plugins, &p.tokenizer, &p.chat_template, req)
+        self.chat_text_prompt(req)
     }
 
     /// Lift the request's images out of its messages and fetch them (async: URLs).

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use k3_engine::{ImagePixels, MediaInput};
-use k3_plugin_host::{ImagePart, MediaOptions, PluginHost};
+use k3_plugin_host::{ImagePart, MediaOptions, PluginError, PluginHost};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
@@ -491,22 +491,22 @@ pub(crate) fn prepare_images(
         .collect();
     let options = MediaOptions {
         patch_size: vision.patch_size,
+        merge_size: vision.merge_size,
         max_pixels: vision.max_pixels,
-        extra_json: Some(
-            json!({"merge_size": vision.merge_size, "min_pixels": vision.min_pixels}).to_string(),
-        ),
+        min_pixels: vision.min_pixels,
+        ..MediaOptions::default()
     };
-    let prepared =
-        plugins
-            .media()
-            .process(&parts, &options)
-            .map_err(|e| match e.client_error_message() {
-                Some(message) => {
-                    let param = image_param(&message, &params);
-                    BackendError::InvalidRequest { message, param }
-                }
-                None => crate::error::plugin_failure(e),
-            })?;
+    let prepared = plugins
+        .media()
+        .process(&parts, &options)
+        .map_err(|e| match e {
+            PluginError::Media(m) if m.is_client_error() => {
+                let message = m.to_string();
+                let param = image_param(&message, &params);
+                BackendError::InvalidRequest { message, param }
+            }
+            other => crate::error::plugin_failure(other),
+        })?;
     let unit = (vision.patch_size * vision.merge_size) as usize;
     prepared
         .into_iter()

@@ -12,19 +12,7 @@ use crate::request::ChatGenRequest;
 use crate::segments::{Segment, encode_segments, special_token_spellings};
 use crate::tokenizer::Tokenizer;
 
-/// Render `req` with the model's Jinja `chat_template` through the chat-template plugin and
-/// tokenize the segments: markup with special tokens recognised, client text as text.
-pub(crate) fn render_prompt(
-    plugins: &PluginHost,
-    tokenizer: &Tokenizer,
-    chat_template: &str,
-    req: &ChatGenRequest,
-) -> Result<Vec<u32>, BackendError> {
-    let segments = render(plugins, tokenizer, chat_template, req)?;
-    encode_prompt(tokenizer, &segments)
-}
-
-/// Tokenize rendered segments (see [`render_prompt`]).
+/// Tokenize rendered segments: markup with special tokens recognised, client text as text.
 pub(crate) fn encode_prompt(
     tokenizer: &Tokenizer,
     segments: &[Segment],
