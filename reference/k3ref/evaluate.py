@@ -33,17 +33,20 @@ def held_out_examples(per_kind: int):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, per_kind: int, time_budget: float = 1e9, log=print):
+def evaluate(model, tokenizer, per_kind: int, time_budget: float = 1e9, log=print, examples=None,
+             max_new_cap: int | None = None):
+    """`examples`: (example, thinking) pairs to use instead of held_out_examples(per_kind) (e.g. interleaved
+    by kind, so a time budget cuts every kind evenly); `max_new_cap` bounds MAX_NEW (smoke runs)."""
     eos = tokenizer.token_to_id("<|end_of_msg|>")
     results = defaultdict(lambda: defaultdict(list))
     samples = []
     t0 = time.time()
-    for ex, thinking in held_out_examples(per_kind):
+    for ex, thinking in (held_out_examples(per_kind) if examples is None else examples):
         if time.time() - t0 > time_budget:
             log(f"eval time budget reached after {sum(len(v['_n']) for v in results.values())} examples")
             break
         ids = tokenizer.encode(prompt_text(ex), add_special_tokens=False).ids
-        out = model.generate_greedy(ids, MAX_NEW[ex.kind], stop_ids=(eos,))
+        out = model.generate_greedy(ids, min(MAX_NEW[ex.kind], max_new_cap or 10**9), stop_ids=(eos,))
         text = tokenizer.decode(out, skip_special_tokens=False)
         metrics = check(ex, text)
         results[ex.kind]["_n"].append(1)

@@ -35,16 +35,30 @@ def to_tensors(model: K3ForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
+def save_config(model: K3ForCausalLM, out_dir: str) -> None:
+    """config.json from the model's K3Config, keeping keys the config does not model (vision_config, the media
+    token ids) from an existing file: re-exporting the decoder must not drop the vision tower."""
+    path = os.path.join(out_dir, "config.json")
+    extra = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        known = model.cfg.to_hf()
+        extra = {k: v for k, v in old.items() if k not in known}
+    write_json(path, model.cfg.to_hf() | extra)
+
+
 def export(model: K3ForCausalLM, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    model.cfg.save(os.path.join(out_dir, "config.json"))
+    save_config(model, out_dir)
     save_file(to_tensors(model), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 
 
-def load_exported(model_dir: str, dtype=torch.float32) -> K3ForCausalLM:
-    """bf16 weights upcast, MXFP4 experts dequantised: exactly the numbers a serving backend sees."""
+def load_exported(model_dir: str, dtype=torch.float32, weights: str | None = None) -> K3ForCausalLM:
+    """bf16 weights upcast, MXFP4 experts dequantised: exactly the numbers a serving backend sees. `weights`:
+    a model.safetensors elsewhere (default: the directory's own)."""
     cfg = K3Config.load(os.path.join(model_dir, "config.json"))
-    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    tensors = load_file(weights or os.path.join(model_dir, "model.safetensors"))
     model = K3ForCausalLM(cfg)
     sd = {}
     for name in model.state_dict():

@@ -33,9 +33,13 @@ from collections import defaultdict
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch.utils.data import DataLoader, IterableDataset
 
-from .export import load_exported
+from .evaluate import held_out_examples
+from .evaluate import evaluate as text_evaluate
+from .export import load_exported, to_tensors
+from .train import ConversationStream, balance_router_bias, batches
 from .vision import PATCH_DIM, VisionTower, patches_from_hwc
 from .vision_data import (IMAGE_KINDS, encode_prompt, held_out, image_token_count, score, splice_embeds,
                           training_example)
@@ -83,14 +87,14 @@ def to_pixels(patches_u8: torch.Tensor, dev: str) -> torch.Tensor:
     return patches_u8.to(dev, non_blocking=True).float() / 127.5 - 1.0
 
 
-def batch_loss(decoder, tower, batch, dev: str, kda_impl: str):
+def batch_loss(decoder, tower, batch, dev: str, kda_impl: str, fake_quant: bool = False):
     """Mean cross-entropy over the assistant's tokens, and the token accuracy."""
     patches, grids, ids, mask = batch
     ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
     with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
         rows = torch.cat(tower.forward_batch(to_pixels(patches, dev), grids))
         emb = splice_embeds(decoder.model.embed_tokens(ids), ids, rows)
-        logits = decoder(ids, inputs_embeds=emb, kda_impl=kda_impl, moe_dense=dev == "cuda")
+        logits = decoder(ids, inputs_embeds=emb, kda_impl=kda_impl, moe_dense=dev == "cuda", fake_quant=fake_quant)
     tgt_ok = mask[:, 1:]
     lg = logits[:, :-1][tgt_ok].float()
     tgt = ids[:, 1:][tgt_ok]
@@ -98,15 +102,45 @@ def batch_loss(decoder, tower, batch, dev: str, kda_impl: str):
     return loss, (lg.argmax(-1) == tgt).float().mean()
 
 
+def text_loss(decoder, batch, dev: str, kda_impl: str):
+    """The decoder's own objective on a batch of its original text mixture (k3ref/train.py), so fine-tuning
+    it on image chats does not erode its text skills."""
+    ids, mask = (t.to(dev, non_blocking=True) for t in batch)
+    with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+        logits = decoder(ids[:, :-1], kda_impl=kda_impl, moe_dense=dev == "cuda", fake_quant=True)
+    tgt = ids[:, 1:].masked_fill(~mask[:, 1:], -100)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
+
+
 def train(decoder, tower, a, dev: str, log) -> dict:
+    """The tower always trains; with --decoder-lr > 0 the decoder trains too, at its own (lower) rate that
+    starts after --decoder-start steps (a random tower's rows would only teach it noise), with text batches
+    from its original mixture weighted --text-frac of the loss."""
     decay = [p for n, p in tower.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in tower.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.98))
+    groups = [{"params": decay, "weight_decay": a.weight_decay, "base": a.lr, "tower": True},
+              {"params": no_decay, "weight_decay": 0.0, "base": a.lr, "tower": True}]
+    train_dec = a.decoder_lr > 0
+    if train_dec:
+        dd, dn = [], []
+        for n, p in decoder.named_parameters():  # requires_grad is switched on at --decoder-start
+            (dn if p.ndim < 2 or "norm" in n or n.endswith(("A_log", "dt_bias", ".proj.weight")) else dd).append(p)
+        groups += [{"params": dd, "weight_decay": 0.05, "base": a.decoder_lr, "tower": False},
+                   {"params": dn, "weight_decay": 0.0, "base": a.decoder_lr, "tower": False}]
+        decoder.train()
+    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.98))
     stream = ImageStream(a.tokenizer, a.seed, a.batch_size)
     loader = DataLoader(stream, batch_size=None, num_workers=a.workers, pin_memory=dev == "cuda",
                         prefetch_factor=4 if a.workers else None)
     it = iter(loader)
+    text_it = None
+    if train_dec and a.text_frac > 0:
+        mix = {k: float(v) for k, v in (kv.split("=") for kv in a.text_mix.split(","))}
+        tstream = ConversationStream(a.tokenizer, a.seed + 7, a.text_max_len, mix)
+        tloader = DataLoader(tstream, batch_size=None, num_workers=a.text_workers,
+                             prefetch_factor=64 if a.text_workers else None)
+        text_it = batches(tloader, a.text_tokens, pool=64 if a.smoke else 256)
+    text_ema = None
     logf = open(os.path.join(a.out, "vision_train_log.jsonl"), "w")
     t0 = time.time()
     step, examples, ema, acc_ema, data_wait, skipped = 0, 0, None, None, 0.0, 0
@@ -119,15 +153,27 @@ def train(decoder, tower, a, dev: str, log) -> dict:
         frac = elapsed / a.time_budget
         if frac >= 1.0 or step >= a.max_steps:
             break
-        lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+        cos = 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac))
+        lr = a.lr * min(1.0, (step + 1) / a.warmup) * cos
+        dec_on = train_dec and step >= a.decoder_start
+        if dec_on and step == a.decoder_start:
+            for p in decoder.parameters():
+                p.requires_grad_(True)
+        dec_scale = min(1.0, (step + 1 - a.decoder_start) / a.decoder_warmup) * cos if dec_on else 0.0
         for grp in opt.param_groups:
-            grp["lr"] = lr
+            grp["lr"] = lr if grp["tower"] else grp["base"] * dec_scale
         opt.zero_grad(set_to_none=True)
         try:
-            loss, acc = batch_loss(decoder, tower, batch, dev, a.kda_impl)
-            if not bool(torch.isfinite(loss)):
+            loss, acc = batch_loss(decoder, tower, batch, dev, a.kda_impl, fake_quant=train_dec)
+            tl = None
+            if text_it is not None and dec_on:
+                tl = text_loss(decoder, next(text_it), dev, a.kda_impl)
+                total = (1 - a.text_frac) * loss + a.text_frac * tl
+            else:
+                total = loss
+            if not bool(torch.isfinite(total)):
                 raise FloatingPointError("non-finite loss")
-            loss.backward()
+            total.backward()
         except (torch.cuda.OutOfMemoryError, FloatingPointError) as e:  # one bad batch must not end the run
             skipped += 1
             log(f"step {step}: skipped a batch: {type(e).__name__}")
@@ -138,15 +184,26 @@ def train(decoder, tower, a, dev: str, log) -> dict:
                 raise
             continue
         gn = torch.nn.utils.clip_grad_norm_(tower.parameters(), 1.0)
+        if train_dec:
+            torch.nn.utils.clip_grad_norm_(decoder.parameters(), 1.0)
         opt.step()
+        if dec_on:  # keep the experts' loads even (the decoder's own recipe; gentler speed)
+            with torch.no_grad():
+                balance_router_bias(decoder, a.bias_speed)
         step += 1
         examples += batch[2].shape[0]
         if step % a.log_every == 0 or step == 1:
             lv, av = float(loss.detach()), float(acc)
+            if tl is not None:
+                tv = float(tl.detach())
+                text_ema = tv if text_ema is None else 0.8 * text_ema + 0.2 * tv
             ema = lv if ema is None else 0.8 * ema + 0.2 * lv
             acc_ema = av if acc_ema is None else 0.8 * acc_ema + 0.2 * av
             rec = {"step": step, "loss": round(lv, 4), "loss_ema": round(ema, 4), "token_acc": round(av, 4),
-                   "token_acc_ema": round(acc_ema, 4), "lr": round(lr, 7), "grad_norm": round(float(gn), 3),
+                   "token_acc_ema": round(acc_ema, 4), "lr": round(lr, 7),
+                   "text_loss": None if tl is None else round(float(tl.detach()), 4),
+                   "text_loss_ema": None if text_ema is None else round(text_ema, 4),
+                   "decoder_lr": round(a.decoder_lr * dec_scale, 8), "grad_norm": round(float(gn), 3),
                    "examples": examples, "batch": list(batch[2].shape), "elapsed_s": round(elapsed, 1),
                    "data_wait_s": round(data_wait, 1),
                    "max_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else 0}
@@ -155,11 +212,16 @@ def train(decoder, tower, a, dev: str, log) -> dict:
             logf.flush()
     summary = {"steps": step, "examples": examples, "skipped_batches": skipped,
                "train_seconds": round(time.time() - t0, 1), "final_loss_ema": ema, "final_token_acc_ema": acc_ema,
-               "data_wait_s": round(data_wait, 1), "lr": a.lr, "batch_size": a.batch_size, "seed": a.seed}
+               "data_wait_s": round(data_wait, 1), "lr": a.lr, "batch_size": a.batch_size, "seed": a.seed,
+               "decoder_lr": a.decoder_lr, "text_frac": a.text_frac, "final_text_loss_ema": text_ema,
+               "decoder_trained": train_dec and step > a.decoder_start}
     logf.write(json.dumps({"summary": summary}) + "\n")
     logf.close()
-    del it, loader
+    del it, loader, text_it
     tower.eval()
+    decoder.eval()
+    for p in decoder.parameters():
+        p.requires_grad_(False)
     return summary
 
 
@@ -252,6 +314,97 @@ def evaluate(decoder, tower, tok, a, dev: str, time_budget: float, log) -> dict:
             "samples": samples, "seconds": round(time.time() - t0, 1), "per_kind": a.per_kind}
 
 
+CARD_ROWS = [("arithmetic", "exact"), ("tool_use", "well_formed"), ("tool_use", "schema_valid"),
+             ("tool_use", "args_exact"), ("recall", "exact"), ("kv_retrieval", "exact"),
+             ("json_answer", "valid_json"), ("json_answer", "exact"), ("prose", "well_formed")]
+
+
+@torch.no_grad()
+def text_greedy_batch(decoder, tok, prompts: list[list[int]], dev: str, max_new: int,
+                      deadline: float = float("inf")) -> list[str] | None:
+    """greedy_batch without images: right-padded, the whole prefix recomputed each step. None when the
+    deadline passes first (truncated answers would score as wrong ones)."""
+    eos = tok.token_to_id("<|end_of_msg|>")
+    b = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts], device=dev)
+    buf = torch.zeros(b, int(lens.max()) + max_new, dtype=torch.long, device=dev)
+    for i, p in enumerate(prompts):
+        buf[i, : len(p)] = torch.tensor(p)
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    out: list[list[int]] = [[] for _ in range(b)]
+    for _ in range(max_new):
+        if time.time() > deadline:
+            return None
+        logits = decoder(buf[:, : int(lens.max())], kda_impl="fast")
+        nxt = logits[torch.arange(b, device=dev), lens - 1].float().argmax(-1)
+        for i in range(b):
+            if not done[i]:
+                out[i].append(int(nxt[i]))
+        buf[torch.arange(b, device=dev), lens.clamp(max=buf.shape[1] - 1)] = torch.where(done, 0, nxt)
+        lens = lens + (~done).long()
+        done = done | (nxt == eos)
+        if bool(done.all()):
+            break
+    return [tok.decode(o, skip_special_tokens=False) for o in out]
+
+
+def text_table_batched(decoder, tok, n: int, budget: float, dev: str, log):
+    """k3ref.evaluate's table (same held-out examples, MAX_NEW, check), one batch per kind, kv retrieval
+    (2.7k-token prompts) last so a cut budget loses the least."""
+    from .data.tasks import check, prompt_text
+    from .evaluate import MAX_NEW
+    exs = held_out_examples(n)
+    kinds = sorted({ex.kind for ex, _ in exs}, key=lambda k: (k == "kv_retrieval", k))
+    res, samples, t0 = defaultdict(lambda: defaultdict(list)), [], time.time()
+    for kind in kinds:
+        if time.time() - t0 > budget:
+            log(f"text eval budget reached before {kind}")
+            break
+        group = [(ex, th) for ex, th in exs if ex.kind == kind]
+        prompts = [tok.encode(prompt_text(ex), add_special_tokens=False).ids for ex, _ in group]
+        texts = text_greedy_batch(decoder, tok, prompts, dev, MAX_NEW[kind], t0 + budget)
+        if texts is None:
+            log(f"text eval budget reached during {kind} (not scored)")
+            break
+        for (ex, thinking), text in zip(group, texts):
+            m = check(ex, text)
+            res[kind]["_n"].append(1)
+            for k, v in m.items():
+                res[kind][k].append(bool(v))
+                res[kind][f"{k} (thinking {'on' if thinking else 'off'})"].append(bool(v))
+            if len(samples) < 24 and not all(m.values()):
+                samples.append({"kind": kind, "ok": m, "generated": text[:400]})
+    table = {k: {x: round(sum(v) / len(v), 4) for x, v in m.items() if x != "_n"} | {"n": len(m["_n"])}
+             for k, m in res.items()}
+    return table, samples
+
+
+def text_eval(decoder, tok, a, budget: float, log) -> dict:
+    """The MODEL_CARD's text table (k3ref.evaluate, held-out seeds) for the fine-tuned decoder (batched on
+    CUDA; on CPU one at a time, kinds interleaved so a cut budget still scores every kind); printed as the
+    card's rows."""
+    n = a.text_eval_per_kind
+    t0 = time.time()
+    dev = next(decoder.parameters()).device.type
+    if dev == "cuda" and not a.smoke:
+        table, samples = text_table_batched(decoder, tok, n, budget, dev, log)
+    else:
+        per_kind = held_out_examples(n)
+        order = [per_kind[k * n + i] for i in range(n) for k in range(len(per_kind) // n)]
+        table, samples = text_evaluate(decoder, tok, n, budget, log=log, examples=order,
+                                       max_new_cap=48 if a.smoke else None)
+    log(f"text eval ({time.time() - t0:.0f}s; committed card: 30 per kind, CPU) kind/metric: all | on | off")
+    for kind, metric in CARD_ROWS:
+        m = table.get(kind, {})
+        cells = [m.get(metric), m.get(f"{metric} (thinking on)"), m.get(f"{metric} (thinking off)")]
+        log(f"  {kind:12s} {metric:12s} " + " | ".join("-" if v is None else f"{v:.3f}" for v in cells)
+            + f"  (n={m.get('n', 0)})")
+    offs = [v for m in table.values() for k, v in m.items() if k == "no_think (thinking off)"]
+    if offs:
+        log(f"  no think text when thinking is off: {sum(offs) / len(offs):.3f}")
+    return {"table": table, "samples": samples, "seconds": round(time.time() - t0, 1)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="models/k3-mini")
@@ -275,13 +428,27 @@ def main():
     ap.add_argument("--eval-path", choices=["auto", "batched", "cached"], default="auto",
                     help="batched full-recompute greedy (auto on CUDA) or one prompt at a time with caches (CPU)")
     ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--decoder-lr", type=float, default=1e-4, help="0: the decoder stays frozen")
+    ap.add_argument("--decoder-start", type=int, default=100, help="steps of tower-only training first")
+    ap.add_argument("--decoder-warmup", type=int, default=200)
+    ap.add_argument("--bias-speed", type=float, default=1e-4, help="router bias balancing while the decoder trains")
+    ap.add_argument("--text-frac", type=float, default=0.5, help="share of the loss from text batches")
+    ap.add_argument("--text-mix", default="arithmetic=0.4,tool_use=0.3,recall=0.15,kv_retrieval=0.02,"
+                    "json_answer=0.07,prose=0.06", help="the MODEL_CARD's run-4 mix")
+    ap.add_argument("--text-tokens", type=int, default=16384, help="padded tokens per text batch")
+    ap.add_argument("--text-max-len", type=int, default=3200)
+    ap.add_argument("--text-workers", type=int, default=4)
+    ap.add_argument("--text-eval-per-kind", type=int, default=24, help="MODEL_CARD text table, held-out seeds")
+    ap.add_argument("--text-eval-time", type=float, default=100.0)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes and budgets: the whole pipeline in seconds")
     a = ap.parse_args()
     t_start = time.time()
     if a.smoke:
         a.time_budget = 8.0 if a.time_budget is None else a.time_budget
-        a.eval_time = min(a.eval_time, 25.0)
+        a.eval_time = min(a.eval_time, 15.0)
         a.batch_size, a.workers, a.warmup, a.log_every, a.per_kind, a.max_new = 4, 1, 3, 1, 1, 40
+        a.decoder_start, a.decoder_warmup, a.text_tokens, a.text_max_len, a.text_workers = 1, 2, 1024, 500, 1
+        a.text_eval_per_kind, a.text_eval_time = 1, min(a.text_eval_time, 8.0)
     a.time_budget = 420.0 if a.time_budget is None else a.time_budget
     a.tokenizer = a.tokenizer or os.path.join(a.model, "tokenizer.json")
     os.makedirs(a.out, exist_ok=True)
@@ -304,13 +471,26 @@ def main():
     try:
         result["train"] = {"steps": 0} if a.time_budget <= 0 else train(decoder, tower, a, dev, log)
     except Exception:  # keep what was learnt: export and evaluation still run
-        result["train"] = {"error": traceback.format_exc()}
+        result["train"] = {"error": traceback.format_exc(), "decoder_trained": a.decoder_lr > 0}
+    decoder.eval()
+    for p in decoder.parameters():
+        p.requires_grad_(False)
     log(f"training done: {json.dumps(result['train'])}")
     weights = os.path.join(a.out, "vision.safetensors")
     export_all(tower.cpu(), None, weights, os.path.join(a.out, "vision-golden.safetensors"))
     log(f"exported {weights} and vision-golden.safetensors")
     served = load_vision(weights, cfg).to(dev)  # evaluate what was exported (bf16-rounded)
-    budget = max(1.0, min(a.eval_time, a.wall_budget - (time.time() - t_start) - 15))
+    if result["train"].get("decoder_trained"):
+        dec_path = os.path.join(a.out, "model.safetensors")
+        save_file(to_tensors(decoder.cpu()), dec_path, metadata={"format": "pt"})
+        del decoder
+        decoder = load_exported(a.model, weights=dec_path).to(dev)  # the numbers the Rust side will load
+        log(f"exported {dec_path} ({os.path.getsize(dec_path) / 2**20:.1f} MiB; same layout as {a.model})")
+    else:
+        decoder = decoder.to(dev)
+    left = a.wall_budget - (time.time() - t_start) - 15
+    text_budget = max(1.0, min(a.text_eval_time, left * 0.5)) if result["train"].get("decoder_trained") else 0
+    budget = max(1.0, min(a.eval_time, left - text_budget))
     log(f"evaluation: {budget:.0f}s")
     try:
         result["eval"] = evaluate(decoder, served, tok, a, dev, budget, log)
@@ -322,6 +502,12 @@ def main():
     except Exception:
         result["eval_error"] = traceback.format_exc()
         log(result["eval_error"])
+    if text_budget:
+        try:
+            result["text_eval"] = text_eval(decoder, tok, a, text_budget, log)
+        except Exception:
+            result["text_eval_error"] = traceback.format_exc()
+            log(result["text_eval_error"])
     result["wall_seconds"] = round(time.time() - t_start, 1)
     result["args"] = {k: v for k, v in vars(a).items()}
     with open(os.path.join(a.out, "vision_eval.json"), "w") as f:

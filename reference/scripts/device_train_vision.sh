@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Train, export and evaluate k3-mini's vision tower + projector (decoder frozen) on the lent H200 in one call
+# Train, export and evaluate k3-mini's vision tower + projector on the lent H200 in one call; by default the
+# decoder is fine-tuned too (lr 1e-4 after 100 tower-only steps, half the loss from its original text mix;
+# --decoder-lr 0 keeps it frozen)
 # (k3ref/vision_train.py; models/k3-mini/MODEL_CARD.md "Vision"):
 #   bash reference/scripts/device_train_vision.sh <train-seconds> [extra vision_train args]
 #   bash reference/scripts/device_train_vision.sh 420                # the recipe: ~9 minutes in all
 #   bash reference/scripts/device_train_vision.sh 8 --smoke          # the whole pipeline in well under a minute
 # Writes to $OUT: vision.safetensors (bf16), vision-golden.safetensors, vision_eval.json,
-# vision_train_log.jsonl, vision_stdout.log. Then, in the repository:
+# vision_train_log.jsonl, vision_stdout.log, and (decoder trained) model.safetensors in export.py's layout
+# (bf16, MXFP4 experts: copy over models/k3-mini/model.safetensors; vision_eval.json's text_eval holds the
+# MODEL_CARD text table for it). Then, in the repository:
 #   PYTHONPATH=reference python3 -m k3ref.vision_export --model models/k3-mini --from <OUT>/vision.safetensors
 # regenerates models/k3-mini/vision.safetensors and host/model/tests/golden/vision-golden.safetensors (the
 # same bytes as $OUT's golden file).
