@@ -22,6 +22,10 @@ pub struct MediaArgs {
     /// Largest encoded image in bytes, from a data: URL or a fetch [default: 20 MiB].
     #[arg(long, value_name = "BYTES")]
     pub max_image_bytes: Option<usize>,
+    /// The media stage: a plugin name (`NAME_media.wasm` in the plugin directory) or a path
+    /// [default: kimi_k3].
+    #[arg(long, value_name = "NAME|PATH")]
+    pub media_plugin: Option<String>,
 }
 
 /// The same settings from the config file.
@@ -31,6 +35,7 @@ pub struct MediaFile {
     pub allowed_media_domains: Option<Vec<String>>,
     pub media_fetch_timeout: Option<f64>,
     pub max_image_bytes: Option<usize>,
+    pub media_plugin: Option<String>,
 }
 
 /// Resolved image settings.
@@ -40,6 +45,7 @@ pub struct MediaConfig {
     pub allowed_domains: Vec<String>,
     pub fetch_timeout: Duration,
     pub max_image_bytes: usize,
+    pub media_plugin: String,
 }
 
 impl MediaConfig {
@@ -100,6 +106,10 @@ impl MediaConfig {
             bail!("--max-image-bytes must be at least 1");
         }
         Ok(MediaConfig {
+            media_plugin: args
+                .media_plugin
+                .or(file.media_plugin)
+                .unwrap_or_else(|| "kimi_k3".into()),
             max_images_per_prompt,
             allowed_domains,
             fetch_timeout: Duration::from_secs_f64(timeout),

@@ -138,8 +138,8 @@ fn plugin_cache_dir() -> Option<PathBuf> {
     Some(base.join("k3serve").join("plugins"))
 }
 
-/// The three plugins' stages, names (or paths), file suffixes and flags.
-fn plugin_specs(cfg: &ServeConfig) -> [(Stage, String, &'static str, &'static str); 3] {
+/// The four plugins' stages, names (or paths), file suffixes and flags.
+fn plugin_specs(cfg: &ServeConfig) -> [(Stage, String, &'static str, &'static str); 4] {
     [
         (
             Stage::ChatTemplate,
@@ -160,6 +160,12 @@ fn plugin_specs(cfg: &ServeConfig) -> [(Stage, String, &'static str, &'static st
             cfg.tool_call_parser.clone(),
             "_tools.wasm",
             "tool-call-parser",
+        ),
+        (
+            Stage::Media,
+            cfg.media.media_plugin.clone(),
+            "_media.wasm",
+            "media-plugin",
         ),
     ]
 }

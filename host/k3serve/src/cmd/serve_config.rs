@@ -216,6 +216,7 @@ struct FileConfig {
     allowed_media_domains: Option<Vec<String>>,
     media_fetch_timeout: Option<f64>,
     max_image_bytes: Option<usize>,
+    media_plugin: Option<String>,
 }
 
 /// `served-model-name` in the file: one name or a list.
@@ -444,6 +445,7 @@ impl ServeConfig {
                     allowed_media_domains: file.allowed_media_domains,
                     media_fetch_timeout: file.media_fetch_timeout,
                     max_image_bytes: file.max_image_bytes,
+                    media_plugin: file.media_plugin,
                 },
             )?,
             plugin_dir: args.plugin_dir.or(file.plugin_dir),
