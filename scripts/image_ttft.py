@@ -49,7 +49,9 @@ def ttft(client: httpx.Client, model: str, url: str) -> tuple[float, int]:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices"):
+            # The first chunk only names the role: the first token is the first with text.
+            delta = chunk["choices"][0].get("delta", {}) if chunk.get("choices") else {}
+            if first is None and any(v for k, v in delta.items() if k != "role"):
                 first = time.perf_counter() - t0
             if chunk.get("usage"):
                 prompt_tokens = chunk["usage"]["prompt_tokens"]
