@@ -324,3 +324,27 @@ def test_allowed_domain_is_fetched_within_limits(url_server, image_host, model_n
 def test_metrics_and_health_after_images(base_url):
     assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
 
+
+
+def test_media_stage_hot_swap_and_rollback(http, client, model_name):
+    from test_admin import AUTH, active, plugin_file
+
+    def prompt_tokens():
+        r = ask(client, model_name, image_message(data_url(encode(GOOD)), "What color?"),
+                max_tokens=1)
+        return r.usage.prompt_tokens
+
+    before = active(http, "media")
+    assert before["name"] == "kimi-k3-media"
+    n_real = prompt_tokens()
+    # A WIT 0.1 test plugin that answers every PNG with a 32x64 grey image (2 tokens, not 4).
+    r = http.put("/admin/plugins/media", content=plugin_file("testdata_media_v0_1.wasm"),
+                 headers={**AUTH, "Content-Type": "application/wasm"})
+    assert r.status_code == 200, r.text
+    try:
+        assert prompt_tokens() == n_real - image_tokens(GOOD) + 2
+    finally:
+        r = http.post("/admin/plugins/media/rollback", headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert active(http, "media")["id"] == before["id"]
+    assert prompt_tokens() == n_real
