@@ -348,3 +348,12 @@ def test_media_stage_hot_swap_and_rollback(http, client, model_name):
     assert r.status_code == 200, r.text
     assert active(http, "media")["id"] == before["id"]
     assert prompt_tokens() == n_real
+
+
+def test_responses_input_image(client, model_name):
+    url = data_url(encode(GOOD))
+    r = client.responses.create(model=model_name, max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": url, "detail": "auto"},
+                                     {"type": "input_text", "text": "What color is it?"}]}])
+    chat = ask(client, model_name, image_message(url, "What color is it?"), max_tokens=8)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens

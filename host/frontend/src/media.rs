@@ -372,6 +372,81 @@ pub(crate) fn expand_placeholders(
     Ok((out, media))
 }
 
+/// Run the media stage over the fetched images (blocking: a plugin call). A problem with an
+/// image (not an image, truncated, too large, ...) is the client's 400, naming the part.
+pub(crate) fn prepare_images(
+    plugins: &PluginHost,
+    vision: &VisionGeometry,
+    images: Vec<ImageBytes>,
+) -> Result<Vec<PreparedImage>, BackendError> {
+    let params: Vec<String> = images.iter().map(|i| i.param.clone()).collect();
+    let parts: Vec<ImagePart> = images
+        .into_iter()
+        .enumerate()
+        .map(|(index, i)| ImagePart {
+            index: index as u32,
+            data: i.data,
+            mime_type: i.mime_type,
+            detail: i.detail,
+        })
+        .collect();
+    let options = MediaOptions {
+        patch_size: vision.patch_size,
+        merge_size: vision.merge_size,
+        max_pixels: vision.max_pixels,
+        min_pixels: vision.min_pixels,
+        ..MediaOptions::default()
+    };
+    let prepared = plugins
+        .media()
+        .process(&parts, &options)
+        .map_err(|e| match e {
+            PluginError::Media(m) if m.is_client_error() => {
+                let message = m.to_string();
+                let param = image_param(&message, &params);
+                BackendError::InvalidRequest { message, param }
+            }
+            other => crate::error::plugin_failure(other),
+        })?;
+    let unit = (vision.patch_size * vision.merge_size) as usize;
+    prepared
+        .into_iter()
+        .map(|p| {
+            let (h, w) = (p.height as usize, p.width as usize);
+            let tokens = (h / unit) * (w / unit);
+            let param = params.get(p.index as usize).cloned().unwrap_or_default();
+            if tokens != p.placeholder_tokens as usize {
+                return Err(BackendError::Plugin(format!(
+                    "the media stage laid out {} tokens for a {w}x{h} image ({param})",
+                    p.placeholder_tokens
+                )));
+            }
+            Ok(PreparedImage {
+                pixels: Arc::new(ImagePixels {
+                    height: h,
+                    width: w,
+                    content_hash: pixels_hash(h, w, &p.pixels),
+                    pixels: p.pixels,
+                }),
+                tokens,
+                placeholder: p.placeholder,
+                param,
+            })
+        })
+        .collect()
+}
+
+/// The request field a media-stage message is about: its "image {index}" prefix.
+fn image_param(message: &str, params: &[String]) -> Option<String> {
+    let rest = message.strip_prefix("image ")?;
+    let index: usize = rest
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()?;
+    params.get(index).cloned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -469,79 +544,4 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("at most 1"), "{e}");
     }
-}
-
-/// Run the media stage over the fetched images (blocking: a plugin call). A problem with an
-/// image (not an image, truncated, too large, ...) is the client's 400, naming the part.
-pub(crate) fn prepare_images(
-    plugins: &PluginHost,
-    vision: &VisionGeometry,
-    images: Vec<ImageBytes>,
-) -> Result<Vec<PreparedImage>, BackendError> {
-    let params: Vec<String> = images.iter().map(|i| i.param.clone()).collect();
-    let parts: Vec<ImagePart> = images
-        .into_iter()
-        .enumerate()
-        .map(|(index, i)| ImagePart {
-            index: index as u32,
-            data: i.data,
-            mime_type: i.mime_type,
-            detail: i.detail,
-        })
-        .collect();
-    let options = MediaOptions {
-        patch_size: vision.patch_size,
-        merge_size: vision.merge_size,
-        max_pixels: vision.max_pixels,
-        min_pixels: vision.min_pixels,
-        ..MediaOptions::default()
-    };
-    let prepared = plugins
-        .media()
-        .process(&parts, &options)
-        .map_err(|e| match e {
-            PluginError::Media(m) if m.is_client_error() => {
-                let message = m.to_string();
-                let param = image_param(&message, &params);
-                BackendError::InvalidRequest { message, param }
-            }
-            other => crate::error::plugin_failure(other),
-        })?;
-    let unit = (vision.patch_size * vision.merge_size) as usize;
-    prepared
-        .into_iter()
-        .map(|p| {
-            let (h, w) = (p.height as usize, p.width as usize);
-            let tokens = (h / unit) * (w / unit);
-            let param = params.get(p.index as usize).cloned().unwrap_or_default();
-            if tokens != p.placeholder_tokens as usize {
-                return Err(BackendError::Plugin(format!(
-                    "the media stage laid out {} tokens for a {w}x{h} image ({param})",
-                    p.placeholder_tokens
-                )));
-            }
-            Ok(PreparedImage {
-                pixels: Arc::new(ImagePixels {
-                    height: h,
-                    width: w,
-                    content_hash: pixels_hash(h, w, &p.pixels),
-                    pixels: p.pixels,
-                }),
-                tokens,
-                placeholder: p.placeholder,
-                param,
-            })
-        })
-        .collect()
-}
-
-/// The request field a media-stage message is about: its "image {index}" prefix.
-fn image_param(message: &str, params: &[String]) -> Option<String> {
-    let rest = message.strip_prefix("image ")?;
-    let index: usize = rest
-        .split(|c: char| !c.is_ascii_digit())
-        .next()?
-        .parse()
-        .ok()?;
-    params.get(index).cloned()
 }

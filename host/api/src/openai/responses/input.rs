@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use serde_json::{Map, Value, json};
 
+use crate::content::{Part, content_value, openai_image};
 use crate::error::ApiError;
 use crate::unknown_fields::UnknownFields;
 
@@ -130,7 +131,7 @@ fn required_string<'a>(
 }
 
 /// The text of a message's `content` (a string, or parts of the types `allowed`) joined by
-/// newlines. Images, files and audio are a 400 `not_supported`: k3 models read text only.
+/// newlines. Files, audio and (outside `user_content`) images are a 400 `not_supported`.
 fn content_text(content: Option<&Value>, allowed: &[&str], p: &str) -> Result<String, ApiError> {
     let parts = match content {
         Some(Value::String(s)) => return Ok(s.clone()),
@@ -161,6 +162,7 @@ fn content_text(content: Option<&Value>, allowed: &[&str], p: &str) -> Result<St
                 }
             }
             Some(kind @ ("input_image" | "input_file" | "input_audio")) => {
+                // (Images are read in user messages only: `user_content`.)
                 return Err(ApiError::not_supported(
                     format!("{pp}.type"),
                     format!("content parts of type \"{kind}\" are not supported by this model"),
@@ -184,6 +186,69 @@ fn content_text(content: Option<&Value>, allowed: &[&str], p: &str) -> Result<St
         }
     }
     Ok(texts.join("\n"))
+}
+
+/// A user message's content: text, or `input_text` and `input_image` parts (an image by
+/// `image_url`, a data: or http(s) URL; `file_id` images are not supported) in the chat shape
+/// (`crate::content`).
+fn user_content(content: Option<&Value>, p: &str) -> Result<Value, ApiError> {
+    let Some(Value::Array(parts)) = content else {
+        return content_text(content, &["input_text"], p).map(Value::String);
+    };
+    if !parts
+        .iter()
+        .any(|x| x.get("type").and_then(Value::as_str) == Some("input_image"))
+    {
+        return content_text(content, &["input_text"], p).map(Value::String);
+    }
+    let mut out = Vec::with_capacity(parts.len());
+    for (k, part) in parts.iter().enumerate() {
+        let pp = format!("{p}[{k}]");
+        match part.get("type").and_then(Value::as_str) {
+            Some("input_image") => {
+                let Some(Value::String(url)) = part.get("image_url") else {
+                    return Err(ApiError::not_supported(
+                        format!("{pp}.image_url"),
+                        format!(
+                            "'{pp}' needs an 'image_url' (images by 'file_id' are not supported)"
+                        ),
+                    ));
+                };
+                let mut image = Map::new();
+                image.insert("url".into(), Value::String(url.clone()));
+                if let Some(d) = part.get("detail").filter(|d| !d.is_null()) {
+                    image.insert("detail".into(), d.clone());
+                }
+                let Value::Object(chat_part) = json!({"type": "image_url", "image_url": image})
+                else {
+                    unreachable!("a JSON object literal");
+                };
+                out.push(openai_image(&chat_part, &pp)?);
+            }
+            Some("input_text") => match part.get("text") {
+                Some(Value::String(t)) => out.push(Part::Text(t.clone())),
+                _ => {
+                    return Err(ApiError::invalid(
+                        format!("{pp}.text"),
+                        format!("'{pp}.text' must be a string"),
+                    ));
+                }
+            },
+            Some(kind @ ("input_file" | "input_audio")) => {
+                return Err(ApiError::not_supported(
+                    format!("{pp}.type"),
+                    format!("content parts of type \"{kind}\" are not supported by this model"),
+                ));
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    format!("{pp}.type"),
+                    format!("'{pp}.type' must be input_text or input_image here"),
+                ));
+            }
+        }
+    }
+    Ok(content_value(out))
 }
 
 /// A reasoning item's text: its `content` (`reasoning_text` parts), else its `summary`.
@@ -282,7 +347,12 @@ pub fn to_chat_messages(
                 check_fields(item, kind, &p, unknown)?;
                 let role = required_string(item, "role", &p)?;
                 match role {
-                    "user" | "system" | "developer" => {
+                    "user" => {
+                        turn.flush(&mut out);
+                        let content = user_content(item.get("content"), &format!("{p}.content"))?;
+                        out.push(json!({"role": role, "content": content}), p);
+                    }
+                    "system" | "developer" => {
                         turn.flush(&mut out);
                         let text = content_text(
                             item.get("content"),
@@ -476,7 +546,12 @@ mod tests {
                 None,
             ),
             (
-                json!([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+                json!([{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]),
+                "input[0].content[0].image_url",
+                Some("not_supported"),
+            ),
+            (
+                json!([{"role": "system", "content": [{"type": "input_image", "image_url": "x"}]}]),
                 "input[0].content[0].type",
                 Some("not_supported"),
             ),
