@@ -357,3 +357,9 @@ def test_responses_input_image(client, model_name):
                                      {"type": "input_text", "text": "What color is it?"}]}])
     chat = ask(client, model_name, image_message(url, "What color is it?"), max_tokens=8)
     assert r.usage.input_tokens == chat.usage.prompt_tokens
+    # A URL from a domain the server does not allow: the error names the Responses field.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model_name, max_output_tokens=8, input=[
+            {"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}])
+    assert e.value.body["param"] == "input[0].content[0].image_url.url", e.value.body
+    assert "not allowed" in e.value.body["message"]

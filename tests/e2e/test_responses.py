@@ -154,7 +154,7 @@ def test_previous_response_id_is_a_clear_400(client, model_name):
 @pytest.mark.parametrize(
     "fields,param,code",
     [
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
          "input[0].content[0].type", "not_supported"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "not_supported"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "invalid_parameter"),
