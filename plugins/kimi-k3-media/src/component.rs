@@ -1,4 +1,4 @@
-//! The component glue: WIT `media-plugin` (0.3) over [`crate::process`].
+//! The component glue: WIT `media-plugin` (0.3) over [`crate::process()`].
 
 wit_bindgen::generate!({
     path: "../../wit/v0.3",

@@ -3,7 +3,7 @@
 //! over white, resizes to the model's limits and normalises to CHW f32; each image occupies
 //! `(W/32)*(H/32)` `<|media_pad|>` tokens. See `docs/plugins.md`, "The media stage".
 //!
-//! The pipeline ([`process`]) is plain Rust: `cargo test` runs it natively and benchmarks call
+//! The pipeline ([`process()`]) is plain Rust: `cargo test` runs it natively and benchmarks call
 //! the same code natively and in the sandbox. Built for `wasm32-wasip2` the crate is the
 //! component.
 
