@@ -40,6 +40,7 @@ from checks_moe import (check_moe, check_moe_gemm,  # noqa: E402
                         check_moe_single_token, check_moe_few_tokens, check_moe_tc_shapes, check_moe_wg, check_moe_wg_repeat)
 from common import rand  # noqa: E402
 from checks_kda_replay import check_kda_verify  # noqa: E402
+from checks_vision import check_vision  # noqa: E402
 from emulators import EMU  # noqa: E402
 from k3ref.attnres import attn_res as ref_attn_res  # noqa: E402
 from k3ref.moe import route as ref_route  # noqa: E402
@@ -927,7 +928,7 @@ def main():
         log(f"device: {torch.cuda.get_device_name()} torch {torch.__version__} cupy {d.cp.__version__}")
     t0 = time.time()
     for fn in (check_pointwise, check_attnres, check_router_sampling, check_kda_decode, check_kda_verify, check_kda_prefill,
-               check_kda_prefill_scan, check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill,
+               check_vision, check_kda_prefill_scan, check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill,
                check_moe, check_moe_tc_shapes, check_moe_single_token, check_moe_few_tokens, check_moe_gemm,
                check_moe_wg, check_moe_wg_repeat, check_bf16_matmul, check_gemv_tc, check_kda_prefill_conv):
         try:

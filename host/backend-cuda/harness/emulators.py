@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from common import kda_reference, pack_kda_region, unpack_kda_region  # first: puts reference/ on sys.path
 from checks_kda_replay import KDA_REPLAY_EMU
+from checks_vision import VISION_EMU
 from k3ref import kda as rk
 from k3ref import mxfp4 as rmx
 from k3ref.attnres import attn_res as ref_attn_res
@@ -827,3 +828,4 @@ EMU = {
         "tk,tkl->tl", _t(w).view(int(t), int(k)), _t(y).view(int(t), int(k), int(lt))).numpy().reshape(out.shape)),
 }
 EMU.update(KDA_REPLAY_EMU)  # kernels/kda_decode.cu's ReplaySSM verify and commit (checks_kda_replay.py)
+EMU.update(VISION_EMU)  # kernels/vision.cu (checks_vision.py)
