@@ -314,8 +314,12 @@ pub(crate) fn pixels_hash(height: usize, width: usize, pixels: &[f32]) -> [u8; 3
     let mut h = Sha256::new();
     h.update((height as u64).to_le_bytes());
     h.update((width as u64).to_le_bytes());
-    for v in pixels {
-        h.update(v.to_le_bytes());
+    // In blocks: one digest update per value would cost more than the hashing itself.
+    let mut bytes = Vec::with_capacity(4 * 4096);
+    for block in pixels.chunks(4096) {
+        bytes.clear();
+        bytes.extend(block.iter().flat_map(|v| v.to_le_bytes()));
+        h.update(&bytes);
     }
     h.finalize().into()
 }
@@ -408,32 +412,24 @@ pub(crate) fn prepare_images(
             }
             other => crate::error::plugin_failure(other),
         })?;
-    let unit = (vision.patch_size * vision.merge_size) as usize;
-    prepared
+    // The plugin host has checked each answer (sides, pixel count, token count, placeholder).
+    Ok(prepared
         .into_iter()
         .map(|p| {
             let (h, w) = (p.height as usize, p.width as usize);
-            let tokens = (h / unit) * (w / unit);
-            let param = params.get(p.index as usize).cloned().unwrap_or_default();
-            if tokens != p.placeholder_tokens as usize {
-                return Err(BackendError::Plugin(format!(
-                    "the media stage laid out {} tokens for a {w}x{h} image ({param})",
-                    p.placeholder_tokens
-                )));
-            }
-            Ok(PreparedImage {
+            PreparedImage {
                 pixels: Arc::new(ImagePixels {
                     height: h,
                     width: w,
                     content_hash: pixels_hash(h, w, &p.pixels),
                     pixels: p.pixels,
                 }),
-                tokens,
+                tokens: p.placeholder_tokens as usize,
                 placeholder: p.placeholder,
-                param,
-            })
+                param: params.get(p.index as usize).cloned().unwrap_or_default(),
+            }
         })
-        .collect()
+        .collect())
 }
 
 /// The request field a media-stage message is about: its "image {index}" prefix.
@@ -490,6 +486,19 @@ mod tests {
                 .contains("limit")
         );
         assert!(decode_data_url("nocomma", 3).is_err());
+    }
+
+    #[test]
+    fn the_hash_covers_every_value_and_the_size() {
+        let px = vec![0.5f32; 3 * 64 * 96];
+        let base = pixels_hash(64, 96, &px);
+        assert_eq!(base, pixels_hash(64, 96, &px));
+        assert_ne!(base, pixels_hash(96, 64, &px));
+        for i in [0, 4095, 4096, px.len() - 1] {
+            let mut q = px.clone();
+            q[i] = -0.5;
+            assert_ne!(base, pixels_hash(64, 96, &q), "value {i}");
+        }
     }
 
     #[test]
