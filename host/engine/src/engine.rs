@@ -9,6 +9,7 @@ use crate::config::{EngineConfig, EngineConfigError};
 use crate::metrics::EngineMetrics;
 use crate::request::{Request, RequestError, RequestId, RequestStream, SubmitError};
 use crate::scheduler::{EngineCore, StepJob};
+use k3_cache_events::CacheEvent;
 use k3_model::{CacheLayout, ExecError, Executor, ForwardOutput};
 use parking_lot::Mutex;
 use std::collections::HashSet;
@@ -22,8 +23,11 @@ pub(crate) enum Command {
     Submit(Request, crate::scheduler::EventSender),
     Cancel(RequestId),
     FlushCache(Sender<()>),
+    SubscribeCache(CacheEventSender),
     Shutdown(Instant),
 }
+
+type CacheEventSender = tokio::sync::mpsc::UnboundedSender<CacheEvent>;
 
 struct Shared {
     layout: CacheLayout,
@@ -126,6 +130,17 @@ impl EngineHandle {
         Some(spec.source.method().to_string())
     }
 
+    /// Follow the prefix cache: a [`CacheEvent::Snapshot`] first, then every change, in order
+    /// (`None` when the prefix cache is off). Dropping the receiver unsubscribes.
+    pub fn subscribe_cache(&self) -> Option<tokio::sync::mpsc::UnboundedReceiver<CacheEvent>> {
+        if !self.shared.cfg.prefix_cache {
+            return None;
+        }
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.tx.send(Command::SubscribeCache(tx)).ok()?;
+        Some(rx)
+    }
+
     /// Drop every prefix-cache entry not in use (blocks until done).
     pub fn flush_prefix_cache(&self) {
         let (tx, rx) = channel();
@@ -197,7 +212,11 @@ fn run_loop(
     let overlap = core.config().overlap;
     let mut inflight = None;
     let mut deadline: Option<Instant> = None;
-    let handle = |core: &mut EngineCore, cmd: Command, deadline: &mut Option<Instant>| match cmd {
+    let mut listeners: Vec<CacheEventSender> = Vec::new();
+    let handle = |core: &mut EngineCore,
+                  cmd: Command,
+                  deadline: &mut Option<Instant>,
+                  listeners: &mut Vec<CacheEventSender>| match cmd {
         Command::Submit(req, events) => {
             let id = req.id;
             if let Err(e) = core.enqueue(req, events.clone()) {
@@ -212,6 +231,16 @@ fn run_loop(
             core.flush_cache();
             let _ = reply.send(());
         }
+        Command::SubscribeCache(tx) => {
+            // Earlier listeners get the changes up to now first, so the new snapshot and the
+            // events after it line up for everyone.
+            forward_cache_events(core, listeners);
+            if let Some(snapshot) = core.subscribe_cache()
+                && tx.send(snapshot).is_ok()
+            {
+                listeners.push(tx);
+            }
+        }
         Command::Shutdown(d) => *deadline = Some(d),
     };
     loop {
@@ -220,19 +249,19 @@ fn run_loop(
                 break;
             }
             match rx.recv() {
-                Ok(cmd) => handle(&mut core, cmd, &mut deadline),
+                Ok(cmd) => handle(&mut core, cmd, &mut deadline, &mut listeners),
                 Err(_) => break,
             }
         }
         while let Ok(cmd) = rx.try_recv() {
-            handle(&mut core, cmd, &mut deadline);
+            handle(&mut core, cmd, &mut deadline, &mut listeners);
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
             if let Some(l) = inflight.take() {
                 core.complete(l, worker.wait());
             }
             core.abort_all(RequestError::Shutdown);
-            publish(&mut core, &shared);
+            publish(&mut core, &shared, &mut listeners);
             break;
         }
         // Prepared while the forward runs; sampled tokens are filled in at launch.
@@ -260,15 +289,32 @@ fn run_loop(
         } else if core.has_work() {
             // Nothing runnable (e.g. waiting on memory): wait for a command instead of spinning.
             if let Ok(cmd) = rx.recv_timeout(Duration::from_millis(5)) {
-                handle(&mut core, cmd, &mut deadline);
+                handle(&mut core, cmd, &mut deadline, &mut listeners);
             }
         }
-        publish(&mut core, &shared);
+        publish(&mut core, &shared, &mut listeners);
     }
-    publish(&mut core, &shared);
+    publish(&mut core, &shared, &mut listeners);
 }
 
-fn publish(core: &mut EngineCore, shared: &Shared) {
+/// Send the prefix cache's changes to every listener; stop recording when none is left.
+fn forward_cache_events(core: &mut EngineCore, listeners: &mut Vec<CacheEventSender>) {
+    if listeners.is_empty() {
+        return;
+    }
+    let events = core.take_cache_events();
+    if !events.is_empty() {
+        listeners.retain(|l| events.iter().all(|e| l.send(e.clone()).is_ok()));
+    } else {
+        listeners.retain(|l| !l.is_closed());
+    }
+    if listeners.is_empty() {
+        core.unsubscribe_cache();
+    }
+}
+
+fn publish(core: &mut EngineCore, shared: &Shared, listeners: &mut Vec<CacheEventSender>) {
+    forward_cache_events(core, listeners);
     let retired = core.take_retired();
     if !retired.is_empty() {
         let mut live = shared.live.lock();

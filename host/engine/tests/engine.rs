@@ -6,6 +6,7 @@
 //! blocks.)
 
 use anyhow::{Context, Result, bail};
+use k3_cache_events::{PrefixIndex, block_hashes};
 use k3_engine::testing::{ToyConfig, ToyExecutor, reference_greedy};
 use k3_engine::{
     Engine, EngineConfig, EngineCore, FinishReason, PoolMode, Request, RequestError,
@@ -692,6 +693,22 @@ proptest! {
         let mut next_id = 0u64;
         let mut inflight = None;
         let check = |core: &EngineCore| core.check_invariants().map_err(TestCaseError::fail);
+        // A router's view of the cache, kept from its events only, must equal a fresh snapshot.
+        let mut mirror = PrefixIndex::new();
+        if let Some(snapshot) = core.subscribe_cache() {
+            mirror.apply(&snapshot);
+        }
+        let mirrored = |core: &mut EngineCore, mirror: &mut PrefixIndex| -> Result<(), TestCaseError> {
+            for e in core.take_cache_events() {
+                mirror.apply(&e);
+            }
+            if let Some(snapshot) = core.subscribe_cache() {
+                let mut fresh = PrefixIndex::new();
+                fresh.apply(&snapshot);
+                prop_assert_eq!(fresh.records(), mirror.records());
+            }
+            Ok(())
+        };
         for op in ops.into_iter().chain([Op::Steps(10_000)]) {
             match op {
                 Op::Submit { prefix, tail, max_tokens } => {
@@ -709,6 +726,7 @@ proptest! {
                             core.step(exec.as_mut())
                         };
                         check(&core)?;
+                        mirrored(&mut core, &mut mirror)?;
                         if !progressed { break; }
                     }
                 }
@@ -716,9 +734,10 @@ proptest! {
                     let (id, ..) = live.remove(i % live.len());
                     core.cancel(id);
                     check(&core)?;
+                    mirrored(&mut core, &mut mirror)?;
                 }
                 Op::Cancel(_) => {}
-                Op::Flush => { core.flush_cache(); check(&core)?; }
+                Op::Flush => { core.flush_cache(); check(&core)?; mirrored(&mut core, &mut mirror)?; }
             }
         }
         prop_assert!(core.is_empty());
@@ -822,5 +841,62 @@ fn images_key_the_prefix_cache_by_content() -> Result<()> {
         core.submit(bad),
         Err(SubmitError::InvalidMedia(_))
     ));
+    Ok(())
+}
+
+/// A router hashes a prompt's ids the way the engine's events name its cached blocks: after one
+/// request, the index kept from the events covers its prompt, usable up to a checkpoint, and a
+/// prompt diverging in its first block matches nothing.
+#[test]
+fn cache_events_let_a_router_see_the_prefix() -> Result<()> {
+    let engine = Engine::start(toy(1 << 16), cfg(true))?;
+    let mut events = engine.subscribe_cache().context("prefix cache on")?;
+    let mut index = PrefixIndex::new();
+    let first = events.blocking_recv().context("snapshot")?;
+    index.apply(&first);
+    assert!(index.is_synced());
+    let block = index.block_tokens().context("block size")?;
+    assert_eq!(index.counts(), (0, 0), "an empty cache to start");
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 % 97) as u32).collect();
+    engine
+        .submit(req(1, prompt.clone(), 4))?
+        .blocking_collect()?;
+    let hashes = block_hashes(&prompt, block);
+    let mut hit = index.matched(&hashes);
+    for _ in 0..500 {
+        while let Ok(e) = events.try_recv() {
+            index.apply(&e);
+        }
+        hit = index.matched(&hashes);
+        if hit.usable_blocks > 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(hit.walked_blocks as usize >= 32 / block, "{hit:?}");
+    assert!(
+        hit.usable_blocks > 0 && hit.usable_blocks <= hit.walked_blocks,
+        "{hit:?}"
+    );
+    let mut other = prompt.clone();
+    other[0] = 96;
+    assert_eq!(index.matched(&block_hashes(&other, block)).walked_blocks, 0);
+    // A flush is seen as removals.
+    engine.flush_prefix_cache();
+    for _ in 0..500 {
+        while let Ok(e) = events.try_recv() {
+            index.apply(&e);
+        }
+        if index.counts().0 == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(index.matched(&hashes).walked_blocks, 0);
+    assert!(
+        Engine::start(toy(1 << 16), cfg(false))?
+            .subscribe_cache()
+            .is_none()
+    );
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! frees; every block it lets go of is handed back to the caller to free in the pool.
 
 use crate::memory::BlockId;
+use k3_cache_events::{BlockRecord, CacheEvent, block_hash};
 use std::collections::{BTreeSet, HashMap};
 
 /// A tree node handle (stable while the node lives).
@@ -19,6 +20,8 @@ struct Node {
     children: HashMap<Box<[u32]>, NodeId>,
     tokens: Vec<u32>,
     pages: Vec<BlockId>,
+    /// The chained block hash of each page (`k3_cache_events::block_hashes` of the path).
+    hashes: Vec<u64>,
     checkpoint: Option<BlockId>,
     /// Requests using this node's KV, counted on every node from the locked one up to the root.
     lock: u32,
@@ -79,6 +82,8 @@ pub struct RadixCache {
     clock: u64,
     /// Nodes holding a checkpoint, least recently used first (eviction order).
     lru: BTreeSet<(u64, NodeId)>,
+    /// Changes since the last [`take_events`](Self::take_events), while someone listens.
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl RadixCache {
@@ -91,6 +96,7 @@ impl RadixCache {
             children: HashMap::new(),
             tokens: Vec::new(),
             pages: Vec::new(),
+            hashes: Vec::new(),
             checkpoint: None,
             lock: 0,
             pins: 0,
@@ -105,7 +111,47 @@ impl RadixCache {
             free_ids: Vec::new(),
             clock: 0,
             lru: BTreeSet::new(),
+            events: None,
         }
+    }
+
+    /// Start (or stop) recording changes as [`CacheEvent`]s.
+    pub fn record_events(&mut self, on: bool) {
+        if on != self.events.is_some() {
+            self.events = on.then(Vec::new);
+        }
+    }
+
+    /// The changes recorded since the last call, in order.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn emit(&mut self, event: CacheEvent) {
+        if let Some(events) = self.events.as_mut() {
+            events.push(event);
+        }
+    }
+
+    /// Every held block, parents before children: a subscriber's starting point.
+    pub fn block_records(&self) -> Vec<BlockRecord> {
+        let mut out = Vec::with_capacity(self.page_count());
+        let mut stack = vec![NodeId::ROOT];
+        while let Some(id) = stack.pop() {
+            let n = self.node(id);
+            let last = n.hashes.len().saturating_sub(1);
+            out.extend(n.hashes.iter().enumerate().map(|(i, &hash)| BlockRecord {
+                hash,
+                checkpoint: i == last && n.checkpoint.is_some(),
+            }));
+            stack.extend(n.children.values().copied());
+        }
+        out
+    }
+
+    /// Tokens per block (KV page).
+    pub fn page_tokens(&self) -> usize {
+        self.page
     }
 
     pub fn checkpoint_interval(&self) -> usize {
@@ -140,6 +186,11 @@ impl RadixCache {
         let c = n.checkpoint.take();
         if c.is_some() {
             self.lru.remove(&(n.last_access, id));
+            let hash = *n.hashes.last().expect("a checkpoint sits on a page");
+            self.emit(CacheEvent::Checkpoint {
+                hash,
+                present: false,
+            });
         }
         c
     }
@@ -256,11 +307,30 @@ impl RadixCache {
             let key = &tokens[pos..pos + self.page];
             let now = self.tick();
             let Some(&child) = self.node(cur).children.get(key) else {
+                let mut previous = self.node(cur).hashes.last().copied();
+                let hashes: Vec<u64> = tokens[pos..]
+                    .chunks_exact(self.page)
+                    .map(|block| {
+                        let h = block_hash(previous, block);
+                        previous = Some(h);
+                        h
+                    })
+                    .collect();
+                self.emit(CacheEvent::Stored {
+                    blocks: hashes
+                        .iter()
+                        .map(|&hash| BlockRecord {
+                            hash,
+                            checkpoint: false,
+                        })
+                        .collect(),
+                });
                 let leaf = Node {
                     parent: Some(cur),
                     children: HashMap::new(),
                     tokens: tokens[pos..].to_vec(),
                     pages: pages[pos / self.page..].to_vec(),
+                    hashes,
                     checkpoint: None,
                     lock: 0,
                     pins: 0,
@@ -302,7 +372,12 @@ impl RadixCache {
             } else {
                 n.checkpoint = Some(c);
                 let key = (n.last_access, cur);
+                let hash = *n.hashes.last().expect("a checkpoint sits on a page");
                 self.lru.insert(key);
+                self.emit(CacheEvent::Checkpoint {
+                    hash,
+                    present: true,
+                });
                 checkpoint_kept = true;
                 self.enforce_path_cap(cur, &mut release);
             }
@@ -318,14 +393,16 @@ impl RadixCache {
     /// Split `id` after its first `m` pages; returns the new upper node.
     fn split(&mut self, id: NodeId, m: usize) -> NodeId {
         let cut = m * self.page;
-        let (parent, upper_tokens, upper_pages, lock, last_access, end) = {
+        let (parent, upper_tokens, upper_pages, upper_hashes, lock, last_access, end) = {
             let n = self.node_mut(id);
             let upper_tokens: Vec<u32> = n.tokens.drain(..cut).collect();
             let upper_pages: Vec<BlockId> = n.pages.drain(..m).collect();
+            let upper_hashes: Vec<u64> = n.hashes.drain(..m).collect();
             (
                 n.parent.expect("non-root"),
                 upper_tokens,
                 upper_pages,
+                upper_hashes,
                 n.lock,
                 n.last_access,
                 n.end,
@@ -338,6 +415,7 @@ impl RadixCache {
             children: HashMap::from([(lower_key, id)]),
             tokens: upper_tokens,
             pages: upper_pages,
+            hashes: upper_hashes,
             // The recurrent state cannot be cut: the new upper node starts as a tombstone.
             checkpoint: None,
             lock,
@@ -442,6 +520,9 @@ impl RadixCache {
             let node = self.nodes[cur.0 as usize].take().expect("live");
             self.free_ids.push(cur.0);
             release.extend(node.pages);
+            self.emit(CacheEvent::Removed {
+                hashes: node.hashes,
+            });
             self.node_mut(parent).children.remove(&key);
             cur = parent;
         }
@@ -525,6 +606,16 @@ impl RadixCache {
                     return Err("root holds data".into());
                 }
                 continue;
+            }
+            let previous = self
+                .node(n.parent.ok_or("orphan node")?)
+                .hashes
+                .last()
+                .copied();
+            if n.hashes.len() != n.pages.len()
+                || n.hashes.first() != Some(&block_hash(previous, &n.tokens[..self.page]))
+            {
+                return Err(format!("{id:?}: block hashes out of step with its tokens"));
             }
             if n.checkpoint.is_some() && !n.end.is_multiple_of(self.interval) {
                 return Err(format!("{id:?}: checkpoint at unaligned {}", n.end));

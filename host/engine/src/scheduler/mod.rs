@@ -28,6 +28,7 @@ use crate::memory::{ArenaOp, BlockId, MemoryPool};
 use crate::metrics::EngineMetrics;
 use crate::request::{FinishReason, Request, RequestError, RequestId, SubmitError, TokenEvent};
 use crate::sampling::{RequestSampler, TokenSampler};
+use k3_cache_events::{CacheEvent, ReplicaLoad};
 use k3_model::{CacheLayout, Executor, MediaInput};
 use k3_sampling::{StopChecker, TokenVerdict};
 use std::collections::VecDeque;
@@ -322,6 +323,57 @@ impl EngineCore {
             m.cache_kv_pages = t.page_count();
         }
         m
+    }
+
+    /// The load a router weighs: the pool counts bytes held only by the prefix cache as free
+    /// (evictable on demand), so a replica is not penalised for what it has cached.
+    pub fn replica_load(&self) -> ReplicaLoad {
+        let usage = self.pool.usage();
+        let (pages, checkpoints) = self
+            .tree
+            .as_ref()
+            .map_or((0, 0), |t| (t.page_count(), t.checkpoint_count()));
+        let cached =
+            pages * self.layout.kv_page_bytes + checkpoints * self.layout.state_block_bytes;
+        let free = (usage.free_bytes + cached).min(usage.capacity_bytes);
+        let page_bytes = self.layout.kv_page_bytes.max(1);
+        ReplicaLoad {
+            running: self.running.len() as u32,
+            waiting: self.waiting.len() as u32,
+            free_pool_bytes: free as u64,
+            total_pool_bytes: usage.capacity_bytes as u64,
+            free_blocks: (free / page_bytes) as u32,
+            total_blocks: (usage.capacity_bytes / page_bytes) as u32,
+        }
+    }
+
+    /// Start recording the prefix cache's changes and describe what it holds now (`None`
+    /// without a prefix cache). Changes come from [`take_cache_events`](Self::take_cache_events).
+    pub fn subscribe_cache(&mut self) -> Option<CacheEvent> {
+        let load = self.replica_load();
+        let tree = self.tree.as_mut()?;
+        tree.record_events(true);
+        Some(CacheEvent::Snapshot {
+            block_tokens: tree.page_tokens() as u32,
+            checkpoint_interval: tree.checkpoint_interval() as u32,
+            blocks: tree.block_records(),
+            load,
+        })
+    }
+
+    /// The prefix cache's changes since the last call (or since [`subscribe_cache`](Self::subscribe_cache)).
+    pub fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        self.tree
+            .as_mut()
+            .map(RadixCache::take_events)
+            .unwrap_or_default()
+    }
+
+    /// Stop recording changes (nobody listens).
+    pub fn unsubscribe_cache(&mut self) {
+        if let Some(t) = self.tree.as_mut() {
+            t.record_events(false);
+        }
     }
 
     pub fn pool_free_bytes(&self) -> usize {
