@@ -16,7 +16,7 @@ use serde_json::json;
 
 use crate::access_log::AccessLog;
 use crate::error::{ApiError, ErrorKind, ErrorLabel, ErrorStyle};
-use crate::{AppState, admin, anthropic, openai, tokenize};
+use crate::{AppState, admin, anthropic, cache_events, openai, tokenize};
 
 /// All routes with their middleware.
 pub fn build_router(state: AppState) -> Router {
@@ -49,6 +49,7 @@ pub fn build_router(state: AppState) -> Router {
             "/admin/plugins/{stage}/rollback",
             post(admin::rollback_plugin),
         )
+        .route("/internal/cache-events", get(cache_events::cache_events))
         .layer(DefaultBodyLimit::max(state.config().max_plugin_bytes))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),

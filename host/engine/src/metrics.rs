@@ -1,6 +1,7 @@
 //! Counters and gauges the engine publishes after every step; the HTTP layer renders them.
 
 use crate::memory::PoolUsage;
+use k3_cache_events::ReplicaLoad;
 
 /// A point-in-time snapshot. Counters are totals since start; gauges are current.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -13,6 +14,8 @@ pub struct EngineMetrics {
     /// Of `pool`: state blocks holding prefix-cache checkpoints, KV pages held by the tree.
     pub cache_checkpoints: usize,
     pub cache_kv_pages: usize,
+    /// The load a router weighs (the pool with cache-only bytes counted as free).
+    pub load: ReplicaLoad,
     /// Tokens in the most recent step.
     pub last_step_tokens: usize,
     /// Counters.

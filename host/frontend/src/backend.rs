@@ -2,11 +2,15 @@
 //! tests script their own.
 
 use futures::future::BoxFuture;
+use k3_cache_events::{CacheEvent, ReplicaLoad};
 
 use crate::error::BackendError;
 use crate::events::Generation;
 use crate::request::{ChatGenRequest, CompletionGenRequest};
 use crate::status::{BackendMetrics, ModelInfo, PluginStageInfo, PluginVersionInfo};
+
+/// The prefix cache's events, in order (see [`ChatBackend::cache_events`]).
+pub type CacheEventReceiver = tokio::sync::mpsc::UnboundedReceiver<CacheEvent>;
 
 /// Everything the HTTP layer needs from the rest of the server.
 pub trait ChatBackend: Send + Sync + 'static {
@@ -71,6 +75,16 @@ pub trait ChatBackend: Send + Sync + 'static {
     }
 
     fn metrics(&self) -> BackendMetrics;
+
+    /// Follow the prefix cache as events (a snapshot first); `None` when there is none.
+    fn cache_events(&self) -> Option<CacheEventReceiver> {
+        None
+    }
+
+    /// The load a router weighs; `None` when unknown.
+    fn replica_load(&self) -> Option<ReplicaLoad> {
+        None
+    }
 
     /// `Ok` when the server can take requests; the error says why not.
     fn health(&self) -> Result<(), String> {

@@ -493,6 +493,14 @@ impl ChatBackend for Frontend {
             .collect()
     }
 
+    fn cache_events(&self) -> Option<crate::backend::CacheEventReceiver> {
+        self.parts.engine.subscribe_cache()
+    }
+
+    fn replica_load(&self) -> Option<k3_cache_events::ReplicaLoad> {
+        Some(self.parts.engine.metrics().load)
+    }
+
     fn metrics(&self) -> BackendMetrics {
         let m = self.parts.engine.metrics();
         let cache_bytes = m.cache_kv_pages * self.parts.kv_page_bytes

@@ -36,7 +36,7 @@ pub mod status;
 mod tests;
 mod tokenizer;
 
-pub use backend::ChatBackend;
+pub use backend::{CacheEventReceiver, ChatBackend};
 pub use detokenizer::IncrementalDetokenizer;
 pub use error::{BackendError, FrontendError};
 pub use events::{FinishInfo, FinishReason, GenEvent, Generation, TokenLogprob, TopLogprob};
@@ -44,6 +44,7 @@ pub use frontend::{Frontend, FrontendParts};
 pub use k3_structured::{ConstraintError, OutputConstraint};
 pub use media::{MediaFetcher, MediaSettings, VisionGeometry};
 pub use output_grammar::OutputGrammar;
+pub use prompt::PromptRenderer;
 pub use request::{
     ChatGenRequest, CompletionGenRequest, PromptInput, SamplingOptions, ToolChoice, token_budget,
 };

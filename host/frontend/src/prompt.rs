@@ -100,3 +100,29 @@ pub(crate) fn render(
 /// same fault is the plugin's (a 500 counted against it). A render needs several times its input
 /// in linear memory, so inputs this large can reach the default 64 MiB cap legitimately.
 const LARGE_TEMPLATE_INPUT: usize = 1 << 20;
+
+/// A request's prompt ids without an engine: what a router hashes to find the replica holding
+/// the prefix. The same rendering and encoding as the request path, so the ids agree with the
+/// replica's; an image's placeholder stays one id (the replica expands it), so only the blocks
+/// before the first image can match.
+pub struct PromptRenderer {
+    pub tokenizer: std::sync::Arc<Tokenizer>,
+    pub plugins: PluginHost,
+    /// The model's Jinja chat template (from tokenizer_config.json).
+    pub chat_template: String,
+}
+
+impl PromptRenderer {
+    /// A chat request's ids (rendered by the chat-template plugin).
+    pub fn chat_ids(&self, req: &ChatGenRequest) -> Result<Vec<u32>, BackendError> {
+        let segments = render(&self.plugins, &self.tokenizer, &self.chat_template, req)?;
+        encode_prompt(&self.tokenizer, &segments)
+    }
+
+    /// A raw completion prompt's ids (special-token spellings recognised).
+    pub fn text_ids(&self, text: &str) -> Result<Vec<u32>, BackendError> {
+        self.tokenizer
+            .encode(text)
+            .map_err(|e| BackendError::Internal(format!("tokenizing the prompt failed: {e}")))
+    }
+}

@@ -322,6 +322,7 @@ impl EngineCore {
             m.cache_checkpoints = t.checkpoint_count();
             m.cache_kv_pages = t.page_count();
         }
+        m.load = self.replica_load();
         m
     }
 
