@@ -26,7 +26,7 @@ mod frontend;
 mod media;
 mod output_grammar;
 mod pipeline;
-mod plugin_admin;
+pub mod plugin_admin;
 mod prompt;
 pub mod request;
 pub mod sampling_defaults;

@@ -36,7 +36,7 @@ pub(crate) fn counters(host: &PluginHost) -> Vec<PluginCounters> {
         .collect()
 }
 
-pub(crate) fn list(host: &PluginHost) -> Vec<PluginStageInfo> {
+pub fn list(host: &PluginHost) -> Vec<PluginStageInfo> {
     let all = host.list();
     let mut stages: Vec<Stage> = all.iter().map(|v| v.stage).collect();
     stages.sort();
@@ -67,14 +67,22 @@ pub(crate) async fn install(
     let stage = parse_stage(stage)?;
     let host = host.clone();
     // Compiling a component can take seconds: off the async threads.
-    let info = tokio::task::spawn_blocking(move || host.install(stage, &component))
+    tokio::task::spawn_blocking(move || install_now(&host, stage, &component))
         .await
         .map_err(|e| BackendError::Internal(format!("plugin load task failed: {e}")))?
-        .map_err(load_error)?;
+}
+
+/// [`install`] on the calling thread (compiling takes a while: not on an async one).
+pub fn install_now(
+    host: &PluginHost,
+    stage: Stage,
+    component: &[u8],
+) -> Result<PluginVersionInfo, BackendError> {
+    let info = host.install(stage, component).map_err(load_error)?;
     Ok(version_info(&info))
 }
 
-pub(crate) fn rollback(host: &PluginHost, stage: &str) -> Result<PluginVersionInfo, BackendError> {
+pub fn rollback(host: &PluginHost, stage: &str) -> Result<PluginVersionInfo, BackendError> {
     let stage = parse_stage(stage)?;
     let info = host.rollback(stage).map_err(load_error)?;
     Ok(version_info(&info))

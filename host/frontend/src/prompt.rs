@@ -115,7 +115,10 @@ pub struct PromptRenderer {
 impl PromptRenderer {
     /// A chat request's ids (rendered by the chat-template plugin).
     pub fn chat_ids(&self, req: &ChatGenRequest) -> Result<Vec<u32>, BackendError> {
-        let segments = render(&self.plugins, &self.tokenizer, &self.chat_template, req)?;
+        // Image parts become placeholders, as on the request path (their bytes are not needed).
+        let mut req = req.clone();
+        crate::media::take_images(&mut req.messages);
+        let segments = render(&self.plugins, &self.tokenizer, &self.chat_template, &req)?;
         encode_prompt(&self.tokenizer, &segments)
     }
 
