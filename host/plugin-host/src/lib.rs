@@ -54,8 +54,8 @@ pub use streams::{ReasoningStream, ToolStream};
 pub use template::ChatTemplates;
 pub use types::{
     GrammarRequest, GrammarToolChoice, GuestError, MediaError, OutputGrammar, ParseEvent,
-    ParseResult, PluginMetadata, ReasoningOptions, RenderOptions, Stage, TemplateError, ToolCall,
-    ToolOptions, VersionInfo, VersionStats,
+    ParseResult, PluginMetadata, ReasoningOptions, RenderOptions, ReplicaView, RouteChoice,
+    RouteRequest, Stage, TemplateError, ToolCall, ToolOptions, VersionInfo, VersionStats,
 };
 
 use registry::Registry;

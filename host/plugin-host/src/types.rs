@@ -379,3 +379,37 @@ pub struct OutputGrammar {
     /// grammar applies to what follows.
     pub trigger: Option<String>,
 }
+
+/// What a routing policy sees of a request (the `router` interface's `request-summary`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RouteRequest {
+    pub request_id: String,
+    pub model: String,
+    pub prompt_tokens: u32,
+    pub max_tokens: u32,
+    /// The prompt's chained block hashes (`k3_cache_events::block_hashes`).
+    pub prefix_block_hashes: Vec<u64>,
+    pub priority: i32,
+}
+
+/// What a routing policy sees of one replica (the `router` interface's `replica-state`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReplicaView {
+    pub id: String,
+    pub healthy: bool,
+    /// Requests waiting for a slot.
+    pub queued: u32,
+    pub running: u32,
+    pub kv_free_blocks: u32,
+    pub kv_total_blocks: u32,
+    /// Leading blocks of the request the replica can restore: up to the deepest KDA checkpoint
+    /// inside its cached prefix (KV past it would be recomputed).
+    pub prefix_hit_blocks: u32,
+}
+
+/// A routing policy's answer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RouteChoice {
+    pub replica_id: String,
+    pub reason: String,
+}
