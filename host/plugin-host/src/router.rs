@@ -19,9 +19,9 @@ use crate::types::{ReplicaView, RouteChoice, RouteRequest, Stage};
 /// A `reason` longer than this (bytes) is cut (plus an ellipsis): it only goes to logs.
 const MAX_REASON_BYTES: usize = 512;
 
-/// Asks the active router policy for a replica. Cheap to clone; `Send + Sync`. A call costs
-/// a few microseconds (the live instance is reused; see `docs/plugins.md`, "The router
-/// stage"), and calls are serialised per version, which is cheap at that cost.
+/// Asks the active router policy for a replica. Cheap to clone; `Send + Sync`. A call reuses
+/// the live instance and costs tens of microseconds (`docs/plugins.md`, "The router stage");
+/// calls are serialised per version, which is cheap at that cost.
 #[derive(Clone)]
 pub struct Router {
     pub(crate) rt: Arc<Runtime>,
