@@ -15,6 +15,10 @@ pub const DEFAULT_PLUGINS: [(Stage, &str); 4] = [
     (Stage::Media, "kimi_k3_media.wasm"),
 ];
 
+/// The default router policy's file name in the plugin directory. Not in [`DEFAULT_PLUGINS`]:
+/// only the router process (`k3serve router`) loads a router, and a replica has no use for one.
+pub const DEFAULT_ROUTER_PLUGIN: &str = "router_kv_aware.wasm";
+
 /// `$K3_PLUGIN_DIR`, else the directory `build.rs` built the plugins into
 /// (`plugins/target/wasm32-wasip2/release`).
 pub fn default_plugin_dir() -> PathBuf {

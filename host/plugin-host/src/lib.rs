@@ -13,6 +13,7 @@
 //! The API is synchronous and every type is `Send`; no wasmtime type is public.
 //! - parser calls (`feed`, `finish`, stream start ≈ tens of µs) are cheap enough to call
 //!   directly from async tasks;
+//! - router choices ([`Router::choose`], microseconds on a live instance) likewise;
 //! - `load` (compiles: up to seconds on a cache miss), template renders (≈0.1–1 ms) and media
 //!   processing (milliseconds per image) belong in `tokio::task::spawn_blocking`.
 //!
@@ -36,6 +37,7 @@ mod error;
 mod grammar;
 mod media;
 mod registry;
+mod router;
 mod runtime;
 mod sandbox_io;
 mod smoke;
@@ -46,10 +48,11 @@ mod types;
 use std::sync::Arc;
 
 pub use config::PluginHostConfig;
-pub use defaults::{DEFAULT_PLUGINS, default_plugin_dir};
+pub use defaults::{DEFAULT_PLUGINS, DEFAULT_ROUTER_PLUGIN, default_plugin_dir};
 pub use error::PluginError;
 pub use k3_segments::Segment;
 pub use media::{ImagePart, Media, MediaOptions, PreparedImage};
+pub use router::Router;
 pub use streams::{ReasoningStream, ToolStream};
 pub use template::ChatTemplates;
 pub use types::{
@@ -146,6 +149,14 @@ impl PluginHost {
     /// The media stage: images to normalised pixels and placeholders (see [`Media::process`]).
     pub fn media(&self) -> Media {
         Media {
+            rt: self.rt.clone(),
+            registry: self.registry.clone(),
+        }
+    }
+
+    /// The router stage: the active policy's choice of replica (see [`Router::choose`]).
+    pub fn router(&self) -> Router {
+        Router {
             rt: self.rt.clone(),
             registry: self.registry.clone(),
         }

@@ -12,6 +12,7 @@ use wasmtime::component::Component;
 use crate::bindings::v0_1::{media, reasoning, router, template, tool};
 use crate::bindings::{conv, v0_2, v0_3};
 use crate::error::PluginError;
+use crate::router::LiveRouter;
 use crate::runtime::{Runtime, StoreState};
 use crate::template::WarmTemplate;
 use crate::types::{PluginMetadata, Stage, VersionInfo, VersionStats};
@@ -119,6 +120,8 @@ pub(crate) struct PluginVersion {
     pub counters: Counters,
     /// Warm chat-template instances (template stage only).
     pub template_pool: Mutex<Vec<WarmTemplate>>,
+    /// The live router instance, state and all (router stage only; while active).
+    pub router_live: Mutex<Option<LiveRouter>>,
 }
 
 #[derive(Default)]
@@ -150,6 +153,11 @@ impl Registry {
             .active
             .load_full()
             .ok_or(PluginError::NoActivePlugin(stage))
+    }
+
+    /// Whether `version` is its stage's active version now.
+    pub fn is_active(&self, version: &Arc<PluginVersion>) -> bool {
+        is(&self.slots[version.stage.index()].active, version)
     }
 
     /// Run `f`; if the engine was out of instance slots, drop the warm chat-template instances
@@ -212,6 +220,7 @@ impl Registry {
             pre,
             counters: Counters::default(),
             template_pool: Mutex::new(Vec::new()),
+            router_live: Mutex::new(None),
         });
         crate::smoke::run(rt, &version)?;
         let info = self.info(&version);
@@ -246,6 +255,9 @@ impl Registry {
             return Ok(self.info(&version));
         }
         let old = slot.active.swap(Some(version.clone()));
+        if let Some(old) = &old {
+            drop_live_router(old);
+        }
         if old.is_some() {
             slot.previous.store(old);
         }
@@ -261,6 +273,9 @@ impl Registry {
             .load_full()
             .ok_or(PluginError::NothingToRollBack(stage))?;
         let current = slot.active.swap(Some(previous.clone()));
+        if let Some(current) = &current {
+            drop_live_router(current);
+        }
         slot.previous.store(current);
         tracing::info!(stage = %stage, plugin = %previous.label, id = previous.id, "plugin rolled back");
         Ok(self.info(&previous))
@@ -293,6 +308,14 @@ impl Registry {
             previous: is(&slot.previous, v),
             stats: v.counters.snapshot(),
         }
+    }
+}
+
+/// A swapped-out router version starts fresh if it is activated again, and its instance slot
+/// is freed now. A call in flight holds the lock: `Router::choose` drops it when done.
+fn drop_live_router(version: &PluginVersion) {
+    if let Some(mut live) = version.router_live.try_lock() {
+        live.take();
     }
 }
 

@@ -9,11 +9,13 @@ use k3_segments::Segment;
 use crate::error::PluginError;
 use crate::media::{ImagePart, MediaOptions, run_once};
 use crate::registry::PluginVersion;
+use crate::router::choose_once;
 use crate::runtime::Runtime;
 use crate::streams::{ReasoningStream, ToolStream, parse_reasoning, parse_tools};
 use crate::template::render_with;
 use crate::types::{
-    MediaError, ParseEvent, ParseResult, ReasoningOptions, RenderOptions, Stage, ToolOptions,
+    MediaError, ParseEvent, ParseResult, ReasoningOptions, RenderOptions, ReplicaView,
+    RouteRequest, Stage, ToolOptions,
 };
 
 /// Mixed K3 / K2 / `<think>` markup: whatever a parser makes of it, streaming it one character
@@ -111,7 +113,44 @@ pub(crate) fn run(rt: &Arc<Runtime>, version: &Arc<PluginVersion>) -> Result<(),
                 }
             }
         }
-        Stage::Router => {}
+        Stage::Router => {
+            // The one healthy replica must be chosen, and none healthy must be the policy's
+            // refusal (an error it returns), not a trap or an invented replica.
+            let request = RouteRequest {
+                request_id: "smoke".into(),
+                model: "smoke".into(),
+                prompt_tokens: 64,
+                max_tokens: 16,
+                prefix_block_hashes: vec![1, 2, 3, 4],
+                priority: 0,
+            };
+            let replica = |id: &str, healthy: bool, hit: u32| ReplicaView {
+                id: id.into(),
+                healthy,
+                queued: 0,
+                running: 0,
+                kv_free_blocks: 100,
+                kv_total_blocks: 100,
+                prefix_hit_blocks: hit,
+            };
+            let replicas = [replica("down", false, 4), replica("up", true, 0)];
+            match choose_once(rt, version, &request, &replicas) {
+                Ok(c) if c.replica_id == "up" => {}
+                other => {
+                    return Err(fail(format!(
+                        "with one healthy replica (\"up\") it chose {other:?}"
+                    )));
+                }
+            }
+            match choose_once(rt, version, &request, &replicas[..1]) {
+                Err(PluginError::Guest { .. }) => {}
+                other => {
+                    return Err(fail(format!(
+                        "with no healthy replica it must return a plugin-error, got {other:?}"
+                    )));
+                }
+            }
+        }
     }
     Ok(())
 }

@@ -7,7 +7,7 @@ use std::marker::PhantomData;
 
 use crate::{
     ChatTemplate, GrammarRequest, LogLevel, Plugin, ReasoningOptions, ReasoningParser,
-    RenderOptions, TemplateError, ToolChoice, ToolGrammar, ToolOptions, ToolParser,
+    RenderOptions, Router, TemplateError, ToolChoice, ToolGrammar, ToolOptions, ToolParser,
 };
 
 /// Conversions for the shared `types` interface; each world module has its own copy of them.
@@ -84,6 +84,7 @@ common_conversions!(reasoning);
 common_conversions!(tools);
 common_conversions!(tools_grammar);
 common_conversions!(template);
+common_conversions!(router);
 
 /// Forward to the host's `log` import.
 pub fn log(level: LogLevel, message: &str) {
@@ -347,5 +348,74 @@ impl<T: ChatTemplate + Plugin> ct::meta::Guest for TemplateComponent<T> {
     }
     fn self_test() -> Result<(), String> {
         T::self_test()
+    }
+}
+
+// ---------------------------------------------------------------- router world
+
+/// The exported component for a router `R`. The policy lives in the instance for its whole
+/// life (created on the first `choose`), so its state carries over from call to call.
+pub struct RouterComponent<R>(PhantomData<R>);
+
+mod rt {
+    pub use crate::bindings::router as meta;
+    pub use crate::bindings::router::exports::k3serve::plugin::router as api;
+    pub use crate::bindings::router::k3serve::plugin::types as wit;
+}
+
+thread_local! {
+    /// The one policy of this instance (a component exports one router; a guest is
+    /// single-threaded). Boxed as `Any` because a static cannot be generic.
+    static ROUTER: RefCell<Option<Box<dyn std::any::Any>>> = const { RefCell::new(None) };
+}
+
+impl<R: Router + Plugin> rt::api::Guest for RouterComponent<R> {
+    fn choose(
+        request: rt::api::RequestSummary,
+        replicas: Vec<rt::api::ReplicaState>,
+    ) -> Result<rt::api::RouteChoice, rt::wit::PluginError> {
+        let request = crate::RouteRequest {
+            request_id: request.request_id,
+            model: request.model,
+            prompt_tokens: request.prompt_tokens,
+            max_tokens: request.max_tokens,
+            prefix_block_hashes: request.prefix_block_hashes,
+            priority: request.priority,
+        };
+        let replicas: Vec<crate::Replica> = replicas
+            .into_iter()
+            .map(|r| crate::Replica {
+                id: r.id,
+                healthy: r.healthy,
+                queued: r.queued,
+                running: r.running,
+                kv_free_blocks: r.kv_free_blocks,
+                kv_total_blocks: r.kv_total_blocks,
+                prefix_hit_blocks: r.prefix_hit_blocks,
+            })
+            .collect();
+        ROUTER.with(|cell| {
+            let mut slot = cell.borrow_mut();
+            let state = slot.get_or_insert_with(|| Box::new(R::new()));
+            let policy = state.downcast_mut::<R>().ok_or_else(|| {
+                rt::wit::PluginError::Internal("router state type mismatch".into())
+            })?;
+            policy
+                .choose(&request, &replicas)
+                .map(|c| rt::api::RouteChoice {
+                    replica_id: c.replica_id,
+                    reason: c.reason,
+                })
+                .map_err(router::error)
+        })
+    }
+}
+
+impl<R: Router + Plugin> rt::meta::Guest for RouterComponent<R> {
+    fn metadata() -> rt::wit::PluginMetadata {
+        router::metadata(R::INFO, rt::wit::Stage::Router)
+    }
+    fn self_test() -> Result<(), String> {
+        R::self_test()
     }
 }

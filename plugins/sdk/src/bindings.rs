@@ -31,5 +31,15 @@ pub mod template {
     });
 }
 
+pub mod router {
+    wit_bindgen::generate!({
+        path: "../../wit/v0.3",
+        world: "router-plugin",
+        pub_export_macro: true,
+        export_macro_name: "__export_router_world",
+        default_bindings_module: "k3_plugin_sdk::bindings::router",
+    });
+}
+
 /// A tool parser that also exports `output-grammar` (WIT 0.3); its own crate (see there why).
 pub use k3_plugin_sdk_tool_grammar::world as tools_grammar;

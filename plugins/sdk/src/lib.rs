@@ -1,7 +1,8 @@
 //! SDK for k3serve plugins (WIT package `k3serve:plugin@0.3.0`).
 //!
 //! A plugin author writes an ordinary Rust type that implements [`Plugin`] plus one stage trait
-//! ([`ReasoningParser`], [`ToolParser`] or [`ChatTemplate`]) and exports it with one macro:
+//! ([`ReasoningParser`], [`ToolParser`], [`ChatTemplate`] or [`Router`]) and exports it with one
+//! macro:
 //!
 //! ```ignore
 //! struct MyParser { /* state */ }
@@ -25,12 +26,14 @@ pub mod adapters;
 #[doc(hidden)]
 pub mod bindings;
 mod grammar;
+pub mod router;
 pub mod testing;
 pub mod text;
 
 pub use accumulate::Accumulator;
 pub use grammar::{GrammarRequest, OutputGrammar, ToolChoice, ToolGrammar};
 pub use k3_segments::Segment;
+pub use router::{Replica, RouteChoice, RouteRequest, Router};
 
 /// The WIT package version this SDK builds plugins against.
 pub const WIT_VERSION: &str = "0.3.0";
@@ -350,6 +353,18 @@ macro_rules! export_chat_template {
         const _: () = {
             type __K3Component = $crate::adapters::TemplateComponent<$template>;
             $crate::bindings::template::__export_template_world!(__K3Component with_types_in $crate::bindings::template);
+        };
+    };
+}
+
+/// Export a [`Router`] + [`Plugin`] type as the `router-plugin` world.
+#[macro_export]
+macro_rules! export_router {
+    ($router:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            type __K3Component = $crate::adapters::RouterComponent<$router>;
+            $crate::bindings::router::__export_router_world!(__K3Component with_types_in $crate::bindings::router);
         };
     };
 }
