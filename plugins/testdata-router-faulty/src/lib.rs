@@ -1,7 +1,9 @@
 //! TEST ONLY. A router that picks the first healthy replica, except that the request's `model`
 //! picks a fault: `trap` panics (a trap), `loop` spins forever (a timeout), `bomb` allocates
 //! until the memory cap (a memory overrun), `error` returns a plugin error. The host must
-//! contain each to the call that hit it and serve the next call on a fresh instance.
+//! contain each to the call that hit it and serve the next call on a fresh instance. Through a
+//! real server the model name must be the served one, so `max-tokens` 13 also traps and 17 also
+//! loops (tests/e2e/test_router.py).
 
 use k3_plugin_sdk::router::healthy;
 use k3_plugin_sdk::{Info, Plugin, PluginError, Replica, RouteChoice, RouteRequest, Router};
@@ -31,7 +33,12 @@ impl Router for FaultyRouter {
         replicas: &[Replica],
     ) -> Result<RouteChoice, PluginError> {
         self.calls += 1;
-        match request.model.as_str() {
+        let fault = match request.max_tokens {
+            13 => "trap",
+            17 => "loop",
+            _ => request.model.as_str(),
+        };
+        match fault {
             "trap" => panic!("deliberate trap requested by the test"),
             "loop" => {
                 let mut n: u64 = 0;
