@@ -309,6 +309,35 @@ async fn retries_a_request_that_has_not_started() -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_and_body_size_are_bounded() -> Result<()> {
+    let fakes = [Fake::start("a").await, Fake::start("b").await];
+    fakes[0].set_chat(Chat::Drop);
+    let r = router(&[&fakes[0], &fakes[1]], Arc::new(MaxHit), None, |c| {
+        c.max_attempts = Some(1);
+        c.max_request_body_bytes = 1024;
+    })
+    .await;
+    let resp = r.chat(&json!({"model": "m"})).await;
+    assert_eq!(resp.status(), 503);
+    let v: Value = resp.json().await?;
+    assert_eq!(v["error"]["code"], "replicas_failed");
+    assert_eq!(fakes[1].received(), 0, "one attempt only");
+    let resp = r
+        .http
+        .post(format!("{}/v1/messages", r.url))
+        .body(vec![b' '; 4096])
+        .send()
+        .await?;
+    assert_eq!(resp.status(), 413);
+    let v: Value = resp.json().await?;
+    assert_eq!(
+        v["error"]["type"], "request_too_large",
+        "Anthropic shape: {v}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ejects_and_readmits_a_replica() -> Result<()> {
     let fakes = [Fake::start("a").await, Fake::start("b").await];
     let r = router(&[&fakes[0], &fakes[1]], Arc::new(MaxHit), None, |_| {}).await;
