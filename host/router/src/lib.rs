@@ -240,6 +240,7 @@ fn routes(shared: Arc<Shared>) -> axum::Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics_route))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(shared)
 }
 
@@ -278,5 +279,15 @@ async fn not_found(method: Method, uri: Uri) -> Response {
         "not_found_error",
         Some("unknown_route"),
         format!("no route for {method} {}", uri.path()),
+    )
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    errors::error(
+        errors::style_for(uri.path()),
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        Some("method_not_allowed"),
+        format!("method {method} is not allowed on {}", uri.path()),
     )
 }

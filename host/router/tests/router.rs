@@ -279,6 +279,28 @@ async fn client_disconnect_reaches_the_replica() -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_before_the_response_reaches_the_replica() -> Result<()> {
+    let fake = Fake::start("a").await;
+    fake.set_chat(Chat::Hang);
+    let r = router(&[&fake], Arc::new(MaxHit), None, |_| {}).await;
+    let url = format!("{}/v1/chat/completions", r.url);
+    let request = r
+        .http
+        .post(&url)
+        .body("{}")
+        .timeout(Duration::from_millis(300));
+    let (sent, tx) = tokio::join!(request.send(), fake.next_stream());
+    assert!(sent.is_err(), "the replica never answers");
+    let closed = tokio::time::timeout(Duration::from_secs(5), tx.closed()).await;
+    assert!(closed.is_ok(), "the replica's handler outlived the client");
+    until("in-flight back to 0", || {
+        r.handle.replicas()[0].in_flight == 0
+    })
+    .await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_a_request_that_has_not_started() -> Result<()> {
     let fakes = [Fake::start("a").await, Fake::start("b").await];
     fakes[0].set_chat(Chat::Drop);

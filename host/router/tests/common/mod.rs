@@ -35,6 +35,9 @@ pub enum Chat {
     Unavailable,
     /// The connection is dropped before a response (the handler's task dies).
     Drop,
+    /// No response ever; the handler's receiver (its sender is handed out like a stream's)
+    /// goes when the handler is dropped.
+    Hang,
 }
 
 pub type Chunks = mpsc::Sender<Result<Bytes, std::io::Error>>;
@@ -240,6 +243,12 @@ async fn chat(State(s): State<Arc<FakeState>>, headers: HeaderMap, body: Bytes) 
         Chat::Json => axum::Json(serde_json::json!({"replica": s.name})).into_response(),
         Chat::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "draining").into_response(),
         Chat::Drop => panic!("fake replica drops this connection (intended)"),
+        Chat::Hang => {
+            let (tx, mut rx) = mpsc::channel(1);
+            s.streams_tx.send(tx).unwrap();
+            let _ = rx.recv().await;
+            StatusCode::OK.into_response()
+        }
         Chat::Stream => {
             let (tx, rx) = mpsc::channel(1);
             s.streams_tx.send(tx).unwrap();
