@@ -96,6 +96,7 @@ pub(crate) struct Shared {
     pub tokens: Arc<dyn PromptTokens>,
     pub admin: Option<Arc<dyn PolicyAdmin>>,
     pub metrics: Metrics,
+    pub policy_warnings: metrics::LogLimiter,
     pub attempts: usize,
     /// Start time (seconds) and a counter make the ids of requests that came without one.
     pub started: u64,
@@ -179,6 +180,7 @@ pub async fn build_router(
         tokens: deps.tokens,
         admin: deps.admin,
         metrics: Metrics::new(),
+        policy_warnings: metrics::LogLimiter::new(Duration::from_secs(1)),
         started,
         request_seq: AtomicU64::new(0),
     });

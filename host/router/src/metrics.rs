@@ -137,6 +137,37 @@ impl ReplicaMetrics {
     }
 }
 
+/// Lets one warning through per interval and counts the ones held back.
+pub(crate) struct LogLimiter {
+    interval: Duration,
+    state: Mutex<(Option<std::time::Instant>, u64)>,
+}
+
+impl LogLimiter {
+    pub(crate) fn new(interval: Duration) -> Self {
+        LogLimiter {
+            interval,
+            state: Mutex::new((None, 0)),
+        }
+    }
+
+    /// `Some(held back since the last one)` when this warning may be logged.
+    pub(crate) fn allow(&self) -> Option<u64> {
+        let now = std::time::Instant::now();
+        let mut s = self.state.lock();
+        match s.0 {
+            Some(last) if now.duration_since(last) < self.interval => {
+                s.1 += 1;
+                None
+            }
+            _ => {
+                s.0 = Some(now);
+                Some(std::mem::take(&mut s.1))
+            }
+        }
+    }
+}
+
 /// How a replica was chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Outcome {
@@ -409,6 +440,17 @@ fn escape(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_limiter_counts_what_it_holds_back() {
+        let l = LogLimiter::new(Duration::from_secs(3600));
+        assert_eq!(l.allow(), Some(0));
+        assert_eq!(l.allow(), None);
+        assert_eq!(l.allow(), None);
+        let l = LogLimiter::new(Duration::ZERO);
+        assert_eq!(l.allow(), Some(0));
+        assert_eq!(l.allow(), Some(0));
+    }
 
     #[test]
     fn histogram_is_cumulative() {

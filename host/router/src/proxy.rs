@@ -312,11 +312,15 @@ async fn decide(
         Ok((i, reason)) => (i, reason, Outcome::Policy),
         Err((kind, message)) => {
             shared.metrics.policy_error(&name, kind);
-            tracing::warn!(
-                policy = %name,
-                request_id = %req.request_id,
-                "routing policy failed ({kind}): {message}; using least-load"
-            );
+            // A broken plugin fails every request: warn at most once a second (all are counted).
+            if let Some(suppressed) = shared.policy_warnings.allow() {
+                tracing::warn!(
+                    policy = %name,
+                    request_id = %req.request_id,
+                    suppressed,
+                    "routing policy failed ({kind}): {message}; using least-load"
+                );
+            }
             let choice = least_load(&views).unwrap_or_default();
             let i = views
                 .iter()
