@@ -23,6 +23,8 @@ enum Command {
     Bench(cmd::bench::Args),
     /// Serve the OpenAI and Anthropic HTTP APIs.
     Serve(Box<cmd::serve::Args>),
+    /// Route the HTTP APIs across several `serve` replicas by a wasm policy (cache-aware).
+    Router(Box<cmd::router::Args>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -31,5 +33,6 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(a) => cmd::generate::run(a),
         Command::Bench(a) => cmd::bench::run(a),
         Command::Serve(a) => cmd::serve::run(*a),
+        Command::Router(a) => cmd::router::run(*a),
     }
 }

@@ -41,7 +41,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// Logs go to stderr: colour only when it is a terminal (never into a redirected file).
-fn init_logging(level: Option<&str>, format: LogFormat) {
+pub(super) fn init_logging(level: Option<&str>, format: LogFormat) {
     let filter = match level {
         Some(l) => tracing_subscriber::EnvFilter::new(l),
         None => tracing_subscriber::EnvFilter::try_from_default_env()
