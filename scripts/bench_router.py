@@ -201,12 +201,16 @@ def main():
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=12)
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--policies", default="round-robin,least-load,kv-aware")
+    ap.add_argument("--policies", default="kv-aware,round-robin,least-load")
     ap.add_argument("--overhead-requests", type=int, default=200)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     systems = system_prompts(a.systems, a.system_tokens)
     result: dict = {"args": vars(a), "policies": {}}
+
+    def save():  # after every phase, so a run cut short keeps what it measured
+        if a.out:
+            Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
 
     one = start_replica(a)
     try:
@@ -229,6 +233,7 @@ def main():
             "policy_call_mean_us": 1e6 * spent / calls if calls else None,
         }
         print("overhead", json.dumps(result["overhead"]), flush=True)
+        save()
     finally:
         one.stop()
 
@@ -244,6 +249,7 @@ def main():
             for r in replicas:
                 r.stop()
         print(policy, json.dumps(result["policies"][policy]), flush=True)
+        save()
 
     single = result["single_replica"]["hit_rate"]
     rr = result["policies"].get("round-robin")
@@ -253,8 +259,7 @@ def main():
     if kv and rr:
         result["kv_aware_ttft_p50_gain_over_round_robin"] = rr["ttft_p50_ms"] / kv["ttft_p50_ms"]
     print(json.dumps({k: v for k, v in result.items() if k not in ("args", "policies")}, indent=1))
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    save()
 
 
 if __name__ == "__main__":

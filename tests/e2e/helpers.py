@@ -52,9 +52,10 @@ def arithmetic(a: int, op: str, b: int) -> tuple[str, int]:
     return f"What is {a} {op if op != '*' else '×'} {b}?", value
 
 
-def recall_messages(question: str = "What is my lucky number?", number: int = 417, turns: int = 0) -> list[dict]:
+def recall_messages(question: str = "What is my lucky number?", number: int = 417, turns: int = 1) -> list[dict]:
     """A multi-turn conversation whose last question is answered from the first turn, with `turns`
-    answered sums in between (as the training data's recall conversations have).
+    answered sums in between (the training data's recall conversations have 1 to 3; with none,
+    the model's wording drifts: MODEL_CARD.md, "Vision").
 
     Thinking-off tests use it: k3-mini answers recall without a trace, while multi-digit arithmetic
     needs its think trace (MODEL_CARD.md gives both accuracies)."""

@@ -73,7 +73,8 @@ def tool_round_trip(anthropic_client, model_name):
                 {
                     "type": "tool_result",
                     "tool_use_id": uses[0].id,
-                    "content": json.dumps({"price": 123.45, "symbol": "ZETA"}),
+                    # Compact, as in training (MODEL_CARD.md: spaced JSON is not copied reliably).
+                    "content": json.dumps({"price": 123.45, "symbol": "ZETA"}, separators=(",", ":")),
                 }
             ],
         },
