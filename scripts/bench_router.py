@@ -6,7 +6,7 @@ in one run (docs/performance.md, "Routing"):
 
 Each policy gets fresh replicas (empty caches) and a fresh router. The workload: --conversations
 conversations of --turns turns each, over --systems shared system prompts of about --system-tokens
-tokens; --concurrency conversations run at once, each one's turns in order (the next turn carries the
+tokens, each conversation's first turn bringing --context-tokens of its own context; --concurrency conversations run at once, each one's turns in order (the next turn carries the
 whole history and the model's previous answers). Every request is a streamed chat completion, greedy,
 --output-tokens tokens. Reported per policy: the prefix hit rate (cached / prompt tokens, as the replicas
 report in `usage`), TTFT p50/p99, output tokens/s over the wall time, and where requests went. The same
@@ -108,6 +108,13 @@ def system_prompts(n: int, tokens: int) -> list[str]:
     return out
 
 
+def own_context(c: int, tokens: int) -> str:
+    rng = random.Random(10_000 + c)
+    lines = " ".join(f"Line {i}: crate {rng.randint(1000, 9999)} holds {rng.randint(1, 500)} parts."
+                     for i in range(max(0, tokens // 12)))
+    return f"Here is the manifest for this job. {lines}\n" if tokens else ""
+
+
 async def one_turn(client: httpx.AsyncClient, model: str, messages: list[dict], out_tokens: int) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": out_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "reasoning_effort": "none"}
@@ -144,8 +151,11 @@ async def workload(a, base_url: str, model: str, systems: list[str]) -> dict:
         async with sem:
             messages = [{"role": "system", "content": systems[c % len(systems)]}]
             for t in range(a.turns):
+                # The first turn brings the conversation's own context (an agent's file or tool
+                # output): what only the replica that served this conversation holds.
+                context = own_context(c, a.context_tokens) if t == 0 else ""
                 messages.append({"role": "user",
-                                 "content": f"Conversation {c}, step {t}: where is item {100 + 37 * c + t}?"})
+                                 "content": f"{context}Conversation {c}, step {t}: where is item {100 + 37 * c + t}?"})
                 res = await one_turn(client, model, messages, a.output_tokens)
                 messages.append({"role": "assistant", "content": res["text"] or "(none)"})
                 turns.append(res)
@@ -198,6 +208,8 @@ def main():
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--systems", type=int, default=4)
     ap.add_argument("--system-tokens", type=int, default=1000)
+    ap.add_argument("--context-tokens", type=int, default=1500,
+                    help="tokens of context unique to each conversation, in its first turn")
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=12)
     ap.add_argument("--max-num-seqs", type=int, default=16)

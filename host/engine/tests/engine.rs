@@ -277,6 +277,33 @@ fn cache_hits_checkpoints_and_branch_points() -> Result<()> {
     Ok(())
 }
 
+/// A chat turn's next turn diverges where the conversation ended (the template's tail follows):
+/// with that position as the hint, prefill leaves a checkpoint there, and the next turn restores
+/// from it at once instead of replaying back to the root.
+#[test]
+fn a_checkpoint_hint_serves_the_next_turn() -> Result<()> {
+    let system: Vec<u32> = (0..40).map(|i| (i * 5 + 1) % 97).collect();
+    for (hint, want) in [(None, 0), (Some(21), 16)] {
+        let mut exec = toy(1 << 16);
+        let mut core = EngineCore::new(exec.layout(), exec.vocab_size(), cfg(true))?;
+        let mut first = req(1, [&system[..], &[1, 2][..]].concat(), 3);
+        first.checkpoint_hint = hint;
+        let mut rx = core.submit(first)?;
+        while core.step(exec.as_mut()) {
+            core.check_invariants().map_err(anyhow::Error::msg)?;
+        }
+        drain(&mut rx)?;
+        // The next turn shares the first 21 tokens (its tail differs from there).
+        let mut rx = core.submit(req(2, [&system[..21], &[90, 91][..]].concat(), 3))?;
+        while core.step(exec.as_mut()) {
+            core.check_invariants().map_err(anyhow::Error::msg)?;
+        }
+        let (ev, _) = drain(&mut rx)?;
+        assert_eq!(ev[0].cached_tokens, Some(want), "hint {hint:?}");
+    }
+    Ok(())
+}
+
 #[test]
 fn branch_point_checkpoint_is_created_when_the_path_is_capped() -> Result<()> {
     // With one checkpoint per path, a long prompt keeps only its deepest checkpoint; a request

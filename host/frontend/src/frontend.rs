@@ -55,6 +55,16 @@ pub struct FrontendParts {
     pub media: MediaFetcher,
 }
 
+/// Chat prompts shorter than this get no checkpoint hint (see `Frontend::next_turn_tail`).
+const MIN_HINTED_PROMPT: usize = 256;
+
+/// What a prompt carries to the engine besides its ids.
+#[derive(Debug, Clone, Default)]
+struct PromptExtras {
+    media: Vec<MediaInput>,
+    checkpoint_hint: Option<usize>,
+}
+
 /// The request path over one engine and one plugin host.
 pub struct Frontend {
     parts: FrontendParts,
@@ -80,7 +90,7 @@ impl Frontend {
         prompt_text: Option<String>,
         prompt_param: &str,
         grammar: Option<GrammarPlan>,
-        media: Vec<MediaInput>,
+        extras: PromptExtras,
     ) -> Result<Generation, BackendError> {
         if prompt.is_empty() {
             return Err(BackendError::InvalidRequest {
@@ -109,7 +119,8 @@ impl Frontend {
         };
         let mut request = Request::new(id, prompt, params);
         request.sampler = sampler;
-        request.media = media;
+        request.media = extras.media;
+        request.checkpoint_hint = extras.checkpoint_hint;
         let stream = self
             .parts
             .engine
@@ -166,8 +177,8 @@ impl Frontend {
         req: ChatGenRequest,
         images: Vec<ImageBytes>,
     ) -> Result<Generation, BackendError> {
-        let (ids, media) = self.chat_prompt(&req, images)?;
-        self.submit_chat(&req, ids, media)
+        let (ids, extras) = self.chat_prompt(&req, images)?;
+        self.submit_chat(&req, ids, extras)
     }
 
     /// `n` choices of one chat request over one rendering of its prompt.
@@ -177,9 +188,9 @@ impl Frontend {
         images: Vec<ImageBytes>,
         n: usize,
     ) -> Result<Vec<Generation>, BackendError> {
-        let (ids, media) = self.chat_prompt(&req, images)?;
+        let (ids, extras) = self.chat_prompt(&req, images)?;
         (0..n)
-            .map(|i| self.submit_chat(&req.choice(i, n), ids.clone(), media.clone()))
+            .map(|i| self.submit_chat(&req.choice(i, n), ids.clone(), extras.clone()))
             .collect()
     }
 
@@ -189,8 +200,12 @@ impl Frontend {
         &self,
         req: &ChatGenRequest,
         images: Vec<ImageBytes>,
-    ) -> Result<(Vec<u32>, Vec<MediaInput>), BackendError> {
+    ) -> Result<(Vec<u32>, PromptExtras), BackendError> {
         let ids = self.chat_text_prompt(req)?;
+        // The tail holds no image (images sit in messages, which the next turn shares), so it
+        // keeps its length when placeholders expand.
+        let tail = self.next_turn_tail(req, &ids);
+        let hint = |ids: &[u32]| tail.map(|t| ids.len() - t);
         let Some(vision) = self
             .parts
             .media
@@ -198,10 +213,51 @@ impl Frontend {
             .vision
             .filter(|_| !images.is_empty())
         else {
-            return Ok((ids, Vec::new()));
+            let checkpoint_hint = hint(&ids);
+            return Ok((
+                ids,
+                PromptExtras {
+                    media: Vec::new(),
+                    checkpoint_hint,
+                },
+            ));
         };
         let prepared = prepare_images(&self.parts.plugins, &vision, images)?;
-        expand_placeholders(&ids, &prepared, &vision, &self.parts.tokenizer)
+        let (ids, media) = expand_placeholders(&ids, &prepared, &vision, &self.parts.tokenizer)?;
+        let checkpoint_hint = hint(&ids);
+        Ok((
+            ids,
+            PromptExtras {
+                media,
+                checkpoint_hint,
+            },
+        ))
+    }
+
+    /// How many of a chat prompt's `ids` the conversation's next turn would not share: the
+    /// template's per-request tail (a tool-choice message, the generation prompt). The engine
+    /// leaves a KDA checkpoint where the tail starts, so the next turn restores from there
+    /// instead of from the previous interval boundary the walk finds (docs/routing.md). Found
+    /// by rendering the conversation one turn on, so it holds for any template; skipped for
+    /// short prompts, where a checkpoint saves little.
+    fn next_turn_tail(&self, req: &ChatGenRequest, ids: &[u32]) -> Option<usize> {
+        if ids.len() < MIN_HINTED_PROMPT {
+            return None;
+        }
+        let p = &self.parts;
+        let mut next = req.clone();
+        next.messages
+            .push(serde_json::json!({"role": "assistant", "content": "."}));
+        next.messages
+            .push(serde_json::json!({"role": "user", "content": "."}));
+        let segments = render(&p.plugins, &p.tokenizer, &p.chat_template, &next).ok()?;
+        let next_ids = encode_prompt(&p.tokenizer, &segments).ok()?;
+        let shared = ids
+            .iter()
+            .zip(&next_ids)
+            .take_while(|(a, b)| a == b)
+            .count();
+        (shared > 0 && shared < ids.len()).then(|| ids.len() - shared)
     }
 
     /// The checks that cost nothing, then the prompt's ids: rendered, bounded again, tokenized.
@@ -233,7 +289,7 @@ impl Frontend {
         &self,
         req: &ChatGenRequest,
         ids: Vec<u32>,
-        media: Vec<MediaInput>,
+        extras: PromptExtras,
     ) -> Result<Generation, BackendError> {
         let p = &self.parts;
         let parsers = ParserStages::Planned(ParserPlan {
@@ -259,7 +315,7 @@ impl Frontend {
             None,
             "messages",
             grammar,
-            media,
+            extras,
         )
     }
 
@@ -306,7 +362,7 @@ impl Frontend {
             echo,
             "prompt",
             grammar,
-            Vec::new(),
+            PromptExtras::default(),
         )
     }
 

@@ -29,6 +29,10 @@ pub struct Request {
     /// The prompt's images, in position order: spans of prompt positions whose rows take the
     /// vision tower's output. The prefix cache keys those positions by the image's content.
     pub media: Vec<MediaInput>,
+    /// Where the conversation ends and the template's per-request tail begins (e.g. the end of
+    /// the last user message): the next turn diverges there, so prefill leaves a KDA checkpoint
+    /// at the last interval boundary at or below it (docs/routing.md).
+    pub checkpoint_hint: Option<usize>,
 }
 
 impl Request {
@@ -39,6 +43,7 @@ impl Request {
             sampling,
             sampler: None,
             media: Vec::new(),
+            checkpoint_hint: None,
         }
     }
 }

@@ -78,6 +78,8 @@ pub(crate) struct Seq {
     snapshot: Option<(usize, BlockId)>,
     pending: Vec<PendingCheckpoint>,
     branch_at: Option<usize>,
+    /// The request's [`Request::checkpoint_hint`](crate::Request::checkpoint_hint).
+    hint: Option<usize>,
     /// `tokens.len()` at admission: everything before it is prefill for this incarnation.
     prefill_end: usize,
     /// A launched step will produce this request's next token.
@@ -249,6 +251,7 @@ impl EngineCore {
             snapshot: None,
             pending: Vec::new(),
             branch_at: None,
+            hint: req.checkpoint_hint,
             prefill_end: 0,
             awaiting_token: false,
             cached_tokens: None,

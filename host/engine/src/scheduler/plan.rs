@@ -247,6 +247,10 @@ impl EngineCore {
             if let Some(b) = self.running[i].branch_at.filter(|&b| b > start && b <= end) {
                 ckpts.push(b);
             }
+            let hint = self.running[i].hint.map(|h| h / interval * interval);
+            if let Some(h) = hint.filter(|&h| h > start && h <= end && !ckpts.contains(&h)) {
+                ckpts.push(h);
+            }
             if last_aligned > start && !ckpts.contains(&last_aligned) {
                 ckpts.push(last_aligned);
             }
