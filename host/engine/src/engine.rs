@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub(crate) enum Command {
-    Submit(Request, crate::scheduler::EventSender),
+    Submit(Box<Request>, crate::scheduler::EventSender),
     Cancel(RequestId),
     FlushCache(Sender<()>),
     SubscribeCache(CacheEventSender),
@@ -107,7 +107,7 @@ impl EngineHandle {
         }
         let id = req.id;
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
-        if self.tx.send(Command::Submit(req, etx)).is_err() {
+        if self.tx.send(Command::Submit(Box::new(req), etx)).is_err() {
             s.live.lock().remove(&id);
             return Err(SubmitError::ShuttingDown);
         }
@@ -219,7 +219,7 @@ fn run_loop(
                   listeners: &mut Vec<CacheEventSender>| match cmd {
         Command::Submit(req, events) => {
             let id = req.id;
-            if let Err(e) = core.enqueue(req, events.clone()) {
+            if let Err(e) = core.enqueue(*req, events.clone()) {
                 let _ = events.send(Err(RequestError::Rejected(e.to_string())));
                 shared.live.lock().remove(&id);
             }

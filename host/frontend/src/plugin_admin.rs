@@ -72,7 +72,8 @@ pub(crate) async fn install(
         .map_err(|e| BackendError::Internal(format!("plugin load task failed: {e}")))?
 }
 
-/// [`install`] on the calling thread (compiling takes a while: not on an async one).
+/// Validate `component` for `stage` and make it the active version, on the calling thread
+/// (compiling takes a while: not on an async one).
 pub fn install_now(
     host: &PluginHost,
     stage: Stage,
