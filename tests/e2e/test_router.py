@@ -164,7 +164,9 @@ def rollback_policy(fleet) -> httpx.Response:
 def test_policy_hot_swap_with_requests_in_flight(fleet, rclient, name):
     assert httpx.put(f"{fleet['router'].base_url}/admin/plugins/router", content=b"x",
                      timeout=10).status_code == 401
-    msgs = [{"role": "user", "content": "Tell me a short story about a fox."}]
+    # Long enough to leave KDA checkpoints: kv-aware then has a usable hit to keep it on one replica.
+    msgs = [{"role": "system", "content": system_prompt(9)},
+            {"role": "user", "content": "Tell me a short story about a fox."}]
     with cf.ThreadPoolExecutor(8) as pool:
         futs = [pool.submit(chat, rclient, name, msgs, max_tokens=48) for _ in range(8)]
         time.sleep(0.2)
@@ -177,7 +179,10 @@ def test_policy_hot_swap_with_requests_in_flight(fleet, rclient, name):
     assert seen == {"r0", "r1", "r2"}, seen
     assert rollback_policy(fleet).status_code == 200
     wait_synced(fleet)
-    seen = {chat(rclient, name, msgs, max_tokens=2)[1] for _ in range(3)}
+    seen = set()
+    for _ in range(3):
+        seen.add(chat(rclient, name, msgs, max_tokens=2)[1])
+        wait_synced(fleet, 0.3)
     assert len(seen) == 1, seen
 
 
