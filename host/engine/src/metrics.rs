@@ -14,8 +14,6 @@ pub struct EngineMetrics {
     /// Of `pool`: state blocks holding prefix-cache checkpoints, KV pages held by the tree.
     pub cache_checkpoints: usize,
     pub cache_kv_pages: usize,
-    /// The load a router weighs (the pool with cache-only bytes counted as free).
-    pub load: ReplicaLoad,
     /// Tokens in the most recent step.
     pub last_step_tokens: usize,
     /// Counters.
@@ -44,6 +42,25 @@ pub struct EngineMetrics {
 }
 
 impl EngineMetrics {
+    /// The load a router weighs, given the layout's block sizes: bytes held only by the prefix
+    /// cache count as free (evictable on demand), so a replica is not penalised for what it has
+    /// cached.
+    pub fn replica_load(&self, kv_page_bytes: usize, state_block_bytes: usize) -> ReplicaLoad {
+        let cached =
+            self.cache_kv_pages * kv_page_bytes + self.cache_checkpoints * state_block_bytes;
+        let capacity = self.pool.capacity_bytes;
+        let free = (self.pool.free_bytes + cached).min(capacity);
+        let page_bytes = kv_page_bytes.max(1);
+        ReplicaLoad {
+            running: self.running as u32,
+            waiting: self.waiting as u32,
+            free_pool_bytes: free as u64,
+            total_pool_bytes: capacity as u64,
+            free_blocks: (free / page_bytes) as u32,
+            total_blocks: (capacity / page_bytes) as u32,
+        }
+    }
+
     /// Prometheus text exposition (names prefixed `k3_engine_`).
     pub fn to_prometheus(&self) -> String {
         let mut s = String::new();

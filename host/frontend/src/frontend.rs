@@ -58,6 +58,15 @@ pub struct FrontendParts {
 /// Chat prompts shorter than this get no checkpoint hint (see `Frontend::next_turn_tail`).
 const MIN_HINTED_PROMPT: usize = 256;
 
+/// What a chat prompt is built for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Submit {
+    /// A generation: the engine gets the checkpoint hint too.
+    Engine,
+    /// `/tokenize`: the ids alone.
+    IdsOnly,
+}
+
 /// What a prompt carries to the engine besides its ids.
 #[derive(Debug, Clone, Default)]
 struct PromptExtras {
@@ -177,7 +186,7 @@ impl Frontend {
         req: ChatGenRequest,
         images: Vec<ImageBytes>,
     ) -> Result<Generation, BackendError> {
-        let (ids, extras) = self.chat_prompt(&req, images)?;
+        let (ids, extras) = self.chat_prompt(&req, images, Submit::Engine)?;
         self.submit_chat(&req, ids, extras)
     }
 
@@ -188,7 +197,7 @@ impl Frontend {
         images: Vec<ImageBytes>,
         n: usize,
     ) -> Result<Vec<Generation>, BackendError> {
-        let (ids, extras) = self.chat_prompt(&req, images)?;
+        let (ids, extras) = self.chat_prompt(&req, images, Submit::Engine)?;
         (0..n)
             .map(|i| self.submit_chat(&req.choice(i, n), ids.clone(), extras.clone()))
             .collect()
@@ -200,11 +209,16 @@ impl Frontend {
         &self,
         req: &ChatGenRequest,
         images: Vec<ImageBytes>,
+        purpose: Submit,
     ) -> Result<(Vec<u32>, PromptExtras), BackendError> {
         let ids = self.chat_text_prompt(req)?;
         // The tail holds no image (images sit in messages, which the next turn shares), so it
         // keeps its length when placeholders expand.
-        let tail = self.next_turn_tail(req, &ids);
+        // Only a prompt going to the engine needs the next turn's checkpoint (a second render).
+        let tail = match purpose {
+            Submit::Engine => self.next_turn_tail(req, &ids),
+            Submit::IdsOnly => None,
+        };
         let hint = |ids: &[u32]| tail.map(|t| ids.len() - t);
         let Some(vision) = self
             .parts
@@ -517,7 +531,10 @@ impl ChatBackend for Frontend {
         let mut request = request;
         Box::pin(async move {
             let images = self.fetch_images(&mut request).await?;
-            blocking(|| self.chat_prompt(&request, images).map(|(ids, _)| ids))
+            blocking(|| {
+                self.chat_prompt(&request, images, Submit::IdsOnly)
+                    .map(|(ids, _)| ids)
+            })
         })
     }
 
@@ -554,7 +571,12 @@ impl ChatBackend for Frontend {
     }
 
     fn replica_load(&self) -> Option<k3_cache_events::ReplicaLoad> {
-        Some(self.parts.engine.metrics().load)
+        let p = &self.parts;
+        Some(
+            p.engine
+                .metrics()
+                .replica_load(p.kv_page_bytes, p.state_block_bytes),
+        )
     }
 
     fn metrics(&self) -> BackendMetrics {

@@ -28,7 +28,7 @@ use crate::memory::{ArenaOp, BlockId, MemoryPool};
 use crate::metrics::EngineMetrics;
 use crate::request::{FinishReason, Request, RequestError, RequestId, SubmitError, TokenEvent};
 use crate::sampling::{RequestSampler, TokenSampler};
-use k3_cache_events::{CacheEvent, ReplicaLoad};
+use k3_cache_events::CacheEvent;
 use k3_model::{CacheLayout, Executor, MediaInput};
 use k3_sampling::{StopChecker, TokenVerdict};
 use std::collections::VecDeque;
@@ -325,36 +325,15 @@ impl EngineCore {
             m.cache_checkpoints = t.checkpoint_count();
             m.cache_kv_pages = t.page_count();
         }
-        m.load = self.replica_load();
         m
-    }
-
-    /// The load a router weighs: the pool counts bytes held only by the prefix cache as free
-    /// (evictable on demand), so a replica is not penalised for what it has cached.
-    pub fn replica_load(&self) -> ReplicaLoad {
-        let usage = self.pool.usage();
-        let (pages, checkpoints) = self
-            .tree
-            .as_ref()
-            .map_or((0, 0), |t| (t.page_count(), t.checkpoint_count()));
-        let cached =
-            pages * self.layout.kv_page_bytes + checkpoints * self.layout.state_block_bytes;
-        let free = (usage.free_bytes + cached).min(usage.capacity_bytes);
-        let page_bytes = self.layout.kv_page_bytes.max(1);
-        ReplicaLoad {
-            running: self.running.len() as u32,
-            waiting: self.waiting.len() as u32,
-            free_pool_bytes: free as u64,
-            total_pool_bytes: usage.capacity_bytes as u64,
-            free_blocks: (free / page_bytes) as u32,
-            total_blocks: (usage.capacity_bytes / page_bytes) as u32,
-        }
     }
 
     /// Start recording the prefix cache's changes and describe what it holds now (`None`
     /// without a prefix cache). Changes come from [`take_cache_events`](Self::take_cache_events).
     pub fn subscribe_cache(&mut self) -> Option<CacheEvent> {
-        let load = self.replica_load();
+        let load = self
+            .metrics()
+            .replica_load(self.layout.kv_page_bytes, self.layout.state_block_bytes);
         let tree = self.tree.as_mut()?;
         tree.record_events(true);
         Some(CacheEvent::Snapshot {
