@@ -10,7 +10,15 @@ CARRY=.carry
 mkdir -p "$CARRY"
 grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >>.git/info/exclude
 
-echo "== cargo build --release -p k3serve"
+# Kernels ahead of time: cubins for the H200 built into the binaries, so a fresh device compiles
+# nothing at start-up (host/backend-cuda/build.rs). K3_KERNEL_ARCHS= (empty) builds without them.
+export K3_KERNEL_ARCHS="${K3_KERNEL_ARCHS-sm_90a}"
+if [ -n "$K3_KERNEL_ARCHS" ]; then
+    K3_NVRTC_LIB="$(scripts/nvrtc-lib)"
+    export K3_NVRTC_LIB
+fi
+
+echo "== cargo build --release -p k3serve (kernels built in: ${K3_KERNEL_ARCHS:-none})"
 cargo build --release -p k3serve
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 server="$target_dir/release/k3serve"

@@ -1,32 +1,9 @@
 //! On-disk cache of compiled kernels: NVRTC takes seconds per file (kda_chunk.cu ~10 s on one
-//! core), so a cubin is kept per (expanded source, target arch, options, NVRTC version).
+//! core), so a cubin is kept per (expanded source, target arch, options, NVRTC version), named by
+//! `k3_kernels::cache_key`.
 
 use crate::error::{CudaError, Result};
-use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
-
-/// Hex SHA-256 over every input that changes the compiled binary. Fields are length-prefixed so
-/// that no two different inputs hash the same byte stream.
-pub fn cache_key(
-    source: &str,
-    arch: &str,
-    options: &[String],
-    nvrtc_version: (i32, i32),
-) -> String {
-    let mut h = Sha256::new();
-    let mut field = |b: &[u8]| {
-        h.update((b.len() as u64).to_le_bytes());
-        h.update(b);
-    };
-    field(b"k3-kernel-cache-v1");
-    field(source.as_bytes());
-    field(arch.as_bytes());
-    for o in options {
-        field(o.as_bytes());
-    }
-    field(format!("{}.{}", nvrtc_version.0, nvrtc_version.1).as_bytes());
-    hex::encode(h.finalize())
-}
 
 /// The cache directory: `$K3_KERNEL_CACHE`, else `$XDG_CACHE_HOME/k3serve/kernels`, else
 /// `$HOME/.cache/k3serve/kernels`, else a directory under the system temp dir.
@@ -90,23 +67,7 @@ impl KernelCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn key_changes_with_every_input() {
-        let opts = vec!["--std=c++17".to_string()];
-        let base = cache_key("src", "sm_90a", &opts, (13, 0));
-        assert_eq!(base.len(), 64);
-        assert_eq!(base, cache_key("src", "sm_90a", &opts, (13, 0)));
-        assert_ne!(base, cache_key("src2", "sm_90a", &opts, (13, 0)));
-        assert_ne!(base, cache_key("src", "sm_90", &opts, (13, 0)));
-        assert_ne!(base, cache_key("src", "sm_90a", &[], (13, 0)));
-        assert_ne!(base, cache_key("src", "sm_90a", &opts, (13, 1)));
-        // Length prefixes: moving a byte between fields changes the key.
-        assert_ne!(
-            cache_key("ab", "c", &[], (1, 0)),
-            cache_key("a", "bc", &[], (1, 0))
-        );
-    }
+    use k3_kernels::cache_key;
 
     #[test]
     fn put_then_get_round_trips_and_missing_is_none() {

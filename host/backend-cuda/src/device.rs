@@ -1,18 +1,28 @@
 //! The GPU side: driver detection, NVRTC compilation (cached), module loading, device buffers.
 
-use crate::cache::{KernelCache, cache_key};
+use crate::cache::KernelCache;
 use crate::error::{CudaError, Result};
 use crate::geometry::nvrtc_arch;
-use crate::sources::{FILES, expand};
+use crate::kernels::KernelStats;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
+use k3_kernels::FILES;
 use std::collections::HashMap;
-use std::ffi::{CStr, CString};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
-/// NVRTC options, identical to scripts/nvrtc-check (precise math: the checks compare with f64
-/// references at 1e-5; the kernels use fast intrinsics explicitly where they are safe).
-pub const NVRTC_OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
+/// How long opening the device took, step by step (the start-up progress lines print it).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StartupTimes {
+    /// Creating the CUDA context and stream (the driver's own start-up).
+    pub context_s: f64,
+    /// Finding or compiling the cubins.
+    pub kernels: KernelStats,
+    /// Loading the modules into the context.
+    pub modules_s: f64,
+    /// Creating the cuBLAS handle.
+    pub cublas_s: f64,
+}
 
 /// A row-major f32 matrix on the device.
 pub struct DeviceMat {
@@ -61,6 +71,8 @@ pub struct CudaBackend {
     pub(crate) step: crate::step::StepState,
     /// The deployment's choices (options.rs).
     pub(crate) options: crate::CudaOptions,
+    /// Where opening the device spent its time.
+    pub startup: StartupTimes,
 }
 
 impl Drop for CudaBackend {
@@ -84,11 +96,6 @@ impl std::fmt::Debug for CudaBackend {
 pub fn driver_present() -> bool {
     // SAFETY: only tries dlopen on the candidate names; calls nothing in the library.
     unsafe { cudarc::driver::sys::is_culib_present() }
-}
-
-pub fn nvrtc_present() -> bool {
-    // SAFETY: as above, for libnvrtc.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
 pub fn cublas_present() -> bool {
@@ -133,16 +140,12 @@ impl CudaBackend {
                 "libcuda.so could not be loaded (no NVIDIA driver)".into(),
             ));
         }
-        if !nvrtc_present() {
-            return Err(CudaError::NoNvrtc(
-                "libnvrtc.so could not be loaded; add its directory to LD_LIBRARY_PATH".into(),
-            ));
-        }
         if !cublas_present() {
             return Err(CudaError::NoCublas(
                 "libcublas.so could not be loaded; add its directory to LD_LIBRARY_PATH".into(),
             ));
         }
+        let t = Instant::now();
         let ctx = CudaContext::new(ordinal)?;
         // SAFETY: everything runs on the one stream below, so the per-buffer events that order
         // work across streams are not needed (and cost two driver calls per allocation).
@@ -163,22 +166,22 @@ impl CudaBackend {
         };
         // Not the legacy default stream: stream capture (CUDA graphs) needs a created one.
         let stream = ctx.new_stream()?;
-        let blas = CudaBlas::new(stream.clone())?;
-        let version = nvrtc_version()?;
-        let options: Vec<String> = NVRTC_OPTIONS.iter().map(|s| s.to_string()).collect();
+        let context_s = t.elapsed().as_secs_f64();
+        let (cubins, kernels) =
+            crate::kernels::cubins(FILES, &arch, &cache, crate::kernels::embedded())?;
+        let t = Instant::now();
         let mut functions = HashMap::new();
-        for file in FILES {
-            let source = expand(file.name, file.text)?;
-            let key = cache_key(&source, &arch, &options, version);
-            let path = match cache.get(&key, file.name) {
-                Some(_) => cache.path(&key, file.name),
-                None => cache.put(
-                    &key,
-                    file.name,
-                    &compile_cubin(file.name, &source, &arch, &options)?,
-                )?,
+        for (file, cubin) in FILES.iter().zip(&cubins) {
+            let module = match ctx.load_module(cudarc::nvrtc::Ptx::from_file(&cubin.path)) {
+                Ok(m) => m,
+                // A built-in cubin from an NVRTC newer than this driver: compile it here.
+                Err(e) if cubin.origin == crate::kernels::Origin::Embedded => {
+                    tracing::warn!(file = file.name, error = %e, "built-in cubin refused; compiling");
+                    let path = crate::kernels::recompile(file, &arch, &cache)?;
+                    ctx.load_module(cudarc::nvrtc::Ptx::from_file(path))?
+                }
+                Err(e) => return Err(e.into()),
             };
-            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_file(path))?;
             for &entry in file.entries {
                 let f = module.load_function(entry)?;
                 // Kernels past the 48 KB default of dynamic shared memory opt in once here; one
@@ -193,6 +196,10 @@ impl CudaBackend {
                 functions.insert(entry, f);
             }
         }
+        let modules_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let blas = CudaBlas::new(stream.clone())?;
+        let cublas_s = t.elapsed().as_secs_f64();
         let profile = crate::profile::OpProfile::from_env();
         Ok(Self {
             ctx,
@@ -206,6 +213,12 @@ impl CudaBackend {
             moe_scratch: Mutex::default(),
             moe_sorted_scratch: Mutex::default(),
             options: backend_options,
+            startup: StartupTimes {
+                context_s,
+                kernels,
+                modules_s,
+                cublas_s,
+            },
         })
     }
 
@@ -302,63 +315,6 @@ fn keep_freed_memory_pooled(ctx: &CudaContext) {
             );
         }
     }
-}
-
-fn nvrtc_version() -> Result<(i32, i32)> {
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: two out-pointers to live locals.
-    let rc = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
-    rc.result()
-        .map_err(|e| CudaError::NoNvrtc(format!("nvrtcVersion: {e:?}")))?;
-    Ok((major, minor))
-}
-
-/// NVRTC → CUBIN for `arch` (machine code: no driver JIT at load, and no PTX-version mismatch
-/// between a newer NVRTC and an older driver).
-pub fn compile_cubin(file: &str, source: &str, arch: &str, options: &[String]) -> Result<Vec<u8>> {
-    use cudarc::nvrtc::{result, sys};
-    let fail = |message: String, log: String| CudaError::Compile {
-        file: file.into(),
-        message,
-        log,
-    };
-    let src =
-        CString::new(source).map_err(|e| fail(format!("NUL in source: {e}"), String::new()))?;
-    let name = CString::new(file).map_err(|e| fail(format!("NUL in name: {e}"), String::new()))?;
-    let prog = result::create_program(&src, Some(&name))
-        .map_err(|e| fail(format!("{e:?}"), String::new()))?;
-    let mut opts: Vec<String> = options.to_vec();
-    opts.push(format!("--gpu-architecture={arch}"));
-    // SAFETY: `prog` is a live program until destroy_program below; buffers are sized by NVRTC.
-    let out = unsafe {
-        let compiled = result::compile_program(prog, &opts);
-        let log = result::get_program_log(prog)
-            .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
-            .unwrap_or_default();
-        match compiled {
-            Err(e) => Err(fail(format!("{e:?}"), log)),
-            Ok(()) => {
-                let mut size = 0usize;
-                sys::nvrtcGetCUBINSize(prog, &mut size)
-                    .result()
-                    .map_err(|e| fail(format!("{e:?}"), log.clone()))?;
-                let mut bin = vec![0u8; size];
-                sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut _)
-                    .result()
-                    .map_err(|e| fail(format!("{e:?}"), log))?;
-                Ok(bin)
-            }
-        }
-    };
-    // SAFETY: destroyed exactly once.
-    let _ = unsafe { result::destroy_program(prog) };
-    out.and_then(|b| {
-        if b.is_empty() {
-            Err(fail("empty cubin".into(), String::new()))
-        } else {
-            Ok(b)
-        }
-    })
 }
 
 #[cfg(test)]

@@ -15,14 +15,9 @@ pub enum CudaError {
     Cublas(#[from] cudarc::cublas::result::CublasError),
     #[error("CUDA driver call failed: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
-    #[error("NVRTC failed on {file}: {message}\n{log}")]
-    Compile {
-        file: String,
-        message: String,
-        log: String,
-    },
-    #[error("kernel source {file}: {message}")]
-    Source { file: String, message: String },
+    /// A kernel source that did not expand or compile (the file and NVRTC's log).
+    #[error(transparent)]
+    Kernel(#[from] k3_kernels::KernelError),
     #[error("kernel cache {path}: {source}")]
     Cache {
         path: PathBuf,

@@ -513,7 +513,7 @@ mod tests {
         }
         assert_eq!(kda_record_floats(&kda(1), 1), 769);
         // The kernel's own definition of the per-head block agrees with KDA_RECORD_HEAD_FLOATS.
-        let src = crate::sources::FILES
+        let src = k3_kernels::FILES
             .iter()
             .find(|f| f.name == "kda_decode.cu")
             .unwrap()

@@ -315,8 +315,29 @@ pub fn load_model(
 ) -> anyhow::Result<LoadedModel> {
     Ok(match open_backend(wanted, cuda)? {
         None => LoadedModel::Cpu(load_on(dir, CpuBackend::new(), format)?),
-        Some(cuda) => LoadedModel::Cuda(load_on(dir, cuda, format)?),
+        Some(cuda) => {
+            super::say(&startup_line(&cuda.startup));
+            let t = std::time::Instant::now();
+            let model = load_on(dir, cuda, format)?;
+            let how = match format {
+                LoadFormat::Safetensors => "read",
+                LoadFormat::Dummy { .. } => "generated",
+            };
+            super::say(&format!(
+                "      weights {how} and uploaded in {:.2} s",
+                t.elapsed().as_secs_f64()
+            ));
+            LoadedModel::Cuda(model)
+        }
     })
+}
+
+/// Where opening the GPU spent its time, as one indented progress line.
+fn startup_line(t: &k3_backend_cuda::StartupTimes) -> String {
+    format!(
+        "      CUDA context {:.2} s; kernels: {}; modules loaded in {:.2} s; cuBLAS {:.2} s",
+        t.context_s, t.kernels, t.modules_s, t.cublas_s
+    )
 }
 
 /// Load `dir` with an arena for one sequence of up to `max_tokens` (generate, bench).

@@ -2,7 +2,7 @@
 //! NVRTC gets one self-contained string per file (no include paths on disk needed), exactly as
 //! scripts/nvrtc-check and the device harness build it.
 
-use crate::error::{CudaError, Result};
+use crate::error::{KernelError, Result};
 
 /// One compilation unit: a `kernels/*.cu` file and the `extern "C"` entry points it defines.
 #[derive(Debug, Clone, Copy)]
@@ -200,7 +200,7 @@ fn expand_into(
             continue;
         };
         let Some(&(hname, htext)) = HEADERS.iter().find(|(n, _)| *n == name) else {
-            return Err(CudaError::Source {
+            return Err(KernelError::Source {
                 file: file.into(),
                 message: format!("unknown include \"{name}\""),
             });
