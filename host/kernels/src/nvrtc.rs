@@ -62,7 +62,7 @@ const LIBRARY_NAMES: &[&str] = &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.s
 
 impl Nvrtc {
     /// `$K3_NVRTC_LIB` (the library file, or a directory holding it) when set, else the first
-    /// of [`LIBRARY_NAMES`] the dynamic loader finds.
+    /// of `libnvrtc.so.13`, `.12` or `libnvrtc.so` that the dynamic loader finds.
     pub fn load() -> Result<Self> {
         match std::env::var_os("K3_NVRTC_LIB") {
             Some(p) if !p.is_empty() => Self::load_path(Path::new(&p)),
