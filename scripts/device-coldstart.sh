@@ -6,6 +6,7 @@
 # gives k3-mini the same greedy answer on the GPU. Results: $OUT/coldstart.tsv (label, model,
 # cache, seconds) and $OUT/coldstart.log (each run's start-up lines).
 #   bash scripts/device-coldstart.sh before=.carry/before.xz after=.carry/k3serve.xz
+# K3_COLDSTART_MODELS (default "k3-mini k3-slice") picks the models.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/k3-coldstart}"
@@ -58,7 +59,7 @@ run() { # label model cache-dir cache-kind extra-args...
     [ -n "$ready" ] || { tail -30 "$log" | tee -a "$OUT/coldstart.log"; }
 }
 for label in "${labels[@]}"; do
-    for model in k3-mini k3-slice; do
+    for model in ${K3_COLDSTART_MODELS:-k3-mini k3-slice}; do
         cache=/tmp/k3cs/cache-$label-$model
         rm -rf "$cache"
         if [ "$model" = k3-mini ]; then

@@ -11,7 +11,7 @@
 # (kda_decode, kda_prefill, mla, mla_prefill, attn_res, moe, gemv, sampling; the probes mla_diag,
 # mla_steady and moe_few_tokens_diag run only when named);
 # K3_SLICE_RUNS (default "default profile"; also "nogemm", "nographs", "candidates" = the
-# backend flags in K3_SLICE_CANDIDATES, e.g. "--mla-decode-precision f32") picks stage 3's
+# backend flags in K3_SLICE_CANDIDATES, e.g. "--dtype float32") picks stage 3's
 # k3-slice runs.
 # K3_SERVING=1 adds stage 4, the seeds' serving workload on k3-slice (scripts/device-serving.sh).
 # Each stage has its own time limit so one slow stage leaves the others their share of the call.

@@ -59,7 +59,7 @@ pub struct CudaBackend {
     /// which kernels run (dispatch.rs).
     pub limits: crate::dispatch::DeviceLimits,
     pub(crate) functions: HashMap<&'static str, CudaFunction>,
-    /// cuBLAS on `stream` (dense matmuls), default math mode: plain f32, no TF32.
+    /// cuBLAS on `stream` (dense matmuls); its math mode follows `options.dtype`.
     pub(crate) blas: CudaBlas,
     /// Per-op wall times when `K3_PROFILE` is set (see `profile.rs`).
     pub(crate) profile: Option<crate::profile::OpProfile>,
@@ -104,9 +104,12 @@ pub fn cublas_present() -> bool {
 }
 
 impl CudaBackend {
-    /// Choose the MLA decode precision (default: `CudaOptions::mla_decode_precision`).
-    pub fn set_mla_decode_precision(&mut self, precision: crate::MlaDecodePrecision) {
-        self.options.mla_decode_precision = precision;
+    /// Choose the precision activations enter the tensor cores in (default:
+    /// `CudaOptions::dtype`). Takes effect from the next op.
+    pub fn set_dtype(&mut self, dtype: crate::Dtype) -> Result<()> {
+        set_blas_math(&self.blas, dtype)?;
+        self.options.dtype = dtype;
+        Ok(())
     }
 
     pub fn options(&self) -> &crate::CudaOptions {
@@ -199,6 +202,7 @@ impl CudaBackend {
         let modules_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let blas = CudaBlas::new(stream.clone())?;
+        set_blas_math(&blas, backend_options.dtype)?;
         let cublas_s = t.elapsed().as_secs_f64();
         let profile = crate::profile::OpProfile::from_env();
         Ok(Self {
@@ -315,6 +319,19 @@ fn keep_freed_memory_pooled(ctx: &CudaContext) {
             );
         }
     }
+}
+
+/// cuBLAS's math mode for `dtype`: f32 products (SGEMM) on TF32 tensor cores in bf16 mode,
+/// plain f32 FMAs in float32 mode. The bf16 GEMMs name their compute type and ignore it.
+fn set_blas_math(blas: &CudaBlas, dtype: crate::Dtype) -> Result<()> {
+    use cudarc::cublas::sys::{cublasMath_t, cublasSetMathMode};
+    let mode = match dtype {
+        crate::Dtype::Bf16 => cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
+        crate::Dtype::F32 => cublasMath_t::CUBLAS_DEFAULT_MATH,
+    };
+    // SAFETY: a live handle owned by `blas`; the mode is a valid enum value.
+    unsafe { cublasSetMathMode(*blas.handle(), mode) }.result()?;
+    Ok(())
 }
 
 #[cfg(test)]

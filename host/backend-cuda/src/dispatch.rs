@@ -7,7 +7,7 @@
 //! are measured.
 
 use crate::geometry;
-use crate::options::MlaDecodePrecision;
+use crate::options::Dtype;
 
 /// Kernels launched without the opt-in attribute may use this much dynamic shared memory.
 const DEFAULT_SHARED: usize = 48 * 1024;
@@ -104,10 +104,10 @@ pub(crate) enum MlaAttend {
     F32,
 }
 
-/// The MLA decode attend for `precision` on this GPU: bf16 on wgmma where it exists, on mma.sync
+/// The MLA decode attend for `dtype` on this GPU: bf16 on wgmma where it exists, on mma.sync
 /// elsewhere, and the f32 kernel where neither bf16 kernel's shared memory fits.
-pub(crate) fn mla_attend(precision: MlaDecodePrecision, dev: &DeviceLimits) -> MlaAttend {
-    if precision == MlaDecodePrecision::F32 {
+pub(crate) fn mla_attend(dtype: Dtype, dev: &DeviceLimits) -> MlaAttend {
+    if dtype == Dtype::F32 {
         return MlaAttend::F32;
     }
     if geometry::mla_wgmma_supported(&dev.arch) && dev.launchable(&["mla_attend_pair_wgmma_f32"]) {
@@ -221,7 +221,7 @@ mod tests {
                         assert!(p != ExpertPath::Wgmma || arch == "sm_90a");
                     }
                 }
-                for precision in [MlaDecodePrecision::Bf16, MlaDecodePrecision::F32] {
+                for precision in [Dtype::Bf16, Dtype::F32] {
                     let m = mla_attend(precision, &d);
                     let kernel = match m {
                         MlaAttend::F32 => "mla_attend_tf32_f32",
@@ -236,7 +236,7 @@ mod tests {
 
     #[test]
     fn mla_decode_falls_back_by_arch_and_shared_memory() {
-        use MlaDecodePrecision::{Bf16, F32};
+        use Dtype::{Bf16, F32};
         assert_eq!(mla_attend(Bf16, &h200()), MlaAttend::PairWgmma);
         assert_eq!(mla_attend(F32, &h200()), MlaAttend::F32);
         // No wgmma off sm_90a; the mma.sync attend needs 166 KB (fits 163 KB = 166,912 B).

@@ -36,7 +36,7 @@ mod workspace;
 
 pub use device::{CudaBackend, DeviceLinear, DeviceMat, StartupTimes};
 pub use error::{CudaError, Result};
-pub use options::{CudaOptions, MlaDecodePrecision};
+pub use options::{CudaOptions, Dtype};
 pub use step::GraphCounts;
 
 #[cfg(test)]

@@ -3,27 +3,50 @@
 //! TOML (`[cuda]`). Which kernel runs for a step is otherwise fixed by the step's shape and the
 //! GPU (dispatch.rs).
 
-/// Precision of the absorbed MLA decode attention.
+/// The precision activations enter the tensor cores in, vLLM's `--dtype`. Accumulation is f32
+/// and the KDA state f32 in both; weights are what the checkpoint holds (bf16 matrices, MXFP4
+/// experts). Tolerances against the CPU backend are stated and tested in tests/device.rs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum MlaDecodePrecision {
-    /// The query and the cached latent rows rounded to bf16 for tensor-core products, f32
-    /// accumulation and softmax (like FlashMLA and vLLM; MLA's output within ~3e-3 of the CPU
-    /// backend's): the wgmma attend on sm_90a, the mma.sync one elsewhere.
+pub enum Dtype {
+    /// Activations rounded once to bf16 for the tensor cores: the dense prefill GEMMs and the
+    /// routed experts' many-assignment GEMMs on one bf16 plane (half the tensor-core work of
+    /// the hi / lo split), f32 products (MLA prefill, f32 weights) on TF32 tensor cores, the MLA
+    /// decode attend on bf16 rows (like FlashMLA and vLLM). What K3 is served in.
     #[default]
     Bf16,
-    /// 3xTF32 products (`mla_attend_tf32_f32`): the CPU backend's results to ~1e-5, several times
-    /// slower. For verification runs; also what GPUs without the bf16 attend's shared memory run.
+    /// f32-level results throughout (hi / lo bf16 planes, plain SGEMM, the 3xTF32 MLA decode
+    /// attend): the CPU backend's numbers to ~1e-5 per op, slower. For parity and debugging.
     F32,
 }
 
-impl std::str::FromStr for MlaDecodePrecision {
+impl Dtype {
+    /// The name `--dtype` prints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bfloat16",
+            Self::F32 => "float32",
+        }
+    }
+
+    /// bf16 planes per activation value in the split GEMMs: 1 (rounded once) or 2 (hi / lo).
+    pub fn planes(self) -> usize {
+        match self {
+            Self::Bf16 => 1,
+            Self::F32 => 2,
+        }
+    }
+}
+
+impl std::str::FromStr for Dtype {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "bf16" => Ok(Self::Bf16),
-            "f32" => Ok(Self::F32),
-            other => Err(format!("MLA decode precision {other:?}: use bf16 or f32")),
+            "auto" | "bfloat16" | "bf16" => Ok(Self::Bf16),
+            "float32" | "float" | "f32" => Ok(Self::F32),
+            other => Err(format!(
+                "dtype {other:?}: use bfloat16 (the default) or float32"
+            )),
         }
     }
 }
@@ -40,8 +63,8 @@ pub struct CudaOptions {
     /// Largest bf16 weight (elements) that decode rows (up to 16) multiply through the
     /// tensor-core GEMV; larger weights and more rows take cuBLAS. 0: cuBLAS always.
     pub gemv_max_weight_elems: usize,
-    /// Precision of the MLA decode attention.
-    pub mla_decode_precision: MlaDecodePrecision,
+    /// The precision activations enter the tensor cores in.
+    pub dtype: Dtype,
 }
 
 impl CudaOptions {
@@ -55,7 +78,7 @@ impl Default for CudaOptions {
             cuda_graphs: true,
             moe_gemm_min_assignments: Self::DEFAULT_MOE_GEMM_MIN_ASSIGNMENTS,
             gemv_max_weight_elems: Self::DEFAULT_GEMV_MAX_WEIGHT_ELEMS,
-            mla_decode_precision: MlaDecodePrecision::Bf16,
+            dtype: Dtype::Bf16,
         }
     }
 }
@@ -65,9 +88,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn precision_parses() {
-        assert_eq!("bf16".parse(), Ok(MlaDecodePrecision::Bf16));
-        assert_eq!("f32".parse(), Ok(MlaDecodePrecision::F32));
-        assert!("BF16".parse::<MlaDecodePrecision>().is_err());
+    fn dtype_parses_vllm_names() {
+        for s in ["auto", "bfloat16", "bf16"] {
+            assert_eq!(s.parse(), Ok(Dtype::Bf16));
+        }
+        for s in ["float32", "float", "f32"] {
+            assert_eq!(s.parse(), Ok(Dtype::F32));
+        }
+        let e = "float16".parse::<Dtype>().unwrap_err();
+        assert!(e.contains("bfloat16") && e.contains("float32"), "{e}");
+        assert_eq!(Dtype::default().planes(), 1);
+        assert_eq!(Dtype::F32.planes(), 2);
+        assert_eq!(Dtype::F32.name(), "float32");
     }
 }

@@ -127,7 +127,8 @@ impl CudaBackend {
 
     /// `y = x Wᵀ` for any weight: bf16 weights through the tensor-core GEMV for decode rows of
     /// small weights (`CudaOptions::gemv_max_weight_elems`) and otherwise one cuBLAS tensor-core GEMM over the hi
-    /// and lo bf16 rows of x (kernels/bf16.cu); f32 weights through `matmul_rt`.
+    /// and lo bf16 rows of x (kernels/bf16.cu), or the hi rows alone in bf16 mode
+    /// (`CudaOptions::dtype`); f32 weights through `matmul_rt`.
     pub fn matmul_linear(&self, x: &DeviceMat, w: &DeviceLinear) -> Result<DeviceMat> {
         let Some(bits) = &w.bf16 else {
             return self.matmul_rt(x, self.linear_f32(w)?);
@@ -157,9 +158,15 @@ impl CudaBackend {
         }
         // Both are written in full (split, then the GEMM) before anything reads them.
         let xs = self.uninit::<u16>(2 * m * k)?;
-        let mut c = self.uninit::<f32>(2 * m * n)?;
         let (xn, yn) = ((m * k) as i64, (m * n) as i64);
         launch!(self, "bf16_split_rows_f32", geometry::elementwise(m * k)?; &x.buf, &xs, &xn)?;
+        if self.options.dtype == crate::Dtype::Bf16 {
+            // The hi rows alone: x rounded once to bf16, half the tensor-core work.
+            let mut y = y;
+            self.gemm_bf16(bits, 0, &xs, 0, &mut y.buf, 0, n, m, k)?;
+            return Ok(y);
+        }
+        let mut c = self.uninit::<f32>(2 * m * n)?;
         self.gemm_bf16(bits, 0, &xs, 0, &mut c, 0, n, 2 * m, k)?;
         launch!(self, "sum_row_halves_f32", geometry::elementwise(m * n)?; &c, &y.buf, &yn)?;
         Ok(y)

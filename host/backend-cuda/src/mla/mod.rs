@@ -86,7 +86,7 @@ impl CudaBackend {
         // from each item's own length (chunk 0, mla.cu): the launch then changes only when the
         // bucket does, not every step (graph.rs replays a step only if its launches are equal).
         let max_len = lens.iter().copied().max().unwrap_or(1).next_power_of_two();
-        let attend = crate::dispatch::mla_attend(self.options.mla_decode_precision, &self.limits);
+        let attend = crate::dispatch::mla_attend(self.options.dtype, &self.limits);
         let sms = self.multiprocessors;
         let splits = match attend {
             MlaAttend::F32 => geometry::mla_splits_f32(items, g.heads, max_len, sms).0,

@@ -1,10 +1,11 @@
 //! Routed experts of many-assignment steps as grouped MXFP4 GEMMs on Hopper wgmma
 //! (kernels/moe_wgmma.cu; sm_90a only, dispatch.rs sends other GPUs to moe/cublas.rs). The tile list
 //! comes from the sort on the device (moe/sorted.rs: no host sync, so a step can sit in a
-//! captured graph): `mxfp4_experts_wgmma_split_f32` (z as hi / lo bf16 planes), `mxfp4_experts_wgmma_up_f32` (SiTU-GLU
-//! in its epilogue), `mxfp4_experts_wgmma_down_f32`, `moe_combine_ids_f32`. The activations enter the tensor
-//! cores as hi = bf16(x) and lo = bf16(x - hi), both multiplied and summed in f32, so results stay
-//! at f32 level like every other expert path.
+//! captured graph): `mxfp4_experts_wgmma_split_f32` (z as bf16 planes), `mxfp4_experts_wgmma_up_f32` (SiTU-GLU
+//! in its epilogue), `mxfp4_experts_wgmma_down_f32`, `moe_combine_ids_f32`. In float32 mode the
+//! activations enter the tensor cores as hi = bf16(x) and lo = bf16(x - hi), both multiplied and
+//! summed in f32, so results stay at f32 level like every other expert path; in bf16 mode
+//! (`CudaOptions::dtype`, the default) as bf16(x) alone, half the tensor-core work.
 
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::Result;
@@ -12,12 +13,12 @@ use crate::geometry::Launch;
 use crate::moe::sorted::SortedStep;
 use cudarc::driver::CudaSlice;
 
-/// bf16 pieces per activation value (hi and lo): the kernels' `planes` argument.
-const WG_PLANES: usize = 2;
-
-/// The GEMM kernels' `mode`: the planes, with the proxy fence between the cp.async copies and the
-/// wgmma reads of the tokens kept on (kernels/moe_wgmma.cu MXW_NO_PROXY_FENCE unset).
-const WG_MODE: usize = WG_PLANES;
+/// The GEMM kernels' `mode` for `planes` bf16 pieces per activation value (`Dtype::planes`: 1 =
+/// rounded once, 2 = hi and lo): the planes, with the proxy fence between the cp.async copies and
+/// the wgmma reads of the tokens kept on (kernels/moe_wgmma.cu MXW_NO_PROXY_FENCE unset).
+const fn wg_mode(planes: usize) -> usize {
+    planes
+}
 
 use crate::geometry::MX_WG_SHARED;
 
@@ -61,9 +62,9 @@ impl CudaBackend {
     pub(crate) fn moe_experts_wgmma(&self, step: SortedStep<'_>) -> Result<DeviceMat> {
         let (d, ex, situ) = (step.dims()?, step.ex, step.situ);
         let (offsets, sorted) = (step.offsets, step.sorted);
-        let planes = WG_PLANES;
+        let planes = self.options.dtype.planes();
         let i = crate::launch::i32_of;
-        let (pi, mi) = (i(planes, "planes")?, i(WG_MODE, "mode")?);
+        let (pi, mi) = (i(planes, "planes")?, i(wg_mode(planes), "mode")?);
         let up = wgmma_launch(d.ie, WG_UP_ROWS, d.lt, d.n, d.e)?;
         let down = wgmma_launch(d.lt, WG_DOWN_ROWS, d.ie, d.n, d.e)?;
         let (lin, has) = crate::launch::situ_linear_args(situ);
@@ -98,7 +99,7 @@ mod tests {
     fn hi_lo_planes_with_the_proxy_fence() {
         assert!(geometry::moe_wg_supported("sm_90a") && !geometry::moe_wg_supported("sm_90"));
         // The mode's low bits are the planes; the no-fence bit (32) stays clear.
-        assert_eq!(WG_MODE, 2);
+        assert_eq!((wg_mode(1), wg_mode(2)), (1, 2));
     }
 
     #[test]

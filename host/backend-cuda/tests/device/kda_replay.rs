@@ -279,6 +279,7 @@ fn kda_replay_matches_decode() {
     let mut tab = Table {
         tag: "",
         failed: Vec::new(),
+        floor: 0.0,
     };
     for heads in HEADS {
         for t in TOKENS {

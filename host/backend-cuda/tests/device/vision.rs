@@ -75,6 +75,7 @@ fn vision_ops_match_cpu() {
     let mut t = Table {
         tag: "",
         failed: Vec::new(),
+        floor: 0.0,
     };
     let (g, c) = (vision_ops(&gpu, seed), vision_ops(&CpuBackend::new(), seed));
     for ((name, a, tol), (_, b, _)) in g.iter().zip(&c) {
@@ -121,6 +122,7 @@ fn vision_tower_matches_cpu() {
     let mut t = Table {
         tag: "",
         failed: Vec::new(),
+        floor: 0.0,
     };
     for (k, (h, w)) in [(64, 96), (96, 64), (192, 192), (256, 256)]
         .into_iter()

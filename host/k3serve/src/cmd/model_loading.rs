@@ -3,7 +3,7 @@
 
 use anyhow::{Context, bail};
 use k3_backend_cpu::CpuBackend;
-use k3_backend_cuda::{CudaBackend, CudaOptions, MlaDecodePrecision};
+use k3_backend_cuda::{CudaBackend, CudaOptions, Dtype};
 use k3_model::exec::{CacheLayout, ExecError, ForwardBatch, ForwardOutput, LogitsWant};
 use k3_model::{Backend, Config, Executor, Model, ModelExecutor};
 use std::path::Path;
@@ -60,25 +60,22 @@ pub struct CudaArgs {
     /// larger ones take cuBLAS (0: cuBLAS always) [default: 4194304].
     #[arg(long, value_name = "N")]
     pub gemv_max_weight_elems: Option<usize>,
-    /// MLA decode attention precision: `bf16` (tensor-core products on bf16-rounded rows) or `f32`
-    /// (3xTF32, the CPU backend's results to ~1e-5, slower) [default: bf16].
-    #[arg(long, value_name = "bf16|f32")]
-    pub mla_decode_precision: Option<String>,
+    /// GPU precision, vLLM's `--dtype`: `bfloat16` (activations rounded to bf16 for the tensor
+    /// cores, f32 accumulation and KDA state) or `float32` (the CPU backend's results to ~1e-5 per
+    /// op, slower); `auto` = bfloat16. The CPU backend always computes in f32 [default: auto].
+    #[arg(long, value_name = "auto|bfloat16|float32")]
+    pub dtype: Option<String>,
 }
 
 impl CudaArgs {
     /// The flags over `file` (a config file's values) over the defaults.
     pub fn resolve(&self, file: &CudaArgs) -> anyhow::Result<CudaOptions> {
         let d = CudaOptions::default();
-        let precision = match self
-            .mla_decode_precision
-            .as_ref()
-            .or(file.mla_decode_precision.as_ref())
-        {
+        let dtype = match self.dtype.as_ref().or(file.dtype.as_ref()) {
             Some(p) => p
-                .parse::<MlaDecodePrecision>()
-                .map_err(|e| anyhow::anyhow!("--mla-decode-precision: {e}"))?,
-            None => d.mla_decode_precision,
+                .parse::<Dtype>()
+                .map_err(|e| anyhow::anyhow!("--dtype: {e}"))?,
+            None => d.dtype,
         };
         Ok(CudaOptions {
             cuda_graphs: self
@@ -93,7 +90,7 @@ impl CudaArgs {
                 .gemv_max_weight_elems
                 .or(file.gemv_max_weight_elems)
                 .unwrap_or(d.gemv_max_weight_elems),
-            mla_decode_precision: precision,
+            dtype,
         })
     }
 }

@@ -210,7 +210,7 @@ struct FileConfig {
     cuda_graphs: Option<bool>,
     moe_gemm_min_assignments: Option<usize>,
     gemv_max_weight_elems: Option<usize>,
-    mla_decode_precision: Option<String>,
+    dtype: Option<String>,
     speculative_config: Option<toml::Value>,
     limit_mm_per_prompt: Option<toml::Value>,
     allowed_media_domains: Option<Vec<String>>,
@@ -355,7 +355,7 @@ impl ServeConfig {
             cuda_graphs: file.cuda_graphs,
             moe_gemm_min_assignments: file.moe_gemm_min_assignments,
             gemv_max_weight_elems: file.gemv_max_weight_elems,
-            mla_decode_precision: file.mla_decode_precision,
+            dtype: file.dtype,
         };
 
         let cuda = args.cuda.resolve(&cuda_file)?;
@@ -637,9 +637,8 @@ mod tests {
 
     #[test]
     fn cuda_options_from_flags_and_file() {
-        let path = write(
-            "cuda_graphs = false\nmla-decode-precision = \"f32\"\nmoe-gemm-min-assignments = 8192\n",
-        );
+        let path =
+            write("cuda_graphs = false\ndtype = \"float32\"\nmoe-gemm-min-assignments = 8192\n");
         let cfg = ServeConfig::resolve(Args {
             config: Some(path.clone()),
             cuda: CudaArgs {
@@ -650,10 +649,7 @@ mod tests {
         })
         .unwrap();
         assert!(!cfg.cuda.cuda_graphs);
-        assert_eq!(
-            cfg.cuda.mla_decode_precision,
-            k3_backend_cuda::MlaDecodePrecision::F32
-        );
+        assert_eq!(cfg.cuda.dtype, k3_backend_cuda::Dtype::F32);
         assert_eq!(cfg.cuda.moe_gemm_min_assignments, 1024, "the flag wins");
         assert_eq!(
             cfg.cuda.gemv_max_weight_elems,
@@ -661,16 +657,13 @@ mod tests {
         );
         let err = ServeConfig::resolve(Args {
             cuda: CudaArgs {
-                mla_decode_precision: Some("fp8".into()),
+                dtype: Some("fp8".into()),
                 ..Default::default()
             },
             ..Default::default()
         })
         .unwrap_err();
-        assert!(
-            format!("{err:#}").contains("mla-decode-precision"),
-            "{err:#}"
-        );
+        assert!(format!("{err:#}").contains("--dtype"), "{err:#}");
         assert_eq!(
             ServeConfig::resolve(Args::default()).unwrap().cuda,
             CudaOptions::default()
@@ -705,10 +698,14 @@ mod tests {
         assert!(cfg.log_requests);
         assert_eq!(cfg.log_format, LogFormat::Json);
         assert_eq!(cfg.max_num_batched_tokens, 1024);
+        assert_eq!(
+            cfg.cuda.dtype,
+            k3_backend_cuda::Dtype::Bf16,
+            "--dtype is ours"
+        );
         for flag in [
             "--enable-auto-tool-choice",
             "--trust-remote-code",
-            "--dtype",
             "--tensor-parallel-size 1",
             "--disable-log-requests",
             "--uvicorn-log-level",

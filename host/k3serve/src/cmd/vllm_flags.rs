@@ -7,9 +7,6 @@ pub struct VllmFlags {
     /// vLLM: run the model repository's code. k3serve runs no model code.
     #[arg(long, hide = true)]
     pub trust_remote_code: bool,
-    /// vLLM: weight/activation dtype.
-    #[arg(long, hide = true, value_name = "DTYPE")]
-    pub dtype: Option<String>,
     /// vLLM: KV-cache dtype.
     #[arg(long, hide = true, value_name = "DTYPE")]
     pub kv_cache_dtype: Option<String>,
@@ -96,11 +93,6 @@ impl VllmFlags {
             self.trust_remote_code,
             "--trust-remote-code",
             "k3serve runs no code from the model directory",
-        );
-        note(
-            self.dtype.is_some(),
-            "--dtype",
-            "the backends choose their own precision (weights as stored, bf16/f32 compute)",
         );
         note(
             self.kv_cache_dtype.is_some(),
