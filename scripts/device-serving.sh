@@ -4,7 +4,8 @@
 # per-layer shapes, dummy weights, k3-mini's tokenizer for the text side) through the HTTP server:
 # prompts of K3_SERVING_PROMPT tokens (8192), K3_SERVING_OUTPUT output tokens (1024, ignore_eos),
 # concurrency K3_SERVING_LEVELS (1,4,16), one request per slot per level; TTFT, TPOT and
-# throughput by scripts/bench_serving.py. Results: $OUT/serving.json, $OUT/serving.log,
+# throughput by scripts/bench_serving.py; K3_SERVING_FLAGS adds serve flags (e.g. "--dtype float32"
+# for a before/after pair in one call). Results: $OUT/serving.json, $OUT/serving.log,
 # $OUT/serving-server.log. Needs httpx (carried as wheels in .whl/, installed by device-check.sh
 # into /tmp/site).
 set -uo pipefail
@@ -24,7 +25,7 @@ max_seqs=$(tr ',' '\n' <<<"$levels" | sort -n | tail -1)
 "$BIN" serve --device cuda --model models/k3-slice --load-format dummy --tokenizer models/k3-mini \
     --host 127.0.0.1 --port $PORT --plugin-dir .carry/plugins --max-model-len $((prompt + output + 64)) \
     --max-num-seqs "$max_seqs" --max-num-batched-tokens "${K3_SERVING_STEP_TOKENS:-2048}" \
-    --no-enable-prefix-caching >"$OUT/serving-server.log" 2>&1 &
+    --no-enable-prefix-caching ${K3_SERVING_FLAGS:-} >"$OUT/serving-server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null' EXIT
 for _ in $(seq 1 240); do
