@@ -48,6 +48,13 @@ impl KernelCache {
             .filter(|b| !b.is_empty())
     }
 
+    /// The cubin's path when it is cached (present and not empty), without reading it.
+    pub fn find(&self, key: &str, file: &str) -> Option<PathBuf> {
+        let path = self.path(key, file);
+        let len = std::fs::metadata(&path).ok()?.len();
+        (len > 0).then_some(path)
+    }
+
     /// Store atomically: write a temp file in the same directory, then rename over the target,
     /// so concurrent servers never read half a cubin.
     pub fn put(&self, key: &str, file: &str, bytes: &[u8]) -> Result<PathBuf> {
@@ -75,9 +82,11 @@ mod tests {
         let cache = KernelCache::new(&dir);
         let key = cache_key("x", "sm_90a", &[], (13, 0));
         assert!(cache.get(&key, "norm.cu").is_none());
+        assert!(cache.find(&key, "norm.cu").is_none());
         let p = cache.put(&key, "norm.cu", b"\x7fELF...").unwrap();
         assert!(p.starts_with(&dir) && p.to_string_lossy().ends_with(".cubin"));
         assert_eq!(cache.get(&key, "norm.cu").unwrap(), b"\x7fELF...");
+        assert_eq!(cache.find(&key, "norm.cu"), Some(p.clone()));
         cache.put(&key, "norm.cu", b"v2").unwrap();
         assert_eq!(cache.get(&key, "norm.cu").unwrap(), b"v2");
         std::fs::remove_dir_all(&dir).unwrap();

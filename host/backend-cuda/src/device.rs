@@ -1,4 +1,5 @@
-//! The GPU side: driver detection, NVRTC compilation (cached), module loading, device buffers.
+//! The GPU side: driver detection, module loading (the cubins come from kernels.rs), device
+//! buffers.
 
 use crate::cache::KernelCache;
 use crate::error::{CudaError, Result};

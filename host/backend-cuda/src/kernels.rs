@@ -52,10 +52,9 @@ impl std::fmt::Display for KernelStats {
     }
 }
 
-/// One file's cubin on disk, ready for `load_module`.
+/// One file's cubin on disk, ready for `load_module` (in the order of the files asked for).
 #[derive(Debug, Clone)]
 pub struct CubinFile {
-    pub file: &'static str,
     pub path: PathBuf,
     pub origin: Origin,
 }
@@ -77,12 +76,11 @@ pub fn cubins(
         let source = expand(f.name, f.text)?;
         match embed::find(table, f.name, arch, &source, &options) {
             Some(e) => {
-                let path = match cache.get(e.key, f.name) {
-                    Some(_) => cache.path(e.key, f.name),
+                let path = match cache.find(e.key, f.name) {
+                    Some(path) => path,
                     None => cache.put(e.key, f.name, e.cubin)?,
                 };
                 out[i] = Some(CubinFile {
-                    file: f.name,
                     path,
                     origin: Origin::Embedded,
                 });
@@ -103,10 +101,9 @@ pub fn cubins(
         for (i, source) in missing {
             let f = &files[i];
             let key = cache_key(&source, arch, &options, version);
-            if cache.get(&key, f.name).is_some() {
+            if let Some(path) = cache.find(&key, f.name) {
                 out[i] = Some(CubinFile {
-                    file: f.name,
-                    path: cache.path(&key, f.name),
+                    path,
                     origin: Origin::Cached,
                 });
                 stats.cached += 1;
@@ -129,7 +126,6 @@ pub fn cubins(
             for ((i, key, _), cubin) in jobs.into_iter().zip(compiled) {
                 let f = &files[i];
                 out[i] = Some(CubinFile {
-                    file: f.name,
                     path: cache.put(&key, f.name, &cubin?)?,
                     origin: Origin::Compiled,
                 });

@@ -1020,9 +1020,17 @@ fn near_tie(cpu: &[f32], gpu: &[f32]) -> (bool, f32) {
 }
 
 fn golden() -> (Vec<Vec<u32>>, usize) {
-    let path = root().join("tests/golden/golden.json");
+    let (v, prompts) = prompt_file("tests/golden/golden.json");
+    let n = v["greedy_tokens"].as_u64().unwrap_or(16) as usize;
+    (prompts, n)
+}
+
+/// A JSON file under the repo root with prompts as token ids (`input_ids`): the whole value and
+/// the prompts.
+fn prompt_file(rel: &str) -> (serde_json::Value, Vec<Vec<u32>>) {
+    let path = root().join(rel);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let v: serde_json::Value = serde_json::from_str(&text).expect("golden.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect(rel);
     let prompts = v["input_ids"]
         .as_array()
         .expect("input_ids")
@@ -1035,8 +1043,7 @@ fn golden() -> (Vec<Vec<u32>>, usize) {
                 .collect()
         })
         .collect();
-    let n = v["greedy_tokens"].as_u64().unwrap_or(16) as usize;
-    (prompts, n)
+    (v, prompts)
 }
 
 const LOGITS_TOL: f64 = 1e-3;

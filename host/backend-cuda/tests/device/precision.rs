@@ -10,21 +10,7 @@ use super::*;
 const NEW_TOKENS: usize = 48;
 
 fn held_out_prompts() -> Vec<Vec<u32>> {
-    let path = root().join("tests/golden/heldout-prompts.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let v: serde_json::Value = serde_json::from_str(&text).expect("heldout-prompts.json");
-    v["input_ids"]
-        .as_array()
-        .expect("input_ids")
-        .iter()
-        .map(|p| {
-            p.as_array()
-                .expect("ids")
-                .iter()
-                .map(|x| x.as_u64().expect("id") as u32)
-                .collect()
-        })
-        .collect()
+    prompt_file("tests/golden/heldout-prompts.json").1
 }
 
 fn executor<B: Backend>(model: Model<B>, cap: usize) -> ModelExecutor<B> {
