@@ -148,9 +148,11 @@ def test_vllm_command_line_is_accepted(vllm_style_server):
                    json={"model": "k3-alias", "messages": [USER], "max_tokens": 2})
     assert r.status_code == 200 and r.json()["model"] == "k3-mini", r.text
     log = vllm_style_server.log_path.read_text(errors="replace")
-    for flag in ["--trust-remote-code", "--dtype", "--tensor-parallel-size 1", "--disable-log-requests",
+    for flag in ["--trust-remote-code", "--tensor-parallel-size 1", "--disable-log-requests",
                  "--uvicorn-log-level", "--disable-log-stats", "--enable-auto-tool-choice"]:
         assert f"note: {flag} is accepted" in log, flag
+    # --dtype is k3serve's own flag (the GPU precision), not an ignored one.
+    assert "note: --dtype" not in log
 
 
 def test_strict_fields_are_400s_naming_the_field(vllm_style_server):
