@@ -138,7 +138,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .map(str::to_string)
         .context("the model has no chat_template in tokenizer_config.json")?;
     let prompts = ModelPrompts {
-        placeholder: media_placeholder(&model),
+        placeholder: media_placeholder(&model)?,
         renderer: PromptRenderer {
             tokenizer,
             plugins: plugins.clone(),
@@ -225,12 +225,22 @@ fn policy_path(dir: &Path, spec: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// The image placeholder id from config.json (`vision_config`), where the router's ids stop.
-fn media_placeholder(model: &Path) -> Option<u32> {
-    let text = std::fs::read_to_string(model.join("config.json")).ok()?;
-    let v: Value = serde_json::from_str(&text).ok()?;
-    let id = v.get("vision_config")?.get("media_placeholder_token_id")?;
-    id.as_u64().and_then(|n| u32::try_from(n).ok())
+/// The image placeholder id, where the router's ids stop: read by the model crate's own
+/// config parser, so the router and the replicas agree on where it lives (top level of
+/// config.json, present only with a `vision_config`). A directory without config.json (a
+/// tokenizer-only copy) gives `None`, with a warning, since images then cannot be cut.
+fn media_placeholder(model: &Path) -> anyhow::Result<Option<u32>> {
+    let path = model.join("config.json");
+    if !path.exists() {
+        tracing::warn!(
+            path = %path.display(),
+            "no config.json: prompts with images are hashed past the first image"
+        );
+        return Ok(None);
+    }
+    let config = k3_model::Config::from_file(&path)
+        .with_context(|| format!("reading the model config {}", path.display()))?;
+    Ok(config.vision.map(|v| v.media_placeholder_token_id))
 }
 
 /// Prompt ids as a replica computes them, cut at the first image.
@@ -306,5 +316,47 @@ impl PolicyAdmin for PluginAdmin {
     fn rollback(&self) -> Result<Value, AdminError> {
         let info = plugin_admin::rollback(&self.0, "router").map_err(admin_error)?;
         serde_json::to_value(info).map_err(|e| AdminError::Internal(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mini() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/k3-mini")
+    }
+
+    #[test]
+    fn prompts_stop_at_the_models_image_placeholder() {
+        // The id is top-level in config.json; reading it from `vision_config` found nothing.
+        let model = mini();
+        let placeholder = media_placeholder(&model).unwrap();
+        assert_eq!(placeholder, Some(6));
+        let plugins = PluginHost::new(PluginHostConfig::default()).unwrap();
+        let tokenizer = Arc::new(Tokenizer::from_dir(&model).unwrap());
+        let prompts = ModelPrompts {
+            placeholder,
+            renderer: PromptRenderer {
+                tokenizer,
+                plugins,
+                chat_template: String::new(),
+            },
+        };
+        let body = serde_json::json!({"model": "k3", "prompt": [11, 12, 6, 13, 6]});
+        assert_eq!(
+            prompts.tokens(ApiRoute::Completions, &body),
+            Some(vec![11, 12])
+        );
+    }
+
+    #[test]
+    fn a_directory_without_config_json_cuts_nothing() {
+        let dir = std::env::temp_dir().join(format!("k3-router-noconfig-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(media_placeholder(&dir).unwrap(), None);
+        std::fs::write(dir.join("config.json"), "{not json").unwrap();
+        assert!(media_placeholder(&dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
