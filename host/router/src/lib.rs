@@ -16,8 +16,10 @@
 //!   ([`k3_cache_events::block_hashes`] at the replica's block size), and the [`RoutePolicy`]
 //!   sees one [`ReplicaView`] per healthy replica not yet tried: `prefix_hit_blocks` is the
 //!   *usable* hit (up to the deepest KDA checkpoint inside the cached prefix), `queued` the
-//!   replica's waiting requests, `running` its running sequences plus the requests the router
-//!   has open to it (so a burst between load events is seen). If the policy fails, times out
+//!   replica's waiting requests, `running` its running sequences, raised so that
+//!   `queued + running` is at least the requests the router has open to it (those are normally
+//!   already in the replica's counts, so they are not added; a burst sent since the replica's
+//!   last load event is still seen). If the policy fails, times out
 //!   ([`RouterConfig::policy_timeout`]) or names no candidate, the built-in [`LeastLoad`]
 //!   decides; the fallback is logged and counted in `/metrics`. Other routes (`/tokenize`,
 //!   `/detokenize`, `/v1/models...`, `/v1/messages/count_tokens`) go to the least-loaded

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use k3_cache_events::PrefixIndex;
+use k3_cache_events::{PrefixIndex, ReplicaLoad};
 use k3_plugin_host::ReplicaView;
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
@@ -122,9 +122,7 @@ impl Replica {
             id: self.id.clone(),
             healthy: self.is_healthy(),
             queued: load.waiting,
-            running: load
-                .running
-                .saturating_add(self.in_flight.load(Ordering::Relaxed)),
+            running: seen_running(load, self.in_flight.load(Ordering::Relaxed)),
             kv_free_blocks: load.free_blocks,
             kv_total_blocks: load.total_blocks,
             prefix_hit_blocks,
@@ -155,6 +153,14 @@ impl Replica {
             block_tokens: index.block_tokens(),
         }
     }
+}
+
+/// The running count a policy sees. The router's open requests are normally already in the
+/// replica's last reported running + waiting, so adding them would count each twice; but a
+/// burst sent since that report is not in it yet. So the open requests bound the load from
+/// below: `queued + running` is `max(reported running + waiting, in_flight)`.
+fn seen_running(load: ReplicaLoad, in_flight: u32) -> u32 {
+    load.running.max(in_flight.saturating_sub(load.waiting))
 }
 
 /// Probe `replica`'s `/health` once and record the result.
@@ -208,5 +214,51 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k3_cache_events::CacheEvent;
+
+    fn replica_reporting(running: u32, waiting: u32) -> Arc<Replica> {
+        let r = Arc::new(Replica::new("r0".into(), "http://127.0.0.1:1".into()));
+        r.index.write().apply(&CacheEvent::Load(ReplicaLoad {
+            running,
+            waiting,
+            ..ReplicaLoad::default()
+        }));
+        r
+    }
+
+    fn load(r: &Replica) -> u32 {
+        let v = r.view(None);
+        v.queued + v.running
+    }
+
+    #[test]
+    fn open_requests_are_not_counted_twice() {
+        // Three requests open, and the replica reports them running: the load is 3, not 6.
+        let r = replica_reporting(3, 0);
+        let open: Vec<InFlight> = (0..3).map(|_| InFlight::new(r.clone())).collect();
+        assert_eq!(load(&r), 3);
+        // Also when some of them wait in the replica's queue.
+        let r = replica_reporting(1, 2);
+        let open2: Vec<InFlight> = (0..3).map(|_| InFlight::new(r.clone())).collect();
+        assert_eq!((r.view(None).queued, r.view(None).running), (2, 1));
+        drop((open, open2));
+        // Others' requests (another router, direct clients) count on top of none of ours.
+        assert_eq!(load(&replica_reporting(4, 1)), 5);
+    }
+
+    #[test]
+    fn a_burst_between_load_events_is_seen() {
+        // The last report predates the burst: the open requests are the better count.
+        let r = replica_reporting(1, 1);
+        let open: Vec<InFlight> = (0..6).map(|_| InFlight::new(r.clone())).collect();
+        assert_eq!(load(&r), 6);
+        drop(open);
+        assert_eq!(load(&r), 2);
     }
 }
