@@ -100,7 +100,7 @@ fn kv_aware_trades_the_usable_hit_against_load() {
         c.reason
     );
 
-    // Past the threshold the load gap wins over a whole-prompt hit.
+    // A load gap of 7 outweighs a hit as long as the average prompt (worth 4 requests).
     let piled = [replica("a", 0, 0, 0), replica("b", 6, 1, 16)];
     assert_eq!(pick(&router, &req, &piled), "a");
 
