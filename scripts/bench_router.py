@@ -13,6 +13,14 @@ report in `usage`), TTFT p50/p99, output tokens/s over the wall time, and where 
 workload on one replica alone (no router) gives the hit rate a single cache would have. Then the
 router's overhead: the same short cached request sent directly and through a router over that one
 replica, latency p50/p99 of each; and the policy call's cost from the router's /metrics.
+
+--replica-threads N gives each replica N compute threads (`k3serve serve --threads N`); with --pin,
+replica i runs under `taskset -c` on its own cores i*N .. i*N+N-1 (of the cores this process may
+use), and the router and this load generator on the cores left, if any. Why: on a many-core host
+each tiny k3-mini replica prefills so fast that a cache miss costs little more than a hit, which
+hides the policy's effect on TTFT; one pinned core per replica (`--replica-threads 1 --pin`) makes
+prefill cost realistic relative to the rest. The output records `replica_threads` and `pinning`
+(the core lists).
 """
 from __future__ import annotations
 
@@ -57,10 +65,11 @@ class Proc:
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
         self.url = url
+        what = next((c for c in cmd if c in ("serve", "router")), cmd[0])
         deadline = time.monotonic() + 300
         while True:
             if self.proc.poll() is not None:
-                sys.exit(f"{cmd[:2]} exited:\n{self.log.read_text()[-3000:]}")
+                sys.exit(f"{what} exited:\n{self.log.read_text()[-3000:]}")
             try:
                 if ready(httpx.get(f"{url}/health", timeout=2)):
                     return
@@ -68,7 +77,7 @@ class Proc:
                 pass
             if time.monotonic() > deadline:
                 self.proc.kill()
-                sys.exit(f"{cmd[:2]} not ready:\n{self.log.read_text()[-3000:]}")
+                sys.exit(f"{what} not ready:\n{self.log.read_text()[-3000:]}")
             time.sleep(0.2)
 
     def stop(self):
@@ -80,17 +89,39 @@ class Proc:
                 self.proc.kill()
 
 
-def start_replica(a) -> Proc:
+def plan_pinning(replicas: int, threads: int) -> dict:
+    """Replica i's cores (threads of them, disjoint) and the cores left for the router and the
+    load generator (None: no core is left, so they share the replicas' cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    need = replicas * threads
+    if threads < 1:
+        sys.exit("--pin needs --replica-threads N (N >= 1): the cores each replica is pinned to")
+    if need > len(cores):
+        sys.exit(f"--pin: {replicas} replicas x {threads} threads need {need} cores; "
+                 f"this process may use {len(cores)}")
+    return {"replicas": [cores[i * threads:(i + 1) * threads] for i in range(replicas)],
+            "router_and_load": cores[need:] or None}
+
+
+def pinned(cmd: list[str], cores: list[int] | None) -> list[str]:
+    return ["taskset", "-c", ",".join(map(str, cores)), *cmd] if cores else cmd
+
+
+def start_replica(a, i: int = 0) -> Proc:
     port = free_port()
     cmd = [a.binary, "serve", "--model", a.model, "--host", "127.0.0.1", "--port", str(port),
            "--admin-token", TOKEN, "--max-num-seqs", str(a.max_num_seqs)]
-    return Proc(cmd, f"http://127.0.0.1:{port}", lambda r: r.status_code == 200)
+    if a.replica_threads:
+        cmd += ["--threads", str(a.replica_threads)]
+    cores = a.pinning["replicas"][i] if a.pinning else None
+    return Proc(pinned(cmd, cores), f"http://127.0.0.1:{port}", lambda r: r.status_code == 200)
 
 
 def start_router(a, replicas: list[Proc], policy: str) -> Proc:
     port = free_port()
     cmd = [a.binary, "router", "--model", a.model, "--host", "127.0.0.1", "--port", str(port),
            "--replica-token", TOKEN, "--router-plugin", policy]
+    cmd = pinned(cmd, a.pinning["router_and_load"] if a.pinning else None)
     for r in replicas:
         cmd += ["--replica", r.url]
     ready = lambda r: r.status_code == 200 and all(x["events_synced"] for x in r.json()["replicas"])  # noqa: E731
@@ -215,10 +246,24 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--policies", default="kv-aware,round-robin,least-load")
     ap.add_argument("--overhead-requests", type=int, default=200)
+    ap.add_argument("--replica-threads", type=int, default=0,
+                    help="compute threads per replica (k3serve serve --threads; 0: one per core)")
+    ap.add_argument("--pin", action="store_true",
+                    help="run each replica on its own --replica-threads cores (taskset), the router "
+                         "and the load generator on the cores left")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.replica_threads < 0:
+        sys.exit("--replica-threads must be >= 0")
+    a.pinning = plan_pinning(a.replicas, a.replica_threads) if a.pin else None
+    if a.pinning and a.pinning["router_and_load"]:
+        os.sched_setaffinity(0, a.pinning["router_and_load"])
     systems = system_prompts(a.systems, a.system_tokens)
-    result: dict = {"args": vars(a), "policies": {}}
+    args = {k: v for k, v in vars(a).items() if k != "pinning"}
+    result: dict = {"args": args, "replica_threads": a.replica_threads, "pinning": a.pinning,
+                    "policies": {}}
+    if a.pinning:
+        print("pinning", json.dumps(a.pinning), flush=True)
 
     def save():  # after every phase, so a run cut short keeps what it measured
         if a.out:
@@ -250,7 +295,7 @@ def main():
         one.stop()
 
     for policy in a.policies.split(","):
-        replicas = [start_replica(a) for _ in range(a.replicas)]
+        replicas = [start_replica(a, i) for i in range(a.replicas)]
         try:
             router = start_router(a, replicas, policy)
             try:
