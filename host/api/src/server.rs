@@ -147,8 +147,9 @@ pub(crate) fn style_for(path: &str) -> ErrorStyle {
     }
 }
 
-/// Compare secrets without an early exit on the first differing byte.
-fn secret_eq(given: &str, expected: &str) -> bool {
+/// Compare secrets without an early exit on the first differing byte (the time taken does not
+/// tell how much of a guess was right). Also used by `k3serve router`.
+pub fn secret_eq(given: &str, expected: &str) -> bool {
     let (a, b) = (given.as_bytes(), expected.as_bytes());
     let mut diff = a.len() ^ b.len();
     for (i, byte) in b.iter().enumerate() {
@@ -157,7 +158,8 @@ fn secret_eq(given: &str, expected: &str) -> bool {
     diff == 0
 }
 
-fn bearer(headers: &HeaderMap) -> Option<&str> {
+/// The token of an `Authorization: Bearer <token>` header.
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     headers
         .get(header::AUTHORIZATION)?
         .to_str()
@@ -210,7 +212,8 @@ async fn require_admin_token(State(state): State<AppState>, req: Request, next: 
 }
 
 /// One warning per refused credential: route, peer and which credential, never its value.
-fn log_auth_failure(req: &Request, credential: &'static str, given: bool) {
+/// `given`: a credential was sent (and was wrong) rather than missing.
+pub fn log_auth_failure(req: &Request, credential: &'static str, given: bool) {
     let peer = req
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()

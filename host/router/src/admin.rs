@@ -5,15 +5,15 @@
 //!
 //! Both answer `{"stage": "router", "activated": <version>}`.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{ConnectInfo, Path, Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::extract::{Path, Request, State};
+use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use k3_api::server::{bearer, log_auth_failure, secret_eq};
 use serde_json::json;
 
 use crate::Shared;
@@ -166,25 +166,6 @@ fn finish(
     }
 }
 
-/// Compare secrets without an early exit on the first differing byte.
-fn secret_eq(given: &str, expected: &str) -> bool {
-    let (a, b) = (given.as_bytes(), expected.as_bytes());
-    let mut diff = a.len() ^ b.len();
-    for (i, byte) in b.iter().enumerate() {
-        diff |= (a.get(i).copied().unwrap_or(0) ^ byte) as usize;
-    }
-    diff == 0
-}
-
-fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(header::AUTHORIZATION)?
-        .to_str()
-        .ok()?
-        .strip_prefix("Bearer ")
-        .map(str::trim)
-}
-
 pub(crate) async fn require_admin_token(
     State(shared): State<Arc<Shared>>,
     req: Request,
@@ -203,19 +184,7 @@ pub(crate) async fn require_admin_token(
     if given.is_some_and(|g| secret_eq(g, token)) {
         return next.run(req).await;
     }
-    let peer = req
-        .extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|ConnectInfo(addr)| addr.to_string());
-    tracing::warn!(
-        target: "k3serve::auth",
-        method = %req.method(),
-        path = %req.uri().path(),
-        peer = peer.as_deref().unwrap_or("-"),
-        credential = "admin_token",
-        problem = if given.is_some() { "wrong" } else { "missing" },
-        "authentication failed"
-    );
+    log_auth_failure(&req, "admin_token", given.is_some());
     error(
         Style::OpenAi,
         StatusCode::UNAUTHORIZED,
@@ -223,17 +192,4 @@ pub(crate) async fn require_admin_token(
         Some("invalid_admin_token"),
         "the admin API needs 'Authorization: Bearer <admin token>'",
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::secret_eq;
-
-    #[test]
-    fn secret_comparison() {
-        assert!(secret_eq("abc", "abc"));
-        assert!(!secret_eq("abd", "abc"));
-        assert!(!secret_eq("ab", "abc"));
-        assert!(!secret_eq("abcd", "abc"));
-    }
 }
