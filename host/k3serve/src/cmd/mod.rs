@@ -6,6 +6,7 @@ pub mod dspark_source;
 pub mod generate;
 pub mod media_config;
 pub mod model_loading;
+pub mod plugin_install;
 pub mod router;
 pub mod serve;
 pub mod serve_config;

@@ -20,6 +20,8 @@ use k3_router::{AdminError, ApiRoute, PolicyAdmin, PromptTokens, RoutePolicy, Ro
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::plugin_install::install_file;
+
 #[derive(clap::Args)]
 pub struct Args {
     /// TOML file: `model`, `plugin_dir`, `router_plugin`, `host`, `port` at the top, the
@@ -120,15 +122,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     let plugins =
         PluginHost::new(PluginHostConfig::default()).context("starting the plugin host")?;
-    install(
+    install_file(
         &plugins,
         Stage::ChatTemplate,
         &plugin_dir.join("kimi_k3_template.wasm"),
+        "--plugin-dir",
     )?;
-    install(
+    install_file(
         &plugins,
         Stage::Router,
         &policy_path(&plugin_dir, &policy_spec)?,
+        "--plugin-dir",
     )?;
     let tokenizer = Tokenizer::from_dir(&model)
         .map(Arc::new)
@@ -191,21 +195,6 @@ async fn shutdown_signal() {
         _ = ctrl_c => {},
         _ = term => {},
     }
-}
-
-fn install(host: &PluginHost, stage: Stage, path: &Path) -> anyhow::Result<()> {
-    let bytes = std::fs::read(path).with_context(|| {
-        format!(
-            "reading the {stage} plugin {} (build the plugins with scripts/build-plugins, or \
-             point --plugin-dir at them)",
-            path.display()
-        )
-    })?;
-    let info = host
-        .install(stage, &bytes)
-        .with_context(|| format!("loading the {stage} plugin {}", path.display()))?;
-    tracing::info!(stage = %stage, plugin = %info.metadata.name, "plugin active");
-    Ok(())
 }
 
 /// `kv-aware` → `router_kv_aware.wasm` in the plugin directory; a path is taken as it is.

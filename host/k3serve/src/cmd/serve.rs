@@ -18,6 +18,7 @@ use k3_model::model::CacheOffsets;
 use k3_plugin_host::{PluginHost, PluginHostConfig, Stage, default_plugin_dir};
 
 use super::model_loading::LoadFormat;
+use super::plugin_install::install_file;
 use super::say;
 
 pub use super::serve_config::Args;
@@ -186,22 +187,7 @@ fn load_plugins(cfg: &ServeConfig) -> anyhow::Result<PluginHost> {
     let dir = cfg.plugin_dir.clone().unwrap_or_else(default_plugin_dir);
     for (stage, spec, suffix, flag) in plugin_specs(cfg) {
         let path = plugin_path(&dir, &spec, suffix, flag)?;
-        let bytes = std::fs::read(&path).with_context(|| {
-            format!(
-                "reading the {stage} plugin {} (build the plugins with scripts/build-plugins, \
-                 or point --plugin-dir / --{flag} at one)",
-                path.display(),
-            )
-        })?;
-        let info = host
-            .install(stage, &bytes)
-            .with_context(|| format!("loading the {stage} plugin {}", path.display()))?;
-        tracing::info!(
-            stage = %stage,
-            plugin = %info.metadata.name,
-            version = %info.metadata.version,
-            "plugin active"
-        );
+        install_file(&host, stage, &path, &format!("--plugin-dir / --{flag}"))?;
     }
     Ok(host)
 }
