@@ -7,11 +7,13 @@ flight, and a policy that traps or loops falling back to least-load.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import anthropic
 import httpx
@@ -100,9 +102,63 @@ def replica_ids(fleet) -> dict[str, str]:
     return {r["url"]: r["id"] for r in h["replicas"]}
 
 
-def wait_synced(fleet, seconds: float = 0.5):
-    # Cache events arrive within a step and a network hop.
-    time.sleep(seconds)
+def replica_state(fleet, url: str) -> dict:
+    """The router's /health entry for the replica at `url`."""
+    h = httpx.get(f"{fleet['router'].base_url}/health", timeout=5).json()
+    return next(r for r in h["replicas"] if r["url"] == url)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str):
+    """Poll `predicate` every 100 ms until it is truthy, and return its value; fail naming `what`
+    (and the last value or error seen) after `timeout` seconds. An HTTP error counts as not yet:
+    a replica or the router may be restarting."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        try:
+            last = predicate()
+            if last:
+                return last
+        except httpx.HTTPError as e:
+            last = e
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what} (last seen: {last!r})")
+        time.sleep(0.1)
+
+
+def replica_cache(url: str) -> tuple[int, int]:
+    """(blocks, checkpoints) the replica's prefix cache holds now, from its events' snapshot."""
+    with httpx.stream("GET", f"{url}/internal/cache-events", timeout=10,
+                      headers={"Authorization": f"Bearer {REPLICA_TOKEN}"}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            # A load event may come before the snapshot (its timer starts with the stream).
+            if event["type"] == "snapshot":
+                blocks = {b["hash"]: b["checkpoint"] for b in event["blocks"]}
+                return len(blocks), sum(blocks.values())
+    raise AssertionError(f"{url}/internal/cache-events ended without a snapshot")
+
+
+def wait_synced(fleet, timeout: float = 10):
+    """Until the router's index of every live replica holds what that replica's cache holds."""
+    for r in fleet["replicas"]:
+        if r.proc.poll() is not None:
+            continue
+
+        def same(url=r.base_url):
+            s = replica_state(fleet, url)
+            return s["events_synced"] and (s["index_blocks"], s["index_checkpoints"]) == replica_cache(url)
+
+        wait_for(same, timeout, f"the router's index of {r.base_url} to match its cache")
+
+
+def in_flight(fleet, url: str | None = None) -> int:
+    """Requests the router has open (to the replica at `url`, or to all)."""
+    h = httpx.get(f"{fleet['router'].base_url}/health", timeout=5).json()
+    return sum(r["in_flight"] for r in h["replicas"] if url is None or r["url"] == url)
 
 
 def test_clients_through_the_router(fleet, rclient, name):
@@ -169,7 +225,7 @@ def test_policy_hot_swap_with_requests_in_flight(fleet, rclient, name):
             {"role": "user", "content": "Tell me a short story about a fox."}]
     with cf.ThreadPoolExecutor(8) as pool:
         futs = [pool.submit(chat, rclient, name, msgs, max_tokens=48) for _ in range(8)]
-        time.sleep(0.2)
+        wait_for(lambda: in_flight(fleet), 10, "requests in flight through the router")
         swap = put_policy(fleet, PLUGINS / "router_round_robin.wasm")
         results = [f.result() for f in futs]
     assert swap.status_code == 200, swap.text
@@ -182,7 +238,7 @@ def test_policy_hot_swap_with_requests_in_flight(fleet, rclient, name):
     seen = set()
     for _ in range(3):
         seen.add(chat(rclient, name, msgs, max_tokens=2)[1])
-        wait_synced(fleet, 0.3)
+        wait_synced(fleet)
     assert len(seen) == 1, seen
 
 
@@ -211,25 +267,16 @@ def test_a_killed_replica_loses_no_unstarted_request_and_comes_back(fleet, rclie
     prompts = [[{"role": "user", "content": f"Count from {i} to {i + 20}."}] for i in range(12)]
     with cf.ThreadPoolExecutor(12) as pool:
         futs = [pool.submit(chat, rclient, name, p, max_tokens=64) for p in prompts]
-        time.sleep(0.3)
+        wait_for(lambda: in_flight(fleet, victim.base_url), 10, "requests open to the victim")
         victim.proc.kill()
         results = [f.result() for f in futs]  # a non-streaming request has not started: retried
     assert all(r.choices[0].finish_reason for r, _, _ in results)
-    deadline = time.monotonic() + 10
-    while replica_state(fleet, victim.base_url)["healthy"]:
-        assert time.monotonic() < deadline, "the dead replica was never ejected"
-        time.sleep(0.1)
+    wait_for(lambda: not replica_state(fleet, victim.base_url)["healthy"], 10,
+             "the dead replica to be ejected")
     for p in prompts[:4]:
         _, replica, _ = chat(rclient, name, p, max_tokens=4)
         assert replica != ids[victim.base_url]
     # Back on the same port: re-admitted and resynced.
     fleet["replicas"][1] = start_server(REPLICA_ARGS, port=port)
-    deadline = time.monotonic() + 20
-    while not (s := replica_state(fleet, victim.base_url))["healthy"] or not s["events_synced"]:
-        assert time.monotonic() < deadline, "the replica was never re-admitted"
-        time.sleep(0.1)
-
-
-def replica_state(fleet, url: str) -> dict:
-    h = httpx.get(f"{fleet['router'].base_url}/health", timeout=5).json()
-    return next(r for r in h["replicas"] if r["url"] == url)
+    wait_for(lambda: (s := replica_state(fleet, victim.base_url))["healthy"] and s["events_synced"],
+             20, "the restarted replica to be re-admitted and resynced")
