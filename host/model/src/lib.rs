@@ -4,6 +4,7 @@ pub mod backend;
 pub mod config;
 mod dummy;
 pub mod exec;
+pub mod flops;
 pub mod model;
 pub mod runner;
 pub mod vision;

@@ -175,6 +175,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.repeats,
         fmt_cpu(&best_prefill)
     );
+    let cfg = k3_model::Config::from_file(&a.model.join("config.json"))?;
+    let flops = k3_model::flops::prefill_flops(&cfg, a.prefill_tokens, 0, 1).total();
+    println!(
+        "prefill FLOPs:     {:.2} GFLOP/token, {:.1} TFLOP/s  (docs/performance.md, \"Prefill FLOPs\")",
+        flops / a.prefill_tokens.max(1) as f64 / 1e9,
+        flops * best_prefill.wall / a.prefill_tokens.max(1) as f64 / 1e12
+    );
     println!(
         "decode tok/s:      {:.1}  (batch 1, {} steps after a 64-token prompt, best of {}; {})",
         best_decode.wall,
