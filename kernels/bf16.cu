@@ -1,7 +1,8 @@
 // Dense matmuls with bf16 weights (a bf16 checkpoint keeps half the bytes on the device): the f32
 // activation rows are split into bf16 hi and lo rows (common.cuh split_bf16), one tensor-core
 // GEMM (cuBLAS, f32 accumulate) computes both against the weights, and the halves are summed.
-//   bf16_split_rows_f32   x [M, K] f32 -> xs [2M, K] bf16 bits: rows 0..M hi, M..2M lo
+//   bf16_split_rows_f32   x [M, K] f32 -> xs [planes M, K] bf16 bits: rows 0..M hi, M..2M lo (planes
+//                         2; planes 1 writes the hi rows alone: x rounded once, bf16 mode)
 //   sum_row_halves_f32    c [2M, N] f32 -> y [M, N] = c[0..M] + c[M..2M]
 //   bf16_to_f32           widen (f32 copies for ops without a bf16 kernel)
 //   gemv_bf16_tc_f32      y = x w^T for M <= 16 rows (decode): tensor cores, x in three bf16 pieces;
@@ -9,12 +10,12 @@
 //   gemv_sum_splits_f32   y = the sum of gemv_bf16_tc_f32's split-K partials
 #include "tensor_core.cuh"
 
-extern "C" __global__ void bf16_split_rows_f32(const float* __restrict__ x, u16* __restrict__ xs, i64 n) {
+extern "C" __global__ void bf16_split_rows_f32(const float* __restrict__ x, u16* __restrict__ xs, i64 n, int planes) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         u16 hi, lo;
         split_bf16(x[i], hi, lo);
         xs[i] = hi;
-        xs[n + i] = lo;
+        if (planes > 1) xs[n + i] = lo;
     }
 }
 

@@ -658,7 +658,16 @@ def bench_mla_prefill(d: Device, r: Results, record):
             r.check(f"mla_prefill expanded vs absorbed T={T} (K3 shapes)", rel_err(o_e, o_a), 1e-4)
             flops = 2 * T * kv_lora * heads * (nope + v_dim) + heads * (qk + v_dim) * T * (T + 1)
             floor = flops / (F32_TFLOPS * 1e12) * 1e3
+            o_f = torch.empty(T, heads * v_dim, device="cuda")
+            go_f, _ = run_mla_prefill(d, A, ps, q, kvb, o_f, 0, T, 0, heads, nope, rope, v_dim, kv_lora, pt,
+                                      flash=True)
+            go_f()
+            d.sync()
+            r.check(f"mla_prefill flash bf16 vs expanded T={T} (K3 shapes)", rel_err(o_f, o_e), 1e-2)
+            ms_f = d.time_ms(go_f, reps=5, warmup=1)
             ms_e = d.time_ms(go_e, reps=5, warmup=1)
+            record(f"mla_prefill flash bf16 T={T} start=0 (gather+expand+fused QK/softmax/PV)", ms_f, floor,
+                   head_group=hg, tflops=flops / ms_f / 1e9, speedup_vs_expanded_f32=ms_e / ms_f)
             ms_a = d.time_ms(go_a, reps=3 if T > 4096 else 5, warmup=1)
             record(f"mla_prefill expanded T={T} start=0 (gather+expand+QK+softmax+PV)", ms_e, floor, head_group=hg,
                    q_chunk=qc, tflops=flops / ms_e / 1e9, speedup_vs_absorbed=ms_a / ms_e)
@@ -1091,7 +1100,7 @@ def bench_gemv(d: Device, record, quick: bool):
                 run_gemv_tc(d, V["x"], wv, V["y"], M, n, k, V["part"], (splits, kslice))
 
             def cublas(M=M):
-                d.launch("bf16_split_rows_f32", cdiv(M * k, 256), 256, V["x"], xsv, M * k)
+                d.launch("bf16_split_rows_f32", cdiv(M * k, 256), 256, V["x"], xsv, M * k, 2)
                 # cuBLAS writes f32 in matmul_linear; torch's bf16 matmul writes bf16 (a proxy: the
                 # weight stream dominates, the output is 2M x n).
                 torch.matmul(xs.view(torch.bfloat16), wt.T, out=cb)

@@ -426,16 +426,19 @@ def sgemm_sb(d: Device, ta, tb, m, n, k, alpha, a, b, c, lda, ldb, ldc, sa, sb, 
 
 
 def run_mla_prefill(d: Device, A, page_start, q, kvb, o, row0, t, start, heads, nope, rope, v_dim, kv_lora, pt,
-                    plan=None):
+                    plan=None, flash=False):
     """The expanded prefill of one sequence (mla_prefill.rs mla_prefill_expanded): rows row0..row0+t of
     q [*, H*(nope+rope)] -> the same rows of o [*, H*v_dim], keys 0..start+t read from the pages of
     arena A (page_start: int64 float offsets, layer offset included). Allocates the scratch; returns
-    go() (every launch and GEMM) and the plan (head_group, q_chunk)."""
+    go() (every launch and GEMM) and the plan (head_group, q_chunk). flash: the bf16 mode's attention,
+    mla_prefill_flash_bf16, in place of the QK / softmax / PV chunks."""
     qk, length = nope + rope, start + t
     hg, qc = plan or mla_prefill_plan(heads, nope, rope, v_dim, kv_lora, t, length)
     new = lambda n: torch.empty(n, device=d.tdev)  # noqa: E731  fully written before read, as in Rust
     lat, kb, vb, sb = new(length * kv_lora), new(hg * length * qk), new(hg * length * v_dim), new(hg * qc * length)
     va, vps, vlat, vkb, vsb = d.view(A), d.view(page_start), d.view(lat), d.view(kb), d.view(sb)
+    u16 = lambda n: torch.empty(n, dtype=torch.int16, device=d.tdev)  # noqa: E731  bf16 bits
+    k16, v16 = (u16(hg * length * qk), u16(hg * length * v_dim)) if flash else (None, None)
     hw = (nope + v_dim) * kv_lora
 
     def go():
@@ -447,6 +450,13 @@ def run_mla_prefill(d: Device, A, page_start, q, kvb, o, row0, t, start, heads, 
                      hw, 0, length * qk, hn)
             sgemm_sb(d, 1, 0, v_dim, length, kv_lora, 1.0, (kvb, h0 * hw + nope * kv_lora), (lat, 0), (vb, 0), kv_lora,
                      kv_lora, v_dim, hw, 0, length * v_dim, hn)
+            if flash:
+                for src, dst, n in ((kb, k16, hn * length * qk), (vb, v16, hn * length * v_dim)):
+                    d.launch("bf16_split_rows_f32", cdiv(n, 256), 256, d.view(src), d.view(dst).view(np.uint16), n, 1)
+                d.launch("mla_prefill_flash_bf16", (cdiv(t, 64), hn), 128, d.view(q), d.view(k16).view(np.uint16),
+                         d.view(v16).view(np.uint16),
+                         d.view(o), t, length, start, heads, h0, row0, qk, v_dim, qk ** -0.5)
+                continue
             for i0 in range(0, t, qc):
                 tq = min(qc, t - i0)
                 lk = start + i0 + tq

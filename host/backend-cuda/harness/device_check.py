@@ -845,15 +845,20 @@ def check_mla_prefill(d: Device, r: Results, gen):
         d.launch("mla_append_rows_f32", t, 128, d.view(dev(kv_a)), d.view(dev(norm_w)), d.view(A),
                  d.view(offs[start:].contiguous().to(d.tdev)), t, kv_lora, rope, eps)
         qf = dev(torch.cat([rand(row0, heads * qk, gen=gen), q]))
-        o = torch.zeros(row0 + t, heads * v_dim, device=d.tdev)
-        go, used = run_mla_prefill(d, A, page_start.to(d.tdev), qf, dev(kv_b), o, row0, t, start, heads, nope, rope,
-                                   v_dim, kv_lora, pt, plan)
-        go()
-        d.sync()
         ref = mla_prefill_reference(q, rows, kv_b, heads, nope, rope, v_dim, kv_lora, start)
-        tag = f"mla_prefill expanded (H={heads}, Lkv={kv_lora}, start={start}, T={t}, group,chunk={used})"
-        r.check(tag, rel_err(o[row0:], ref), 2e-5)
-        r.exact(f"{tag}: rows outside the sequence untouched", bool((o[:row0] == 0).all()))
+        for flash in (False, True):
+            if flash and ((qk % 16) or v_dim % 8):
+                continue
+            o = torch.zeros(row0 + t, heads * v_dim, device=d.tdev)
+            go, used = run_mla_prefill(d, A, page_start.to(d.tdev), qf, dev(kv_b), o, row0, t, start, heads, nope,
+                                       rope, v_dim, kv_lora, pt, plan, flash)
+            go()
+            d.sync()
+            kind = "flash bf16" if flash else "expanded"
+            tag = f"mla_prefill {kind} (H={heads}, Lkv={kv_lora}, start={start}, T={t}, group,chunk={used})"
+            # bf16 mode: Q, K, V and P rounded to bf16 (8 bits), sums in f32.
+            r.check(tag, rel_err(o[row0:], ref), 1e-2 if flash else 2e-5)
+            r.exact(f"{tag}: rows outside the sequence untouched", bool((o[:row0] == 0).all()))
         if start == 0:  # the vectorised reference against check_mla's per-query one
             i = t - 1
             one = mla_reference(q[i], rows[:start + i + 1], kv_b, heads, nope, rope, v_dim, kv_lora)
@@ -877,7 +882,7 @@ def check_bf16_matmul(d: Device, r: Results, gen):
     wf = dev(torch.zeros(n, k))
     d.launch("bf16_to_f32", cdiv(n * k, 256), 256, u16(wb), d.view(wf), n * k)
     xs = dev(torch.zeros(2 * m, k, dtype=torch.int16))
-    d.launch("bf16_split_rows_f32", cdiv(m * k, 256), 256, d.view(dev(x.float())), u16(xs), m * k)
+    d.launch("bf16_split_rows_f32", cdiv(m * k, 256), 256, d.view(dev(x.float())), u16(xs), m * k, 2)
     d.sync()
     r.check("bf16_to_f32 (exact)", rel_err(wf, w), 0.0)
     c = dev(bits_f32(xs) @ bits_f32(wb).T)

@@ -327,6 +327,23 @@ def _emu_mla_prefill_softmax(s, rows, tq, lk, q0):
     S[:] = torch.softmax(S.double().masked_fill(hidden, float("-inf")), -1).masked_fill(hidden, 0.0).float()
 
 
+def _emu_mla_prefill_flash(q, k, v, o, t, length, start, heads, h0, row0, qk, vd, scale):
+    """Causal attention of one head group: Q rounded to bf16 as the kernel stages it, K and V bf16
+    bits (the kernel's inputs), P in float64 here (the kernel rounds it to bf16)."""
+    t, length, start, heads, h0, row0, qk, vd = (int(x) for x in (t, length, start, heads, h0, row0, qk, vd))
+    bf = lambda x: torch.from_numpy(bf16_value(split_bf16(np.ascontiguousarray(x, dtype=np.float32))[0]))  # noqa: E731
+    hg = k.size // (length * qk)
+    K = torch.from_numpy(bf16_value(k.reshape(-1)[:hg * length * qk])).view(hg, length, qk).double()
+    V = torch.from_numpy(bf16_value(v.reshape(-1)[:hg * length * vd])).view(hg, length, vd).double()
+    Q = bf(q.reshape(-1, heads * qk)[row0:row0 + t]).view(t, heads, qk)[:, h0:h0 + hg].permute(1, 0, 2).double()
+    hg = Q.shape[0]
+    S = torch.einsum("htc,hkc->htk", Q, K[:hg]) * float(scale)
+    hidden = torch.arange(length)[None, :] > (start + torch.arange(t))[:, None]
+    P = torch.softmax(S.masked_fill(hidden[None], float("-inf")), -1)
+    O = torch.einsum("htk,hkc->thc", P, V[:hg]).float()
+    _t(o).view(-1, heads, vd)[row0:row0 + t, h0:h0 + hg] = O
+
+
 def _single_token_parts(cols, parts):
     """Column ranges of the single-token kernels' parts: steps of 128 columns, part p = steps
     [p ns / parts, (p + 1) ns / parts)."""
@@ -801,9 +818,10 @@ EMU = {
     "mla_out_proj_bf16": _emu_mla_out_proj_bf16,
     "mla_prefill_gather_f32": _emu_mla_prefill_gather,
     "mla_prefill_softmax_f32": _emu_mla_prefill_softmax,
+    "mla_prefill_flash_bf16": _emu_mla_prefill_flash,
     "moe_sort_assignments": _emu_sort,
-    "bf16_split_rows_f32": lambda x, xs, n: [xs.reshape(-1).__setitem__(slice(k * int(n), (k + 1) * int(n)), h)
-                                             for k, h in enumerate(split_bf16(x.reshape(-1)[:int(n)]))],
+    "bf16_split_rows_f32": lambda x, xs, n, planes: [xs.reshape(-1).__setitem__(slice(k * int(n), (k + 1) * int(n)), h)
+                                                     for k, h in enumerate(split_bf16(x.reshape(-1)[:int(n)])[:int(planes)])],
     "sum_row_halves_f32": lambda c, y, n: y.reshape(-1).__setitem__(
         slice(0, int(n)), c.reshape(-1)[:int(n)] + c.reshape(-1)[int(n):2 * int(n)]),
     "gemv_bf16_tc_f32": _emu_gemv_tc,

@@ -98,7 +98,11 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "mla_prefill.cu",
         text: include_str!("../../../kernels/mla_prefill.cu"),
-        entries: &["mla_prefill_gather_f32", "mla_prefill_softmax_f32"],
+        entries: &[
+            "mla_prefill_gather_f32",
+            "mla_prefill_softmax_f32",
+            "mla_prefill_flash_bf16",
+        ],
     },
     KernelFile {
         name: "moe_few_tokens.cu",

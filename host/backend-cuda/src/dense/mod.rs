@@ -157,10 +157,11 @@ impl CudaBackend {
             return Ok(y);
         }
         // Both are written in full (split, then the GEMM) before anything reads them.
-        let xs = self.uninit::<u16>(2 * m * k)?;
-        let (xn, yn) = ((m * k) as i64, (m * n) as i64);
-        launch!(self, "bf16_split_rows_f32", geometry::elementwise(m * k)?; &x.buf, &xs, &xn)?;
-        if self.options.dtype == crate::Dtype::Bf16 {
+        let planes = self.options.dtype.planes();
+        let xs = self.uninit::<u16>(planes * m * k)?;
+        let (xn, yn, pi) = ((m * k) as i64, (m * n) as i64, planes as i32);
+        launch!(self, "bf16_split_rows_f32", geometry::elementwise(m * k)?; &x.buf, &xs, &xn, &pi)?;
+        if planes == 1 {
             // The hi rows alone: x rounded once to bf16, half the tensor-core work.
             let mut y = y;
             self.gemm_bf16(bits, 0, &xs, 0, &mut y.buf, 0, n, m, k)?;

@@ -18,6 +18,11 @@
 //!    (Q read in place from `q`, ld = H·qk), `mla_prefill_softmax_f32` (causal, in place), and
 //!    `O_h = P_h V_h` written in place into `o` `[T, H·v]` (ldc = H·v): no transposes.
 //!
+//! In bf16 mode (`--dtype bfloat16`, the default) step 3 is one fused kernel per head group,
+//! `mla_prefill_flash_bf16`: QKᵀ, the causal online softmax and PV on bf16 tensor cores with f32
+//! accumulation, scores kept on chip (no score scratch); float32 mode keeps the SGEMMs above, the
+//! path that matches the CPU to f32 rounding.
+//!
 //! `plan` bounds the scratch (`lat`, `K`, `V`, `S`) by [`MLA_PREFILL_SCRATCH_BYTES`] through the
 //! head-group size and the query chunk, so 8k–128k-token prompts fit.
 
@@ -61,6 +66,30 @@ const APPEND_THREADS: u32 = 128;
 /// Whether a span of `tokens` new tokens takes the expanded form (else the absorbed path).
 pub fn expanded(tokens: usize) -> bool {
     tokens >= MLA_EXPANDED_MIN_TOKENS
+}
+
+/// Queries per block, threads per block and the largest qk / v widths of
+/// `mla_prefill_flash_bf16` (kernels/mla_prefill.cu MLA_FL_Q, MLA_FL_THREADS, MLA_FL_QK_MAX,
+/// MLA_FL_V_MAX).
+const FLASH_QUERIES: usize = 64;
+const FLASH_THREADS: u32 = 128;
+const FLASH_QK_MAX: usize = 192;
+const FLASH_V_MAX: usize = 128;
+
+/// Whether the fused bf16 kernel takes these head shapes (K3: qk 192, v 128; k3-mini: 96, 64).
+pub fn flash_fits(g: &MlaGeom) -> bool {
+    let qk = g.nope + g.rope;
+    qk > 0
+        && qk.is_multiple_of(16)
+        && qk <= FLASH_QK_MAX
+        && g.v_dim > 0
+        && g.v_dim.is_multiple_of(8)
+        && g.v_dim <= FLASH_V_MAX
+}
+
+/// Grid of `mla_prefill_flash_bf16`: query tiles of 64 by heads of the group.
+fn flash_launch(tokens: usize, heads: usize) -> Result<Launch> {
+    Launch::new((tokens.div_ceil(FLASH_QUERIES), heads, 1), FLASH_THREADS)
 }
 
 /// Head-group size and query-chunk length of one call.
@@ -298,7 +327,17 @@ impl CudaBackend {
         let lat = self.scratch(len * lkv)?;
         let mut kbuf = self.scratch(hg * len * qk)?;
         let mut vbuf = self.scratch(hg * len * vd)?;
-        let mut sbuf = self.scratch(hg * p.q_chunk * len)?;
+        let flash = self.options.dtype == crate::Dtype::Bf16 && flash_fits(&g);
+        // The fused kernel keeps scores on chip (no score scratch) and reads K and V as bf16.
+        let mut sbuf = self.scratch(if flash { 1 } else { hg * p.q_chunk * len })?;
+        let (k16, v16) = if flash {
+            (
+                self.uninit::<u16>(hg * len * qk)?,
+                self.uninit::<u16>(hg * len * vd)?,
+            )
+        } else {
+            (self.uninit::<u16>(1)?, self.uninit::<u16>(1)?)
+        };
         let (len32, hg32, lkv32, rope32, qk32, pt32) = (
             i32_of(len, "keys")?,
             i32_of(hg, "heads")?,
@@ -343,6 +382,27 @@ impl CudaBackend {
                 (&lat, 0),
                 (&mut vbuf, 0),
             )?;
+            if flash {
+                let (t32, s32, heads32, h032, row032, vd32) = (
+                    i32_of(t, "tokens")?,
+                    i32_of(start, "start")?,
+                    i32_of(heads, "heads")?,
+                    i32_of(h0, "head")?,
+                    i32_of(seq.row0, "row0")?,
+                    i32_of(vd, "v_dim")?,
+                );
+                // K and V of the group rounded once to bf16 (the hi plane alone).
+                let one = 1i32;
+                for (src, dst, n) in [(&kbuf, &k16, hn * len * qk), (&vbuf, &v16, hn * len * vd)] {
+                    let n64 = n as i64;
+                    launch!(self, "bf16_split_rows_f32", geometry::elementwise(n)?;
+                        src, dst, &n64, &one)?;
+                }
+                launch!(self, "mla_prefill_flash_bf16", flash_launch(t, hn)?;
+                    &q.buf, &k16, &v16, &mut o.buf, &t32, &len32, &s32, &heads32, &h032,
+                    &row032, &qk32, &vd32, &scale)?;
+                continue;
+            }
             for i0 in (0..t).step_by(p.q_chunk) {
                 let tq = p.q_chunk.min(t - i0);
                 let lk = start + i0 + tq; // keys any query of the chunk can see
@@ -508,6 +568,24 @@ mod tests {
             kv_lora: 512,
             eps: 1e-6,
         }
+    }
+
+    #[test]
+    fn flash_takes_k3_and_k3_mini_heads() {
+        assert!(flash_fits(&k3()));
+        let mini = MlaGeom {
+            nope: 64,
+            rope: 32,
+            v_dim: 64,
+            ..k3()
+        };
+        assert!(flash_fits(&mini));
+        // qk not a multiple of 16, or wider than the kernel's registers: the SGEMM path.
+        assert!(!flash_fits(&MlaGeom { rope: 40, ..k3() }));
+        assert!(!flash_fits(&MlaGeom { v_dim: 256, ..k3() }));
+        let l = flash_launch(2048, 96).unwrap();
+        assert_eq!((l.grid, l.block), ((32, 96, 1), 128));
+        assert_eq!(flash_launch(65, 3).unwrap().grid, (2, 3, 1));
     }
 
     #[test]
