@@ -199,12 +199,19 @@ async def workload(a, base_url: str, model: str, systems: list[str]) -> dict:
     placed: dict[str, int] = {}
     for x in turns:
         placed[x["replica"]] = placed.get(x["replica"], 0) + 1
+    # TTFT by how much of the prompt was cached: whether a hit is what sets TTFT on this host.
+    hits = [x["ttft"] for x in turns if x["cached"] >= x["prompt"] / 2]
+    misses = [x["ttft"] for x in turns if x["cached"] < x["prompt"] / 2]
     return {
         "requests": len(turns),
         "hit_rate": sum(x["cached"] for x in turns) / max(1, sum(x["prompt"] for x in turns)),
         "ttft_p50_ms": 1000 * percentile(ttft, 50), "ttft_p99_ms": 1000 * percentile(ttft, 99),
         "output_tok_s": sum(x["output"] for x in turns) / wall, "wall_s": wall,
         "prompt_tokens": sum(x["prompt"] for x in turns), "placed": dict(sorted(placed.items())),
+        "uncached_tokens_mean": sum(x["prompt"] - x["cached"] for x in turns) / max(1, len(turns)),
+        "ttft_p50_ms_mostly_cached": 1000 * percentile(hits, 50) if hits else None,
+        "ttft_p50_ms_mostly_uncached": 1000 * percentile(misses, 50) if misses else None,
+        "mostly_cached_requests": len(hits),
     }
 
 

@@ -135,10 +135,10 @@ def replica_cache(url: str) -> tuple[int, int]:
             if not line.startswith("data: "):
                 continue
             event = json.loads(line[6:])
-            # A load event may come before the snapshot (its timer starts with the stream).
-            if event["type"] == "snapshot":
-                blocks = {b["hash"]: b["checkpoint"] for b in event["blocks"]}
-                return len(blocks), sum(blocks.values())
+            # The stream opens with its snapshot (docs/routing.md): a router rebuilds from it.
+            assert event["type"] == "snapshot", f"first cache event is {event['type']!r}, not the snapshot"
+            blocks = {b["hash"]: b["checkpoint"] for b in event["blocks"]}
+            return len(blocks), sum(blocks.values())
     raise AssertionError(f"{url}/internal/cache-events ended without a snapshot")
 
 

@@ -36,9 +36,22 @@ pub async fn cache_events(State(state): State<AppState>) -> Response {
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {
+        // The snapshot goes out before any load event: the interval's first tick is immediate,
+        // and a router must be able to rebuild its index from the first event it reads.
+        let mut last_load = None;
+        match events.recv().await {
+            Some(e) => {
+                if let CacheEvent::Snapshot { load, .. } = &e {
+                    last_load = Some(*load);
+                }
+                if tx.send(frame(&e)).await.is_err() {
+                    return;
+                }
+            }
+            None => return,
+        }
         let mut tick = tokio::time::interval(LOAD_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut last_load = None;
         let mut last_sent = Instant::now();
         loop {
             let out = tokio::select! {
