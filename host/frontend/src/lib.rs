@@ -34,6 +34,7 @@ mod segments;
 pub mod status;
 #[cfg(test)]
 mod tests;
+pub mod text_cache;
 mod tokenizer;
 
 pub use backend::{CacheEventReceiver, ChatBackend};

@@ -6,6 +6,7 @@
 //! faster; any other `tokenizer.json` is encoded by the `tokenizers` crate. Decoding always goes
 //! through the byte table or `tokenizers`, both exact.
 
+use crate::text_cache::{CACHE_BYTES, TextCache, TextCacheStats};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -92,6 +93,8 @@ pub struct Tokenizer {
     /// The most text bytes one token can stand for, when that bounds a text's token count from
     /// below (no normalizer rewrites the text first); see [`Tokenizer::min_tokens_for_bytes`].
     max_token_bytes: Option<usize>,
+    /// Ids of client text encoded recently (multi-turn prompts repeat their history).
+    text_cache: Arc<TextCache>,
 }
 
 impl Tokenizer {
@@ -198,6 +201,7 @@ impl Tokenizer {
             special_ids,
             token_bytes,
             max_token_bytes,
+            text_cache: Arc::new(TextCache::new(CACHE_BYTES)),
         })
     }
 
@@ -220,11 +224,18 @@ impl Tokenizer {
     /// text (`<|open|>` becomes the BPE tokens of those characters), exactly as `tokenizers` with
     /// `encode_special_tokens` does, so message content cannot forge markers. Non-special added
     /// tokens still match. Nothing is added around the text.
+    /// Long texts seen recently come from a shared cache ([`TextCache`]).
     pub fn encode_text(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        match &self.encoder {
-            Encoder::Fast(fast) => Ok(fast.encode(text, false)),
-            Encoder::General { text: general, .. } => hf_ids(general, text, false),
-        }
+        self.text_cache
+            .get_or_encode(text, |text| match &self.encoder {
+                Encoder::Fast(fast) => Ok(fast.encode(text, false)),
+                Encoder::General { text: general, .. } => hf_ids(general, text, false),
+            })
+    }
+
+    /// Lookups and hits of the encoded-text cache.
+    pub fn text_cache_stats(&self) -> TextCacheStats {
+        self.text_cache.stats()
     }
 
     /// As [`Tokenizer::encode`]; `add_special_tokens` runs the tokenizer's post-processor (bos/eos
