@@ -2,8 +2,8 @@
 //!
 //! Multi-turn traffic re-sends the whole conversation each turn: every earlier message, the
 //! system prompt and tool definitions come back verbatim, and re-running BPE over them costs more
-//! than a prefix-cache hit saves (docs/performance.md, "Next levers"). [`encode_segments`]
-//! (crate::encode_segments) encodes each stretch of text between two special tokens on its own,
+//! than a prefix-cache hit saves (docs/performance.md, "Next levers"). `encode_segments`
+//! (segments.rs) encodes each stretch of text between two special tokens on its own,
 //! so a stretch seen before maps to the same ids: caching by the exact text is exact.
 //!
 //! Bounded by bytes (text plus ids), least recently used evicted first; short stretches are not
