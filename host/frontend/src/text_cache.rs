@@ -1,8 +1,8 @@
 //! Ids of recently encoded client text, shared by every request of a server (or router).
 //!
 //! Multi-turn traffic re-sends the whole conversation each turn: every earlier message, the
-//! system prompt and tool definitions come back verbatim, and re-running BPE over them costs more
-//! than a prefix-cache hit saves (docs/performance.md, "Next levers"). `encode_segments`
+//! system prompt and tool definitions come back verbatim, and BPE over them would be redone on
+//! every turn, in the router and again in the replica. `encode_segments`
 //! (segments.rs) encodes each stretch of text between two special tokens on its own,
 //! so a stretch seen before maps to the same ids: caching by the exact text is exact.
 //!
