@@ -130,6 +130,18 @@ pub fn plan(g: &MlaGeom, t: usize, len: usize, budget: usize) -> Plan {
     }
 }
 
+/// How a head group attends: fused on bf16 tensor cores (K and V rounded to bf16 first), or
+/// per query chunk through a score scratch (float32 mode, or head shapes the kernel lacks).
+enum Attend {
+    Fused {
+        k16: CudaSlice<u16>,
+        v16: CudaSlice<u16>,
+    },
+    Chunks {
+        scores: CudaSlice<f32>,
+    },
+}
+
 /// One sequence for [`CudaBackend::mla_prefill_expanded`].
 #[derive(Debug, Clone, Copy)]
 pub struct ExpandedSeq<'a> {
@@ -329,14 +341,15 @@ impl CudaBackend {
         let mut vbuf = self.scratch(hg * len * vd)?;
         let flash = self.options.dtype == crate::Dtype::Bf16 && flash_fits(&g);
         // The fused kernel keeps scores on chip (no score scratch) and reads K and V as bf16.
-        let mut sbuf = self.scratch(if flash { 1 } else { hg * p.q_chunk * len })?;
-        let (k16, v16) = if flash {
-            (
-                self.uninit::<u16>(hg * len * qk)?,
-                self.uninit::<u16>(hg * len * vd)?,
-            )
+        let mut attend = if flash {
+            Attend::Fused {
+                k16: self.uninit::<u16>(hg * len * qk)?,
+                v16: self.uninit::<u16>(hg * len * vd)?,
+            }
         } else {
-            (self.uninit::<u16>(1)?, self.uninit::<u16>(1)?)
+            Attend::Chunks {
+                scores: self.scratch(hg * p.q_chunk * len)?,
+            }
         };
         let (len32, hg32, lkv32, rope32, qk32, pt32) = (
             i32_of(len, "keys")?,
@@ -382,27 +395,32 @@ impl CudaBackend {
                 (&lat, 0),
                 (&mut vbuf, 0),
             )?;
-            if flash {
-                let (t32, s32, heads32, h032, row032, vd32) = (
-                    i32_of(t, "tokens")?,
-                    i32_of(start, "start")?,
-                    i32_of(heads, "heads")?,
-                    i32_of(h0, "head")?,
-                    i32_of(seq.row0, "row0")?,
-                    i32_of(vd, "v_dim")?,
-                );
-                // K and V of the group rounded once to bf16 (the hi plane alone).
-                let one = 1i32;
-                for (src, dst, n) in [(&kbuf, &k16, hn * len * qk), (&vbuf, &v16, hn * len * vd)] {
-                    let n64 = n as i64;
-                    launch!(self, "bf16_split_rows_f32", geometry::elementwise(n)?;
-                        src, dst, &n64, &one)?;
+            let sbuf = match &mut attend {
+                Attend::Chunks { scores } => scores,
+                Attend::Fused { k16, v16 } => {
+                    let (t32, s32, heads32, h032, row032, vd32) = (
+                        i32_of(t, "tokens")?,
+                        i32_of(start, "start")?,
+                        i32_of(heads, "heads")?,
+                        i32_of(h0, "head")?,
+                        i32_of(seq.row0, "row0")?,
+                        i32_of(vd, "v_dim")?,
+                    );
+                    // K and V of the group rounded once to bf16 (the hi plane alone).
+                    let one = 1i32;
+                    for (src, dst, n) in
+                        [(&kbuf, &*k16, hn * len * qk), (&vbuf, &*v16, hn * len * vd)]
+                    {
+                        let n64 = n as i64;
+                        launch!(self, "bf16_split_rows_f32", geometry::elementwise(n)?;
+                            src, dst, &n64, &one)?;
+                    }
+                    launch!(self, "mla_prefill_flash_bf16", flash_launch(t, hn)?;
+                        &q.buf, &*k16, &*v16, &mut o.buf, &t32, &len32, &s32, &heads32, &h032,
+                        &row032, &qk32, &vd32, &scale)?;
+                    continue;
                 }
-                launch!(self, "mla_prefill_flash_bf16", flash_launch(t, hn)?;
-                    &q.buf, &k16, &v16, &mut o.buf, &t32, &len32, &s32, &heads32, &h032,
-                    &row032, &qk32, &vd32, &scale)?;
-                continue;
-            }
+            };
             for i0 in (0..t).step_by(p.q_chunk) {
                 let tq = p.q_chunk.min(t - i0);
                 let lk = start + i0 + tq; // keys any query of the chunk can see
@@ -424,7 +442,7 @@ impl CudaBackend {
                     batch: hn,
                 };
                 let q_off = (seq.row0 + i0) * heads * qk + h0 * qk;
-                self.sgemm_sb(&qk_gemm, (&kbuf, 0), (&q.buf, q_off), (&mut sbuf, 0))?;
+                self.sgemm_sb(&qk_gemm, (&kbuf, 0), (&q.buf, q_off), (&mut *sbuf, 0))?;
                 let (rows, tq32, lk32, q0) = (
                     i32_of(hn * tq, "score rows")?,
                     i32_of(tq, "chunk")?,
@@ -432,7 +450,7 @@ impl CudaBackend {
                     i32_of(start + i0, "position")?,
                 );
                 launch!(self, "mla_prefill_softmax_f32", Launch::new((hn * tq, 1, 1), SOFTMAX_THREADS)?;
-                    &mut sbuf, &rows, &tq32, &lk32, &q0)?;
+                    &mut *sbuf, &rows, &tq32, &lk32, &q0)?;
                 // O_h [tq, v] = P_h V_h[..lk], column-major [v, tq] straight into o (ldc = H·v).
                 let pv = Sgemm {
                     trans_a: false,
@@ -450,7 +468,7 @@ impl CudaBackend {
                     batch: hn,
                 };
                 let o_off = (seq.row0 + i0) * heads * vd + h0 * vd;
-                self.sgemm_sb(&pv, (&vbuf, 0), (&sbuf, 0), (&mut o.buf, o_off))?;
+                self.sgemm_sb(&pv, (&vbuf, 0), (&*sbuf, 0), (&mut o.buf, o_off))?;
             }
         }
         Ok(())
