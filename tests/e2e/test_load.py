@@ -92,6 +92,9 @@ def test_disconnect_frees_memory(server, model_name):
         "max_tokens": 3000,
         "ignore_eos": True,
         "stream": True,
+        # Greedy, so the stream surely has 20 chunks: a sampled one can go silent inside
+        # tool-call markup the parser holds.
+        "temperature": 0,
     }
     with httpx.Client(base_url=server.base_url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
