@@ -21,6 +21,10 @@ each tiny k3-mini replica prefills so fast that a cache miss costs little more t
 hides the policy's effect on TTFT; one pinned core per replica (`--replica-threads 1 --pin`) makes
 prefill cost realistic relative to the rest. The output records `replica_threads` and `pinning`
 (the core lists).
+
+Replicas run with --device cpu (the default): the issue's workload is CPU replicas, and on a GPU
+host `k3serve serve` would otherwise pick the GPU, where k3-mini's prefill is so cheap that a hit
+saves nothing measurable. --device cuda or auto measures that case on purpose.
 """
 from __future__ import annotations
 
@@ -110,7 +114,7 @@ def pinned(cmd: list[str], cores: list[int] | None) -> list[str]:
 def start_replica(a, i: int = 0) -> Proc:
     port = free_port()
     cmd = [a.binary, "serve", "--model", a.model, "--host", "127.0.0.1", "--port", str(port),
-           "--admin-token", TOKEN, "--max-num-seqs", str(a.max_num_seqs)]
+           "--admin-token", TOKEN, "--max-num-seqs", str(a.max_num_seqs), "--device", a.device]
     if a.replica_threads:
         cmd += ["--threads", str(a.replica_threads)]
     cores = a.pinning["replicas"][i] if a.pinning else None
@@ -255,6 +259,8 @@ def main():
     ap.add_argument("--overhead-requests", type=int, default=200)
     ap.add_argument("--replica-threads", type=int, default=0,
                     help="compute threads per replica (k3serve serve --threads; 0: one per core)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                    help="the replicas' device (k3serve serve --device)")
     ap.add_argument("--pin", action="store_true",
                     help="run each replica on its own --replica-threads cores (taskset), the router "
                          "and the load generator on the cores left")
