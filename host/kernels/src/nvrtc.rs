@@ -5,7 +5,6 @@
 use crate::error::{KernelError, Result};
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 type Program = *mut c_void;
@@ -259,34 +258,40 @@ impl Nvrtc {
     ) -> Vec<Result<Vec<u8>>> {
         let mut order: Vec<usize> = (0..jobs.len()).collect();
         order.sort_by_key(|&i| std::cmp::Reverse(jobs[i].source.len()));
-        let results: Vec<Mutex<Option<Result<Vec<u8>>>>> =
-            jobs.iter().map(|_| Mutex::new(None)).collect();
         let next = AtomicUsize::new(0);
         let threads = threads.clamp(1, jobs.len().max(1));
-        std::thread::scope(|scope| {
-            for _ in 0..threads {
-                scope.spawn(|| {
-                    loop {
-                        let n = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(&i) = order.get(n) else { break };
-                        let out = self.compile_cubin(&jobs[i], options);
-                        *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(out);
-                    }
-                });
-            }
+        // Each thread returns what it compiled; a thread that panicked leaves its jobs unfilled.
+        let done: Vec<(usize, Result<Vec<u8>>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut mine = Vec::new();
+                        while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
+                            mine.push((i, self.compile_cubin(&jobs[i], options)));
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
         });
+        let mut results: Vec<Option<Result<Vec<u8>>>> = jobs.iter().map(|_| None).collect();
+        for (i, r) in done {
+            results[i] = Some(r);
+        }
         results
             .into_iter()
-            .map(|m| {
-                m.into_inner()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .unwrap_or_else(|| {
-                        Err(KernelError::Compile {
-                            file: String::new(),
-                            message: "a compile thread stopped early".into(),
-                            log: String::new(),
-                        })
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(KernelError::Compile {
+                        file: String::new(),
+                        message: "a compile thread stopped early".into(),
+                        log: String::new(),
                     })
+                })
             })
             .collect()
     }
