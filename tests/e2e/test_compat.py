@@ -63,8 +63,8 @@ def test_access_line_per_request_without_colour(server, http, model_name):
     for field in ["method=POST", "path=/v1/chat/completions", "status=200",
                   f"prompt_tokens={usage['prompt_tokens']}",
                   f"cached_tokens={usage['prompt_tokens_details']['cached_tokens']}",
-                  f"generated_tokens={usage['completion_tokens']}", "ttft_ms=", "duration_ms=",
-                  "finish_reason="]:
+                  f"generated_tokens={usage['completion_tokens']}", "ttft_ms=", "queue_ms=",
+                  "prefill_ms=", "duration_ms=", "finish_reason="]:
         assert field in line, line
     assert "prompt=" not in line.replace("prompt_tokens=", ""), "prompts are logged only with --log-requests"
     # A failed request gets its line too.
@@ -185,6 +185,9 @@ def test_json_logs_with_prompts(vllm_style_server):
     assert access["target"] == "k3serve::access"
     assert access["status"] == 200 and access["path"] == "/v1/chat/completions"
     assert access["generated_tokens"] == r.json()["usage"]["completion_tokens"]
+    # The engine's split of the wait for the first token fits inside the whole request.
+    assert access["queue_ms"] >= 0 and access["prefill_ms"] > 0, access
+    assert access["queue_ms"] + access["prefill_ms"] <= access["duration_ms"] + 0.2, access
     assert USER["content"] in access["prompt"], access
     assert any("serving" in rec.get("message", "") for rec in records)
     assert "\x1b[" not in "\n".join(lines)

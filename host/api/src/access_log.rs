@@ -9,7 +9,7 @@
 //! streaming response's task keeps a handle, so the line is written when the last handle drops.
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::backend::{FinishInfo, FinishReason};
 
@@ -33,6 +33,9 @@ struct Record {
     cached_tokens: u64,
     generated_tokens: u64,
     first_output: Option<Instant>,
+    /// The engine's queue and prefill time (the longest over `n` choices).
+    queued: Option<Duration>,
+    prefill: Option<Duration>,
     finish_reasons: Vec<&'static str>,
     error: Option<String>,
     log_prompt: bool,
@@ -53,6 +56,8 @@ impl AccessLog {
                 cached_tokens: 0,
                 generated_tokens: 0,
                 first_output: None,
+                queued: None,
+                prefill: None,
                 finish_reasons: Vec::new(),
                 error: None,
                 log_prompt,
@@ -117,6 +122,10 @@ impl AccessLog {
             r.prompt_tokens += u64::from(info.prompt_tokens);
             r.cached_tokens += u64::from(info.cached_tokens);
             r.generated_tokens += u64::from(info.completion_tokens);
+            if let Some(t) = info.timing {
+                r.queued = r.queued.max(Some(t.queued));
+                r.prefill = r.prefill.max(Some(t.prefill));
+            }
             let reason = match info.reason {
                 FinishReason::Stop | FinishReason::StopSequence(_) => "stop",
                 FinishReason::Length => "length",
@@ -138,9 +147,11 @@ impl AccessLog {
 
 impl Drop for Record {
     fn drop(&mut self) {
-        let ms = |d: std::time::Duration| (d.as_secs_f64() * 1e4).round() / 10.0;
+        let ms = |d: Duration| (d.as_secs_f64() * 1e4).round() / 10.0;
         let duration_ms = ms(self.start.elapsed());
         let ttft_ms = self.first_output.map(|t| ms(t - self.start));
+        let queue_ms = self.queued.map(ms);
+        let prefill_ms = self.prefill.map(ms);
         let finish = if self.finish_reasons.is_empty() {
             "-".to_string()
         } else {
@@ -157,6 +168,8 @@ impl Drop for Record {
             cached_tokens = self.cached_tokens,
             generated_tokens = self.generated_tokens,
             ttft_ms,
+            queue_ms,
+            prefill_ms,
             duration_ms,
             finish_reason = %finish,
             error = self.error.as_deref(),

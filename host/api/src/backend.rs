@@ -6,6 +6,6 @@
 pub use k3_frontend::{
     BackendError, BackendMetrics, ChatBackend, ChatGenRequest, CompletionGenRequest, FinishInfo,
     FinishReason, GenEvent, Generation, ModelInfo, OutputConstraint, PluginCounters,
-    PluginStageInfo, PluginVersionInfo, PoolUsage, PromptInput, SamplingOptions, SpecDecodeMetrics,
-    TokenLogprob, ToolChoice, TopLogprob,
+    PluginStageInfo, PluginVersionInfo, PoolUsage, PromptInput, RequestTiming, SamplingOptions,
+    SpecDecodeMetrics, TokenLogprob, ToolChoice, TopLogprob,
 };

@@ -141,6 +141,10 @@ impl RequestClock {
                 log.finished(f);
             }
             metrics.record_usage(f.prompt_tokens, f.completion_tokens, f.cached_tokens);
+            if let Some(t) = f.timing {
+                metrics.queue_time.observe(t.queued.as_secs_f64());
+                metrics.prefill_time.observe(t.prefill.as_secs_f64());
+            }
             metrics.record_finish(match f.reason {
                 FinishReason::Stop | FinishReason::StopSequence(_) => "stop",
                 FinishReason::Length => "length",

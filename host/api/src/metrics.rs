@@ -80,6 +80,9 @@ pub struct HttpMetrics {
     pub ttft: Histogram,
     pub inter_token: Histogram,
     pub e2e: Histogram,
+    /// The engine's split of the time to the first token (`RequestTiming`).
+    pub queue_time: Histogram,
+    pub prefill_time: Histogram,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
     pub cached_prompt_tokens: AtomicU64,
@@ -162,6 +165,8 @@ impl Default for HttpMetrics {
             ttft: Histogram::new(&LATENCY_BUCKETS),
             inter_token: Histogram::new(&LATENCY_BUCKETS),
             e2e: Histogram::new(&E2E_BUCKETS),
+            queue_time: Histogram::new(&LATENCY_BUCKETS),
+            prefill_time: Histogram::new(&LATENCY_BUCKETS),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             cached_prompt_tokens: AtomicU64::new(0),
@@ -242,6 +247,16 @@ impl HttpMetrics {
             &mut out,
             "k3serve_e2e_request_latency_seconds",
             "Time from request arrival to its end.",
+        );
+        self.queue_time.render(
+            &mut out,
+            "k3serve_request_queue_time_seconds",
+            "Time a request waited in the engine's queue before it was first scheduled.",
+        );
+        self.prefill_time.render(
+            &mut out,
+            "k3serve_request_prefill_time_seconds",
+            "Time from a request's first scheduling to its first token (prefill).",
         );
         counter(
             &mut out,

@@ -58,6 +58,7 @@ impl ChatBackend for CharBackend {
                     prompt_tokens,
                     completion_tokens: 1,
                     cached_tokens: 0,
+                    timing: None,
                 }),
             ];
             Ok(Generation {

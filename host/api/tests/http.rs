@@ -220,6 +220,11 @@ fn shape(
         prompt_tokens,
         completion_tokens: used,
         cached_tokens: cached,
+        // As an engine would report it: 2 ms queued, 30 ms to the first token.
+        timing: Some(RequestTiming {
+            queued: Duration::from_millis(2),
+            prefill: Duration::from_millis(30),
+        }),
     }));
     out
 }
@@ -1048,6 +1053,10 @@ async fn models_health_and_metrics() {
         "k3serve_http_requests_total{route=\"/v1/chat/completions\",status=\"400\"} 1",
         "k3serve_time_to_first_token_seconds_count 1",
         "k3serve_e2e_request_latency_seconds_count 1",
+        "k3serve_request_queue_time_seconds_bucket{le=\"0.001\"} 0",
+        "k3serve_request_queue_time_seconds_bucket{le=\"0.005\"} 1",
+        "k3serve_request_prefill_time_seconds_bucket{le=\"0.02\"} 0",
+        "k3serve_request_prefill_time_seconds_bucket{le=\"0.04\"} 1",
         "k3serve_generation_tokens_total 9",
         "k3serve_prefix_cache_hit_rate 0.4",
         "k3serve_pool_used_bytes{kind=\"kv\"} 0",

@@ -91,6 +91,7 @@ impl ChatBackend for ScriptedBackend {
                     prompt_tokens,
                     completion_tokens: used as u32,
                     cached_tokens: 0,
+                    timing: None,
                 }));
             }
             Ok(Generation {

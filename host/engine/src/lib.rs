@@ -11,7 +11,7 @@
 //! RequestStream: futures::Stream<Item = Result<TokenEvent, RequestError>>
 //!   (+ async next(), blocking_next(), blocking_collect()); dropping it cancels the request
 //! TokenEvent { token, logprob: Option<f32>, top_logprobs, finish: Option<FinishReason>,
-//!              cached_tokens: Option<usize> /* first event only */ }
+//!              cached_tokens: Option<usize>, timing: Option<RequestTiming> /* first event only */ }
 //! ```
 //!
 //! The engine runs on its own thread and the executor on another (a forward is blocking and
@@ -54,7 +54,8 @@ pub use k3_sampling::{SampledToken, SamplingParams};
 pub use memory::PoolMode;
 pub use metrics::EngineMetrics;
 pub use request::{
-    FinishReason, Request, RequestError, RequestId, RequestStream, SubmitError, TokenEvent,
+    FinishReason, Request, RequestError, RequestId, RequestStream, RequestTiming, SubmitError,
+    TokenEvent,
 };
 pub use sampling::{Greedy, RequestSampler, SpecMode, TokenSampler};
 pub use scheduler::EngineCore;

@@ -277,6 +277,38 @@ fn cache_hits_checkpoints_and_branch_points() -> Result<()> {
     Ok(())
 }
 
+/// The first event says where the time to it went: a request that waits for a free slot
+/// reports that wait as queue time, and only its first event carries the timing.
+#[test]
+fn first_event_reports_queue_and_prefill_time() -> Result<()> {
+    let mut exec = toy(1 << 16);
+    let config = EngineConfig {
+        max_running: 1,
+        ..cfg(false)
+    };
+    let mut core = EngineCore::new(exec.layout(), exec.vocab_size(), config)?;
+    let mut first = core.submit(req(1, vec![3; 30], 6))?;
+    let mut second = core.submit(req(2, vec![4; 30], 2))?;
+    let start = std::time::Instant::now();
+    while core.step(exec.as_mut()) {
+        // Every step takes at least this long, so the wait is measurable on any host.
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let total = start.elapsed();
+    let (a, _) = drain(&mut first)?;
+    let (b, _) = drain(&mut second)?;
+    let ta = a[0].timing.context("first event without timing")?;
+    let tb = b[0].timing.context("first event without timing")?;
+    assert!(a[1..].iter().chain(&b[1..]).all(|e| e.timing.is_none()));
+    // The second request waited for the first one's six tokens, a step (and a sleep) each.
+    assert!(tb.queued >= Duration::from_millis(10), "{tb:?}");
+    assert!(ta.queued < tb.queued, "{ta:?} vs {tb:?}");
+    for t in [ta, tb] {
+        assert!(t.queued + t.prefill <= total, "{t:?} over {total:?}");
+    }
+    Ok(())
+}
+
 /// A chat turn's next turn diverges where the conversation ended (the template's tail follows):
 /// with that position as the hint, prefill leaves a checkpoint there, and the next turn restores
 /// from it at once instead of replaying back to the root.

@@ -7,6 +7,7 @@ use serde::Serialize;
 use crate::error::BackendError;
 /// Defined once, beside the stop logic that decides it; the engine reports `Stop` and `Length`,
 /// the request path adds stop strings and aborts.
+pub use k3_engine::RequestTiming;
 pub use k3_sampling::FinishReason;
 
 /// One running generation. Dropping it (or its `events`) must abort the request in the engine and
@@ -71,6 +72,8 @@ pub struct FinishInfo {
     pub completion_tokens: u32,
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: u32,
+    /// Queue and prefill time before the first token (absent when no token came).
+    pub timing: Option<RequestTiming>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]

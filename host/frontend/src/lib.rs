@@ -40,7 +40,9 @@ mod tokenizer;
 pub use backend::{CacheEventReceiver, ChatBackend};
 pub use detokenizer::IncrementalDetokenizer;
 pub use error::{BackendError, FrontendError};
-pub use events::{FinishInfo, FinishReason, GenEvent, Generation, TokenLogprob, TopLogprob};
+pub use events::{
+    FinishInfo, FinishReason, GenEvent, Generation, RequestTiming, TokenLogprob, TopLogprob,
+};
 pub use frontend::{Frontend, FrontendParts};
 pub use k3_structured::{ConstraintError, OutputConstraint};
 pub use media::{MediaFetcher, MediaSettings, VisionGeometry};

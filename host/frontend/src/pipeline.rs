@@ -89,6 +89,7 @@ impl RequestPath {
     /// Drive the request to its end, sending events to `tx`.
     pub async fn run(mut self, mut stream: RequestStream, tx: mpsc::Sender<GenEvent>) {
         let mut cached = 0u32;
+        let mut timing = None;
         let mut completion = 0u32;
         loop {
             let next = tokio::select! {
@@ -114,6 +115,7 @@ impl RequestPath {
             if let Some(c) = event.cached_tokens {
                 cached = c.min(u32::MAX as usize) as u32;
             }
+            timing = timing.or(event.timing);
             completion += 1;
             let mut out = Vec::new();
             let done = match self.step(&event, &mut out) {
@@ -130,6 +132,7 @@ impl RequestPath {
                     prompt_tokens: self.prompt_tokens,
                     completion_tokens: completion,
                     cached_tokens: cached,
+                    timing,
                 }));
                 send_all(&tx, out).await;
                 // Dropping `stream` here cancels the engine request when a stop string ended it.

@@ -75,6 +75,17 @@ pub struct TokenEvent {
     pub finish: Option<FinishReason>,
     /// Prompt tokens served from the prefix cache; `Some` in the first event only.
     pub cached_tokens: Option<usize>,
+    /// Where the time to this first token went; `Some` in the first event only.
+    pub timing: Option<RequestTiming>,
+}
+
+/// A request's time before its first token, as the engine saw it (vLLM's queue and prefill
+/// times): waiting from submission to its first admission, then from there to the first
+/// token (prefill, and any preemption in between).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestTiming {
+    pub queued: std::time::Duration,
+    pub prefill: std::time::Duration,
 }
 
 /// A request that ended without finishing normally.

@@ -32,6 +32,7 @@ use k3_cache_events::CacheEvent;
 use k3_model::{CacheLayout, Executor, MediaInput};
 use k3_sampling::{StopChecker, TokenVerdict};
 use std::collections::VecDeque;
+use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
 pub(crate) type EventSender = UnboundedSender<Result<TokenEvent, RequestError>>;
@@ -85,6 +86,9 @@ pub(crate) struct Seq {
     /// A launched step will produce this request's next token.
     awaiting_token: bool,
     cached_tokens: Option<usize>,
+    /// When the request was enqueued and first admitted ([`crate::RequestTiming`]).
+    enqueued: Instant,
+    admitted: Option<Instant>,
     /// Drafting state when the request speculates.
     spec: Option<speculate::SeqSpec>,
     /// The prompt's images (positions absolute); empty for a text prompt.
@@ -255,6 +259,8 @@ impl EngineCore {
             prefill_end: 0,
             awaiting_token: false,
             cached_tokens: None,
+            enqueued: Instant::now(),
+            admitted: None,
             spec,
             media: req.media.into(),
         });

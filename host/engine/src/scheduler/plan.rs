@@ -409,6 +409,7 @@ impl EngineCore {
         seq.prefill_end = n;
         seq.awaiting_token = false;
         seq.cached_tokens.get_or_insert(m.len);
+        seq.admitted.get_or_insert_with(std::time::Instant::now);
         let id = seq.id;
         self.running.push(seq);
         Admit::Admitted(id)

@@ -4,7 +4,7 @@
 use super::plan::Plan;
 use super::{EngineCore, finish_reason};
 use crate::memory::{ArenaOp, BlockKind};
-use crate::request::{RequestError, RequestId, TokenEvent};
+use crate::request::{RequestError, RequestId, RequestTiming, TokenEvent};
 use k3_model::{
     ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, MediaInput, PendingTokenMask,
     SeqInput,
@@ -329,6 +329,13 @@ impl EngineCore {
                 } else {
                     None
                 },
+                timing: (seq.generated == 1).then(|| {
+                    let admitted = seq.admitted.unwrap_or(seq.enqueued);
+                    RequestTiming {
+                        queued: admitted - seq.enqueued,
+                        prefill: admitted.elapsed(),
+                    }
+                }),
             };
             if seq.events.send(Ok(event)).is_err() {
                 // The stream is gone: the client disconnected.

@@ -239,6 +239,7 @@ mod tests {
             prompt_tokens: 10,
             completion_tokens: 5,
             cached_tokens: 4,
+            timing: None,
         }
     }
 

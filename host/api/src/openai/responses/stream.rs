@@ -368,6 +368,7 @@ mod tests {
             prompt_tokens: 3,
             completion_tokens: 4,
             cached_tokens: 0,
+            timing: None,
         })
     }
 
