@@ -9,7 +9,8 @@ conversations of --turns turns each, over --systems shared system prompts of abo
 tokens, each conversation's first turn bringing --context-tokens of its own context; --concurrency conversations run at once, each one's turns in order (the next turn carries the
 whole history and the model's previous answers). Every request is a streamed chat completion, greedy,
 --output-tokens tokens. Reported per policy: the prefix hit rate (cached / prompt tokens, as the replicas
-report in `usage`), TTFT p50/p99, output tokens/s over the wall time, and where requests went. The same
+report in `usage`), TTFT p50/p99, output tokens/s over the wall time, where requests went, and
+the replicas' mean queue and prefill time per request (their /metrics). The same
 workload on one replica alone (no router) gives the hit rate a single cache would have. Then the
 router's overhead: the same short cached request sent directly and through a router over that one
 replica, latency p50/p99 of each; and the policy call's cost from the router's /metrics.
@@ -241,6 +242,21 @@ def metric(base_url: str, prefix: str) -> float:
     return total
 
 
+def engine_split(urls: list[str]) -> tuple[float, float, float]:
+    """(first tokens, queue seconds, prefill seconds) so far, summed over the replicas' /metrics."""
+    return (sum(metric(u, "k3serve_request_prefill_time_seconds_count") for u in urls),
+            sum(metric(u, "k3serve_request_queue_time_seconds_sum") for u in urls),
+            sum(metric(u, "k3serve_request_prefill_time_seconds_sum") for u in urls))
+
+
+def split_ms(before: tuple, after: tuple, prefix: str = "") -> dict:
+    """Mean engine queue and prefill time per request between two `engine_split`s: where a
+    request's time to its first token went on the replica."""
+    n = after[0] - before[0]
+    return {f"{prefix}queue_ms_mean": 1000 * (after[1] - before[1]) / n if n else None,
+            f"{prefix}prefill_ms_mean": 1000 * (after[2] - before[2]) / n if n else None}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", default=str(ROOT / "target" / "release" / "k3serve"))
@@ -286,11 +302,15 @@ def main():
     try:
         model = httpx.get(f"{one.url}/v1/models").json()["data"][0]["id"]
         result["single_replica"] = asyncio.run(workload(a, one.url, model, systems))
+        result["single_replica"].update(split_ms((0, 0, 0), engine_split([one.url])))
         print("single replica", json.dumps(result["single_replica"]), flush=True)
         router = start_router(a, [one], "kv-aware")
         try:
+            s0 = engine_split([one.url])
             direct = asyncio.run(latencies(one.url, model, a.overhead_requests))
+            s1 = engine_split([one.url])
             routed = asyncio.run(latencies(router.url, model, a.overhead_requests))
+            s2 = engine_split([one.url])
             calls = metric(router.url, "k3router_policy_call_seconds_count")
             spent = metric(router.url, "k3router_policy_call_seconds_sum")
         finally:
@@ -301,6 +321,9 @@ def main():
             "added_p50_ms": 1000 * (percentile(routed, 50) - percentile(direct, 50)),
             "added_p99_ms": 1000 * (percentile(routed, 99) - percentile(direct, 99)),
             "policy_call_mean_us": 1e6 * spent / calls if calls else None,
+            # The replica's own queue and prefill time, direct and routed: whether the router's
+            # added latency is spent in the replica or on the way to it.
+            **split_ms(s0, s1, "direct_"), **split_ms(s1, s2, "routed_"),
         }
         print("overhead", json.dumps(result["overhead"]), flush=True)
         save()
@@ -313,6 +336,7 @@ def main():
             router = start_router(a, replicas, policy)
             try:
                 result["policies"][policy] = asyncio.run(workload(a, router.url, model, systems))
+                result["policies"][policy].update(split_ms((0, 0, 0), engine_split([r.url for r in replicas])))
             finally:
                 router.stop()
         finally:
