@@ -75,3 +75,27 @@ def test_min_tokens_holds_back_the_end(client, model_name):
     )
     assert held.usage.completion_tokens >= n + 8, held.usage
     assert held.choices[0].text.startswith(free.choices[0].text[: max(1, len(free.choices[0].text) // 2)])
+
+
+@pytest.mark.model_quality
+def test_model_card_evaluation_through_the_server(base_url, tmp_path):
+    """scripts/eval_server.py (the model card's evaluation over HTTP, the check for any --device /
+    --dtype) on three held-out examples per kind, for the kinds the card scores 1.0 on every example:
+    the subset must score 1.0 too, i.e. match the card exactly (--compare, tolerance 0)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "eval.json"
+    r = subprocess.run(
+        [sys.executable, str(root / "scripts/eval_server.py"), "--base-url", base_url, "--per-kind", "3",
+         "--kinds", "recall,json_answer", "--out", str(out),
+         "--compare", str(root / "reference/runs-log/k3-mini-eval-after-vision.json")],
+        capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    table = json.loads(out.read_text())["table"]
+    assert {k: v["n"] for k, v in table.items()} == {"recall": 3, "json_answer": 3}
+    assert table["recall"]["exact"] == 1.0 and table["json_answer"]["exact"] == 1.0, table
+    assert "DIFFERS" not in r.stdout and "recall       exact" in r.stdout, r.stdout
