@@ -5,8 +5,9 @@
 # 1. the CUDA-vs-CPU device tests (tests/device.rs: every op, k3-mini end to end, the engine);
 # 2. `k3serve serve --device cuda` on models/k3-mini, smoke requests (chat/completions, stream
 #    and not), and `k3serve generate` on CUDA vs CPU (greedy, informational).
+# 4. the model card's evaluation through `serve --device cuda` in bfloat16 and float32.
 # Results in $OUT: summary.txt, device-test.log, server.log, smoke.log, generate.log,
-# nvidia-smi.txt. Exit status: non-zero if anything failed.
+# nvidia-smi.txt, eval-bfloat16.json, eval-float32.json. Exit status: non-zero if anything failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/k3-device-run}"
@@ -149,6 +150,31 @@ if cmp -s "$BIN/gen-cuda" "$BIN/gen-cpu"; then
     summary "generate: CUDA and CPU greedy texts are identical"
 else
     summary "generate: CUDA and CPU greedy texts differ (see generate.log; device tests judge near-ties)"
+fi
+
+# --- 4. the model card's evaluation through the CUDA server, per --dtype (scripts/eval_server.py):
+# every cell must equal the card's CPU table. K3_DEVICE_EVAL=0 skips it.
+if [ "${K3_DEVICE_EVAL:-1}" != 0 ]; then
+    for dtype in bfloat16 float32; do
+        "$BIN/k3serve" serve --device cuda --dtype $dtype --model models/k3-mini --host 127.0.0.1 \
+            --port $PORT --plugin-dir .carry/plugins >"$BIN/eval-server-$dtype.log" 2>&1 &
+        server=$!
+        for _ in $(seq 1 240); do
+            curl -sf "$BASE/health" >/dev/null 2>&1 && break
+            kill -0 $server 2>/dev/null || break
+            sleep 0.5
+        done
+        if timeout --foreground 300 python3 scripts/eval_server.py --base-url "$BASE" --per-kind 30 \
+            --compare reference/runs-log/k3-mini-eval-after-vision.json --out "$OUT/eval-$dtype.json" \
+            >"$BIN/eval-$dtype.txt" 2>&1; then
+            summary "model-card eval ($dtype): all $(grep -c ' vs ' "$BIN/eval-$dtype.txt") cells equal the card's"
+        else
+            fail "model-card eval ($dtype)"
+            grep -E 'DIFFERS|Error|error' "$BIN/eval-$dtype.txt" | head -20 | tee -a "$OUT/summary.txt"
+        fi
+        kill $server 2>/dev/null
+        wait $server 2>/dev/null
+    done
 fi
 
 if [ ${#failures[@]} -gt 0 ]; then
