@@ -287,9 +287,9 @@ fn first_event_reports_queue_and_prefill_time() -> Result<()> {
         ..cfg(false)
     };
     let mut core = EngineCore::new(exec.layout(), exec.vocab_size(), config)?;
+    let start = std::time::Instant::now();
     let mut first = core.submit(req(1, vec![3; 30], 6))?;
     let mut second = core.submit(req(2, vec![4; 30], 2))?;
-    let start = std::time::Instant::now();
     while core.step(exec.as_mut()) {
         // Every step takes at least this long, so the wait is measurable on any host.
         std::thread::sleep(Duration::from_millis(2));
