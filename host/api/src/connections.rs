@@ -34,7 +34,7 @@ use tokio::time::Instant;
 use tower::Service;
 
 use crate::AppState;
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{ApiError, ErrorKind, ErrorStyle};
 use crate::metrics::ConnectionMetrics;
 
 /// Per-connection limits of the HTTP server.
@@ -493,7 +493,7 @@ fn body_stalled_response(path: &str, timeout: Duration) -> Response<Body> {
         ),
     )
     .with_code("request_timeout")
-    .styled(crate::server::style_for(path))
+    .styled(ErrorStyle::for_path(path))
     .into_response();
     *response.status_mut() = StatusCode::REQUEST_TIMEOUT;
     response

@@ -63,6 +63,18 @@ pub enum ErrorStyle {
     Anthropic,
 }
 
+impl ErrorStyle {
+    /// Anthropic's shape for everything under `/v1/messages` (known routes or not), OpenAI's
+    /// elsewhere.
+    pub fn for_path(path: &str) -> Self {
+        if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+            ErrorStyle::Anthropic
+        } else {
+            ErrorStyle::OpenAi
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
     pub kind: ErrorKind,

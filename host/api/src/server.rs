@@ -123,7 +123,7 @@ async fn not_found(method: Method, uri: Uri) -> ApiError {
         format!("no route for {method} {}", uri.path()),
     )
     .with_code("unknown_route")
-    .styled(style_for(uri.path()))
+    .styled(ErrorStyle::for_path(uri.path()))
 }
 
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
@@ -132,19 +132,10 @@ async fn method_not_allowed(method: Method, uri: Uri) -> Response {
         format!("method {method} is not allowed on {}", uri.path()),
     )
     .with_code("method_not_allowed")
-    .styled(style_for(uri.path()))
+    .styled(ErrorStyle::for_path(uri.path()))
     .into_response();
     *resp.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
     resp
-}
-
-/// Anthropic's error shape for everything under `/v1/messages` (known routes or not).
-pub(crate) fn style_for(path: &str) -> ErrorStyle {
-    if path == "/v1/messages" || path.starts_with("/v1/messages/") {
-        ErrorStyle::Anthropic
-    } else {
-        ErrorStyle::OpenAi
-    }
 }
 
 /// Compare secrets without an early exit on the first differing byte (the time taken does not
@@ -185,7 +176,7 @@ async fn require_api_key(State(state): State<AppState>, req: Request, next: Next
     };
     ApiError::new(ErrorKind::Authentication, message)
         .with_code("invalid_api_key")
-        .styled(style_for(req.uri().path()))
+        .styled(ErrorStyle::for_path(req.uri().path()))
         .into_response()
 }
 
@@ -261,7 +252,7 @@ fn refuse_declared_oversize(
         ),
     )
     .with_code("request_too_large")
-    .styled(style_for(req.uri().path()))
+    .styled(ErrorStyle::for_path(req.uri().path()))
     .into_response();
     resp.headers_mut()
         .insert(header::CONNECTION, HeaderValue::from_static("close"));

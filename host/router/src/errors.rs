@@ -5,19 +5,8 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Style {
-    OpenAi,
-    Anthropic,
-}
-
-pub(crate) fn style_for(path: &str) -> Style {
-    if path == "/v1/messages" || path.starts_with("/v1/messages/") {
-        Style::Anthropic
-    } else {
-        Style::OpenAi
-    }
-}
+/// The replicas' choice of shape, by path (`ErrorStyle::for_path`): the router answers as they do.
+pub(crate) use k3_api::error::ErrorStyle as Style;
 
 /// An error response. `kind` is the OpenAI `type` (`overloaded_error`, ...); Anthropic gets the
 /// same except `internal_error`, which it calls `api_error`.

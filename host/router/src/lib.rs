@@ -278,7 +278,7 @@ async fn metrics_route(State(shared): State<Arc<Shared>>) -> Response {
 
 async fn not_found(method: Method, uri: Uri) -> Response {
     errors::error(
-        errors::style_for(uri.path()),
+        errors::Style::for_path(uri.path()),
         StatusCode::NOT_FOUND,
         "not_found_error",
         Some("unknown_route"),
@@ -288,7 +288,7 @@ async fn not_found(method: Method, uri: Uri) -> Response {
 
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
     errors::error(
-        errors::style_for(uri.path()),
+        errors::Style::for_path(uri.path()),
         StatusCode::METHOD_NOT_ALLOWED,
         "invalid_request_error",
         Some("method_not_allowed"),

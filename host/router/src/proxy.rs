@@ -18,7 +18,7 @@ use futures::stream::{BoxStream, StreamExt};
 use k3_plugin_host::{ReplicaView, RouteChoice, RouteRequest};
 
 use crate::Shared;
-use crate::errors::{Style, body_error, style_for, unavailable};
+use crate::errors::{Style, body_error, unavailable};
 use crate::metrics::{ErrorKind, Outcome};
 use crate::policy::{ApiRoute, least_load};
 use crate::replica::{InFlight, Replica};
@@ -75,7 +75,7 @@ pub(crate) async fn routed(
     mut headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let style = style_for(uri.path());
+    let style = Style::for_path(uri.path());
     let body = match body {
         Ok(b) => b,
         Err(e) => return body_error(style, e),
@@ -113,7 +113,7 @@ pub(crate) async fn any_replica(
     mut headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let style = style_for(uri.path());
+    let style = Style::for_path(uri.path());
     let body = match body {
         Ok(b) => b,
         Err(e) => return body_error(style, e),
