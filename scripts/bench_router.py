@@ -234,19 +234,17 @@ async def latencies(base_url: str, model: str, n: int) -> list[float]:
     return out
 
 
-def metric(base_url: str, prefix: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(prefix):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def metrics(base_url: str, *prefixes: str) -> list[float]:
+    """Per prefix, the sum of the /metrics samples whose names start with it (one fetch)."""
+    lines = httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines()
+    return [sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(p)) for p in prefixes]
 
 
-def engine_split(urls: list[str]) -> tuple[float, float, float]:
+def engine_split(urls: list[str]) -> tuple[float, ...]:
     """(first tokens, queue seconds, prefill seconds) so far, summed over the replicas' /metrics."""
-    return (sum(metric(u, "k3serve_request_prefill_time_seconds_count") for u in urls),
-            sum(metric(u, "k3serve_request_queue_time_seconds_sum") for u in urls),
-            sum(metric(u, "k3serve_request_prefill_time_seconds_sum") for u in urls))
+    per = [metrics(u, "k3serve_request_prefill_time_seconds_count", "k3serve_request_queue_time_seconds_sum",
+                   "k3serve_request_prefill_time_seconds_sum") for u in urls]
+    return tuple(map(sum, zip(*per)))
 
 
 def split_ms(before: tuple, after: tuple, prefix: str = "") -> dict:
@@ -311,8 +309,8 @@ def main():
             s1 = engine_split([one.url])
             routed = asyncio.run(latencies(router.url, model, a.overhead_requests))
             s2 = engine_split([one.url])
-            calls = metric(router.url, "k3router_policy_call_seconds_count")
-            spent = metric(router.url, "k3router_policy_call_seconds_sum")
+            calls, spent = metrics(router.url, "k3router_policy_call_seconds_count",
+                                   "k3router_policy_call_seconds_sum")
         finally:
             router.stop()
         result["overhead"] = {

@@ -37,21 +37,22 @@ grep -E '^(op=|e2e |engine |test |graph_decode )|skipped|seed|FAIL|panicked|near
 [ $rc -eq 0 ] || fail "device tests (exit $rc; see device-test.log)"
 grep -q 'skipped: no CUDA device' "$OUT/device-test.log" && fail "device tests skipped: no CUDA device opened"
 
+# Whether the server (pid $1) answers /health within two minutes; fails at once if it exits.
+wait_healthy() {
+    for _ in $(seq 1 240); do
+        curl -sf "$BASE/health" >/dev/null 2>&1 && return 0
+        kill -0 "$1" 2>/dev/null || return 1
+        sleep 0.5
+    done
+    return 1
+}
+
 # --- 2. the server on CUDA.
 summary "== k3serve serve --device cuda"
 "$BIN/k3serve" serve --device cuda --model models/k3-mini --host 127.0.0.1 --port $PORT \
     --plugin-dir .carry/plugins --max-model-len 2048 >"$OUT/server.log" 2>&1 &
 server=$!
-ready=0
-for _ in $(seq 1 240); do
-    if curl -sf "$BASE/health" >/dev/null 2>&1; then
-        ready=1
-        break
-    fi
-    kill -0 $server 2>/dev/null || break
-    sleep 0.5
-done
-if [ $ready -eq 0 ]; then
+if ! wait_healthy $server; then
     fail "server did not become healthy (see server.log)"
     tail -20 "$OUT/server.log" | tee -a "$OUT/summary.txt"
 else
@@ -159,14 +160,10 @@ if [ "${K3_DEVICE_EVAL:-1}" != 0 ]; then
         "$BIN/k3serve" serve --device cuda --dtype $dtype --model models/k3-mini --host 127.0.0.1 \
             --port $PORT --plugin-dir .carry/plugins >"$BIN/eval-server-$dtype.log" 2>&1 &
         server=$!
-        for _ in $(seq 1 240); do
-            curl -sf "$BASE/health" >/dev/null 2>&1 && break
-            kill -0 $server 2>/dev/null || break
-            sleep 0.5
-        done
-        if timeout --foreground 300 python3 scripts/eval_server.py --base-url "$BASE" --per-kind 30 \
-            --compare reference/runs-log/k3-mini-eval-after-vision.json --out "$OUT/eval-$dtype.json" \
-            >"$BIN/eval-$dtype.txt" 2>&1; then
+        if wait_healthy $server &&
+            timeout --foreground 300 python3 scripts/eval_server.py --base-url "$BASE" --per-kind 30 \
+                --compare reference/runs-log/k3-mini-eval-after-vision.json \
+                --out "$OUT/eval-$dtype.json" >"$BIN/eval-$dtype.txt" 2>&1; then
             summary "model-card eval ($dtype): all $(grep -c ' vs ' "$BIN/eval-$dtype.txt") cells equal the card's"
         else
             fail "model-card eval ($dtype)"

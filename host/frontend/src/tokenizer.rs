@@ -6,7 +6,7 @@
 //! faster; any other `tokenizer.json` is encoded by the `tokenizers` crate. Decoding always goes
 //! through the byte table or `tokenizers`, both exact.
 
-use crate::text_cache::{CACHE_BYTES, TextCache, TextCacheStats};
+use crate::text_cache::{CACHE_BYTES, TextCache};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -231,11 +231,6 @@ impl Tokenizer {
                 Encoder::Fast(fast) => Ok(fast.encode(text, false)),
                 Encoder::General { text: general, .. } => hf_ids(general, text, false),
             })
-    }
-
-    /// Lookups and hits of the encoded-text cache.
-    pub fn text_cache_stats(&self) -> TextCacheStats {
-        self.text_cache.stats()
     }
 
     /// As [`Tokenizer::encode`]; `add_special_tokens` runs the tokenizer's post-processor (bos/eos
