@@ -436,7 +436,7 @@ def bench_mla_steady(d: Device, record, rounds=6):
 
 def bench(d: Device, r: Results, quick: bool, only=None):
     """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, mla_proj,
-    mla_prefill, attn_res, moe, gemv, sampling; mla includes mla_proj and the torch SDPA comparison).
+    mla_prefill, attn_res, moe, moe_prefill, gemv, sampling; mla includes mla_proj and the torch SDPA comparison).
     The probes run only when named: mla_diag, mla_steady, moe_few_tokens_diag."""
     def want(section):
         return not only or section in only
@@ -600,6 +600,7 @@ def bench(d: Device, r: Results, quick: bool, only=None):
     if want("moe"):
         bench_moe_single_token(d, record)
         bench_moe(d, record, quick)
+    if want("moe") or want("moe_prefill"):
         bench_moe_prefill(d, record, quick)
     if want("sampling"):
         bench_topk(d, record)
@@ -869,7 +870,7 @@ def bench_moe_few_tokens_diag(d: Device, record):
 
 def bench_moe_prefill(d: Device, record, quick: bool):
     """Routed MoE of many-assignment steps (prefill chunks) at K3 shapes, top-16 of 128, random
-    routing: the wgmma GEMMs (moe_wg.rs, hi / lo activations) against the cuBLAS fallback (moe_gemm.rs:
+    routing: the wgmma GEMMs (moe_wg.rs, hi / lo and bf16 activations) against the cuBLAS fallback (moe_gemm.rs:
     offsets read back, gather, experts expanded to bf16 in
     groups of 32, one cuBLAS GEMM per expert and projection, GLU, combine). Floor: the larger of
     the hi / lo products' FLOPs at this run's cuBLAS bf16 rate (an 8192^3 GEMM) and the weight +
@@ -895,33 +896,42 @@ def bench_moe_prefill(d: Device, record, quick: bool):
         out_g, out_c = torch.empty(T, lt, device="cuda"), torch.empty(T, lt, device="cuda")
         V = {name: d.view(x) for name, x in (("idx", idx.reshape(-1)), ("off", offsets), ("srt", srt), ("z", z),
                                               ("wts", wts), ("out_g", out_g), ("out_c", out_c))}
-        scratch = mx_wg_scratch(d, T, k, lt, ie, 2)
         touched = int(idx.unique().numel())
-        flops = 2 * 2 * n * 3 * ie * lt  # hi and lo columns
+        flops = 2 * n * 3 * ie * lt  # one pass of bf16 columns (hi / lo: twice this)
         wbytes = touched * (2 * ie * (lt // 2 + lt // 32) + lt * (ie // 2 + ie // 32))
-        floor = max(flops / rate * 1e3, (wbytes + 2 * T * lt * 4) / (COPY_TBPS * 1e12) * 1e3)
 
         def sort():
             d.launch("moe_sort_assignments", 1, 1024, V["idx"], n, E, V["off"], V["srt"])
 
-        # The wgmma GEMMs (moe_wg.rs): hi / lo activations, the proxy fence on, as the backend runs
-        # them; the floor is the MMA work or the bytes, whichever is larger.
+        # The wgmma GEMMs (moe_wg.rs), the proxy fence on, as the backend runs them: hi / lo
+        # activations (float32 mode; its output is compared with the cuBLAS path below) and bf16
+        # (bfloat16 mode, the default). Floor: the MMA work or the bytes, whichever is larger.
         ms_w = None
-        try:
-            def wgr(parts=("split", "up", "down", "combine")):
-                run_mx_wg(d, V["z"], w, V["idx"], V["wts"], V["off"], V["srt"], V["out_g"], scratch, T, k, lt, ie,
-                          E, 2, parts=parts)
+        for planes in (2, 1):
+            try:
+                scratch = mx_wg_scratch(d, T, k, lt, ie, planes)
+                pf = planes * flops
+                floor = max(pf / rate * 1e3, (wbytes + 2 * T * lt * 4) / (COPY_TBPS * 1e12) * 1e3)
 
-            sort()
-            ms_w, how = d.time_graph(lambda: (sort(), wgr()), reps=5, inner=2)
-            record(f"moe_routed wg T={T} top{k} (sort+split+up+down+combine)", ms_w, floor, timing=how,
-                   tflops=round(flops / ms_w / 1e9))
-            for name, parts, share in (("up", ("up",), 2 / 3), ("down", ("down",), 1 / 3)):
-                ms, how = d.time_graph(lambda parts=parts: wgr(parts), reps=5, inner=2)
-                record(f"moe_routed wg {name} alone T={T}", ms, share * flops / rate * 1e3, timing=how,
-                       tflops=round(share * flops / ms / 1e9))
-        except Exception as e:  # noqa: BLE001
-            log(f"bench moe wg T={T} raised {type(e).__name__}: {str(e)[:200]}")
+                def wgr(parts=("split", "up", "down", "combine"), scratch=scratch, planes=planes):
+                    run_mx_wg(d, V["z"], w, V["idx"], V["wts"], V["off"], V["srt"], V["out_g"], scratch, T, k, lt, ie,
+                              E, planes, parts=parts)
+
+                sort()
+                ms, how = d.time_graph(lambda wgr=wgr: (sort(), wgr()), reps=5, inner=2)
+                record(f"moe_routed wg planes={planes} T={T} top{k} (sort+split+up+down+combine)", ms, floor,
+                       timing=how, tflops=round(flops / ms / 1e9), mma_tflops=round(pf / ms / 1e9))
+                for name, parts, share in (("up", ("up",), 2 / 3), ("down", ("down",), 1 / 3)):
+                    ms_p, how = d.time_graph(lambda parts=parts, wgr=wgr: wgr(parts), reps=5, inner=2)
+                    record(f"moe_routed wg planes={planes} {name} alone T={T}", ms_p, share * pf / rate * 1e3,
+                           timing=how, tflops=round(share * flops / ms_p / 1e9))
+                if planes == 2:
+                    ms_w = ms
+                    wgr()  # out_g: the hi / lo result, for the cuBLAS comparison
+                del scratch
+            except Exception as e:  # noqa: BLE001
+                log(f"bench moe wg planes={planes} T={T} raised {type(e).__name__}: {str(e)[:200]}")
+        floor = max(2 * flops / rate * 1e3, (wbytes + 2 * T * lt * 4) / (COPY_TBPS * 1e12) * 1e3)
         try:
             ms_c = bench_moe_cublas_path(d, V, w, T, k, lt, ie, E)
             extra = {} if ms_w is None else dict(wg_speedup=round(ms_c / ms_w, 2),
