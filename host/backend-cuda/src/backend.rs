@@ -10,11 +10,11 @@ use crate::error::{CudaError, Result};
 use crate::kda::{decode_slots, kda_parts};
 use crate::moe::DeviceExperts;
 use cudarc::driver::{CudaSlice, DevicePtrMut};
+use k3_model::ExecError;
 use k3_model::backend::{
     Backend, BackendError, KdaCommit, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc,
     MlaGeom, MxExpertsHost, OpResult, RouterParams, SituParams, VisionAttnGeom,
 };
-use k3_model::exec::ExecError;
 
 impl CudaBackend {
     /// Make our context current on the calling thread: the engine runs the executor on its own
@@ -194,7 +194,11 @@ impl Backend for CudaBackend {
 
     fn top_k_rows(&self, a: &DeviceMat, k: usize) -> OpResult<Vec<Vec<(u32, f32)>>> {
         if k == 0 || k > crate::dense::TOPK_MAX {
-            return Ok(k3_model::exec::top_k_of_rows(&self.to_host(a)?, a.rows, k));
+            return Ok(k3_model::select::top_k_of_rows(
+                &self.to_host(a)?,
+                a.rows,
+                k,
+            ));
         }
         self.op(|| CudaBackend::top_k_rows(self, a, k, &[]))
     }
@@ -206,7 +210,7 @@ impl Backend for CudaBackend {
         masks: &[Option<&[u32]>],
     ) -> OpResult<Vec<Vec<(u32, f32)>>> {
         if k == 0 || k > crate::dense::TOPK_MAX {
-            return Ok(k3_model::exec::top_k_of_rows_masked(
+            return Ok(k3_model::select::top_k_of_rows_masked(
                 self.to_host(a)?,
                 a.rows,
                 k,

@@ -111,8 +111,8 @@ impl CudaBackend {
     pub(crate) fn run_graph_step(
         &self,
         replayable: bool,
-        pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, k3_model::exec::ExecError>,
-    ) -> std::result::Result<Option<DeviceMat>, k3_model::exec::ExecError> {
+        pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, k3_model::ExecError>,
+    ) -> std::result::Result<Option<DeviceMat>, k3_model::ExecError> {
         if !replayable || !self.step.enabled {
             return pass();
         }
@@ -165,9 +165,9 @@ impl CudaBackend {
 
     fn eager(
         &self,
-        pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, k3_model::exec::ExecError>,
+        pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, k3_model::ExecError>,
         aborted: bool,
-    ) -> std::result::Result<Option<DeviceMat>, k3_model::exec::ExecError> {
+    ) -> std::result::Result<Option<DeviceMat>, k3_model::ExecError> {
         {
             let mut g = self.step.lock();
             if aborted {
@@ -222,7 +222,7 @@ impl CudaBackend {
         key: u64,
         log: Vec<u64>,
         shape: Option<(usize, usize)>,
-        pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, k3_model::exec::ExecError>,
+        pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, k3_model::ExecError>,
     ) -> std::result::Result<Result<Option<DeviceMat>>, String> {
         // Allocated before the capture: it outlives every launch of the graph.
         let mut out = match shape {

@@ -4,32 +4,8 @@
 //! The heavy, stateful mixers (KDA, MLA) are single fused ops because their cache layout and
 //! loop structure are backend concerns; everything else is a small elementwise/linear op.
 
-use crate::exec::ExecError;
-
-/// Why a backend op failed. The one error type of every [`Backend`] op: an op either returns
-/// its result or this, never a stand-in value, so a failed step stops at its first failure.
-#[derive(Debug, thiserror::Error)]
-pub enum BackendError {
-    /// Shapes or arguments the op does not accept.
-    #[error("invalid argument: {0}")]
-    InvalidArg(String),
-    /// An arena range past its end.
-    #[error("arena access out of bounds: offset {offset} + {len} > {arena}")]
-    OutOfBounds {
-        offset: usize,
-        len: usize,
-        arena: usize,
-    },
-    /// A shape or parameter outside what this backend implements.
-    #[error("unsupported: {0}")]
-    Unsupported(String),
-    /// The device, its driver or a library call failed.
-    #[error("device failure: {0}")]
-    Device(String),
-}
-
-/// What every [`Backend`] op returns.
-pub type OpResult<T> = Result<T, BackendError>;
+use crate::error::ExecError;
+pub use crate::error::{BackendError, OpResult};
 
 /// Geometry and parameters of the KDA op (one layer).
 #[derive(Debug, Clone, Copy)]
@@ -251,10 +227,10 @@ pub trait Backend: Send + Sync + 'static {
     // ---- activations ----
     fn to_host(&self, a: &Self::Act) -> OpResult<Vec<f32>>;
     fn rows(&self, a: &Self::Act) -> usize;
-    /// Each row's `k` largest finite entries, exactly as [`crate::exec::top_k_of_row`] orders
+    /// Each row's `k` largest finite entries, exactly as [`crate::select::top_k_of_row`] orders
     /// them. The default copies the rows to the host; a device backend selects on the device.
     fn top_k_rows(&self, a: &Self::Act, k: usize) -> OpResult<Vec<Vec<(u32, f32)>>> {
-        Ok(crate::exec::top_k_of_rows(
+        Ok(crate::select::top_k_of_rows(
             &self.to_host(a)?,
             self.rows(a),
             k,
@@ -262,7 +238,7 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// [`Backend::top_k_rows`] after removing, per row, the tokens its mask forbids (constrained
     /// decoding). `masks` has one entry per row of `a`: `None` leaves the row as it is, `Some(m)`
-    /// is a token bitmask as [`crate::exec::apply_token_mask`] reads it. A row whose mask allows no
+    /// is a token bitmask as [`crate::select::apply_token_mask`] reads it. A row whose mask allows no
     /// finite logit gets no candidates. The default works on the host; a device backend uploads
     /// the masks and applies them before its selection.
     fn top_k_rows_masked(
@@ -271,7 +247,7 @@ pub trait Backend: Send + Sync + 'static {
         k: usize,
         masks: &[Option<&[u32]>],
     ) -> OpResult<Vec<Vec<(u32, f32)>>> {
-        Ok(crate::exec::top_k_of_rows_masked(
+        Ok(crate::select::top_k_of_rows_masked(
             self.to_host(a)?,
             self.rows(a),
             k,

@@ -4,6 +4,9 @@
 //! pages); the model owns *what* they contain (layouts). Every operation here is ordered on the
 //! backend's stream: a copy issued before a forward is visible to it, and vice versa.
 
+pub use crate::error::ExecError;
+use crate::select::{apply_token_mask, top_k_of_row};
+
 /// Sizes the engine needs to manage the arena; fixed for the executor's lifetime.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CacheLayout {
@@ -119,7 +122,7 @@ pub struct ImagePixels {
     pub content_hash: [u8; 32],
 }
 
-/// A token bitmask (see [`token_mask_allows`]) that another thread may still be computing: a
+/// A token bitmask (see [`token_mask_allows`](crate::select::token_mask_allows)) that another thread may still be computing: a
 /// constrained request's mask for this step is computed while the forward pass runs, and the
 /// executor waits for it only when it selects the candidates.
 #[derive(Clone)]
@@ -233,90 +236,6 @@ impl ForwardOutput {
     }
 }
 
-/// The `k` largest finite entries of `row` as `(index, value)`, largest first, ties to the lower
-/// index; fewer when the row has fewer finite entries. Non-finite logits count as masked, as in
-/// the samplers. The one definition every backend's selection must reproduce exactly.
-pub fn top_k_of_row(row: &[f32], k: usize) -> Vec<(u32, f32)> {
-    let rank = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-    let mut c: Vec<(u32, f32)> = (0u32..)
-        .zip(row.iter().copied())
-        .filter(|(_, v)| v.is_finite())
-        .collect();
-    if k == 0 {
-        return Vec::new();
-    }
-    if c.len() > k {
-        c.select_nth_unstable_by(k - 1, rank);
-        c.truncate(k);
-    }
-    c.sort_unstable_by(rank);
-    c
-}
-
-/// [`top_k_of_row`] of each of the `rows` rows of `host` (row-major); empty when `host` does not
-/// split into `rows` rows. What a backend does that selects on the host.
-pub fn top_k_of_rows(host: &[f32], rows: usize, k: usize) -> Vec<Vec<(u32, f32)>> {
-    if rows == 0 || !host.len().is_multiple_of(rows) {
-        return Vec::new();
-    }
-    host.chunks(host.len() / rows)
-        .map(|r| top_k_of_row(r, k))
-        .collect()
-}
-
-/// [`top_k_of_rows`] after [`apply_token_mask`] on each row whose mask is `Some` (`masks`: one
-/// entry per row). What a backend does that selects on the host.
-pub fn top_k_of_rows_masked(
-    mut host: Vec<f32>,
-    rows: usize,
-    k: usize,
-    masks: &[Option<&[u32]>],
-) -> Vec<Vec<(u32, f32)>> {
-    if rows > 0 && host.len().is_multiple_of(rows) {
-        let width = host.len() / rows;
-        for (row, mask) in host.chunks_mut(width).zip(masks) {
-            if let Some(m) = mask {
-                apply_token_mask(row, m);
-            }
-        }
-    }
-    top_k_of_rows(&host, rows, k)
-}
-
-/// Whether a token bitmask allows token `t`: bit `t % 32` of word `t / 32` (32 tokens per word,
-/// least significant bit first, as llguidance lays out its masks). Tokens past the mask's end
-/// are forbidden.
-pub fn token_mask_allows(mask: &[u32], t: usize) -> bool {
-    mask.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1)
-}
-
-/// Set every logit the mask forbids to negative infinity (see [`token_mask_allows`]).
-pub fn apply_token_mask(row: &mut [f32], mask: &[u32]) {
-    for (t, l) in row.iter_mut().enumerate() {
-        if !token_mask_allows(mask, t) {
-            *l = f32::NEG_INFINITY;
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ExecError {
-    #[error("invalid batch: {0}")]
-    InvalidBatch(String),
-    #[error("arena access out of bounds: offset {offset} + {len} > {arena}")]
-    OutOfBounds {
-        offset: usize,
-        len: usize,
-        arena: usize,
-    },
-    /// The executor itself failed (its thread stopped, a bad configuration).
-    #[error("backend failure: {0}")]
-    Backend(String),
-    /// A backend op failed; the step's results are lost.
-    #[error("backend op failed: {0}")]
-    Op(#[from] crate::backend::BackendError),
-}
-
 /// A model bound to a backend and an arena: what the engine drives.
 pub trait Executor: Send {
     fn layout(&self) -> CacheLayout;
@@ -343,22 +262,5 @@ pub trait Executor: Send {
         Err(ExecError::Backend(
             "this executor cannot verify speculative tokens".into(),
         ))
-    }
-}
-
-#[cfg(test)]
-mod token_mask_tests {
-    use super::*;
-
-    #[test]
-    fn mask_bits_are_lsb_first_and_short_masks_forbid_the_rest() {
-        let mask = [0b101u32, 1 << 31];
-        let allowed: Vec<usize> = (0..80).filter(|&t| token_mask_allows(&mask, t)).collect();
-        assert_eq!(allowed, vec![0, 2, 63]);
-        let mut row = vec![1.0f32; 70];
-        apply_token_mask(&mut row, &mask);
-        let finite: Vec<usize> = (0..70).filter(|&t| row[t].is_finite()).collect();
-        assert_eq!(finite, vec![0, 2, 63]);
-        assert_eq!(top_k_of_row(&row, 2), vec![(0, 1.0), (2, 1.0)]);
     }
 }

@@ -3,20 +3,24 @@
 pub mod backend;
 pub mod config;
 mod dummy;
+pub mod error;
 pub mod exec;
 pub mod flops;
 pub mod model;
 pub mod runner;
+pub mod select;
 pub mod vision;
 pub mod weights;
 
-pub use backend::{Backend, BackendError};
+pub use backend::Backend;
 pub use config::{Config, ConfigError, MixerKind, VisionConfig};
+pub use error::{BackendError, ExecError, OpResult};
 pub use exec::{
-    CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, ImagePixels, LogitsWant,
-    MediaInput, PendingTokenMask, SeqInput, VerifiedBlock, top_k_of_row,
+    CacheLayout, Executor, ForwardBatch, ForwardOutput, ImagePixels, LogitsWant, MediaInput,
+    PendingTokenMask, SeqInput, VerifiedBlock,
 };
 pub use model::{LoadError, Model};
 pub use runner::{ModelExecutor, Session, argmax};
+pub use select::top_k_of_row;
 pub use vision::VisionTower;
 pub use weights::{Tensors, WeightError, WeightFile};

@@ -2,10 +2,11 @@
 
 use crate::backend::{
     Backend, KdaCommit, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom,
-    MxExpertsHost, MxMatrixHost, OpResult, RouterParams, SituParams,
+    MxExpertsHost, MxMatrixHost, RouterParams, SituParams,
 };
 use crate::config::{Config, ConfigError, MixerKind};
-use crate::exec::{ExecError, MediaInput, VerifiedBlock};
+use crate::error::{ExecError, OpResult};
+use crate::exec::{MediaInput, VerifiedBlock};
 use crate::vision::{MEDIA_CACHE_IMAGES, MediaCache, VisionTower};
 use crate::weights::{Tensors, WeightError, WeightFile};
 use std::path::Path;

@@ -2,9 +2,10 @@
 //! and [`Session`], a single-sequence convenience built on the same path (CLI, tests).
 
 use crate::backend::Backend;
+use crate::error::ExecError;
 use crate::exec::{
-    CacheLayout, ExecError, Executor, ForwardBatch, ForwardOutput, LogitsWant, MediaInput,
-    SeqInput, VerifiedBlock,
+    CacheLayout, Executor, ForwardBatch, ForwardOutput, LogitsWant, MediaInput, SeqInput,
+    VerifiedBlock,
 };
 use crate::model::{CacheOffsets, Model, SeqCache, SeqPass};
 

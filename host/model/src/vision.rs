@@ -6,9 +6,10 @@
 //! over all of the image's patches, GELU MLP), the 2×2 merge, its norm and the two-layer
 //! projector into the decoder's width.
 
-use crate::backend::{Backend, OpResult, VisionAttnGeom};
+use crate::backend::{Backend, VisionAttnGeom};
 use crate::config::VisionConfig;
-use crate::exec::{ExecError, ImagePixels, MediaInput};
+use crate::error::{ExecError, OpResult};
+use crate::exec::{ImagePixels, MediaInput};
 use crate::weights::{Tensors, WeightError};
 use std::collections::VecDeque;
 use std::sync::Mutex;

@@ -29,7 +29,7 @@ pub enum WeightError {
     },
     /// The backend could not take a weight (device memory, a failed copy).
     #[error("uploading weights: {0}")]
-    Upload(#[from] crate::backend::BackendError),
+    Upload(#[from] crate::error::BackendError),
 }
 
 /// A memory-mapped safetensors file.

@@ -89,7 +89,7 @@ fn mask_times(compiler: &GrammarCompiler, width: usize) {
                 times.push(t.elapsed().as_secs_f64() * 1e6);
                 let row = logits(width, step, seed * 31 + i as u64);
                 let best = (0..width)
-                    .filter(|&t| k3_model::exec::token_mask_allows(&mask, t))
+                    .filter(|&t| k3_model::select::token_mask_allows(&mask, t))
                     .max_by(|&a, &b| row[a].total_cmp(&row[b]))
                     .unwrap();
                 m.consume_token(best as u32).unwrap();

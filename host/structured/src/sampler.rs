@@ -8,7 +8,7 @@ use std::sync::mpsc;
 
 use k3_engine::TokenSampler;
 use k3_model::PendingTokenMask;
-use k3_model::exec::{apply_token_mask, token_mask_allows};
+use k3_model::select::{apply_token_mask, token_mask_allows};
 use k3_sampling::SampledToken;
 use llguidance::Matcher;
 use llguidance::toktrie::{TokEnv, TokTrie};

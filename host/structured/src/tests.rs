@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use k3_engine::{Greedy, RequestSampler, TokenSampler};
-use k3_model::exec::token_mask_allows;
+use k3_model::select::token_mask_allows;
 use llguidance::Matcher;
 use proptest::prelude::*;
 use serde_json::json;

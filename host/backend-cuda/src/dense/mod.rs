@@ -310,7 +310,7 @@ impl CudaBackend {
     /// copied back. Not part of a logged step (it reads back), so it runs after the step.
     ///
     /// `masks` (empty, or one entry per row) are token bitmasks for constrained decoding
-    /// (`k3_model::exec::token_mask_allows`); they are uploaded in one copy and applied by the
+    /// (`k3_model::select::token_mask_allows`); they are uploaded in one copy and applied by the
     /// segment selection, so a forbidden token is never a candidate.
     pub fn top_k_rows(
         &self,

@@ -374,7 +374,7 @@ pub const PAGE_TOKENS: usize = 64;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k3_model::exec::top_k_of_row;
+    use k3_model::select::top_k_of_row;
 
     /// k3-mini on the CPU behind `limit_vocab(limit)`, one forward of 3 tokens asking `want`:
     /// (the model's vocabulary, the executor's, the output).
