@@ -33,12 +33,15 @@
 // copies of stage c landed); fence.proxy.async (generic-proxy writes before async-proxy reads, as
 // the PTX memory model asks; ptxas emits MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S. CUTLASS's and
 // Triton's cp.async + wgmma mainloops go without it: mode bit MXW_NO_PROXY_FENCE drops it, for
-// the harness's probes; the backend keeps it); __syncthreads; issue
-// and commit stage c + S - 2; then 4 k-steps, each: decode the lane's A fragments of both
-// m-tiles, wgmma.fence (the A registers were just written), planes x 2 wgmmas (m-tile x plane;
-// both planes accumulate into the same registers), commit, wait_group 1 (the previous k-step's
-// group is done: its A registers may be reused, and the current group runs under the next
-// decode). ptxas (-v) reports no wgmma serialisation, 0 spills, ~210 registers.
+// the harness's probes, which found it costs nothing; the backend keeps it); __syncthreads; then
+// 4 k-steps, each: decode the lane's A fragments of both m-tiles, wgmma.fence (the A registers
+// were just written), planes x 2 wgmmas (m-tile x plane; both planes accumulate into the same
+// registers), commit, a share of stage c + S - 2's copies (k-step 0: weights and scales; 1..3:
+// token chunks), wait_group 1 (the previous k-step's group is done: its A registers may be
+// reused, and the current group runs under the next decode); then commit stage c + S - 2's
+// copies as one group. Spread over the k-steps, the copies no longer stall every warp right
+// after the barrier (docs/performance-history.md, call CA). ptxas (-v) reports no wgmma
+// serialisation, 0 spills, ~210 registers.
 //
 // Determinism (device_check.py check_moe_wg_repeat). Every output element - an intermediate value
 // (row, sorted position) or a y value (row, assignment) - is one accumulator lane of one thread,
@@ -108,6 +111,13 @@
 #define MXW_CHUNK_BYTES (MXW_TOK * 16)  // one 16-byte chunk of every token
 #define MXW_STAGE_BYTES(P) (MXW_A_BYTES + MXW_S_BYTES + 8 * (P) * MXW_CHUNK_BYTES)
 #define MXW_STAGES(P) ((P) == 2 ? 5 : 8)
+// Harness-only timing probes (device_check.py bench_moe_wg_diag; never set by the backend): bits
+// of what to leave out - 1 the weight decode (raw words feed the MMA), 2 the wgmma, 4 the token
+// copies, 8 the weight and scale copies, 16 the epilogue (nothing stored), 32 SiTU (the up
+// epilogue stores gate x up). Results are garbage under any of them.
+#ifndef MXW_DIAG
+#define MXW_DIAG 0
+#endif
 #define MXW_SWAP_LBO_SBO 16   // GEMM kernels' mode bit: swap the B descriptor's LBO / SBO (diagnostic)
 #define MXW_NO_PROXY_FENCE 32  // mode bit: no fence.proxy.async per stage (CUTLASS's cp.async + GMMA way)
 // Dynamic shared memory of both GEMM kernels (moe_wg.rs MX_WG_SHARED): 209,920 B.
@@ -267,6 +277,61 @@ struct MxwTile {
     bool nofence;  // mode & MXW_NO_PROXY_FENCE
 };
 
+// A tile's results: UP, actx = SiTU-GLU of each thread's gate (m-tile 0) and up (m-tile 1) rows,
+// split into `P` planes; else y rows by assignment. Threads 0..255 (the two warpgroups).
+template <int P, bool UP, int N>
+__device__ __forceinline__ void mxw_epilogue(const MxwTile& a, const float (&acc)[2][N / 2]) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7, wq = warp & 3, g = lane >> 2,
+              t = lane & 3;
+    if constexpr (UP) {
+        // actx row p0 + i, group 2 blockIdx.x + wg (= (r0 + 64 wg) / 64), position of local row rl.
+        const int ng = (a.rows + MXW_KC - 1) / MXW_KC, grp = 2 * blockIdx.x + wg;
+        if (grp >= ng) return;  // warpgroup-uniform: past the row's last group
+        u16* base = a.actx + (i64)a.p0 * ng * (P * 64) + grp * (P * 64);
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = 8 * j + 2 * t + e;
+                if (i >= a.nt) continue;
+                u16* dst = base + (i64)i * ng * (P * 64);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int rl = 16 * wq + 8 * h + g;
+                    const float gate = acc[0][4 * j + 2 * h + e], up = acc[1][4 * j + 2 * h + e];
+                    const float v =
+                        a.r0 + 64 * wg + rl >= a.rows ? 0.0f
+                        : (MXW_DIAG & 32)            ? gate * up
+                                                     : situ_glu_one(gate, up, a.beta, a.beta_lin, a.has_lin);
+                    if (P == 2) {
+                        u16 hi, lo;
+                        split_bf16(v, hi, lo);
+                        dst[mxw_pos(rl)] = hi;
+                        dst[64 + mxw_pos(rl)] = lo;
+                    } else {
+                        dst[mxw_pos(rl)] = f32_to_bf16_bits(v);
+                    }
+                }
+            }
+    } else {
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = 8 * j + 2 * t + e;
+                if (i >= a.nt) continue;
+                float* row = a.y + (i64)a.sorted[a.p0 + i] * a.rows;
+#pragma unroll
+                for (int m = 0; m < 2; ++m)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = a.r0 + 128 * wg + 64 * m + 16 * wq + 8 * h + g;
+                        if (r < a.rows) row[r] = acc[m][4 * j + 2 * h + e];
+                    }
+            }
+    }
+}
+
 template <int P, bool UP, int N>
 __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
     constexpr int S = MXW_STAGES(P), SB = MXW_STAGE_BYTES(P), L = N / 2;
@@ -310,28 +375,34 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
         bdst[k] = MXW_A_BYTES + MXW_S_BYTES + (lane >> 3) * MXW_CHUNK_BYTES + 16 * n;
     }
 
-    auto issue = [&](int c) {
+    // part: -1 all of stage c's copies (the prologue); 0..3 the share issued after k-step `part`
+    // of an earlier stage: 0 the weights and scales, 1..3 the token chunks j with j % 3 + 1 == part.
+    auto issue = [&](int c, int part) {
         const u32 bs = sbase + (c % S) * SB;
         const bool in = 64 * c + 32 * (tid & 1) < cols;  // past the row's end: zeros (code 0 = +0)
+        if (!(MXW_DIAG & 8) && part <= 0) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
-            mx_cp16_l2(bs + ((tid >> 1) + 128 * i) * 32 + 16 * (tid & 1), wsrc[i] + (in ? 32 * c : 0),
-                       in ? 16u : 0u);  // 256-byte L2 prefetch: HBM sees 8 stages of a row at once
-        if ((nb & 3) == 0) {
-            mx_cp4(bs + MXW_A_BYTES + 4 * tid, ssrc + 4 * (c >> 1));
-        } else {  // scale rows not 4-byte aligned (test shapes only): a plain load and store
-            u32 v = 0;
+            for (int i = 0; i < 2; ++i)
+                mx_cp16_l2(bs + ((tid >> 1) + 128 * i) * 32 + 16 * (tid & 1), wsrc[i] + (in ? 32 * c : 0),
+                           in ? 16u : 0u);  // 256-byte L2 prefetch: HBM sees 8 stages of a row at once
+            if ((nb & 3) == 0) {
+                mx_cp4(bs + MXW_A_BYTES + 4 * tid, ssrc + 4 * (c >> 1));
+            } else {  // scale rows not 4-byte aligned (test shapes only): a plain load and store
+                u32 v = 0;
 #pragma unroll
-            for (int k = 0; k < 4; ++k)
-                if (4 * (c >> 1) + k < nb) v |= (u32)ssrc[4 * (c >> 1) + k] << (8 * k);
-            *reinterpret_cast<u32*>(mxw_smem + (c % S) * SB + MXW_A_BYTES + 4 * tid) = v;
+                for (int k = 0; k < 4; ++k)
+                    if (4 * (c >> 1) + k < nb) v |= (u32)ssrc[4 * (c >> 1) + k] << (8 * k);
+                *reinterpret_cast<u32*>(mxw_smem + (c % S) * SB + MXW_A_BYTES + 4 * tid) = v;
+            }
         }
+        if (MXW_DIAG & 4) return;
         const i64 boff = (i64)c * (P * 64);
 #pragma unroll
         for (int j = 0; j < 2 * P; ++j)  // chunks 4 j + (lane >> 3)
 #pragma unroll
             for (int k = 0; k < 2; ++k)
-                if (bon[k]) mx_cp16_fill(bs + bdst[k] + 4 * j * MXW_CHUNK_BYTES, bsrc[k] + boff + 32 * j, bsz[k]);
+                if (bon[k] && (part < 0 || part == j % 3 + 1))
+                    mx_cp16_fill(bs + bdst[k] + 4 * j * MXW_CHUNK_BYTES, bsrc[k] + boff + 32 * j, bsz[k]);
     };
 
     float acc[2][L];
@@ -343,15 +414,13 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
     mxw_pin(acc[1]);
 #pragma unroll
     for (int j = 0; j < S - 2; ++j) {
-        if (j < nch) issue(j);
+        if (j < nch) issue(j, -1);
         mx_commit();
     }
     for (int c = 0; c < nch; ++c) {
         mxw_cp_wait<S - 3>();  // this thread's copies of stage c are done (S - 3 younger groups)
         if (!a.nofence) mxw_fence_async();  // ... and visible to the async proxy (wgmma)
         __syncthreads();       // everyone's; and every warpgroup is done with stage c - 2's buffer
-        if (c + S - 2 < nch) issue(c + S - 2);
-        mx_commit();  // (possibly empty: keeps the group count per stage fixed)
         const u8* buf = mxw_smem + (c % S) * SB;
         uint2 wv[2][2];
         u32 sc[2][2], sc2[2][2];
@@ -378,6 +447,10 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
                 const u32 l0 = w0 & 0x0F0F0F0Fu, h0 = (w0 >> 4) & 0x0F0F0F0Fu;
                 const u32 l1 = w1 & 0x0F0F0F0Fu, h1 = (w1 >> 4) & 0x0F0F0F0Fu;
                 const int by = 2 * (s & 1);
+                if (MXW_DIAG & 1) {
+                    af[m][0] = l0, af[m][1] = l1, af[m][2] = h0, af[m][3] = h1;
+                    continue;
+                }
                 af[m][0] = mxw_dec(l0, h0, by, sc[m][0], sc2[m][0]);
                 af[m][1] = mxw_dec(l1, h1, by, sc[m][1], sc2[m][1]);
                 af[m][2] = mxw_dec(l0, h0, by + 1, sc[m][0], sc2[m][0]);
@@ -387,60 +460,19 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
-                for (int p = 0; p < P; ++p) mxw_mma(acc[m], af[m], db + (u64)((8 * p + 2 * s) * (MXW_CHUNK_BYTES >> 4)));
+                for (int p = 0; p < P; ++p)
+                    if (!(MXW_DIAG & 2)) mxw_mma(acc[m], af[m], db + (u64)((8 * p + 2 * s) * (MXW_CHUNK_BYTES >> 4)));
             mxw_wg_commit();
+            if (c + S - 2 < nch) issue(c + S - 2, s);  // a share of stage c + S - 2's copies
             mxw_wg_wait<1>();  // the previous k-step's group is done
         }
+        mx_commit();  // stage c + S - 2's group (possibly empty: keeps the count per stage fixed)
     }
     mxw_wg_wait<0>();
     mxw_pin(acc[0]);
     mxw_pin(acc[1]);
-
-    if constexpr (UP) {
-        // actx row p0 + i, group 2 blockIdx.x + wg (= (r0 + 64 wg) / 64), position of local row rl.
-        const int ng = (a.rows + MXW_KC - 1) / MXW_KC, grp = 2 * blockIdx.x + wg;
-        if (grp >= ng) return;  // warpgroup-uniform: past the row's last group
-        u16* base = a.actx + (i64)a.p0 * ng * (P * 64) + grp * (P * 64);
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int i = 8 * j + 2 * t + e;
-                if (i >= a.nt) continue;
-                u16* dst = base + (i64)i * ng * (P * 64);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int rl = 16 * wq + 8 * h + g;
-                    const float gate = acc[0][4 * j + 2 * h + e], up = acc[1][4 * j + 2 * h + e];
-                    const float v =
-                        a.r0 + 64 * wg + rl < a.rows ? situ_glu_one(gate, up, a.beta, a.beta_lin, a.has_lin) : 0.0f;
-                    if (P == 2) {
-                        u16 hi, lo;
-                        split_bf16(v, hi, lo);
-                        dst[mxw_pos(rl)] = hi;
-                        dst[64 + mxw_pos(rl)] = lo;
-                    } else {
-                        dst[mxw_pos(rl)] = f32_to_bf16_bits(v);
-                    }
-                }
-            }
-    } else {
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int i = 8 * j + 2 * t + e;
-                if (i >= a.nt) continue;
-                float* row = a.y + (i64)a.sorted[a.p0 + i] * a.rows;
-#pragma unroll
-                for (int m = 0; m < 2; ++m)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int r = a.r0 + 128 * wg + 64 * m + 16 * wq + 8 * h + g;
-                        if (r < a.rows) row[r] = acc[m][4 * j + 2 * h + e];
-                    }
-            }
-    }
+    if (MXW_DIAG & 16) return;
+    mxw_epilogue<P, UP, N>(a, acc);
 }
 
 // The tile's N: its tokens rounded up to 32.

@@ -16,7 +16,8 @@ from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARI
 from common import run_mla_prefill, run_few_tokens
 from common import FEW_TOKEN_DOWN_ROWS, FEW_TOKEN_UP_ROWS, few_token_ntiles, few_token_scratch, few_token_shared
 from common import single_token_plan, single_token_scratch, run_single_token
-from common import mx_wg_scratch, run_mx_wg
+from common import (MX_WG_DOWN_ROWS, MX_WG_NO_PROXY_FENCE, MX_WG_SHARED, MX_WG_TOK, MX_WG_UP_ROWS, mx_tile_bound,
+                    mx_wg_scratch, run_mx_wg)
 from common import gemv_tc_plan, run_gemv_tc
 
 # H200 SXM peak FP32 rate on the CUDA cores (NVIDIA data sheet: 67 TFLOP/s), where cuBLAS SGEMM in
@@ -437,7 +438,7 @@ def bench_mla_steady(d: Device, record, rounds=6):
 def bench(d: Device, r: Results, quick: bool, only=None):
     """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, mla_proj,
     mla_prefill, attn_res, moe, moe_prefill, gemv, sampling; mla includes mla_proj and the torch SDPA comparison).
-    The probes run only when named: mla_diag, mla_steady, moe_few_tokens_diag."""
+    The probes run only when named: mla_diag, mla_steady, moe_few_tokens_diag, moe_wg_diag."""
     def want(section):
         return not only or section in only
 
@@ -602,6 +603,8 @@ def bench(d: Device, r: Results, quick: bool, only=None):
         bench_moe(d, record, quick)
     if want("moe") or want("moe_prefill"):
         bench_moe_prefill(d, record, quick)
+    if only and "moe_wg_diag" in only:  # probes, only when named
+        bench_moe_wg_diag(d, record)
     if want("sampling"):
         bench_topk(d, record)
     if want("gemv"):
@@ -940,6 +943,75 @@ def bench_moe_prefill(d: Device, record, quick: bool):
                    ms_c, floor, **extra)
         except Exception as e:  # noqa: BLE001
             log(f"bench moe cuBLAS path T={T} raised {type(e).__name__}: {str(e)[:200]}")
+
+
+# kernels/moe_wgmma.cu MXW_DIAG probes: what each part of the wgmma GEMMs costs (timing only).
+MOE_WG_DIAG_VARIANTS = (("base", (), 0), ("no proxy fence", (), MX_WG_NO_PROXY_FENCE),
+                        ("no decode", ("-DMXW_DIAG=1",), 0), ("no mma", ("-DMXW_DIAG=2",), 0),
+                        ("no token copies", ("-DMXW_DIAG=4",), 0), ("no weight copies", ("-DMXW_DIAG=8",), 0),
+                        ("no copies", ("-DMXW_DIAG=12",), 0), ("copies and loop only", ("-DMXW_DIAG=3",), 0),
+                        ("skeleton", ("-DMXW_DIAG=15",), 0), ("no epilogue", ("-DMXW_DIAG=16",), 0),
+                        ("no situ", ("-DMXW_DIAG=32",), 0))
+
+
+def bench_moe_wg_diag(d: Device, record):
+    """The wgmma up and down GEMMs alone at T = 2048 (K3 shapes, top-16 of 128, random routing),
+    bf16 activations (planes 1, the default) and hi / lo, under each MXW_DIAG probe: which part
+    of the kernel holds it below the tensor rate. K3_MOE_WG_DIAG ("base;spread"): only the
+    variants named; K3_MOE_WG_PLANES ("1"): only those planes."""
+    pick = [x.strip() for x in os.environ.get("K3_MOE_WG_DIAG", "").split(";") if x.strip()]
+    variants = [v for v in MOE_WG_DIAG_VARIANTS if not pick or v[0] in pick]
+    planes_list = [int(x) for x in os.environ.get("K3_MOE_WG_PLANES", "1,2").split(",")]
+    E, k, lt, ie, T = 128, 16, 3584, 3072, 2048
+    u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device="cuda")  # noqa: E731
+    sc = lambda *s: torch.randint(118, 124, s, dtype=torch.uint8, device="cuda")  # noqa: E731
+    wt = (u8(E, ie, lt // 2), sc(E, ie, lt // 32), u8(E, ie, lt // 2), sc(E, ie, lt // 32), u8(E, lt, ie // 2),
+          sc(E, lt, ie // 32))
+    w = tuple(d.view(x) for x in wt)
+    n = T * k
+    idx = torch.rand(T, E, device="cuda").argsort(dim=1)[:, :k].int().contiguous()
+    offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
+    srt = torch.empty(n, dtype=torch.int32, device="cuda")
+    d.launch("moe_sort_assignments", 1, 1024, d.view(idx.reshape(-1)), n, E, d.view(offsets), d.view(srt))
+    z = torch.randn(T, lt, device="cuda")
+    flops = 2 * n * 3 * ie * lt
+    for planes in planes_list:
+        _, zx, actx, y = scratch = mx_wg_scratch(d, T, k, lt, ie, planes)
+        tiles = mx_tile_bound(n, E, MX_WG_TOK)
+        base_out = None
+        for tag, defs, bits in variants:
+            threads = 256
+            try:
+                def up(defs=defs, bits=bits, threads=threads):
+                    d.launch("mxfp4_experts_wgmma_up_f32", (cdiv(ie, MX_WG_UP_ROWS), tiles), threads, zx, *w[:4],
+                             d.view(offsets), d.view(srt), actx, k, lt, ie, 4.0, 25.0, 1, E, planes | bits,
+                             shared_mem=MX_WG_SHARED, defines=defs)
+
+                def down(defs=defs, bits=bits, threads=threads):
+                    d.launch("mxfp4_experts_wgmma_down_f32", (cdiv(lt, MX_WG_DOWN_ROWS), tiles), threads, actx, *w[4:],
+                             d.view(offsets), d.view(srt), y, lt, ie, E, planes | bits, shared_mem=MX_WG_SHARED,
+                             defines=defs)
+
+                # Variants that keep every part must give the base's intermediate and y bit for bit.
+                same = None
+                if tag == "base" or "DIAG" not in " ".join(defs):
+                    scratch[0][0].zero_(), scratch[0][1].zero_(), scratch[0][2].zero_()
+                    d.launch("mxfp4_experts_wgmma_split_f32", (T, cdiv(lt, 256)), 128, d.view(z), zx, T, lt, planes)
+                    up()
+                    down()
+                    d.sync()
+                    outs = (scratch[0][1].clone(), scratch[0][2].clone())
+                    if tag == "base":
+                        base_out = outs
+                    elif base_out is not None:
+                        same = bool(torch.equal(outs[0], base_out[0]) and torch.equal(outs[1], base_out[1]))
+                for name, fn, share in (("up", up, 2 / 3), ("down", down, 1 / 3)):
+                    ms, how = d.time_graph(fn, reps=5, inner=2)
+                    record(f"moe_wg_diag [{tag}] planes={planes} {name} T={T}", ms, timing=how,
+                           mma_tflops=round(planes * share * flops / ms / 1e9), bitwise_equal_base=same)
+            except Exception as e:  # noqa: BLE001
+                log(f"bench moe_wg_diag [{tag}] planes={planes} raised {type(e).__name__}: {str(e)[:200]}")
+        del scratch
 
 
 def bench_moe_cublas_path(d: Device, V, w, T, k, lt, ie, E):

@@ -298,6 +298,22 @@ def check_pointwise(d: Device, r: Results, gen):
         d.sync()
         r.check(f"situ_glu(lin={has_lin})", rel_err(y, ref_situ_glu(ga, up, 4.0, 25.0 if has_lin else None)), 1e-5)
 
+    # Elementwise, over a sweep that crosses common.cuh k3_tanh's 0.125 switch (|g| / 4 and
+    # |u| / 25 from 1e-7 up to saturation): the branch-free tanh must hold each value, not just
+    # the norm, near the float64 SiTU.
+    mag = torch.logspace(-6, 3, 4001, dtype=torch.float64)
+    ga = torch.cat([mag, -mag]).float()
+    up = torch.cat([mag.flip(0), mag]).float()
+    for has_lin in (1, 0):
+        y = torch.empty(ga.numel(), device=d.tdev)
+        d.launch("situ_glu_f32", cdiv(ga.numel(), 256), 256, d.view(T(ga)), d.view(T(up)), d.view(y), ga.numel(),
+                 4.0, 25.0, has_lin)
+        d.sync()
+        ref = ref_situ_glu(ga.double(), up.double(), 4.0, 25.0 if has_lin else None)
+        big = ref.abs() > 1e-30
+        worst = ((y.cpu().double() - ref).abs()[big] / ref.abs()[big]).max().item()
+        r.check(f"situ_glu(lin={has_lin}) sweep 1e-6..1e3, max elementwise rel err", worst, 1e-5)
+
     rows_gu, inter = 7, 96
     gu = rand(rows_gu, 2 * inter, scale=6, gen=gen)
     y = torch.empty(rows_gu, inter, device=d.tdev)
