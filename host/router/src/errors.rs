@@ -78,3 +78,15 @@ pub(crate) fn body_error(
         )
     }
 }
+
+/// An error's message with its causes (reqwest's own message names only the URL).
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    s
+}

@@ -115,7 +115,7 @@ async fn follow(shared: &Shared, replica: &Replica) -> (bool, Result<(), String>
     }
     let resp = match req.send().await {
         Ok(r) => r,
-        Err(e) => return (false, Err(crate::proxy::error_chain(&e))),
+        Err(e) => return (false, Err(crate::errors::error_chain(&e))),
     };
     if !resp.status().is_success() {
         return (false, Err(format!("answered {}", resp.status())));
@@ -146,7 +146,7 @@ async fn follow(shared: &Shared, replica: &Replica) -> (bool, Result<(), String>
         };
         let chunk = match chunk {
             None => return (synced, Ok(())),
-            Some(Err(e)) => return (synced, Err(crate::proxy::error_chain(&e))),
+            Some(Err(e)) => return (synced, Err(crate::errors::error_chain(&e))),
             Some(Ok(c)) => c,
         };
         let datas = match parser.push(&chunk) {

@@ -105,6 +105,19 @@ pub(crate) struct Shared {
     pub request_seq: AtomicU64,
 }
 
+impl Shared {
+    /// The `/metrics` text: the router's own series and each replica's.
+    fn metrics_text(&self) -> String {
+        let rows: Vec<metrics::ReplicaRow<'_>> = (self.replicas.iter())
+            .map(|r| metrics::ReplicaRow {
+                status: r.status(),
+                metrics: &r.metrics,
+            })
+            .collect();
+        self.metrics.render(&rows)
+    }
+}
+
 /// Control over a running router. Dropping it stops the health and cache-event tasks, so keep
 /// it for as long as the [`axum::Router`] serves.
 pub struct RouterHandle {
@@ -130,7 +143,7 @@ impl RouterHandle {
 
     /// The `/metrics` text.
     pub fn metrics(&self) -> String {
-        self.shared.metrics.render(&self.shared.replicas)
+        self.shared.metrics_text()
     }
 
     /// Stop the background tasks (also done on drop).
@@ -271,7 +284,7 @@ async fn metrics_route(State(shared): State<Arc<Shared>>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        shared.metrics.render(&shared.replicas),
+        shared.metrics_text(),
     )
         .into_response()
 }

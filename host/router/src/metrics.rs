@@ -7,8 +7,6 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::replica::Replica;
-
 const LATENCY_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 ];
@@ -106,6 +104,13 @@ impl ErrorKind {
             ErrorKind::Stream => "stream",
         }
     }
+}
+
+/// What `/metrics` shows of one replica: its status and counters (`Shared::metrics_text` builds
+/// these from the replicas, so this module needs nothing of `replica`).
+pub(crate) struct ReplicaRow<'a> {
+    pub status: crate::ReplicaStatus,
+    pub metrics: &'a ReplicaMetrics,
 }
 
 /// One replica's counters.
@@ -228,7 +233,7 @@ impl Metrics {
             .or_default() += 1;
     }
 
-    pub(crate) fn render(&self, replicas: &[std::sync::Arc<Replica>]) -> String {
+    pub(crate) fn render(&self, replicas: &[ReplicaRow<'_>]) -> String {
         let mut out = String::with_capacity(8192);
         let o = &mut out;
         header(o, "k3router_replica_info", "gauge", "A configured replica.");
@@ -236,8 +241,8 @@ impl Metrics {
             let _ = writeln!(
                 o,
                 "k3router_replica_info{{replica=\"{}\",url=\"{}\"}} 1",
-                r.id,
-                escape(&r.url)
+                r.status.id,
+                escape(&r.status.url)
             );
         }
         let gauges: [Gauge; 8] = [
@@ -272,11 +277,11 @@ impl Metrics {
                 |s| s.index_checkpoints as u64,
             ),
         ];
-        let statuses: Vec<_> = replicas.iter().map(|r| r.status()).collect();
         for (name, help, get) in gauges {
             let full = format!("k3router_replica_{name}");
             header(o, &full, "gauge", help);
-            for s in &statuses {
+            for r in replicas {
+                let s = &r.status;
                 let _ = writeln!(o, "{full}{{replica=\"{}\"}} {}", s.id, get(s));
             }
         }
@@ -304,7 +309,12 @@ impl Metrics {
             let full = format!("k3router_{name}");
             header(o, &full, "counter", help);
             for r in replicas {
-                let _ = writeln!(o, "{full}{{replica=\"{}\"}} {}", r.id, get(&r.metrics));
+                let _ = writeln!(
+                    o,
+                    "{full}{{replica=\"{}\"}} {}",
+                    r.status.id,
+                    get(r.metrics)
+                );
             }
         }
         header(
@@ -319,7 +329,7 @@ impl Metrics {
                 let _ = writeln!(
                     o,
                     "k3router_errors_total{{replica=\"{}\",kind=\"{}\"}} {n}",
-                    r.id,
+                    r.status.id,
                     kind.as_str()
                 );
             }
@@ -331,7 +341,7 @@ impl Metrics {
             "From sending a request to a replica to its response headers.",
         );
         for r in replicas {
-            let l = format!("replica=\"{}\"", r.id);
+            let l = format!("replica=\"{}\"", r.status.id);
             r.metrics
                 .time_to_headers
                 .render(o, "k3router_time_to_headers_seconds", &l);
@@ -343,7 +353,7 @@ impl Metrics {
             "From sending a request to a replica to the end of its response body.",
         );
         for r in replicas {
-            let l = format!("replica=\"{}\"", r.id);
+            let l = format!("replica=\"{}\"", r.status.id);
             r.metrics
                 .duration
                 .render(o, "k3router_request_duration_seconds", &l);

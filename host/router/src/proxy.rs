@@ -18,7 +18,7 @@ use futures::stream::{BoxStream, StreamExt};
 use k3_plugin_host::{ReplicaView, RouteChoice, RouteRequest};
 
 use crate::Shared;
-use crate::errors::{Style, body_error, unavailable};
+use crate::errors::{Style, body_error, error_chain, unavailable};
 use crate::metrics::{ErrorKind, Outcome};
 use crate::policy::{ApiRoute, least_load};
 use crate::replica::{InFlight, Replica};
@@ -48,18 +48,6 @@ const HOP_BY_HOP: [&str; 8] = [
 
 /// The longest `x-k3-route-reason` passed on.
 const MAX_REASON: usize = 200;
-
-/// An error's message with its causes (reqwest's own message names only the URL).
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    s
-}
 
 /// What the policy is told about a request, less the block hashes (per replica block size).
 struct Summary {

@@ -180,7 +180,7 @@ pub(crate) async fn probe(shared: &Shared, replica: &Replica) {
         ),
         Err(e) => replica.record_failure(
             shared.config.eject_after,
-            &format!("/health failed: {}", crate::proxy::error_chain(&e)),
+            &format!("/health failed: {}", crate::errors::error_chain(&e)),
         ),
     }
 }
