@@ -13,9 +13,9 @@ use k3_structured::{
 use serde_json::Value;
 
 use crate::error::BackendError;
-use crate::output_grammar::OutputGrammar;
 use crate::request::{ChatGenRequest, ToolChoice};
 use crate::tokenizer::Tokenizer;
+use k3_plugin_host::OutputGrammar;
 
 /// The grammar compiler of one model, built on first use (building the token trie takes a few
 /// milliseconds; servers that never constrain never pay it).
