@@ -3,8 +3,9 @@
 // of a grouped mma.sync pair (deleted: tiles of one expert's sorted assignments, the tile
 // list derived on the device, SiTU-GLU in the up epilogue, y rows by assignment, then
 // moe_combine_ids_f32) with its own activation layout and a runtime `planes`: 2 = hi / lo bf16
-// (split_bf16, ~16 mantissa bits: f32-level results, the default), 1 = bf16 rounded once
-// (what vLLM / SGLang do: ~3e-3 relative; the backend always passes 2). Deterministic either way.
+// (split_bf16, ~16 mantissa bits: f32-level results, `--dtype float32`), 1 = bf16 rounded once
+// (what vLLM / SGLang do: ~3e-3 relative; `--dtype bfloat16`, the default; SiTU there uses the
+// hardware tanh, 2^-11 relative, below the bf16 rounding that follows). Deterministic either way.
 //
 // Why. An mma.sync m16n8k16 grouped pair is slower: a warp issues one mma per 16 rows x 4 tokens
 // (hi / lo columns) and reads every B fragment with its own LDS, so issue slots and shared-memory
@@ -14,11 +15,11 @@
 // staged - and B (the tokens) from shared memory through a descriptor: one instruction per
 // warpgroup covers 64 rows x N tokens x 16 with no per-thread B traffic.
 //
-// CTA: 256 threads = 2 warpgroups, both consumers (no producer: every thread issues its share of
-// the cp.async copies; one barrier per stage). 256 weight rows x one tile of
-// up to 128 tokens; one CTA per SM (209,920 B of shared memory). Warpgroup v owns staged rows
-// [128 v, 128 v + 128) as two m64 tiles m = 0, 1 (UP: W1 and W3 rows r0 + 64 v + 0..63, so gate
-// and up of one (row, token) sit in the same thread; DOWN: W2 rows r0 + 128 v + 64 m + 0..63).
+// CTA: 256 threads = 2 warpgroups, both consumers (no producer warp: every thread issues its
+// share of the weight copies, warp 0 the token copies; one barrier per stage). 256 weight rows x
+// one tile of up to 128 tokens; one CTA per SM (209,920 B of shared memory). Warpgroup v owns
+// staged rows [128 v, 128 v + 128) as two m64 tiles m = 0, 1 (UP: W1 and W3 rows r0 + 64 v + 0..63,
+// so gate and up of one (row, token) sit in the same thread; DOWN: W2 rows r0 + 128 v + 64 m + 0..63).
 // Why 256 x 128: B is the operand that is expensive to move (4 B per element at hi / lo against
 // 0.53 B per packed weight), so the CTA takes as many weight rows as the accumulators allow
 // (2 x m64n128 f32 = 128 registers per thread): ~20 B / clock per SM from L2 at full tensor rate.
@@ -29,19 +30,24 @@
 // (planes 1) stages. Stage c + S - 2 is issued while stage c is consumed, into the buffer of
 // stage c - 2: the last wgmma group of stage c - 1 may still be reading its own buffer, but every
 // warpgroup waited for stage c - 2's groups (wait_group 1 after stage c - 1's first k-step)
-// before arriving at stage c's barrier. Per stage and thread: cp.async.wait_group S - 3 (its
-// copies of stage c landed); fence.proxy.async (generic-proxy writes before async-proxy reads, as
-// the PTX memory model asks; ptxas emits MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S. CUTLASS's and
-// Triton's cp.async + wgmma mainloops go without it: mode bit MXW_NO_PROXY_FENCE drops it, for
-// the harness's probes, which found it costs nothing; the backend keeps it); __syncthreads; then
-// 4 k-steps, each: decode the lane's A fragments of both m-tiles, wgmma.fence (the A registers
+// before arriving at stage c's barrier. Two kinds of copy fill a stage:
+//   weights and scales: cp.async by every thread (a 16-byte piece of two staged rows and a row's
+//     4 scale bytes), read back with plain loads by the decode: cp.async.wait_group S - 3, then
+//     the stage's __syncthreads;
+//   tokens: 8 x planes bulk copies (cp.async.bulk, one per 16-byte chunk column: nt x 16
+//     contiguous bytes in the chunk-major layout below) issued by warp 0's lanes against the
+//     stage's mbarrier, which lane 0 arms with the byte count; every thread waits for the
+//     mbarrier's phase just before the stage's first wgmma. The bulk copies are async-proxy
+//     writes read by the async proxy (wgmma), so no proxy fence is needed; columns [nt, N) of the
+//     tile keep whatever the buffer held (their outputs are never stored: a wgmma column is its
+//     own dot product). Per-thread cp.async of the tokens, gathered by row, cost ~30 % of the up
+//     kernel (docs/performance-history.md, call BZ's probes).
+// Then 4 k-steps, each: decode the lane's A fragments of both m-tiles, wgmma.fence (the A registers
 // were just written), planes x 2 wgmmas (m-tile x plane; both planes accumulate into the same
-// registers), commit, a share of stage c + S - 2's copies (k-step 0: weights and scales; 1..3:
-// token chunks), wait_group 1 (the previous k-step's group is done: its A registers may be
-// reused, and the current group runs under the next decode); then commit stage c + S - 2's
-// copies as one group. Spread over the k-steps, the copies no longer stall every warp right
-// after the barrier (docs/performance-history.md, call CA). ptxas (-v) reports no wgmma
-// serialisation, 0 spills, ~210 registers.
+// registers), commit, a share of stage c + S - 2's copies (k-step 0: weights and scales; 1:
+// tokens), wait_group 1 (the previous k-step's group is done: its A registers may be reused, and
+// the current group runs under the next decode); then commit stage c + S - 2's cp.async copies as
+// one group. ptxas (-v) reports no wgmma serialisation and 0 spills.
 //
 // Determinism (device_check.py check_moe_wg_repeat). Every output element - an intermediate value
 // (row, sorted position) or a y value (row, assignment) - is one accumulator lane of one thread,
@@ -58,8 +64,9 @@
 //                  stage (block 2 (c & 1) + b of stage c at byte 4 ar + 2 (c & 1) + b).
 //   [9216, SB)     tokens (B), K-major, no swizzle: 16-byte chunk cc = 8 p + q (plane p, positions
 //                  8 q .. 8 q + 7 of the stage's 64) of token n at 9216 + 2048 cc + 16 n, so a
-//                  core matrix (8 tokens x 8 k) is 128 contiguous bytes (conflict-free), and a
-//                  warp's cp.async (8 tokens x 4 chunks) writes four whole 128-byte runs.
+//                  core matrix (8 tokens x 8 k) is 128 contiguous bytes (conflict-free), and chunk
+//                  cc of the tile's tokens is one run of 16 nt bytes: one bulk copy.
+// The ring's mbarriers (one per stage buffer) are static shared memory.
 // B descriptor (PTX matrix descriptor: start >> 4 | LBO >> 4 << 16 | SBO >> 4 << 32, layout type
 // 0 = no swizzle, base offset 0; CUTLASS's K-major INTERLEAVE canonical layout ((8, n), 2) :
 // ((16 B, SBO), LBO)) for plane p, k-step s (0..3): start = B base + 2048 (8 p + 2 s), LBO = 2048
@@ -84,13 +91,15 @@
 // (one factor cannot hold 2^(s - 1) past s = 128). 4.5 instructions per bf16x2 + 1 for the second
 // factor; ~340-410 instructions per warp and stage in all (SASS of the N = 64 / 128 loops).
 //
-// Activation layout (both split forms): [row][ceil(cols / 64) groups][planes][64] bf16, column
-// 64 G + c at position mxw_pos(c) of group G, columns past `cols` zero (they meet zero-filled
-// weights; zeros keep NaN out). mxfp4_experts_wgmma_split_f32 writes z so; the up kernel writes the
-// intermediate so, row = sorted position, for the down kernel.
-//   mxfp4_experts_wgmma_split_f32     zx[t] = split(z[t]) (planes 2) or bf16(z[t]) (planes 1)
-//   mxfp4_experts_wgmma_up_f32        actx[p] = split(SiTU-GLU(W1_e z, W3_e z)) for sorted position p
-//   mxfp4_experts_wgmma_down_f32      y[sorted[p]] = W2_e act[p]
+// Activation layout, chunk-major (what the stage's bulk copies read): [ceil(cols / 64) groups G]
+// [8 planes chunks cc][R rows][8] bf16, R = the step's assignments; column 64 G + c of row r is
+// element pos & 7 of chunk cc = 8 p + (pos >> 3), pos = mxw_pos(c), plane p (hi, lo or the one
+// bf16); columns past `cols` zero (they meet zero-filled weights; zeros keep NaN out). Row r is
+// sorted position r for both GEMMs, so a tile's tokens are consecutive rows: the split gathers
+// z's rows into sorted order (sorted[r] / top_k), the up kernel writes the intermediate so.
+//   mxfp4_experts_wgmma_split_f32     zx[r] = split(z[sorted[r] / top_k]) (planes 2) or bf16 (planes 1)
+//   mxfp4_experts_wgmma_up_f32        actx[r] = split(SiTU-GLU(W1_e zx[r], W3_e zx[r]))
+//   mxfp4_experts_wgmma_down_f32      y[sorted[r]] = W2_e actx[r]
 //
 // Expected (H200, K3: latent 3584, inter 3072, top-16 of 128). MMA = planes x 2.16 TFLOP at
 // T = 2048: 5.5 ms (hi / lo) / 2.7 ms (bf16) at ~790 TFLOP/s, +~6 % for rounding partial tiles up
@@ -113,17 +122,17 @@
 #define MXW_STAGES(P) ((P) == 2 ? 5 : 8)
 // Harness-only timing probes (device_check.py bench_moe_wg_diag; never set by the backend): bits
 // of what to leave out - 1 the weight decode (raw words feed the MMA), 2 the wgmma, 4 the token
-// copies, 8 the weight and scale copies, 16 the epilogue (nothing stored), 32 SiTU (the up
-// epilogue stores gate x up). Results are garbage under any of them.
+// copies, 8 the weight and scale copies, 16 the epilogue (nothing stored, the accumulators kept
+// live), 32 SiTU (the up epilogue stores gate x up); 64 evaluates the bf16 mode's SiTU as the
+// float32 mode's (k3_tanh). Results are garbage under 1..32.
 #ifndef MXW_DIAG
 #define MXW_DIAG 0
 #endif
-#define MXW_SWAP_LBO_SBO 16   // GEMM kernels' mode bit: swap the B descriptor's LBO / SBO (diagnostic)
-#define MXW_NO_PROXY_FENCE 32  // mode bit: no fence.proxy.async per stage (CUTLASS's cp.async + GMMA way)
-// Dynamic shared memory of both GEMM kernels (moe_wg.rs MX_WG_SHARED): 209,920 B.
+#define MXW_SWAP_LBO_SBO 16  // GEMM kernels' mode bit: swap the B descriptor's LBO / SBO (diagnostic)
+// Dynamic shared memory of both GEMM kernels (geometry.rs MX_WG_SHARED): 209,920 B.
 #define MXW_SHARED_BYTES (MXW_STAGES(2) * MXW_STAGE_BYTES(2))
 
-static_assert(MXW_SHARED_BYTES == 209920, "keep moe_wg.rs MX_WG_SHARED in step");
+static_assert(MXW_SHARED_BYTES == 209920, "keep geometry.rs MX_WG_SHARED in step");
 static_assert(MXW_STAGES(1) * MXW_STAGE_BYTES(1) <= MXW_SHARED_BYTES, "planes = 1 ring fits");
 
 // Column c (0..63) of a stage -> its position in a staged activation group (header).
@@ -131,27 +140,41 @@ __device__ __forceinline__ int mxw_pos(int c) {
     return 16 * ((c >> 2) & 3) + 8 * ((c >> 1) & 1) + 2 * (c >> 4) + (c & 1);
 }
 
-// Grid (rows, ceil(cols / 256)), 128 threads: x [rows, cols] f32 -> xs (layout above), thread i
-// taking columns 2i, 2i + 1 of the block's 256 (adjacent positions: one 4-byte store per plane).
-extern "C" __global__ void mxfp4_experts_wgmma_split_f32(const float* __restrict__ x, u16* __restrict__ xs, int rows, int cols,
-                                             int planes) {
-    const int row = blockIdx.x, col = 256 * blockIdx.y + 2 * threadIdx.x, ng = (cols + MXW_KC - 1) / MXW_KC;
-    if (row >= rows || (col >> 6) >= ng) return;
-    float v0 = 0.0f, v1 = 0.0f;
-    if (col < cols) {  // cols % 32 == 0: col + 1 is in the row too
-        const float2 f = *reinterpret_cast<const float2*>(x + (i64)row * cols + col);
-        v0 = f.x, v1 = f.y;
+// Grid (ceil(R / 8), ceil(cols / 64)), 64 threads: z [T, cols] f32 -> xs (chunk-major, header)
+// in sorted order. Thread (i = tid & 7, q = tid >> 3) writes chunk q of each plane of row r =
+// 8 blockIdx.x + i, group blockIdx.y: the 8 columns 64 G + 2 q + 16 m + {0, 1} (m = 0..3) of z's
+// row sorted[r] / top_k, whose positions are 8 q + 2 m + {0, 1}. A warp's stores are runs of 128
+// contiguous bytes (8 rows of one chunk). Rows from offsets[experts] on (dropped slots, never
+// read by a tile) are skipped.
+extern "C" __global__ void mxfp4_experts_wgmma_split_f32(const float* __restrict__ z, const int* __restrict__ sorted,
+                                                         const int* __restrict__ offsets, u16* __restrict__ xs, int R,
+                                                         int cols, int top_k, int experts, int planes) {
+    const int r = 8 * blockIdx.x + (threadIdx.x & 7), q = threadIdx.x >> 3, grp = blockIdx.y;
+    if (r >= R || r >= offsets[experts]) return;
+    const float* src = z + (i64)(sorted[r] / top_k) * cols + 64 * grp + 2 * q;
+    float v[8];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        float2 f = make_float2(0.0f, 0.0f);
+        if (64 * grp + 2 * q + 16 * m < cols)  // cols is even: the pair's second column is in the row too
+            f = *reinterpret_cast<const float2*>(src + 16 * m);
+        v[2 * m] = f.x, v[2 * m + 1] = f.y;
     }
-    u16* dst = xs + ((i64)row * ng + (col >> 6)) * planes * 64 + mxw_pos(col & 63);
-    if (planes == 2) {
-        u16 h0, l0, h1, l1;
-        split_bf16(v0, h0, l0);
-        split_bf16(v1, h1, l1);
-        *reinterpret_cast<u32*>(dst) = h0 | ((u32)h1 << 16);
-        *reinterpret_cast<u32*>(dst + 64) = l0 | ((u32)l1 << 16);
-    } else {
-        *reinterpret_cast<u32*>(dst) = f32_to_bf16_bits(v0) | ((u32)f32_to_bf16_bits(v1) << 16);
+    u16 hi[8], lo[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (planes == 2)
+            split_bf16(v[k], hi[k], lo[k]);
+        else
+            hi[k] = f32_to_bf16_bits(v[k]);
     }
+    auto pack = [](const u16(&h)[8]) {
+        return make_uint4(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16), h[4] | ((u32)h[5] << 16),
+                          h[6] | ((u32)h[7] << 16));
+    };
+    uint4* dst = reinterpret_cast<uint4*>(xs) + ((i64)grp * 8 * planes + q) * R + r;
+    dst[0] = pack(hi);
+    if (planes == 2) dst[(i64)8 * R] = pack(lo);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -159,7 +182,44 @@ typedef unsigned long long u64;
 
 extern __shared__ __align__(128) u8 mxw_smem[];
 
-__device__ __forceinline__ void mxw_fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// The ring's mbarriers (one per stage buffer; MXW_STAGES(1) is the larger ring).
+__shared__ __align__(8) u64 mxw_bars[8];
+
+__device__ __forceinline__ void mxw_bar_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+// The one arrival of a phase, with the bytes its bulk copies will complete.
+__device__ __forceinline__ void mxw_bar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mxw_bar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n\t.reg .pred done;\n"
+                 "MXW_WAIT_%=:\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+                 "@!done bra MXW_WAIT_%=;\n\t}" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+// `bytes` (a multiple of 16) from global to this CTA's shared memory, completing on `bar`.
+__device__ __forceinline__ void mxw_bulk(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ float mxw_tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// SiTU-GLU in bf16 mode (situ_glu_one's formula, docs/k3-model.md §6) with the hardware tanh
+// (2^-11 relative; the result is rounded to bf16, 2^-9, next): one MUFU op per tanh against
+// k3_tanh's two and ~15 more instructions. The sigmoid stays exp + reciprocal (a tanh-based
+// sigmoid loses its relative precision for negative gates). ib / ibl = 1 / beta, 1 / beta_lin.
+__device__ __forceinline__ float mxw_situ_glu_bf16(float g, float u, float beta, float ib, float beta_lin, float ibl,
+                                                   int has_lin) {
+    const float a = beta * mxw_tanh_approx(g * ib) * __fdividef(1.0f, 1.0f + __expf(-g));
+    return a * (has_lin ? beta_lin * mxw_tanh_approx(u * ibl) : u);
+}
 __device__ __forceinline__ void mxw_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void mxw_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -258,77 +318,115 @@ __device__ __forceinline__ u32 mxw_dec(u32 lo, u32 hi, int b, u32 sc, u32 sc2) {
     return out;
 }
 
-// One CTA's tile: nt (1..128) tokens whose B rows are xs rows (UP: sorted[p0 + i] / div, else
-// p0 + i); staged A-row ar is, for UP, row r0 + 64 (ar >> 7) + (ar & 63) of W1 ((ar >> 6) & 1 == 0)
-// or W3, else row r0 + ar of W2; `rows` x `cols` per matrix.
+// One CTA's tile: nt (1..128) tokens, rows p0 .. p0 + nt - 1 of xs (chunk-major, R rows); staged
+// A-row ar is, for UP, row r0 + 64 (ar >> 7) + (ar & 63) of W1 ((ar >> 6) & 1 == 0) or W3, else
+// row r0 + ar of W2; `rows` x `cols` per matrix.
 struct MxwTile {
     const u16* xs;
-    int div;
-    const int* sorted;
+    i64 R;
+    const int* sorted;  // DOWN: y row of each sorted position
     int p0, nt;
     const u8* pk[2];
     const u8* ps[2];
     int rows, cols, r0;
-    u16* actx;  // UP output
+    u16* actx;  // UP output (chunk-major, R rows)
     float* y;   // DOWN output
     float beta, beta_lin;
     int has_lin;
-    bool swap;     // mode & MXW_SWAP_LBO_SBO
-    bool nofence;  // mode & MXW_NO_PROXY_FENCE
+    bool swap;  // mode & MXW_SWAP_LBO_SBO
 };
 
+// The epilogue stages a tile's results in the (then idle) ring and writes them with 16-byte
+// stores, each warp's a contiguous run: storing straight from the accumulators (2- or 4-byte
+// pieces, 16 scattered sectors per warp store for the up kernel) was half the up kernel and of
+// the down kernel (docs/performance-history.md, call CD's probes).
+// UP: run (v, cc) of warpgroup v's group holds its chunk column cc for the tile's tokens, 16 B
+// per token, runs MXW_RUN_BYTES apart (16 B of padding: fewer bank conflicts).
+// DOWN: token i's 256 y values at float MXW_Y_ROW * i (4 floats of padding, likewise).
+#define MXW_RUN_BYTES (MXW_TOK * 16 + 16)
+#define MXW_Y_ROW (MXW_AROWS + 4)
+static_assert(2 * 16 * MXW_RUN_BYTES <= MXW_SHARED_BYTES, "up staging fits the ring");
+static_assert(MXW_TOK * MXW_Y_ROW * 4 <= MXW_SHARED_BYTES, "down staging fits the ring");
+
 // A tile's results: UP, actx = SiTU-GLU of each thread's gate (m-tile 0) and up (m-tile 1) rows,
-// split into `P` planes; else y rows by assignment. Threads 0..255 (the two warpgroups).
+// split into `P` planes; else y rows by assignment. Threads 0..255 (the two warpgroups), after
+// both warpgroups' last wgmma (the staging overwrites the ring).
 template <int P, bool UP, int N>
 __device__ __forceinline__ void mxw_epilogue(const MxwTile& a, const float (&acc)[2][N / 2]) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = tid >> 7, wq = warp & 3, g = lane >> 2,
               t = lane & 3;
     if constexpr (UP) {
-        // actx row p0 + i, group 2 blockIdx.x + wg (= (r0 + 64 wg) / 64), position of local row rl.
-        const int ng = (a.rows + MXW_KC - 1) / MXW_KC, grp = 2 * blockIdx.x + wg;
-        if (grp >= ng) return;  // warpgroup-uniform: past the row's last group
-        u16* base = a.actx + (i64)a.p0 * ng * (P * 64) + grp * (P * 64);
+        const int ng = (a.rows + MXW_KC - 1) / MXW_KC;  // group of warpgroup v: 2 blockIdx.x + v
+        // Every SiTU first, without a branch (tokens past nt included: computed, never stored), so
+        // the evaluations interleave.
+        const float ib = __fdividef(1.0f, a.beta), ibl = __fdividef(1.0f, a.beta_lin);
+        float v[N / 2];
 #pragma unroll
-        for (int j = 0; j < N / 8; ++j)
+        for (int x = 0; x < N / 2; ++x) {
+            const float gate = acc[0][x], up = acc[1][x];
+            if (MXW_DIAG & 32)
+                v[x] = gate * up;
+            else if (P == 1 && !(MXW_DIAG & 64))
+                v[x] = mxw_situ_glu_bf16(gate, up, a.beta, ib, a.beta_lin, ibl, a.has_lin);
+            else
+                v[x] = situ_glu_one(gate, up, a.beta, a.beta_lin, a.has_lin);
+        }
+        // Element 4 j + 2 h + e: local row rl = 16 wq + 8 h + g (column rl of the group: position
+        // 8 (4 h + (g >> 1)) + 2 wq + (g & 1)), token i = 8 j + 2 t + e.
+        u16* st = reinterpret_cast<u16*>(mxw_smem) + 2 * wq + (g & 1);
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int i = 8 * j + 2 * t + e;
-                if (i >= a.nt) continue;
-                u16* dst = base + (i64)i * ng * (P * 64);
+        for (int h = 0; h < 2; ++h) {
+            const bool row_in = a.r0 + 64 * wg + 16 * wq + 8 * h + g < a.rows;  // else zeros (padding)
+            const int run = wg * 8 * P + 4 * h + (g >> 1);
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int rl = 16 * wq + 8 * h + g;
-                    const float gate = acc[0][4 * j + 2 * h + e], up = acc[1][4 * j + 2 * h + e];
-                    const float v =
-                        a.r0 + 64 * wg + rl >= a.rows ? 0.0f
-                        : (MXW_DIAG & 32)            ? gate * up
-                                                     : situ_glu_one(gate, up, a.beta, a.beta_lin, a.has_lin);
+            for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int i = 8 * j + 2 * t + e;
+                    const float val = row_in ? v[4 * j + 2 * h + e] : 0.0f;
+                    u16* dst = st + (run * MXW_RUN_BYTES + 16 * i) / 2;
                     if (P == 2) {
                         u16 hi, lo;
-                        split_bf16(v, hi, lo);
-                        dst[mxw_pos(rl)] = hi;
-                        dst[64 + mxw_pos(rl)] = lo;
+                        split_bf16(val, hi, lo);
+                        dst[0] = hi;
+                        dst[8 * MXW_RUN_BYTES / 2] = lo;  // run + 8: plane 1
                     } else {
-                        dst[mxw_pos(rl)] = f32_to_bf16_bits(v);
+                        dst[0] = f32_to_bf16_bits(val);
                     }
                 }
-            }
+        }
+        __syncthreads();
+        // Run r = (v, cc): nt 16-byte pieces to actx's chunk column cc of group 2 blockIdx.x + v.
+        for (int k = tid; k < 2 * 8 * P * MXW_TOK; k += MXW_THREADS) {
+            const int r = k / MXW_TOK, i = k % MXW_TOK, grp = 2 * blockIdx.x + r / (8 * P);
+            if (i >= a.nt || grp >= ng) continue;
+            const uint4 x = *reinterpret_cast<const uint4*>(mxw_smem + r * MXW_RUN_BYTES + 16 * i);
+            reinterpret_cast<uint4*>(a.actx)[((i64)grp * 8 * P + r % (8 * P)) * a.R + a.p0 + i] = x;
+        }
     } else {
+        float* st = reinterpret_cast<float*>(mxw_smem);
 #pragma unroll
         for (int j = 0; j < N / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int i = 8 * j + 2 * t + e;
-                if (i >= a.nt) continue;
-                float* row = a.y + (i64)a.sorted[a.p0 + i] * a.rows;
+            for (int e = 0; e < 2; ++e)
 #pragma unroll
                 for (int m = 0; m < 2; ++m)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int r = a.r0 + 128 * wg + 64 * m + 16 * wq + 8 * h + g;
-                        if (r < a.rows) row[r] = acc[m][4 * j + 2 * h + e];
-                    }
+                    for (int h = 0; h < 2; ++h)
+                        st[(8 * j + 2 * t + e) * MXW_Y_ROW + 128 * wg + 64 * m + 16 * wq + 8 * h + g] =
+                            acc[m][4 * j + 2 * h + e];
+        __syncthreads();
+        // Token i (warp i % 8): its 256 values to y row sorted[p0 + i], 512 contiguous bytes per
+        // warp store (rows % 4 == 0: a float4 is inside the row or past it).
+        for (int i = warp; i < a.nt; i += MXW_THREADS / 32) {
+            float* row = a.y + (i64)a.sorted[a.p0 + i] * a.rows + a.r0;
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const int c = 4 * lane + 128 * k;
+                if (a.r0 + c < a.rows)
+                    *reinterpret_cast<float4*>(row + c) = *reinterpret_cast<const float4*>(st + i * MXW_Y_ROW + c);
             }
+        }
     }
 }
 
@@ -341,10 +439,8 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
     const u32 sbase = (u32)__cvta_generic_to_shared(mxw_smem);
 
     // Copy duty. A: 16-byte half (tid & 1) of staged rows (tid >> 1) + 128 i; scales: staged row
-    // tid; B: tokens 8 warp + (lane & 7) + 64 k, chunks 4 j + (lane >> 3) (per warp-wide cp.async:
-    // 8 tokens x 4 chunks, each chunk's 8 tokens one 128-byte run in shared memory, each token's 4
-    // chunks 64 contiguous bytes in global). Rows past the matrix are clamped (loaded, never
-    // stored); tokens in [nt, N) are zero-filled, past N not copied.
+    // tid (cp.async). Rows past the matrix are clamped (loaded, never stored). B: warp 0, lane
+    // cc < 8 P: chunk column cc of the tile's rows, 16 nt contiguous bytes (a bulk copy).
     auto src_row = [&](int ar, int& m) {
         m = UP ? (ar >> 6) & 1 : 0;
         return min(UP ? a.r0 + 64 * (ar >> 7) + (ar & 63) : a.r0 + ar, a.rows - 1);
@@ -359,24 +455,16 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
     int sm;
     const int sr = src_row(tid, sm);
     const u8* ssrc = (sm ? a.ps[1] : a.ps[0]) + (i64)sr * nb;
-    const int n0 = 8 * warp + (lane & 7);
-    // Token n0 + 64 k: inside the tile's N (warp-uniform; n0 < 64), its source row (row 0 past nt,
-    // copied with 0 bytes read: zeros), and its shared-memory offset in a stage.
-    const bool bon[2] = {N >= 64 || n0 < N, N == 128 || (N > 64 && n0 + 64 < N)};
-    const u16* bsrc[2];
-    u32 bsz[2], bdst[2];
+    const u32 bar0 = (u32)__cvta_generic_to_shared(mxw_bars), tok_bytes = 16u * (u32)a.nt;
+    if (tid == 0) {
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        const int n = n0 + 64 * k;
-        const bool on = n < a.nt;
-        const i64 row = on ? (UP ? a.sorted[a.p0 + n] / a.div : a.p0 + n) : 0;
-        bsrc[k] = a.xs + row * nch * (P * 64) + 8 * (lane >> 3);
-        bsz[k] = on ? 16u : 0u;
-        bdst[k] = MXW_A_BYTES + MXW_S_BYTES + (lane >> 3) * MXW_CHUNK_BYTES + 16 * n;
+        for (int i = 0; i < S; ++i) mxw_bar_init(bar0 + 8 * i);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
+    __syncthreads();  // the mbarriers are initialised before anyone arms or waits on them
 
     // part: -1 all of stage c's copies (the prologue); 0..3 the share issued after k-step `part`
-    // of an earlier stage: 0 the weights and scales, 1..3 the token chunks j with j % 3 + 1 == part.
+    // of an earlier stage: 0 the weights and scales, 1 the tokens.
     auto issue = [&](int c, int part) {
         const u32 bs = sbase + (c % S) * SB;
         const bool in = 64 * c + 32 * (tid & 1) < cols;  // past the row's end: zeros (code 0 = +0)
@@ -395,14 +483,13 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
                 *reinterpret_cast<u32*>(mxw_smem + (c % S) * SB + MXW_A_BYTES + 4 * tid) = v;
             }
         }
-        if (MXW_DIAG & 4) return;
-        const i64 boff = (i64)c * (P * 64);
-#pragma unroll
-        for (int j = 0; j < 2 * P; ++j)  // chunks 4 j + (lane >> 3)
-#pragma unroll
-            for (int k = 0; k < 2; ++k)
-                if (bon[k] && (part < 0 || part == j % 3 + 1))
-                    mx_cp16_fill(bs + bdst[k] + 4 * j * MXW_CHUNK_BYTES, bsrc[k] + boff + 32 * j, bsz[k]);
+        if ((MXW_DIAG & 4) || (part != -1 && part != 1) || warp != 0) return;
+        const u32 bar = bar0 + 8 * (c % S);
+        if (lane == 0) mxw_bar_expect(bar, 8 * P * tok_bytes);
+        __syncwarp();
+        if (lane < 8 * P)
+            mxw_bulk(bs + MXW_A_BYTES + MXW_S_BYTES + lane * MXW_CHUNK_BYTES,
+                     a.xs + (((i64)c * 8 * P + lane) * a.R + a.p0) * 8, tok_bytes, bar);
     };
 
     float acc[2][L];
@@ -418,8 +505,7 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
         mx_commit();
     }
     for (int c = 0; c < nch; ++c) {
-        mxw_cp_wait<S - 3>();  // this thread's copies of stage c are done (S - 3 younger groups)
-        if (!a.nofence) mxw_fence_async();  // ... and visible to the async proxy (wgmma)
+        mxw_cp_wait<S - 3>();  // this thread's weight copies of stage c are done (S - 3 younger groups)
         __syncthreads();       // everyone's; and every warpgroup is done with stage c - 2's buffer
         const u8* buf = mxw_smem + (c % S) * SB;
         uint2 wv[2][2];
@@ -456,6 +542,7 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
                 af[m][2] = mxw_dec(l0, h0, by + 1, sc[m][0], sc2[m][0]);
                 af[m][3] = mxw_dec(l1, h1, by + 1, sc[m][1], sc2[m][1]);
             }
+            if (s == 0 && !(MXW_DIAG & 4)) mxw_bar_wait(bar0 + 8 * (c % S), (u32)(c / S) & 1u);  // the tokens
             mxw_wg_fence();  // the A registers (and, first time, the zeroed accumulators) were written
 #pragma unroll
             for (int m = 0; m < 2; ++m)
@@ -466,12 +553,19 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
             if (c + S - 2 < nch) issue(c + S - 2, s);  // a share of stage c + S - 2's copies
             mxw_wg_wait<1>();  // the previous k-step's group is done
         }
-        mx_commit();  // stage c + S - 2's group (possibly empty: keeps the count per stage fixed)
+        mx_commit();  // stage c + S - 2's cp.async group (possibly empty: keeps the count per stage fixed)
     }
     mxw_wg_wait<0>();
     mxw_pin(acc[0]);
     mxw_pin(acc[1]);
-    if (MXW_DIAG & 16) return;
+    if (MXW_DIAG & 16) {  // keep the accumulators live (a store never taken): else ptxas drops the wgmmas
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < L; ++i) sum += acc[0][i] + acc[1][i];
+        if (a.cols < 0) *reinterpret_cast<float*>(UP ? (void*)a.actx : (void*)a.y) = sum;  // cols: a kernel argument
+        return;
+    }
+    __syncthreads();  // both warpgroups' wgmmas are done with the ring: the epilogue stages in it
     mxw_epilogue<P, UP, N>(a, acc);
 }
 
@@ -488,24 +582,23 @@ __device__ __forceinline__ void mxw_dispatch(const MxwTile& a) {
 #endif
 
 // Grid (ceil(inter / 128), assignments / 128 + min(E, assignments) (a bound on the tiles)), 256
-// threads, MXW_SHARED_BYTES (opt-in). mode = planes (1 or 2) | MXW_NO_PROXY_FENCE |
-// MXW_SWAP_LBO_SBO (a diagnostic). zx: mxfp4_experts_wgmma_split_f32 of z [T, latent] with those planes; actx
-// [n_assign] rows of ceil(inter / 64) groups (layout above), row p = sorted position p: the up CTA
-// (x, tile) writes groups 2x, 2x + 1 of its tokens' rows (rows past inter as zeros). Other
-// arguments as mxfp4_up_grouped_f32.
+// threads, MXW_SHARED_BYTES (opt-in). mode = planes (1 or 2) | MXW_SWAP_LBO_SBO (a diagnostic).
+// zx: mxfp4_experts_wgmma_split_f32's R rows (sorted positions) with those planes; actx: R rows of
+// ceil(inter / 64) groups, both chunk-major (header): the up CTA (x, tile) writes groups 2x, 2x + 1
+// of its tokens' rows (rows past inter as zeros). Other arguments as mxfp4_up_grouped_f32.
 extern "C" __global__ void __launch_bounds__(MXW_THREADS, 1)
 mxfp4_experts_wgmma_up_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
-                const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
-                const int* __restrict__ sorted, u16* __restrict__ actx, int top_k, int latent, int inter, float beta,
-                float beta_lin, int has_lin, int experts, int mode) {
+                           const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
+                           u16* __restrict__ actx, int R, int latent, int inter, float beta, float beta_lin,
+                           int has_lin, int experts, int mode) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, t0;
     if (!mx_find_tile<MXW_TOK>(offsets, experts, blockIdx.y, e, t0)) return;  // block-uniform
     const i64 mat = (i64)e * inter;
     MxwTile a;
     a.xs = zx;
-    a.div = top_k;
-    a.sorted = sorted;
+    a.R = R;
+    a.sorted = nullptr;
     a.p0 = offsets[e] + t0;
     a.nt = min(MXW_TOK, offsets[e + 1] - a.p0);
     a.pk[0] = w1p + mat * (latent / 2);
@@ -521,7 +614,6 @@ mxfp4_experts_wgmma_up_f32(const u16* __restrict__ zx, const u8* __restrict__ w1
     a.beta_lin = beta_lin;
     a.has_lin = has_lin;
     a.swap = (mode & MXW_SWAP_LBO_SBO) != 0;
-    a.nofence = (mode & MXW_NO_PROXY_FENCE) != 0;
     if ((mode & 3) == 2)
         mxw_dispatch<2, true>(a);
     else
@@ -532,19 +624,19 @@ mxfp4_experts_wgmma_up_f32(const u16* __restrict__ zx, const u8* __restrict__ w1
 }
 
 // Grid (ceil(latent / 256), as the up kernel), 256 threads, MXW_SHARED_BYTES: y[sorted[p], r] =
-// W2_e[r, :] . act[p, :] with act from actx (mxfp4_experts_wgmma_up_f32, same mode). Other arguments as
-// mxfp4_down_grouped_f32.
+// W2_e[r, :] . act[p, :] with act from actx (mxfp4_experts_wgmma_up_f32, same mode and R). Other
+// arguments as mxfp4_down_grouped_f32.
 extern "C" __global__ void __launch_bounds__(MXW_THREADS, 1)
 mxfp4_experts_wgmma_down_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
-                  const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,
-                  int inter, int experts, int mode) {
+                             const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y,
+                             int R, int latent, int inter, int experts, int mode) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     int e, t0;
     if (!mx_find_tile<MXW_TOK>(offsets, experts, blockIdx.y, e, t0)) return;
     const i64 mat = (i64)e * latent;
     MxwTile a;
     a.xs = actx;
-    a.div = 1;
+    a.R = R;
     a.sorted = sorted;
     a.p0 = offsets[e] + t0;
     a.nt = min(MXW_TOK, offsets[e + 1] - a.p0);
@@ -558,7 +650,6 @@ mxfp4_experts_wgmma_down_f32(const u16* __restrict__ actx, const u8* __restrict_
     a.beta = a.beta_lin = 0.0f;
     a.has_lin = 0;
     a.swap = (mode & MXW_SWAP_LBO_SBO) != 0;
-    a.nofence = (mode & MXW_NO_PROXY_FENCE) != 0;
     if ((mode & 3) == 2)
         mxw_dispatch<2, false>(a);
     else

@@ -16,7 +16,7 @@ from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARI
 from common import run_mla_prefill, run_few_tokens
 from common import FEW_TOKEN_DOWN_ROWS, FEW_TOKEN_UP_ROWS, few_token_ntiles, few_token_scratch, few_token_shared
 from common import single_token_plan, single_token_scratch, run_single_token
-from common import (MX_WG_DOWN_ROWS, MX_WG_NO_PROXY_FENCE, MX_WG_SHARED, MX_WG_TOK, MX_WG_UP_ROWS, mx_tile_bound,
+from common import (MX_WG_DOWN_ROWS, MX_WG_SHARED, MX_WG_TOK, MX_WG_UP_ROWS, mx_tile_bound,
                     mx_wg_scratch, run_mx_wg)
 from common import gemv_tc_plan, run_gemv_tc
 
@@ -873,7 +873,7 @@ def bench_moe_few_tokens_diag(d: Device, record):
 
 def bench_moe_prefill(d: Device, record, quick: bool):
     """Routed MoE of many-assignment steps (prefill chunks) at K3 shapes, top-16 of 128, random
-    routing: the wgmma GEMMs (moe_wg.rs, hi / lo and bf16 activations) against the cuBLAS fallback (moe_gemm.rs:
+    routing: the wgmma GEMMs (moe/wgmma.rs, hi / lo and bf16 activations) against the cuBLAS fallback (moe_gemm.rs:
     offsets read back, gather, experts expanded to bf16 in
     groups of 32, one cuBLAS GEMM per expert and projection, GLU, combine). Floor: the larger of
     the hi / lo products' FLOPs at this run's cuBLAS bf16 rate (an 8192^3 GEMM) and the weight +
@@ -906,7 +906,7 @@ def bench_moe_prefill(d: Device, record, quick: bool):
         def sort():
             d.launch("moe_sort_assignments", 1, 1024, V["idx"], n, E, V["off"], V["srt"])
 
-        # The wgmma GEMMs (moe_wg.rs), the proxy fence on, as the backend runs them: hi / lo
+        # The wgmma GEMMs (moe/wgmma.rs) as the backend runs them: hi / lo
         # activations (float32 mode; its output is compared with the cuBLAS path below) and bf16
         # (bfloat16 mode, the default). Floor: the MMA work or the bytes, whichever is larger.
         ms_w = None
@@ -946,12 +946,11 @@ def bench_moe_prefill(d: Device, record, quick: bool):
 
 
 # kernels/moe_wgmma.cu MXW_DIAG probes: what each part of the wgmma GEMMs costs (timing only).
-MOE_WG_DIAG_VARIANTS = (("base", (), 0), ("no proxy fence", (), MX_WG_NO_PROXY_FENCE),
-                        ("no decode", ("-DMXW_DIAG=1",), 0), ("no mma", ("-DMXW_DIAG=2",), 0),
-                        ("no token copies", ("-DMXW_DIAG=4",), 0), ("no weight copies", ("-DMXW_DIAG=8",), 0),
-                        ("no copies", ("-DMXW_DIAG=12",), 0), ("copies and loop only", ("-DMXW_DIAG=3",), 0),
-                        ("skeleton", ("-DMXW_DIAG=15",), 0), ("no epilogue", ("-DMXW_DIAG=16",), 0),
-                        ("no situ", ("-DMXW_DIAG=32",), 0))
+MOE_WG_DIAG_VARIANTS = (("base", ()), ("no decode", ("-DMXW_DIAG=1",)), ("no mma", ("-DMXW_DIAG=2",)),
+                        ("no token copies", ("-DMXW_DIAG=4",)), ("no weight copies", ("-DMXW_DIAG=8",)),
+                        ("no copies", ("-DMXW_DIAG=12",)), ("copies and loop only", ("-DMXW_DIAG=3",)),
+                        ("skeleton", ("-DMXW_DIAG=15",)), ("no epilogue", ("-DMXW_DIAG=16",)),
+                        ("no situ", ("-DMXW_DIAG=32",)), ("k3_tanh situ", ("-DMXW_DIAG=64",)))
 
 
 def bench_moe_wg_diag(d: Device, record):
@@ -977,16 +976,16 @@ def bench_moe_wg_diag(d: Device, record):
     for planes in planes_list:
         _, zx, actx, y = scratch = mx_wg_scratch(d, T, k, lt, ie, planes)
         tiles = mx_tile_bound(n, E, MX_WG_TOK)
-        for tag, defs, bits in variants:
+        for tag, defs in variants:
             try:
-                def up(defs=defs, bits=bits):
+                def up(defs=defs):
                     d.launch("mxfp4_experts_wgmma_up_f32", (cdiv(ie, MX_WG_UP_ROWS), tiles), 256, zx, *w[:4],
-                             d.view(offsets), d.view(srt), actx, k, lt, ie, 4.0, 25.0, 1, E, planes | bits,
-                             shared_mem=MX_WG_SHARED, defines=defs)
+                             d.view(offsets), actx, n, lt, ie, 4.0, 25.0, 1, E, planes, shared_mem=MX_WG_SHARED,
+                             defines=defs)
 
-                def down(defs=defs, bits=bits):
+                def down(defs=defs):
                     d.launch("mxfp4_experts_wgmma_down_f32", (cdiv(lt, MX_WG_DOWN_ROWS), tiles), 256, actx, *w[4:],
-                             d.view(offsets), d.view(srt), y, lt, ie, E, planes | bits, shared_mem=MX_WG_SHARED,
+                             d.view(offsets), d.view(srt), y, n, lt, ie, E, planes, shared_mem=MX_WG_SHARED,
                              defines=defs)
 
                 for name, fn, share in (("up", up, 2 / 3), ("down", down, 1 / 3)):

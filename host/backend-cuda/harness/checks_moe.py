@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from common import (MX_WG_SWAP_LBO_SBO, cdiv, log, single_token_plan, single_token_scratch, mx_wg_row_u16,
+from common import (MX_WG_SWAP_LBO_SBO, cdiv, log, single_token_plan, single_token_scratch,
                     mx_wg_scratch, rand, rel_err, run_single_token, run_few_tokens, run_mx_wg)
 from k3ref import mxfp4 as rmx
 from k3ref.moe import route as ref_route
@@ -246,7 +246,7 @@ def check_moe_few_tokens(d: Device, r: Results, gen):
 
 
 def check_moe_wg(d: Device, r: Results, gen):
-    """The wgmma path (mxfp4_experts_wgmma_split_f32 + mxfp4_up/down_wg_f32 + moe_combine_ids_f32, moe_wg.rs,
+    """The wgmma path (mxfp4_experts_wgmma_split_f32 + mxfp4_up/down_wg_f32 + moe_combine_ids_f32, moe/wgmma.rs,
     sm_90a) against float64, with hi / lo activations (planes 2, tol 2e-5 as the few-token pair) and
     bf16 activations (planes 1, the backend's bfloat16 mode: 1e-2, bf16(x) is within 2^-9 of x).
     Cases: a made top-2 routing (experts of 1, 63,
@@ -285,19 +285,17 @@ def check_moe_wg(d: Device, r: Results, gen):
         offsets, sorted_ = sort_assignments(d, ids, na, e)
         w = tuple(d.view(dev(x)) for x in (w1p, w1s, w3p, w3s, w2p, w2s))
         counts = sorted(torch.bincount(idx[idx >= 0].reshape(-1), minlength=e).tolist(), reverse=True)
-        for planes, tol, bits in ((2, 2e-5, 0), (1, 1e-2, 0)):
+        for planes, tol in ((2, 2e-5), (1, 1e-2)):
             scratch = mx_wg_scratch(d, t, k, lt, ie, planes)
             scratch[0][2].fill_(float("nan"))  # y rows of dropped slots stay NaN: the combine skips them
             out = torch.full((t, lt), float("nan"), device=d.tdev)
             run_mx_wg(d, d.view(dev(z.float())), w, d.view(ids), d.view(dev(wts.float().reshape(-1))),
-                      d.view(offsets), d.view(sorted_), d.view(out), scratch, t, k, lt, ie, e, planes, mode_bits=bits)
+                      d.view(offsets), d.view(sorted_), d.view(out), scratch, t, k, lt, ie, e, planes)
             d.sync()
             err = rel_err(out, ref)
-            r.check(f"moe routed wg planes={planes}{' no proxy fence' if bits else ''} T={t} top{k} of {e} {lt}x{ie}, "
+            r.check(f"moe routed wg planes={planes} T={t} top{k} of {e} {lt}x{ie}, "
                     f"tokens per expert {counts[:7]}{', odd scales' if odd else ''} (sort+split+up+down+combine)",
                     err, tol)
-            if bits:
-                continue
             if not odd:
                 check_moe_wg_stages(r, scratch, z, (w1p, w1s, w3p, w3s, w2p, w2s), offsets, sorted_, t, k, lt, ie, e,
                                     planes)
@@ -312,32 +310,33 @@ def check_moe_wg(d: Device, r: Results, gen):
 
 def check_moe_wg_stages(r: Results, scratch, z, wts6, offsets, sorted_, t, k, lt, ie, e, planes):
     """Each kernel of the wgmma path alone, on what the previous one left in `scratch`: the split
-    bit for bit against emulators._wg_pack; the up kernel's intermediate against
+    (z's rows gathered into sorted order) bit for bit against emulators._wg_pack; the up kernel's intermediate against
     _emu_moe_up_wg run on the device's split z (f32 accumulation vs float64, then the same rounding
     to `planes` bf16: 2e-5 at planes = 2, whose hi / lo pair keeps ~16 bits, so a value nudged
     across a rounding boundary moves by ~1.5e-5 - the whole path's bound -, or 1e-2 at planes = 1,
     where it can round to the next bf16); the down kernel's y rows against _emu_moe_down_wg on the
     device's intermediate (1e-5).
     So a failure names its kernel. In --dry-run these compare the emulators with themselves."""
-    from emulators import _emu_moe_down_wg, _emu_moe_up_wg, _wg_pack, _wg_unpack
+    from emulators import _emu_moe_down_wg, _emu_moe_up_wg, _wg_chunks, _wg_pack, _wg_unpack
     zx = scratch[0][0].cpu().numpy().view(np.uint16)
     actx = scratch[0][1].cpu().numpy().view(np.uint16)
     y = scratch[0][2].cpu().numpy()
     off, srt = offsets.cpu().numpy(), sorted_.cpu().numpy()
     host = [x.contiguous().cpu().numpy() for x in wts6]
-    npos = int(off[e])
+    npos, na = int(off[e]), t * k
     want = np.zeros_like(zx)
-    _wg_pack(z.float().numpy(), want, planes)
-    used = t * cdiv(lt, 64) * 64 * planes
+    _wg_pack(z.float().numpy()[srt[:npos].astype(np.int64) // k], want, planes, na)
+    ng = cdiv(lt, 64)
     tag = f"planes={planes} T={t} {lt}x{ie}"
-    r.exact(f"moe wg split z bitwise ({tag})", bool(np.array_equal(zx[:used], want[:used])))
+    r.exact(f"moe wg split z bitwise ({tag})", bool(np.array_equal(_wg_chunks(zx, ng, planes, na)[:, :, :, :npos],
+                                                                   _wg_chunks(want, ng, planes, na)[:, :, :, :npos])))
     act_emu = np.zeros_like(actx)
-    _emu_moe_up_wg(zx, *host[:4], off, srt, act_emu, k, lt, ie, 4.0, 25.0, 1, e, planes)
+    _emu_moe_up_wg(zx, *host[:4], off, act_emu, na, lt, ie, 4.0, 25.0, 1, e, planes)
     r.check(f"moe wg up kernel vs emulation on its split z ({tag})",
-            rel_err(_wg_unpack(actx, npos, ie, planes), _wg_unpack(act_emu, npos, ie, planes)),
+            rel_err(_wg_unpack(actx, npos, ie, planes, na), _wg_unpack(act_emu, npos, ie, planes, na)),
             2e-5 if planes == 2 else 1e-2)
     y_emu = np.zeros_like(y)
-    _emu_moe_down_wg(actx, *host[4:], off, srt, y_emu, lt, ie, e, planes)
+    _emu_moe_down_wg(actx, *host[4:], off, srt, y_emu, na, lt, ie, e, planes)
     rows = srt[:npos].astype(np.int64)
     r.check(f"moe wg down kernel vs emulation on its intermediate ({tag})",
             rel_err(torch.from_numpy(y.reshape(-1, lt)[rows]), torch.from_numpy(y_emu.reshape(-1, lt)[rows])), 1e-5)
@@ -347,7 +346,7 @@ def check_moe_wg_repeat(d: Device, r: Results, gen):
     """Bitwise determinism of the wgmma path, per kernel. moe_sort_assignments' atomic cursor leaves
     the order within an expert arbitrary, so a token may land in any tile / column of its expert, in
     a full N = 128 tile or the partial last one (smaller N); no result may depend on that. Per case
-    (hi / lo and bf16 activations, the proxy fence on), every buffer prefilled with NaN bits (a read
+    (hi / lo and bf16 activations), every buffer prefilled with NaN bits (a read
     of anything not written first shows): run A on the device's sort; the up kernel alone again on
     A's split z (intermediate bitwise), the down kernel alone again on A's intermediate (y rows
     bitwise); the whole path on a fresh device sort (output bitwise; the log says whether that sort's
@@ -394,14 +393,14 @@ def check_moe_wg_repeat(d: Device, r: Results, gen):
         resorted = "differs" if not beq(sort_b[:npos], sort_a[:npos]) else "same order"
         sizes = f"T={t} top{k} of {e} {lt}x{ie}"
 
-        def by_assignment(actx, srt):  # each assigned id's intermediate row, in id order
+        def by_assignment(actx, srt):  # each assigned id's intermediate row (chunk-major: gathered), in id order
             rows = torch.empty(na, dtype=torch.long)
             rows[srt[:npos].cpu().long()] = torch.arange(npos)
             assigned = sa[:npos].long().sort().values
-            return actx.cpu().reshape(na, -1)[rows[assigned]]
+            return actx.cpu().reshape(-1, na, 8).permute(1, 0, 2).reshape(na, -1)[rows[assigned]]
 
-        for planes, mbits in ((2, 0), (1, 0)):
-            tag = f"planes={planes}{' no proxy fence' if mbits else ''} {sizes}"
+        for planes in (2, 1):
+            tag = f"planes={planes} {sizes}"
 
             def fresh():
                 s_ = mx_wg_scratch(d, t, k, lt, ie, planes)
@@ -413,19 +412,18 @@ def check_moe_wg_repeat(d: Device, r: Results, gen):
             def go(srt, scratch, parts=("split", "up", "down", "combine")):
                 out = dev(torch.full((t, lt), float("nan")))
                 run_mx_wg(d, d.view(z), w, d.view(ids), d.view(wts), d.view(offsets), d.view(srt), d.view(out),
-                          scratch, t, k, lt, ie, e, planes, parts=parts, mode_bits=mbits)
+                          scratch, t, k, lt, ie, e, planes, parts=parts)
                 d.sync()
                 return out
 
             sc_a = fresh()
             out_a = go(sort_a, sc_a)
-            written = npos * mx_wg_row_u16(ie, planes)  # the intermediate's rows p < npos
             assigned = sa[:npos].long().to(d.tdev)
             sc = fresh()
             sc[0][0].copy_(sc_a[0][0])
             go(sort_a, sc, ("up",))
             r.exact(f"moe wg determinism: up kernel alone, rerun bitwise ({tag})",
-                    beq(sc[0][1][:written], sc_a[0][1][:written]))
+                    beq(sc[0][1], sc_a[0][1]))  # rows past npos: the NaN fill in both
             sc = fresh()
             sc[0][1].copy_(sc_a[0][1])
             go(sort_a, sc, ("down",))

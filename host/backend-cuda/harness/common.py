@@ -83,13 +83,13 @@ def _expert_scratch(d: Device, t: int, k: int, lt: int, zx_row: int, actx_row: i
     return (zx, actx, y), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16), d.view(y)
 
 
-# The wgmma expert GEMMs (kernels/moe_wgmma.cu, sm_90a; moe_wg.rs):
+# The wgmma expert GEMMs (kernels/moe_wgmma.cu, sm_90a; moe/wgmma.rs):
 # tiles of up to 128 sorted assignments of one expert, 256-thread blocks of 128 intermediate rows
 # (up) / 256 latent rows (down), grid.y an upper bound on the tiles, one block per SM; activations
-# in 64-column groups of `planes` bf16 pieces (2 = hi / lo, 1 = bf16).
+# chunk-major ([64-column groups][8 planes chunks][rows][8] bf16; planes 2 = hi / lo, 1 = bf16),
+# one row per sorted position: the split gathers z's rows into sorted order.
 MX_WG_TOK, MX_WG_UP_ROWS, MX_WG_DOWN_ROWS, MX_WG_SHARED = 128, 128, 256, 209920
 MX_WG_SWAP_LBO_SBO = 16  # mode bit of the GEMMs: the B descriptor's LBO / SBO swapped (a diagnostic)
-MX_WG_NO_PROXY_FENCE = 32  # mode bit: no fence.proxy.async per stage (a diagnostic; the backend keeps the fence)
 
 
 def mx_wg_row_u16(cols: int, planes: int) -> int:
@@ -97,25 +97,27 @@ def mx_wg_row_u16(cols: int, planes: int) -> int:
 
 
 def mx_wg_scratch(d: Device, t: int, k: int, lt: int, ie: int, planes: int = 2):
-    """The wgmma path's work buffers (_expert_scratch)."""
-    return _expert_scratch(d, t, k, lt, mx_wg_row_u16(lt, planes), mx_wg_row_u16(ie, planes))
+    """The wgmma path's work buffers (_expert_scratch): zx and actx both t k rows."""
+    return _expert_scratch(d, t, k, lt, k * mx_wg_row_u16(lt, planes), mx_wg_row_u16(ie, planes))
 
 
 def run_mx_wg(d: Device, z, w, idx, wts, offsets, sorted_, out, scratch, t, k, lt, ie, e, planes=2,
               situ=(4.0, 25.0, 1), parts=("split", "up", "down", "combine"), mode_bits=0):
-    """moe_wg.rs after the sort: split z, up, down, combine (views; w = (w1p, w1s, w3p, w3s, w2p,
+    """moe/wgmma.rs after the sort: split z, up, down, combine (views; w = (w1p, w1s, w3p, w3s, w2p,
     w2s); scratch from mx_wg_scratch).
-    mode_bits: further bits of the GEMMs' mode (MX_WG_NO_PROXY_FENCE, MX_WG_SWAP_LBO_SBO)."""
+    mode_bits: further bits of the GEMMs' mode (MX_WG_SWAP_LBO_SBO)."""
     _, zx, actx, y = scratch
-    tiles = mx_tile_bound(t * k, e, MX_WG_TOK)
+    n = t * k
+    tiles = mx_tile_bound(n, e, MX_WG_TOK)
     if "split" in parts:
-        d.launch("mxfp4_experts_wgmma_split_f32", (t, cdiv(lt, 256)), 128, z, zx, t, lt, planes)
+        d.launch("mxfp4_experts_wgmma_split_f32", (cdiv(n, 8), cdiv(lt, 64)), 64, z, sorted_, offsets, zx, n, lt, k, e,
+                 planes)
     if "up" in parts:
-        d.launch("mxfp4_experts_wgmma_up_f32", (cdiv(ie, MX_WG_UP_ROWS), tiles), 256, zx, *w[:4], offsets, sorted_, actx, k, lt,
+        d.launch("mxfp4_experts_wgmma_up_f32", (cdiv(ie, MX_WG_UP_ROWS), tiles), 256, zx, *w[:4], offsets, actx, n, lt,
                  ie, *situ, e, planes | mode_bits, shared_mem=MX_WG_SHARED)
     if "down" in parts:
         d.launch("mxfp4_experts_wgmma_down_f32", (cdiv(lt, MX_WG_DOWN_ROWS), tiles), 256, actx, *w[4:], offsets, sorted_, y,
-                 lt, ie, e, planes | mode_bits, shared_mem=MX_WG_SHARED)
+                 n, lt, ie, e, planes | mode_bits, shared_mem=MX_WG_SHARED)
     if "combine" in parts:
         d.launch("moe_combine_ids_f32", min(cdiv(t * lt, 256), 132 * 32), 256, y, idx, wts, out, t, k, lt, e)
 

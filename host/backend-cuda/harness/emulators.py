@@ -612,29 +612,48 @@ def _wg_perm():
     return 16 * ((c >> 2) & 3) + 8 * ((c >> 1) & 1) + 2 * (c >> 4) + (c & 1)
 
 
-def _wg_pack(x, out, planes):
-    """f32 rows [n, cols] -> the wgmma layout [n][ceil(cols / 64)][planes][64] bf16 bits: hi / lo
-    (planes 2) or bf16 rounded once (planes 1), columns past cols zero."""
+def _wg_chunks(buf, ng, planes, rows=None):
+    """A chunk-major buffer (kernels/moe_wgmma.cu) as [ng groups, planes, 8 chunks, R rows, 8] (a
+    view); R defaults to what the buffer holds."""
+    per_row = ng * planes * 64
+    rows = buf.size // per_row if rows is None else int(rows)
+    return buf.reshape(-1)[:rows * per_row].reshape(ng, int(planes), 8, rows, 8)
+
+
+def _wg_pack(x, out, planes, rows=None):
+    """f32 rows [n, cols] -> rows 0..n-1 of the chunk-major layout (R rows): hi / lo bf16 bits
+    (planes 2) or bf16 rounded once (planes 1), columns past cols zero; other rows untouched."""
     n, cols = x.shape
     ng, planes = -(-cols // 64), int(planes)
     xp = np.zeros((n, ng * 64), np.float32)
     xp[:, :cols] = x
-    o = out.reshape(-1)[:n * ng * planes * 64].reshape(n, ng, planes, 64)
-    perm = _wg_perm()
     if planes == 2:
-        hi, lo = split_bf16(xp.reshape(-1))
-        o[:, :, 0, perm] = hi.reshape(n, ng, 64)
-        o[:, :, 1, perm] = lo.reshape(n, ng, 64)
+        vals = split_bf16(xp.reshape(-1))
     else:
-        o[:, :, 0, perm] = bf16_bits(xp.reshape(-1)).reshape(n, ng, 64)
+        vals = (bf16_bits(xp.reshape(-1)),)
+    o = _wg_chunks(out, ng, planes, rows)
+    perm = _wg_perm()
+    for p, v in enumerate(vals):
+        by_pos = np.empty((n, ng, 64), np.uint16)
+        by_pos[:, :, perm] = v.reshape(n, ng, 64)
+        o[:, p, :, :n, :] = by_pos.reshape(n, ng, 8, 8).transpose(1, 2, 0, 3)
 
 
-def _wg_unpack(xs, n, cols, planes):
-    """The wgmma layout -> float64 rows [n, cols], the planes summed (what the kernels multiply)."""
+def _wg_unpack(xs, n, cols, planes, rows=None):
+    """Rows 0..n-1 of the chunk-major layout -> float64 rows [n, cols], the planes summed (what the
+    kernels multiply)."""
     ng, planes = -(-cols // 64), int(planes)
-    o = xs.reshape(-1)[:n * ng * planes * 64].reshape(n, ng, planes, 64)[:, :, :, _wg_perm()]
-    v = bf16_value(o).astype(np.float64).sum(axis=2)
+    o = _wg_chunks(xs, ng, planes, rows)[:, :, :, :n, :]
+    by_pos = o.transpose(3, 0, 1, 2, 4).reshape(n, ng, planes, 64)[:, :, :, _wg_perm()]
+    v = bf16_value(by_pos).astype(np.float64).sum(axis=2)
     return torch.from_numpy(v.reshape(n, ng * 64)[:, :cols])
+
+
+def _emu_wg_split(z, sorted_, offsets, xs, rows, cols, top_k, e, planes):
+    """mxfp4_experts_wgmma_split_f32: row r < offsets[e] of xs = z's row sorted[r] / top_k."""
+    npos, cols = int(offsets[int(e)]), int(cols)
+    x = z.reshape(-1, cols)[sorted_[:npos].astype(np.int64) // int(top_k)]
+    _wg_pack(x, xs, planes, rows)
 
 
 def _wg_canonical(sorted_, p0, p1):
@@ -646,22 +665,25 @@ def _wg_canonical(sorted_, p0, p1):
     return p0 + np.argsort(sorted_[p0:p1], kind="stable")
 
 
-def _emu_moe_up_wg(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e,
-                   mode):
-    """mxfp4_experts_wgmma_up_f32: the grouped up kernel in the wgmma layout with mode & 3 planes (actx row p =
-    sorted position p; rows past the assignments untouched; the diagnostic mode bits change nothing
-    here)."""
-    lt, ie, k, e, planes = int(lt), int(ie), int(top_k), int(e), int(mode) & 3
-    z = _wg_unpack(zx, zx.size // (-(-lt // 64) * 64 * planes), lt, planes)
-    act = _sorted_up(z, w1p, w1s, w3p, w3s, offsets, sorted_, k, lt, ie, beta, beta_lin, has_lin, e,
-                     _wg_canonical)
-    _wg_pack(act, actx, planes)
+def _emu_moe_up_wg(zx, w1p, w1s, w3p, w3s, offsets, actx, rows, lt, ie, beta, beta_lin, has_lin, e, mode):
+    """mxfp4_experts_wgmma_up_f32: actx row p = SiTU-GLU of zx row p through its expert, chunk-major with
+    mode & 3 planes (rows past the assignments untouched; the diagnostic mode bits change nothing
+    here). The kernel sees no assignment ids, so each expert's rows are taken in the order of their
+    bits (_wg_canonical's reason: no result may depend on where the sort put a row)."""
+    lt, ie, rows, e, planes = int(lt), int(ie), int(rows), int(e), int(mode) & 3
+    ng = -(-lt // 64)
+    raw = _wg_chunks(zx, ng, planes, rows).transpose(3, 0, 1, 2, 4).reshape(rows, -1)
+    by_bits = lambda _s, p0, p1: p0 + np.lexsort(raw[p0:p1].T[::-1])  # noqa: E731
+    z = _wg_unpack(zx, rows, lt, planes, rows)
+    act = _sorted_up(z, w1p, w1s, w3p, w3s, offsets, np.arange(rows), 1, lt, ie, beta, beta_lin, has_lin, e,
+                     by_bits)
+    _wg_pack(act, actx, planes, rows)
 
 
-def _emu_moe_down_wg(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, mode):
+def _emu_moe_down_wg(actx, w2p, w2s, offsets, sorted_, y, rows, lt, ie, e, mode):
     """mxfp4_experts_wgmma_down_f32: y[sorted[p]] = W2_e act[p] (rows of dropped slots untouched)."""
     lt, ie, e = int(lt), int(ie), int(e)
-    act = _wg_unpack(actx, int(offsets[e]), ie, int(mode) & 3)
+    act = _wg_unpack(actx, int(offsets[e]), ie, int(mode) & 3, rows)
     _sorted_down(act, w2p, w2s, offsets, sorted_, y, lt, ie, e, _wg_canonical)
 
 
@@ -838,8 +860,7 @@ EMU = {
     "mxfp4_experts_few_tokens_up_f32": _emu_moe_up_few_tokens,  # hi + lo in, act split out (the few-token layout end to end)
     "mxfp4_experts_few_tokens_down_f32": _emu_moe_down_few_tokens,
     "moe_combine_ids_f32": _emu_combine_ids,
-    "mxfp4_experts_wgmma_split_f32": lambda x, xs, rows, cols, planes: _wg_pack(
-        x.reshape(-1)[:int(rows) * int(cols)].reshape(int(rows), int(cols)), xs, planes),
+    "mxfp4_experts_wgmma_split_f32": _emu_wg_split,  # gathered into sorted order, chunk-major
     "mxfp4_experts_wgmma_up_f32": _emu_moe_up_wg,  # wgmma layout in and out, `planes` bf16 pieces per value
     "mxfp4_experts_wgmma_down_f32": _emu_moe_down_wg,
     "moe_combine_f32": lambda y, w, out, t, k, lt: out.__setitem__(slice(None), torch.einsum(

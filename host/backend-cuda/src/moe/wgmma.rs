@@ -13,13 +13,6 @@ use crate::geometry::Launch;
 use crate::moe::sorted::SortedStep;
 use cudarc::driver::CudaSlice;
 
-/// The GEMM kernels' `mode` for `planes` bf16 pieces per activation value (`Dtype::planes`: 1 =
-/// rounded once, 2 = hi and lo): the planes, with the proxy fence between the cp.async copies and
-/// the wgmma reads of the tokens kept on (kernels/moe_wgmma.cu MXW_NO_PROXY_FENCE unset).
-const fn wg_mode(planes: usize) -> usize {
-    planes
-}
-
 use crate::geometry::MX_WG_SHARED;
 
 /// Tokens per tile, threads per block, intermediate rows per up block (W1 and W3 each) and latent
@@ -29,8 +22,8 @@ const WG_THREADS: u32 = 256;
 const WG_UP_ROWS: usize = 128;
 const WG_DOWN_ROWS: usize = 256;
 
-/// Split activation row length in bf16 (kernels/moe_wgmma.cu layout: 64-column groups of `planes`
-/// x 64 values).
+/// Split activation row length in bf16 (kernels/moe_wgmma.cu's chunk-major layout stores each row
+/// as 64-column groups of `planes` x 64 values, the groups and chunks of all rows interleaved).
 pub(crate) fn wgmma_row_u16(cols: usize, planes: usize) -> usize {
     cols.div_ceil(64) * 64 * planes
 }
@@ -51,9 +44,9 @@ pub(crate) fn wgmma_launch(
     crate::moe::sorted::tiled_launch(gemm, rows, rows_per_block, cols, assignments, experts)
 }
 
-/// `mxfp4_experts_wgmma_split_f32`: one 128-thread block per row and 256 columns.
-pub(crate) fn wgmma_split_launch(rows: usize, cols: usize) -> Result<Launch> {
-    Launch::new((rows, cols.div_ceil(256), 1), 128)
+/// `mxfp4_experts_wgmma_split_f32`: one 64-thread block per 8 sorted positions and 64 columns.
+pub(crate) fn wgmma_split_launch(assignments: usize, cols: usize) -> Result<Launch> {
+    Launch::new((assignments.div_ceil(8), cols.div_ceil(64), 1), 64)
 }
 
 impl CudaBackend {
@@ -64,26 +57,27 @@ impl CudaBackend {
         let (offsets, sorted) = (step.offsets, step.sorted);
         let planes = self.options.dtype.planes();
         let i = crate::launch::i32_of;
-        let (pi, mi) = (i(planes, "planes")?, i(wg_mode(planes), "mode")?);
+        let (pi, ni) = (i(planes, "planes")?, i(d.n, "assignments")?);
         let up = wgmma_launch(d.ie, WG_UP_ROWS, d.lt, d.n, d.e)?;
         let down = wgmma_launch(d.lt, WG_DOWN_ROWS, d.ie, d.n, d.e)?;
         let (lin, has) = crate::launch::situ_linear_args(situ);
         let (zx_len, actx_len, y_len) = (
-            d.t * wgmma_row_u16(d.lt, planes),
+            d.n * wgmma_row_u16(d.lt, planes),
             d.n * wgmma_row_u16(d.ie, planes),
             d.n * d.lt,
         );
-        // Every element read is written first: the split pads z's rows, each up block writes its
-        // groups of its tokens' rows, the down blocks every row of a sorted assignment and the
-        // combine reads only those.
+        // Every element read is written first: the split writes every sorted position's row
+        // (gathered from z, padded), each up block its groups of its tokens' rows, the down blocks
+        // every row of a sorted assignment, and the combine reads only those. The GEMMs' mode is
+        // the planes (no diagnostic bits).
         let run = |zx: &CudaSlice<u16>, actx: &CudaSlice<u16>, y: &CudaSlice<f32>| {
-            launch!(self, "mxfp4_experts_wgmma_split_f32", wgmma_split_launch(d.t, d.lt)?;
-                &step.z.buf, zx, &d.ti, &d.lti, &pi)?;
+            launch!(self, "mxfp4_experts_wgmma_split_f32", wgmma_split_launch(d.n, d.lt)?;
+                &step.z.buf, sorted, offsets, zx, &ni, &d.lti, &d.kk, &d.ei, &pi)?;
             launch!(self, "mxfp4_experts_wgmma_up_f32", up;
-                zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, offsets, sorted, actx, &d.kk, &d.lti,
-                &d.iei, &situ.beta, &lin, &has, &d.ei, &mi)?;
+                zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, offsets, actx, &ni, &d.lti,
+                &d.iei, &situ.beta, &lin, &has, &d.ei, &pi)?;
             launch!(self, "mxfp4_experts_wgmma_down_f32", down;
-                actx, &ex.w2.0, &ex.w2.1, offsets, sorted, y, &d.lti, &d.iei, &d.ei, &mi)?;
+                actx, &ex.w2.0, &ex.w2.1, offsets, sorted, y, &ni, &d.lti, &d.iei, &d.ei, &pi)?;
             self.combine_sorted(y, &step, &d)
         };
         self.with_sorted_scratch(zx_len, actx_len, y_len, run)
@@ -96,10 +90,8 @@ mod tests {
     use crate::geometry;
 
     #[test]
-    fn hi_lo_planes_with_the_proxy_fence() {
+    fn wgmma_needs_sm_90a() {
         assert!(geometry::moe_wg_supported("sm_90a") && !geometry::moe_wg_supported("sm_90"));
-        // The mode's low bits are the planes; the no-fence bit (32) stays clear.
-        assert_eq!((wg_mode(1), wg_mode(2)), (1, 2));
     }
 
     #[test]
@@ -118,7 +110,8 @@ mod tests {
         // 64-column groups of hi / lo; partial groups padded.
         assert_eq!(wgmma_row_u16(3584, 2), 56 * 128);
         assert_eq!(wgmma_row_u16(160, 2), 3 * 128);
-        assert_eq!(wgmma_split_launch(2048, 3584).unwrap().grid, (2048, 14, 1));
+        let split = wgmma_split_launch(n, 3584).unwrap();
+        assert_eq!((split.grid, split.block), ((4096, 56, 1), 64));
         assert!(wgmma_launch(3072, WG_UP_ROWS, 100, n, 128).is_err());
         // Five stages of 256 rows x (32 packed + 4 scale bytes) + 16 chunks x 128 tokens x 16 B
         // (kernels/moe_wgmma.cu MXW_SHARED_BYTES); within the opt-in limit; opted in by name.
