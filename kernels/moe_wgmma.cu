@@ -51,11 +51,11 @@
 //
 // Determinism (device_check.py check_moe_wg_repeat). Every output element - an intermediate value
 // (row, sorted position) or a y value (row, assignment) - is one accumulator lane of one thread,
-// written once by that thread (no atomics, no split K), and summed in a fixed order: stages
+// staged and written once (no atomics, no split K), and summed in a fixed order: stages
 // c = 0.., k-steps 0..3, plane 0 then 1, each one k16 dot product of the weight row with that
 // token's column. wgmma computes each column's dot product alone, so which tile / column the sort
 // (atomic cursor: any order within an expert) gives a token, and that tile's N, change no bit;
-// tokens past nt are zero-filled, never read from scratch. Checked on the device by runs on
+// columns past nt hold stale buffer bytes and are never stored. Checked on the device by runs on
 // reordered sorts and NaN-prefilled scratch.
 //
 // Shared memory of a stage (bytes from the stage base; SB = 9,216 + 16,384 planes):
