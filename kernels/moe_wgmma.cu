@@ -40,8 +40,8 @@
 //     mbarrier's phase just before the stage's first wgmma. The bulk copies are async-proxy
 //     writes read by the async proxy (wgmma), so no proxy fence is needed; columns [nt, N) of the
 //     tile keep whatever the buffer held (their outputs are never stored: a wgmma column is its
-//     own dot product). Per-thread cp.async of the tokens, gathered by row, cost ~30 % of the up
-//     kernel (docs/performance-history.md, call BZ's probes).
+//     own dot product). Per-thread cp.async gathers of the tokens from z's rows were ~1 ms slower
+//     in the up kernel (docs/performance-history.md, calls CC and CD).
 // Then 4 k-steps, each: decode the lane's A fragments of both m-tiles, wgmma.fence (the A registers
 // were just written), planes x 2 wgmmas (m-tile x plane; both planes accumulate into the same
 // registers), commit, a share of stage c + S - 2's copies (k-step 0: weights and scales; 1:
@@ -337,9 +337,9 @@ struct MxwTile {
 };
 
 // The epilogue stages a tile's results in the (then idle) ring and writes them with 16-byte
-// stores, each warp's a contiguous run: storing straight from the accumulators (2- or 4-byte
-// pieces, 16 scattered sectors per warp store for the up kernel) was half the up kernel and of
-// the down kernel (docs/performance-history.md, call CD's probes).
+// stores, each warp's a contiguous run, instead of 2- or 4-byte pieces straight from the
+// accumulators (16 scattered sectors per warp store for the up kernel): 0.2 / 0.1 ms off the up /
+// down kernels at T = 2048 (docs/performance-history.md, calls CD and CE).
 // UP: run (v, cc) of warpgroup v's group holds its chunk column cc for the tile's tokens, 16 B
 // per token, runs MXW_RUN_BYTES apart (16 B of padding: fewer bank conflicts).
 // DOWN: token i's 256 y values at float MXW_Y_ROW * i (4 floats of padding, likewise).

@@ -47,9 +47,6 @@ __device__ __forceinline__ int mx_pos(int c) { return 16 * ((c >> 2) & 7) + 4 * 
 __device__ __forceinline__ void mx_cp16_l2(u32 dst, const void* src, u32 bytes) {  // + L2 256-byte prefetch
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void mx_cp16_fill(u32 dst, const void* src, u32 bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void mx_cp16(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
