@@ -1,6 +1,6 @@
 // Helpers shared by the tensor-core MXFP4 expert kernels (moe_single_token.cu, moe_few_tokens.cu):
-// E2M1 -> bf16 decode through a per-lane shared table, E8M0 block scales as
-// bf16x2 and the cp.async wrappers (the mma itself: tensor_core.cuh tc_mma_bf16).
+// E2M1 -> bf16 decode in registers (mx_dec), E8M0 block scales as bf16x2, the staged column order
+// (mx_pos) and the cp.async wrappers (the mma itself: tensor_core.cuh tc_mma_bf16).
 #pragma once
 #include "tensor_core.cuh"
 
@@ -13,35 +13,45 @@ __device__ __forceinline__ u32 mx_scale2(u32 s) {
     return b | (b << 16);
 }
 
-// Pair of weights (byte `byte` of `word`: low nibble = lower column) as scaled bf16x2: one
-// conflict-free LDS from the per-lane table times the block scale. fma with a -0 addend is the
-// exact product (keeps -0); bf16 fma keeps subnormals.
-__device__ __forceinline__ u32 mx_pair(const u32* tab_lane, u32 word, int byte, u32 sc2) {
-    const u32 raw = tab_lane[__byte_perm(word, 0, 0x4440 + byte) * 32];
-    u32 out;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(raw), "r"(sc2), "r"(0x80008000u));
-    return out;
+// E8M0 byte (at most MX_DEC_MAX_FOLDED) -> bf16x2 2^(s-1) twice: the block scale with mx_dec's
+// 2^126 folded in (2^(s-127) x 2^126; s = 0 gives 2^-1).
+#define MX_DEC_MAX_FOLDED 128u
+__device__ __forceinline__ u32 mx_scale2_folded(u32 s) {
+    const u32 b = (s + 126u) << 7;
+    return b | (b << 16);
 }
 
-// mx_pair without the table (the few-token kernels, moe_few_tokens.cu): the two nibbles of the byte placed
-// as bf16 bits s.000000ee.m000000 (E2M1 x 2^-126: e = 0 lands on the bf16 subnormal 0.m x
-// 2^-126, which bf16 fma keeps), then x 2^126 and x the block scale: both products exact, so the
-// result is bitwise mx_pair's (the few-token kernels' outputs agree bit for bit under either decode).
-__device__ __forceinline__ u32 mx_pair_alu(u32 word, int byte, u32 sc2) {
-    const u32 t = __byte_perm(word, 0, 0x4440 + byte) * 0x1001u;  // low nibble at bit 0, high at bit 16
-    const u32 raw = ((t << 6) & 0x01C001C0u) | ((t << 12) & 0x80008000u);
-    u32 up, out;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(up) : "r"(raw), "r"(0x7E807E80u), "r"(0x80008000u));
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(up), "r"(sc2), "r"(0x80008000u));
+// Nibbles 3 and 7 of `q` (bits 12..15 and 28..31: shift a word left by 4, 8 or 12 for the others)
+// as scaled bf16x2, nibble 3 in the low half. The sign goes to bit 15 and the exponent and mantissa
+// bits to bits 6..8, which makes a bf16 of E2M1 x 2^-126 (exponent 0 lands on the bf16 subnormal
+// 0.m x 2^-126, which bf16 fma keeps); one fma with mx_scale2_folded applies 2^126 and the block
+// scale at once (`two`: two fmas, x 2^126 and x mx_scale2, for scales past MX_DEC_MAX_FOLDED;
+// callers pass a constant after a uniform branch). Every product is exact, so both give
+// E2M1 x 2^(s-127) bit for bit; -0 addends keep -0.
+__device__ __forceinline__ u32 mx_dec(u32 q, u32 sc2, bool two) {
+    const u32 raw = (q & 0x80008000u) | ((q & 0x70007000u) >> 6);
+    u32 out;
+    if (two) {
+        u32 up;
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(up) : "r"(raw), "r"(0x7E807E80u), "r"(0x80008000u));
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(up), "r"(sc2), "r"(0x80008000u));
+    } else {
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(raw), "r"(sc2), "r"(0x80008000u));
+    }
     return out;
 }
 
 // Word j (0..3) of a uint4.
 __device__ __forceinline__ u32 mx_word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 
-// Column c of a 128-column super-step -> its index in a staged hi / lo row (c = 32 t + 4 s + j ->
-// 16 s + 4 t + j: lane t's k-step s reads 4 consecutive values).
-__device__ __forceinline__ int mx_pos(int c) { return 16 * ((c >> 2) & 7) + 4 * (c >> 5) + (c & 3); }
+// Column c of a 128-column super-step -> its index in a staged hi / lo row (moe_few_tokens.cu):
+// c = 32 t + 8 w + i (lane t's block, word w, nibble i) feeds k-step s = 2 w + h, h = 1 for
+// nibbles 0, 1, 4, 5; lane t's 4 values of k-step s sit at 16 s + 4 t + j in the order mx_dec
+// takes them: nibbles (3, 7, 2, 6) - 2h.
+__device__ __forceinline__ int mx_pos(int c) {
+    const int i = c & 7, h = ((i >> 1) & 1) ^ 1, j = ((i & 1) ? 0 : 2) + (i >> 2);
+    return 16 * (2 * ((c >> 3) & 3) + h) + 4 * (c >> 5) + j;
+}
 
 // 16-byte async copies; with `bytes` < 16 the rest is zero-filled (0: nothing read).
 __device__ __forceinline__ void mx_cp16_l2(u32 dst, const void* src, u32 bytes) {  // + L2 256-byte prefetch
@@ -54,19 +64,6 @@ __device__ __forceinline__ void mx_cp4(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void mx_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// For 3-stage rings: wait until at most one group is still in flight.
-__device__ __forceinline__ void mx_wait_all_but_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-
-// The replicated decode table in `tab` (`words` u32): word 32 b + l = bf16x2 (E2M1(b & 15),
-// E2M1(b >> 4)) for every lane l, 16 bytes per store.
-__device__ __forceinline__ void mx_fill_table(u32* tab, int words) {
-    uint4* tab4 = reinterpret_cast<uint4*>(tab);
-    for (int i = threadIdx.x; i < words / 4; i += blockDim.x) {
-        const u32 b = (u32)i >> 3;  // 8 uint4 (32 lanes) per entry
-        const u32 v = mx_bf16_of(b & 15u) | (mx_bf16_of(b >> 4) << 16);
-        tab4[i] = make_uint4(v, v, v, v);
-    }
-}
 
 // act = SiTU-GLU of the up kernel's gate / up partial sums, columns col .. col + 7 of one
 // assignment: `gu` = its [parts][2][inter] rows, parts added in order (deterministic). Used by

@@ -14,7 +14,7 @@ import torch
 from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_SCAN_KERNELS, cdiv,
                     kda_decode_launcher, kda_region_floats, log, rel_err, run_kda_prefill)
 from common import run_mla_prefill, run_few_tokens
-from common import FEW_TOKEN_DOWN_ROWS, FEW_TOKEN_UP_ROWS, few_token_ntiles, few_token_scratch, few_token_shared
+from common import FEW_TOKEN_DOWN_ROWS, FEW_TOKEN_UP_ROWS, few_token_grid, few_token_ntiles, few_token_scratch, few_token_shared
 from common import single_token_plan, single_token_scratch, run_single_token
 from common import (MX_WG_DOWN_ROWS, MX_WG_SHARED, MX_WG_TOK, MX_WG_UP_ROWS, mx_tile_bound,
                     mx_wg_scratch, run_mx_wg)
@@ -800,9 +800,9 @@ def bench_moe(d: Device, record, quick: bool):
             for name, fn, b in (
                     ("split z", lambda: d.launch("mxfp4_experts_few_tokens_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx, T, lt),
                      None),
-                    ("up", lambda: d.launch("mxfp4_experts_few_tokens_up_f32", (gx, cdiv(ie, FEW_TOKEN_UP_ROWS)), 256, zx,
+                    ("up", lambda: d.launch("mxfp4_experts_few_tokens_up_f32", few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256, zx,
                                             *up_args[1:7], actx, *up_args[8:], nt, shared_mem=few_token_shared(nt)), up_b),
-                    ("down", lambda: d.launch("mxfp4_experts_few_tokens_down_f32", (gx, cdiv(lt, FEW_TOKEN_DOWN_ROWS)), 256, actx,
+                    ("down", lambda: d.launch("mxfp4_experts_few_tokens_down_f32", few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS), 256, actx,
                                               *down_args[1:], nt, shared_mem=few_token_shared(nt)), down_b)):
                 ms, how = d.time_graph(fn)
                 record(f"moe_routed few_tokens {name} alone T={T}", ms, b and b / (COPY_TBPS * 1e12) * 1e3, timing=how)
@@ -844,12 +844,12 @@ def bench_moe_few_tokens_diag(d: Device, record):
         ref = None
         for defs in variants:
             def up(defs=defs):
-                d.launch("mxfp4_experts_few_tokens_up_f32", (gx, cdiv(ie, FEW_TOKEN_UP_ROWS)), 256, zx, V["w1p"], V["w1s"], V["w3p"],
+                d.launch("mxfp4_experts_few_tokens_up_f32", few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256, zx, V["w1p"], V["w1s"], V["w3p"],
                          V["w3s"], V["off"], V["srt"], actx, k, lt, ie, 4.0, 25.0, 1, E, nt,
                          shared_mem=few_token_shared(nt), defines=defs)
 
             def down(defs=defs):
-                d.launch("mxfp4_experts_few_tokens_down_f32", (gx, cdiv(lt, FEW_TOKEN_DOWN_ROWS)), 256, actx, V["w2p"], V["w2s"],
+                d.launch("mxfp4_experts_few_tokens_down_f32", few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS), 256, actx, V["w2p"], V["w2s"],
                          V["off"], V["srt"], V["y"], lt, ie, E, nt, shared_mem=few_token_shared(nt), defines=defs)
             try:
                 same = ""

@@ -213,19 +213,39 @@ def check_moe_single_token(d: Device, r: Results, gen):
             r.exact(f"moe routed single-token {tag}: rerun bitwise equal", torch.equal(outs[0], outs[1]))
 
 
+def odd_scales(pk, sc, zeros, gen):
+    """Odd E8M0 scales for experts 4 and 5: every scale raised by 9 (around 129, past the decode's
+    folded single factor, so lanes with and without the second bf16 factor share a stage), and with
+    `zeros` ~1 % of all bytes 0 (subnormal weights); returns the scales and the weights dequantized
+    again with them."""
+    sc = sc.clone()
+    sc[4:6] = (sc[4:6].int() + 9).clamp(max=254).to(torch.uint8)
+    if zeros:
+        sc[torch.rand(sc.shape, generator=gen) > 0.99] = 0
+    return sc, torch.stack([rmx.dequantize(pk[i], sc[i], torch.float64) for i in range(pk.shape[0])])
+
+
 def check_moe_few_tokens(d: Device, r: Results, gen):
     """The few-token pair (default from 2 tokens) against float64: random top-4 routings
     over 16 experts at T = 2, 3, 16, 64, and a made one at T = 70, top-2 over 8 experts, whose
     experts take 70, 35, 17, 9, 8 and 1 tokens (two idle): one n-tile, n-tiles of 4 tokens and a
     partial one, several 16-token passes. 384 x 256: 4-byte-aligned scale rows (K3's case; the
-    odd widths are in check_moe_tc_shapes), a partial down row block, 3 / 2 super-steps."""
+    odd widths are in check_moe_tc_shapes), a partial down row block, 3 / 2 super-steps. T = 16 again
+    with odd_scales (z / 2^9 keeps the raised experts' gates where the others' were) and on a grid of
+    3 blocks (each walks many tiles: its ring runs across tile and expert boundaries)."""
     lt, ie = 384, 256
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
     second = torch.tensor([1] * 1 + [2] * 8 + [3] * 9 + [4] * 17 + [5] * 35)
     made = torch.stack([torch.zeros(70, dtype=torch.long), second[torch.randperm(70, generator=gen)]], 1)
-    for t, e, k in ((2, 16, 4), (3, 16, 4), (16, 16, 4), (64, 16, 4), (70, 8, 2)):
+    for t, e, k, odd, grid in ((2, 16, 4, False, None), (3, 16, 4, False, None), (16, 16, 4, False, None),
+                               (64, 16, 4, False, None), (70, 8, 2, False, None), (16, 16, 4, True, None),
+                               (64, 16, 4, False, 3)):
         (w1p, w1s, w1), (w3p, w3s, w3), (w2p, w2s, w2), z, idx, wts = routed_case(
             t, e, k, lt, ie, gen, made if t == 70 else None)
+        if odd:
+            z = z / 512
+            (w1s, w1), (w3s, w3), (w2s, w2) = (odd_scales(w1p, w1s, True, gen), odd_scales(w3p, w3s, False, gen),
+                                               odd_scales(w2p, w2s, True, gen))
         ref = ref_routed(z, idx, wts, w1, w3, w2)
         na = t * k
         offsets, sorted_ = sort_assignments(d, dev(idx.int().reshape(-1)), na, e)
@@ -236,12 +256,13 @@ def check_moe_few_tokens(d: Device, r: Results, gen):
                  d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1, e)
         dargs = (d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets), d.view(sorted_), d.view(y), lt,
                  ie, e)
-        run_few_tokens(d, min(e, na), wargs, dargs, t, lt, ie)
+        run_few_tokens(d, min(e, na), wargs, dargs, t, lt, ie, blocks=grid)
         res = torch.empty(t, lt, device=d.tdev)
         d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
                  d.view(res), t, k, lt)
         d.sync()
-        r.check(f"moe routed tc T={t} top{k} of {e}, tokens per expert {counts[:6]} (sort+up+down+combine)",
+        tag = (", odd scales" if odd else "") + (f", {grid} blocks" if grid else "")
+        r.check(f"moe routed tc T={t} top{k} of {e}, tokens per expert {counts[:6]}{tag} (sort+up+down+combine)",
                 rel_err(res, ref), 2e-5)
 
 
@@ -264,21 +285,14 @@ def check_moe_wg(d: Device, r: Results, gen):
     made = torch.stack([torch.full((300,), 4, dtype=torch.long), second], 1)
     made[int((second == 5).nonzero()[0]), 1] = -1
 
-    def odd_scales(pk, sc, zeros):  # the weights dequantized again with the changed scales
-        sc = sc.clone()
-        sc[4:6] = (sc[4:6].int() + 9).clamp(max=254).to(torch.uint8)
-        if zeros:
-            sc[torch.rand(sc.shape, generator=gen) > 0.99] = 0
-        return sc, torch.stack([rmx.dequantize(pk[i], sc[i], torch.float64) for i in range(pk.shape[0])])
-
     for t, e, k, lt, ie, odd in ((300, 7, 2, 640, 320, False), (300, 7, 2, 640, 320, True),
                                  (2048, 16, 4, 256, 384, False)):
         (w1p, w1s, w1), (w3p, w3s, w3), (w2p, w2s, w2), z, idx, wts = routed_case(
             t, e, k, lt, ie, gen, made if t == 300 else None)
         if odd:
             z = z / 512
-            (w1s, w1), (w3s, w3), (w2s, w2) = (odd_scales(w1p, w1s, True), odd_scales(w3p, w3s, False),
-                                               odd_scales(w2p, w2s, True))
+            (w1s, w1), (w3s, w3), (w2s, w2) = (odd_scales(w1p, w1s, True, gen), odd_scales(w3p, w3s, False, gen),
+                                               odd_scales(w2p, w2s, True, gen))
         ref = ref_routed(z, idx, wts, w1, w3, w2)
         na = t * k
         ids = dev(idx.int().reshape(-1))

@@ -27,9 +27,11 @@ COPY_TBPS = 4.25
 
 # The few-token pair, from 2 tokens (kernels/moe_few_tokens.cu mxfp4_experts_few_tokens_*_f32; moe/mod.rs
 # few_token_*): z split into hi / lo bf16 rows (mxfp4_experts_few_tokens_split_f32, grid (T, super-steps), 32
-# threads), up blocks of 128 rows (one super-step of the split intermediate actx), down blocks of
-# 256 rows, up to 4 n-tiles of 4 tokens per pass, 3 cp.async stages in opt-in shared memory.
+# threads), up tiles of 128 rows (one super-step of the split intermediate actx), down tiles of
+# 256 rows, up to 4 n-tiles of 4 tokens per pass, 4 cp.async stages in opt-in shared memory, a
+# persistent grid of at most two blocks per SM walking the tiles.
 FEW_TOKEN_UP_ROWS, FEW_TOKEN_DOWN_ROWS = 128, 256
+SMS = 132  # the H200's SM count: the backend reads it from the device
 
 
 def few_token_ntiles(max_tokens_per_expert: int) -> int:
@@ -37,7 +39,12 @@ def few_token_ntiles(max_tokens_per_expert: int) -> int:
 
 
 def few_token_shared(ntiles: int) -> int:
-    return 3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
+    return 4 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
+
+
+def few_token_grid(busy: int, rows: int, rows_per_block: int, sms: int = SMS) -> int:
+    """moe/mod.rs few_token_launch: one block per tile, at most two per SM."""
+    return max(1, min(busy * cdiv(rows, rows_per_block), 2 * sms))
 
 
 def few_token_row_u16(cols: int) -> int:
@@ -52,21 +59,22 @@ def few_token_scratch(d: Device, t: int, k: int, lt: int, ie: int):
     return (zx, actx), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16)
 
 
-def run_few_tokens(d: Device, gx, up_args, down_args, t, lt, ie, stage=None, scratch=None):
+def run_few_tokens(d: Device, gx, up_args, down_args, t, lt, ie, stage=None, scratch=None, blocks=None):
     """The few-token pair's launches (split z, up, down) over gx busy experts, as moe/mod.rs moe_routed makes
     them. up_args = (z, w1p, w1s, w3p, w3s, offsets, sorted, act, top_k, lt, ie, beta, beta_lin,
     has_lin, E), down_args = (act, w2p, w2s, offsets, sorted, y, lt, ie, E): z / act stand for the
     split buffers from `scratch` (an few_token_scratch, made here if None); `stage` (tokens per pass,
-    rounded up to n-tiles of 4) defaults to ops.rs's choice for a step of t tokens."""
+    rounded up to n-tiles of 4) defaults to ops.rs's choice for a step of t tokens; `blocks` replaces
+    the persistent grid's size (both kernels)."""
     nt = few_token_ntiles(stage or t)
     if scratch is None:
         scratch = few_token_scratch(d, t, up_args[8], lt, ie)
     _, zx, actx = scratch
     d.launch("mxfp4_experts_few_tokens_split_f32", (t, cdiv(lt, 128)), 32, up_args[0], zx, t, lt)
-    d.launch("mxfp4_experts_few_tokens_up_f32", (gx, cdiv(ie, FEW_TOKEN_UP_ROWS)), 256, zx, *up_args[1:7], actx, *up_args[8:], nt,
-             shared_mem=few_token_shared(nt))
-    d.launch("mxfp4_experts_few_tokens_down_f32", (gx, cdiv(lt, FEW_TOKEN_DOWN_ROWS)), 256, actx, *down_args[1:], nt,
-             shared_mem=few_token_shared(nt))
+    d.launch("mxfp4_experts_few_tokens_up_f32", blocks or few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256, zx,
+             *up_args[1:7], actx, *up_args[8:], nt, shared_mem=few_token_shared(nt))
+    d.launch("mxfp4_experts_few_tokens_down_f32", blocks or few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS), 256, actx,
+             *down_args[1:], nt, shared_mem=few_token_shared(nt))
 
 
 def mx_tile_bound(n_assign: int, experts: int, tok: int) -> int:

@@ -28,15 +28,18 @@ pub struct DeviceExperts {
     pub w2: (CudaSlice<u8>, CudaSlice<u8>),
 }
 
-/// kernels/moe_few_tokens.cu (`mxfp4_experts_few_tokens_up_f32` / `mxfp4_experts_few_tokens_down_f32`): weight rows per 256-thread
-/// block (up: 128 rows of W1 and of W3 = one 128-column super-step of the split intermediate;
-/// down: 256 rows of W2), n-tiles of 4 tokens per pass (at most 4), and the split activations'
-/// row length in bf16: per 128-column super-step, 128 hi then 128 lo.
+/// kernels/moe_few_tokens.cu (`mxfp4_experts_few_tokens_up_f32` / `mxfp4_experts_few_tokens_down_f32`):
+/// weight rows per tile (up: 128 rows of W1 and of W3 = one 128-column super-step of the split
+/// intermediate; down: 256 rows of W2), n-tiles of 4 tokens per pass (at most 4), and the split
+/// activations' row length in bf16: per 128-column super-step, 128 hi then 128 lo.
 const FEW_TOKEN_UP_ROWS: usize = 128;
 
 const FEW_TOKEN_DOWN_ROWS: usize = 256;
 
 const FEW_TOKEN_MAX_NTILES: usize = 4;
+
+/// Persistent blocks per SM of the few-token pair (its `__launch_bounds__`).
+const FEW_TOKEN_BLOCKS_PER_SM: usize = 2;
 
 fn few_token_row_u16(cols: usize) -> usize {
     cols.div_ceil(128) * 256
@@ -47,23 +50,26 @@ fn few_token_ntiles(tokens: usize) -> usize {
     tokens.div_ceil(4).clamp(1, FEW_TOKEN_MAX_NTILES)
 }
 
-/// kernels/moe_few_tokens.cu MX2 shared memory: 3 stages of 256 weight rows x 64 bytes, their scales
+/// kernels/moe_few_tokens.cu MXF_STAGE_BYTES: 4 stages of 256 weight rows x 64 bytes, their scales
 /// and `ntiles` x 8 staged bf16 rows of 272 bytes. At most `geometry::FEW_TOKEN_MAX_SHARED` (two
 /// blocks per SM).
 fn few_token_shared(ntiles: usize) -> usize {
-    3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
+    4 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
 }
 
-/// Grid of the few-token expert kernels: `busy` experts x blocks of `rows_per_block` rows.
+/// Persistent grid of the few-token expert kernels: one block per tile (at most `busy` experts x
+/// row blocks of `rows_per_block`), capped at two blocks per SM; each block walks its tiles.
 fn few_token_launch(
     busy: usize,
     rows: usize,
     cols: usize,
     rows_per_block: usize,
     ntiles: usize,
+    sms: usize,
 ) -> Result<Launch> {
     geometry::check_mx_width(cols)?;
-    Launch::new((busy, rows.div_ceil(rows_per_block), 1), 256)?
+    let tiles = busy * rows.div_ceil(rows_per_block);
+    Launch::new((tiles.min(FEW_TOKEN_BLOCKS_PER_SM * sms).max(1), 1, 1), 256)?
         .with_opt_in_shared(few_token_shared(ntiles))
 }
 
@@ -146,12 +152,16 @@ impl CudaBackend {
         match path {
             ExpertPath::Wgmma => return self.moe_experts_wgmma(sorted_step),
             ExpertPath::Cublas => return self.moe_experts_cublas(sorted_step),
+            // The few-token kernels keep the busy-expert list in shared memory.
+            _ if ex.experts > geometry::FEW_TOKEN_MAX_EXPERTS => {
+                return self.moe_experts_cublas(sorted_step);
+            }
             ExpertPath::FewTokens | ExpertPath::SingleToken => {}
         }
         let y = self.zeros(t * k, ex.latent)?;
         let (kk, lt, ie) = (k as i32, ex.latent as i32, ex.inter as i32);
         let (lin, has) = crate::launch::situ_linear_args(situ);
-        // Blocks for at most min(E, T*k) experts: each maps itself to a busy one.
+        // Tiles for at most min(E, T*k) busy experts: the kernels list the busy ones themselves.
         let busy = ex.experts.min(t * k).max(1);
         // The few-token pair: z and the intermediate as hi / lo bf16 in fragment order (every element
         // written: the split pads z, each up block writes its whole 128-column super-step).
@@ -160,10 +170,11 @@ impl CudaBackend {
         let zx = self.uninit::<u16>(t * few_token_row_u16(ex.latent))?;
         let actx = self.uninit::<u16>(t * k * few_token_row_u16(ex.inter))?;
         launch!(self, "mxfp4_experts_few_tokens_split_f32", few_token_split_launch(t, ex.latent)?; &z.buf, &zx, &ti, &lt)?;
-        launch!(self, "mxfp4_experts_few_tokens_up_f32", few_token_launch(busy, ex.inter, ex.latent, FEW_TOKEN_UP_ROWS, nt)?;
+        let sms = self.multiprocessors;
+        launch!(self, "mxfp4_experts_few_tokens_up_f32", few_token_launch(busy, ex.inter, ex.latent, FEW_TOKEN_UP_ROWS, nt, sms)?;
             &zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &actx, &kk, &lt, &ie,
             &situ.beta, &lin, &has, &e, &nti)?;
-        launch!(self, "mxfp4_experts_few_tokens_down_f32", few_token_launch(busy, ex.latent, ex.inter, FEW_TOKEN_DOWN_ROWS, nt)?;
+        launch!(self, "mxfp4_experts_few_tokens_down_f32", few_token_launch(busy, ex.latent, ex.inter, FEW_TOKEN_DOWN_ROWS, nt, sms)?;
             &actx, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &nti)?;
         let out = self.zeros(t, ex.latent)?;
         let tt = t as i32;
@@ -224,8 +235,17 @@ mod tests {
             few_token_shared(FEW_TOKEN_MAX_NTILES),
             geometry::FEW_TOKEN_MAX_SHARED
         );
-        // Two blocks (plus 1 KB reserved and the static shared memory each) in an SM's 228 KB.
-        const { assert!(2 * (geometry::FEW_TOKEN_MAX_SHARED + 1024 + 256) <= 233_472) };
+        // Two blocks (plus 1 KB reserved and the static shared memory each: the busy-expert list
+        // and its counts) in an SM's 228 KB.
+        const {
+            assert!(
+                2 * (geometry::FEW_TOKEN_MAX_SHARED
+                    + 1024
+                    + 4 * geometry::FEW_TOKEN_MAX_EXPERTS
+                    + 128)
+                    <= 233_472
+            )
+        };
         assert_eq!(
             (
                 few_token_ntiles(2),
@@ -236,13 +256,17 @@ mod tests {
             (1, 2, 4, 4)
         );
         // K3: up blocks are one 128-column super-step of the intermediate each; down 256 rows.
-        let up = few_token_launch(128, 3072, 3584, FEW_TOKEN_UP_ROWS, 4).unwrap();
-        assert_eq!((up.grid, up.block, up.shared), ((128, 24, 1), 256, 78_336));
-        let down = few_token_launch(128, 3584, 3072, FEW_TOKEN_DOWN_ROWS, 1).unwrap();
-        assert_eq!((down.grid, down.shared), ((128, 14, 1), 58_752));
+        // K3 on 132 SMs: 128 x 24 up tiles and 128 x 14 down tiles over 264 persistent blocks.
+        let up = few_token_launch(128, 3072, 3584, FEW_TOKEN_UP_ROWS, 4, 132).unwrap();
+        assert_eq!((up.grid, up.block, up.shared), ((264, 1, 1), 256, 104_448));
+        let down = few_token_launch(128, 3584, 3072, FEW_TOKEN_DOWN_ROWS, 1, 132).unwrap();
+        assert_eq!((down.grid, down.shared), ((264, 1, 1), 78_336));
+        // Fewer tiles than blocks: one block per tile.
+        let small = few_token_launch(2, 256, 256, FEW_TOKEN_UP_ROWS, 1, 132).unwrap();
+        assert_eq!(small.grid, (4, 1, 1));
         assert_eq!(few_token_row_u16(3584), 28 * 256);
         assert_eq!(few_token_row_u16(160), 2 * 256);
         assert_eq!(few_token_split_launch(64, 3584).unwrap().grid, (64, 28, 1));
-        assert!(few_token_launch(16, 3072, 100, FEW_TOKEN_UP_ROWS, 1).is_err());
+        assert!(few_token_launch(16, 3072, 100, FEW_TOKEN_UP_ROWS, 1, 132).is_err());
     }
 }
