@@ -7,12 +7,12 @@
 //
 // Why this shape. At decode sizes the pair must stream every touched expert's weights at close to
 // the HBM rate, and at that rate the SM has ~8 instruction issues per 32 weight bytes per warp
-// to spare, so two costs dominate: the decode (mxfp4_mma.cuh mx_dec: three logic ops per bf16x2
-// and one fma with the block scale) and the copy ring's bytes in flight. Blocks are persistent
-// (two per SM): each walks a fixed list of (expert, row block) tiles and its 4-stage cp.async
-// ring runs on across tile boundaries, so no block pays a ring fill, a launch or a drain per tile
-// (the launch-per-tile form spent ~40 % of its time there: the skeleton probes of
-// performance-history.md).
+// to spare, so the instruction count per weight byte decides: the decode (mxfp4_mma.cuh mx_dec:
+// three logic ops per bf16x2 and one fma with the block scale) is most of it. Blocks are
+// persistent (two per SM): each walks a fixed list of (expert, row block) tiles and its 3-stage
+// cp.async ring runs on across tile boundaries, so no block pays a launch, a ring fill or a
+// drain per tile. Deeper rings are slower (4 stages by ~7 %; 5 or 6 leave one block per SM and
+// lose ~20 %), and the block barrier per stage costs ~10 % (probes in performance-history.md).
 //
 // Fragment mapping (PTX m16n8k16 .row.col): lane = 4 g + t holds A rows g and g + 8 at k = 2t,
 // 2t + 1 (+8), B column g at the same k. The dot over k does not care which physical column a
@@ -42,11 +42,15 @@ extern __shared__ __align__(16) u32 mxt_smem[];
 // xs layout (both split forms): [row][ceil(cols / 128)][p][128] bf16, column 128 ss + c at index
 // mx_pos(c) of its super-step, columns past `cols` zero.
 #define MXF_KC 128
-#define MXF_STAGES 4
+// Ring depth; harness probes may set another (bench_moe_few_tokens_diag sizes their shared memory).
+#ifndef MXF_STAGES
+#define MXF_STAGES 3
+#endif
 // Harness-only timing probes (benchmarks.py bench_moe_few_tokens_diag, never built by the host): 1 = no
 // weight decode (the raw words go to the mma), 2 = no mma (the decoded words are folded into the
 // accumulators with one xor), 4 = no weight or scale copies from global memory (the stages keep
-// stale bytes). Results are garbage on purpose. 0 in every real build.
+// stale bytes), 8 = no block barrier per stage (warps race the ring). Results are garbage on
+// purpose. 0 in every real build.
 #ifndef MXF_DIAG
 #define MXF_DIAG 0
 #endif
@@ -58,7 +62,7 @@ extern __shared__ __align__(16) u32 mxt_smem[];
 #define MXF_BNT_BYTES (8 * MXF_BRS)
 // The busy-expert list each block keeps in shared memory (moe/mod.rs checks the expert count).
 #define MXF_MAX_EXPERTS 1024
-// Dynamic shared memory for nt n-tiles per pass (moe/mod.rs few_token_shared; 104,448 B at nt = 4:
+// Dynamic shared memory for nt n-tiles per pass (moe/mod.rs few_token_shared; 78,336 B at nt = 4:
 // two blocks per SM).
 #define MXF_STAGE_BYTES(nt) (MXF_W_BYTES + MXF_S_BYTES + (nt) * MXF_BNT_BYTES)
 
@@ -225,7 +229,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
     for (u32 step = 0; ct.nsteps > 0; ++step) {  // block-uniform
         // Step `step`'s copies (this thread's) are done: MXF_STAGES - 2 younger groups may fly.
         asm volatile("cp.async.wait_group %0;" ::"n"(MXF_STAGES - 2) : "memory");
-        __syncthreads();  // everyone's are, and everyone is done with step - 1's buffer
+        if ((MXF_DIAG & 8) == 0) __syncthreads();  // everyone's are, and everyone is done with step - 1's buffer
         issue_next();
         const int pass = cj / nch, c = cj - pass * nch;
         const int t0 = pass * per, nt = min(per, ct.n - t0), ntl = (nt + 3) >> 2;

@@ -28,7 +28,7 @@ COPY_TBPS = 4.25
 # The few-token pair, from 2 tokens (kernels/moe_few_tokens.cu mxfp4_experts_few_tokens_*_f32; moe/mod.rs
 # few_token_*): z split into hi / lo bf16 rows (mxfp4_experts_few_tokens_split_f32, grid (T, super-steps), 32
 # threads), up tiles of 128 rows (one super-step of the split intermediate actx), down tiles of
-# 256 rows, up to 4 n-tiles of 4 tokens per pass, 4 cp.async stages in opt-in shared memory, a
+# 256 rows, up to 4 n-tiles of 4 tokens per pass, 3 cp.async stages in opt-in shared memory, a
 # persistent grid of at most two blocks per SM walking the tiles.
 FEW_TOKEN_UP_ROWS, FEW_TOKEN_DOWN_ROWS = 128, 256
 SMS = 132  # the H200's SM count: the backend reads it from the device
@@ -39,7 +39,7 @@ def few_token_ntiles(max_tokens_per_expert: int) -> int:
 
 
 def few_token_shared(ntiles: int) -> int:
-    return 4 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
+    return 3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
 
 
 def few_token_grid(busy: int, rows: int, rows_per_block: int, sms: int = SMS) -> int:

@@ -237,7 +237,7 @@ pub const MLA_WGMMA_SHARED: usize = 223_200;
 
 /// The few-token expert kernels (kernels/moe_few_tokens.cu, moe/mod.rs few_token_shared) at 4 n-tiles per pass: two
 /// 256-thread blocks per SM.
-pub const FEW_TOKEN_MAX_SHARED: usize = 104_448;
+pub const FEW_TOKEN_MAX_SHARED: usize = 78_336;
 
 /// The most experts the few-token kernels list per block (kernels/moe_few_tokens.cu
 /// MXF_MAX_EXPERTS); more take the cuBLAS path.

@@ -50,11 +50,11 @@ fn few_token_ntiles(tokens: usize) -> usize {
     tokens.div_ceil(4).clamp(1, FEW_TOKEN_MAX_NTILES)
 }
 
-/// kernels/moe_few_tokens.cu MXF_STAGE_BYTES: 4 stages of 256 weight rows x 64 bytes, their scales
+/// kernels/moe_few_tokens.cu MXF_STAGE_BYTES: 3 stages of 256 weight rows x 64 bytes, their scales
 /// and `ntiles` x 8 staged bf16 rows of 272 bytes. At most `geometry::FEW_TOKEN_MAX_SHARED` (two
 /// blocks per SM).
 fn few_token_shared(ntiles: usize) -> usize {
-    4 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
+    3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
 }
 
 /// Persistent grid of the few-token expert kernels: one block per tile (at most `busy` experts x
@@ -258,9 +258,9 @@ mod tests {
         // K3: up blocks are one 128-column super-step of the intermediate each; down 256 rows.
         // K3 on 132 SMs: 128 x 24 up tiles and 128 x 14 down tiles over 264 persistent blocks.
         let up = few_token_launch(128, 3072, 3584, FEW_TOKEN_UP_ROWS, 4, 132).unwrap();
-        assert_eq!((up.grid, up.block, up.shared), ((264, 1, 1), 256, 104_448));
+        assert_eq!((up.grid, up.block, up.shared), ((264, 1, 1), 256, 78_336));
         let down = few_token_launch(128, 3584, 3072, FEW_TOKEN_DOWN_ROWS, 1, 132).unwrap();
-        assert_eq!((down.grid, down.shared), ((264, 1, 1), 78_336));
+        assert_eq!((down.grid, down.shared), ((264, 1, 1), 58_752));
         // Fewer tiles than blocks: one block per tile.
         let small = few_token_launch(2, 256, 256, FEW_TOKEN_UP_ROWS, 1, 132).unwrap();
         assert_eq!(small.grid, (4, 1, 1));
