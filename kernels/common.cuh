@@ -9,6 +9,7 @@
 typedef unsigned int u32;
 typedef unsigned char u8;
 typedef long long i64;
+typedef unsigned long long u64;
 
 // No <math.h> under NVRTC: spell -inf by its bits.
 #define K3_NEG_INF __int_as_float(0xff800000)

@@ -111,7 +111,6 @@ static_assert(MLW_SHARED == 223168, "keep geometry.rs MLA_WG_SHARED in step");
 static_assert(MLW_SHARED_PAIR == 223200 && MLW_OFF_BAR % 8 == 0, "keep geometry.rs MLA_WGMMA_SHARED in step");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-typedef unsigned long long u64;
 
 __device__ __forceinline__ void mlw_bar_sync(int id, int n) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");

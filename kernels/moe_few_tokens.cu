@@ -11,8 +11,11 @@
 // three logic ops per bf16x2 and one fma with the block scale) is most of it. Blocks are
 // persistent (two per SM): each walks a fixed list of (expert, row block) tiles and its 3-stage
 // cp.async ring runs on across tile boundaries, so no block pays a launch, a ring fill or a
-// drain per tile. Deeper rings are slower (4 stages by ~7 %; 5 or 6 leave one block per SM and
-// lose ~20 %), and the block barrier per stage costs ~10 % (probes in performance-history.md).
+// drain per tile. The ring is paced by per-slot mbarriers, not a block barrier: a warp waits for
+// its stage's data, and refills a slot after its own stage, so warps drift apart instead of
+// meeting every stage (12-15 % faster at 4-16 tokens than the barrier form). Deeper rings are
+// slower or even (5 or 6 stages leave one block per SM and lose ~20 %); probes in
+// performance-history.md.
 //
 // Fragment mapping (PTX m16n8k16 .row.col): lane = 4 g + t holds A rows g and g + 8 at k = 2t,
 // 2t + 1 (+8), B column g at the same k. The dot over k does not care which physical column a
@@ -46,10 +49,11 @@ extern __shared__ __align__(16) u32 mxt_smem[];
 #ifndef MXF_STAGES
 #define MXF_STAGES 3
 #endif
+
 // Harness-only timing probes (benchmarks.py bench_moe_few_tokens_diag, never built by the host): 1 = no
 // weight decode (the raw words go to the mma), 2 = no mma (the decoded words are folded into the
 // accumulators with one xor), 4 = no weight or scale copies from global memory (the stages keep
-// stale bytes), 8 = no block barrier per stage (warps race the ring). Results are garbage on
+// stale bytes), 8 = no wait for a stage's copies (warps race the ring). Results are garbage on
 // purpose. 0 in every real build.
 #ifndef MXF_DIAG
 #define MXF_DIAG 0
@@ -110,6 +114,27 @@ __device__ int mxf_busy_experts(const int* __restrict__ offsets, int experts, in
     return min(before, MXF_MAX_EXPERTS);
 }
 
+// The ring's pacing: full[s] completes when all 256 threads' copies into slot s have landed
+// (cp.async.mbarrier.arrive), empty[s] when all 8 warps are done reading it.
+__device__ __forceinline__ void mxf_bar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mxf_bar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Arrives on `bar` once this thread's earlier cp.async copies have landed.
+__device__ __forceinline__ void mxf_bar_arrive_copies(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mxf_bar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n\t.reg .pred done;\n"
+                 "MXF_WAIT_%=:\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+                 "@!done bra MXF_WAIT_%=;\n\t}" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+
 // One tile: expert e, row block y (first row r0), its assignments sorted[a0 .. a0 + n), and its
 // step count (passes x super-steps); nsteps == 0 past the last tile.
 struct MxfTile {
@@ -129,10 +154,23 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
                                                 const int* __restrict__ offsets, const int* __restrict__ sorted,
                                                 int experts, int ntiles, Emit emit) {
     __shared__ int busy_list[MXF_MAX_EXPERTS];
+    __shared__ __align__(8) u64 ring_bars[2 * MXF_STAGES];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int nb = cols >> 5;
+    // full[s] at bars + 8 s, empty[s] at bars + 8 (MXF_STAGES + s). Rows whose scales are not
+    // 4-byte aligned store them with plain stores, which arrive on full[s] a second time.
+    const u32 bars = (u32)__cvta_generic_to_shared(ring_bars);
+    if (tid == 0) {
+#pragma unroll
+        for (int i = 0; i < MXF_STAGES; ++i) {
+            mxf_bar_init(bars + 8 * i, (nb & 3) == 0 ? 256u : 512u);
+            mxf_bar_init(bars + 8 * (MXF_STAGES + i), 8u);
+        }
+    }
+    // (mxf_busy_experts' barriers also publish the initialised mbarriers.)
     const int nbusy = mxf_busy_experts(offsets, experts, busy_list);
     const int tile_rows = UP ? 128 : MXF_AROWS, ny = (rows + tile_rows - 1) / tile_rows, ntile = nbusy * ny;
-    const int nb = cols >> 5, nch = (cols + MXF_KC - 1) / MXF_KC, per = 4 * ntiles;
+    const int nch = (cols + MXF_KC - 1) / MXF_KC, per = 4 * ntiles;
     const int stage_bytes = MXF_STAGE_BYTES(ntiles);
     const u8* stages = reinterpret_cast<const u8*>(mxt_smem);
     const u32 stages_s = (u32)__cvta_generic_to_shared(mxt_smem);
@@ -189,6 +227,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
             for (int k = 0; k < 4; ++k)
                 if (4 * c + k < nb) v |= (u32)ssrc[4 * c + k] << (8 * k);
             *reinterpret_cast<u32*>(mxt_smem + (slot * stage_bytes + MXF_W_BYTES) / 4 + tid) = v;
+            mxf_bar_arrive(bars + 8 * slot);  // release: the store is seen by whoever waits on full
         }
         const int t0 = pass * per, nt = min(per, it.n - t0);
         if (pass != b_pass) {
@@ -204,11 +243,14 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
                 mx_cp16(bs + MXF_W_BYTES + MXF_S_BYTES + (2 * i + (lane >> 4)) * MXF_BRS + 16 * (lane & 15),
                         xs + ((i64)b_row[k] * nch + c) * 256 + 8 * lane);
         }
+        mxf_bar_arrive_copies(bars + 8 * slot);
     };
     u32 issued = 0;
-    auto issue_next = [&]() {  // one commit group per call (possibly empty: the count per step is fixed)
-        if (it.nsteps > 0) {   // block-uniform
-            issue(issued % MXF_STAGES);
+    auto issue_next = [&]() {
+        if (it.nsteps > 0) {  // block-uniform
+            const u32 slot = issued % MXF_STAGES, use = issued / MXF_STAGES;
+            if (use > 0) mxf_bar_wait(bars + 8 * (MXF_STAGES + slot), (use - 1) & 1);  // slot read out
+            issue(slot);
             if (++ij == it.nsteps) {
                 ik += gridDim.x;
                 ij = 0;
@@ -216,7 +258,6 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
                 if (it.nsteps > 0) aim();
             }
         }
-        mx_commit();
         ++issued;
     };
 
@@ -227,10 +268,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
     tile_at(ck, ct);
     float acc[2][MXF_MAXNT][4];
     for (u32 step = 0; ct.nsteps > 0; ++step) {  // block-uniform
-        // Step `step`'s copies (this thread's) are done: MXF_STAGES - 2 younger groups may fly.
-        asm volatile("cp.async.wait_group %0;" ::"n"(MXF_STAGES - 2) : "memory");
-        if ((MXF_DIAG & 8) == 0) __syncthreads();  // everyone's are, and everyone is done with step - 1's buffer
-        issue_next();
+        if ((MXF_DIAG & 8) == 0) mxf_bar_wait(bars + 8 * (step % MXF_STAGES), (step / MXF_STAGES) & 1);
         const int pass = cj / nch, c = cj - pass * nch;
         const int t0 = pass * per, nt = min(per, ct.n - t0), ntl = (nt + 3) >> 2;
         if (c == 0) {
@@ -308,13 +346,19 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
                 }
             emit(ct, t0, nt, out);
         }
+        __syncwarp();
+        if (lane == 0) mxf_bar_arrive(bars + 8 * (MXF_STAGES + step % MXF_STAGES));
+        // Then refill the slot step - 1 read (step + MXF_STAGES - 1): by now the other warps have
+        // almost always finished step - 1, so the wait for its empty barrier is short, and this
+        // warp never waits for another warp before its own next stage's data.
+        issue_next();
         if (++cj == ct.nsteps) {
             ck += gridDim.x;
             cj = 0;
             tile_at(ck, ct);
         }
     }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");  // no copy outlives the block
+    asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives the block
 }
 
 // Persistent grid (moe/mod.rs few_token_launch: at most two blocks per SM), 256 threads, shared

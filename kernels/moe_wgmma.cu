@@ -178,7 +178,6 @@ extern "C" __global__ void mxfp4_experts_wgmma_split_f32(const float* __restrict
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-typedef unsigned long long u64;
 
 extern __shared__ __align__(128) u8 mxw_smem[];
 
