@@ -145,33 +145,37 @@ __device__ __forceinline__ void split8_bf16(const float (&v)[8], u32 (&hi)[4], u
     }
 }
 
-// Expert id of the n-th (from 0) expert with assignments, -1 if there are fewer. The expert kernels
-// (mxfp4.cu, moe_few_tokens.cu) take grid.x = min(E, assignments) and map block x to the x-th busy
-// expert: with grid.x = E (T = 1: 16 of 128 busy) ~88% of the blocks would only read offsets and
-// exit.
-// Block-uniform (all threads reach the barriers): call before any early return.
-__device__ int mx_active_expert(const int* __restrict__ offsets, int experts, int n) {
-    __shared__ int warp_cnt[32];
-    __shared__ int result;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    if (threadIdx.x == 0) result = -1;
-    __syncthreads();
-    int before = 0;  // busy experts in earlier chunks of 256
-    for (int e0 = 0; e0 < experts; e0 += blockDim.x) {
-        const int e = e0 + threadIdx.x;
-        const bool busy = e < experts && offsets[e + 1] > offsets[e];
-        const u32 bal = __ballot_sync(K3_FULL_MASK, busy);
-        if (lane == 0) warp_cnt[warp] = __popc(bal);
-        __syncthreads();
-        int rank = before + __popc(bal & ((1u << lane) - 1u)), total = 0;
-        for (int w = 0; w < nwarps; ++w) {
-            const int c = warp_cnt[w];
-            rank += w < warp ? c : 0;
-            total += c;
-        }
-        if (busy && rank == n) result = e;
-        before += total;
-        __syncthreads();  // warp_cnt is rewritten by the next chunk; result is final after the last
-    }
-    return result;
+// mbarrier helpers (shared-memory addresses from __cvta_generic_to_shared; sm_90+: try_wait).
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// One arrival that also expects `bytes` of transactions (bulk copies, st.async) in this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Arrives on `bar` once this thread's earlier cp.async copies have landed (counted in the
+// mbarrier's initial count: .noinc).
+__device__ __forceinline__ void mbar_arrive_copies(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+// Wait for the phase of parity `parity` to complete (acquire at CTA scope).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n\t.reg .pred done;\n"
+                 "MBAR_WAIT_%=:\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+                 "@!done bra MBAR_WAIT_%=;\n\t}" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+// The same with acquire at cluster scope: for data other blocks of the cluster pushed.
+__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
+    asm volatile("{\n\t.reg .pred done;\n"
+                 "MBAR_WAIT_CLUSTER_%=:\n\t"
+                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
+                 "@!done bra MBAR_WAIT_CLUSTER_%=;\n\t}" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
 }

@@ -238,10 +238,9 @@ __device__ __forceinline__ void kda_lines(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 bar_a = kda_smem_addr(&bar);
     if (tid == 0) {  // one arrival (this one) plus the bytes of every push
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar_a) : "memory");
+        mbar_init(bar_a, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                     :: "r"(bar_a), "r"(KDA_SPLIT_TX_BYTES) : "memory");
+        mbar_arrive_expect_tx(bar_a, KDA_SPLIT_TX_BYTES);
     }
     // Nobody pushes before every block's mbarrier is initialised (the wait is just before the pushes).
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
@@ -287,8 +286,7 @@ __device__ __forceinline__ void kda_lines(
             // block push before every block has finished reading the last token's pushes (the
             // arrive releases those reads, the wait below acquires them).
             if (tid == 0) {
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                             :: "r"(bar_a), "r"(KDA_SPLIT_TX_BYTES) : "memory");
+                mbar_arrive_expect_tx(bar_a, KDA_SPLIT_TX_BYTES);
             }
             __syncwarp();
             asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
@@ -308,18 +306,7 @@ __device__ __forceinline__ void kda_lines(
             }
         }
         __syncthreads();  // vs, beta_s and this block's own slices
-        if constexpr (MULTI) {
-            const u32 parity = (u32)t & 1u;  // phase t of the mbarrier
-            asm volatile("{\n\t.reg .pred done;\n"
-                         "KDA_WAIT_%=:\n\t"
-                         "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
-                         "@!done bra KDA_WAIT_%=;\n\t}" :: "r"(bar_a), "r"(parity) : "memory");
-        } else {
-            asm volatile("{\n\t.reg .pred done;\n"
-                         "KDA_WAIT_%=:\n\t"
-                         "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], 0;\n\t"
-                         "@!done bra KDA_WAIT_%=;\n\t}" :: "r"(bar_a) : "memory");
-        }
+        mbar_wait_cluster(bar_a, MULTI ? (u32)t & 1u : 0u);  // phase t of the mbarrier
         // q also carries the K^-1/2 attention scale; the four partials added in a fixed order.
         const float invq = rsqrtf((float)KDA_K) / sqrtf(ssp[0] + ssp[2] + ssp[4] + ssp[6] + 1e-6f);
         const float invk = 1.0f / sqrtf(ssp[1] + ssp[3] + ssp[5] + ssp[7] + 1e-6f);

@@ -148,24 +148,9 @@ __device__ __forceinline__ u32 mlw_mapa(u32 addr, u32 rank) {
 }
 __device__ __forceinline__ void mlw_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void mlw_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-__device__ __forceinline__ void mlw_mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mlw_mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mlw_mbar_arrive_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
 // Arrive on the partner's mbarrier (a shared::cluster address from mlw_mapa).
 __device__ __forceinline__ void mlw_mbar_arrive_remote(u32 rbar) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(rbar) : "memory");
-}
-__device__ __forceinline__ void mlw_mbar_wait(u32 bar, u32 parity) {
-    asm volatile("{\n\t.reg .pred done;\n"
-                 "MLW_WAIT_%=:\n\t"
-                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
-                 "@!done bra MLW_WAIT_%=;\n\t}" ::"r"(bar), "r"(parity) : "memory");
 }
 // 8 bytes into the partner's shared memory, counted by its mbarrier's transaction bytes (no
 // cluster-scope release fence per store: the complete_tx releases them).
@@ -218,10 +203,10 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
     const u32 peer = PAIR ? mlw_cluster_rank() ^ 1u : 0u;
     if (PAIR) {
         if (tid == 0) {
-            mlw_mbar_init(bar_a, 128);
-            mlw_mbar_init(bar_a + 8, 128);
-            mlw_mbar_init(bar_a + 16, 16);
-            mlw_mbar_init(bar_a + 24, 16);
+            mbar_init(bar_a, 128);
+            mbar_init(bar_a + 8, 128);
+            mbar_init(bar_a + 16, 16);
+            mbar_init(bar_a + 24, 16);
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }
         mlw_cluster_arrive();  // waited on just before each role's first use of the partner
@@ -295,7 +280,7 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
                 if (u >= total) break;  // uniform over the warpgroup
                 const int t = u / PP, a = u % PP, slot = t & 1;
                 if (a == 0 && t >= 2) {  // tile t - 2 released by every consumer (of both blocks)
-                    if (PAIR) mlw_mbar_wait(bar_a + 16 + 8 * slot, (u32)((t >> 1) + 1) & 1u);
+                    if (PAIR) mbar_wait_cluster(bar_a + 16 + 8 * slot, (u32)((t >> 1) + 1) & 1u);
                     else mlw_bar_sync(MLW_BAR_EMPTY + slot, MLW_THREADS);
                 }
                 const u32 off = MLW_OFF_K + slot * MLW_KTILE + (rs + 8 * (aoff + a)) * 128 + swz;
@@ -308,8 +293,8 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
                 if (a == PP - 1) {
                     if ((MLW_DIAG & 128) == 0) mlw_fence_async();
                     if (!PAIR) mlw_bar_arrive(MLW_BAR_FULL + slot, MLW_THREADS);
-                    else if (tid == 0 && (MLW_DIAG & 4) == 0) mlw_mbar_arrive_tx(bar_a + 8 * slot, MLW_PAIR_TX);
-                    else mlw_mbar_arrive(bar_a + 8 * slot);
+                    else if (tid == 0 && (MLW_DIAG & 4) == 0) mbar_arrive_expect_tx(bar_a + 8 * slot, MLW_PAIR_TX);
+                    else mbar_arrive(bar_a + 8 * slot);
                 }
             }
         }
@@ -403,7 +388,7 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
         const int slot = t & 1;
         const u32 k_a = sm_a + MLW_OFF_K + slot * MLW_KTILE;
         if (PAIR) {
-            mlw_mbar_wait(bar_a + 8 * slot, (u32)(t >> 1) & 1u);
+            mbar_wait_cluster(bar_a + 8 * slot, (u32)(t >> 1) & 1u);
             if ((MLW_DIAG & 256) == 0) mlw_fence_async();  // the partner's half came by st.async: before wgmma
         } else {
             mlw_bar_sync(MLW_BAR_FULL + slot, MLW_THREADS);
@@ -518,7 +503,7 @@ __device__ __forceinline__ void mlw_attend(const float* __restrict__ qt, const f
             if (PAIR) {
                 __syncwarp();
                 if (lane == 0) {
-                    mlw_mbar_arrive(bar_a + 16 + 8 * slot);
+                    mbar_arrive(bar_a + 16 + 8 * slot);
                     mlw_mbar_arrive_remote(peer_bar + 16 + 8 * slot);
                 }
             } else {

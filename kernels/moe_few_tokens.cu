@@ -114,27 +114,6 @@ __device__ int mxf_busy_experts(const int* __restrict__ offsets, int experts, in
     return min(before, MXF_MAX_EXPERTS);
 }
 
-// The ring's pacing: full[s] completes when all 256 threads' copies into slot s have landed
-// (cp.async.mbarrier.arrive), empty[s] when all 8 warps are done reading it.
-__device__ __forceinline__ void mxf_bar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mxf_bar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-// Arrives on `bar` once this thread's earlier cp.async copies have landed.
-__device__ __forceinline__ void mxf_bar_arrive_copies(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mxf_bar_wait(u32 bar, u32 parity) {
-    asm volatile("{\n\t.reg .pred done;\n"
-                 "MXF_WAIT_%=:\n\t"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-                 "@!done bra MXF_WAIT_%=;\n\t}" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
-
 // One tile: expert e, row block y (first row r0), its assignments sorted[a0 .. a0 + n), and its
 // step count (passes x super-steps); nsteps == 0 past the last tile.
 struct MxfTile {
@@ -157,14 +136,16 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
     __shared__ __align__(8) u64 ring_bars[2 * MXF_STAGES];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int nb = cols >> 5;
-    // full[s] at bars + 8 s, empty[s] at bars + 8 (MXF_STAGES + s). Rows whose scales are not
-    // 4-byte aligned store them with plain stores, which arrive on full[s] a second time.
+    // The ring's pacing: full[s] (at bars + 8 s) completes when all 256 threads' copies into slot
+    // s have landed, empty[s] (at bars + 8 (MXF_STAGES + s)) when all 8 warps are done reading it.
+    // Rows whose scales are not 4-byte aligned store them with plain stores, which arrive on
+    // full[s] a second time.
     const u32 bars = (u32)__cvta_generic_to_shared(ring_bars);
     if (tid == 0) {
 #pragma unroll
         for (int i = 0; i < MXF_STAGES; ++i) {
-            mxf_bar_init(bars + 8 * i, (nb & 3) == 0 ? 256u : 512u);
-            mxf_bar_init(bars + 8 * (MXF_STAGES + i), 8u);
+            mbar_init(bars + 8 * i, (nb & 3) == 0 ? 256u : 512u);
+            mbar_init(bars + 8 * (MXF_STAGES + i), 8u);
         }
     }
     // (mxf_busy_experts' barriers also publish the initialised mbarriers.)
@@ -227,7 +208,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
             for (int k = 0; k < 4; ++k)
                 if (4 * c + k < nb) v |= (u32)ssrc[4 * c + k] << (8 * k);
             *reinterpret_cast<u32*>(mxt_smem + (slot * stage_bytes + MXF_W_BYTES) / 4 + tid) = v;
-            mxf_bar_arrive(bars + 8 * slot);  // release: the store is seen by whoever waits on full
+            mbar_arrive(bars + 8 * slot);  // release: the store is seen by whoever waits on full
         }
         const int t0 = pass * per, nt = min(per, it.n - t0);
         if (pass != b_pass) {
@@ -243,13 +224,13 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
                 mx_cp16(bs + MXF_W_BYTES + MXF_S_BYTES + (2 * i + (lane >> 4)) * MXF_BRS + 16 * (lane & 15),
                         xs + ((i64)b_row[k] * nch + c) * 256 + 8 * lane);
         }
-        mxf_bar_arrive_copies(bars + 8 * slot);
+        mbar_arrive_copies(bars + 8 * slot);
     };
     u32 issued = 0;
     auto issue_next = [&]() {
         if (it.nsteps > 0) {  // block-uniform
             const u32 slot = issued % MXF_STAGES, use = issued / MXF_STAGES;
-            if (use > 0) mxf_bar_wait(bars + 8 * (MXF_STAGES + slot), (use - 1) & 1);  // slot read out
+            if (use > 0) mbar_wait(bars + 8 * (MXF_STAGES + slot), (use - 1) & 1);  // slot read out
             issue(slot);
             if (++ij == it.nsteps) {
                 ik += gridDim.x;
@@ -268,7 +249,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
     tile_at(ck, ct);
     float acc[2][MXF_MAXNT][4];
     for (u32 step = 0; ct.nsteps > 0; ++step) {  // block-uniform
-        if ((MXF_DIAG & 8) == 0) mxf_bar_wait(bars + 8 * (step % MXF_STAGES), (step / MXF_STAGES) & 1);
+        if ((MXF_DIAG & 8) == 0) mbar_wait(bars + 8 * (step % MXF_STAGES), (step / MXF_STAGES) & 1);
         const int pass = cj / nch, c = cj - pass * nch;
         const int t0 = pass * per, nt = min(per, ct.n - t0), ntl = (nt + 3) >> 2;
         if (c == 0) {
@@ -347,7 +328,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
             emit(ct, t0, nt, out);
         }
         __syncwarp();
-        if (lane == 0) mxf_bar_arrive(bars + 8 * (MXF_STAGES + step % MXF_STAGES));
+        if (lane == 0) mbar_arrive(bars + 8 * (MXF_STAGES + step % MXF_STAGES));
         // Then refill the slot step - 1 read (step + MXF_STAGES - 1): by now the other warps have
         // almost always finished step - 1, so the wait for its empty barrier is short, and this
         // warp never waits for another warp before its own next stage's data.

@@ -2,8 +2,8 @@
 // with many assignments (prefill, large decode batches). The MXFP4 weights of the touched experts
 // are expanded to bf16 (exact: an E2M1 value times a power of two fits bf16), and every f32
 // activation x is fed as two bf16 rows, hi = bf16(x) and lo = bf16(x - hi), whose products are
-// summed in f32: the result keeps ~16 mantissa bits of x, so it tracks the f32 CUDA-core kernels
-// (kernels/mxfp4.cu) to ~1e-5 instead of bf16's ~4e-3.
+// summed in f32: the result keeps ~16 mantissa bits of x, so it tracks the f32 CPU backend to
+// ~1e-5 instead of bf16's ~4e-3.
 //
 // Rows of the stacked matrices: the assignments sorted by expert (moe_sort_assignments), and for
 // expert e with sorted positions [off, off + cnt) the hi rows at [2 off, 2 off + cnt) and the lo

@@ -184,21 +184,6 @@ extern __shared__ __align__(128) u8 mxw_smem[];
 // The ring's mbarriers (one per stage buffer; MXW_STAGES(1) is the larger ring).
 __shared__ __align__(8) u64 mxw_bars[8];
 
-__device__ __forceinline__ void mxw_bar_init(u32 bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-}
-// The one arrival of a phase, with the bytes its bulk copies will complete.
-__device__ __forceinline__ void mxw_bar_expect(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mxw_bar_wait(u32 bar, u32 parity) {
-    asm volatile("{\n\t.reg .pred done;\n"
-                 "MXW_WAIT_%=:\n\t"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-                 "@!done bra MXW_WAIT_%=;\n\t}" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
 // `bytes` (a multiple of 16) from global to this CTA's shared memory, completing on `bar`.
 __device__ __forceinline__ void mxw_bulk(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
@@ -457,7 +442,7 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
     const u32 bar0 = (u32)__cvta_generic_to_shared(mxw_bars), tok_bytes = 16u * (u32)a.nt;
     if (tid == 0) {
 #pragma unroll
-        for (int i = 0; i < S; ++i) mxw_bar_init(bar0 + 8 * i);
+        for (int i = 0; i < S; ++i) mbar_init(bar0 + 8 * i, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();  // the mbarriers are initialised before anyone arms or waits on them
@@ -484,7 +469,7 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
         }
         if ((MXW_DIAG & 4) || (part != -1 && part != 1) || warp != 0) return;
         const u32 bar = bar0 + 8 * (c % S);
-        if (lane == 0) mxw_bar_expect(bar, 8 * P * tok_bytes);
+        if (lane == 0) mbar_arrive_expect_tx(bar, 8 * P * tok_bytes);
         __syncwarp();
         if (lane < 8 * P)
             mxw_bulk(bs + MXW_A_BYTES + MXW_S_BYTES + lane * MXW_CHUNK_BYTES,
@@ -541,7 +526,7 @@ __device__ __forceinline__ void mxw_tile(const MxwTile& a) {
                 af[m][2] = mxw_dec(l0, h0, by + 1, sc[m][0], sc2[m][0]);
                 af[m][3] = mxw_dec(l1, h1, by + 1, sc[m][1], sc2[m][1]);
             }
-            if (s == 0 && !(MXW_DIAG & 4)) mxw_bar_wait(bar0 + 8 * (c % S), (u32)(c / S) & 1u);  // the tokens
+            if (s == 0 && !(MXW_DIAG & 4)) mbar_wait(bar0 + 8 * (c % S), (u32)(c / S) & 1u);  // the tokens
             mxw_wg_fence();  // the A registers (and, first time, the zeroed accumulators) were written
 #pragma unroll
             for (int m = 0; m < 2; ++m)

@@ -86,7 +86,7 @@ __device__ __forceinline__ void mx_glu_parts8(const float* gu, int parts, int in
     for (int k = 0; k < 8; ++k) v[k] = situ_glu_one(gs[k], us[k], beta, beta_lin, has_lin);
 }
 
-// Tile `tile` of the grouped GEMMs (mxfp4_grouped.cu, moe_wgmma.cu: each expert's sorted
+// Tile `tile` of the grouped GEMMs (moe_wgmma.cu: each expert's sorted
 // assignments cut into pieces of TOK tokens, expert by expert): its expert and first token within
 // the expert's sorted range, or false past the last tile. Warp 0 scans ceil(count / TOK) over the
 // experts 32 at a time. Block-uniform: every thread reaches the barrier.

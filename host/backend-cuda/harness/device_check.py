@@ -48,6 +48,8 @@ from k3ref.norm import rms_norm as ref_rms_norm  # noqa: E402
 from k3ref.situ import situ_glu as ref_situ_glu  # noqa: E402
 
 KERNELS = ROOT / "kernels"
+# host/kernels/src/key.rs NVRTC_OPTIONS: the harness compiles exactly as the backend does.
+NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 
 
 def needs_arch_specific(f: Path) -> bool:
@@ -132,7 +134,7 @@ class Device:
             if defines or needs_arch_specific(f):
                 self.modules[key] = self._arch_module(f, defines)
             else:
-                self.modules[key] = self.cp.RawModule(code=inline_includes(f), options=("--std=c++17",))
+                self.modules[key] = self.cp.RawModule(code=inline_includes(f), options=NVRTC_OPTIONS)
                 self.modules[key].compile()
             log(f"compiled {f.name}{' ' + ' '.join(defines) if defines else ''} in {time.time() - t0:.1f}s")
         return self.modules[key].get_function(name)
@@ -146,7 +148,7 @@ class Device:
             from cupy.cuda import nvrtc
         cc = str(self.cp.cuda.Device().compute_capability)
         arch = f"sm_{cc}a" if cc == "90" else f"sm_{cc}"
-        opts = ("--std=c++17", f"--gpu-architecture={arch}", *defines)
+        opts = (*NVRTC_OPTIONS, f"--gpu-architecture={arch}", *defines)
         prog = nvrtc.createProgram(inline_includes(f), f.name, (), ())
         try:
             try:

@@ -2,7 +2,8 @@
 
 use sha2::{Digest, Sha256};
 
-/// NVRTC options, identical to scripts/nvrtc-check (precise math: the checks compare with f64
+/// NVRTC options, identical to scripts/nvrtc-check and the device harness (device_check.py
+/// NVRTC_OPTIONS; precise math: the checks compare with f64
 /// references at 1e-5; the kernels use fast intrinsics explicitly where they are safe).
 pub const NVRTC_OPTIONS: &[&str] = &["--std=c++17", "-default-device"];
 

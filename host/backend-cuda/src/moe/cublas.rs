@@ -1,7 +1,7 @@
 //! Routed experts through cuBLAS tensor-core GEMMs (kernels/moe_gemm.cu) for steps with many
 //! (token, expert) assignments (from `CudaOptions::moe_gemm_min_assignments`) on GPUs without
 //! wgmma, and where the MXFP4 kernels' shared memory does not fit (dispatch.rs). The decode-step
-//! kernels (kernels/mxfp4.cu, moe_few_tokens.cu) read each expert's weights once per 16 tokens at most,
+//! kernels (kernels/moe_single_token.cu, moe_few_tokens.cu) read each expert's weights once per 16 tokens at most,
 //! right for a few tokens but far below the tensor cores once experts see hundreds of rows.
 //!
 //! Per step: the assignments sorted by expert are gathered into stacked hi/lo bf16 rows; the
