@@ -148,7 +148,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
             mbar_init(bars + 8 * (MXF_STAGES + i), 8u);
         }
     }
-    // (mxf_busy_experts' barriers also publish the initialised mbarriers.)
+    // mxf_busy_experts' barriers (at least one: experts >= 1) also publish the initialised mbarriers.
     const int nbusy = mxf_busy_experts(offsets, experts, busy_list);
     const int tile_rows = UP ? 128 : MXF_AROWS, ny = (rows + tile_rows - 1) / tile_rows, ntile = nbusy * ny;
     const int nch = (cols + MXF_KC - 1) / MXF_KC, per = 4 * ntiles;

@@ -13,8 +13,9 @@ __device__ __forceinline__ u32 mx_scale2(u32 s) {
     return b | (b << 16);
 }
 
-// E8M0 byte (at most MX_DEC_MAX_FOLDED) -> bf16x2 2^(s-1) twice: the block scale with mx_dec's
-// 2^126 folded in (2^(s-127) x 2^126; s = 0 gives 2^-1).
+// E8M0 byte (at most MX_DEC_MAX_FOLDED) -> bf16x2 2^(s-1) twice: the block scale with the decode's
+// 2^126 folded in (2^(s-127) x 2^126; s = 0 gives 2^-1). moe_wgmma.cu mxw_dec folds the same
+// way, inline.
 #define MX_DEC_MAX_FOLDED 128u
 __device__ __forceinline__ u32 mx_scale2_folded(u32 s) {
     const u32 b = (s + 126u) << 7;

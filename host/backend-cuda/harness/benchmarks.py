@@ -14,7 +14,7 @@ import torch
 from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_SCAN_KERNELS, cdiv,
                     kda_decode_launcher, kda_region_floats, log, rel_err, run_kda_prefill)
 from common import run_mla_prefill, run_few_tokens
-from common import FEW_TOKEN_DOWN_ROWS, FEW_TOKEN_UP_ROWS, SMS, few_token_grid, few_token_ntiles, few_token_scratch, few_token_shared
+from common import FEW_TOKEN_DOWN_ROWS, FEW_TOKEN_UP_ROWS, few_token_grid, few_token_ntiles, few_token_scratch, few_token_shared
 from common import single_token_plan, single_token_scratch, run_single_token
 from common import (MX_WG_DOWN_ROWS, MX_WG_SHARED, MX_WG_TOK, MX_WG_UP_ROWS, mx_tile_bound,
                     mx_wg_scratch, run_mx_wg)
@@ -846,16 +846,17 @@ def bench_moe_few_tokens_diag(d: Device, record):
             # -DMXF_STAGES=S probes another ring depth: shared memory for S stages, and a grid of
             # one block per SM where two no longer fit.
             stages = next((int(x.split("=")[1]) for x in defs if x.startswith("-DMXF_STAGES=")), 3)
-            shared = few_token_shared(nt) * stages // 3
+            shared = few_token_shared(nt, stages)
+            # Two blocks fit an SM's 228 KB with ~6 KB of static and reserved shared memory each.
             per_sm = 2 if 2 * (shared + 6 * 1024) <= 233_472 else 1
 
             def up(defs=defs, shared=shared, per_sm=per_sm):
-                d.launch("mxfp4_experts_few_tokens_up_f32", few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS, per_sm * SMS // 2), 256,
+                d.launch("mxfp4_experts_few_tokens_up_f32", few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS, per_sm), 256,
                          zx, V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"], V["srt"], actx, k, lt, ie, 4.0, 25.0, 1, E,
                          nt, shared_mem=shared, defines=defs)
 
             def down(defs=defs, shared=shared, per_sm=per_sm):
-                d.launch("mxfp4_experts_few_tokens_down_f32", few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS, per_sm * SMS // 2), 256,
+                d.launch("mxfp4_experts_few_tokens_down_f32", few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS, per_sm), 256,
                          actx, V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt, ie, E, nt, shared_mem=shared,
                          defines=defs)
             try:

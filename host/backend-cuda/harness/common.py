@@ -38,13 +38,14 @@ def few_token_ntiles(max_tokens_per_expert: int) -> int:
     return max(1, min(cdiv(max_tokens_per_expert, 4), 4))
 
 
-def few_token_shared(ntiles: int) -> int:
-    return 3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
+def few_token_shared(ntiles: int, stages: int = 3) -> int:
+    """moe/mod.rs few_token_shared: `stages` ring slots (3 in the kernel; probes may set others)."""
+    return stages * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
 
 
-def few_token_grid(busy: int, rows: int, rows_per_block: int, sms: int = SMS) -> int:
-    """moe/mod.rs few_token_launch: one block per tile, at most two per SM."""
-    return max(1, min(busy * cdiv(rows, rows_per_block), 2 * sms))
+def few_token_grid(busy: int, rows: int, rows_per_block: int, per_sm: int = 2, sms: int = SMS) -> int:
+    """moe/mod.rs few_token_launch: one block per tile, at most `per_sm` (two) per SM."""
+    return max(1, min(busy * cdiv(rows, rows_per_block), per_sm * sms))
 
 
 def few_token_row_u16(cols: int) -> int:

@@ -62,6 +62,8 @@ pub(crate) struct ExpertStep {
     pub many: bool,
     pub latent: usize,
     pub inter: usize,
+    /// Experts of the layer (the few-token kernels list the busy ones in shared memory).
+    pub experts: usize,
 }
 
 pub(crate) fn expert_path(step: ExpertStep, dev: &DeviceLimits) -> ExpertPath {
@@ -76,10 +78,11 @@ pub(crate) fn expert_path(step: ExpertStep, dev: &DeviceLimits) -> ExpertPath {
         {
             return ExpertPath::SingleToken;
         }
-        return if dev.launchable(&[
-            "mxfp4_experts_few_tokens_up_f32",
-            "mxfp4_experts_few_tokens_down_f32",
-        ]) {
+        return if step.experts <= geometry::FEW_TOKEN_MAX_EXPERTS
+            && dev.launchable(&[
+                "mxfp4_experts_few_tokens_up_f32",
+                "mxfp4_experts_few_tokens_down_f32",
+            ]) {
             ExpertPath::FewTokens
         } else {
             ExpertPath::Cublas
@@ -151,6 +154,7 @@ mod tests {
             many,
             latent: 3584,
             inter: 3072,
+            experts: 128,
         }
     }
 
@@ -191,6 +195,12 @@ mod tests {
             expert_path(odd, &limits("sm_90", 65_536)),
             ExpertPath::Cublas
         );
+        // More experts than the few-token kernels can list: cuBLAS.
+        let wide = ExpertStep {
+            experts: geometry::FEW_TOKEN_MAX_EXPERTS + 1,
+            ..step(4, false)
+        };
+        assert_eq!(expert_path(wide, &h200()), ExpertPath::Cublas);
     }
 
     #[test]

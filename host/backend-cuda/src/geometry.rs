@@ -240,7 +240,7 @@ pub const MLA_WGMMA_SHARED: usize = 223_200;
 pub const FEW_TOKEN_MAX_SHARED: usize = 78_336;
 
 /// The most experts the few-token kernels list per block (kernels/moe_few_tokens.cu
-/// MXF_MAX_EXPERTS); more take the cuBLAS path.
+/// MXF_MAX_EXPERTS); dispatch.rs sends layers with more to cuBLAS.
 pub const FEW_TOKEN_MAX_EXPERTS: usize = 1024;
 
 /// Dynamic shared memory of both wgmma expert GEMM kernels (kernels/moe_wgmma.cu MXW_SHARED_BYTES:

@@ -129,6 +129,7 @@ impl CudaBackend {
             many: t * k >= self.options.moe_gemm_min_assignments,
             latent: ex.latent,
             inter: ex.inter,
+            experts: ex.experts,
         };
         let path = expert_path(step, &self.limits);
         // The single-token pair takes the router's ids as they are: no sort, no offsets.
@@ -152,10 +153,6 @@ impl CudaBackend {
         match path {
             ExpertPath::Wgmma => return self.moe_experts_wgmma(sorted_step),
             ExpertPath::Cublas => return self.moe_experts_cublas(sorted_step),
-            // The few-token kernels keep the busy-expert list in shared memory.
-            _ if ex.experts > geometry::FEW_TOKEN_MAX_EXPERTS => {
-                return self.moe_experts_cublas(sorted_step);
-            }
             ExpertPath::FewTokens | ExpertPath::SingleToken => {}
         }
         let y = self.zeros(t * k, ex.latent)?;
