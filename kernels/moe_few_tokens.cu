@@ -114,6 +114,16 @@ __device__ int mxf_busy_experts(const int* __restrict__ offsets, int experts, in
     return min(before, MXF_MAX_EXPERTS);
 }
 
+// Compile-time arguments for the generic lambdas of few_tokens_walk (NVRTC has no <type_traits>).
+template <bool B>
+struct MxfBool {
+    static constexpr bool value = B;
+};
+template <int N>
+struct MxfInt {
+    static constexpr int value = N;
+};
+
 // One tile: expert e, row block y (first row r0), its assignments sorted[a0 .. a0 + n), and its
 // step count (passes x super-steps); nsteps == 0 past the last tile.
 struct MxfTile {
@@ -171,7 +181,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
     // Copy duty: 16 bytes (tid & 3) of A-rows (tid >> 2) + 64 i, the scales of A-row tid, and
     // piece `lane` of tokens warp and warp + 8. Tail rows are clamped (loaded, never stored).
     MxfTile it = {};
-    int ik = blockIdx.x, ij = 0, b_pass = -1, b_row[2] = {0, 0};
+    int ik = blockIdx.x, ij = 0, ipass = 0, ic = 0, b_pass = -1, b_row[2] = {0, 0};
     const u8* wsrc[4];
     const u8* ssrc = ws0;
     auto aim = [&]() {  // the issue side's per-thread sources for tile `it`
@@ -192,7 +202,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
     if (it.nsteps > 0) aim();
 
     auto issue = [&](u32 slot) {
-        const int pass = ij / nch, c = ij - pass * nch;
+        const int pass = ipass, c = ic;
         const u32 bs = stages_s + slot * stage_bytes;
         const bool in = 4 * c + (tid & 3) < nb;  // past the row's end: zeros (byte 0 decodes to +0)
 #pragma unroll
@@ -232,9 +242,13 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
             const u32 slot = issued % MXF_STAGES, use = issued / MXF_STAGES;
             if (use > 0) mbar_wait(bars + 8 * (MXF_STAGES + slot), (use - 1) & 1);  // slot read out
             issue(slot);
+            if (++ic == nch) {
+                ic = 0;
+                ++ipass;
+            }
             if (++ij == it.nsteps) {
                 ik += gridDim.x;
-                ij = 0;
+                ij = ipass = 0;
                 tile_at(ik, it);
                 if (it.nsteps > 0) aim();
             }
@@ -244,79 +258,99 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
 
 #pragma unroll
     for (int j = 0; j < MXF_STAGES - 1; ++j) issue_next();
-    MxfTile ct = {};
-    int ck = blockIdx.x, cj = 0;
-    tile_at(ck, ct);
     float acc[2][MXF_MAXNT][4];
-    for (u32 step = 0; ct.nsteps > 0; ++step) {  // block-uniform
-        if ((MXF_DIAG & 8) == 0) mbar_wait(bars + 8 * (step % MXF_STAGES), (step / MXF_STAGES) & 1);
-        const int pass = cj / nch, c = cj - pass * nch;
-        const int t0 = pass * per, nt = min(per, ct.n - t0), ntl = (nt + 3) >> 2;
-        if (c == 0) {
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-#pragma unroll
-                for (int q = 0; q < MXF_MAXNT; ++q)
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) acc[m][q][k] = 0.0f;
-        }
-        const u8* buf = stages + (step % MXF_STAGES) * stage_bytes;
+    // One stage (super-step) of NT n-tiles: decode each weight fragment once and multiply it with
+    // the pass's first NT n-tiles. TWO: the two-multiply decode (mx_dec). The n-tile count is a
+    // template argument so that a pass of few tokens issues only its own mma and B loads.
+    auto mma_stage = [&](const u8* buf, auto two_c, auto nt_c) {
+        constexpr bool two = decltype(two_c)::value;
+        constexpr int NT = decltype(nt_c)::value;
         uint4 wv[2][2];
-        u32 sb[2][2];
-        bool big = false;
+        u32 sc[2][2];
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int ar = 32 * warp + 16 * m + 8 * h + g;
                 wv[m][h] = *reinterpret_cast<const uint4*>(buf + ar * 64 + 16 * t);
-                sb[m][h] = buf[MXF_W_BYTES + 4 * ar + t];
-                big |= sb[m][h] > MX_DEC_MAX_FOLDED;
+                const u32 sb = buf[MXF_W_BYTES + 4 * ar + t];
+                sc[m][h] = two ? mx_scale2(sb) : mx_scale2_folded(sb);
             }
         const u8* bb = buf + MXF_W_BYTES + MXF_S_BYTES + g * MXF_BRS + 8 * t;
-        // The 2^126 of mx_dec folds into the scale unless a block's scale is too large for that
-        // (never in trained weights): then the warp takes the two-multiply path for this stage.
-        auto mma_stage = [&](const bool two) {
-            u32 sc[2][2];
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+            u32 a[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                const u32 w0 = mx_word(wv[m][0], s >> 1), w1 = mx_word(wv[m][1], s >> 1);
+                const int sh = 8 * (s & 1);
+                if ((MXF_DIAG & 1) != 0) {
+                    a[m][0] = w0 << sh, a[m][1] = w1 << sh, a[m][2] = w0 << (sh + 4), a[m][3] = w1 << (sh + 4);
+                    continue;
+                }
+                a[m][0] = mx_dec(w0 << sh, sc[m][0], two);
+                a[m][1] = mx_dec(w1 << sh, sc[m][1], two);
+                a[m][2] = mx_dec(w0 << (sh + 4), sc[m][0], two);
+                a[m][3] = mx_dec(w1 << (sh + 4), sc[m][1], two);
+            }
+#pragma unroll
+            for (int q = 0; q < NT; ++q) {
+                const uint2 v = *reinterpret_cast<const uint2*>(bb + q * 8 * MXF_BRS + 32 * s);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    if ((MXF_DIAG & 2) != 0)
+                        acc[m][q][0] += __uint_as_float(a[m][0] ^ a[m][1] ^ a[m][2] ^ a[m][3] ^ v.x ^ v.y);
+                    else
+                        tc_mma_bf16(acc[m][q], a[m][0], a[m][1], a[m][2], a[m][3], v.x, v.y);
+                }
+            }
+        }
+    };
+    // The 2^126 of mx_dec folds into the scale unless a block's scale is too large for that
+    // (never in trained weights): then the warp takes the two-multiply path for that stage.
+    auto run_stage = [&](const u8* buf, auto nt_c) {
+        bool big = false;
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) big |= buf[MXF_W_BYTES + 4 * (32 * warp + 16 * m + 8 * h + g) + t] > MX_DEC_MAX_FOLDED;
+        if (__any_sync(K3_FULL_MASK, big))
+            mma_stage(buf, MxfBool<true>{}, nt_c);
+        else
+            mma_stage(buf, MxfBool<false>{}, nt_c);
+    };
+    // Tiles, then passes of up to `per` tokens, then the nch super-steps of a pass: the
+    // accumulators are zeroed once per pass and the stage body is chosen once per pass.
+    u32 step = 0;
+    MxfTile ct = {};
+    for (int ck = blockIdx.x;; ck += gridDim.x) {
+        tile_at(ck, ct);
+        if (ct.nsteps == 0) break;  // block-uniform
+        const int npass = ct.nsteps / nch;
+        for (int pass = 0; pass < npass; ++pass) {
+            const int t0 = pass * per, nt = min(per, ct.n - t0), ntl = (nt + 3) >> 2;
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) sc[m][h] = two ? mx_scale2(sb[m][h]) : mx_scale2_folded(sb[m][h]);
-#pragma unroll
-            for (int s = 0; s < 8; ++s) {
-                u32 a[2][4];
-#pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                    const u32 w0 = mx_word(wv[m][0], s >> 1), w1 = mx_word(wv[m][1], s >> 1);
-                    const int sh = 8 * (s & 1);
-                    if ((MXF_DIAG & 1) != 0) {
-                        a[m][0] = w0 << sh, a[m][1] = w1 << sh, a[m][2] = w0 << (sh + 4), a[m][3] = w1 << (sh + 4);
-                        continue;
-                    }
-                    a[m][0] = mx_dec(w0 << sh, sc[m][0], two);
-                    a[m][1] = mx_dec(w1 << sh, sc[m][1], two);
-                    a[m][2] = mx_dec(w0 << (sh + 4), sc[m][0], two);
-                    a[m][3] = mx_dec(w1 << (sh + 4), sc[m][1], two);
-                }
-#pragma unroll
                 for (int q = 0; q < MXF_MAXNT; ++q)
-                    if (q < ntl) {  // block-uniform
-                        const uint2 v = *reinterpret_cast<const uint2*>(bb + q * 8 * MXF_BRS + 32 * s);
 #pragma unroll
-                        for (int m = 0; m < 2; ++m) {
-                            if ((MXF_DIAG & 2) != 0)
-                                acc[m][q][0] += __uint_as_float(a[m][0] ^ a[m][1] ^ a[m][2] ^ a[m][3] ^ v.x ^ v.y);
-                            else
-                                tc_mma_bf16(acc[m][q], a[m][0], a[m][1], a[m][2], a[m][3], v.x, v.y);
-                        }
-                    }
+                    for (int k = 0; k < 4; ++k) acc[m][q][k] = 0.0f;
+            for (int c = 0; c < nch; ++c, ++step) {
+                if ((MXF_DIAG & 8) == 0) mbar_wait(bars + 8 * (step % MXF_STAGES), (step / MXF_STAGES) & 1);
+                const u8* buf = stages + (step % MXF_STAGES) * stage_bytes;
+                switch (ntl) {  // block-uniform
+                    case 1: run_stage(buf, MxfInt<1>{}); break;
+                    case 2: run_stage(buf, MxfInt<2>{}); break;
+                    case 3: run_stage(buf, MxfInt<3>{}); break;
+                    default: run_stage(buf, MxfInt<MXF_MAXNT>{}); break;
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(bars + 8 * (MXF_STAGES + step % MXF_STAGES));
+                // Then refill the slot step - 1 read (step + MXF_STAGES - 1): by now the other warps
+                // have almost always finished step - 1, so the wait for its empty barrier is short,
+                // and this warp never waits for another warp before its own next stage's data.
+                issue_next();
             }
-        };
-        if (__any_sync(K3_FULL_MASK, big))
-            mma_stage(true);
-        else
-            mma_stage(false);
-        if (c == nch - 1) {
             float out[2][MXF_MAXNT][2];
 #pragma unroll
             for (int m = 0; m < 2; ++m)
@@ -326,17 +360,6 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
                     out[m][q][1] = acc[m][q][2] + acc[m][q][3];
                 }
             emit(ct, t0, nt, out);
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bars + 8 * (MXF_STAGES + step % MXF_STAGES));
-        // Then refill the slot step - 1 read (step + MXF_STAGES - 1): by now the other warps have
-        // almost always finished step - 1, so the wait for its empty barrier is short, and this
-        // warp never waits for another warp before its own next stage's data.
-        issue_next();
-        if (++cj == ct.nsteps) {
-            ck += gridDim.x;
-            cj = 0;
-            tile_at(ck, ct);
         }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives the block
