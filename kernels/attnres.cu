@@ -6,8 +6,11 @@
 
 #define ATTNRES_MAX_SOURCES 9
 
-// One block per token. Pass 1 reduces 2n values (dot with w, sum of squares) in one block
-// reduction; pass 2 re-reads the sources (n*d*4 bytes, L2-resident at d = 7168) for the sum.
+// One block per token (any blockDim multiple of 32; the backend uses 512). Pass 1 reduces 2n values
+// (dot with w, sum of squares) in one block reduction; pass 2 re-reads the sources (n*d*4 bytes,
+// L2-resident at d = 7168) for the sum. Rows of 16-byte-aligned float4s are read as float4: at
+// decode sizes one block streams a token's n sources alone, so the bytes in flight per round trip
+// set its time.
 extern "C" __global__ void attn_res_f32(const float* s0, const float* s1, const float* s2, const float* s3,
                                         const float* s4, const float* s5, const float* s6, const float* s7,
                                         const float* s8, int n, const float* __restrict__ w,
@@ -26,14 +29,32 @@ extern "C" __global__ void attn_res_f32(const float* s0, const float* s1, const 
         dotw[i] = 0.0f;
         ss[i] = 0.0f;
     }
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        const float wc = w[c];
+    bool vec = (d & 3) == 0 && ((reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(out + base)) & 15) == 0;
 #pragma unroll
-        for (int i = 0; i < ATTNRES_MAX_SOURCES; ++i) {
-            if (i < n) {
-                const float v = src[i][base + c];
-                dotw[i] += v * wc;
-                ss[i] += v * v;
+    for (int i = 0; i < ATTNRES_MAX_SOURCES; ++i)
+        if (i < n) vec = vec && (reinterpret_cast<size_t>(src[i] + base) & 15) == 0;
+    if (vec) {
+        for (int c = threadIdx.x; c < d / 4; c += blockDim.x) {
+            const float4 wc = reinterpret_cast<const float4*>(w)[c];
+#pragma unroll
+            for (int i = 0; i < ATTNRES_MAX_SOURCES; ++i) {
+                if (i < n) {
+                    const float4 v = reinterpret_cast<const float4*>(src[i] + base)[c];
+                    dotw[i] += v.x * wc.x + v.y * wc.y + v.z * wc.z + v.w * wc.w;
+                    ss[i] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                }
+            }
+        }
+    } else {
+        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+            const float wc = w[c];
+#pragma unroll
+            for (int i = 0; i < ATTNRES_MAX_SOURCES; ++i) {
+                if (i < n) {
+                    const float v = src[i][base + c];
+                    dotw[i] += v * wc;
+                    ss[i] += v * v;
+                }
             }
         }
     }
@@ -68,11 +89,25 @@ extern "C" __global__ void attn_res_f32(const float* s0, const float* s1, const 
         for (int i = 0; i < n; ++i) alpha[i] = s[i] / z;
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float acc = 0.0f;
+    if (vec) {
+        for (int c = threadIdx.x; c < d / 4; c += blockDim.x) {
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-        for (int i = 0; i < ATTNRES_MAX_SOURCES; ++i)
-            if (i < n) acc += alpha[i] * src[i][base + c];
-        out[base + c] = acc;
+            for (int i = 0; i < ATTNRES_MAX_SOURCES; ++i)
+                if (i < n) {
+                    const float4 v = reinterpret_cast<const float4*>(src[i] + base)[c];
+                    const float a = alpha[i];
+                    acc.x += a * v.x, acc.y += a * v.y, acc.z += a * v.z, acc.w += a * v.w;
+                }
+            reinterpret_cast<float4*>(out + base)[c] = acc;
+        }
+    } else {
+        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int i = 0; i < ATTNRES_MAX_SOURCES; ++i)
+                if (i < n) acc += alpha[i] * src[i][base + c];
+            out[base + c] = acc;
+        }
     }
 }

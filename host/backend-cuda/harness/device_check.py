@@ -276,12 +276,15 @@ class Results:
 
 def check_pointwise(d: Device, r: Results, gen):
     T = lambda x: x.float().contiguous().to(d.tdev)  # noqa: E731
-    rows, cols, eps = 37, 300, 1e-5
-    x, w = rand(rows, cols, gen=gen), rand(cols, gen=gen)
-    y = torch.empty(rows, cols, device=d.tdev)
-    d.launch("rms_norm_f32", rows, 256, d.view(T(x)), d.view(T(w)), d.view(y), rows, cols, eps)
-    d.sync()
-    r.check("rms_norm", rel_err(y, ref_rms_norm(x, w, eps)), 1e-5)
+    rows, eps = 37, 1e-5
+    # 300 columns: the float4 path on the backend's 512 threads; 301: the scalar path.
+    for cols, block in ((300, 512), (301, 256)):
+        x, w = rand(rows, cols, gen=gen), rand(cols, gen=gen)
+        y = torch.empty(rows, cols, device=d.tdev)
+        d.launch("rms_norm_f32", rows, block, d.view(T(x)), d.view(T(w)), d.view(y), rows, cols, eps)
+        d.sync()
+        r.check(f"rms_norm cols={cols}", rel_err(y, ref_rms_norm(x, w, eps)), 1e-5)
+    cols = 300
 
     heads, hd = 3, 128
     o, g, wn = rand(5, heads * hd, gen=gen), rand(5, heads * hd, gen=gen), rand(hd, gen=gen)
@@ -351,18 +354,19 @@ def check_pointwise(d: Device, r: Results, gen):
 
 
 def check_attnres(d: Device, r: Results, gen):
-    rows, dm, eps = 7, 1000, 1e-5
-    for n in (1, 2, 9):
+    rows, eps = 7, 1e-5
+    # 1000 columns: the float4 path on the backend's 512 threads; 1001: the scalar path.
+    for n, dm, block in ((1, 1000, 512), (2, 1000, 512), (9, 1000, 512), (9, 1001, 256)):
         srcs = [rand(rows, dm, scale=1 + i, gen=gen) for i in range(n)]
         w = rand(dm, scale=0.05, gen=gen)
         dev = [d.view(s.float().contiguous().to(d.tdev)) for s in srcs]
         ptrs = dev + [dev[0]] * (9 - n)  # unused slots: any valid pointer, never read
         out = torch.empty(rows, dm, device=d.tdev)
-        d.launch("attn_res_f32", rows, 256, *ptrs, n, d.view(w.float().contiguous().to(d.tdev)), d.view(out), rows, dm,
-                 eps)
+        d.launch("attn_res_f32", rows, block, *ptrs, n, d.view(w.float().contiguous().to(d.tdev)), d.view(out), rows,
+                 dm, eps)
         d.sync()
         ref = ref_attn_res(srcs[-1], srcs[:-1], w, torch.ones(1, dm, dtype=torch.float64), eps)
-        r.check(f"attn_res(n={n})", rel_err(out, ref), 1e-5)
+        r.check(f"attn_res(n={n}, d={dm})", rel_err(out, ref), 1e-5)
 
 
 def check_router_sampling(d: Device, r: Results, gen):

@@ -16,6 +16,10 @@ pub const TOPK_MAX: usize = 1024;
 /// Columns per block in the first top-k pass: a 163,840-wide row spreads over 40 SMs.
 const TOPK_SEGMENT: usize = 4096;
 
+/// Threads per block of the one-block-per-row kernels (kernels/norm.cu rms_norm_f32,
+/// kernels/attnres.cu): at decode sizes a block streams its row alone, so it is wide.
+const ROW_BLOCK: u32 = 512;
+
 impl CudaBackend {
     /// `y = x Wᵀ` for row-major `x [M, K]` and `w [N, K]`. Column-major cuBLAS sees `x` as
     /// `Xc [K, M]` and `w` as `Wc [K, N]`, so it computes `Yc [N, M] = Wcᵀ Xc`, which is the
@@ -219,7 +223,7 @@ impl CudaBackend {
         }
         let y = self.zeros(x.rows, x.cols)?;
         let (rows, cols) = (i32_of(x.rows, "rows")?, i32_of(x.cols, "cols")?);
-        launch!(self, "rms_norm_f32", geometry::per_row(x.rows, 256)?; &x.buf, w, &y.buf, &rows, &cols, &eps)?;
+        launch!(self, "rms_norm_f32", geometry::per_row(x.rows, ROW_BLOCK)?; &x.buf, w, &y.buf, &rows, &cols, &eps)?;
         Ok(y)
     }
 
@@ -300,7 +304,7 @@ impl CudaBackend {
             i32_of(first.rows, "rows")?,
             i32_of(first.cols, "cols")?,
         );
-        launch!(self, "attn_res_f32", geometry::per_row(first.rows, 256)?;
+        launch!(self, "attn_res_f32", geometry::per_row(first.rows, ROW_BLOCK)?;
             src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], src[8], &n, w, &out.buf, &rows, &d, &eps)?;
         Ok(out)
     }
