@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# On the H200: each kernel's own GPU time in k3-slice decode steps, from Nsight Compute (one
+# metric per kernel, CUDA graph nodes included), summed per kernel name for one step of each
+# batch size (scripts/step_profile.py). Kernels run one at a time under ncu: the figures leave
+# out the gaps between kernels and any overlap, so they are shares, not a step time. Carry .carry.
+#   bash scripts/device-step-profile.sh [BATCH_SIZES]     (default 16,64; batch 1 always runs)
+# Output: $OUT/step-times.csv (ncu's CSV), $OUT/step-profile.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/k3-step-profile}"
+BIN=/tmp/k3bin
+mkdir -p "$OUT"
+summary() { echo "$*"; }
+fail() { echo "FAIL $*"; }
+source scripts/device-lib.sh
+export K3_KERNEL_CACHE=/tmp/k3-kernel-cache
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+timeout 300 "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
+    --log-file "$OUT/step-times.csv" "$BIN/k3serve" bench --device cuda --model models/k3-slice --load-format dummy \
+    --prefill-tokens 64 --decode-tokens 4 --batch-sizes "${1:-16,64}" --repeats 1 >"$OUT/step-bench.txt" 2>&1 ||
+    { fail "ncu run (see $OUT/step-bench.txt)"; exit 1; }
+python3 scripts/step_profile.py "$OUT/step-times.csv" | tee "$OUT/step-profile.txt"
