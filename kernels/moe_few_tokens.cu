@@ -6,15 +6,17 @@
 // sums: ~16 mantissa bits of x, as moe_gemm.cu.
 //
 // Why this shape. At decode sizes the pair must stream every touched expert's weights at close to
-// the HBM rate, and at that rate the SM has ~8 instruction issues per 32 weight bytes per warp
-// to spare, so the instruction count per weight byte decides: the decode (mxfp4_mma.cuh mx_dec:
-// three logic ops per bf16x2 and one fma with the block scale) is most of it. Blocks are
-// persistent (two per SM): each walks a fixed list of (expert, row block) tiles and its 3-stage
-// cp.async ring runs on across tile boundaries, so no block pays a launch, a ring fill or a
-// drain per tile. The ring is paced by per-slot mbarriers, not a block barrier: a warp waits for
-// its stage's data, and refills a slot after its own stage, so warps drift apart instead of
-// meeting every stage (12-15 % faster at 4-16 tokens than the barrier form). Deeper rings are
-// slower or even (5 or 6 stages leave one block per SM and lose ~20 %); probes in
+// the HBM rate with few instructions per weight byte: the decode (mxfp4_mma.cuh mx_dec: three
+// logic ops per bf16x2 and one fma with the block scale) is most of a stage's instructions, and
+// a stage issues the mma and B loads of its pass's n-tiles only (the body is a template on the
+// n-tile count: issued and predicated off, the other n-tiles cost a third of the instructions).
+// Blocks are persistent (two per SM): each walks a fixed list of (expert, row block) tiles and
+// its 3-stage cp.async ring runs on across tile boundaries, so no block pays a launch, a ring
+// fill or a drain per tile. The ring is paced by per-slot mbarriers, not a block barrier: a warp
+// waits for its stage's data, and refills a slot after its own stage, so warps drift apart
+// instead of meeting every stage (12-15 % faster at 4-16 tokens than the barrier form). 4 stages
+// beat 3 by 2-4 % but need 104 KB per block (two blocks per SM only on 228 KB parts; moe/mod.rs
+// sizes for 3, which fit 99 KB parts too); 5 or 6 leave one block per SM and lose ~20 %. Probes in
 // performance-history.md.
 //
 // Fragment mapping (PTX m16n8k16 .row.col): lane = 4 g + t holds A rows g and g + 8 at k = 2t,

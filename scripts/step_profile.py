@@ -21,6 +21,8 @@ STEP_END = "topk_merge_f32"
 def kernels(path):
     lines = [line for line in open(path, encoding="utf-8", errors="replace") if line.startswith('"')]
     rows = list(csv.reader(lines))
+    if not rows:
+        raise SystemExit(f"{path}: no kernel rows (did ncu finish?)")
     ix = {n: i for i, n in enumerate(rows[0])}
     scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
     for r in rows[1:]:

@@ -47,3 +47,14 @@ def test_report(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "decode run 1: 3 kernels, 0.01 ms" in out
     assert "4.0 us   80.0 %     2 x  rms_norm_f32" in out
+
+
+def test_empty_csv_is_an_error(tmp_path):
+    p = tmp_path / "times.csv"
+    p.write_text("==PROF== Connected to process 1\n")
+    try:
+        list(step_profile.kernels(p))
+    except SystemExit as e:
+        assert "no kernel rows" in str(e)
+    else:
+        raise AssertionError("an empty CSV must not pass")

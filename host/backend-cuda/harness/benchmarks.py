@@ -743,15 +743,19 @@ def bench_topk(d: Device, record):
 
 
 def bench_attn_res(d: Device, record):
-    """AttnRes, 9 sources, d = 7168."""
+    """AttnRes (9 sources) and RMSNorm at d = 7168 on the backend's 512 threads per row: prefill rows
+    and the decode sizes, where one block per row streams its row alone."""
     dev = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
-    T, dm = 4096, 7168
-    srcs = [dev(T, dm) for _ in range(9)]
-    out = torch.empty(T, dm, device="cuda")
+    dm = 7168
     w = dev(dm) * 0.01
-    ms = d.time_ms(lambda: d.launch("attn_res_f32", T, 256, *[d.view(s) for s in srcs], 9, d.view(w), d.view(out), T,
-                                    dm, 1e-5))
-    record(f"attn_res T={T} n=9", ms, (9 * T * dm * 4 + T * dm * 4) / (COPY_TBPS * 1e12) * 1e3)
+    for T in (4096, 1, 16, 64):
+        srcs = [dev(T, dm) for _ in range(9)]
+        out = torch.empty(T, dm, device="cuda")
+        views, vw, vo = [d.view(s) for s in srcs], d.view(w), d.view(out)  # no views inside a captured fn
+        ms, how = d.time_graph(lambda: d.launch("attn_res_f32", T, 512, *views, 9, vw, vo, T, dm, 1e-5))
+        record(f"attn_res T={T} n=9", ms, (9 * T * dm * 4 + T * dm * 4) / (COPY_TBPS * 1e12) * 1e3, timing=how)
+        ms, how = d.time_graph(lambda: d.launch("rms_norm_f32", T, 512, views[0], vw, vo, T, dm, 1e-5))
+        record(f"rms_norm T={T}", ms, (2 * T * dm * 4 + dm * 4) / (COPY_TBPS * 1e12) * 1e3, timing=how)
 
 
 

@@ -248,6 +248,13 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn matmuls(&self, x: &DeviceMat, ws: &[&DeviceLinear]) -> OpResult<Vec<DeviceMat>> {
+        self.timed(
+            || format!("matmuls x{} (M={})", ws.len(), bucket(x.rows)),
+            || self.op(|| self.matmul_linears(x, ws)),
+        )
+    }
+
     fn rms_norm(&self, x: &DeviceMat, w: &CudaSlice<f32>, eps: f32) -> OpResult<DeviceMat> {
         self.timed(
             || "rms_norm".into(),

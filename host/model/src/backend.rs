@@ -261,6 +261,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Rows of `table` selected by `ids`.
     fn embed(&self, table: &Self::Linear, ids: &[u32]) -> OpResult<Self::Act>;
     fn matmul(&self, x: &Self::Act, w: &Self::Linear) -> OpResult<Self::Act>;
+    /// `matmul(x, w)` for several weights sharing one input, in order. A backend that converts `x`
+    /// before a product (CUDA: x as bf16 rows for cuBLAS) converts it once for all of them.
+    fn matmuls(&self, x: &Self::Act, ws: &[&Self::Linear]) -> OpResult<Vec<Self::Act>> {
+        ws.iter().map(|w| self.matmul(x, w)).collect()
+    }
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32) -> OpResult<Self::Act>;
     fn add_assign(&self, p: &mut Self::Act, a: &Self::Act) -> OpResult<()>;
 

@@ -5,7 +5,7 @@ use crate::backend::{
     MxExpertsHost, MxMatrixHost, RouterParams, SituParams,
 };
 use crate::config::{Config, ConfigError, MixerKind};
-use crate::error::{ExecError, OpResult};
+use crate::error::{BackendError, ExecError, OpResult};
 use crate::exec::{MediaInput, VerifiedBlock};
 use crate::vision::{MEDIA_CACHE_IMAGES, MediaCache, VisionTower};
 use crate::weights::{Tensors, WeightError, WeightFile};
@@ -559,7 +559,8 @@ impl<B: Backend> Model<B> {
 
     fn glu(&self, x: &B::Act, w: &GluW<B>) -> OpResult<B::Act> {
         let be = &self.backend;
-        let h = be.situ_glu(&be.matmul(x, &w.gate)?, &be.matmul(x, &w.up)?, self.situ())?;
+        let [gate, up] = results(be.matmuls(x, &[&w.gate, &w.up])?)?;
+        let h = be.situ_glu(&gate, &up, self.situ())?;
         be.matmul(&h, &w.down)
     }
 
@@ -820,11 +821,9 @@ impl<B: Backend> Model<B> {
         let be = &self.backend;
         let geom = self.kda_geom();
         let lo = offsets.kda[l].expect("KDA layer has a state offset");
-        let q = be.matmul(x, &w.q)?;
-        let k = be.matmul(x, &w.k)?;
-        let v = be.matmul(x, &w.v)?;
-        let f = be.matmul(&be.matmul(x, &w.f_a)?, &w.f_b)?;
-        let b = be.matmul(x, &w.b)?;
+        let [q, k, v, f_a, b, gate] =
+            results(be.matmuls(x, &[&w.q, &w.k, &w.v, &w.f_a, &w.b, &w.g])?)?;
+        let f = be.matmul(&f_a, &w.f_b)?;
         let cps: Vec<Vec<(usize, usize)>> = seqs
             .iter()
             .map(|s| {
@@ -860,7 +859,6 @@ impl<B: Backend> Model<B> {
             spans,
             &locs,
         )?;
-        let gate = be.matmul(x, &w.g)?;
         let o = be.gated_head_norm(
             &o,
             &gate,
@@ -884,9 +882,9 @@ impl<B: Backend> Model<B> {
     ) -> Result<B::Act, ExecError> {
         let be = &self.backend;
         let eps = self.config.rms_norm_eps;
-        let cq = be.rms_norm(&be.matmul(x, &w.q_a)?, &w.q_a_norm, eps)?;
+        let [q_a, kv_a, gate] = results(be.matmuls(x, &[&w.q_a, &w.kv_a, &w.g])?)?;
+        let cq = be.rms_norm(&q_a, &w.q_a_norm, eps)?;
         let q = be.matmul(&cq, &w.q_b)?;
-        let kv_a = be.matmul(x, &w.kv_a)?;
         let layer_offset = offsets.mla[l].expect("MLA layer has a page offset");
         let locs: Vec<MlaCacheLoc<'_>> = pieces
             .iter()
@@ -911,15 +909,14 @@ impl<B: Backend> Model<B> {
             &spans,
             &locs,
         )?;
-        be.sigmoid_mul(&mut o, &be.matmul(x, &w.g)?)?;
+        be.sigmoid_mul(&mut o, &gate)?;
         Ok(be.matmul(&o, &w.o)?)
     }
 
     fn moe(&self, x: &B::Act, w: &MoeW<B>, spans: &[(usize, usize)]) -> OpResult<B::Act> {
         let be = &self.backend;
         let m = &self.config.moe;
-        let z = be.matmul(x, &w.down)?;
-        let logits = be.matmul(x, &w.router)?;
+        let [z, logits] = results(be.matmuls(x, &[&w.down, &w.router])?)?;
         let router = RouterParams {
             top_k: m.experts_per_token,
             renormalize: m.renormalize,
@@ -935,4 +932,12 @@ impl<B: Backend> Model<B> {
         be.add_assign(&mut y, &self.glu(x, &w.shared)?)?;
         Ok(y)
     }
+}
+
+/// The results of one `Backend::matmuls` call as an array, one per weight passed.
+fn results<A, const N: usize>(v: Vec<A>) -> OpResult<[A; N]> {
+    let got = v.len();
+    v.try_into().map_err(|_| {
+        BackendError::InvalidArg(format!("matmuls returned {got} results for {N} weights"))
+    })
 }

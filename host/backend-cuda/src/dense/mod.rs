@@ -134,6 +134,26 @@ impl CudaBackend {
     /// and lo bf16 rows of x (kernels/bf16.cu), or the hi rows alone in bf16 mode
     /// (`CudaOptions::dtype`); f32 weights through `matmul_rt`.
     pub fn matmul_linear(&self, x: &DeviceMat, w: &DeviceLinear) -> Result<DeviceMat> {
+        self.matmul_linear_split(x, w, &mut None)
+    }
+
+    /// `matmul_linear` for several weights sharing `x`: x's bf16 rows are made once, by the first
+    /// product that takes cuBLAS, and read by the others.
+    pub fn matmul_linears(&self, x: &DeviceMat, ws: &[&DeviceLinear]) -> Result<Vec<DeviceMat>> {
+        let mut split = None;
+        ws.iter()
+            .map(|w| self.matmul_linear_split(x, w, &mut split))
+            .collect()
+    }
+
+    /// `matmul_linear`, with x's bf16 rows (`bf16_split_rows_f32` of x in the mode's planes) taken
+    /// from `split` or made and left there.
+    fn matmul_linear_split(
+        &self,
+        x: &DeviceMat,
+        w: &DeviceLinear,
+        split: &mut Option<CudaSlice<u16>>,
+    ) -> Result<DeviceMat> {
         let Some(bits) = &w.bf16 else {
             return self.matmul_rt(x, self.linear_f32(w)?);
         };
@@ -162,17 +182,23 @@ impl CudaBackend {
         }
         // Both are written in full (split, then the GEMM) before anything reads them.
         let planes = self.options.dtype.planes();
-        let xs = self.uninit::<u16>(planes * m * k)?;
         let (xn, yn, pi) = ((m * k) as i64, (m * n) as i64, planes as i32);
-        launch!(self, "bf16_split_rows_f32", geometry::elementwise(m * k)?; &x.buf, &xs, &xn, &pi)?;
+        let xs = match split {
+            Some(xs) => xs,
+            None => {
+                let xs = self.uninit::<u16>(planes * m * k)?;
+                launch!(self, "bf16_split_rows_f32", geometry::elementwise(m * k)?; &x.buf, &xs, &xn, &pi)?;
+                split.insert(xs)
+            }
+        };
         if planes == 1 {
             // The hi rows alone: x rounded once to bf16, half the tensor-core work.
             let mut y = y;
-            self.gemm_bf16(bits, 0, &xs, 0, &mut y.buf, 0, n, m, k)?;
+            self.gemm_bf16(bits, 0, xs, 0, &mut y.buf, 0, n, m, k)?;
             return Ok(y);
         }
         let mut c = self.uninit::<f32>(2 * m * n)?;
-        self.gemm_bf16(bits, 0, &xs, 0, &mut c, 0, n, 2 * m, k)?;
+        self.gemm_bf16(bits, 0, xs, 0, &mut c, 0, n, 2 * m, k)?;
         launch!(self, "sum_row_halves_f32", geometry::elementwise(m * n)?; &c, &y.buf, &yn)?;
         Ok(y)
     }

@@ -65,6 +65,26 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
             tol,
         ));
     }
+    // matmuls: weights sharing one input (x's bf16 rows made once on CUDA), mixing the split
+    // GEMM (17 rows), the tensor-core GEMV (4 rows) and an f32 weight; each result must equal
+    // matmul's bit for bit (the pushed difference is zero on both backends).
+    for &(m, k) in &[(17usize, 256usize), (4, 512)] {
+        let x = mat(be, m, k, &r.vec(m * k, 1.0));
+        let ws = [
+            be.linear(300, k, bf16_values(r.vec(300 * k, 0.1))).unwrap(),
+            be.linear(77, k, r.vec(77 * k, 0.1)).unwrap(),
+            be.linear(64, k, bf16_values(r.vec(64 * k, 0.1))).unwrap(),
+        ];
+        let ys = be.matmuls(&x, &[&ws[0], &ws[1], &ws[2]]).unwrap();
+        assert_eq!(ys.len(), 3);
+        for (w, y) in ws.iter().zip(&ys) {
+            let got = be.to_host(y).unwrap();
+            let one = be.to_host(&be.matmul(&x, w).unwrap()).unwrap();
+            let diff: Vec<f32> = got.iter().zip(&one).map(|(a, b)| a - b).collect();
+            out.push(("matmuls, one split for all", got, TOL_BF16_GEMM));
+            out.push(("matmuls = matmul", diff, 0.0));
+        }
+    }
     let (rows, d) = (19, 256);
     let table = r.vec(50 * d, 1.0);
     let ids: Vec<u32> = (0..rows).map(|_| r.below(50) as u32).collect();
