@@ -1,5 +1,6 @@
 //! The FLOP count of a forward pass, for stating prefill throughput against a tensor-core rate
-//! (docs/performance.md, "Prefill FLOPs"). Counted: every weight product (2 FLOPs per weight
+//! (docs/performance.md, "Prefill FLOPs"), and the bytes of a decode step, for stating TPOT
+//! against the memory rate ([`decode_step_bytes`]). FLOPs counted: every weight product (2 FLOPs per weight
 //! per row that uses it), MLA's attention over its causal keys as the expanded form computes it
 //! (the key/value expansion of `kv_b` once per key, then 2·(qk + v) per head per (query, key)
 //! pair), and KDA's chunked recurrence. Not counted: norms, activations, AttnRes mixing,
@@ -97,6 +98,55 @@ pub fn prefill_flops(c: &Config, tokens: usize, start: usize, logit_rows: usize)
     f
 }
 
+/// Bytes a decode step must move, split by what they are (docs/performance.md, "Decode bytes").
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DecodeBytes {
+    /// Every weight matrix outside the routed experts and the embedding table (bf16), the LM
+    /// head included: read once per step whatever the batch.
+    pub dense_weights: f64,
+    /// The routed experts the step's tokens touch (MXFP4 codes and E8M0 scales).
+    pub experts: f64,
+    /// Routed experts touched per MoE layer, expected under uniform routing.
+    pub experts_per_layer: f64,
+    /// KDA recurrent states (f32), read and written once per sequence.
+    pub kda_state: f64,
+    /// MLA's latent cache (f32 rows of kv_lora + rope) read over each sequence's context.
+    pub mla_cache: f64,
+}
+
+impl DecodeBytes {
+    pub fn total(&self) -> f64 {
+        self.dense_weights + self.experts + self.kda_state + self.mla_cache
+    }
+}
+
+/// Bytes of one decode step of `batch` sequences whose contexts hold `context` tokens each.
+/// Routing is taken as uniform: each token picks k of E experts, so an expert stays untouched
+/// with probability (1 - k / E)^batch. Norm weights, conv states and biases (< 0.1 %) are left out.
+pub fn decode_step_bytes(c: &Config, batch: usize, context: usize) -> DecodeBytes {
+    let f = prefill_flops(c, 1, 0, 1);
+    // One row: every weight product is 2 FLOPs per weight, kv_b's expansion counted once.
+    let weights = (f.total() - f.kda_scan - f.mla_attention - f.moe_experts) / 2.0;
+    let m = &c.moe;
+    let moe_layers = (0..c.num_hidden_layers).filter(|&l| !c.is_dense(l)).count() as f64;
+    let (e, k) = (m.num_experts as f64, m.experts_per_token as f64);
+    let per_layer = e * (1.0 - (1.0 - k / e).powi(batch as i32));
+    // Three matrices of inter x latent at 4 bits, plus one scale byte per 32 values.
+    let expert = 3.0 * (m.expert_intermediate * m.latent_dim) as f64 * (0.5 + 1.0 / 32.0);
+    let kda_layers = c.kda_layers().count() as f64;
+    let head_state = (c.kda.head_dim * c.kda.head_dim * 4) as f64;
+    let mla_layers = c.num_hidden_layers as f64 - kda_layers;
+    let mla_row = ((c.mla.kv_lora_rank + c.mla.qk_rope_head_dim) * 4) as f64;
+    let b = batch as f64;
+    DecodeBytes {
+        dense_weights: 2.0 * weights,
+        experts: moe_layers * per_layer * expert,
+        experts_per_layer: per_layer,
+        kda_state: 2.0 * b * kda_layers * c.kda.num_heads as f64 * head_state,
+        mla_cache: b * mla_layers * context as f64 * mla_row,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,5 +187,31 @@ mod tests {
         assert_eq!(after.kda_proj, a.kda_proj);
         assert!(after.mla_attention > 2.9 * a.mla_attention);
         assert_eq!(a.lm_head, 2.0 * 163_840.0 * 7168.0);
+    }
+
+    /// k3-slice by hand (docs/performance.md, "Decode bytes"): 6.317G dense weights in bf16,
+    /// 17.55 MB per expert, 37.7 MB of KDA state per sequence read and written.
+    #[test]
+    fn k3_slice_decode_bytes_count_as_by_hand() {
+        let c = slice();
+        let one = decode_step_bytes(&c, 1, 0);
+        assert!((one.dense_weights / 1e9 - 12.634).abs() < 0.01, "{one:?}");
+        assert!((one.experts_per_layer - 16.0).abs() < 1e-9);
+        let expert = 3.0 * 3072.0 * 3584.0 * 17.0 / 32.0;
+        assert!((one.experts - 7.0 * 16.0 * expert).abs() < 1.0);
+        assert_eq!(one.kda_state, 2.0 * 6.0 * 96.0 * 128.0 * 128.0 * 4.0);
+        assert_eq!(one.mla_cache, 0.0);
+        // Batch 16: ~113 of 128 experts per layer; batch 64: all but ~0.03 of one.
+        let b16 = decode_step_bytes(&c, 16, 96);
+        assert!((b16.experts_per_layer - 112.9).abs() < 0.1, "{b16:?}");
+        assert!((128.0 - decode_step_bytes(&c, 64, 96).experts_per_layer) < 0.05);
+        assert_eq!(b16.mla_cache, 16.0 * 2.0 * 96.0 * 576.0 * 4.0);
+        // The step moves more with every sequence, never less.
+        let mut last = 0.0;
+        for b in [1, 2, 4, 8, 16, 32, 64, 128] {
+            let t = decode_step_bytes(&c, b, 96).total();
+            assert!(t > last, "{b}: {t} after {last}");
+            last = t;
+        }
     }
 }

@@ -1,7 +1,11 @@
 //! `k3serve bench`: throughput of the model on this machine (CPU or CUDA) — batch-1 decode tok/s,
 //! prefill tok/s of a long prompt, decode TPOT with N sequences per step (`--batch-sizes`), peak
 //! RSS. Prompts are synthetic token ids (seeded), since
-//! throughput does not depend on their content.
+//! throughput does not depend on their content. Decode feeds back each step's greedy token,
+//! except on dummy weights: their argmax repeats a few tokens, which would route every sequence
+//! to the same experts (far fewer weight bytes than a trained model's step), so each step is fed
+//! seeded random ids instead; the top-1 is still selected every step. On CUDA each batch's TPOT
+//! is also stated against its byte roofline (`k3_model::flops::decode_step_bytes`).
 
 use super::model_loading::{CudaArgs, Device, LoadFormat, init_threads, load_for};
 use k3_model::exec::{ForwardBatch, SeqInput};
@@ -41,6 +45,34 @@ pub struct Args {
     pub batch_sizes: Vec<usize>,
     #[command(flatten)]
     pub cuda: CudaArgs,
+}
+
+/// The HBM rate a decode step's bytes are divided by: the H200's measured copy rate
+/// (docs/performance.md, "Floors").
+const ROOFLINE_BYTES_PER_S: f64 = 4.25e12;
+
+/// What a decode step is fed: its own greedy token, or seeded random ids (dummy weights).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DecodeInputs {
+    Greedy,
+    Random,
+}
+
+impl DecodeInputs {
+    /// The next input of sequence `seq` at decode step `step`, given the token the step selected.
+    fn next(self, selected: u32, vocab: usize, seq: usize, step: usize) -> u32 {
+        match self {
+            Self::Greedy => selected,
+            Self::Random => {
+                // splitmix64's finaliser of (seq, step): one xorshift draw from neighbouring
+                // seeds would give neighbouring ids.
+                let mut z = ((seq as u64) << 32 | step as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                ((z ^ (z >> 31)) % vocab as u64) as u32
+            }
+        }
+    }
 }
 
 fn synthetic_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
@@ -121,6 +153,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         t.elapsed().as_secs_f64()
     );
     let vocab = exec.vocab_size();
+    let inputs = match format {
+        LoadFormat::Dummy { .. } => DecodeInputs::Random,
+        LoadFormat::Safetensors => DecodeInputs::Greedy,
+    };
     let mut session = Session::new(exec)?;
 
     let prompt = synthetic_ids(a.prefill_tokens, vocab, 42);
@@ -150,8 +186,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         // top logit, no vocabulary row leaves it.
         let mut top = session.feed_top(&short, 1)?;
         let r = measure(a.decode_tokens, || {
-            for _ in 0..a.decode_tokens {
-                top = session.feed_top(&[first_id(&top)?], 1)?;
+            for s in 0..a.decode_tokens {
+                top = session.feed_top(&[inputs.next(first_id(&top)?, vocab, 0, s)], 1)?;
             }
             Ok(())
         })?;
@@ -163,7 +199,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut batched = Vec::new();
     let mut exec = session.into_inner();
     for &n in a.batch_sizes.iter().filter(|&&n| n > 0) {
-        batched.push((n, batch_decode(&mut exec, n, a.decode_tokens, a.repeats)?));
+        batched.push((
+            n,
+            batch_decode(&mut exec, n, a.decode_tokens, a.repeats, inputs)?,
+        ));
     }
 
     println!("device:            {}", device.name());
@@ -189,6 +228,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.repeats,
         fmt_cpu(&best_decode)
     );
+    if inputs == DecodeInputs::Random {
+        println!(
+            "decode inputs:     seeded random ids (dummy weights; see `k3serve bench --help`)"
+        );
+    }
     for (n, step_s) in batched {
         println!(
             "decode batch {n:<4}   TPOT {:.2} ms, {:.0} output tok/s  ({} steps after 64-token prompts, best of {})",
@@ -197,6 +241,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             a.decode_tokens,
             a.repeats
         );
+        if device == Device::Cuda {
+            // The mean context over the measured steps.
+            let bytes = k3_model::flops::decode_step_bytes(&cfg, n, 64 + a.decode_tokens / 2);
+            let floor = bytes.total() / ROOFLINE_BYTES_PER_S;
+            println!(
+                "  byte roofline    {:.2} ms = {:.2} GB at 4.25 TB/s ({:.1} experts per MoE layer, uniform routing); TPOT {:.2}x",
+                floor * 1e3,
+                bytes.total() / 1e9,
+                bytes.experts_per_layer,
+                step_s / floor
+            );
+        }
     }
     match peak_rss_mib() {
         Some(m) => println!("peak RSS:          {m:.0} MiB"),
@@ -206,13 +262,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 }
 
 /// Seconds per decode step with `n` sequences in every step (best of `repeats`): each sequence
-/// is prefilled with its own 64-token prompt (one batched step), then decodes `steps` greedy
-/// tokens. The arena is split evenly: `n` state blocks, then each sequence's KV pages.
+/// is prefilled with its own 64-token prompt (one batched step), then decodes `steps` tokens fed
+/// as `inputs` says. The arena is split evenly: `n` state blocks, then each sequence's KV pages.
 fn batch_decode<E: Executor>(
     exec: &mut E,
     n: usize,
     steps: usize,
     repeats: usize,
+    inputs: DecodeInputs,
 ) -> anyhow::Result<f64> {
     const PROMPT: usize = 64;
     let lay = exec.layout();
@@ -231,8 +288,9 @@ fn batch_decode<E: Executor>(
                 .collect()
         })
         .collect();
+    let vocab = exec.vocab_size();
     let prompts: Vec<Vec<u32>> = (0..n)
-        .map(|i| synthetic_ids(PROMPT, exec.vocab_size(), 1000 + i as u64))
+        .map(|i| synthetic_ids(PROMPT, vocab, 1000 + i as u64))
         .collect();
     let mut best = f64::INFINITY;
     for _ in 0..repeats.max(1) {
@@ -254,7 +312,8 @@ fn batch_decode<E: Executor>(
             })?;
             out.top
                 .iter()
-                .map(|t| Ok(vec![first_id(t)?]))
+                .enumerate()
+                .map(|(i, t)| Ok(vec![inputs.next(first_id(t)?, vocab, i, pos)]))
                 .collect::<anyhow::Result<Vec<_>>>()
         };
         let mut next = step(exec, &prompts, 0)?;
@@ -295,9 +354,29 @@ mod tests {
             &Default::default(),
         )
         .unwrap();
-        let step = batch_decode(&mut exec, 3, 4, 1).unwrap();
-        assert!(step.is_finite() && step > 0.0, "{step}");
-        let err = batch_decode(&mut exec, 4, 4, 1).unwrap_err().to_string();
+        for inputs in [DecodeInputs::Greedy, DecodeInputs::Random] {
+            let step = batch_decode(&mut exec, 3, 4, 1, inputs).unwrap();
+            assert!(step.is_finite() && step > 0.0, "{step}");
+        }
+        let err = batch_decode(&mut exec, 4, 4, 1, DecodeInputs::Greedy)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("arena"), "{err}");
+    }
+
+    #[test]
+    fn random_inputs_differ_by_sequence_and_step_and_greedy_keeps_the_selection() {
+        let vocab = 163_840;
+        let mut seen = std::collections::HashSet::new();
+        for seq in 0..16 {
+            for step in 0..32 {
+                let id = DecodeInputs::Random.next(7, vocab, seq, step);
+                assert!((id as usize) < vocab);
+                seen.insert(id);
+            }
+        }
+        // 512 draws from 163,840 ids: a repeat or two at most, never one id for all.
+        assert!(seen.len() > 500, "{}", seen.len());
+        assert_eq!(DecodeInputs::Greedy.next(7, vocab, 3, 9), 7);
     }
 }
