@@ -1,9 +1,10 @@
 // Routed experts in MXFP4 on tensor cores, for decode steps of 2 tokens and more (1-token steps
 // take the single-token pair of moe_single_token.cu; dispatch.rs chooses). Each 16x16 weight tile is
 // expanded to bf16 in registers (exact: an E2M1 value times a power of two fits bf16) and
-// multiplied by mma.sync m16n8k16 against the step's tokens, each fed as two bf16 columns
-// hi = bf16(x), lo = bf16(x - hi) (common.cuh split_bf16) whose products the f32 accumulator
-// sums: ~16 mantissa bits of x, as moe_gemm.cu.
+// multiplied by mma.sync m16n8k16 against the step's tokens, each fed as one bf16 column
+// (`planes` = 1: the backend's bfloat16 mode) or as two, hi = bf16(x) and lo = bf16(x - hi)
+// (common.cuh split_bf16), whose products the f32 accumulator sums: ~16 mantissa bits of x, as
+// moe_gemm.cu (`planes` = 2: float32 mode).
 //
 // Why this shape. At decode sizes the pair must stream every touched expert's weights at close to
 // the HBM rate with few instructions per weight byte: the decode (mxfp4_mma.cuh mx_dec: three
@@ -11,13 +12,13 @@
 // a stage issues the mma and B loads of its pass's n-tiles only (the body is a template on the
 // n-tile count: issued and predicated off, the other n-tiles cost a third of the instructions).
 // Blocks are persistent (two per SM): each walks a fixed list of (expert, row block) tiles and
-// its 3-stage cp.async ring runs on across tile boundaries, so no block pays a launch, a ring
-// fill or a drain per tile. The ring is paced by per-slot mbarriers, not a block barrier: a warp
-// waits for its stage's data, and refills a slot after its own stage, so warps drift apart
-// instead of meeting every stage (12-15 % faster at 4-16 tokens than the barrier form). 4 stages
-// beat 3 by 2-4 % but need 104 KB per block (two blocks per SM only on 228 KB parts; moe/mod.rs
-// sizes for 3, which fit 99 KB parts too); 5 or 6 leave one block per SM and lose ~20 %. Probes in
-// performance-history.md.
+// its cp.async ring runs on across tile boundaries, so no block pays a launch, a ring fill or a
+// drain per tile. The ring is paced by per-slot mbarriers, not a block barrier: a warp waits for
+// its stage's data, and refills a slot after its own stage, so warps drift apart instead of
+// meeting every stage (12-15 % faster at 4-16 tokens than the barrier form). The ring has as many
+// stages as the launch's dynamic shared memory holds (at most MXF_MAX_STAGES): moe/mod.rs gives
+// the most that leave two blocks per SM, at least 3 (4 beat 3 by 2-4 %; one block per SM loses
+// ~20 %). Probes in performance-history.md.
 //
 // Fragment mapping (PTX m16n8k16 .row.col): lane = 4 g + t holds A rows g and g + 8 at k = 2t,
 // 2t + 1 (+8), B column g at the same k. The dot over k does not care which physical column a
@@ -27,8 +28,10 @@
 // 3 - 2h and 7 - 2h into the register for k 2t, 2t + 1 and nibbles 2 - 2h, 6 - 2h into the one
 // for k 2t + 8, 2t + 9. The staged activations follow that order (mx_pos), so B is one 8-byte LDS
 // per k-step and column. The scale is folded into the bf16 weights, so blocks can mix within an
-// mma. Column n of an n-tile q is token 4 q + n / 2, hi (n even) or lo (n odd): lane t's
-// accumulators c0 + c1 (row g) and c2 + c3 (row g + 8) are token 4 q + t's whole result.
+// mma. With two planes, column n of an n-tile q is token 4 q + n / 2, hi (n even) or lo (n odd):
+// lane t's accumulators c0 + c1 (row g) and c2 + c3 (row g + 8) are token 4 q + t's whole result.
+// With one plane, column n is token 8 q + n: c0 / c2 are token 8 q + 2 t's rows, c1 / c3 token
+// 8 q + 2 t + 1's (mxf_token, mxf_result).
 #include "mxfp4_mma.cuh"
 
 extern __shared__ __align__(16) u32 mxt_smem[];
@@ -38,19 +41,16 @@ extern __shared__ __align__(16) u32 mxt_smem[];
 // same tokens; block b takes tiles b, b + grid, ... Each stage is one super-step (128 columns =
 // 4 MX blocks) of the tile's 256 A-rows, with an L2 256-byte prefetch hint so DRAM sees 256-byte
 // runs of each row. Every token of the expert goes through each decoded weight fragment: a pass
-// takes up to 16 tokens (4 n-tiles of 4 tokens x hi/lo), so the weights are read once per expert
-// (experts with more than 16 tokens take another pass).
+// takes up to 32 / planes tokens (4 n-tiles of 8 columns), so the weights are read once per expert
+// (experts with more tokens take another pass).
 // Row-major staged tiles: A-row ar of a stage (64 bytes) sits at ar * 64, its 4 scale bytes at
 // MXF_W_BYTES + 4 ar; the warp's 16-byte reads (8 rows x 4 lanes) cover all 32 banks 4 times.
-// B row v = 2 i + p (token i of the pass, p = 0 hi / 1 lo) at MXF_BRS-byte stride (conflict-free
-// 8-byte fragment loads: the 32-byte pad spreads the 8 rows of a phase over all banks).
-// xs layout (both split forms): [row][ceil(cols / 128)][p][128] bf16, column 128 ss + c at index
-// mx_pos(c) of its super-step, columns past `cols` zero.
+// B row v = planes i + p (token i of the pass, plane p: 0 hi, 1 lo) at MXF_BRS-byte stride
+// (conflict-free 8-byte fragment loads: the 32-byte pad spreads the 8 rows of a phase over all
+// banks). xs layout (z and the intermediate): [row][ceil(cols / 128)][planes][128] bf16, column
+// 128 ss + c at index mx_pos(c) of its super-step, columns past `cols` zero.
 #define MXF_KC 128
-// Ring depth; harness probes may set another (bench_moe_few_tokens_diag sizes their shared memory).
-#ifndef MXF_STAGES
-#define MXF_STAGES 3
-#endif
+#define MXF_MAX_STAGES 6
 
 // Harness-only timing probes (benchmarks.py bench_moe_few_tokens_diag, never built by the host): 1 = no
 // weight decode (the raw words go to the mma), 2 = no mma (the decoded words are folded into the
@@ -68,12 +68,23 @@ extern __shared__ __align__(16) u32 mxt_smem[];
 #define MXF_BNT_BYTES (8 * MXF_BRS)
 // The busy-expert list each block keeps in shared memory (moe/mod.rs checks the expert count).
 #define MXF_MAX_EXPERTS 1024
-// Dynamic shared memory for nt n-tiles per pass (moe/mod.rs few_token_shared; 78,336 B at nt = 4:
-// two blocks per SM).
+// One ring stage for nt n-tiles per pass; the ring has dynamic shared memory / this many stages
+// (moe/mod.rs few_token_shared).
 #define MXF_STAGE_BYTES(nt) (MXF_W_BYTES + MXF_S_BYTES + (nt) * MXF_BNT_BYTES)
 
-// Grid (rows, ceil(cols / 128)), 32 threads: x [rows, cols] f32 -> xs hi / lo bf16 (layout above).
-extern "C" __global__ void mxfp4_experts_few_tokens_split_f32(const float* __restrict__ x, u16* __restrict__ xs, int rows, int cols) {
+// Pass token (0-based) held in slot j (0, 1) of lane t's n-tile q: one per n-tile with two planes.
+__device__ __forceinline__ int mxf_token(int planes, int q, int j, int t) {
+    return planes == 2 ? 4 * q + t : 8 * q + 2 * t + j;
+}
+// That token's result for row g + 8 h from the n-tile's accumulators c.
+__device__ __forceinline__ float mxf_result(const float (&c)[4], int planes, int j, int h) {
+    return planes == 2 ? c[2 * h] + c[2 * h + 1] : c[2 * h + j];
+}
+
+// Grid (rows, ceil(cols / 128)), 32 threads: x [rows, cols] f32 -> xs, bf16 (planes 1) or hi / lo
+// (planes 2), layout above.
+extern "C" __global__ void mxfp4_experts_few_tokens_split_f32(const float* __restrict__ x, u16* __restrict__ xs, int rows, int cols,
+                                                              int planes) {
     const int row = blockIdx.x, ss = blockIdx.y, cc = 4 * threadIdx.x, col = MXF_KC * ss + cc;
     if (row >= rows) return;
     float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -81,13 +92,13 @@ extern "C" __global__ void mxfp4_experts_few_tokens_split_f32(const float* __res
         const float4 f = *reinterpret_cast<const float4*>(x + (i64)row * cols + col);
         v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
     }
-    u16* dst = xs + ((i64)row * gridDim.y + ss) * 256;
+    u16* dst = xs + ((i64)row * gridDim.y + ss) * 128 * planes;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         u16 h, l;
         split_bf16(v[j], h, l);
         dst[mx_pos(cc + j)] = h;
-        dst[128 + mx_pos(cc + j)] = l;
+        if (planes == 2) dst[128 + mx_pos(cc + j)] = l;
     }
 }
 
@@ -136,35 +147,37 @@ struct MxfTile {
 // r0 + 16 w + 0..15 of W1 (ar & 16 == 0) and of W3 (ar = 32 w + 16 m + rr) with r0 = 128 y, else
 // rows r0 + ar of W2 with r0 = 256 y. Warp w's tiles m = 0, 1 are its A-rows 32 w + 16 m + 0..15.
 // (wp0, ws0) / (wp1, ws1): all experts' packed rows and scales of W1 / W3 (UP) or W2 twice; rows
-// and cols of one expert's matrix. emit(tile, t0, nt, out[m][q][h]) stores pass results (token
-// t0 + 4 q + t, row g + 8 h).
+// and cols of one expert's matrix. emit(tile, t0, nt, acc[m][q]) stores pass results (the
+// tokens and rows of mxf_token / mxf_result).
 template <bool UP, typename Emit>
 __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int div, const u8* __restrict__ wp0,
                                                 const u8* __restrict__ ws0, const u8* __restrict__ wp1,
                                                 const u8* __restrict__ ws1, int rows, int cols,
                                                 const int* __restrict__ offsets, const int* __restrict__ sorted,
-                                                int experts, int ntiles, Emit emit) {
+                                                int experts, int ntiles, int planes, Emit emit) {
     __shared__ int busy_list[MXF_MAX_EXPERTS];
-    __shared__ __align__(8) u64 ring_bars[2 * MXF_STAGES];
+    __shared__ __align__(8) u64 ring_bars[2 * MXF_MAX_STAGES];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int nb = cols >> 5;
+    const int stage_bytes = MXF_STAGE_BYTES(ntiles);
+    u32 dyn_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
+    const int nstages = min(MXF_MAX_STAGES, (int)dyn_bytes / stage_bytes);  // moe/mod.rs: at least 3
     // The ring's pacing: full[s] (at bars + 8 s) completes when all 256 threads' copies into slot
-    // s have landed, empty[s] (at bars + 8 (MXF_STAGES + s)) when all 8 warps are done reading it.
-    // Rows whose scales are not 4-byte aligned store them with plain stores, which arrive on
+    // s have landed, empty[s] (at bars + 8 (MXF_MAX_STAGES + s)) when all 8 warps are done reading
+    // it. Rows whose scales are not 4-byte aligned store them with plain stores, which arrive on
     // full[s] a second time.
     const u32 bars = (u32)__cvta_generic_to_shared(ring_bars);
     if (tid == 0) {
-#pragma unroll
-        for (int i = 0; i < MXF_STAGES; ++i) {
+        for (int i = 0; i < nstages; ++i) {
             mbar_init(bars + 8 * i, (nb & 3) == 0 ? 256u : 512u);
-            mbar_init(bars + 8 * (MXF_STAGES + i), 8u);
+            mbar_init(bars + 8 * (MXF_MAX_STAGES + i), 8u);
         }
     }
     // mxf_busy_experts' barriers (at least one: experts >= 1) also publish the initialised mbarriers.
     const int nbusy = mxf_busy_experts(offsets, experts, busy_list);
     const int tile_rows = UP ? 128 : MXF_AROWS, ny = (rows + tile_rows - 1) / tile_rows, ntile = nbusy * ny;
-    const int nch = (cols + MXF_KC - 1) / MXF_KC, per = 4 * ntiles;
-    const int stage_bytes = MXF_STAGE_BYTES(ntiles);
+    const int nch = (cols + MXF_KC - 1) / MXF_KC, per = 8 * ntiles / planes;
     const u8* stages = reinterpret_cast<const u8*>(mxt_smem);
     const u32 stages_s = (u32)__cvta_generic_to_shared(mxt_smem);
 
@@ -181,7 +194,8 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
     };
 
     // Copy duty: 16 bytes (tid & 3) of A-rows (tid >> 2) + 64 i, the scales of A-row tid, and
-    // piece `lane` of tokens warp and warp + 8. Tail rows are clamped (loaded, never stored).
+    // 16 bytes (tid & 15) of staged B rows (tid >> 4) + 16 k. Tail rows are clamped (loaded, never
+    // stored).
     MxfTile it = {};
     int ik = blockIdx.x, ij = 0, ipass = 0, ic = 0, b_pass = -1, b_row[2] = {0, 0};
     const u8* wsrc[4];
@@ -223,27 +237,30 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
             mbar_arrive(bars + 8 * slot);  // release: the store is seen by whoever waits on full
         }
         const int t0 = pass * per, nt = min(per, it.n - t0);
+        const int sh = planes - 1;  // staged row v holds plane v & sh of pass token v >> sh
         if (pass != b_pass) {
             b_pass = pass;
 #pragma unroll
-            for (int k = 0; k < 2; ++k)
-                if (warp + 8 * k < nt) b_row[k] = sorted[it.a0 + t0 + warp + 8 * k] / div;
+            for (int k = 0; k < 2; ++k) {
+                const int i = ((tid >> 4) + 16 * k) >> sh;
+                if (i < nt) b_row[k] = sorted[it.a0 + t0 + i] / div;
+            }
         }
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-            const int i = warp + 8 * k;
-            if (i < nt)
-                mx_cp16(bs + MXF_W_BYTES + MXF_S_BYTES + (2 * i + (lane >> 4)) * MXF_BRS + 16 * (lane & 15),
-                        xs + ((i64)b_row[k] * nch + c) * 256 + 8 * lane);
+            const int v = (tid >> 4) + 16 * k;
+            if ((v >> sh) < nt)
+                mx_cp16(bs + MXF_W_BYTES + MXF_S_BYTES + v * MXF_BRS + 16 * (tid & 15),
+                        xs + (((i64)b_row[k] * nch + c) * planes + (v & sh)) * 128 + 8 * (tid & 15));
         }
         mbar_arrive_copies(bars + 8 * slot);
     };
-    u32 issued = 0;
+    // The producer's next slot and how many times the ring has wrapped under it.
+    u32 islot = 0, iwraps = 0;
     auto issue_next = [&]() {
         if (it.nsteps > 0) {  // block-uniform
-            const u32 slot = issued % MXF_STAGES, use = issued / MXF_STAGES;
-            if (use > 0) mbar_wait(bars + 8 * (MXF_STAGES + slot), (use - 1) & 1);  // slot read out
-            issue(slot);
+            if (iwraps > 0) mbar_wait(bars + 8 * (MXF_MAX_STAGES + islot), (iwraps - 1) & 1);  // slot read out
+            issue(islot);
             if (++ic == nch) {
                 ic = 0;
                 ++ipass;
@@ -255,16 +272,18 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
                 if (it.nsteps > 0) aim();
             }
         }
-        ++issued;
+        if (++islot == (u32)nstages) {
+            islot = 0;
+            ++iwraps;
+        }
     };
 
-#pragma unroll
-    for (int j = 0; j < MXF_STAGES - 1; ++j) issue_next();
+    for (int j = 0; j < nstages - 1; ++j) issue_next();
     float acc[2][MXF_MAXNT][4];
     // One stage (super-step) of NT n-tiles: decode each weight fragment once and multiply it with
     // the pass's first NT n-tiles. TWO: the two-multiply decode (mx_dec). The n-tile count is a
     // template argument so that a pass of few tokens issues only its own mma and B loads.
-    auto mma_stage = [&](const u8* buf, auto two_c, auto nt_c) {
+    auto mma_stage = [&](const u8* buf, const u32 (&sb)[2][2], auto two_c, auto nt_c) {
         constexpr bool two = decltype(two_c)::value;
         constexpr int NT = decltype(nt_c)::value;
         uint4 wv[2][2];
@@ -275,8 +294,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
             for (int h = 0; h < 2; ++h) {
                 const int ar = 32 * warp + 16 * m + 8 * h + g;
                 wv[m][h] = *reinterpret_cast<const uint4*>(buf + ar * 64 + 16 * t);
-                const u32 sb = buf[MXF_W_BYTES + 4 * ar + t];
-                sc[m][h] = two ? mx_scale2(sb) : mx_scale2_folded(sb);
+                sc[m][h] = two ? mx_scale2(sb[m][h]) : mx_scale2_folded(sb[m][h]);
             }
         const u8* bb = buf + MXF_W_BYTES + MXF_S_BYTES + g * MXF_BRS + 8 * t;
 #pragma unroll
@@ -311,35 +329,39 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
     // The 2^126 of mx_dec folds into the scale unless a block's scale is too large for that
     // (never in trained weights): then the warp takes the two-multiply path for that stage.
     auto run_stage = [&](const u8* buf, auto nt_c) {
+        u32 sb[2][2];  // the scale bytes of this lane's four A-rows, read once for both uses
         bool big = false;
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) big |= buf[MXF_W_BYTES + 4 * (32 * warp + 16 * m + 8 * h + g) + t] > MX_DEC_MAX_FOLDED;
+            for (int h = 0; h < 2; ++h) {
+                sb[m][h] = buf[MXF_W_BYTES + 4 * (32 * warp + 16 * m + 8 * h + g) + t];
+                big |= sb[m][h] > MX_DEC_MAX_FOLDED;
+            }
         if (__any_sync(K3_FULL_MASK, big))
-            mma_stage(buf, MxfBool<true>{}, nt_c);
+            mma_stage(buf, sb, MxfBool<true>{}, nt_c);
         else
-            mma_stage(buf, MxfBool<false>{}, nt_c);
+            mma_stage(buf, sb, MxfBool<false>{}, nt_c);
     };
     // Tiles, then passes of up to `per` tokens, then the nch super-steps of a pass: the
     // accumulators are zeroed once per pass and the stage body is chosen once per pass.
-    u32 step = 0;
+    u32 cslot = 0, cparity = 0;  // the consumer's slot and its full barrier's phase parity
     MxfTile ct = {};
     for (int ck = blockIdx.x;; ck += gridDim.x) {
         tile_at(ck, ct);
         if (ct.nsteps == 0) break;  // block-uniform
         const int npass = ct.nsteps / nch;
         for (int pass = 0; pass < npass; ++pass) {
-            const int t0 = pass * per, nt = min(per, ct.n - t0), ntl = (nt + 3) >> 2;
+            const int t0 = pass * per, nt = min(per, ct.n - t0), ntl = (nt * planes + 7) >> 3;
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
                 for (int q = 0; q < MXF_MAXNT; ++q)
 #pragma unroll
                     for (int k = 0; k < 4; ++k) acc[m][q][k] = 0.0f;
-            for (int c = 0; c < nch; ++c, ++step) {
-                if ((MXF_DIAG & 8) == 0) mbar_wait(bars + 8 * (step % MXF_STAGES), (step / MXF_STAGES) & 1);
-                const u8* buf = stages + (step % MXF_STAGES) * stage_bytes;
+            for (int c = 0; c < nch; ++c) {
+                if ((MXF_DIAG & 8) == 0) mbar_wait(bars + 8 * cslot, cparity);
+                const u8* buf = stages + cslot * stage_bytes;
                 switch (ntl) {  // block-uniform
                     case 1: run_stage(buf, MxfInt<1>{}); break;
                     case 2: run_stage(buf, MxfInt<2>{}); break;
@@ -347,57 +369,57 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
                     default: run_stage(buf, MxfInt<MXF_MAXNT>{}); break;
                 }
                 __syncwarp();
-                if (lane == 0) mbar_arrive(bars + 8 * (MXF_STAGES + step % MXF_STAGES));
-                // Then refill the slot step - 1 read (step + MXF_STAGES - 1): by now the other warps
-                // have almost always finished step - 1, so the wait for its empty barrier is short,
-                // and this warp never waits for another warp before its own next stage's data.
+                if (lane == 0) mbar_arrive(bars + 8 * (MXF_MAX_STAGES + cslot));
+                // Then refill the slot the previous stage read: by now the other warps have almost
+                // always finished it, so the wait for its empty barrier is short, and this warp
+                // never waits for another warp before its own next stage's data.
                 issue_next();
-            }
-            float out[2][MXF_MAXNT][2];
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-#pragma unroll
-                for (int q = 0; q < MXF_MAXNT; ++q) {
-                    out[m][q][0] = acc[m][q][0] + acc[m][q][1];
-                    out[m][q][1] = acc[m][q][2] + acc[m][q][3];
+                if (++cslot == (u32)nstages) {
+                    cslot = 0;
+                    cparity ^= 1u;
                 }
-            emit(ct, t0, nt, out);
+            }
+            emit(ct, t0, nt, acc);
         }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives the block
 }
 
 // Persistent grid (moe/mod.rs few_token_launch: at most two blocks per SM), 256 threads, shared
-// bytes for `ntiles` (1..4) n-tiles per pass: tile (x, y) writes super-step y of actx =
-// SiTU-GLU(W1 z, W3 z) for every assignment of the x-th busy expert, hi / lo split (xs layout,
-// rows past inter zero): the down kernel's B. zx: mxfp4_experts_few_tokens_split_f32 of z; z's
+// bytes for 3..MXF_MAX_STAGES stages of `ntiles` (1..4) n-tiles per pass: tile (x, y) writes
+// super-step y of actx = SiTU-GLU(W1 z, W3 z) for every assignment of the x-th busy expert, in
+// `planes` bf16 planes (xs layout, rows past inter zero): the down kernel's B. zx: mxfp4_experts_few_tokens_split_f32 of z; z's
 // token of assignment a is a / top_k; `experts` = E; SiTU-GLU parameters beta, beta_lin, has_lin.
 extern "C" __global__ void __launch_bounds__(256, 2)
 mxfp4_experts_few_tokens_up_f32(const u16* __restrict__ zx, const u8* __restrict__ w1p, const u8* __restrict__ w1s,
                  const u8* __restrict__ w3p, const u8* __restrict__ w3s, const int* __restrict__ offsets,
                  const int* __restrict__ sorted, u16* __restrict__ actx, int top_k, int latent, int inter, float beta,
-                 float beta_lin, int has_lin, int experts, int ntiles) {
+                 float beta_lin, int has_lin, int experts, int ntiles, int planes) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nss = (inter + MXF_KC - 1) / MXF_KC;
     few_tokens_walk<true>(zx, top_k, w1p, w1s, w3p, w3s, inter, latent, offsets, sorted, experts,
-                          max(1, min(ntiles, MXF_MAXNT)),
-                          [&](const MxfTile& T, int t0, int nt, const float(&o)[2][MXF_MAXNT][2]) {
+                          max(1, min(ntiles, MXF_MAXNT)), planes,
+                          [&](const MxfTile& T, int t0, int nt, const float(&acc)[2][MXF_MAXNT][4]) {
 #pragma unroll
                               for (int q = 0; q < MXF_MAXNT; ++q)
 #pragma unroll
-                                  for (int h = 0; h < 2; ++h) {
-                                      const int i = 4 * q + t, rl = 16 * warp + 8 * h + g;
-                                      if (i < nt) {
-                                          const float v = T.r0 + rl < inter
-                                                              ? situ_glu_one(o[0][q][h], o[1][q][h], beta, beta_lin, has_lin)
-                                                              : 0.0f;
-                                          u16 hi, lo;
-                                          split_bf16(v, hi, lo);
-                                          u16* dst = actx + ((i64)sorted[T.a0 + t0 + i] * nss + T.y) * 256 + mx_pos(rl);
-                                          dst[0] = hi;
-                                          dst[128] = lo;
+                                  for (int j = 0; j < 2; ++j)
+#pragma unroll
+                                      for (int h = 0; h < 2; ++h) {
+                                          const int i = mxf_token(planes, q, j, t), rl = 16 * warp + 8 * h + g;
+                                          if ((j == 0 || planes == 1) && i < nt) {
+                                              const float v = T.r0 + rl < inter
+                                                                  ? situ_glu_one(mxf_result(acc[0][q], planes, j, h),
+                                                                                 mxf_result(acc[1][q], planes, j, h), beta,
+                                                                                 beta_lin, has_lin)
+                                                                  : 0.0f;
+                                              u16 hi, lo;
+                                              split_bf16(v, hi, lo);
+                                              u16* dst = actx + (((i64)sorted[T.a0 + t0 + i] * nss + T.y) * planes) * 128 + mx_pos(rl);
+                                              dst[0] = hi;
+                                              if (planes == 2) dst[128] = lo;
+                                          }
                                       }
-                                  }
                           });
 }
 
@@ -406,19 +428,22 @@ mxfp4_experts_few_tokens_up_f32(const u16* __restrict__ zx, const u8* __restrict
 extern "C" __global__ void __launch_bounds__(256, 2)
 mxfp4_experts_few_tokens_down_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
                    const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,
-                   int inter, int experts, int ntiles) {
+                   int inter, int experts, int ntiles, int planes) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     few_tokens_walk<false>(actx, 1, w2p, w2s, w2p, w2s, latent, inter, offsets, sorted, experts,
-                           max(1, min(ntiles, MXF_MAXNT)),
-                           [&](const MxfTile& T, int t0, int nt, const float(&o)[2][MXF_MAXNT][2]) {
+                           max(1, min(ntiles, MXF_MAXNT)), planes,
+                           [&](const MxfTile& T, int t0, int nt, const float(&acc)[2][MXF_MAXNT][4]) {
 #pragma unroll
                                for (int m = 0; m < 2; ++m)
 #pragma unroll
                                    for (int q = 0; q < MXF_MAXNT; ++q)
 #pragma unroll
-                                       for (int h = 0; h < 2; ++h) {
-                                           const int i = 4 * q + t, r = T.r0 + 32 * warp + 16 * m + 8 * h + g;
-                                           if (i < nt && r < latent) y[(i64)sorted[T.a0 + t0 + i] * latent + r] = o[m][q][h];
-                                       }
+                                       for (int j = 0; j < 2; ++j)
+#pragma unroll
+                                           for (int h = 0; h < 2; ++h) {
+                                               const int i = mxf_token(planes, q, j, t), r = T.r0 + 32 * warp + 16 * m + 8 * h + g;
+                                               if ((j == 0 || planes == 1) && i < nt && r < latent)
+                                                   y[(i64)sorted[T.a0 + t0 + i] * latent + r] = mxf_result(acc[m][q], planes, j, h);
+                                           }
                            });
 }

@@ -14,7 +14,8 @@ import torch
 from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_SCAN_KERNELS, cdiv,
                     kda_decode_launcher, kda_region_floats, log, rel_err, run_kda_prefill)
 from common import run_mla_prefill, run_few_tokens
-from common import FEW_TOKEN_DOWN_ROWS, FEW_TOKEN_UP_ROWS, few_token_grid, few_token_ntiles, few_token_scratch, few_token_shared
+from common import (FEW_TOKEN_BLOCK_BYTES, FEW_TOKEN_DOWN_ROWS, FEW_TOKEN_UP_ROWS, few_token_grid, few_token_ntiles,
+                    few_token_scratch, few_token_shared, few_token_stages)
 from common import single_token_plan, single_token_scratch, run_single_token
 from common import (MX_WG_DOWN_ROWS, MX_WG_SHARED, MX_WG_TOK, MX_WG_UP_ROWS, mx_tile_bound,
                     mx_wg_scratch, run_mx_wg)
@@ -785,31 +786,47 @@ def bench_moe(d: Device, record, quick: bool):
         up_args = (V["z"], V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"], V["srt"], V["act"], k, lt, ie, 4.0, 25.0,
                    1, E)
         down_args = (V["act"], V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt, ie, E)
-        scratch = few_token_scratch(d, T, k, lt, ie)  # the few-token pair's split z / intermediate (views made outside graphs)
+        # The few_tokens pair (the default from 2 tokens; at T = 1 the fallback for experts too wide for the
+        # single-token pair, which bench_moe_single_token times); floor = weight bytes / 4.25 TB/s. bf16
+        # activations (planes 1: bfloat16 mode, the default) and hi / lo (planes 2: float32 mode).
+        for planes in (1, 2):
+            scratch = few_token_scratch(d, T, k, lt, ie, planes)  # split z / intermediate (views made outside graphs)
 
-        # The few_tokens pair (ops.rs MxExperts::Tc: the default from 2 tokens; at T = 1 the fallback for
-        # experts too wide for the single-token pair, which bench_moe_single_token times); floor = weight bytes / 4.25 TB/s.
-        def go():
-            d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
-            run_few_tokens(d, min(E, T * k), up_args, down_args, T, lt, ie, scratch=scratch)
-            d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
-        go()
-        d.sync()
-        ms, how = d.time_graph(go)
-        record(f"moe_routed tc T={T} top{k} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS * 1e12) * 1e3,
-               experts_touched=touched, stage=f"{4 * few_token_ntiles(T)} (few_tokens)", default=T > 1, timing=how)
-        if T > 1:  # the few-token pair's kernels alone (inputs left by the last run), each against its own weight bytes
-            nt, gx, (_, zx, actx) = few_token_ntiles(T), min(E, T * k), scratch
+            def go(scratch=scratch, planes=planes):
+                d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
+                run_few_tokens(d, min(E, T * k), up_args, down_args, T, lt, ie, scratch=scratch, planes=planes)
+                d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
+            go()
+            d.sync()
+            ms, how = d.time_graph(go)
+            nt = few_token_ntiles(T, planes)
+            mode = "bf16" if planes == 1 else "hi/lo"
+            record(f"moe_routed tc T={T} top{k} {mode} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS * 1e12) * 1e3,
+                   experts_touched=touched, stage=f"{8 * nt // planes} tokens, {few_token_stages(nt)} stages (few_tokens)",
+                   default=T > 1 and planes == 1, timing=how)
+            if T == 1:
+                continue
+            # The kernels alone (inputs left by the last run), each against its own weight bytes; in bf16 mode
+            # also under rings of 3 to 6 stages (one block per SM where two do not fit).
+            gx, (_, zx, actx) = min(E, T * k), scratch
             up_b, down_b = touched * 2 * ie * (lt // 2 + lt // 32), touched * lt * (ie // 2 + ie // 32)
-            for name, fn, b in (
-                    ("split z", lambda: d.launch("mxfp4_experts_few_tokens_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx, T, lt),
-                     None),
-                    ("up", lambda: d.launch("mxfp4_experts_few_tokens_up_f32", few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256, zx,
-                                            *up_args[1:7], actx, *up_args[8:], nt, shared_mem=few_token_shared(nt)), up_b),
-                    ("down", lambda: d.launch("mxfp4_experts_few_tokens_down_f32", few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS), 256, actx,
-                                              *down_args[1:], nt, shared_mem=few_token_shared(nt)), down_b)):
-                ms, how = d.time_graph(fn)
-                record(f"moe_routed few_tokens {name} alone T={T}", ms, b and b / (COPY_TBPS * 1e12) * 1e3, timing=how)
+            for stages in ([None] if planes == 2 else [None, 3, 4, 5, 6]):
+                shared = few_token_shared(nt, stages)
+                per_sm = 2 if shared <= FEW_TOKEN_BLOCK_BYTES else 1
+                tag = f"{mode}" + (f", {stages} stages" if stages else "")
+                for name, fn, b in (
+                        ("split z", lambda: d.launch("mxfp4_experts_few_tokens_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx,
+                                                     T, lt, planes), None),
+                        ("up", lambda: d.launch("mxfp4_experts_few_tokens_up_f32", few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS, per_sm),
+                                                256, zx, *up_args[1:7], actx, *up_args[8:], nt, planes, shared_mem=shared), up_b),
+                        ("down", lambda: d.launch("mxfp4_experts_few_tokens_down_f32",
+                                                  few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS, per_sm), 256, actx, *down_args[1:],
+                                                  nt, planes, shared_mem=shared), down_b)):
+                    if stages and name == "split z":
+                        continue
+                    ms, how = d.time_graph(fn)
+                    record(f"moe_routed few_tokens {name} alone T={T} ({tag})", ms, b and b / (COPY_TBPS * 1e12) * 1e3,
+                           timing=how)
 
 
 # Harness-only compile-time probes of the few_tokens expert kernels (kernels/moe_few_tokens.cu MXF_DIAG; the base
@@ -820,9 +837,10 @@ FEW_TOKEN_DIAG_VARIANTS = ((), ("-DMXF_DIAG=1",), ("-DMXF_DIAG=2",), ("-DMXF_DIA
 
 
 def bench_moe_few_tokens_diag(d: Device, record):
-    """The few-token up and down kernels alone at T = 4 / 16 / 64 (K3 expert sizes, top-16 of 128) under
-    each probe, against their weight bytes: what the decode, the mma and the weight copies each
-    cost. Variants without MXF_DIAG must equal the base's outputs bitwise."""
+    """The few-token up and down kernels alone at T = 4 / 16 / 64 (K3 expert sizes, top-16 of 128, bf16
+    activations: the bfloat16 mode) under each probe, against their weight bytes: what the decode, the
+    mma and the weight copies each cost. Variants without MXF_DIAG must equal the base's outputs
+    bitwise. `-DMXF_STAGES=S` is not a define: it sizes the ring (shared memory for S stages)."""
     E, k, lt, ie = 128, 16, 3584, 3072
     gen = torch.Generator(device="cuda").manual_seed(7)
     u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device="cuda", generator=gen)  # noqa: E731
@@ -838,30 +856,30 @@ def bench_moe_few_tokens_diag(d: Device, record):
         offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
         srt = torch.empty(T * k, dtype=torch.int32, device="cuda")
         y = torch.empty(T * k, lt, device="cuda")
-        keep, zx, actx = few_token_scratch(d, T, k, lt, ie)
+        keep, zx, actx = few_token_scratch(d, T, k, lt, ie, 1)
         V = {name: d.view(x) for name, x in (("idx", idx.reshape(-1)), ("off", offsets), ("srt", srt), ("z", z),
                                               ("y", y), *w.items())}
         d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
-        d.launch("mxfp4_experts_few_tokens_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx, T, lt)
-        nt, gx = few_token_ntiles(T), min(E, T * k)
+        d.launch("mxfp4_experts_few_tokens_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx, T, lt, 1)
+        nt, gx = few_token_ntiles(T, 1), min(E, T * k)
         up_b, down_b = touched * 2 * ie * (lt // 2 + lt // 32), touched * lt * (ie // 2 + ie // 32)
         ref = None
-        for defs in variants:
+        for variant in variants:
             # -DMXF_STAGES=S probes another ring depth: shared memory for S stages, and a grid of
             # one block per SM where two no longer fit.
-            stages = next((int(x.split("=")[1]) for x in defs if x.startswith("-DMXF_STAGES=")), 3)
+            stages = next((int(x.split("=")[1]) for x in variant if x.startswith("-DMXF_STAGES=")), None)
+            defs = tuple(x for x in variant if not x.startswith("-DMXF_STAGES="))
             shared = few_token_shared(nt, stages)
-            # Two blocks fit an SM's 228 KB with ~6 KB of static and reserved shared memory each.
-            per_sm = 2 if 2 * (shared + 6 * 1024) <= 233_472 else 1
+            per_sm = 2 if shared <= FEW_TOKEN_BLOCK_BYTES else 1
 
             def up(defs=defs, shared=shared, per_sm=per_sm):
                 d.launch("mxfp4_experts_few_tokens_up_f32", few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS, per_sm), 256,
                          zx, V["w1p"], V["w1s"], V["w3p"], V["w3s"], V["off"], V["srt"], actx, k, lt, ie, 4.0, 25.0, 1, E,
-                         nt, shared_mem=shared, defines=defs)
+                         nt, 1, shared_mem=shared, defines=defs)
 
             def down(defs=defs, shared=shared, per_sm=per_sm):
                 d.launch("mxfp4_experts_few_tokens_down_f32", few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS, per_sm), 256,
-                         actx, V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt, ie, E, nt, shared_mem=shared,
+                         actx, V["w2p"], V["w2s"], V["off"], V["srt"], V["y"], lt, ie, E, nt, 1, shared_mem=shared,
                          defines=defs)
             try:
                 same = ""
@@ -874,7 +892,7 @@ def bench_moe_few_tokens_diag(d: Device, record):
                     out = (keep[1].clone(), y.clone())
                     ref = out if ref is None else ref
                     same = bool(torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]))
-                tag = " ".join(defs) or "base"
+                tag = " ".join(variant) or "base"
                 for name, fn, b in (("up", up, up_b), ("down", down, down_b)):
                     ms, how = d.time_graph(fn)
                     record(f"moe_few_tokens_diag [{tag}] {name} T={T}", ms, b / (COPY_TBPS * 1e12) * 1e3, timing=how,

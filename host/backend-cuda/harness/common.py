@@ -26,21 +26,34 @@ COPY_TBPS = 4.25
 
 
 # The few-token pair, from 2 tokens (kernels/moe_few_tokens.cu mxfp4_experts_few_tokens_*_f32; moe/mod.rs
-# few_token_*): z split into hi / lo bf16 rows (mxfp4_experts_few_tokens_split_f32, grid (T, super-steps), 32
-# threads), up tiles of 128 rows (one super-step of the split intermediate actx), down tiles of
-# 256 rows, up to 4 n-tiles of 4 tokens per pass, 3 cp.async stages in opt-in shared memory, a
-# persistent grid of at most two blocks per SM walking the tiles.
+# few_token_*): z split into `planes` bf16 rows (1: bf16, the bfloat16 mode; 2: hi / lo, float32 mode;
+# mxfp4_experts_few_tokens_split_f32, grid (T, super-steps), 32 threads), up tiles of 128 rows (one
+# super-step of the split intermediate actx), down tiles of 256 rows, up to 4 n-tiles of 8 columns per
+# pass, a cp.async ring of as many stages as the opt-in shared memory holds (dispatch.rs
+# few_token_stages: the most that leave two blocks per SM), a persistent grid of at most two blocks
+# per SM walking the tiles.
 FEW_TOKEN_UP_ROWS, FEW_TOKEN_DOWN_ROWS = 128, 256
 SMS = 132  # the H200's SM count: the backend reads it from the device
+# dispatch.rs few_token_stages on the H200: (227 KB + 1 KB) / 2 less 4,352 B static and 1 KB reserved per block.
+FEW_TOKEN_BLOCK_BYTES, FEW_TOKEN_STAGES = (232_448 + 1024) // 2 - 4_352 - 1024, (3, 6)
 
 
-def few_token_ntiles(max_tokens_per_expert: int) -> int:
-    return max(1, min(cdiv(max_tokens_per_expert, 4), 4))
+def few_token_ntiles(max_tokens_per_expert: int, planes: int = 2) -> int:
+    return max(1, min(cdiv(max_tokens_per_expert * planes, 8), 4))
 
 
-def few_token_shared(ntiles: int, stages: int = 3) -> int:
-    """moe/mod.rs few_token_shared: `stages` ring slots (3 in the kernel; probes may set others)."""
-    return stages * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
+def few_token_stage_bytes(ntiles: int) -> int:
+    return 256 * 64 + 256 * 4 + ntiles * 8 * 272
+
+
+def few_token_stages(ntiles: int) -> int:
+    """dispatch.rs few_token_stages on the H200."""
+    return max(FEW_TOKEN_STAGES[0], min(FEW_TOKEN_BLOCK_BYTES // few_token_stage_bytes(ntiles), FEW_TOKEN_STAGES[1]))
+
+
+def few_token_shared(ntiles: int, stages: int | None = None) -> int:
+    """moe/mod.rs few_token_shared: `stages` ring slots (the backend's choice if None; probes may set others)."""
+    return (stages or few_token_stages(ntiles)) * few_token_stage_bytes(ntiles)
 
 
 def few_token_grid(busy: int, rows: int, rows_per_block: int, per_sm: int = 2, sms: int = SMS) -> int:
@@ -48,34 +61,37 @@ def few_token_grid(busy: int, rows: int, rows_per_block: int, per_sm: int = 2, s
     return max(1, min(busy * cdiv(rows, rows_per_block), per_sm * sms))
 
 
-def few_token_row_u16(cols: int) -> int:
-    return cdiv(cols, 128) * 256
+def few_token_row_u16(cols: int, planes: int = 2) -> int:
+    return cdiv(cols, 128) * 128 * planes
 
 
-def few_token_scratch(d: Device, t: int, k: int, lt: int, ie: int):
+def few_token_scratch(d: Device, t: int, k: int, lt: int, ie: int, planes: int = 2):
     """Split z and split intermediate buffers of the few-token pair: (tensors to keep alive, zx view, actx
     view); made outside any graph capture (views sync)."""
-    zx = torch.zeros(t * few_token_row_u16(lt), dtype=torch.int16, device=d.tdev)
-    actx = torch.zeros(t * k * few_token_row_u16(ie), dtype=torch.int16, device=d.tdev)
+    zx = torch.zeros(t * few_token_row_u16(lt, planes), dtype=torch.int16, device=d.tdev)
+    actx = torch.zeros(t * k * few_token_row_u16(ie, planes), dtype=torch.int16, device=d.tdev)
     return (zx, actx), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16)
 
 
-def run_few_tokens(d: Device, gx, up_args, down_args, t, lt, ie, stage=None, scratch=None, blocks=None):
+def run_few_tokens(d: Device, gx, up_args, down_args, t, lt, ie, stage=None, scratch=None, blocks=None, planes=2,
+                   stages=None):
     """The few-token pair's launches (split z, up, down) over gx busy experts, as moe/mod.rs moe_routed makes
     them. up_args = (z, w1p, w1s, w3p, w3s, offsets, sorted, act, top_k, lt, ie, beta, beta_lin,
     has_lin, E), down_args = (act, w2p, w2s, offsets, sorted, y, lt, ie, E): z / act stand for the
-    split buffers from `scratch` (an few_token_scratch, made here if None); `stage` (tokens per pass,
-    rounded up to n-tiles of 4) defaults to ops.rs's choice for a step of t tokens; `blocks` replaces
-    the persistent grid's size (both kernels)."""
-    nt = few_token_ntiles(stage or t)
+    split buffers from `scratch` (an few_token_scratch of the same planes, made here if None); `stage`
+    (tokens per pass, rounded up to n-tiles of 8 columns) defaults to the backend's choice for a step of
+    t tokens; `blocks` replaces the persistent grid's size (both kernels); `planes` 1 (bfloat16 mode)
+    or 2 (float32 mode); `stages` the ring's depth (the backend's choice if None)."""
+    nt = few_token_ntiles(stage or t, planes)
     if scratch is None:
-        scratch = few_token_scratch(d, t, up_args[8], lt, ie)
+        scratch = few_token_scratch(d, t, up_args[8], lt, ie, planes)
     _, zx, actx = scratch
-    d.launch("mxfp4_experts_few_tokens_split_f32", (t, cdiv(lt, 128)), 32, up_args[0], zx, t, lt)
+    shared = few_token_shared(nt, stages)
+    d.launch("mxfp4_experts_few_tokens_split_f32", (t, cdiv(lt, 128)), 32, up_args[0], zx, t, lt, planes)
     d.launch("mxfp4_experts_few_tokens_up_f32", blocks or few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256, zx,
-             *up_args[1:7], actx, *up_args[8:], nt, shared_mem=few_token_shared(nt))
+             *up_args[1:7], actx, *up_args[8:], nt, planes, shared_mem=shared)
     d.launch("mxfp4_experts_few_tokens_down_f32", blocks or few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS), 256, actx,
-             *down_args[1:], nt, shared_mem=few_token_shared(nt))
+             *down_args[1:], nt, planes, shared_mem=shared)
 
 
 def mx_tile_bound(n_assign: int, experts: int, tok: int) -> int:

@@ -508,31 +508,34 @@ def _few_tokens_perm():
     return 16 * (2 * ((c >> 3) & 3) + (((i >> 1) & 1) ^ 1)) + 4 * (c >> 5) + np.where(i & 1, 0, 2) + (i >> 2)
 
 
-def _few_tokens_pack(x, out):
-    """f32 rows [n, cols] -> few-token split layout [n][ceil(cols / 128)][hi / lo][128] bf16 bits."""
+def _few_tokens_pack(x, out, planes=2):
+    """f32 rows [n, cols] -> few-token split layout [n][ceil(cols / 128)][planes][128] bf16 bits
+    (planes 1: bf16(x); 2: hi, lo)."""
     n, cols = x.shape
     nss = -(-cols // 128)
     xp = np.zeros((n, nss * 128), np.float32)
     xp[:, :cols] = x
     hi, lo = split_bf16(xp.reshape(-1))
-    o = out.reshape(-1)[:n * nss * 256].reshape(n, nss, 2, 128)
+    o = out.reshape(-1)[:n * nss * 128 * planes].reshape(n, nss, planes, 128)
     perm = _few_tokens_perm()
     o[:, :, 0, perm] = hi.reshape(n, nss, 128)
-    o[:, :, 1, perm] = lo.reshape(n, nss, 128)
+    if planes == 2:
+        o[:, :, 1, perm] = lo.reshape(n, nss, 128)
 
 
-def _few_tokens_unpack(xs, n, cols):
-    """few-token split layout -> float64 rows hi + lo [n, cols] (what the kernels multiply)."""
+def _few_tokens_unpack(xs, n, cols, planes=2):
+    """few-token split layout -> float64 rows (the sum of the planes) [n, cols]: what the kernels multiply."""
     nss = -(-cols // 128)
-    o = xs.reshape(-1)[:n * nss * 256].reshape(n, nss, 2, 128)[:, :, :, _few_tokens_perm()]
-    v = bf16_value(o[:, :, 0]).astype(np.float64) + bf16_value(o[:, :, 1]).astype(np.float64)
+    o = xs.reshape(-1)[:n * nss * 128 * planes].reshape(n, nss, planes, 128)[:, :, :, _few_tokens_perm()]
+    v = sum(bf16_value(o[:, :, p]).astype(np.float64) for p in range(planes))
     return torch.from_numpy(v.reshape(n, nss * 128)[:, :cols])
 
 
-def _emu_moe_up_few_tokens(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e, nt):
-    lt, ie, k, e = int(lt), int(ie), int(top_k), len(offsets) - 1
-    na = actx.size // (-(-ie // 128) * 256)
-    z = _few_tokens_unpack(zx, zx.size // (-(-lt // 128) * 256), lt)
+def _emu_moe_up_few_tokens(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e, nt,
+                           planes):
+    lt, ie, k, e, planes = int(lt), int(ie), int(top_k), len(offsets) - 1, int(planes)
+    na = actx.size // (-(-ie // 128) * 128 * planes)
+    z = _few_tokens_unpack(zx, zx.size // (-(-lt // 128) * 128 * planes), lt, planes)
     act = np.zeros((na, ie), np.float32)
     for ex in range(e):
         a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
@@ -542,15 +545,15 @@ def _emu_moe_up_few_tokens(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k
             x = z[torch.from_numpy(a // k)]
             act[a] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta), float(beta_lin) if has_lin else None).float().numpy()
     rows = np.unique(sorted_[offsets[0]:offsets[-1]]).astype(np.int64)  # rows of other assignments untouched
-    packed = np.zeros((na, -(-ie // 128) * 256), np.uint16)
-    _few_tokens_pack(act, packed)
+    packed = np.zeros((na, -(-ie // 128) * 128 * planes), np.uint16)
+    _few_tokens_pack(act, packed, planes)
     actx.reshape(na, -1)[rows] = packed[rows]
 
 
-def _emu_moe_down_few_tokens(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, nt):
-    lt, ie, e = int(lt), int(ie), len(offsets) - 1
-    na = actx.size // (-(-ie // 128) * 256)
-    act = _few_tokens_unpack(actx, na, ie)
+def _emu_moe_down_few_tokens(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, nt, planes):
+    lt, ie, e, planes = int(lt), int(ie), len(offsets) - 1, int(planes)
+    na = actx.size // (-(-ie // 128) * 128 * planes)
+    act = _few_tokens_unpack(actx, na, ie, planes)
     for ex in range(e):
         a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
         if len(a):
@@ -856,9 +859,9 @@ EMU = {
     "moe_combine_split_f32": _emu_combine_split,
     "mxfp4_experts_single_token_up_f32": _emu_moe_up_single_token,  # the per-part sums, counters zeroed
     "mxfp4_experts_single_token_down_f32": _emu_moe_down_single_token,  # down + the folded combine
-    "mxfp4_experts_few_tokens_split_f32": lambda x, xs, rows, cols: _few_tokens_pack(x.reshape(-1)[:int(rows) * int(cols)].reshape(
-        int(rows), int(cols)), xs),
-    "mxfp4_experts_few_tokens_up_f32": _emu_moe_up_few_tokens,  # hi + lo in, act split out (the few-token layout end to end)
+    "mxfp4_experts_few_tokens_split_f32": lambda x, xs, rows, cols, planes: _few_tokens_pack(
+        x.reshape(-1)[:int(rows) * int(cols)].reshape(int(rows), int(cols)), xs, int(planes)),
+    "mxfp4_experts_few_tokens_up_f32": _emu_moe_up_few_tokens,  # planes in, act split out (the few-token layout end to end)
     "mxfp4_experts_few_tokens_down_f32": _emu_moe_down_few_tokens,
     "moe_combine_ids_f32": _emu_combine_ids,
     "mxfp4_experts_wgmma_split_f32": _emu_wg_split,  # gathered into sorted order, chunk-major

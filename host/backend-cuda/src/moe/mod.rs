@@ -30,8 +30,9 @@ pub struct DeviceExperts {
 
 /// kernels/moe_few_tokens.cu (`mxfp4_experts_few_tokens_up_f32` / `mxfp4_experts_few_tokens_down_f32`):
 /// weight rows per tile (up: 128 rows of W1 and of W3 = one 128-column super-step of the split
-/// intermediate; down: 256 rows of W2), n-tiles of 4 tokens per pass (at most 4), and the split
-/// activations' row length in bf16: per 128-column super-step, 128 hi then 128 lo.
+/// intermediate; down: 256 rows of W2), n-tiles of 8 columns per pass (at most 4: 8 tokens in
+/// one bf16 plane, 4 as hi / lo), and the split activations' row length in bf16: per 128-column
+/// super-step, 128 per plane.
 const FEW_TOKEN_UP_ROWS: usize = 128;
 
 const FEW_TOKEN_DOWN_ROWS: usize = 256;
@@ -41,20 +42,24 @@ const FEW_TOKEN_MAX_NTILES: usize = 4;
 /// Persistent blocks per SM of the few-token pair (its `__launch_bounds__`).
 const FEW_TOKEN_BLOCKS_PER_SM: usize = 2;
 
-fn few_token_row_u16(cols: usize) -> usize {
-    cols.div_ceil(128) * 256
+fn few_token_row_u16(cols: usize, planes: usize) -> usize {
+    cols.div_ceil(128) * 128 * planes
 }
 
-/// n-tiles per pass: tokens per expert are at most T, so T <= 12 stages fewer (less shared memory).
-fn few_token_ntiles(tokens: usize) -> usize {
-    tokens.div_ceil(4).clamp(1, FEW_TOKEN_MAX_NTILES)
+/// n-tiles per pass: tokens per expert are at most T, so small T stage fewer (less shared memory).
+fn few_token_ntiles(tokens: usize, planes: usize) -> usize {
+    (tokens * planes).div_ceil(8).clamp(1, FEW_TOKEN_MAX_NTILES)
 }
 
-/// kernels/moe_few_tokens.cu MXF_STAGE_BYTES: 3 stages of 256 weight rows x 64 bytes, their scales
-/// and `ntiles` x 8 staged bf16 rows of 272 bytes. At most `geometry::FEW_TOKEN_MAX_SHARED` (two
-/// blocks per SM).
-fn few_token_shared(ntiles: usize) -> usize {
-    3 * (256 * 64 + 256 * 4 + ntiles * 8 * 272)
+/// kernels/moe_few_tokens.cu MXF_STAGE_BYTES: 256 weight rows x 64 bytes, their scales and
+/// `ntiles` x 8 staged bf16 rows of 272 bytes.
+fn few_token_stage_bytes(ntiles: usize) -> usize {
+    256 * 64 + 256 * 4 + ntiles * 8 * 272
+}
+
+/// The ring's dynamic shared memory: the kernels take as many stages as it holds.
+fn few_token_shared(ntiles: usize, stages: usize) -> usize {
+    stages * few_token_stage_bytes(ntiles)
 }
 
 /// Persistent grid of the few-token expert kernels: one block per tile (at most `busy` experts x
@@ -64,13 +69,13 @@ fn few_token_launch(
     rows: usize,
     cols: usize,
     rows_per_block: usize,
-    ntiles: usize,
+    shared: usize,
     sms: usize,
 ) -> Result<Launch> {
     geometry::check_mx_width(cols)?;
     let tiles = busy * rows.div_ceil(rows_per_block);
     Launch::new((tiles.min(FEW_TOKEN_BLOCKS_PER_SM * sms).max(1), 1, 1), 256)?
-        .with_opt_in_shared(few_token_shared(ntiles))
+        .with_opt_in_shared(shared)
 }
 
 /// `mxfp4_experts_few_tokens_split_f32`: one 32-thread block per (row, 128-column super-step).
@@ -160,19 +165,22 @@ impl CudaBackend {
         let (lin, has) = crate::launch::situ_linear_args(situ);
         // Tiles for at most min(E, T*k) busy experts: the kernels list the busy ones themselves.
         let busy = ex.experts.min(t * k).max(1);
-        // The few-token pair: z and the intermediate as hi / lo bf16 in fragment order (every element
-        // written: the split pads z, each up block writes its whole 128-column super-step).
-        let nt = few_token_ntiles(t);
-        let (nti, ti) = (nt as i32, i32_of(t, "tokens")?);
-        let zx = self.uninit::<u16>(t * few_token_row_u16(ex.latent))?;
-        let actx = self.uninit::<u16>(t * k * few_token_row_u16(ex.inter))?;
-        launch!(self, "mxfp4_experts_few_tokens_split_f32", few_token_split_launch(t, ex.latent)?; &z.buf, &zx, &ti, &lt)?;
+        // The few-token pair: z and the intermediate in bf16 planes (one in bfloat16 mode, hi / lo
+        // in float32 mode) in fragment order (every element written: the split pads z, each up
+        // block writes its whole 128-column super-step).
+        let planes = self.options.dtype.planes();
+        let nt = few_token_ntiles(t, planes);
+        let shared = few_token_shared(nt, self.limits.few_token_stages(few_token_stage_bytes(nt)));
+        let (nti, ti, pl) = (nt as i32, i32_of(t, "tokens")?, planes as i32);
+        let zx = self.uninit::<u16>(t * few_token_row_u16(ex.latent, planes))?;
+        let actx = self.uninit::<u16>(t * k * few_token_row_u16(ex.inter, planes))?;
+        launch!(self, "mxfp4_experts_few_tokens_split_f32", few_token_split_launch(t, ex.latent)?; &z.buf, &zx, &ti, &lt, &pl)?;
         let sms = self.multiprocessors;
-        launch!(self, "mxfp4_experts_few_tokens_up_f32", few_token_launch(busy, ex.inter, ex.latent, FEW_TOKEN_UP_ROWS, nt, sms)?;
+        launch!(self, "mxfp4_experts_few_tokens_up_f32", few_token_launch(busy, ex.inter, ex.latent, FEW_TOKEN_UP_ROWS, shared, sms)?;
             &zx, &ex.w1.0, &ex.w1.1, &ex.w3.0, &ex.w3.1, &offsets, &sorted, &actx, &kk, &lt, &ie,
-            &situ.beta, &lin, &has, &e, &nti)?;
-        launch!(self, "mxfp4_experts_few_tokens_down_f32", few_token_launch(busy, ex.latent, ex.inter, FEW_TOKEN_DOWN_ROWS, nt, sms)?;
-            &actx, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &nti)?;
+            &situ.beta, &lin, &has, &e, &nti, &pl)?;
+        launch!(self, "mxfp4_experts_few_tokens_down_f32", few_token_launch(busy, ex.latent, ex.inter, FEW_TOKEN_DOWN_ROWS, shared, sms)?;
+            &actx, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &nti, &pl)?;
         let out = self.zeros(t, ex.latent)?;
         let tt = t as i32;
         launch!(self, "moe_combine_f32", geometry::elementwise(t * ex.latent)?; &y.buf, &w, &out.buf, &tt, &kk, &lt)?;
@@ -227,43 +235,46 @@ mod tests {
 
     #[test]
     fn few_token_launch_geometry() {
-        // kernels/moe_few_tokens.cu MXF_STAGE_BYTES: two blocks per SM at the largest pass.
+        // kernels/moe_few_tokens.cu MXF_STAGE_BYTES: the shortest ring at the largest pass.
         assert_eq!(
-            few_token_shared(FEW_TOKEN_MAX_NTILES),
-            geometry::FEW_TOKEN_MAX_SHARED
+            few_token_shared(FEW_TOKEN_MAX_NTILES, geometry::FEW_TOKEN_MIN_STAGES),
+            geometry::FEW_TOKEN_LEAST_SHARED
         );
         // Two blocks (plus 1 KB reserved and the static shared memory each: the busy-expert list
         // and its counts) in an SM's 228 KB.
         const {
             assert!(
-                2 * (geometry::FEW_TOKEN_MAX_SHARED
+                2 * (geometry::FEW_TOKEN_LEAST_SHARED
                     + 1024
                     + 4 * geometry::FEW_TOKEN_MAX_EXPERTS
                     + 128)
                     <= 233_472
             )
         };
-        assert_eq!(
-            (
-                few_token_ntiles(2),
-                few_token_ntiles(5),
-                few_token_ntiles(16),
-                few_token_ntiles(64)
-            ),
-            (1, 2, 4, 4)
-        );
+        let nts = |planes| [2, 5, 16, 64].map(|t| few_token_ntiles(t, planes));
+        assert_eq!(nts(2), [1, 2, 4, 4]);
+        assert_eq!(nts(1), [1, 1, 2, 4]);
         // K3: up blocks are one 128-column super-step of the intermediate each; down 256 rows.
         // K3 on 132 SMs: 128 x 24 up tiles and 128 x 14 down tiles over 264 persistent blocks.
-        let up = few_token_launch(128, 3072, 3584, FEW_TOKEN_UP_ROWS, 4, 132).unwrap();
+        let up = few_token_launch(128, 3072, 3584, FEW_TOKEN_UP_ROWS, 78_336, 132).unwrap();
         assert_eq!((up.grid, up.block, up.shared), ((264, 1, 1), 256, 78_336));
-        let down = few_token_launch(128, 3584, 3072, FEW_TOKEN_DOWN_ROWS, 1, 132).unwrap();
-        assert_eq!((down.grid, down.shared), ((264, 1, 1), 58_752));
+        let down = few_token_launch(
+            128,
+            3584,
+            3072,
+            FEW_TOKEN_DOWN_ROWS,
+            few_token_shared(1, 5),
+            132,
+        )
+        .unwrap();
+        assert_eq!((down.grid, down.shared), ((264, 1, 1), 97_920));
         // Fewer tiles than blocks: one block per tile.
-        let small = few_token_launch(2, 256, 256, FEW_TOKEN_UP_ROWS, 1, 132).unwrap();
+        let small = few_token_launch(2, 256, 256, FEW_TOKEN_UP_ROWS, 58_752, 132).unwrap();
         assert_eq!(small.grid, (4, 1, 1));
-        assert_eq!(few_token_row_u16(3584), 28 * 256);
-        assert_eq!(few_token_row_u16(160), 2 * 256);
+        assert_eq!(few_token_row_u16(3584, 2), 28 * 256);
+        assert_eq!(few_token_row_u16(3584, 1), 28 * 128);
+        assert_eq!(few_token_row_u16(160, 2), 2 * 256);
         assert_eq!(few_token_split_launch(64, 3584).unwrap().grid, (64, 28, 1));
-        assert!(few_token_launch(16, 3072, 100, FEW_TOKEN_UP_ROWS, 1, 132).is_err());
+        assert!(few_token_launch(16, 3072, 100, FEW_TOKEN_UP_ROWS, 58_752, 132).is_err());
     }
 }

@@ -658,8 +658,8 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str, floor: f64) {
         // Assignments = tokens x top-4 over 32 experts: 4, 12 and 160 take the decode-step kernels
         // (dispatch.rs: T = 1 the single-token pair (moe_single_token.cu, moe/single_token.rs), T >= 2 the
         // few-token pair (moe_few_tokens.cu): T = 3 fills part of an n-tile, T = 40 puts 5 tokens per
-        // expert on average, so most experts take two or three n-tiles of 4 tokens in their one
-        // pass of up to 16), 4400 the many-assignment path (from the default
+        // expert on average, so most experts take two or three n-tiles of 4 tokens (float32 mode)
+        // or one or two of 8 (bf16 mode) in their one pass), 4400 the many-assignment path (from the default
         // `CudaOptions::moe_gemm_min_assignments` = 4096; `moe_gemm_path_matches_cpu` also runs
         // the cuBLAS fallback).
         let name = match tokens {
