@@ -16,9 +16,9 @@
 // drain per tile. The ring is paced by per-slot mbarriers, not a block barrier: a warp waits for
 // its stage's data, and refills a slot after its own stage, so warps drift apart instead of
 // meeting every stage (12-15 % faster at 4-16 tokens than the barrier form). The ring has as many
-// stages as the launch's dynamic shared memory holds (at most MXF_MAX_STAGES): moe/mod.rs gives
-// the most that leave two blocks per SM, at least 3 (4 beat 3 by 2-4 %; one block per SM loses
-// ~20 %). Probes in performance-history.md.
+// stages as the launch's dynamic shared memory holds (at most MXF_MAX_STAGES, so probes need no
+// rebuild); moe/mod.rs gives 3: with bf16 activations 4 run no faster and 5-6 slower, and 3 fit
+// 99 KB parts. Probes in performance-history.md.
 //
 // Fragment mapping (PTX m16n8k16 .row.col): lane = 4 g + t holds A rows g and g + 8 at k = 2t,
 // 2t + 1 (+8), B column g at the same k. The dot over k does not care which physical column a
@@ -162,7 +162,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
     const int stage_bytes = MXF_STAGE_BYTES(ntiles);
     u32 dyn_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
-    const int nstages = min(MXF_MAX_STAGES, (int)dyn_bytes / stage_bytes);  // moe/mod.rs: at least 3
+    const int nstages = min(MXF_MAX_STAGES, (int)dyn_bytes / stage_bytes);  // at least 2 (moe/mod.rs: 3)
     // The ring's pacing: full[s] (at bars + 8 s) completes when all 256 threads' copies into slot
     // s have landed, empty[s] (at bars + 8 (MXF_MAX_STAGES + s)) when all 8 warps are done reading
     // it. Rows whose scales are not 4-byte aligned store them with plain stores, which arrive on
@@ -386,7 +386,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
 }
 
 // Persistent grid (moe/mod.rs few_token_launch: at most two blocks per SM), 256 threads, shared
-// bytes for 3..MXF_MAX_STAGES stages of `ntiles` (1..4) n-tiles per pass: tile (x, y) writes
+// bytes for 2..MXF_MAX_STAGES stages of `ntiles` (1..4) n-tiles per pass: tile (x, y) writes
 // super-step y of actx = SiTU-GLU(W1 z, W3 z) for every assignment of the x-th busy expert, in
 // `planes` bf16 planes (xs layout, rows past inter zero): the down kernel's B. zx: mxfp4_experts_few_tokens_split_f32 of z; z's
 // token of assignment a is a / top_k; `experts` = E; SiTU-GLU parameters beta, beta_lin, has_lin.

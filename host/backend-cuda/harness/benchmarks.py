@@ -15,7 +15,7 @@ from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARI
                     kda_decode_launcher, kda_region_floats, log, rel_err, run_kda_prefill)
 from common import run_mla_prefill, run_few_tokens
 from common import (FEW_TOKEN_BLOCK_BYTES, FEW_TOKEN_DOWN_ROWS, FEW_TOKEN_UP_ROWS, few_token_grid, few_token_ntiles,
-                    few_token_scratch, few_token_shared, few_token_stages)
+                    few_token_scratch, few_token_shared)
 from common import single_token_plan, single_token_scratch, run_single_token
 from common import (MX_WG_DOWN_ROWS, MX_WG_SHARED, MX_WG_TOK, MX_WG_UP_ROWS, mx_tile_bound,
                     mx_wg_scratch, run_mx_wg)
@@ -802,31 +802,24 @@ def bench_moe(d: Device, record, quick: bool):
             nt = few_token_ntiles(T, planes)
             mode = "bf16" if planes == 1 else "hi/lo"
             record(f"moe_routed tc T={T} top{k} {mode} (sort+up+down+combine)", ms, wbytes / (COPY_TBPS * 1e12) * 1e3,
-                   experts_touched=touched, stage=f"{8 * nt // planes} tokens, {few_token_stages(nt)} stages (few_tokens)",
+                   experts_touched=touched, stage=f"{8 * nt // planes} tokens (few_tokens)",
                    default=T > 1 and planes == 1, timing=how)
             if T == 1:
                 continue
-            # The kernels alone (inputs left by the last run), each against its own weight bytes; in bf16 mode
-            # also under rings of 3 to 6 stages (one block per SM where two do not fit).
-            gx, (_, zx, actx) = min(E, T * k), scratch
+            # The kernels alone (inputs left by the last run), each against its own weight bytes (ring depths:
+            # K3_BENCH_ONLY=moe_few_tokens_diag with K3_MX_DIAG="-DMXF_STAGES=4").
+            gx, (_, zx, actx), shared = min(E, T * k), scratch, few_token_shared(nt)
             up_b, down_b = touched * 2 * ie * (lt // 2 + lt // 32), touched * lt * (ie // 2 + ie // 32)
-            for stages in ([None] if planes == 2 else [None, 3, 4, 5, 6]):
-                shared = few_token_shared(nt, stages)
-                per_sm = 2 if shared <= FEW_TOKEN_BLOCK_BYTES else 1
-                tag = f"{mode}" + (f", {stages} stages" if stages else "")
-                for name, fn, b in (
-                        ("split z", lambda: d.launch("mxfp4_experts_few_tokens_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx,
-                                                     T, lt, planes), None),
-                        ("up", lambda: d.launch("mxfp4_experts_few_tokens_up_f32", few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS, per_sm),
-                                                256, zx, *up_args[1:7], actx, *up_args[8:], nt, planes, shared_mem=shared), up_b),
-                        ("down", lambda: d.launch("mxfp4_experts_few_tokens_down_f32",
-                                                  few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS, per_sm), 256, actx, *down_args[1:],
-                                                  nt, planes, shared_mem=shared), down_b)):
-                    if stages and name == "split z":
-                        continue
-                    ms, how = d.time_graph(fn)
-                    record(f"moe_routed few_tokens {name} alone T={T} ({tag})", ms, b and b / (COPY_TBPS * 1e12) * 1e3,
-                           timing=how)
+            for name, fn, b in (
+                    ("split z", lambda: d.launch("mxfp4_experts_few_tokens_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx,
+                                                 T, lt, planes), None),
+                    ("up", lambda: d.launch("mxfp4_experts_few_tokens_up_f32", few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256,
+                                            zx, *up_args[1:7], actx, *up_args[8:], nt, planes, shared_mem=shared), up_b),
+                    ("down", lambda: d.launch("mxfp4_experts_few_tokens_down_f32", few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS),
+                                              256, actx, *down_args[1:], nt, planes, shared_mem=shared), down_b)):
+                ms, how = d.time_graph(fn)
+                record(f"moe_routed few_tokens {name} alone T={T} ({mode})", ms, b and b / (COPY_TBPS * 1e12) * 1e3,
+                       timing=how)
 
 
 # Harness-only compile-time probes of the few_tokens expert kernels (kernels/moe_few_tokens.cu MXF_DIAG; the base

@@ -29,13 +29,13 @@ COPY_TBPS = 4.25
 # few_token_*): z split into `planes` bf16 rows (1: bf16, the bfloat16 mode; 2: hi / lo, float32 mode;
 # mxfp4_experts_few_tokens_split_f32, grid (T, super-steps), 32 threads), up tiles of 128 rows (one
 # super-step of the split intermediate actx), down tiles of 256 rows, up to 4 n-tiles of 8 columns per
-# pass, a cp.async ring of as many stages as the opt-in shared memory holds (dispatch.rs
-# few_token_stages: the most that leave two blocks per SM), a persistent grid of at most two blocks
-# per SM walking the tiles.
-FEW_TOKEN_UP_ROWS, FEW_TOKEN_DOWN_ROWS = 128, 256
+# pass, a cp.async ring of as many stages as the opt-in shared memory holds (moe/mod.rs
+# FEW_TOKEN_STAGES: 3), a persistent grid of at most two blocks per SM walking the tiles.
+FEW_TOKEN_UP_ROWS, FEW_TOKEN_DOWN_ROWS, FEW_TOKEN_STAGES = 128, 256, 3
 SMS = 132  # the H200's SM count: the backend reads it from the device
-# dispatch.rs few_token_stages on the H200: (227 KB + 1 KB) / 2 less 4,352 B static and 1 KB reserved per block.
-FEW_TOKEN_BLOCK_BYTES, FEW_TOKEN_STAGES = (232_448 + 1024) // 2 - 4_352 - 1024, (3, 6)
+# Dynamic shared memory per block that leaves two blocks on an H200 SM: (227 KB + 1 KB) / 2 less the
+# kernels' 4,320 B of static shared memory and 1 KB reserved per block.
+FEW_TOKEN_BLOCK_BYTES = (232_448 + 1024) // 2 - 4_352 - 1024
 
 
 def few_token_ntiles(max_tokens_per_expert: int, planes: int = 2) -> int:
@@ -46,14 +46,9 @@ def few_token_stage_bytes(ntiles: int) -> int:
     return 256 * 64 + 256 * 4 + ntiles * 8 * 272
 
 
-def few_token_stages(ntiles: int) -> int:
-    """dispatch.rs few_token_stages on the H200."""
-    return max(FEW_TOKEN_STAGES[0], min(FEW_TOKEN_BLOCK_BYTES // few_token_stage_bytes(ntiles), FEW_TOKEN_STAGES[1]))
-
-
 def few_token_shared(ntiles: int, stages: int | None = None) -> int:
-    """moe/mod.rs few_token_shared: `stages` ring slots (the backend's choice if None; probes may set others)."""
-    return (stages or few_token_stages(ntiles)) * few_token_stage_bytes(ntiles)
+    """moe/mod.rs few_token_shared: `stages` ring slots (the backend's 3 if None; probes may set others)."""
+    return (stages or FEW_TOKEN_STAGES) * few_token_stage_bytes(ntiles)
 
 
 def few_token_grid(busy: int, rows: int, rows_per_block: int, per_sm: int = 2, sms: int = SMS) -> int:

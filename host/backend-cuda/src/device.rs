@@ -188,16 +188,13 @@ impl CudaBackend {
             };
             for &entry in file.entries {
                 let f = module.load_function(entry)?;
-                // Kernels past the 48 KB default of dynamic shared memory opt in once here, to all
-                // the device allows beside their static shared memory (the few-token experts size
-                // their ring to it, dispatch.rs `few_token_stages`); one whose least need is past
-                // this device's limit is never dispatched on it, so it is left at the default
-                // rather than failing start-up.
-                if limits.opt_in(entry).is_some() {
-                    let fixed = f.shared_size_bytes()?.max(0) as usize;
+                // Kernels past the 48 KB default of dynamic shared memory opt in once here; one
+                // past this device's limit is never dispatched on it (dispatch.rs), so it is left
+                // at the default rather than failing start-up.
+                if let Some(bytes) = limits.opt_in(entry) {
                     f.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        limits.opt_in_shared.saturating_sub(fixed) as i32,
+                        bytes as i32,
                     )?;
                 }
                 functions.insert(entry, f);

@@ -22,27 +22,11 @@ pub struct DeviceLimits {
 }
 
 impl DeviceLimits {
-    /// The least dynamic shared memory `kernel` is launched with when it needs more than the
-    /// default (its [`geometry::OPT_IN_SHARED`] entry), if this GPU allows that much; `None` for
-    /// every other kernel.
+    /// The dynamic shared memory `kernel` is launched with when it needs more than the default
+    /// (its [`geometry::OPT_IN_SHARED`] entry), if this GPU allows that much; `None` for every other kernel.
     pub fn opt_in(&self, kernel: &str) -> Option<usize> {
         let bytes = geometry::opt_in_shared(kernel)?;
         (bytes > DEFAULT_SHARED && bytes <= self.opt_in_shared).then_some(bytes)
-    }
-
-    /// Ring stages of the few-token expert kernels at `stage_bytes` per stage (moe/mod.rs
-    /// `few_token_shared`): the most, up to [`geometry::FEW_TOKEN_MAX_STAGES`], that leave two
-    /// blocks per SM, and never fewer than [`geometry::FEW_TOKEN_MIN_STAGES`] (one block per SM
-    /// where two do not fit: 99 KB parts).
-    pub fn few_token_stages(&self, stage_bytes: usize) -> usize {
-        // An SM holds the per-block opt-in limit plus the 1 KB each block reserves; each block
-        // also takes its static shared memory.
-        let per_block = (self.opt_in_shared + 1024) / 2
-            - (geometry::FEW_TOKEN_STATIC_SHARED + 1024).min((self.opt_in_shared + 1024) / 2);
-        (per_block / stage_bytes.max(1)).clamp(
-            geometry::FEW_TOKEN_MIN_STAGES,
-            geometry::FEW_TOKEN_MAX_STAGES,
-        )
     }
 
     /// Whether every kernel in `kernels` can be launched here (shared memory within the limit).
@@ -274,37 +258,6 @@ mod tests {
         assert_eq!(mla_attend(Bf16, &kb163()), MlaAttend::Bf16Mma);
         // 99 KB: neither bf16 kernel fits; the 3xTF32 kernel runs.
         assert_eq!(mla_attend(Bf16, &sm120()), MlaAttend::F32);
-    }
-
-    #[test]
-    fn few_token_rings_take_what_two_blocks_per_sm_allow() {
-        // kernels/moe_few_tokens.cu MXF_STAGE_BYTES at 4 / 2 / 1 n-tiles per pass.
-        let stage = |nt: usize| 256 * 64 + 256 * 4 + nt * 8 * 272;
-        let h = h200();
-        assert_eq!(h.few_token_stages(stage(4)), 4);
-        assert_eq!(h.few_token_stages(stage(2)), 5);
-        assert_eq!(h.few_token_stages(stage(1)), 5);
-        for nt in 1..=4 {
-            let s = h.few_token_stages(stage(nt));
-            // Two blocks with their static and reserved shared memory fit the H200's 228 KB.
-            assert!(
-                2 * (s * stage(nt) + geometry::FEW_TOKEN_STATIC_SHARED + 1024) <= 233_472,
-                "{nt}"
-            );
-            assert!(s * stage(nt) <= geometry::FEW_TOKEN_MAX_STAGES * stage(nt));
-        }
-        // 99 KB parts: two blocks never fit; the least ring, within the per-block limit.
-        let s = sm120();
-        assert_eq!(s.few_token_stages(stage(4)), geometry::FEW_TOKEN_MIN_STAGES);
-        assert!(
-            geometry::FEW_TOKEN_MIN_STAGES * stage(4) + geometry::FEW_TOKEN_STATIC_SHARED
-                <= s.opt_in_shared
-        );
-        assert_eq!(
-            geometry::FEW_TOKEN_MIN_STAGES * stage(4),
-            geometry::FEW_TOKEN_LEAST_SHARED
-        );
-        assert_eq!(limits("sm_90", 0).few_token_stages(stage(4)), 3);
     }
 
     #[test]

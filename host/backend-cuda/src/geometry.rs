@@ -235,18 +235,9 @@ pub const MLA_WGMMA_HEADS_PER_BLOCK: usize = 48;
 pub const MLA_WGMMA_THREADS: u32 = 384;
 pub const MLA_WGMMA_SHARED: usize = 223_200;
 
-/// The few-token expert kernels' least dynamic shared memory (kernels/moe_few_tokens.cu, moe/mod.rs
-/// few_token_shared): the shortest ring at 4 n-tiles per pass. Where more fits, the ring is longer
-/// (dispatch.rs `few_token_stages`).
-pub const FEW_TOKEN_LEAST_SHARED: usize = 78_336;
-
-/// Ring stages of the few-token kernels: at least 3, at most MXF_MAX_STAGES.
-pub const FEW_TOKEN_MIN_STAGES: usize = 3;
-pub const FEW_TOKEN_MAX_STAGES: usize = 6;
-
-/// Static shared memory of a few-token kernel, rounded up: the busy-expert list (4 KB), the ring's
-/// mbarriers and the per-warp counts.
-pub const FEW_TOKEN_STATIC_SHARED: usize = 4_352;
+/// The few-token expert kernels (kernels/moe_few_tokens.cu, moe/mod.rs few_token_shared) at 4 n-tiles per pass: two
+/// 256-thread blocks per SM.
+pub const FEW_TOKEN_MAX_SHARED: usize = 78_336;
 
 /// The most experts the few-token kernels list per block (kernels/moe_few_tokens.cu
 /// MXF_MAX_EXPERTS); dispatch.rs sends layers with more to cuBLAS.
@@ -294,8 +285,8 @@ pub fn moe_wg_supported(arch: &str) -> bool {
 pub const OPT_IN_SHARED: &[(&str, usize)] = &[
     ("mla_attend_bf16_f32", MLA_BF16_SHARED),
     ("mla_attend_pair_wgmma_f32", MLA_WGMMA_SHARED),
-    ("mxfp4_experts_few_tokens_up_f32", FEW_TOKEN_LEAST_SHARED),
-    ("mxfp4_experts_few_tokens_down_f32", FEW_TOKEN_LEAST_SHARED),
+    ("mxfp4_experts_few_tokens_up_f32", FEW_TOKEN_MAX_SHARED),
+    ("mxfp4_experts_few_tokens_down_f32", FEW_TOKEN_MAX_SHARED),
     ("mxfp4_experts_wgmma_up_f32", MX_WG_SHARED),
     ("mxfp4_experts_wgmma_down_f32", MX_WG_SHARED),
     ("mxfp4_experts_single_token_up_f32", SINGLE_TOKEN_SHARED),

@@ -42,6 +42,10 @@ const FEW_TOKEN_MAX_NTILES: usize = 4;
 /// Persistent blocks per SM of the few-token pair (its `__launch_bounds__`).
 const FEW_TOKEN_BLOCKS_PER_SM: usize = 2;
 
+/// Ring stages of the few-token pair (the kernels take as many as their shared memory holds): 4,
+/// 5 and 6 measured no faster than 3 with bf16 activations, and 3 fit 99 KB parts.
+const FEW_TOKEN_STAGES: usize = 3;
+
 fn few_token_row_u16(cols: usize, planes: usize) -> usize {
     cols.div_ceil(128) * 128 * planes
 }
@@ -57,9 +61,9 @@ fn few_token_stage_bytes(ntiles: usize) -> usize {
     256 * 64 + 256 * 4 + ntiles * 8 * 272
 }
 
-/// The ring's dynamic shared memory: the kernels take as many stages as it holds.
-fn few_token_shared(ntiles: usize, stages: usize) -> usize {
-    stages * few_token_stage_bytes(ntiles)
+/// The ring's dynamic shared memory (at most `geometry::FEW_TOKEN_MAX_SHARED`: two blocks per SM).
+fn few_token_shared(ntiles: usize) -> usize {
+    FEW_TOKEN_STAGES * few_token_stage_bytes(ntiles)
 }
 
 /// Persistent grid of the few-token expert kernels: one block per tile (at most `busy` experts x
@@ -170,7 +174,7 @@ impl CudaBackend {
         // block writes its whole 128-column super-step).
         let planes = self.options.dtype.planes();
         let nt = few_token_ntiles(t, planes);
-        let shared = few_token_shared(nt, self.limits.few_token_stages(few_token_stage_bytes(nt)));
+        let shared = few_token_shared(nt);
         let (nti, ti, pl) = (nt as i32, i32_of(t, "tokens")?, planes as i32);
         let zx = self.uninit::<u16>(t * few_token_row_u16(ex.latent, planes))?;
         let actx = self.uninit::<u16>(t * k * few_token_row_u16(ex.inter, planes))?;
@@ -235,16 +239,16 @@ mod tests {
 
     #[test]
     fn few_token_launch_geometry() {
-        // kernels/moe_few_tokens.cu MXF_STAGE_BYTES: the shortest ring at the largest pass.
+        // kernels/moe_few_tokens.cu MXF_STAGE_BYTES: two blocks per SM at the largest pass.
         assert_eq!(
-            few_token_shared(FEW_TOKEN_MAX_NTILES, geometry::FEW_TOKEN_MIN_STAGES),
-            geometry::FEW_TOKEN_LEAST_SHARED
+            few_token_shared(FEW_TOKEN_MAX_NTILES),
+            geometry::FEW_TOKEN_MAX_SHARED
         );
         // Two blocks (plus 1 KB reserved and the static shared memory each: the busy-expert list
         // and its counts) in an SM's 228 KB.
         const {
             assert!(
-                2 * (geometry::FEW_TOKEN_LEAST_SHARED
+                2 * (geometry::FEW_TOKEN_MAX_SHARED
                     + 1024
                     + 4 * geometry::FEW_TOKEN_MAX_EXPERTS
                     + 128)
@@ -263,11 +267,11 @@ mod tests {
             3584,
             3072,
             FEW_TOKEN_DOWN_ROWS,
-            few_token_shared(1, 5),
+            few_token_shared(1),
             132,
         )
         .unwrap();
-        assert_eq!((down.grid, down.shared), ((264, 1, 1), 97_920));
+        assert_eq!((down.grid, down.shared), ((264, 1, 1), 58_752));
         // Fewer tiles than blocks: one block per tile.
         let small = few_token_launch(2, 256, 256, FEW_TOKEN_UP_ROWS, 58_752, 132).unwrap();
         assert_eq!(small.grid, (4, 1, 1));
