@@ -5,36 +5,62 @@
 #include "common.cuh"
 
 #define ATTNRES_MAX_SOURCES 9
+// Blocks per token (one thread-block cluster) and threads per block (geometry.rs attn_res).
+#define ATTNRES_SPLIT 8
+#define ATTNRES_THREADS 128
 
-// One block per token (any blockDim multiple of 32; the backend uses 512). Pass 1 reduces 2n values
-// (dot with w, sum of squares) in one block reduction; pass 2 re-reads the sources (n*d*4 bytes,
-// L2-resident at d = 7168) for the sum. Rows of 16-byte-aligned float4s are read as float4: at
-// decode sizes one block streams a token's n sources alone, so the bytes in flight per round trip
-// set its time.
-extern "C" __global__ void attn_res_f32(const float* s0, const float* s1, const float* s2, const float* s3,
-                                        const float* s4, const float* s5, const float* s6, const float* s7,
-                                        const float* s8, int n, const float* __restrict__ w,
-                                        float* __restrict__ out, int rows, int d, float eps) {
-    __shared__ float part[ATTNRES_MAX_SOURCES * 2][32];
+__device__ __forceinline__ u32 attnres_cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// float `p` (in this block's shared memory) of cluster block `rank`.
+__device__ __forceinline__ float attnres_peer(const float* p, u32 rank) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    u32 ra;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
+    return v;
+}
+
+// Grid rows x ATTNRES_SPLIT, ATTNRES_THREADS threads: a cluster of ATTNRES_SPLIT blocks per token,
+// block q taking columns [q c, (q + 1) c) for c = d / ATTNRES_SPLIT rounded up to 4. Pass 1 reduces
+// the block's 2n partials (dot with w, sum of squares); the cluster barrier publishes them and every
+// block adds all ATTNRES_SPLIT partials in rank order (the same alpha everywhere); pass 2 re-reads
+// the block's columns (L1 / L2-resident) for the sum. At decode sizes a token's n sources are
+// streamed by 8 SMs instead of one, whose few bytes in flight per round trip set the time.
+extern "C" __global__ void __cluster_dims__(ATTNRES_SPLIT, 1, 1) __launch_bounds__(ATTNRES_THREADS)
+    attn_res_f32(const float* s0, const float* s1, const float* s2, const float* s3, const float* s4, const float* s5,
+                 const float* s6, const float* s7, const float* s8, int n, const float* __restrict__ w,
+                 float* __restrict__ out, int rows, int d, float eps) {
+    __shared__ float part[ATTNRES_MAX_SOURCES * 2][ATTNRES_THREADS / 32];
+    __shared__ float mine[ATTNRES_MAX_SOURCES * 2];
+    __shared__ float total[ATTNRES_MAX_SOURCES * 2];
     __shared__ float alpha[ATTNRES_MAX_SOURCES];
-    const int r = blockIdx.x;
+    const int r = blockIdx.x / ATTNRES_SPLIT;
+    // Uniform over a cluster (the grid is rows x ATTNRES_SPLIT): no block leaves its peers waiting.
     if (r >= rows || n < 1 || n > ATTNRES_MAX_SOURCES) return;
     const float* src[ATTNRES_MAX_SOURCES] = {s0, s1, s2, s3, s4, s5, s6, s7, s8};
+    const u32 rank = attnres_cluster_rank();
+    const int span = ((d + 4 * ATTNRES_SPLIT - 1) / (4 * ATTNRES_SPLIT)) * 4;
+    const int c0 = min(d, (int)rank * span), c1 = min(d, c0 + span);
     const i64 base = (i64)r * d;
     const int lane = threadIdx.x & (K3_WARP - 1), warp = threadIdx.x / K3_WARP;
-    const int nwarps = blockDim.x / K3_WARP;
     float dotw[ATTNRES_MAX_SOURCES], ss[ATTNRES_MAX_SOURCES];
 #pragma unroll
     for (int i = 0; i < ATTNRES_MAX_SOURCES; ++i) {
         dotw[i] = 0.0f;
         ss[i] = 0.0f;
     }
+    // Rows of 16-byte-aligned float4s are read as float4 (c0 is a multiple of 4).
     bool vec = (d & 3) == 0 && ((reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(out + base)) & 15) == 0;
 #pragma unroll
     for (int i = 0; i < ATTNRES_MAX_SOURCES; ++i)
         if (i < n) vec = vec && (reinterpret_cast<size_t>(src[i] + base) & 15) == 0;
     if (vec) {
-        for (int c = threadIdx.x; c < d / 4; c += blockDim.x) {
+        for (int c = c0 / 4 + threadIdx.x; c < c1 / 4; c += blockDim.x) {
             const float4 wc = reinterpret_cast<const float4*>(w)[c];
 #pragma unroll
             for (int i = 0; i < ATTNRES_MAX_SOURCES; ++i) {
@@ -46,7 +72,7 @@ extern "C" __global__ void attn_res_f32(const float* s0, const float* s1, const 
             }
         }
     } else {
-        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
             const float wc = w[c];
 #pragma unroll
             for (int i = 0; i < ATTNRES_MAX_SOURCES; ++i) {
@@ -69,16 +95,27 @@ extern "C" __global__ void attn_res_f32(const float* s0, const float* s1, const 
         }
     }
     __syncthreads();
+    if (threadIdx.x < 2 * n) {
+        float a = 0.0f;
+#pragma unroll
+        for (int k = 0; k < ATTNRES_THREADS / 32; ++k) a += part[threadIdx.x][k];
+        mine[threadIdx.x] = a;
+    }
+    // Publish `mine` to the cluster (release / acquire), then read every block's.
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    if (threadIdx.x < 2 * n) {
+        float a = 0.0f;
+        for (u32 q = 0; q < ATTNRES_SPLIT; ++q) a += attnres_peer(&mine[threadIdx.x], q);
+        total[threadIdx.x] = a;
+    }
+    // This block is done reading its peers; it waits for theirs before it exits (below).
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    __syncthreads();
     if (threadIdx.x == 0) {
         float s[ATTNRES_MAX_SOURCES];
         float m = K3_NEG_INF;
         for (int i = 0; i < n; ++i) {
-            float a = 0.0f, b = 0.0f;
-            for (int k = 0; k < nwarps; ++k) {
-                a += part[2 * i][k];
-                b += part[2 * i + 1][k];
-            }
-            s[i] = a * rsqrtf(b / (float)d + eps);
+            s[i] = total[2 * i] * rsqrtf(total[2 * i + 1] / (float)d + eps);
             m = fmaxf(m, s[i]);
         }
         float z = 0.0f;
@@ -90,7 +127,7 @@ extern "C" __global__ void attn_res_f32(const float* s0, const float* s1, const 
     }
     __syncthreads();
     if (vec) {
-        for (int c = threadIdx.x; c < d / 4; c += blockDim.x) {
+        for (int c = c0 / 4 + threadIdx.x; c < c1 / 4; c += blockDim.x) {
             float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
             for (int i = 0; i < ATTNRES_MAX_SOURCES; ++i)
@@ -102,7 +139,7 @@ extern "C" __global__ void attn_res_f32(const float* s0, const float* s1, const 
             reinterpret_cast<float4*>(out + base)[c] = acc;
         }
     } else {
-        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
             float acc = 0.0f;
 #pragma unroll
             for (int i = 0; i < ATTNRES_MAX_SOURCES; ++i)
@@ -110,4 +147,5 @@ extern "C" __global__ void attn_res_f32(const float* s0, const float* s1, const 
             out[base + c] = acc;
         }
     }
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 }

@@ -354,32 +354,46 @@ def check_pointwise(d: Device, r: Results, gen):
 
 
 def check_attnres(d: Device, r: Results, gen):
-    rows, eps = 7, 1e-5
-    # 1000 columns: the float4 path on the backend's 512 threads; 1001: the scalar path.
-    for n, dm, block in ((1, 1000, 512), (2, 1000, 512), (9, 1000, 512), (9, 1001, 256)):
+    """attn_res_f32 (geometry.rs attn_res: a cluster of 8 blocks of 128 threads per row, block q on
+    columns [q s, (q + 1) s), s = d / 8 rounded up to 4): 1000 columns (float4 path, a short last
+    block), 1001 (the scalar path), K3's 7168 at one row, and 40 (blocks past the row's end)."""
+    eps = 1e-5
+    for n, dm, rows in ((1, 1000, 7), (2, 1000, 7), (9, 1000, 7), (9, 1001, 7), (9, 7168, 1), (3, 40, 5)):
         srcs = [rand(rows, dm, scale=1 + i, gen=gen) for i in range(n)]
         w = rand(dm, scale=0.05, gen=gen)
         dev = [d.view(s.float().contiguous().to(d.tdev)) for s in srcs]
         ptrs = dev + [dev[0]] * (9 - n)  # unused slots: any valid pointer, never read
         out = torch.empty(rows, dm, device=d.tdev)
-        d.launch("attn_res_f32", rows, block, *ptrs, n, d.view(w.float().contiguous().to(d.tdev)), d.view(out), rows,
-                 dm, eps)
+        d.launch("attn_res_f32", rows * 8, 128, *ptrs, n, d.view(w.float().contiguous().to(d.tdev)), d.view(out),
+                 rows, dm, eps)
         d.sync()
         ref = ref_attn_res(srcs[-1], srcs[:-1], w, torch.ones(1, dm, dtype=torch.float64), eps)
-        r.check(f"attn_res(n={n}, d={dm})", rel_err(out, ref), 1e-5)
+        r.check(f"attn_res(n={n}, d={dm}, rows={rows})", rel_err(out, ref), 1e-5)
 
 
 def check_router_sampling(d: Device, r: Results, gen):
-    t, e, k = 5, 96, 8
-    logits, bias = rand(t, e, scale=2, gen=gen), rand(e, scale=0.3, gen=gen)
-    idx = torch.empty(t, k, dtype=torch.int32, device=d.tdev)
-    w = torch.empty(t, k, device=d.tdev)
-    d.launch("router_topk_f32", t, 128, d.view(logits.float().contiguous().to(d.tdev)),
-             d.view(bias.float().contiguous().to(d.tdev)), d.view(idx), d.view(w), t, e, k, 1, 2.5)
-    d.sync()
-    ridx, rw, _ = ref_route(logits, torch.eye(e, dtype=torch.float64), bias, k, True, 2.5)
-    r.exact("router idx", bool((idx.cpu().long() == ridx).all()))
-    r.check("router weights", rel_err(w, rw), 1e-5)
+    """router_topk_f32 (one warp per token, 4 per 128-thread block: geometry.rs router) against
+    ref_route: 5 tokens (a partial block) of 96 experts (lanes owning 2 or 3), K3's 128 / top-16 over
+    9 tokens with renormalisation off, the 1024 / top-64 limit, and ties (logits rounded to a few
+    values: equal scores go to the lower expert)."""
+    for t, e, k, renorm, ties in ((5, 96, 8, 1, False), (9, 128, 16, 0, False), (3, 1024, 64, 1, False),
+                                  (6, 128, 16, 1, True)):
+        logits, bias = rand(t, e, scale=2, gen=gen), rand(e, scale=0.3, gen=gen)
+        if ties:
+            logits, bias = (logits * 2).round() / 2, torch.zeros(e, dtype=torch.float64)
+        idx = torch.empty(t, k, dtype=torch.int32, device=d.tdev)
+        w = torch.empty(t, k, device=d.tdev)
+        d.launch("router_topk_f32", cdiv(t, 4), 128, d.view(logits.float().contiguous().to(d.tdev)),
+                 d.view(bias.float().contiguous().to(d.tdev)), d.view(idx), d.view(w), t, e, k, renorm, 2.5)
+        d.sync()
+        ridx, rw, sc = ref_route(logits, torch.eye(e, dtype=torch.float64), bias, k, bool(renorm), 2.5)
+        if ties:  # torch.topk does not promise which of equal scores comes first; the kernel takes the lower id
+            ridx = torch.sort(sc + bias, dim=-1, descending=True, stable=True).indices[:, :k]
+            rw = sc.gather(-1, ridx)
+            rw = rw / (rw.sum(-1, keepdim=True) + 1e-20) * 2.5
+        tag = f"T={t} E={e} top{k}" + ("" if renorm else " no renorm") + (" ties" if ties else "")
+        r.exact(f"router idx {tag}", bool((idx.cpu().long() == ridx).all()))
+        r.check(f"router weights {tag}", rel_err(w, rw), 1e-5)
 
     check_topk_rows(d, r, gen)
 

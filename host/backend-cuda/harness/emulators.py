@@ -473,10 +473,15 @@ def _emu_topk_merge(lg, seg_ids, seg_vals, seg_count, ids, vals, count, rows, vo
 
 
 def _emu_router(logits, bias, idx, w, t, e, k, renorm, scaling):
-    ri, rw, _ = ref_route(_t(logits).view(int(t), int(e)).double(), torch.eye(int(e), dtype=torch.float64),
-                          _t(bias).double(), int(k), bool(renorm), float(scaling))
+    """kernels/router.cu: the top-k of sigmoid(logits) + bias, equal scores to the lower expert."""
+    _, _, sc = ref_route(_t(logits).view(int(t), int(e)).double(), torch.eye(int(e), dtype=torch.float64),
+                         _t(bias).double(), int(k), bool(renorm), float(scaling))
+    ri = torch.sort(sc + _t(bias).double(), dim=-1, descending=True, stable=True).indices[:, :int(k)]
+    rw = sc.gather(-1, ri)
+    if renorm:
+        rw = rw / (rw.sum(-1, keepdim=True) + 1e-20)
     idx[:] = ri.int().numpy().reshape(idx.shape)
-    w[:] = rw.float().numpy().reshape(w.shape)
+    w[:] = (rw * float(scaling)).float().numpy().reshape(w.shape)
 
 
 def _emu_attn_res(*a):

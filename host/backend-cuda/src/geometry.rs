@@ -411,6 +411,14 @@ pub fn per_row(rows: usize, block: u32) -> Result<Launch> {
     Launch::new((rows, 1, 1), block)
 }
 
+/// `attn_res_f32` (kernels/attnres.cu): a cluster of ATTNRES_SPLIT = 8 blocks of 128 threads per row.
+pub fn attn_res(rows: usize) -> Result<Launch> {
+    if rows == 0 {
+        return Err(CudaError::InvalidArg("attn_res over no rows".into()));
+    }
+    Launch::new((rows * 8, 1, 1), 128)
+}
+
 /// Per-(row, head) warp kernels with 4 warps per block.
 pub fn warp_per_item(items: usize) -> Result<Launch> {
     Launch::new((items.div_ceil(4), 1, 1), 128)
@@ -426,14 +434,14 @@ pub fn check_mx_width(cols: usize) -> Result<()> {
     Ok(())
 }
 
-/// Router kernel limits (shared arrays in kernels/router.cu).
+/// Router kernel limits (shared arrays in kernels/router.cu); one warp per token, 4 per block.
 pub fn router(tokens: usize, experts: usize, k: usize) -> Result<Launch> {
     if experts > 1024 || k == 0 || k > 64 || k > experts {
         return Err(CudaError::Unsupported(format!(
             "router with {experts} experts, top-{k} (E <= 1024, k <= 64)"
         )));
     }
-    Launch::new((tokens, 1, 1), 256)
+    Launch::new((tokens.div_ceil(4).max(1), 1, 1), 128)
 }
 
 /// The oldest GPUs the backend runs on: compute capability 9.0. The KDA decode and the MLA pair
@@ -670,6 +678,12 @@ mod tests {
         assert!(
             router(4, 896, 16).is_ok() && router(4, 2048, 16).is_err() && router(4, 8, 9).is_err()
         );
+        let a = attn_res(3).unwrap();
+        assert_eq!((a.grid, a.block), ((24, 1, 1), 128));
+        assert!(attn_res(0).is_err());
+        // kernels/router.cu: one warp per token, ROUTER_WARPS = 4 per block.
+        let r = router(5, 128, 16).unwrap();
+        assert_eq!((r.grid, r.block), ((2, 1, 1), 128));
         assert_eq!(nvrtc_arch(9, 0), "sm_90a");
         assert_eq!(nvrtc_arch(8, 9), "sm_89");
     }

@@ -16,8 +16,8 @@ pub const TOPK_MAX: usize = 1024;
 /// Columns per block in the first top-k pass: a 163,840-wide row spreads over 40 SMs.
 const TOPK_SEGMENT: usize = 4096;
 
-/// Threads per block of the one-block-per-row kernels (kernels/norm.cu rms_norm_f32,
-/// kernels/attnres.cu): at decode sizes a block streams its row alone, so it is wide.
+/// Threads per block of the one-block-per-row kernel kernels/norm.cu rms_norm_f32: at decode
+/// sizes a block streams its row alone, so it is wide.
 const ROW_BLOCK: u32 = 512;
 
 impl CudaBackend {
@@ -330,7 +330,7 @@ impl CudaBackend {
             i32_of(first.rows, "rows")?,
             i32_of(first.cols, "cols")?,
         );
-        launch!(self, "attn_res_f32", geometry::per_row(first.rows, ROW_BLOCK)?;
+        launch!(self, "attn_res_f32", geometry::attn_res(first.rows)?;
             src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], src[8], &n, w, &out.buf, &rows, &d, &eps)?;
         Ok(out)
     }
