@@ -5,14 +5,16 @@
 # prompts of K3_SERVING_PROMPT tokens (8192), K3_SERVING_OUTPUT output tokens (1024, ignore_eos),
 # concurrency K3_SERVING_LEVELS (1,4,16), one request per slot per level; TTFT, TPOT and
 # throughput by scripts/bench_serving.py; K3_SERVING_FLAGS adds serve flags (e.g. "--dtype float32"
-# for a before/after pair in one call). Results: $OUT/serving.json, $OUT/serving.log,
-# $OUT/serving-server.log. Needs httpx (carried as wheels in .whl/, installed by device-check.sh
-# into /tmp/site).
+# for a before/after pair in one call); K3_SERVING_BIN the server binary (default /tmp/k3bin/k3serve:
+# for two builds in one call, unpack each to its own path and run this once per path). The server
+# has exited when this returns, so the next run can take its port. Results: $OUT/serving.json,
+# $OUT/serving.log, $OUT/serving-server.log. Needs httpx (carried as wheels in .whl/, installed by
+# device-check.sh into /tmp/site).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/k3-device-serving}"
 mkdir -p "$OUT"
-BIN=/tmp/k3bin/k3serve
+BIN=${K3_SERVING_BIN:-/tmp/k3bin/k3serve}
 PORT=8012
 BASE="http://127.0.0.1:$PORT"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -27,7 +29,7 @@ max_seqs=$(tr ',' '\n' <<<"$levels" | sort -n | tail -1)
     --max-num-seqs "$max_seqs" --max-num-batched-tokens "${K3_SERVING_STEP_TOKENS:-2048}" \
     --no-enable-prefix-caching ${K3_SERVING_FLAGS:-} >"$OUT/serving-server.log" 2>&1 &
 server=$!
-trap 'kill $server 2>/dev/null' EXIT
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
 for _ in $(seq 1 240); do
     curl -sf "$BASE/health" >/dev/null 2>&1 && break
     kill -0 $server 2>/dev/null || { echo "serving: server exited"; tail -20 "$OUT/serving-server.log"; exit 1; }
