@@ -52,7 +52,7 @@ extern __shared__ __align__(16) u32 mxt_smem[];
 #define MXF_KC 128
 #define MXF_MAX_STAGES 6
 
-// Harness-only timing probes (benchmarks.py bench_moe_few_tokens_diag, never built by the host): 1 = no
+// Harness-only timing probes (benchmarks_moe.py bench_moe_few_tokens_diag, never built by the host): 1 = no
 // weight decode (the raw words go to the mma), 2 = no mma (the decoded words are folded into the
 // accumulators with one xor), 4 = no weight or scale copies from global memory (the stages keep
 // stale bytes), 8 = no wait for a stage's copies (warps race the ring). Results are garbage on

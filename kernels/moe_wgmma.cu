@@ -120,7 +120,7 @@
 #define MXW_CHUNK_BYTES (MXW_TOK * 16)  // one 16-byte chunk of every token
 #define MXW_STAGE_BYTES(P) (MXW_A_BYTES + MXW_S_BYTES + 8 * (P) * MXW_CHUNK_BYTES)
 #define MXW_STAGES(P) ((P) == 2 ? 5 : 8)
-// Harness-only timing probes (device_check.py bench_moe_wg_diag; never set by the backend): bits
+// Harness-only timing probes (benchmarks_moe.py bench_moe_wg_diag; never set by the backend): bits
 // of what to leave out - 1 the weight decode (raw words feed the MMA), 2 the wgmma, 4 the token
 // copies, 8 the weight and scale copies, 16 the epilogue (nothing stored, the accumulators kept
 // live), 32 SiTU (the up epilogue stores gate x up); 64 evaluates the bf16 mode's SiTU as the

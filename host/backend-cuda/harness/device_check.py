@@ -10,7 +10,8 @@ and print the memory-traffic floor and, where importable, fla's kernels.
 signature (argument count, scalar types, array dtypes) and then executed by a NumPy/PyTorch
 emulator that reads the same packed arguments. That leaves only the GPU itself new on the device.
 
-The emulators live in emulators.py, the benchmarks in benchmarks.py, the routed-expert checks in
+The emulators live in emulators.py, the benchmarks in benchmarks.py (the routed experts' in
+benchmarks_moe.py), the routed-expert checks in
 checks_moe.py, the ReplaySSM checks (and their two kernels' emulators) in checks_kda_replay.py, and
 what they share (log, arena layout, KDA reference and prefill launches) in common.py.
 """
