@@ -9,8 +9,8 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Dtype {
     /// Activations rounded once to bf16 for the tensor cores: the dense prefill GEMMs and the
-    /// routed experts' many-assignment GEMMs on one bf16 plane (half the tensor-core work of
-    /// the hi / lo split), f32 products (MLA prefill, f32 weights) on TF32 tensor cores, the MLA
+    /// routed experts' GEMMs and few-token decode kernels on one bf16 plane (half the
+    /// tensor-core work of the hi / lo split), f32 products (MLA prefill, f32 weights) on TF32 tensor cores, the MLA
     /// decode attend on bf16 rows (like FlashMLA and vLLM). What K3 is served in.
     #[default]
     Bf16,
