@@ -32,9 +32,10 @@ def percentile(xs: list[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], out_tokens: int) -> dict:
+async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], out_tokens: int,
+                      sampling: dict) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": out_tokens, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            **sampling, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
     usage = None
@@ -59,7 +60,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
 
 
 async def level(base_url: str, model: str, concurrency: int, requests: int, prompt_tokens: int,
-                output_tokens: int, vocab: tuple[int, int], seed: int, timeout: float) -> dict:
+                output_tokens: int, vocab: tuple[int, int], seed: int, timeout: float, sampling: dict) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(*vocab) for _ in range(prompt_tokens)] for _ in range(requests)]
     results: list[dict] = []
@@ -70,7 +71,7 @@ async def level(base_url: str, model: str, concurrency: int, requests: int, prom
         async def worker():
             while queue:
                 p = queue.pop()
-                results.append(await one_request(client, model, p, output_tokens))
+                results.append(await one_request(client, model, p, output_tokens, sampling))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -99,14 +100,19 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--sampling", default="{}",
+                    help='JSON of sampling fields sent with every request [default: greedy], e.g. '
+                         '\'{"temperature": 1.0, "top_k": 50}\': on dummy weights greedy decoding repeats a few '
+                         'tokens, which routes a batch to fewer experts than a trained model would')
     a = ap.parse_args()
+    sampling = json.loads(a.sampling)
     model = a.model or httpx.get(f"{a.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
     lo, hi = (int(x) for x in a.token_range.split(","))
     rows = []
     for c in (int(x) for x in a.concurrency.split(",")):
         n = a.requests or max(2, 2 * c)
         r = asyncio.run(level(a.base_url, model, c, n, a.prompt_tokens, a.output_tokens, (lo, hi),
-                              a.seed + c, a.timeout))
+                              a.seed + c, a.timeout, sampling))
         rows.append(r)
         print(f"concurrency {c:>3}: {r['requests']} requests, TTFT mean {r['ttft_ms']['mean']:.1f} ms "
               f"(p99 {r['ttft_ms']['p99']:.1f}), TPOT mean {r['tpot_ms']['mean']:.2f} ms "
@@ -114,7 +120,7 @@ def main():
               f"total {r['total_tok_s']:.1f} tok/s", flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"model": model, "base_url": a.base_url, "levels": rows}, f, indent=1)
+            json.dump({"model": model, "base_url": a.base_url, "sampling": sampling, "levels": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 # per-layer shapes, dummy weights, k3-mini's tokenizer for the text side) through the HTTP server:
 # prompts of K3_SERVING_PROMPT tokens (8192), K3_SERVING_OUTPUT output tokens (1024, ignore_eos),
 # concurrency K3_SERVING_LEVELS (1,4,16), one request per slot per level; TTFT, TPOT and
-# throughput by scripts/bench_serving.py; K3_SERVING_FLAGS adds serve flags (e.g. "--dtype float32"
+# throughput by scripts/bench_serving.py (K3_SERVING_SAMPLING: its --sampling JSON, e.g.
+# '{"temperature": 1.0, "top_k": 50}' so dummy weights route like a trained model); K3_SERVING_FLAGS adds serve flags (e.g. "--dtype float32"
 # for a before/after pair in one call); K3_SERVING_BIN the server binary (default /tmp/k3bin/k3serve:
 # for two builds in one call, unpack each to its own path and run this once per path). The server
 # has exited when this returns, so the next run can take its port. Results: $OUT/serving.json,
@@ -23,6 +24,7 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 prompt=${K3_SERVING_PROMPT:-8192}
 output=${K3_SERVING_OUTPUT:-1024}
 levels=${K3_SERVING_LEVELS:-1,4,16}
+sampling=${K3_SERVING_SAMPLING:-"{}"}
 max_seqs=$(tr ',' '\n' <<<"$levels" | sort -n | tail -1)
 "$BIN" serve --device cuda --model models/k3-slice --load-format dummy --tokenizer models/k3-mini \
     --host 127.0.0.1 --port $PORT --plugin-dir .carry/plugins --max-model-len $((prompt + output + 64)) \
@@ -47,6 +49,7 @@ done
 rc=0
 for c in ${levels//,/ }; do
     python3 scripts/bench_serving.py --base-url "$BASE" --prompt-tokens "$prompt" --output-tokens "$output" \
+        --sampling "$sampling" \
         --concurrency "$c" --requests "$c" --out "$OUT/serving-c$c.json" 2>&1 | tee -a "$OUT/serving.log" || rc=1
 done
 total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
