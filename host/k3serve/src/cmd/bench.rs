@@ -230,7 +230,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     );
     if inputs == DecodeInputs::Random {
         println!(
-            "decode inputs:     seeded random ids (dummy weights; see `k3serve bench --help`)"
+            "decode inputs:     seeded random ids (dummy weights: docs/performance.md, \"Decode bytes\")"
         );
     }
     for (n, step_s) in batched {
