@@ -33,9 +33,9 @@ def percentile(xs: list[float], p: float) -> float:
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], out_tokens: int,
-                      sampling: dict) -> dict:
+                      sampling: dict | None = None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": out_tokens, "ignore_eos": True, "temperature": 0,
-            **sampling, "stream": True, "stream_options": {"include_usage": True}}
+            **(sampling or {}), "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
     usage = None
@@ -60,7 +60,10 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
 
 
 async def level(base_url: str, model: str, concurrency: int, requests: int, prompt_tokens: int,
-                output_tokens: int, vocab: tuple[int, int], seed: int, timeout: float, sampling: dict) -> dict:
+                output_tokens: int, vocab: tuple[int, int], seed: int, timeout: float,
+                sampling: dict | None = None) -> dict:
+    """One concurrency level; `sampling` (e.g. {"temperature": 1.0, "top_k": 50}) goes into every
+    request body, greedy (temperature 0) where it is None."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(*vocab) for _ in range(prompt_tokens)] for _ in range(requests)]
     results: list[dict] = []

@@ -146,3 +146,13 @@ def test_serving_benchmark_measures_what_it_claims(base_url, model_name):
     # throughput = tokens / wall: 5 × 7 output tokens and 5 × (40 + 7) in total
     assert abs(r["output_tok_s"] * r["wall_s"] - 35) < 1e-6
     assert abs(r["total_tok_s"] * r["wall_s"] - 235) < 1e-6
+    # --sampling's fields reach the server: sampled requests still yield exactly the asked-for
+    # tokens, and a field the server refuses fails the run instead of being dropped.
+    r = asyncio.run(bench.level(base_url, model_name, concurrency=2, requests=2, prompt_tokens=40,
+                                output_tokens=7, vocab=(100, 8000), seed=2, timeout=300,
+                                sampling={"temperature": 1.0, "top_k": 50}))
+    assert abs(r["output_tok_s"] * r["wall_s"] - 14) < 1e-6
+    with pytest.raises(RuntimeError, match="HTTP 400"):
+        asyncio.run(bench.level(base_url, model_name, concurrency=1, requests=1, prompt_tokens=40,
+                                output_tokens=7, vocab=(100, 8000), seed=3, timeout=300,
+                                sampling={"top_k": "many"}))
