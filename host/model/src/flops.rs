@@ -1,9 +1,9 @@
 //! The FLOP count of a forward pass, for stating prefill throughput against a tensor-core rate
 //! (docs/performance.md, "Prefill FLOPs"), and the bytes of a decode step, for stating TPOT
-//! against the memory rate ([`decode_step_bytes`]). FLOPs counted: every weight product (2 FLOPs per weight
-//! per row that uses it), MLA's attention over its causal keys as the expanded form computes it
-//! (the key/value expansion of `kv_b` once per key, then 2·(qk + v) per head per (query, key)
-//! pair), and KDA's chunked recurrence. Not counted: norms, activations, AttnRes mixing,
+//! against the memory rate ([`decode_step_bytes`]). FLOPs counted: every weight product (2 FLOPs
+//! per weight per row that uses it), MLA's attention over its causal keys as the expanded form
+//! computes it (the key/value expansion of `kv_b` once per key, then 2·(qk + v) per head per
+//! (query, key) pair), and KDA's chunked recurrence. Not counted: norms, activations, AttnRes mixing,
 //! routing top-k, softmax: element-wise work that moves bytes rather than using tensor cores.
 
 use crate::config::{Config, MixerKind};
