@@ -487,4 +487,8 @@ impl Backend for CudaBackend {
     ) -> std::result::Result<Option<DeviceMat>, ExecError> {
         self.run_graph_step(replayable, pass)
     }
+
+    fn step_graph_counts(&self) -> Option<k3_model::backend::GraphCounts> {
+        Some(self.graph_counts())
+    }
 }

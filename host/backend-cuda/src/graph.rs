@@ -121,16 +121,27 @@ impl CudaBackend {
             // (normally it is: its logits were downloaded).
             let _ = ev.synchronize();
         }
+        let t0 = std::time::Instant::now();
         self.step.begin(Mode::Dry);
         let dry = pass();
         let log = self.step.finish();
+        {
+            let mut g = self.step.lock();
+            g.counts.dry_passes += 1;
+            g.counts.dry_pass_ns += t0.elapsed().as_nanos() as u64;
+        }
         let shape = match &dry {
             Ok(out) => out.as_ref().map(|m| (m.rows, m.cols)),
             Err(_) => return self.eager(pass, true),
         };
         drop(dry);
         let key = hash_log(&log);
-        match self.replay(key, &log, true) {
+        let t1 = std::time::Instant::now();
+        let replayed = self.replay(key, &log, true);
+        if let Ok(Some(_)) = &replayed {
+            self.step.lock().counts.launch_ns += t1.elapsed().as_nanos() as u64;
+        }
+        match replayed {
             Ok(Some(out)) => return Ok(out.map_err(k3_model::BackendError::from)?),
             Ok(None) => {}
             Err(e) => {

@@ -94,14 +94,8 @@ pub(crate) struct Inner {
     pub(crate) counts: GraphCounts,
 }
 
-/// Steps by outcome (for `k3serve bench` and the tests).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct GraphCounts {
-    pub replayed: u64,
-    pub captured: u64,
-    pub eager: u64,
-    pub aborted: u64,
-}
+/// Steps by outcome and the graph machinery's host time (for `k3serve bench` and the tests).
+pub use k3_model::backend::GraphCounts;
 
 /// The per-backend state of the graph machinery.
 pub(crate) struct StepState {

@@ -193,6 +193,54 @@ pub fn merge_patches_shape(
     Ok((rows / (merge * merge), cols * merge * merge))
 }
 
+/// Decode steps by how a backend that records steps ran them (CUDA graphs: backend-cuda's
+/// graph.rs), and the host time the graph machinery took: the dry pass that checks a step
+/// against its recorded graph and the graph launch. Both are host work ahead of the GPU's, so
+/// a step's wall time is at least their sum (`k3serve bench` prints them per step).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GraphCounts {
+    pub replayed: u64,
+    pub captured: u64,
+    pub eager: u64,
+    pub aborted: u64,
+    /// Dry passes run (one per replayable step, whatever came of it) and their host time.
+    pub dry_passes: u64,
+    pub dry_pass_ns: u64,
+    /// Host time of the replays (staging upload and graph launch; not the GPU's time).
+    pub launch_ns: u64,
+}
+
+impl GraphCounts {
+    /// Field by field `f(self, other)`.
+    fn zip(self, o: GraphCounts, f: impl Fn(u64, u64) -> u64) -> GraphCounts {
+        GraphCounts {
+            replayed: f(self.replayed, o.replayed),
+            captured: f(self.captured, o.captured),
+            eager: f(self.eager, o.eager),
+            aborted: f(self.aborted, o.aborted),
+            dry_passes: f(self.dry_passes, o.dry_passes),
+            dry_pass_ns: f(self.dry_pass_ns, o.dry_pass_ns),
+            launch_ns: f(self.launch_ns, o.launch_ns),
+        }
+    }
+}
+
+/// Counts over two stretches of steps.
+impl std::ops::Add for GraphCounts {
+    type Output = GraphCounts;
+    fn add(self, o: GraphCounts) -> GraphCounts {
+        self.zip(o, u64::saturating_add)
+    }
+}
+
+/// The counts since `o` was read (both from the same backend).
+impl std::ops::Sub for GraphCounts {
+    type Output = GraphCounts;
+    fn sub(self, o: GraphCounts) -> GraphCounts {
+        self.zip(o, u64::saturating_sub)
+    }
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// A row-major f32 activation matrix.
     type Act: Send;
@@ -395,6 +443,12 @@ pub trait Backend: Send + Sync + 'static {
         pass()
     }
 
+    /// How [`Backend::run_step`] has run the replayable steps so far; `None` from a backend
+    /// that does not record them.
+    fn step_graph_counts(&self) -> Option<GraphCounts> {
+        None
+    }
+
     /// [`Backend::moe_routed`] over the stacked rows of several sequences (`spans`: each
     /// sequence's rows, in order). The default routes them all together, so an expert's weights
     /// are read once per step. A backend whose expert kernels choose their algorithm (and so
@@ -504,4 +558,38 @@ pub fn kda_per_sequence<B: Backend + ?Sized>(
             locs[i],
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GraphCounts;
+
+    #[test]
+    fn graph_counts_add_up_and_difference_field_by_field() {
+        let a = GraphCounts {
+            replayed: 5,
+            captured: 1,
+            eager: 2,
+            aborted: 0,
+            dry_passes: 8,
+            dry_pass_ns: 800,
+            launch_ns: 50,
+        };
+        let b = GraphCounts {
+            replayed: 7,
+            dry_passes: 7,
+            dry_pass_ns: 700,
+            launch_ns: 70,
+            ..Default::default()
+        };
+        let sum = a + b;
+        assert_eq!((sum.replayed, sum.captured, sum.eager), (12, 1, 2));
+        assert_eq!(
+            (sum.dry_passes, sum.dry_pass_ns, sum.launch_ns),
+            (15, 1500, 120)
+        );
+        assert_eq!(sum - b, a);
+        // A counter read out of order never wraps.
+        assert_eq!((a - sum).replayed, 0);
+    }
 }

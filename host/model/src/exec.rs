@@ -4,6 +4,7 @@
 //! pages); the model owns *what* they contain (layouts). Every operation here is ordered on the
 //! backend's stream: a copy issued before a forward is visible to it, and vice versa.
 
+pub use crate::backend::GraphCounts;
 pub use crate::error::ExecError;
 use crate::select::{apply_token_mask, top_k_of_row};
 
@@ -255,6 +256,10 @@ pub trait Executor: Send {
         Err(ExecError::Backend(
             "this executor returns no hidden states".into(),
         ))
+    }
+    /// The backend's recorded-step counts and host times ([`GraphCounts`]), if it keeps them.
+    fn graph_counts(&self) -> Option<GraphCounts> {
+        None
     }
     /// Commit accepted prefixes of verify passes (ReplaySSM, see [`VerifiedBlock`]).
     fn commit_verified(&mut self, blocks: &[VerifiedBlock]) -> Result<(), ExecError> {

@@ -363,6 +363,10 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         Ok(())
     }
 
+    fn graph_counts(&self) -> Option<crate::exec::GraphCounts> {
+        self.model.backend.step_graph_counts()
+    }
+
     fn commit_verified(&mut self, blocks: &[VerifiedBlock]) -> Result<(), ExecError> {
         let n = self.layout.state_block_bytes;
         for b in blocks {

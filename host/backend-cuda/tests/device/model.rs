@@ -72,6 +72,11 @@ fn k3_mini_matches_cpu() {
         c.captured > 0 && c.replayed > 0,
         "no decode step replayed: {c:?}"
     );
+    // Every replay followed a dry pass, and both were timed.
+    assert!(
+        c.dry_passes >= c.replayed + c.captured && c.dry_pass_ns > 0 && c.launch_ns > 0,
+        "graph host times: {c:?}"
+    );
 }
 
 /// Decode through CUDA graphs gives bit-identical logits to eager launches (the same kernels

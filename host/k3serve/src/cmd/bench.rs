@@ -8,7 +8,7 @@
 //! is also stated against its byte roofline (`k3_model::flops::decode_step_bytes`).
 
 use super::model_loading::{CudaArgs, Device, LoadFormat, init_threads, load_for};
-use k3_model::exec::{ForwardBatch, SeqInput};
+use k3_model::exec::{ForwardBatch, GraphCounts, SeqInput};
 use k3_model::{Executor, LogitsWant, Session};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -233,7 +233,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "decode inputs:     seeded random ids (dummy weights: docs/performance.md, \"Decode bytes\")"
         );
     }
-    for (n, step_s) in batched {
+    for (n, (step_s, graphs)) in batched {
         println!(
             "decode batch {n:<4}   TPOT {:.2} ms, {:.0} output tok/s  ({} steps after 64-token prompts, best of {})",
             step_s * 1e3,
@@ -253,6 +253,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 step_s / floor
             );
         }
+        if let Some(g) = graphs {
+            println!("  host per step    {}", fmt_graph_host(&g));
+        }
     }
     match peak_rss_mib() {
         Some(m) => println!("peak RSS:          {m:.0} MiB"),
@@ -264,13 +267,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 /// Seconds per decode step with `n` sequences in every step (best of `repeats`): each sequence
 /// is prefilled with its own 64-token prompt (one batched step), then decodes `steps` tokens fed
 /// as `inputs` says. The arena is split evenly: `n` state blocks, then each sequence's KV pages.
+/// Also the executor's recorded-step counts over the timed steps of every repeat, if it keeps them.
 fn batch_decode<E: Executor>(
     exec: &mut E,
     n: usize,
     steps: usize,
     repeats: usize,
     inputs: DecodeInputs,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<(f64, Option<GraphCounts>)> {
     const PROMPT: usize = 64;
     let lay = exec.layout();
     let block = lay.state_block_bytes.div_ceil(4) * 4;
@@ -293,6 +297,7 @@ fn batch_decode<E: Executor>(
         .map(|i| synthetic_ids(PROMPT, vocab, 1000 + i as u64))
         .collect();
     let mut best = f64::INFINITY;
+    let mut graphs: Option<GraphCounts> = None;
     for _ in 0..repeats.max(1) {
         exec.arena_zero(0, n * block)?;
         let step = |exec: &mut E, toks: &[Vec<u32>], pos: usize| {
@@ -317,13 +322,30 @@ fn batch_decode<E: Executor>(
                 .collect::<anyhow::Result<Vec<_>>>()
         };
         let mut next = step(exec, &prompts, 0)?;
+        let before = exec.graph_counts();
         let t = Instant::now();
         for s in 0..steps {
             next = step(exec, &next, PROMPT + s)?;
         }
         best = best.min(t.elapsed().as_secs_f64() / steps.max(1) as f64);
+        if let (Some(b), Some(a)) = (before, exec.graph_counts()) {
+            graphs = Some(graphs.unwrap_or_default() + (a - b));
+        }
     }
-    Ok(best)
+    Ok((best, graphs))
+}
+
+/// The host side of recorded decode steps, per step: "dry pass X ms, graph launch Y ms (R of N
+/// steps replayed)".
+fn fmt_graph_host(g: &GraphCounts) -> String {
+    let per = |ns: u64, n: u64| ns as f64 / n.max(1) as f64 / 1e6;
+    format!(
+        "dry pass {:.3} ms, graph launch {:.3} ms ({} of {} steps replayed)",
+        per(g.dry_pass_ns, g.dry_passes),
+        per(g.launch_ns, g.replayed),
+        g.replayed,
+        g.dry_passes
+    )
 }
 
 /// The selected token of a greedy step's candidates.
@@ -355,13 +377,36 @@ mod tests {
         )
         .unwrap();
         for inputs in [DecodeInputs::Greedy, DecodeInputs::Random] {
-            let step = batch_decode(&mut exec, 3, 4, 1, inputs).unwrap();
+            let (step, graphs) = batch_decode(&mut exec, 3, 4, 1, inputs).unwrap();
             assert!(step.is_finite() && step > 0.0, "{step}");
+            assert_eq!(graphs, None, "the CPU backend records no steps");
         }
         let err = batch_decode(&mut exec, 4, 4, 1, DecodeInputs::Greedy)
             .unwrap_err()
             .to_string();
         assert!(err.contains("arena"), "{err}");
+    }
+
+    #[test]
+    fn graph_host_times_are_per_step() {
+        let g = GraphCounts {
+            replayed: 30,
+            captured: 1,
+            eager: 1,
+            dry_passes: 32,
+            dry_pass_ns: 32 * 850_000,
+            launch_ns: 30 * 40_000,
+            ..Default::default()
+        };
+        assert_eq!(
+            fmt_graph_host(&g),
+            "dry pass 0.850 ms, graph launch 0.040 ms (30 of 32 steps replayed)"
+        );
+        // Nothing recorded: zeros, not a division by zero.
+        assert_eq!(
+            fmt_graph_host(&GraphCounts::default()),
+            "dry pass 0.000 ms, graph launch 0.000 ms (0 of 0 steps replayed)"
+        );
     }
 
     #[test]

@@ -4,7 +4,9 @@
 use anyhow::{Context, bail};
 use k3_backend_cpu::CpuBackend;
 use k3_backend_cuda::{CudaBackend, CudaOptions, Dtype};
-use k3_model::exec::{CacheLayout, ExecError, ForwardBatch, ForwardOutput, LogitsWant};
+use k3_model::exec::{
+    CacheLayout, ExecError, ForwardBatch, ForwardOutput, GraphCounts, LogitsWant,
+};
 use k3_model::{Backend, Config, Executor, Model, ModelExecutor};
 use std::path::Path;
 
@@ -150,6 +152,9 @@ impl Executor for DynExecutor {
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, ExecError> {
         self.0.forward(batch)
     }
+    fn graph_counts(&self) -> Option<GraphCounts> {
+        self.0.graph_counts()
+    }
 }
 
 /// An executor whose logits rows are cut to the first `vocab` ids: for a model whose embedding is
@@ -191,6 +196,9 @@ impl Executor for VocabLimited {
     }
     fn arena_read(&self, offset: usize, len: usize) -> Result<Vec<u8>, ExecError> {
         self.inner.arena_read(offset, len)
+    }
+    fn graph_counts(&self) -> Option<GraphCounts> {
+        self.inner.graph_counts()
     }
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<ForwardOutput, ExecError> {
         // Candidates must come from the tokenizer's ids only, so the inner executor returns
