@@ -272,6 +272,9 @@ impl CudaBackend {
     /// beta = 0, kernels that cover their output, scratch; at prefill sizes a memset would move
     /// gigabytes for nothing).
     pub(crate) fn uninit<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+        if self.step.dry() {
+            self.step.lock().counts.dry_allocs += 1;
+        }
         // SAFETY: device memory holds no Rust values; stale contents are only ever overwritten
         // before they are read (the callers' contract above).
         Ok(unsafe { self.stream.alloc::<T>(len.max(1)) }?)

@@ -203,9 +203,11 @@ pub struct GraphCounts {
     pub captured: u64,
     pub eager: u64,
     pub aborted: u64,
-    /// Dry passes run (one per replayable step, whatever came of it) and their host time.
+    /// Dry passes run (one per replayable step, whatever came of it), their host time and the
+    /// device buffers they allocated (each an allocation and a free on the driver).
     pub dry_passes: u64,
     pub dry_pass_ns: u64,
+    pub dry_allocs: u64,
     /// Host time of the replays (staging upload and graph launch; not the GPU's time).
     pub launch_ns: u64,
 }
@@ -220,6 +222,7 @@ impl GraphCounts {
             aborted: f(self.aborted, o.aborted),
             dry_passes: f(self.dry_passes, o.dry_passes),
             dry_pass_ns: f(self.dry_pass_ns, o.dry_pass_ns),
+            dry_allocs: f(self.dry_allocs, o.dry_allocs),
             launch_ns: f(self.launch_ns, o.launch_ns),
         }
     }
@@ -573,6 +576,7 @@ mod tests {
             aborted: 0,
             dry_passes: 8,
             dry_pass_ns: 800,
+            dry_allocs: 40,
             launch_ns: 50,
         };
         let b = GraphCounts {
@@ -588,6 +592,7 @@ mod tests {
             (sum.dry_passes, sum.dry_pass_ns, sum.launch_ns),
             (15, 1500, 120)
         );
+        assert_eq!(sum.dry_allocs, 40);
         assert_eq!(sum - b, a);
         // A counter read out of order never wraps.
         assert_eq!((a - sum).replayed, 0);

@@ -335,13 +335,14 @@ fn batch_decode<E: Executor>(
     Ok((best, graphs))
 }
 
-/// The host side of recorded decode steps, per step: "dry pass X ms, graph launch Y ms (R of N
-/// steps replayed)".
+/// The host side of recorded decode steps, per step: "dry pass X ms (A buffers), graph launch
+/// Y ms (R of N steps replayed)".
 fn fmt_graph_host(g: &GraphCounts) -> String {
     let per = |ns: u64, n: u64| ns as f64 / n.max(1) as f64 / 1e6;
     format!(
-        "dry pass {:.3} ms, graph launch {:.3} ms ({} of {} steps replayed)",
+        "dry pass {:.3} ms ({} buffers), graph launch {:.3} ms ({} of {} steps replayed)",
         per(g.dry_pass_ns, g.dry_passes),
+        g.dry_allocs / g.dry_passes.max(1),
         per(g.launch_ns, g.replayed),
         g.replayed,
         g.dry_passes
@@ -395,17 +396,18 @@ mod tests {
             eager: 1,
             dry_passes: 32,
             dry_pass_ns: 32 * 850_000,
+            dry_allocs: 32 * 400,
             launch_ns: 30 * 40_000,
             ..Default::default()
         };
         assert_eq!(
             fmt_graph_host(&g),
-            "dry pass 0.850 ms, graph launch 0.040 ms (30 of 32 steps replayed)"
+            "dry pass 0.850 ms (400 buffers), graph launch 0.040 ms (30 of 32 steps replayed)"
         );
         // Nothing recorded: zeros, not a division by zero.
         assert_eq!(
             fmt_graph_host(&GraphCounts::default()),
-            "dry pass 0.000 ms, graph launch 0.000 ms (0 of 0 steps replayed)"
+            "dry pass 0.000 ms (0 buffers), graph launch 0.000 ms (0 of 0 steps replayed)"
         );
     }
 
