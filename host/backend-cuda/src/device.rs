@@ -1,12 +1,13 @@
 //! The GPU side: driver detection, module loading (the cubins come from kernels.rs), device
 //! buffers.
 
+use crate::buf::Buf;
 use crate::cache::KernelCache;
 use crate::error::{CudaError, Result};
 use crate::geometry::nvrtc_arch;
 use crate::kernels::KernelStats;
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use k3_kernels::FILES;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -29,7 +30,7 @@ pub struct StartupTimes {
 pub struct DeviceMat {
     pub rows: usize,
     pub cols: usize,
-    pub buf: CudaSlice<f32>,
+    pub buf: Buf<f32>,
 }
 
 /// A weight matrix `[rows, cols]` (row-major) on the device. Values that are all exactly bf16 (a
@@ -70,6 +71,8 @@ pub struct CudaBackend {
     pub(crate) moe_sorted_scratch: Mutex<crate::workspace::SortedScratch>,
     /// CUDA graphs of decode steps (graph.rs).
     pub(crate) step: crate::step::StepState,
+    /// What every buffer of a dry pass aliases (buf.rs): 256 bytes that no work touches.
+    pub(crate) dry_target: CudaSlice<u8>,
     /// The deployment's choices (options.rs).
     pub(crate) options: crate::CudaOptions,
     /// Where opening the device spent its time.
@@ -206,6 +209,7 @@ impl CudaBackend {
         set_blas_math(&blas, backend_options.dtype)?;
         let cublas_s = t.elapsed().as_secs_f64();
         let profile = crate::profile::OpProfile::from_env();
+        let dry_target = stream.alloc_zeros::<u8>(256)?;
         Ok(Self {
             ctx,
             stream,
@@ -214,6 +218,7 @@ impl CudaBackend {
             functions,
             blas,
             step: crate::step::StepState::new(backend_options.cuda_graphs, profile.is_some()),
+            dry_target,
             profile,
             moe_scratch: Mutex::default(),
             moe_sorted_scratch: Mutex::default(),
@@ -243,7 +248,7 @@ impl CudaBackend {
         Ok(DeviceMat {
             rows,
             cols,
-            buf: self.stream.memcpy_stod(data)?,
+            buf: self.stream.memcpy_stod(data)?.into(),
         })
     }
 
@@ -260,23 +265,37 @@ impl CudaBackend {
     pub(crate) fn zeroed<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         &self,
         len: usize,
-    ) -> Result<CudaSlice<T>> {
+    ) -> Result<Buf<T>> {
         if self.step.dry() {
             return self.uninit(len);
         }
-        Ok(self.stream.alloc_zeros::<T>(len.max(1))?)
+        Ok(Buf::owned(self.stream.alloc_zeros::<T>(len.max(1))?))
     }
 
     /// A buffer of `len` elements (at least one) that is not zeroed: for buffers whose every
     /// element read is first written by work queued on the same stream (GEMM outputs with
     /// beta = 0, kernels that cover their output, scratch; at prefill sizes a memset would move
     /// gigabytes for nothing).
-    pub(crate) fn uninit<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+    pub(crate) fn uninit<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<Buf<T>> {
         if self.step.dry() {
             self.step.lock().counts.dry_allocs += 1;
+            let (ptr, _sync) = self.dry_target.device_ptr(&self.stream);
+            // SAFETY: dry_target lives as long as the backend, and a dry pass queues no work.
+            return Ok(unsafe { Buf::alias(&self.stream, ptr, len.max(1)) });
         }
         // SAFETY: device memory holds no Rust values; stale contents are only ever overwritten
         // before they are read (the callers' contract above).
+        Ok(Buf::owned(unsafe { self.stream.alloc::<T>(len.max(1)) }?))
+    }
+
+    /// `len` elements (at least one) of real, uninitialised memory even inside a dry pass: for
+    /// buffers that outlive the op (workspaces kept between calls, step uploads, a graph's
+    /// result), which must never alias the dry target (buf.rs).
+    pub(crate) fn alloc_kept<T: cudarc::driver::DeviceRepr>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>> {
+        // SAFETY: as `uninit`: every element is written before it is read.
         Ok(unsafe { self.stream.alloc::<T>(len.max(1)) }?)
     }
 

@@ -35,12 +35,13 @@ impl CudaBackend {
             Mode::Eager => Ok(self.stream.memcpy_stod(data)?),
             Mode::Dry => {
                 self.step.stage(as_bytes(data))?;
-                self.uninit::<T>(data.len())
+                self.step.lock().counts.dry_allocs += 1;
+                self.alloc_kept::<T>(data.len())
             }
             Mode::Capture => {
                 let bytes = as_bytes(data);
                 let src = self.step.stage(bytes)?;
-                let dst = self.uninit::<T>(data.len())?;
+                let dst = self.alloc_kept::<T>(data.len())?;
                 if !bytes.is_empty() {
                     let (d, _sync) = dst.device_ptr(&self.stream);
                     // SAFETY: `src` is `bytes.len()` bytes of pinned staging that lives as long as

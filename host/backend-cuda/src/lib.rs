@@ -17,6 +17,7 @@
 #[macro_use]
 mod launch;
 mod backend;
+pub mod buf;
 pub mod cache;
 mod dense;
 pub mod device;

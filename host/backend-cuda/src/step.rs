@@ -69,7 +69,7 @@ pub(crate) struct Captured {
     pub(crate) graph: cudarc::driver::CudaGraph,
     pub(crate) log: Vec<u64>,
     /// The step's result `(rows, cols, buffer)`, written by the graph's last node.
-    pub(crate) out: Option<(usize, usize, CudaSlice<f32>)>,
+    pub(crate) out: Option<(usize, usize, crate::buf::Buf<f32>)>,
     pub(crate) last_used: u64,
 }
 
@@ -262,6 +262,18 @@ impl<T> StepArg for &mut CudaSlice<T> {
     fn step_word(&self, s: &StepState, stream: &cudarc::driver::CudaStream) -> u64 {
         let (p, _sync) = (**self).device_ptr(stream);
         s.ptr_word(p)
+    }
+}
+
+impl<T> StepArg for &crate::buf::Buf<T> {
+    fn step_word(&self, s: &StepState, stream: &cudarc::driver::CudaStream) -> u64 {
+        (&**self as &CudaSlice<T>).step_word(s, stream)
+    }
+}
+
+impl<T> StepArg for &mut crate::buf::Buf<T> {
+    fn step_word(&self, s: &StepState, stream: &cudarc::driver::CudaStream) -> u64 {
+        (&***self as &CudaSlice<T>).step_word(s, stream)
     }
 }
 

@@ -2,6 +2,7 @@
 //! decode rows or a cuBLAS bf16 GEMM over hi / lo halves of the activation), embeddings, row
 //! copies, norms, elementwise ops, AttnRes and the top-k selection of logits.
 
+use crate::buf::Buf;
 use crate::device::{CudaBackend, DeviceLinear, DeviceMat, exact_bf16};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
@@ -120,6 +121,13 @@ impl CudaBackend {
             .bf16
             .as_ref()
             .ok_or_else(|| CudaError::InvalidArg("weight without storage".into()))?;
+        if self.step.dry() {
+            // The copy is kept with the weight, so it must be real memory that a launch has
+            // filled; a dry pass launches nothing (its step then runs eagerly, which makes it).
+            return Err(CudaError::Unsupported(
+                "a weight's f32 copy is made by an eager step, not a dry pass".into(),
+            ));
+        }
         let m = self.zeros(w.rows, w.cols)?;
         let n = (w.rows * w.cols) as i64;
         launch!(self, "bf16_to_f32", geometry::elementwise(n as usize)?; bits, &m.buf, &n)?;
@@ -152,7 +160,7 @@ impl CudaBackend {
         &self,
         x: &DeviceMat,
         w: &DeviceLinear,
-        split: &mut Option<CudaSlice<u16>>,
+        split: &mut Option<Buf<u16>>,
     ) -> Result<DeviceMat> {
         let Some(bits) = &w.bf16 else {
             return self.matmul_rt(x, self.linear_f32(w)?);
@@ -323,7 +331,7 @@ impl CudaBackend {
         }
         let out = self.zeros(first.rows, first.cols)?;
         let src: Vec<&CudaSlice<f32>> = (0..9)
-            .map(|i| &sources.get(i).unwrap_or(&first).buf)
+            .map(|i| &*sources.get(i).unwrap_or(&first).buf)
             .collect();
         let (n, rows, d) = (
             sources.len() as i32,
@@ -404,7 +412,7 @@ impl CudaBackend {
         rows: usize,
         vocab: usize,
         masks: &[Option<&[u32]>],
-    ) -> Result<(CudaSlice<u32>, usize)> {
+    ) -> Result<(Buf<u32>, usize)> {
         if masks.iter().all(Option::is_none) {
             return Ok((self.uninit::<u32>(1)?, 0));
         }
@@ -431,7 +439,7 @@ impl CudaBackend {
             table.extend_from_slice(&m[..n]);
             table.resize(table.len() + (words - n), 0);
         }
-        Ok((self.stream.memcpy_stod(&table)?, words))
+        Ok((self.stream.memcpy_stod(&table)?.into(), words))
     }
 }
 

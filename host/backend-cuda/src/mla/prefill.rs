@@ -134,11 +134,11 @@ pub fn plan(g: &MlaGeom, t: usize, len: usize, budget: usize) -> Plan {
 /// per query chunk through a score scratch (float32 mode, or head shapes the kernel lacks).
 enum Attend {
     Fused {
-        k16: CudaSlice<u16>,
-        v16: CudaSlice<u16>,
+        k16: crate::buf::Buf<u16>,
+        v16: crate::buf::Buf<u16>,
     },
     Chunks {
-        scores: CudaSlice<f32>,
+        scores: crate::buf::Buf<f32>,
     },
 }
 
@@ -249,7 +249,7 @@ impl CudaBackend {
     /// Scratch that every reader finds fully written first (no zeroing pass over ~GiB): each
     /// buffer of mla_prefill_expanded is written (gather, SGEMM with beta = 0, softmax) before it
     /// is read, over exactly the ranges read.
-    fn scratch(&self, floats: usize) -> Result<CudaSlice<f32>> {
+    fn scratch(&self, floats: usize) -> Result<crate::buf::Buf<f32>> {
         self.uninit::<f32>(floats)
     }
 

@@ -185,7 +185,7 @@ impl CudaBackend {
     ) -> Result<&'a mut CudaSlice<T>> {
         if slot.as_ref().is_none_or(|b| b.len() < len.max(1)) {
             *slot = None; // free first: the old and new buffers need not coexist
-            *slot = Some(self.uninit::<T>(len + len / 4)?);
+            *slot = Some(self.alloc_kept::<T>(len + len / 4)?);
         }
         slot.as_mut()
             .ok_or_else(|| CudaError::InvalidArg("moe scratch".into()))

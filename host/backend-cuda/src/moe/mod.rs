@@ -95,7 +95,7 @@ impl CudaBackend {
         logits: &DeviceMat,
         bias: &CudaSlice<f32>,
         r: RouterParams,
-    ) -> Result<(CudaSlice<i32>, CudaSlice<f32>)> {
+    ) -> Result<(crate::buf::Buf<i32>, crate::buf::Buf<f32>)> {
         if bias.len() != logits.cols {
             return Err(CudaError::InvalidArg(format!(
                 "router bias {} for {} experts",

@@ -130,9 +130,9 @@ impl CudaBackend {
     ) -> Result<R> {
         if self.step.recording() {
             return run(
-                &self.uninit(zx_len)?,
-                &self.uninit(actx_len)?,
-                &self.uninit(y_len)?,
+                &*self.uninit::<u16>(zx_len)?,
+                &*self.uninit::<u16>(actx_len)?,
+                &*self.uninit::<f32>(y_len)?,
             );
         }
         let mut guard = self
@@ -154,7 +154,7 @@ impl CudaBackend {
     ) -> Result<&'a CudaSlice<T>> {
         if slot.as_ref().is_none_or(|b| b.len() < len.max(1)) {
             *slot = None; // free first: the old and new buffers need not coexist
-            *slot = Some(self.uninit::<T>(len + len / 4)?);
+            *slot = Some(self.alloc_kept::<T>(len + len / 4)?);
         }
         slot.as_ref()
             .ok_or_else(|| CudaError::InvalidArg("moe sorted scratch".into()))
