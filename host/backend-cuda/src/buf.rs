@@ -1,9 +1,8 @@
 //! Device buffers of activations and scratch: an owned `CudaSlice`, or, inside a graph's dry pass
 //! (graph.rs), an alias of one small preallocated buffer that is never freed. A dry pass runs the
 //! model's host code and queues no device work, so its ops need buffers of the right type and
-//! length, not memory: before this type each of its ~300–500 buffers per decode step was an
-//! allocation and a free through the driver (~2 µs a pair), most of the pass's host time
-//! (docs/performance.md, "Host time per decode step"). Buffers kept beyond an op (workspaces,
+//! length, not memory; an allocation and a free through the driver for each of them was most of
+//! the pass's host time, with the GPU idle (docs/performance.md, "Host time per decode step"). Buffers kept beyond an op (workspaces,
 //! step uploads, a weight's f32 copy) stay plain `CudaSlice`s of real memory
 //! (`CudaBackend::alloc_kept`), so an alias cannot outlive its pass. A `Buf` needs a CUDA stream,
 //! so its tests are the device tests: every decode step's dry pass and graph replay against eager
