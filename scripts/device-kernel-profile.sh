@@ -16,8 +16,6 @@ mkdir -p "$OUT"
 summary() { echo "$*"; }
 fail() { echo "FAIL $*"; }
 source scripts/device-lib.sh
-export K3_KERNEL_CACHE=/tmp/k3-kernel-cache
-NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 regex="${1:?kernel name regex}"
 timeout 300 "$NCU" --clock-control none --set full --import-source yes --kernel-name "regex:$regex" \
     --launch-skip "${3:-4}" --launch-count 2 -o "$OUT/report" -f \

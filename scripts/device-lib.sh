@@ -3,6 +3,8 @@
 # the binaries scripts/device-build.sh packed into $BIN. Expects $OUT, $BIN and the `summary` and
 # `fail` functions of its caller.
 source "$(dirname "${BASH_SOURCE[0]}")/device-libs.sh"
+# Nsight Compute, for the profiling scripts (device-step-profile.sh, device-kernel-profile.sh).
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 
 # --- unpack the binaries (xz; Python's lzma where the xz tool is missing).
 mkdir -p "$BIN"

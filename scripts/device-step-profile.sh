@@ -13,8 +13,6 @@ mkdir -p "$OUT"
 summary() { echo "$*"; }
 fail() { echo "FAIL $*"; }
 source scripts/device-lib.sh
-export K3_KERNEL_CACHE=/tmp/k3-kernel-cache
-NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 timeout 300 "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
     --log-file "$OUT/step-times.csv" "$BIN/k3serve" bench --device cuda --model models/k3-slice --load-format dummy \
     --prefill-tokens 64 --decode-tokens 4 --batch-sizes "${1:-16,64}" --repeats 1 >"$OUT/step-bench.txt" 2>&1 ||

@@ -3,6 +3,7 @@
 //! and their counters. Kept apart from the capture and replay code so the backend's device state
 //! can hold it without depending on that code.
 
+use crate::buf::Buf;
 use crate::error::{CudaError, Result};
 use crate::geometry::Launch;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, DevicePtr, DeviceRepr};
@@ -69,7 +70,7 @@ pub(crate) struct Captured {
     pub(crate) graph: cudarc::driver::CudaGraph,
     pub(crate) log: Vec<u64>,
     /// The step's result `(rows, cols, buffer)`, written by the graph's last node.
-    pub(crate) out: Option<(usize, usize, crate::buf::Buf<f32>)>,
+    pub(crate) out: Option<(usize, usize, Buf<f32>)>,
     pub(crate) last_used: u64,
 }
 
@@ -265,13 +266,13 @@ impl<T> StepArg for &mut CudaSlice<T> {
     }
 }
 
-impl<T> StepArg for &crate::buf::Buf<T> {
+impl<T> StepArg for &Buf<T> {
     fn step_word(&self, s: &StepState, stream: &cudarc::driver::CudaStream) -> u64 {
         (&**self as &CudaSlice<T>).step_word(s, stream)
     }
 }
 
-impl<T> StepArg for &mut crate::buf::Buf<T> {
+impl<T> StepArg for &mut Buf<T> {
     fn step_word(&self, s: &StepState, stream: &cudarc::driver::CudaStream) -> u64 {
         (&***self as &CudaSlice<T>).step_word(s, stream)
     }

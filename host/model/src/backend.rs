@@ -204,7 +204,8 @@ pub struct GraphCounts {
     pub eager: u64,
     pub aborted: u64,
     /// Dry passes run (one per replayable step, whatever came of it), their host time and the
-    /// device buffers they allocated (each an allocation and a free on the driver).
+    /// device buffers their ops asked for (backend-cuda's buf.rs: aliases of one target, but for
+    /// the step's uploads).
     pub dry_passes: u64,
     pub dry_pass_ns: u64,
     pub dry_allocs: u64,

@@ -26,6 +26,7 @@
 //! `plan` bounds the scratch (`lat`, `K`, `V`, `S`) by [`MLA_PREFILL_SCRATCH_BYTES`] through the
 //! head-group size and the query chunk, so 8k–128k-token prompts fit.
 
+use crate::buf::Buf;
 use crate::device::{CudaBackend, DeviceLinear, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::geometry::{self, Launch};
@@ -133,13 +134,8 @@ pub fn plan(g: &MlaGeom, t: usize, len: usize, budget: usize) -> Plan {
 /// How a head group attends: fused on bf16 tensor cores (K and V rounded to bf16 first), or
 /// per query chunk through a score scratch (float32 mode, or head shapes the kernel lacks).
 enum Attend {
-    Fused {
-        k16: crate::buf::Buf<u16>,
-        v16: crate::buf::Buf<u16>,
-    },
-    Chunks {
-        scores: crate::buf::Buf<f32>,
-    },
+    Fused { k16: Buf<u16>, v16: Buf<u16> },
+    Chunks { scores: Buf<f32> },
 }
 
 /// One sequence for [`CudaBackend::mla_prefill_expanded`].
@@ -249,7 +245,7 @@ impl CudaBackend {
     /// Scratch that every reader finds fully written first (no zeroing pass over ~GiB): each
     /// buffer of mla_prefill_expanded is written (gather, SGEMM with beta = 0, softmax) before it
     /// is read, over exactly the ranges read.
-    fn scratch(&self, floats: usize) -> Result<crate::buf::Buf<f32>> {
+    fn scratch(&self, floats: usize) -> Result<Buf<f32>> {
         self.uninit::<f32>(floats)
     }
 

@@ -10,6 +10,7 @@ pub(crate) mod single_token;
 pub(crate) mod sorted;
 pub(crate) mod wgmma;
 
+use crate::buf::Buf;
 use crate::device::{CudaBackend, DeviceMat};
 use crate::dispatch::{ExpertPath, ExpertStep, expert_path};
 use crate::error::{CudaError, Result};
@@ -95,7 +96,7 @@ impl CudaBackend {
         logits: &DeviceMat,
         bias: &CudaSlice<f32>,
         r: RouterParams,
-    ) -> Result<(crate::buf::Buf<i32>, crate::buf::Buf<f32>)> {
+    ) -> Result<(Buf<i32>, Buf<f32>)> {
         if bias.len() != logits.cols {
             return Err(CudaError::InvalidArg(format!(
                 "router bias {} for {} experts",
