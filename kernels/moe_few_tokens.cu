@@ -71,6 +71,10 @@ extern __shared__ __align__(16) u32 mxt_smem[];
 // One ring stage for nt n-tiles per pass; the ring has dynamic shared memory / this many stages
 // (moe/mod.rs few_token_shared).
 #define MXF_STAGE_BYTES(nt) (MXF_W_BYTES + MXF_S_BYTES + (nt) * MXF_BNT_BYTES)
+// MXFP8 mode: a staged token row is the super-step's 128 e4m3 bytes and its 4 block factors (f32),
+// padded to 160 bytes (40 words: the 8-byte fragment loads of 4 rows x 4 lanes hit 32 banks).
+#define MXF8_BRS 160
+#define MXF8_STAGE_BYTES(nt) (MXF_W_BYTES + MXF_S_BYTES + (nt) * 8 * MXF8_BRS)
 
 // Pass token (0-based) held in slot j (0, 1) of lane t's n-tile q: one per n-tile with two planes.
 __device__ __forceinline__ int mxf_token(int planes, int q, int j, int t) {
@@ -149,8 +153,9 @@ struct MxfTile {
 // (wp0, ws0) / (wp1, ws1): all experts' packed rows and scales of W1 / W3 (UP) or W2 twice; rows
 // and cols of one expert's matrix. emit(tile, t0, nt, acc[m][q]) stores pass results (the
 // tokens and rows of mxf_token / mxf_result).
-template <bool UP, typename Emit>
-__device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int div, const u8* __restrict__ wp0,
+template <bool UP, bool FP8, typename Emit>
+__device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, const float* __restrict__ xf, int div,
+                                                const u8* __restrict__ wp0,
                                                 const u8* __restrict__ ws0, const u8* __restrict__ wp1,
                                                 const u8* __restrict__ ws1, int rows, int cols,
                                                 const int* __restrict__ offsets, const int* __restrict__ sorted,
@@ -159,7 +164,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
     __shared__ __align__(8) u64 ring_bars[2 * MXF_MAX_STAGES];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int nb = cols >> 5;
-    const int stage_bytes = MXF_STAGE_BYTES(ntiles);
+    const int stage_bytes = FP8 ? MXF8_STAGE_BYTES(ntiles) : MXF_STAGE_BYTES(ntiles);
     u32 dyn_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
     const int nstages = min(MXF_MAX_STAGES, (int)dyn_bytes / stage_bytes);  // at least 2 (moe/mod.rs: 3)
@@ -177,7 +182,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
     // mxf_busy_experts' barriers (at least one: experts >= 1) also publish the initialised mbarriers.
     const int nbusy = mxf_busy_experts(offsets, experts, busy_list);
     const int tile_rows = UP ? 128 : MXF_AROWS, ny = (rows + tile_rows - 1) / tile_rows, ntile = nbusy * ny;
-    const int nch = (cols + MXF_KC - 1) / MXF_KC, per = 8 * ntiles / planes;
+    const int nch = (cols + MXF_KC - 1) / MXF_KC, per = FP8 ? 8 * ntiles : 8 * ntiles / planes;
     const u8* stages = reinterpret_cast<const u8*>(mxt_smem);
     const u32 stages_s = (u32)__cvta_generic_to_shared(mxt_smem);
 
@@ -221,10 +226,13 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
         const int pass = ipass, c = ic;
         const u32 bs = stages_s + slot * stage_bytes;
         const bool in = 4 * c + (tid & 3) < nb;  // past the row's end: zeros (byte 0 decodes to +0)
+        // MXFP8 reads word t of each block (one MX block per mma): block b of A-row ar is stored at
+        // chunk b ^ ((ar >> 1) & 3), which spreads a warp's 32 four-byte reads over all banks.
+        const int chunk = FP8 ? (tid & 3) ^ ((tid >> 3) & 3) : tid & 3;
 #pragma unroll
         for (int i = 0; i < 4; ++i)
             if ((MXF_DIAG & 4) == 0)
-                mx_cp16_l2(bs + ((tid >> 2) + 64 * i) * 64 + 16 * (tid & 3), wsrc[i] + (in ? 64 * c : 0), in ? 16u : 0u);
+                mx_cp16_l2(bs + ((tid >> 2) + 64 * i) * 64 + 16 * chunk, wsrc[i] + (in ? 64 * c : 0), in ? 16u : 0u);
         if ((MXF_DIAG & 4) != 0) {
         } else if ((nb & 3) == 0) {
             mx_cp4(bs + MXF_W_BYTES + 4 * tid, ssrc + 4 * c);
@@ -237,6 +245,21 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
             mbar_arrive(bars + 8 * slot);  // release: the store is seen by whoever waits on full
         }
         const int t0 = pass * per, nt = min(per, it.n - t0);
+        if constexpr (FP8) {  // token row v = tid / 8: 16-byte chunk tid % 8 of its e4m3, chunk 0 also its factors
+            const int v = tid >> 3, c8 = tid & 7;
+            if (pass != b_pass) {
+                b_pass = pass;
+                if (v < nt) b_row[0] = sorted[it.a0 + t0 + v] / div;
+            }
+            if (v < nt) {
+                const i64 at = (i64)b_row[0] * nch + c;
+                const u32 dst = bs + MXF_W_BYTES + MXF_S_BYTES + v * MXF8_BRS;
+                mx_cp16(dst + 16 * c8, static_cast<const u8*>(xs) + at * 128 + 16 * c8);
+                if (c8 == 0) mx_cp16(dst + 128, xf + at * 4);
+            }
+            mbar_arrive_copies(bars + 8 * slot);
+            return;
+        }
         const int sh = planes - 1;  // staged row v holds plane v & sh of pass token v >> sh
         if (pass != b_pass) {
             b_pass = pass;
@@ -251,7 +274,8 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
             const int v = (tid >> 4) + 16 * k;
             if ((v >> sh) < nt)
                 mx_cp16(bs + MXF_W_BYTES + MXF_S_BYTES + v * MXF_BRS + 16 * (tid & 15),
-                        xs + (((i64)b_row[k] * nch + c) * planes + (v & sh)) * 128 + 8 * (tid & 15));
+                        static_cast<const u16*>(xs) + (((i64)b_row[k] * nch + c) * planes + (v & sh)) * 128 +
+                            8 * (tid & 15));
         }
         mbar_arrive_copies(bars + 8 * slot);
     };
@@ -326,9 +350,57 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
             }
         }
     };
+    // MXFP8 stage: per MX block b of the super-step, each lane's word t of its four A-rows becomes
+    // two e4m3 words (even / odd columns: k slots 4t..4t+3 and 16+4t..), one m16n8k32 per row tile and
+    // n-tile into a fresh accumulator, then scaled by the weight block's 2^(s-127) times the token
+    // block's factor (the activation scale x 2^6, undoing the decode's 2^-6) into the f32 sums.
+    // The staged token row of n-tile q, token n is 8 q + n: fragment bytes 8t of block b at 32 b + 8 t.
+    auto mma_stage8 = [&](const u8* buf, auto nt_c) {
+        constexpr int NT = decltype(nt_c)::value;
+        const u8* bb = buf + MXF_W_BYTES + MXF_S_BYTES;
+        const int swz = (g >> 1) & 3;  // (ar >> 1) & 3 of this lane's A-rows
+        u32 s4[2][2];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) s4[m][h] = *reinterpret_cast<const u32*>(buf + MXF_W_BYTES + 4 * (32 * warp + 16 * m + 8 * h + g));
+#pragma unroll(NT <= 2 ? 4 : 1)
+        for (int B = 0; B < 4; ++B) {
+            u32 a[2][4];
+            float fw[2][2];
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u32 w = *reinterpret_cast<const u32*>(buf + (32 * warp + 16 * m + 8 * h + g) * 64 + 16 * (B ^ swz) + 4 * t);
+                    a[m][h] = mx_e4m3_even(w);
+                    a[m][2 + h] = mx_e4m3_odd(w);
+                    fw[m][h] = mx_scale_f32(s4[m][h], B);
+                }
+#pragma unroll
+            for (int q = 0; q < NT; ++q) {
+                const uint2 v = *reinterpret_cast<const uint2*>(bb + (8 * q + g) * MXF8_BRS + 32 * B + 8 * t);
+                const float f0 = *reinterpret_cast<const float*>(bb + (8 * q + 2 * t) * MXF8_BRS + 128 + 4 * B);
+                const float f1 = *reinterpret_cast<const float*>(bb + (8 * q + 2 * t + 1) * MXF8_BRS + 128 + 4 * B);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    float p[4];
+                    tc_mma_e4m3(p, a[m], v.x, v.y);
+                    acc[m][q][0] = fmaf(p[0], fw[m][0] * f0, acc[m][q][0]);
+                    acc[m][q][1] = fmaf(p[1], fw[m][0] * f1, acc[m][q][1]);
+                    acc[m][q][2] = fmaf(p[2], fw[m][1] * f0, acc[m][q][2]);
+                    acc[m][q][3] = fmaf(p[3], fw[m][1] * f1, acc[m][q][3]);
+                }
+            }
+        }
+    };
     // The 2^126 of mx_dec folds into the scale unless a block's scale is too large for that
     // (never in trained weights): then the warp takes the two-multiply path for that stage.
     auto run_stage = [&](const u8* buf, auto nt_c) {
+        if constexpr (FP8) {
+            mma_stage8(buf, nt_c);
+            return;
+        }
         u32 sb[2][2];  // the scale bytes of this lane's four A-rows, read once for both uses
         bool big = false;
 #pragma unroll
@@ -352,7 +424,7 @@ __device__ __forceinline__ void few_tokens_walk(const u16* __restrict__ xs, int 
         if (ct.nsteps == 0) break;  // block-uniform
         const int npass = ct.nsteps / nch;
         for (int pass = 0; pass < npass; ++pass) {
-            const int t0 = pass * per, nt = min(per, ct.n - t0), ntl = (nt * planes + 7) >> 3;
+            const int t0 = pass * per, nt = min(per, ct.n - t0), ntl = (nt * (FP8 ? 1 : planes) + 7) >> 3;
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -397,7 +469,7 @@ mxfp4_experts_few_tokens_up_f32(const u16* __restrict__ zx, const u8* __restrict
                  float beta_lin, int has_lin, int experts, int ntiles, int planes) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int nss = (inter + MXF_KC - 1) / MXF_KC;
-    few_tokens_walk<true>(zx, top_k, w1p, w1s, w3p, w3s, inter, latent, offsets, sorted, experts,
+    few_tokens_walk<true, false>(zx, nullptr, top_k, w1p, w1s, w3p, w3s, inter, latent, offsets, sorted, experts,
                           max(1, min(ntiles, MXF_MAXNT)), planes,
                           [&](const MxfTile& T, int t0, int nt, const float(&acc)[2][MXF_MAXNT][4]) {
 #pragma unroll
@@ -430,7 +502,7 @@ mxfp4_experts_few_tokens_down_f32(const u16* __restrict__ actx, const u8* __rest
                    const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,
                    int inter, int experts, int ntiles, int planes) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    few_tokens_walk<false>(actx, 1, w2p, w2s, w2p, w2s, latent, inter, offsets, sorted, experts,
+    few_tokens_walk<false, false>(actx, nullptr, 1, w2p, w2s, w2p, w2s, latent, inter, offsets, sorted, experts,
                            max(1, min(ntiles, MXF_MAXNT)), planes,
                            [&](const MxfTile& T, int t0, int nt, const float(&acc)[2][MXF_MAXNT][4]) {
 #pragma unroll
@@ -446,4 +518,96 @@ mxfp4_experts_few_tokens_down_f32(const u16* __restrict__ actx, const u8* __rest
                                                    y[(i64)sorted[T.a0 + t0 + i] * latent + r] = mxf_result(acc[m][q], planes, j, h);
                                            }
                            });
+}
+
+// ---------------------------------------------------------------------------------------------
+// MXFP8 mode (CudaOptions::dtype Mxfp8): the routed experts take their activations as MXFP8 (E4M3
+// values, one E8M0 scale per 32), the format K3 ships them in, on FP8 tensor cores.
+
+// Grid (rows, ceil(cols / 128)), 32 threads: x [rows, cols] f32 -> xq [rows][super-steps][128] e4m3 in
+// fragment order (block b's bytes at 32 b, lane t's 8 at 8 t: columns 8 t + 0, 2, 4, 6, then 1, 3, 5, 7)
+// and xf [rows][super-steps][4]: each block's scale 2^e times 2^6 (the weight decode's 2^-6 undone).
+// The block's e is the least with max |x| / 2^e <= 448 (E4M3's largest value; at least -127): the
+// OCP MX rule floor(log2(max |x|)) - 8 would clip blocks whose largest value lies in (448, 512) x 2^e
+// to 448, the whole of a 12.5 % error. x / 2^e rounds to nearest even. Columns past `cols` are zero.
+extern "C" __global__ void mxfp8_quantize_f32(const float* __restrict__ x, u8* __restrict__ xq, float* __restrict__ xf,
+                                              int rows, int cols) {
+    const int row = blockIdx.x, ss = blockIdx.y, lane = threadIdx.x, col = MXF_KC * ss + 4 * lane;
+    if (row >= rows) return;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (col < cols) {  // cols % 32 == 0: the whole float4 is in the row
+        const float4 f = *reinterpret_cast<const float4*>(x + (i64)row * cols + col);
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    }
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int d = 1; d < 8; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(K3_FULL_MASK, amax, d));  // 8 lanes per block
+    const u32 ab = __float_as_uint(amax);
+    const int e = max((int)((ab >> 23) & 0xffu) - 127 - 8 + ((ab & 0x7fffffu) > 0x600000u), -127);
+    const float inv = __uint_as_float((u32)(127 - e) << 23);  // 2^-e: e in [-127, 119]
+    u16 p01, p23;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(p01) : "f"(v[1] * inv), "f"(v[0] * inv));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(p23) : "f"(v[3] * inv), "f"(v[2] * inv));
+    const u32 q = p01 | ((u32)p23 << 16);
+    const i64 at = (i64)row * gridDim.y + ss;
+    const int b = lane >> 3, word = (lane & 7) >> 1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int i = 4 * (lane & 1) + j;  // nibble (column within the word)
+        xq[at * 128 + 32 * b + 8 * word + (i & 1) * 4 + (i >> 1)] = (u8)(q >> (8 * j));
+    }
+    if ((lane & 7) == 0) xf[at * 4 + b] = __uint_as_float((u32)(e + 127 + 6) << 23);
+}
+
+// The up kernel of the MXFP8 pair: as mxfp4_experts_few_tokens_up_f32 with z from mxfp8_quantize_f32
+// (zq, zf), writing act [assignments, inter] = SiTU-GLU(W1 z, W3 z) in f32 for mxfp8_quantize_f32.
+extern "C" __global__ void __launch_bounds__(256, 2)
+mxfp4_experts_few_tokens_up_e4m3(const u8* __restrict__ zq, const float* __restrict__ zf, const u8* __restrict__ w1p,
+                                 const u8* __restrict__ w1s, const u8* __restrict__ w3p, const u8* __restrict__ w3s,
+                                 const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ act,
+                                 int top_k, int latent, int inter, float beta, float beta_lin, int has_lin, int experts,
+                                 int ntiles) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    few_tokens_walk<true, true>(zq, zf, top_k, w1p, w1s, w3p, w3s, inter, latent, offsets, sorted, experts,
+                                max(1, min(ntiles, MXF_MAXNT)), 1,
+                                [&](const MxfTile& T, int t0, int nt, const float(&acc)[2][MXF_MAXNT][4]) {
+#pragma unroll
+                                    for (int q = 0; q < MXF_MAXNT; ++q)
+#pragma unroll
+                                        for (int j = 0; j < 2; ++j)
+#pragma unroll
+                                            for (int h = 0; h < 2; ++h) {
+                                                const int i = mxf_token(1, q, j, t), r = T.r0 + 16 * warp + 8 * h + g;
+                                                if (i < nt && r < inter)
+                                                    act[(i64)sorted[T.a0 + t0 + i] * inter + r] =
+                                                        situ_glu_one(acc[0][q][2 * h + j], acc[1][q][2 * h + j], beta,
+                                                                     beta_lin, has_lin);
+                                            }
+                                });
+}
+
+// The down kernel of the MXFP8 pair: y[a, r] = W2_e[r, :] . act[a, :] with act from mxfp8_quantize_f32
+// (aq, af) of the up kernel's output.
+extern "C" __global__ void __launch_bounds__(256, 2)
+mxfp4_experts_few_tokens_down_e4m3(const u8* __restrict__ aq, const float* __restrict__ af, const u8* __restrict__ w2p,
+                                   const u8* __restrict__ w2s, const int* __restrict__ offsets,
+                                   const int* __restrict__ sorted, float* __restrict__ y, int latent, int inter,
+                                   int experts, int ntiles) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    few_tokens_walk<false, true>(aq, af, 1, w2p, w2s, w2p, w2s, latent, inter, offsets, sorted, experts,
+                                 max(1, min(ntiles, MXF_MAXNT)), 1,
+                                 [&](const MxfTile& T, int t0, int nt, const float(&acc)[2][MXF_MAXNT][4]) {
+#pragma unroll
+                                     for (int m = 0; m < 2; ++m)
+#pragma unroll
+                                         for (int q = 0; q < MXF_MAXNT; ++q)
+#pragma unroll
+                                             for (int j = 0; j < 2; ++j)
+#pragma unroll
+                                                 for (int h = 0; h < 2; ++h) {
+                                                     const int i = mxf_token(1, q, j, t), r = T.r0 + 32 * warp + 16 * m + 8 * h + g;
+                                                     if (i < nt && r < latent)
+                                                         y[(i64)sorted[T.a0 + t0 + i] * latent + r] = acc[m][q][2 * h + j];
+                                                 }
+                                 });
 }

@@ -42,6 +42,32 @@ __device__ __forceinline__ u32 mx_dec(u32 q, u32 sc2, bool two) {
     return out;
 }
 
+// E2M1 -> E4M3 (MXFP8 mode, moe_few_tokens.cu): a code's sign, exponent and mantissa bits moved
+// into an e4m3 byte as (s, 0000, eem, 00) are that byte's value = E2M1 x 2^-6 exactly (exponent 0
+// lands on the e4m3 subnormal 0.m x 2^-6), so a word's eight nibbles become two words of four
+// e4m3 values each with two or three logic ops, and the block scale waits for the mma's f32
+// result. Even nibbles (0, 2, 4, 6) into bytes 0..3:
+__device__ __forceinline__ u32 mx_e4m3_even(u32 w) { return ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu); }
+// ... and odd nibbles (1, 3, 5, 7), whose sign bits already sit at each byte's top.
+__device__ __forceinline__ u32 mx_e4m3_odd(u32 w) { return (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu); }
+
+// Byte b of four E8M0 scales as the f32 2^(s - 127); s = 0 gives 0 (a block of at most
+// 6 x 2^-127 in magnitude: below anything an f32 sum of products keeps).
+__device__ __forceinline__ float mx_scale_f32(u32 s4, int b) { return __uint_as_float(((s4 >> (8 * b)) & 0xffu) << 23); }
+
+// d = A B with mma.sync m16n8k32, e4m3 inputs, f32 result (a fresh accumulator: the caller scales
+// it per MX block). sm_89 and later; the MXFP8 path is only dispatched there (moe/mod.rs).
+__device__ __forceinline__ void tc_mma_e4m3(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+#else
+    __trap();
+#endif
+}
+
 // Word j (0..3) of a uint4.
 __device__ __forceinline__ u32 mx_word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from common import COPY_TBPS, cdiv, log, rel_err
-from common import run_few_tokens
+from common import run_few_tokens, run_few_tokens_e4m3, few_token_scratch_e4m3, few_token_stage_bytes_e4m3
+from common import FEW_TOKEN_STAGES
 from common import (FEW_TOKEN_BLOCK_BYTES, FEW_TOKEN_DOWN_ROWS, FEW_TOKEN_UP_ROWS, few_token_grid, few_token_ntiles,
                     few_token_scratch, few_token_shared)
 from common import single_token_plan, single_token_scratch, run_single_token
@@ -82,6 +83,29 @@ def bench_moe(d: Device, record, quick: bool):
                 ms, how = d.time_graph(fn)
                 record(f"moe_routed few_tokens {name} alone T={T} ({mode})", ms, b and b / (COPY_TBPS * 1e12) * 1e3,
                        timing=how)
+        # The MXFP8 pair (mxfp8 mode): z and the intermediate quantized to E4M3 + block scales, FP8 tensor cores.
+        scratch8 = few_token_scratch_e4m3(d, T, k, lt, ie)
+
+        def go8():
+            d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
+            run_few_tokens_e4m3(d, min(E, T * k), up_args, down_args, T, k, lt, ie, scratch=scratch8)
+            d.launch("moe_combine_f32", cdiv(T * lt, 256), 256, V["y"], V["wts"], V["res"], T, k, lt)
+        go8()
+        d.sync()
+        ms, how = d.time_graph(go8)
+        record(f"moe_routed tc T={T} top{k} mxfp8 (sort+quantize+up+quantize+down+combine)", ms,
+               wbytes / (COPY_TBPS * 1e12) * 1e3, experts_touched=touched, timing=how)
+        gx, nt = min(E, T * k), few_token_ntiles(T, 1)
+        shared8 = FEW_TOKEN_STAGES * few_token_stage_bytes_e4m3(nt)
+        _, zq, zf, act8, aq, af = scratch8
+        up_b, down_b = touched * 2 * ie * (lt // 2 + lt // 32), touched * lt * (ie // 2 + ie // 32)
+        for name, fn, b in (
+                ("up", lambda: d.launch("mxfp4_experts_few_tokens_up_e4m3", few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256,
+                                        zq, zf, *up_args[1:7], act8, *up_args[8:], nt, shared_mem=shared8), up_b),
+                ("down", lambda: d.launch("mxfp4_experts_few_tokens_down_e4m3", few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS),
+                                          256, aq, af, *down_args[1:], nt, shared_mem=shared8), down_b)):
+            ms, how = d.time_graph(fn)
+            record(f"moe_routed few_tokens {name} alone T={T} (mxfp8)", ms, b / (COPY_TBPS * 1e12) * 1e3, timing=how)
 
 
 # Harness-only compile-time probes of the few_tokens expert kernels (kernels/moe_few_tokens.cu MXF_DIAG; the base

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from common import (MX_WG_SWAP_LBO_SBO, cdiv, log, single_token_plan, single_token_scratch,
-                    mx_wg_scratch, rand, rel_err, run_single_token, run_few_tokens, run_mx_wg)
+                    mx_wg_scratch, rand, rel_err, run_single_token, run_few_tokens, run_mx_wg,
+                    run_few_tokens_e4m3, mxfp8_round)
 from k3ref import mxfp4 as rmx
 from k3ref.moe import route as ref_route
 from k3ref.situ import situ_glu as ref_situ_glu
@@ -30,15 +31,18 @@ def mx_experts(e, rows, cols, gen):
     return torch.stack(ps), torch.stack(ss), torch.stack(deq)
 
 
-def ref_routed(z, idx, wts, w1, w3, w2):
+def ref_routed(z, idx, wts, w1, w3, w2, act_round=None):
     """float64 routed experts: row t = sum over slots j of wts[t, j] * w2 SiTU-GLU(w1 z_t, w3 z_t) of
-    expert idx[t, j] (beta 4, linear beta 25); slots with an id outside the experts are skipped."""
+    expert idx[t, j] (beta 4, linear beta 25); slots with an id outside the experts are skipped.
+    `act_round` (common.mxfp8_round for the MXFP8 pair) rounds z and the intermediate first."""
     ref = torch.zeros(z.shape[0], w2.shape[1], dtype=torch.float64)
+    rnd = act_round or (lambda x: x)  # noqa: E731
+    z = rnd(z)
     for ex in range(w1.shape[0]):
         for j in range(idx.shape[1]):
             rows = (idx[:, j] == ex).nonzero().flatten()
             if len(rows):
-                h = ref_situ_glu(z[rows] @ w1[ex].T, z[rows] @ w3[ex].T, 4.0, 25.0)
+                h = rnd(ref_situ_glu(z[rows] @ w1[ex].T, z[rows] @ w3[ex].T, 4.0, 25.0))
                 ref[rows] += wts[rows, j:j + 1] * (h @ w2[ex].T)
     return ref
 
@@ -112,7 +116,8 @@ def check_moe_tc_shapes(d: Device, r: Results, gen):
     and rows that leave a partial row tile, at T = 1, at several tokens per expert (more than 16 on
     some experts at T = 17, so two passes), and with small stages (one or three tokens per pass:
     weights re-read), also on a shape of 13 x 9 blocks (partial super-steps both ways). Each with hi / lo
-    activations (planes 2, float32 mode) and bf16 ones (planes 1, bfloat16 mode: 1e-2 as check_moe_wg)."""
+    activations (planes 2, float32 mode) and bf16 ones (planes 1, bfloat16 mode: 1e-2 as check_moe_wg), and
+    (the backend's stage sizes) the MXFP8 pair against the float64 of MXFP8-rounded activations."""
     e, k = 6, 3
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
     for lt, ie in ((160, 96), (416, 288)):
@@ -139,6 +144,13 @@ def check_moe_tc_shapes(d: Device, r: Results, gen):
             # bf16 weights (exact) times hi + lo bf16 activations (~16 bits) in f32, as the
             # split-bf16 GEMM path (check_moe_gemm's 2e-5); bf16 activations within 2^-9 each.
             r.check(f"moe routed tc {tag} (sort+up+down+combine)", rel_err(res, ref), 2e-5 if planes == 2 else 1e-2)
+            if planes == 1 and stage is None:  # the MXFP8 pair: partial super-steps and row tiles as well
+                run_few_tokens_e4m3(d, min(e, na), wargs, dargs, t, k, lt, ie)
+                d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
+                         d.view(res), t, k, lt)
+                d.sync()
+                r.check(f"moe routed tc {tag.replace(' bf16', '')} MXFP8 activations against MXFP8-rounded float64",
+                        rel_err(res, ref_routed(z, idx, wts, w1, w3, w2, act_round=mxfp8_round)), 2e-3)
 
 
 def replay_unit_split(n: int, nw: int, parts: int, ns: int):
@@ -236,7 +248,9 @@ def check_moe_few_tokens(d: Device, r: Results, gen):
     with odd_scales (z / 2^9 keeps the raised experts' gates where the others' were) and on a grid of
     3 blocks (each walks many tiles: its ring runs across tile and expert boundaries), there also with a
     ring of 6 stages (the most the kernels take; the backend gives 3). Every case with hi / lo activations (planes 2, float32 mode: 2e-5) and with bf16
-    ones (planes 1, bfloat16 mode: 1e-2, as check_moe_wg), whose passes take up to 32 tokens."""
+    ones (planes 1, bfloat16 mode: 1e-2, as check_moe_wg), whose passes take up to 32 tokens; then the MXFP8 pair
+    (mxfp8 mode) against the float64 of MXFP8-rounded z and intermediate (2e-3: the f32 intermediate may round to
+    the neighbouring E4M3 value where float64's does not) and, to show the format's cost, the unrounded one."""
     lt, ie = 384, 256
     dev = lambda x: x.contiguous().to(d.tdev)  # noqa: E731
     second = torch.tensor([1] * 1 + [2] * 8 + [3] * 9 + [4] * 17 + [5] * 35)
@@ -270,6 +284,16 @@ def check_moe_few_tokens(d: Device, r: Results, gen):
                + (f", {stages} stages" if stages else "") + (", bf16" if planes == 1 else ""))
         r.check(f"moe routed tc T={t} top{k} of {e}, tokens per expert {counts[:6]}{tag} (sort+up+down+combine)",
                 rel_err(res, ref), 2e-5 if planes == 2 else 1e-2)
+        if planes == 1:  # the MXFP8 pair on the same case, against the reference of MXFP8-rounded activations
+            run_few_tokens_e4m3(d, min(e, na), wargs, dargs, t, k, lt, ie, blocks=grid, stages=stages)
+            res8 = torch.empty(t, lt, device=d.tdev)
+            d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
+                     d.view(res8), t, k, lt)
+            d.sync()
+            ref8 = ref_routed(z, idx, wts, w1, w3, w2, act_round=mxfp8_round)
+            r.check(f"moe routed tc T={t} top{k} of {e}{tag.replace(', bf16', '')}, MXFP8 activations (sort+quantize+up+"
+                    f"quantize+down+combine) against MXFP8-rounded float64", rel_err(res8, ref8), 2e-3)
+            r.check("  ... and against the unrounded float64 (what the format costs)", rel_err(res8, ref), 1e-1)
 
 
 def check_moe_wg(d: Device, r: Results, gen):

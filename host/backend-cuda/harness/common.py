@@ -89,6 +89,54 @@ def run_few_tokens(d: Device, gx, up_args, down_args, t, lt, ie, stage=None, scr
              *down_args[1:], nt, planes, shared_mem=shared)
 
 
+# The MXFP8 pair (CudaOptions dtype mxfp8; kernels/moe_few_tokens.cu *_e4m3): z and the intermediate quantized by
+# mxfp8_quantize_f32 into e4m3 rows of 128 bytes per super-step and 4 f32 block factors, staged rows of 160 bytes.
+def few_token_stage_bytes_e4m3(ntiles: int) -> int:
+    return 256 * 64 + 256 * 4 + ntiles * 8 * 160
+
+
+def few_token_scratch_e4m3(d: Device, t: int, k: int, lt: int, ie: int):
+    """Quantized z (bytes, factors), the up kernel's f32 intermediate and its quantized form: (tensors to keep
+    alive, zq, zf, act, aq, af views); made outside any graph capture."""
+    zq = torch.zeros(t * cdiv(lt, 128) * 128, dtype=torch.uint8, device=d.tdev)
+    zf = torch.zeros(t * cdiv(lt, 128) * 4, dtype=torch.float32, device=d.tdev)
+    act = torch.zeros(t * k * ie, dtype=torch.float32, device=d.tdev)
+    aq = torch.zeros(t * k * cdiv(ie, 128) * 128, dtype=torch.uint8, device=d.tdev)
+    af = torch.zeros(t * k * cdiv(ie, 128) * 4, dtype=torch.float32, device=d.tdev)
+    keep = (zq, zf, act, aq, af)
+    return keep, *(d.view(x) for x in keep)
+
+
+def run_few_tokens_e4m3(d: Device, gx, up_args, down_args, t, k, lt, ie, scratch=None, blocks=None, stages=None):
+    """The MXFP8 pair's launches (quantize z, up, quantize the intermediate, down) as moe/mod.rs makes them in
+    mxfp8 mode; up_args / down_args as run_few_tokens' (their act stands for the scratch's)."""
+    nt = few_token_ntiles(t, 1)
+    if scratch is None:
+        scratch = few_token_scratch_e4m3(d, t, k, lt, ie)
+    _, zq, zf, act, aq, af = scratch
+    shared = (stages or FEW_TOKEN_STAGES) * few_token_stage_bytes_e4m3(nt)
+    d.launch("mxfp8_quantize_f32", (t, cdiv(lt, 128)), 32, up_args[0], zq, zf, t, lt)
+    d.launch("mxfp4_experts_few_tokens_up_e4m3", blocks or few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256, zq, zf,
+             *up_args[1:7], act, *up_args[8:], nt, shared_mem=shared)
+    d.launch("mxfp8_quantize_f32", (t * k, cdiv(ie, 128)), 32, act, aq, af, t * k, ie)
+    d.launch("mxfp4_experts_few_tokens_down_e4m3", blocks or few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS), 256, aq, af,
+             *down_args[1:], nt, shared_mem=shared)
+
+
+def mxfp8_round(x: torch.Tensor) -> torch.Tensor:
+    """x (rows of a multiple of 32 columns) through MXFP8 and back, in float64, as mxfp8_quantize_f32 rounds the
+    f32 value: per 32-column block the least e with max |x| / 2^e <= 448 (at least -127), x / 2^e to E4M3
+    (nearest even)."""
+    x32 = x.float().cpu()
+    b = x32.reshape(x32.shape[0], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    ab = amax.view(torch.int32)
+    e = (((ab >> 23) & 0xFF) - 127 - 8 + ((ab & 0x7FFFFF) > 0x600000).int()).clamp(min=-127)
+    e = e.double()
+    q = (b.double() * torch.exp2(-e)).float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
+    return (q * torch.exp2(e)).reshape(x.shape)
+
+
 def mx_tile_bound(n_assign: int, experts: int, tok: int) -> int:
     """moe_sorted.rs tile_bound: grid.y of the wgmma GEMMs."""
     return cdiv(n_assign, tok) + min(experts, n_assign)

@@ -536,6 +536,59 @@ def _few_tokens_unpack(xs, n, cols, planes=2):
     return torch.from_numpy(v.reshape(n, nss * 128)[:, :cols])
 
 
+def _e4m3_perm():
+    """kernels/moe_few_tokens.cu mxfp8_quantize_f32: column c of a 128-column super-step -> its byte in the row."""
+    c = np.arange(128)
+    i = c & 7
+    return 32 * (c >> 5) + 8 * ((c & 31) >> 3) + 4 * (i & 1) + (i >> 1)
+
+
+def _emu_mxfp8_quantize(x, xq, xf, rows, cols):
+    rows, cols = int(rows), int(cols)
+    nss = -(-cols // 128)
+    xp = np.zeros((rows, nss * 128), np.float32)
+    xp[:, :cols] = x.reshape(-1)[:rows * cols].reshape(rows, cols)
+    b = torch.from_numpy(xp).reshape(rows, nss * 4, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    ab = amax.view(torch.int32)
+    e = (((ab >> 23) & 0xFF) - 127 - 8 + ((ab & 0x7FFFFF) > 0x600000).int()).clamp(min=-127)
+    q = (b.double() * torch.exp2(-e.double())).float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    o = xq.reshape(-1)[:rows * nss * 128].reshape(rows, nss, 128)
+    o[:, :, _e4m3_perm()] = q.view(torch.uint8).reshape(rows, nss, 128).numpy()
+    xf.reshape(-1)[:rows * nss * 4] = torch.exp2((e + 6).double()).float().reshape(-1).numpy()
+
+
+def _e4m3_unpack(xq, xf, n, cols):
+    """mxfp8_quantize_f32's rows -> float64 [n, cols]: what the MXFP8 pair multiplies."""
+    nss = -(-cols // 128)
+    q = torch.from_numpy(np.ascontiguousarray(xq.reshape(-1)[:n * nss * 128].reshape(n, nss, 128)[:, :, _e4m3_perm()]))
+    v = q.view(torch.float8_e4m3fn).double().reshape(n, nss * 4, 32)
+    f = torch.from_numpy(np.asarray(xf.reshape(-1)[:n * nss * 4], np.float32)).double().reshape(n, nss * 4, 1) / 64
+    return (v * f).reshape(n, nss * 128)[:, :cols]
+
+
+def _emu_moe_up_e4m3(zq, zf, w1p, w1s, w3p, w3s, offsets, sorted_, act, top_k, lt, ie, beta, beta_lin, has_lin, e, nt):
+    lt, ie, k, e = int(lt), int(ie), int(top_k), len(offsets) - 1
+    z = _e4m3_unpack(zq, zf, zf.size // (-(-lt // 128) * 4), lt)
+    out = act.reshape(-1, ie)
+    for ex in range(e):
+        a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
+        if len(a):
+            x = z[torch.from_numpy(a // k)]
+            w1, w3 = _mx_expert(w1p, w1s, e, ie, lt, ex), _mx_expert(w3p, w3s, e, ie, lt, ex)
+            out[a] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta), float(beta_lin) if has_lin else None).float().numpy()
+
+
+def _emu_moe_down_e4m3(aq, af, w2p, w2s, offsets, sorted_, y, lt, ie, e, nt):
+    lt, ie, e = int(lt), int(ie), len(offsets) - 1
+    act = _e4m3_unpack(aq, af, af.size // (-(-ie // 128) * 4), ie)
+    out = y.reshape(-1, lt)
+    for ex in range(e):
+        a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
+        if len(a):
+            out[a] = (act[torch.from_numpy(a)] @ _mx_expert(w2p, w2s, e, lt, ie, ex).T).float().numpy()
+
+
 def _emu_moe_up_few_tokens(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e, nt,
                            planes):
     lt, ie, k, e, planes = int(lt), int(ie), int(top_k), len(offsets) - 1, int(planes)
@@ -868,6 +921,9 @@ EMU = {
         x.reshape(-1)[:int(rows) * int(cols)].reshape(int(rows), int(cols)), xs, int(planes)),
     "mxfp4_experts_few_tokens_up_f32": _emu_moe_up_few_tokens,  # planes in, act split out (the few-token layout end to end)
     "mxfp4_experts_few_tokens_down_f32": _emu_moe_down_few_tokens,
+    "mxfp8_quantize_f32": _emu_mxfp8_quantize,
+    "mxfp4_experts_few_tokens_up_e4m3": _emu_moe_up_e4m3,
+    "mxfp4_experts_few_tokens_down_e4m3": _emu_moe_down_e4m3,
     "moe_combine_ids_f32": _emu_combine_ids,
     "mxfp4_experts_wgmma_split_f32": _emu_wg_split,  # gathered into sorted order, chunk-major
     "mxfp4_experts_wgmma_up_f32": _emu_moe_up_wg,  # wgmma layout in and out, `planes` bf16 pieces per value

@@ -111,6 +111,9 @@ pub const FILES: &[KernelFile] = &[
             "mxfp4_experts_few_tokens_split_f32",
             "mxfp4_experts_few_tokens_up_f32",
             "mxfp4_experts_few_tokens_down_f32",
+            "mxfp8_quantize_f32",
+            "mxfp4_experts_few_tokens_up_e4m3",
+            "mxfp4_experts_few_tokens_down_e4m3",
         ],
     },
     KernelFile {
