@@ -344,12 +344,12 @@ fn keep_freed_memory_pooled(ctx: &CudaContext) {
     }
 }
 
-/// cuBLAS's math mode for `dtype`: f32 products (SGEMM) on TF32 tensor cores in bf16 mode,
+/// cuBLAS's math mode for `dtype`: f32 products (SGEMM) on TF32 tensor cores in bf16 (and mxfp8) mode,
 /// plain f32 FMAs in float32 mode. The bf16 GEMMs name their compute type and ignore it.
 fn set_blas_math(blas: &CudaBlas, dtype: crate::Dtype) -> Result<()> {
     use cudarc::cublas::sys::{cublasMath_t, cublasSetMathMode};
     let mode = match dtype {
-        crate::Dtype::Bf16 => cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
+        crate::Dtype::Bf16 | crate::Dtype::Mxfp8 => cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
         crate::Dtype::F32 => cublasMath_t::CUBLAS_DEFAULT_MATH,
     };
     // SAFETY: a live handle owned by `blas`; the mode is a valid enum value.

@@ -50,6 +50,9 @@ pub(crate) enum ExpertPath {
     FewTokens,
     /// Many assignments: grouped MXFP4 GEMMs on wgmma (moe/wgmma.rs; sm_90a, 210 KB).
     Wgmma,
+    /// MXFP8 activations (`Dtype::Mxfp8`), every step size: the few-token walk with E4M3
+    /// stages on FP8 tensor cores (moe/mxfp8.rs, 66 KB).
+    Mxfp8,
     /// Experts expanded to bf16 and cuBLAS (moe/cublas.rs): runs anywhere.
     Cublas,
 }
@@ -64,10 +67,23 @@ pub(crate) struct ExpertStep {
     pub inter: usize,
     /// Experts of the layer (the few-token kernels list the busy ones in shared memory).
     pub experts: usize,
+    /// The routed experts take MXFP8 activations (`Dtype::Mxfp8`).
+    pub mxfp8: bool,
 }
 
+/// In mxfp8 mode every step takes the MXFP8 pair; only layers of more experts than its busy list
+/// holds fall back to the bf16 paths.
 pub(crate) fn expert_path(step: ExpertStep, dev: &DeviceLimits) -> ExpertPath {
     let (lt, ie) = (step.latent, step.inter);
+    if step.mxfp8
+        && step.experts <= geometry::FEW_TOKEN_MAX_EXPERTS
+        && dev.launchable(&[
+            "mxfp4_experts_few_tokens_up_e4m3",
+            "mxfp4_experts_few_tokens_down_e4m3",
+        ])
+    {
+        return ExpertPath::Mxfp8;
+    }
     if !step.many {
         if step.tokens == 1
             && geometry::single_token_fits(lt, ie)
@@ -155,6 +171,7 @@ mod tests {
             latent: 3584,
             inter: 3072,
             experts: 128,
+            mxfp8: false,
         }
     }
 
@@ -165,6 +182,25 @@ mod tests {
         assert_eq!(expert_path(step(4, false), &d), ExpertPath::FewTokens);
         assert_eq!(expert_path(step(2048, true), &d), ExpertPath::Wgmma);
         assert_eq!(expert_path(step(256, true), &d), ExpertPath::Wgmma);
+    }
+
+    #[test]
+    fn mxfp8_mode_takes_the_mxfp8_pair_at_every_size() {
+        for d in [h200(), b200(), kb163(), sm120()] {
+            for (tokens, many) in [(1, false), (4, false), (2048, true)] {
+                let s = ExpertStep {
+                    mxfp8: true,
+                    ..step(tokens, many)
+                };
+                assert_eq!(expert_path(s, &d), ExpertPath::Mxfp8, "{d:?}");
+            }
+        }
+        let wide = ExpertStep {
+            mxfp8: true,
+            experts: geometry::FEW_TOKEN_MAX_EXPERTS + 1,
+            ..step(4, false)
+        };
+        assert_eq!(expert_path(wide, &h200()), ExpertPath::Cublas);
     }
 
     #[test]
@@ -218,6 +254,10 @@ mod tests {
                 ExpertPath::Wgmma => {
                     &["mxfp4_experts_wgmma_up_f32", "mxfp4_experts_wgmma_down_f32"]
                 }
+                ExpertPath::Mxfp8 => &[
+                    "mxfp4_experts_few_tokens_up_e4m3",
+                    "mxfp4_experts_few_tokens_down_e4m3",
+                ],
                 ExpertPath::Cublas => &[],
             }
         };
@@ -225,8 +265,14 @@ mod tests {
             for arch in ["sm_90", "sm_90a", "sm_100", "sm_120"] {
                 let d = limits(arch, limit);
                 for tokens in [1, 2, 4, 16, 64, 512, 2048] {
-                    for many in [false, true] {
-                        let p = expert_path(step(tokens, many), &d);
+                    for (many, mxfp8) in
+                        [(false, false), (true, false), (false, true), (true, true)]
+                    {
+                        let s = ExpertStep {
+                            mxfp8,
+                            ..step(tokens, many)
+                        };
+                        let p = expert_path(s, &d);
                         assert!(d.launchable(kernels(p)), "{p:?} on {d:?}");
                         assert!(p != ExpertPath::Wgmma || arch == "sm_90a");
                     }

@@ -239,6 +239,10 @@ pub const MLA_WGMMA_SHARED: usize = 223_200;
 /// 256-thread blocks per SM.
 pub const FEW_TOKEN_MAX_SHARED: usize = 78_336;
 
+/// The MXFP8 few-token kernels (moe/mxfp8.rs): three stages of 256 weight rows x 68 bytes and 4
+/// n-tiles x 8 staged token rows of 160 bytes (128 E4M3 values, 4 block factors, padding).
+pub const FEW_TOKEN_E4M3_MAX_SHARED: usize = 3 * (256 * 68 + 4 * 8 * 160);
+
 /// The most experts the few-token kernels list per block (kernels/moe_few_tokens.cu
 /// MXF_MAX_EXPERTS); dispatch.rs sends layers with more to cuBLAS.
 pub const FEW_TOKEN_MAX_EXPERTS: usize = 1024;
@@ -287,6 +291,14 @@ pub const OPT_IN_SHARED: &[(&str, usize)] = &[
     ("mla_attend_pair_wgmma_f32", MLA_WGMMA_SHARED),
     ("mxfp4_experts_few_tokens_up_f32", FEW_TOKEN_MAX_SHARED),
     ("mxfp4_experts_few_tokens_down_f32", FEW_TOKEN_MAX_SHARED),
+    (
+        "mxfp4_experts_few_tokens_up_e4m3",
+        FEW_TOKEN_E4M3_MAX_SHARED,
+    ),
+    (
+        "mxfp4_experts_few_tokens_down_e4m3",
+        FEW_TOKEN_E4M3_MAX_SHARED,
+    ),
     ("mxfp4_experts_wgmma_up_f32", MX_WG_SHARED),
     ("mxfp4_experts_wgmma_down_f32", MX_WG_SHARED),
     ("mxfp4_experts_single_token_up_f32", SINGLE_TOKEN_SHARED),

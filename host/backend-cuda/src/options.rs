@@ -17,6 +17,10 @@ pub enum Dtype {
     /// f32-level results throughout (hi / lo bf16 planes, plain SGEMM, the 3xTF32 MLA decode
     /// attend): the CPU backend's numbers to ~1e-5 per op, slower. For parity and debugging.
     F32,
+    /// K3's shipped precision for its routed experts: their activations (the latent input and
+    /// the SiTU-GLU intermediate) as MXFP8, E4M3 values with one power-of-two scale per 32, on
+    /// FP8 tensor cores at every step size (moe/mxfp8.rs); everything else as `Bf16`.
+    Mxfp8,
 }
 
 impl Dtype {
@@ -25,13 +29,14 @@ impl Dtype {
         match self {
             Self::Bf16 => "bfloat16",
             Self::F32 => "float32",
+            Self::Mxfp8 => "mxfp8",
         }
     }
 
     /// bf16 planes per activation value in the split GEMMs: 1 (rounded once) or 2 (hi / lo).
     pub fn planes(self) -> usize {
         match self {
-            Self::Bf16 => 1,
+            Self::Bf16 | Self::Mxfp8 => 1,
             Self::F32 => 2,
         }
     }
@@ -44,8 +49,9 @@ impl std::str::FromStr for Dtype {
         match s {
             "auto" | "bfloat16" | "bf16" => Ok(Self::Bf16),
             "float32" | "float" | "f32" => Ok(Self::F32),
+            "mxfp8" => Ok(Self::Mxfp8),
             other => Err(format!(
-                "dtype {other:?}: use bfloat16 (the default) or float32"
+                "dtype {other:?}: use bfloat16 (the default), float32 or mxfp8"
             )),
         }
     }
@@ -95,8 +101,14 @@ mod tests {
         for s in ["float32", "float", "f32"] {
             assert_eq!(s.parse(), Ok(Dtype::F32));
         }
+        assert_eq!("mxfp8".parse(), Ok(Dtype::Mxfp8));
         let e = "float16".parse::<Dtype>().unwrap_err();
-        assert!(e.contains("bfloat16") && e.contains("float32"), "{e}");
+        assert!(
+            e.contains("bfloat16") && e.contains("float32") && e.contains("mxfp8"),
+            "{e}"
+        );
+        assert_eq!(Dtype::Mxfp8.planes(), 1);
+        assert_eq!(Dtype::Mxfp8.name(), "mxfp8");
         assert_eq!(Dtype::default().planes(), 1);
         assert_eq!(Dtype::F32.planes(), 2);
         assert_eq!(Dtype::F32.name(), "float32");

@@ -335,7 +335,7 @@ impl CudaBackend {
         let lat = self.scratch(len * lkv)?;
         let mut kbuf = self.scratch(hg * len * qk)?;
         let mut vbuf = self.scratch(hg * len * vd)?;
-        let flash = self.options.dtype == crate::Dtype::Bf16 && flash_fits(&g);
+        let flash = self.options.dtype != crate::Dtype::F32 && flash_fits(&g);
         // The fused kernel keeps scores on chip (no score scratch) and reads K and V as bf16.
         let mut attend = if flash {
             Attend::Fused {

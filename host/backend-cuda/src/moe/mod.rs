@@ -2,10 +2,11 @@
 //! expert path per step shape (dispatch.rs `expert_path`): the single-token pair
 //! (single_token.rs), the few-token pair below (MXFP4 decoded in registers for mma.sync, weights
 //! read once per expert for up to 16 tokens), the wgmma GEMMs for many assignments (wgmma.rs), and
-//! cuBLAS over bf16-expanded experts as the fallback (cublas.rs). The sorted paths share
-//! sorted.rs.
+//! cuBLAS over bf16-expanded experts as the fallback (cublas.rs); in mxfp8 mode the MXFP8 pair
+//! (mxfp8.rs) at every size. The sorted paths share sorted.rs.
 
 pub(crate) mod cublas;
+pub(crate) mod mxfp8;
 pub(crate) mod single_token;
 pub(crate) mod sorted;
 pub(crate) mod wgmma;
@@ -34,9 +35,9 @@ pub struct DeviceExperts {
 /// intermediate; down: 256 rows of W2), n-tiles of 8 columns per pass (at most 4: 8 tokens in
 /// one bf16 plane, 4 as hi / lo), and the split activations' row length in bf16: per 128-column
 /// super-step, 128 per plane.
-const FEW_TOKEN_UP_ROWS: usize = 128;
+pub(crate) const FEW_TOKEN_UP_ROWS: usize = 128;
 
-const FEW_TOKEN_DOWN_ROWS: usize = 256;
+pub(crate) const FEW_TOKEN_DOWN_ROWS: usize = 256;
 
 const FEW_TOKEN_MAX_NTILES: usize = 4;
 
@@ -45,14 +46,14 @@ const FEW_TOKEN_BLOCKS_PER_SM: usize = 2;
 
 /// Ring stages of the few-token pair (the kernels take as many as their shared memory holds): 4,
 /// 5 and 6 measured no faster than 3 with bf16 activations, and 3 fit 99 KB parts.
-const FEW_TOKEN_STAGES: usize = 3;
+pub(crate) const FEW_TOKEN_STAGES: usize = 3;
 
 fn few_token_row_u16(cols: usize, planes: usize) -> usize {
     cols.div_ceil(128) * 128 * planes
 }
 
 /// n-tiles per pass: tokens per expert are at most T, so small T stage fewer (less shared memory).
-fn few_token_ntiles(tokens: usize, planes: usize) -> usize {
+pub(crate) fn few_token_ntiles(tokens: usize, planes: usize) -> usize {
     (tokens * planes).div_ceil(8).clamp(1, FEW_TOKEN_MAX_NTILES)
 }
 
@@ -69,7 +70,7 @@ fn few_token_shared(ntiles: usize) -> usize {
 
 /// Persistent grid of the few-token expert kernels: one block per tile (at most `busy` experts x
 /// row blocks of `rows_per_block`), capped at two blocks per SM; each block walks its tiles.
-fn few_token_launch(
+pub(crate) fn few_token_launch(
     busy: usize,
     rows: usize,
     cols: usize,
@@ -140,6 +141,7 @@ impl CudaBackend {
             latent: ex.latent,
             inter: ex.inter,
             experts: ex.experts,
+            mxfp8: self.options.dtype == crate::Dtype::Mxfp8,
         };
         let path = expert_path(step, &self.limits);
         // The single-token pair takes the router's ids as they are: no sort, no offsets.
@@ -163,6 +165,7 @@ impl CudaBackend {
         match path {
             ExpertPath::Wgmma => return self.moe_experts_wgmma(sorted_step),
             ExpertPath::Cublas => return self.moe_experts_cublas(sorted_step),
+            ExpertPath::Mxfp8 => return self.moe_experts_mxfp8(sorted_step),
             ExpertPath::FewTokens | ExpertPath::SingleToken => {}
         }
         let y = self.zeros(t * k, ex.latent)?;

@@ -563,6 +563,46 @@ fn moe_single_token_matches_cpu() {
     t.finish();
 }
 
+/// moe_routed in mxfp8 mode (`Dtype::Mxfp8`: the MXFP8 pair at every step size, moe/mxfp8.rs) at
+/// T = 1, 3, 40 and 1100 against the CPU's f32, within [`TOL_MXFP8`], then T = 40 again for
+/// bitwise run-to-run equality.
+#[test]
+fn moe_mxfp8_matches_cpu() {
+    let Some(gpu) = cuda_with(Dtype::Mxfp8) else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    let seed = Rng::new("moe_mxfp8_matches_cpu").0;
+    let mut t = Table {
+        tag: "mxfp8 ",
+        failed: Vec::new(),
+        floor: 0.0,
+    };
+    for tokens in [1usize, 3, 40, 1100] {
+        let s = seed ^ tokens as u64;
+        let got = moe(&gpu, &mut Rng(s), tokens);
+        let want = moe(&cpu, &mut Rng(s), tokens);
+        t.check(
+            &format!("moe_routed(T={tokens}, MXFP8 pair)"),
+            &got,
+            &want,
+            TOL_MXFP8,
+        );
+        if tokens == 40 {
+            let again = moe(&gpu, &mut Rng(s), tokens);
+            let same = again
+                .iter()
+                .zip(&got)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            println!("mxfp8 op=moe_routed(T=40) rerun bitwise-equal={same}");
+            if !same {
+                t.failed.push("mxfp8 T=40: rerun differs".into());
+            }
+        }
+    }
+    t.finish();
+}
+
 /// The MLA comparisons of `ops_match_cpu` with the bf16 decode attend on mma.sync
 /// (kernels/mla_attend_bf16.cu, the fallback off sm_90a; forced here by presenting the GPU as
 /// sm_90): the absorbed steps (T < 64 new tokens) take it, so decode, chunks and batched decode

@@ -63,9 +63,10 @@ pub struct CudaArgs {
     #[arg(long, value_name = "N")]
     pub gemv_max_weight_elems: Option<usize>,
     /// GPU precision, vLLM's `--dtype`: `bfloat16` (activations rounded to bf16 for the tensor
-    /// cores, f32 accumulation and KDA state) or `float32` (the CPU backend's results to ~1e-5 per
-    /// op, slower); `auto` = bfloat16. The CPU backend always computes in f32 [default: auto].
-    #[arg(long, value_name = "auto|bfloat16|float32")]
+    /// cores, f32 accumulation and KDA state), `float32` (the CPU backend's results to ~1e-5 per
+    /// op, slower) or `mxfp8` (bfloat16 with the routed experts' activations in MXFP8, K3's shipped
+    /// precision); `auto` = bfloat16. The CPU backend always computes in f32 [default: auto].
+    #[arg(long, value_name = "auto|bfloat16|float32|mxfp8")]
     pub dtype: Option<String>,
 }
 
