@@ -527,9 +527,10 @@ mxfp4_experts_few_tokens_down_f32(const u16* __restrict__ actx, const u8* __rest
 // Grid (rows, ceil(cols / 128)), 32 threads: x [rows, cols] f32 -> xq [rows][super-steps][128] e4m3 in
 // fragment order (block b's bytes at 32 b, lane t's 8 at 8 t: columns 8 t + 0, 2, 4, 6, then 1, 3, 5, 7)
 // and xf [rows][super-steps][4]: each block's scale 2^e times 2^6 (the weight decode's 2^-6 undone).
-// The block's e is the least with max |x| / 2^e <= 448 (E4M3's largest value; at least -127): the
-// OCP MX rule floor(log2(max |x|)) - 8 would clip blocks whose largest value lies in (448, 512) x 2^e
-// to 448, the whole of a 12.5 % error. x / 2^e rounds to nearest even. Columns past `cols` are zero.
+// reference/k3ref/mxfp8.py defines the rule. The block's e is the least with max |x| / 2^e <= 448
+// (E4M3's largest value; at least -127): the OCP MX rule floor(log2(max |x|)) - 8 would clip blocks
+// whose largest value lies in (448, 512) x 2^e to 448, the whole of a 12.5 % error. x / 2^e rounds to
+// nearest even. Columns past `cols` are zero.
 extern "C" __global__ void mxfp8_quantize_f32(const float* __restrict__ x, u8* __restrict__ xq, float* __restrict__ xf,
                                               int rows, int cols) {
     const int row = blockIdx.x, ss = blockIdx.y, lane = threadIdx.x, col = MXF_KC * ss + 4 * lane;

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "reference"))
 from k3ref import kda as rk  # noqa: E402
+from k3ref import mxfp8 as rmx8  # noqa: E402
 
 if TYPE_CHECKING:
     from device_check import Device
@@ -124,17 +125,9 @@ def run_few_tokens_e4m3(d: Device, gx, up_args, down_args, t, k, lt, ie, scratch
 
 
 def mxfp8_round(x: torch.Tensor) -> torch.Tensor:
-    """x (rows of a multiple of 32 columns) through MXFP8 and back, in float64, as mxfp8_quantize_f32 rounds the
-    f32 value: per 32-column block the least e with max |x| / 2^e <= 448 (at least -127), x / 2^e to E4M3
-    (nearest even)."""
-    x32 = x.float().cpu()
-    b = x32.reshape(x32.shape[0], -1, 32)
-    amax = b.abs().amax(-1, keepdim=True)
-    ab = amax.view(torch.int32)
-    e = (((ab >> 23) & 0xFF) - 127 - 8 + ((ab & 0x7FFFFF) > 0x600000).int()).clamp(min=-127)
-    e = e.double()
-    q = (b.double() * torch.exp2(-e)).float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
-    return (q * torch.exp2(e)).reshape(x.shape)
+    """x (rows of a multiple of 32 columns) through MXFP8 and back, in float64, by the reference's rule
+    (k3ref/mxfp8.py), which mxfp8_quantize_f32 implements."""
+    return rmx8.round_trip(x.cpu())
 
 
 def mx_tile_bound(n_assign: int, experts: int, tok: int) -> int:

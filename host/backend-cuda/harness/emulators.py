@@ -16,6 +16,7 @@ from checks_kda_replay import KDA_REPLAY_EMU
 from checks_vision import VISION_EMU
 from k3ref import kda as rk
 from k3ref import mxfp4 as rmx
+from k3ref import mxfp8 as rmx8
 from k3ref.attnres import attn_res as ref_attn_res
 from k3ref.moe import route as ref_route
 from k3ref.norm import rms_norm as ref_rms_norm
@@ -548,11 +549,7 @@ def _emu_mxfp8_quantize(x, xq, xf, rows, cols):
     nss = -(-cols // 128)
     xp = np.zeros((rows, nss * 128), np.float32)
     xp[:, :cols] = x.reshape(-1)[:rows * cols].reshape(rows, cols)
-    b = torch.from_numpy(xp).reshape(rows, nss * 4, 32)
-    amax = b.abs().amax(-1, keepdim=True)
-    ab = amax.view(torch.int32)
-    e = (((ab >> 23) & 0xFF) - 127 - 8 + ((ab & 0x7FFFFF) > 0x600000).int()).clamp(min=-127)
-    q = (b.double() * torch.exp2(-e.double())).float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    q, e = rmx8.quantize(torch.from_numpy(xp))  # zero padding blocks take e = -127, as in the kernel
     o = xq.reshape(-1)[:rows * nss * 128].reshape(rows, nss, 128)
     o[:, :, _e4m3_perm()] = q.view(torch.uint8).reshape(rows, nss, 128).numpy()
     xf.reshape(-1)[:rows * nss * 4] = torch.exp2((e + 6).double()).float().reshape(-1).numpy()
