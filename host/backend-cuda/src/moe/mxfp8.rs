@@ -42,18 +42,13 @@ fn quantize_launch(rows: usize, cols: usize) -> Result<Launch> {
 impl CudaBackend {
     /// `out [T, latent] = Σ_j w[t,j] · expert_{idx[t,j]}(z_t)` with MXFP8 activations.
     pub(crate) fn moe_experts_mxfp8(&self, step: SortedStep<'_>) -> Result<DeviceMat> {
-        let (t, k, ex, situ) = (step.z.rows, step.top_k, step.ex, step.situ);
-        let (lt, ie, n) = (ex.latent, ex.inter, t * k);
-        let (ti, ni) = (i32_of(t, "tokens")?, i32_of(n, "assignments")?);
-        let (kk, lti, iei, ei) = (
-            k as i32,
-            ex.latent as i32,
-            ex.inter as i32,
-            ex.experts as i32,
-        );
+        let (d, ex, situ) = (step.dims()?, step.ex, step.situ);
+        let (t, n, lt, ie) = (d.t, d.n, d.lt, d.ie);
+        let (ti, ni, kk, lti, iei, ei) =
+            (d.ti, i32_of(n, "assignments")?, d.kk, d.lti, d.iei, d.ei);
         let nt = few_token_ntiles(t, 1);
         let (shared, nti) = (FEW_TOKEN_STAGES * stage_bytes(nt), nt as i32);
-        let busy = ex.experts.min(n).max(1);
+        let busy = d.e.min(n).max(1);
         let sms = self.multiprocessors;
         let (zq_row, zf_row) = quantized_row(lt);
         let (aq_row, af_row) = quantized_row(ie);
