@@ -495,29 +495,42 @@ mxfp4_experts_few_tokens_up_f32(const u16* __restrict__ zx, const u8* __restrict
                           });
 }
 
-// Persistent grid as the up kernel, 256 threads: y[a, r] = W2_e[r, :] . act[a, :] with act from
-// actx (mxfp4_experts_few_tokens_up_f32), for every sorted assignment a of each tile's expert.
+// The down walk of both pairs: y[a, r] = W2_e[r, :] . act[a, :] for every sorted assignment a of each
+// tile's expert, act staged from xs (and xf, MXFP8) as the walk's B.
+template <bool FP8>
+__device__ __forceinline__ void few_tokens_down(const void* __restrict__ xs, const float* __restrict__ xf,
+                                                const u8* __restrict__ w2p, const u8* __restrict__ w2s,
+                                                const int* __restrict__ offsets, const int* __restrict__ sorted,
+                                                float* __restrict__ y, int latent, int inter, int experts, int ntiles,
+                                                int planes) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    few_tokens_walk<false, FP8>(xs, xf, 1, w2p, w2s, w2p, w2s, latent, inter, offsets, sorted, experts,
+                                max(1, min(ntiles, MXF_MAXNT)), planes,
+                                [&](const MxfTile& T, int t0, int nt, const float(&acc)[2][MXF_MAXNT][4]) {
+#pragma unroll
+                                    for (int m = 0; m < 2; ++m)
+#pragma unroll
+                                        for (int q = 0; q < MXF_MAXNT; ++q)
+#pragma unroll
+                                            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                                                for (int h = 0; h < 2; ++h) {
+                                                    const int i = mxf_token(planes, q, j, t),
+                                                              r = T.r0 + 32 * warp + 16 * m + 8 * h + g;
+                                                    if ((j == 0 || planes == 1) && i < nt && r < latent)
+                                                        y[(i64)sorted[T.a0 + t0 + i] * latent + r] =
+                                                            mxf_result(acc[m][q], planes, j, h);
+                                                }
+                                });
+}
+
+// Persistent grid as the up kernel, 256 threads: few_tokens_down with act from actx
+// (mxfp4_experts_few_tokens_up_f32).
 extern "C" __global__ void __launch_bounds__(256, 2)
 mxfp4_experts_few_tokens_down_f32(const u16* __restrict__ actx, const u8* __restrict__ w2p, const u8* __restrict__ w2s,
                    const int* __restrict__ offsets, const int* __restrict__ sorted, float* __restrict__ y, int latent,
                    int inter, int experts, int ntiles, int planes) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    few_tokens_walk<false, false>(actx, nullptr, 1, w2p, w2s, w2p, w2s, latent, inter, offsets, sorted, experts,
-                           max(1, min(ntiles, MXF_MAXNT)), planes,
-                           [&](const MxfTile& T, int t0, int nt, const float(&acc)[2][MXF_MAXNT][4]) {
-#pragma unroll
-                               for (int m = 0; m < 2; ++m)
-#pragma unroll
-                                   for (int q = 0; q < MXF_MAXNT; ++q)
-#pragma unroll
-                                       for (int j = 0; j < 2; ++j)
-#pragma unroll
-                                           for (int h = 0; h < 2; ++h) {
-                                               const int i = mxf_token(planes, q, j, t), r = T.r0 + 32 * warp + 16 * m + 8 * h + g;
-                                               if ((j == 0 || planes == 1) && i < nt && r < latent)
-                                                   y[(i64)sorted[T.a0 + t0 + i] * latent + r] = mxf_result(acc[m][q], planes, j, h);
-                                           }
-                           });
+    few_tokens_down<false>(actx, nullptr, w2p, w2s, offsets, sorted, y, latent, inter, experts, ntiles, planes);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -587,28 +600,12 @@ mxfp4_experts_few_tokens_up_e4m3(const u8* __restrict__ zq, const float* __restr
                                 });
 }
 
-// The down kernel of the MXFP8 pair: y[a, r] = W2_e[r, :] . act[a, :] with act from mxfp8_quantize_f32
-// (aq, af) of the up kernel's output.
+// The down kernel of the MXFP8 pair: few_tokens_down with act from mxfp8_quantize_f32 (aq, af) of the up
+// kernel's output.
 extern "C" __global__ void __launch_bounds__(256, 2)
 mxfp4_experts_few_tokens_down_e4m3(const u8* __restrict__ aq, const float* __restrict__ af, const u8* __restrict__ w2p,
                                    const u8* __restrict__ w2s, const int* __restrict__ offsets,
                                    const int* __restrict__ sorted, float* __restrict__ y, int latent, int inter,
                                    int experts, int ntiles) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    few_tokens_walk<false, true>(aq, af, 1, w2p, w2s, w2p, w2s, latent, inter, offsets, sorted, experts,
-                                 max(1, min(ntiles, MXF_MAXNT)), 1,
-                                 [&](const MxfTile& T, int t0, int nt, const float(&acc)[2][MXF_MAXNT][4]) {
-#pragma unroll
-                                     for (int m = 0; m < 2; ++m)
-#pragma unroll
-                                         for (int q = 0; q < MXF_MAXNT; ++q)
-#pragma unroll
-                                             for (int j = 0; j < 2; ++j)
-#pragma unroll
-                                                 for (int h = 0; h < 2; ++h) {
-                                                     const int i = mxf_token(1, q, j, t), r = T.r0 + 32 * warp + 16 * m + 8 * h + g;
-                                                     if (i < nt && r < latent)
-                                                         y[(i64)sorted[T.a0 + t0 + i] * latent + r] = acc[m][q][2 * h + j];
-                                                 }
-                                 });
+    few_tokens_down<true>(aq, af, w2p, w2s, offsets, sorted, y, latent, inter, experts, ntiles, 1);
 }
