@@ -150,6 +150,18 @@ impl Table {
             self.failed.push(format!("{op}: {e:.3e} > {tol:.0e}"));
         }
     }
+    /// A second run of `op` on the same inputs must give the same bits.
+    fn check_rerun(&mut self, op: &str, first: &[f32], again: &[f32]) {
+        let same = first.len() == again.len()
+            && first
+                .iter()
+                .zip(again)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        println!("{}op={op} rerun bitwise-equal={same}", self.tag);
+        if !same {
+            self.failed.push(format!("{op}: rerun differs"));
+        }
+    }
     fn finish(self) {
         assert!(
             self.failed.is_empty(),

@@ -524,12 +524,7 @@ fn moe_gemm_path_matches_cpu() {
     // (atomic cursor), so this also checks that no result depends on a token's tile / column.
     let (mut r1, mut r2) = (Rng(seed ^ 3), Rng(seed ^ 3));
     let (a, b) = (moe(&gpu, &mut r1, 2048), moe(&gpu, &mut r2, 2048));
-    let same = a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
-    println!("op=moe_routed(T=2048, wgmma, run twice) bitwise-equal={same}");
-    if !same {
-        t.failed
-            .push("moe_routed(T=2048, wgmma): rerun differs".into());
-    }
+    t.check_rerun("moe_routed(T=2048, wgmma)", &a, &b);
     t.finish();
 }
 
@@ -551,14 +546,7 @@ fn moe_single_token_matches_cpu() {
     t.check("moe_routed(T=1, single token)", &got, &want, TOL_FUSED);
     for _ in 0..2 {
         let again = moe(&gpu, &mut Rng(seed), 1);
-        let same = again
-            .iter()
-            .zip(&got)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        println!("op=moe_routed(T=1, single token) rerun bitwise-equal={same}");
-        if !same {
-            t.failed.push("single token: rerun differs".into());
-        }
+        t.check_rerun("moe_routed(T=1, single token)", &got, &again);
     }
     t.finish();
 }
@@ -590,14 +578,7 @@ fn moe_mxfp8_matches_cpu() {
         );
         if tokens == 40 {
             let again = moe(&gpu, &mut Rng(s), tokens);
-            let same = again
-                .iter()
-                .zip(&got)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            println!("mxfp8 op=moe_routed(T=40) rerun bitwise-equal={same}");
-            if !same {
-                t.failed.push("mxfp8 T=40: rerun differs".into());
-            }
+            t.check_rerun("moe_routed(T=40, MXFP8 pair)", &got, &again);
         }
     }
     t.finish();
