@@ -186,6 +186,8 @@ __device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, con
     const u8* stages = reinterpret_cast<const u8*>(mxt_smem);
     const u32 stages_s = (u32)__cvta_generic_to_shared(mxt_smem);
 
+    // The stage row of this lane's A-fragment row g + 8 h of m-tile m (the consumers' rows).
+    auto arow = [&](int m, int h) { return 32 * warp + 16 * m + 8 * h + g; };
     auto tile_at = [&](int k, MxfTile& T) {
         T.nsteps = 0;
         if (k >= ntile) return;
@@ -316,7 +318,7 @@ __device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, con
         for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int ar = 32 * warp + 16 * m + 8 * h + g;
+                const int ar = arow(m, h);
                 wv[m][h] = *reinterpret_cast<const uint4*>(buf + ar * 64 + 16 * t);
                 sc[m][h] = two ? mx_scale2(sb[m][h]) : mx_scale2_folded(sb[m][h]);
             }
@@ -363,7 +365,7 @@ __device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, con
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) s4[m][h] = *reinterpret_cast<const u32*>(buf + MXF_W_BYTES + 4 * (32 * warp + 16 * m + 8 * h + g));
+            for (int h = 0; h < 2; ++h) s4[m][h] = *reinterpret_cast<const u32*>(buf + MXF_W_BYTES + 4 * arow(m, h));
 #pragma unroll(NT <= 2 ? 4 : 1)
         for (int B = 0; B < 4; ++B) {
             u32 a[2][4];
@@ -372,7 +374,7 @@ __device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, con
             for (int m = 0; m < 2; ++m)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const u32 w = *reinterpret_cast<const u32*>(buf + (32 * warp + 16 * m + 8 * h + g) * 64 + 16 * (B ^ swz) + 4 * t);
+                    const u32 w = *reinterpret_cast<const u32*>(buf + arow(m, h) * 64 + 16 * (B ^ swz) + 4 * t);
                     a[m][h] = mx_e4m3_even(w);
                     a[m][2 + h] = mx_e4m3_odd(w);
                     fw[m][h] = mx_scale_f32(s4[m][h], B);
@@ -407,7 +409,7 @@ __device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, con
         for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                sb[m][h] = buf[MXF_W_BYTES + 4 * (32 * warp + 16 * m + 8 * h + g) + t];
+                sb[m][h] = buf[MXF_W_BYTES + 4 * arow(m, h) + t];
                 big |= sb[m][h] > MX_DEC_MAX_FOLDED;
             }
         if (__any_sync(K3_FULL_MASK, big))
