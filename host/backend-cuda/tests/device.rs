@@ -136,6 +136,14 @@ struct Table {
 }
 
 impl Table {
+    /// A table whose lines start with `tag`, each op at its own tolerance (no floor).
+    fn new(tag: &'static str) -> Self {
+        Self {
+            tag,
+            failed: Vec::new(),
+            floor: 0.0,
+        }
+    }
     fn check(&mut self, op: &str, cuda: &[f32], cpu: &[f32], tol: f64) {
         let tol = tol.max(self.floor);
         let e = rel_err(cuda, cpu);

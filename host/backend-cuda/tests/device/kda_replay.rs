@@ -276,11 +276,7 @@ fn kda_replay_matches_decode() {
     let Some(gpu) = cuda() else { return };
     let cpu = CpuBackend::new();
     let seed = Rng::new("kda_replay_matches_decode").0;
-    let mut tab = Table {
-        tag: "",
-        failed: Vec::new(),
-        floor: 0.0,
-    };
+    let mut tab = Table::new("");
     for heads in HEADS {
         for t in TOKENS {
             let g = geom(heads);

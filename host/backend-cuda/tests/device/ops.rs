@@ -495,11 +495,7 @@ fn moe_gemm_path_matches_cpu() {
     let Some(mut gpu) = cuda() else { return };
     let cpu = CpuBackend::new();
     let seed = Rng::new("moe_gemm_path_matches_cpu").0;
-    let mut t = Table {
-        tag: "",
-        failed: Vec::new(),
-        floor: 0.0,
-    };
+    let mut t = Table::new("");
     let arch = gpu.limits.arch.clone();
     for (fallback, tokens, name) in [
         (true, 1100, "moe_routed(T=1100, cuBLAS bf16 split GEMMs)"),
@@ -536,11 +532,7 @@ fn moe_single_token_matches_cpu() {
     let Some(gpu) = cuda() else { return };
     let cpu = CpuBackend::new();
     let seed = Rng::new("moe_single_token_matches_cpu").0;
-    let mut t = Table {
-        tag: "",
-        failed: Vec::new(),
-        floor: 0.0,
-    };
+    let mut t = Table::new("");
     let want = moe(&cpu, &mut Rng(seed), 1);
     let got = moe(&gpu, &mut Rng(seed), 1);
     t.check("moe_routed(T=1, single token)", &got, &want, TOL_FUSED);
@@ -561,11 +553,7 @@ fn moe_mxfp8_matches_cpu() {
     };
     let cpu = CpuBackend::new();
     let seed = Rng::new("moe_mxfp8_matches_cpu").0;
-    let mut t = Table {
-        tag: "mxfp8 ",
-        failed: Vec::new(),
-        floor: 0.0,
-    };
+    let mut t = Table::new("mxfp8 ");
     for tokens in [1usize, 3, 40, 1100] {
         let s = seed ^ tokens as u64;
         let got = moe(&gpu, &mut Rng(s), tokens);
@@ -607,11 +595,7 @@ fn mla_bf16_attend_matches_cpu(arch: Option<&str>, test: &str, tag: &str) {
     }
     let cpu = CpuBackend::new();
     let seed = Rng::new(test).0;
-    let mut t = Table {
-        tag: "",
-        failed: Vec::new(),
-        floor: 0.0,
-    };
+    let mut t = Table::new("");
     let names = [
         "prefill(T=21)",
         "decode(T=1)",
@@ -665,9 +649,8 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str, floor: f64) {
     let cpu = CpuBackend::new();
     let seed = Rng::new(name).0;
     let mut t = Table {
-        tag,
-        failed: Vec::new(),
         floor,
+        ..Table::new(tag)
     };
     let (mut rc, mut rg) = (Rng(seed), Rng(seed));
     let (a, b) = (simple_ops(&cpu, &mut rc), simple_ops(gpu, &mut rg));

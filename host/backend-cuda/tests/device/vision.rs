@@ -72,11 +72,7 @@ fn vision_ops<B: Backend>(be: &B, seed: u64) -> Vec<(String, Vec<f32>, f64)> {
 fn vision_ops_match_cpu() {
     let Some(gpu) = cuda() else { return };
     let seed = Rng::new("vision_ops_match_cpu").u64();
-    let mut t = Table {
-        tag: "",
-        failed: Vec::new(),
-        floor: 0.0,
-    };
+    let mut t = Table::new("");
     let (g, c) = (vision_ops(&gpu, seed), vision_ops(&CpuBackend::new(), seed));
     for ((name, a, tol), (_, b, _)) in g.iter().zip(&c) {
         t.check(name, a, b, *tol);
@@ -119,11 +115,7 @@ fn vision_tower_matches_cpu() {
         g.vision().expect("k3-mini has a vision tower"),
         c.vision().unwrap(),
     );
-    let mut t = Table {
-        tag: "",
-        failed: Vec::new(),
-        floor: 0.0,
-    };
+    let mut t = Table::new("");
     for (k, (h, w)) in [(64, 96), (96, 64), (192, 192), (256, 256)]
         .into_iter()
         .enumerate()
