@@ -13,8 +13,6 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/k3-kernel-profile}"
 BIN=/tmp/k3bin
 mkdir -p "$OUT"
-summary() { echo "$*"; }
-fail() { echo "FAIL $*"; }
 source scripts/device-lib.sh
 regex="${1:?kernel name regex}"
 timeout 300 "$NCU" --clock-control none --set full --import-source yes --kernel-name "regex:$regex" \

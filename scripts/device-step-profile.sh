@@ -10,8 +10,6 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/k3-step-profile}"
 BIN=/tmp/k3bin
 mkdir -p "$OUT"
-summary() { echo "$*"; }
-fail() { echo "FAIL $*"; }
 source scripts/device-lib.sh
 timeout 300 "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
     --log-file "$OUT/step-times.csv" "$BIN/k3serve" bench --device cuda --model models/k3-slice --load-format dummy \
