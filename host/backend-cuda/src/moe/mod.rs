@@ -189,7 +189,7 @@ impl CudaBackend {
             &situ.beta, &lin, &has, &e, &nti, &pl)?;
         launch!(self, "mxfp4_experts_few_tokens_down_f32", few_token_launch(busy, ex.latent, ex.inter, FEW_TOKEN_DOWN_ROWS, shared, sms)?;
             &actx, &ex.w2.0, &ex.w2.1, &offsets, &sorted, &y.buf, &lt, &ie, &e, &nti, &pl)?;
-        let out = self.zeros(t, ex.latent)?;
+        let out = self.output(t, ex.latent)?; // the combine writes every element
         let tt = t as i32;
         launch!(self, "moe_combine_f32", geometry::elementwise(t * ex.latent)?; &y.buf, &w, &out.buf, &tt, &kk, &lt)?;
         Ok(out)

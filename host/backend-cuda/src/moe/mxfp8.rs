@@ -68,7 +68,7 @@ impl CudaBackend {
         launch!(self, "mxfp8_quantize_f32", quantize_launch(n, ie)?; &act, &aq, &af, &ni, &iei)?;
         launch!(self, "mxfp4_experts_few_tokens_down_e4m3", few_token_launch(busy, lt, ie, FEW_TOKEN_DOWN_ROWS, shared, sms)?;
             &aq, &af, &ex.w2.0, &ex.w2.1, step.offsets, step.sorted, &y.buf, &lti, &iei, &ei, &nti)?;
-        let out = self.zeros(t, lt)?;
+        let out = self.output(t, lt)?; // the combine writes every element
         launch!(self, "moe_combine_f32", geometry::elementwise(t * lt)?; &y.buf, step.w, &out.buf, &ti, &kk, &lti)?;
         Ok(out)
     }
