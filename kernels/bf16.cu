@@ -5,8 +5,8 @@
 //                         2; planes 1 writes the hi rows alone: x rounded once, bf16 mode)
 //   sum_row_halves_f32    c [2M, N] f32 -> y [M, N] = c[0..M] + c[M..2M]
 //   bf16_to_f32           widen (f32 copies for ops without a bf16 kernel)
-//   gemv_bf16_tc_f32      y = x w^T for M <= 16 rows (decode): tensor cores, x in three bf16 pieces;
-//                         backend_impl.rs takes it up to 2^22 weights, cuBLAS streams bigger ones faster
+//   gemv_bf16_tc_f32      y = x w^T for M <= 16 rows (decode): tensor cores, x in three bf16 pieces
+//                         (float32 mode) or rounded once (bf16 mode)
 //   gemv_sum_splits_f32   y = the sum of gemv_bf16_tc_f32's split-K partials
 #include "tensor_core.cuh"
 
@@ -32,9 +32,11 @@ extern "C" __global__ void bf16_to_f32(const u16* __restrict__ b, float* __restr
 
 // Decode-sized products on the tensor cores, reading each weight byte once for all M <= 16 rows:
 // y [M, N] = x [M, K] . w [N, K]^T with the weight as the MMA's A operand (16 output rows) and
-// the activation rows as B (two n8 tiles). Each x value enters as three bf16 pieces (hi + mid +
-// lo = all 24 mantissa bits) and bf16 x bf16 products are exact in the f32 accumulator, so the
-// result tracks an f32 matmul (~1e-6) while the FMA count stops limiting at M = 16.
+// the activation rows as B (two n8 tiles). With `pieces` = 3 each x value enters as three bf16
+// pieces (hi + mid + lo = all 24 mantissa bits) and bf16 x bf16 products are exact in the f32
+// accumulator, so the result tracks an f32 matmul (~1e-6) while the FMA count stops limiting at
+// M = 16 (float32 mode); with `pieces` = 1 x is rounded once to bf16, as the bf16 mode's GEMMs
+// take it, and a third of the mma and split work is left.
 // Sums over k do not care about the order of k, so a lane loads 8 consecutive bf16 of a row (one
 // 16-byte load) and the matching 8 x values, and they fill its fragment slots of two k16 MMAs.
 // Block: 4 warps x 32 rows (two m16 tiles each), all on one K slice (the warps' x reads then hit
@@ -46,9 +48,9 @@ extern "C" __global__ void bf16_to_f32(const u16* __restrict__ b, float* __restr
 #define GEMV_TC_UNROLL 2  // 32-column chunks per step (a step's loads are issued together)
 #define GEMV_TC_KSTEP (32 * GEMV_TC_UNROLL)
 
-extern "C" __global__ void __launch_bounds__(128, 4)
-    gemv_bf16_tc_f32(const float* __restrict__ x, const u16* __restrict__ w, float* __restrict__ out, int M, int N,
-                     int K, int kslice) {
+template <int P>
+__device__ __forceinline__ void gemv_bf16_tc(const float* __restrict__ x, const u16* __restrict__ w,
+                                             float* __restrict__ out, int M, int N, int K, int kslice) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * 128 + (threadIdx.x >> 5) * (16 * GEMV_TC_MT);
     const int k0 = blockIdx.y * kslice, k1 = min(K, k0 + kslice);
@@ -92,7 +94,7 @@ extern "C" __global__ void __launch_bounds__(128, 4)
             const int col = kb + u * 32 + t * 8;
             const bool cin = col < k1;
             // B fragments: [piece][tile][k16 half][b0b1 | b2b3] (physical columns 8t+0..3, 8t+4..7).
-            u32 b[3][2][2][2];
+            u32 b[P][2][2][2];
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
                 float4 lo4 = make_float4(0.f, 0.f, 0.f, 0.f), hi4 = lo4;
@@ -101,16 +103,23 @@ extern "C" __global__ void __launch_bounds__(128, 4)
                     lo4 = __ldg(p);
                     hi4 = __ldg(p + 1);
                 }
-                tc_split3(lo4.x, lo4.y, b[0][nt][0][0], b[1][nt][0][0], b[2][nt][0][0]);
-                tc_split3(lo4.z, lo4.w, b[0][nt][0][1], b[1][nt][0][1], b[2][nt][0][1]);
-                tc_split3(hi4.x, hi4.y, b[0][nt][1][0], b[1][nt][1][0], b[2][nt][1][0]);
-                tc_split3(hi4.z, hi4.w, b[0][nt][1][1], b[1][nt][1][1], b[2][nt][1][1]);
+                if constexpr (P == 3) {
+                    tc_split3(lo4.x, lo4.y, b[0][nt][0][0], b[1][nt][0][0], b[2][nt][0][0]);
+                    tc_split3(lo4.z, lo4.w, b[0][nt][0][1], b[1][nt][0][1], b[2][nt][0][1]);
+                    tc_split3(hi4.x, hi4.y, b[0][nt][1][0], b[1][nt][1][0], b[2][nt][1][0]);
+                    tc_split3(hi4.z, hi4.w, b[0][nt][1][1], b[1][nt][1][1], b[2][nt][1][1]);
+                } else {
+                    b[0][nt][0][0] = tc_pack_bf16(lo4.x, lo4.y);
+                    b[0][nt][0][1] = tc_pack_bf16(lo4.z, lo4.w);
+                    b[0][nt][1][0] = tc_pack_bf16(hi4.x, hi4.y);
+                    b[0][nt][1][1] = tc_pack_bf16(hi4.z, hi4.w);
+                }
             }
 #pragma unroll
             for (int mt = 0; mt < GEMV_TC_MT; ++mt) {
                 const uint4 r = wv[u][mt][0], r8 = wv[u][mt][1];
 #pragma unroll
-                for (int p = 2; p >= 0; --p) {  // small pieces first
+                for (int p = P - 1; p >= 0; --p) {  // small pieces first
                     tc_mma_bf16(acc[mt][0], r.x, r8.x, r.y, r8.y, b[p][0][0][0], b[p][0][0][1]);
                     tc_mma_bf16(acc[mt][0], r.z, r8.z, r.w, r8.w, b[p][0][1][0], b[p][0][1][1]);
                     if (two) {
@@ -132,6 +141,16 @@ extern "C" __global__ void __launch_bounds__(128, 4)
                 const int m = nt * 8 + 2 * t + (i & 1), r = row0 + mt * 16 + g + (i >> 1) * 8;
                 if (m < M && r < N) o[(i64)m * N + r] = acc[mt][nt][i];
             }
+}
+
+// `pieces`: 3 (float32 mode) or 1 (bf16 mode).
+extern "C" __global__ void __launch_bounds__(128, 4)
+    gemv_bf16_tc_f32(const float* __restrict__ x, const u16* __restrict__ w, float* __restrict__ out, int M, int N,
+                     int K, int kslice, int pieces) {
+    if (pieces == 1)
+        gemv_bf16_tc<1>(x, w, out, M, N, K, kslice);
+    else
+        gemv_bf16_tc<3>(x, w, out, M, N, K, kslice);
 }
 
 // y [n] = sum over s of part [s, n], in order (deterministic split-K for gemv_bf16_tc_f32).

@@ -791,13 +791,21 @@ def bench_gemv(d: Device, record, quick: bool):
             def new(M=M):
                 run_gemv_tc(d, V["x"], wv, V["y"], M, n, k, V["part"], (splits, kslice))
 
+            def new_bf16(M=M):
+                run_gemv_tc(d, V["x"], wv, V["y"], M, n, k, V["part"], (splits, kslice), pieces=1)
+
             def cublas(M=M):
                 d.launch("bf16_split_rows_f32", cdiv(M * k, 256), 256, V["x"], xsv, M * k, 2)
                 # cuBLAS writes f32 in matmul_linear; torch's bf16 matmul writes bf16 (a proxy: the
                 # weight stream dominates, the output is 2M x n).
                 torch.matmul(xs.view(torch.bfloat16), wt.T, out=cb)
                 d.launch("sum_row_halves_f32", cdiv(M * n, 256), 256, V["c"], V["y"], M * n)
-            runs = ([("new", new)] if M <= 16 else []) + [("cublas", cublas)]
+
+            def cublas_bf16(M=M):  # bfloat16 mode: x rounded once, M rows
+                d.launch("bf16_split_rows_f32", cdiv(M * k, 256), 256, V["x"], xsv, M * k, 1)
+                torch.matmul(xs[:M].view(torch.bfloat16), wt.T, out=cb[:M])
+            runs = ([("new", new), ("new bf16", new_bf16)] if M <= 16 else []) + [("cublas", cublas),
+                                                                                  ("cublas bf16", cublas_bf16)]
             extra = {}
             if M <= 16:
                 new()

@@ -932,7 +932,8 @@ def check_bf16_matmul(d: Device, r: Results, gen):
 def check_gemv_tc(d: Device, r: Results, gen):
     """The tensor-core decode product (gemv_bf16_tc_f32 + gemv_sum_splits_f32) against float64, f32
     accuracy: N below / not a multiple of the 128-row block, K not a multiple of the 64-column step
-    (and a short last K slice), one split and several, M across both n8 tiles of x rows."""
+    (and a short last K slice), one split and several, M across both n8 tiles of x rows; x in three
+    pieces (float32 mode) and rounded once (bfloat16 mode, against float64 of the rounded x)."""
     dev = lambda t: t.contiguous().to(d.tdev)  # noqa: E731
     u16 = lambda t: d.view(t).view(np.uint16)  # noqa: E731
     for n, k, plan in ((77, 520, None), (300, 1544, None), (130, 200, (1, 256)),
@@ -942,11 +943,15 @@ def check_gemv_tc(d: Device, r: Results, gen):
         part = dev(torch.zeros(16 * 16 * n))
         for m in (1, 3, 8, 16):
             x = rand(m, k, gen=gen)
-            y = dev(torch.full((m, n), float("nan")))
-            run_gemv_tc(d, d.view(dev(x.float())), u16(wb), d.view(y), m, n, k, d.view(part), plan)
-            d.sync()
             splits = (plan or gemv_tc_plan(n, k))[0]
-            r.check(f"gemv_bf16_tc_f32 M={m} {n}x{k} splits={splits}", rel_err(y, x @ w.double().T), 1e-5)
+            for pieces in (3, 1):
+                y = dev(torch.full((m, n), float("nan")))
+                run_gemv_tc(d, d.view(dev(x.float())), u16(wb), d.view(y), m, n, k, d.view(part), plan, pieces)
+                d.sync()
+                # pieces 1 (bfloat16 mode): against float64 of x rounded to bf16 as the kernel rounds it.
+                xr = x if pieces == 3 else x.float().to(torch.bfloat16).double()
+                r.check(f"gemv_bf16_tc_f32 M={m} {n}x{k} splits={splits} pieces={pieces}", rel_err(y, xr @ w.double().T),
+                        1e-5)
 
 
 def main():

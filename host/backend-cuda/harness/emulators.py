@@ -755,13 +755,13 @@ def _emu_combine_ids(y, idx, w, out, t, k, lt, e):
     out.reshape(-1)[:t * lt] = torch.einsum("tk,tkl->tl", _t(w).reshape(-1)[:t * k].view(t, k), Y).numpy().reshape(-1)
 
 
-def _emu_gemv_tc(x, w, out, m, n, k, kslice):
-    """kernels/bf16.cu gemv_bf16_tc_f32: x in three bf16 pieces (each the rounded residual of the ones
-    before), exact products summed in f64 per K slice; out [ceil(K / kslice), M, N] partials."""
+def _emu_gemv_tc(x, w, out, m, n, k, kslice, npieces):
+    """kernels/bf16.cu gemv_bf16_tc_f32: x in `npieces` (3 or 1) bf16 pieces (each the rounded residual of
+    the ones before), exact products summed in f64 per K slice; out [ceil(K / kslice), M, N] partials."""
     m, n, k, ks = int(m), int(n), int(k), int(kslice)
     xv = x.reshape(-1)[:m * k].astype(np.float32)
     pieces = []
-    for _ in range(3):
+    for _ in range(int(npieces)):
         b = bf16_bits(xv)
         pieces.append(bf16_value(b).astype(np.float64))
         xv = (xv - bf16_value(b)).astype(np.float32)

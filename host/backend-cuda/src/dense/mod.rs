@@ -176,15 +176,17 @@ impl CudaBackend {
         {
             let (splits, kslice) = gemv_tc_plan(n, k, self.multiprocessors);
             let (mi, ni, ki, ks) = (m as i32, n as i32, k as i32, kslice as i32);
+            // x in three exact bf16 pieces in float32 mode, rounded once like the GEMMs otherwise.
+            let pieces: i32 = if self.options.dtype == crate::Dtype::F32 { 3 } else { 1 };
             let l = Launch::new((n.div_ceil(GEMV_TC_BLOCK_ROWS), splits, 1), 128)?;
             if splits == 1 {
-                launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &y.buf, &mi, &ni, &ki, &ks)?;
+                launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &y.buf, &mi, &ni, &ki, &ks, &pieces)?;
                 return Ok(y);
             }
             // Every split writes its whole [M, N] partial before the sum reads it.
             let part = self.uninit::<f32>(splits * m * n)?;
             let (si, yn) = (splits as i32, (m * n) as i64);
-            launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &part, &mi, &ni, &ki, &ks)?;
+            launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &part, &mi, &ni, &ki, &ks, &pieces)?;
             launch!(self, "gemv_sum_splits_f32", geometry::elementwise(m * n)?; &part, &y.buf, &si, &yn)?;
             return Ok(y);
         }
