@@ -45,7 +45,9 @@ extern "C" __global__ void bf16_to_f32(const u16* __restrict__ b, float* __restr
 // K % 8 == 0 (16-byte rows); M <= 16.
 #define GEMV_TC_MAX_M 16
 #define GEMV_TC_MT 2      // m16 tiles per warp
+#ifndef GEMV_TC_UNROLL       // harness probes may set it (benchmarks.py bench_gemv, K3_GEMV_DIAG)
 #define GEMV_TC_UNROLL 2  // 32-column chunks per step (a step's loads are issued together)
+#endif
 #define GEMV_TC_KSTEP (32 * GEMV_TC_UNROLL)
 
 template <int P>

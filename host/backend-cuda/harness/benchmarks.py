@@ -791,8 +791,8 @@ def bench_gemv(d: Device, record, quick: bool):
             def new(M=M):
                 run_gemv_tc(d, V["x"], wv, V["y"], M, n, k, V["part"], (splits, kslice))
 
-            def new_bf16(M=M):
-                run_gemv_tc(d, V["x"], wv, V["y"], M, n, k, V["part"], (splits, kslice), pieces=1)
+            def new_bf16(M=M, defs=()):
+                run_gemv_tc(d, V["x"], wv, V["y"], M, n, k, V["part"], (splits, kslice), pieces=1, defines=defs)
 
             def cublas(M=M):
                 d.launch("bf16_split_rows_f32", cdiv(M * k, 256), 256, V["x"], xsv, M * k, 2)
@@ -804,8 +804,13 @@ def bench_gemv(d: Device, record, quick: bool):
             def cublas_bf16(M=M):  # bfloat16 mode: x rounded once, M rows
                 d.launch("bf16_split_rows_f32", cdiv(M * k, 256), 256, V["x"], xsv, M * k, 1)
                 torch.matmul(xs[:M].view(torch.bfloat16), wt.T, out=cb[:M])
-            runs = ([("new", new), ("new bf16", new_bf16)] if M <= 16 else []) + [("cublas", cublas),
-                                                                                  ("cublas bf16", cublas_bf16)]
+            # Probes of the bf16 form: K3_GEMV_DIAG lists define sets (";"-separated), e.g. more columns
+            # per step so more loads are in flight.
+            probes = [tuple(v.split()) for v in os.environ.get("K3_GEMV_DIAG", "-DGEMV_TC_UNROLL=4").split(";")
+                      if v.strip()]
+            runs = ([("new", new), ("new bf16", new_bf16)]
+                    + [(f"new bf16 [{' '.join(p)}]", lambda M=M, p=p: new_bf16(M, p)) for p in probes]
+                    if M <= 16 else []) + [("cublas", cublas), ("cublas bf16", cublas_bf16)]
             extra = {}
             if M <= 16:
                 new()
