@@ -80,31 +80,40 @@ __device__ __forceinline__ void gemv_bf16_tc(const float* __restrict__ x, const 
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 
-    for (int kb = k0; kb < k1; kb += GEMV_TC_KSTEP) {
-        uint4 wv[GEMV_TC_UNROLL][GEMV_TC_MT][2];
-#pragma unroll
-        for (int u = 0; u < GEMV_TC_UNROLL; ++u) {
-            const int col = kb + u * 32 + t * 8;
-#pragma unroll
-            for (int mt = 0; mt < GEMV_TC_MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    wv[u][mt][h] = (col < k1 && wok[mt][h]) ? ld_stream_u4(wr[mt][h] + col) : make_uint4(0, 0, 0, 0);
-        }
+    // One K step's operands: the weight rows' 16-byte chunks and the matching x values.
+    struct Step {
+        uint4 w[GEMV_TC_UNROLL][GEMV_TC_MT][2];
+        float4 x[GEMV_TC_UNROLL][2][2];  // [u][x tile][columns 8t+0..3 | 8t+4..7]
+    };
+    auto load = [&](int kb, Step& s) {
 #pragma unroll
         for (int u = 0; u < GEMV_TC_UNROLL; ++u) {
             const int col = kb + u * 32 + t * 8;
             const bool cin = col < k1;
+#pragma unroll
+            for (int mt = 0; mt < GEMV_TC_MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    s.w[u][mt][h] = (cin && wok[mt][h]) ? ld_stream_u4(wr[mt][h] + col) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                s.x[u][nt][0] = s.x[u][nt][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (cin && (nt == 0 ? xok0 : xok1)) {
+                    const float4* p = reinterpret_cast<const float4*>((nt == 0 ? xr0 : xr1) + col);
+                    s.x[u][nt][0] = __ldg(p);
+                    s.x[u][nt][1] = __ldg(p + 1);
+                }
+            }
+        }
+    };
+    auto compute = [&](const Step& s) {
+#pragma unroll
+        for (int u = 0; u < GEMV_TC_UNROLL; ++u) {
             // B fragments: [piece][tile][k16 half][b0b1 | b2b3] (physical columns 8t+0..3, 8t+4..7).
             u32 b[P][2][2][2];
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
-                float4 lo4 = make_float4(0.f, 0.f, 0.f, 0.f), hi4 = lo4;
-                if (cin && (nt == 0 ? xok0 : xok1)) {
-                    const float4* p = reinterpret_cast<const float4*>((nt == 0 ? xr0 : xr1) + col);
-                    lo4 = __ldg(p);
-                    hi4 = __ldg(p + 1);
-                }
+                const float4 lo4 = s.x[u][nt][0], hi4 = s.x[u][nt][1];
                 if constexpr (P == 3) {
                     tc_split3(lo4.x, lo4.y, b[0][nt][0][0], b[1][nt][0][0], b[2][nt][0][0]);
                     tc_split3(lo4.z, lo4.w, b[0][nt][0][1], b[1][nt][0][1], b[2][nt][0][1]);
@@ -119,7 +128,7 @@ __device__ __forceinline__ void gemv_bf16_tc(const float* __restrict__ x, const 
             }
 #pragma unroll
             for (int mt = 0; mt < GEMV_TC_MT; ++mt) {
-                const uint4 r = wv[u][mt][0], r8 = wv[u][mt][1];
+                const uint4 r = s.w[u][mt][0], r8 = s.w[u][mt][1];
 #pragma unroll
                 for (int p = P - 1; p >= 0; --p) {  // small pieces first
                     tc_mma_bf16(acc[mt][0], r.x, r8.x, r.y, r8.y, b[p][0][0][0], b[p][0][0][1]);
@@ -131,6 +140,11 @@ __device__ __forceinline__ void gemv_bf16_tc(const float* __restrict__ x, const 
                 }
             }
         }
+    };
+    for (int kb = k0; kb < k1; kb += GEMV_TC_KSTEP) {
+        Step cur;
+        load(kb, cur);
+        compute(cur);
     }
     // D fragment: c0/c1 at (row g, x rows 2t, 2t+1), c2/c3 at row g + 8.
     float* o = out + (i64)blockIdx.y * M * N;

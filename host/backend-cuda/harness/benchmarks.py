@@ -763,12 +763,14 @@ GEMV_SHAPES = [(12288, 7168), (7168, 12288), (33792, 7168), (6144, 7168), (3584,
 
 
 def bench_gemv(d: Device, record, quick: bool):
-    """Dense bf16-weight decode products, y [M, n] = x [M, k] w^T, per shape and M: `new`
-    (gemv_bf16_tc_f32 + gemv_sum_splits_f32 when split; backend_impl.rs matmul_linear takes it for
-    M <= 16 up to CudaOptions::gemv_max_weight_elems = 2^22 weights) and `cublas` (split rows + torch bf16 matmul of
-    the [2M, k] hi/lo rows + sum of halves, the path above that). Floor = weight bytes / 4.25 TB/s;
-    `new` also reports its error against float64 (rel) and whether matmul_linear picks it
-    (`taken`). Buffers are rebound per shape (the loop frees them)."""
+    """Dense bf16-weight decode products, y [M, n] = x [M, k] w^T, per shape and M: `new` / `new
+    bf16` (gemv_bf16_tc_f32 + gemv_sum_splits_f32 when split, x in three pieces / rounded once;
+    dense/mod.rs matmul_linear takes it for M <= 16 up to CudaOptions::gemv_max_weight_elems = 2^22
+    weights) and `cublas` / `cublas bf16` (split rows + torch bf16 matmul of the [2M, k] hi/lo rows
+    + sum of halves in float32 mode, of the [M, k] rounded rows in bf16 mode: the path above that).
+    Floor = weight bytes / 4.25 TB/s; `new` also reports its error against float64 (rel) and
+    whether matmul_linear picks it (`taken`). Probes: K3_GEMV_DIAG (compile-time define sets) and
+    K3_GEMV_SLICES (other K-slice lengths). Buffers are rebound per shape (the loop frees them)."""
     shapes = GEMV_SHAPES[:4] + GEMV_SHAPES[7:8] if quick else GEMV_SHAPES
     for n, k in shapes:
         wt = (torch.randn(n, k, device="cuda") * 0.1).to(torch.bfloat16)
@@ -781,7 +783,7 @@ def bench_gemv(d: Device, record, quick: bool):
             x = torch.randn(M, k, device="cuda")
             y = torch.empty(M, n, device="cuda")
             splits, kslice = gemv_tc_plan(n, k)
-            part = torch.empty(max(1, splits) * M * n, device="cuda")
+            part = torch.empty(cdiv(k, 64) * M * n, device="cuda")  # room for the slice probes' splits
             xs = torch.empty(2 * M, k, dtype=torch.int16, device="cuda")
             c = torch.empty(2 * M, n, device="cuda")
             cb = torch.empty(2 * M, n, dtype=torch.bfloat16, device="cuda")
@@ -804,12 +806,19 @@ def bench_gemv(d: Device, record, quick: bool):
             def cublas_bf16(M=M):  # bfloat16 mode: x rounded once, M rows
                 d.launch("bf16_split_rows_f32", cdiv(M * k, 256), 256, V["x"], xsv, M * k, 1)
                 torch.matmul(xs[:M].view(torch.bfloat16), wt.T, out=cb[:M])
-            # Probes of the bf16 form: K3_GEMV_DIAG lists define sets (";"-separated), e.g. more columns
-            # per step so more loads are in flight.
-            probes = [tuple(v.split()) for v in os.environ.get("K3_GEMV_DIAG", "-DGEMV_TC_UNROLL=4").split(";")
+            # Probes of the bf16 form: K3_GEMV_DIAG lists define sets (";"-separated), e.g.
+            # "-DGEMV_TC_UNROLL=4" (more columns per step, so more loads in flight),
+            probes = [tuple(v.split()) for v in os.environ.get("K3_GEMV_DIAG", "").split(";")
                       if v.strip()]
+            # and other K-slice lengths than gemv_tc_plan's (K3_GEMV_SLICES, ","-separated columns).
+            slices = [int(v) for v in os.environ.get("K3_GEMV_SLICES", "").split(",") if v.strip()]
+
+            def sliced(M=M, ks=64):
+                run_gemv_tc(d, V["x"], wv, V["y"], M, n, k, V["part"], (cdiv(k, ks), ks), pieces=1)
             runs = ([("new", new), ("new bf16", new_bf16)]
                     + [(f"new bf16 [{' '.join(p)}]", lambda M=M, p=p: new_bf16(M, p)) for p in probes]
+                    + [(f"new bf16 [kslice {ks}]", lambda M=M, ks=ks: sliced(M, ks)) for ks in slices
+                       if ks != kslice and ks < k]
                     if M <= 16 else []) + [("cublas", cublas), ("cublas bf16", cublas_bf16)]
             extra = {}
             if M <= 16:

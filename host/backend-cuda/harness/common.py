@@ -227,13 +227,14 @@ def run_single_token(d: Device, z, w, idx, gu, yp, sync, wts, out, t, k, lt, ie,
 
 
 # Dense bf16-weight decode products (kernels/bf16.cu gemv_bf16_tc_f32; backend_impl.rs gemv_tc_plan):
-# 128 weight rows per 128-thread block, K slices a multiple of 64 columns and >= 512 long, as many
+# 128 weight rows per 128-thread block, K slices a multiple of 64 columns and >= 128 long, as many
 # splits as fit the row blocks into one wave of 4 blocks per SM.
 GEMV_TC_ROWS = 128
+GEMV_TC_MIN_SLICE = 128  # dense/mod.rs
 
 
 def gemv_tc_plan(n: int, k: int, sms: int = 132) -> tuple[int, int]:
-    want = max(1, min((max(1, sms) * 4) // cdiv(n, GEMV_TC_ROWS), max(1, cdiv(k, 512))))
+    want = max(1, min((max(1, sms) * 4) // cdiv(n, GEMV_TC_ROWS), max(1, cdiv(k, GEMV_TC_MIN_SLICE))))
     kslice = cdiv(cdiv(k, want), 64) * 64
     return cdiv(k, kslice), kslice
 

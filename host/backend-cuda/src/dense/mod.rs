@@ -177,7 +177,11 @@ impl CudaBackend {
             let (splits, kslice) = gemv_tc_plan(n, k, self.multiprocessors);
             let (mi, ni, ki, ks) = (m as i32, n as i32, k as i32, kslice as i32);
             // x in three exact bf16 pieces in float32 mode, rounded once like the GEMMs otherwise.
-            let pieces: i32 = if self.options.dtype == crate::Dtype::F32 { 3 } else { 1 };
+            let pieces: i32 = if self.options.dtype == crate::Dtype::F32 {
+                3
+            } else {
+                1
+            };
             let l = Launch::new((n.div_ceil(GEMV_TC_BLOCK_ROWS), splits, 1), 128)?;
             if splits == 1 {
                 launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &y.buf, &mi, &ni, &ki, &ks, &pieces)?;
@@ -463,12 +467,14 @@ const GEMV_TC_BLOCK_ROWS: usize = 128;
 
 const GEMV_TC_KSTEP: usize = 64;
 
-/// Blocks resident per SM (98 registers x 128 threads, `__launch_bounds__(128, 4)`).
+/// Blocks resident per SM (`__launch_bounds__(128, 4)`: at most 128 registers a thread).
 const GEMV_TC_BLOCKS_PER_SM: usize = 4;
 
-/// Fewest columns per K split: shorter slices cost more in partial sums (splits x M x N floats
-/// written and read) and per-warp setup than the extra parallelism returns.
-const GEMV_TC_MIN_SLICE: usize = 512;
+/// Fewest columns per K split. Small-N shapes (N <= 576 at K = 7168) are latency-bound: each
+/// block's K steps run one after another, so short slices over more blocks finish sooner
+/// (128 x 7168: 5.4 us against 9.3 at 512 columns); shorter than 128 the partial sums (splits x M
+/// x N floats written and read) cost more than they return (performance-history.md, call DL).
+const GEMV_TC_MIN_SLICE: usize = 128;
 
 /// `(splits, kslice)` for `gemv_bf16_tc_f32`: as many K splits as fit the row blocks into one
 /// wave of resident blocks (the weight stream needs every SM's loads in flight; a second, partial
@@ -491,7 +497,7 @@ mod tests {
         // K3 decode shapes on 132 SMs: (n, k) -> (splits, kslice).
         assert_eq!(gemv_tc_plan(12288, 7168, 132), (5, 1472));
         assert_eq!(gemv_tc_plan(33792, 7168, 132), (2, 3584));
-        assert_eq!(gemv_tc_plan(1536, 7168, 132), (14, 512));
+        assert_eq!(gemv_tc_plan(1536, 7168, 132), (38, 192));
         assert_eq!(gemv_tc_plan(12288, 128, 132), (1, 128));
         assert_eq!(gemv_tc_plan(100_000, 7168, 132), (1, 7168));
         for &(n, k) in &[
