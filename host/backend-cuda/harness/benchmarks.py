@@ -24,7 +24,7 @@ from benchmarks_moe import (bench_moe, bench_moe_few_tokens_diag, bench_moe_pref
 F32_TFLOPS = 67.0
 
 if TYPE_CHECKING:
-    from device_check import Device, Results
+    from device import Device, Results
 
 
 def mla_splits_f32(blocks, max_len, sms=132, per_sm=2):

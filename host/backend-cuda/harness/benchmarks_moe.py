@@ -20,7 +20,7 @@ from common import (MX_WG_DOWN_ROWS, MX_WG_SHARED, MX_WG_TOK, MX_WG_UP_ROWS, mx_
                     mx_wg_scratch, run_mx_wg)
 
 if TYPE_CHECKING:
-    from device_check import Device
+    from device import Device
 
 
 def bench_moe(d: Device, record, quick: bool):

@@ -15,7 +15,7 @@ from common import kda_reference, kda_region_floats, pack_kda_region, rand, rel_
 from k3ref import kda as rk
 
 if TYPE_CHECKING:
-    from device_check import Device, Results
+    from device import Device, Results
 
 REC_HEAD = 3 * 128 + 1
 

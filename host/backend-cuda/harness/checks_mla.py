@@ -13,7 +13,7 @@ from common import cdiv, mla_prefill_plan, rand, rel_err, run_mla_prefill
 from k3ref.norm import rms_norm as ref_rms_norm
 
 if TYPE_CHECKING:
-    from device_check import Device, Results
+    from device import Device, Results
 
 
 def mla_reference(q, rows, kv_b, heads, nope, rope, v_dim, kv_lora):

@@ -17,7 +17,7 @@ from k3ref.moe import route as ref_route
 from k3ref.situ import situ_glu as ref_situ_glu
 
 if TYPE_CHECKING:
-    from device_check import Device, Results
+    from device import Device, Results
 
 
 def mx_experts(e, rows, cols, gen):

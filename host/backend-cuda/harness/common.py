@@ -1,8 +1,7 @@
-"""Helpers shared by device_check.py, emulators.py and benchmarks.py: the log, the error and
-grid arithmetic, the KDA state-arena layout with its float64 reference, the KDA prefill launch
-sequence and the expanded MLA prefill with its cuBLAS calls (the packing and launches the Rust
-backend does). A module of its own so the three can
-import it without importing each other (device_check.py runs as __main__)."""
+"""Helpers shared by the harness modules (device.py, the checks, emulators.py, the benchmarks): the
+log, the error and grid arithmetic, the KDA state-arena layout with its float64 reference, the KDA
+prefill launch sequence and the expanded MLA prefill with its cuBLAS calls (the packing and
+launches the Rust backend does). It imports none of them, so each can import it."""
 from __future__ import annotations
 
 import sys
@@ -19,7 +18,7 @@ from k3ref import kda as rk  # noqa: E402
 from k3ref import mxfp8 as rmx8  # noqa: E402
 
 if TYPE_CHECKING:
-    from device_check import Device
+    from device import Device
 
 # docs/performance.md, "How to measure": device-to-device copy, bytes read + written. Every floor is (bytes read + bytes
 # written) / COPY_TBPS: a read-only kernel moves only its reads, so its floor is reads / 4.25 TB/s.
