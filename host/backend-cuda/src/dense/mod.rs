@@ -60,7 +60,7 @@ impl CudaBackend {
 
     pub(crate) fn embed_rows(&self, table: &DeviceLinear, ids: &[u32]) -> Result<DeviceMat> {
         let d = table.cols;
-        let out = self.zeros(ids.len(), d)?;
+        let out = self.output(ids.len(), d)?; // a block per token writes its whole row
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows) {
             return Err(CudaError::InvalidArg(format!(
                 "token id {id} outside the vocabulary of {}",
@@ -224,7 +224,7 @@ impl CudaBackend {
                 a.rows
             )));
         }
-        let mut out = self.zeros(end - start, a.cols)?;
+        let mut out = self.output(end - start, a.cols)?; // the copy fills it
         if end > start {
             let src = a.buf.slice(start * a.cols..end * a.cols);
             let mut dst = out.buf.slice_mut(0..(end - start) * a.cols);
@@ -239,7 +239,7 @@ impl CudaBackend {
             return Err(CudaError::InvalidArg("concat_rows: widths differ".into()));
         }
         let rows = parts.iter().map(|m| m.rows).sum();
-        let mut out = self.zeros(rows, cols)?;
+        let mut out = self.output(rows, cols)?; // the parts' copies fill it
         let mut at = 0;
         for m in parts {
             let n = m.rows * cols;
@@ -261,7 +261,7 @@ impl CudaBackend {
                 x.cols
             )));
         }
-        let y = self.zeros(x.rows, x.cols)?;
+        let y = self.output(x.rows, x.cols)?; // a block per row writes its whole row
         let (rows, cols) = (i32_of(x.rows, "rows")?, i32_of(x.cols, "cols")?);
         launch!(self, "rms_norm_f32", geometry::per_row(x.rows, ROW_BLOCK)?; &x.buf, w, &y.buf, &rows, &cols, &eps)?;
         Ok(y)
@@ -282,7 +282,7 @@ impl CudaBackend {
                 o.cols
             )));
         }
-        let y = self.zeros(o.rows, o.cols)?;
+        let y = self.output(o.rows, o.cols)?; // a warp per (row, head) writes its head
         let heads = o.cols / head_dim;
         let (r, h, hd) = (
             i32_of(o.rows, "rows")?,
@@ -296,7 +296,7 @@ impl CudaBackend {
 
     pub fn situ_glu(&self, gate: &DeviceMat, up: &DeviceMat, p: SituParams) -> Result<DeviceMat> {
         same_shape(gate, up, "situ_glu")?;
-        let out = self.zeros(gate.rows, gate.cols)?;
+        let out = self.output(gate.rows, gate.cols)?; // grid-stride over every element
         let n = (gate.rows * gate.cols) as i64;
         let (lin, has) = situ_linear_args(p);
         launch!(self, "situ_glu_f32", geometry::elementwise(n as usize)?;
@@ -335,7 +335,8 @@ impl CudaBackend {
         for s in sources {
             same_shape(first, s, "attn_res")?;
         }
-        let out = self.zeros(first.rows, first.cols)?;
+        // A cluster per row; its blocks' column spans cover the row.
+        let out = self.output(first.rows, first.cols)?;
         let src: Vec<&CudaSlice<f32>> = (0..9)
             .map(|i| &*sources.get(i).unwrap_or(&first).buf)
             .collect();
