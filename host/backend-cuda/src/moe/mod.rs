@@ -106,8 +106,9 @@ impl CudaBackend {
             )));
         }
         let l = geometry::router(logits.rows, logits.cols, r.top_k)?;
-        let idx = self.zeroed::<i32>(logits.rows * r.top_k)?;
-        let w = self.zeroed::<f32>(logits.rows * r.top_k)?;
+        // Every (token, slot) pair is written (geometry::router refuses what the kernel skips).
+        let idx = self.uninit::<i32>(logits.rows * r.top_k)?;
+        let w = self.uninit::<f32>(logits.rows * r.top_k)?;
         let (t, e, k, ren) = (
             logits.rows as i32,
             logits.cols as i32,
@@ -148,8 +149,10 @@ impl CudaBackend {
         if path == ExpertPath::SingleToken {
             return self.moe_experts_single_token(z, &idx, &w, ex, k, situ);
         }
-        let offsets = self.zeroed::<i32>(ex.experts + 1)?;
-        let sorted = self.zeroed::<i32>((t * k).max(1))?;
+        // The sort writes every offset, and the sorted ids that the offsets cover (all that any
+        // consumer reads).
+        let offsets = self.uninit::<i32>(ex.experts + 1)?;
+        let sorted = self.uninit::<i32>((t * k).max(1))?;
         let (na, e) = (i32_of(t * k, "assignments")?, ex.experts as i32);
         launch!(self, "moe_sort_assignments", Launch::new((1, 1, 1), 1024)?; &idx, &na, &e, &offsets, &sorted)?;
         let sorted_step = crate::moe::sorted::SortedStep {
