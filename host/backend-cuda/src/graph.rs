@@ -256,6 +256,7 @@ impl CudaBackend {
             (Err(e), _) => Err(format!("pass failed: {e}")),
         };
         drop(res); // inside the capture: its buffers' frees become graph nodes
+        let nodes = self.captured_nodes();
         let clog = self.step.finish();
         let graph = self.stream.end_capture(
             sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
@@ -284,6 +285,13 @@ impl CudaBackend {
                 g.graphs.remove(&old);
             }
             g.counts.captured += 1;
+            if let Some(n) = nodes {
+                g.counts.captured_kernels += n.kernels;
+                g.counts.captured_memsets += n.memsets;
+                g.counts.captured_copies += n.copies;
+                g.counts.captured_mem_nodes += n.mem;
+                g.counts.captured_other_nodes += n.other;
+            }
             let last_used = g.clock;
             g.graphs.insert(
                 key,
@@ -304,4 +312,67 @@ impl CudaBackend {
             }
         }
     }
+
+    /// The nodes of the graph this stream is capturing into, by kind (None if the driver will
+    /// not say): what a replay of the step puts on the GPU's critical path.
+    fn captured_nodes(&self) -> Option<NodeCounts> {
+        use sys::CUgraphNodeType as T;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let (mut id, mut graph, mut ndeps) = (0u64, std::ptr::null_mut(), 0usize);
+        let (mut deps, mut edges) = (std::ptr::null(), std::ptr::null());
+        // SAFETY: every out-pointer is a live local; the driver allows queries of a graph under
+        // capture (only destroying it or removing nodes is refused).
+        unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                self.stream.cu_stream(),
+                &mut status,
+                &mut id,
+                &mut graph,
+                &mut deps,
+                &mut edges,
+                &mut ndeps,
+            )
+        }
+        .result()
+        .ok()?;
+        if graph.is_null() {
+            return None;
+        }
+        let mut n = 0usize;
+        // SAFETY: a null array asks for the count only.
+        unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }
+            .result()
+            .ok()?;
+        let mut nodes = vec![std::ptr::null_mut(); n];
+        // SAFETY: `nodes` has room for the `n` nodes the driver writes.
+        unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }
+            .result()
+            .ok()?;
+        let mut c = NodeCounts::default();
+        for &node in &nodes[..n] {
+            let mut t = T::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: `node` belongs to `graph`, which lives until the capture ends.
+            unsafe { sys::cuGraphNodeGetType(node, &mut t) }
+                .result()
+                .ok()?;
+            match t {
+                T::CU_GRAPH_NODE_TYPE_KERNEL => c.kernels += 1,
+                T::CU_GRAPH_NODE_TYPE_MEMSET => c.memsets += 1,
+                T::CU_GRAPH_NODE_TYPE_MEMCPY => c.copies += 1,
+                T::CU_GRAPH_NODE_TYPE_MEM_ALLOC | T::CU_GRAPH_NODE_TYPE_MEM_FREE => c.mem += 1,
+                _ => c.other += 1,
+            }
+        }
+        Some(c)
+    }
+}
+
+/// A captured graph's nodes by kind (`GraphCounts::captured_*`).
+#[derive(Default)]
+struct NodeCounts {
+    kernels: u64,
+    memsets: u64,
+    copies: u64,
+    mem: u64,
+    other: u64,
 }

@@ -211,6 +211,14 @@ pub struct GraphCounts {
     pub dry_allocs: u64,
     /// Host time of the replays (staging upload and graph launch; not the GPU's time).
     pub launch_ns: u64,
+    /// Nodes of the graphs captured, by kind, summed over the captures (÷ `captured`: per graph).
+    /// Every node is a step on the GPU's critical path, work or not.
+    pub captured_kernels: u64,
+    pub captured_memsets: u64,
+    pub captured_copies: u64,
+    /// Graph allocation and free nodes (activations allocated inside the capture).
+    pub captured_mem_nodes: u64,
+    pub captured_other_nodes: u64,
 }
 
 impl GraphCounts {
@@ -225,6 +233,11 @@ impl GraphCounts {
             dry_pass_ns: f(self.dry_pass_ns, o.dry_pass_ns),
             dry_allocs: f(self.dry_allocs, o.dry_allocs),
             launch_ns: f(self.launch_ns, o.launch_ns),
+            captured_kernels: f(self.captured_kernels, o.captured_kernels),
+            captured_memsets: f(self.captured_memsets, o.captured_memsets),
+            captured_copies: f(self.captured_copies, o.captured_copies),
+            captured_mem_nodes: f(self.captured_mem_nodes, o.captured_mem_nodes),
+            captured_other_nodes: f(self.captured_other_nodes, o.captured_other_nodes),
         }
     }
 }
@@ -579,6 +592,11 @@ mod tests {
             dry_pass_ns: 800,
             dry_allocs: 40,
             launch_ns: 50,
+            captured_kernels: 300,
+            captured_memsets: 20,
+            captured_copies: 3,
+            captured_mem_nodes: 600,
+            captured_other_nodes: 1,
         };
         let b = GraphCounts {
             replayed: 7,
@@ -594,6 +612,16 @@ mod tests {
             (15, 1500, 120)
         );
         assert_eq!(sum.dry_allocs, 40);
+        assert_eq!(
+            (
+                sum.captured_kernels,
+                sum.captured_memsets,
+                sum.captured_copies,
+                sum.captured_mem_nodes,
+                sum.captured_other_nodes
+            ),
+            (300, 20, 3, 600, 1)
+        );
         assert_eq!(sum - b, a);
         // A counter read out of order never wraps.
         assert_eq!((a - sum).replayed, 0);

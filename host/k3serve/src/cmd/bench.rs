@@ -255,6 +255,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         if let Some(g) = graphs {
             println!("  host per step    {}", fmt_graph_host(&g));
+            if let Some(nodes) = fmt_graph_nodes(&g) {
+                println!("  graph nodes      {nodes}");
+            }
         }
     }
     match peak_rss_mib() {
@@ -349,6 +352,21 @@ fn fmt_graph_host(g: &GraphCounts) -> String {
     )
 }
 
+/// The nodes of the graphs captured in `g`, by kind, per graph (None: nothing captured).
+fn fmt_graph_nodes(g: &GraphCounts) -> Option<String> {
+    let n = g.captured;
+    (n > 0).then(|| {
+        format!(
+            "{} kernels, {} memsets, {} copies, {} allocation / free, {} other (per captured graph)",
+            g.captured_kernels / n,
+            g.captured_memsets / n,
+            g.captured_copies / n,
+            g.captured_mem_nodes / n,
+            g.captured_other_nodes / n
+        )
+    })
+}
+
 /// The selected token of a greedy step's candidates.
 fn first_id(top: &[(u32, f32)]) -> anyhow::Result<u32> {
     top.first()
@@ -404,6 +422,21 @@ mod tests {
             fmt_graph_host(&g),
             "dry pass 0.850 ms (400 buffers), graph launch 0.040 ms (30 of 32 steps replayed)"
         );
+        let g = GraphCounts {
+            captured: 2,
+            captured_kernels: 650,
+            captured_memsets: 10,
+            captured_copies: 42,
+            captured_mem_nodes: 1200,
+            ..g
+        };
+        assert_eq!(
+            fmt_graph_nodes(&g).as_deref(),
+            Some(
+                "325 kernels, 5 memsets, 21 copies, 600 allocation / free, 0 other (per captured graph)"
+            )
+        );
+        assert_eq!(fmt_graph_nodes(&GraphCounts::default()), None);
         // Nothing recorded: zeros, not a division by zero.
         assert_eq!(
             fmt_graph_host(&GraphCounts::default()),
