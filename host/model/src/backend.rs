@@ -358,6 +358,26 @@ pub trait Backend: Send + Sync + 'static {
     /// Block AttnRes: softmax over sources of `Σ_d V_i[d]·rsqrt(mean(V_i²)+eps)·w[d]`, then `Σ α_i V_i`.
     /// `w` is the product of the op's norm and proj weights.
     fn attn_res(&self, sources: &[&Self::Act], w: &Self::Vector, eps: f32) -> OpResult<Self::Act>;
+    /// What opens each sublayer: `last += add` (when given: the residual stream's update), then
+    /// `rms_norm(attn_res(sources ++ [last], w), norm)`. One pass where a backend fuses it (three
+    /// ops each reading the rows otherwise); the default composes the ops above.
+    fn attn_res_norm(
+        &self,
+        sources: &[&Self::Act],
+        last: &mut Self::Act,
+        add: Option<&Self::Act>,
+        w: &Self::Vector,
+        norm: &Self::Vector,
+        eps: f32,
+    ) -> OpResult<Self::Act> {
+        if let Some(a) = add {
+            self.add_assign(last, a)?;
+        }
+        let mut src = sources.to_vec();
+        src.push(&*last);
+        let h = self.attn_res(&src, w, eps)?;
+        self.rms_norm(&h, norm, eps)
+    }
     /// SiTU-GLU of `gate` and `up` (same shape).
     fn situ_glu(&self, gate: &Self::Act, up: &Self::Act, p: SituParams) -> OpResult<Self::Act>;
     /// `o *= σ(gate)` elementwise.

@@ -648,43 +648,47 @@ impl<B: Backend> Model<B> {
         let mut bank: Vec<B::Act> = Vec::new();
         let mut p: Option<B::Act> = Some(self.embed_rows(&ids, seqs, &spans)?);
         for (l, layer) in self.layers.iter().enumerate() {
-            let h = match (&layer.attn_res, bank.is_empty()) {
-                (Some(w), false) => {
-                    let cur = p.as_ref().expect("p is set between layers");
-                    let mut src: Vec<&B::Act> = bank.iter().collect();
-                    src.push(cur);
-                    Some(be.attn_res(&src, &w.w, eps)?)
+            let tapped = tap_layers.contains(&l);
+            let x = match (&layer.attn_res, bank.is_empty()) {
+                (Some(w), false) if !tapped => {
+                    let src: Vec<&B::Act> = bank.iter().collect();
+                    let cur = p.as_mut().expect("p is set between layers");
+                    be.attn_res_norm(&src, cur, None, &w.w, &layer.input_norm, eps)?
                 }
-                _ => None,
+                (res, empty) => {
+                    let cur = p.as_ref().expect("p is set between layers");
+                    let h = match (res, empty) {
+                        (Some(w), false) => {
+                            let mut src: Vec<&B::Act> = bank.iter().collect();
+                            src.push(cur);
+                            Some(be.attn_res(&src, &w.w, eps)?)
+                        }
+                        _ => None,
+                    };
+                    let h = h.as_ref().unwrap_or(cur);
+                    for (slot, _) in tap_layers.iter().enumerate().filter(|(_, t)| **t == l) {
+                        taps[slot] = Some(be.slice_rows(h, 0, total)?);
+                    }
+                    be.rms_norm(h, &layer.input_norm, eps)?
+                }
             };
-            let mut h = match h {
-                Some(h) => h,
-                None => be.slice_rows(p.as_ref().expect("p set"), 0, total)?,
-            };
-            for (slot, _) in tap_layers.iter().enumerate().filter(|(_, t)| **t == l) {
-                taps[slot] = Some(be.slice_rows(&h, 0, total)?);
-            }
             if l % c.attn_res_block_size == 0 {
                 bank.push(p.take().expect("p set"));
             }
-            let x = be.rms_norm(&h, &layer.input_norm, eps)?;
             let a = match &layer.mixer {
                 Mixer::Kda(w) => self.kda_layer(arena, offsets, l, &x, w, seqs, &spans)?,
                 Mixer::Mla(w) => self.mla_layer(arena, offsets, l, &x, w, seqs, &pieces)?,
             };
-            let mut pp = match p.take() {
-                None => a,
-                Some(mut pp) => {
-                    be.add_assign(&mut pp, &a)?;
-                    pp
-                }
+            // The mixer's output starts the block's running sum, or is added to it.
+            let (mut pp, add) = match p.take() {
+                None => (a, None),
+                Some(pp) => (pp, Some(a)),
             };
-            {
-                let mut src: Vec<&B::Act> = bank.iter().collect();
-                src.push(&pp);
-                h = be.attn_res(&src, &layer.mlp_res.w, eps)?;
-            }
-            let x = be.rms_norm(&h, &layer.post_norm, eps)?;
+            let x = {
+                let src: Vec<&B::Act> = bank.iter().collect();
+                let (w, norm) = (&layer.mlp_res.w, &layer.post_norm);
+                be.attn_res_norm(&src, &mut pp, add.as_ref(), w, norm, eps)?
+            };
             let f = match &layer.ffn {
                 Ffn::Dense(w) => self.glu(&x, w)?,
                 Ffn::Moe(w) => self.moe(&x, w, &spans)?,
@@ -700,13 +704,13 @@ impl<B: Backend> Model<B> {
             .zip(&spans)
             .filter_map(|(s, &(r0, r1))| s.logits_from.map(|f| (r0 + f, r1)))
             .collect();
-        let p = p.expect("p set");
-        let mut src: Vec<&B::Act> = bank.iter().collect();
-        src.push(&p);
+        let mut p = p.expect("p set");
         let mut mixed = None;
         if tap_layers.contains(&nl) {
             // The final mix of every row, for the tap; the wanted rows are then picked from it
             // (AttnRes is per row, so the logits do not change).
+            let mut src: Vec<&B::Act> = bank.iter().collect();
+            src.push(&p);
             let all = be.attn_res(&src, &self.final_res.w, eps)?;
             for (slot, _) in tap_layers.iter().enumerate().filter(|(_, t)| **t == nl) {
                 taps[slot] = Some(be.slice_rows(&all, 0, total)?);
@@ -722,22 +726,24 @@ impl<B: Backend> Model<B> {
         }
         // The final AttnRes, norm and lm_head run on the wanted rows only.
         let whole = wanted == [(0, total)];
-        let mixed = match mixed {
-            Some(all) if whole => all,
-            Some(all) => self.gather_rows(&all, &wanted)?,
+        let (w, norm) = (&self.final_res.w, &self.norm);
+        let y = match mixed {
+            Some(all) if whole => be.rms_norm(&all, norm, eps)?,
+            Some(all) => be.rms_norm(&self.gather_rows(&all, &wanted)?, norm, eps)?,
+            None if whole => {
+                let src: Vec<&B::Act> = bank.iter().collect();
+                be.attn_res_norm(&src, &mut p, None, w, norm, eps)?
+            }
             None => {
-                let picked: Vec<B::Act>;
-                if !whole {
-                    picked = src
-                        .iter()
-                        .map(|a| self.gather_rows(a, &wanted))
-                        .collect::<OpResult<_>>()?;
-                    src = picked.iter().collect();
-                }
-                be.attn_res(&src, &self.final_res.w, eps)?
+                let picked = bank
+                    .iter()
+                    .map(|a| self.gather_rows(a, &wanted))
+                    .collect::<OpResult<Vec<_>>>()?;
+                let mut last = self.gather_rows(&p, &wanted)?;
+                let src: Vec<&B::Act> = picked.iter().collect();
+                be.attn_res_norm(&src, &mut last, None, w, norm, eps)?
             }
         };
-        let y = be.rms_norm(&mixed, &self.norm, eps)?;
         Ok((Some(be.matmul(&y, &self.lm_head)?), taps))
     }
 
