@@ -171,7 +171,9 @@ impl CudaBackend {
             ExpertPath::Mxfp8 => return self.moe_experts_mxfp8(sorted_step),
             ExpertPath::FewTokens | ExpertPath::SingleToken => {}
         }
-        let y = self.zeros(t * k, ex.latent)?;
+        // The down walk writes every latent row of every sorted assignment, and the router's ids
+        // put every assignment in the sort: all of y.
+        let y = self.output(t * k, ex.latent)?;
         let (kk, lt, ie) = (k as i32, ex.latent as i32, ex.inter as i32);
         let (lin, has) = crate::launch::situ_linear_args(situ);
         // Tiles for at most min(E, T*k) busy experts: the kernels list the busy ones themselves.

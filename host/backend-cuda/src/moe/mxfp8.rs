@@ -59,7 +59,7 @@ impl CudaBackend {
         let act = self.uninit::<f32>(n * ie)?;
         let aq = self.uninit::<u8>(n * aq_row)?;
         let af = self.uninit::<f32>(n * af_row)?;
-        let y = self.zeros(n, lt)?;
+        let y = self.output(n, lt)?; // every row: the down walk, as the bf16 pair (mod.rs)
         let (lin, has) = crate::launch::situ_linear_args(situ);
         launch!(self, "mxfp8_quantize_f32", quantize_launch(t, lt)?; &step.z.buf, &zq, &zf, &ti, &lti)?;
         launch!(self, "mxfp4_experts_few_tokens_up_e4m3", few_token_launch(busy, ie, lt, FEW_TOKEN_UP_ROWS, shared, sms)?;
