@@ -772,6 +772,11 @@ def bench_gemv(d: Device, record, quick: bool):
     whether matmul_linear picks it (`taken`). Probes: K3_GEMV_DIAG (compile-time define sets) and
     K3_GEMV_SLICES (other K-slice lengths). Buffers are rebound per shape (the loop frees them)."""
     shapes = GEMV_SHAPES[:4] + GEMV_SHAPES[7:8] if quick else GEMV_SHAPES
+    # Probes of the bf16 form: K3_GEMV_DIAG lists define sets (";"-separated), e.g. "-DGEMV_TC_UNROLL=4"
+    # (more columns per step, so more loads in flight), and K3_GEMV_SLICES other K-slice lengths than
+    # gemv_tc_plan's (","-separated columns).
+    probes = [tuple(v.split()) for v in os.environ.get("K3_GEMV_DIAG", "").split(";") if v.strip()]
+    slices = [int(v) for v in os.environ.get("K3_GEMV_SLICES", "").split(",") if v.strip()]
     for n, k in shapes:
         wt = (torch.randn(n, k, device="cuda") * 0.1).to(torch.bfloat16)
         wb = wt.view(torch.int16)
@@ -783,7 +788,7 @@ def bench_gemv(d: Device, record, quick: bool):
             x = torch.randn(M, k, device="cuda")
             y = torch.empty(M, n, device="cuda")
             splits, kslice = gemv_tc_plan(n, k)
-            part = torch.empty(cdiv(k, 64) * M * n, device="cuda")  # room for the slice probes' splits
+            part = torch.empty(max([splits] + [cdiv(k, ks) for ks in slices]) * M * n, device="cuda")
             xs = torch.empty(2 * M, k, dtype=torch.int16, device="cuda")
             c = torch.empty(2 * M, n, device="cuda")
             cb = torch.empty(2 * M, n, dtype=torch.bfloat16, device="cuda")
@@ -806,13 +811,6 @@ def bench_gemv(d: Device, record, quick: bool):
             def cublas_bf16(M=M):  # bfloat16 mode: x rounded once, M rows
                 d.launch("bf16_split_rows_f32", cdiv(M * k, 256), 256, V["x"], xsv, M * k, 1)
                 torch.matmul(xs[:M].view(torch.bfloat16), wt.T, out=cb[:M])
-            # Probes of the bf16 form: K3_GEMV_DIAG lists define sets (";"-separated), e.g.
-            # "-DGEMV_TC_UNROLL=4" (more columns per step, so more loads in flight),
-            probes = [tuple(v.split()) for v in os.environ.get("K3_GEMV_DIAG", "").split(";")
-                      if v.strip()]
-            # and other K-slice lengths than gemv_tc_plan's (K3_GEMV_SLICES, ","-separated columns).
-            slices = [int(v) for v in os.environ.get("K3_GEMV_SLICES", "").split(",") if v.strip()]
-
             def sliced(M=M, ks=64):
                 run_gemv_tc(d, V["x"], wv, V["y"], M, n, k, V["part"], (cdiv(k, ks), ks), pieces=1)
             runs = ([("new", new), ("new bf16", new_bf16)]

@@ -11,8 +11,9 @@ import torch
 
 from common import (MX_WG_SWAP_LBO_SBO, cdiv, log, single_token_plan, single_token_scratch,
                     mx_wg_scratch, rand, rel_err, run_single_token, run_few_tokens, run_mx_wg,
-                    run_few_tokens_e4m3, mxfp8_round)
+                    run_few_tokens_e4m3)
 from k3ref import mxfp4 as rmx
+from k3ref.mxfp8 import round_trip as mxfp8_round
 from k3ref.moe import route as ref_route
 from k3ref.situ import situ_glu as ref_situ_glu
 
@@ -34,7 +35,7 @@ def mx_experts(e, rows, cols, gen):
 def ref_routed(z, idx, wts, w1, w3, w2, act_round=None):
     """float64 routed experts: row t = sum over slots j of wts[t, j] * w2 SiTU-GLU(w1 z_t, w3 z_t) of
     expert idx[t, j] (beta 4, linear beta 25); slots with an id outside the experts are skipped.
-    `act_round` (common.mxfp8_round for the MXFP8 pair) rounds z and the intermediate first."""
+    `act_round` (k3ref's MXFP8 round trip for the MXFP8 pair) rounds z and the intermediate first."""
     ref = torch.zeros(z.shape[0], w2.shape[1], dtype=torch.float64)
     rnd = act_round or (lambda x: x)  # noqa: E731
     z = rnd(z)

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "reference"))
 from k3ref import kda as rk  # noqa: E402
-from k3ref import mxfp8 as rmx8  # noqa: E402
 
 if TYPE_CHECKING:
     from device import Device
@@ -123,12 +122,6 @@ def run_few_tokens_e4m3(d: Device, gx, up_args, down_args, t, k, lt, ie, scratch
              *down_args[1:], nt, shared_mem=shared)
 
 
-def mxfp8_round(x: torch.Tensor) -> torch.Tensor:
-    """x (rows of a multiple of 32 columns) through MXFP8 and back, in float64, by the reference's rule
-    (k3ref/mxfp8.py), which mxfp8_quantize_f32 implements."""
-    return rmx8.round_trip(x.cpu())
-
-
 def mx_tile_bound(n_assign: int, experts: int, tok: int) -> int:
     """moe_sorted.rs tile_bound: grid.y of the wgmma GEMMs."""
     return cdiv(n_assign, tok) + min(experts, n_assign)
@@ -225,7 +218,7 @@ def run_single_token(d: Device, z, w, idx, gu, yp, sync, wts, out, t, k, lt, ie,
                  na, pup, pdn, shared_mem=SINGLE_TOKEN_SHARED)
 
 
-# Dense bf16-weight decode products (kernels/bf16.cu gemv_bf16_tc_f32; backend_impl.rs gemv_tc_plan):
+# Dense bf16-weight decode products (kernels/bf16.cu gemv_bf16_tc_f32; dense/mod.rs gemv_tc_plan):
 # 128 weight rows per 128-thread block, K slices a multiple of 64 columns and >= 128 long, as many
 # splits as fit the row blocks into one wave of 4 blocks per SM.
 GEMV_TC_ROWS = 128
@@ -239,7 +232,7 @@ def gemv_tc_plan(n: int, k: int, sms: int = 132) -> tuple[int, int]:
 
 
 def run_gemv_tc(d: Device, x, wbits, y, m: int, n: int, k: int, part, plan=None, pieces=3, defines=()):
-    """backend_impl.rs matmul_linear's decode path: the kernel, plus the ordered sum of its K-split
+    """dense/mod.rs matmul_linear's decode path: the kernel, plus the ordered sum of its K-split
     partials when there is more than one. x [m, k] f32, wbits [n, k] bf16 bits (u16 view), y [m, n],
     part: a view of >= splits * m * n floats (the caller keeps it alive until the launches finish);
     `pieces` 3 (x in three bf16 pieces: float32 mode) or 1 (x rounded once: bfloat16 mode); `defines`: a

@@ -370,7 +370,7 @@ def check_kda_prefill_conv(d: Device, r: Results, gen):
 
 def check_bf16_matmul(d: Device, r: Results, gen):
     """Dense matmul with bf16 weights (kernels/bf16.cu around the cuBLAS bf16 GEMM of
-    backend_impl.rs matmul_linear; the GEMM played by an f32 matmul of the same bf16 values)."""
+    dense/mod.rs matmul_linear; the GEMM played by an f32 matmul of the same bf16 values)."""
     m, k, n = 5, 96, 40
     x = rand(m, k, gen=gen)
     w = rand(n, k, scale=0.1, gen=gen).float().to(torch.bfloat16).double()  # bf16 checkpoint values
