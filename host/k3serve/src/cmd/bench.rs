@@ -422,13 +422,22 @@ mod tests {
             fmt_graph_host(&g),
             "dry pass 0.850 ms (400 buffers), graph launch 0.040 ms (30 of 32 steps replayed)"
         );
+        // Nothing recorded: zeros, not a division by zero.
+        assert_eq!(
+            fmt_graph_host(&GraphCounts::default()),
+            "dry pass 0.000 ms (0 buffers), graph launch 0.000 ms (0 of 0 steps replayed)"
+        );
+    }
+
+    #[test]
+    fn graph_nodes_are_per_captured_graph() {
         let g = GraphCounts {
             captured: 2,
             captured_kernels: 650,
             captured_memsets: 10,
             captured_copies: 42,
             captured_mem_nodes: 1200,
-            ..g
+            ..Default::default()
         };
         assert_eq!(
             fmt_graph_nodes(&g).as_deref(),
@@ -436,12 +445,8 @@ mod tests {
                 "325 kernels, 5 memsets, 21 copies, 600 allocation / free, 0 other (per captured graph)"
             )
         );
+        // Nothing captured: no line, not a division by zero.
         assert_eq!(fmt_graph_nodes(&GraphCounts::default()), None);
-        // Nothing recorded: zeros, not a division by zero.
-        assert_eq!(
-            fmt_graph_host(&GraphCounts::default()),
-            "dry pass 0.000 ms (0 buffers), graph launch 0.000 ms (0 of 0 steps replayed)"
-        );
     }
 
     #[test]
