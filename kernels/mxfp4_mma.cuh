@@ -56,7 +56,7 @@ __device__ __forceinline__ u32 mx_e4m3_odd(u32 w) { return (w & 0x80808080u) | (
 __device__ __forceinline__ float mx_scale_f32(u32 s4, int b) { return __uint_as_float(((s4 >> (8 * b)) & 0xffu) << 23); }
 
 // d = A B with mma.sync m16n8k32, e4m3 inputs, f32 result (a fresh accumulator: the caller scales
-// it per MX block). sm_89 and later; the MXFP8 path is only dispatched there (moe/mod.rs).
+// it per MX block). sm_89 and later; the MXFP8 path is only dispatched there (dispatch.rs).
 __device__ __forceinline__ void tc_mma_e4m3(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
