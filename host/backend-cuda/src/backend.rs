@@ -144,7 +144,7 @@ impl Backend for CudaBackend {
             if data.is_empty() {
                 return Ok(self.stream.alloc_zeros::<f32>(1)?);
             }
-            self.upload_slice(&data)
+            self.upload_kept(&data)
         })
     }
 

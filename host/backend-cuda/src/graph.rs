@@ -19,46 +19,54 @@
 //! addresses, freed inside the graph); the step's result is copied into a buffer the graph owns
 //! and from there into a fresh output after each launch.
 
+use crate::buf::Buf;
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::step::{
-    CAPTURE_AFTER, Captured, GraphCounts, MAX_GRAPHS, Mode, NEVER, as_bytes, hash_log,
+    CAPTURE_AFTER, Captured, GraphCounts, MAX_GRAPHS, Mode, NEVER, STAGING_BYTES, as_bytes,
+    hash_log,
 };
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, sys};
 
 impl CudaBackend {
     /// Host → device copy of a small per-step input (ids, slots, page tables). Eager: a plain
-    /// copy. Dry pass: into staging only. Capture: into staging, and a captured copy from
-    /// staging, so every replay uploads whatever the dry pass staged at the same offset.
-    pub fn upload_slice<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
-        match self.step.mode() {
-            Mode::Eager => Ok(self.stream.memcpy_stod(data)?),
-            Mode::Dry => {
-                self.step.stage(as_bytes(data))?;
-                self.step.lock().counts.dry_allocs += 1;
-                self.alloc_kept::<T>(data.len())
-            }
-            Mode::Capture => {
-                let bytes = as_bytes(data);
-                let src = self.step.stage(bytes)?;
-                let dst = self.alloc_kept::<T>(data.len())?;
-                if !bytes.is_empty() {
-                    let (d, _sync) = dst.device_ptr(&self.stream);
-                    // SAFETY: `src` is `bytes.len()` bytes of pinned staging that lives as long as
-                    // the backend (and so every graph); `dst` holds at least as many bytes.
-                    unsafe {
-                        sys::cuMemcpyHtoDAsync_v2(
-                            d,
-                            src as *const std::ffi::c_void,
-                            bytes.len(),
-                            self.stream.cu_stream(),
-                        )
-                    }
-                    .result()?;
-                }
-                Ok(dst)
-            }
+    /// copy. Dry pass and capture: the bytes go into staging, and the buffer is a view of the
+    /// same offset in the device mirror of staging, which a replay fills with one copy before it
+    /// launches the graph (`replay`): one transfer per step instead of a graph node per upload.
+    pub fn upload_slice<T: DeviceRepr>(&self, data: &[T]) -> Result<Buf<T>> {
+        let mode = self.step.mode();
+        if mode == Mode::Eager {
+            return Ok(Buf::owned(self.stream.memcpy_stod(data)?));
         }
+        let at = self.step.stage(as_bytes(data))?;
+        let base = self.upload_mirror(mode == Mode::Dry)?;
+        // SAFETY: the mirror lives as long as the backend (and so every graph and every queued
+        // launch that reads it); [at, at + len) lies inside it (`stage` checked the extent).
+        Ok(unsafe { Buf::alias(&self.stream, base + at as u64, data.len().max(1)) })
+    }
+
+    /// Host → device copy of data kept beyond a step (weights, vectors): refused inside a
+    /// logged pass, whose uploads live only as long as the step.
+    pub(crate) fn upload_kept<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        self.refuse_while_recording("a kept upload")?;
+        Ok(self.stream.memcpy_stod(data)?)
+    }
+
+    /// The device mirror of staging (STAGING_BYTES). Allocated by the first dry pass: an
+    /// allocation inside a capture would become a graph node.
+    fn upload_mirror(&self, may_alloc: bool) -> Result<u64> {
+        let mut g = self.step.lock();
+        if g.mirror.is_none() {
+            if !may_alloc {
+                return Err(CudaError::Unsupported(
+                    "a capture before any dry pass has no upload mirror".into(),
+                ));
+            }
+            g.mirror = Some(self.alloc_kept::<u8>(STAGING_BYTES)?);
+        }
+        let mirror = g.mirror.as_ref().expect("allocated above");
+        let (ptr, _sync) = mirror.device_ptr(&self.stream);
+        Ok(ptr)
     }
 
     /// Device → device copy of a whole or partial buffer (logged; skipped in a dry pass).
@@ -209,6 +217,26 @@ impl CudaBackend {
             return Ok(None); // a hash collision: not the same work
         }
         c.last_used = clock;
+        // The step's uploads (staged by the dry pass that matched this graph) into the mirror
+        // the graph's kernels read; stream-ordered after the previous step's reads of it.
+        if g.used > 0 {
+            let (Some(staging), Some(mirror)) = (&g.staging, &g.mirror) else {
+                return Ok(None);
+            };
+            let (dst, _sync) = mirror.device_ptr(&self.stream);
+            // SAFETY: `used` bytes of pinned staging (stage kept them inside both buffers, which
+            // are the same size); the host rewrites staging only after the launch event below.
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    dst,
+                    staging.ptr as *const std::ffi::c_void,
+                    g.used,
+                    self.stream.cu_stream(),
+                )
+            }
+            .result()?;
+        }
+        let c = g.graphs.get_mut(&key).expect("looked up above");
         // An error here means nothing was queued: the caller may still run the step eagerly.
         c.graph.launch()?;
         // From here on the step has run (states advanced, rows appended): a failure must be

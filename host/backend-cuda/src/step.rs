@@ -83,6 +83,8 @@ unsafe impl Send for Captured {}
 pub(crate) struct Inner {
     pub(crate) log: Vec<u64>,
     pub(crate) staging: Option<Pinned>,
+    /// Device copy of staging (STAGING_BYTES) that captured kernels read their uploads from.
+    pub(crate) mirror: Option<CudaSlice<u8>>,
     pub(crate) used: usize,
     pub(crate) graphs: HashMap<u64, Captured>,
     pub(crate) seen: HashMap<u64, u32>,
@@ -194,8 +196,9 @@ impl StepState {
         }
     }
 
-    /// Copy `bytes` into staging; returns the host address they were written to.
-    pub(crate) fn stage(&self, bytes: &[u8]) -> Result<*const u8> {
+    /// Copy `bytes` into staging; returns their offset (16-byte aligned, with at least 16 bytes
+    /// inside the buffer even for an empty upload, whose view is one element long).
+    pub(crate) fn stage(&self, bytes: &[u8]) -> Result<usize> {
         let mut g = self.lock();
         if g.staging.is_none() {
             g.staging = Some(Pinned::new(STAGING_BYTES)?);
@@ -203,7 +206,7 @@ impl StepState {
         let at = g.used.next_multiple_of(16);
         let end = at + bytes.len();
         let cap = g.staging.as_ref().map_or(0, |p| p.len);
-        if end > cap {
+        if at + bytes.len().max(16) > cap {
             return Err(CudaError::Unsupported(format!(
                 "step uploads exceed the {cap}-byte graph staging buffer"
             )));
@@ -213,11 +216,8 @@ impl StepState {
         let p = g.staging.as_ref().map_or(std::ptr::null_mut(), |p| p.ptr);
         // SAFETY: [at, end) is inside the allocation (checked above); the source is a live slice;
         // the previous graph launch has finished reading staging (run_step waits for it).
-        unsafe {
-            let dst = p.add(at);
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len());
-            Ok(dst)
-        }
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(at), bytes.len()) };
+        Ok(at)
     }
 
     pub(crate) fn begin(&self, mode: Mode) {

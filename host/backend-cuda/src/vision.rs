@@ -30,7 +30,7 @@ impl CudaBackend {
         Ok(DeviceMat {
             rows,
             cols,
-            buf: self.upload_slice(data)?.into(),
+            buf: self.upload_slice(data)?,
         })
     }
 

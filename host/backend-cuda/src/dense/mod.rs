@@ -98,7 +98,7 @@ impl CudaBackend {
         }
         let f32 = std::sync::OnceLock::new();
         let bf16 = match exact_bf16(data) {
-            Some(bits) => Some(self.upload_slice(&bits)?),
+            Some(bits) => Some(self.upload_kept(&bits)?),
             None => {
                 let _ = f32.set(self.upload(rows, cols, data)?);
                 None
