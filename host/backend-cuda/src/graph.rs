@@ -7,8 +7,8 @@
 //! every op logs what it would queue (kernel, grid, scalar arguments, arena offsets, GEMM shapes,
 //! upload sizes) and writes the bytes it would upload (token ids, state slots, page tables) into
 //! one pinned staging buffer, but nothing is launched. If a captured graph logged exactly the
-//! same work, it is launched: its first nodes copy the staging buffer's new contents to the
-//! device. Otherwise the step runs eagerly, and the second time the same log is seen the pass is
+//! same work, it is launched after one copy of the staging buffer's new contents into its device
+//! mirror, where the graph's kernels read their uploads. Otherwise the step runs eagerly, and the second time the same log is seen the pass is
 //! captured (`cuStreamBeginCapture`), which records the same work with uploads from the same
 //! staging offsets. Anything the dry pass cannot vouch for (a download, a path that is not
 //! logged: such an op returns an error) fails it and the step runs eagerly. What the log leaves out — the
