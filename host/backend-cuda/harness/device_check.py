@@ -135,19 +135,31 @@ def check_pointwise(d: Device, r: Results, gen):
 def check_attnres(d: Device, r: Results, gen):
     """attn_res_f32 (geometry.rs attn_res: a cluster of 8 blocks of 128 threads per row, block q on
     columns [q s, (q + 1) s), s = d / 8 rounded up to 4): 1000 columns (float4 path, a short last
-    block), 1001 (the scalar path), K3's 7168 at one row, and 40 (blocks past the row's end)."""
+    block), 1001 (the scalar path), K3's 7168 at one row, and 40 (blocks past the row's end); each
+    plain, and as Backend::attn_res_norm (the last source += add first, RMSNorm after)."""
     eps = 1e-5
-    for n, dm, rows in ((1, 1000, 7), (2, 1000, 7), (9, 1000, 7), (9, 1001, 7), (9, 7168, 1), (3, 40, 5)):
+    cases = ((1, 1000, 7), (2, 1000, 7), (9, 1000, 7), (9, 1001, 7), (9, 7168, 1), (3, 40, 5))
+    for (n, dm, rows), fused in [(c, f) for c in cases for f in (False, True)]:
         srcs = [rand(rows, dm, scale=1 + i, gen=gen) for i in range(n)]
+        add, norm = rand(rows, dm, gen=gen), rand(dm, scale=0.5, gen=gen) + 1
         w = rand(dm, scale=0.05, gen=gen)
-        dev = [d.view(s.float().contiguous().to(d.tdev)) for s in srcs]
-        ptrs = dev + [dev[0]] * (9 - n)  # unused slots: any valid pointer, never read
+        T = lambda x: x.float().contiguous().to(d.tdev)  # noqa: E731
+        bank = [d.view(T(s)) for s in srcs[:-1]]
+        last = T(srcs[-1])
+        vw = d.view(T(w))
+        ptrs = bank + [vw] * (8 - len(bank))  # unused slots: any valid pointer, never read
         out = torch.empty(rows, dm, device=d.tdev)
-        d.launch("attn_res_f32", rows * 8, 128, *ptrs, n, d.view(w.float().contiguous().to(d.tdev)), d.view(out),
-                 rows, dm, eps)
+        va, vn = (d.view(T(add)), d.view(T(norm))) if fused else (vw, vw)
+        d.launch("attn_res_f32", rows * 8, 128, *ptrs, n - 1, d.view(last), va, int(fused), vw, vn, int(fused),
+                 d.view(out), rows, dm, eps)
         d.sync()
-        ref = ref_attn_res(srcs[-1], srcs[:-1], w, torch.ones(1, dm, dtype=torch.float64), eps)
-        r.check(f"attn_res(n={n}, d={dm}, rows={rows})", rel_err(out, ref), 1e-5)
+        tag = f"attn_res{'_norm' if fused else ''}(n={n}, d={dm}, rows={rows})"
+        p = srcs[-1].double() + (add.double() if fused else 0)
+        ref = ref_attn_res(p, srcs[:-1], w, torch.ones(1, dm, dtype=torch.float64), eps)
+        if fused:
+            ref = ref_rms_norm(ref, norm.double(), eps)
+            r.check(f"{tag} last += add", rel_err(last, p), 1e-6)
+        r.check(tag, rel_err(out, ref), 1e-5)
 
 
 def check_router_sampling(d: Device, r: Results, gen):

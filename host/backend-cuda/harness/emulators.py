@@ -486,10 +486,17 @@ def _emu_router(logits, bias, idx, w, t, e, k, renorm, scaling):
 
 
 def _emu_attn_res(*a):
-    srcs, n, w, out, rows, dm, eps = a[:9], int(a[9]), a[10], a[11], int(a[12]), int(a[13]), float(a[14])
-    S = [_t(s).view(rows, dm).double() for s in srcs[:n]]
-    out[:] = ref_attn_res(S[-1], S[:-1], _t(w).double(), torch.ones(1, dm, dtype=torch.float64), eps).float() \
-        .numpy().reshape(out.shape)
+    bank, nb, last, add, has_add, w, norm, has_norm, out, rows, dm, eps = (
+        a[:8], int(a[8]), a[9], a[10], int(a[11]), a[12], a[13], int(a[14]), a[15], int(a[16]), int(a[17]),
+        float(a[18]))
+    L = _t(last).view(rows, dm)
+    if has_add:
+        L += _t(add).view(rows, dm)
+    S = [_t(s).view(rows, dm).double() for s in bank[:nb]]
+    h = ref_attn_res(L.double(), S, _t(w).double(), torch.ones(1, dm, dtype=torch.float64), eps)
+    if has_norm:
+        h = ref_rms_norm(h, _t(norm).double(), eps)
+    out[:] = h.float().numpy().reshape(out.shape)
 
 
 def bf16_bits(x):

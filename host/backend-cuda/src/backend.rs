@@ -319,6 +319,21 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn attn_res_norm(
+        &self,
+        sources: &[&DeviceMat],
+        last: &mut DeviceMat,
+        add: Option<&DeviceMat>,
+        w: &CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+    ) -> OpResult<DeviceMat> {
+        self.timed(
+            || format!("attn_res_norm ({} sources)", sources.len() + 1),
+            || self.op(|| CudaBackend::attn_res_norm(self, sources, last, add, w, norm, eps)),
+        )
+    }
+
     fn situ_glu(&self, gate: &DeviceMat, up: &DeviceMat, p: SituParams) -> OpResult<DeviceMat> {
         self.timed(
             || "situ_glu".into(),

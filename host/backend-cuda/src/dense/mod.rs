@@ -323,30 +323,82 @@ impl CudaBackend {
         w: &CudaSlice<f32>,
         eps: f32,
     ) -> Result<DeviceMat> {
-        let first = *sources
-            .first()
+        let (last, bank) = sources
+            .split_last()
             .ok_or_else(|| CudaError::InvalidArg("attn_res with no sources".into()))?;
-        if sources.len() > 9 {
-            return Err(CudaError::Unsupported(format!(
-                "attn_res over {} sources (<= 9)",
-                sources.len()
+        self.attn_res_launch(bank, last, None, None, w, eps)
+    }
+
+    /// `last += add`, then `rms_norm(attn_res(bank ++ [last], w), norm)` in one kernel
+    /// (Backend::attn_res_norm).
+    pub fn attn_res_norm(
+        &self,
+        bank: &[&DeviceMat],
+        last: &mut DeviceMat,
+        add: Option<&DeviceMat>,
+        w: &CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<DeviceMat> {
+        if let Some(a) = add {
+            same_shape(last, a, "attn_res_norm")?;
+        }
+        if norm.len() != last.cols {
+            return Err(CudaError::InvalidArg(format!(
+                "attn_res_norm: norm weight {} for width {}",
+                norm.len(),
+                last.cols
             )));
         }
-        for s in sources {
-            same_shape(first, s, "attn_res")?;
+        // The kernel writes `last` (held mutably here) only when `add` is given.
+        self.attn_res_launch(bank, last, add, Some(norm), w, eps)
+    }
+
+    /// kernels/attnres.cu `attn_res_f32` over `bank` and `last`: `add` into `last` first and
+    /// `norm` after, when given.
+    fn attn_res_launch(
+        &self,
+        bank: &[&DeviceMat],
+        last: &DeviceMat,
+        add: Option<&DeviceMat>,
+        norm: Option<&CudaSlice<f32>>,
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<DeviceMat> {
+        let (rows, cols) = (last.rows, last.cols);
+        if bank.len() > 8 {
+            return Err(CudaError::Unsupported(format!(
+                "attn_res over {} sources (<= 9)",
+                bank.len() + 1
+            )));
+        }
+        if let Some(m) = bank.iter().find(|m| (m.rows, m.cols) != (rows, cols)) {
+            return Err(CudaError::InvalidArg(format!(
+                "attn_res: a {}x{} source beside {rows}x{cols}",
+                m.rows, m.cols
+            )));
+        }
+        if w.len() != cols {
+            return Err(CudaError::InvalidArg(format!(
+                "attn_res weight {} for width {cols}",
+                w.len()
+            )));
         }
         // A cluster per row; its blocks' column spans cover the row.
-        let out = self.output(first.rows, first.cols)?;
-        let src: Vec<&CudaSlice<f32>> = (0..9)
-            .map(|i| &*sources.get(i).unwrap_or(&first).buf)
-            .collect();
-        let (n, rows, d) = (
-            sources.len() as i32,
-            i32_of(first.rows, "rows")?,
-            i32_of(first.cols, "cols")?,
+        let out = self.output(rows, cols)?;
+        // Unused bank slots, `add` and `norm` when absent: any valid pointer, never read.
+        let src: Vec<&CudaSlice<f32>> =
+            (0..8).map(|i| bank.get(i).map_or(w, |m| &*m.buf)).collect();
+        let (add_buf, has_add) = add.map_or((w, 0), |a| (&*a.buf, 1));
+        let (norm_buf, has_norm) = norm.map_or((w, 0), |n| (n, 1));
+        let (nb, r, d) = (
+            bank.len() as i32,
+            i32_of(rows, "rows")?,
+            i32_of(cols, "cols")?,
         );
-        launch!(self, "attn_res_f32", geometry::attn_res(first.rows)?;
-            src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], src[8], &n, w, &out.buf, &rows, &d, &eps)?;
+        launch!(self, "attn_res_f32", geometry::attn_res(rows)?;
+            src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], &nb, &last.buf, add_buf, &has_add,
+            w, norm_buf, &has_norm, &out.buf, &r, &d, &eps)?;
         Ok(out)
     }
 

@@ -124,6 +124,29 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
             TOL_POINTWISE,
         ));
     }
+    // What opens a sublayer (one kernel on CUDA, the ops above composed on the CPU): four bank
+    // sources and the running sum, with and without the mixer's output added into it first.
+    for (name, with_add) in [
+        ("attn_res_norm", false),
+        ("attn_res_norm, last += add", true),
+    ] {
+        let bank: Vec<B::Act> = (0..4)
+            .map(|_| mat(be, rows, d, &r.vec(rows * d, 1.5)))
+            .collect();
+        let refs: Vec<&B::Act> = bank.iter().collect();
+        let mut last = mat(be, rows, d, &r.vec(rows * d, 1.5));
+        let add = mat(be, rows, d, &r.vec(rows * d, 0.5));
+        let norm = be.vector(r.vec(d, 1.0)).unwrap();
+        let x = be
+            .attn_res_norm(&refs, &mut last, with_add.then_some(&add), &w, &norm, 1e-5)
+            .unwrap();
+        out.push((name, be.to_host(&x).unwrap(), TOL_POINTWISE));
+        out.push((
+            "attn_res_norm's running sum",
+            be.to_host(&last).unwrap(),
+            TOL_POINTWISE,
+        ));
+    }
     let (g, u) = (
         mat(be, rows, 768, &r.vec(rows * 768, 4.0)),
         mat(be, rows, 768, &r.vec(rows * 768, 2.0)),
