@@ -63,6 +63,10 @@ pub struct CudaBackend {
     pub(crate) functions: HashMap<&'static str, CudaFunction>,
     /// cuBLAS on `stream` (dense matmuls); its math mode follows `options.dtype`.
     pub(crate) blas: CudaBlas,
+    /// `blas`'s workspace (lanes.rs `set_workspace`).
+    _blas_workspace: CudaSlice<u8>,
+    /// Side streams for products that share an input (lanes.rs).
+    pub(crate) lanes: Vec<crate::lanes::SideLane>,
     /// Per-op wall times when `K3_PROFILE` is set (see `profile.rs`).
     pub(crate) profile: Option<crate::profile::OpProfile>,
     /// The tensor-core MoE path's work buffers (moe/cublas.rs), kept between calls.
@@ -112,6 +116,9 @@ impl CudaBackend {
     /// `CudaOptions::dtype`). Takes effect from the next op.
     pub fn set_dtype(&mut self, dtype: crate::Dtype) -> Result<()> {
         set_blas_math(&self.blas, dtype)?;
+        for lane in &self.lanes {
+            set_blas_math(&lane.blas, dtype)?;
+        }
         self.options.dtype = dtype;
         Ok(())
     }
@@ -207,6 +214,8 @@ impl CudaBackend {
         let t = Instant::now();
         let blas = CudaBlas::new(stream.clone())?;
         set_blas_math(&blas, backend_options.dtype)?;
+        let blas_workspace = crate::lanes::set_workspace(&blas, &stream)?;
+        let lanes = crate::lanes::side_lanes(&ctx, &stream, backend_options.dtype)?;
         let cublas_s = t.elapsed().as_secs_f64();
         let profile = crate::profile::OpProfile::from_env();
         let dry_target = stream.alloc_zeros::<u8>(256)?;
@@ -217,6 +226,8 @@ impl CudaBackend {
             limits,
             functions,
             blas,
+            _blas_workspace: blas_workspace,
+            lanes,
             step: crate::step::StepState::new(backend_options.cuda_graphs, profile.is_some()),
             dry_target,
             profile,
@@ -346,7 +357,7 @@ fn keep_freed_memory_pooled(ctx: &CudaContext) {
 
 /// cuBLAS's math mode for `dtype`: f32 products (SGEMM) on TF32 tensor cores in bf16 (and mxfp8) mode,
 /// plain f32 FMAs in float32 mode. The bf16 GEMMs name their compute type and ignore it.
-fn set_blas_math(blas: &CudaBlas, dtype: crate::Dtype) -> Result<()> {
+pub(crate) fn set_blas_math(blas: &CudaBlas, dtype: crate::Dtype) -> Result<()> {
     use cudarc::cublas::sys::{cublasMath_t, cublasSetMathMode};
     let mode = match dtype {
         crate::Dtype::Bf16 | crate::Dtype::Mxfp8 => cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,

@@ -27,6 +27,7 @@ pub mod geometry;
 mod graph;
 mod kda;
 pub mod kernels;
+mod lanes;
 pub mod mla;
 mod moe;
 pub mod options;

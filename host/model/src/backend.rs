@@ -337,7 +337,8 @@ pub trait Backend: Send + Sync + 'static {
     fn embed(&self, table: &Self::Linear, ids: &[u32]) -> OpResult<Self::Act>;
     fn matmul(&self, x: &Self::Act, w: &Self::Linear) -> OpResult<Self::Act>;
     /// `matmul(x, w)` for several weights sharing one input, in order. A backend that converts `x`
-    /// before a product (CUDA: x as bf16 rows for cuBLAS) converts it once for all of them.
+    /// before a product (CUDA: x as bf16 rows for cuBLAS) converts it once for all of them, and
+    /// may run the products at once (CUDA: one stream each).
     fn matmuls(&self, x: &Self::Act, ws: &[&Self::Linear]) -> OpResult<Vec<Self::Act>> {
         ws.iter().map(|w| self.matmul(x, w)).collect()
     }

@@ -146,12 +146,73 @@ impl CudaBackend {
     }
 
     /// `matmul_linear` for several weights sharing `x`: x's bf16 rows are made once, by the first
-    /// product that takes cuBLAS, and read by the others.
+    /// product that takes cuBLAS, and read by the others. In bfloat16 mode two or more cuBLAS
+    /// products run at once, each on its own stream (lanes.rs).
     pub fn matmul_linears(&self, x: &DeviceMat, ws: &[&DeviceLinear]) -> Result<Vec<DeviceMat>> {
-        let mut split = None;
-        ws.iter()
-            .map(|w| self.matmul_linear_split(x, w, &mut split))
-            .collect()
+        let cublas: Vec<bool> = ws.iter().map(|w| self.takes_cublas(x, w)).collect();
+        let side = (cublas.iter().filter(|&&c| c).count())
+            .saturating_sub(1)
+            .min(self.lanes.len());
+        if side == 0 || self.options.dtype.planes() != 1 {
+            let mut split = None;
+            return ws
+                .iter()
+                .map(|w| self.matmul_linear_split(x, w, &mut split))
+                .collect();
+        }
+        // Everything the side streams touch exists before the fork and is freed after the join.
+        let xs = self.bf16_rows(x)?;
+        let mut outs = cublas
+            .iter()
+            .zip(ws)
+            .map(|(&c, w)| c.then(|| self.output(x.rows, w.rows)).transpose())
+            .collect::<Result<Vec<_>>>()?;
+        self.fork_lanes(side)?;
+        let mut product = 0;
+        let res = ws
+            .iter()
+            .zip(outs.iter_mut())
+            .map(|(w, out)| match (out.take(), &w.bf16) {
+                (Some(mut y), Some(bits)) => {
+                    // The first product on the backend's stream, the others one per side stream.
+                    let blas = match product {
+                        0 => &self.blas,
+                        p => &self.lanes[(p - 1) % side].blas,
+                    };
+                    product += 1;
+                    let (n, m, k) = (w.rows, x.rows, x.cols);
+                    self.gemm_bf16_on(blas, bits, 0, &xs, 0, &mut y.buf, 0, n, m, k)?;
+                    Ok(y)
+                }
+                _ => self.matmul_linear_split(x, w, &mut None),
+            })
+            .collect::<Result<Vec<_>>>();
+        let joined = self.join_lanes(side);
+        drop(xs);
+        let res = res?;
+        joined?;
+        Ok(res)
+    }
+
+    /// Whether `x Wᵀ` is a cuBLAS bf16 GEMM over x's bf16 rows (`matmul_linear_split`).
+    fn takes_cublas(&self, x: &DeviceMat, w: &DeviceLinear) -> bool {
+        let (m, n, k) = (x.rows, w.rows, w.cols);
+        w.bf16.is_some() && x.cols == k && m * n * k != 0 && !self.takes_gemv(m, n, k)
+    }
+
+    /// Whether a bf16 product of these dims is the tensor-core GEMV's (decode rows, small weight).
+    fn takes_gemv(&self, m: usize, n: usize, k: usize) -> bool {
+        m <= GEMV_TC_MAX_ROWS && k.is_multiple_of(8) && n * k <= self.options.gemv_max_weight_elems
+    }
+
+    /// x's rows as bf16 in the mode's planes (hi rows, then lo rows in float32 mode).
+    fn bf16_rows(&self, x: &DeviceMat) -> Result<Buf<u16>> {
+        let planes = self.options.dtype.planes();
+        let (n, pi) = (x.rows * x.cols, planes as i32);
+        let xs = self.uninit::<u16>(planes * n)?; // every element written by the split
+        let xn = n as i64;
+        launch!(self, "bf16_split_rows_f32", geometry::elementwise(n)?; &x.buf, &xs, &xn, &pi)?;
+        Ok(xs)
     }
 
     /// `matmul_linear`, with x's bf16 rows (`bf16_split_rows_f32` of x in the mode's planes) taken
@@ -170,10 +231,7 @@ impl CudaBackend {
             return self.zeros(m, n);
         }
         let y = self.output(m, n)?; // both paths below write every element
-        if m <= GEMV_TC_MAX_ROWS
-            && k.is_multiple_of(8)
-            && n * k <= self.options.gemv_max_weight_elems
-        {
+        if self.takes_gemv(m, n, k) {
             let (splits, kslice) = gemv_tc_plan(n, k, self.multiprocessors);
             let (mi, ni, ki, ks) = (m as i32, n as i32, k as i32, kslice as i32);
             // x in three exact bf16 pieces in float32 mode, rounded once like the GEMMs otherwise.
@@ -196,14 +254,10 @@ impl CudaBackend {
         }
         // Both are written in full (split, then the GEMM) before anything reads them.
         let planes = self.options.dtype.planes();
-        let (xn, yn, pi) = ((m * k) as i64, (m * n) as i64, planes as i32);
+        let yn = (m * n) as i64;
         let xs = match split {
             Some(xs) => xs,
-            None => {
-                let xs = self.uninit::<u16>(planes * m * k)?;
-                launch!(self, "bf16_split_rows_f32", geometry::elementwise(m * k)?; &x.buf, &xs, &xn, &pi)?;
-                split.insert(xs)
-            }
+            None => split.insert(self.bf16_rows(x)?),
         };
         if planes == 1 {
             // The hi rows alone: x rounded once to bf16, half the tensor-core work.

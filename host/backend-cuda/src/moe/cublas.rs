@@ -230,6 +230,24 @@ impl CudaBackend {
         rows: usize,
         k: usize,
     ) -> Result<()> {
+        self.gemm_bf16_on(&self.blas, w, w_off, x, x_off, c, c_off, n, rows, k)
+    }
+
+    /// `gemm_bf16` on `blas`'s stream (lanes.rs: the backend's, or a side stream's).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm_bf16_on(
+        &self,
+        blas: &cudarc::cublas::CudaBlas,
+        w: &CudaSlice<u16>,
+        w_off: usize,
+        x: &CudaSlice<u16>,
+        x_off: usize,
+        c: &mut CudaSlice<f32>,
+        c_off: usize,
+        n: usize,
+        rows: usize,
+        k: usize,
+    ) -> Result<()> {
         if (w_off + n * k) > w.len() || (x_off + rows * k) > x.len() || (c_off + rows * n) > c.len()
         {
             return Err(CudaError::InvalidArg(
@@ -257,7 +275,7 @@ impl CudaBackend {
         // until the call returns (cuBLAS reads host scalars synchronously at enqueue).
         unsafe {
             cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
+                *blas.handle(),
                 cublasOperation_t::CUBLAS_OP_T,
                 cublasOperation_t::CUBLAS_OP_N,
                 m_,

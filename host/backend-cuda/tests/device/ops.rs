@@ -67,7 +67,8 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
     }
     // matmuls: weights sharing one input (x's bf16 rows made once on CUDA), mixing the split
     // GEMM (17 rows), the tensor-core GEMV (4 rows) and an f32 weight; each result must equal
-    // matmul's bit for bit (the pushed difference is zero on both backends).
+    // matmul's bit for bit (the pushed difference is zero on both backends). In bf16 mode the
+    // two GEMMs of 17 rows run at once, on two streams (lanes.rs).
     for &(m, k) in &[(17usize, 256usize), (4, 512)] {
         let x = mat(be, m, k, &r.vec(m * k, 1.0));
         let ws = [
