@@ -771,7 +771,7 @@ GEMV_SHAPES = [(12288, 7168), (7168, 12288), (33792, 7168), (6144, 7168), (3584,
 
 def bench_gemv(d: Device, record, quick: bool):
     """Dense bf16-weight decode products, y [M, n] = x [M, k] w^T, per shape and M: `new` / `new
-    bf16` (gemv_bf16_tc_f32 + gemv_sum_splits_f32 when split, x in three pieces / rounded once;
+    bf16` (gemv_bf16_tc_f32, its last blocks summing the splits, x in three pieces / rounded once;
     dense/mod.rs matmul_linear takes it for M <= 16 up to CudaOptions::gemv_max_weight_elems = 2^22
     weights) and `cublas` / `cublas bf16` (split rows + torch bf16 matmul of the [2M, k] hi/lo rows
     + sum of halves in float32 mode, of the [M, k] rounded rows in bf16 mode: the path above that).

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks import bench  # noqa: E402
 from common import (KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, KDA_SCAN_KERNELS, LOG, cdiv,  # noqa: E402
                     kda_decode_launcher, kda_reference, kda_region_floats, log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
-from common import gemv_tc_plan, run_gemv_tc  # noqa: E402
+from common import gemv_tc_plan, gemv_tickets, run_gemv_tc  # noqa: E402
 from checks_moe import (check_moe, check_moe_gemm,  # noqa: E402
                         check_moe_single_token, check_moe_few_tokens, check_moe_tc_shapes, check_moe_wg, check_moe_wg_repeat)
 from common import rand  # noqa: E402
@@ -404,10 +404,12 @@ def check_bf16_matmul(d: Device, r: Results, gen):
 
 
 def check_gemv_tc(d: Device, r: Results, gen):
-    """The tensor-core decode product (gemv_bf16_tc_f32 + gemv_sum_splits_f32) against float64, f32
-    accuracy: N below / not a multiple of the 128-row block, K not a multiple of the 64-column step
-    (and a short last K slice), one split and several, M across both n8 tiles of x rows; x in three
-    pieces (float32 mode) and rounded once (bfloat16 mode, against float64 of the rounded x)."""
+    """The tensor-core decode product (gemv_bf16_tc_f32; its last blocks sum the split-K partials)
+    against float64, f32 accuracy: N below / not a multiple of the 128-row block, K not a multiple of
+    the 64-column step (and a short last K slice), one split and several, M across both n8 tiles of
+    x rows; x in three pieces (float32 mode) and rounded once (bfloat16 mode, against float64 of the
+    rounded x). y starts as NaN at every launch, and the launches share one ticket buffer: a ticket
+    not put back to 0 leaves the next split product's rows unsummed."""
     dev = lambda t: t.contiguous().to(d.tdev)  # noqa: E731
     u16 = lambda t: d.view(t).view(np.uint16)  # noqa: E731
     for n, k, plan in ((77, 520, None), (300, 1544, None), (130, 200, (1, 256)),
@@ -426,6 +428,9 @@ def check_gemv_tc(d: Device, r: Results, gen):
                 xr = x if pieces == 3 else x.float().to(torch.bfloat16).double()
                 r.check(f"gemv_bf16_tc_f32 M={m} {n}x{k} splits={splits} pieces={pieces}", rel_err(y, xr @ w.double().T),
                         1e-5)
+    tickets = gemv_tickets(d, 1)
+    r.exact("gemv_bf16_tc_f32 tickets back to 0", not bool(np.asarray(tickets.get() if hasattr(tickets, "get")
+                                                                     else tickets).any()))
 
 
 def main():

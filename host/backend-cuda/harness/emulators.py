@@ -762,9 +762,11 @@ def _emu_combine_ids(y, idx, w, out, t, k, lt, e):
     out.reshape(-1)[:t * lt] = torch.einsum("tk,tkl->tl", _t(w).reshape(-1)[:t * k].view(t, k), Y).numpy().reshape(-1)
 
 
-def _emu_gemv_tc(x, w, out, m, n, k, kslice, npieces):
+def _emu_gemv_tc(x, w, out, y, tickets, m, n, k, kslice, npieces):
     """kernels/bf16.cu gemv_bf16_tc_f32: x in `npieces` (3 or 1) bf16 pieces (each the rounded residual of
-    the ones before), exact products summed in f64 per K slice; out [ceil(K / kslice), M, N] partials."""
+    the ones before), exact products summed in f64 per K slice; out [ceil(K / kslice), M, N] partials
+    (y itself for one slice), then with several slices their sum in slice order, in f32, into y (what
+    the last block of each row block does; the tickets end at 0)."""
     m, n, k, ks = int(m), int(n), int(k), int(kslice)
     xv = x.reshape(-1)[:m * k].astype(np.float32)
     pieces = []
@@ -777,6 +779,13 @@ def _emu_gemv_tc(x, w, out, m, n, k, kslice, npieces):
     for s, k0 in enumerate(range(0, k, ks)):
         part = xs[:, k0:k0 + ks] @ wv[:, k0:k0 + ks].T
         out.reshape(-1)[s * m * n:(s + 1) * m * n] = part.astype(np.float32).reshape(-1)
+    splits = len(range(0, k, ks))
+    if splits > 1:
+        acc = np.zeros(m * n, dtype=np.float32)
+        for j in range(splits):
+            acc += out.reshape(-1)[j * m * n:(j + 1) * m * n]
+        y.reshape(-1)[:m * n] = acc
+    assert not tickets.any(), "tickets are 0 between launches"
 
 
 def _split3(x):
@@ -806,13 +815,6 @@ def _emu_mla_out_proj_bf16(lat, kv_b, o, items, heads, nope, v_dim, kv_lora):
     L = _split3(lat.reshape(-1)[:n * h * lkv]).reshape(n, h, lkv)
     W = bf16_value(kv_b.reshape(-1)[:h * (nope + vd) * lkv]).astype(np.float64).reshape(h, -1, lkv)
     o.reshape(-1)[:n * h * vd] = np.einsum("nhl,hvl->nhv", L, W[:, nope:]).astype(np.float32).reshape(-1)
-
-
-def _emu_sum_splits(part, y, splits, n):
-    acc = np.zeros(int(n), dtype=np.float32)
-    for j in range(int(splits)):
-        acc += part.reshape(-1)[j * int(n):(j + 1) * int(n)]
-    y.reshape(-1)[:int(n)] = acc
 
 
 def _stack_rows(offsets, p):
@@ -913,7 +915,6 @@ EMU = {
     "sum_row_halves_f32": lambda c, y, n: y.reshape(-1).__setitem__(
         slice(0, int(n)), c.reshape(-1)[:int(n)] + c.reshape(-1)[int(n):2 * int(n)]),
     "gemv_bf16_tc_f32": _emu_gemv_tc,
-    "gemv_sum_splits_f32": _emu_sum_splits,
     "bf16_to_f32": lambda b, out, n: out.reshape(-1).__setitem__(slice(0, int(n)), bf16_value(b.reshape(-1)[:int(n)])),
     "moe_gather_split_bf16": _emu_gather_split,
     "mxfp4_to_bf16_experts": _emu_to_bf16,

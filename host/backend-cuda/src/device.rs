@@ -77,6 +77,8 @@ pub struct CudaBackend {
     pub(crate) step: crate::step::StepState,
     /// What every buffer of a dry pass aliases (buf.rs): 256 bytes that no work touches.
     pub(crate) dry_target: CudaSlice<u8>,
+    /// kernels/bf16.cu `gemv_bf16_tc_f32`'s tickets: one per row block, 0 between launches.
+    pub(crate) gemv_tickets: CudaSlice<i32>,
     /// The deployment's choices (options.rs).
     pub(crate) options: crate::CudaOptions,
     /// Where opening the device spent its time.
@@ -219,6 +221,8 @@ impl CudaBackend {
         let cublas_s = t.elapsed().as_secs_f64();
         let profile = crate::profile::OpProfile::from_env();
         let dry_target = stream.alloc_zeros::<u8>(256)?;
+        let gemv_tickets =
+            stream.alloc_zeros::<i32>(crate::dense::gemv_tickets(sms.max(1) as usize))?;
         Ok(Self {
             ctx,
             stream,
@@ -230,6 +234,7 @@ impl CudaBackend {
             lanes,
             step: crate::step::StepState::new(backend_options.cuda_graphs, profile.is_some()),
             dry_target,
+            gemv_tickets,
             profile,
             moe_scratch: Mutex::default(),
             moe_sorted_scratch: Mutex::default(),

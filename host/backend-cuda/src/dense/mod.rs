@@ -240,16 +240,23 @@ impl CudaBackend {
             } else {
                 1
             };
-            let l = Launch::new((n.div_ceil(GEMV_TC_BLOCK_ROWS), splits, 1), 128)?;
+            let row_blocks = n.div_ceil(GEMV_TC_BLOCK_ROWS);
+            let l = Launch::new((row_blocks, splits, 1), 128)?;
+            let t = &self.gemv_tickets;
             if splits == 1 {
-                launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &y.buf, &mi, &ni, &ki, &ks, &pieces)?;
+                launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &y.buf, &y.buf, t, &mi, &ni, &ki, &ks, &pieces)?;
                 return Ok(y);
             }
-            // Every split writes its whole [M, N] partial before the sum reads it.
+            // A ticket per row block (gemv_tc_plan splits only what fits one wave of blocks).
+            if row_blocks > t.len() {
+                return Err(CudaError::InvalidArg(format!(
+                    "gemv: {row_blocks} row blocks split, {} tickets",
+                    t.len()
+                )));
+            }
+            // Every split writes its whole [M, N] partial before the last block sums them.
             let part = self.uninit::<f32>(splits * m * n)?;
-            let (si, yn) = (splits as i32, (m * n) as i64);
-            launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &part, &mi, &ni, &ki, &ks, &pieces)?;
-            launch!(self, "gemv_sum_splits_f32", geometry::elementwise(m * n)?; &part, &y.buf, &si, &yn)?;
+            launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &part, &y.buf, t, &mi, &ni, &ki, &ks, &pieces)?;
             return Ok(y);
         }
         // Both are written in full (split, then the GEMM) before anything reads them.
@@ -583,6 +590,12 @@ const GEMV_TC_BLOCKS_PER_SM: usize = 4;
 /// x N floats written and read) cost more than they return (performance-history.md, call DL).
 const GEMV_TC_MIN_SLICE: usize = 128;
 
+/// Tickets `gemv_bf16_tc_f32` needs on `sms` SMs: one per row block of a split product, and
+/// `gemv_tc_plan` splits only products whose row blocks fit half a wave.
+pub(crate) fn gemv_tickets(sms: usize) -> usize {
+    sms * GEMV_TC_BLOCKS_PER_SM
+}
+
 /// `(splits, kslice)` for `gemv_bf16_tc_f32`: as many K splits as fit the row blocks into one
 /// wave of resident blocks (the weight stream needs every SM's loads in flight; a second, partial
 /// wave would leave most SMs idle at the end), slices a multiple of the K step and at least
@@ -623,6 +636,10 @@ mod tests {
             assert!(
                 s == 1 || n.div_ceil(128) * s <= 132 * 4,
                 "{n}x{k}: one wave"
+            );
+            assert!(
+                s == 1 || n.div_ceil(128) <= super::gemv_tickets(132),
+                "{n}x{k}: a ticket per row block"
             );
         }
     }
