@@ -4,7 +4,9 @@
 // h, or RMSNorm(h) * norm (has_norm: what opens every sublayer, Backend::attn_res_norm). w is the
 // product of the op's norm and proj weights. Bank sources are 8 pointer parameters (unused ones
 // any valid pointer) so no pointer table has to be uploaded per call; `add` and `norm` are read
-// only when their flag is set.
+// only when their flag is set. has_bf16: the output's values rounded to bf16 (f32_to_bf16_bits, as
+// bf16_split_rows_f32 rounds them) into out_bf16 too, the input a cuBLAS product takes in
+// bfloat16 mode (DeviceMat::bf16).
 #include "common.cuh"
 
 #define ATTNRES_MAX_SOURCES 9
@@ -16,6 +18,13 @@ __device__ __forceinline__ u32 attnres_cluster_rank() {
     u32 r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
     return r;
+}
+
+// Four values as bf16 bits at `dst` (8-byte aligned when the f32 row is 16-byte aligned).
+__device__ __forceinline__ void attnres_store_bf16x4(u16* dst, float4 v) {
+    const u32 lo = (u32)f32_to_bf16_bits(v.x) | ((u32)f32_to_bf16_bits(v.y) << 16);
+    const u32 hi = (u32)f32_to_bf16_bits(v.z) | ((u32)f32_to_bf16_bits(v.w) << 16);
+    *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
 }
 
 // float `p` (in this block's shared memory) of cluster block `rank`.
@@ -41,7 +50,7 @@ extern "C" __global__ void __cluster_dims__(ATTNRES_SPLIT, 1, 1) __launch_bounds
     attn_res_f32(const float* s0, const float* s1, const float* s2, const float* s3, const float* s4, const float* s5,
                  const float* s6, const float* s7, int n_bank, float* last, const float* add, int has_add,
                  const float* __restrict__ w, const float* norm, int has_norm, float* __restrict__ out, int rows,
-                 int d, float eps) {
+                 int d, float eps, u16* __restrict__ out_bf16, int has_bf16) {
     __shared__ float part[ATTNRES_MAX_SOURCES * 2][ATTNRES_THREADS / 32];
     __shared__ float mine[ATTNRES_MAX_SOURCES * 2];
     __shared__ float total[ATTNRES_MAX_SOURCES * 2];
@@ -165,6 +174,7 @@ extern "C" __global__ void __cluster_dims__(ATTNRES_SPLIT, 1, 1) __launch_bounds
                 }
             hss += acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
             reinterpret_cast<float4*>(out + base)[c] = acc;
+            if (has_bf16 && !has_norm) attnres_store_bf16x4(out_bf16 + base + 4 * c, acc);
         }
     } else {
         for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
@@ -174,6 +184,7 @@ extern "C" __global__ void __cluster_dims__(ATTNRES_SPLIT, 1, 1) __launch_bounds
                 if (i < n) acc += alpha[i] * src[i][base + c];
             hss += acc * acc;
             out[base + c] = acc;
+            if (has_bf16 && !has_norm) out_bf16[base + c] = f32_to_bf16_bits(acc);
         }
     }
     if (has_norm) {
@@ -202,9 +213,13 @@ extern "C" __global__ void __cluster_dims__(ATTNRES_SPLIT, 1, 1) __launch_bounds
                 const float4 g = reinterpret_cast<const float4*>(norm)[c];
                 const float4 h = *o;
                 *o = make_float4(h.x * inv * g.x, h.y * inv * g.y, h.z * inv * g.z, h.w * inv * g.w);
+                if (has_bf16) attnres_store_bf16x4(out_bf16 + base + 4 * c, *o);
             }
         } else {
-            for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) out[base + c] = out[base + c] * inv * norm[c];
+            for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+                out[base + c] = out[base + c] * inv * norm[c];
+                if (has_bf16) out_bf16[base + c] = f32_to_bf16_bits(out[base + c]);
+            }
         }
     }
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");

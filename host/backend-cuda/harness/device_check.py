@@ -43,7 +43,7 @@ from checks_kda_replay import check_kda_verify  # noqa: E402
 from checks_mla import check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill  # noqa: E402
 from checks_vision import check_vision  # noqa: E402
 from device import Device, Results  # noqa: E402
-from emulators import EMU  # noqa: E402
+from emulators import EMU, bf16_bits  # noqa: E402
 from k3ref.attnres import attn_res as ref_attn_res  # noqa: E402
 from k3ref.moe import route as ref_route  # noqa: E402
 from k3ref.norm import rms_norm as ref_rms_norm  # noqa: E402
@@ -57,12 +57,18 @@ def check_pointwise(d: Device, r: Results, gen):
     T = lambda x: x.float().contiguous().to(d.tdev)  # noqa: E731
     rows, eps = 37, 1e-5
     # 300 columns: the float4 path on the backend's 512 threads; 301: the scalar path.
-    for cols, block in ((300, 512), (301, 256)):
+    for (cols, block), bf16 in [(c, b) for c in ((300, 512), (301, 256)) for b in (0, 1)]:
         x, w = rand(rows, cols, gen=gen), rand(cols, gen=gen)
         y = torch.empty(rows, cols, device=d.tdev)
-        d.launch("rms_norm_f32", rows, block, d.view(T(x)), d.view(T(w)), d.view(y), rows, cols, eps)
+        bits = torch.zeros(rows, cols, dtype=torch.int16, device=d.tdev)
+        d.launch("rms_norm_f32", rows, block, d.view(T(x)), d.view(T(w)), d.view(y), rows, cols, eps,
+                 d.view(bits).view(np.uint16), bf16)
         d.sync()
-        r.check(f"rms_norm cols={cols}", rel_err(y, ref_rms_norm(x, w, eps)), 1e-5)
+        r.check(f"rms_norm cols={cols}{' +bf16' if bf16 else ''}", rel_err(y, ref_rms_norm(x, w, eps)), 1e-5)
+        # The bf16 rows a cuBLAS product takes: bit for bit the rounding of the f32 output.
+        want = bf16_bits(y.cpu().numpy()) if bf16 else np.zeros((rows, cols), np.uint16)
+        r.exact(f"rms_norm cols={cols} bf16 rows{'' if bf16 else ' untouched'}",
+                bool((bits.cpu().numpy().view(np.uint16) == want).all()))
     cols = 300
 
     heads, hd = 3, 128
@@ -149,10 +155,15 @@ def check_attnres(d: Device, r: Results, gen):
         vw = d.view(T(w))
         ptrs = bank + [vw] * (8 - len(bank))  # unused slots: any valid pointer, never read
         out = torch.empty(rows, dm, device=d.tdev)
+        bits = torch.zeros(rows, dm, dtype=torch.int16, device=d.tdev)
         va, vn = (d.view(T(add)), d.view(T(norm))) if fused else (vw, vw)
+        # The norm's output also as bf16 rows (bfloat16 mode), the plain mix's not.
         d.launch("attn_res_f32", rows * 8, 128, *ptrs, n - 1, d.view(last), va, int(fused), vw, vn, int(fused),
-                 d.view(out), rows, dm, eps)
+                 d.view(out), rows, dm, eps, d.view(bits).view(np.uint16), int(fused))
         d.sync()
+        want = bf16_bits(out.cpu().numpy()) if fused else np.zeros((rows, dm), np.uint16)
+        r.exact(f"attn_res{'_norm' if fused else ''}(n={n}, d={dm}, rows={rows}) bf16 rows",
+                bool((bits.cpu().numpy().view(np.uint16) == want).all()))
         tag = f"attn_res{'_norm' if fused else ''}(n={n}, d={dm}, rows={rows})"
         p = srcs[-1].double() + (add.double() if fused else 0)
         ref = ref_attn_res(p, srcs[:-1], w, torch.ones(1, dm, dtype=torch.float64), eps)

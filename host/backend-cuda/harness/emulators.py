@@ -485,10 +485,19 @@ def _emu_router(logits, bias, idx, w, t, e, k, renorm, scaling):
     w[:] = (rw * float(scaling)).float().numpy().reshape(w.shape)
 
 
+def _emu_rms_norm(x, w, y, rows, cols, eps, y_bf16, has_bf16):
+    """kernels/norm.cu rms_norm_f32; with has_bf16 the output's bf16 bits into y_bf16 too."""
+    n = int(rows) * int(cols)
+    y.reshape(-1)[:n] = ref_rms_norm(_t(x).view(int(rows), int(cols)).double(), _t(w).double(),
+                                     float(eps)).float().numpy().reshape(-1)
+    if has_bf16:
+        y_bf16.reshape(-1)[:n] = bf16_bits(y.reshape(-1)[:n])
+
+
 def _emu_attn_res(*a):
-    bank, nb, last, add, has_add, w, norm, has_norm, out, rows, dm, eps = (
+    bank, nb, last, add, has_add, w, norm, has_norm, out, rows, dm, eps, out_bf16, has_bf16 = (
         a[:8], int(a[8]), a[9], a[10], int(a[11]), a[12], a[13], int(a[14]), a[15], int(a[16]), int(a[17]),
-        float(a[18]))
+        float(a[18]), a[19], int(a[20]))
     L = _t(last).view(rows, dm)
     if has_add:
         L += _t(add).view(rows, dm)
@@ -497,6 +506,8 @@ def _emu_attn_res(*a):
     if has_norm:
         h = ref_rms_norm(h, _t(norm).double(), eps)
     out[:] = h.float().numpy().reshape(out.shape)
+    if has_bf16:
+        out_bf16.reshape(-1)[:rows * dm] = bf16_bits(out.reshape(-1)[:rows * dm])
 
 
 def bf16_bits(x):
@@ -864,9 +875,7 @@ def _emu_combine_split(y, inv, offsets, experts, w, out, top_k, lt):
 
 
 EMU = {
-    "rms_norm_f32": lambda x, w, y, rows, cols, eps: y.__setitem__(
-        slice(None), ref_rms_norm(_t(x).view(int(rows), int(cols)).double(), _t(w).double(), float(eps)).float().numpy()
-        .reshape(y.shape)),
+    "rms_norm_f32": _emu_rms_norm,
     "gated_head_norm_f32": lambda o, g, w, y, rows, heads, hd, eps: y.__setitem__(slice(None), (
         ref_rms_norm(_t(o).view(-1, int(hd)).double(), _t(w).double(), float(eps))
         * torch.sigmoid(_t(g).view(-1, int(hd)).double())).float().numpy().reshape(y.shape)),

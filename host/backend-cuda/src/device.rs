@@ -31,6 +31,29 @@ pub struct DeviceMat {
     pub rows: usize,
     pub cols: usize,
     pub buf: Buf<f32>,
+    /// In bfloat16 mode, the same rows rounded to bf16, when the kernel that wrote `buf` wrote
+    /// them too (the norms that open each sublayer): what a cuBLAS product takes as its input,
+    /// so it needs no conversion of its own (dense/mod.rs). Every op that changes `buf` in place
+    /// drops it first (`written`).
+    pub(crate) bf16: Option<Buf<u16>>,
+}
+
+impl DeviceMat {
+    /// A matrix of `rows` x `cols` in `buf`, without bf16 rows.
+    pub fn new(rows: usize, cols: usize, buf: Buf<f32>) -> Self {
+        Self {
+            rows,
+            cols,
+            buf,
+            bf16: None,
+        }
+    }
+
+    /// Called by every op that writes `buf` in place: its bf16 rows no longer match.
+    pub(crate) fn written(&mut self) -> &mut Self {
+        self.bf16 = None;
+        self
+    }
 }
 
 /// A weight matrix `[rows, cols]` (row-major) on the device. Values that are all exactly bf16 (a
@@ -261,19 +284,15 @@ impl CudaBackend {
                 data.len()
             )));
         }
-        Ok(DeviceMat {
+        Ok(DeviceMat::new(
             rows,
             cols,
-            buf: self.stream.memcpy_stod(data)?.into(),
-        })
+            self.stream.memcpy_stod(data)?.into(),
+        ))
     }
 
     pub fn zeros(&self, rows: usize, cols: usize) -> Result<DeviceMat> {
-        Ok(DeviceMat {
-            rows,
-            cols,
-            buf: self.zeroed::<f32>(rows * cols)?,
-        })
+        Ok(DeviceMat::new(rows, cols, self.zeroed::<f32>(rows * cols)?))
     }
 
     /// `len` (at least one) zeroed elements; not zeroed in a dry pass (graph.rs), which
@@ -318,7 +337,7 @@ impl CudaBackend {
     /// A matrix whose every element the caller's next launch writes (see `uninit`).
     pub fn output(&self, rows: usize, cols: usize) -> Result<DeviceMat> {
         let buf = self.uninit::<f32>(rows * cols)?;
-        Ok(DeviceMat { rows, cols, buf })
+        Ok(DeviceMat::new(rows, cols, buf))
     }
 
     pub fn download(&self, m: &DeviceMat) -> Result<Vec<f32>> {

@@ -161,7 +161,16 @@ impl CudaBackend {
                 .collect();
         }
         // Everything the side streams touch exists before the fork and is freed after the join.
-        let xs = self.bf16_rows(x)?;
+        // x's bf16 rows: the norm's that wrote x, or made here (and freed when this returns,
+        // after the join).
+        let own;
+        let xs: &Buf<u16> = match &x.bf16 {
+            Some(rows) => rows,
+            None => {
+                own = self.bf16_rows(x)?;
+                &own
+            }
+        };
         let mut outs = cublas
             .iter()
             .zip(ws)
@@ -181,14 +190,13 @@ impl CudaBackend {
                     };
                     product += 1;
                     let (n, m, k) = (w.rows, x.rows, x.cols);
-                    self.gemm_bf16_on(blas, bits, 0, &xs, 0, &mut y.buf, 0, n, m, k)?;
+                    self.gemm_bf16_on(blas, bits, 0, xs, 0, &mut y.buf, 0, n, m, k)?;
                     Ok(y)
                 }
                 _ => self.matmul_linear_split(x, w, &mut None),
             })
             .collect::<Result<Vec<_>>>();
         let joined = self.join_lanes(side);
-        drop(xs);
         let res = res?;
         joined?;
         Ok(res)
@@ -259,12 +267,14 @@ impl CudaBackend {
             launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &part, &y.buf, t, &mi, &ni, &ki, &ks, &pieces)?;
             return Ok(y);
         }
-        // Both are written in full (split, then the GEMM) before anything reads them.
+        // Both are written in full (split, then the GEMM) before anything reads them. In
+        // bfloat16 mode x's bf16 rows may have come with it, from the norm that wrote it.
         let planes = self.options.dtype.planes();
         let yn = (m * n) as i64;
-        let xs = match split {
-            Some(xs) => xs,
-            None => split.insert(self.bf16_rows(x)?),
+        let xs: &Buf<u16> = match (&x.bf16, split) {
+            (Some(rows), _) if planes == 1 => rows,
+            (_, Some(xs)) => xs,
+            (_, split) => split.insert(self.bf16_rows(x)?),
         };
         if planes == 1 {
             // The hi rows alone: x rounded once to bf16, half the tensor-core work.
@@ -322,10 +332,29 @@ impl CudaBackend {
                 x.cols
             )));
         }
-        let y = self.output(x.rows, x.cols)?; // a block per row writes its whole row
+        let mut y = self.output(x.rows, x.cols)?; // a block per row writes its whole row
         let (rows, cols) = (i32_of(x.rows, "rows")?, i32_of(x.cols, "cols")?);
-        launch!(self, "rms_norm_f32", geometry::per_row(x.rows, ROW_BLOCK)?; &x.buf, w, &y.buf, &rows, &cols, &eps)?;
+        // In bfloat16 mode the rows' bf16 copy too (whole rows), for a cuBLAS product.
+        let l = geometry::per_row(x.rows, ROW_BLOCK)?;
+        y.bf16 = self.norm_bf16_rows(x.rows * x.cols)?;
+        match &y.bf16 {
+            Some(b) => {
+                launch!(self, "rms_norm_f32", l; &x.buf, w, &y.buf, &rows, &cols, &eps, b, &1i32)?
+            }
+            None => {
+                launch!(self, "rms_norm_f32", l; &x.buf, w, &y.buf, &rows, &cols, &eps, &y.buf, &0i32)?
+            }
+        }
         Ok(y)
+    }
+
+    /// The bf16 rows a norm writes beside its f32 output in bfloat16 mode (`DeviceMat::bf16`):
+    /// `None` in float32 mode, whose products take x in hi / lo planes.
+    fn norm_bf16_rows(&self, len: usize) -> Result<Option<Buf<u16>>> {
+        if self.options.dtype.planes() != 1 {
+            return Ok(None);
+        }
+        Ok(Some(self.uninit::<u16>(len)?))
     }
 
     pub fn gated_head_norm(
@@ -366,12 +395,14 @@ impl CudaBackend {
     }
 
     pub fn add_assign(&self, p: &mut DeviceMat, a: &DeviceMat) -> Result<()> {
+        let p = p.written();
         same_shape(p, a, "add_assign")?;
         let n = (p.rows * p.cols) as i64;
         launch!(self, "add_assign_f32", geometry::elementwise(n as usize)?; &mut p.buf, &a.buf, &n)
     }
 
     pub fn sigmoid_mul(&self, o: &mut DeviceMat, gate: &DeviceMat) -> Result<()> {
+        let o = o.written();
         same_shape(o, gate, "sigmoid_mul")?;
         let n = (o.rows * o.cols) as i64;
         launch!(self, "sigmoid_mul_f32", geometry::elementwise(n as usize)?; &mut o.buf, &gate.buf, &n)
@@ -412,7 +443,7 @@ impl CudaBackend {
             )));
         }
         // The kernel writes `last` (held mutably here) only when `add` is given.
-        self.attn_res_launch(bank, last, add, Some(norm), w, eps)
+        self.attn_res_launch(bank, last.written(), add, Some(norm), w, eps)
     }
 
     /// kernels/attnres.cu `attn_res_f32` over `bank` and `last`: `add` into `last` first and
@@ -457,9 +488,20 @@ impl CudaBackend {
             i32_of(rows, "rows")?,
             i32_of(cols, "cols")?,
         );
-        launch!(self, "attn_res_f32", geometry::attn_res(rows)?;
-            src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], &nb, &last.buf, add_buf, &has_add,
-            w, norm_buf, &has_norm, &out.buf, &r, &d, &eps)?;
+        // With the norm (a sublayer's input), in bfloat16 mode its bf16 copy too.
+        let mut out = out;
+        if norm.is_some() {
+            out.bf16 = self.norm_bf16_rows(rows * cols)?;
+        }
+        let l = geometry::attn_res(rows)?;
+        match &out.bf16 {
+            Some(b) => launch!(self, "attn_res_f32", l;
+                src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], &nb, &last.buf, add_buf, &has_add,
+                w, norm_buf, &has_norm, &out.buf, &r, &d, &eps, b, &1i32)?,
+            None => launch!(self, "attn_res_f32", l;
+                src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], &nb, &last.buf, add_buf, &has_add,
+                w, norm_buf, &has_norm, &out.buf, &r, &d, &eps, &out.buf, &0i32)?,
+        }
         Ok(out)
     }
 

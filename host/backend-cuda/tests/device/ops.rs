@@ -106,6 +106,28 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         be.to_host(&be.rms_norm(&x, &w, 1e-5).unwrap()).unwrap(),
         TOL_POINTWISE,
     ));
+    // A product of a norm's output: in bfloat16 mode CUDA's norm also writes its bf16 rows and
+    // the cuBLAS product (19 rows) takes them; the same values uploaded without them are split
+    // by the product itself. Bit for bit the same (the pushed difference is zero on both).
+    let normed = be.rms_norm(&x, &w, 1e-5).unwrap();
+    let wp = be.linear(40, d, bf16_values(r.vec(40 * d, 0.1))).unwrap();
+    let via_norm = be.to_host(&be.matmul(&normed, &wp).unwrap()).unwrap();
+    let plain = mat(be, rows, d, &be.to_host(&normed).unwrap());
+    let via_split = be.to_host(&be.matmul(&plain, &wp).unwrap()).unwrap();
+    let diff: Vec<f32> = via_norm
+        .iter()
+        .zip(&via_split)
+        .map(|(a, b)| a - b)
+        .collect();
+    out.push(("matmul of a norm's output = of its values", diff, 0.0));
+    // An op writing in place drops them: the product sees the new values.
+    let mut bumped = be.rms_norm(&x, &w, 1e-5).unwrap();
+    be.add_assign(&mut bumped, &plain).unwrap();
+    let after = be.to_host(&be.matmul(&bumped, &wp).unwrap()).unwrap();
+    let fresh = mat(be, rows, d, &be.to_host(&bumped).unwrap());
+    let want = be.to_host(&be.matmul(&fresh, &wp).unwrap()).unwrap();
+    let diff: Vec<f32> = after.iter().zip(&want).map(|(a, b)| a - b).collect();
+    out.push(("matmul after an in-place add", diff, 0.0));
     let mut p = mat(be, rows, d, &r.vec(rows * d, 1.0));
     be.add_assign(&mut p, &x).unwrap();
     out.push(("add_assign", be.to_host(&p).unwrap(), TOL_POINTWISE));
