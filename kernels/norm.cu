@@ -52,10 +52,12 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float
 
 // Per head of width head_dim: y = RMSNorm(o_h) * w * sigmoid(gate_h); w is shared by all heads.
 // One warp per (row, head): head_dim is 128 in K3, so a warp covers it with 4 values per lane.
-// Grid: ceil(rows*heads / warps_per_block) blocks.
+// Grid: ceil(rows*heads / warps_per_block) blocks. has_bf16: y rounded to bf16 into y_bf16 too, as
+// rms_norm_f32 does (the input of the output projection's cuBLAS product in bfloat16 mode).
 extern "C" __global__ void gated_head_norm_f32(const float* __restrict__ o, const float* __restrict__ gate,
                                                const float* __restrict__ w, float* __restrict__ y, int rows,
-                                               int heads, int head_dim, float eps) {
+                                               int heads, int head_dim, float eps, u16* __restrict__ y_bf16,
+                                               int has_bf16) {
     const int warps = blockDim.x / K3_WARP;
     const int item = blockIdx.x * warps + threadIdx.x / K3_WARP;
     const int lane = threadIdx.x & (K3_WARP - 1);
@@ -65,6 +67,9 @@ extern "C" __global__ void gated_head_norm_f32(const float* __restrict__ o, cons
     for (int c = lane; c < head_dim; c += K3_WARP) ss += o[base + c] * o[base + c];
     ss = warp_sum(ss);
     const float inv = rsqrtf(ss / (float)head_dim + eps);
-    for (int c = lane; c < head_dim; c += K3_WARP)
-        y[base + c] = o[base + c] * inv * w[c] * k3_sigmoid(gate[base + c]);
+    for (int c = lane; c < head_dim; c += K3_WARP) {
+        const float v = o[base + c] * inv * w[c] * k3_sigmoid(gate[base + c]);
+        y[base + c] = v;
+        if (has_bf16) y_bf16[base + c] = f32_to_bf16_bits(v);
+    }
 }

@@ -74,9 +74,11 @@ def check_pointwise(d: Device, r: Results, gen):
     heads, hd = 3, 128
     o, g, wn = rand(5, heads * hd, gen=gen), rand(5, heads * hd, gen=gen), rand(hd, gen=gen)
     y = torch.empty(5, heads * hd, device=d.tdev)
+    bits = torch.zeros(5, heads * hd, dtype=torch.int16, device=d.tdev)
     d.launch("gated_head_norm_f32", cdiv(5 * heads, 4), 128, d.view(T(o)), d.view(T(g)), d.view(T(wn)), d.view(y),
-             5, heads, hd, eps)
+             5, heads, hd, eps, d.view(bits).view(np.uint16), 1)
     d.sync()
+    r.exact("gated_head_norm bf16 rows", bool((bits.cpu().numpy().view(np.uint16) == bf16_bits(y.cpu().numpy())).all()))
     ref = (ref_rms_norm(o.view(5, heads, hd), wn, eps) * torch.sigmoid(g.view(5, heads, hd))).view(5, -1)
     r.check("gated_head_norm", rel_err(y, ref), 1e-5)
 

@@ -494,6 +494,15 @@ def _emu_rms_norm(x, w, y, rows, cols, eps, y_bf16, has_bf16):
         y_bf16.reshape(-1)[:n] = bf16_bits(y.reshape(-1)[:n])
 
 
+def _emu_gated_head_norm(o, g, w, y, rows, heads, hd, eps, y_bf16, has_bf16):
+    """kernels/norm.cu gated_head_norm_f32; with has_bf16 the output's bf16 bits into y_bf16 too."""
+    y[:] = (ref_rms_norm(_t(o).view(-1, int(hd)).double(), _t(w).double(), float(eps))
+            * torch.sigmoid(_t(g).view(-1, int(hd)).double())).float().numpy().reshape(y.shape)
+    if has_bf16:
+        n = int(rows) * int(heads) * int(hd)
+        y_bf16.reshape(-1)[:n] = bf16_bits(y.reshape(-1)[:n])
+
+
 def _emu_attn_res(*a):
     bank, nb, last, add, has_add, w, norm, has_norm, out, rows, dm, eps, out_bf16, has_bf16 = (
         a[:8], int(a[8]), a[9], a[10], int(a[11]), a[12], a[13], int(a[14]), a[15], int(a[16]), int(a[17]),
@@ -876,9 +885,7 @@ def _emu_combine_split(y, inv, offsets, experts, w, out, top_k, lt):
 
 EMU = {
     "rms_norm_f32": _emu_rms_norm,
-    "gated_head_norm_f32": lambda o, g, w, y, rows, heads, hd, eps: y.__setitem__(slice(None), (
-        ref_rms_norm(_t(o).view(-1, int(hd)).double(), _t(w).double(), float(eps))
-        * torch.sigmoid(_t(g).view(-1, int(hd)).double())).float().numpy().reshape(y.shape)),
+    "gated_head_norm_f32": _emu_gated_head_norm,
     "situ_glu_packed_f32": lambda gu, out, rows, ie, b, bl, hl: out.__setitem__(slice(None), ref_situ_glu(
         _t(gu).view(int(rows), 2, int(ie))[:, 0].double(), _t(gu).view(int(rows), 2, int(ie))[:, 1].double(), float(b),
         float(bl) if hl else None).float().numpy().reshape(out.shape)),

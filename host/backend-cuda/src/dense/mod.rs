@@ -372,15 +372,22 @@ impl CudaBackend {
                 o.cols
             )));
         }
-        let y = self.output(o.rows, o.cols)?; // a warp per (row, head) writes its head
+        let mut y = self.output(o.rows, o.cols)?; // a warp per (row, head) writes its head
         let heads = o.cols / head_dim;
         let (r, h, hd) = (
             i32_of(o.rows, "rows")?,
             i32_of(heads, "heads")?,
             i32_of(head_dim, "head_dim")?,
         );
-        launch!(self, "gated_head_norm_f32", geometry::warp_per_item(o.rows * heads)?;
-            &o.buf, &gate.buf, w, &y.buf, &r, &h, &hd, &eps)?;
+        // In bfloat16 mode the rows' bf16 copy too, for the output projection's cuBLAS product.
+        let l = geometry::warp_per_item(o.rows * heads)?;
+        y.bf16 = self.norm_bf16_rows(o.rows * o.cols)?;
+        match &y.bf16 {
+            Some(b) => launch!(self, "gated_head_norm_f32", l;
+                &o.buf, &gate.buf, w, &y.buf, &r, &h, &hd, &eps, b, &1i32)?,
+            None => launch!(self, "gated_head_norm_f32", l;
+                &o.buf, &gate.buf, w, &y.buf, &r, &h, &hd, &eps, &y.buf, &0i32)?,
+        }
         Ok(y)
     }
 
