@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# On the H200: one `k3serve bench` command line timed for two builds in the same run, alternating
-# A, B, A, B… so drift hits both alike. A = .carry-base/k3serve.xz (a build of the comparison
-# commit, made here with `cargo build --release -p k3serve` and xz'd), B = .carry/k3serve.xz
-# (scripts/device-build.sh). Carry both folders.
+# On the H200: one `k3serve bench` command line timed for several builds in the same run, in turn
+# (A, B, C, A, B, C…) so drift hits all alike. The builds: every .carry-ab/NAME.xz when that folder
+# exists (xz'd release k3serve binaries made here, named for what they are, e.g. main.xz,
+# candidates.xz), else A = .carry-base/k3serve.xz (a build of the comparison commit) and
+# B = .carry/k3serve.xz (scripts/device-build.sh). Carry the folders used.
 #   K3_AB_ROUNDS=2 bash scripts/device-ab.sh bench --device cuda --model models/k3-slice …
 # Output: every run's full bench report under $OUT/ab.txt, then its summary lines to stdout.
 set -uo pipefail
@@ -11,13 +12,23 @@ OUT="${OUT:-/tmp/k3-ab}"
 mkdir -p "$OUT" /tmp/k3ab
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export K3_KERNEL_CACHE=/tmp/k3-kernel-cache
-for side in A:.carry-base B:.carry; do
-    name=${side%%:*} dir=${side#*:}
-    xz -dc "$dir/k3serve.xz" >"/tmp/k3ab/$name" && chmod +x "/tmp/k3ab/$name" || { echo "no $dir/k3serve.xz"; exit 1; }
+builds=()
+if [ -d .carry-ab ]; then
+    for f in .carry-ab/*.xz; do
+        builds+=("$(basename "$f" .xz):$f")
+    done
+else
+    builds=(A:.carry-base/k3serve.xz B:.carry/k3serve.xz)
+fi
+names=()
+for b in "${builds[@]}"; do
+    name=${b%%:*} file=${b#*:}
+    xz -dc "$file" >"/tmp/k3ab/$name" && chmod +x "/tmp/k3ab/$name" || { echo "no $file"; exit 1; }
+    names+=("$name")
 done
 rc=0
 for round in $(seq 1 "${K3_AB_ROUNDS:-2}"); do
-    for name in A B; do
+    for name in "${names[@]}"; do
         echo "== round $round, build $name: $*" | tee -a "$OUT/ab.txt"
         timeout "${K3_AB_S:-120}" "/tmp/k3ab/$name" "$@" >>"$OUT/ab.txt" 2>&1 || { echo "build $name failed"; rc=1; }
     done

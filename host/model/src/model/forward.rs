@@ -147,15 +147,23 @@ impl<B: Backend> Model<B> {
         let pieces = self.pieces(seqs, &spans);
         let mut bank: Vec<B::Act> = Vec::new();
         let mut p: Option<B::Act> = Some(self.embed_rows(&ids, seqs, &spans)?);
+        // The last FFN's output, not yet added into the running sum `p`: the next norm that reads
+        // `p` adds it in its own kernel (Backend::attn_res_norm's `add`); any other reader of
+        // `p` adds it first.
+        let mut pending: Option<B::Act> = None;
         for (l, layer) in self.layers.iter().enumerate() {
             let tapped = tap_layers.contains(&l);
             let x = match (&layer.attn_res, bank.is_empty()) {
                 (Some(w), false) if !tapped => {
                     let src: Vec<&B::Act> = bank.iter().collect();
                     let cur = p.as_mut().expect("p is set between layers");
-                    be.attn_res_norm(&src, cur, None, &w.w, &layer.input_norm, eps)?
+                    let add = pending.take();
+                    be.attn_res_norm(&src, cur, add.as_ref(), &w.w, &layer.input_norm, eps)?
                 }
                 (res, empty) => {
+                    if let Some(f) = pending.take() {
+                        be.add_assign(p.as_mut().expect("p is set between layers"), &f)?;
+                    }
                     let cur = p.as_ref().expect("p is set between layers");
                     let h = match (res, empty) {
                         (Some(w), false) => {
@@ -193,9 +201,12 @@ impl<B: Backend> Model<B> {
                 Ffn::Dense(w) => self.glu(&x, w)?,
                 Ffn::Moe(w) => self.moe(&x, w, &spans)?,
             };
-            be.add_assign(&mut pp, &f)?;
-            if let Some(tr) = trace.as_deref_mut() {
-                tr.push(be.to_host(&pp)?);
+            match trace.as_deref_mut() {
+                Some(tr) => {
+                    be.add_assign(&mut pp, &f)?;
+                    tr.push(be.to_host(&pp)?);
+                }
+                None => pending = Some(f),
             }
             p = Some(pp);
         }
@@ -205,6 +216,14 @@ impl<B: Backend> Model<B> {
             .filter_map(|(s, &(r0, r1))| s.logits_from.map(|f| (r0 + f, r1)))
             .collect();
         let mut p = p.expect("p set");
+        // The final AttnRes over every row takes the last FFN's output as its `add`; the tap
+        // and a subset of rows need the sum first.
+        let whole = wanted == [(0, total)];
+        if (tap_layers.contains(&nl) || !whole)
+            && let Some(f) = pending.take()
+        {
+            be.add_assign(&mut p, &f)?;
+        }
         let mut mixed = None;
         if tap_layers.contains(&nl) {
             // The final mix of every row, for the tap; the wanted rows are then picked from it
@@ -225,14 +244,13 @@ impl<B: Backend> Model<B> {
             return Ok((None, taps));
         }
         // The final AttnRes, norm and lm_head run on the wanted rows only.
-        let whole = wanted == [(0, total)];
         let (w, norm) = (&self.final_res.w, &self.norm);
         let y = match mixed {
             Some(all) if whole => be.rms_norm(&all, norm, eps)?,
             Some(all) => be.rms_norm(&self.gather_rows(&all, &wanted)?, norm, eps)?,
             None if whole => {
                 let src: Vec<&B::Act> = bank.iter().collect();
-                be.attn_res_norm(&src, &mut p, None, w, norm, eps)?
+                be.attn_res_norm(&src, &mut p, pending.as_ref(), w, norm, eps)?
             }
             None => {
                 let picked = bank
