@@ -279,11 +279,11 @@ impl CudaBackend {
         if planes == 1 {
             // The hi rows alone: x rounded once to bf16, half the tensor-core work.
             let mut y = y;
-            self.gemm_bf16(bits, 0, xs, 0, &mut y.buf, 0, n, m, k)?;
+            self.gemm_bf16_on(&self.blas, bits, 0, xs, 0, &mut y.buf, 0, n, m, k)?;
             return Ok(y);
         }
         let mut c = self.uninit::<f32>(2 * m * n)?;
-        self.gemm_bf16(bits, 0, xs, 0, &mut c, 0, n, 2 * m, k)?;
+        self.gemm_bf16_on(&self.blas, bits, 0, xs, 0, &mut c, 0, n, 2 * m, k)?;
         launch!(self, "sum_row_halves_f32", geometry::elementwise(m * n)?; &c, &y.buf, &yn)?;
         Ok(y)
     }
