@@ -1,10 +1,12 @@
 //! Side streams for cuBLAS products that share one input (a layer's q, k, v and gate
 //! projections): each product runs on its own stream between a fork and a join on the backend's
-//! stream, so their kernels overlap instead of each waiting for the last one's tail. A decode
-//! step's product of 12288 x 7168 bf16 weights alone reaches ~81 % of the copy rate (its ramp
-//! and tail are a fifth of its time; docs/performance.md), the weights of four such products
-//! together stream like one product four times as large. Captured into a CUDA graph, the fork
-//! and join become the graph's parallel branches.
+//! stream, so their kernels overlap instead of each waiting for the last one's tail, while the
+//! backend's stream runs the small products of the same input (the GEMVs of KDA's f_a and beta,
+//! MLA's kv_a, the router), whose latency is then hidden. A decode step's product of 12288 x
+//! 7168 bf16 weights alone reaches ~81 % of the copy rate (its ramp and tail are a fifth of its
+//! time; docs/performance.md), the weights of four such products together stream like one
+//! product four times as large. Captured into a CUDA graph, the fork and join become the
+//! graph's parallel branches.
 //!
 //! What a side stream touches is allocated before the fork and freed after the join, on the
 //! backend's stream (its stream-ordered allocator), so no memory is reused while a side stream
@@ -16,8 +18,8 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
-/// Side streams: with the backend's own, four products at once (K3's KDA q, k, v and gate).
-pub(crate) const SIDE_LANES: usize = 3;
+/// Side streams: four cuBLAS products at once (K3's KDA q, k, v and gate).
+pub(crate) const SIDE_LANES: usize = 4;
 
 /// Every handle's cuBLAS workspace, the backend's own included: set once, so no product
 /// allocates inside a capture, and the same for all, so a product picks the same algorithm (and

@@ -146,14 +146,13 @@ impl CudaBackend {
     }
 
     /// `matmul_linear` for several weights sharing `x`: x's bf16 rows are made once, by the first
-    /// product that takes cuBLAS, and read by the others. In bfloat16 mode two or more cuBLAS
-    /// products run at once, each on its own stream (lanes.rs).
+    /// product that takes cuBLAS, and read by the others. In bfloat16 mode the cuBLAS products
+    /// run at once, each on a side stream, while the backend's stream runs the others (the
+    /// small-N GEMVs) (lanes.rs).
     pub fn matmul_linears(&self, x: &DeviceMat, ws: &[&DeviceLinear]) -> Result<Vec<DeviceMat>> {
         let cublas: Vec<bool> = ws.iter().map(|w| self.takes_cublas(x, w)).collect();
-        let side = (cublas.iter().filter(|&&c| c).count())
-            .saturating_sub(1)
-            .min(self.lanes.len());
-        if side == 0 || self.options.dtype.planes() != 1 {
+        let side = (cublas.iter().filter(|&&c| c).count()).min(self.lanes.len());
+        if side == 0 || ws.len() < 2 || self.options.dtype.planes() != 1 {
             let mut split = None;
             return ws
                 .iter()
@@ -183,11 +182,7 @@ impl CudaBackend {
             .zip(outs.iter_mut())
             .map(|(w, out)| match (out.take(), &w.bf16) {
                 (Some(mut y), Some(bits)) => {
-                    // The first product on the backend's stream, the others one per side stream.
-                    let blas = match product {
-                        0 => &self.blas,
-                        p => &self.lanes[(p - 1) % side].blas,
-                    };
+                    let blas = &self.lanes[product % side].blas;
                     product += 1;
                     let (n, m, k) = (w.rows, x.rows, x.cols);
                     self.gemm_bf16_on(blas, bits, 0, xs, 0, &mut y.buf, 0, n, m, k)?;
