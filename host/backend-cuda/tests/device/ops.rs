@@ -68,11 +68,12 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
     // matmuls: weights sharing one input (x's bf16 rows made once on CUDA), mixing the split
     // GEMM (17 rows), the tensor-core GEMV (4 rows) and an f32 weight; each result must equal
     // matmul's bit for bit (the pushed difference is zero on both backends). In bf16 mode the
-    // two GEMMs of 17 rows run at once, on two streams (lanes.rs).
-    for &(m, k) in &[(17usize, 256usize), (4, 512)] {
+    // two GEMMs of 17 rows run at once, on two side streams (lanes.rs), and at 4 rows the first
+    // weight (past the GEMV's 2^22 elements) on a side stream while the GEMV runs.
+    for &(m, k, n0) in &[(17usize, 256usize, 300usize), (4, 512, 300), (4, 512, 8200)] {
         let x = mat(be, m, k, &r.vec(m * k, 1.0));
         let ws = [
-            be.linear(300, k, bf16_values(r.vec(300 * k, 0.1))).unwrap(),
+            be.linear(n0, k, bf16_values(r.vec(n0 * k, 0.1))).unwrap(),
             be.linear(77, k, r.vec(77 * k, 0.1)).unwrap(),
             be.linear(64, k, bf16_values(r.vec(64 * k, 0.1))).unwrap(),
         ];
