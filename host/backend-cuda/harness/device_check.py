@@ -86,9 +86,13 @@ def check_pointwise(d: Device, r: Results, gen):
     ga, up = rand(n, scale=6, gen=gen), rand(n, scale=40, gen=gen)
     for has_lin in (1, 0):
         y = torch.empty(n, device=d.tdev)
-        d.launch("situ_glu_f32", cdiv(n, 256), 256, d.view(T(ga)), d.view(T(up)), d.view(y), n, 4.0, 25.0, has_lin)
+        bits = torch.zeros(n, dtype=torch.int16, device=d.tdev)
+        d.launch("situ_glu_f32", cdiv(n, 256), 256, d.view(T(ga)), d.view(T(up)), d.view(y), n, 4.0, 25.0, has_lin,
+                 d.view(bits).view(np.uint16), 1)
         d.sync()
         r.check(f"situ_glu(lin={has_lin})", rel_err(y, ref_situ_glu(ga, up, 4.0, 25.0 if has_lin else None)), 1e-5)
+        r.exact(f"situ_glu(lin={has_lin}) bf16 rows",
+                bool((bits.cpu().numpy().view(np.uint16) == bf16_bits(y.cpu().numpy())).all()))
 
     # Elementwise, over a sweep that crosses common.cuh k3_tanh's 0.125 switch (|g| / 4 and
     # |u| / 25 from 1e-7 up to saturation): the branch-free tanh must hold each value, not just
@@ -99,7 +103,7 @@ def check_pointwise(d: Device, r: Results, gen):
     for has_lin in (1, 0):
         y = torch.empty(ga.numel(), device=d.tdev)
         d.launch("situ_glu_f32", cdiv(ga.numel(), 256), 256, d.view(T(ga)), d.view(T(up)), d.view(y), ga.numel(),
-                 4.0, 25.0, has_lin)
+                 4.0, 25.0, has_lin, d.view(y).view(np.uint16), 0)
         d.sync()
         ref = ref_situ_glu(ga.double(), up.double(), 4.0, 25.0 if has_lin else None)
         big = ref.abs() > 1e-30

@@ -494,6 +494,13 @@ def _emu_rms_norm(x, w, y, rows, cols, eps, y_bf16, has_bf16):
         y_bf16.reshape(-1)[:n] = bf16_bits(y.reshape(-1)[:n])
 
 
+def _emu_situ_glu(g, u, out, n, b, bl, hl, out_bf16, has_bf16):
+    """kernels/situ.cu situ_glu_f32; with has_bf16 the output's bf16 bits into out_bf16 too."""
+    out[:] = ref_situ_glu(_t(g).double(), _t(u).double(), float(b), float(bl) if hl else None).float().numpy()
+    if has_bf16:
+        out_bf16.reshape(-1)[:int(n)] = bf16_bits(out.reshape(-1)[:int(n)])
+
+
 def _emu_gated_head_norm(o, g, w, y, rows, heads, hd, eps, y_bf16, has_bf16):
     """kernels/norm.cu gated_head_norm_f32; with has_bf16 the output's bf16 bits into y_bf16 too."""
     y[:] = (ref_rms_norm(_t(o).view(-1, int(hd)).double(), _t(w).double(), float(eps))
@@ -889,8 +896,7 @@ EMU = {
     "situ_glu_packed_f32": lambda gu, out, rows, ie, b, bl, hl: out.__setitem__(slice(None), ref_situ_glu(
         _t(gu).view(int(rows), 2, int(ie))[:, 0].double(), _t(gu).view(int(rows), 2, int(ie))[:, 1].double(), float(b),
         float(bl) if hl else None).float().numpy().reshape(out.shape)),
-    "situ_glu_f32": lambda g, u, out, n, b, bl, hl: out.__setitem__(slice(None), ref_situ_glu(
-        _t(g).double(), _t(u).double(), float(b), float(bl) if hl else None).float().numpy()),
+    "situ_glu_f32": _emu_situ_glu,
     "add_assign_f32": lambda p, a, n: p.__setitem__(slice(None), p + a),
     "sigmoid_mul_f32": lambda o, g, n: o.__setitem__(slice(None), o * torch.sigmoid(_t(g)).numpy()),
     "embed_rows_f32": lambda tab, ids, out, t, dm, v: out.__setitem__(slice(None), _t(tab).view(int(v), int(dm))[

@@ -343,8 +343,8 @@ impl CudaBackend {
         Ok(y)
     }
 
-    /// The bf16 rows a norm writes beside its f32 output in bfloat16 mode (`DeviceMat::bf16`):
-    /// `None` in float32 mode, whose products take x in hi / lo planes.
+    /// The bf16 rows a norm (or the GLU) writes beside its f32 output in bfloat16 mode
+    /// (`DeviceMat::bf16`): `None` in float32 mode, whose products take x in hi / lo planes.
     fn norm_bf16_rows(&self, len: usize) -> Result<Option<Buf<u16>>> {
         if self.options.dtype.planes() != 1 {
             return Ok(None);
@@ -388,11 +388,18 @@ impl CudaBackend {
 
     pub fn situ_glu(&self, gate: &DeviceMat, up: &DeviceMat, p: SituParams) -> Result<DeviceMat> {
         same_shape(gate, up, "situ_glu")?;
-        let out = self.output(gate.rows, gate.cols)?; // grid-stride over every element
+        let mut out = self.output(gate.rows, gate.cols)?; // grid-stride over every element
         let n = (gate.rows * gate.cols) as i64;
         let (lin, has) = situ_linear_args(p);
-        launch!(self, "situ_glu_f32", geometry::elementwise(n as usize)?;
-            &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has)?;
+        // In bfloat16 mode the bf16 copy too, for the down-projection's cuBLAS product.
+        let l = geometry::elementwise(n as usize)?;
+        out.bf16 = self.norm_bf16_rows(n as usize)?;
+        match &out.bf16 {
+            Some(b) => launch!(self, "situ_glu_f32", l;
+                &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has, b, &1i32)?,
+            None => launch!(self, "situ_glu_f32", l;
+                &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has, &out.buf, &0i32)?,
+        }
         Ok(out)
     }
 
