@@ -217,9 +217,9 @@ impl<B: Backend> Model<B> {
             .collect();
         let mut p = p.expect("p set");
         // The final AttnRes over every row takes the last FFN's output as its `add`; the tap
-        // and a subset of rows need the sum first.
+        // and a subset of rows need the sum first (a step that wants no logits, neither).
         let whole = wanted == [(0, total)];
-        if (tap_layers.contains(&nl) || !whole)
+        if (tap_layers.contains(&nl) || !(whole || wanted.is_empty()))
             && let Some(f) = pending.take()
         {
             be.add_assign(&mut p, &f)?;
