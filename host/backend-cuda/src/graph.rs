@@ -2,18 +2,19 @@
 //! launch, instead of a few hundred launches (each a driver call of a few µs on the host, and a
 //! gap on the GPU between small kernels).
 //!
-//! How a step is matched to a graph. The model code stays the one source of truth for what a
-//! step queues: every replayable step first runs the forward pass *dry* — the host logic runs,
-//! every op logs what it would queue (kernel, grid, scalar arguments, arena offsets, GEMM shapes,
-//! upload sizes) and writes the bytes it would upload (token ids, state slots, page tables) into
-//! one pinned staging buffer, but nothing is launched. If a captured graph logged exactly the
-//! same work, it is launched after one copy of the staging buffer's new contents into its device
-//! mirror, where the graph's kernels read their uploads. Otherwise the step runs eagerly, and the second time the same log is seen the pass is
-//! captured (`cuStreamBeginCapture`), which records the same work with uploads from the same
-//! staging offsets. Anything the dry pass cannot vouch for (a download, a path that is not
-//! logged: such an op returns an error) fails it and the step runs eagerly. What the log leaves out — the
-//! addresses of weights and of the step's own activations — follows from the same host code
-//! taking the same path, which the identical log attests; a missed replay only costs speed.
+//! How a step is matched to a graph. The model code stays the one source of truth for what a step
+//! queues: every replayable step first runs the forward pass *dry* — the host logic runs, every op
+//! logs what it would queue (kernel, grid, scalar arguments, arena offsets, GEMM shapes, upload
+//! sizes) and writes the bytes it would upload (token ids, state slots, page tables) into one
+//! pinned staging buffer, but nothing is launched. If a captured graph logged exactly the same
+//! work, it is launched after one copy of the staging buffer's new contents into its device mirror,
+//! where the graph's kernels read their uploads. Otherwise the step runs eagerly, and the second
+//! time the same log is seen the pass is captured (`cuStreamBeginCapture`), which records the same
+//! work with uploads from the same staging offsets. Anything the dry pass cannot vouch for (a
+//! download, a path that is not logged: such an op returns an error) fails it and the step runs
+//! eagerly. What the log leaves out — the addresses of weights and of the step's own activations —
+//! follows from the same host code taking the same path, which the identical log attests; a missed
+//! replay only costs speed.
 //!
 //! Buffers: activations allocated inside the capture become graph allocation nodes (fixed
 //! addresses, freed inside the graph); the step's result is copied into a buffer the graph owns
