@@ -488,6 +488,28 @@ impl Backend for CudaBackend {
         self.run_graph_step(replayable, pass)
     }
 
+    fn prepare_step(
+        &self,
+        pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, ExecError>,
+    ) -> bool {
+        self.prepare_graph_step(pass)
+    }
+
+    fn launch_prepared(
+        &self,
+        ids: &[u32],
+    ) -> std::result::Result<Option<Option<DeviceMat>>, ExecError> {
+        match self.launch_prepared_step(ids) {
+            Ok(Some(out)) => Ok(Some(out.map_err(k3_model::BackendError::from)?)),
+            Ok(None) => Ok(None),
+            Err(e) => {
+                // Nothing was queued: the caller runs the step the usual way.
+                tracing::warn!("launch of a prepared step failed ({e}); running it afresh");
+                Ok(None)
+            }
+        }
+    }
+
     fn step_graph_counts(&self) -> Option<k3_model::backend::GraphCounts> {
         Some(self.graph_counts())
     }

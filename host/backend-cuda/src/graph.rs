@@ -35,15 +35,31 @@ impl CudaBackend {
     /// same offset in the device mirror of staging, which a replay fills with one copy before it
     /// launches the graph (`replay`): one transfer per step instead of a graph node per upload.
     pub fn upload_slice<T: DeviceRepr>(&self, data: &[T]) -> Result<Buf<T>> {
+        Ok(self.upload_staged(data)?.0)
+    }
+
+    /// `upload_slice` for a step's token ids: a dry pass notes where it staged them, so that a
+    /// prepared step can be launched with other ids in their place (prepared.rs).
+    pub(crate) fn upload_ids(&self, ids: &[u32]) -> Result<Buf<u32>> {
+        let (buf, at) = self.upload_staged(ids)?;
+        if let (Some(at), true) = (at, self.step.dry()) {
+            self.step.lock().ids.push((at, std::mem::size_of_val(ids)));
+        }
+        Ok(buf)
+    }
+
+    /// `upload_slice`, with the staging offset of a logged pass's upload.
+    fn upload_staged<T: DeviceRepr>(&self, data: &[T]) -> Result<(Buf<T>, Option<usize>)> {
         let mode = self.step.mode();
         if mode == Mode::Eager {
-            return Ok(Buf::owned(self.stream.memcpy_stod(data)?));
+            return Ok((Buf::owned(self.stream.memcpy_stod(data)?), None));
         }
         let at = self.step.stage(as_bytes(data))?;
         let base = self.upload_mirror(mode == Mode::Dry)?;
         // SAFETY: the mirror lives as long as the backend (and so every graph and every queued
         // launch that reads it); [at, at + len) lies inside it (`stage` checked the extent).
-        Ok(unsafe { Buf::alias(&self.stream, base + at as u64, data.len().max(1)) })
+        let buf = unsafe { Buf::alias(&self.stream, base + at as u64, data.len().max(1)) };
+        Ok((buf, Some(at)))
     }
 
     /// Host → device copy of data kept beyond a step (weights, vectors): refused inside a
@@ -126,11 +142,7 @@ impl CudaBackend {
         if !replayable || !self.step.enabled {
             return pass();
         }
-        if let Some(ev) = self.step.lock().launched.take() {
-            // The previous launch must be done reading staging before the dry pass rewrites it
-            // (normally it is: its logits were downloaded).
-            let _ = ev.synchronize();
-        }
+        self.step.wait_for_staging();
         let t0 = std::time::Instant::now();
         self.step.begin(Mode::Dry);
         let dry = pass();
@@ -202,7 +214,7 @@ impl CudaBackend {
 
     /// Launch the graph captured for `log`, if any; returns the step's result. The outer error
     /// means nothing was queued; the inner one that the step ran but its result was lost.
-    fn replay(
+    pub(crate) fn replay(
         &self,
         key: u64,
         log: &[u64],
@@ -220,13 +232,14 @@ impl CudaBackend {
         c.last_used = clock;
         // The step's uploads (staged by the dry pass that matched this graph) into the mirror
         // the graph's kernels read; stream-ordered after the previous step's reads of it.
+        let side = g.side;
         if g.used > 0 {
-            let (Some(staging), Some(mirror)) = (&g.staging, &g.mirror) else {
+            let (Some(staging), Some(mirror)) = (&g.staging[side], &g.mirror) else {
                 return Ok(None);
             };
             let (dst, _sync) = mirror.device_ptr(&self.stream);
             // SAFETY: `used` bytes of pinned staging (stage kept them inside both buffers, which
-            // are the same size); the host rewrites staging only after the launch event below.
+            // are the same size); the host rewrites this buffer only after the event below.
             unsafe {
                 sys::cuMemcpyHtoDAsync_v2(
                     dst,
@@ -249,7 +262,9 @@ impl CudaBackend {
                 Ok(Some(m))
             }),
         };
-        g.launched = self.stream.record_event(None).ok();
+        g.launched[side] = self.stream.record_event(None).ok();
+        // The next pass stages into the other buffer: it may run while this copy is pending.
+        g.side = side ^ 1;
         if count {
             g.counts.replayed += 1;
         }

@@ -30,6 +30,7 @@ pub mod kernels;
 pub mod mla;
 mod moe;
 pub mod options;
+mod prepared;
 mod profile;
 mod step;
 mod vision;

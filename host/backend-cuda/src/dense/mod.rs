@@ -70,7 +70,7 @@ impl CudaBackend {
         if ids.is_empty() {
             return Ok(out);
         }
-        let dev_ids = self.upload_slice(ids)?;
+        let dev_ids = self.upload_ids(ids)?;
         let (t, di, v) = (ids.len() as i32, d as i32, table.rows as u32);
         let l = Launch::new((ids.len(), 1, 1), 256)?;
         match &table.bf16 {
