@@ -1,9 +1,11 @@
 //! The decode step a runner expects after the one it is running: every sequence one position
-//! on, with the same KV pages, state block and logits request. A backend may do that step's
+//! on, with the same KV pages (those its positions need: a page the engine already holds for
+//! the next position counts), state block and logits request. A backend may do that step's
 //! host work ahead, while the device runs the current one ([`Backend::prepare_step`]); the
 //! next step is launched from it only if it turns out to be exactly this step but for its
-//! token ids ([`ExpectedStep::matches`]). A sequence that finishes, joins, crosses into a new
-//! KV page or writes a checkpoint makes the next step differ, and it runs the usual way.
+//! token ids ([`ExpectedStep::matches`]). A sequence that finishes, joins, writes a checkpoint
+//! or crosses into a KV page it was not given yet makes the next step differ, and it runs the
+//! usual way.
 //!
 //! [`Backend::prepare_step`]: crate::backend::Backend::prepare_step
 
@@ -24,12 +26,19 @@ struct ExpectedSeq {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ExpectedStep {
     seqs: Vec<ExpectedSeq>,
+    page_tokens: usize,
+}
+
+/// The pages of `kv_pages` that `positions` positions use (all of them if fewer are given:
+/// the model's own check reports a short list).
+pub(crate) fn pages_used(kv_pages: &[usize], positions: usize, page_tokens: usize) -> &[usize] {
+    &kv_pages[..positions.div_ceil(page_tokens).min(kv_pages.len())]
 }
 
 impl ExpectedStep {
     /// The step after `batch`, if `batch` is a plain decode step (one token per sequence, no
     /// verify, taps, images or checkpoints) and each sequence's pages (`page_tokens` positions
-    /// each; `paged`: the model has paged layers) already hold its next position.
+    /// each; `paged`: the model has paged layers) already include its next position's.
     pub(crate) fn after(batch: &ForwardBatch<'_>, page_tokens: usize, paged: bool) -> Option<Self> {
         let plain = batch.verify_records.iter().all(Option::is_none)
             && !batch.want_taps.iter().any(|&t| t)
@@ -45,13 +54,13 @@ impl ExpectedStep {
                 let fits = !paged || s.kv_pages.len() * page_tokens > next;
                 (s.tokens.len() == 1 && s.checkpoints.is_empty() && fits).then(|| ExpectedSeq {
                     start_pos: next,
-                    kv_pages: s.kv_pages.to_vec(),
+                    kv_pages: pages_used(s.kv_pages, next + 1, page_tokens).to_vec(),
                     state_block: s.state_block,
                     logits: s.logits,
                 })
             })
             .collect::<Option<Vec<_>>>()?;
-        Some(Self { seqs })
+        Some(Self { seqs, page_tokens })
     }
 
     /// Whether `batch` is this step but for its token ids.
@@ -64,7 +73,7 @@ impl ExpectedStep {
                 s.tokens.len() == 1
                     && s.checkpoints.is_empty()
                     && s.start_pos == e.start_pos
-                    && s.kv_pages == e.kv_pages.as_slice()
+                    && pages_used(s.kv_pages, s.start_pos + 1, self.page_tokens) == e.kv_pages
                     && s.state_block == e.state_block
                     && s.logits == e.logits
             })
@@ -129,10 +138,14 @@ mod tests {
         let e = ExpectedStep::after(&now, 8, true).unwrap();
         let differ = |b: ForwardBatch<'_>, why: &str| assert!(!e.matches(&b), "{why}");
         differ(batch(vec![seq(&[3], 6, &pages)]), "a sequence finished");
+        let other = [0, 1024];
         differ(
-            batch(vec![seq(&[3], 6, &pages), seq(&[4], 12, &more)]),
-            "a new page",
+            batch(vec![seq(&[3], 6, &pages), seq(&[4], 12, &other)]),
+            "another page",
         );
+        // A page beyond the ones the step uses is not a difference (the engine may hold the
+        // next page early).
+        assert!(e.matches(&batch(vec![seq(&[3], 6, &more), seq(&[4], 12, &more)])));
         differ(
             batch(vec![seq(&[3], 6, &pages), seq(&[4, 5], 12, &pages)]),
             "two tokens",
@@ -159,6 +172,16 @@ mod tests {
         // Positions 0..16 fit two pages of 8: the token at 15 is the last one.
         assert!(ExpectedStep::after(&batch(vec![seq(&[1], 14, &pages)]), 8, true).is_some());
         assert!(ExpectedStep::after(&batch(vec![seq(&[1], 15, &pages)]), 8, true).is_none());
+        // With the third page given a step early, the step into it is expected, using it.
+        let more = [0, 512, 1024];
+        let e = ExpectedStep::after(&batch(vec![seq(&[1], 15, &more)]), 8, true).unwrap();
+        assert_eq!(e.inputs()[0].kv_pages, &more[..]);
+        assert!(e.matches(&batch(vec![seq(&[2], 16, &more)])));
+        assert!(!e.matches(&batch(vec![seq(&[2], 16, &[0, 512, 2048])])));
+        // Pages the next step does not use are not part of what it is expected to be.
+        let e = ExpectedStep::after(&batch(vec![seq(&[1], 3, &more)]), 8, true).unwrap();
+        assert_eq!(e.inputs()[0].kv_pages, &[0]);
+        assert!(e.matches(&batch(vec![seq(&[2], 4, &[0])])));
         // Without paged layers pages do not matter.
         assert!(ExpectedStep::after(&batch(vec![seq(&[1], 15, &[])]), 8, false).is_some());
         // Prefill chunks, checkpoints, verifies, taps and images are not decode steps.

@@ -7,7 +7,7 @@ use crate::exec::{
     CacheLayout, Executor, ForwardBatch, ForwardOutput, LogitsWant, MediaInput, SeqInput,
     VerifiedBlock,
 };
-use crate::expected::ExpectedStep;
+use crate::expected::{ExpectedStep, pages_used};
 use crate::model::{CacheOffsets, Model, SeqCache, SeqPass};
 
 /// A model bound to its backend and one arena.
@@ -457,7 +457,9 @@ fn seq_pass<'a>(
         ids: s.tokens,
         cache: SeqCache {
             start_pos: s.start_pos,
-            kv_pages: s.kv_pages,
+            // The engine may hold a page for the next position already; the pass sees the ones
+            // its positions use, so the same step always stages the same page tables.
+            kv_pages: pages_used(s.kv_pages, s.start_pos + s.tokens.len(), page_tokens),
             page_tokens,
             state_block: s.state_block,
             checkpoints: s.checkpoints,
