@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On the H200: one `k3serve bench` command line timed for several builds in the same run, in turn
-# (A, B, C, A, B, C…) so drift hits all alike. The builds: every .carry-ab/NAME.xz when that folder
-# exists (xz'd release k3serve binaries made here, named for what they are, e.g. main.xz,
-# candidates.xz), else A = .carry-base/k3serve.xz (a build of the comparison commit) and
-# B = .carry/k3serve.xz (scripts/device-build.sh). Carry the folders used.
+# (A, B, C, A, B, C…) so drift hits all alike. The builds: every .carry-ab/NAME.xz (xz'd release
+# k3serve binaries made here with scripts/device-build-ab.sh REF…, named for their refs), or
+# without that folder .carry-base/k3serve.xz as "base"; then .carry/k3serve.xz as "carry" (the
+# build scripts/device-build.sh packed, with its device tests). Carry the folders used.
 #   K3_AB_ROUNDS=2 bash scripts/device-ab.sh bench --device cuda --model models/k3-slice …
 # Output: every run's full bench report under $OUT/ab.txt, then its summary lines to stdout.
 set -uo pipefail
@@ -18,8 +18,9 @@ if [ -d .carry-ab ]; then
         builds+=("$(basename "$f" .xz):$f")
     done
 else
-    builds=(A:.carry-base/k3serve.xz B:.carry/k3serve.xz)
+    builds=(base:.carry-base/k3serve.xz)
 fi
+builds+=(carry:.carry/k3serve.xz)
 names=()
 for b in "${builds[@]}"; do
     name=${b%%:*} file=${b#*:}
