@@ -7,7 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { echo "usage: $0 REF..." >&2; exit 2; }
-grep -qx '/.carry-ab/' .git/info/exclude 2>/dev/null || echo '/.carry-ab/' >>.git/info/exclude
+exclude="$(git rev-parse --git-path info/exclude)"
+grep -qx '/.carry-ab/' "$exclude" 2>/dev/null || echo '/.carry-ab/' >>"$exclude"
 export K3_KERNEL_ARCHS="${K3_KERNEL_ARCHS-sm_90a}"
 if [ -n "$K3_KERNEL_ARCHS" ]; then
     K3_NVRTC_LIB="$(scripts/nvrtc-lib)"

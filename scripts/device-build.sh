@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.carry
 mkdir -p "$CARRY"
-grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >>.git/info/exclude
+exclude="$(git rev-parse --git-path info/exclude)"
+grep -qx '/.carry/' "$exclude" 2>/dev/null || echo '/.carry/' >>"$exclude"
 
 # Kernels ahead of time: cubins for the H200 built into the binaries, so a fresh device compiles
 # nothing at start-up (host/backend-cuda/build.rs). K3_KERNEL_ARCHS= (empty) builds without them.
