@@ -28,11 +28,13 @@ grep -E '^(op=|e2e |engine |test |graph_decode )|skipped|seed|FAIL|panicked|near
     tee -a "$OUT/summary.txt" >/dev/null
 grep -E '^test |FAIL|panicked' "$OUT/device-test.log" | tail -40
 [ $rc -eq 0 ] || fail "device tests (exit $rc; see device-test.log)"
+grep -q 'skipped: no CUDA device' "$OUT/device-test.log" && fail "device tests skipped: no CUDA device opened"
 
 summary "== k3-slice decode, each build in turn"
 OUT="$OUT/ab" K3_AB_ROUNDS="${K3_AB_ROUNDS:-2}" K3_AB_S="${K3_AB_S:-100}" bash scripts/device-ab.sh \
     bench --device cuda --model models/k3-slice --load-format dummy --prefill-tokens 256 \
-    --decode-tokens 32 --batch-sizes 16,64,1 --repeats 2 | tee -a "$OUT/summary.txt" >/dev/null
+    --decode-tokens 32 --batch-sizes 16,64,1 --repeats 2 >>"$OUT/summary.txt" 2>&1 ||
+    fail "timing (a build failed; see ab/ab.txt)"
 grep -E '^== round|TPOT|host per step|graph nodes|failed' "$OUT/summary.txt" | tail -40
 
 [ ${#failures[@]} -eq 0 ] || { summary "${#failures[@]} failure(s)"; exit 1; }
