@@ -11,12 +11,6 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/k3-candidates}"
 mkdir -p "$OUT"
 BIN=/tmp/k3bin
-failures=()
-summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
-fail() {
-    failures+=("$1")
-    summary "FAIL: $1"
-}
 source scripts/device-lib.sh
 
 summary "== device tests (vision and ReplaySSM left out)"

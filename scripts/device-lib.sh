@@ -1,9 +1,14 @@
-# Sourced by the device scripts (scripts/device-run.sh, scripts/device-spec.sh) on the H200, from
+# Sourced by the device scripts (scripts/device-run.sh, scripts/device-spec.sh, …) on the H200, from
 # the repo root with `.carry` carried: finds the CUDA libraries cudarc loads by name, and unpacks
-# the binaries scripts/device-build.sh packed into $BIN. Expects $OUT and $BIN; a caller's own
-# `summary` and `fail` functions are used where it has them, else these print to stdout.
-declare -F summary >/dev/null || summary() { echo "$*"; }
-declare -F fail >/dev/null || fail() { echo "FAIL $*"; }
+# the binaries scripts/device-build.sh packed into $BIN. Expects $OUT and $BIN. `summary` prints a
+# line and appends it to $OUT/summary.txt; `fail` also records it in `failures` (for the caller's
+# exit status); a caller's own functions of those names are used where it has them.
+declare -p failures &>/dev/null || failures=()
+declare -F summary >/dev/null || summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+declare -F fail >/dev/null || fail() {
+    failures+=("$1")
+    summary "FAIL: $1"
+}
 source "$(dirname "${BASH_SOURCE[0]}")/device-libs.sh"
 # Nsight Compute, for the profiling scripts (device-step-profile.sh, device-kernel-profile.sh).
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)

@@ -15,12 +15,6 @@ mkdir -p "$OUT"
 BIN=/tmp/k3bin
 PORT=8011
 BASE="http://127.0.0.1:$PORT"
-failures=()
-summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
-fail() {
-    failures+=("$1")
-    summary "FAIL: $1"
-}
 
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed" >>"$OUT/nvidia-smi.txt"
 

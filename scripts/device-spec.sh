@@ -12,12 +12,6 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/k3-device-spec}"
 mkdir -p "$OUT"
 BIN=/tmp/k3bin
-failures=()
-summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
-fail() {
-    failures+=("$1")
-    summary "FAIL: $1"
-}
 source scripts/device-lib.sh
 python3 -c 'import httpx' 2>/dev/null || pip install -q --no-index --find-links .carry/wheels httpx
 
