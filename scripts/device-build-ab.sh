@@ -2,18 +2,14 @@
 # Build, here, one release k3serve per git ref for scripts/device-ab.sh to time side by side on the
 # H200: each ref is checked out in its own worktree under /tmp/k3ab-src and built into the shared
 # target folder (its dependencies reused), with the H200's kernels built in, then stripped and
-# xz'd into .carry-ab/NAME.xz (NAME: the ref with / turned into -). Carry `.carry-ab`.
+# xz'd into .carry-ab/NAME.xz (NAME: the ref with / turned into -), replacing what the folder held.
+# Carry `.carry-ab`.
 #   bash scripts/device-build-ab.sh main device-candidates
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { echo "usage: $0 REF..." >&2; exit 2; }
-exclude="$(git rev-parse --git-path info/exclude)"
-grep -qx '/.carry-ab/' "$exclude" 2>/dev/null || echo '/.carry-ab/' >>"$exclude"
-export K3_KERNEL_ARCHS="${K3_KERNEL_ARCHS-sm_90a}"
-if [ -n "$K3_KERNEL_ARCHS" ]; then
-    K3_NVRTC_LIB="$(scripts/nvrtc-lib)"
-    export K3_NVRTC_LIB
-fi
+source scripts/device-build-env.sh
+ignore_carry .carry-ab
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 export CARGO_TARGET_DIR="$target_dir"
 rm -rf .carry-ab

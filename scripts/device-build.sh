@@ -8,16 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.carry
 mkdir -p "$CARRY"
-exclude="$(git rev-parse --git-path info/exclude)"
-grep -qx '/.carry/' "$exclude" 2>/dev/null || echo '/.carry/' >>"$exclude"
-
-# Kernels ahead of time: cubins for the H200 built into the binaries, so a fresh device compiles
-# nothing at start-up (host/backend-cuda/build.rs). K3_KERNEL_ARCHS= (empty) builds without them.
-export K3_KERNEL_ARCHS="${K3_KERNEL_ARCHS-sm_90a}"
-if [ -n "$K3_KERNEL_ARCHS" ]; then
-    K3_NVRTC_LIB="$(scripts/nvrtc-lib)"
-    export K3_NVRTC_LIB
-fi
+source scripts/device-build-env.sh
+ignore_carry .carry
 
 echo "== cargo build --release -p k3serve (kernels built in: ${K3_KERNEL_ARCHS:-none})"
 cargo build --release -p k3serve
