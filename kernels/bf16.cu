@@ -6,8 +6,8 @@
 //   sum_row_halves_f32    c [2M, N] f32 -> y [M, N] = c[0..M] + c[M..2M]
 //   bf16_to_f32           widen (f32 copies for ops without a bf16 kernel)
 //   gemv_bf16_tc_f32      y = x w^T for M <= 16 rows (decode): tensor cores, x in three bf16 pieces
-//                         (float32 mode) or rounded once (bf16 mode)
-//   gemv_sum_splits_f32   y = the sum of gemv_bf16_tc_f32's split-K partials
+//                         (float32 mode) or rounded once (bf16 mode); split-K partials summed by
+//                         the last block of each row block
 #include "tensor_core.cuh"
 
 extern "C" __global__ void bf16_split_rows_f32(const float* __restrict__ x, u16* __restrict__ xs, i64 n, int planes) {
@@ -41,8 +41,8 @@ extern "C" __global__ void bf16_to_f32(const u16* __restrict__ b, float* __restr
 // 16-byte load) and the matching 8 x values, and they fill its fragment slots of two k16 MMAs.
 // Block: 4 warps x 32 rows (two m16 tiles each), all on one K slice (the warps' x reads then hit
 // L1); grid (ceil(N / 128), splits), slice `kslice` columns (a multiple of GEMV_TC_KSTEP).
-// out [splits, M, N]: the launch with splits == 1 writes y, else gemv_sum_splits_f32 adds them.
-// K % 8 == 0 (16-byte rows); M <= 16.
+// out [splits, M, N]: y itself when there is one split, else the partials, which the last block of
+// each row block to finish adds into y (gemv_bf16_tc_f32). K % 8 == 0 (16-byte rows); M <= 16.
 #define GEMV_TC_MAX_M 16
 #define GEMV_TC_MT 2      // m16 tiles per warp
 #ifndef GEMV_TC_UNROLL       // harness probes may set it (benchmarks.py bench_gemv, K3_GEMV_DIAG)
@@ -159,22 +159,38 @@ __device__ __forceinline__ void gemv_bf16_tc(const float* __restrict__ x, const 
             }
 }
 
-// `pieces`: 3 (float32 mode) or 1 (bf16 mode).
+// `pieces`: 3 (float32 mode) or 1 (bf16 mode). One split (gridDim.y == 1): `part` is y and the
+// blocks write it directly. Several: each block writes its [M, 128-row] partial to part[split],
+// then takes a ticket for its row block (`tickets[blockIdx.x]`, 0 between launches); the block
+// that takes the last one sums the row block's partials in split order (the order and the f32
+// additions of a separate sum kernel, so the bits are the same) into y and puts the ticket back
+// to 0. That saves the sum kernel's launch per split product (~20 per k3-slice decode step).
+// The tickets are shared by every launch on the stream; launches on other streams would need
+// their own.
 extern "C" __global__ void __launch_bounds__(128, 4)
-    gemv_bf16_tc_f32(const float* __restrict__ x, const u16* __restrict__ w, float* __restrict__ out, int M, int N,
-                     int K, int kslice, int pieces) {
+    gemv_bf16_tc_f32(const float* __restrict__ x, const u16* __restrict__ w, float* part, float* y,
+                     int* tickets, int M, int N, int K, int kslice, int pieces) {
     if (pieces == 1)
-        gemv_bf16_tc<1>(x, w, out, M, N, K, kslice);
+        gemv_bf16_tc<1>(x, w, part, M, N, K, kslice);
     else
-        gemv_bf16_tc<3>(x, w, out, M, N, K, kslice);
-}
-
-// y [n] = sum over s of part [s, n], in order (deterministic split-K for gemv_bf16_tc_f32).
-extern "C" __global__ void gemv_sum_splits_f32(const float* __restrict__ part, float* __restrict__ y, int splits,
-                                               i64 n) {
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        gemv_bf16_tc<3>(x, w, part, M, N, K, kslice);
+    const int splits = gridDim.y;
+    if (splits == 1) return;
+    __shared__ int last;
+    __threadfence();  // this block's partial is visible device-wide before its ticket is
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(&tickets[blockIdx.x], 1) == splits - 1;
+        if (last) tickets[blockIdx.x] = 0;  // every split has taken its ticket
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int r = blockIdx.x * 128 + threadIdx.x;
+    if (r >= N) return;
+    for (int m = 0; m < M; ++m) {
         float s = 0.0f;
-        for (int j = 0; j < splits; ++j) s += part[(i64)j * n + i];
-        y[i] = s;
+        for (int j = 0; j < splits; ++j) s += __ldcg(part + ((i64)j * M + m) * N + r);
+        y[(i64)m * N + r] = s;
     }
 }

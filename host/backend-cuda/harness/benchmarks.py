@@ -749,11 +749,21 @@ def bench_attn_res(d: Device, record):
     for T in (4096, 1, 16, 64):
         srcs = [dev(T, dm) for _ in range(9)]
         out = torch.empty(T, dm, device="cuda")
+        bits = torch.empty(T, dm, dtype=torch.int16, device="cuda")
         views, vw, vo = [d.view(s) for s in srcs], d.view(w), d.view(out)  # no views inside a captured fn
-        ms, how = d.time_graph(lambda: d.launch("attn_res_f32", T * 8, 128, *views, 9, vw, vo, T, dm, 1e-5))
+        vb = d.view(bits).view(np.uint16)
+        ms, how = d.time_graph(lambda: d.launch("attn_res_f32", T * 8, 128, *views[:8], 8, views[8], vw, 0, vw, vw, 0,
+                                                vo, T, dm, 1e-5, vb, 0))
         record(f"attn_res T={T} n=9", ms, (9 * T * dm * 4 + T * dm * 4) / (COPY_TBPS * 1e12) * 1e3, timing=how)
-        ms, how = d.time_graph(lambda: d.launch("rms_norm_f32", T, 512, views[0], vw, vo, T, dm, 1e-5))
-        record(f"rms_norm T={T}", ms, (2 * T * dm * 4 + dm * 4) / (COPY_TBPS * 1e12) * 1e3, timing=how)
+        # As Backend::attn_res_norm: the first source added into the last (read and written), RMSNorm after.
+        va = d.view(srcs[0])
+        # With the bf16 copy of the output (bfloat16 mode, a sublayer's input for cuBLAS).
+        ms, how = d.time_graph(lambda: d.launch("attn_res_f32", T * 8, 128, *views[:8], 8, views[8], va, 1, vw, vw, 1,
+                                                vo, T, dm, 1e-5, vb, 1))
+        record(f"attn_res_norm T={T} n=9", ms, (11 * T * dm * 4 + T * dm * 6) / (COPY_TBPS * 1e12) * 1e3,
+               timing=how)
+        ms, how = d.time_graph(lambda: d.launch("rms_norm_f32", T, 512, views[0], vw, vo, T, dm, 1e-5, vb, 1))
+        record(f"rms_norm T={T}", ms, (T * dm * 4 + T * dm * 6 + dm * 4) / (COPY_TBPS * 1e12) * 1e3, timing=how)
 
 
 
@@ -764,7 +774,7 @@ GEMV_SHAPES = [(12288, 7168), (7168, 12288), (33792, 7168), (6144, 7168), (3584,
 
 def bench_gemv(d: Device, record, quick: bool):
     """Dense bf16-weight decode products, y [M, n] = x [M, k] w^T, per shape and M: `new` / `new
-    bf16` (gemv_bf16_tc_f32 + gemv_sum_splits_f32 when split, x in three pieces / rounded once;
+    bf16` (gemv_bf16_tc_f32, its last blocks summing the splits, x in three pieces / rounded once;
     dense/mod.rs matmul_linear takes it for M <= 16 up to CudaOptions::gemv_max_weight_elems = 2^22
     weights) and `cublas` / `cublas bf16` (split rows + torch bf16 matmul of the [2M, k] hi/lo rows
     + sum of halves in float32 mode, of the [M, k] rounded rows in bf16 mode: the path above that).

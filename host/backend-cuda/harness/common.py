@@ -231,20 +231,29 @@ def gemv_tc_plan(n: int, k: int, sms: int = 132) -> tuple[int, int]:
     return cdiv(k, kslice), kslice
 
 
+_GEMV_TICKETS = {}
+
+
+def gemv_tickets(d: Device, row_blocks: int):
+    """gemv_bf16_tc_f32's tickets (device.rs gemv_tickets): zeros, put back to 0 by every launch,
+    so one buffer per device serves every call."""
+    t = _GEMV_TICKETS.get(id(d))
+    if t is None or t.numel() < row_blocks:
+        t = torch.zeros(max(row_blocks, 132 * 4), dtype=torch.int32, device=d.tdev)
+        _GEMV_TICKETS[id(d)] = t
+    return d.view(t)
+
+
 def run_gemv_tc(d: Device, x, wbits, y, m: int, n: int, k: int, part, plan=None, pieces=3, defines=()):
-    """dense/mod.rs matmul_linear's decode path: the kernel, plus the ordered sum of its K-split
-    partials when there is more than one. x [m, k] f32, wbits [n, k] bf16 bits (u16 view), y [m, n],
-    part: a view of >= splits * m * n floats (the caller keeps it alive until the launches finish);
-    `pieces` 3 (x in three bf16 pieces: float32 mode) or 1 (x rounded once: bfloat16 mode); `defines`: a
-    harness probe's compile-time overrides (bench_gemv)."""
+    """dense/mod.rs matmul_linear's decode path: one launch, whose last block per row block sums the
+    K-split partials when there is more than one. x [m, k] f32, wbits [n, k] bf16 bits (u16 view),
+    y [m, n], part: a view of >= splits * m * n floats (the caller keeps it alive until the launch
+    finishes); `pieces` 3 (x in three bf16 pieces: float32 mode) or 1 (x rounded once: bfloat16
+    mode); `defines`: a harness probe's compile-time overrides (bench_gemv)."""
     splits, kslice = plan or gemv_tc_plan(n, k)
-    if splits == 1:
-        d.launch("gemv_bf16_tc_f32", (cdiv(n, GEMV_TC_ROWS), 1), 128, x, wbits, y, m, n, k, kslice, pieces,
-                 defines=defines)
-        return
-    d.launch("gemv_bf16_tc_f32", (cdiv(n, GEMV_TC_ROWS), splits), 128, x, wbits, part, m, n, k, kslice, pieces,
-             defines=defines)
-    d.launch("gemv_sum_splits_f32", cdiv(m * n, 256), 256, part, y, splits, m * n)
+    blocks = cdiv(n, GEMV_TC_ROWS)
+    d.launch("gemv_bf16_tc_f32", (blocks, splits), 128, x, wbits, y if splits == 1 else part, y,
+             gemv_tickets(d, blocks), m, n, k, kslice, pieces, defines=defines)
 
 
 LOG: list[str] = []

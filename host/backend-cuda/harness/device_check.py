@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks import bench  # noqa: E402
 from common import (KDA_CHUNK_TOL, KDA_DECODE_VARIANTS, KDA_PREP, KDA_SCAN_KERNELS, LOG, cdiv,  # noqa: E402
                     kda_decode_launcher, kda_reference, kda_region_floats, log, pack_kda_region, rel_err, run_kda_prefill, unpack_kda_region)
-from common import gemv_tc_plan, run_gemv_tc  # noqa: E402
+from common import gemv_tc_plan, gemv_tickets, run_gemv_tc  # noqa: E402
 from checks_moe import (check_moe, check_moe_gemm,  # noqa: E402
                         check_moe_single_token, check_moe_few_tokens, check_moe_tc_shapes, check_moe_wg, check_moe_wg_repeat)
 from common import rand  # noqa: E402
@@ -43,7 +43,7 @@ from checks_kda_replay import check_kda_verify  # noqa: E402
 from checks_mla import check_mla, check_mla_bf16, check_mla_bf16_products, check_mla_prefill  # noqa: E402
 from checks_vision import check_vision  # noqa: E402
 from device import Device, Results  # noqa: E402
-from emulators import EMU  # noqa: E402
+from emulators import EMU, bf16_bits  # noqa: E402
 from k3ref.attnres import attn_res as ref_attn_res  # noqa: E402
 from k3ref.moe import route as ref_route  # noqa: E402
 from k3ref.norm import rms_norm as ref_rms_norm  # noqa: E402
@@ -57,20 +57,28 @@ def check_pointwise(d: Device, r: Results, gen):
     T = lambda x: x.float().contiguous().to(d.tdev)  # noqa: E731
     rows, eps = 37, 1e-5
     # 300 columns: the float4 path on the backend's 512 threads; 301: the scalar path.
-    for cols, block in ((300, 512), (301, 256)):
+    for (cols, block), bf16 in [(c, b) for c in ((300, 512), (301, 256)) for b in (0, 1)]:
         x, w = rand(rows, cols, gen=gen), rand(cols, gen=gen)
         y = torch.empty(rows, cols, device=d.tdev)
-        d.launch("rms_norm_f32", rows, block, d.view(T(x)), d.view(T(w)), d.view(y), rows, cols, eps)
+        bits = torch.zeros(rows, cols, dtype=torch.int16, device=d.tdev)
+        d.launch("rms_norm_f32", rows, block, d.view(T(x)), d.view(T(w)), d.view(y), rows, cols, eps,
+                 d.view(bits).view(np.uint16), bf16)
         d.sync()
-        r.check(f"rms_norm cols={cols}", rel_err(y, ref_rms_norm(x, w, eps)), 1e-5)
+        r.check(f"rms_norm cols={cols}{' +bf16' if bf16 else ''}", rel_err(y, ref_rms_norm(x, w, eps)), 1e-5)
+        # The bf16 rows a cuBLAS product takes: bit for bit the rounding of the f32 output.
+        want = bf16_bits(y.cpu().numpy()) if bf16 else np.zeros((rows, cols), np.uint16)
+        r.exact(f"rms_norm cols={cols} bf16 rows{'' if bf16 else ' untouched'}",
+                bool((bits.cpu().numpy().view(np.uint16) == want).all()))
     cols = 300
 
     heads, hd = 3, 128
     o, g, wn = rand(5, heads * hd, gen=gen), rand(5, heads * hd, gen=gen), rand(hd, gen=gen)
     y = torch.empty(5, heads * hd, device=d.tdev)
+    bits = torch.zeros(5, heads * hd, dtype=torch.int16, device=d.tdev)
     d.launch("gated_head_norm_f32", cdiv(5 * heads, 4), 128, d.view(T(o)), d.view(T(g)), d.view(T(wn)), d.view(y),
-             5, heads, hd, eps)
+             5, heads, hd, eps, d.view(bits).view(np.uint16), 1)
     d.sync()
+    r.exact("gated_head_norm bf16 rows", bool((bits.cpu().numpy().view(np.uint16) == bf16_bits(y.cpu().numpy())).all()))
     ref = (ref_rms_norm(o.view(5, heads, hd), wn, eps) * torch.sigmoid(g.view(5, heads, hd))).view(5, -1)
     r.check("gated_head_norm", rel_err(y, ref), 1e-5)
 
@@ -78,9 +86,13 @@ def check_pointwise(d: Device, r: Results, gen):
     ga, up = rand(n, scale=6, gen=gen), rand(n, scale=40, gen=gen)
     for has_lin in (1, 0):
         y = torch.empty(n, device=d.tdev)
-        d.launch("situ_glu_f32", cdiv(n, 256), 256, d.view(T(ga)), d.view(T(up)), d.view(y), n, 4.0, 25.0, has_lin)
+        bits = torch.zeros(n, dtype=torch.int16, device=d.tdev)
+        d.launch("situ_glu_f32", cdiv(n, 256), 256, d.view(T(ga)), d.view(T(up)), d.view(y), n, 4.0, 25.0, has_lin,
+                 d.view(bits).view(np.uint16), 1)
         d.sync()
         r.check(f"situ_glu(lin={has_lin})", rel_err(y, ref_situ_glu(ga, up, 4.0, 25.0 if has_lin else None)), 1e-5)
+        r.exact(f"situ_glu(lin={has_lin}) bf16 rows",
+                bool((bits.cpu().numpy().view(np.uint16) == bf16_bits(y.cpu().numpy())).all()))
 
     # Elementwise, over a sweep that crosses common.cuh k3_tanh's 0.125 switch (|g| / 4 and
     # |u| / 25 from 1e-7 up to saturation): the branch-free tanh must hold each value, not just
@@ -91,7 +103,7 @@ def check_pointwise(d: Device, r: Results, gen):
     for has_lin in (1, 0):
         y = torch.empty(ga.numel(), device=d.tdev)
         d.launch("situ_glu_f32", cdiv(ga.numel(), 256), 256, d.view(T(ga)), d.view(T(up)), d.view(y), ga.numel(),
-                 4.0, 25.0, has_lin)
+                 4.0, 25.0, has_lin, d.view(y).view(np.uint16), 0)
         d.sync()
         ref = ref_situ_glu(ga.double(), up.double(), 4.0, 25.0 if has_lin else None)
         big = ref.abs() > 1e-30
@@ -135,19 +147,36 @@ def check_pointwise(d: Device, r: Results, gen):
 def check_attnres(d: Device, r: Results, gen):
     """attn_res_f32 (geometry.rs attn_res: a cluster of 8 blocks of 128 threads per row, block q on
     columns [q s, (q + 1) s), s = d / 8 rounded up to 4): 1000 columns (float4 path, a short last
-    block), 1001 (the scalar path), K3's 7168 at one row, and 40 (blocks past the row's end)."""
+    block), 1001 (the scalar path), K3's 7168 at one row, and 40 (blocks past the row's end); each
+    plain, and as Backend::attn_res_norm (the last source += add first, RMSNorm after)."""
     eps = 1e-5
-    for n, dm, rows in ((1, 1000, 7), (2, 1000, 7), (9, 1000, 7), (9, 1001, 7), (9, 7168, 1), (3, 40, 5)):
+    cases = ((1, 1000, 7), (2, 1000, 7), (9, 1000, 7), (9, 1001, 7), (9, 7168, 1), (3, 40, 5))
+    for (n, dm, rows), fused in [(c, f) for c in cases for f in (False, True)]:
         srcs = [rand(rows, dm, scale=1 + i, gen=gen) for i in range(n)]
+        add, norm = rand(rows, dm, gen=gen), rand(dm, scale=0.5, gen=gen) + 1
         w = rand(dm, scale=0.05, gen=gen)
-        dev = [d.view(s.float().contiguous().to(d.tdev)) for s in srcs]
-        ptrs = dev + [dev[0]] * (9 - n)  # unused slots: any valid pointer, never read
+        T = lambda x: x.float().contiguous().to(d.tdev)  # noqa: E731
+        bank = [d.view(T(s)) for s in srcs[:-1]]
+        last = T(srcs[-1])
+        vw = d.view(T(w))
+        ptrs = bank + [vw] * (8 - len(bank))  # unused slots: any valid pointer, never read
         out = torch.empty(rows, dm, device=d.tdev)
-        d.launch("attn_res_f32", rows * 8, 128, *ptrs, n, d.view(w.float().contiguous().to(d.tdev)), d.view(out),
-                 rows, dm, eps)
+        bits = torch.zeros(rows, dm, dtype=torch.int16, device=d.tdev)
+        va, vn = (d.view(T(add)), d.view(T(norm))) if fused else (vw, vw)
+        # The norm's output also as bf16 rows (bfloat16 mode), the plain mix's not.
+        d.launch("attn_res_f32", rows * 8, 128, *ptrs, n - 1, d.view(last), va, int(fused), vw, vn, int(fused),
+                 d.view(out), rows, dm, eps, d.view(bits).view(np.uint16), int(fused))
         d.sync()
-        ref = ref_attn_res(srcs[-1], srcs[:-1], w, torch.ones(1, dm, dtype=torch.float64), eps)
-        r.check(f"attn_res(n={n}, d={dm}, rows={rows})", rel_err(out, ref), 1e-5)
+        want = bf16_bits(out.cpu().numpy()) if fused else np.zeros((rows, dm), np.uint16)
+        r.exact(f"attn_res{'_norm' if fused else ''}(n={n}, d={dm}, rows={rows}) bf16 rows",
+                bool((bits.cpu().numpy().view(np.uint16) == want).all()))
+        tag = f"attn_res{'_norm' if fused else ''}(n={n}, d={dm}, rows={rows})"
+        p = srcs[-1].double() + (add.double() if fused else 0)
+        ref = ref_attn_res(p, srcs[:-1], w, torch.ones(1, dm, dtype=torch.float64), eps)
+        if fused:
+            ref = ref_rms_norm(ref, norm.double(), eps)
+            r.check(f"{tag} last += add", rel_err(last, p), 1e-6)
+        r.check(tag, rel_err(out, ref), 1e-5)
 
 
 def check_router_sampling(d: Device, r: Results, gen):
@@ -392,10 +421,12 @@ def check_bf16_matmul(d: Device, r: Results, gen):
 
 
 def check_gemv_tc(d: Device, r: Results, gen):
-    """The tensor-core decode product (gemv_bf16_tc_f32 + gemv_sum_splits_f32) against float64, f32
-    accuracy: N below / not a multiple of the 128-row block, K not a multiple of the 64-column step
-    (and a short last K slice), one split and several, M across both n8 tiles of x rows; x in three
-    pieces (float32 mode) and rounded once (bfloat16 mode, against float64 of the rounded x)."""
+    """The tensor-core decode product (gemv_bf16_tc_f32; its last blocks sum the split-K partials)
+    against float64, f32 accuracy: N below / not a multiple of the 128-row block, K not a multiple of
+    the 64-column step (and a short last K slice), one split and several, M across both n8 tiles of
+    x rows; x in three pieces (float32 mode) and rounded once (bfloat16 mode, against float64 of the
+    rounded x). y starts as NaN at every launch, and the launches share one ticket buffer: a ticket
+    not put back to 0 leaves the next split product's rows unsummed."""
     dev = lambda t: t.contiguous().to(d.tdev)  # noqa: E731
     u16 = lambda t: d.view(t).view(np.uint16)  # noqa: E731
     for n, k, plan in ((77, 520, None), (300, 1544, None), (130, 200, (1, 256)),
@@ -414,6 +445,9 @@ def check_gemv_tc(d: Device, r: Results, gen):
                 xr = x if pieces == 3 else x.float().to(torch.bfloat16).double()
                 r.check(f"gemv_bf16_tc_f32 M={m} {n}x{k} splits={splits} pieces={pieces}", rel_err(y, xr @ w.double().T),
                         1e-5)
+    tickets = gemv_tickets(d, 1)
+    r.exact("gemv_bf16_tc_f32 tickets back to 0", not bool(np.asarray(tickets.get() if hasattr(tickets, "get")
+                                                                     else tickets).any()))
 
 
 def main():

@@ -485,11 +485,45 @@ def _emu_router(logits, bias, idx, w, t, e, k, renorm, scaling):
     w[:] = (rw * float(scaling)).float().numpy().reshape(w.shape)
 
 
+def _emu_rms_norm(x, w, y, rows, cols, eps, y_bf16, has_bf16):
+    """kernels/norm.cu rms_norm_f32; with has_bf16 the output's bf16 bits into y_bf16 too."""
+    n = int(rows) * int(cols)
+    y.reshape(-1)[:n] = ref_rms_norm(_t(x).view(int(rows), int(cols)).double(), _t(w).double(),
+                                     float(eps)).float().numpy().reshape(-1)
+    if has_bf16:
+        y_bf16.reshape(-1)[:n] = bf16_bits(y.reshape(-1)[:n])
+
+
+def _emu_situ_glu(g, u, out, n, b, bl, hl, out_bf16, has_bf16):
+    """kernels/situ.cu situ_glu_f32; with has_bf16 the output's bf16 bits into out_bf16 too."""
+    out[:] = ref_situ_glu(_t(g).double(), _t(u).double(), float(b), float(bl) if hl else None).float().numpy()
+    if has_bf16:
+        out_bf16.reshape(-1)[:int(n)] = bf16_bits(out.reshape(-1)[:int(n)])
+
+
+def _emu_gated_head_norm(o, g, w, y, rows, heads, hd, eps, y_bf16, has_bf16):
+    """kernels/norm.cu gated_head_norm_f32; with has_bf16 the output's bf16 bits into y_bf16 too."""
+    y[:] = (ref_rms_norm(_t(o).view(-1, int(hd)).double(), _t(w).double(), float(eps))
+            * torch.sigmoid(_t(g).view(-1, int(hd)).double())).float().numpy().reshape(y.shape)
+    if has_bf16:
+        n = int(rows) * int(heads) * int(hd)
+        y_bf16.reshape(-1)[:n] = bf16_bits(y.reshape(-1)[:n])
+
+
 def _emu_attn_res(*a):
-    srcs, n, w, out, rows, dm, eps = a[:9], int(a[9]), a[10], a[11], int(a[12]), int(a[13]), float(a[14])
-    S = [_t(s).view(rows, dm).double() for s in srcs[:n]]
-    out[:] = ref_attn_res(S[-1], S[:-1], _t(w).double(), torch.ones(1, dm, dtype=torch.float64), eps).float() \
-        .numpy().reshape(out.shape)
+    bank, nb, last, add, has_add, w, norm, has_norm, out, rows, dm, eps, out_bf16, has_bf16 = (
+        a[:8], int(a[8]), a[9], a[10], int(a[11]), a[12], a[13], int(a[14]), a[15], int(a[16]), int(a[17]),
+        float(a[18]), a[19], int(a[20]))
+    L = _t(last).view(rows, dm)
+    if has_add:
+        L += _t(add).view(rows, dm)
+    S = [_t(s).view(rows, dm).double() for s in bank[:nb]]
+    h = ref_attn_res(L.double(), S, _t(w).double(), torch.ones(1, dm, dtype=torch.float64), eps)
+    if has_norm:
+        h = ref_rms_norm(h, _t(norm).double(), eps)
+    out[:] = h.float().numpy().reshape(out.shape)
+    if has_bf16:
+        out_bf16.reshape(-1)[:rows * dm] = bf16_bits(out.reshape(-1)[:rows * dm])
 
 
 def bf16_bits(x):
@@ -755,9 +789,11 @@ def _emu_combine_ids(y, idx, w, out, t, k, lt, e):
     out.reshape(-1)[:t * lt] = torch.einsum("tk,tkl->tl", _t(w).reshape(-1)[:t * k].view(t, k), Y).numpy().reshape(-1)
 
 
-def _emu_gemv_tc(x, w, out, m, n, k, kslice, npieces):
+def _emu_gemv_tc(x, w, out, y, tickets, m, n, k, kslice, npieces):
     """kernels/bf16.cu gemv_bf16_tc_f32: x in `npieces` (3 or 1) bf16 pieces (each the rounded residual of
-    the ones before), exact products summed in f64 per K slice; out [ceil(K / kslice), M, N] partials."""
+    the ones before), exact products summed in f64 per K slice; out [ceil(K / kslice), M, N] partials
+    (y itself for one slice), then with several slices their sum in slice order, in f32, into y (what
+    the last block of each row block does; the tickets end at 0)."""
     m, n, k, ks = int(m), int(n), int(k), int(kslice)
     xv = x.reshape(-1)[:m * k].astype(np.float32)
     pieces = []
@@ -770,6 +806,13 @@ def _emu_gemv_tc(x, w, out, m, n, k, kslice, npieces):
     for s, k0 in enumerate(range(0, k, ks)):
         part = xs[:, k0:k0 + ks] @ wv[:, k0:k0 + ks].T
         out.reshape(-1)[s * m * n:(s + 1) * m * n] = part.astype(np.float32).reshape(-1)
+    splits = len(range(0, k, ks))
+    if splits > 1:
+        acc = np.zeros(m * n, dtype=np.float32)
+        for j in range(splits):
+            acc += out.reshape(-1)[j * m * n:(j + 1) * m * n]
+        y.reshape(-1)[:m * n] = acc
+    assert not tickets.any(), "tickets are 0 between launches"
 
 
 def _split3(x):
@@ -799,13 +842,6 @@ def _emu_mla_out_proj_bf16(lat, kv_b, o, items, heads, nope, v_dim, kv_lora):
     L = _split3(lat.reshape(-1)[:n * h * lkv]).reshape(n, h, lkv)
     W = bf16_value(kv_b.reshape(-1)[:h * (nope + vd) * lkv]).astype(np.float64).reshape(h, -1, lkv)
     o.reshape(-1)[:n * h * vd] = np.einsum("nhl,hvl->nhv", L, W[:, nope:]).astype(np.float32).reshape(-1)
-
-
-def _emu_sum_splits(part, y, splits, n):
-    acc = np.zeros(int(n), dtype=np.float32)
-    for j in range(int(splits)):
-        acc += part.reshape(-1)[j * int(n):(j + 1) * int(n)]
-    y.reshape(-1)[:int(n)] = acc
 
 
 def _stack_rows(offsets, p):
@@ -855,17 +891,12 @@ def _emu_combine_split(y, inv, offsets, experts, w, out, top_k, lt):
 
 
 EMU = {
-    "rms_norm_f32": lambda x, w, y, rows, cols, eps: y.__setitem__(
-        slice(None), ref_rms_norm(_t(x).view(int(rows), int(cols)).double(), _t(w).double(), float(eps)).float().numpy()
-        .reshape(y.shape)),
-    "gated_head_norm_f32": lambda o, g, w, y, rows, heads, hd, eps: y.__setitem__(slice(None), (
-        ref_rms_norm(_t(o).view(-1, int(hd)).double(), _t(w).double(), float(eps))
-        * torch.sigmoid(_t(g).view(-1, int(hd)).double())).float().numpy().reshape(y.shape)),
+    "rms_norm_f32": _emu_rms_norm,
+    "gated_head_norm_f32": _emu_gated_head_norm,
     "situ_glu_packed_f32": lambda gu, out, rows, ie, b, bl, hl: out.__setitem__(slice(None), ref_situ_glu(
         _t(gu).view(int(rows), 2, int(ie))[:, 0].double(), _t(gu).view(int(rows), 2, int(ie))[:, 1].double(), float(b),
         float(bl) if hl else None).float().numpy().reshape(out.shape)),
-    "situ_glu_f32": lambda g, u, out, n, b, bl, hl: out.__setitem__(slice(None), ref_situ_glu(
-        _t(g).double(), _t(u).double(), float(b), float(bl) if hl else None).float().numpy()),
+    "situ_glu_f32": _emu_situ_glu,
     "add_assign_f32": lambda p, a, n: p.__setitem__(slice(None), p + a),
     "sigmoid_mul_f32": lambda o, g, n: o.__setitem__(slice(None), o * torch.sigmoid(_t(g)).numpy()),
     "embed_rows_f32": lambda tab, ids, out, t, dm, v: out.__setitem__(slice(None), _t(tab).view(int(v), int(dm))[
@@ -906,7 +937,6 @@ EMU = {
     "sum_row_halves_f32": lambda c, y, n: y.reshape(-1).__setitem__(
         slice(0, int(n)), c.reshape(-1)[:int(n)] + c.reshape(-1)[int(n):2 * int(n)]),
     "gemv_bf16_tc_f32": _emu_gemv_tc,
-    "gemv_sum_splits_f32": _emu_sum_splits,
     "bf16_to_f32": lambda b, out, n: out.reshape(-1).__setitem__(slice(0, int(n)), bf16_value(b.reshape(-1)[:int(n)])),
     "moe_gather_split_bf16": _emu_gather_split,
     "mxfp4_to_bf16_experts": _emu_to_bf16,

@@ -144,7 +144,7 @@ impl Backend for CudaBackend {
             if data.is_empty() {
                 return Ok(self.stream.alloc_zeros::<f32>(1)?);
             }
-            self.upload_slice(&data)
+            self.upload_kept(&data)
         })
     }
 
@@ -319,6 +319,21 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn attn_res_norm(
+        &self,
+        sources: &[&DeviceMat],
+        last: &mut DeviceMat,
+        add: Option<&DeviceMat>,
+        w: &CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+    ) -> OpResult<DeviceMat> {
+        self.timed(
+            || format!("attn_res_norm ({} sources)", sources.len() + 1),
+            || self.op(|| CudaBackend::attn_res_norm(self, sources, last, add, w, norm, eps)),
+        )
+    }
+
     fn situ_glu(&self, gate: &DeviceMat, up: &DeviceMat, p: SituParams) -> OpResult<DeviceMat> {
         self.timed(
             || "situ_glu".into(),
@@ -486,6 +501,28 @@ impl Backend for CudaBackend {
         pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, ExecError>,
     ) -> std::result::Result<Option<DeviceMat>, ExecError> {
         self.run_graph_step(replayable, pass)
+    }
+
+    fn prepare_step(
+        &self,
+        pass: &mut dyn FnMut() -> std::result::Result<Option<DeviceMat>, ExecError>,
+    ) -> bool {
+        self.prepare_graph_step(pass)
+    }
+
+    fn launch_prepared(
+        &self,
+        ids: &[u32],
+    ) -> std::result::Result<Option<Option<DeviceMat>>, ExecError> {
+        match self.launch_prepared_step(ids) {
+            Ok(Some(out)) => Ok(Some(out.map_err(k3_model::BackendError::from)?)),
+            Ok(None) => Ok(None),
+            Err(e) => {
+                // Nothing was queued: the caller runs the step the usual way.
+                tracing::warn!("launch of a prepared step failed ({e}); running it afresh");
+                Ok(None)
+            }
+        }
     }
 
     fn step_graph_counts(&self) -> Option<k3_model::backend::GraphCounts> {

@@ -31,12 +31,12 @@ impl<T> Buf<T> {
         }
     }
 
-    /// `len` elements "at" `ptr`, owning nothing: for a dry pass only, where no device work reads
-    /// or writes them.
+    /// `len` elements "at" `ptr`, owning nothing: in a dry pass, where no device work reads or
+    /// writes them, or as a step upload's view of the staging mirror (graph.rs).
     ///
     /// # Safety
-    /// `ptr` must stay a live device allocation for as long as the result exists, and no device
-    /// work may be queued on the result.
+    /// `ptr` must stay a live device allocation for as long as the result exists and any device
+    /// work queued on it runs, and work queued on it must not overlap other live views.
     pub(crate) unsafe fn alias(
         stream: &Arc<CudaStream>,
         ptr: sys::CUdeviceptr,

@@ -31,6 +31,29 @@ pub struct DeviceMat {
     pub rows: usize,
     pub cols: usize,
     pub buf: Buf<f32>,
+    /// In bfloat16 mode, the same rows rounded to bf16, when the kernel that wrote `buf` wrote
+    /// them too (the norms that open each sublayer): what a cuBLAS product takes as its input,
+    /// so it needs no conversion of its own (dense/mod.rs). Every op that changes `buf` in place
+    /// drops it first (`written`).
+    pub(crate) bf16: Option<Buf<u16>>,
+}
+
+impl DeviceMat {
+    /// A matrix of `rows` x `cols` in `buf`, without bf16 rows.
+    pub fn new(rows: usize, cols: usize, buf: Buf<f32>) -> Self {
+        Self {
+            rows,
+            cols,
+            buf,
+            bf16: None,
+        }
+    }
+
+    /// Called by every op that writes `buf` in place: its bf16 rows no longer match.
+    pub(crate) fn written(&mut self) -> &mut Self {
+        self.bf16 = None;
+        self
+    }
 }
 
 /// A weight matrix `[rows, cols]` (row-major) on the device. Values that are all exactly bf16 (a
@@ -63,6 +86,10 @@ pub struct CudaBackend {
     pub(crate) functions: HashMap<&'static str, CudaFunction>,
     /// cuBLAS on `stream` (dense matmuls); its math mode follows `options.dtype`.
     pub(crate) blas: CudaBlas,
+    /// `blas`'s workspace (lanes.rs `set_workspace`).
+    _blas_workspace: CudaSlice<u8>,
+    /// Side streams for products that share an input (lanes.rs).
+    pub(crate) lanes: Vec<crate::lanes::SideLane>,
     /// Per-op wall times when `K3_PROFILE` is set (see `profile.rs`).
     pub(crate) profile: Option<crate::profile::OpProfile>,
     /// The tensor-core MoE path's work buffers (moe/cublas.rs), kept between calls.
@@ -73,6 +100,8 @@ pub struct CudaBackend {
     pub(crate) step: crate::step::StepState,
     /// What every buffer of a dry pass aliases (buf.rs): 256 bytes that no work touches.
     pub(crate) dry_target: CudaSlice<u8>,
+    /// kernels/bf16.cu `gemv_bf16_tc_f32`'s tickets: one per row block, 0 between launches.
+    pub(crate) gemv_tickets: CudaSlice<i32>,
     /// The deployment's choices (options.rs).
     pub(crate) options: crate::CudaOptions,
     /// Where opening the device spent its time.
@@ -112,6 +141,9 @@ impl CudaBackend {
     /// `CudaOptions::dtype`). Takes effect from the next op.
     pub fn set_dtype(&mut self, dtype: crate::Dtype) -> Result<()> {
         set_blas_math(&self.blas, dtype)?;
+        for lane in &self.lanes {
+            set_blas_math(&lane.blas, dtype)?;
+        }
         self.options.dtype = dtype;
         Ok(())
     }
@@ -207,9 +239,13 @@ impl CudaBackend {
         let t = Instant::now();
         let blas = CudaBlas::new(stream.clone())?;
         set_blas_math(&blas, backend_options.dtype)?;
+        let blas_workspace = crate::lanes::set_workspace(&blas, &stream)?;
+        let lanes = crate::lanes::side_lanes(&ctx, &stream, backend_options.dtype)?;
         let cublas_s = t.elapsed().as_secs_f64();
         let profile = crate::profile::OpProfile::from_env();
         let dry_target = stream.alloc_zeros::<u8>(256)?;
+        let gemv_tickets =
+            stream.alloc_zeros::<i32>(crate::dense::gemv_tickets(sms.max(1) as usize))?;
         Ok(Self {
             ctx,
             stream,
@@ -217,8 +253,11 @@ impl CudaBackend {
             limits,
             functions,
             blas,
+            _blas_workspace: blas_workspace,
+            lanes,
             step: crate::step::StepState::new(backend_options.cuda_graphs, profile.is_some()),
             dry_target,
+            gemv_tickets,
             profile,
             moe_scratch: Mutex::default(),
             moe_sorted_scratch: Mutex::default(),
@@ -245,19 +284,15 @@ impl CudaBackend {
                 data.len()
             )));
         }
-        Ok(DeviceMat {
+        Ok(DeviceMat::new(
             rows,
             cols,
-            buf: self.stream.memcpy_stod(data)?.into(),
-        })
+            self.stream.memcpy_stod(data)?.into(),
+        ))
     }
 
     pub fn zeros(&self, rows: usize, cols: usize) -> Result<DeviceMat> {
-        Ok(DeviceMat {
-            rows,
-            cols,
-            buf: self.zeroed::<f32>(rows * cols)?,
-        })
+        Ok(DeviceMat::new(rows, cols, self.zeroed::<f32>(rows * cols)?))
     }
 
     /// `len` (at least one) zeroed elements; not zeroed in a dry pass (graph.rs), which
@@ -302,7 +337,7 @@ impl CudaBackend {
     /// A matrix whose every element the caller's next launch writes (see `uninit`).
     pub fn output(&self, rows: usize, cols: usize) -> Result<DeviceMat> {
         let buf = self.uninit::<f32>(rows * cols)?;
-        Ok(DeviceMat { rows, cols, buf })
+        Ok(DeviceMat::new(rows, cols, buf))
     }
 
     pub fn download(&self, m: &DeviceMat) -> Result<Vec<f32>> {
@@ -346,7 +381,7 @@ fn keep_freed_memory_pooled(ctx: &CudaContext) {
 
 /// cuBLAS's math mode for `dtype`: f32 products (SGEMM) on TF32 tensor cores in bf16 (and mxfp8) mode,
 /// plain f32 FMAs in float32 mode. The bf16 GEMMs name their compute type and ignore it.
-fn set_blas_math(blas: &CudaBlas, dtype: crate::Dtype) -> Result<()> {
+pub(crate) fn set_blas_math(blas: &CudaBlas, dtype: crate::Dtype) -> Result<()> {
     use cudarc::cublas::sys::{cublasMath_t, cublasSetMathMode};
     let mode = match dtype {
         crate::Dtype::Bf16 | crate::Dtype::Mxfp8 => cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,

@@ -2,63 +2,88 @@
 //! launch, instead of a few hundred launches (each a driver call of a few µs on the host, and a
 //! gap on the GPU between small kernels).
 //!
-//! How a step is matched to a graph. The model code stays the one source of truth for what a
-//! step queues: every replayable step first runs the forward pass *dry* — the host logic runs,
-//! every op logs what it would queue (kernel, grid, scalar arguments, arena offsets, GEMM shapes,
-//! upload sizes) and writes the bytes it would upload (token ids, state slots, page tables) into
-//! one pinned staging buffer, but nothing is launched. If a captured graph logged exactly the
-//! same work, it is launched: its first nodes copy the staging buffer's new contents to the
-//! device. Otherwise the step runs eagerly, and the second time the same log is seen the pass is
-//! captured (`cuStreamBeginCapture`), which records the same work with uploads from the same
-//! staging offsets. Anything the dry pass cannot vouch for (a download, a path that is not
-//! logged: such an op returns an error) fails it and the step runs eagerly. What the log leaves out — the
-//! addresses of weights and of the step's own activations — follows from the same host code
-//! taking the same path, which the identical log attests; a missed replay only costs speed.
+//! How a step is matched to a graph. The model code stays the one source of truth for what a step
+//! queues: every replayable step first runs the forward pass *dry* — the host logic runs, every op
+//! logs what it would queue (kernel, grid, scalar arguments, arena offsets, GEMM shapes, upload
+//! sizes) and writes the bytes it would upload (token ids, state slots, page tables) into one
+//! pinned staging buffer, but nothing is launched. If a captured graph logged exactly the same
+//! work, it is launched after one copy of the staging buffer's new contents into its device mirror,
+//! where the graph's kernels read their uploads. Otherwise the step runs eagerly, and the second
+//! time the same log is seen the pass is captured (`cuStreamBeginCapture`), which records the same
+//! work with uploads from the same staging offsets. Anything the dry pass cannot vouch for (a
+//! download, a path that is not logged: such an op returns an error) fails it and the step runs
+//! eagerly. What the log leaves out — the addresses of weights and of the step's own activations —
+//! follows from the same host code taking the same path, which the identical log attests; a missed
+//! replay only costs speed.
 //!
 //! Buffers: activations allocated inside the capture become graph allocation nodes (fixed
 //! addresses, freed inside the graph); the step's result is copied into a buffer the graph owns
 //! and from there into a fresh output after each launch.
 
+use crate::buf::Buf;
 use crate::device::{CudaBackend, DeviceMat};
 use crate::error::{CudaError, Result};
 use crate::step::{
-    CAPTURE_AFTER, Captured, GraphCounts, MAX_GRAPHS, Mode, NEVER, as_bytes, hash_log,
+    CAPTURE_AFTER, Captured, GraphCounts, MAX_GRAPHS, Mode, NEVER, STAGING_BYTES, as_bytes,
+    hash_log,
 };
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, sys};
 
 impl CudaBackend {
     /// Host → device copy of a small per-step input (ids, slots, page tables). Eager: a plain
-    /// copy. Dry pass: into staging only. Capture: into staging, and a captured copy from
-    /// staging, so every replay uploads whatever the dry pass staged at the same offset.
-    pub fn upload_slice<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
-        match self.step.mode() {
-            Mode::Eager => Ok(self.stream.memcpy_stod(data)?),
-            Mode::Dry => {
-                self.step.stage(as_bytes(data))?;
-                self.step.lock().counts.dry_allocs += 1;
-                self.alloc_kept::<T>(data.len())
-            }
-            Mode::Capture => {
-                let bytes = as_bytes(data);
-                let src = self.step.stage(bytes)?;
-                let dst = self.alloc_kept::<T>(data.len())?;
-                if !bytes.is_empty() {
-                    let (d, _sync) = dst.device_ptr(&self.stream);
-                    // SAFETY: `src` is `bytes.len()` bytes of pinned staging that lives as long as
-                    // the backend (and so every graph); `dst` holds at least as many bytes.
-                    unsafe {
-                        sys::cuMemcpyHtoDAsync_v2(
-                            d,
-                            src as *const std::ffi::c_void,
-                            bytes.len(),
-                            self.stream.cu_stream(),
-                        )
-                    }
-                    .result()?;
-                }
-                Ok(dst)
-            }
+    /// copy. Dry pass and capture: the bytes go into staging, and the buffer is a view of the
+    /// same offset in the device mirror of staging, which a replay fills with one copy before it
+    /// launches the graph (`replay`): one transfer per step instead of a graph node per upload.
+    pub fn upload_slice<T: DeviceRepr>(&self, data: &[T]) -> Result<Buf<T>> {
+        Ok(self.upload_staged(data)?.0)
+    }
+
+    /// `upload_slice` for a step's token ids: a dry pass notes where it staged them, so that a
+    /// prepared step can be launched with other ids in their place (prepared.rs).
+    pub(crate) fn upload_ids(&self, ids: &[u32]) -> Result<Buf<u32>> {
+        let (buf, at) = self.upload_staged(ids)?;
+        if let (Some(at), true) = (at, self.step.dry()) {
+            self.step.lock().ids.push((at, std::mem::size_of_val(ids)));
         }
+        Ok(buf)
+    }
+
+    /// `upload_slice`, with the staging offset of a logged pass's upload.
+    fn upload_staged<T: DeviceRepr>(&self, data: &[T]) -> Result<(Buf<T>, Option<usize>)> {
+        let mode = self.step.mode();
+        if mode == Mode::Eager {
+            return Ok((Buf::owned(self.stream.memcpy_stod(data)?), None));
+        }
+        let at = self.step.stage(as_bytes(data))?;
+        let base = self.upload_mirror(mode == Mode::Dry)?;
+        // SAFETY: the mirror lives as long as the backend (and so every graph and every queued
+        // launch that reads it); [at, at + len) lies inside it (`stage` checked the extent).
+        let buf = unsafe { Buf::alias(&self.stream, base + at as u64, data.len().max(1)) };
+        Ok((buf, Some(at)))
+    }
+
+    /// Host → device copy of data kept beyond a step (weights, vectors): refused inside a
+    /// logged pass, whose uploads live only as long as the step.
+    pub(crate) fn upload_kept<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        self.refuse_while_recording("a kept upload")?;
+        Ok(self.stream.memcpy_stod(data)?)
+    }
+
+    /// The device mirror of staging (STAGING_BYTES). Allocated by the first dry pass: an
+    /// allocation inside a capture would become a graph node.
+    fn upload_mirror(&self, may_alloc: bool) -> Result<u64> {
+        let mut g = self.step.lock();
+        if g.mirror.is_none() {
+            if !may_alloc {
+                return Err(CudaError::Unsupported(
+                    "a capture before any dry pass has no upload mirror".into(),
+                ));
+            }
+            g.mirror = Some(self.alloc_kept::<u8>(STAGING_BYTES)?);
+        }
+        let mirror = g.mirror.as_ref().expect("allocated above");
+        let (ptr, _sync) = mirror.device_ptr(&self.stream);
+        Ok(ptr)
     }
 
     /// Device → device copy of a whole or partial buffer (logged; skipped in a dry pass).
@@ -117,11 +142,7 @@ impl CudaBackend {
         if !replayable || !self.step.enabled {
             return pass();
         }
-        if let Some(ev) = self.step.lock().launched.take() {
-            // The previous launch must be done reading staging before the dry pass rewrites it
-            // (normally it is: its logits were downloaded).
-            let _ = ev.synchronize();
-        }
+        self.step.wait_for_staging();
         let t0 = std::time::Instant::now();
         self.step.begin(Mode::Dry);
         let dry = pass();
@@ -193,7 +214,7 @@ impl CudaBackend {
 
     /// Launch the graph captured for `log`, if any; returns the step's result. The outer error
     /// means nothing was queued; the inner one that the step ran but its result was lost.
-    fn replay(
+    pub(crate) fn replay(
         &self,
         key: u64,
         log: &[u64],
@@ -209,6 +230,27 @@ impl CudaBackend {
             return Ok(None); // a hash collision: not the same work
         }
         c.last_used = clock;
+        // The step's uploads (staged by the dry pass that matched this graph) into the mirror
+        // the graph's kernels read; stream-ordered after the previous step's reads of it.
+        let side = g.side;
+        if g.used > 0 {
+            let (Some(staging), Some(mirror)) = (&g.staging[side], &g.mirror) else {
+                return Ok(None);
+            };
+            let (dst, _sync) = mirror.device_ptr(&self.stream);
+            // SAFETY: `used` bytes of pinned staging (stage kept them inside both buffers, which
+            // are the same size); the host rewrites this buffer only after the event below.
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    dst,
+                    staging.ptr as *const std::ffi::c_void,
+                    g.used,
+                    self.stream.cu_stream(),
+                )
+            }
+            .result()?;
+        }
+        let c = g.graphs.get_mut(&key).expect("looked up above");
         // An error here means nothing was queued: the caller may still run the step eagerly.
         c.graph.launch()?;
         // From here on the step has run (states advanced, rows appended): a failure must be
@@ -220,7 +262,9 @@ impl CudaBackend {
                 Ok(Some(m))
             }),
         };
-        g.launched = self.stream.record_event(None).ok();
+        g.launched[side] = self.stream.record_event(None).ok();
+        // The next pass stages into the other buffer: it may run while this copy is pending.
+        g.side = side ^ 1;
         if count {
             g.counts.replayed += 1;
         }

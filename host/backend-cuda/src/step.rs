@@ -82,17 +82,40 @@ unsafe impl Send for Captured {}
 #[derive(Default)]
 pub(crate) struct Inner {
     pub(crate) log: Vec<u64>,
-    pub(crate) staging: Option<Pinned>,
+    /// Two staging buffers, written by alternate replayed steps: the pass for the next step can
+    /// be staged (`CudaBackend::prepare_graph_step`) while this step's copy still reads the other.
+    pub(crate) staging: [Option<Pinned>; 2],
+    /// The staging buffer the current pass writes; a replay flips it.
+    pub(crate) side: usize,
+    /// Device copy of staging (STAGING_BYTES) that captured kernels read their uploads from.
+    pub(crate) mirror: Option<CudaSlice<u8>>,
     pub(crate) used: usize,
     pub(crate) graphs: HashMap<u64, Captured>,
     pub(crate) seen: HashMap<u64, u32>,
     pub(crate) clock: u64,
-    /// Recorded after each graph launch: staging is rewritten only once the launch has read it.
-    pub(crate) launched: Option<CudaEvent>,
+    /// Recorded after each replay's copy of staging `[side]`: that buffer is rewritten only once
+    /// the copy has read it.
+    pub(crate) launched: [Option<CudaEvent>; 2],
+    /// Staging offset and length in bytes of each token-id upload of the current pass.
+    pub(crate) ids: Vec<(usize, usize)>,
+    /// A dry pass run ahead for the step expected next, if it matched a captured graph.
+    pub(crate) prepared: Option<Prepared>,
     /// Arenas `(base, end, id)`: arena pointers are logged as (id, offset), other buffers not.
     pub(crate) arenas: Vec<(u64, u64, u64)>,
     pub(crate) next_arena: u64,
     pub(crate) counts: GraphCounts,
+}
+
+/// A dry pass run for the step expected next, while the current one runs on the device: if that
+/// step comes with only its token ids differing (the runner checks), it is launched with them
+/// written over the placeholders the pass staged, and needs no dry pass of its own.
+pub(crate) struct Prepared {
+    pub(crate) key: u64,
+    pub(crate) log: Vec<u64>,
+    pub(crate) used: usize,
+    pub(crate) side: usize,
+    /// Staging offset and length in bytes of the step's token ids.
+    pub(crate) ids: (usize, usize),
 }
 
 /// Steps by outcome and the graph machinery's host time (for `k3serve bench` and the tests).
@@ -194,29 +217,44 @@ impl StepState {
         }
     }
 
-    /// Copy `bytes` into staging; returns the host address they were written to.
-    pub(crate) fn stage(&self, bytes: &[u8]) -> Result<*const u8> {
+    /// Copy `bytes` into staging; returns their offset (16-byte aligned, with at least 16 bytes
+    /// inside the buffer even for an empty upload, whose view is one element long).
+    pub(crate) fn stage(&self, bytes: &[u8]) -> Result<usize> {
         let mut g = self.lock();
-        if g.staging.is_none() {
-            g.staging = Some(Pinned::new(STAGING_BYTES)?);
+        let side = g.side;
+        if g.staging[side].is_none() {
+            g.staging[side] = Some(Pinned::new(STAGING_BYTES)?);
         }
         let at = g.used.next_multiple_of(16);
         let end = at + bytes.len();
-        let cap = g.staging.as_ref().map_or(0, |p| p.len);
-        if end > cap {
+        let cap = g.staging[side].as_ref().map_or(0, |p| p.len);
+        if at + bytes.len().max(16) > cap {
             return Err(CudaError::Unsupported(format!(
                 "step uploads exceed the {cap}-byte graph staging buffer"
             )));
         }
         g.used = end;
         g.log.push(TAG_UPLOAD | bytes.len() as u64);
-        let p = g.staging.as_ref().map_or(std::ptr::null_mut(), |p| p.ptr);
+        let p = g.staging[side]
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |p| p.ptr);
         // SAFETY: [at, end) is inside the allocation (checked above); the source is a live slice;
-        // the previous graph launch has finished reading staging (run_step waits for it).
-        unsafe {
-            let dst = p.add(at);
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len());
-            Ok(dst)
+        // the last replay that copied from this buffer is done reading it (a pass waits for its
+        // `launched` event before it begins).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(at), bytes.len()) };
+        Ok(at)
+    }
+
+    /// Wait until the last replay that copied from the staging buffer the next pass writes is done
+    /// reading it (normally it is: that step's results were downloaded).
+    pub(crate) fn wait_for_staging(&self) {
+        let ev = {
+            let mut g = self.lock();
+            let side = g.side;
+            g.launched[side].take()
+        };
+        if let Some(ev) = ev {
+            let _ = ev.synchronize();
         }
     }
 
@@ -224,6 +262,9 @@ impl StepState {
         let mut g = self.lock();
         g.log.clear();
         g.used = 0;
+        g.ids.clear();
+        // It staged into the buffer this pass is about to write.
+        g.prepared = None;
         self.mode.store(mode as u8, Ordering::Relaxed);
     }
 

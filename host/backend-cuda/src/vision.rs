@@ -27,14 +27,11 @@ impl CudaBackend {
                 data.len()
             )));
         }
-        Ok(DeviceMat {
-            rows,
-            cols,
-            buf: self.upload_slice(data)?.into(),
-        })
+        Ok(DeviceMat::new(rows, cols, self.upload_slice(data)?))
     }
 
     pub(crate) fn add_bias(&self, x: &mut DeviceMat, b: &CudaSlice<f32>) -> Result<()> {
+        let x = x.written();
         if b.len() != x.cols {
             return Err(CudaError::InvalidArg(format!(
                 "add_bias: bias {} for width {}",
@@ -51,6 +48,7 @@ impl CudaBackend {
     }
 
     pub(crate) fn gelu_tanh(&self, x: &mut DeviceMat) -> Result<()> {
+        let x = x.written();
         let n = (x.rows * x.cols) as i64;
         if n == 0 {
             return Ok(());

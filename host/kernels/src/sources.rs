@@ -40,7 +40,6 @@ pub const FILES: &[KernelFile] = &[
             "sum_row_halves_f32",
             "bf16_to_f32",
             "gemv_bf16_tc_f32",
-            "gemv_sum_splits_f32",
         ],
     },
     KernelFile {

@@ -211,6 +211,13 @@ pub struct GraphCounts {
     pub dry_allocs: u64,
     /// Host time of the replays (staging upload and graph launch; not the GPU's time).
     pub launch_ns: u64,
+    /// Dry passes run ahead for the step expected next ([`Backend::prepare_step`]) and their
+    /// host time, spent while the device ran the step before (not counted in `dry_passes`).
+    pub prepared: u64,
+    pub prepared_ns: u64,
+    /// Replays launched from a prepared pass (also in `replayed`): steps with no dry pass of
+    /// their own.
+    pub prepared_replays: u64,
     /// Nodes of the graphs captured, by kind, summed over the captures (÷ `captured`: per graph).
     /// Every node is a step on the GPU's critical path, work or not.
     pub captured_kernels: u64,
@@ -233,6 +240,9 @@ impl GraphCounts {
             dry_pass_ns: f(self.dry_pass_ns, o.dry_pass_ns),
             dry_allocs: f(self.dry_allocs, o.dry_allocs),
             launch_ns: f(self.launch_ns, o.launch_ns),
+            prepared: f(self.prepared, o.prepared),
+            prepared_ns: f(self.prepared_ns, o.prepared_ns),
+            prepared_replays: f(self.prepared_replays, o.prepared_replays),
             captured_kernels: f(self.captured_kernels, o.captured_kernels),
             captured_memsets: f(self.captured_memsets, o.captured_memsets),
             captured_copies: f(self.captured_copies, o.captured_copies),
@@ -327,7 +337,8 @@ pub trait Backend: Send + Sync + 'static {
     fn embed(&self, table: &Self::Linear, ids: &[u32]) -> OpResult<Self::Act>;
     fn matmul(&self, x: &Self::Act, w: &Self::Linear) -> OpResult<Self::Act>;
     /// `matmul(x, w)` for several weights sharing one input, in order. A backend that converts `x`
-    /// before a product (CUDA: x as bf16 rows for cuBLAS) converts it once for all of them.
+    /// before a product (CUDA: x as bf16 rows for cuBLAS) converts it once for all of them, and
+    /// may run the products at once (CUDA: one stream each).
     fn matmuls(&self, x: &Self::Act, ws: &[&Self::Linear]) -> OpResult<Vec<Self::Act>> {
         ws.iter().map(|w| self.matmul(x, w)).collect()
     }
@@ -480,6 +491,26 @@ pub trait Backend: Send + Sync + 'static {
         pass()
     }
 
+    /// While the replayable step just handed to [`Backend::run_step`] runs on the device, do the
+    /// host work of the step expected next: `pass` is its forward with placeholder token ids
+    /// (the same sequences one position on). If that step comes with only its ids differing,
+    /// [`Backend::launch_prepared`] launches it without that work. Returns whether something
+    /// was kept; the default keeps nothing (and does not run `pass`).
+    #[allow(clippy::type_complexity)]
+    fn prepare_step(&self, pass: &mut dyn FnMut() -> Result<Option<Self::Act>, ExecError>) -> bool {
+        let _ = pass;
+        false
+    }
+
+    /// Launch the step [`Backend::prepare_step`] prepared, with `ids` (one per row, in order)
+    /// in place of its placeholders. The caller vouches that the step is the prepared one but
+    /// for its ids. `Ok(None)`: nothing was launched (none prepared, or it no longer fits); run
+    /// the step with [`Backend::run_step`].
+    fn launch_prepared(&self, ids: &[u32]) -> Result<Option<Option<Self::Act>>, ExecError> {
+        let _ = ids;
+        Ok(None)
+    }
+
     /// How [`Backend::run_step`] has run the replayable steps so far; `None` from a backend
     /// that does not record them.
     fn step_graph_counts(&self) -> Option<GraphCounts> {
@@ -612,6 +643,9 @@ mod tests {
             dry_pass_ns: 800,
             dry_allocs: 40,
             launch_ns: 50,
+            prepared: 4,
+            prepared_ns: 400,
+            prepared_replays: 3,
             captured_kernels: 300,
             captured_memsets: 20,
             captured_copies: 3,
@@ -623,6 +657,8 @@ mod tests {
             dry_passes: 7,
             dry_pass_ns: 700,
             launch_ns: 70,
+            prepared: 2,
+            prepared_replays: 2,
             ..Default::default()
         };
         let sum = a + b;
@@ -632,6 +668,10 @@ mod tests {
             (15, 1500, 120)
         );
         assert_eq!(sum.dry_allocs, 40);
+        assert_eq!(
+            (sum.prepared, sum.prepared_ns, sum.prepared_replays),
+            (6, 400, 5)
+        );
         assert_eq!(
             (
                 sum.captured_kernels,

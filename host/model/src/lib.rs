@@ -5,6 +5,7 @@ pub mod config;
 mod dummy;
 pub mod error;
 pub mod exec;
+mod expected;
 pub mod flops;
 pub mod model;
 pub mod runner;

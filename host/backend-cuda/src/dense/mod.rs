@@ -70,7 +70,7 @@ impl CudaBackend {
         if ids.is_empty() {
             return Ok(out);
         }
-        let dev_ids = self.upload_slice(ids)?;
+        let dev_ids = self.upload_ids(ids)?;
         let (t, di, v) = (ids.len() as i32, d as i32, table.rows as u32);
         let l = Launch::new((ids.len(), 1, 1), 256)?;
         match &table.bf16 {
@@ -98,7 +98,7 @@ impl CudaBackend {
         }
         let f32 = std::sync::OnceLock::new();
         let bf16 = match exact_bf16(data) {
-            Some(bits) => Some(self.upload_slice(&bits)?),
+            Some(bits) => Some(self.upload_kept(&bits)?),
             None => {
                 let _ = f32.set(self.upload(rows, cols, data)?);
                 None
@@ -146,12 +146,76 @@ impl CudaBackend {
     }
 
     /// `matmul_linear` for several weights sharing `x`: x's bf16 rows are made once, by the first
-    /// product that takes cuBLAS, and read by the others.
+    /// product that takes cuBLAS, and read by the others. In bfloat16 mode the cuBLAS products
+    /// run at once, each on a side stream, while the backend's stream runs the others (the
+    /// small-N GEMVs) (lanes.rs).
     pub fn matmul_linears(&self, x: &DeviceMat, ws: &[&DeviceLinear]) -> Result<Vec<DeviceMat>> {
-        let mut split = None;
-        ws.iter()
-            .map(|w| self.matmul_linear_split(x, w, &mut split))
-            .collect()
+        let cublas: Vec<bool> = ws.iter().map(|w| self.takes_cublas(x, w)).collect();
+        let side = (cublas.iter().filter(|&&c| c).count()).min(self.lanes.len());
+        if side == 0 || ws.len() < 2 || self.options.dtype.planes() != 1 {
+            let mut split = None;
+            return ws
+                .iter()
+                .map(|w| self.matmul_linear_split(x, w, &mut split))
+                .collect();
+        }
+        // Everything the side streams touch exists before the fork and is freed after the join.
+        // x's bf16 rows: the norm's that wrote x, or made here (and freed when this returns,
+        // after the join).
+        let own;
+        let xs: &Buf<u16> = match &x.bf16 {
+            Some(rows) => rows,
+            None => {
+                own = self.bf16_rows(x)?;
+                &own
+            }
+        };
+        let mut outs = cublas
+            .iter()
+            .zip(ws)
+            .map(|(&c, w)| c.then(|| self.output(x.rows, w.rows)).transpose())
+            .collect::<Result<Vec<_>>>()?;
+        self.fork_lanes(side)?;
+        let mut product = 0;
+        let res = ws
+            .iter()
+            .zip(outs.iter_mut())
+            .map(|(w, out)| match (out.take(), &w.bf16) {
+                (Some(mut y), Some(bits)) => {
+                    let blas = &self.lanes[product % side].blas;
+                    product += 1;
+                    let (n, m, k) = (w.rows, x.rows, x.cols);
+                    self.gemm_bf16_on(blas, bits, 0, xs, 0, &mut y.buf, 0, n, m, k)?;
+                    Ok(y)
+                }
+                _ => self.matmul_linear_split(x, w, &mut None),
+            })
+            .collect::<Result<Vec<_>>>();
+        let joined = self.join_lanes(side);
+        let res = res?;
+        joined?;
+        Ok(res)
+    }
+
+    /// Whether `x Wᵀ` is a cuBLAS bf16 GEMM over x's bf16 rows (`matmul_linear_split`).
+    fn takes_cublas(&self, x: &DeviceMat, w: &DeviceLinear) -> bool {
+        let (m, n, k) = (x.rows, w.rows, w.cols);
+        w.bf16.is_some() && x.cols == k && m * n * k != 0 && !self.takes_gemv(m, n, k)
+    }
+
+    /// Whether a bf16 product of these dims is the tensor-core GEMV's (decode rows, small weight).
+    fn takes_gemv(&self, m: usize, n: usize, k: usize) -> bool {
+        m <= GEMV_TC_MAX_ROWS && k.is_multiple_of(8) && n * k <= self.options.gemv_max_weight_elems
+    }
+
+    /// x's rows as bf16 in the mode's planes (hi rows, then lo rows in float32 mode).
+    fn bf16_rows(&self, x: &DeviceMat) -> Result<Buf<u16>> {
+        let planes = self.options.dtype.planes();
+        let (n, pi) = (x.rows * x.cols, planes as i32);
+        let xs = self.uninit::<u16>(planes * n)?; // every element written by the split
+        let xn = n as i64;
+        launch!(self, "bf16_split_rows_f32", geometry::elementwise(n)?; &x.buf, &xs, &xn, &pi)?;
+        Ok(xs)
     }
 
     /// `matmul_linear`, with x's bf16 rows (`bf16_split_rows_f32` of x in the mode's planes) taken
@@ -170,10 +234,7 @@ impl CudaBackend {
             return self.zeros(m, n);
         }
         let y = self.output(m, n)?; // both paths below write every element
-        if m <= GEMV_TC_MAX_ROWS
-            && k.is_multiple_of(8)
-            && n * k <= self.options.gemv_max_weight_elems
-        {
+        if self.takes_gemv(m, n, k) {
             let (splits, kslice) = gemv_tc_plan(n, k, self.multiprocessors);
             let (mi, ni, ki, ks) = (m as i32, n as i32, k as i32, kslice as i32);
             // x in three exact bf16 pieces in float32 mode, rounded once like the GEMMs otherwise.
@@ -182,37 +243,42 @@ impl CudaBackend {
             } else {
                 1
             };
-            let l = Launch::new((n.div_ceil(GEMV_TC_BLOCK_ROWS), splits, 1), 128)?;
+            let row_blocks = n.div_ceil(GEMV_TC_BLOCK_ROWS);
+            let l = Launch::new((row_blocks, splits, 1), 128)?;
+            let t = &self.gemv_tickets;
             if splits == 1 {
-                launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &y.buf, &mi, &ni, &ki, &ks, &pieces)?;
+                launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &y.buf, &y.buf, t, &mi, &ni, &ki, &ks, &pieces)?;
                 return Ok(y);
             }
-            // Every split writes its whole [M, N] partial before the sum reads it.
+            // A ticket per row block (gemv_tc_plan splits only what fits one wave of blocks).
+            if row_blocks > t.len() {
+                return Err(CudaError::InvalidArg(format!(
+                    "gemv: {row_blocks} row blocks split, {} tickets",
+                    t.len()
+                )));
+            }
+            // Every split writes its whole [M, N] partial before the last block sums them.
             let part = self.uninit::<f32>(splits * m * n)?;
-            let (si, yn) = (splits as i32, (m * n) as i64);
-            launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &part, &mi, &ni, &ki, &ks, &pieces)?;
-            launch!(self, "gemv_sum_splits_f32", geometry::elementwise(m * n)?; &part, &y.buf, &si, &yn)?;
+            launch!(self, "gemv_bf16_tc_f32", l; &x.buf, bits, &part, &y.buf, t, &mi, &ni, &ki, &ks, &pieces)?;
             return Ok(y);
         }
-        // Both are written in full (split, then the GEMM) before anything reads them.
+        // Both are written in full (split, then the GEMM) before anything reads them. In
+        // bfloat16 mode x's bf16 rows may have come with it, from the norm that wrote it.
         let planes = self.options.dtype.planes();
-        let (xn, yn, pi) = ((m * k) as i64, (m * n) as i64, planes as i32);
-        let xs = match split {
-            Some(xs) => xs,
-            None => {
-                let xs = self.uninit::<u16>(planes * m * k)?;
-                launch!(self, "bf16_split_rows_f32", geometry::elementwise(m * k)?; &x.buf, &xs, &xn, &pi)?;
-                split.insert(xs)
-            }
+        let yn = (m * n) as i64;
+        let xs: &Buf<u16> = match (&x.bf16, split) {
+            (Some(rows), _) if planes == 1 => rows,
+            (_, Some(xs)) => xs,
+            (_, split) => split.insert(self.bf16_rows(x)?),
         };
         if planes == 1 {
             // The hi rows alone: x rounded once to bf16, half the tensor-core work.
             let mut y = y;
-            self.gemm_bf16(bits, 0, xs, 0, &mut y.buf, 0, n, m, k)?;
+            self.gemm_bf16_on(&self.blas, bits, 0, xs, 0, &mut y.buf, 0, n, m, k)?;
             return Ok(y);
         }
         let mut c = self.uninit::<f32>(2 * m * n)?;
-        self.gemm_bf16(bits, 0, xs, 0, &mut c, 0, n, 2 * m, k)?;
+        self.gemm_bf16_on(&self.blas, bits, 0, xs, 0, &mut c, 0, n, 2 * m, k)?;
         launch!(self, "sum_row_halves_f32", geometry::elementwise(m * n)?; &c, &y.buf, &yn)?;
         Ok(y)
     }
@@ -261,10 +327,29 @@ impl CudaBackend {
                 x.cols
             )));
         }
-        let y = self.output(x.rows, x.cols)?; // a block per row writes its whole row
+        let mut y = self.output(x.rows, x.cols)?; // a block per row writes its whole row
         let (rows, cols) = (i32_of(x.rows, "rows")?, i32_of(x.cols, "cols")?);
-        launch!(self, "rms_norm_f32", geometry::per_row(x.rows, ROW_BLOCK)?; &x.buf, w, &y.buf, &rows, &cols, &eps)?;
+        // In bfloat16 mode the rows' bf16 copy too (whole rows), for a cuBLAS product.
+        let l = geometry::per_row(x.rows, ROW_BLOCK)?;
+        y.bf16 = self.norm_bf16_rows(x.rows * x.cols)?;
+        match &y.bf16 {
+            Some(b) => {
+                launch!(self, "rms_norm_f32", l; &x.buf, w, &y.buf, &rows, &cols, &eps, b, &1i32)?
+            }
+            None => {
+                launch!(self, "rms_norm_f32", l; &x.buf, w, &y.buf, &rows, &cols, &eps, &y.buf, &0i32)?
+            }
+        }
         Ok(y)
+    }
+
+    /// The bf16 rows a norm (or the GLU) writes beside its f32 output in bfloat16 mode
+    /// (`DeviceMat::bf16`): `None` in float32 mode, whose products take x in hi / lo planes.
+    fn norm_bf16_rows(&self, len: usize) -> Result<Option<Buf<u16>>> {
+        if self.options.dtype.planes() != 1 {
+            return Ok(None);
+        }
+        Ok(Some(self.uninit::<u16>(len)?))
     }
 
     pub fn gated_head_norm(
@@ -282,35 +367,51 @@ impl CudaBackend {
                 o.cols
             )));
         }
-        let y = self.output(o.rows, o.cols)?; // a warp per (row, head) writes its head
+        let mut y = self.output(o.rows, o.cols)?; // a warp per (row, head) writes its head
         let heads = o.cols / head_dim;
         let (r, h, hd) = (
             i32_of(o.rows, "rows")?,
             i32_of(heads, "heads")?,
             i32_of(head_dim, "head_dim")?,
         );
-        launch!(self, "gated_head_norm_f32", geometry::warp_per_item(o.rows * heads)?;
-            &o.buf, &gate.buf, w, &y.buf, &r, &h, &hd, &eps)?;
+        // In bfloat16 mode the rows' bf16 copy too, for the output projection's cuBLAS product.
+        let l = geometry::warp_per_item(o.rows * heads)?;
+        y.bf16 = self.norm_bf16_rows(o.rows * o.cols)?;
+        match &y.bf16 {
+            Some(b) => launch!(self, "gated_head_norm_f32", l;
+                &o.buf, &gate.buf, w, &y.buf, &r, &h, &hd, &eps, b, &1i32)?,
+            None => launch!(self, "gated_head_norm_f32", l;
+                &o.buf, &gate.buf, w, &y.buf, &r, &h, &hd, &eps, &y.buf, &0i32)?,
+        }
         Ok(y)
     }
 
     pub fn situ_glu(&self, gate: &DeviceMat, up: &DeviceMat, p: SituParams) -> Result<DeviceMat> {
         same_shape(gate, up, "situ_glu")?;
-        let out = self.output(gate.rows, gate.cols)?; // grid-stride over every element
+        let mut out = self.output(gate.rows, gate.cols)?; // grid-stride over every element
         let n = (gate.rows * gate.cols) as i64;
         let (lin, has) = situ_linear_args(p);
-        launch!(self, "situ_glu_f32", geometry::elementwise(n as usize)?;
-            &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has)?;
+        // In bfloat16 mode the bf16 copy too, for the down-projection's cuBLAS product.
+        let l = geometry::elementwise(n as usize)?;
+        out.bf16 = self.norm_bf16_rows(n as usize)?;
+        match &out.bf16 {
+            Some(b) => launch!(self, "situ_glu_f32", l;
+                &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has, b, &1i32)?,
+            None => launch!(self, "situ_glu_f32", l;
+                &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has, &out.buf, &0i32)?,
+        }
         Ok(out)
     }
 
     pub fn add_assign(&self, p: &mut DeviceMat, a: &DeviceMat) -> Result<()> {
+        let p = p.written();
         same_shape(p, a, "add_assign")?;
         let n = (p.rows * p.cols) as i64;
         launch!(self, "add_assign_f32", geometry::elementwise(n as usize)?; &mut p.buf, &a.buf, &n)
     }
 
     pub fn sigmoid_mul(&self, o: &mut DeviceMat, gate: &DeviceMat) -> Result<()> {
+        let o = o.written();
         same_shape(o, gate, "sigmoid_mul")?;
         let n = (o.rows * o.cols) as i64;
         launch!(self, "sigmoid_mul_f32", geometry::elementwise(n as usize)?; &mut o.buf, &gate.buf, &n)
@@ -323,30 +424,93 @@ impl CudaBackend {
         w: &CudaSlice<f32>,
         eps: f32,
     ) -> Result<DeviceMat> {
-        let first = *sources
-            .first()
+        let (last, bank) = sources
+            .split_last()
             .ok_or_else(|| CudaError::InvalidArg("attn_res with no sources".into()))?;
-        if sources.len() > 9 {
-            return Err(CudaError::Unsupported(format!(
-                "attn_res over {} sources (<= 9)",
-                sources.len()
+        self.attn_res_launch(bank, last, None, None, w, eps)
+    }
+
+    /// `last += add`, then `rms_norm(attn_res(bank ++ [last], w), norm)` in one kernel
+    /// (Backend::attn_res_norm).
+    pub fn attn_res_norm(
+        &self,
+        bank: &[&DeviceMat],
+        last: &mut DeviceMat,
+        add: Option<&DeviceMat>,
+        w: &CudaSlice<f32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<DeviceMat> {
+        if let Some(a) = add {
+            same_shape(last, a, "attn_res_norm")?;
+        }
+        if norm.len() != last.cols {
+            return Err(CudaError::InvalidArg(format!(
+                "attn_res_norm: norm weight {} for width {}",
+                norm.len(),
+                last.cols
             )));
         }
-        for s in sources {
-            same_shape(first, s, "attn_res")?;
+        // The kernel writes `last` (held mutably here) only when `add` is given.
+        self.attn_res_launch(bank, last.written(), add, Some(norm), w, eps)
+    }
+
+    /// kernels/attnres.cu `attn_res_f32` over `bank` and `last`: `add` into `last` first and
+    /// `norm` after, when given.
+    fn attn_res_launch(
+        &self,
+        bank: &[&DeviceMat],
+        last: &DeviceMat,
+        add: Option<&DeviceMat>,
+        norm: Option<&CudaSlice<f32>>,
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<DeviceMat> {
+        let (rows, cols) = (last.rows, last.cols);
+        if bank.len() > 8 {
+            return Err(CudaError::Unsupported(format!(
+                "attn_res over {} sources (<= 9)",
+                bank.len() + 1
+            )));
+        }
+        if let Some(m) = bank.iter().find(|m| (m.rows, m.cols) != (rows, cols)) {
+            return Err(CudaError::InvalidArg(format!(
+                "attn_res: a {}x{} source beside {rows}x{cols}",
+                m.rows, m.cols
+            )));
+        }
+        if w.len() != cols {
+            return Err(CudaError::InvalidArg(format!(
+                "attn_res weight {} for width {cols}",
+                w.len()
+            )));
         }
         // A cluster per row; its blocks' column spans cover the row.
-        let out = self.output(first.rows, first.cols)?;
-        let src: Vec<&CudaSlice<f32>> = (0..9)
-            .map(|i| &*sources.get(i).unwrap_or(&first).buf)
-            .collect();
-        let (n, rows, d) = (
-            sources.len() as i32,
-            i32_of(first.rows, "rows")?,
-            i32_of(first.cols, "cols")?,
+        let out = self.output(rows, cols)?;
+        // Unused bank slots, `add` and `norm` when absent: any valid pointer, never read.
+        let src: Vec<&CudaSlice<f32>> =
+            (0..8).map(|i| bank.get(i).map_or(w, |m| &*m.buf)).collect();
+        let (add_buf, has_add) = add.map_or((w, 0), |a| (&*a.buf, 1));
+        let (norm_buf, has_norm) = norm.map_or((w, 0), |n| (n, 1));
+        let (nb, r, d) = (
+            bank.len() as i32,
+            i32_of(rows, "rows")?,
+            i32_of(cols, "cols")?,
         );
-        launch!(self, "attn_res_f32", geometry::attn_res(first.rows)?;
-            src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], src[8], &n, w, &out.buf, &rows, &d, &eps)?;
+        // With the norm (a sublayer's input), in bfloat16 mode its bf16 copy too.
+        let mut out = out;
+        if norm.is_some() {
+            out.bf16 = self.norm_bf16_rows(rows * cols)?;
+        }
+        let l = geometry::attn_res(rows)?;
+        match &out.bf16 {
+            Some(b) => launch!(self, "attn_res_f32", l;
+                src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], &nb, &last.buf, add_buf, &has_add,
+                w, norm_buf, &has_norm, &out.buf, &r, &d, &eps, b, &1i32)?,
+            None => launch!(self, "attn_res_f32", l;
+                src[0], src[1], src[2], src[3], src[4], src[5], src[6], src[7], &nb, &last.buf, add_buf, &has_add,
+                w, norm_buf, &has_norm, &out.buf, &r, &d, &eps, &out.buf, &0i32)?,
+        }
         Ok(out)
     }
 
@@ -477,6 +641,12 @@ const GEMV_TC_BLOCKS_PER_SM: usize = 4;
 /// x N floats written and read) cost more than they return (performance-history.md, call DL).
 const GEMV_TC_MIN_SLICE: usize = 128;
 
+/// Tickets `gemv_bf16_tc_f32` needs on `sms` SMs: one per row block of a split product, and
+/// `gemv_tc_plan` splits only products whose row blocks fit half a wave.
+pub(crate) fn gemv_tickets(sms: usize) -> usize {
+    sms * GEMV_TC_BLOCKS_PER_SM
+}
+
 /// `(splits, kslice)` for `gemv_bf16_tc_f32`: as many K splits as fit the row blocks into one
 /// wave of resident blocks (the weight stream needs every SM's loads in flight; a second, partial
 /// wave would leave most SMs idle at the end), slices a multiple of the K step and at least
@@ -517,6 +687,10 @@ mod tests {
             assert!(
                 s == 1 || n.div_ceil(128) * s <= 132 * 4,
                 "{n}x{k}: one wave"
+            );
+            assert!(
+                s == 1 || n.div_ceil(128) <= super::gemv_tickets(132),
+                "{n}x{k}: a ticket per row block"
             );
         }
     }

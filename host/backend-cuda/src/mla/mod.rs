@@ -136,11 +136,14 @@ impl CudaBackend {
         }
         // One split on the wgmma attend: it writes the final latent rows itself (no merge).
         let final_rows = splits == 1 && attend == MlaAttend::PairWgmma;
-        let lat = self.zeros(items * g.heads, g.kv_lora)?;
+        // Neither is zeroed: each attend kernel writes every (item, head, split) partial row, an
+        // empty split as (0, -inf, 0) (their contract, kernels/mla_attend_pair_wgmma.cu), and the
+        // merge (or the one-split wgmma attend) every latent row.
+        let lat = self.output(items * g.heads, g.kv_lora)?;
         let part = if final_rows {
             None
         } else {
-            Some(self.zeros(items * g.heads * splits, g.kv_lora + 2)?)
+            Some(self.output(items * g.heads * splits, g.kv_lora + 2)?)
         };
         let out = part.as_ref().unwrap_or(&lat);
         let (pt, sp, ch) = (page_tokens as i32, splits as i32, chunk);

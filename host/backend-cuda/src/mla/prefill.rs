@@ -296,6 +296,7 @@ impl CudaBackend {
         seq: ExpandedSeq<'_>,
         o: &mut DeviceMat,
     ) -> Result<()> {
+        let o = o.written();
         if self.step.recording() {
             // Prefill-sized spans only: never part of a replayable (decode) step.
             return Err(CudaError::Unsupported(
@@ -492,6 +493,7 @@ impl CudaBackend {
         dst: &mut DeviceMat,
         spans: &[(usize, usize)],
     ) -> Result<()> {
+        let dst = dst.written();
         let mut at = 0;
         for &(r0, r1) in spans {
             let n = (r1 - r0) * dst.cols;

@@ -134,7 +134,8 @@ impl CudaBackend {
                     let rows = 2 * plan.count(ex_i);
                     let r0 = plan.row0(ex_i);
                     // h[r0.., 2 inter] = xs[r0.., latent] · W13_gᵀ
-                    self.gemm_bf16(
+                    self.gemm_bf16_on(
+                        &self.blas,
                         w13,
                         g * 2 * ie * lt,
                         xs,
@@ -158,7 +159,18 @@ impl CudaBackend {
                     let rows = 2 * plan.count(ex_i);
                     let r0 = plan.row0(ex_i);
                     // y[r0.., latent] = act[r0.., inter] · W2_gᵀ
-                    self.gemm_bf16(w2, g * lt * ie, act, r0 * ie, y, r0 * lt, lt, rows, ie)?;
+                    self.gemm_bf16_on(
+                        &self.blas,
+                        w2,
+                        g * lt * ie,
+                        act,
+                        r0 * ie,
+                        y,
+                        r0 * lt,
+                        lt,
+                        rows,
+                        ie,
+                    )?;
                 }
                 Ok::<_, CudaError>(())
             })?;
@@ -216,10 +228,12 @@ impl CudaBackend {
     }
 
     /// Row-major `c[rows, n] = x[rows, k] · wᵀ` with `w [n, k]` and `x` in bf16 bits, f32
-    /// accumulate and output; each operand starts at the given element offset of its buffer.
+    /// accumulate and output; each operand starts at the given element offset of its buffer. On
+    /// `blas`'s stream (lanes.rs: the backend's own, or a side stream's).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm_bf16(
+    pub(crate) fn gemm_bf16_on(
         &self,
+        blas: &cudarc::cublas::CudaBlas,
         w: &CudaSlice<u16>,
         w_off: usize,
         x: &CudaSlice<u16>,
@@ -257,7 +271,7 @@ impl CudaBackend {
         // until the call returns (cuBLAS reads host scalars synchronously at enqueue).
         unsafe {
             cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
+                *blas.handle(),
                 cublasOperation_t::CUBLAS_OP_T,
                 cublasOperation_t::CUBLAS_OP_N,
                 m_,

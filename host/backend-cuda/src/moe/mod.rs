@@ -223,7 +223,7 @@ impl CudaBackend {
                 packed.extend_from_slice(&m.packed);
                 scales.extend_from_slice(&m.scales);
             }
-            Ok((self.upload_slice(&packed)?, self.upload_slice(&scales)?))
+            Ok((self.upload_kept(&packed)?, self.upload_kept(&scales)?))
         };
         if h.w1.len() != h.num_experts || h.w3.len() != h.num_experts || h.w2.len() != h.num_experts
         {

@@ -67,11 +67,13 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
     }
     // matmuls: weights sharing one input (x's bf16 rows made once on CUDA), mixing the split
     // GEMM (17 rows), the tensor-core GEMV (4 rows) and an f32 weight; each result must equal
-    // matmul's bit for bit (the pushed difference is zero on both backends).
-    for &(m, k) in &[(17usize, 256usize), (4, 512)] {
+    // matmul's bit for bit (the pushed difference is zero on both backends). In bf16 mode the
+    // two GEMMs of 17 rows run at once, on two side streams (lanes.rs), and at 4 rows the first
+    // weight (past the GEMV's 2^22 elements) on a side stream while the GEMV runs.
+    for &(m, k, n0) in &[(17usize, 256usize, 300usize), (4, 512, 300), (4, 512, 8200)] {
         let x = mat(be, m, k, &r.vec(m * k, 1.0));
         let ws = [
-            be.linear(300, k, bf16_values(r.vec(300 * k, 0.1))).unwrap(),
+            be.linear(n0, k, bf16_values(r.vec(n0 * k, 0.1))).unwrap(),
             be.linear(77, k, r.vec(77 * k, 0.1)).unwrap(),
             be.linear(64, k, bf16_values(r.vec(64 * k, 0.1))).unwrap(),
         ];
@@ -105,6 +107,28 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         be.to_host(&be.rms_norm(&x, &w, 1e-5).unwrap()).unwrap(),
         TOL_POINTWISE,
     ));
+    // A product of a norm's output: in bfloat16 mode CUDA's norm also writes its bf16 rows and
+    // the cuBLAS product (19 rows) takes them; the same values uploaded without them are split
+    // by the product itself. Bit for bit the same (the pushed difference is zero on both).
+    let normed = be.rms_norm(&x, &w, 1e-5).unwrap();
+    let wp = be.linear(40, d, bf16_values(r.vec(40 * d, 0.1))).unwrap();
+    let via_norm = be.to_host(&be.matmul(&normed, &wp).unwrap()).unwrap();
+    let plain = mat(be, rows, d, &be.to_host(&normed).unwrap());
+    let via_split = be.to_host(&be.matmul(&plain, &wp).unwrap()).unwrap();
+    let diff: Vec<f32> = via_norm
+        .iter()
+        .zip(&via_split)
+        .map(|(a, b)| a - b)
+        .collect();
+    out.push(("matmul of a norm's output = of its values", diff, 0.0));
+    // An op writing in place drops them: the product sees the new values.
+    let mut bumped = be.rms_norm(&x, &w, 1e-5).unwrap();
+    be.add_assign(&mut bumped, &plain).unwrap();
+    let after = be.to_host(&be.matmul(&bumped, &wp).unwrap()).unwrap();
+    let fresh = mat(be, rows, d, &be.to_host(&bumped).unwrap());
+    let want = be.to_host(&be.matmul(&fresh, &wp).unwrap()).unwrap();
+    let diff: Vec<f32> = after.iter().zip(&want).map(|(a, b)| a - b).collect();
+    out.push(("matmul after an in-place add", diff, 0.0));
     let mut p = mat(be, rows, d, &r.vec(rows * d, 1.0));
     be.add_assign(&mut p, &x).unwrap();
     out.push(("add_assign", be.to_host(&p).unwrap(), TOL_POINTWISE));
@@ -121,6 +145,29 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         out.push((
             name,
             be.to_host(&be.attn_res(&refs, &w, 1e-5).unwrap()).unwrap(),
+            TOL_POINTWISE,
+        ));
+    }
+    // What opens a sublayer (one kernel on CUDA, the ops above composed on the CPU): four bank
+    // sources and the running sum, with and without the mixer's output added into it first.
+    for (name, with_add) in [
+        ("attn_res_norm", false),
+        ("attn_res_norm, last += add", true),
+    ] {
+        let bank: Vec<B::Act> = (0..4)
+            .map(|_| mat(be, rows, d, &r.vec(rows * d, 1.5)))
+            .collect();
+        let refs: Vec<&B::Act> = bank.iter().collect();
+        let mut last = mat(be, rows, d, &r.vec(rows * d, 1.5));
+        let add = mat(be, rows, d, &r.vec(rows * d, 0.5));
+        let norm = be.vector(r.vec(d, 1.0)).unwrap();
+        let x = be
+            .attn_res_norm(&refs, &mut last, with_add.then_some(&add), &w, &norm, 1e-5)
+            .unwrap();
+        out.push((name, be.to_host(&x).unwrap(), TOL_POINTWISE));
+        out.push((
+            "attn_res_norm's running sum",
+            be.to_host(&last).unwrap(),
             TOL_POINTWISE,
         ));
     }

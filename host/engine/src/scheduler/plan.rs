@@ -171,6 +171,19 @@ impl EngineCore {
         }
     }
 
+    /// Give a decoding `id` the page for position `upto - 1` a step early if a free one is at
+    /// hand (no eviction, no preemption): its next decode step then uses only pages this step
+    /// was given, so the executor can prepare that step while this one runs (k3_model's
+    /// `ExpectedStep`).
+    fn page_ahead(&mut self, id: RequestId, upto: usize) {
+        let Some(i) = self.idx(id) else { return };
+        if self.running[i].pages.len() * self.page < upto
+            && let Some(b) = self.pool.alloc(BlockKind::Kv)
+        {
+            self.running[i].pages.push(b);
+        }
+    }
+
     /// A slot for a snapshot: a spare, else a fresh block (eviction only); `None` skips it.
     fn take_spare(&mut self, i: usize) -> Option<BlockId> {
         if let Some(b) = self.running[i].spares.pop() {
@@ -233,6 +246,9 @@ impl EngineCore {
         };
         if len == 0 || !self.ensure_pages(id, start + len + draft_max, plan) {
             return 0;
+        }
+        if remaining == 1 && len == 1 && draft_max == 0 {
+            self.page_ahead(id, start + len + 1);
         }
         let Some(i) = self.idx(id) else { return 0 };
         if draft_max > 0 && !self.reserve_record(i) {

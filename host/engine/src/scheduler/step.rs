@@ -134,7 +134,10 @@ impl EngineCore {
                 }
                 None => p.logits,
             };
-            let npages = (p.start + tokens.len()).div_ceil(self.page);
+            // With the next position's page when it is held already (`page_ahead`).
+            let npages = (p.start + tokens.len() + 1)
+                .div_ceil(self.page)
+                .min(s.pages.len());
             let checkpoints = s
                 .pending
                 .iter()
@@ -374,5 +377,55 @@ impl EngineCore {
                 self.fail_running(ls.id, msg, &mut dead);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::testing::{ToyConfig, ToyExecutor};
+    use crate::{EngineConfig, EngineCore, Request, SamplingParams};
+    use k3_model::Executor;
+
+    /// Pages given to the single sequence of each of `steps` steps, after `prompt` tokens.
+    fn pages_per_step(arena_bytes: usize, prompt: usize, steps: usize) -> Vec<usize> {
+        let mut exec = ToyExecutor::new(ToyConfig {
+            arena_bytes,
+            ..Default::default()
+        })
+        .unwrap();
+        let cfg = EngineConfig {
+            prefix_cache: false,
+            ..EngineConfig::default()
+        };
+        let mut core = EngineCore::new(exec.layout(), exec.vocab_size(), cfg).unwrap();
+        let sampling = SamplingParams {
+            temperature: 0.0,
+            max_tokens: Some(100),
+            ..Default::default()
+        };
+        let _rx = core
+            .submit(Request::new(0, (0..prompt as u32).collect(), sampling))
+            .unwrap();
+        let mut pages = Vec::new();
+        for _ in 0..steps {
+            let Some((job, l)) = core.schedule().and_then(|p| core.launch(p)) else {
+                break;
+            };
+            pages.push(job.seqs[0].kv_pages.len());
+            core.complete(l, job.run(&mut exec));
+        }
+        pages
+    }
+
+    #[test]
+    fn a_decode_step_holds_its_next_positions_page_when_one_is_free() {
+        // 4-token pages, a 7-token prompt: the prefill needs 2 pages; the decode step at
+        // position 7 needs 2 and is given the 3rd its successor at 8 needs, so the two steps
+        // see the same pages (the executor can prepare the second while the first runs).
+        assert_eq!(pages_per_step(1 << 16, 7, 4), vec![2, 3, 3, 3]);
+        // Room for the request's state slots (4) and two pages only: no page ahead, the step
+        // still runs.
+        let tight = 4 * 64 + 2 * 64;
+        assert_eq!(pages_per_step(tight, 7, 2)[..2], [2, 2]);
     }
 }

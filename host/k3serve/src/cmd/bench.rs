@@ -338,17 +338,21 @@ fn batch_decode<E: Executor>(
     Ok((best, graphs))
 }
 
-/// The host side of recorded decode steps, per step: "dry pass X ms (A buffers), graph launch
-/// Y ms (R of N steps replayed)".
+/// The host side of recorded decode steps, per step: "dry pass X ms (A buffers), P of N steps
+/// prepared ahead (Z ms while the device ran), graph launch Y ms (R of N steps replayed)". X is
+/// the dry passes that ran with the device idle; a prepared step's ran during the step before.
 fn fmt_graph_host(g: &GraphCounts) -> String {
     let per = |ns: u64, n: u64| ns as f64 / n.max(1) as f64 / 1e6;
+    let steps = g.dry_passes + g.prepared_replays;
     format!(
-        "dry pass {:.3} ms ({} buffers), graph launch {:.3} ms ({} of {} steps replayed)",
+        "dry pass {:.3} ms ({} buffers), {} of {steps} steps prepared ahead ({:.3} ms while the \
+         device ran), graph launch {:.3} ms ({} of {steps} steps replayed)",
         per(g.dry_pass_ns, g.dry_passes),
-        g.dry_allocs / g.dry_passes.max(1),
+        g.dry_allocs / (g.dry_passes + g.prepared).max(1),
+        g.prepared_replays,
+        per(g.prepared_ns, g.prepared),
         per(g.launch_ns, g.replayed),
         g.replayed,
-        g.dry_passes
     )
 }
 
@@ -412,20 +416,25 @@ mod tests {
             replayed: 30,
             captured: 1,
             eager: 1,
-            dry_passes: 32,
-            dry_pass_ns: 32 * 850_000,
-            dry_allocs: 32 * 400,
+            dry_passes: 4,
+            dry_pass_ns: 4 * 850_000,
+            dry_allocs: 33 * 400,
             launch_ns: 30 * 40_000,
+            prepared: 29,
+            prepared_ns: 29 * 800_000,
+            prepared_replays: 28,
             ..Default::default()
         };
         assert_eq!(
             fmt_graph_host(&g),
-            "dry pass 0.850 ms (400 buffers), graph launch 0.040 ms (30 of 32 steps replayed)"
+            "dry pass 0.850 ms (400 buffers), 28 of 32 steps prepared ahead (0.800 ms while the \
+             device ran), graph launch 0.040 ms (30 of 32 steps replayed)"
         );
         // Nothing recorded: zeros, not a division by zero.
         assert_eq!(
             fmt_graph_host(&GraphCounts::default()),
-            "dry pass 0.000 ms (0 buffers), graph launch 0.000 ms (0 of 0 steps replayed)"
+            "dry pass 0.000 ms (0 buffers), 0 of 0 steps prepared ahead (0.000 ms while the \
+             device ran), graph launch 0.000 ms (0 of 0 steps replayed)"
         );
     }
 
