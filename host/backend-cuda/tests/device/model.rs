@@ -113,6 +113,71 @@ fn cuda_graph_decode_matches_eager_with_concurrent_products() {
     graph_decode_matches_eager(a, b, "bfloat16, cuBLAS products");
 }
 
+/// A batched decode step's graph gathers no rows: every sequence wants its one row's logits, so
+/// the final norm runs over the whole act (forward.rs merges the adjacent ranges) instead of
+/// slicing and concatenating each row of every AttnRes source (three copy nodes per sequence).
+#[test]
+fn batched_decode_graph_copies_no_rows() {
+    use k3_model::{ForwardBatch, SeqInput};
+    let Some(gpu) = cuda() else { return };
+    let (n, prompt, steps) = (4usize, 8usize, 12usize);
+    let mut exec = ModelExecutor::with_capacity(
+        Model::load_dir(&root().join("models/k3-mini"), gpu).expect("load"),
+        16,
+        n,
+        prompt + steps + 1 + 16, // room for the state blocks' rounding below
+        0,
+    )
+    .expect("exec");
+    let lay = exec.layout();
+    let block = lay.state_block_bytes.div_ceil(4) * 4;
+    let per_seq = (prompt + steps + 1).div_ceil(lay.page_tokens);
+    let pages: Vec<Vec<usize>> = (0..n)
+        .map(|i| {
+            (0..per_seq)
+                .map(|j| n * block + (i * per_seq + j) * lay.kv_page_bytes)
+                .collect()
+        })
+        .collect();
+    exec.arena_zero(0, n * block).expect("zero states");
+    let mut toks: Vec<Vec<u32>> = (0..n)
+        .map(|i| {
+            (0..prompt)
+                .map(|j| (100 + 37 * i + 11 * j) as u32)
+                .collect()
+        })
+        .collect();
+    for pos in std::iter::once(0).chain(prompt..prompt + steps) {
+        let seqs = (0..n)
+            .map(|i| SeqInput {
+                tokens: &toks[i],
+                start_pos: pos,
+                kv_pages: &pages[i],
+                state_block: i * block,
+                checkpoints: &[],
+                logits: LogitsWant::LastTopK(1),
+            })
+            .collect();
+        let out = exec
+            .forward(&ForwardBatch {
+                seqs,
+                ..Default::default()
+            })
+            .expect("step");
+        toks = out.top.iter().map(|t| vec![t[0].0]).collect();
+    }
+    let g = exec
+        .graph_counts()
+        .expect("the CUDA executor keeps graph counts");
+    println!("batched graph decode n={n}: {g:?}");
+    assert!(g.captured > 0 && g.replayed > 0, "no graphs: {g:?}");
+    // One copy per graph: the staging upload (graph.rs).
+    assert!(
+        g.captured_copies <= g.captured,
+        "a batched decode graph copies rows: {g:?}"
+    );
+}
+
 /// k3-mini decoding 140 greedy tokens on `a` with CUDA graphs and on `b` without: logits equal
 /// bit for bit at every step.
 fn graph_decode_matches_eager(a: CudaBackend, mut b: CudaBackend, tag: &str) {

@@ -210,11 +210,13 @@ impl<B: Backend> Model<B> {
             }
             p = Some(pp);
         }
-        let wanted: Vec<(usize, usize)> = seqs
-            .iter()
-            .zip(&spans)
-            .filter_map(|(s, &(r0, r1))| s.logits_from.map(|f| (r0 + f, r1)))
-            .collect();
+        // Adjacent ranges merged: a batched decode wants every row, one range, so the final
+        // norm runs over the whole act instead of gathering each row with its own copy.
+        let wanted = merge_adjacent(
+            seqs.iter()
+                .zip(&spans)
+                .filter_map(|(s, &(r0, r1))| s.logits_from.map(|f| (r0 + f, r1))),
+        );
         let mut p = p.expect("p set");
         // The final AttnRes over every row takes the last FFN's output as its `add`; the tap
         // and a subset of rows need the sum first (a step that wants no logits, neither).
@@ -459,9 +461,37 @@ impl<B: Backend> Model<B> {
 }
 
 /// The results of one `Backend::matmuls` call as an array, one per weight passed.
+/// `ranges` (in row order) with each range that starts where the one before ends joined to it.
+fn merge_adjacent(ranges: impl IntoIterator<Item = (usize, usize)>) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for (r0, r1) in ranges {
+        match out.last_mut() {
+            Some(last) if last.1 == r0 => last.1 = r1,
+            _ => out.push((r0, r1)),
+        }
+    }
+    out
+}
+
 fn results<A, const N: usize>(v: Vec<A>) -> OpResult<[A; N]> {
     let got = v.len();
     v.try_into().map_err(|_| {
         BackendError::InvalidArg(format!("matmuls returned {got} results for {N} weights"))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merge_adjacent;
+
+    #[test]
+    fn merge_adjacent_joins_touching_ranges_only() {
+        assert_eq!(merge_adjacent([(0, 1), (1, 2), (2, 3)]), [(0, 3)]);
+        assert_eq!(
+            merge_adjacent([(4, 5), (5, 9), (12, 13), (13, 14)]),
+            [(4, 9), (12, 14)]
+        );
+        assert_eq!(merge_adjacent([(0, 2), (3, 4)]), [(0, 2), (3, 4)]);
+        assert!(merge_adjacent([]).is_empty());
+    }
 }
