@@ -12,7 +12,7 @@ use crate::moe::DeviceExperts;
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use k3_model::ExecError;
 use k3_model::backend::{
-    Backend, BackendError, KdaCommit, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc,
+    Backend, BackendError, Glu, KdaCommit, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc,
     MlaGeom, MxExpertsHost, OpResult, RouterParams, SituParams, VisionAttnGeom,
 };
 
@@ -410,6 +410,43 @@ impl Backend for CudaBackend {
             || {
                 self.op(|| {
                     CudaBackend::moe_routed(self, z, router_logits, bias, experts, router, situ)
+                })
+            },
+        )
+    }
+
+    /// In bfloat16 mode the shared GLU's products on a side stream while the routed experts run
+    /// (moe/shared.rs); otherwise one after the other.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_routed_and_shared(
+        &self,
+        z: &DeviceMat,
+        router_logits: &DeviceMat,
+        bias: &CudaSlice<f32>,
+        experts: &DeviceExperts,
+        router: RouterParams,
+        spans: &[(usize, usize)],
+        x: &DeviceMat,
+        shared: &Glu<'_, Self>,
+    ) -> OpResult<(DeviceMat, DeviceMat)> {
+        if !self.shared_glu_beside_routed(x, shared) {
+            let routed =
+                self.moe_routed_batch(z, router_logits, bias, experts, router, shared.situ, spans)?;
+            return Ok((routed, k3_model::backend::glu(self, x, shared)?));
+        }
+        self.timed(
+            || format!("moe_routed beside shared (T={})", bucket(z.rows)),
+            || {
+                self.op(|| {
+                    self.moe_routed_beside_shared(
+                        z,
+                        router_logits,
+                        bias,
+                        experts,
+                        router,
+                        x,
+                        shared,
+                    )
                 })
             },
         )

@@ -6,10 +6,14 @@ use crate::device::DeviceMat;
 use crate::error::{CudaError, Result};
 use k3_model::backend::SituParams;
 
-/// Push every argument (references that outlive the builder), then launch on the stream. Inside
-/// a replayable step (graph.rs) the launch is logged first, and a dry pass stops there.
+/// Push every argument (references that outlive the builder), then launch on the backend's
+/// stream, or with `on STREAM,` first on that one (a side stream, lanes.rs). Inside a replayable
+/// step (graph.rs) the launch is logged first, and a dry pass stops there.
 macro_rules! launch {
-    ($be:expr, $name:expr, $l:expr; $($arg:expr),* $(,)?) => {{
+    ($be:expr, $name:expr, $l:expr; $($arg:expr),* $(,)?) => {
+        launch!(on &$be.stream, $be, $name, $l; $($arg),*)
+    };
+    (on $stream:expr, $be:expr, $name:expr, $l:expr; $($arg:expr),* $(,)?) => {{
         use cudarc::driver::PushKernelArg as _;
         let l: $crate::geometry::Launch = $l;
         if $be.step.recording() {
@@ -20,7 +24,8 @@ macro_rules! launch {
             Ok(())
         } else {
             let f = $be.function($name)?;
-            let mut b: cudarc::driver::LaunchArgs<'_> = $be.stream.launch_builder(f);
+            let stream: &cudarc::driver::CudaStream = $stream;
+            let mut b: cudarc::driver::LaunchArgs<'_> = stream.launch_builder(f);
             $( b.arg($arg); )*
             // SAFETY: argument count and types follow the kernel's C signature (checked against
             // the parsed signatures by the device harness), every buffer is live for the launch.

@@ -13,8 +13,8 @@
 use k3_backend_cpu::CpuBackend;
 use k3_backend_cuda::{CudaBackend, CudaOptions, Dtype};
 use k3_model::backend::{
-    Backend, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
-    MxMatrixHost, RouterParams, SituParams,
+    Backend, Glu, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom, MxExpertsHost,
+    MxMatrixHost, RouterParams, SituParams, glu,
 };
 use k3_model::{Executor, LogitsWant, Model, ModelExecutor, Session};
 use std::path::PathBuf;

@@ -537,6 +537,27 @@ pub trait Backend: Send + Sync + 'static {
         self.moe_routed(z, router_logits, bias, experts, router, situ)
     }
 
+    /// The MoE block's two halves, which do not depend on each other: the routed experts' latent
+    /// output ([`Backend::moe_routed_batch`] of `z`) and the shared experts' GLU of `x`
+    /// ([`glu`]). A backend may run them at once (CUDA: the GLU's products on a side stream
+    /// while the routed experts run); the default runs one, then the other.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_routed_and_shared(
+        &self,
+        z: &Self::Act,
+        router_logits: &Self::Act,
+        bias: &Self::Vector,
+        experts: &Self::Experts,
+        router: RouterParams,
+        spans: &[(usize, usize)],
+        x: &Self::Act,
+        shared: &Glu<'_, Self>,
+    ) -> OpResult<(Self::Act, Self::Act)> {
+        let routed =
+            self.moe_routed_batch(z, router_logits, bias, experts, router, shared.situ, spans)?;
+        Ok((routed, glu(self, x, shared)?))
+    }
+
     /// [`Backend::kda`] for several sequences' stacked rows: `spans[i]` are sequence i's rows of
     /// every input, `locs[i]` its state. Returns the stacked `o`. The default runs one `kda` per
     /// sequence; a backend with a batched decode kernel overrides it.
@@ -593,6 +614,26 @@ pub fn per_sequence<B: Backend + ?Sized, const N: usize>(
         outs.push(f(i, refs)?);
     }
     be.concat_rows(&outs.iter().collect::<Vec<_>>())
+}
+
+/// A SiTU-GLU's weights (a dense FFN, or an MoE block's shared experts): `down · SiTU(gate · x,
+/// up · x)`.
+pub struct Glu<'a, B: Backend + ?Sized> {
+    pub gate: &'a B::Linear,
+    pub up: &'a B::Linear,
+    pub down: &'a B::Linear,
+    pub situ: SituParams,
+}
+
+/// The GLU of `x`: its gate and up products (one [`Backend::matmuls`]), SiTU-GLU, then down.
+pub fn glu<B: Backend + ?Sized>(be: &B, x: &B::Act, w: &Glu<'_, B>) -> OpResult<B::Act> {
+    let products = be.matmuls(x, &[w.gate, w.up])?;
+    let got = products.len();
+    let [gate, up]: [B::Act; 2] = products.try_into().map_err(|_| {
+        BackendError::InvalidArg(format!("matmuls returned {got} results for 2 weights"))
+    })?;
+    let h = be.situ_glu(&gate, &up, w.situ)?;
+    be.matmul(&h, w.down)
 }
 
 /// The default [`Backend::kda_batch`]: one [`Backend::kda`] per sequence (also the fallback of

@@ -198,18 +198,18 @@ impl CudaBackend {
     }
 
     /// Whether `x Wᵀ` is a cuBLAS bf16 GEMM over x's bf16 rows (`matmul_linear_split`).
-    fn takes_cublas(&self, x: &DeviceMat, w: &DeviceLinear) -> bool {
+    pub(crate) fn takes_cublas(&self, x: &DeviceMat, w: &DeviceLinear) -> bool {
         let (m, n, k) = (x.rows, w.rows, w.cols);
         w.bf16.is_some() && x.cols == k && m * n * k != 0 && !self.takes_gemv(m, n, k)
     }
 
     /// Whether a bf16 product of these dims is the tensor-core GEMV's (decode rows, small weight).
-    fn takes_gemv(&self, m: usize, n: usize, k: usize) -> bool {
+    pub(crate) fn takes_gemv(&self, m: usize, n: usize, k: usize) -> bool {
         m <= GEMV_TC_MAX_ROWS && k.is_multiple_of(8) && n * k <= self.options.gemv_max_weight_elems
     }
 
     /// x's rows as bf16 in the mode's planes (hi rows, then lo rows in float32 mode).
-    fn bf16_rows(&self, x: &DeviceMat) -> Result<Buf<u16>> {
+    pub(crate) fn bf16_rows(&self, x: &DeviceMat) -> Result<Buf<u16>> {
         let planes = self.options.dtype.planes();
         let (n, pi) = (x.rows * x.cols, planes as i32);
         let xs = self.uninit::<u16>(planes * n)?; // every element written by the split
@@ -345,7 +345,7 @@ impl CudaBackend {
 
     /// The bf16 rows a norm (or the GLU) writes beside its f32 output in bfloat16 mode
     /// (`DeviceMat::bf16`): `None` in float32 mode, whose products take x in hi / lo planes.
-    fn norm_bf16_rows(&self, len: usize) -> Result<Option<Buf<u16>>> {
+    pub(crate) fn norm_bf16_rows(&self, len: usize) -> Result<Option<Buf<u16>>> {
         if self.options.dtype.planes() != 1 {
             return Ok(None);
         }
@@ -387,20 +387,33 @@ impl CudaBackend {
     }
 
     pub fn situ_glu(&self, gate: &DeviceMat, up: &DeviceMat, p: SituParams) -> Result<DeviceMat> {
-        same_shape(gate, up, "situ_glu")?;
         let mut out = self.output(gate.rows, gate.cols)?; // grid-stride over every element
+        // In bfloat16 mode the bf16 copy too, for the down-projection's cuBLAS product.
+        out.bf16 = self.norm_bf16_rows(gate.rows * gate.cols)?;
+        self.situ_glu_into(&self.stream, gate, up, p, &out)?;
+        Ok(out)
+    }
+
+    /// SiTU-GLU of `gate` and `up` into `out` (and its bf16 rows, if it has them) on `stream`.
+    pub(crate) fn situ_glu_into(
+        &self,
+        stream: &cudarc::driver::CudaStream,
+        gate: &DeviceMat,
+        up: &DeviceMat,
+        p: SituParams,
+        out: &DeviceMat,
+    ) -> Result<()> {
+        same_shape(gate, up, "situ_glu")?;
+        same_shape(gate, out, "situ_glu output")?;
         let n = (gate.rows * gate.cols) as i64;
         let (lin, has) = situ_linear_args(p);
-        // In bfloat16 mode the bf16 copy too, for the down-projection's cuBLAS product.
         let l = geometry::elementwise(n as usize)?;
-        out.bf16 = self.norm_bf16_rows(n as usize)?;
         match &out.bf16 {
-            Some(b) => launch!(self, "situ_glu_f32", l;
-                &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has, b, &1i32)?,
-            None => launch!(self, "situ_glu_f32", l;
-                &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has, &out.buf, &0i32)?,
+            Some(b) => launch!(on stream, self, "situ_glu_f32", l;
+                &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has, b, &1i32),
+            None => launch!(on stream, self, "situ_glu_f32", l;
+                &gate.buf, &up.buf, &out.buf, &n, &p.beta, &lin, &has, &out.buf, &0i32),
         }
-        Ok(out)
     }
 
     pub fn add_assign(&self, p: &mut DeviceMat, a: &DeviceMat) -> Result<()> {

@@ -7,6 +7,7 @@
 
 pub(crate) mod cublas;
 pub(crate) mod mxfp8;
+pub(crate) mod shared;
 pub(crate) mod single_token;
 pub(crate) mod sorted;
 pub(crate) mod wgmma;

@@ -214,7 +214,12 @@ fn mx_matrix(r: &mut Rng, rows: usize, cols: usize) -> MxMatrixHost {
     }
 }
 
-fn moe<B: Backend>(be: &B, r: &mut Rng, t: usize) -> Vec<f32> {
+/// An MoE layer's routed inputs for `t` tokens: 32 experts (latent 128, width 256), top-4.
+fn moe_inputs<B: Backend>(
+    be: &B,
+    r: &mut Rng,
+    t: usize,
+) -> (B::Experts, B::Act, B::Act, B::Vector, RouterParams) {
     let (e, lt, ie, k) = (32, 128, 256, 4);
     let host = MxExpertsHost {
         num_experts: e,
@@ -243,15 +248,63 @@ fn moe<B: Backend>(be: &B, r: &mut Rng, t: usize) -> Vec<f32> {
         renormalize: true,
         scaling: 1.5,
     };
-    let situ = SituParams {
-        beta: 4.0,
-        linear_beta: Some(25.0),
-    };
+    (ex, z, logits, bias, router)
+}
+
+const MOE_SITU: SituParams = SituParams {
+    beta: 4.0,
+    linear_beta: Some(25.0),
+};
+
+fn moe<B: Backend>(be: &B, r: &mut Rng, t: usize) -> Vec<f32> {
+    let (ex, z, logits, bias, router) = moe_inputs(be, r, t);
     be.to_host(
-        &be.moe_routed(&z, &logits, &bias, &ex, router, situ)
+        &be.moe_routed(&z, &logits, &bias, &ex, router, MOE_SITU)
             .unwrap(),
     )
     .unwrap()
+}
+
+/// An MoE block's two halves through `moe_routed_and_shared` (CUDA in bfloat16 mode: the shared
+/// GLU's cuBLAS products, 8200 x 512 and 512 x 8200 past the GEMV's size, on a side stream while
+/// the routed experts run, moe/shared.rs): the shared output, and each half's difference from
+/// `moe_routed` and `glu` run one after the other (zero, bit for bit, on both backends).
+fn moe_and_shared<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f64)> {
+    let (t, k, inter) = (4, 512, 8200);
+    let x = be.upload_act(t, k, r.vec(t * k, 1.0)).unwrap();
+    let mut lin = |n: usize, c: usize| be.linear(n, c, bf16_values(r.vec(n * c, 0.05))).unwrap();
+    let (gw, uw, dw) = (lin(inter, k), lin(inter, k), lin(k, inter));
+    let shared = Glu {
+        gate: &gw,
+        up: &uw,
+        down: &dw,
+        situ: MOE_SITU,
+    };
+    let (ex, z, logits, bias, router) = moe_inputs(be, r, t);
+    let (y, s) = be
+        .moe_routed_and_shared(&z, &logits, &bias, &ex, router, &[(0, t)], &x, &shared)
+        .unwrap();
+    let y1 = be
+        .moe_routed(&z, &logits, &bias, &ex, router, MOE_SITU)
+        .unwrap();
+    let s1 = glu(be, &x, &shared).unwrap();
+    let diff = |a: &B::Act, b: &B::Act| -> Vec<f32> {
+        let (a, b) = (be.to_host(a).unwrap(), be.to_host(b).unwrap());
+        a.iter().zip(&b).map(|(p, q)| p - q).collect()
+    };
+    vec![
+        (
+            "moe_routed_and_shared: shared GLU",
+            be.to_host(&s).unwrap(),
+            TOL_FUSED,
+        ),
+        (
+            "moe_routed_and_shared: routed = moe_routed",
+            diff(&y, &y1),
+            0.0,
+        ),
+        ("moe_routed_and_shared: shared = glu", diff(&s, &s1), 0.0),
+    ]
 }
 
 /// KDA over three calls of one sequence (prefill with checkpoints, decode with a checkpoint,
@@ -725,6 +778,11 @@ fn compare_ops<G: Backend>(gpu: &G, name: &str, tag: &'static str, floor: f64) {
             &moe(&cpu, &mut rc, tokens),
             TOL_FUSED,
         );
+    }
+    let (mut rc, mut rg) = (Rng(seed ^ 5), Rng(seed ^ 5));
+    let (a, b) = (moe_and_shared(&cpu, &mut rc), moe_and_shared(gpu, &mut rg));
+    for ((name, want, tol), (_, got, _)) in a.iter().zip(&b) {
+        t.check(name, got, want, *tol);
     }
     let (mut rc, mut rg) = (Rng(seed ^ 7), Rng(seed ^ 7));
     let ((oc, ac), (og, ag)) = (kda(&cpu, &mut rc), kda(gpu, &mut rg));

@@ -57,11 +57,13 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    fn glu(&self, x: &B::Act, w: &GluW<B>) -> OpResult<B::Act> {
-        let be = &self.backend;
-        let [gate, up] = results(be.matmuls(x, &[&w.gate, &w.up])?)?;
-        let h = be.situ_glu(&gate, &up, self.situ())?;
-        be.matmul(&h, &w.down)
+    fn glu_of<'w>(&self, w: &'w GluW<B>) -> Glu<'w, B> {
+        Glu {
+            gate: &w.gate,
+            up: &w.up,
+            down: &w.down,
+            situ: self.situ(),
+        }
     }
 
     /// Run the layer graph over the new tokens of one sequence (see [`Model::forward_batch`]).
@@ -198,7 +200,7 @@ impl<B: Backend> Model<B> {
                 be.attn_res_norm(&src, &mut pp, add.as_ref(), w, norm, eps)?
             };
             let f = match &layer.ffn {
-                Ffn::Dense(w) => self.glu(&x, w)?,
+                Ffn::Dense(w) => crate::backend::glu(be, &x, &self.glu_of(w))?,
                 Ffn::Moe(w) => self.moe(&x, w, &spans)?,
             };
             match trace.as_deref_mut() {
@@ -448,19 +450,19 @@ impl<B: Backend> Model<B> {
             renormalize: m.renormalize,
             scaling: m.routed_scaling_factor,
         };
-        let y_lat =
-            be.moe_routed_batch(&z, &logits, &w.bias, &w.experts, router, self.situ(), spans)?;
+        let shared = self.glu_of(&w.shared);
+        let (y_lat, s) =
+            be.moe_routed_and_shared(&z, &logits, &w.bias, &w.experts, router, spans, x, &shared)?;
         let y_lat = match &w.norm {
             Some(n) => be.rms_norm(&y_lat, n, self.config.rms_norm_eps)?,
             None => y_lat,
         };
         let mut y = be.matmul(&y_lat, &w.up)?;
-        be.add_assign(&mut y, &self.glu(x, &w.shared)?)?;
+        be.add_assign(&mut y, &s)?;
         Ok(y)
     }
 }
 
-/// The results of one `Backend::matmuls` call as an array, one per weight passed.
 /// `ranges` (in row order) with each range that starts where the one before ends joined to it.
 fn merge_adjacent(ranges: impl IntoIterator<Item = (usize, usize)>) -> Vec<(usize, usize)> {
     let mut out: Vec<(usize, usize)> = Vec::new();
@@ -473,6 +475,7 @@ fn merge_adjacent(ranges: impl IntoIterator<Item = (usize, usize)>) -> Vec<(usiz
     out
 }
 
+/// The results of one `Backend::matmuls` call as an array, one per weight passed.
 fn results<A, const N: usize>(v: Vec<A>) -> OpResult<[A; N]> {
     let got = v.len();
     v.try_into().map_err(|_| {

@@ -2,7 +2,7 @@
 //! the vision tower). The forward pass over them is in `forward`.
 
 use crate::backend::{
-    Backend, KdaCommit, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom,
+    Backend, Glu, KdaCommit, KdaGeom, KdaInputs, KdaParams, KdaStateLoc, MlaCacheLoc, MlaGeom,
     MxExpertsHost, MxMatrixHost, RouterParams, SituParams,
 };
 use crate::config::{Config, ConfigError, MixerKind};
