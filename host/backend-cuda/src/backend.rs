@@ -429,27 +429,18 @@ impl Backend for CudaBackend {
         x: &DeviceMat,
         shared: &Glu<'_, Self>,
     ) -> OpResult<(DeviceMat, DeviceMat)> {
-        if !self.shared_glu_beside_routed(x, shared) {
-            let routed =
-                self.moe_routed_batch(z, router_logits, bias, experts, router, shared.situ, spans)?;
-            return Ok((routed, k3_model::backend::glu(self, x, shared)?));
-        }
-        self.timed(
-            || format!("moe_routed beside shared (T={})", bucket(z.rows)),
-            || {
-                self.op(|| {
-                    self.moe_routed_beside_shared(
-                        z,
-                        router_logits,
-                        bias,
-                        experts,
-                        router,
-                        x,
-                        shared,
-                    )
-                })
-            },
-        )
+        let side = if self.shared_glu_beside_routed(x, shared) {
+            Some(self.op(|| self.glu_on_side(x, shared))?)
+        } else {
+            None
+        };
+        let routed =
+            self.moe_routed_batch(z, router_logits, bias, experts, router, shared.situ, spans);
+        let shared = match side {
+            Some(side) => self.op(|| self.join_side_glu(side)),
+            None => k3_model::backend::glu(self, x, shared),
+        };
+        Ok((routed?, shared?))
     }
 
     /// Every sequence decoding one token (at most one checkpoint, after it): one launch of the

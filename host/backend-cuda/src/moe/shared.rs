@@ -7,11 +7,11 @@
 //! bandwidth the routed kernels leave idle. Same kernels and cuBLAS algorithms as one after the
 //! other (each handle has the same workspace), so the same bits.
 
-use super::DeviceExperts;
+use crate::buf::Buf;
 use crate::device::{CudaBackend, DeviceLinear, DeviceMat};
 use crate::error::{CudaError, Result};
 use cudarc::driver::CudaSlice;
-use k3_model::backend::{Glu, RouterParams};
+use k3_model::backend::Glu;
 
 impl CudaBackend {
     /// Whether the shared GLU of `x` can run on a side stream: bfloat16 mode, a side stream, and
@@ -30,20 +30,10 @@ impl CudaBackend {
             && !self.takes_gemv(rows, w.down.rows, inter)
     }
 
-    /// The routed experts of `z` here and the shared GLU of `x` on the first side stream, joined
-    /// before returning (routed latent output, shared output). The caller checked
-    /// `shared_glu_beside_routed`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn moe_routed_beside_shared(
-        &self,
-        z: &DeviceMat,
-        router_logits: &DeviceMat,
-        bias: &CudaSlice<f32>,
-        experts: &DeviceExperts,
-        router: RouterParams,
-        x: &DeviceMat,
-        w: &Glu<'_, CudaBackend>,
-    ) -> Result<(DeviceMat, DeviceMat)> {
+    /// The shared GLU of `x` queued on the first side stream after a fork from the backend's
+    /// stream; the caller queues the routed experts here, then `join_side_glu`, whatever failed
+    /// in between. The caller checked `shared_glu_beside_routed`.
+    pub(crate) fn glu_on_side(&self, x: &DeviceMat, w: &Glu<'_, CudaBackend>) -> Result<SideGlu> {
         fn bits(l: &DeviceLinear) -> Result<&CudaSlice<u16>> {
             l.bf16
                 .as_ref()
@@ -53,57 +43,51 @@ impl CudaBackend {
         let (rows, k, inter, hidden) = (x.rows, x.cols, w.gate.rows, w.down.rows);
         // Everything the side stream touches exists before the fork and is freed after the join
         // (lanes.rs): x's bf16 rows (the norm's, or made here), the GLU's buffers, its output.
-        let own;
-        let xs = match &x.bf16 {
-            Some(rows) => rows,
-            None => {
-                own = self.bf16_rows(x)?;
-                &own
-            }
+        let own = match x.bf16 {
+            Some(_) => None,
+            None => Some(self.bf16_rows(x)?),
         };
-        let (mut gate, mut up) = (self.output(rows, inter)?, self.output(rows, inter)?);
+        let mut gate = self.output(rows, inter)?;
+        let mut up = self.output(rows, inter)?;
         let mut h = self.output(rows, inter)?;
         h.bf16 = self.norm_bf16_rows(rows * inter)?;
         let mut out = self.output(rows, hidden)?;
+        let xs = x.bf16.as_ref().or(own.as_ref()).expect("made above");
         let lane = &self.lanes[0];
         self.fork_lanes(1)?;
-        let side = (|| {
-            self.gemm_bf16_on(
-                &lane.blas,
-                gate_w,
-                0,
-                xs,
-                0,
-                &mut gate.buf,
-                0,
-                inter,
-                rows,
-                k,
-            )?;
-            self.gemm_bf16_on(&lane.blas, up_w, 0, xs, 0, &mut up.buf, 0, inter, rows, k)?;
+        let queued = (|| {
+            let blas = &lane.blas;
+            self.gemm_bf16_on(blas, gate_w, 0, xs, 0, &mut gate.buf, 0, inter, rows, k)?;
+            self.gemm_bf16_on(blas, up_w, 0, xs, 0, &mut up.buf, 0, inter, rows, k)?;
             self.situ_glu_into(&lane.stream, &gate, &up, w.situ, &h)?;
             let hs = h
                 .bf16
                 .as_ref()
                 .ok_or_else(|| CudaError::InvalidArg("shared GLU: no bf16 rows".into()))?;
-            self.gemm_bf16_on(
-                &lane.blas,
-                down_w,
-                0,
-                hs,
-                0,
-                &mut out.buf,
-                0,
-                hidden,
-                rows,
-                inter,
-            )
+            self.gemm_bf16_on(blas, down_w, 0, hs, 0, &mut out.buf, 0, hidden, rows, inter)
         })();
-        let routed = self.moe_routed(z, router_logits, bias, experts, router, w.situ);
-        // Joined whatever failed: nothing is freed while the side stream may still run.
-        let joined = self.join_lanes(1);
-        side?;
-        joined?;
-        Ok((routed?, out))
+        Ok(SideGlu {
+            out,
+            _held: (own, [gate, up, h]),
+            queued,
+        })
     }
+
+    /// Wait here for the side stream's GLU; its output.
+    pub(crate) fn join_side_glu(&self, side: SideGlu) -> Result<DeviceMat> {
+        let joined = self.join_lanes(1);
+        side.queued?;
+        joined?;
+        Ok(side.out)
+    }
+}
+
+/// A shared GLU queued on a side stream (`glu_on_side`), until `join_side_glu`.
+pub(crate) struct SideGlu {
+    out: DeviceMat,
+    /// What the side stream reads or writes: freed (stream-ordered, on the backend's stream)
+    /// only after the join.
+    _held: (Option<Buf<u16>>, [DeviceMat; 3]),
+    /// Whether everything was queued.
+    queued: Result<()>,
 }
