@@ -25,6 +25,28 @@ pub struct CacheLayout {
     pub verify_tokens_max: usize,
 }
 
+impl CacheLayout {
+    /// The arena split evenly for `n` sequences of up to `tokens` tokens each, without the
+    /// engine's pool (benchmarks, device tests): `n` state blocks (4-byte aligned) from offset 0,
+    /// then each sequence's KV pages in turn. Returns (state block stride, each sequence's
+    /// pages), or None if the arena is too small.
+    pub fn split_evenly(&self, n: usize, tokens: usize) -> Option<(usize, Vec<Vec<usize>>)> {
+        let block = self.state_block_bytes.div_ceil(4) * 4;
+        let per_seq = tokens.div_ceil(self.page_tokens.max(1));
+        let need = n * (block + per_seq * self.kv_page_bytes);
+        (need <= self.arena_bytes).then(|| {
+            let pages = (0..n)
+                .map(|i| {
+                    (0..per_seq)
+                        .map(|j| n * block + (i * per_seq + j) * self.kv_page_bytes)
+                        .collect()
+                })
+                .collect();
+            (block, pages)
+        })
+    }
+}
+
 /// Commit an accepted prefix of one sequence's verify pass (see [`Executor::commit_verified`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VerifiedBlock {
@@ -267,5 +289,32 @@ pub trait Executor: Send {
         Err(ExecError::Backend(
             "this executor cannot verify speculative tokens".into(),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CacheLayout;
+
+    #[test]
+    fn split_evenly_tiles_the_arena_without_overlap() {
+        let lay = CacheLayout {
+            page_tokens: 16,
+            kv_page_bytes: 100,
+            state_block_bytes: 38,
+            arena_bytes: 3 * (40 + 2 * 100),
+            verify_tokens_max: 0,
+        };
+        let (block, pages) = lay.split_evenly(3, 17).expect("fits exactly");
+        assert_eq!(block, 40, "state blocks 4-byte aligned");
+        assert_eq!(pages, [vec![120, 220], vec![320, 420], vec![520, 620]]);
+        assert!(
+            lay.split_evenly(3, 33).is_none(),
+            "a third page each does not fit"
+        );
+        assert!(
+            lay.split_evenly(4, 17).is_none(),
+            "a fourth sequence does not fit"
+        );
     }
 }

@@ -125,20 +125,14 @@ fn batched_decode_graph_copies_no_rows() {
         Model::load_dir(&root().join("models/k3-mini"), gpu).expect("load"),
         16,
         n,
-        prompt + steps + 1 + 16, // room for the state blocks' rounding below
+        prompt + steps + 1 + 16, // room for 4-byte aligned state blocks
         0,
     )
     .expect("exec");
-    let lay = exec.layout();
-    let block = lay.state_block_bytes.div_ceil(4) * 4;
-    let per_seq = (prompt + steps + 1).div_ceil(lay.page_tokens);
-    let pages: Vec<Vec<usize>> = (0..n)
-        .map(|i| {
-            (0..per_seq)
-                .map(|j| n * block + (i * per_seq + j) * lay.kv_page_bytes)
-                .collect()
-        })
-        .collect();
+    let (block, pages) = exec
+        .layout()
+        .split_evenly(n, prompt + steps + 1)
+        .expect("the arena holds the batch");
     exec.arena_zero(0, n * block).expect("zero states");
     let mut toks: Vec<Vec<u32>> = (0..n)
         .map(|i| {

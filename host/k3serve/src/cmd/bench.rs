@@ -280,21 +280,12 @@ fn batch_decode<E: Executor>(
 ) -> anyhow::Result<(f64, Option<GraphCounts>)> {
     const PROMPT: usize = 64;
     let lay = exec.layout();
-    let block = lay.state_block_bytes.div_ceil(4) * 4;
-    let pages_per_seq = (PROMPT + steps + 1).div_ceil(lay.page_tokens);
-    let need = n * (block + pages_per_seq * lay.kv_page_bytes);
-    anyhow::ensure!(
-        need <= lay.arena_bytes,
-        "batch {n}: needs {need} arena bytes, have {}",
-        lay.arena_bytes
-    );
-    let pages: Vec<Vec<usize>> = (0..n)
-        .map(|i| {
-            (0..pages_per_seq)
-                .map(|j| n * block + (i * pages_per_seq + j) * lay.kv_page_bytes)
-                .collect()
-        })
-        .collect();
+    let (block, pages) = lay.split_evenly(n, PROMPT + steps + 1).ok_or_else(|| {
+        anyhow::anyhow!(
+            "batch {n}: {} arena bytes hold fewer sequences",
+            lay.arena_bytes
+        )
+    })?;
     let vocab = exec.vocab_size();
     let prompts: Vec<Vec<u32>> = (0..n)
         .map(|i| synthetic_ids(PROMPT, vocab, 1000 + i as u64))
