@@ -19,6 +19,8 @@ use k3_model::backend::{
 use k3_model::{Executor, LogitsWant, Model, ModelExecutor, Session};
 use std::path::PathBuf;
 
+#[path = "device/experts.rs"]
+mod experts;
 #[path = "device/kda_replay.rs"]
 mod kda_replay;
 #[path = "device/model.rs"]
