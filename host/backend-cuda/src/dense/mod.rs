@@ -160,16 +160,9 @@ impl CudaBackend {
                 .collect();
         }
         // Everything the side streams touch exists before the fork and is freed after the join.
-        // x's bf16 rows: the norm's that wrote x, or made here (and freed when this returns,
-        // after the join).
-        let own;
-        let xs: &Buf<u16> = match &x.bf16 {
-            Some(rows) => rows,
-            None => {
-                own = self.bf16_rows(x)?;
-                &own
-            }
-        };
+        // x's bf16 rows, if made here freed when this returns, after the join.
+        let mut own = None;
+        let xs = self.bf16_rows_of(x, &mut own)?;
         let mut outs = cublas
             .iter()
             .zip(ws)
@@ -206,6 +199,20 @@ impl CudaBackend {
     /// Whether a bf16 product of these dims is the tensor-core GEMV's (decode rows, small weight).
     pub(crate) fn takes_gemv(&self, m: usize, n: usize, k: usize) -> bool {
         m <= GEMV_TC_MAX_ROWS && k.is_multiple_of(8) && n * k <= self.options.gemv_max_weight_elems
+    }
+
+    /// x's bf16 rows for products in bfloat16 mode: those the norm that wrote x left beside it
+    /// (`DeviceMat::bf16`), or made into `own`, which the caller keeps while a product may read
+    /// them.
+    pub(crate) fn bf16_rows_of<'a>(
+        &self,
+        x: &'a DeviceMat,
+        own: &'a mut Option<Buf<u16>>,
+    ) -> Result<&'a Buf<u16>> {
+        match &x.bf16 {
+            Some(rows) => Ok(rows),
+            None => Ok(own.insert(self.bf16_rows(x)?)),
+        }
     }
 
     /// x's rows as bf16 in the mode's planes (hi rows, then lo rows in float32 mode).

@@ -43,16 +43,13 @@ impl CudaBackend {
         let (rows, k, inter, hidden) = (x.rows, x.cols, w.gate.rows, w.down.rows);
         // Everything the side stream touches exists before the fork and is freed after the join
         // (lanes.rs): x's bf16 rows (the norm's, or made here), the GLU's buffers, its output.
-        let own = match x.bf16 {
-            Some(_) => None,
-            None => Some(self.bf16_rows(x)?),
-        };
+        let mut own = None;
+        let xs = self.bf16_rows_of(x, &mut own)?;
         let mut gate = self.output(rows, inter)?;
         let mut up = self.output(rows, inter)?;
         let mut h = self.output(rows, inter)?;
         h.bf16 = self.norm_bf16_rows(rows * inter)?;
         let mut out = self.output(rows, hidden)?;
-        let xs = x.bf16.as_ref().or(own.as_ref()).expect("made above");
         let lane = &self.lanes[0];
         self.fork_lanes(1)?;
         let queued = (|| {
