@@ -19,17 +19,31 @@ STEP_END = "topk_merge_f32"
 
 
 def kernels(path):
+    """(kernel name, µs, DRAM bytes or None) per kernel, in launch order; bytes when the CSV has
+    dram__bytes_read.sum / dram__bytes_write.sum rows (device-step-profile.sh with K3_STEP_BYTES=1)."""
     lines = [line for line in open(path, encoding="utf-8", errors="replace") if line.startswith('"')]
     rows = list(csv.reader(lines))
     if not rows:
         raise SystemExit(f"{path}: no kernel rows (did ncu finish?)")
     ix = {n: i for i, n in enumerate(rows[0])}
     scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
+    byte_scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+    order, got = [], {}
     for r in rows[1:]:
-        if r[ix["Metric Name"]] != "gpu__time_duration.sum":
-            continue
-        us = float(r[ix["Metric Value"]].replace(",", "")) * scale[r[ix["Metric Unit"]]]
-        yield r[ix["Kernel Name"]], us
+        key = r[ix["ID"]] if "ID" in ix else len(order)
+        if key not in got:
+            got[key] = [r[ix["Kernel Name"]], None, None]
+            order.append(key)
+        metric, unit = r[ix["Metric Name"]], r[ix["Metric Unit"]]
+        value = float(r[ix["Metric Value"]].replace(",", ""))
+        if metric == "gpu__time_duration.sum":
+            got[key][1] = value * scale[unit]
+        elif metric.startswith("dram__bytes_"):
+            got[key][2] = (got[key][2] or 0.0) + value * byte_scale.get(unit, 1)
+    for key in order:
+        name, us, b = got[key]
+        if us is not None:
+            yield name, us, b
 
 
 def short(name):
@@ -53,6 +67,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--each", type=float, default=0.0, help="also list every kernel of at least this many µs")
     a = ap.parse_args()
     segs = list(steps(kernels(a.csv)))
     runs, i = [], 0
@@ -64,14 +79,21 @@ def main():
             runs.append(segs[j])
         i = j + 1
     for n, seg in enumerate(runs):
-        total = sum(us for _, us in seg)
-        agg = collections.defaultdict(lambda: [0, 0.0])
-        for name, us in seg:
+        total = sum(us for _, us, _ in seg)
+        agg = collections.defaultdict(lambda: [0, 0.0, 0.0])
+        for name, us, b in seg:
             agg[short(name)][0] += 1
             agg[short(name)][1] += us
+            agg[short(name)][2] += b or 0.0
         print(f"== decode run {n + 1}: {len(seg)} kernels, {total / 1e3:.2f} ms of kernel time per step")
-        for name, (count, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[: a.top]:
-            print(f"  {us:9.1f} us  {100 * us / total:5.1f} %  {count:4d} x  {name}")
+        for name, (count, us, b) in sorted(agg.items(), key=lambda kv: -kv[1][1])[: a.top]:
+            rate = f"  {b / us / 1e6:5.2f} TB/s" if b else ""
+            print(f"  {us:9.1f} us  {100 * us / total:5.1f} %  {count:4d} x{rate}  {name}")
+        if a.each:
+            for name, us, b in seg:
+                if us >= a.each:
+                    rate = f"{b / 1e6:9.1f} MB {b / us / 1e6:5.2f} TB/s" if b else ""
+                    print(f"    {us:8.1f} us {rate}  {short(name)}")
 
 
 if __name__ == "__main__":
