@@ -461,12 +461,13 @@ def bench_moe_few_tokens_ld(d: Device, record):
     """The candidate few-token pair (kernels/candidates/moe_few_tokens_ld.cu: weights straight into registers, no
     shared-memory ring) against the landed one at T = 4 / 16 / 64, K3 expert sizes, top-16 of 128: each kernel alone
     against its weight bytes, in bf16 (planes 1) and MXFP8; the outputs of each mode (and of hi / lo planes) must
-    equal the landed pair's bitwise (`K3_BENCH_ONLY=moe_few_tokens_ld`; K3_MXD_DEFS: define sets for the candidate,
-    e.g. "-DMXF_PF=3", separated by ";")."""
+    equal the landed pair's bitwise (`K3_BENCH_ONLY=moe_few_tokens_ld`; K3_MX_CANDIDATE_DEFS: define sets for the
+    candidate, e.g. "-DMXF_PF=3", separated by ";")."""
     E, k, lt, ie = FEW_TOKEN_PROBE_SHAPE
     gen = torch.Generator(device="cuda").manual_seed(7)
     w = few_token_probe_weights(gen)
-    variants = [tuple(x.split()) for x in os.environ.get("K3_MXD_DEFS", "").split(";") if x.strip()] or [()]
+    defs_env = os.environ.get("K3_MX_CANDIDATE_DEFS", "")
+    variants = [tuple(x.split()) for x in defs_env.split(";") if x.strip()] or [()]
     landed = "mxfp4_experts_few_tokens"
     for T in (4, 16, 64):
         V, (up_b, down_b), y = few_token_probe_step(d, gen, w, T)
