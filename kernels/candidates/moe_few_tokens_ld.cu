@@ -63,8 +63,6 @@ __device__ __forceinline__ int mxl_pos(int c) {
 #define MXF_PF 2
 #endif
 #define MXF_MAXNT 2
-// The busy-expert list each block keeps in shared memory (moe/mod.rs checks the expert count).
-#define MXF_MAX_EXPERTS 1024
 
 // Harness-only timing probes (benchmarks_moe.py bench_moe_few_tokens_diag, never built by the host):
 // 1 = no weight decode (the raw words go to the mma), 2 = no mma (the decoded words are folded into
@@ -72,15 +70,6 @@ __device__ __forceinline__ int mxl_pos(int c) {
 #ifndef MXF_DIAG
 #define MXF_DIAG 0
 #endif
-
-// Pass token (0-based) held in slot j (0, 1) of lane t's n-tile q: one per n-tile with two planes.
-__device__ __forceinline__ int mxf_token(int planes, int q, int j, int t) {
-    return planes == 2 ? 4 * q + t : 8 * q + 2 * t + j;
-}
-// That token's result for row g + 8 h from the n-tile's accumulators c.
-__device__ __forceinline__ float mxf_result(const float (&c)[4], int planes, int j, int h) {
-    return planes == 2 ? c[2 * h] + c[2 * h + 1] : c[2 * h + j];
-}
 
 // 16 / 4 bytes of weights, read-only for the kernel's life, with the L2 256-byte prefetch.
 __device__ __forceinline__ uint4 mxf_ld16(const u8* p) {
@@ -114,41 +103,6 @@ extern "C" __global__ void mxfp4_experts_few_tokens_ld_split_f32(const float* __
         if (planes == 2) dst[128 + mxl_pos(cc + j)] = l;
     }
 }
-
-// The busy experts (offsets[e + 1] > offsets[e]) in id order into `list`; returns their count.
-// Block-uniform: every thread gets the count after the final barrier.
-__device__ int mxf_busy_experts(const int* __restrict__ offsets, int experts, int* list) {
-    __shared__ int warp_cnt[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    int before = 0;
-    for (int e0 = 0; e0 < experts; e0 += blockDim.x) {
-        const int e = e0 + threadIdx.x;
-        const bool busy = e < experts && offsets[e + 1] > offsets[e];
-        const u32 bal = __ballot_sync(K3_FULL_MASK, busy);
-        if (lane == 0) warp_cnt[warp] = __popc(bal);
-        __syncthreads();
-        int rank = before + __popc(bal & ((1u << lane) - 1u)), total = 0;
-        for (int w = 0; w < nwarps; ++w) {
-            const int c = warp_cnt[w];
-            rank += w < warp ? c : 0;
-            total += c;
-        }
-        if (busy && rank < MXF_MAX_EXPERTS) list[rank] = e;
-        before += total;
-        __syncthreads();  // warp_cnt is rewritten by the next chunk; list is complete after the last
-    }
-    return min(before, MXF_MAX_EXPERTS);
-}
-
-// Compile-time arguments for the generic lambdas of few_tokens_walk (NVRTC has no <type_traits>).
-template <bool B>
-struct MxfBool {
-    static constexpr bool value = B;
-};
-template <int N>
-struct MxfInt {
-    static constexpr int value = N;
-};
 
 // One tile: expert e, row block y (first row r0), its assignments sorted[a0 .. a0 + n) and its
 // pass count; npass == 0 past the last tile.
