@@ -39,9 +39,10 @@ def timed(fn, reps=30):
     return best * 1e3  # µs
 
 
-def copies(n, k):
-    c = max(2, int(400e6 // (n * k * 2)) + 1)
-    return [(torch.randn(n, k, device="cuda") * 0.05).to(torch.bfloat16) for _ in range(min(c, 8))]
+def copies(n, k, count=None):
+    """Enough bf16 copies of an [n, k] weight (2 to 8) that rotating through them spans ~400 MB: no L2 reuse."""
+    count = count or min(max(2, int(400e6 // (n * k * 2)) + 1), 8)
+    return [(torch.randn(n, k, device="cuda") * 0.05).to(torch.bfloat16) for _ in range(count)]
 
 
 def triton_kernel():
@@ -101,7 +102,7 @@ def main():
               f"({total[m][1] / total[m][0] * 100:.0f} %)", flush=True)
     # Four 12288 x 7168 products of one input (KDA q, k, v, g): separate, on four streams, fused.
     for m in rows:
-        ws4 = [copies(12288, 7168)[:2] for _ in range(4)]
+        ws4 = [copies(12288, 7168, 2) for _ in range(4)]
         wf = [torch.cat([w[j] for w in ws4]) for j in range(2)]
         x = torch.randn(m, 7168, device="cuda").to(torch.bfloat16)
         i = [0]
@@ -130,9 +131,10 @@ def main():
         for name, fn in (("separate", sep), ("four streams", par), ("fused", fused)):
             t = timed(fn, reps=10)
             print(f"qkvg M={m} {name}: {t:.1f} us, floor {floor:.1f} us ({floor / t * 100:.0f} %)", flush=True)
-        del ws4, wf
     if not a.triton:
         return
+    import triton
+
     skinny = triton_kernel()
     for n, k, _ in SHAPES[:5]:
         ws = copies(n, k)
@@ -171,6 +173,4 @@ def main():
 
 
 if __name__ == "__main__":
-    import triton  # noqa: F401  (imported here so --triton fails early when missing)
-
     main()
