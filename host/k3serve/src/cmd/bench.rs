@@ -43,13 +43,21 @@ pub struct Args {
     /// each N here, e.g. `16,64`: TPOT (ms per step) and output tok/s.
     #[arg(long, value_delimiter = ',')]
     pub batch_sizes: Vec<usize>,
+    /// The HBM rate, TB/s, a CUDA decode step's bytes are divided by for its byte roofline: by
+    /// default the H200's measured copy rate (docs/performance.md); on another GPU pass its own,
+    /// e.g. from `python3 scripts/hbm_rate.py`.
+    #[arg(long, default_value_t = 4.25, value_parser = parse_rate)]
+    pub roofline_tbps: f64,
     #[command(flatten)]
     pub cuda: CudaArgs,
 }
 
-/// The HBM rate a decode step's bytes are divided by: the H200's measured copy rate
-/// (docs/performance.md, "Floors").
-const ROOFLINE_BYTES_PER_S: f64 = 4.25e12;
+fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("`{s}` is not a positive rate in TB/s")),
+    }
+}
 
 /// What a decode step is fed: its own greedy token, or seeded random ids (dummy weights).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -244,11 +252,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         if device == Device::Cuda {
             // The mean context over the measured steps.
             let bytes = k3_model::flops::decode_step_bytes(&cfg, n, 64 + a.decode_tokens / 2);
-            let floor = bytes.total() / ROOFLINE_BYTES_PER_S;
+            let floor = bytes.total() / (a.roofline_tbps * 1e12);
             println!(
-                "  byte roofline    {:.2} ms = {:.2} GB at 4.25 TB/s ({:.1} experts per MoE layer, uniform routing); TPOT {:.2}x",
+                "  byte roofline    {:.2} ms = {:.2} GB at {} TB/s ({:.1} experts per MoE layer, uniform routing); TPOT {:.2}x",
                 floor * 1e3,
                 bytes.total() / 1e9,
+                a.roofline_tbps,
                 bytes.experts_per_layer,
                 step_s / floor
             );
@@ -447,6 +456,24 @@ mod tests {
         );
         // Nothing captured: no line, not a division by zero.
         assert_eq!(fmt_graph_nodes(&GraphCounts::default()), None);
+    }
+
+    #[test]
+    fn the_roofline_rate_is_a_positive_number_of_tb_per_s() {
+        use clap::{Args as _, FromArgMatches as _};
+        let parse = |argv: &[&str]| {
+            let cmd = Args::augment_args(clap::Command::new("bench"));
+            cmd.try_get_matches_from(argv)
+                .and_then(|m| Args::from_arg_matches(&m))
+                .map(|a| a.roofline_tbps)
+        };
+        assert_eq!(parse(&["bench"]).unwrap(), 4.25);
+        assert_eq!(parse(&["bench", "--roofline-tbps", "2.99"]).unwrap(), 2.99);
+        for bad in ["0", "-1", "nan", "inf", "fast"] {
+            let arg = format!("--roofline-tbps={bad}");
+            let err = parse(&["bench", &arg]).unwrap_err().to_string();
+            assert!(err.contains("positive rate"), "{bad}: {err}");
+        }
     }
 
     #[test]
