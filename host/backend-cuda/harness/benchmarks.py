@@ -15,7 +15,7 @@ from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARI
                     kda_decode_launcher, kda_region_floats, log, rel_err, run_kda_prefill)
 from common import run_mla_prefill
 from common import gemv_tc_plan, run_gemv_tc
-from benchmarks_moe import (bench_moe, bench_moe_few_tokens_diag, bench_moe_few_tokens_ld, bench_moe_prefill,
+from benchmarks_moe import (bench_moe, bench_moe_few_tokens_diag, bench_moe_prefill,
                             bench_moe_single_token, bench_moe_wg_diag)
 
 # H200 SXM peak FP32 rate on the CUDA cores (NVIDIA data sheet: 67 TFLOP/s), where cuBLAS SGEMM in
@@ -436,7 +436,7 @@ def bench_mla_steady(d: Device, record, rounds=6):
 def bench(d: Device, r: Results, quick: bool, only=None):
     """Every benchmark, or the sections named in `only` (kda_decode, kda_prefill, mla, mla_proj,
     mla_prefill, attn_res, moe, moe_prefill, gemv, sampling; mla includes mla_proj and the torch SDPA comparison).
-    The probes run only when named: mla_diag, mla_steady, moe_few_tokens_diag, moe_few_tokens_ld, moe_wg_diag."""
+    The probes run only when named: mla_diag, mla_steady, moe_few_tokens_diag, moe_wg_diag."""
     def want(section):
         return not only or section in only
 
@@ -594,8 +594,6 @@ def bench(d: Device, r: Results, quick: bool, only=None):
         bench_mla_steady(d, record)
     if only and "moe_few_tokens_diag" in only:  # probes, only when named
         bench_moe_few_tokens_diag(d, record)
-    if only and "moe_few_tokens_ld" in only:  # the candidate pair against the landed one
-        bench_moe_few_tokens_ld(d, record)
     if want("attn_res"):
         bench_attn_res(d, record)
     if want("moe"):

@@ -12,7 +12,7 @@ import torch
 
 from common import COPY_TBPS, cdiv, log, rel_err
 from common import run_few_tokens, run_few_tokens_e4m3, few_token_scratch_e4m3, few_token_stage_bytes_e4m3
-from common import FEW_TOKEN_CANDIDATE, FEW_TOKEN_STAGES
+from common import FEW_TOKEN_STAGES
 from common import (FEW_TOKEN_BLOCK_BYTES, FEW_TOKEN_DOWN_ROWS, FEW_TOKEN_UP_ROWS, few_token_grid, few_token_ntiles,
                     few_token_scratch, few_token_shared)
 from common import single_token_plan, single_token_scratch, run_single_token
@@ -455,97 +455,3 @@ def bench_moe_single_token_kernels(d: Device, record, V, w6, ref_few, few_ms, up
             record(f"moe {tag} down kernel alone (+ counter memset) T={T} top{k}", ms, down_floor, timing=how)
         except Exception as e:  # noqa: BLE001  a failure here must not cost the benchmarks after it
             log(f"bench moe {tag} raised {type(e).__name__}: {str(e)[:200]}")
-
-
-def bench_moe_few_tokens_ld(d: Device, record):
-    """The candidate few-token pair (kernels/candidates/moe_few_tokens_ld.cu: weights straight into registers, no
-    shared-memory ring) against the landed one at T = 4 / 16 / 64, K3 expert sizes, top-16 of 128: each kernel alone
-    against its weight bytes, in bf16 (planes 1) and MXFP8; the outputs of each mode (and of hi / lo planes) must
-    equal the landed pair's bitwise (`K3_BENCH_ONLY=moe_few_tokens_ld`; K3_MX_CANDIDATE_DEFS: define sets for the
-    candidate, e.g. "-DMXF_PF=3", separated by ";")."""
-    E, k, lt, ie = FEW_TOKEN_PROBE_SHAPE
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    w = few_token_probe_weights(gen)
-    defs_env = os.environ.get("K3_MX_CANDIDATE_DEFS", "")
-    variants = [tuple(x.split()) for x in defs_env.split(";") if x.strip()] or [()]
-    landed = "mxfp4_experts_few_tokens"
-    for T in (4, 16, 64):
-        V, (up_b, down_b), y = few_token_probe_step(d, gen, w, T)
-        gx = min(E, T * k)
-        floor = lambda b: b / (COPY_TBPS * 1e12) * 1e3  # noqa: E731
-        for planes in (1, 2):
-            keep, zx, actx = few_token_scratch(d, T, k, lt, ie, planes)
-            nt = few_token_ntiles(T, planes)
-
-            def pair(kernels, defs=(), zx=zx, actx=actx, nt=nt, planes=planes):
-                shared = few_token_shared(nt) if kernels == landed else 0
-
-                def split():
-                    d.launch(f"{kernels}_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx, T, lt, planes, defines=defs)
-
-                def up():
-                    d.launch(f"{kernels}_up_f32", few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256, zx, V["w1p"], V["w1s"],
-                             V["w3p"], V["w3s"], V["off"], V["srt"], actx, k, lt, ie, 4.0, 25.0, 1, E, nt, planes,
-                             shared_mem=shared, defines=defs)
-
-                def down():
-                    d.launch(f"{kernels}_down_f32", few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS), 256, actx, V["w2p"],
-                             V["w2s"], V["off"], V["srt"], V["y"], lt, ie, E, nt, planes, shared_mem=shared,
-                             defines=defs)
-                return split, up, down
-
-            ref = None
-            for kernels, defs in [(landed, ())] + [(FEW_TOKEN_CANDIDATE, v) for v in variants]:
-                tag = "landed" if kernels == landed else "candidate " + (" ".join(defs) or "base")
-                try:
-                    split, up, down = pair(kernels, defs)
-                    keep[1].zero_()
-                    split()
-                    y.fill_(float("nan"))
-                    up()
-                    down()
-                    d.sync()
-                    ref = y.clone() if ref is None else ref
-                    same = bool(torch.equal(y, ref))
-                    log(f"bench moe_few_tokens_ld [{tag}] T={T} planes={planes}: outputs equal the landed pair's: {same}")
-                    if planes == 1:
-                        for name, fn, b in (("up", up, up_b), ("down", down, down_b)):
-                            ms, how = d.time_graph(fn)
-                            record(f"moe_few_tokens_ld [{tag}] {name} T={T}", ms, floor(b), timing=how,
-                                   bitwise_equal_landed=same)
-                except Exception as e:  # noqa: BLE001 (a probe: report and go on)
-                    log(f"bench moe_few_tokens_ld [{tag}] T={T} raised {type(e).__name__}: {str(e)[:300]}")
-            del keep
-        # The MXFP8 pairs: quantized z and intermediate from the landed quantizer, then each pair's up and down.
-        scratch8 = few_token_scratch_e4m3(d, T, k, lt, ie)
-        _, zq, zf, act8, aq, af = scratch8
-        nt = few_token_ntiles(T, 1)
-        d.launch("mxfp8_quantize_f32", (T, cdiv(lt, 128)), 32, V["z"], zq, zf, T, lt)
-        ref = None
-        for kernels, defs in [(landed, ())] + [(FEW_TOKEN_CANDIDATE, v) for v in variants]:
-            tag = "landed" if kernels == landed else "candidate " + (" ".join(defs) or "base")
-            shared = FEW_TOKEN_STAGES * few_token_stage_bytes_e4m3(nt) if kernels == landed else 0
-
-            def up8(kernels=kernels, defs=defs, shared=shared):
-                d.launch(f"{kernels}_up_e4m3", few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256, zq, zf, V["w1p"],
-                         V["w1s"], V["w3p"], V["w3s"], V["off"], V["srt"], act8, k, lt, ie, 4.0, 25.0, 1, E, nt,
-                         shared_mem=shared, defines=defs)
-
-            def down8(kernels=kernels, defs=defs, shared=shared):
-                d.launch(f"{kernels}_down_e4m3", few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS), 256, aq, af, V["w2p"],
-                         V["w2s"], V["off"], V["srt"], V["y"], lt, ie, E, nt, shared_mem=shared, defines=defs)
-            try:
-                up8()
-                d.launch("mxfp8_quantize_f32", (T * k, cdiv(ie, 128)), 32, act8, aq, af, T * k, ie)
-                y.fill_(float("nan"))
-                down8()
-                d.sync()
-                ref = y.clone() if ref is None else ref
-                same = bool(torch.equal(y, ref))
-                log(f"bench moe_few_tokens_ld [{tag}] T={T} mxfp8: outputs equal the landed pair's: {same}")
-                for name, fn, b in (("up", up8, up_b), ("down", down8, down_b)):
-                    ms, how = d.time_graph(fn)
-                    record(f"moe_few_tokens_ld [{tag}] {name} T={T} mxfp8", ms, floor(b), timing=how,
-                           bitwise_equal_landed=same)
-            except Exception as e:  # noqa: BLE001
-                log(f"bench moe_few_tokens_ld [{tag}] T={T} mxfp8 raised {type(e).__name__}: {str(e)[:300]}")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from common import (FEW_TOKEN_CANDIDATE, MX_WG_SWAP_LBO_SBO, cdiv, log, single_token_plan, single_token_scratch,
+from common import (MX_WG_SWAP_LBO_SBO, cdiv, log, single_token_plan, single_token_scratch,
                     mx_wg_scratch, rand, rel_err, run_single_token, run_few_tokens, run_mx_wg,
                     run_few_tokens_e4m3)
 from k3ref import mxfp4 as rmx
@@ -276,32 +276,25 @@ def check_moe_few_tokens(d: Device, r: Results, gen):
                  d.view(offsets), d.view(sorted_), d.view(act), k, lt, ie, 4.0, 25.0, 1, e)
         dargs = (d.view(act), d.view(dev(w2p)), d.view(dev(w2s)), d.view(offsets), d.view(sorted_), d.view(y), lt,
                  ie, e)
-        # The landed pair, then the candidate (kernels/candidates/moe_few_tokens_ld.cu) on the same case.
-        for kernels in ("mxfp4_experts_few_tokens", FEW_TOKEN_CANDIDATE):
-            if kernels == FEW_TOKEN_CANDIDATE and stages:
-                continue  # the candidate has no ring of shared-memory stages
-            which = ", candidate" if kernels == FEW_TOKEN_CANDIDATE else ""
-            run_few_tokens(d, min(e, na), wargs, dargs, t, lt, ie, blocks=grid, planes=planes, stages=stages,
-                           kernels=kernels)
-            res = torch.empty(t, lt, device=d.tdev)
+        run_few_tokens(d, min(e, na), wargs, dargs, t, lt, ie, blocks=grid, planes=planes, stages=stages)
+        res = torch.empty(t, lt, device=d.tdev)
+        d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
+                 d.view(res), t, k, lt)
+        d.sync()
+        tag = ((", odd scales" if odd else "") + (f", {grid} blocks" if grid else "")
+               + (f", {stages} stages" if stages else "") + (", bf16" if planes == 1 else ""))
+        r.check(f"moe routed tc T={t} top{k} of {e}, tokens per expert {counts[:6]}{tag} (sort+up+down+combine)",
+                rel_err(res, ref), 2e-5 if planes == 2 else 1e-2)
+        if planes == 1:  # the MXFP8 pair on the same case, against the reference of MXFP8-rounded activations
+            run_few_tokens_e4m3(d, min(e, na), wargs, dargs, t, k, lt, ie, blocks=grid, stages=stages)
+            res8 = torch.empty(t, lt, device=d.tdev)
             d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
-                     d.view(res), t, k, lt)
+                     d.view(res8), t, k, lt)
             d.sync()
-            tag = ((", odd scales" if odd else "") + (f", {grid} blocks" if grid else "")
-                   + (f", {stages} stages" if stages else "") + (", bf16" if planes == 1 else "") + which)
-            r.check(f"moe routed tc T={t} top{k} of {e}, tokens per expert {counts[:6]}{tag} (sort+up+down+combine)",
-                    rel_err(res, ref), 2e-5 if planes == 2 else 1e-2)
-            if planes == 1:  # the MXFP8 pair on the same case, against the reference of MXFP8-rounded activations
-                run_few_tokens_e4m3(d, min(e, na), wargs, dargs, t, k, lt, ie, blocks=grid, stages=stages,
-                                    kernels=kernels)
-                res8 = torch.empty(t, lt, device=d.tdev)
-                d.launch("moe_combine_f32", cdiv(t * lt, 256), 256, d.view(y), d.view(dev(wts.float().reshape(-1))),
-                         d.view(res8), t, k, lt)
-                d.sync()
-                ref8 = ref_routed(z, idx, wts, w1, w3, w2, act_round=mxfp8_round)
-                r.check(f"moe routed tc T={t} top{k} of {e}{tag.replace(', bf16', '')}, MXFP8 activations (sort+quantize+"
-                        f"up+quantize+down+combine) against MXFP8-rounded float64", rel_err(res8, ref8), 2e-3)
-                r.check("  ... and against the unrounded float64 (what the format costs)", rel_err(res8, ref), 1e-1)
+            ref8 = ref_routed(z, idx, wts, w1, w3, w2, act_round=mxfp8_round)
+            r.check(f"moe routed tc T={t} top{k} of {e}{tag.replace(', bf16', '')}, MXFP8 activations (sort+quantize+"
+                    f"up+quantize+down+combine) against MXFP8-rounded float64", rel_err(res8, ref8), 2e-3)
+            r.check("  ... and against the unrounded float64 (what the format costs)", rel_err(res8, ref), 1e-1)
 
 
 def check_moe_wg(d: Device, r: Results, gen):

@@ -67,30 +67,24 @@ def few_token_scratch(d: Device, t: int, k: int, lt: int, ie: int, planes: int =
     return (zx, actx), d.view(zx).view(np.uint16), d.view(actx).view(np.uint16)
 
 
-# The candidate pair (kernels/candidates/moe_few_tokens_ld.cu, harness only): the same launches under this prefix, with no
-# dynamic shared memory.
-FEW_TOKEN_CANDIDATE = "mxfp4_experts_few_tokens_ld"
-
-
 def run_few_tokens(d: Device, gx, up_args, down_args, t, lt, ie, stage=None, scratch=None, blocks=None, planes=2,
-                   stages=None, kernels="mxfp4_experts_few_tokens"):
+                   stages=None):
     """The few-token pair's launches (split z, up, down) over gx busy experts, as moe/mod.rs moe_routed makes
     them. up_args = (z, w1p, w1s, w3p, w3s, offsets, sorted, act, top_k, lt, ie, beta, beta_lin,
     has_lin, E), down_args = (act, w2p, w2s, offsets, sorted, y, lt, ie, E): z / act stand for the
     split buffers from `scratch` (an few_token_scratch of the same planes, made here if None); `stage`
     (tokens per pass, rounded up to n-tiles of 8 columns) defaults to the backend's choice for a step of
     t tokens; `blocks` replaces the persistent grid's size (both kernels); `planes` 1 (bfloat16 mode)
-    or 2 (float32 mode); `stages` the ring's depth (the backend's choice if None); `kernels` the pair's name
-    prefix (FEW_TOKEN_CANDIDATE: the candidate pair)."""
+    or 2 (float32 mode); `stages` the ring's depth (the backend's choice if None)."""
     nt = few_token_ntiles(stage or t, planes)
     if scratch is None:
         scratch = few_token_scratch(d, t, up_args[8], lt, ie, planes)
     _, zx, actx = scratch
-    shared = few_token_shared(nt, stages) if kernels != FEW_TOKEN_CANDIDATE else 0
-    d.launch(f"{kernels}_split_f32", (t, cdiv(lt, 128)), 32, up_args[0], zx, t, lt, planes)
-    d.launch(f"{kernels}_up_f32", blocks or few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256, zx,
+    shared = few_token_shared(nt, stages)
+    d.launch("mxfp4_experts_few_tokens_split_f32", (t, cdiv(lt, 128)), 32, up_args[0], zx, t, lt, planes)
+    d.launch("mxfp4_experts_few_tokens_up_f32", blocks or few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256, zx,
              *up_args[1:7], actx, *up_args[8:], nt, planes, shared_mem=shared)
-    d.launch(f"{kernels}_down_f32", blocks or few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS), 256, actx,
+    d.launch("mxfp4_experts_few_tokens_down_f32", blocks or few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS), 256, actx,
              *down_args[1:], nt, planes, shared_mem=shared)
 
 
@@ -112,20 +106,19 @@ def few_token_scratch_e4m3(d: Device, t: int, k: int, lt: int, ie: int):
     return keep, *(d.view(x) for x in keep)
 
 
-def run_few_tokens_e4m3(d: Device, gx, up_args, down_args, t, k, lt, ie, scratch=None, blocks=None, stages=None,
-                        kernels="mxfp4_experts_few_tokens"):
+def run_few_tokens_e4m3(d: Device, gx, up_args, down_args, t, k, lt, ie, scratch=None, blocks=None, stages=None):
     """The MXFP8 pair's launches (quantize z, up, quantize the intermediate, down) as moe/mod.rs makes them in
     mxfp8 mode; up_args / down_args as run_few_tokens' (their act stands for the scratch's)."""
     nt = few_token_ntiles(t, 1)
     if scratch is None:
         scratch = few_token_scratch_e4m3(d, t, k, lt, ie)
     _, zq, zf, act, aq, af = scratch
-    shared = (stages or FEW_TOKEN_STAGES) * few_token_stage_bytes_e4m3(nt) if kernels != FEW_TOKEN_CANDIDATE else 0
+    shared = (stages or FEW_TOKEN_STAGES) * few_token_stage_bytes_e4m3(nt)
     d.launch("mxfp8_quantize_f32", (t, cdiv(lt, 128)), 32, up_args[0], zq, zf, t, lt)
-    d.launch(f"{kernels}_up_e4m3", blocks or few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256, zq, zf,
+    d.launch("mxfp4_experts_few_tokens_up_e4m3", blocks or few_token_grid(gx, ie, FEW_TOKEN_UP_ROWS), 256, zq, zf,
              *up_args[1:7], act, *up_args[8:], nt, shared_mem=shared)
     d.launch("mxfp8_quantize_f32", (t * k, cdiv(ie, 128)), 32, act, aq, af, t * k, ie)
-    d.launch(f"{kernels}_down_e4m3", blocks or few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS), 256, aq, af,
+    d.launch("mxfp4_experts_few_tokens_down_e4m3", blocks or few_token_grid(gx, lt, FEW_TOKEN_DOWN_ROWS), 256, aq, af,
              *down_args[1:], nt, shared_mem=shared)
 
 

@@ -72,8 +72,7 @@ def parse_params(text: str) -> list[tuple[str, object]]:
 
 def load_signatures() -> dict[str, tuple[Path, list]]:
     sigs = {}
-    # kernels/candidates/: harness-only kernels awaiting a device measurement (the host does not build them).
-    for f in sorted(KERNELS.glob("*.cu")) + sorted(KERNELS.glob("candidates/*.cu")):
+    for f in sorted(KERNELS.glob("*.cu")):
         for m in ENTRY.finditer(f.read_text()):
             sigs[m.group(1)] = (f, parse_params(m.group(2)))
     return sigs

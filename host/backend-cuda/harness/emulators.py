@@ -541,16 +541,15 @@ def split_bf16(x):
     return hi, bf16_bits(np.asarray(x, dtype=np.float32) - bf16_value(hi))
 
 
-def _few_tokens_perm(candidate=False):
-    """kernels/moe_few_tokens.cu mx_pos (the candidate's mxl_pos: kernels/candidates/moe_few_tokens_ld.cu): column c of a
-    128-column super-step -> its index in the row."""
+def _few_tokens_perm():
+    """kernels/mxfp4_mma.cuh mx_pos: column c of a 128-column super-step -> its index in the row."""
     c = np.arange(128)
     i = c & 7
     s, t, j = 2 * ((c >> 3) & 3) + (((i >> 1) & 1) ^ 1), c >> 5, np.where(i & 1, 0, 2) + (i >> 2)
-    return 32 * t + 4 * s + j if candidate else 16 * s + 4 * t + j
+    return 16 * s + 4 * t + j
 
 
-def _few_tokens_pack(x, out, planes=2, candidate=False):
+def _few_tokens_pack(x, out, planes=2):
     """f32 rows [n, cols] -> few-token split layout [n][ceil(cols / 128)][planes][128] bf16 bits
     (planes 1: bf16(x); 2: hi, lo)."""
     n, cols = x.shape
@@ -559,16 +558,16 @@ def _few_tokens_pack(x, out, planes=2, candidate=False):
     xp[:, :cols] = x
     hi, lo = split_bf16(xp.reshape(-1))
     o = out.reshape(-1)[:n * nss * 128 * planes].reshape(n, nss, planes, 128)
-    perm = _few_tokens_perm(candidate)
+    perm = _few_tokens_perm()
     o[:, :, 0, perm] = hi.reshape(n, nss, 128)
     if planes == 2:
         o[:, :, 1, perm] = lo.reshape(n, nss, 128)
 
 
-def _few_tokens_unpack(xs, n, cols, planes=2, candidate=False):
+def _few_tokens_unpack(xs, n, cols, planes=2):
     """few-token split layout -> float64 rows (the sum of the planes) [n, cols]: what the kernels multiply."""
     nss = -(-cols // 128)
-    o = xs.reshape(-1)[:n * nss * 128 * planes].reshape(n, nss, planes, 128)[:, :, :, _few_tokens_perm(candidate)]
+    o = xs.reshape(-1)[:n * nss * 128 * planes].reshape(n, nss, planes, 128)[:, :, :, _few_tokens_perm()]
     v = sum(bf16_value(o[:, :, p]).astype(np.float64) for p in range(planes))
     return torch.from_numpy(v.reshape(n, nss * 128)[:, :cols])
 
@@ -623,10 +622,10 @@ def _emu_moe_down_e4m3(aq, af, w2p, w2s, offsets, sorted_, y, lt, ie, e, nt):
 
 
 def _emu_moe_up_few_tokens(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k, lt, ie, beta, beta_lin, has_lin, e, nt,
-                           planes, candidate=False):
+                           planes):
     lt, ie, k, e, planes = int(lt), int(ie), int(top_k), len(offsets) - 1, int(planes)
     na = actx.size // (-(-ie // 128) * 128 * planes)
-    z = _few_tokens_unpack(zx, zx.size // (-(-lt // 128) * 128 * planes), lt, planes, candidate)
+    z = _few_tokens_unpack(zx, zx.size // (-(-lt // 128) * 128 * planes), lt, planes)
     act = np.zeros((na, ie), np.float32)
     for ex in range(e):
         a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
@@ -637,14 +636,14 @@ def _emu_moe_up_few_tokens(zx, w1p, w1s, w3p, w3s, offsets, sorted_, actx, top_k
             act[a] = ref_situ_glu(x @ w1.T, x @ w3.T, float(beta), float(beta_lin) if has_lin else None).float().numpy()
     rows = np.unique(sorted_[offsets[0]:offsets[-1]]).astype(np.int64)  # rows of other assignments untouched
     packed = np.zeros((na, -(-ie // 128) * 128 * planes), np.uint16)
-    _few_tokens_pack(act, packed, planes, candidate)
+    _few_tokens_pack(act, packed, planes)
     actx.reshape(na, -1)[rows] = packed[rows]
 
 
-def _emu_moe_down_few_tokens(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, nt, planes, candidate=False):
+def _emu_moe_down_few_tokens(actx, w2p, w2s, offsets, sorted_, y, lt, ie, e, nt, planes):
     lt, ie, e, planes = int(lt), int(ie), len(offsets) - 1, int(planes)
     na = actx.size // (-(-ie // 128) * 128 * planes)
-    act = _few_tokens_unpack(actx, na, ie, planes, candidate)
+    act = _few_tokens_unpack(actx, na, ie, planes)
     for ex in range(e):
         a = sorted_[offsets[ex]:offsets[ex + 1]].astype(np.int64)
         if len(a):
@@ -953,13 +952,6 @@ EMU = {
     "mxfp8_quantize_f32": _emu_mxfp8_quantize,
     "mxfp4_experts_few_tokens_up_e4m3": _emu_moe_up_e4m3,
     "mxfp4_experts_few_tokens_down_e4m3": _emu_moe_down_e4m3,
-    # the candidate pair (kernels/candidates/moe_few_tokens_ld.cu): the same math, its own split layout
-    "mxfp4_experts_few_tokens_ld_split_f32": lambda x, xs, rows, cols, planes: _few_tokens_pack(
-        x.reshape(-1)[:int(rows) * int(cols)].reshape(int(rows), int(cols)), xs, int(planes), candidate=True),
-    "mxfp4_experts_few_tokens_ld_up_f32": lambda *a: _emu_moe_up_few_tokens(*a, candidate=True),
-    "mxfp4_experts_few_tokens_ld_down_f32": lambda *a: _emu_moe_down_few_tokens(*a, candidate=True),
-    "mxfp4_experts_few_tokens_ld_up_e4m3": _emu_moe_up_e4m3,
-    "mxfp4_experts_few_tokens_ld_down_e4m3": _emu_moe_down_e4m3,
     "moe_combine_ids_f32": _emu_combine_ids,
     "mxfp4_experts_wgmma_split_f32": _emu_wg_split,  # gathered into sorted order, chunk-major
     "mxfp4_experts_wgmma_up_f32": _emu_moe_up_wg,  # wgmma layout in and out, `planes` bf16 pieces per value
