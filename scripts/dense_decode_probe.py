@@ -4,7 +4,11 @@ against the byte floor, fused against separate, and a Triton skinny GEMM autotun
 far cuBLAS's choice is from what the weights' bytes allow. Weights rotate through enough copies that L2
 holds none of them between calls. Writes one line per measurement.
 
-    python3 scripts/dense_decode_probe.py [--triton]
+    python3 scripts/dense_decode_probe.py [--triton] [--blas cublas,cublaslt] [--tbps 2.99]
+
+--blas times every shape through each of torch's BLAS back ends in turn (cuBLASLt picks its kernels
+by its own heuristic: if it beats cuBLAS on a part, the host's products could go through it);
+--tbps sets the floors' HBM rate (default the H200's 4.25; scripts/hbm_rate.py measures another GPU's).
 """
 import argparse
 import sys
@@ -77,29 +81,35 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--triton", action="store_true")
     ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--blas", default="cublas", help="torch BLAS back ends to time, comma-separated")
+    ap.add_argument("--tbps", type=float, default=COPY_TBPS, help="HBM rate of the floors, TB/s")
     a = ap.parse_args()
     rows = [int(v) for v in a.rows.split(",")]
     print(f"device {torch.cuda.get_device_name()}", flush=True)
-    total = {m: [0.0, 0.0] for m in rows}
-    for n, k, calls in SHAPES:
-        ws = copies(n, k)
-        floor = n * k * 2 / (COPY_TBPS * 1e12) * 1e6
+    for lib in a.blas.split(","):
+        torch.backends.cuda.preferred_blas_library(lib)
+        total = {m: [0.0, 0.0] for m in rows}
+        for n, k, calls in SHAPES:
+            ws = copies(n, k)
+            floor = n * k * 2 / (a.tbps * 1e12) * 1e6
+            for m in rows:
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                i = [0]
+
+                def mm():
+                    torch.mm(x, ws[i[0] % len(ws)].t())
+                    i[0] += 1
+
+                t = timed(mm)
+                total[m][0] += t * calls
+                total[m][1] += floor * calls
+                print(f"{lib} {n}x{k} M={m}: {t:.1f} us, floor {floor:.1f} us ({floor / t * 100:.0f} %), "
+                      f"x{calls} per step", flush=True)
+            del ws
         for m in rows:
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            i = [0]
-
-            def mm():
-                torch.mm(x, ws[i[0] % len(ws)].t())
-                i[0] += 1
-
-            t = timed(mm)
-            total[m][0] += t * calls
-            total[m][1] += floor * calls
-            print(f"cublas {n}x{k} M={m}: {t:.1f} us, floor {floor:.1f} us ({floor / t * 100:.0f} %), x{calls} per step",
-                  flush=True)
-    for m in rows:
-        print(f"cublas per step M={m}: {total[m][0] / 1e3:.3f} ms, floor {total[m][1] / 1e3:.3f} ms "
-              f"({total[m][1] / total[m][0] * 100:.0f} %)", flush=True)
+            print(f"{lib} per step M={m}: {total[m][0] / 1e3:.3f} ms, floor {total[m][1] / 1e3:.3f} ms "
+                  f"({total[m][1] / total[m][0] * 100:.0f} %)", flush=True)
+    torch.backends.cuda.preferred_blas_library("cublas")
     # Four 12288 x 7168 products of one input (KDA q, k, v, g): separate, on four streams, fused.
     for m in rows:
         ws4 = [copies(12288, 7168, 2) for _ in range(4)]
@@ -127,7 +137,7 @@ def main():
             torch.mm(x, wf[i[0] % 2].t())
             i[0] += 1
 
-        floor = 4 * 12288 * 7168 * 2 / (COPY_TBPS * 1e12) * 1e6
+        floor = 4 * 12288 * 7168 * 2 / (a.tbps * 1e12) * 1e6
         for name, fn in (("separate", sep), ("four streams", par), ("fused", fused)):
             t = timed(fn, reps=10)
             print(f"qkvg M={m} {name}: {t:.1f} us, floor {floor:.1f} us ({floor / t * 100:.0f} %)", flush=True)
@@ -138,7 +148,7 @@ def main():
     skinny = triton_kernel()
     for n, k, _ in SHAPES[:5]:
         ws = copies(n, k)
-        floor = n * k * 2 / (COPY_TBPS * 1e12) * 1e6
+        floor = n * k * 2 / (a.tbps * 1e12) * 1e6
         m = 64
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         y = torch.zeros(m, n, device="cuda")
