@@ -66,6 +66,8 @@ extern __shared__ __align__(16) u32 mxt_smem[];
 #define MXF_W_BYTES (MXF_AROWS * 64)
 #define MXF_S_BYTES (MXF_AROWS * 4)
 #define MXF_BNT_BYTES (8 * MXF_BRS)
+// The busy-expert list each block keeps in shared memory (moe/mod.rs checks the expert count).
+#define MXF_MAX_EXPERTS 1024
 // One ring stage for nt n-tiles per pass; the ring has dynamic shared memory / this many stages
 // (moe/mod.rs few_token_shared).
 #define MXF_STAGE_BYTES(nt) (MXF_W_BYTES + MXF_S_BYTES + (nt) * MXF_BNT_BYTES)
@@ -73,6 +75,15 @@ extern __shared__ __align__(16) u32 mxt_smem[];
 // padded to 160 bytes (40 words: the 8-byte fragment loads of 4 rows x 4 lanes hit 32 banks).
 #define MXF8_BRS 160
 #define MXF8_STAGE_BYTES(nt) (MXF_W_BYTES + MXF_S_BYTES + (nt) * 8 * MXF8_BRS)
+
+// Pass token (0-based) held in slot j (0, 1) of lane t's n-tile q: one per n-tile with two planes.
+__device__ __forceinline__ int mxf_token(int planes, int q, int j, int t) {
+    return planes == 2 ? 4 * q + t : 8 * q + 2 * t + j;
+}
+// That token's result for row g + 8 h from the n-tile's accumulators c.
+__device__ __forceinline__ float mxf_result(const float (&c)[4], int planes, int j, int h) {
+    return planes == 2 ? c[2 * h] + c[2 * h + 1] : c[2 * h + j];
+}
 
 // Grid (rows, ceil(cols / 128)), 32 threads: x [rows, cols] f32 -> xs, bf16 (planes 1) or hi / lo
 // (planes 2), layout above.
@@ -94,6 +105,41 @@ extern "C" __global__ void mxfp4_experts_few_tokens_split_f32(const float* __res
         if (planes == 2) dst[128 + mx_pos(cc + j)] = l;
     }
 }
+
+// The busy experts (offsets[e + 1] > offsets[e]) in id order into `list`; returns their count.
+// Block-uniform: every thread gets the count after the final barrier.
+__device__ int mxf_busy_experts(const int* __restrict__ offsets, int experts, int* list) {
+    __shared__ int warp_cnt[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    int before = 0;
+    for (int e0 = 0; e0 < experts; e0 += blockDim.x) {
+        const int e = e0 + threadIdx.x;
+        const bool busy = e < experts && offsets[e + 1] > offsets[e];
+        const u32 bal = __ballot_sync(K3_FULL_MASK, busy);
+        if (lane == 0) warp_cnt[warp] = __popc(bal);
+        __syncthreads();
+        int rank = before + __popc(bal & ((1u << lane) - 1u)), total = 0;
+        for (int w = 0; w < nwarps; ++w) {
+            const int c = warp_cnt[w];
+            rank += w < warp ? c : 0;
+            total += c;
+        }
+        if (busy && rank < MXF_MAX_EXPERTS) list[rank] = e;
+        before += total;
+        __syncthreads();  // warp_cnt is rewritten by the next chunk; list is complete after the last
+    }
+    return min(before, MXF_MAX_EXPERTS);
+}
+
+// Compile-time arguments for the generic lambdas of few_tokens_walk (NVRTC has no <type_traits>).
+template <bool B>
+struct MxfBool {
+    static constexpr bool value = B;
+};
+template <int N>
+struct MxfInt {
+    static constexpr int value = N;
+};
 
 // One tile: expert e, row block y (first row r0), its assignments sorted[a0 .. a0 + n), and its
 // step count (passes x super-steps); nsteps == 0 past the last tile.

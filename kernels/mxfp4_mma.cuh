@@ -1,7 +1,6 @@
 // Helpers shared by the tensor-core MXFP4 expert kernels (moe_single_token.cu, moe_few_tokens.cu):
 // E2M1 -> bf16 decode in registers (mx_dec), E8M0 block scales as bf16x2, the staged column order
-// (mx_pos), the few-token walks' busy-expert list and token slots, and the cp.async wrappers (the
-// mma itself: tensor_core.cuh tc_mma_bf16).
+// (mx_pos) and the cp.async wrappers (the mma itself: tensor_core.cuh tc_mma_bf16).
 #pragma once
 #include "tensor_core.cuh"
 
@@ -80,55 +79,6 @@ __device__ __forceinline__ int mx_pos(int c) {
     const int i = c & 7, h = ((i >> 1) & 1) ^ 1, j = ((i & 1) ? 0 : 2) + (i >> 2);
     return 16 * (2 * ((c >> 3) & 3) + h) + 4 * (c >> 5) + j;
 }
-
-// The few-token expert walks (moe_few_tokens.cu, and its candidate in candidates/): the busy-expert
-// list each block keeps in shared memory (moe/mod.rs checks the expert count), where a pass's
-// tokens sit in an n-tile's accumulators, and compile-time arguments for their generic lambdas.
-#define MXF_MAX_EXPERTS 1024
-
-// Pass token (0-based) held in slot j (0, 1) of lane t's n-tile q: one per n-tile with two planes.
-__device__ __forceinline__ int mxf_token(int planes, int q, int j, int t) {
-    return planes == 2 ? 4 * q + t : 8 * q + 2 * t + j;
-}
-// That token's result for row g + 8 h from the n-tile's accumulators c.
-__device__ __forceinline__ float mxf_result(const float (&c)[4], int planes, int j, int h) {
-    return planes == 2 ? c[2 * h] + c[2 * h + 1] : c[2 * h + j];
-}
-
-// The busy experts (offsets[e + 1] > offsets[e]) in id order into `list`; returns their count.
-// Block-uniform: every thread gets the count after the final barrier.
-__device__ int mxf_busy_experts(const int* __restrict__ offsets, int experts, int* list) {
-    __shared__ int warp_cnt[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    int before = 0;
-    for (int e0 = 0; e0 < experts; e0 += blockDim.x) {
-        const int e = e0 + threadIdx.x;
-        const bool busy = e < experts && offsets[e + 1] > offsets[e];
-        const u32 bal = __ballot_sync(K3_FULL_MASK, busy);
-        if (lane == 0) warp_cnt[warp] = __popc(bal);
-        __syncthreads();
-        int rank = before + __popc(bal & ((1u << lane) - 1u)), total = 0;
-        for (int w = 0; w < nwarps; ++w) {
-            const int c = warp_cnt[w];
-            rank += w < warp ? c : 0;
-            total += c;
-        }
-        if (busy && rank < MXF_MAX_EXPERTS) list[rank] = e;
-        before += total;
-        __syncthreads();  // warp_cnt is rewritten by the next chunk; list is complete after the last
-    }
-    return min(before, MXF_MAX_EXPERTS);
-}
-
-// Compile-time arguments for generic lambdas (NVRTC has no <type_traits>).
-template <bool B>
-struct MxfBool {
-    static constexpr bool value = B;
-};
-template <int N>
-struct MxfInt {
-    static constexpr int value = N;
-};
 
 // 16-byte async copies; with `bytes` < 16 the rest is zero-filled (0: nothing read).
 __device__ __forceinline__ void mx_cp16_l2(u32 dst, const void* src, u32 bytes) {  // + L2 256-byte prefetch

@@ -15,8 +15,8 @@ from common import (COPY_TBPS, KDA_CHUNK_KERNELS, KDA_CHUNK_TOL, KDA_DECODE_VARI
                     kda_decode_launcher, kda_region_floats, log, rel_err, run_kda_prefill)
 from common import run_mla_prefill
 from common import gemv_tc_plan, run_gemv_tc
-from benchmarks_moe import (bench_moe, bench_moe_few_tokens_diag, bench_moe_prefill,
-                            bench_moe_single_token, bench_moe_wg_diag)
+from benchmarks_moe import (bench_moe, bench_moe_few_tokens_diag, bench_moe_prefill, bench_moe_single_token,
+                            bench_moe_wg_diag)
 
 # H200 SXM peak FP32 rate on the CUDA cores (NVIDIA data sheet: 67 TFLOP/s), where cuBLAS SGEMM in
 # the default math mode (no TF32) runs: the floor of the f32 expanded MLA prefill. The "sgemm f32"

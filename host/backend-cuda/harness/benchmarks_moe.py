@@ -108,36 +108,6 @@ def bench_moe(d: Device, record, quick: bool):
             record(f"moe_routed few_tokens {name} alone T={T} (mxfp8)", ms, b / (COPY_TBPS * 1e12) * 1e3, timing=how)
 
 
-# K3's expert sizes for the few-token probes: 128 experts, top-16, latent 3584, intermediate 3072.
-FEW_TOKEN_PROBE_SHAPE = (128, 16, 3584, 3072)
-
-
-def few_token_probe_weights(gen):
-    """Random MXFP4 expert weights at FEW_TOKEN_PROBE_SHAPE (scales 2^-9 .. 2^-4) for the few-token probes."""
-    E, _, lt, ie = FEW_TOKEN_PROBE_SHAPE
-    u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device="cuda", generator=gen)  # noqa: E731
-    sc = lambda *s: torch.randint(118, 124, s, dtype=torch.uint8, device="cuda", generator=gen)  # noqa: E731
-    return {"w1p": u8(E, ie, lt // 2), "w3p": u8(E, ie, lt // 2), "w2p": u8(E, lt, ie // 2),
-            "w1s": sc(E, ie, lt // 32), "w3s": sc(E, ie, lt // 32), "w2s": sc(E, lt, ie // 32)}
-
-
-def few_token_probe_step(d: Device, gen, w, T):
-    """One decode step of T tokens routed uniformly (top-16 of 128), sorted on the device: (views of the
-    step's buffers and the weights, the touched experts' up and down weight bytes, y)."""
-    E, k, lt, ie = FEW_TOKEN_PROBE_SHAPE
-    idx = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)]).int()
-    touched = int(idx.unique().numel())
-    z = torch.randn(T, lt, device="cuda", generator=gen)
-    offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
-    srt = torch.empty(T * k, dtype=torch.int32, device="cuda")
-    y = torch.empty(T * k, lt, device="cuda")
-    V = {name: d.view(x) for name, x in (("idx", idx.reshape(-1)), ("off", offsets), ("srt", srt), ("z", z),
-                                          ("y", y), *w.items())}
-    d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
-    up_b, down_b = touched * 2 * ie * (lt // 2 + lt // 32), touched * lt * (ie // 2 + ie // 32)
-    return V, (up_b, down_b), y
-
-
 # Harness-only compile-time probes of the few_tokens expert kernels (kernels/moe_few_tokens.cu MXF_DIAG; the base
 # twice, to show the drift within the call); K3_MX_DIAG replaces the list (define sets separated by
 # ";"), `K3_BENCH_ONLY=moe_few_tokens_diag`.
@@ -150,16 +120,28 @@ def bench_moe_few_tokens_diag(d: Device, record):
     activations: the bfloat16 mode) under each probe, against their weight bytes: what the decode, the
     mma and the weight copies each cost. Variants without MXF_DIAG must equal the base's outputs
     bitwise. `-DMXF_STAGES=S` is not a define: it sizes the ring (shared memory for S stages)."""
-    E, k, lt, ie = FEW_TOKEN_PROBE_SHAPE
+    E, k, lt, ie = 128, 16, 3584, 3072
     gen = torch.Generator(device="cuda").manual_seed(7)
-    w = few_token_probe_weights(gen)
+    u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device="cuda", generator=gen)  # noqa: E731
+    sc = lambda *s: torch.randint(118, 124, s, dtype=torch.uint8, device="cuda", generator=gen)  # noqa: E731
+    w = {"w1p": u8(E, ie, lt // 2), "w3p": u8(E, ie, lt // 2), "w2p": u8(E, lt, ie // 2),
+         "w1s": sc(E, ie, lt // 32), "w3s": sc(E, ie, lt // 32), "w2s": sc(E, lt, ie // 32)}
     extra = [tuple(x.split()) for x in os.environ.get("K3_MX_DIAG", "").split(";") if x.strip()]
     variants = ((), *extra) if extra else FEW_TOKEN_DIAG_VARIANTS
     for T in (4, 16, 64):
-        V, (up_b, down_b), y = few_token_probe_step(d, gen, w, T)
+        idx = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)]).int()
+        touched = int(idx.unique().numel())
+        z = torch.randn(T, lt, device="cuda", generator=gen)
+        offsets = torch.empty(E + 1, dtype=torch.int32, device="cuda")
+        srt = torch.empty(T * k, dtype=torch.int32, device="cuda")
+        y = torch.empty(T * k, lt, device="cuda")
         keep, zx, actx = few_token_scratch(d, T, k, lt, ie, 1)
+        V = {name: d.view(x) for name, x in (("idx", idx.reshape(-1)), ("off", offsets), ("srt", srt), ("z", z),
+                                              ("y", y), *w.items())}
+        d.launch("moe_sort_assignments", 1, 1024, V["idx"], T * k, E, V["off"], V["srt"])
         d.launch("mxfp4_experts_few_tokens_split_f32", (T, cdiv(lt, 128)), 32, V["z"], zx, T, lt, 1)
         nt, gx = few_token_ntiles(T, 1), min(E, T * k)
+        up_b, down_b = touched * 2 * ie * (lt // 2 + lt // 32), touched * lt * (ie // 2 + ie // 32)
         ref = None
         for variant in variants:
             # -DMXF_STAGES=S probes another ring depth: shared memory for S stages, and a grid of

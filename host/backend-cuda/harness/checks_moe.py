@@ -292,8 +292,8 @@ def check_moe_few_tokens(d: Device, r: Results, gen):
                      d.view(res8), t, k, lt)
             d.sync()
             ref8 = ref_routed(z, idx, wts, w1, w3, w2, act_round=mxfp8_round)
-            r.check(f"moe routed tc T={t} top{k} of {e}{tag.replace(', bf16', '')}, MXFP8 activations (sort+quantize+"
-                    f"up+quantize+down+combine) against MXFP8-rounded float64", rel_err(res8, ref8), 2e-3)
+            r.check(f"moe routed tc T={t} top{k} of {e}{tag.replace(', bf16', '')}, MXFP8 activations (sort+quantize+up+"
+                    f"quantize+down+combine) against MXFP8-rounded float64", rel_err(res8, ref8), 2e-3)
             r.check("  ... and against the unrounded float64 (what the format costs)", rel_err(res8, ref), 1e-1)
 
 

@@ -542,11 +542,10 @@ def split_bf16(x):
 
 
 def _few_tokens_perm():
-    """kernels/mxfp4_mma.cuh mx_pos: column c of a 128-column super-step -> its index in the row."""
+    """kernels/moe_few_tokens.cu mx_pos: column c of a 128-column super-step -> its index in the row."""
     c = np.arange(128)
     i = c & 7
-    s, t, j = 2 * ((c >> 3) & 3) + (((i >> 1) & 1) ^ 1), c >> 5, np.where(i & 1, 0, 2) + (i >> 2)
-    return 16 * s + 4 * t + j
+    return 16 * (2 * ((c >> 3) & 3) + (((i >> 1) & 1) ^ 1)) + 4 * (c >> 5) + np.where(i & 1, 0, 2) + (i >> 2)
 
 
 def _few_tokens_pack(x, out, planes=2):

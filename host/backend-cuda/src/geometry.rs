@@ -243,8 +243,8 @@ pub const FEW_TOKEN_MAX_SHARED: usize = 78_336;
 /// n-tiles x 8 staged token rows of 160 bytes (128 E4M3 values, 4 block factors, padding).
 pub const FEW_TOKEN_E4M3_MAX_SHARED: usize = 3 * (256 * 68 + 4 * 8 * 160);
 
-/// The most experts the few-token kernels list per block (MXF_MAX_EXPERTS in
-/// kernels/mxfp4_mma.cuh); dispatch.rs sends layers with more to cuBLAS.
+/// The most experts the few-token kernels list per block (kernels/moe_few_tokens.cu
+/// MXF_MAX_EXPERTS); dispatch.rs sends layers with more to cuBLAS.
 pub const FEW_TOKEN_MAX_EXPERTS: usize = 1024;
 
 /// Dynamic shared memory of both wgmma expert GEMM kernels (kernels/moe_wgmma.cu MXW_SHARED_BYTES:
