@@ -7,8 +7,8 @@
 // moe_gemm.cu (`planes` = 2: float32 mode).
 //
 // Why this shape. At decode sizes the pair must stream every touched expert's weights at close to
-// the HBM rate with few instructions per weight byte: the decode (mxfp4_mma.cuh mx_dec: three
-// logic ops per bf16x2 and one fma with the block scale) is most of a stage's instructions, and
+// the HBM rate with few instructions per weight byte: the decode (mxfp4_mma.cuh mx_raw4: 11
+// integer ops per word of four bf16x2, then one fma each with the block scale) is most of a stage's instructions, and
 // a stage issues the mma and B loads of its pass's n-tiles only (the body is a template on the
 // n-tile count: issued and predicated off, the other n-tiles cost a third of the instructions).
 // Blocks are persistent (two per SM): each walks a fixed list of (expert, row block) tiles and
@@ -24,9 +24,9 @@
 // 2t + 1 (+8), B column g at the same k. The dot over k does not care which physical column a
 // k slot stands for as long as A and B agree, so lane t takes one whole 16-byte MX block per
 // row and super-step of 128 columns (block 4 ss + t: one uint4 and one scale per row). Word w of
-// the block (8 columns, nibble i = column 8 w + i) feeds k-steps s = 2 w + h: mx_dec takes nibbles
-// 3 - 2h and 7 - 2h into the register for k 2t, 2t + 1 and nibbles 2 - 2h, 6 - 2h into the one
-// for k 2t + 8, 2t + 9. The staged activations follow that order (mx_pos), so B is one 8-byte LDS
+// the block (8 columns, nibble i = column 8 w + i) feeds k-steps s = 2 w + h: mx_raw4's pair of nibbles
+// 3 - 2h and 7 - 2h goes into the register for k 2t, 2t + 1 and nibbles 2 - 2h, 6 - 2h into the
+// one for k 2t + 8, 2t + 9. The staged activations follow that order (mx_pos), so B is one 8-byte LDS
 // per k-step and column. The scale is folded into the bf16 weights, so blocks can mix within an
 // mma. With two planes, column n of an n-tile q is token 4 q + n / 2, hi (n even) or lo (n odd):
 // lane t's accumulators c0 + c1 (row g) and c2 + c3 (row g + 8) are token 4 q + t's whole result.
@@ -204,7 +204,8 @@ __device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, con
     // 16 bytes (tid & 15) of staged B rows (tid >> 4) + 16 k. Tail rows are clamped (loaded, never
     // stored).
     MxfTile it = {};
-    int ik = blockIdx.x, ij = 0, ipass = 0, ic = 0, b_pass = -1, b_row[2] = {0, 0};
+    int ik = blockIdx.x, ij = 0, ipass = 0, ic = 0, b_pass = -1, b_row = 0;
+    const u16* b_src[2] = {nullptr, nullptr};
     const u8* wsrc[4];
     const u8* ssrc = ws0;
     auto aim = [&]() {  // the issue side's per-thread sources for tile `it`
@@ -251,10 +252,10 @@ __device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, con
             const int v = tid >> 3, c8 = tid & 7;
             if (pass != b_pass) {
                 b_pass = pass;
-                if (v < nt) b_row[0] = sorted[it.a0 + t0 + v] / div;
+                if (v < nt) b_row = sorted[it.a0 + t0 + v] / div;
             }
             if (v < nt) {
-                const i64 at = (i64)b_row[0] * nch + c;
+                const i64 at = (i64)b_row * nch + c;
                 const u32 dst = bs + MXF_W_BYTES + MXF_S_BYTES + v * MXF8_BRS;
                 mx_cp16(dst + 16 * c8, static_cast<const u8*>(xs) + at * 128 + 16 * c8);
                 if (c8 == 0) mx_cp16(dst + 128, xf + at * 4);
@@ -262,23 +263,24 @@ __device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, con
             mbar_arrive_copies(bars + 8 * slot);
             return;
         }
-        const int sh = planes - 1;  // staged row v holds plane v & sh of pass token v >> sh
+        // A pass's token rows are fixed, so their sources are set once per pass (null: no token) and
+        // each stage only adds its super-step's offset.
         if (pass != b_pass) {
             b_pass = pass;
+            const int sh = planes - 1;  // staged row v holds plane v & sh of pass token v >> sh
 #pragma unroll
             for (int k = 0; k < 2; ++k) {
-                const int i = ((tid >> 4) + 16 * k) >> sh;
-                if (i < nt) b_row[k] = sorted[it.a0 + t0 + i] / div;
+                const int v = (tid >> 4) + 16 * k, i = v >> sh;
+                b_src[k] = i < nt ? static_cast<const u16*>(xs) +
+                                        ((i64)(sorted[it.a0 + t0 + i] / div) * nch * planes + (v & sh)) * 128 +
+                                        8 * (tid & 15)
+                                  : nullptr;
             }
         }
+        const u32 b_dst = bs + MXF_W_BYTES + MXF_S_BYTES + (tid >> 4) * MXF_BRS + 16 * (tid & 15);
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const int v = (tid >> 4) + 16 * k;
-            if ((v >> sh) < nt)
-                mx_cp16(bs + MXF_W_BYTES + MXF_S_BYTES + v * MXF_BRS + 16 * (tid & 15),
-                        static_cast<const u16*>(xs) + (((i64)b_row[k] * nch + c) * planes + (v & sh)) * 128 +
-                            8 * (tid & 15));
-        }
+        for (int k = 0; k < 2; ++k)
+            if (b_src[k] != nullptr) mx_cp16(b_dst + 16 * k * MXF_BRS, b_src[k] + c * planes * 128);
         mbar_arrive_copies(bars + 8 * slot);
     };
     // The producer's next slot and how many times the ring has wrapped under it.
@@ -307,7 +309,7 @@ __device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, con
     for (int j = 0; j < nstages - 1; ++j) issue_next();
     float acc[2][MXF_MAXNT][4];
     // One stage (super-step) of NT n-tiles: decode each weight fragment once and multiply it with
-    // the pass's first NT n-tiles. TWO: the two-multiply decode (mx_dec). The n-tile count is a
+    // the pass's first NT n-tiles. TWO: the two-multiply decode (mx_scaled). The n-tile count is a
     // template argument so that a pass of few tokens issues only its own mma and B loads.
     auto mma_stage = [&](const u8* buf, const u32 (&sb)[2][2], auto two_c, auto nt_c) {
         constexpr bool two = decltype(two_c)::value;
@@ -323,21 +325,27 @@ __device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, con
                 sc[m][h] = two ? mx_scale2(sb[m][h]) : mx_scale2_folded(sb[m][h]);
             }
         const u8* bb = buf + MXF_W_BYTES + MXF_S_BYTES + g * MXF_BRS + 8 * t;
+        u32 raw[2][2][4];  // mx_raw4 of the word k-steps s and s + 1 share, rows g and g + 8 of each m-tile
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
             u32 a[2][4];
+            const int p = (s & 1) ? 1 : 3;  // s even: nibble pairs (3, 7), (2, 6); odd: (1, 5), (0, 4)
 #pragma unroll
             for (int m = 0; m < 2; ++m) {
                 const u32 w0 = mx_word(wv[m][0], s >> 1), w1 = mx_word(wv[m][1], s >> 1);
-                const int sh = 8 * (s & 1);
                 if ((MXF_DIAG & 1) != 0) {
+                    const int sh = 8 * (s & 1);
                     a[m][0] = w0 << sh, a[m][1] = w1 << sh, a[m][2] = w0 << (sh + 4), a[m][3] = w1 << (sh + 4);
                     continue;
                 }
-                a[m][0] = mx_dec(w0 << sh, sc[m][0], two);
-                a[m][1] = mx_dec(w1 << sh, sc[m][1], two);
-                a[m][2] = mx_dec(w0 << (sh + 4), sc[m][0], two);
-                a[m][3] = mx_dec(w1 << (sh + 4), sc[m][1], two);
+                if ((s & 1) == 0) {
+                    mx_raw4(w0, raw[m][0]);
+                    mx_raw4(w1, raw[m][1]);
+                }
+                a[m][0] = mx_scaled(raw[m][0][p], sc[m][0], two);
+                a[m][1] = mx_scaled(raw[m][1][p], sc[m][1], two);
+                a[m][2] = mx_scaled(raw[m][0][p - 1], sc[m][0], two);
+                a[m][3] = mx_scaled(raw[m][1][p - 1], sc[m][1], two);
             }
 #pragma unroll
             for (int q = 0; q < NT; ++q) {
@@ -396,7 +404,7 @@ __device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, con
             }
         }
     };
-    // The 2^126 of mx_dec folds into the scale unless a block's scale is too large for that
+    // The 2^126 of mx_raw4 folds into the scale unless a block's scale is too large for that
     // (never in trained weights): then the warp takes the two-multiply path for that stage.
     auto run_stage = [&](const u8* buf, auto nt_c) {
         if constexpr (FP8) {

@@ -1,5 +1,5 @@
 // Helpers shared by the tensor-core MXFP4 expert kernels (moe_single_token.cu, moe_few_tokens.cu):
-// E2M1 -> bf16 decode in registers (mx_dec), E8M0 block scales as bf16x2, the staged column order
+// E2M1 -> bf16 decode in registers (mx_raw4, mx_scaled), E8M0 block scales as bf16x2, the staged column order
 // (mx_pos) and the cp.async wrappers (the mma itself: tensor_core.cuh tc_mma_bf16).
 #pragma once
 #include "tensor_core.cuh"
@@ -22,15 +22,35 @@ __device__ __forceinline__ u32 mx_scale2_folded(u32 s) {
     return b | (b << 16);
 }
 
-// Nibbles 3 and 7 of `q` (bits 12..15 and 28..31: shift a word left by 4, 8 or 12 for the others)
-// as scaled bf16x2, nibble 3 in the low half. The sign goes to bit 15 and the exponent and mantissa
-// bits to bits 6..8, which makes a bf16 of E2M1 x 2^-126 (exponent 0 lands on the bf16 subnormal
-// 0.m x 2^-126, which bf16 fma keeps); one fma with mx_scale2_folded applies 2^126 and the block
+// The four unscaled bf16x2 of a packed word: r[c] holds code c (bits 4c..4c+3) in its low half and
+// code c + 4 in its high half, each code's sign at bit 15 and its exponent and mantissa bits at bits
+// 6..8, zeros elsewhere: a bf16 of E2M1 x 2^-126 (exponent 0 lands on the bf16 subnormal
+// 0.m x 2^-126, which bf16 fma keeps). The target shape (bits b..b+2 and b+9) is a code's own bits
+// with the sign moved 6 up: xa does that for codes 0, 1, 4, 5 (sign from w << 6), xb for codes 2, 3,
+// 6, 7 (magnitude from w >> 6, sign in place), so one shift and the mask then place each pair: 11
+// integer ops a word, against 15 for four pairs shifted and masked apart (each pair's sign and
+// magnitude move by amounts 6 apart, so no one rotation of the word places two pairs).
+// (a & mask) | (b & ~mask) as one LOP3: ptxas splits the C++ form of it in two once it has folded
+// the shift's zero bits into the mask.
+__device__ __forceinline__ u32 mx_select(u32 mask, u32 a, u32 b) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xCA;" : "=r"(d) : "r"(mask), "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ void mx_raw4(u32 w, u32 (&r)[4]) {
+    constexpr u32 kS = 0x81C081C0u, kA = 0x22002200u, kB = 0x88008800u;
+    const u32 xa = mx_select(kA, w << 6, w), xb = mx_select(kB, w, w >> 6);
+    r[0] = (xa << 6) & kS;
+    r[1] = (xa << 2) & kS;
+    r[2] = (xb << 4) & kS;
+    r[3] = xb & kS;
+}
+
+// An mx_raw4 word times the block scale: one fma with mx_scale2_folded applies 2^126 and the
 // scale at once (`two`: two fmas, x 2^126 and x mx_scale2, for scales past MX_DEC_MAX_FOLDED;
 // callers pass a constant after a uniform branch). Every product is exact, so both give
 // E2M1 x 2^(s-127) bit for bit; -0 addends keep -0.
-__device__ __forceinline__ u32 mx_dec(u32 q, u32 sc2, bool two) {
-    const u32 raw = (q & 0x80008000u) | ((q & 0x70007000u) >> 6);
+__device__ __forceinline__ u32 mx_scaled(u32 raw, u32 sc2, bool two) {
     u32 out;
     if (two) {
         u32 up;
@@ -73,8 +93,8 @@ __device__ __forceinline__ u32 mx_word(const uint4& v, int j) { return j == 0 ? 
 
 // Column c of a 128-column super-step -> its index in a staged hi / lo row (moe_few_tokens.cu):
 // c = 32 t + 8 w + i (lane t's block, word w, nibble i) feeds k-step s = 2 w + h, h = 1 for
-// nibbles 0, 1, 4, 5; lane t's 4 values of k-step s sit at 16 s + 4 t + j in the order mx_dec
-// takes them: nibbles (3, 7, 2, 6) - 2h.
+// nibbles 0, 1, 4, 5; lane t's 4 values of k-step s sit at 16 s + 4 t + j in the order the stage
+// takes mx_raw4's pairs: nibbles (3, 7, 2, 6) - 2h.
 __device__ __forceinline__ int mx_pos(int c) {
     const int i = c & 7, h = ((i >> 1) & 1) ^ 1, j = ((i & 1) ? 0 : 2) + (i >> 2);
     return 16 * (2 * ((c >> 3) & 3) + h) + 4 * (c >> 5) + j;
