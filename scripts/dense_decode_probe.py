@@ -4,11 +4,12 @@ against the byte floor, fused against separate, and a Triton skinny GEMM autotun
 far cuBLAS's choice is from what the weights' bytes allow. Weights rotate through enough copies that L2
 holds none of them between calls. Writes one line per measurement.
 
-    python3 scripts/dense_decode_probe.py [--triton] [--blas cublas,cublaslt] [--tbps 2.99]
+    python3 scripts/dense_decode_probe.py [--triton] [--blas cublas,cublaslt] [--tbps 2.99] [--out f32]
 
 --blas times every shape through each of torch's BLAS back ends in turn (cuBLASLt picks its kernels
 by its own heuristic: if it beats cuBLAS on a part, the host's products could go through it);
---tbps sets the floors' HBM rate (default the H200's 4.25; scripts/hbm_rate.py measures another GPU's).
+--tbps sets the floors' HBM rate (default the H200's 4.25; scripts/hbm_rate.py measures another GPU's);
+--out f32 writes f32 results as the host's products do (bf16 x bf16 -> f32; torch's `out_dtype`).
 """
 import argparse
 import sys
@@ -83,7 +84,14 @@ def main():
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--blas", default="cublas", help="torch BLAS back ends to time, comma-separated")
     ap.add_argument("--tbps", type=float, default=COPY_TBPS, help="HBM rate of the floors, TB/s")
+    ap.add_argument("--out", default="bf16", choices=("bf16", "f32"), help="the products' result type")
     a = ap.parse_args()
+    kw = {"out_dtype": torch.float32} if a.out == "f32" else {}
+    try:
+        torch.mm(torch.ones(2, 2, device="cuda", dtype=torch.bfloat16), torch.ones(2, 2, device="cuda", dtype=torch.bfloat16),
+                 **kw)
+    except TypeError as e:
+        sys.exit(f"--out {a.out}: this torch ({torch.__version__}) cannot: {e}")
     rows = [int(v) for v in a.rows.split(",")]
     print(f"device {torch.cuda.get_device_name()}", flush=True)
     libs = a.blas.split(",")
@@ -98,7 +106,7 @@ def main():
                 i = [0]
 
                 def mm():
-                    torch.mm(x, ws[i[0] % len(ws)].t())
+                    torch.mm(x, ws[i[0] % len(ws)].t(), **kw)
                     i[0] += 1
 
                 t = timed(mm)
