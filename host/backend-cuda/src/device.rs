@@ -86,8 +86,10 @@ pub struct CudaBackend {
     pub(crate) functions: HashMap<&'static str, CudaFunction>,
     /// cuBLAS on `stream` (dense matmuls); its math mode follows `options.dtype`.
     pub(crate) blas: CudaBlas,
-    /// `blas`'s workspace (lanes.rs `set_workspace`).
-    _blas_workspace: CudaSlice<u8>,
+    /// `blas`'s workspace (lanes.rs `set_workspace`), also cuBLASLt's on `stream`.
+    pub(crate) blas_workspace: CudaSlice<u8>,
+    /// The bf16 products through cuBLASLt (blas_lt.rs); `None` where libcublasLt is missing.
+    pub(crate) lt: Option<crate::blas_lt::LtMatmul>,
     /// Side streams for products that share an input (lanes.rs).
     pub(crate) lanes: Vec<crate::lanes::SideLane>,
     /// Per-op wall times when `K3_PROFILE` is set (see `profile.rs`).
@@ -241,6 +243,14 @@ impl CudaBackend {
         set_blas_math(&blas, backend_options.dtype)?;
         let blas_workspace = crate::lanes::set_workspace(&blas, &stream)?;
         let lanes = crate::lanes::side_lanes(&ctx, &stream, backend_options.dtype)?;
+        // SAFETY: only tries dlopen on the candidate names, as cublas_present.
+        let lt = if unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+            Some(crate::blas_lt::LtMatmul::new(
+                crate::lanes::WORKSPACE_BYTES,
+            )?)
+        } else {
+            None
+        };
         let cublas_s = t.elapsed().as_secs_f64();
         let profile = crate::profile::OpProfile::from_env();
         let dry_target = stream.alloc_zeros::<u8>(256)?;
@@ -253,7 +263,8 @@ impl CudaBackend {
             limits,
             functions,
             blas,
-            _blas_workspace: blas_workspace,
+            blas_workspace,
+            lt,
             lanes,
             step: crate::step::StepState::new(backend_options.cuda_graphs, profile.is_some()),
             dry_target,

@@ -13,6 +13,8 @@ pub enum CudaError {
     NoCublas(String),
     #[error("cuBLAS call failed: {0}")]
     Cublas(#[from] cudarc::cublas::result::CublasError),
+    #[error("cuBLASLt call failed: {0}")]
+    CublasLt(#[from] cudarc::cublaslt::result::CublasError),
     #[error("CUDA driver call failed: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
     /// A kernel source that did not expand or compile (the file and NVRTC's log).

@@ -23,16 +23,35 @@ pub(crate) const SIDE_LANES: usize = 4;
 
 /// Every handle's cuBLAS workspace, the backend's own included: set once, so no product
 /// allocates inside a capture, and the same for all, so a product picks the same algorithm (and
-/// gives the same bits) on any stream.
-const WORKSPACE_BYTES: usize = 32 << 20;
+/// gives the same bits) on any stream. cuBLASLt's products (blas_lt.rs) use the same memory:
+/// both run in their stream's order.
+pub(crate) const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// One side stream and the cuBLAS handle bound to it.
 pub(crate) struct SideLane {
     // Dropped in this order: the handle before its workspace and its stream.
     pub(crate) blas: CudaBlas,
     /// Owned here for as long as the handle uses it.
-    _workspace: CudaSlice<u8>,
+    workspace: CudaSlice<u8>,
     pub(crate) stream: Arc<CudaStream>,
+}
+
+/// Where a product runs: a stream, its cuBLAS handle and the workspace of both.
+#[derive(Clone, Copy)]
+pub(crate) struct GemmLane<'a> {
+    pub(crate) blas: &'a CudaBlas,
+    pub(crate) stream: &'a Arc<CudaStream>,
+    pub(crate) workspace: &'a CudaSlice<u8>,
+}
+
+impl SideLane {
+    pub(crate) fn gemm(&self) -> GemmLane<'_> {
+        GemmLane {
+            blas: &self.blas,
+            stream: &self.stream,
+            workspace: &self.workspace,
+        }
+    }
 }
 
 /// `SIDE_LANES` side streams with their handles, in `dtype`'s math mode.
@@ -49,7 +68,7 @@ pub(crate) fn side_lanes(
             let workspace = set_workspace(&blas, main)?;
             Ok(SideLane {
                 blas,
-                _workspace: workspace,
+                workspace,
                 stream,
             })
         })
@@ -76,6 +95,15 @@ pub(crate) fn set_workspace(blas: &CudaBlas, main: &Arc<CudaStream>) -> Result<C
 }
 
 impl CudaBackend {
+    /// The backend's own stream as a product's lane.
+    pub(crate) fn main_gemm(&self) -> GemmLane<'_> {
+        GemmLane {
+            blas: &self.blas,
+            stream: &self.stream,
+            workspace: &self.blas_workspace,
+        }
+    }
+
     /// Make the first `n` side streams wait for the work queued so far (nothing in a dry pass,
     /// which queues nothing).
     pub(crate) fn fork_lanes(&self, n: usize) -> Result<()> {

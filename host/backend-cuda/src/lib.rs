@@ -17,6 +17,7 @@
 #[macro_use]
 mod launch;
 mod backend;
+mod blas_lt;
 pub mod buf;
 pub mod cache;
 mod dense;

@@ -175,10 +175,10 @@ impl CudaBackend {
             .zip(outs.iter_mut())
             .map(|(w, out)| match (out.take(), &w.bf16) {
                 (Some(mut y), Some(bits)) => {
-                    let blas = &self.lanes[product % side].blas;
+                    let lane = self.lanes[product % side].gemm();
                     product += 1;
                     let (n, m, k) = (w.rows, x.rows, x.cols);
-                    self.gemm_bf16_on(blas, bits, 0, xs, 0, &mut y.buf, 0, n, m, k)?;
+                    self.gemm_bf16_on(lane, bits, 0, xs, 0, &mut y.buf, 0, n, m, k)?;
                     Ok(y)
                 }
                 _ => self.matmul_linear_split(x, w, &mut None),
@@ -281,11 +281,11 @@ impl CudaBackend {
         if planes == 1 {
             // The hi rows alone: x rounded once to bf16, half the tensor-core work.
             let mut y = y;
-            self.gemm_bf16_on(&self.blas, bits, 0, xs, 0, &mut y.buf, 0, n, m, k)?;
+            self.gemm_bf16_on(self.main_gemm(), bits, 0, xs, 0, &mut y.buf, 0, n, m, k)?;
             return Ok(y);
         }
         let mut c = self.uninit::<f32>(2 * m * n)?;
-        self.gemm_bf16_on(&self.blas, bits, 0, xs, 0, &mut c, 0, n, 2 * m, k)?;
+        self.gemm_bf16_on(self.main_gemm(), bits, 0, xs, 0, &mut c, 0, n, 2 * m, k)?;
         launch!(self, "sum_row_halves_f32", geometry::elementwise(m * n)?; &c, &y.buf, &yn)?;
         Ok(y)
     }

@@ -135,7 +135,7 @@ impl CudaBackend {
                     let r0 = plan.row0(ex_i);
                     // h[r0.., 2 inter] = xs[r0.., latent] · W13_gᵀ
                     self.gemm_bf16_on(
-                        &self.blas,
+                        self.main_gemm(),
                         w13,
                         g * 2 * ie * lt,
                         xs,
@@ -160,7 +160,7 @@ impl CudaBackend {
                     let r0 = plan.row0(ex_i);
                     // y[r0.., latent] = act[r0.., inter] · W2_gᵀ
                     self.gemm_bf16_on(
-                        &self.blas,
+                        self.main_gemm(),
                         w2,
                         g * lt * ie,
                         act,
@@ -229,11 +229,12 @@ impl CudaBackend {
 
     /// Row-major `c[rows, n] = x[rows, k] · wᵀ` with `w [n, k]` and `x` in bf16 bits, f32
     /// accumulate and output; each operand starts at the given element offset of its buffer. On
-    /// `blas`'s stream (lanes.rs: the backend's own, or a side stream's).
+    /// `lane`'s stream (lanes.rs: the backend's own, or a side stream's), through cuBLASLt with
+    /// the shape's plan where it has one (blas_lt.rs), else `cublasGemmEx`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemm_bf16_on(
         &self,
-        blas: &cudarc::cublas::CudaBlas,
+        lane: crate::lanes::GemmLane<'_>,
         w: &CudaSlice<u16>,
         w_off: usize,
         x: &CudaSlice<u16>,
@@ -261,17 +262,37 @@ impl CudaBackend {
                 return Ok(());
             }
         }
-        let (alpha, beta) = (1.0f32, 0.0f32);
         let (wp, _g1) = w.device_ptr(&self.stream);
         let (xp, _g2) = x.device_ptr(&self.stream);
         let (cp, _g3) = c.device_ptr_mut(&self.stream);
+        let plan = match &self.lt {
+            Some(lt) => lt.plan(n, rows, k)?.map(|p| (lt, p)),
+            None => None,
+        };
+        if let Some((lt, plan)) = plan {
+            let (wsp, _g4) = lane.workspace.device_ptr(&self.stream);
+            // SAFETY: the three ranges were bounds-checked above and the plan is this shape's;
+            // the workspace is the lane's, used only in its stream's order, and every buffer is
+            // kept alive by its owner past the queued work (lanes.rs).
+            return unsafe {
+                lt.run(
+                    &plan,
+                    wp + 2 * w_off as u64,
+                    xp + 2 * x_off as u64,
+                    cp + 4 * c_off as u64,
+                    wsp,
+                    lane.stream.cu_stream(),
+                )
+            };
+        }
+        let (alpha, beta) = (1.0f32, 0.0f32);
         // Column-major view (as in `matmul_rt`): C' [n, rows] = W' ᵀ X' with W' = w as [k, n]
         // and X' = x as [k, rows], leading dimensions k, k and n.
         // SAFETY: the three ranges were bounds-checked above; alpha/beta live on this frame
         // until the call returns (cuBLAS reads host scalars synchronously at enqueue).
         unsafe {
             cudarc::cublas::result::gemm_ex(
-                *blas.handle(),
+                *lane.blas.handle(),
                 cublasOperation_t::CUBLAS_OP_T,
                 cublasOperation_t::CUBLAS_OP_N,
                 m_,

@@ -53,15 +53,15 @@ impl CudaBackend {
         let lane = &self.lanes[0];
         self.fork_lanes(1)?;
         let queued = (|| {
-            let blas = &lane.blas;
-            self.gemm_bf16_on(blas, gate_w, 0, xs, 0, &mut gate.buf, 0, inter, rows, k)?;
-            self.gemm_bf16_on(blas, up_w, 0, xs, 0, &mut up.buf, 0, inter, rows, k)?;
+            let gl = lane.gemm();
+            self.gemm_bf16_on(gl, gate_w, 0, xs, 0, &mut gate.buf, 0, inter, rows, k)?;
+            self.gemm_bf16_on(gl, up_w, 0, xs, 0, &mut up.buf, 0, inter, rows, k)?;
             self.situ_glu_into(&lane.stream, &gate, &up, w.situ, &h)?;
             let hs = h
                 .bf16
                 .as_ref()
                 .ok_or_else(|| CudaError::InvalidArg("shared GLU: no bf16 rows".into()))?;
-            self.gemm_bf16_on(blas, down_w, 0, hs, 0, &mut out.buf, 0, hidden, rows, inter)
+            self.gemm_bf16_on(gl, down_w, 0, hs, 0, &mut out.buf, 0, hidden, rows, inter)
         })();
         Ok(SideGlu {
             out,
