@@ -46,7 +46,8 @@ const FEW_TOKEN_MAX_NTILES: usize = 4;
 const FEW_TOKEN_BLOCKS_PER_SM: usize = 2;
 
 /// Ring stages of the few-token pair (the kernels take as many as their shared memory holds): 4,
-/// 5 and 6 measured no faster than 3 with bf16 activations, and 3 fit 99 KB parts.
+/// 5 and 6 measured no faster than 3 with bf16 activations, nor with the producer kept two
+/// stages ahead so the warps get more slack before a refill, and 3 fit 99 KB parts.
 pub(crate) const FEW_TOKEN_STAGES: usize = 3;
 
 fn few_token_row_u16(cols: usize, planes: usize) -> usize {

@@ -39,8 +39,9 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
     // bf16 weights at decode sizes (<= 16 rows, K % 8 == 0, <= 2^22 weights): the tensor-core
     // weight-streaming kernel (x in three bf16 pieces: f32 accuracy), split-K on short-N shapes
     // (1x7168x300 in 14 splits, 16x1544x2100 in 4); otherwise the split GEMM (16x7168x1536,
-    // 2x1024x4200 and 1x1536x18432 over 2^22, 3x202x50 with K % 8 != 0, 17 rows). Tails: N not a
-    // multiple of 128, K not a multiple of the 64-column step.
+    // 2x1024x4200 and 1x1536x18432 over 2^22, 3x202x50 with K % 8 != 0, 17 rows), through
+    // cuBLASLt up to 256 rows (64x512x8200) and cublasGemmEx past them (300x256x300; blas_lt.rs).
+    // Tails: N not a multiple of 128, K not a multiple of the 64-column step.
     for &(m, k, n) in &[
         (1usize, 7168usize, 300usize),
         (5, 520, 77),
@@ -51,6 +52,8 @@ fn simple_ops<B: Backend>(be: &B, r: &mut Rng) -> Vec<(&'static str, Vec<f32>, f
         (16, 1544, 2100),
         (1, 1536, 18432),
         (17, 256, 300),
+        (64, 512, 8200),
+        (300, 256, 300),
     ] {
         let x = r.vec(m * k, 1.0);
         let w = bf16_values(r.vec(n * k, 0.1));
