@@ -8,9 +8,10 @@
 //
 // Why this shape. At decode sizes the pair must stream every touched expert's weights at close to
 // the HBM rate with few instructions per weight byte: the decode (mxfp4_mma.cuh mx_raw4: 11
-// integer ops per word of four bf16x2, then one fma each with the block scale) is most of a stage's instructions, and
-// a stage issues the mma and B loads of its pass's n-tiles only (the body is a template on the
-// n-tile count: issued and predicated off, the other n-tiles cost a third of the instructions).
+// integer ops per word of four bf16x2, then one fma each with the block scale) is most of a
+// stage's instructions, and a stage issues the mma and B loads of its pass's n-tiles only (the
+// body is a template on the n-tile count: issued and predicated off, the other n-tiles cost a
+// third of the instructions).
 // Blocks are persistent (two per SM): each walks a fixed list of (expert, row block) tiles and
 // its cp.async ring runs on across tile boundaries, so no block pays a launch, a ring fill or a
 // drain per tile. The ring is paced by per-slot mbarriers, not a block barrier: a warp waits for
@@ -24,12 +25,13 @@
 // 2t + 1 (+8), B column g at the same k. The dot over k does not care which physical column a
 // k slot stands for as long as A and B agree, so lane t takes one whole 16-byte MX block per
 // row and super-step of 128 columns (block 4 ss + t: one uint4 and one scale per row). Word w of
-// the block (8 columns, nibble i = column 8 w + i) feeds k-steps s = 2 w + h: mx_raw4's pair of nibbles
-// 3 - 2h and 7 - 2h goes into the register for k 2t, 2t + 1 and nibbles 2 - 2h, 6 - 2h into the
-// one for k 2t + 8, 2t + 9. The staged activations follow that order (mx_pos), so B is one 8-byte LDS
-// per k-step and column. The scale is folded into the bf16 weights, so blocks can mix within an
-// mma. With two planes, column n of an n-tile q is token 4 q + n / 2, hi (n even) or lo (n odd):
-// lane t's accumulators c0 + c1 (row g) and c2 + c3 (row g + 8) are token 4 q + t's whole result.
+// the block (8 columns, nibble i = column 8 w + i) feeds k-steps s = 2 w + h: mx_raw4's pair of
+// nibbles 3 - 2h and 7 - 2h goes into the register for k 2t, 2t + 1 and nibbles 2 - 2h, 6 - 2h
+// into the one for k 2t + 8, 2t + 9. The staged activations follow that order (mx_pos), so B is
+// one 8-byte LDS per k-step and column. The scale is folded into the bf16 weights, so blocks can
+// mix within an mma. With two planes, column n of an n-tile q is token 4 q + n / 2, hi (n even)
+// or lo (n odd): lane t's accumulators c0 + c1 (row g) and c2 + c3 (row g + 8) are token
+// 4 q + t's whole result.
 // With one plane, column n is token 8 q + n: c0 / c2 are token 8 q + 2 t's rows, c1 / c3 token
 // 8 q + 2 t + 1's (mxf_token, mxf_result).
 #include "mxfp4_mma.cuh"
@@ -325,7 +327,7 @@ __device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, con
                 sc[m][h] = two ? mx_scale2(sb[m][h]) : mx_scale2_folded(sb[m][h]);
             }
         const u8* bb = buf + MXF_W_BYTES + MXF_S_BYTES + g * MXF_BRS + 8 * t;
-        u32 raw[2][2][4];  // mx_raw4 of the word k-steps s and s + 1 share, rows g and g + 8 of each m-tile
+        u32 raw[2][2][4];  // mx_raw4 of the word k-steps s and s + 1 share (rows g, g + 8 of each m-tile)
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
             u32 a[2][4];

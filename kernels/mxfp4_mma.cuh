@@ -1,6 +1,6 @@
 // Helpers shared by the tensor-core MXFP4 expert kernels (moe_single_token.cu, moe_few_tokens.cu):
-// E2M1 -> bf16 decode in registers (mx_raw4, mx_scaled), E8M0 block scales as bf16x2, the staged column order
-// (mx_pos) and the cp.async wrappers (the mma itself: tensor_core.cuh tc_mma_bf16).
+// E2M1 -> bf16 decode in registers (mx_raw4, mx_scaled), E8M0 block scales as bf16x2, the staged
+// column order (mx_pos) and the cp.async wrappers (the mma itself: tensor_core.cuh tc_mma_bf16).
 #pragma once
 #include "tensor_core.cuh"
 
@@ -22,6 +22,14 @@ __device__ __forceinline__ u32 mx_scale2_folded(u32 s) {
     return b | (b << 16);
 }
 
+// (a & mask) | (b & ~mask) as one LOP3: ptxas splits the C++ form of it in two once it has folded
+// the shift's zero bits into the mask.
+__device__ __forceinline__ u32 mx_select(u32 mask, u32 a, u32 b) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xCA;" : "=r"(d) : "r"(mask), "r"(a), "r"(b));
+    return d;
+}
+
 // The four unscaled bf16x2 of a packed word: r[c] holds code c (bits 4c..4c+3) in its low half and
 // code c + 4 in its high half, each code's sign at bit 15 and its exponent and mantissa bits at bits
 // 6..8, zeros elsewhere: a bf16 of E2M1 x 2^-126 (exponent 0 lands on the bf16 subnormal
@@ -30,13 +38,6 @@ __device__ __forceinline__ u32 mx_scale2_folded(u32 s) {
 // 6, 7 (magnitude from w >> 6, sign in place), so one shift and the mask then place each pair: 11
 // integer ops a word, against 15 for four pairs shifted and masked apart (each pair's sign and
 // magnitude move by amounts 6 apart, so no one rotation of the word places two pairs).
-// (a & mask) | (b & ~mask) as one LOP3: ptxas splits the C++ form of it in two once it has folded
-// the shift's zero bits into the mask.
-__device__ __forceinline__ u32 mx_select(u32 mask, u32 a, u32 b) {
-    u32 d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xCA;" : "=r"(d) : "r"(mask), "r"(a), "r"(b));
-    return d;
-}
 __device__ __forceinline__ void mx_raw4(u32 w, u32 (&r)[4]) {
     constexpr u32 kS = 0x81C081C0u, kA = 0x22002200u, kB = 0x88008800u;
     const u32 xa = mx_select(kA, w << 6, w), xb = mx_select(kB, w, w >> 6);
