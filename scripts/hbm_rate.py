@@ -3,22 +3,19 @@
 1 GiB, best of `--reps`, timed with CUDA events. Prints one line per rate.
     python3 scripts/hbm_rate.py [--reps 20]"""
 import argparse
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "host/backend-cuda/harness"))
+from common import event_times_ms  # noqa: E402  the harness's timer
 
 
 def best_ms(fn, reps):
     fn()
     torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b))
-    return best
+    return min(event_times_ms(fn, reps))
 
 
 def main():

@@ -19,6 +19,21 @@ from k3ref import kda as rk  # noqa: E402
 if TYPE_CHECKING:
     from device import Device
 
+
+def event_times_ms(fn, reps: int) -> list[float]:
+    """`reps` CUDA-event timings (ms) of one `fn()` each, each waited for before the next; the caller
+    warms up first and takes the median (Device.time_ms) or the best (scripts/hbm_rate.py)."""
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return times
+
+
 # docs/performance.md, "How to measure": device-to-device copy, bytes read + written. Every floor is (bytes read + bytes
 # written) / COPY_TBPS: a read-only kernel moves only its reads, so its floor is reads / 4.25 TB/s.
 COPY_TBPS = 4.25

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import ROOT, log
+from common import ROOT, event_times_ms, log
 from emulators import EMU
 
 KERNELS = ROOT / "kernels"
@@ -175,15 +175,7 @@ class Device:
         for _ in range(warmup):
             fn()
         self.sync()
-        times = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        return float(np.median(times))
+        return float(np.median(event_times_ms(fn, reps)))
 
     def time_graph(self, fn, reps=20, inner=10) -> tuple[float, str]:
         """Median ms per call of `fn` replayed from a CUDA graph of `inner` calls: no Python launch
