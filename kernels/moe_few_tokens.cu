@@ -57,7 +57,8 @@ extern __shared__ __align__(16) u32 mxt_smem[];
 // Harness-only timing probes (benchmarks_moe.py bench_moe_few_tokens_diag, never built by the host): 1 = no
 // weight decode (the raw words go to the mma), 2 = no mma (the decoded words are folded into the
 // accumulators with one xor), 4 = no weight or scale copies from global memory (the stages keep
-// stale bytes), 8 = no wait for a stage's copies (warps race the ring). Results are garbage on
+// stale bytes), 8 = no wait for a stage's copies (warps race the ring), 16 = no wait for the other
+// warps before a slot is refilled (each warp's producer runs on uncoupled). Results are garbage on
 // purpose. 0 in every real build.
 #ifndef MXF_DIAG
 #define MXF_DIAG 0
@@ -289,7 +290,8 @@ __device__ __forceinline__ void few_tokens_walk(const void* __restrict__ xs, con
     u32 islot = 0, iwraps = 0;
     auto issue_next = [&]() {
         if (it.nsteps > 0) {  // block-uniform
-            if (iwraps > 0) mbar_wait(bars + 8 * (MXF_MAX_STAGES + islot), (iwraps - 1) & 1);  // slot read out
+            if ((MXF_DIAG & 16) == 0 && iwraps > 0)
+                mbar_wait(bars + 8 * (MXF_MAX_STAGES + islot), (iwraps - 1) & 1);  // slot read out
             issue(islot);
             if (++ic == nch) {
                 ic = 0;
