@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Probe: for each of k3-slice's dense decode products, time every algorithm cuBLASLt's heuristic
-offers (its first N, as host/backend-cuda/src/blas_lt.rs asks for, which takes only the first), to
-see whether timing the candidates once per shape would beat taking the heuristic's first choice.
+"""Probe: for each of k3-slice's dense decode products, time each of the first N algorithms
+cuBLASLt's heuristic offers (the host's blas_lt.rs takes only the first), to see whether timing the
+candidates once per shape would beat taking the heuristic's first choice.
 The products are the host's: bf16 weights [n, k] and rows [m, k], f32 accumulate and result.
 Weights rotate through copies spanning ~400 MB, so L2 holds none of them between calls.
 
