@@ -144,7 +144,7 @@ def main():
                       f"({floor / t * 100:.0f} % of floor), rel err {err:.1e}", flush=True)
             if not times:
                 continue
-            first = next(t for t, r in times if r == 0) if any(r == 0 for _, r in times) else float("nan")
+            first = {r: t for t, r in times}.get(0, float("nan"))  # nan: the first candidate failed
             best, rank = min(times)
             step[m][0] += first * calls
             step[m][1] += best * calls
